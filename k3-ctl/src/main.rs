@@ -1,0 +1,56 @@
+//! `k3-ctl`: control and observation of k3 (see the README for every subcommand).
+
+use clap::{Parser, Subcommand};
+
+mod inspect;
+mod tokenize;
+
+/// k3 control: inspect checkpoints, tokenize, and (later) talk to the store.
+#[derive(Parser, Debug)]
+#[command(name = "k3-ctl", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Print the config summary, layer map and tensor census of a checkpoint directory.
+    Inspect(inspect::Args),
+    /// Encode text as user text and print the ids as one comma-separated line.
+    Tokenize(tokenize::TokenizeArgs),
+    /// Write the exact bytes of a list of ids.
+    Detokenize(tokenize::DetokenizeArgs),
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let code = if e.use_stderr() {
+                k3_proto::exit::REFUSED
+            } else {
+                k3_proto::exit::OK
+            };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    };
+    let code = match cli.cmd {
+        Cmd::Inspect(a) => inspect::run(a),
+        Cmd::Tokenize(a) => tokenize::run_tokenize(a),
+        Cmd::Detokenize(a) => tokenize::run_detokenize(a),
+    };
+    std::process::exit(code);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,199 @@
+//! The one seam between the engine's maths and weight storage.
+//!
+//! The engine asks a [`WeightSource`] for bytes and never learns whether they came from a
+//! resident buffer, a pinned layer, a ring slot being streamed, or the store daemon's shared
+//! memory. Every byte range it receives is a [`Region`]: the bytes behind it do not change while
+//! the region (or a clone of it) is alive, which is what makes ring-slot reuse and expert leases
+//! safe — a slot is only refilled once no region points into it.
+
+use std::sync::Arc;
+
+use k3_proto::Dtype;
+
+/// Something that owns bytes that stay put while it is alive.
+pub trait ByteOwner: Send + Sync {
+    /// The owned bytes.
+    fn bytes(&self) -> &[u8];
+}
+
+impl ByteOwner for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// A window onto an owner's bytes. Cheap to clone; keeps the owner alive.
+#[derive(Clone)]
+pub struct Region {
+    owner: Arc<dyn ByteOwner>,
+    off: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Region({}..+{})", self.off, self.len)
+    }
+}
+
+impl Region {
+    /// The whole of `owner`.
+    pub fn whole(owner: Arc<dyn ByteOwner>) -> Region {
+        let len = owner.bytes().len();
+        Region { owner, off: 0, len }
+    }
+
+    /// `len` bytes of `owner` from `off`; `None` if that window is out of bounds.
+    pub fn new(owner: Arc<dyn ByteOwner>, off: usize, len: usize) -> Option<Region> {
+        let end = off.checked_add(len)?;
+        (end <= owner.bytes().len()).then_some(Region { owner, off, len })
+    }
+
+    /// A sub-window of this region; `None` if out of bounds.
+    pub fn sub(&self, off: usize, len: usize) -> Option<Region> {
+        let end = off.checked_add(len)?;
+        (end <= self.len).then(|| Region {
+            owner: self.owner.clone(),
+            off: self.off + off,
+            len,
+        })
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.owner.bytes()[self.off..self.off + self.len]
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// How many regions share this region's owner (used to know when a ring slot is free).
+    pub fn owner_refs(&self) -> usize {
+        Arc::strong_count(&self.owner)
+    }
+}
+
+/// Where one tensor sits inside a layer run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorLoc {
+    /// Full checkpoint name (`language_model.model.layers.N.…`).
+    pub name: String,
+    /// Byte offset inside the layer run.
+    pub off: u64,
+    /// Byte length.
+    pub nbytes: u64,
+    /// Element type.
+    pub dtype: Dtype,
+}
+
+/// Where each trunk tensor of one layer sits inside that layer's run (sorted by name).
+#[derive(Clone, Debug, Default)]
+pub struct LayerLayout {
+    tensors: Vec<TensorLoc>,
+}
+
+impl LayerLayout {
+    /// Build from locations in any order.
+    pub fn new(mut tensors: Vec<TensorLoc>) -> LayerLayout {
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        LayerLayout { tensors }
+    }
+
+    /// Look a tensor up by full name.
+    pub fn get(&self, name: &str) -> Option<&TensorLoc> {
+        self.tensors
+            .binary_search_by(|t| t.name.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.tensors[i])
+    }
+
+    /// All tensors, sorted by name.
+    pub fn tensors(&self) -> &[TensorLoc] {
+        &self.tensors
+    }
+}
+
+/// One layer's trunk bytes and where each tensor sits in them.
+#[derive(Clone, Debug)]
+pub struct LayerRun {
+    /// 0-based layer index.
+    pub layer: usize,
+    /// The run's bytes, valid while this value lives.
+    pub region: Region,
+    /// Tensor locations inside `region`.
+    pub layout: Arc<LayerLayout>,
+}
+
+/// The experts handed back for one request, in request order. Each `Ok` region holds one expert
+/// in the canonical slot layout of [`k3_proto::expert::ExpertLayout`]; each `Err` says why that
+/// expert could not be loaded. The caller must count failures and fail the run (exit 4): a
+/// missing expert is never silently dropped.
+#[derive(Debug)]
+pub struct ExpertBatch {
+    /// One entry per requested expert id, in request order.
+    pub experts: Vec<Result<Region, String>>,
+}
+
+/// Counters a source keeps (lifetime of the source, or of one job in daemon mode).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SourceStats {
+    /// Routed experts requested.
+    pub expert_requests: u64,
+    /// Requested experts that were already RESIDENT when the request arrived.
+    pub resident_hits: u64,
+    /// Requested experts that had to be read (or waited for while another reader read them).
+    pub misses: u64,
+    /// Slots whose previous expert was evicted to make room.
+    pub evictions: u64,
+    /// Experts that failed to load.
+    pub failed_expert_loads: u64,
+    /// Bytes of routed experts read from disk.
+    pub expert_bytes_read: u64,
+    /// Wall seconds spent in expert reads.
+    pub expert_read_seconds: f64,
+    /// Bytes of trunk layers read from disk (not counting pinned layers already resident).
+    pub trunk_bytes_read: u64,
+    /// Wall seconds spent in trunk reads.
+    pub trunk_read_seconds: f64,
+    /// Seconds the engine spent blocked waiting for bytes (trunk + experts).
+    pub io_wait_seconds: f64,
+}
+
+/// Errors a source reports.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    /// A tensor or layer the engine asked for does not exist in this source.
+    #[error("missing: {0}")]
+    Missing(String),
+    /// An I/O failure (the message names the file and offset).
+    #[error("I/O: {0}")]
+    Io(String),
+    /// The request itself is invalid (layer out of range, expert id too large, …).
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+/// Where the engine gets weight bytes.
+pub trait WeightSource: Send + Sync {
+    /// A model-level tensor (embedding, lm_head, final norm, output AttnRes vectors), resident.
+    fn model_tensor(&self, name: &str) -> Result<Region, SourceError>;
+
+    /// Layer `l`'s trunk run; blocks until its bytes are in memory.
+    fn layer(&self, l: usize) -> Result<LayerRun, SourceError>;
+
+    /// Hint that layer `l` will be asked for next (a streaming source starts reading it).
+    fn prefetch_layer(&self, _l: usize) {}
+
+    /// The routed experts `ids` of layer `l` (one layer's top-k for a token or a batch).
+    fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError>;
+
+    /// Counters so far.
+    fn stats(&self) -> SourceStats;
+}

@@ -1,0 +1,167 @@
+//! Scalar reference kernels. Every SIMD tier is tested against these.
+
+use super::bf16_to_f32;
+
+/// E2M1 magnitudes by code 0..15 (bit 3 = sign).
+pub const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// `2^(s-127)` for an E8M0 scale byte. 255 (NaN in the OCP MX spec) maps to 0; the loader counts
+/// such bytes as anomalies.
+#[inline]
+pub fn e8m0(s: u8) -> f32 {
+    match s {
+        0 => f32::from_bits(0x0040_0000), // 2^-127, subnormal
+        255 => 0.0,
+        _ => f32::from_bits((s as u32) << 23),
+    }
+}
+
+#[inline]
+fn dot_bf16_row(row: &[u8], x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let n = x.len();
+    let main = n - n % 8;
+    let mut c = 0;
+    while c < main {
+        for (l, a) in acc.iter_mut().enumerate() {
+            let i = c + l;
+            *a += bf16_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) * x[i];
+        }
+        c += 8;
+    }
+    let mut tail = 0.0f32;
+    for i in main..n {
+        tail += bf16_to_f32(u16::from_le_bytes([row[2 * i], row[2 * i + 1]])) * x[i];
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+pub fn matvec_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+    matmul_bf16(w, rows, cols, x, 1, y)
+}
+
+pub fn matmul_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
+    assert_eq!(w.len(), rows * cols * 2, "bf16 weight bytes");
+    assert_eq!(x.len(), n * cols, "matmul input");
+    assert_eq!(y.len(), n * rows, "matmul output");
+    for r in 0..rows {
+        let row = &w[r * cols * 2..(r + 1) * cols * 2];
+        for t in 0..n {
+            y[t * rows + r] = dot_bf16_row(row, &x[t * cols..(t + 1) * cols]);
+        }
+    }
+}
+
+#[inline]
+fn dot_mxfp4_row(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for (g, &s) in scales.iter().enumerate() {
+        let mut part = 0.0f32;
+        for k in 0..16 {
+            let b = packed[g * 16 + k];
+            part += E2M1[(b & 0xF) as usize] * x[g * 32 + 2 * k];
+            part += E2M1[(b >> 4) as usize] * x[g * 32 + 2 * k + 1];
+        }
+        acc += part * e8m0(s);
+    }
+    acc
+}
+
+pub fn matvec_mxfp4(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    y: &mut [f32],
+) {
+    matmul_mxfp4(packed, scales, rows, cols, x, 1, y)
+}
+
+pub fn matmul_mxfp4(
+    packed: &[u8],
+    scales: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+) {
+    assert!(
+        cols.is_multiple_of(32),
+        "MXFP4 width {cols} is not a multiple of 32"
+    );
+    assert_eq!(packed.len(), rows * cols / 2, "MXFP4 packed bytes");
+    assert_eq!(scales.len(), rows * cols / 32, "MXFP4 scale bytes");
+    assert_eq!(x.len(), n * cols, "matmul input");
+    assert_eq!(y.len(), n * rows, "matmul output");
+    let (pw, sw) = (cols / 2, cols / 32);
+    for r in 0..rows {
+        let (pr, sr) = (&packed[r * pw..(r + 1) * pw], &scales[r * sw..(r + 1) * sw]);
+        for t in 0..n {
+            y[t * rows + r] = dot_mxfp4_row(pr, sr, &x[t * cols..(t + 1) * cols]);
+        }
+    }
+}
+
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    assert_eq!(x.len(), w.len());
+    assert_eq!(x.len(), out.len());
+    let ms = x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / x.len() as f64;
+    let inv = (1.0 / (ms + eps as f64).sqrt()) as f32;
+    for i in 0..x.len() {
+        out[i] = w[i] * (x[i] * inv);
+    }
+}
+
+pub fn l2_norm_inplace(x: &mut [f32], eps: f32) {
+    let ss = x.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>();
+    let inv = (1.0 / (ss + eps as f64).sqrt()) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+pub fn situ_glu(gate: &[f32], up: &[f32], beta_gate: f32, beta_up: f32, out: &mut [f32]) {
+    assert_eq!(gate.len(), up.len());
+    assert_eq!(gate.len(), out.len());
+    for i in 0..gate.len() {
+        let g = gate[i];
+        let a = beta_gate * (g / beta_gate).tanh() * super::sigmoid(g);
+        let u = beta_up * (up[i] / beta_up).tanh();
+        out[i] = a * u;
+    }
+}
+
+pub fn softmax_inplace(x: &mut [f32]) {
+    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut s = 0.0f64;
+    for v in x.iter_mut() {
+        *v = (*v - m).exp();
+        s += *v as f64;
+    }
+    let inv = (1.0 / s) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut acc = [0.0f32; 8];
+    let main = a.len() - a.len() % 8;
+    let mut i = 0;
+    while i < main {
+        for l in 0..8 {
+            acc[l] += a[i + l] * b[i + l];
+        }
+        i += 8;
+    }
+    let mut tail = 0.0f32;
+    for j in main..a.len() {
+        tail += a[j] * b[j];
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}

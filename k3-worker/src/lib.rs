@@ -1,0 +1,3 @@
+//! k3 worker library: kernels, the Kimi K3 forward pass, the tokenizer and generation.
+
+pub mod kernels;

@@ -1,0 +1,11 @@
+//! k3 formats and contracts.
+//!
+//! This crate is deliberately light: it knows the on-disk and on-wire formats (the checkpoint
+//! index, the model config, tensor names, the packed-trunk description, the wire protocol and the
+//! shared-memory layout) and nothing about kernels or threads.
+
+pub mod dtype;
+pub mod exit;
+pub mod expert;
+
+pub use dtype::Dtype;

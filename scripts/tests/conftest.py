@@ -1,0 +1,5 @@
+"""pytest configuration: make scripts/ importable from the tests."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
