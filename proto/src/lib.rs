@@ -7,5 +7,6 @@
 pub mod dtype;
 pub mod exit;
 pub mod expert;
+pub mod wire;
 
 pub use dtype::Dtype;
