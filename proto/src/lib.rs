@@ -7,6 +7,7 @@
 pub mod dtype;
 pub mod exit;
 pub mod expert;
+pub mod paths;
 pub mod wire;
 
 pub use dtype::Dtype;
