@@ -4,6 +4,7 @@
 //! index, the model config, tensor names, the packed-trunk description, the wire protocol and the
 //! shared-memory layout) and nothing about kernels or threads.
 
+pub mod config;
 pub mod dtype;
 pub mod exit;
 pub mod expert;
