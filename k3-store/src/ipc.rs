@@ -94,6 +94,11 @@ pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
     Ok(listener)
 }
 
+/// This process's real uid.
+pub fn current_uid() -> u32 {
+    nix::unistd::getuid().as_raw()
+}
+
 /// The uid of the process at the other end (`SO_PEERCRED`).
 pub fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
     let cred = socket::getsockopt(stream, sockopt::PeerCredentials)?;

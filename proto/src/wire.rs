@@ -105,6 +105,19 @@ impl Counters {
     }
 }
 
+/// One worker connection's figures.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobStats {
+    /// The store's id for the connection (increasing).
+    pub conn: u64,
+    /// The worker's label (e.g. "k3-worker pid 1234").
+    pub label: String,
+    /// Still connected.
+    pub live: bool,
+    /// This job's counters.
+    pub counters: Counters,
+}
+
 /// The answer to [`Request::Stats`].
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StatsReport {
@@ -112,6 +125,8 @@ pub struct StatsReport {
     pub lifetime: Counters,
     /// For the asking connection only.
     pub job: Counters,
+    /// Connected workers and the most recent finished ones (newest last).
+    pub jobs: Vec<JobStats>,
     /// Layers pinned in shared memory.
     pub pinned_layers: u32,
     /// Arena slots holding an expert.
