@@ -8,5 +8,6 @@ pub mod config;
 pub mod dtype;
 pub mod exit;
 pub mod expert;
+pub mod names;
 
 pub use dtype::Dtype;
