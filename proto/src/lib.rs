@@ -8,7 +8,9 @@ pub mod config;
 pub mod dtype;
 pub mod exit;
 pub mod expert;
+pub mod names;
 pub mod paths;
+pub mod shm;
 pub mod wire;
 
 pub use dtype::Dtype;
