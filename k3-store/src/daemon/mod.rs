@@ -22,6 +22,8 @@ use k3_proto::wire::{self, ClientKind, Request, Response, StatsReport, StatusRep
 
 use crate::ipc;
 
+pub mod detach;
+
 /// A connection's identity inside the store.
 pub type ConnId = u64;
 
