@@ -5,7 +5,11 @@
 //! daemon, which is why the seam between the two is the [`source::WeightSource`] trait.
 
 pub mod catalog;
+pub mod client;
+pub mod daemon;
 pub mod io;
+pub mod ipc;
+pub mod shmem;
 pub mod source;
 pub mod trunk;
 
