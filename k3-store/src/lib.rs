@@ -7,6 +7,7 @@
 pub mod catalog;
 pub mod client;
 pub mod daemon;
+pub mod experts;
 pub mod io;
 pub mod ipc;
 pub mod shmem;
