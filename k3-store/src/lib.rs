@@ -12,6 +12,7 @@ pub mod io;
 pub mod ipc;
 pub mod shmem;
 pub mod source;
+pub mod stream;
 pub mod trunk;
 
 #[cfg(test)]
