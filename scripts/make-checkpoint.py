@@ -26,11 +26,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--config-shape", choices=("nested", "flat"), default="nested")
     ap.add_argument("--decoy-head-dim", action="store_true", help="add text_config.head_dim = hidden / num_attention_heads (a reader must ignore it)")
+    ap.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR, first deleting its config.json, index and *.safetensors")
     ap.add_argument("out_dir")
     args = ap.parse_args(argv)
     if args.seed < 0:
         ap.error("--seed must be >= 0")
     d = PRESETS[args.preset]
+    if os.path.isdir(args.out_dir) and os.listdir(args.out_dir):
+        if not args.force:
+            ap.error(f"{args.out_dir} is not empty (stale shards would mix with new ones); use --force or an empty directory")
+        for f in os.listdir(args.out_dir):
+            if f.endswith(".safetensors") or f in ("config.json", "model.safetensors.index.json"):
+                os.remove(os.path.join(args.out_dir, f))
     t0 = time.monotonic()
     plans = write_checkpoint(d, args.out_dir, args.seed, args.config_shape, args.decoy_head_dim)
     data = sum(p.data_size for p in plans)

@@ -362,6 +362,16 @@ def test_bad_usage_is_refused(tmp_path):
     r = subprocess.run([sys.executable, SCRIPT, "--preset", "huge", str(tmp_path / "x")], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
     assert not (tmp_path / "x").exists()
+    # A non-empty output directory is refused (stale shards would mix in) unless --force,
+    # which removes the old shards first.
+    out = tmp_path / "y"
+    out.mkdir()
+    (out / "model-00004-of-000004.safetensors").write_bytes(b"stale")
+    r = subprocess.run([sys.executable, SCRIPT, "--preset", "tiny", str(out)], capture_output=True, text=True)
+    assert r.returncode == 2 and "not empty" in r.stderr
+    generate(out, "tiny", "--force")
+    assert not (out / "model-00004-of-000004.safetensors").exists()
+    assert len(json.load(open(out / "model.safetensors.index.json"))["weight_map"]) == 916
 
 
 # ---------------------------------------------------------------------------------------------
