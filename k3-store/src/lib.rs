@@ -10,6 +10,7 @@ pub mod daemon;
 pub mod experts;
 pub mod io;
 pub mod ipc;
+pub mod plan;
 pub mod shmem;
 pub mod source;
 pub mod stream;
