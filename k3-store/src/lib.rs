@@ -13,6 +13,7 @@ pub mod ipc;
 pub mod plan;
 pub mod shmem;
 pub mod source;
+pub mod standalone;
 pub mod stream;
 pub mod trunk;
 
