@@ -9,5 +9,6 @@ pub mod dtype;
 pub mod exit;
 pub mod expert;
 pub mod names;
+pub mod safetensors;
 
 pub use dtype::Dtype;
