@@ -5,12 +5,14 @@ Written from MODEL.md alone; the Rust engine is proven against its outputs.
 
     python3 scripts/k3_reference.py MODEL_DIR --ids 1,2,3 [--gen N] [--mode full|incremental]
         [--layers N] [--out-dir DIR] [--config PATH] [--mla-norm-eps 1e-6]
-        [--mla-form expanded|latent] [--seed S]
+        [--mla-form expanded|latent] [--seed S] [--dump-trace FILE.npz]
 
 Prints the generated ids (greedy argmax, first index wins ties, no stop tokens). With --out-dir
 writes prompt_ids.json, greedy_ids.json, teacher_forcing.json (argmax at every position of one
 forward over prompt+generated), logits_step0.f32 (little-endian float32 logits at the last prompt
-position) and meta.json.
+position) and meta.json. --dump-trace saves every named float64 intermediate of one forward over
+the prompt (``embed``, ``L{n}.attn_in``, ``L{n}.kda.o``, ``L{n}.mla.c``, ``L{n}.moe.sel``, ...,
+``final_in``, ``logits``) to an .npz, to locate where an engine diverges.
 
 Exit codes: 0 ok; 1 forward or I/O failure; 2 usage error or a config/checkpoint that cannot be
 bound.
@@ -59,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mla-norm-eps", type=float, default=DEFAULT_MLA_NORM_EPS,
                    help="eps of q_a_layernorm/kv_a_layernorm (MODEL.md §10 C1; default 1e-6)")
     p.add_argument("--mla-form", choices=["expanded", "latent"], default="expanded")
+    p.add_argument("--dump-trace", type=Path, default=None,
+                   help="save the named intermediates of the prompt forward to this .npz")
     p.add_argument("--seed", type=int, default=None,
                    help="generator seed of the checkpoint, recorded in meta.json only")
     return p
@@ -85,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     if model.nan_scales:
         print(f"warning: {model.nan_scales} E8M0 scale bytes = 255 treated as 0", file=sys.stderr)
 
+    if args.dump_trace is not None:
+        trace: dict = {}
+        forward(model, args.ids, State.new(model), args.mla_form, trace)
+        np.savez(args.dump_trace, **{k: np.asarray(v) for k, v in trace.items() if v is not None})
     generated, rows = greedy(model, args.ids, args.gen, args.mode, args.mla_form)
     print(",".join(str(i) for i in generated))
     if args.out_dir is None:

@@ -21,7 +21,6 @@ from .ops import attn_res, rms_norm
 MODEL_PREFIX = "language_model.model."
 LM_HEAD = "language_model.lm_head.weight"
 DEFAULT_MLA_NORM_EPS = 1e-6
-KDA_O_NORM_EPS_NOTE = "KDA o_norm uses rms_norm_eps (1e-5 in the release)"
 
 
 class BindError(ValueError):

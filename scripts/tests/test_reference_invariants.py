@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import struct
 import subprocess
 import sys
@@ -1177,8 +1176,11 @@ def test_cli_writes_all_outputs(written, tmp_path, tiny):
     d, stored = written
     cfg, _, _ = tiny
     out = tmp_path / "ref"
-    r = run_cli(d, "--ids", ",".join(map(str, PROMPT)), "--gen", "5", "--out-dir", out, "--seed", "7")
+    r = run_cli(d, "--ids", ",".join(map(str, PROMPT)), "--gen", "5", "--out-dir", out, "--seed", "7",
+                "--dump-trace", tmp_path / "trace.npz")
     assert r.returncode == 0, r.stderr
+    trace = np.load(tmp_path / "trace.npz")
+    assert trace["L12.mla.c"].shape == (12, cfg.kv_lora_rank) and trace["L1.moe.sel"].shape == (12, 2)
     gen = json.loads((out / "greedy_ids.json").read_text())
     assert r.stdout.strip() == ",".join(map(str, gen)) and len(gen) == 5
     assert json.loads((out / "prompt_ids.json").read_text()) == PROMPT
@@ -1188,6 +1190,7 @@ def test_cli_writes_all_outputs(written, tmp_path, tiny):
     m = bind(cfg, stored)
     want = forward(m, PROMPT, State.new(m))[-1]
     assert logits.shape == (cfg.vocab_size,) and np.allclose(logits, want, rtol=1e-6, atol=1e-6)
+    assert np.array_equal(trace["logits"][-1], want)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["mla_norm_eps"] == 1e-6 and meta["seed"] == 7 and len(meta["greedy_top1_top2_margins"]) == 5
     assert meta["checkpoint_sha256"] == Checkpoint(d).file_hashes()
