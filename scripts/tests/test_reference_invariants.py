@@ -897,6 +897,28 @@ def test_I28_I29_I30_boundaries_on_13_layer_block_3_model(tiny):
     assert_close(rms_norm(tr["final_in"], model.final_norm, cfg.rms_norm_eps) @ model.lm_head.T, logits)
 
 
+def test_I29_sources_on_boundary_mla_layer_12_and_non_boundary_kda_layer_5(tiny):
+    """Sources rebuilt from the traced sublayer outputs: the snapshot is the raw block sum and a
+    boundary layer's second aggregation ends with its attention output alone."""
+    cfg, tensors, model = tiny
+    tr = {}
+    forward(model, PROMPT[:4], State.new(model), trace=tr)
+    eps = cfg.rms_norm_eps
+    out = {L: (tr[f"L{L}.attn_out"], tr[f"L{L}.mlp_out"]) for L in range(13)}
+    S = [sum(out[L][0] + out[L][1] for L in range(3 * b, 3 * b + 3)) for b in range(4)]
+    emb = tr["embed"]
+    L12, L5 = model.layers[12], model.layers[5]
+    assert L12.kind == "mla" and L5.kind == "kda"
+    assert_close(tr["L12.attn_in"], attn_res([emb] + S, L12.attn_res_query, eps))
+    assert_close(tr["L12.mlp_in"], attn_res([emb] + S + [out[12][0]], L12.mlp_res_query, eps))
+    part = out[3][0] + out[3][1] + out[4][0] + out[4][1]
+    assert_close(tr["L5.attn_in"], attn_res([emb, S[0], part], L5.attn_res_query, eps))
+    assert_close(tr["L5.mlp_in"], attn_res([emb, S[0], part + out[5][0]], L5.mlp_res_query, eps))
+    assert_close(tr["final_in"], attn_res([emb] + S + [out[12][0] + out[12][1]], model.out_res_query, eps))
+    # wrong: at the boundary the pushed snapshot also stays in pend (counted twice)
+    assert_differs(attn_res([emb] + S + [S[3] + out[12][0]], L12.mlp_res_query, eps), tr["L12.mlp_in"])
+
+
 def test_truncated_model_uses_ceil_n_over_block_snapshots(tiny):
     cfg, tensors, _ = tiny
     m7 = bind(cfg, tensors, n_layers=7)
