@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         "e8m0_255_count": model.nan_scales,
         "greedy_top1_top2_margins": [top2_margin(r) for r in rows],
         "min_greedy_margin": min(top2_margin(r) for r in rows),
+        "teacher_forcing_top1_top2_margins": [top2_margin(r) for r in tf_logits],
         "tie_rules": {"greedy": "first index wins", "router": "higher biased score, then lower index"},
         "checkpoint_sha256": ckpt.file_hashes(),
     }
