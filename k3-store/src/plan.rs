@@ -439,6 +439,15 @@ pub fn fmt_gb(b: u64) -> String {
     format!("{:.2} GB", b as f64 / GB)
 }
 
+/// `12.34 GB` from 1 GB up, else `17.55 MB`.
+pub fn fmt_bytes(b: u64) -> String {
+    if b as f64 >= GB {
+        fmt_gb(b)
+    } else {
+        fmt_mb(b)
+    }
+}
+
 /// `17.55 MB`.
 pub fn fmt_mb(b: u64) -> String {
     format!("{:.2} MB", b as f64 / 1e6)

@@ -100,7 +100,6 @@ const _: () = {
 };
 
 impl StandaloneSource {
-    #[cfg(any())] // enabled once k3_proto::safetensors lands
     /// Open the checkpoint in `model_dir` (config + index), optionally with a packed trunk,
     /// make the memory plan for `budget`, refuse if it does not fit, then load. `progress` is
     /// called with (what, done, total) while loading. `layers` limits the model to its first N
