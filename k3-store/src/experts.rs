@@ -264,19 +264,24 @@ impl SlotTable {
         self.map.get(&(layer, expert)).copied()
     }
 
-    /// Phase 1: reserve slots for `ids` (distinct expert ids) of `layer`. Every returned slot
-    /// carries one lease for the caller. On error nothing changes (no lease, no counter).
+    /// Phase 1: reserve slots for `ids` of `layer` (callers normally pass distinct ids; a
+    /// repeated missing id is answered `Wait` on the slot its first occurrence loads). Every
+    /// returned entry carries one lease for the caller. On error nothing changes (no lease, no
+    /// counter).
     pub fn reserve(&mut self, layer: u32, ids: &[u32]) -> Result<Vec<Reserved>, ReserveError> {
         let n = self.states.len();
-        if ids.len() > n {
+        let mut distinct = ids.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        if distinct.len() > n {
             return Err(ReserveError::TooSmall {
                 slots: n,
-                needed: ids.len(),
+                needed: distinct.len(),
             });
         }
         // Dry run: how many new slots, and how many can be taken without touching a slot this
         // batch hits or waits for?
-        let mut needed = 0usize;
+        let mut missing: Vec<u32> = Vec::new();
         let mut mine = vec![false; 0];
         for &e in ids {
             match self.map.get(&(layer, e)) {
@@ -286,9 +291,11 @@ impl SlotTable {
                     }
                     mine[s] = true;
                 }
-                None => needed += 1,
+                None if !missing.contains(&e) => missing.push(e),
+                None => {}
             }
         }
+        let needed = missing.len();
         if needed > 0 {
             let available = (0..n)
                 .filter(|&s| {
@@ -325,9 +332,15 @@ impl SlotTable {
                 continue;
             }
             self.counters.misses += 1;
+            if let Some(&s) = self.map.get(&(layer, e)) {
+                // A repeated id whose first occurrence in this batch is being loaded.
+                self.leases[s] += 1;
+                out[i] = Some(Reserved::Wait { slot: s });
+                continue;
+            }
             let s = self
                 .take_victim()
-                .expect("dry run counted enough eligible slots");
+                .expect("the dry run counted enough eligible slots");
             let evicted = match self.states[s] {
                 SlotState::Resident {
                     layer: l,
@@ -1138,5 +1151,17 @@ mod tests {
                 needed: 3
             })
         );
+        // A repeated missing id: one load, the repeat waits on the same slot.
+        let mut t = SlotTable::new(1, Box::new(Lru::new(1)));
+        let r = t.reserve(0, &[4, 4]).unwrap();
+        assert_eq!(
+            r[0],
+            Reserved::Load {
+                slot: 0,
+                evicted: None
+            }
+        );
+        assert_eq!(r[1], Reserved::Wait { slot: 0 });
+        assert_eq!(t.leases(0), 2);
     }
 }
