@@ -236,8 +236,14 @@ impl TrunkStream {
     }
 
     /// Ask the reader to load layer `l` into a free ring slot in the background. A no-op for
-    /// pinned layers and layers already in the ring.
+    /// pinned layers and layers already in the ring. `l` past the last layer wraps to the first
+    /// streamed layer: the next token's forward pass starts there.
     pub fn prefetch(&self, l: usize) {
+        let l = if l >= self.n_layers() {
+            self.pinned.len()
+        } else {
+            l
+        };
         if l < self.pinned.len() || l >= self.n_layers() || self.thread.is_none() {
             return;
         }
@@ -528,6 +534,16 @@ mod tests {
         assert_eq!(st.layer_reads, 12);
         let ring_bytes: u64 = (2..5).map(|l| w.catalog.trunk_bytes(l)).sum();
         assert_eq!(st.bytes_read, 4 * ring_bytes);
+        // Past the last layer the prefetch wraps to the first streamed layer (2).
+        drop(s.layer(4).unwrap());
+        s.prefetch(5);
+        let t0 = Instant::now();
+        while s.stats().layer_reads == 12 && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(s.stats().layer_reads, 13);
+        verify(&spec, &s.layer(2).unwrap());
+        assert_eq!(s.stats().layer_reads, 13);
         // Everything pinned: no ring, no reader thread.
         let all = stream(layout, 5, 2, 1000);
         assert_eq!(all.stats().ring_slots, 0);
