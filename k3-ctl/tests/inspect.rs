@@ -10,26 +10,74 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use serde_json::Value;
 
 const TINY_CONFIG: &str = include_str!("../../proto/tests/data/tiny_nested_config.json");
+const RELEASED_CONFIG: &str = include_str!("../../proto/tests/data/released_config.json");
 
-// Tiny dims (must agree with the config above).
-const E: u64 = 128; // hidden
-const V: u64 = 256; // vocab
-const N_LAYERS: usize = 13;
-const H_KDA: u64 = 4;
-const D_KDA: u64 = 16;
-const P: u64 = H_KDA * D_KDA;
-const H_MLA: u64 = 4;
-const Q_LORA: u64 = 64;
-const KV_LORA: u64 = 32;
-const NOPE: u64 = 24;
-const ROPE: u64 = 8;
-const V_HEAD: u64 = 16;
-const DENSE: u64 = 96;
-const N_EXP: usize = 8;
-const LAT: u64 = 64;
-const INTER: u64 = 64;
-const SHARED: u64 = 2 * INTER;
-const MLA_LAYERS: [usize; 4] = [3, 7, 11, 12];
+/// Model dims used to write a checkpoint (must agree with the config written beside it).
+struct Dims {
+    e: u64,
+    v: u64,
+    n_layers: usize,
+    h_kda: u64,
+    d_kda: u64,
+    h_mla: u64,
+    q_lora: u64,
+    kv_lora: u64,
+    nope: u64,
+    rope: u64,
+    v_head: u64,
+    dense: u64,
+    n_exp: usize,
+    lat: u64,
+    inter: u64,
+    /// 0-based MLA layers.
+    mla_layers: Vec<usize>,
+}
+
+impl Dims {
+    /// MODEL.md §7.2 (the tiny nested config fixture).
+    fn tiny() -> Dims {
+        Dims {
+            e: 128,
+            v: 256,
+            n_layers: 13,
+            h_kda: 4,
+            d_kda: 16,
+            h_mla: 4,
+            q_lora: 64,
+            kv_lora: 32,
+            nope: 24,
+            rope: 8,
+            v_head: 16,
+            dense: 96,
+            n_exp: 8,
+            lat: 64,
+            inter: 64,
+            mla_layers: vec![3, 7, 11, 12],
+        }
+    }
+
+    /// MODEL.md §1.1 (the released config fixture).
+    fn full() -> Dims {
+        Dims {
+            e: 7168,
+            v: 163840,
+            n_layers: 93,
+            h_kda: 96,
+            d_kda: 128,
+            h_mla: 96,
+            q_lora: 1536,
+            kv_lora: 512,
+            nope: 128,
+            rope: 64,
+            v_head: 128,
+            dense: 33792,
+            n_exp: 896,
+            lat: 3584,
+            inter: 3072,
+            mla_layers: (0..93).filter(|l| (l + 1) % 4 == 0 || *l == 92).collect(),
+        }
+    }
+}
 
 struct TempDir(PathBuf);
 
@@ -99,116 +147,136 @@ const EXPERT_PARTS: [(&str, bool, bool); 6] = [
 ];
 
 /// Trunk (non-expert) tensors of layer `l`.
-fn trunk(l: usize) -> Vec<T> {
+fn trunk(d: &Dims, l: usize) -> Vec<T> {
+    let (e, p, shared) = (d.e, d.h_kda * d.d_kda, 2 * d.inter);
     let mut v = vec![
-        lt(l, "input_layernorm.weight", "BF16", &[E]),
-        lt(l, "post_attention_layernorm.weight", "BF16", &[E]),
-        lt(l, "self_attention_res_norm.weight", "BF16", &[E]),
-        lt(l, "self_attention_res_proj.weight", "BF16", &[1, E]),
-        lt(l, "mlp_res_norm.weight", "BF16", &[E]),
-        lt(l, "mlp_res_proj.weight", "BF16", &[1, E]),
+        lt(l, "input_layernorm.weight", "BF16", &[e]),
+        lt(l, "post_attention_layernorm.weight", "BF16", &[e]),
+        lt(l, "self_attention_res_norm.weight", "BF16", &[e]),
+        lt(l, "self_attention_res_proj.weight", "BF16", &[1, e]),
+        lt(l, "mlp_res_norm.weight", "BF16", &[e]),
+        lt(l, "mlp_res_proj.weight", "BF16", &[1, e]),
     ];
-    if MLA_LAYERS.contains(&l) {
+    if d.mla_layers.contains(&l) {
         v.extend([
-            lt(l, "self_attn.q_a_proj.weight", "BF16", &[Q_LORA, E]),
-            lt(l, "self_attn.q_a_layernorm.weight", "BF16", &[Q_LORA]),
+            lt(l, "self_attn.q_a_proj.weight", "BF16", &[d.q_lora, e]),
+            lt(l, "self_attn.q_a_layernorm.weight", "BF16", &[d.q_lora]),
             lt(
                 l,
                 "self_attn.q_b_proj.weight",
                 "BF16",
-                &[H_MLA * (NOPE + ROPE), Q_LORA],
+                &[d.h_mla * (d.nope + d.rope), d.q_lora],
             ),
             lt(
                 l,
                 "self_attn.kv_a_proj_with_mqa.weight",
                 "BF16",
-                &[KV_LORA + ROPE, E],
+                &[d.kv_lora + d.rope, e],
             ),
-            lt(l, "self_attn.kv_a_layernorm.weight", "BF16", &[KV_LORA]),
+            lt(l, "self_attn.kv_a_layernorm.weight", "BF16", &[d.kv_lora]),
             lt(
                 l,
                 "self_attn.kv_b_proj.weight",
                 "BF16",
-                &[H_MLA * (NOPE + V_HEAD), KV_LORA],
+                &[d.h_mla * (d.nope + d.v_head), d.kv_lora],
             ),
-            lt(l, "self_attn.o_proj.weight", "BF16", &[E, H_MLA * V_HEAD]),
-            lt(l, "self_attn.g_proj.weight", "BF16", &[H_MLA * V_HEAD, E]),
+            lt(
+                l,
+                "self_attn.o_proj.weight",
+                "BF16",
+                &[e, d.h_mla * d.v_head],
+            ),
+            lt(
+                l,
+                "self_attn.g_proj.weight",
+                "BF16",
+                &[d.h_mla * d.v_head, e],
+            ),
         ]);
     } else {
         v.extend([
-            lt(l, "self_attn.q_proj.weight", "BF16", &[P, E]),
-            lt(l, "self_attn.k_proj.weight", "BF16", &[P, E]),
-            lt(l, "self_attn.v_proj.weight", "BF16", &[P, E]),
-            lt(l, "self_attn.q_conv1d.weight", "F32", &[P, 1, 4]),
-            lt(l, "self_attn.k_conv1d.weight", "F32", &[P, 1, 4]),
-            lt(l, "self_attn.v_conv1d.weight", "F32", &[P, 1, 4]),
-            lt(l, "self_attn.f_a_proj.weight", "BF16", &[D_KDA, E]),
-            lt(l, "self_attn.f_b_proj.weight", "BF16", &[P, D_KDA]),
-            lt(l, "self_attn.A_log", "F32", &[D_KDA]),
-            lt(l, "self_attn.dt_bias", "F32", &[P]),
-            lt(l, "self_attn.b_proj.weight", "BF16", &[H_KDA, E]),
-            lt(l, "self_attn.g_proj.weight", "BF16", &[P, E]),
-            lt(l, "self_attn.o_norm.weight", "F32", &[D_KDA]),
-            lt(l, "self_attn.o_proj.weight", "BF16", &[E, P]),
+            lt(l, "self_attn.q_proj.weight", "BF16", &[p, e]),
+            lt(l, "self_attn.k_proj.weight", "BF16", &[p, e]),
+            lt(l, "self_attn.v_proj.weight", "BF16", &[p, e]),
+            lt(l, "self_attn.q_conv1d.weight", "F32", &[p, 1, 4]),
+            lt(l, "self_attn.k_conv1d.weight", "F32", &[p, 1, 4]),
+            lt(l, "self_attn.v_conv1d.weight", "F32", &[p, 1, 4]),
+            lt(l, "self_attn.f_a_proj.weight", "BF16", &[d.d_kda, e]),
+            lt(l, "self_attn.f_b_proj.weight", "BF16", &[p, d.d_kda]),
+            lt(l, "self_attn.A_log", "F32", &[d.d_kda]),
+            lt(l, "self_attn.dt_bias", "F32", &[p]),
+            lt(l, "self_attn.b_proj.weight", "BF16", &[d.h_kda, e]),
+            lt(l, "self_attn.g_proj.weight", "BF16", &[p, e]),
+            lt(l, "self_attn.o_norm.weight", "F32", &[d.d_kda]),
+            lt(l, "self_attn.o_proj.weight", "BF16", &[e, p]),
         ]);
     }
     if l == 0 {
         v.extend([
-            lt(l, "mlp.gate_proj.weight", "BF16", &[DENSE, E]),
-            lt(l, "mlp.up_proj.weight", "BF16", &[DENSE, E]),
-            lt(l, "mlp.down_proj.weight", "BF16", &[E, DENSE]),
+            lt(l, "mlp.gate_proj.weight", "BF16", &[d.dense, e]),
+            lt(l, "mlp.up_proj.weight", "BF16", &[d.dense, e]),
+            lt(l, "mlp.down_proj.weight", "BF16", &[e, d.dense]),
         ]);
     } else {
         let m = "block_sparse_moe.";
         v.extend([
-            lt(l, &format!("{m}gate.weight"), "BF16", &[N_EXP as u64, E]),
+            lt(l, &format!("{m}gate.weight"), "BF16", &[d.n_exp as u64, e]),
             lt(
                 l,
                 &format!("{m}gate.e_score_correction_bias"),
                 "F32",
-                &[N_EXP as u64],
+                &[d.n_exp as u64],
             ),
             lt(
                 l,
                 &format!("{m}routed_expert_down_proj.weight"),
                 "BF16",
-                &[LAT, E],
+                &[d.lat, e],
             ),
-            lt(l, &format!("{m}routed_expert_norm.weight"), "BF16", &[LAT]),
+            lt(
+                l,
+                &format!("{m}routed_expert_norm.weight"),
+                "BF16",
+                &[d.lat],
+            ),
             lt(
                 l,
                 &format!("{m}routed_expert_up_proj.weight"),
                 "BF16",
-                &[E, LAT],
+                &[e, d.lat],
             ),
             lt(
                 l,
                 &format!("{m}shared_experts.gate_proj.weight"),
                 "BF16",
-                &[SHARED, E],
+                &[shared, e],
             ),
             lt(
                 l,
                 &format!("{m}shared_experts.up_proj.weight"),
                 "BF16",
-                &[SHARED, E],
+                &[shared, e],
             ),
             lt(
                 l,
                 &format!("{m}shared_experts.down_proj.weight"),
                 "BF16",
-                &[E, SHARED],
+                &[e, shared],
             ),
         ]);
     }
     v
 }
 
-fn experts(l: usize) -> Vec<T> {
+fn experts(d: &Dims, l: usize) -> Vec<T> {
     let mut v = Vec::new();
-    for e in 0..N_EXP {
+    for e in 0..d.n_exp {
         for (suffix, down, packed) in EXPERT_PARTS {
-            let (out, inp) = if down { (LAT, INTER) } else { (INTER, LAT) };
+            let (out, inp) = if down {
+                (d.lat, d.inter)
+            } else {
+                (d.inter, d.lat)
+            };
             let cols = if packed { inp / 2 } else { inp / 32 };
             v.push(lt(
                 l,
@@ -221,38 +289,39 @@ fn experts(l: usize) -> Vec<T> {
     v
 }
 
-fn model_level() -> Vec<T> {
+fn model_level(d: &Dims) -> Vec<T> {
+    let (e, v) = (d.e, d.v);
     vec![
         t(
             "language_model.model.embed_tokens.weight".into(),
             "BF16",
-            &[V, E],
+            &[v, e],
         ),
-        t("language_model.model.norm.weight".into(), "BF16", &[E]),
+        t("language_model.model.norm.weight".into(), "BF16", &[e]),
         t(
             "language_model.model.output_attn_res_norm.weight".into(),
             "BF16",
-            &[E],
+            &[e],
         ),
         t(
             "language_model.model.output_attn_res_proj.weight".into(),
             "BF16",
-            &[1, E],
+            &[1, e],
         ),
-        t("language_model.lm_head.weight".into(), "BF16", &[V, E]),
+        t("language_model.lm_head.weight".into(), "BF16", &[v, e]),
     ]
 }
 
-/// All tensors of the tiny checkpoint, split into two shards (layers < 6 + model-level in the
-/// first, the rest in the second).
-fn tiny_tensors() -> [Vec<T>; 2] {
-    let mut a = model_level();
+/// All tensors of a checkpoint, split into two shards (model-level + the first half of the layers
+/// in the first, the rest in the second).
+fn checkpoint_tensors(d: &Dims) -> [Vec<T>; 2] {
+    let mut a = model_level(d);
     let mut b = Vec::new();
-    for l in 0..N_LAYERS {
-        let dst = if l < 6 { &mut a } else { &mut b };
-        dst.extend(trunk(l));
+    for l in 0..d.n_layers {
+        let dst = if l < d.n_layers / 2 { &mut a } else { &mut b };
+        dst.extend(trunk(d, l));
         if l > 0 {
-            dst.extend(experts(l));
+            dst.extend(experts(d, l));
         }
     }
     // A vision tensor with a dtype k3 does not read: skipped, not an error.
@@ -334,8 +403,9 @@ fn tiny_checkpoint_census() {
         .filter(|t| is_layer(t) && !is_expert(t))
         .map(|t| t.nbytes())
         .sum();
-    let per_layer: Vec<u64> = (0..N_LAYERS)
-        .map(|l| trunk(l).iter().map(|t| t.nbytes()).sum())
+    let d = Dims::tiny();
+    let per_layer: Vec<u64> = (0..d.n_layers)
+        .map(|l| trunk(&d, l).iter().map(|t| t.nbytes()).sum())
         .collect();
     let (largest_layer, largest_bytes) = per_layer
         .iter()
@@ -343,7 +413,7 @@ fn tiny_checkpoint_census() {
         .max_by_key(|(i, b)| (**b, std::cmp::Reverse(*i)))
         .map(|(i, b)| (i, *b))
         .unwrap();
-    let expert_bytes: u64 = experts(1)[..6].iter().map(|t| t.nbytes()).sum();
+    let expert_bytes: u64 = experts(&d, 1)[..6].iter().map(|t| t.nbytes()).sum();
 
     // §2.8 counts at tiny scale: 23 + 8·28 + 4·22 + 5 = 340 non-expert, 12·8·6 = 576 expert.
     assert_eq!(j["n_tensors"], 340 + 576 + 1);
@@ -358,8 +428,8 @@ fn tiny_checkpoint_census() {
     assert_eq!(j["trunk_bytes"], trunk_bytes);
     assert_eq!(j["largest_layer"], largest_layer);
     assert_eq!(j["largest_layer_bytes"], largest_bytes);
-    assert_eq!(j["embed_head_bytes"], 2 * V * E * 2);
-    assert_eq!(j["resident_bytes"], 2 * V * E * 2 + 3 * E * 2);
+    assert_eq!(j["embed_head_bytes"], 2 * d.v * d.e * 2);
+    assert_eq!(j["resident_bytes"], 2 * d.v * d.e * 2 + 3 * d.e * 2);
     assert_eq!(j["layer_map"], "KKKMKKKMKKKMM");
     assert_eq!(j["n_mla"], 4);
     assert_eq!(j["n_kda"], 9);
@@ -435,7 +505,8 @@ fn transposed_expert_is_refused() {
     let name = "language_model.model.layers.2.block_sparse_moe.experts.0.w2.weight_packed";
     for t in shards[0].iter_mut() {
         if t.name == name {
-            t.shape = vec![INTER / 2, LAT]; // transposed: same element count, wrong shape
+            let d = Dims::tiny();
+            t.shape = vec![d.inter / 2, d.lat]; // transposed: same element count, wrong shape
         }
     }
     write_checkpoint(&dir.0, TINY_CONFIG, &shards);
@@ -485,4 +556,76 @@ fn missing_model_level_tensor_and_missing_directory() {
     let out = inspect(&dir.0.join("nope"), false);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("nope"), "{}", stderr(&out));
+}
+
+fn tiny_tensors() -> [Vec<T>; 2] {
+    checkpoint_tensors(&Dims::tiny())
+}
+
+/// The release's tensor graph at full size (1.56 TB of sparse holes, 497,052 tensors): the
+/// census must reproduce MODEL.md §2.8/§2.9. Ignored by default (writes 1.5 TB sparse files;
+/// needs a filesystem with sparse-file support). Run:
+/// `cargo test --release -p k3-ctl --test inspect -- --ignored --nocapture`
+/// (set `K3_FULL_SCALE_DIR` to keep the checkpoint in a chosen directory).
+#[test]
+#[ignore]
+fn full_scale_census_matches_the_published_figures() {
+    let keep = std::env::var_os("K3_FULL_SCALE_DIR").map(PathBuf::from);
+    let tmp = TempDir::new("full");
+    let dir = keep.clone().unwrap_or_else(|| tmp.0.clone());
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = Dims::full();
+    let [a, b] = checkpoint_tensors(&d);
+    // Spread over 96 shards like the release.
+    let all: Vec<T> = a
+        .into_iter()
+        .chain(b)
+        .filter(|t| !t.name.starts_with("vision"))
+        .collect();
+    let per = all.len().div_ceil(96);
+    std::fs::write(dir.join("config.json"), RELEASED_CONFIG).unwrap();
+    let mut map = serde_json::Map::new();
+    for (i, chunk) in all.chunks(per).enumerate() {
+        let file = format!("model-{:05}-of-000096.safetensors", i + 1);
+        write_shard(&dir.join(&file), chunk);
+        for t in chunk {
+            map.insert(t.name.clone(), Value::String(file.clone()));
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+
+    let t0 = std::time::Instant::now();
+    let out = inspect(&dir, true);
+    let wall = t0.elapsed().as_secs_f64();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let j: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!(
+        "full scale: n_tensors {} index {:.3} s, {:.1} bytes/tensor; whole inspect process {:.3} s",
+        j["n_tensors"],
+        j["index_seconds"].as_f64().unwrap(),
+        j["index_bytes_per_tensor"].as_f64().unwrap(),
+        wall
+    );
+    assert_eq!(j["n_tensors"], 497_052);
+    assert_eq!(j["n_trunk_tensors"], 2_455);
+    assert_eq!(j["n_expert_tensors"], 494_592);
+    assert_eq!(j["n_routed_experts"], 82_432);
+    assert_eq!(j["expert_bytes"], 17_547_264u64);
+    // 82,432 × 17,547,264. (MODEL.md §2.9 prints 1,446,456,127,488, which is not this product:
+    // off by 61,440 bytes.)
+    assert_eq!(j["expert_total_bytes"], 1_446_456_066_048u64);
+    assert_eq!(j["trunk_bytes"], 108_811_877_376u64);
+    assert_eq!(j["largest_layer"], 0);
+    assert_eq!(j["largest_layer_bytes"], 2_341_213_184u64);
+    assert_eq!(j["layer_bytes"][1], 1_267_744_256u64);
+    assert_eq!(j["layer_bytes"][3], 844_335_616u64);
+    assert_eq!(j["embed_head_bytes"], 4_697_620_480u64);
+    assert_eq!(j["n_shards"], 96);
+    assert!(j["index_bytes_per_tensor"].as_f64().unwrap() <= 200.0);
+    let text = inspect(&dir, false);
+    print!("{}", String::from_utf8_lossy(&text.stdout));
+    if keep.is_none() {
+        drop(tmp);
+    }
 }
