@@ -369,3 +369,47 @@ fn problems_in_several_shards_are_all_reported() {
         "{p:?}"
     );
 }
+
+#[test]
+fn index_json_listing_a_name_twice() {
+    let dir = TempDir::new("wmtwice");
+    write_shard(
+        &dir.join("a.safetensors"),
+        &[t(Q, "BF16", &[2]), t(names::LM_HEAD, "BF16", &[2])],
+    );
+    write_index_json(
+        dir.path(),
+        &[
+            (Q, "a.safetensors"),
+            (names::LM_HEAD, "a.safetensors"),
+            (Q, "a.safetensors"),
+        ],
+    );
+    assert_has(&open_err(&dir), &[Q, "listed twice"]);
+}
+
+#[test]
+fn weight_map_checks_still_allow_skipped_tensors_and_legacy_names() {
+    let dir = TempDir::new("wmskip");
+    write_shard(
+        &dir.join("a.safetensors"),
+        &[
+            t("vision_tower.pos_ids", "I64", &[3]),
+            t("language_model.layers.2.mlp_res_norm.weight", "BF16", &[2]),
+        ],
+    );
+    write_index_json(
+        dir.path(),
+        &[
+            ("vision_tower.pos_ids", "a.safetensors"),
+            // listed under the canonical spelling while the header uses the legacy one
+            (
+                "language_model.model.layers.2.mlp_res_norm.weight",
+                "a.safetensors",
+            ),
+        ],
+    );
+    let idx = CheckpointIndex::open(dir.path()).unwrap();
+    assert_eq!(idx.len(), 1);
+    assert_eq!(idx.skipped().len(), 1);
+}
