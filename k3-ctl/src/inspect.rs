@@ -166,8 +166,20 @@ pub fn census(cfg: &ModelConfig, idx: &CheckpointIndex) -> Census {
     // Every MoE layer must hold every expert with all six parts.
     let complete = experts.values().filter(|&&m| m == 0x3f).count() as u64;
     let expected = (cfg.n_moe() as u64) * (cfg.num_experts as u64);
-    let mut missing_total = expected.saturating_sub(complete);
+    let missing_total = expected.saturating_sub(complete);
     if missing_total > 0 {
+        note(
+            &mut problems,
+            &mut overflow,
+            format!(
+                "{missing_total} of {expected} routed experts ({} MoE layers × {}) are missing \
+                 or incomplete",
+                cfg.n_moe(),
+                cfg.num_experts
+            ),
+        );
+        // List a few. The scan stops after them, so it visits at most `complete + examples`
+        // pairs however large the config claims the model is.
         let mut listed = 0;
         'scan: for l in cfg.first_k_dense_replace..n_layers {
             for e in 0..cfg.num_experts {
@@ -175,31 +187,29 @@ pub fn census(cfg: &ModelConfig, idx: &CheckpointIndex) -> Census {
                 if mask == 0x3f {
                     continue;
                 }
-                missing_total -= 1;
-                if listed < MAX_LISTED / 2 {
-                    let absent: Vec<ExpertPart> = ExpertPart::ALL
-                        .into_iter()
-                        .filter(|p| mask & (1 << p.index()) == 0)
-                        .collect();
-                    let parts: Vec<&str> = absent.iter().map(|p| p.suffix()).collect();
-                    let what = if mask == 0 {
-                        "missing entirely".to_string()
-                    } else {
-                        format!("missing {}", parts.join(", "))
-                    };
-                    note(
-                        &mut problems,
-                        &mut overflow,
-                        format!(
-                            "routed expert {e} of layer {l} is incomplete: {what} (e.g. `{}`)",
-                            names::expert_tensor(l, e, absent[0])
-                        ),
-                    );
-                    listed += 1;
+                let absent: Vec<ExpertPart> = ExpertPart::ALL
+                    .into_iter()
+                    .filter(|p| mask & (1 << p.index()) == 0)
+                    .collect();
+                let what = if mask == 0 {
+                    "all six parts".to_string()
                 } else {
-                    overflow += 1;
-                }
-                if missing_total == 0 {
+                    absent
+                        .iter()
+                        .map(|p| p.suffix())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                note(
+                    &mut problems,
+                    &mut overflow,
+                    format!(
+                        "routed expert {e} of layer {l} lacks {what} (e.g. `{}`)",
+                        names::expert_tensor(l, e, absent[0])
+                    ),
+                );
+                listed += 1;
+                if listed == MAX_LISTED / 2 || listed as u64 == missing_total {
                     break 'scan;
                 }
             }

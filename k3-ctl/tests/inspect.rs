@@ -490,9 +490,11 @@ fn missing_expert_part_is_refused_by_name() {
     assert_eq!(out.status.code(), Some(2));
     let e = stderr(&out);
     assert!(
-        e.contains("routed expert 5 of layer 9") && e.contains(gone),
+        e.contains("routed expert 5 of layer 9 lacks w3.weight_scale"),
         "{e}"
     );
+    assert!(e.contains(gone), "{e}");
+    assert!(e.contains("1 of 96 routed experts"), "{e}");
     let j: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(j["ok"], false);
 }
@@ -513,6 +515,27 @@ fn transposed_expert_is_refused() {
     let out = inspect(&dir.0, false);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains(name), "{}", stderr(&out));
+}
+
+#[test]
+fn a_config_claiming_millions_of_experts_is_refused_quickly() {
+    let dir = TempDir::new("huge");
+    let mut cfg: Value = serde_json::from_str(TINY_CONFIG).unwrap();
+    cfg["text_config"]["num_experts"] = serde_json::json!(16_000_000);
+    write_checkpoint(&dir.0, &cfg.to_string(), &tiny_tensors());
+    let t0 = std::time::Instant::now();
+    let out = inspect(&dir.0, false);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        t0.elapsed().as_secs() < 30,
+        "census scanned every claimed expert"
+    );
+    let e = stderr(&out);
+    assert!(e.contains("191999904 of 192000000 routed experts"), "{e}");
+    assert!(
+        e.contains("routed expert 8 of layer 1 lacks all six parts"),
+        "{e}"
+    );
 }
 
 #[test]

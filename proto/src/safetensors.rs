@@ -480,6 +480,9 @@ fn read_index_json(dir: &Path, path: &Path) -> Result<WeightMap, IndexError> {
     if !raw.seen_weight_map {
         return Err(json_err("no `weight_map` object".into()));
     }
+    if raw.entries.is_empty() {
+        return Err(json_err("`weight_map` is empty".into()));
+    }
     // Shard ids follow sorted file names.
     let mut order: Vec<usize> = (0..raw.files.len()).collect();
     order.sort_by(|&a, &b| raw.files[a].cmp(&raw.files[b]));

@@ -288,6 +288,12 @@ fn index_json_malformed_or_escaping_the_directory() {
     )
     .unwrap();
     assert_has(&open_err(&dir), &["no `weight_map`"]);
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        "{\"weight_map\": {}}",
+    )
+    .unwrap();
+    assert_has(&open_err(&dir), &["`weight_map` is empty"]);
     write_index_json(dir.path(), &[(Q, "../a.safetensors")]);
     assert_has(
         &open_err(&dir),
