@@ -248,9 +248,12 @@ impl CheckpointIndex {
         }
         let diffs: Vec<WeightMapDiff> =
             ok.iter_mut().map(|o| std::mem::take(&mut o.diff)).collect();
+        // The listed names are no longer needed: free them before the merge allocates.
+        let listed_in_index_json = weight_map.is_some();
+        drop(weight_map);
         let index = merge(ok, paths)?;
-        if let Some(wm) = &weight_map {
-            index.report_weight_map(&index_path, wm, diffs)?;
+        if listed_in_index_json {
+            index.report_weight_map(&index_path, &files, diffs)?;
         }
         Ok(index)
     }
@@ -363,7 +366,7 @@ impl CheckpointIndex {
     fn report_weight_map(
         &self,
         index_path: &Path,
-        wm: &WeightMap,
+        files: &[String],
         diffs: Vec<WeightMapDiff>,
     ) -> Result<(), IndexError> {
         let mut errors = Vec::new();
@@ -377,7 +380,7 @@ impl CheckpointIndex {
             .flat_map(|d| d.not_in_header.iter().map(|s| s.as_str()))
             .collect();
         for (shard, d) in diffs.iter().enumerate() {
-            let file = &wm.files[shard];
+            let file = &files[shard];
             for name in &d.not_in_header {
                 match self.find(name) {
                     Some(i) => errors.push(err(
