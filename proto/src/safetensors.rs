@@ -71,6 +71,9 @@ pub enum IndexError {
         tensor: String,
         msg: String,
     },
+    /// A skipped (unreadable-dtype) tensor whose name occurs twice.
+    #[error("tensor `{tensor}` appears twice in the checkpoint")]
+    Repeated { tensor: String },
     #[error("{msg}")]
     Limit { msg: String },
     #[error("{}", list_errors(.0, .1))]
@@ -1158,9 +1161,7 @@ fn merge(outs: Vec<ShardOut>, paths: Vec<PathBuf>) -> Result<CheckpointIndex, In
         let mut seen = HashSet::new();
         for s in &index.skipped {
             if index.find(s).is_some() || !seen.insert(s.as_str()) {
-                errors.push(IndexError::Limit {
-                    msg: format!("tensor `{s}` appears twice in the checkpoint"),
-                });
+                errors.push(IndexError::Repeated { tensor: s.clone() });
             }
         }
     }

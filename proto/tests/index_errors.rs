@@ -419,3 +419,17 @@ fn weight_map_checks_still_allow_skipped_tensors_and_legacy_names() {
     assert_eq!(idx.len(), 1);
     assert_eq!(idx.skipped().len(), 1);
 }
+
+#[test]
+fn duplicate_skipped_tensor_across_shards() {
+    let dir = TempDir::new("dupskip");
+    write_shard(
+        &dir.join("a.safetensors"),
+        &[t("vision_tower.ids", "I64", &[2])],
+    );
+    write_shard(
+        &dir.join("b.safetensors"),
+        &[t("vision_tower.ids", "I64", &[2])],
+    );
+    assert_has(&open_err(&dir), &["vision_tower.ids", "twice"]);
+}
