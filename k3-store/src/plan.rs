@@ -212,6 +212,8 @@ pub struct PlanInputs {
     pub expert_slot_bytes: u64,
     /// Experts per token (the cache must hold at least this many).
     pub top_k: usize,
+    /// Routed experts in the checkpoint: more slots than this are never useful.
+    pub total_experts: usize,
     /// KDA layers.
     pub kda_layers: usize,
     /// Recurrent state + conv history of one KDA layer for one sequence.
@@ -257,6 +259,13 @@ impl PlanInputs {
             expert_slot_bytes: crate::experts::ExpertReader::slot_stride(&cfg.expert_layout())
                 as u64,
             top_k: cfg.num_experts_per_token,
+            total_experts: (0..cat.n_layers())
+                .map(|l| {
+                    (0..cat.n_experts())
+                        .filter(|&e| cat.expert(l, e).is_some())
+                        .count()
+                })
+                .sum(),
             kda_layers: cfg.n_kda(),
             kda_state_bytes: f * (h * d * d + 3 * p * conv),
             mla_layers: cfg.n_mla(),
@@ -350,7 +359,8 @@ impl MemoryPlan {
             ));
         }
         let stride = inputs.expert_slot_bytes.max(ALIGN as u64);
-        let expert_slots = (budget.cache_bytes / stride) as usize;
+        let budget_slots = usize::try_from(budget.cache_bytes / stride).unwrap_or(usize::MAX);
+        let expert_slots = budget_slots.min(inputs.total_experts.max(inputs.top_k));
         if expert_slots < inputs.top_k {
             problems.push(format!(
                 "expert cache budget {} holds {expert_slots} slots of {}; at least top_k = {} are \
@@ -575,6 +585,7 @@ mod tests {
             expert_bytes: 17_547_264,
             expert_slot_bytes: 17_547_264 + 4096,
             top_k: 16,
+            total_experts: 92 * 896,
             kda_layers: 69,
             kda_state_bytes: 4 * (96 * 128 * 128 + 3 * 12288 * 3),
             mla_layers: 24,
@@ -697,6 +708,13 @@ mod tests {
         let e = max.check(Some(8_000_000_000)).unwrap_err();
         assert!(e.contains("shortfall") && e.contains("available"), "{e}");
         assert!(max.check(Some(1 << 42)).is_ok());
+        // More cache than the checkpoint has experts: capped at the expert count.
+        let small = PlanInputs {
+            total_experts: 40,
+            ..i.clone()
+        };
+        let p = MemoryPlan::compute(&small, &b(&[BudgetFlag::Preset("max".into())]));
+        assert_eq!(p.expert_slots, 40);
     }
 
     #[test]

@@ -290,6 +290,7 @@ mod tests {
             expert_bytes: spec.layout.expert_bytes() as u64,
             expert_slot_bytes: crate::experts::ExpertReader::slot_stride(&spec.layout) as u64,
             top_k: 2,
+            total_experts: usize::MAX,
             kda_layers: 3,
             kda_state_bytes: 1000,
             mla_layers: 1,
