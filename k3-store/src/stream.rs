@@ -16,9 +16,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::io::AlignedBuf;
+use crate::io::{run_parallel, AlignedBuf};
 use crate::source::{ByteOwner, LayerRun, Region, SourceError};
 use crate::trunk::TrunkLayout;
+
+/// Parallel readers while loading the pinned prefix.
+const PIN_READERS: usize = 4;
 
 /// How to stream.
 #[derive(Clone, Debug)]
@@ -156,23 +159,31 @@ impl TrunkStream {
         };
         let t0 = Instant::now();
         let mut pinned = Vec::with_capacity(pinned_n);
-        for l in 0..pinned_n {
-            let plan = layout
-                .plan(l)
-                .ok_or_else(|| SourceError::Missing(format!("trunk layer {l}")))?;
-            let mut buf =
-                AlignedBuf::zeroed(layout.buf_len(l) as usize).map_err(SourceError::Io)?;
-            let inner = layout.read_layer(l, buf.as_mut_slice())?;
-            let owner: Arc<dyn ByteOwner> = Arc::new(buf);
-            let region = Region::new(owner, inner, plan.run_len as usize)
-                .ok_or_else(|| SourceError::Io(format!("layer {l}: run outside its buffer")))?;
-            stats.pinned_bytes += plan.run_len;
-            pinned.push(LayerRun {
-                layer: l,
-                region,
-                layout: plan.layout.clone(),
-            });
-            progress(l + 1, pinned_n);
+        // Pinned layers are read a few at a time in parallel (NVMe wants queue depth > 1).
+        let all: Vec<usize> = (0..pinned_n).collect();
+        for chunk in all.chunks(PIN_READERS) {
+            let read = |l: usize| -> Result<LayerRun, SourceError> {
+                let plan = layout
+                    .plan(l)
+                    .ok_or_else(|| SourceError::Missing(format!("trunk layer {l}")))?;
+                let mut buf =
+                    AlignedBuf::zeroed(layout.buf_len(l) as usize).map_err(SourceError::Io)?;
+                let inner = layout.read_layer(l, buf.as_mut_slice())?;
+                let owner: Arc<dyn ByteOwner> = Arc::new(buf);
+                let region = Region::new(owner, inner, plan.run_len as usize)
+                    .ok_or_else(|| SourceError::Io(format!("layer {l}: run outside its buffer")))?;
+                Ok(LayerRun {
+                    layer: l,
+                    region,
+                    layout: plan.layout.clone(),
+                })
+            };
+            for run in run_parallel(chunk.to_vec(), PIN_READERS, read) {
+                let run = run?;
+                stats.pinned_bytes += run.region.len() as u64;
+                pinned.push(run);
+            }
+            progress(pinned.len(), pinned_n);
         }
         stats.pinned_seconds = t0.elapsed().as_secs_f64();
         let slot_bytes = (pinned_n..n).map(|l| layout.buf_len(l)).max().unwrap_or(0);
