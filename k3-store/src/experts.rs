@@ -254,6 +254,11 @@ impl SlotTable {
         self.errors[slot].as_deref()
     }
 
+    /// Name of the eviction policy.
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
     /// Counters so far.
     pub fn counters(&self) -> &TableCounters {
         &self.counters
@@ -452,6 +457,11 @@ impl ExpertReader {
         (align_up(e).unwrap_or(e) as usize) + ALIGN
     }
 
+    /// True when every shard is read with `O_DIRECT`.
+    pub fn is_direct(&self) -> bool {
+        self.files.iter().all(|f| f.is_direct())
+    }
+
     /// Bytes of one expert.
     pub fn expert_bytes(&self) -> usize {
         self.layout.expert_bytes()
@@ -592,6 +602,17 @@ impl ExpertCache {
         files: Vec<Arc<DiskFile>>,
         opts: CacheOptions,
     ) -> Result<ExpertCache, SourceError> {
+        let policy = Box::new(Lru::new(opts.slots));
+        Self::with_policy(catalog, files, opts, policy)
+    }
+
+    /// Like [`ExpertCache::new`] with another eviction policy (sized for `opts.slots`).
+    pub fn with_policy(
+        catalog: Arc<Catalog>,
+        files: Vec<Arc<DiskFile>>,
+        opts: CacheOptions,
+        policy: Box<dyn EvictionPolicy>,
+    ) -> Result<ExpertCache, SourceError> {
         let layout = catalog.expert_layout();
         let stride = ExpertReader::slot_stride(&layout);
         let bufs = (0..opts.slots)
@@ -601,7 +622,7 @@ impl ExpertCache {
         Ok(ExpertCache {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
-                    table: SlotTable::new(opts.slots, Box::new(Lru::new(opts.slots))),
+                    table: SlotTable::new(opts.slots, policy),
                     bufs,
                     bytes_read: 0,
                     read_seconds: 0.0,
@@ -619,6 +640,23 @@ impl ExpertCache {
     /// Make reads of chosen experts fail (tests of the failure path).
     pub fn set_fail_hook(&mut self, hook: FailHook) {
         self.fail = Some(hook);
+    }
+
+    /// One line for the run report: slots, bytes, policy, read mode.
+    pub fn describe(&self) -> String {
+        let stride = ExpertReader::slot_stride(&self.catalog.expert_layout()) as u64;
+        let policy = self.shared.lock().table.policy_name();
+        format!(
+            "expert cache: {} slots x {} ({}), {policy}, {}",
+            self.opts.slots,
+            crate::plan::fmt_mb(stride),
+            crate::plan::fmt_bytes(stride * self.opts.slots as u64),
+            if self.reader.is_direct() {
+                "O_DIRECT"
+            } else {
+                "buffered reads"
+            }
+        )
     }
 
     /// Counters so far.

@@ -207,6 +207,11 @@ impl StandaloneSource {
     pub fn cache_stats(&self) -> CacheStats {
         self.experts.stats()
     }
+
+    /// The trunk-stream and expert-cache lines of the run report.
+    pub fn describe(&self) -> [String; 2] {
+        [self.stream.describe(), self.experts.describe()]
+    }
 }
 
 fn load_model_tensors(
@@ -330,6 +335,12 @@ mod tests {
         .unwrap();
         assert_eq!(plan.expert_slots, 3);
         assert_eq!((plan.pinned_layers, plan.ring_slots), (1, 1), "{plan}");
+        let [t, c] = src.describe();
+        assert!(
+            t.contains("1/4 layers PINNED") && t.contains("ring 1 x"),
+            "{t}"
+        );
+        assert!(c.contains("3 slots") && c.contains("lru"), "{c}");
         assert!(seen.iter().any(|(w, d, t)| w == "model tensors" && d == t));
         for (n, _, _) in fixture::model_tensors(&spec) {
             let r = src.model_tensor(&n).unwrap();

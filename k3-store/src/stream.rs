@@ -236,6 +236,36 @@ impl TrunkStream {
         })
     }
 
+    /// One line for the run report: where the trunk comes from, pinned layers, ring, read mode.
+    pub fn describe(&self) -> String {
+        let st = self.stats();
+        let layout = &self.shared.layout;
+        let from = match layout.packed_dir() {
+            Some(d) => format!("packed {}", d.display()),
+            None => "from the shards".to_string(),
+        };
+        let ring = if st.ring_slots == 0 {
+            "no ring".to_string()
+        } else {
+            format!(
+                "ring {} x {}",
+                st.ring_slots,
+                crate::plan::fmt_bytes(st.slot_bytes)
+            )
+        };
+        format!(
+            "trunk stream: {from}, {}/{} layers PINNED ({}), {ring}, {}",
+            st.pinned_layers,
+            layout.n_layers(),
+            crate::plan::fmt_bytes(st.pinned_bytes),
+            if layout.is_direct() {
+                "O_DIRECT"
+            } else {
+                "buffered reads"
+            }
+        )
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> StreamStats {
         self.shared.lock().stats.clone()
@@ -558,6 +588,12 @@ mod tests {
         // Everything pinned: no ring, no reader thread.
         let all = stream(layout, 5, 2, 1000);
         assert_eq!(all.stats().ring_slots, 0);
+        assert!(
+            all.describe().contains("5/5 layers PINNED"),
+            "{}",
+            all.describe()
+        );
+        assert!(s.describe().contains("2/5 layers PINNED") && s.describe().contains("ring 2 x"));
         verify(&spec, &all.layer(4).unwrap());
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
