@@ -239,7 +239,13 @@ impl DiskFile {
     /// Direct read of the aligned span starting at aligned `aoff` into aligned `dst`; needs at
     /// least `need` bytes (the tail of the last block may lie past EOF). `Ok(false)` when the
     /// filesystem refused `O_DIRECT` (the caller falls back).
-    fn direct_read(&self, aoff: u64, dst: &mut [u8], need: usize) -> Result<bool, ReadError> {
+    fn direct_read(
+        &self,
+        aoff: u64,
+        dst: &mut [u8],
+        need: usize,
+        (off, len): (u64, u64),
+    ) -> Result<bool, ReadError> {
         let Some(f) = self.direct.as_ref() else {
             return Ok(false);
         };
@@ -248,9 +254,12 @@ impl DiskFile {
             match f.read_at(&mut dst[done..], aoff + done as u64) {
                 Ok(0) => {
                     return Err(self.err(
-                        aoff,
-                        need as u64,
-                        format_args!("unexpected end of file after {done} bytes"),
+                        off,
+                        len,
+                        format_args!(
+                            "unexpected end of file after {} bytes (direct read)",
+                            (aoff + done as u64).saturating_sub(off)
+                        ),
                     ))
                 }
                 // A short direct read that is not block-aligned can only happen at EOF.
@@ -260,7 +269,7 @@ impl DiskFile {
                     self.direct_ok.store(false, Ordering::Relaxed);
                     return Ok(false);
                 }
-                Err(e) => return Err(self.err(aoff, need as u64, e)),
+                Err(e) => return Err(self.err(off, len, e)),
             }
         }
         Ok(true)
@@ -289,7 +298,9 @@ impl DiskFile {
         if len == 0 {
             return Ok(inner);
         }
-        if self.is_direct() && self.direct_read(aoff, &mut dst[..span as usize], need)? {
+        if self.is_direct()
+            && self.direct_read(aoff, &mut dst[..span as usize], need, (off, len))?
+        {
             return Ok(inner);
         }
         self.pread_exact(off, &mut dst[inner..need])?;
@@ -499,7 +510,14 @@ mod tests {
             .set_len(1000)
             .unwrap();
         let e = f.read_region(500, 3000).unwrap_err().0;
-        assert!(e.contains("end of file"), "{e}");
+        assert!(e.contains("end of file") && e.contains("offset 500"), "{e}");
+        let b = DiskFile::open_with(&p, false).unwrap();
+        let mut v = vec![0u8; 100];
+        let e = b.read_exact_at(950, &mut v).unwrap_err().0;
+        assert!(
+            e.contains("past end of file") && e.contains("offset 950"),
+            "{e}"
+        );
         let e = DiskFile::open(&d.join("nope")).unwrap_err().0;
         assert!(e.contains("nope"), "{e}");
         std::fs::remove_dir_all(&d).unwrap();
