@@ -30,8 +30,8 @@ pub struct StreamOptions {
     pub pinned: usize,
     /// Ring slots for the other layers (1 or 2; ignored when every layer is pinned).
     pub ring_slots: usize,
-    /// How long [`TrunkStream::layer`] waits for a ring slot before reporting that every slot
-    /// is held by live [`LayerRun`]s.
+    /// How long [`TrunkStream::layer`] waits while every ring slot is held by live
+    /// [`LayerRun`]s before reporting it (time spent waiting for the disk does not count).
     pub demand_timeout: Duration,
 }
 
@@ -305,7 +305,7 @@ impl TrunkStream {
             .plan(l)
             .ok_or_else(|| SourceError::Missing(format!("trunk layer {l}")))?;
         let t0 = Instant::now();
-        let deadline = t0 + self.demand_timeout;
+        let mut deadline = t0 + self.demand_timeout;
         let mut g = self.shared.lock();
         loop {
             let clock = g.clock + 1;
@@ -356,7 +356,15 @@ impl TrunkStream {
             g.demand = Some(l);
             self.shared.cv.notify_all();
             let now = Instant::now();
-            if now >= deadline {
+            // Only a ring whose every slot is held by live layer runs can never serve us; while
+            // a slot is free or being filled we wait for the disk however slow it is.
+            let all_held = g
+                .slots
+                .iter()
+                .all(|s| s.buf.as_ref().is_some_and(|b| Arc::strong_count(b) > 1));
+            if !all_held {
+                deadline = now + self.demand_timeout;
+            } else if now >= deadline {
                 if g.demand == Some(l) {
                     g.demand = None;
                 }
