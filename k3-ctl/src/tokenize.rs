@@ -6,6 +6,7 @@
 //! of the first invalid byte. Usage errors, an unreadable tokenizer or input, and bad ids exit 2;
 //! a failed write to stdout exits 1.
 
+use std::fmt::Write as _;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -141,7 +142,8 @@ pub fn run_tokenize(a: TokenizeArgs) -> i32 {
         if k > 0 {
             line.push(',');
         }
-        line.push_str(&id.to_string());
+        // Writing to a String cannot fail.
+        let _ = write!(line, "{id}");
     }
     line.push('\n');
     write_stdout("tokenize", line.as_bytes())

@@ -53,6 +53,11 @@ impl Hasher for FxHasher {
     }
 
     #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.add(n);
+    }
+
+    #[inline]
     fn finish(&self) -> u64 {
         self.hash
     }
@@ -60,6 +65,17 @@ impl Hasher for FxHasher {
 
 /// Hash map keyed by token bytes.
 pub type RankMap = HashMap<Box<[u8]>, u32, BuildHasherDefault<FxHasher>>;
+
+/// Longest token kept in the packed-key map.
+const SHORT_MAX: usize = 7;
+
+/// Packs 3..=7 bytes and their length into one integer key (no allocation, no memcmp).
+#[inline]
+fn pack_short(b: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    w[..b.len()].copy_from_slice(b);
+    u64::from_le_bytes(w) | ((b.len() as u64) << 56)
+}
 
 /// Rank tables used by the merge.
 #[derive(Debug)]
@@ -70,6 +86,8 @@ pub struct Ranks {
     pub byte: [u32; 256],
     /// Rank of each two-byte string, `NONE` if absent (`pair[(a << 8) | b]`).
     pub pair: Vec<u32>,
+    /// Ranks of the tokens of 3..=7 bytes, keyed by [`pack_short`] (most lookups of a merge).
+    short: HashMap<u64, u32, BuildHasherDefault<FxHasher>>,
 }
 
 impl Ranks {
@@ -81,18 +99,32 @@ impl Ranks {
             *slot = *map.get(&key[..]).ok_or(b as u8)?;
         }
         let mut pair = vec![NONE; 1 << 16];
+        let mut short = HashMap::default();
         for (k, &r) in &map {
-            if let [a, b] = **k {
-                pair[(usize::from(a) << 8) | usize::from(b)] = r;
+            match **k {
+                [a, b] => pair[(usize::from(a) << 8) | usize::from(b)] = r,
+                _ if (3..=SHORT_MAX).contains(&k.len()) => {
+                    short.insert(pack_short(k), r);
+                }
+                _ => {}
             }
         }
-        Ok(Ranks { map, byte, pair })
+        Ok(Ranks {
+            map,
+            byte,
+            pair,
+            short,
+        })
     }
 
+    /// Rank of `bytes`, `NONE` if it is not a token.
     #[inline]
     fn rank(&self, bytes: &[u8]) -> u32 {
-        match bytes {
-            [a, b] => self.pair[(usize::from(*a) << 8) | usize::from(*b)],
+        match bytes.len() {
+            0 => NONE,
+            1 => self.byte[usize::from(bytes[0])],
+            2 => self.pair[(usize::from(bytes[0]) << 8) | usize::from(bytes[1])],
+            3..=SHORT_MAX => self.short.get(&pack_short(bytes)).copied().unwrap_or(NONE),
             _ => self.map.get(bytes).copied().unwrap_or(NONE),
         }
     }
@@ -117,7 +149,8 @@ pub fn encode_piece(ranks: &Ranks, piece: &[u8], out: &mut Vec<u32>, scratch: &m
         0 => {}
         1 => out.push(ranks.byte[usize::from(piece[0])]),
         _ => {
-            if let Some(&r) = ranks.map.get(piece) {
+            let r = ranks.rank(piece);
+            if r != NONE {
                 out.push(r);
             } else if piece.len() <= SMALL_PIECE {
                 merge_scan(ranks, piece, out, scratch);
@@ -132,11 +165,7 @@ pub fn encode_piece(ranks: &Ranks, piece: &[u8], out: &mut Vec<u32>, scratch: &m
 /// ranked merge result).
 #[inline]
 fn push_part(ranks: &Ranks, bytes: &[u8], out: &mut Vec<u32>) {
-    let r = if bytes.len() == 1 {
-        ranks.byte[usize::from(bytes[0])]
-    } else {
-        ranks.rank(bytes)
-    };
+    let r = ranks.rank(bytes);
     debug_assert_ne!(r, NONE, "merged part without a rank");
     out.push(r);
 }

@@ -359,3 +359,35 @@ fn missing_directory_is_an_io_error() {
         other => panic!("expected Io, got {other:?}"),
     }
 }
+
+#[test]
+fn scan_and_heap_merges_agree_on_the_real_vocabulary() {
+    // Long pieces use the heap merge; check it against the scan merge on real pieces: Han runs,
+    // Thai without spaces, letters, digits-free punctuation runs and emoji, at many lengths.
+    let t = kimi();
+    let sources = [
+        "人工智能正在改变世界大型语言模型的推理需要大量内存和计算资源",
+        "ภาษาไทยไม่มีช่องว่างระหว่างคำสวัสดีชาวโลก",
+        "Pneumonoultramicroscopicsilicovolcanoconiosis",
+        "👨‍👩‍👧‍👦🏳️‍🌈👋🏽🇫🇷❤️",
+        "!!!???...---***###@@@((()))",
+        "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+    ];
+    let mut scratch = bpe::Scratch::default();
+    for src in sources {
+        let chars: Vec<char> = src.chars().collect();
+        for len in 1..=chars.len() {
+            for start in [0, chars.len() - len] {
+                let piece: String = chars[start..start + len].iter().collect();
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                if piece.len() < 2 {
+                    continue;
+                }
+                bpe::merge_scan(&t.ranks, piece.as_bytes(), &mut a, &mut scratch);
+                bpe::merge_heap(&t.ranks, piece.as_bytes(), &mut b, &mut scratch);
+                assert_eq!(a, b, "piece {piece:?}");
+                assert_eq!(t.decode(&a).unwrap(), piece.as_bytes());
+            }
+        }
+    }
+}
