@@ -125,9 +125,13 @@ pub fn parse_vocab(path: &Path, data: &[u8]) -> Result<Vocab, TokError> {
     map.reserve(n);
     offsets.push(0u32);
     for (r, slot) in by_rank.into_iter().enumerate() {
-        // Every slot is filled: n distinct ranks in 0..n.
+        // Every slot is filled (n distinct ranks in 0..n); kept as an error, not a panic.
         let Some((lineno, token)) = slot else {
-            return Err(err(0, format!("rank {r} missing")));
+            return Err(TokError::Format {
+                path: path.to_path_buf(),
+                line: None,
+                msg: format!("rank {r} missing"),
+            });
         };
         bytes.extend_from_slice(&token);
         offsets.push(
