@@ -77,8 +77,6 @@ def main():
         path = Path(d) / "bench.txt"
         path.write_bytes(data)
 
-        reference = None
-        results = {}
         chunks = list(tok_parity.kimi_chunks(text))
 
         def core():
@@ -87,31 +85,36 @@ def main():
                 ids.extend(enc.encode_ordinary(c))
             return ids
 
-        for name, fn in [
-            ("tiktoken core (pre-chunked)", core),
-            ("tiktoken + tokenization_kimi chunking", lambda: tok_parity.kimi_encode(enc, text)),
-        ]:
-            secs = []
-            for _ in range(a.runs):
-                t0 = time.perf_counter()
-                ids = fn()
-                secs.append(time.perf_counter() - t0)
-            if reference is None:
-                reference = ids
-            elif ids != reference:
-                sys.exit(f"{name}: ids differ from tiktoken core")
-            results[name] = secs
+        def k3(extra):
+            return lambda: k3_run(k3ctl, path, extra)
 
-        for name, extra in [("k3 (scanner pre-tokenizer)", ()), ("k3 (--regex-pretok)", ("--regex-pretok",))]:
-            secs = []
-            for _ in range(a.runs):
-                s, ids = k3_run(k3ctl, path, extra)
-                if ids != reference:
-                    sys.exit(f"{name}: ids differ from tiktoken")
-                secs.append(s)
-            results[name] = secs
+        def timed(fn):
+            t0 = time.perf_counter()
+            ids = fn()
+            return time.perf_counter() - t0, ids
 
-    print(f"tokens: {len(reference)} (identical across all engines)")
+        engines = [
+            ("tiktoken core (pre-chunked)", lambda: timed(core)),
+            ("tiktoken + tokenization_kimi chunking",
+             lambda: timed(lambda: tok_parity.kimi_encode(enc, text))),
+            ("k3 (scanner pre-tokenizer)", k3(())),
+            ("k3 (--regex-pretok)", k3(("--regex-pretok",))),
+        ]
+        reference = None
+        results = {name: [] for name, _ in engines}
+        # Runs are interleaved (each engine once per round) so that load from other processes
+        # on the machine affects every engine alike.
+        for _ in range(a.runs):
+            for name, fn in engines:
+                secs, ids = fn()
+                if reference is None:
+                    reference = ids
+                elif ids != reference:
+                    sys.exit(f"{name}: ids differ from tiktoken core")
+                results[name].append(secs)
+
+    print(f"tokens: {len(reference)} (identical across all engines); "
+          f"load average after: {os.getloadavg()[0]:.1f}")
     for name, secs in results.items():
         summary(name, len(data), secs)
 

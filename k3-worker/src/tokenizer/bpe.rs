@@ -13,7 +13,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 const SMALL_PIECE: usize = 96;
 
 /// Rank used for "no rank" (no token has it: ranks are < 2^24 by construction).
-const NONE: u32 = u32::MAX;
+pub const NONE: u32 = u32::MAX;
 
 /// The Fx hash (rustc's): fast on short byte strings; the keys are the fixed vocabulary.
 #[derive(Default, Clone, Copy)]
@@ -58,6 +58,12 @@ impl Hasher for FxHasher {
     }
 
     #[inline]
+    fn write_u128(&mut self, n: u128) {
+        self.add(n as u64);
+        self.add((n >> 64) as u64);
+    }
+
+    #[inline]
     fn finish(&self) -> u64 {
         self.hash
     }
@@ -66,8 +72,10 @@ impl Hasher for FxHasher {
 /// Hash map keyed by token bytes.
 pub type RankMap = HashMap<Box<[u8]>, u32, BuildHasherDefault<FxHasher>>;
 
-/// Longest token kept in the packed-key map.
+/// Longest token kept in the packed 64-bit-key map.
 const SHORT_MAX: usize = 7;
+/// Longest token kept in the packed 128-bit-key map.
+const MID_MAX: usize = 15;
 
 /// Packs 3..=7 bytes and their length into one integer key (no allocation, no memcmp).
 #[inline]
@@ -75,6 +83,14 @@ fn pack_short(b: &[u8]) -> u64 {
     let mut w = [0u8; 8];
     w[..b.len()].copy_from_slice(b);
     u64::from_le_bytes(w) | ((b.len() as u64) << 56)
+}
+
+/// Packs 8..=15 bytes and their length into one 128-bit key.
+#[inline]
+fn pack_mid(b: &[u8]) -> u128 {
+    let mut w = [0u8; 16];
+    w[..b.len()].copy_from_slice(b);
+    u128::from_le_bytes(w) | ((b.len() as u128) << 120)
 }
 
 /// Rank tables used by the merge.
@@ -88,6 +104,8 @@ pub struct Ranks {
     pub pair: Vec<u32>,
     /// Ranks of the tokens of 3..=7 bytes, keyed by [`pack_short`] (most lookups of a merge).
     short: HashMap<u64, u32, BuildHasherDefault<FxHasher>>,
+    /// Ranks of the tokens of 8..=15 bytes, keyed by [`pack_mid`]; longer ones use `map`.
+    mid: HashMap<u128, u32, BuildHasherDefault<FxHasher>>,
 }
 
 impl Ranks {
@@ -100,11 +118,15 @@ impl Ranks {
         }
         let mut pair = vec![NONE; 1 << 16];
         let mut short = HashMap::default();
+        let mut mid = HashMap::default();
         for (k, &r) in &map {
             match **k {
                 [a, b] => pair[(usize::from(a) << 8) | usize::from(b)] = r,
                 _ if (3..=SHORT_MAX).contains(&k.len()) => {
                     short.insert(pack_short(k), r);
+                }
+                _ if (SHORT_MAX + 1..=MID_MAX).contains(&k.len()) => {
+                    mid.insert(pack_mid(k), r);
                 }
                 _ => {}
             }
@@ -114,17 +136,19 @@ impl Ranks {
             byte,
             pair,
             short,
+            mid,
         })
     }
 
     /// Rank of `bytes`, `NONE` if it is not a token.
     #[inline]
-    fn rank(&self, bytes: &[u8]) -> u32 {
+    pub fn rank(&self, bytes: &[u8]) -> u32 {
         match bytes.len() {
             0 => NONE,
             1 => self.byte[usize::from(bytes[0])],
             2 => self.pair[(usize::from(bytes[0]) << 8) | usize::from(bytes[1])],
             3..=SHORT_MAX => self.short.get(&pack_short(bytes)).copied().unwrap_or(NONE),
+            8..=MID_MAX => self.mid.get(&pack_mid(bytes)).copied().unwrap_or(NONE),
             _ => self.map.get(bytes).copied().unwrap_or(NONE),
         }
     }

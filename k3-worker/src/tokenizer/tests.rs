@@ -391,3 +391,18 @@ fn scan_and_heap_merges_agree_on_the_real_vocabulary() {
         }
     }
 }
+
+#[test]
+fn every_token_looks_up_its_own_rank() {
+    // The lookup is split by length (byte table, pair table, packed 64/128-bit keys, byte-string
+    // map); every token must find its rank, and strings with trailing NUL bytes must not alias
+    // shorter ones.
+    let t = kimi();
+    for id in 0..t.n_ranks() {
+        let b = t.token_bytes(id).unwrap();
+        assert_eq!(t.ranks.rank(b), id, "token {id} {b:?}");
+    }
+    assert_eq!(t.ranks.rank(b"the\0"), bpe::NONE);
+    assert_eq!(t.ranks.rank(b"\0\0\0\0\0\0\0\0\0"), bpe::NONE);
+    assert_eq!(t.ranks.rank(b""), bpe::NONE);
+}
