@@ -208,10 +208,7 @@ unsafe fn load_bytes8(p: *const u8) -> __m256i {
 #[target_feature(enable = "avx2,fma")]
 fn e2m1(codes: __m256i, magnitudes: __m256) -> __m256 {
     let mag = _mm256_permutevar8x32_ps(magnitudes, codes);
-    let sign = _mm256_and_si256(
-        _mm256_slli_epi32::<28>(codes),
-        _mm256_set1_epi32(i32::MIN),
-    );
+    let sign = _mm256_and_si256(_mm256_slli_epi32::<28>(codes), _mm256_set1_epi32(i32::MIN));
     _mm256_xor_ps(mag, _mm256_castsi256_ps(sign))
 }
 

@@ -178,7 +178,13 @@ unsafe fn dot_bf16<const T: usize>(w: *const u8, x: [*const f32; T], cols: usize
 /// `row.len() == 2·cols`, `x.len() >= (t0+T)·cols`; AVX-512 F/BW/VL+FMA.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn bf16_tokens<const T: usize>(row: &[u8], cols: usize, x: &[f32], t0: usize, o: &mut [f32]) {
+unsafe fn bf16_tokens<const T: usize>(
+    row: &[u8],
+    cols: usize,
+    x: &[f32],
+    t0: usize,
+    o: &mut [f32],
+) {
     let xp: [*const f32; T] = std::array::from_fn(|i| x[(t0 + i) * cols..].as_ptr());
     // SAFETY: the row holds 2·cols bytes and each token slice starts a cols-float run (caller
     // contract); CPU features are the caller's contract.

@@ -224,7 +224,11 @@ impl Kernels {
         n: usize,
         y: &mut [f32],
     ) {
-        assert_eq!(Some(w.len()), rows.checked_mul(cols * 2), "bf16 weight bytes");
+        assert_eq!(
+            Some(w.len()),
+            rows.checked_mul(cols * 2),
+            "bf16 weight bytes"
+        );
         assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
         assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
         if cols == 0 {
@@ -268,8 +272,16 @@ impl Kernels {
             cols.is_multiple_of(32),
             "MXFP4 width {cols} is not a multiple of 32"
         );
-        assert_eq!(Some(packed.len()), rows.checked_mul(cols / 2), "MXFP4 packed bytes");
-        assert_eq!(Some(scales.len()), rows.checked_mul(cols / 32), "MXFP4 scale bytes");
+        assert_eq!(
+            Some(packed.len()),
+            rows.checked_mul(cols / 2),
+            "MXFP4 packed bytes"
+        );
+        assert_eq!(
+            Some(scales.len()),
+            rows.checked_mul(cols / 32),
+            "MXFP4 scale bytes"
+        );
         assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
         assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
         if cols == 0 {

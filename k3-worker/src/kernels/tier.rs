@@ -148,7 +148,10 @@ mod tests {
             choose_tier(Some("avx9")),
             Err(TierError::Unknown(v)) if v == "avx9"
         ));
-        assert!(matches!(choose_tier(Some("AVX2")), Err(TierError::Unknown(_))));
+        assert!(matches!(
+            choose_tier(Some("AVX2")),
+            Err(TierError::Unknown(_))
+        ));
         for t in Tier::ALL {
             let r = choose_tier(Some(t.name()));
             if t.is_available() {
