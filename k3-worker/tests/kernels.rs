@@ -33,6 +33,11 @@ fn dot_error_bound(cols: usize, abs_sum: f64) -> f64 {
     k * U_F32 / (1.0 - k * U_F32) * abs_sum + SUBNORMAL_SLACK
 }
 
+/// `|got − want| ≤ bound` (false for NaN).
+fn within(got: f64, want: f64, bound: f64) -> bool {
+    (got - want).abs() <= bound
+}
+
 // ------------------------------------------------------------------------------------------
 // Data
 
@@ -284,7 +289,7 @@ fn bf16_oracle_rejects_byte_swapped_weights() {
         let failing = (0..rows)
             .filter(|&r| {
                 let (exact, abs) = oracle_bf16(&bits[r * cols..(r + 1) * cols], &x);
-                !((y[r] as f64 - exact).abs() <= dot_error_bound(cols, abs))
+                !within(y[r] as f64, exact, dot_error_bound(cols, abs))
             })
             .count();
         assert!(
@@ -371,7 +376,7 @@ fn mxfp4_swapped_nibble_oracle_is_rejected() {
                     true,
                 );
                 let (exact, abs) = oracle_dot(&w, &x);
-                !((y[r] as f64 - exact).abs() <= dot_error_bound(cols, abs))
+                !within(y[r] as f64, exact, dot_error_bound(cols, abs))
             })
             .count();
         assert!(
