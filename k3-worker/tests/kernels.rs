@@ -676,6 +676,68 @@ fn rms_norm_is_mean_with_eps_inside_and_l2_is_sum() {
     assert_eq!(s[3], 0.0);
 }
 
+/// Child half of `k3_simd_env_forces_or_refuses_each_tier`: prints what `select_tier` chose.
+#[test]
+fn env_child_reports_tier() {
+    if std::env::var_os("K3_KERNELS_TEST_CHILD").is_none() {
+        return; // only meaningful when spawned by the parent test
+    }
+    match kernels::select_tier() {
+        Ok(t) => {
+            assert_eq!(kernels::active_tier(), t);
+            println!("SELECTED={t}");
+        }
+        Err(e) => println!("REFUSED={e}"),
+    }
+}
+
+/// `K3_SIMD` is read once per process: run this test binary as a child with each value.
+#[test]
+fn k3_simd_env_forces_or_refuses_each_tier() {
+    let exe = std::env::current_exe().expect("test binary path");
+    let run = |value: &str| -> String {
+        let out = std::process::Command::new(&exe)
+            .args([
+                "--exact",
+                "env_child_reports_tier",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("K3_KERNELS_TEST_CHILD", "1")
+            .env(kernels::SIMD_ENV, value)
+            .output()
+            .expect("spawn child test");
+        assert!(out.status.success(), "child failed for {value:?}");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        // libtest prints "test <name> ... " on the same line before the test's own output.
+        stdout
+            .lines()
+            .find_map(|l| {
+                let at = l.find("SELECTED=").or_else(|| l.find("REFUSED="))?;
+                Some(l[at..].to_string())
+            })
+            .unwrap_or_else(|| panic!("no report from child for {value:?}: {stdout}"))
+    };
+    for t in Tier::ALL {
+        let got = run(t.name());
+        if t.is_available() {
+            assert_eq!(got, format!("SELECTED={t}"));
+        } else {
+            assert!(
+                got.starts_with("REFUSED=") && got.contains("lacks"),
+                "{got}"
+            );
+        }
+    }
+    assert_eq!(run("auto"), format!("SELECTED={}", Tier::best_available()));
+    assert_eq!(run(""), format!("SELECTED={}", Tier::best_available()));
+    let bogus = run("sse9");
+    assert!(
+        bogus.starts_with("REFUSED=") && bogus.contains("\"sse9\""),
+        "{bogus}"
+    );
+}
+
 #[test]
 fn active_tier_is_available_and_matches_select() {
     if std::env::var_os(kernels::SIMD_ENV).is_some() {

@@ -226,7 +226,7 @@ impl Kernels {
     ) {
         assert_eq!(
             Some(w.len()),
-            rows.checked_mul(cols * 2),
+            rows.checked_mul(cols).and_then(|v| v.checked_mul(2)),
             "bf16 weight bytes"
         );
         assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
