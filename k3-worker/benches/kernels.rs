@@ -272,7 +272,11 @@ fn main() {
             mem.push((threads, s, m));
         }
     }
-    let mem_at = |threads: usize| mem.iter().find(|m| m.0 == threads).map_or(f64::NAN, |m| m.2);
+    let mem_at = |threads: usize| {
+        mem.iter()
+            .find(|m| m.0 == threads)
+            .map_or(f64::NAN, |m| m.2)
+    };
 
     // --- data --------------------------------------------------------------------------------
     let mut rng = Rng(42);
