@@ -9,9 +9,10 @@
 //!   sign bit. Activations arrive per 16 columns as `[8 even | 8 odd]` (see `split_even_odd`).
 //!   A group's 32 products are summed in 8 lanes, scaled by `2^(s−127)` and added to one of two
 //!   accumulators (even/odd groups).
-//! * matmul: each row is read once and dotted with `TOKEN_BLOCK` tokens at a time, each token
-//!   with its own accumulators and the same operation sequence as `T = 1` (matmul == matvec bit
-//!   for bit).
+//! * matmul: each loaded weight vector is used for `TOKEN_BLOCK` tokens at once; every token
+//!   has its own accumulators and the same operation sequence as `T = 1`, so matmul == matvec
+//!   bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2), so the
+//!   weights come from memory once and the activations of a block stay in L1/L2.
 
 use std::arch::x86_64::*;
 
@@ -171,19 +172,20 @@ pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: 
     assert!(w.len().is_multiple_of(rb), "bf16 rows: partial row");
     assert_eq!(out.len(), w.len() / rb * n, "bf16 rows vs output");
     assert_eq!(x.len(), n * cols, "bf16 rows input");
-    for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-        let mut t = 0;
-        while t + TOKEN_BLOCK <= n {
-            // SAFETY: row is 2·cols bytes and tokens t..t+2 lie in x (checked above); CPU
-            // features are this function's contract.
-            let r = unsafe { dot_bf16::<TOKEN_BLOCK>(row, x, cols, t) };
-            o[t..t + TOKEN_BLOCK].copy_from_slice(&r);
-            t += TOKEN_BLOCK;
-        }
-        if t < n {
-            // SAFETY: as above, for the one remaining token.
-            let [r] = unsafe { dot_bf16::<1>(row, x, cols, t) };
-            o[t] = r;
+    // Token blocks outer, rows inner: the task's rows stay in L2 while every token block passes
+    // over them, and each token block's activations stay in L1/L2.
+    for t in (0..n).step_by(TOKEN_BLOCK) {
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            if n - t >= TOKEN_BLOCK {
+                // SAFETY: row is 2·cols bytes and tokens t..t+2 lie in x (lengths checked
+                // above); CPU features are this function's contract.
+                let r = unsafe { dot_bf16::<TOKEN_BLOCK>(row, x, cols, t) };
+                o[t..t + TOKEN_BLOCK].copy_from_slice(&r);
+            } else {
+                // SAFETY: as above, for the one remaining token.
+                let [r] = unsafe { dot_bf16::<1>(row, x, cols, t) };
+                o[t] = r;
+            }
         }
     }
 }
@@ -309,23 +311,23 @@ pub(super) unsafe fn mxfp4_rows(
     assert_eq!(scales.len(), k * sw, "MXFP4 scales vs rows");
     assert_eq!(out.len(), k * n, "MXFP4 rows vs output");
     assert_eq!(x.len(), n * cols, "MXFP4 rows input");
-    for ((pr, sr), o) in packed
-        .chunks_exact(pw)
-        .zip(scales.chunks_exact(sw))
-        .zip(out.chunks_exact_mut(n))
-    {
-        let mut t = 0;
-        while t + TOKEN_BLOCK <= n {
-            // SAFETY: row slices have the checked lengths and tokens t..t+2 lie in x; CPU
-            // features are this function's contract.
-            let r = unsafe { dot_mxfp4::<TOKEN_BLOCK>(pr, sr, x, cols, t) };
-            o[t..t + TOKEN_BLOCK].copy_from_slice(&r);
-            t += TOKEN_BLOCK;
-        }
-        if t < n {
-            // SAFETY: as above, for the one remaining token.
-            let [r] = unsafe { dot_mxfp4::<1>(pr, sr, x, cols, t) };
-            o[t] = r;
+    // Token blocks outer, rows inner (see `bf16_rows`).
+    for t in (0..n).step_by(TOKEN_BLOCK) {
+        for ((pr, sr), o) in packed
+            .chunks_exact(pw)
+            .zip(scales.chunks_exact(sw))
+            .zip(out.chunks_exact_mut(n))
+        {
+            if n - t >= TOKEN_BLOCK {
+                // SAFETY: row slices have the checked lengths and tokens t..t+2 lie in x; CPU
+                // features are this function's contract.
+                let r = unsafe { dot_mxfp4::<TOKEN_BLOCK>(pr, sr, x, cols, t) };
+                o[t..t + TOKEN_BLOCK].copy_from_slice(&r);
+            } else {
+                // SAFETY: as above, for the one remaining token.
+                let [r] = unsafe { dot_mxfp4::<1>(pr, sr, x, cols, t) };
+                o[t] = r;
+            }
         }
     }
 }

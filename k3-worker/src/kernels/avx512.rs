@@ -10,9 +10,10 @@
 //!   (see `split_even_odd`), so `p = w_even·x_even + w_odd·x_odd` is the group's partial sum in
 //!   16 lanes; it is then scaled by the group's `2^(s−127)` into one of two accumulators
 //!   (even/odd groups).
-//! * matmul: each row is read once and dotted with `TOKEN_BLOCK` tokens at a time; every token
+//! * matmul: each loaded weight vector is used for `TOKEN_BLOCK` tokens at once; every token
 //!   has its own accumulators and the same operation sequence as `T = 1`, so matmul == matvec
-//!   bit for bit.
+//!   bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2), so the
+//!   weights come from memory once and the activations of a block stay in L1/L2.
 //!
 //! Never the AVX-512 BF16 dot instructions: they round the activations to bf16.
 
@@ -203,22 +204,21 @@ pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: 
     assert!(w.len().is_multiple_of(rb), "bf16 rows: partial row");
     assert_eq!(out.len(), w.len() / rb * n, "bf16 rows vs output");
     assert_eq!(x.len(), n * cols, "bf16 rows input");
-    for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-        let mut t = 0;
-        while t + TOKEN_BLOCK <= n {
-            // SAFETY: row is 2·cols bytes, tokens t..t+4 lie in x (checked above); CPU features
-            // are this function's contract.
-            unsafe { bf16_tokens::<TOKEN_BLOCK>(row, cols, x, t, o) };
-            t += TOKEN_BLOCK;
-        }
-        match n - t {
-            // SAFETY: as above, for the one remaining token.
-            1 => unsafe { bf16_tokens::<1>(row, cols, x, t, o) },
-            // SAFETY: as above.
-            2 => unsafe { bf16_tokens::<2>(row, cols, x, t, o) },
-            // SAFETY: as above.
-            3 => unsafe { bf16_tokens::<3>(row, cols, x, t, o) },
-            _ => {}
+    // Token blocks outer, rows inner: the task's rows stay in L2 while every token block passes
+    // over them, and each token block's activations stay in L1/L2.
+    for t in (0..n).step_by(TOKEN_BLOCK) {
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            match n - t {
+                // SAFETY: row is 2·cols bytes and tokens t..t+4 lie in x (lengths checked above);
+                // CPU features are this function's contract.
+                4.. => unsafe { bf16_tokens::<TOKEN_BLOCK>(row, cols, x, t, o) },
+                // SAFETY: as above, for the three remaining tokens.
+                3 => unsafe { bf16_tokens::<3>(row, cols, x, t, o) },
+                // SAFETY: as above, for the two remaining tokens.
+                2 => unsafe { bf16_tokens::<2>(row, cols, x, t, o) },
+                // SAFETY: as above, for the one remaining token.
+                _ => unsafe { bf16_tokens::<1>(row, cols, x, t, o) },
+            }
         }
     }
 }
@@ -359,26 +359,24 @@ pub(super) unsafe fn mxfp4_rows(
     assert_eq!(scales.len(), k * sw, "MXFP4 scales vs rows");
     assert_eq!(out.len(), k * n, "MXFP4 rows vs output");
     assert_eq!(x.len(), n * cols, "MXFP4 rows input");
-    for ((pr, sr), o) in packed
-        .chunks_exact(pw)
-        .zip(scales.chunks_exact(sw))
-        .zip(out.chunks_exact_mut(n))
-    {
-        let mut t = 0;
-        while t + TOKEN_BLOCK <= n {
-            // SAFETY: row slices have the checked lengths, tokens t..t+4 lie in x; CPU features
-            // are this function's contract.
-            unsafe { mxfp4_tokens::<TOKEN_BLOCK>(pr, sr, cols, x, t, o) };
-            t += TOKEN_BLOCK;
-        }
-        match n - t {
-            // SAFETY: as above, one remaining token.
-            1 => unsafe { mxfp4_tokens::<1>(pr, sr, cols, x, t, o) },
-            // SAFETY: as above, two remaining tokens.
-            2 => unsafe { mxfp4_tokens::<2>(pr, sr, cols, x, t, o) },
-            // SAFETY: as above, three remaining tokens.
-            3 => unsafe { mxfp4_tokens::<3>(pr, sr, cols, x, t, o) },
-            _ => {}
+    // Token blocks outer, rows inner (see `bf16_rows`).
+    for t in (0..n).step_by(TOKEN_BLOCK) {
+        for ((pr, sr), o) in packed
+            .chunks_exact(pw)
+            .zip(scales.chunks_exact(sw))
+            .zip(out.chunks_exact_mut(n))
+        {
+            match n - t {
+                // SAFETY: row slices have the checked lengths and tokens t..t+4 lie in x; CPU
+                // features are this function's contract.
+                4.. => unsafe { mxfp4_tokens::<TOKEN_BLOCK>(pr, sr, cols, x, t, o) },
+                // SAFETY: as above, for the three remaining tokens.
+                3 => unsafe { mxfp4_tokens::<3>(pr, sr, cols, x, t, o) },
+                // SAFETY: as above, for the two remaining tokens.
+                2 => unsafe { mxfp4_tokens::<2>(pr, sr, cols, x, t, o) },
+                // SAFETY: as above, for the one remaining token.
+                _ => unsafe { mxfp4_tokens::<1>(pr, sr, cols, x, t, o) },
+            }
         }
     }
 }
