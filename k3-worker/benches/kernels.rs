@@ -408,16 +408,26 @@ fn main() {
     // --- table -------------------------------------------------------------------------------
     println!();
     println!(
-        "{:<28} {:<7} {:>3} {:>10} {:>22} {:>8} {:>8} {:>5}",
-        "kernel", "tier", "thr", "median ms", "GB/s weights (min–max)", "GMAC/s", "÷mem bw", "cpu"
+        "{:<28} {:<7} {:>3} {:>10} {:>22} {:>8} {:>8} {:>5} {:>9}",
+        "kernel",
+        "tier",
+        "thr",
+        "median ms",
+        "GB/s weights (min–max)",
+        "GMAC/s",
+        "÷mem bw",
+        "cpu",
+        "GB/s/cpu"
     );
     let mut out_rows = Vec::new();
     for r in &rows {
         let (gbs, gbs_lo, gbs_hi) = rate(r.bytes / 1e9, r.stat);
         let (gmac, _, _) = rate(r.macs / 1e9, r.stat);
         let ratio = gbs / r.mem_gbs;
+        // Rate per CPU actually received (an estimate under contention, not a machine limit).
+        let per_cpu = gbs / (r.stat.cpu_share * r.threads as f64);
         println!(
-            "{:<28} {:<7} {:>3} {:>10.3} {:>8.2} ({:>5.2}–{:>5.2}) {:>8.2} {:>8.2} {:>5.2}",
+            "{:<28} {:<7} {:>3} {:>10.3} {:>8.2} ({:>5.2}–{:>5.2}) {:>8.2} {:>8.2} {:>5.2} {:>9.2}",
             r.kernel,
             r.tier.name(),
             r.threads,
@@ -427,7 +437,8 @@ fn main() {
             gbs_hi,
             gmac,
             ratio,
-            r.stat.cpu_share
+            r.stat.cpu_share,
+            per_cpu
         );
         out_rows.push(json!({
             "kernel": r.kernel, "tier": r.tier.name(), "threads": r.threads,
@@ -435,11 +446,15 @@ fn main() {
             "bytes": r.bytes, "macs": r.macs,
             "gb_per_s": {"median": gbs, "min": gbs_lo, "max": gbs_hi},
             "gmac_per_s": gmac, "ratio_to_memory_bandwidth": ratio,
-            "cpu_share": r.stat.cpu_share,
+            "cpu_share": r.stat.cpu_share, "gb_per_s_per_cpu_received": per_cpu,
         }));
     }
     println!(
-        "\nself-check against the scalar tier (max |Δ|/rms ≤ {CHECK_REL:e}): {}",
+        "\ncpu = share of the `thr` CPUs this process got during the timed runs (schedstat); \
+         GB/s/cpu = GB/s ÷ (cpu·thr), the rate per CPU actually received (an estimate)."
+    );
+    println!(
+        "self-check against the scalar tier (max |Δ|/rms ≤ {CHECK_REL:e}): {}",
         if checks_ok { "ok" } else { "FAILED" }
     );
 
