@@ -24,6 +24,8 @@ use super::scalar::{E2M1, E8M0_TABLE};
 /// Tokens dotted with one loaded weight row at a time (4 tokens × 4 accumulators + 4 weight
 /// vectors stay within the 32 zmm registers).
 const TOKEN_BLOCK: usize = 4;
+// The row loops below match remainders 1..=3 explicitly.
+const _: () = assert!(TOKEN_BLOCK == 4);
 
 // ------------------------------------------------------------------------------------------
 // Loads (each is one unsafe operation with a stated contract)
