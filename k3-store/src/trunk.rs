@@ -14,7 +14,6 @@
 //! by this module (64-byte aligned, name order).
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +22,7 @@ use k3_proto::Dtype;
 use serde::{Deserialize, Serialize};
 
 use crate::catalog::{Catalog, TensorExtent};
-use crate::io::{align_up, span_len, AlignedBuf, DiskFile, ReadError, ALIGN};
+use crate::io::{align_down, align_up, span_len, AlignedBuf, DiskFile, ReadError, ALIGN};
 use crate::source::{LayerLayout, TensorLoc};
 
 /// File names inside a packed-trunk directory.
@@ -205,10 +204,9 @@ pub fn pack_trunk(
         }
     }
     let werr = |e: std::io::Error| TrunkError::Io(format!("writing {}: {e}", bin_path.display()));
-    let mut out = std::fs::File::create(&bin_path).map_err(werr)?;
+    let out = std::fs::File::create(&bin_path).map_err(werr)?;
     let mut files: Vec<Option<DiskFile>> = (0..cat.shard_paths().len()).map(|_| None).collect();
     let mut buf = AlignedBuf::zeroed(PACK_CHUNK as usize + 2 * ALIGN).map_err(TrunkError::Io)?;
-    let zeros = vec![0u8; ALIGN];
     let mut layers = Vec::with_capacity(n);
     let mut pos = 0u64;
     let mut done = 0u64;
@@ -222,17 +220,16 @@ pub fn pack_trunk(
         while copied < len {
             let take = (len - copied).min(PACK_CHUNK);
             let inner = f.read_span(start + copied, take, buf.as_mut_slice())?;
-            out.write_all(&buf.as_slice()[inner..inner + take as usize])
-                .map_err(werr)?;
+            write_sparse(
+                &out,
+                pos + copied,
+                &buf.as_slice()[inner..inner + take as usize],
+            )
+            .map_err(werr)?;
             copied += take;
         }
+        // The padding up to the next 4 KiB boundary is left as a hole (reads as zeros).
         let padded = align_up(len).ok_or_else(|| TrunkError::Refused("run too large".into()))?;
-        let mut pad = padded - len;
-        while pad > 0 {
-            let k = pad.min(ALIGN as u64) as usize;
-            out.write_all(&zeros[..k]).map_err(werr)?;
-            pad -= k as u64;
-        }
         let tensors = cat
             .trunk(l)
             .iter()
@@ -262,6 +259,8 @@ pub fn pack_trunk(
             bytes_total,
         });
     }
+    // Holes at the end (an all-zero last block, padding) still count toward the length.
+    out.set_len(pos).map_err(werr)?;
     out.sync_all().map_err(werr)?;
     drop(out);
     let json = TrunkJson {
@@ -290,6 +289,25 @@ pub fn pack_trunk(
         largest_run: largest,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Write `data` at `off`, leaving every all-zero 4 KiB block (aligned to the file) as a hole: a
+/// sparse checkpoint (or a real one with zero pages) packs into a sparse `trunk.bin` with the
+/// same bytes. The caller sets the final file length.
+fn write_sparse(out: &std::fs::File, off: u64, data: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut i = 0usize;
+    while i < data.len() {
+        // Blocks follow the file's 4 KiB grid so holes are whole filesystem blocks.
+        let block_end = (align_down(off + i as u64) + ALIGN as u64 - off) as usize;
+        let end = block_end.min(data.len());
+        let block = &data[i..end];
+        if block.iter().any(|&b| b != 0) {
+            out.write_all_at(block, off + i as u64)?;
+        }
+        i = end;
+    }
+    Ok(())
 }
 
 /// A piece of a scattered layer: bytes `[off, off+len)` of `shard` go to `dst` in the buffer.
@@ -763,5 +781,41 @@ mod tests {
         assert!(contiguous_run(0, &[t("a", 0, 100, 10), t("b", 0, 105, 10)]).is_err());
         assert!(contiguous_run(0, &[t("a", 0, 100, 10), t("b", 1, 110, 10)]).is_err());
         assert!(contiguous_run(0, &[]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod sparse_tests {
+    use super::write_sparse;
+
+    #[test]
+    fn zero_blocks_become_holes_and_bytes_are_kept() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("k3-sparse-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("f");
+        let f = std::fs::File::create(&p).unwrap();
+        // 64 blocks of zeros with a few non-zero bytes straddling block boundaries, written at
+        // an unaligned offset.
+        let mut data = vec![0u8; 64 * 4096];
+        data[5] = 1;
+        data[4095] = 2;
+        data[4096] = 3;
+        data[40 * 4096 + 17] = 4;
+        let off = 100u64;
+        write_sparse(&f, off, &data).unwrap();
+        f.set_len(off + data.len() as u64 + 4096).unwrap();
+        drop(f);
+        let back = std::fs::read(&p).unwrap();
+        assert_eq!(&back[off as usize..off as usize + data.len()], &data[..]);
+        assert!(back[..off as usize].iter().all(|&b| b == 0));
+        assert!(back[off as usize + data.len()..].iter().all(|&b| b == 0));
+        // Only the blocks holding non-zero bytes were allocated (tmpfs and ext4 both report it).
+        let allocated = std::fs::metadata(&p).unwrap().blocks() * 512;
+        assert!(
+            allocated <= 8 * 4096,
+            "{allocated} bytes allocated for 4 non-zero blocks"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
