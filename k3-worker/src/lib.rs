@@ -1,3 +1,4 @@
 //! k3 worker library: kernels, the Kimi K3 forward pass, the tokenizer and generation.
 
 pub mod kernels;
+pub mod model;
