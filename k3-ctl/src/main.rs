@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod inspect;
+mod store_cmds;
 mod tokenize;
 
 /// k3 control: inspect checkpoints, tokenize, and (later) talk to the store.
@@ -21,6 +22,12 @@ enum Cmd {
     Tokenize(tokenize::TokenizeArgs),
     /// Write the exact bytes of a list of ids.
     Detokenize(tokenize::DetokenizeArgs),
+    /// Is a store up: model, preset, memory, clients.
+    Status(store_cmds::SocketArg),
+    /// The store's counters: TRUE resident hit rate, misses, evictions, bytes read, per job.
+    Stats(store_cmds::StatsArgs),
+    /// Ask the store to drain and exit; waits until its socket is gone.
+    Stop(store_cmds::SocketArg),
 }
 
 fn main() {
@@ -40,6 +47,9 @@ fn main() {
         Cmd::Inspect(a) => inspect::run(a),
         Cmd::Tokenize(a) => tokenize::run_tokenize(a),
         Cmd::Detokenize(a) => tokenize::run_detokenize(a),
+        Cmd::Status(a) => store_cmds::run_status(a),
+        Cmd::Stats(a) => store_cmds::run_stats(a),
+        Cmd::Stop(a) => store_cmds::run_stop(a),
     };
     std::process::exit(code);
 }

@@ -4,8 +4,13 @@
 //! index, the model config, tensor names, the packed-trunk description, the wire protocol and the
 //! shared-memory layout) and nothing about kernels or threads.
 
+pub mod config;
 pub mod dtype;
 pub mod exit;
 pub mod expert;
+pub mod names;
+pub mod paths;
+pub mod shm;
+pub mod wire;
 
 pub use dtype::Dtype;

@@ -1,0 +1,270 @@
+//! `k3-ctl status`, `stats`, `stop`: talk to a running store.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k3_proto::exit;
+use k3_proto::wire::{ClientKind, Counters, Request, Response, StatsReport};
+use k3_store::client::{Client, ClientError};
+
+/// Where the store listens.
+#[derive(clap::Args, Debug)]
+pub struct SocketArg {
+    /// Store socket (default: $XDG_RUNTIME_DIR/k3/store.sock, else /tmp/k3-$UID/store.sock).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+}
+
+impl SocketArg {
+    fn path(&self) -> PathBuf {
+        self.socket
+            .clone()
+            .unwrap_or_else(|| k3_proto::paths::default_socket(nix_uid()))
+    }
+}
+
+fn nix_uid() -> u32 {
+    k3_store::ipc::current_uid()
+}
+
+/// Arguments of `k3-ctl stats`.
+#[derive(clap::Args, Debug)]
+pub struct StatsArgs {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Print again every second until interrupted.
+    #[arg(long)]
+    pub watch: bool,
+}
+
+fn connect(s: &SocketArg) -> Result<Client, i32> {
+    Client::connect(&s.path(), ClientKind::Control, "k3-ctl").map_err(|e| {
+        eprintln!("k3-ctl: {e}");
+        match e {
+            ClientError::Unreachable { .. } | ClientError::Refused(_) => exit::NO_STORE,
+            _ => exit::FAILURE,
+        }
+    })
+}
+
+fn call(c: &mut Client, req: &Request) -> Result<Response, i32> {
+    c.call(req).map_err(|e| {
+        eprintln!("k3-ctl: {e}");
+        exit::NO_STORE
+    })
+}
+
+/// `k3-ctl status`.
+pub fn run_status(a: SocketArg) -> i32 {
+    let mut c = match connect(&a) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match call(&mut c, &Request::Status) {
+        Ok(Response::Status(s)) => {
+            println!("store: up, pid {}, uptime {:.1} s", s.pid, s.uptime_seconds);
+            println!("socket: {}", a.path().display());
+            println!("model: {}", s.model_dir);
+            println!("trunk: {}", s.trunk_dir);
+            println!("preset: {}", s.preset);
+            println!("shared memory: {:.3} GB", s.shm_bytes as f64 / 1e9);
+            println!("clients ({}):", s.clients.len());
+            for l in &s.clients {
+                println!("  {l}");
+            }
+            println!("{}", s.plan);
+            exit::OK
+        }
+        Ok(other) => {
+            eprintln!("k3-ctl: unexpected answer {other:?}");
+            exit::FAILURE
+        }
+        Err(code) => code,
+    }
+}
+
+/// `k3-ctl stop`.
+pub fn run_stop(a: SocketArg) -> i32 {
+    let path = a.path();
+    let mut c = match connect(&a) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match call(&mut c, &Request::Stop) {
+        Ok(Response::Stopping) => {}
+        Ok(other) => {
+            eprintln!("k3-ctl: unexpected answer {other:?}");
+            return exit::FAILURE;
+        }
+        Err(code) => return code,
+    }
+    drop(c);
+    // The store removes its socket once it has drained; wait for that (capped).
+    for _ in 0..300 {
+        if !path.exists() {
+            println!("store stopped");
+            return exit::OK;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "k3-ctl: the store acknowledged the stop but {} still exists after 30 s",
+        path.display()
+    );
+    exit::FAILURE
+}
+
+fn pct(c: &Counters) -> String {
+    if c.requests == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}%", 100.0 * c.true_resident_hit_rate())
+    }
+}
+
+fn mbps(c: &Counters) -> String {
+    if c.read_seconds > 0.0 {
+        format!("{:.1}", c.bytes_read as f64 / 1e6 / c.read_seconds)
+    } else {
+        "-".into()
+    }
+}
+
+/// Render a stats report as the text table `k3-ctl stats` prints.
+pub fn render_stats(s: &StatsReport) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let l = &s.lifetime;
+    let _ = writeln!(o, "k3-store stats  (uptime {:.1} s)", s.uptime_seconds);
+    let _ = writeln!(
+        o,
+        "lifetime: requests {}  TRUE resident hits {} ({})  misses {}  evictions {}  failed loads {}",
+        l.requests,
+        l.resident_hits,
+        pct(l),
+        l.misses,
+        l.evictions,
+        l.failed_loads
+    );
+    let _ = writeln!(
+        o,
+        "          read {:.3} GB in {:.2} s ({} MB/s)",
+        l.bytes_read as f64 / 1e9,
+        l.read_seconds,
+        mbps(l)
+    );
+    let _ = writeln!(
+        o,
+        "memory:   pinned layers {}  arena slots used {}/{}  leased {}  workers {}",
+        s.pinned_layers, s.slots_used, s.slots_total, s.slots_leased, s.workers
+    );
+    if !s.jobs.is_empty() {
+        let _ = writeln!(
+            o,
+            "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10}",
+            "job", "label", "live", "requests", "hits", "misses", "TRUE hit", "read MB"
+        );
+        for j in &s.jobs {
+            let c = &j.counters;
+            let _ = writeln!(
+                o,
+                "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10.1}",
+                j.conn,
+                j.label,
+                if j.live { "yes" } else { "no" },
+                c.requests,
+                c.resident_hits,
+                c.misses,
+                pct(c),
+                c.bytes_read as f64 / 1e6
+            );
+        }
+    }
+    o
+}
+
+/// `k3-ctl stats`.
+pub fn run_stats(a: StatsArgs) -> i32 {
+    let mut c = match connect(&a.socket) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    loop {
+        match call(&mut c, &Request::Stats) {
+            Ok(Response::Stats(s)) => {
+                if a.json {
+                    match serde_json::to_string(&s) {
+                        Ok(j) => println!("{j}"),
+                        Err(e) => {
+                            eprintln!("k3-ctl: {e}");
+                            return exit::FAILURE;
+                        }
+                    }
+                } else {
+                    print!("{}", render_stats(&s));
+                }
+            }
+            Ok(other) => {
+                eprintln!("k3-ctl: unexpected answer {other:?}");
+                return exit::FAILURE;
+            }
+            Err(code) => return code,
+        }
+        if !a.watch {
+            return exit::OK;
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        println!();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k3_proto::wire::JobStats;
+
+    #[test]
+    fn stats_table_shows_true_hit_rate_per_job() {
+        let s = StatsReport {
+            lifetime: Counters {
+                requests: 10,
+                resident_hits: 4,
+                misses: 6,
+                ..Default::default()
+            },
+            jobs: vec![
+                JobStats {
+                    conn: 1,
+                    label: "first".into(),
+                    live: false,
+                    counters: Counters {
+                        requests: 5,
+                        misses: 5,
+                        ..Default::default()
+                    },
+                },
+                JobStats {
+                    conn: 2,
+                    label: "second".into(),
+                    live: true,
+                    counters: Counters {
+                        requests: 5,
+                        resident_hits: 4,
+                        misses: 1,
+                        ..Default::default()
+                    },
+                },
+            ],
+            ..Default::default()
+        };
+        let t = render_stats(&s);
+        assert!(t.contains("TRUE resident hits 4 (40.0%)"), "{t}");
+        let second = t.lines().find(|l| l.contains("second")).unwrap();
+        assert!(second.contains("80.0%"), "{second}");
+        let first = t.lines().find(|l| l.contains("first")).unwrap();
+        assert!(first.contains("0.0%"), "{first}");
+    }
+}

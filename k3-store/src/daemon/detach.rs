@@ -1,0 +1,144 @@
+//! `k3-store start --detach`: the parent re-executes the store in the background and returns only
+//! when the child has said, on a pipe, that it is ready (or why it failed). No polling of the
+//! socket file: readiness is a typed message.
+//!
+//! Protocol on the pipe (one line): `READY <socket path>` or `FAILED <exit code> <message>`.
+//! A child that exits without a line (a crash) is reported as a failure with its log's path.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// What the detached child reported.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Readiness {
+    /// Serving at this socket; the child's pid.
+    Ready {
+        /// Socket path.
+        socket: String,
+        /// Child pid.
+        pid: u32,
+    },
+    /// Failed before serving.
+    Failed {
+        /// The exit code the child used.
+        code: i32,
+        /// Why.
+        message: String,
+    },
+}
+
+/// The child's end of the readiness pipe (a no-op when not detached).
+pub struct Notifier(Option<File>);
+
+impl Notifier {
+    /// Not detached: messages go nowhere.
+    pub fn none() -> Notifier {
+        Notifier(None)
+    }
+
+    /// Take ownership of the descriptor passed as `--ready-fd`.
+    ///
+    /// # Safety
+    /// `fd` must be an open descriptor inherited from the parent for this purpose and used by
+    /// nothing else in this process.
+    pub unsafe fn from_fd(fd: i32) -> Notifier {
+        // SAFETY: guaranteed by the caller.
+        Notifier(Some(unsafe { File::from_raw_fd(fd) }))
+    }
+
+    /// Tell the parent the store serves at `socket`; closes the pipe.
+    pub fn ready(&mut self, socket: &Path) {
+        if let Some(mut f) = self.0.take() {
+            let _ = writeln!(f, "READY {}", socket.display());
+        }
+    }
+
+    /// Tell the parent start-up failed; closes the pipe.
+    pub fn failed(&mut self, code: i32, message: &str) {
+        if let Some(mut f) = self.0.take() {
+            let _ = writeln!(f, "FAILED {code} {}", message.replace('\n', " | "));
+        }
+    }
+}
+
+/// Parse one readiness line.
+pub fn parse_line(line: &str, pid: u32) -> Option<Readiness> {
+    let line = line.trim_end();
+    if let Some(sock) = line.strip_prefix("READY ") {
+        return Some(Readiness::Ready {
+            socket: sock.to_string(),
+            pid,
+        });
+    }
+    let rest = line.strip_prefix("FAILED ")?;
+    let (code, msg) = rest.split_once(' ').unwrap_or((rest, ""));
+    Some(Readiness::Failed {
+        code: code.parse().ok()?,
+        message: msg.to_string(),
+    })
+}
+
+/// Re-run this executable with `args` plus `--ready-fd N` in its own process group, stdout and
+/// stderr appended to `log`, and wait for its readiness line.
+pub fn spawn_and_wait(args: &[OsString], log: &Path) -> std::io::Result<Readiness> {
+    let exe = std::env::current_exe()?;
+    let (rd, wr): (OwnedFd, OwnedFd) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    // The child must inherit the write end: clear close-on-exec on it only.
+    nix::fcntl::fcntl(
+        &wr,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+    )?;
+    let logf = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args)
+        .arg("--ready-fd")
+        .arg(wr.as_raw_fd().to_string())
+        .stdin(Stdio::null())
+        .stdout(logf.try_clone()?)
+        .stderr(logf)
+        .process_group(0);
+    let child = cmd.spawn()?;
+    drop(wr); // only the child holds the write end now: EOF means it is gone
+    let mut line = String::new();
+    BufReader::new(File::from(rd)).read_line(&mut line)?;
+    Ok(parse_line(&line, child.id()).unwrap_or(Readiness::Failed {
+        code: k3_proto::exit::FAILURE,
+        message: format!(
+            "the store exited during start-up without a word; see {}",
+            log.display()
+        ),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_parse() {
+        assert_eq!(
+            parse_line("READY /tmp/k3-0/store.sock\n", 9),
+            Some(Readiness::Ready {
+                socket: "/tmp/k3-0/store.sock".into(),
+                pid: 9
+            })
+        );
+        assert_eq!(
+            parse_line("FAILED 2 plan does not fit | need 5 GB\n", 9),
+            Some(Readiness::Failed {
+                code: 2,
+                message: "plan does not fit | need 5 GB".into()
+            })
+        );
+        assert_eq!(parse_line("", 9), None);
+        assert_eq!(parse_line("FAILED x y", 9), None);
+    }
+}

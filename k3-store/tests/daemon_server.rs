@@ -1,0 +1,191 @@
+//! The daemon's server against a fake backend: handshake, version refusal, dispatch, release on
+//! disconnect (including an abrupt close), stop and socket removal.
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use k3_proto::wire::{
+    ClientKind, Request, Response, SlotAnswer, StatsReport, StatusReport, PROTOCOL_VERSION,
+};
+use k3_store::client::{Client, ClientError};
+use k3_store::daemon::{Backend, ConnId, Server};
+use k3_store::shmem::Segment;
+
+#[derive(Default)]
+struct Log {
+    leased: Vec<(ConnId, u32, Vec<u32>)>,
+    released: Vec<ConnId>,
+}
+
+struct Fake {
+    log: Arc<Mutex<Log>>,
+    seg: Segment,
+}
+
+impl Backend for Fake {
+    fn experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response {
+        self.log
+            .lock()
+            .unwrap()
+            .leased
+            .push((conn, layer, ids.to_vec()));
+        Response::Experts {
+            answers: ids
+                .iter()
+                .map(|&e| SlotAnswer::Leased { slot: e * 10 })
+                .collect(),
+            resident_hits: 0,
+        }
+    }
+    fn release_all(&self, conn: ConnId) {
+        self.log.lock().unwrap().released.push(conn);
+    }
+    fn stats(&self, _conn: ConnId) -> StatsReport {
+        StatsReport {
+            slots_total: 7,
+            ..Default::default()
+        }
+    }
+    fn status(&self) -> StatusReport {
+        StatusReport {
+            preset: "test".into(),
+            ..Default::default()
+        }
+    }
+    fn worker_fd(&self) -> std::io::Result<(OwnedFd, u64)> {
+        Ok((self.seg.read_only_fd()?, self.seg.len() as u64))
+    }
+    fn dirs(&self) -> (String, String) {
+        ("/model".into(), "/trunk".into())
+    }
+}
+
+fn start(
+    tag: &str,
+) -> (
+    std::path::PathBuf,
+    Arc<AtomicBool>,
+    Arc<Mutex<Log>>,
+    std::thread::JoinHandle<usize>,
+) {
+    let dir = std::env::temp_dir().join(format!("k3-srv-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let sock = dir.join("store.sock");
+    let listener = k3_store::ipc::bind(&sock).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let log = Arc::new(Mutex::new(Log::default()));
+    let mut seg = Segment::create("k3-srv-test", 4096).unwrap();
+    seg.bytes_mut()[0] = 42;
+    let server = Server::new(
+        listener,
+        sock.clone(),
+        Fake {
+            log: log.clone(),
+            seg,
+        },
+        stop.clone(),
+    );
+    let h = std::thread::spawn(move || server.run());
+    (sock, stop, log, h)
+}
+
+#[test]
+fn worker_handshake_gets_memory_and_leases() {
+    let (sock, stop, log, h) = start("worker");
+    let mut c = Client::connect(&sock, ClientKind::Worker, "test worker").unwrap();
+    let fd = c.shm_fd.take().expect("workers receive the shared memory");
+    let view = k3_store::shmem::ReadOnlySegment::map(fd, 4096).unwrap();
+    assert_eq!(view.bytes()[0], 42);
+    match c
+        .call(&Request::Experts {
+            layer: 3,
+            ids: vec![5, 1],
+        })
+        .unwrap()
+    {
+        Response::Experts { answers, .. } => assert_eq!(
+            answers,
+            vec![
+                SlotAnswer::Leased { slot: 50 },
+                SlotAnswer::Leased { slot: 10 }
+            ]
+        ),
+        other => panic!("{other:?}"),
+    }
+    match c.call(&Request::Stats).unwrap() {
+        Response::Stats(s) => assert_eq!(s.slots_total, 7),
+        other => panic!("{other:?}"),
+    }
+    // An abrupt close (as after SIGKILL) releases the connection's leases.
+    drop(c);
+    for _ in 0..200 {
+        if !log.lock().unwrap().released.is_empty() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(log.lock().unwrap().released.len(), 1);
+    assert_eq!(log.lock().unwrap().leased[0].1, 3);
+    stop.store(true, Ordering::SeqCst);
+    assert_eq!(h.join().unwrap(), 0);
+    assert!(!sock.exists(), "socket removed on shutdown");
+}
+
+#[test]
+fn version_mismatch_is_refused_naming_both() {
+    let (sock, stop, _log, h) = start("version");
+    let err = Client::connect_with_version(&sock, ClientKind::Worker, "old", PROTOCOL_VERSION + 7)
+        .err()
+        .expect("refused");
+    match err {
+        ClientError::Refused(msg) => {
+            assert!(msg.contains(&format!("v{}", PROTOCOL_VERSION + 7)), "{msg}");
+            assert!(msg.contains(&format!("v{PROTOCOL_VERSION}")), "{msg}");
+        }
+        other => panic!("{other:?}"),
+    }
+    stop.store(true, Ordering::SeqCst);
+    h.join().unwrap();
+}
+
+#[test]
+fn control_clients_cannot_lease_and_stop_drains() {
+    let (sock, _stop, _log, h) = start("ctl");
+    let mut c = Client::connect(&sock, ClientKind::Control, "k3-ctl").unwrap();
+    assert!(c.shm_fd.is_none(), "control clients get no memory");
+    assert!(matches!(
+        c.call(&Request::Experts {
+            layer: 0,
+            ids: vec![1]
+        })
+        .unwrap(),
+        Response::Error { .. }
+    ));
+    match c.call(&Request::Status).unwrap() {
+        Response::Status(s) => {
+            assert_eq!(s.preset, "test");
+            assert_eq!(s.clients, vec!["k3-ctl".to_string()]);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.call(&Request::Stop).unwrap(), Response::Stopping);
+    drop(c);
+    assert_eq!(h.join().unwrap(), 0);
+    assert!(!sock.exists());
+    assert!(matches!(
+        Client::connect(&sock, ClientKind::Control, "late"),
+        Err(ClientError::Unreachable { .. })
+    ));
+}
+
+#[test]
+fn first_message_must_be_hello() {
+    let (sock, stop, _log, h) = start("hello");
+    let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    k3_store::ipc::send_frame(&mut s, &Request::Stats, None).unwrap();
+    let (resp, _) = k3_store::ipc::recv_frame::<Response>(&mut s).unwrap();
+    assert!(matches!(resp, Response::Error { message } if message.contains("Hello")));
+    stop.store(true, Ordering::SeqCst);
+    h.join().unwrap();
+}

@@ -1,0 +1,428 @@
+//! The store's shared-memory layout.
+//!
+//! One memfd holds everything: a header page (this module's [`ShmHeader`]), then 4 KiB-aligned
+//! regions named by the header's region table — the model-level resident tensors, the pinned
+//! trunk layers, the routed-expert arena (fixed whole-expert slots) and the slot table. Only the
+//! store writes; workers map the memfd read-only and read a slot only under a lease granted on
+//! the socket.
+//!
+//! The header is plain `#[repr(C)]` data with a compile-time size check. It is encoded and
+//! decoded field by field in little-endian (no transmute), so a worker never trusts the mapping
+//! blindly: [`ShmHeader::decode`] checks magic, layout version, sizes and that every region lies
+//! inside the mapping without overlapping another.
+
+use serde::{Deserialize, Serialize};
+
+/// Magic bytes at offset 0.
+pub const SHM_MAGIC: [u8; 8] = *b"K3STORE\0";
+/// Bumped on any change to the layout.
+pub const SHM_LAYOUT_VERSION: u32 = 1;
+/// Region table capacity: 5 model tensors + up to 93 pinned layers + arena + slot table, with room.
+pub const MAX_REGIONS: usize = 256;
+/// Alignment of every region (O_DIRECT reads land in place).
+pub const REGION_ALIGN: u64 = 4096;
+
+/// What a region holds.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RegionKind {
+    /// A model-level tensor; `index` = position in [`crate::names::MODEL_TENSORS`].
+    ModelTensor = 1,
+    /// A pinned trunk layer run; `index` = 0-based layer.
+    PinnedLayer = 2,
+    /// The routed-expert arena; `index` = 0.
+    ExpertArena = 3,
+    /// The slot table ([`SlotEntry`] per slot); `index` = 0.
+    SlotTable = 4,
+}
+
+impl RegionKind {
+    fn from_u32(v: u32) -> Option<RegionKind> {
+        Some(match v {
+            1 => RegionKind::ModelTensor,
+            2 => RegionKind::PinnedLayer,
+            3 => RegionKind::ExpertArena,
+            4 => RegionKind::SlotTable,
+            _ => return None,
+        })
+    }
+}
+
+/// One entry of the region table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RegionEntry {
+    /// [`RegionKind`] as u32.
+    pub kind: u32,
+    /// Kind-specific index (layer, tensor position).
+    pub index: u32,
+    /// Byte offset from the start of the mapping (multiple of [`REGION_ALIGN`]).
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+const _: () = assert!(std::mem::size_of::<RegionEntry>() == 24);
+
+/// One entry of the slot table (written by the store; workers may read it for diagnostics only —
+/// leases, not this table, make a slot safe to read).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotEntry {
+    /// 0 EMPTY, 1 INFLIGHT, 2 RESIDENT.
+    pub state: u32,
+    /// Layer of the resident expert.
+    pub layer: u32,
+    /// Expert id of the resident expert.
+    pub expert: u32,
+    /// Number of live leases.
+    pub leases: u32,
+}
+const _: () = assert!(std::mem::size_of::<SlotEntry>() == 16);
+
+/// The header at offset 0 of the mapping.
+#[repr(C)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShmHeader {
+    /// [`SHM_MAGIC`].
+    pub magic: [u8; 8],
+    /// [`SHM_LAYOUT_VERSION`].
+    pub layout_version: u32,
+    /// `size_of::<ShmHeader>()` of the writer.
+    pub header_bytes: u32,
+    /// Total bytes of the mapping.
+    pub total_bytes: u64,
+    /// [`model_identity`] of the checkpoint the store serves.
+    pub model_identity: u64,
+    /// Entries used in `regions`.
+    pub n_regions: u32,
+    /// Slots in the expert arena.
+    pub slot_count: u32,
+    /// Distance between consecutive slots in the arena (≥ expert_bytes, multiple of 4096).
+    pub slot_stride: u64,
+    /// Bytes of one expert in canonical layout.
+    pub expert_bytes: u64,
+    /// Reserved, zero.
+    pub reserved: u64,
+    /// The region table; entries past `n_regions` are zero.
+    pub regions: [RegionEntry; MAX_REGIONS],
+}
+
+/// Bytes of the encoded header.
+pub const HEADER_BYTES: usize = 64 + 24 * MAX_REGIONS;
+const _: () = assert!(std::mem::size_of::<ShmHeader>() == HEADER_BYTES);
+
+/// Where the first region may start.
+pub const FIRST_REGION_OFFSET: u64 =
+    HEADER_BYTES.div_ceil(REGION_ALIGN as usize) as u64 * REGION_ALIGN;
+
+/// Layout errors found when decoding a header.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ShmError {
+    /// Mapping shorter than a header.
+    #[error("shared memory is {0} bytes, shorter than its header")]
+    TooShort(usize),
+    /// Wrong magic.
+    #[error("not a k3 store segment (bad magic)")]
+    BadMagic,
+    /// Layout version mismatch.
+    #[error("shared-memory layout v{found}, this build reads v{expected}")]
+    Version {
+        /// Found in the segment.
+        found: u32,
+        /// This build's.
+        expected: u32,
+    },
+    /// Anything else inconsistent.
+    #[error("inconsistent shared-memory header: {0}")]
+    Inconsistent(String),
+}
+
+impl ShmHeader {
+    /// An empty header for a mapping of `total_bytes`.
+    pub fn new(total_bytes: u64, model_identity: u64) -> ShmHeader {
+        ShmHeader {
+            magic: SHM_MAGIC,
+            layout_version: SHM_LAYOUT_VERSION,
+            header_bytes: HEADER_BYTES as u32,
+            total_bytes,
+            model_identity,
+            n_regions: 0,
+            slot_count: 0,
+            slot_stride: 0,
+            expert_bytes: 0,
+            reserved: 0,
+            regions: [RegionEntry {
+                kind: 0,
+                index: 0,
+                offset: 0,
+                len: 0,
+            }; MAX_REGIONS],
+        }
+    }
+
+    /// Append a region; errors when the table is full.
+    pub fn push_region(
+        &mut self,
+        kind: RegionKind,
+        index: u32,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), ShmError> {
+        let n = self.n_regions as usize;
+        if n >= MAX_REGIONS {
+            return Err(ShmError::Inconsistent("region table full".into()));
+        }
+        self.regions[n] = RegionEntry {
+            kind: kind as u32,
+            index,
+            offset,
+            len,
+        };
+        self.n_regions += 1;
+        Ok(())
+    }
+
+    /// The used regions.
+    pub fn regions(&self) -> &[RegionEntry] {
+        &self.regions[..self.n_regions as usize]
+    }
+
+    /// Find a region by kind and index.
+    pub fn find(&self, kind: RegionKind, index: u32) -> Option<RegionEntry> {
+        self.regions()
+            .iter()
+            .copied()
+            .find(|r| r.kind == kind as u32 && r.index == index)
+    }
+
+    /// Little-endian encoding, exactly [`HEADER_BYTES`] long.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(HEADER_BYTES);
+        b.extend_from_slice(&self.magic);
+        b.extend_from_slice(&self.layout_version.to_le_bytes());
+        b.extend_from_slice(&self.header_bytes.to_le_bytes());
+        b.extend_from_slice(&self.total_bytes.to_le_bytes());
+        b.extend_from_slice(&self.model_identity.to_le_bytes());
+        b.extend_from_slice(&self.n_regions.to_le_bytes());
+        b.extend_from_slice(&self.slot_count.to_le_bytes());
+        b.extend_from_slice(&self.slot_stride.to_le_bytes());
+        b.extend_from_slice(&self.expert_bytes.to_le_bytes());
+        b.extend_from_slice(&self.reserved.to_le_bytes());
+        for r in &self.regions {
+            b.extend_from_slice(&r.kind.to_le_bytes());
+            b.extend_from_slice(&r.index.to_le_bytes());
+            b.extend_from_slice(&r.offset.to_le_bytes());
+            b.extend_from_slice(&r.len.to_le_bytes());
+        }
+        debug_assert_eq!(b.len(), HEADER_BYTES);
+        b
+    }
+
+    /// Decode and validate a header from the start of a mapping of `bytes.len()` bytes.
+    pub fn decode(bytes: &[u8]) -> Result<ShmHeader, ShmError> {
+        if bytes.len() < HEADER_BYTES {
+            return Err(ShmError::TooShort(bytes.len()));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
+        let mut magic = [0u8; 8];
+        magic.copy_from_slice(&bytes[..8]);
+        if magic != SHM_MAGIC {
+            return Err(ShmError::BadMagic);
+        }
+        let layout_version = u32_at(8);
+        if layout_version != SHM_LAYOUT_VERSION {
+            return Err(ShmError::Version {
+                found: layout_version,
+                expected: SHM_LAYOUT_VERSION,
+            });
+        }
+        let mut h = ShmHeader::new(u64_at(16), u64_at(24));
+        h.header_bytes = u32_at(12);
+        h.n_regions = u32_at(32);
+        h.slot_count = u32_at(36);
+        h.slot_stride = u64_at(40);
+        h.expert_bytes = u64_at(48);
+        h.reserved = u64_at(56);
+        if h.header_bytes as usize != HEADER_BYTES {
+            return Err(ShmError::Inconsistent(format!(
+                "header is {} bytes, expected {HEADER_BYTES}",
+                h.header_bytes
+            )));
+        }
+        if h.total_bytes != bytes.len() as u64 {
+            return Err(ShmError::Inconsistent(format!(
+                "header says {} bytes, mapping has {}",
+                h.total_bytes,
+                bytes.len()
+            )));
+        }
+        if h.n_regions as usize > MAX_REGIONS {
+            return Err(ShmError::Inconsistent(format!(
+                "{} regions (max {MAX_REGIONS})",
+                h.n_regions
+            )));
+        }
+        for i in 0..MAX_REGIONS {
+            let o = 64 + 24 * i;
+            h.regions[i] = RegionEntry {
+                kind: u32_at(o),
+                index: u32_at(o + 4),
+                offset: u64_at(o + 8),
+                len: u64_at(o + 16),
+            };
+        }
+        h.validate()?;
+        Ok(h)
+    }
+
+    /// Every region known, aligned, inside the mapping and disjoint; the arena fits its slots.
+    pub fn validate(&self) -> Result<(), ShmError> {
+        let bad = |m: String| Err(ShmError::Inconsistent(m));
+        let mut spans: Vec<(u64, u64)> = Vec::new();
+        for (i, r) in self.regions().iter().enumerate() {
+            let Some(kind) = RegionKind::from_u32(r.kind) else {
+                return bad(format!("region {i} has unknown kind {}", r.kind));
+            };
+            let Some(end) = r.offset.checked_add(r.len) else {
+                return bad(format!("region {i} overflows"));
+            };
+            if r.offset < FIRST_REGION_OFFSET || r.offset % REGION_ALIGN != 0 {
+                return bad(format!("region {i} at unaligned offset {}", r.offset));
+            }
+            if end > self.total_bytes {
+                return bad(format!(
+                    "region {i} ends at {end}, past {}",
+                    self.total_bytes
+                ));
+            }
+            if kind == RegionKind::ExpertArena {
+                let need = self.slot_stride.checked_mul(self.slot_count as u64);
+                if self.slot_stride < self.expert_bytes || need.is_none_or(|n| n > r.len) {
+                    return bad(format!(
+                        "arena of {} bytes cannot hold {} slots of stride {}",
+                        r.len, self.slot_count, self.slot_stride
+                    ));
+                }
+            }
+            if kind == RegionKind::SlotTable && r.len < 16 * self.slot_count as u64 {
+                return bad("slot table shorter than the slot count".into());
+            }
+            spans.push((r.offset, end));
+        }
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[1].0 < w[0].1 {
+                return bad(format!("regions overlap at offset {}", w[1].0));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A 64-bit identity of a checkpoint: FNV-1a over the config bytes and every shard's name and
+/// size. A worker refuses to attach to a store serving a different checkpoint.
+pub fn model_identity(config_bytes: &[u8], shards: &[(String, u64)]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    eat(config_bytes);
+    let mut sorted: Vec<&(String, u64)> = shards.iter().collect();
+    sorted.sort();
+    for (name, size) in sorted {
+        eat(name.as_bytes());
+        eat(&size.to_le_bytes());
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> ShmHeader {
+        let total = FIRST_REGION_OFFSET + 3 * REGION_ALIGN + 2 * 8192 + 4096;
+        let mut h = ShmHeader::new(total, 42);
+        h.slot_count = 2;
+        h.slot_stride = 8192;
+        h.expert_bytes = 8000;
+        let base = FIRST_REGION_OFFSET;
+        h.push_region(RegionKind::ModelTensor, 0, base, 100)
+            .unwrap();
+        h.push_region(RegionKind::PinnedLayer, 0, base + 4096, 5000)
+            .unwrap();
+        h.push_region(RegionKind::ExpertArena, 0, base + 3 * 4096, 2 * 8192)
+            .unwrap();
+        h.push_region(RegionKind::SlotTable, 0, base + 3 * 4096 + 2 * 8192, 32)
+            .unwrap();
+        h
+    }
+
+    #[test]
+    fn header_round_trips() {
+        let h = sample();
+        let mut bytes = h.encode();
+        bytes.resize(h.total_bytes as usize, 0);
+        let back = ShmHeader::decode(&bytes).unwrap();
+        assert_eq!(back, h);
+        assert_eq!(
+            back.find(RegionKind::PinnedLayer, 0).unwrap().offset,
+            FIRST_REGION_OFFSET + 4096
+        );
+        assert!(back.find(RegionKind::PinnedLayer, 1).is_none());
+    }
+
+    #[test]
+    fn corrupt_headers_are_refused() {
+        let h = sample();
+        let full = |h: &ShmHeader| {
+            let mut b = h.encode();
+            b.resize(h.total_bytes as usize, 0);
+            b
+        };
+        let mut b = full(&h);
+        b[0] = b'X';
+        assert_eq!(ShmHeader::decode(&b), Err(ShmError::BadMagic));
+        let mut b = full(&h);
+        b[8] = 9;
+        assert!(matches!(
+            ShmHeader::decode(&b),
+            Err(ShmError::Version { found: 9, .. })
+        ));
+        assert!(matches!(
+            ShmHeader::decode(&full(&h)[..100]),
+            Err(ShmError::TooShort(100))
+        ));
+        let mut overlap = h.clone();
+        overlap.regions[1].offset = FIRST_REGION_OFFSET;
+        assert!(ShmHeader::decode(&full(&overlap)).is_err());
+        let mut past = h.clone();
+        past.regions[3].len = u64::MAX;
+        assert!(ShmHeader::decode(&full(&past)).is_err());
+        let mut small_arena = h.clone();
+        small_arena.slot_count = 3;
+        assert!(ShmHeader::decode(&full(&small_arena)).is_err());
+        let mut wrong_len = full(&h);
+        wrong_len.push(0);
+        assert!(ShmHeader::decode(&wrong_len).is_err());
+    }
+
+    #[test]
+    fn identity_depends_on_config_and_shards_not_order() {
+        let a = model_identity(b"{}", &[("a".into(), 1), ("b".into(), 2)]);
+        let b = model_identity(b"{}", &[("b".into(), 2), ("a".into(), 1)]);
+        assert_eq!(a, b);
+        assert_ne!(
+            a,
+            model_identity(b"{ }", &[("a".into(), 1), ("b".into(), 2)])
+        );
+        assert_ne!(
+            a,
+            model_identity(b"{}", &[("a".into(), 1), ("b".into(), 3)])
+        );
+    }
+}

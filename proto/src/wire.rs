@@ -1,0 +1,387 @@
+//! The store ⇄ worker / ctl wire protocol.
+//!
+//! Frames on the Unix socket are `u32` little-endian length + a postcard-encoded message. The
+//! length is checked against [`MAX_FRAME`] before anything is allocated. The first exchange on a
+//! connection is always the handshake: the client sends [`Request::Hello`] and the store answers
+//! [`Response::Welcome`] (with the shared-memory file descriptor attached as `SCM_RIGHTS`
+//! ancillary data) or [`Response::Refused`] naming both versions. Every later request gets
+//! exactly one response.
+//!
+//! Versioning: [`PROTOCOL_VERSION`] is bumped on any change to these types. A peer speaking
+//! another version is refused with both versions named; variants are only ever appended, and
+//! each documents the version it appeared in.
+
+use std::io::{Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
+pub const MAX_FRAME: u32 = 1 << 20;
+
+/// What a client is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientKind {
+    /// A `k3-worker` job: it will map the store's memory and request experts.
+    Worker,
+    /// `k3-ctl`: status, stats, stop. Gets no memory.
+    Control,
+}
+
+/// Requests, client → store.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Request {
+    /// v1. Must be the first message on a connection.
+    Hello {
+        /// The client's [`PROTOCOL_VERSION`].
+        protocol_version: u32,
+        /// Worker or control.
+        kind: ClientKind,
+        /// Free text for `k3-ctl status` (e.g. "k3-worker pid 1234").
+        label: String,
+    },
+    /// v1. Lease one layer's routed experts (the layer's top-k for a token or a prefill batch).
+    /// Releases the leases this connection held for the same layer.
+    Experts {
+        /// 0-based layer.
+        layer: u32,
+        /// Expert ids, in the order the worker wants the answers.
+        ids: Vec<u32>,
+    },
+    /// v1. Lifetime and this connection's counters.
+    Stats,
+    /// v1. What is running: model, preset, memory, workers.
+    Status,
+    /// v1. Ask the store to drain and exit.
+    Stop,
+    /// v1. Release every lease of this connection (also implied by disconnecting).
+    ReleaseAll,
+}
+
+/// One expert's answer inside [`Response::Experts`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum SlotAnswer {
+    /// The expert is RESIDENT in this slot and leased to the requester.
+    Leased {
+        /// Slot index into the arena.
+        slot: u32,
+    },
+    /// The expert could not be loaded; the worker must count it and exit 4.
+    Failed {
+        /// Why (file, offset, error).
+        reason: String,
+    },
+}
+
+/// Counters, shared by the lifetime and per-job views.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Routed experts requested.
+    pub requests: u64,
+    /// Requested experts already RESIDENT before the request arrived.
+    pub resident_hits: u64,
+    /// Requested experts that had to be read or waited for.
+    pub misses: u64,
+    /// Slots whose previous expert was evicted.
+    pub evictions: u64,
+    /// Experts that failed to load.
+    pub failed_loads: u64,
+    /// Bytes read from disk for experts.
+    pub bytes_read: u64,
+    /// Seconds spent reading experts.
+    pub read_seconds: f64,
+}
+
+impl Counters {
+    /// The TRUE resident hit rate: resident_hits / requests (0 when nothing was requested).
+    pub fn true_resident_hit_rate(&self) -> f64 {
+        if self.requests == 0 {
+            0.0
+        } else {
+            self.resident_hits as f64 / self.requests as f64
+        }
+    }
+}
+
+/// One worker connection's figures.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobStats {
+    /// The store's id for the connection (increasing).
+    pub conn: u64,
+    /// The worker's label (e.g. "k3-worker pid 1234").
+    pub label: String,
+    /// Still connected.
+    pub live: bool,
+    /// This job's counters.
+    pub counters: Counters,
+}
+
+/// The answer to [`Request::Stats`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StatsReport {
+    /// Since the store started.
+    pub lifetime: Counters,
+    /// For the asking connection only.
+    pub job: Counters,
+    /// Connected workers and the most recent finished ones (newest last).
+    pub jobs: Vec<JobStats>,
+    /// Layers pinned in shared memory.
+    pub pinned_layers: u32,
+    /// Arena slots holding an expert.
+    pub slots_used: u32,
+    /// Arena slots in all.
+    pub slots_total: u32,
+    /// Slots currently leased by some worker.
+    pub slots_leased: u32,
+    /// Connected worker processes.
+    pub workers: u32,
+    /// Seconds since the store was ready.
+    pub uptime_seconds: f64,
+}
+
+/// The answer to [`Request::Status`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// Checkpoint directory.
+    pub model_dir: String,
+    /// Packed trunk directory.
+    pub trunk_dir: String,
+    /// Preset name or "custom".
+    pub preset: String,
+    /// The memory plan, as printed at start.
+    pub plan: String,
+    /// Shared-memory bytes.
+    pub shm_bytes: u64,
+    /// Store process id.
+    pub pid: u32,
+    /// One label per connected client.
+    pub clients: Vec<String>,
+    /// Seconds since ready.
+    pub uptime_seconds: f64,
+}
+
+/// Responses, store → client.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Response {
+    /// v1. Handshake accepted. For workers the shared-memory fd travels with this frame.
+    Welcome {
+        /// The store's [`PROTOCOL_VERSION`].
+        protocol_version: u32,
+        /// Checkpoint directory the store serves.
+        model_dir: String,
+        /// Packed trunk directory (workers stream unpinned layers from it themselves).
+        trunk_dir: String,
+        /// Bytes of shared memory to map (0 for control clients).
+        shm_bytes: u64,
+    },
+    /// v1. Handshake refused.
+    Refused {
+        /// The store's version.
+        store_version: u32,
+        /// The client's version as it said.
+        client_version: u32,
+        /// Human-readable reason naming both versions.
+        reason: String,
+    },
+    /// v1. Answer to [`Request::Experts`], one entry per requested id, in order.
+    Experts {
+        /// Per-expert answers.
+        answers: Vec<SlotAnswer>,
+        /// Requested experts that were RESIDENT before this request.
+        resident_hits: u32,
+    },
+    /// v1. Answer to [`Request::Stats`].
+    Stats(StatsReport),
+    /// v1. Answer to [`Request::Status`].
+    Status(StatusReport),
+    /// v1. Answer to [`Request::Stop`]: the store is draining.
+    Stopping,
+    /// v1. Answer to [`Request::ReleaseAll`].
+    Released,
+    /// v1. The request was understood but cannot be served (bad layer, too many ids, …).
+    Error {
+        /// Why.
+        message: String,
+    },
+}
+
+/// Wire errors.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// Socket error.
+    #[error("socket: {0}")]
+    Io(#[from] std::io::Error),
+    /// A frame longer than [`MAX_FRAME`].
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
+    TooLong(u64),
+    /// A frame that does not decode as a message of this protocol version.
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+    /// The peer closed the connection.
+    #[error("peer closed the connection")]
+    Closed,
+}
+
+/// Encode `msg` as one frame (length prefix + postcard).
+pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, WireError> {
+    let body = postcard::to_stdvec(msg).map_err(|e| WireError::Malformed(e.to_string()))?;
+    let len = u32::try_from(body.len()).map_err(|_| WireError::TooLong(body.len() as u64))?;
+    if len > MAX_FRAME {
+        return Err(WireError::TooLong(len as u64));
+    }
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Write one frame.
+pub fn write_frame<T: Serialize, W: Write>(w: &mut W, msg: &T) -> Result<(), WireError> {
+    w.write_all(&encode(msg)?)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Read one frame's body, bounding the length before allocating.
+pub fn read_frame_bytes<R: Read>(r: &mut R) -> Result<Vec<u8>, WireError> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_le_bytes(len);
+    if len > MAX_FRAME {
+        return Err(WireError::TooLong(len as u64));
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            WireError::Malformed(format!("frame cut short: wanted {len} bytes"))
+        } else {
+            WireError::Io(e)
+        }
+    })?;
+    Ok(body)
+}
+
+/// Decode a frame body.
+pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, WireError> {
+    let (msg, rest) =
+        postcard::take_from_bytes(body).map_err(|e| WireError::Malformed(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(WireError::Malformed(format!(
+            "{} trailing bytes after the message",
+            rest.len()
+        )));
+    }
+    Ok(msg)
+}
+
+/// Read and decode one frame.
+pub fn read_frame<T: for<'de> Deserialize<'de>, R: Read>(r: &mut R) -> Result<T, WireError> {
+    decode(&read_frame_bytes(r)?)
+}
+
+/// The store's answer to a `Hello` with `client_version`: `None` when accepted.
+pub fn check_version(client_version: u32) -> Option<Response> {
+    (client_version != PROTOCOL_VERSION).then(|| Response::Refused {
+        store_version: PROTOCOL_VERSION,
+        client_version,
+        reason: format!(
+            "protocol version mismatch: this store speaks v{PROTOCOL_VERSION}, the client speaks \
+             v{client_version}; use k3 binaries from the same build"
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip() {
+        let msgs = vec![
+            Request::Hello {
+                protocol_version: PROTOCOL_VERSION,
+                kind: ClientKind::Worker,
+                label: "k3-worker pid 7".into(),
+            },
+            Request::Experts {
+                layer: 91,
+                ids: (0..896).collect(),
+            },
+            Request::Stats,
+            Request::Stop,
+        ];
+        let mut buf = Vec::new();
+        for m in &msgs {
+            write_frame(&mut buf, m).unwrap();
+        }
+        let mut r = &buf[..];
+        for m in &msgs {
+            let got: Request = read_frame(&mut r).unwrap();
+            assert_eq!(&got, m);
+        }
+        assert!(matches!(
+            read_frame::<Request, _>(&mut r),
+            Err(WireError::Closed)
+        ));
+    }
+
+    #[test]
+    fn oversized_length_is_refused_before_allocating() {
+        let mut frame = (u32::MAX).to_le_bytes().to_vec();
+        frame.extend_from_slice(&[0; 16]);
+        let err = read_frame::<Request, _>(&mut &frame[..]).unwrap_err();
+        assert!(matches!(err, WireError::TooLong(n) if n == u32::MAX as u64));
+    }
+
+    #[test]
+    fn truncated_and_garbage_frames_are_errors() {
+        let mut frame = 10u32.to_le_bytes().to_vec();
+        frame.extend_from_slice(&[1, 2, 3]);
+        assert!(matches!(
+            read_frame::<Request, _>(&mut &frame[..]),
+            Err(WireError::Malformed(_))
+        ));
+        let mut garbage = 3u32.to_le_bytes().to_vec();
+        garbage.extend_from_slice(&[0xff, 0xff, 0xff]);
+        assert!(matches!(
+            read_frame::<Request, _>(&mut &garbage[..]),
+            Err(WireError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn version_mismatch_names_both_versions() {
+        assert!(check_version(PROTOCOL_VERSION).is_none());
+        match check_version(PROTOCOL_VERSION + 1) {
+            Some(Response::Refused {
+                store_version,
+                client_version,
+                reason,
+            }) => {
+                assert_eq!(store_version, PROTOCOL_VERSION);
+                assert_eq!(client_version, PROTOCOL_VERSION + 1);
+                assert!(reason.contains(&format!("v{}", PROTOCOL_VERSION + 1)));
+                assert!(reason.contains(&format!("v{PROTOCOL_VERSION}")));
+            }
+            other => panic!("expected Refused, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn true_hit_rate_is_resident_hits_over_requests() {
+        let c = Counters {
+            requests: 8,
+            resident_hits: 6,
+            misses: 2,
+            ..Default::default()
+        };
+        assert!((c.true_resident_hit_rate() - 0.75).abs() < 1e-12);
+        assert_eq!(Counters::default().true_resident_hit_rate(), 0.0);
+    }
+}
