@@ -22,22 +22,13 @@ pub trait TensorShapes: Send + Sync {
     fn meta(&self, name: &str) -> Option<(Dtype, Vec<u64>)>;
 }
 
-/// Model-level tensors (MODEL.md §2.2).
-pub mod names {
-    /// Embedding `[V, E]`.
-    pub const EMBED: &str = "language_model.model.embed_tokens.weight";
-    /// Final norm `[E]`.
-    pub const FINAL_NORM: &str = "language_model.model.norm.weight";
-    /// Output AttnRes norm `[E]`.
-    pub const OUT_RES_NORM: &str = "language_model.model.output_attn_res_norm.weight";
-    /// Output AttnRes projection `[1, E]`.
-    pub const OUT_RES_PROJ: &str = "language_model.model.output_attn_res_proj.weight";
-    /// lm_head `[V, E]` (untied).
-    pub const LM_HEAD: &str = "language_model.lm_head.weight";
+/// Tensor names (MODEL.md §2), from the proto crate.
+mod names {
+    pub use k3_proto::names::{EMBED, FINAL_NORM, LM_HEAD, OUT_RES_NORM, OUT_RES_PROJ};
 
     /// `language_model.model.layers.{l}.{suffix}`.
     pub fn layer(l: usize, suffix: &str) -> String {
-        format!("language_model.model.layers.{l}.{suffix}")
+        k3_proto::names::layer_tensor(l, suffix)
     }
 }
 

@@ -26,6 +26,7 @@ pub use bind::TensorShapes;
 pub use forward::{Logits, Model, RunCounters, TraceRecord};
 pub use state::SeqState;
 
+use k3_proto::config::{LayerKind, ModelConfig};
 use k3_store::source::SourceError;
 
 /// Every dimension and constant the forward pass needs, derived once from the model config.
@@ -96,6 +97,46 @@ pub struct Dims {
 }
 
 impl Dims {
+    /// Derive the dims from a config read by `k3_proto::config` (already validated there).
+    pub fn from_config(c: &ModelConfig) -> Result<Dims, ModelError> {
+        let d = Dims {
+            hidden: c.hidden_size,
+            n_layers: c.num_hidden_layers,
+            vocab: c.vocab_size,
+            rms_eps: c.rms_norm_eps,
+            mla_norm_eps: c.mla_norm_eps,
+            situ_beta: c.situ_beta,
+            situ_linear_beta: c.situ_linear_beta,
+            dense_inter: c.intermediate_size,
+            first_k_dense: c.first_k_dense_replace,
+            n_experts: c.num_experts,
+            top_k: c.num_experts_per_token,
+            n_shared: c.num_shared_experts,
+            moe_inter: c.moe_intermediate_size,
+            latent: c.routed_expert_hidden_size,
+            latent_norm: c.latent_moe_use_norm,
+            renormalize: c.moe_renormalize,
+            routed_scale: c.routed_scaling_factor,
+            mla_heads: c.num_attention_heads,
+            q_lora: c.q_lora_rank,
+            kv_lora: c.kv_lora_rank,
+            nope: c.qk_nope_head_dim,
+            rope: c.qk_rope_head_dim,
+            v_head: c.v_head_dim,
+            mla_gate: c.mla_use_output_gate,
+            kda_heads: c.kda_num_heads,
+            kda_dim: c.kda_head_dim,
+            conv_k: c.short_conv_kernel_size,
+            gate_lb: c.gate_lower_bound,
+            mla: (0..c.num_hidden_layers)
+                .map(|l| c.layer_kind(l) == LayerKind::Mla)
+                .collect(),
+            block: c.attn_res_block_size,
+        };
+        d.validate()?;
+        Ok(d)
+    }
+
     /// Structural checks the forward pass relies on; lists every problem at once.
     pub fn validate(&self) -> Result<(), ModelError> {
         let mut p = Vec::new();
