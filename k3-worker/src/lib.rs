@@ -2,3 +2,4 @@
 
 pub mod kernels;
 pub mod model;
+pub mod generate;
