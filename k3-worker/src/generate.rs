@@ -109,7 +109,13 @@ impl Sampler {
                 let t = *temperature as f64;
                 let p: Vec<f64> = logits
                     .iter()
-                    .map(|&l| if l.is_nan() { 0.0 } else { ((l as f64 - m) / t).exp() })
+                    .map(|&l| {
+                        if l.is_nan() {
+                            0.0
+                        } else {
+                            ((l as f64 - m) / t).exp()
+                        }
+                    })
                     .collect();
                 let z: f64 = p.iter().sum();
                 let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
@@ -218,7 +224,12 @@ pub fn generate(
         return Err(ModelError::Input("nothing to generate (--gen 0)".into()));
     }
     let vocab = model.dims.vocab as u32;
-    let stops: Vec<u32> = opts.stop_ids.iter().copied().filter(|&s| s < vocab).collect();
+    let stops: Vec<u32> = opts
+        .stop_ids
+        .iter()
+        .copied()
+        .filter(|&s| s < vocab)
+        .collect();
     let capacity = positions_needed(prompt.len(), opts.max_new);
     let mut sampler = opts.sampler.clone();
     let mut seq: Vec<u32> = prompt.to_vec();
@@ -308,6 +319,9 @@ mod tests {
         assert!(d.contains(&1) && d.contains(&2), "{d:?}");
         assert!(Sampler::new(-1.0, 1.0, 0).is_err());
         assert!(Sampler::new(1.0, 0.0, 0).is_err());
-        assert!(matches!(Sampler::new(0.0, 1.0, 0).unwrap(), Sampler::Greedy));
+        assert!(matches!(
+            Sampler::new(0.0, 1.0, 0).unwrap(),
+            Sampler::Greedy
+        ));
     }
 }

@@ -42,7 +42,10 @@ fn prefill_logits_equal_token_by_token_decode_bitwise() {
     m.forward(&PROMPT[5..6], &mut st2, Logits::Last).unwrap();
     let last = m.forward(&PROMPT[6..], &mut st2, Logits::Last).unwrap();
     assert_eq!(bits(&last), bits(&all[6 * v..]));
-    assert_eq!(st1, st2, "carried state must not depend on how tokens were batched");
+    assert_eq!(
+        st1, st2,
+        "carried state must not depend on how tokens were batched"
+    );
 }
 
 #[test]
@@ -114,7 +117,11 @@ fn failed_expert_is_counted_and_the_run_completes() {
     let out = m.forward(&PROMPT, &mut st, Logits::Last).unwrap();
     assert_eq!(m.counters.failed_expert_loads, 1);
     assert!(m.counters.failure_messages[0].contains(&format!("layer 5 expert {victim}")));
-    assert_ne!(bits(&out), bits(&good), "the failed expert's contribution must be gone");
+    assert_ne!(
+        bits(&out),
+        bits(&good),
+        "the failed expert's contribution must be gone"
+    );
     assert!(out.iter().all(|x| x.is_finite()));
 }
 
@@ -144,13 +151,19 @@ fn wrong_size_or_dtype_in_the_layer_layout_is_a_bind_error() {
     let name = layer_name(3, "self_attn.kv_b_proj.weight");
     src.set_loc(&name, k3_proto::Dtype::BF16, 2 * 32 * 15);
     let msg = bind_error(&src);
-    assert!(msg.contains(&name) && msg.contains("found 960 bytes"), "{msg}");
+    assert!(
+        msg.contains(&name) && msg.contains("found 960 bytes"),
+        "{msg}"
+    );
 
     let mut src = MemSource::random(&tiny_dims(), 6);
     let name = layer_name(1, "self_attn.dt_bias");
     src.set_loc(&name, k3_proto::Dtype::BF16, 2 * 16);
     let msg = bind_error(&src);
-    assert!(msg.contains(&name) && msg.contains("expected dtype F32, found BF16"), "{msg}");
+    assert!(
+        msg.contains(&name) && msg.contains("expected dtype F32, found BF16"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -159,7 +172,10 @@ fn missing_model_tensor_or_wrong_vocab_is_refused_at_construction() {
     let mut d = tiny_dims();
     d.vocab = 96;
     let err = Model::new(d, &src, None).unwrap_err().to_string();
-    assert!(err.contains("language_model.model.embed_tokens.weight"), "{err}");
+    assert!(
+        err.contains("language_model.model.embed_tokens.weight"),
+        "{err}"
+    );
 }
 
 #[test]

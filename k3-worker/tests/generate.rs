@@ -17,8 +17,10 @@ fn run(src: &MemSource, full: bool, sampler: Sampler, stop: Vec<u32>) -> Vec<u32
     };
     let mut seen = Vec::new();
     let stats = || k3_store::source::WeightSource::stats(src);
-    let r = generate(&mut m, &stats, &[3, 14, 15, 92, 65], &opts, &mut |s| seen.push(s.token))
-        .unwrap();
+    let r = generate(&mut m, &stats, &[3, 14, 15, 92, 65], &opts, &mut |s| {
+        seen.push(s.token)
+    })
+    .unwrap();
     assert_eq!(seen, r.generated_ids, "on_step sees every token in order");
     assert_eq!(r.step0_logits.as_ref().unwrap().len(), src.dims.vocab);
     r.generated_ids
@@ -43,7 +45,10 @@ fn generation_stops_on_a_stop_id_inside_the_vocabulary() {
     let src = MemSource::random(&tiny_dims(), 12);
     let free = run(&src, false, Sampler::Greedy, vec![]);
     // Out-of-vocab stop ids (the real 163585/163586 in a 97-token model) are ignored.
-    assert_eq!(run(&src, false, Sampler::Greedy, vec![163_585, 163_586]), free);
+    assert_eq!(
+        run(&src, false, Sampler::Greedy, vec![163_585, 163_586]),
+        free
+    );
     let stop = free[2];
     let first = free.iter().position(|&t| t == stop).unwrap();
     let got = run(&src, false, Sampler::Greedy, vec![stop]);

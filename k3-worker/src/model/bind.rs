@@ -66,12 +66,17 @@ fn check_meta(
             format!("index dtype {idt} differs from the source's {dt}"),
         ));
     }
-    let matches = |s: &&[usize]| s.len() == ishape.len() && s.iter().zip(&ishape).all(|(&a, &b)| a as u64 == b);
+    let matches = |s: &&[usize]| {
+        s.len() == ishape.len() && s.iter().zip(&ishape).all(|(&a, &b)| a as u64 == b)
+    };
     if !accept.iter().any(matches) {
         let want: Vec<String> = accept.iter().map(|s| fmt_shape(s)).collect();
         return Err(bind_err(
             name,
-            format!("expected shape {} {dt}, found {ishape:?}", want.join(" or ")),
+            format!(
+                "expected shape {} {dt}, found {ishape:?}",
+                want.join(" or ")
+            ),
         ));
     }
     Ok(())
@@ -94,9 +99,11 @@ impl<'r> LayerView<'r> {
         dtypes: &[Dtype],
     ) -> Result<(&'r [u8], Dtype, usize), ModelError> {
         let name = names::layer(self.l, suffix);
-        let loc = self.run.layout.get(&name).ok_or_else(|| {
-            bind_err(&name, format!("missing from the layer {} run", self.l))
-        })?;
+        let loc = self
+            .run
+            .layout
+            .get(&name)
+            .ok_or_else(|| bind_err(&name, format!("missing from the layer {} run", self.l)))?;
         if !dtypes.contains(&loc.dtype) {
             let want: Vec<&str> = dtypes.iter().map(|d| d.name()).collect();
             return Err(bind_err(
@@ -317,7 +324,11 @@ fn bind_moe<'a>(d: &Dims, v: &LayerView<'a>) -> Result<Mlp<'a>, ModelError> {
     let (e, ne, lat) = (d.hidden, d.n_experts, d.latent);
     let m = "block_sparse_moe";
     let norm = if d.latent_norm {
-        Some(v.vec(&format!("{m}.routed_expert_norm.weight"), &[lat], &[Dtype::BF16])?)
+        Some(v.vec(
+            &format!("{m}.routed_expert_norm.weight"),
+            &[lat],
+            &[Dtype::BF16],
+        )?)
     } else {
         None
     };
@@ -401,7 +412,10 @@ impl Globals {
             embed,
             lm_head,
             final_norm: bf16_bytes_to_f32(norm.bytes()),
-            out_res: fold(&bf16_bytes_to_f32(rn.bytes()), &bf16_bytes_to_f32(rp.bytes())),
+            out_res: fold(
+                &bf16_bytes_to_f32(rn.bytes()),
+                &bf16_bytes_to_f32(rp.bytes()),
+            ),
         })
     }
 }

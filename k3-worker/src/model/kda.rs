@@ -90,34 +90,33 @@ impl KdaWeights<'_> {
 
         // 3, 6, 7 per head (heads are independent; tokens sequential inside a head).
         let q_scale = 1.0 / (dh as f32).sqrt();
-        let per_head: Vec<Vec<f32>> = st
-            .s
-            .par_chunks_mut(dh * dh)
-            .enumerate()
-            .map(|(h, s)| {
-                let mut out = vec![0.0f32; n * dh];
-                let (mut qh, mut kh, mut u, mut o) =
-                    (vec![0.0; dh], vec![0.0; dh], vec![0.0; dh], vec![0.0; dh]);
-                for t in 0..n {
-                    let base = t * p + h * dh;
-                    qh.copy_from_slice(&q[base..base + dh]);
-                    kh.copy_from_slice(&kk[base..base + dh]);
-                    kernels::l2_norm_inplace(&mut qh, L2_EPS);
-                    kernels::l2_norm_inplace(&mut kh, L2_EPS);
-                    qh.iter_mut().for_each(|v| *v *= q_scale);
-                    let vh = &v[base..base + dh];
-                    let al = &alpha[base..base + dh];
-                    let b = beta[t * h_n + h];
-                    recurrence_step(s, dh, al, &kh, vh, b, &qh, &mut u, &mut o);
-                    let y = &mut out[t * dh..(t + 1) * dh];
-                    kernels::rms_norm(&o, &self.o_norm, d.rms_eps, y);
-                    for (yv, g) in y.iter_mut().zip(&gate[base..base + dh]) {
-                        *yv *= g;
+        let per_head: Vec<Vec<f32>> =
+            st.s.par_chunks_mut(dh * dh)
+                .enumerate()
+                .map(|(h, s)| {
+                    let mut out = vec![0.0f32; n * dh];
+                    let (mut qh, mut kh, mut u, mut o) =
+                        (vec![0.0; dh], vec![0.0; dh], vec![0.0; dh], vec![0.0; dh]);
+                    for t in 0..n {
+                        let base = t * p + h * dh;
+                        qh.copy_from_slice(&q[base..base + dh]);
+                        kh.copy_from_slice(&kk[base..base + dh]);
+                        kernels::l2_norm_inplace(&mut qh, L2_EPS);
+                        kernels::l2_norm_inplace(&mut kh, L2_EPS);
+                        qh.iter_mut().for_each(|v| *v *= q_scale);
+                        let vh = &v[base..base + dh];
+                        let al = &alpha[base..base + dh];
+                        let b = beta[t * h_n + h];
+                        recurrence_step(s, dh, al, &kh, vh, b, &qh, &mut u, &mut o);
+                        let y = &mut out[t * dh..(t + 1) * dh];
+                        kernels::rms_norm(&o, &self.o_norm, d.rms_eps, y);
+                        for (yv, g) in y.iter_mut().zip(&gate[base..base + dh]) {
+                            *yv *= g;
+                        }
                     }
-                }
-                out
-            })
-            .collect();
+                    out
+                })
+                .collect();
         let mut y = vec![0.0f32; n * p];
         for (h, oh) in per_head.iter().enumerate() {
             for t in 0..n {

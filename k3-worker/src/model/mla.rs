@@ -126,7 +126,8 @@ impl MlaWeights<'_> {
         let mut o = vec![0.0f32; n * hv];
         for (h, oh) in per_head.iter().enumerate() {
             for t in 0..n {
-                o[t * hv + h * vh..t * hv + (h + 1) * vh].copy_from_slice(&oh[t * vh..(t + 1) * vh]);
+                o[t * hv + h * vh..t * hv + (h + 1) * vh]
+                    .copy_from_slice(&oh[t * vh..(t + 1) * vh]);
             }
         }
         if let Some(g_proj) = self.g_proj {

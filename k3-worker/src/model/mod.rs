@@ -186,7 +186,9 @@ impl Dims {
                 ("moe_intermediate_size", self.moe_inter),
             ] {
                 if v == 0 || v % 32 != 0 {
-                    p.push(format!("{n} = {v} is not a positive multiple of 32 (MXFP4 groups)"));
+                    p.push(format!(
+                        "{n} = {v} is not a positive multiple of 32 (MXFP4 groups)"
+                    ));
                 }
             }
             if self.n_experts > u32::MAX as usize {

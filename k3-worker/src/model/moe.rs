@@ -57,6 +57,9 @@ impl Routing {
     }
 }
 
+/// One expert's users (flat `token·k + slot` indices) and its output rows `[users, latent]`.
+type ExpertRows = (Vec<usize>, Vec<f32>);
+
 /// One MoE layer's resident weights.
 #[derive(Debug)]
 pub struct MoeWeights<'a> {
@@ -133,7 +136,7 @@ impl MoeWeights<'_> {
         let z = linear(self.down, lat, d.hidden, x, n);
 
         // Per unique expert: its (token, slot) users, the gathered latent rows, the result.
-        let results: Vec<Result<(Vec<usize>, Vec<f32>), String>> = ids
+        let results: Vec<Result<ExpertRows, String>> = ids
             .par_iter()
             .zip(batch.experts.par_iter())
             .map(|(&id, got)| {

@@ -70,7 +70,11 @@ impl SeqState {
                 } else {
                     LayerState::Kda(KdaState {
                         s: vec![0.0; d.kda_heads * d.kda_dim * d.kda_dim],
-                        conv: [vec![0.0; p * hist], vec![0.0; p * hist], vec![0.0; p * hist]],
+                        conv: [
+                            vec![0.0; p * hist],
+                            vec![0.0; p * hist],
+                            vec![0.0; p * hist],
+                        ],
                     })
                 }
             })

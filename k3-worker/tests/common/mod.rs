@@ -90,9 +90,17 @@ pub fn layer_specs(d: &Dims, l: usize) -> Vec<(String, Vec<usize>, Dtype)> {
         add("self_attn.q_a_proj.weight", vec![d.q_lora, e], bf);
         add("self_attn.q_a_layernorm.weight", vec![d.q_lora], bf);
         add("self_attn.q_b_proj.weight", vec![h * (n + r), d.q_lora], bf);
-        add("self_attn.kv_a_proj_with_mqa.weight", vec![d.kv_lora + r, e], bf);
+        add(
+            "self_attn.kv_a_proj_with_mqa.weight",
+            vec![d.kv_lora + r, e],
+            bf,
+        );
         add("self_attn.kv_a_layernorm.weight", vec![d.kv_lora], bf);
-        add("self_attn.kv_b_proj.weight", vec![h * (n + vh), d.kv_lora], bf);
+        add(
+            "self_attn.kv_b_proj.weight",
+            vec![h * (n + vh), d.kv_lora],
+            bf,
+        );
         add("self_attn.o_proj.weight", vec![e, h * vh], bf);
         add("self_attn.g_proj.weight", vec![h * vh, e], bf);
     } else {
@@ -100,7 +108,11 @@ pub fn layer_specs(d: &Dims, l: usize) -> Vec<(String, Vec<usize>, Dtype)> {
         let p = h * dh;
         for w in ["q", "k", "v"] {
             add(&format!("self_attn.{w}_proj.weight"), vec![p, e], bf);
-            add(&format!("self_attn.{w}_conv1d.weight"), vec![p, 1, d.conv_k], f);
+            add(
+                &format!("self_attn.{w}_conv1d.weight"),
+                vec![p, 1, d.conv_k],
+                f,
+            );
         }
         add("self_attn.f_a_proj.weight", vec![dh, e], bf);
         add("self_attn.f_b_proj.weight", vec![p, dh], bf);
@@ -119,13 +131,41 @@ pub fn layer_specs(d: &Dims, l: usize) -> Vec<(String, Vec<usize>, Dtype)> {
         let m = "block_sparse_moe";
         let sw = d.n_shared * d.moe_inter;
         add(&format!("{m}.gate.weight"), vec![d.n_experts, e], bf);
-        add(&format!("{m}.gate.e_score_correction_bias"), vec![d.n_experts], f);
-        add(&format!("{m}.routed_expert_down_proj.weight"), vec![d.latent, e], bf);
-        add(&format!("{m}.routed_expert_norm.weight"), vec![d.latent], bf);
-        add(&format!("{m}.routed_expert_up_proj.weight"), vec![e, d.latent], bf);
-        add(&format!("{m}.shared_experts.gate_proj.weight"), vec![sw, e], bf);
-        add(&format!("{m}.shared_experts.up_proj.weight"), vec![sw, e], bf);
-        add(&format!("{m}.shared_experts.down_proj.weight"), vec![e, sw], bf);
+        add(
+            &format!("{m}.gate.e_score_correction_bias"),
+            vec![d.n_experts],
+            f,
+        );
+        add(
+            &format!("{m}.routed_expert_down_proj.weight"),
+            vec![d.latent, e],
+            bf,
+        );
+        add(
+            &format!("{m}.routed_expert_norm.weight"),
+            vec![d.latent],
+            bf,
+        );
+        add(
+            &format!("{m}.routed_expert_up_proj.weight"),
+            vec![e, d.latent],
+            bf,
+        );
+        add(
+            &format!("{m}.shared_experts.gate_proj.weight"),
+            vec![sw, e],
+            bf,
+        );
+        add(
+            &format!("{m}.shared_experts.up_proj.weight"),
+            vec![sw, e],
+            bf,
+        );
+        add(
+            &format!("{m}.shared_experts.down_proj.weight"),
+            vec![e, sw],
+            bf,
+        );
     }
     v
 }
@@ -148,7 +188,9 @@ fn init_values(suffix: &str, shape: &[usize], d: &Dims, rng: &mut Rng) -> Vec<f3
     let fan_in = *shape.last().unwrap_or(&1) as f32;
     if suffix.ends_with("A_log") {
         // Distinct per head, zero tail (MODEL.md §2.4).
-        return (0..n).map(|i| if i < d.kda_heads { rng.sym() } else { 0.0 }).collect();
+        return (0..n)
+            .map(|i| if i < d.kda_heads { rng.sym() } else { 0.0 })
+            .collect();
     }
     if suffix.contains("norm.weight") || suffix.contains("layernorm") {
         return (0..n).map(|_| 1.0 + 0.2 * rng.sym()).collect();
@@ -216,7 +258,10 @@ impl MemSource {
             ("language_model.lm_head.weight", vec![v, e]),
             ("language_model.model.norm.weight", vec![e]),
             ("language_model.model.output_attn_res_norm.weight", vec![e]),
-            ("language_model.model.output_attn_res_proj.weight", vec![1, e]),
+            (
+                "language_model.model.output_attn_res_proj.weight",
+                vec![1, e],
+            ),
         ] {
             let vals = if name.contains("embed") {
                 (0..v * e).map(|_| rng.sym()).collect()
