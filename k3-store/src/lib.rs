@@ -4,8 +4,19 @@
 //! there. The same code runs in-process (`k3-worker --standalone`) and inside the `k3-store`
 //! daemon, which is why the seam between the two is the [`source::WeightSource`] trait.
 
+pub mod catalog;
 pub mod client;
 pub mod daemon;
+pub mod experts;
+pub mod io;
 pub mod ipc;
 pub mod shmem;
 pub mod source;
+pub mod stream;
+pub mod trunk;
+
+#[cfg(test)]
+extern crate self as k3_store;
+#[cfg(test)]
+#[path = "../tests/common/fixture.rs"]
+pub(crate) mod fixture;

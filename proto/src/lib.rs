@@ -10,6 +10,7 @@ pub mod exit;
 pub mod expert;
 pub mod names;
 pub mod paths;
+pub mod safetensors;
 pub mod shm;
 pub mod wire;
 

@@ -1,0 +1,1142 @@
+//! The routed-expert slot cache.
+//!
+//! Fixed slots of one whole expert each, in the canonical layout of
+//! [`k3_proto::expert::ExpertLayout`] starting at the slot's first byte. Slot states are EMPTY,
+//! INFLIGHT(layer, expert) and RESIDENT(layer, expert); a map (layer, expert) → slot finds them.
+//!
+//! A batch (one layer's top-k) is served in three phases:
+//! 1. **reserve**, serially under one lock ([`SlotTable::reserve`]): experts RESIDENT before the
+//!    request are hits and get leased first; each miss gets a slot that is neither leased nor
+//!    INFLIGHT (so a batch never evicts a slot it just leased, and no slot is handed out twice);
+//!    an expert INFLIGHT for another request is waited for (counted as a miss).
+//! 2. **read** the misses in parallel, in disk-offset order, with `O_DIRECT`: one read when the
+//!    expert's six tensors are contiguous and in canonical order in one shard, else six reads
+//!    into their canonical positions ([`ExpertReader`]).
+//! 3. **publish** under the lock only what arrived: a failed read leaves the slot EMPTY and the
+//!    batch reports that expert as `Err(message)`.
+//!
+//! [`SlotTable`] is the memory-agnostic state machine (used by the daemon over shared memory
+//! with explicit per-worker leases: [`SlotTable::hold`], [`SlotTable::release_layer`],
+//! [`SlotTable::release_holder`]); [`ExpertCache`] is the in-process cache of standalone mode,
+//! whose leases are held by the returned [`Region`]s and released when the last one drops.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use k3_proto::expert::{ExpertLayout, ExpertPart};
+
+use crate::catalog::{Catalog, ExpertExtents};
+use crate::io::{align_up, run_parallel, AlignedBuf, DiskFile, ReadError, ALIGN};
+use crate::source::{ByteOwner, ExpertBatch, Region, SourceError};
+
+/// State of one slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// Holds nothing.
+    Empty,
+    /// Being read for (layer, expert).
+    Inflight {
+        /// 0-based layer.
+        layer: u32,
+        /// Expert id.
+        expert: u32,
+    },
+    /// Holds (layer, expert).
+    Resident {
+        /// 0-based layer.
+        layer: u32,
+        /// Expert id.
+        expert: u32,
+    },
+}
+
+/// Chooses which unleased resident slot to evict. Implementations only order slots; the table
+/// decides eligibility (never leased, never INFLIGHT).
+pub trait EvictionPolicy: Send {
+    /// Short name for reports.
+    fn name(&self) -> &'static str;
+    /// `slot` was used (a hit, or its expert was just published).
+    fn touch(&mut self, slot: usize, layer: u32, expert: u32);
+    /// `slot` became EMPTY.
+    fn forget(&mut self, slot: usize);
+    /// The slot to evict among those for which `eligible` is true, or `None`.
+    fn victim(&mut self, eligible: &mut dyn FnMut(usize) -> bool) -> Option<usize>;
+}
+
+/// Least recently used.
+#[derive(Debug)]
+pub struct Lru {
+    stamp: Vec<u64>,
+    clock: u64,
+}
+
+impl Lru {
+    /// For `slots` slots.
+    pub fn new(slots: usize) -> Lru {
+        Lru {
+            stamp: vec![0; slots],
+            clock: 0,
+        }
+    }
+}
+
+impl EvictionPolicy for Lru {
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+    fn touch(&mut self, slot: usize, _layer: u32, _expert: u32) {
+        self.clock += 1;
+        self.stamp[slot] = self.clock;
+    }
+    fn forget(&mut self, slot: usize) {
+        self.stamp[slot] = 0;
+    }
+    fn victim(&mut self, eligible: &mut dyn FnMut(usize) -> bool) -> Option<usize> {
+        let mut best: Option<(u64, usize)> = None;
+        for (s, &t) in self.stamp.iter().enumerate() {
+            if best.is_none_or(|(bt, _)| t < bt) && eligible(s) {
+                best = Some((t, s));
+            }
+        }
+        best.map(|(_, s)| s)
+    }
+}
+
+/// What [`SlotTable::reserve`] decided for one requested expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reserved {
+    /// RESIDENT before the request; leased.
+    Hit {
+        /// Slot.
+        slot: usize,
+    },
+    /// A miss: the caller must read the expert into `slot` (now INFLIGHT and leased) and then
+    /// [`SlotTable::publish`] it.
+    Load {
+        /// Slot.
+        slot: usize,
+        /// The expert evicted to make room, if any.
+        evicted: Option<(u32, u32)>,
+    },
+    /// A miss already INFLIGHT for another request: leased; wait until it is no longer INFLIGHT.
+    Wait {
+        /// Slot.
+        slot: usize,
+    },
+}
+
+impl Reserved {
+    /// The slot.
+    pub fn slot(&self) -> usize {
+        match *self {
+            Reserved::Hit { slot } | Reserved::Load { slot, .. } | Reserved::Wait { slot } => slot,
+        }
+    }
+}
+
+/// Why a batch could not be reserved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReserveError {
+    /// The cache can never serve the batch (fewer slots than distinct experts requested).
+    TooSmall {
+        /// Slots in the cache.
+        slots: usize,
+        /// Distinct experts in the batch.
+        needed: usize,
+    },
+    /// Not enough unleased slots right now; retry after leases are released.
+    Busy {
+        /// New slots the batch needs.
+        needed: usize,
+        /// Slots that could be taken now.
+        available: usize,
+    },
+}
+
+impl std::fmt::Display for ReserveError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReserveError::TooSmall { slots, needed } => write!(
+                f,
+                "expert cache too small: {slots} slots, batch needs {needed} (raise the cache budget)"
+            ),
+            ReserveError::Busy { needed, available } => write!(
+                f,
+                "expert cache busy: batch needs {needed} free slots, {available} are not leased"
+            ),
+        }
+    }
+}
+
+/// Counters kept by the table.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TableCounters {
+    /// Experts requested.
+    pub requests: u64,
+    /// Requested experts that were RESIDENT before the request.
+    pub resident_hits: u64,
+    /// Requested experts that were not (read, or waited for).
+    pub misses: u64,
+    /// RESIDENT experts evicted.
+    pub evictions: u64,
+    /// Loads that failed.
+    pub failed_loads: u64,
+}
+
+/// Identity of an explicit lease holder (a daemon connection).
+pub type HolderId = u64;
+
+/// The slot state machine (no memory, no locking: callers wrap it in their own mutex).
+pub struct SlotTable {
+    states: Vec<SlotState>,
+    leases: Vec<u32>,
+    errors: Vec<Option<String>>,
+    map: HashMap<(u32, u32), usize>,
+    free: Vec<usize>,
+    policy: Box<dyn EvictionPolicy>,
+    held: HashMap<(HolderId, u32), Vec<usize>>,
+    counters: TableCounters,
+}
+
+impl std::fmt::Debug for SlotTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SlotTable({} slots, {} resident, policy {})",
+            self.states.len(),
+            self.map.len(),
+            self.policy.name()
+        )
+    }
+}
+
+impl SlotTable {
+    /// `slots` EMPTY slots evicted by `policy`.
+    pub fn new(slots: usize, policy: Box<dyn EvictionPolicy>) -> SlotTable {
+        SlotTable {
+            states: vec![SlotState::Empty; slots],
+            leases: vec![0; slots],
+            errors: vec![None; slots],
+            map: HashMap::new(),
+            free: (0..slots).rev().collect(),
+            policy,
+            held: HashMap::new(),
+            counters: TableCounters::default(),
+        }
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.states.len()
+    }
+
+    /// Slots not EMPTY.
+    pub fn used(&self) -> usize {
+        self.states
+            .iter()
+            .filter(|s| **s != SlotState::Empty)
+            .count()
+    }
+
+    /// State of `slot`.
+    pub fn state(&self, slot: usize) -> SlotState {
+        self.states[slot]
+    }
+
+    /// Live leases on `slot`.
+    pub fn leases(&self, slot: usize) -> u32 {
+        self.leases[slot]
+    }
+
+    /// The error of the last failed load into `slot`.
+    pub fn last_error(&self, slot: usize) -> Option<&str> {
+        self.errors[slot].as_deref()
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> &TableCounters {
+        &self.counters
+    }
+
+    /// The slot holding (layer, expert) RESIDENT or INFLIGHT.
+    pub fn lookup(&self, layer: u32, expert: u32) -> Option<usize> {
+        self.map.get(&(layer, expert)).copied()
+    }
+
+    /// Phase 1: reserve slots for `ids` (distinct expert ids) of `layer`. Every returned slot
+    /// carries one lease for the caller. On error nothing changes (no lease, no counter).
+    pub fn reserve(&mut self, layer: u32, ids: &[u32]) -> Result<Vec<Reserved>, ReserveError> {
+        let n = self.states.len();
+        if ids.len() > n {
+            return Err(ReserveError::TooSmall {
+                slots: n,
+                needed: ids.len(),
+            });
+        }
+        // Dry run: how many new slots, and how many can be taken without touching a slot this
+        // batch hits or waits for?
+        let mut needed = 0usize;
+        let mut mine = vec![false; 0];
+        for &e in ids {
+            match self.map.get(&(layer, e)) {
+                Some(&s) => {
+                    if mine.is_empty() {
+                        mine = vec![false; n];
+                    }
+                    mine[s] = true;
+                }
+                None => needed += 1,
+            }
+        }
+        if needed > 0 {
+            let available = (0..n)
+                .filter(|&s| {
+                    self.leases[s] == 0
+                        && !matches!(self.states[s], SlotState::Inflight { .. })
+                        && !mine.get(s).copied().unwrap_or(false)
+                })
+                .count();
+            if available < needed {
+                return Err(ReserveError::Busy { needed, available });
+            }
+        }
+        // Commit: lease hits and waits first, so no victim can be one of them.
+        let mut out: Vec<Option<Reserved>> = vec![None; ids.len()];
+        for (i, &e) in ids.iter().enumerate() {
+            self.counters.requests += 1;
+            if let Some(&s) = self.map.get(&(layer, e)) {
+                self.leases[s] += 1;
+                out[i] = Some(match self.states[s] {
+                    SlotState::Resident { .. } => {
+                        self.counters.resident_hits += 1;
+                        self.policy.touch(s, layer, e);
+                        Reserved::Hit { slot: s }
+                    }
+                    _ => {
+                        self.counters.misses += 1;
+                        Reserved::Wait { slot: s }
+                    }
+                });
+            }
+        }
+        for (i, &e) in ids.iter().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            self.counters.misses += 1;
+            let s = self
+                .take_victim()
+                .expect("dry run counted enough eligible slots");
+            let evicted = match self.states[s] {
+                SlotState::Resident {
+                    layer: l,
+                    expert: x,
+                } => {
+                    self.map.remove(&(l, x));
+                    self.counters.evictions += 1;
+                    Some((l, x))
+                }
+                _ => None,
+            };
+            self.states[s] = SlotState::Inflight { layer, expert: e };
+            self.errors[s] = None;
+            self.leases[s] = 1;
+            self.map.insert((layer, e), s);
+            out[i] = Some(Reserved::Load { slot: s, evicted });
+        }
+        Ok(out.into_iter().flatten().collect())
+    }
+
+    fn take_victim(&mut self) -> Option<usize> {
+        if let Some(pos) = self
+            .free
+            .iter()
+            .rposition(|&s| self.leases[s] == 0 && self.states[s] == SlotState::Empty)
+        {
+            return Some(self.free.swap_remove(pos));
+        }
+        let (states, leases) = (&self.states, &self.leases);
+        self.policy
+            .victim(&mut |s| leases[s] == 0 && matches!(states[s], SlotState::Resident { .. }))
+    }
+
+    /// Phase 3: the load into `slot` (INFLIGHT) finished. `Ok` makes it RESIDENT; `Err` makes it
+    /// EMPTY, remembers the message for waiters and counts a failed load. The caller's lease is
+    /// not released (release it yourself after a failure).
+    pub fn publish(&mut self, slot: usize, result: Result<(), String>) {
+        let SlotState::Inflight { layer, expert } = self.states[slot] else {
+            return;
+        };
+        match result {
+            Ok(()) => {
+                self.states[slot] = SlotState::Resident { layer, expert };
+                self.policy.touch(slot, layer, expert);
+            }
+            Err(m) => {
+                self.counters.failed_loads += 1;
+                self.map.remove(&(layer, expert));
+                self.states[slot] = SlotState::Empty;
+                self.errors[slot] = Some(m);
+                self.policy.forget(slot);
+                self.free.push(slot);
+            }
+        }
+    }
+
+    /// Drop one lease on `slot`.
+    pub fn release(&mut self, slot: usize) {
+        self.leases[slot] = self.leases[slot].saturating_sub(1);
+    }
+
+    /// Record that `holder` keeps one lease on each of `slots` for `layer` (daemon mode). Any
+    /// leases it held for that layer before are released first.
+    pub fn hold(&mut self, holder: HolderId, layer: u32, slots: Vec<usize>) {
+        self.release_layer(holder, layer);
+        self.held.insert((holder, layer), slots);
+    }
+
+    /// Release `holder`'s leases for `layer`.
+    pub fn release_layer(&mut self, holder: HolderId, layer: u32) {
+        if let Some(v) = self.held.remove(&(holder, layer)) {
+            for s in v {
+                self.release(s);
+            }
+        }
+    }
+
+    /// Release everything `holder` holds (disconnect).
+    pub fn release_holder(&mut self, holder: HolderId) {
+        let keys: Vec<(HolderId, u32)> = self
+            .held
+            .keys()
+            .filter(|k| k.0 == holder)
+            .copied()
+            .collect();
+        for k in keys {
+            self.release_layer(k.0, k.1);
+        }
+    }
+}
+
+/// Reads one expert from the shards into a slot, canonical layout at the slot's first byte.
+#[derive(Debug)]
+pub struct ExpertReader {
+    files: Vec<Arc<DiskFile>>,
+    layout: ExpertLayout,
+}
+
+impl ExpertReader {
+    /// Over the given open shard files.
+    pub fn new(files: Vec<Arc<DiskFile>>, layout: ExpertLayout) -> ExpertReader {
+        ExpertReader { files, layout }
+    }
+
+    /// Bytes between slots: room for an aligned span of one expert (so the coalesced read lands
+    /// in place and is then moved to the slot start), a multiple of 4096.
+    pub fn slot_stride(layout: &ExpertLayout) -> usize {
+        let e = layout.expert_bytes() as u64;
+        (align_up(e).unwrap_or(e) as usize) + ALIGN
+    }
+
+    /// Bytes of one expert.
+    pub fn expert_bytes(&self) -> usize {
+        self.layout.expert_bytes()
+    }
+
+    /// Read the expert `ext` into `dst` (4096-aligned, at least [`ExpertReader::slot_stride`]
+    /// bytes); on success `dst[..expert_bytes]` is the expert in canonical layout.
+    pub fn read(&self, what: &str, ext: &ExpertExtents, dst: &mut [u8]) -> Result<(), ReadError> {
+        let eb = self.layout.expert_bytes();
+        if dst.len() < Self::slot_stride(&self.layout) {
+            return Err(ReadError(format!(
+                "{what}: slot of {} bytes too small",
+                dst.len()
+            )));
+        }
+        let file = |s: u16| {
+            self.files
+                .get(s as usize)
+                .ok_or_else(|| ReadError(format!("{what}: shard {s} is not open")))
+        };
+        if let Some((shard, off)) = ext.coalesced() {
+            let inner = file(shard)?
+                .read_span(off, eb as u64, dst)
+                .map_err(|e| ReadError(format!("{what}: {}", e.0)))?;
+            if inner != 0 {
+                dst.copy_within(inner..inner + eb, 0);
+            }
+            return Ok(());
+        }
+        for (i, p) in ExpertPart::ALL.iter().enumerate() {
+            let pe = ext.parts[i];
+            let at = self.layout.part_offset(*p);
+            file(pe.shard)?
+                .read_exact_at(pe.off, &mut dst[at..at + pe.nbytes as usize])
+                .map_err(|e| ReadError(format!("{what} {}: {}", p.suffix(), e.0)))?;
+        }
+        Ok(())
+    }
+}
+
+/// Options of the standalone cache.
+#[derive(Clone, Debug)]
+pub struct CacheOptions {
+    /// Slots (whole experts).
+    pub slots: usize,
+    /// Parallel readers per batch.
+    pub io_threads: usize,
+    /// How long a batch waits for leased slots to be released before giving up.
+    pub busy_timeout: Duration,
+}
+
+/// Counters of the standalone cache.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CacheStats {
+    /// Table counters.
+    pub table: TableCounters,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Wall seconds of the read phases.
+    pub read_seconds: f64,
+    /// Seconds callers were blocked in `get` on batches that missed.
+    pub wait_seconds: f64,
+    /// Slots in use.
+    pub slots_used: usize,
+}
+
+/// A failure injected into reads (tests).
+pub type FailHook = Box<dyn Fn(u32, u32) -> Option<String> + Send + Sync>;
+
+struct Inner {
+    table: SlotTable,
+    bufs: Vec<Option<Arc<AlignedBuf>>>,
+    bytes_read: u64,
+    read_seconds: f64,
+    wait_seconds: f64,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    cv: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// One lease on one slot, held by the regions handed out for it.
+struct ExpertLease {
+    shared: Arc<Shared>,
+    slot: usize,
+    buf: Option<Arc<AlignedBuf>>,
+    len: usize,
+}
+
+impl ByteOwner for ExpertLease {
+    fn bytes(&self) -> &[u8] {
+        match &self.buf {
+            Some(b) => &b.as_slice()[..self.len],
+            None => &[],
+        }
+    }
+}
+
+impl Drop for ExpertLease {
+    fn drop(&mut self) {
+        // Drop our reference to the slot memory before the lease count reaches zero, so a
+        // reserver that sees zero leases also sees a uniquely owned buffer.
+        self.buf.take();
+        let mut g = self.shared.lock();
+        g.table.release(self.slot);
+        drop(g);
+        self.shared.cv.notify_all();
+    }
+}
+
+/// The in-process routed-expert cache (standalone mode).
+pub struct ExpertCache {
+    shared: Arc<Shared>,
+    catalog: Arc<Catalog>,
+    reader: ExpertReader,
+    opts: CacheOptions,
+    fail: Option<FailHook>,
+}
+
+impl std::fmt::Debug for ExpertCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ExpertCache({} slots)", self.opts.slots)
+    }
+}
+
+impl ExpertCache {
+    /// A cache of `opts.slots` slots over the catalog's experts (LRU eviction). Allocates the
+    /// slots up front (their pages are only committed when first written).
+    pub fn new(
+        catalog: Arc<Catalog>,
+        files: Vec<Arc<DiskFile>>,
+        opts: CacheOptions,
+    ) -> Result<ExpertCache, SourceError> {
+        let layout = catalog.expert_layout();
+        let stride = ExpertReader::slot_stride(&layout);
+        let bufs = (0..opts.slots)
+            .map(|_| AlignedBuf::zeroed(stride).map(|b| Some(Arc::new(b))))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(SourceError::Io)?;
+        Ok(ExpertCache {
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner {
+                    table: SlotTable::new(opts.slots, Box::new(Lru::new(opts.slots))),
+                    bufs,
+                    bytes_read: 0,
+                    read_seconds: 0.0,
+                    wait_seconds: 0.0,
+                }),
+                cv: Condvar::new(),
+            }),
+            reader: ExpertReader::new(files, layout),
+            catalog,
+            opts,
+            fail: None,
+        })
+    }
+
+    /// Make reads of chosen experts fail (tests of the failure path).
+    pub fn set_fail_hook(&mut self, hook: FailHook) {
+        self.fail = Some(hook);
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> CacheStats {
+        let g = self.shared.lock();
+        CacheStats {
+            table: g.table.counters().clone(),
+            bytes_read: g.bytes_read,
+            read_seconds: g.read_seconds,
+            wait_seconds: g.wait_seconds,
+            slots_used: g.table.used(),
+        }
+    }
+
+    /// The state of every slot (diagnostics and tests).
+    pub fn slot_states(&self) -> Vec<(SlotState, u32)> {
+        let g = self.shared.lock();
+        (0..g.table.slots())
+            .map(|s| (g.table.state(s), g.table.leases(s)))
+            .collect()
+    }
+
+    /// Experts `ids` of layer `l`, in request order. Each `Ok` region is the expert in canonical
+    /// layout and stays valid (its slot leased) while the region or a clone lives.
+    pub fn get(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        let t0 = Instant::now();
+        if l >= self.catalog.n_layers() {
+            return Err(SourceError::Invalid(format!(
+                "layer {l} out of range ({} layers)",
+                self.catalog.n_layers()
+            )));
+        }
+        if let Some(&bad) = ids
+            .iter()
+            .find(|&&e| e as usize >= self.catalog.n_experts())
+        {
+            return Err(SourceError::Invalid(format!(
+                "expert {bad} out of range ({} experts)",
+                self.catalog.n_experts()
+            )));
+        }
+        let layer = l as u32;
+        let mut uniq: Vec<u32> = Vec::with_capacity(ids.len());
+        for &e in ids {
+            if !uniq.contains(&e) {
+                uniq.push(e);
+            }
+        }
+        // Phase 1: reserve.
+        let mut g = self.shared.lock();
+        let deadline = Instant::now() + self.opts.busy_timeout;
+        let plan = loop {
+            match g.table.reserve(layer, &uniq) {
+                Ok(p) => break p,
+                Err(e @ ReserveError::TooSmall { .. }) => {
+                    return Err(SourceError::Invalid(e.to_string()))
+                }
+                Err(e @ ReserveError::Busy { .. }) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(SourceError::Invalid(format!(
+                            "{e} after waiting {:.1} s (regions of earlier batches still alive?)",
+                            self.opts.busy_timeout.as_secs_f64()
+                        )));
+                    }
+                    g = self
+                        .shared
+                        .cv
+                        .wait_timeout(g, deadline - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        };
+        let mut jobs = Vec::new();
+        for (i, r) in plan.iter().enumerate() {
+            if let Reserved::Load { slot, .. } = *r {
+                let buf = g.bufs[slot].take();
+                let e = uniq[i];
+                let ext = self.catalog.expert(l, e as usize);
+                let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
+                jobs.push((key, slot, e, ext, buf));
+            }
+        }
+        drop(g);
+        let any_miss = plan.iter().any(|r| !matches!(r, Reserved::Hit { .. }));
+
+        // Phase 2: read misses in parallel, in disk-offset order.
+        jobs.sort_by_key(|j| j.0);
+        let t_read = Instant::now();
+        let n_jobs = jobs.len();
+        type Loaded = Result<Arc<AlignedBuf>, (String, Option<Arc<AlignedBuf>>)>;
+        let results = run_parallel(jobs, self.opts.io_threads, |(_, slot, e, ext, buf)| {
+            let what = format!("layer {l} expert {e}");
+            let res = (|| -> Loaded {
+                let mut buf =
+                    buf.ok_or_else(|| (format!("{what}: slot {slot} has no buffer"), None))?;
+                if let Some(m) = self.fail.as_ref().and_then(|f| f(layer, e)) {
+                    return Err((format!("{what}: {m}"), Some(buf)));
+                }
+                let Some(ext) = ext else {
+                    return Err((format!("{what} is not in the checkpoint"), Some(buf)));
+                };
+                match Arc::get_mut(&mut buf) {
+                    None => Err((
+                        format!("{what}: slot {slot} is still referenced"),
+                        Some(buf),
+                    )),
+                    Some(b) => match self.reader.read(&what, &ext, b.as_mut_slice()) {
+                        Ok(()) => Ok(buf),
+                        Err(err) => Err((err.0, Some(buf))),
+                    },
+                }
+            })();
+            (slot, res)
+        });
+        let read_secs = t_read.elapsed().as_secs_f64();
+
+        // Phase 3: publish what arrived.
+        let eb = self.reader.expert_bytes();
+        let mut g = self.shared.lock();
+        let mut failed: HashMap<usize, String> = HashMap::new();
+        for (slot, res) in results {
+            match res {
+                Ok(buf) => {
+                    g.bufs[slot] = Some(buf);
+                    g.table.publish(slot, Ok(()));
+                    g.bytes_read += eb as u64;
+                }
+                Err((m, buf)) => {
+                    if buf.is_some() {
+                        g.bufs[slot] = buf;
+                    }
+                    g.table.publish(slot, Err(m.clone()));
+                    g.table.release(slot);
+                    failed.insert(slot, m);
+                }
+            }
+        }
+        if n_jobs > 0 {
+            g.read_seconds += read_secs;
+        }
+        self.shared.cv.notify_all();
+        // Waits: experts another request was reading.
+        let mut answers: Vec<Result<Region, String>> = Vec::with_capacity(uniq.len());
+        for (i, r) in plan.iter().enumerate() {
+            let e = uniq[i];
+            let slot = r.slot();
+            if let Some(m) = failed.get(&slot) {
+                answers.push(Err(m.clone()));
+                continue;
+            }
+            if let Reserved::Wait { .. } = r {
+                while g.table.state(slot) == (SlotState::Inflight { layer, expert: e }) {
+                    g = self.shared.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                }
+                if g.table.state(slot) != (SlotState::Resident { layer, expert: e }) {
+                    let m = g
+                        .table
+                        .last_error(slot)
+                        .map(|m| format!("{m} (read by a concurrent request)"))
+                        .unwrap_or_else(|| format!("layer {l} expert {e}: load failed"));
+                    g.table.release(slot);
+                    answers.push(Err(m));
+                    continue;
+                }
+            }
+            let Some(buf) = g.bufs[slot].clone() else {
+                g.table.release(slot);
+                answers.push(Err(format!(
+                    "layer {l} expert {e}: slot {slot} has no memory"
+                )));
+                continue;
+            };
+            // The lease's bytes are exactly the expert, so `whole` is the expert.
+            let owner: Arc<dyn ByteOwner> = Arc::new(ExpertLease {
+                shared: self.shared.clone(),
+                slot,
+                buf: Some(buf),
+                len: eb,
+            });
+            answers.push(Ok(Region::whole(owner)));
+        }
+        if any_miss {
+            g.wait_seconds += t0.elapsed().as_secs_f64();
+        }
+        drop(g);
+        let experts = ids
+            .iter()
+            .map(|e| {
+                let i = uniq.iter().position(|u| u == e).unwrap_or(0);
+                answers[i].clone()
+            })
+            .collect();
+        Ok(ExpertBatch { experts })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixture::{self, Rng, Spec};
+    use crate::trunk::open_shards;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    fn cache(w: &fixture::Written, slots: usize, timeout_ms: u64) -> ExpertCache {
+        ExpertCache::new(
+            Arc::new(w.catalog.clone()),
+            open_shards(&w.catalog).unwrap(),
+            CacheOptions {
+                slots,
+                io_threads: 3,
+                busy_timeout: Duration::from_millis(timeout_ms),
+            },
+        )
+        .unwrap()
+    }
+
+    fn spec() -> Spec {
+        let mut s = Spec::small(4, 8);
+        // Two experts are stored with their parts reversed: the six-read path.
+        s.reversed_experts = vec![(1, 2), (3, 5)];
+        s
+    }
+
+    fn check(spec: &Spec, l: usize, ids: &[u32], b: &ExpertBatch) {
+        assert_eq!(b.experts.len(), ids.len());
+        for (e, r) in ids.iter().zip(&b.experts) {
+            let r = r.as_ref().unwrap();
+            assert!(
+                r.bytes() == &fixture::expert_bytes(spec, l, *e as usize)[..],
+                "layer {l} expert {e}: wrong bytes (aliasing)"
+            );
+        }
+    }
+
+    fn random_ids(rng: &mut Rng, n: usize, k: usize) -> Vec<u32> {
+        let mut v = Vec::new();
+        while v.len() < k {
+            let e = rng.below(n as u64) as u32;
+            if !v.contains(&e) {
+                v.push(e);
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn reversed_expert_is_assembled_in_canonical_order() {
+        let spec = spec();
+        let w = fixture::write(&spec, "canon");
+        assert!(w.catalog.expert(1, 2).unwrap().coalesced().is_none());
+        assert!(w.catalog.expert(1, 1).unwrap().coalesced().is_some());
+        let c = cache(&w, 4, 1000);
+        let b = c.get(1, &[2, 1]).unwrap();
+        check(&spec, 1, &[2, 1], &b);
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn random_streams_never_alias_with_capacity_below_working_set() {
+        let spec = spec();
+        let w = fixture::write(&spec, "alias");
+        let c = cache(&w, 7, 2000);
+        let mut rng = Rng(0x1234_5678_9abc);
+        let mut prev: Option<(usize, Vec<u32>, ExpertBatch)> = None;
+        let mut total = 0u64;
+        for _ in 0..300 {
+            let l = 1 + rng.below(3) as usize;
+            let ids = random_ids(&mut rng, 8, 3);
+            let b = c.get(l, &ids).unwrap();
+            total += 3;
+            check(&spec, l, &ids, &b);
+            // Keep the previous batch alive half the time: its slots must not be reused.
+            if let Some((pl, pids, p)) = prev.take() {
+                check(&spec, pl, &pids, &p);
+            }
+            if rng.below(2) == 0 {
+                prev = Some((l, ids, b));
+            }
+        }
+        let s = c.stats();
+        assert_eq!(s.table.requests, total);
+        assert_eq!(s.table.resident_hits + s.table.misses, total);
+        assert!(s.table.resident_hits > 0 && s.table.evictions > 0, "{s:?}");
+        assert_eq!(
+            s.bytes_read,
+            s.table.misses * spec.layout.expert_bytes() as u64
+        );
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn held_regions_keep_their_bytes_while_later_batches_evict() {
+        let spec = spec();
+        let w = fixture::write(&spec, "held");
+        let c = cache(&w, 6, 2000);
+        let mut rng = Rng(99);
+        let held_ids = [0u32, 2, 5];
+        let held = c.get(1, &held_ids).unwrap();
+        for _ in 0..100 {
+            let l = 2 + rng.below(2) as usize;
+            let ids = random_ids(&mut rng, 8, 3);
+            let b = c.get(l, &ids).unwrap();
+            check(&spec, l, &ids, &b);
+            check(&spec, 1, &held_ids, &held);
+        }
+        assert!(c.stats().table.evictions > 50);
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn two_threads_concurrent_batches() {
+        let spec = spec();
+        let w = fixture::write(&spec, "threads");
+        let c = cache(&w, 8, 5000);
+        std::thread::scope(|s| {
+            for t in 0..2u64 {
+                let (c, spec) = (&c, &spec);
+                s.spawn(move || {
+                    let mut rng = Rng(17 + t * 1000);
+                    for _ in 0..200 {
+                        let l = 1 + rng.below(3) as usize;
+                        let ids = random_ids(&mut rng, 8, 3);
+                        let b = c.get(l, &ids).unwrap();
+                        check(spec, l, &ids, &b);
+                    }
+                });
+            }
+        });
+        let s = c.stats();
+        assert_eq!(s.table.requests, 1200);
+        assert_eq!(s.table.failed_loads, 0);
+        // Every lease was released.
+        assert!(c.slot_states().iter().all(|(_, leases)| *leases == 0));
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn inflight_expert_is_read_once_and_waited_for() {
+        let spec = spec();
+        let w = fixture::write(&spec, "inflight");
+        let mut c = cache(&w, 4, 5000);
+        c.set_fail_hook(Box::new(|l, e| {
+            if (l, e) == (2, 4) {
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            None
+        }));
+        let (a, b) = std::thread::scope(|s| {
+            let ha = s.spawn(|| c.get(2, &[4]).unwrap());
+            std::thread::sleep(Duration::from_millis(100));
+            let hb = s.spawn(|| c.get(2, &[4, 1]).unwrap());
+            (ha.join().unwrap(), hb.join().unwrap())
+        });
+        check(&spec, 2, &[4], &a);
+        check(&spec, 2, &[4, 1], &b);
+        let s = c.stats();
+        assert_eq!(s.table.requests, 3);
+        assert_eq!(s.table.resident_hits, 0);
+        assert_eq!(s.table.misses, 3);
+        // Expert 4 was read once (by the first request), expert 1 once.
+        assert_eq!(s.bytes_read, 2 * spec.layout.expert_bytes() as u64);
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn failed_read_is_reported_and_not_published() {
+        let spec = spec();
+        let w = fixture::write(&spec, "fail");
+        let mut c = cache(&w, 5, 1000);
+        let failing = Arc::new(AtomicBool::new(true));
+        let f2 = failing.clone();
+        c.set_fail_hook(Box::new(move |l, e| {
+            ((l, e) == (1, 3) && f2.load(Ordering::SeqCst)).then(|| "injected EIO".to_string())
+        }));
+        let b = c.get(1, &[2, 3, 4]).unwrap();
+        assert!(b.experts[0].is_ok() && b.experts[2].is_ok());
+        let m = b.experts[1].as_ref().unwrap_err();
+        assert!(
+            m.contains("layer 1 expert 3") && m.contains("injected"),
+            "{m}"
+        );
+        assert_eq!(c.stats().table.failed_loads, 1);
+        assert!(c.slot_states().iter().all(|(s, _)| *s
+            != SlotState::Resident {
+                layer: 1,
+                expert: 3
+            }));
+        drop(b);
+        // Not papered over: a retry reads again (and succeeds once the disk behaves).
+        failing.store(false, Ordering::SeqCst);
+        let b = c.get(1, &[3]).unwrap();
+        check(&spec, 1, &[3], &b);
+        let s = c.stats();
+        assert_eq!(s.table.resident_hits, 0);
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn truncated_shard_fails_only_the_experts_past_the_end() {
+        let mut spec = spec();
+        spec.n_shards = 1;
+        let w = fixture::write(&spec, "trunc");
+        let c = cache(&w, 8, 1000);
+        // Cut the shard in the middle of layer 3's expert 6 (after indexing).
+        let cut = w.catalog.expert(3, 6).unwrap().parts[2].off;
+        let path = &w.catalog.shard_paths()[0];
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_len(cut)
+            .unwrap();
+        let b = c.get(3, &[0, 6, 7]).unwrap();
+        check(
+            &spec,
+            3,
+            &[0],
+            &ExpertBatch {
+                experts: vec![b.experts[0].clone()],
+            },
+        );
+        for r in &b.experts[1..] {
+            let m = r.as_ref().unwrap_err();
+            assert!(m.contains("model-00001-of-000001.safetensors"), "{m}");
+        }
+        assert_eq!(c.stats().table.failed_loads, 2);
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn eviction_never_touches_leased_slots_and_too_small_is_refused() {
+        let spec = spec();
+        let w = fixture::write(&spec, "leased");
+        let c = cache(&w, 3, 150);
+        let held = c.get(1, &[0, 1, 2]).unwrap();
+        let e = c.get(1, &[3]).unwrap_err().to_string();
+        assert!(e.contains("busy"), "{e}");
+        check(&spec, 1, &[0, 1, 2], &held);
+        let e = c.get(2, &[0, 1, 2, 3]).unwrap_err().to_string();
+        assert!(
+            e.contains("expert cache too small: 3 slots, batch needs 4"),
+            "{e}"
+        );
+        // Release expert 1 only: the next miss must take exactly its slot.
+        let ExpertBatch { mut experts } = held;
+        let one = experts.remove(1);
+        drop(one);
+        let b = c.get(1, &[3]).unwrap();
+        check(&spec, 1, &[3], &b);
+        let states: Vec<SlotState> = c.slot_states().into_iter().map(|(s, _)| s).collect();
+        for x in [0, 2, 3] {
+            assert!(states.contains(&SlotState::Resident {
+                layer: 1,
+                expert: x
+            }));
+        }
+        assert!(!states.contains(&SlotState::Resident {
+            layer: 1,
+            expert: 1
+        }));
+        check(&spec, 1, &[0, 2], &ExpertBatch { experts });
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn duplicate_ids_share_one_slot() {
+        let spec = spec();
+        let w = fixture::write(&spec, "dup");
+        let c = cache(&w, 2, 100);
+        let b = c.get(1, &[5, 5, 6]).unwrap();
+        check(&spec, 1, &[5, 5, 6], &b);
+        assert!(c.get(1, &[9]).is_err());
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn table_lru_order_and_explicit_holders() {
+        let mut t = SlotTable::new(2, Box::new(Lru::new(2)));
+        let r = t.reserve(7, &[10, 11]).unwrap();
+        for x in &r {
+            t.publish(x.slot(), Ok(()));
+        }
+        t.hold(1, 7, r.iter().map(|x| x.slot()).collect());
+        assert_eq!(
+            t.reserve(7, &[12]),
+            Err(ReserveError::Busy {
+                needed: 1,
+                available: 0
+            })
+        );
+        t.release_layer(1, 7);
+        // Hit 10, so 11 is least recently used.
+        let h = t.reserve(7, &[10]).unwrap();
+        assert!(matches!(h[0], Reserved::Hit { .. }));
+        t.hold(2, 7, vec![h[0].slot()]);
+        let m = t.reserve(7, &[12]).unwrap();
+        assert_eq!(
+            m[0],
+            Reserved::Load {
+                slot: r[1].slot(),
+                evicted: Some((7, 11))
+            }
+        );
+        // While INFLIGHT, another request waits for it and cannot evict it.
+        let w = t.reserve(7, &[12]).unwrap();
+        assert_eq!(w[0], Reserved::Wait { slot: r[1].slot() });
+        assert_eq!(
+            t.reserve(7, &[13]),
+            Err(ReserveError::Busy {
+                needed: 1,
+                available: 0
+            })
+        );
+        t.publish(m[0].slot(), Ok(()));
+        t.release(m[0].slot());
+        t.release(w[0].slot());
+        t.release_holder(2);
+        assert!((0..2).all(|s| t.leases(s) == 0));
+        let c = t.counters();
+        assert_eq!(
+            (c.requests, c.resident_hits, c.misses, c.evictions),
+            (5, 1, 4, 1)
+        );
+        assert_eq!(
+            t.reserve(7, &[1, 2, 3]),
+            Err(ReserveError::TooSmall {
+                slots: 2,
+                needed: 3
+            })
+        );
+    }
+}

@@ -1,0 +1,515 @@
+//! Disk I/O: 4 KiB-aligned buffers, an `O_DIRECT` reader with a buffered fallback, and parallel
+//! reads issued in disk-offset order.
+//!
+//! Weights are read once per use from NVMe; the page cache would only duplicate them, so reads
+//! bypass it with `O_DIRECT` whenever the filesystem allows. `O_DIRECT` needs the file offset, the
+//! length and the destination address all aligned to the logical block size; we align to
+//! [`ALIGN`] (4096), which covers every NVMe in practice. A range `[off, off+len)` is read as the
+//! aligned span `[align_down(off), align_up(off+len))` and the caller uses the inner window.
+//! Filesystems that refuse `O_DIRECT` (tmpfs answers `EINVAL` on open, some FUSE filesystems on
+//! read) are read with ordinary positioned reads instead; the file remembers the fallback.
+
+use std::alloc::Layout;
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use crate::source::ByteOwner;
+
+/// Alignment of every `O_DIRECT` offset, length and buffer address.
+pub const ALIGN: usize = 4096;
+
+/// Round `x` down to a multiple of [`ALIGN`].
+pub const fn align_down(x: u64) -> u64 {
+    x & !(ALIGN as u64 - 1)
+}
+
+/// Round `x` up to a multiple of [`ALIGN`]; `None` on overflow.
+pub const fn align_up(x: u64) -> Option<u64> {
+    match x.checked_add(ALIGN as u64 - 1) {
+        Some(v) => Some(align_down(v)),
+        None => None,
+    }
+}
+
+/// Bytes a buffer needs to receive `[off, off+len)` as an aligned span (see [`DiskFile::read_span`]).
+pub fn span_len(off: u64, len: u64) -> Option<u64> {
+    let end = align_up(off.checked_add(len)?)?;
+    Some(end - align_down(off))
+}
+
+/// A read failure. The message always names the file, the offset and the length.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ReadError(pub String);
+
+impl From<ReadError> for crate::source::SourceError {
+    fn from(e: ReadError) -> Self {
+        crate::source::SourceError::Io(e.0)
+    }
+}
+
+/// A zero-initialised heap buffer whose address is [`ALIGN`]-aligned.
+///
+/// The owner of the allocation: `Drop` frees it. Large buffers come from the allocator's `mmap`
+/// path, so pages that are never written cost no resident memory.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: AlignedBuf uniquely owns its allocation (no aliasing pointer escapes except through
+// `&self`/`&mut self` borrows), so moving it to another thread or sharing `&AlignedBuf` between
+// threads is as safe as for `Vec<u8>`.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: see `Send`; `&AlignedBuf` only gives out `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes (the allocation is rounded up to a multiple of [`ALIGN`]).
+    /// Fails cleanly (no abort) when the allocation is refused.
+    pub fn zeroed(len: usize) -> Result<AlignedBuf, String> {
+        let cap = len
+            .checked_add(ALIGN - 1)
+            .map(|v| (v / ALIGN).max(1) * ALIGN)
+            .ok_or_else(|| format!("buffer of {len} bytes is too large"))?;
+        let layout = Layout::from_size_align(cap, ALIGN)
+            .map_err(|e| format!("buffer of {len} bytes: {e}"))?;
+        // SAFETY: `layout` has non-zero size (cap >= ALIGN) and a valid power-of-two alignment.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw)
+            .ok_or_else(|| format!("out of memory allocating {len} bytes (aligned buffer)"))?;
+        Ok(AlignedBuf { ptr, len, layout })
+    }
+
+    /// Length in bytes (as requested, not the rounded capacity).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points to an allocation of `layout.size() >= len` bytes that this value
+        // owns and that was zero-initialised, so all `len` bytes are initialised; the returned
+        // borrow is tied to `&self`, so the allocation outlives it and no `&mut` can coexist.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` guarantees this is the only live borrow.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was returned by `alloc_zeroed(self.layout)` and is freed exactly once.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl ByteOwner for AlignedBuf {
+    fn bytes(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AlignedBuf({} bytes)", self.len)
+    }
+}
+
+/// An open file read with `O_DIRECT` when possible, buffered otherwise.
+#[derive(Debug)]
+pub struct DiskFile {
+    path: PathBuf,
+    buffered: File,
+    direct: Option<File>,
+    /// Cleared the first time the filesystem refuses a direct read.
+    direct_ok: AtomicBool,
+    len: u64,
+}
+
+/// Chunk size of the bounce buffer used to read into unaligned destinations.
+const BOUNCE: usize = 8 << 20;
+
+impl DiskFile {
+    /// Open `path` for reading; tries `O_DIRECT` too and silently keeps only the buffered handle
+    /// if the filesystem refuses it.
+    pub fn open(path: &Path) -> Result<DiskFile, ReadError> {
+        Self::open_with(path, true)
+    }
+
+    /// Like [`DiskFile::open`]; `try_direct = false` never uses `O_DIRECT`.
+    pub fn open_with(path: &Path, try_direct: bool) -> Result<DiskFile, ReadError> {
+        let buffered = File::open(path)
+            .map_err(|e| ReadError(format!("cannot open {}: {e}", path.display())))?;
+        let len = buffered
+            .metadata()
+            .map_err(|e| ReadError(format!("cannot stat {}: {e}", path.display())))?
+            .len();
+        let direct = if try_direct {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(path)
+                .ok()
+        } else {
+            None
+        };
+        Ok(DiskFile {
+            path: path.to_path_buf(),
+            buffered,
+            direct_ok: AtomicBool::new(direct.is_some()),
+            direct,
+            len,
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file's size when opened.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for an empty file.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// True while reads go through `O_DIRECT`.
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some() && self.direct_ok.load(Ordering::Relaxed)
+    }
+
+    fn err(&self, off: u64, len: u64, what: impl std::fmt::Display) -> ReadError {
+        ReadError(format!(
+            "read of {} bytes at offset {} in {} failed: {what}",
+            len,
+            off,
+            self.path.display()
+        ))
+    }
+
+    fn check_range(&self, off: u64, len: u64) -> Result<(), ReadError> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(self.err(
+                off,
+                len,
+                format_args!("range ends past end of file ({} bytes)", self.len),
+            )),
+        }
+    }
+
+    /// Positioned read of exactly `dst.len()` bytes through the buffered handle.
+    fn pread_exact(&self, off: u64, dst: &mut [u8]) -> Result<(), ReadError> {
+        let mut done = 0usize;
+        while done < dst.len() {
+            match self.buffered.read_at(&mut dst[done..], off + done as u64) {
+                Ok(0) => {
+                    return Err(self.err(
+                        off,
+                        dst.len() as u64,
+                        format_args!("unexpected end of file after {done} bytes"),
+                    ))
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.err(off, dst.len() as u64, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Direct read of the aligned span starting at aligned `aoff` into aligned `dst`; needs at
+    /// least `need` bytes (the tail of the last block may lie past EOF). `Ok(false)` when the
+    /// filesystem refused `O_DIRECT` (the caller falls back).
+    fn direct_read(&self, aoff: u64, dst: &mut [u8], need: usize) -> Result<bool, ReadError> {
+        let Some(f) = self.direct.as_ref() else {
+            return Ok(false);
+        };
+        let mut done = 0usize;
+        while done < need {
+            match f.read_at(&mut dst[done..], aoff + done as u64) {
+                Ok(0) => {
+                    return Err(self.err(
+                        aoff,
+                        need as u64,
+                        format_args!("unexpected end of file after {done} bytes"),
+                    ))
+                }
+                // A short direct read that is not block-aligned can only happen at EOF.
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) && done == 0 => {
+                    self.direct_ok.store(false, Ordering::Relaxed);
+                    return Ok(false);
+                }
+                Err(e) => return Err(self.err(aoff, need as u64, e)),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Read `[off, off+len)` as an aligned span into `dst`, whose address must be
+    /// [`ALIGN`]-aligned and whose length must be at least [`span_len`]`(off, len)`. Returns the
+    /// offset inside `dst` where byte `off` landed (`off % ALIGN`); bytes of `dst` outside
+    /// `[inner, inner+len)` are unspecified afterwards.
+    pub fn read_span(&self, off: u64, len: u64, dst: &mut [u8]) -> Result<usize, ReadError> {
+        self.check_range(off, len)?;
+        let span = span_len(off, len).ok_or_else(|| self.err(off, len, "length overflows"))?;
+        if (dst.len() as u64) < span || dst.as_ptr() as usize % ALIGN != 0 {
+            return Err(self.err(
+                off,
+                len,
+                format_args!(
+                    "destination buffer of {} bytes is too small or unaligned (needs {span})",
+                    dst.len()
+                ),
+            ));
+        }
+        let aoff = align_down(off);
+        let inner = (off - aoff) as usize;
+        let need = inner + len as usize;
+        if len == 0 {
+            return Ok(inner);
+        }
+        if self.is_direct() && self.direct_read(aoff, &mut dst[..span as usize], need)? {
+            return Ok(inner);
+        }
+        self.pread_exact(off, &mut dst[inner..need])?;
+        Ok(inner)
+    }
+
+    /// Read exactly `dst.len()` bytes from `off` into any destination. Uses `O_DIRECT` through an
+    /// aligned bounce buffer (at most 8 MiB) when the destination is not itself aligned.
+    pub fn read_exact_at(&self, off: u64, dst: &mut [u8]) -> Result<(), ReadError> {
+        let len = dst.len() as u64;
+        self.check_range(off, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        if !self.is_direct() {
+            return self.pread_exact(off, dst);
+        }
+        let mut bounce: Option<AlignedBuf> = None;
+        let mut done = 0usize;
+        while done < dst.len() {
+            let pos = off + done as u64;
+            let inner = (pos - align_down(pos)) as usize;
+            let take = (dst.len() - done).min(BOUNCE - inner);
+            if bounce.is_none() {
+                let want = span_len(pos, (dst.len() - done) as u64)
+                    .map(|s| (s as usize).min(BOUNCE))
+                    .unwrap_or(BOUNCE);
+                bounce = Some(AlignedBuf::zeroed(want).map_err(|e| self.err(off, len, e))?);
+            }
+            let b = bounce
+                .as_mut()
+                .map(AlignedBuf::as_mut_slice)
+                .unwrap_or_default();
+            let got = self.read_span(pos, take as u64, b)?;
+            dst[done..done + take].copy_from_slice(&b[got..got + take]);
+            done += take;
+        }
+        Ok(())
+    }
+
+    /// Read `[off, off+len)` into a fresh aligned buffer; returns the buffer and the offset of
+    /// byte `off` inside it.
+    pub fn read_region(&self, off: u64, len: u64) -> Result<(AlignedBuf, usize), ReadError> {
+        let span = span_len(off, len).ok_or_else(|| self.err(off, len, "length overflows"))?;
+        self.check_range(off, len)?;
+        let span = usize::try_from(span).map_err(|_| self.err(off, len, "too large"))?;
+        let mut buf = AlignedBuf::zeroed(span).map_err(|e| self.err(off, len, e))?;
+        let inner = self.read_span(off, len, buf.as_mut_slice())?;
+        Ok((buf, inner))
+    }
+}
+
+/// Run `f` over `jobs` on up to `threads` threads, issuing jobs in the order given (callers sort
+/// by disk offset) and returning results in the same order.
+pub fn run_parallel<T, R, F>(jobs: Vec<T>, threads: usize, f: F) -> Vec<R>
+where
+    T: Send,
+    R: Send,
+    F: Fn(T) -> R + Sync,
+{
+    let n = jobs.len();
+    let threads = threads.clamp(1, n.max(1));
+    if threads <= 1 {
+        return jobs.into_iter().map(f).collect();
+    }
+    let slots: Vec<std::sync::Mutex<Option<T>>> = jobs
+        .into_iter()
+        .map(|j| std::sync::Mutex::new(Some(j)))
+        .collect();
+    let results: Vec<std::sync::Mutex<Option<R>>> =
+        (0..n).map(|_| std::sync::Mutex::new(None)).collect();
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                let job = slots[i].lock().ok().and_then(|mut g| g.take());
+                if let Some(job) = job {
+                    let r = f(job);
+                    if let Ok(mut g) = results[i].lock() {
+                        *g = Some(r);
+                    }
+                }
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|m| {
+            m.into_inner()
+                .ok()
+                .flatten()
+                .expect("every job ran exactly once (a worker thread panicked otherwise)")
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmpdir(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("k3io-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn pattern(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 31 + i / 251) as u8).collect()
+    }
+
+    #[test]
+    fn aligned_buf_is_aligned_and_zeroed() {
+        for len in [0usize, 1, 4095, 4096, 4097, 1 << 20] {
+            let b = AlignedBuf::zeroed(len).unwrap();
+            assert_eq!(b.as_slice().as_ptr() as usize % ALIGN, 0);
+            assert_eq!(b.len(), len);
+            assert!(b.as_slice().iter().all(|&x| x == 0));
+        }
+    }
+
+    fn check_ranges(f: &DiskFile, data: &[u8]) {
+        let n = data.len() as u64;
+        for (off, len) in [
+            (0u64, 1u64),
+            (1, 4095),
+            (4095, 2),
+            (4096, 4096),
+            (100, 20_000),
+            (n - 7, 7),
+            (n - 5000, 5000),
+            (3, 0),
+        ] {
+            let (buf, inner) = f.read_region(off, len).unwrap();
+            assert_eq!(inner as u64, off % 4096);
+            assert_eq!(
+                &buf.as_slice()[inner..inner + len as usize],
+                &data[off as usize..(off + len) as usize],
+                "off {off} len {len}"
+            );
+            let mut v = vec![0u8; len as usize];
+            f.read_exact_at(off, &mut v).unwrap();
+            assert_eq!(&v[..], &data[off as usize..(off + len) as usize]);
+        }
+    }
+
+    #[test]
+    fn reads_arbitrary_ranges_direct_and_buffered() {
+        let d = tmpdir("ranges");
+        let p = d.join("f.bin");
+        // Not a multiple of 4096, so the last block is partial (direct reads stop at EOF).
+        let data = pattern(3 * 4096 * 7 + 123);
+        std::fs::write(&p, &data).unwrap();
+        let direct = DiskFile::open(&p).unwrap();
+        check_ranges(&direct, &data);
+        let buffered = DiskFile::open_with(&p, false).unwrap();
+        assert!(!buffered.is_direct());
+        check_ranges(&buffered, &data);
+        // A large read through the bounce buffer crosses several 8 MiB chunks.
+        let big = pattern(17 << 20);
+        let pb = d.join("big.bin");
+        std::fs::write(&pb, &big).unwrap();
+        let f = DiskFile::open(&pb).unwrap();
+        let mut v = vec![0u8; (17 << 20) - 4097];
+        f.read_exact_at(4097, &mut v).unwrap();
+        assert!(v == big[4097..]);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn tmpfs_falls_back_to_buffered() {
+        let shm = Path::new("/dev/shm");
+        if !shm.is_dir() {
+            return;
+        }
+        let p = shm.join(format!("k3io-{}.bin", std::process::id()));
+        let data = pattern(3 * 4096 * 7 + 123);
+        std::fs::write(&p, &data).unwrap();
+        let f = DiskFile::open(&p).unwrap();
+        check_ranges(&f, &data);
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn past_eof_and_short_file_are_errors_naming_file_offset_len() {
+        let d = tmpdir("eof");
+        let p = d.join("short.bin");
+        std::fs::write(&p, pattern(5000)).unwrap();
+        let f = DiskFile::open(&p).unwrap();
+        let e = f.read_region(4000, 2000).unwrap_err().0;
+        assert!(
+            e.contains("short.bin") && e.contains("4000") && e.contains("2000"),
+            "{e}"
+        );
+        let mut v = vec![0u8; 10];
+        let e = f.read_exact_at(4999, &mut v).unwrap_err().0;
+        assert!(e.contains("4999") && e.contains("10"), "{e}");
+        // The file shrinks after opening: the read hits EOF and must fail, not return zeros.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(1000)
+            .unwrap();
+        let e = f.read_region(500, 3000).unwrap_err().0;
+        assert!(e.contains("end of file"), "{e}");
+        let e = DiskFile::open(&d.join("nope")).unwrap_err().0;
+        assert!(e.contains("nope"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn run_parallel_keeps_order_and_runs_everything() {
+        let out = run_parallel((0..100u64).collect(), 4, |x| x * x);
+        assert_eq!(out, (0..100u64).map(|x| x * x).collect::<Vec<_>>());
+        let out: Vec<u64> = run_parallel(vec![], 4, |x: u64| x);
+        assert!(out.is_empty());
+    }
+}

@@ -1,0 +1,1 @@
+"""Synthetic Kimi K3 checkpoint generator (see scripts/make-checkpoint.py)."""

@@ -1,0 +1,107 @@
+"""Safetensors shards + model.safetensors.index.json + config.json."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+from .config import config_text
+from .graph import DTYPE_SIZE, Unit, assign_shards, build_units, shard_name
+from .presets import Dims
+from .values import FastPools, tensor_chunks
+
+
+NAME_OK = re.compile(r"[A-Za-z0-9_.]+")
+
+
+@dataclass
+class ShardPlan:
+    file: str
+    units: list[Unit]
+    header: bytes  # 8-byte length prefix + padded JSON
+    data_size: int
+
+
+def safetensors_header(units: list[Unit]) -> tuple[bytes, int]:
+    """Header bytes (LE u64 length + JSON padded with spaces to a multiple of 8) and the
+    data size. Offsets are relative to the start of the data area, in unit order.
+
+    The JSON is formatted by hand (it is the hot path of the 497k-tensor skeleton); tensor
+    names are plain ASCII without quotes or backslashes, which NAME_OK enforces."""
+    parts = ['{"__metadata__":{"format":"pt"}']
+    seen = set()
+    off = 0
+    for u in units:
+        for t in u.tensors:
+            if off % DTYPE_SIZE[t.dtype]:
+                raise ValueError(f"{t.name} would start at misaligned offset {off}")
+            if t.name in seen or not NAME_OK.fullmatch(t.name):
+                raise ValueError(f"duplicate or unsafe tensor name {t.name!r}")
+            seen.add(t.name)
+            shape = ",".join(map(str, t.shape))
+            parts.append(f'"{t.name}":{{"dtype":"{t.dtype}","shape":[{shape}],"data_offsets":[{off},{off + t.nbytes}]}}')
+            off += t.nbytes
+    text = (",".join(parts) + "}").encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, off
+
+
+def index_text(total: int, weight_map: dict[str, str]) -> str:
+    """The index as transformers writes it (2-space indent, sorted names), built line by line
+    because json.dump with indent is slow for half a million entries."""
+    enc = json.encoder.encode_basestring
+    lines = [f"    {enc(k)}: {enc(v)}" for k, v in sorted(weight_map.items())]
+    return (
+        '{\n  "metadata": {\n    "total_size": %d\n  },\n  "weight_map": {\n' % total
+        + ",\n".join(lines)
+        + "\n  }\n}\n"
+    )
+
+
+def plan(d: Dims) -> list[ShardPlan]:
+    d.validate()
+    units = build_units(d)
+    which = assign_shards(units, d.shards)
+    per_shard: list[list[Unit]] = [[] for _ in range(d.shards)]
+    for u, s in zip(units, which):
+        per_shard[s].append(u)
+    plans = []
+    for i, mine in enumerate(per_shard):
+        header, size = safetensors_header(mine)
+        plans.append(ShardPlan(shard_name(i, d.shards), mine, header, size))
+    return plans
+
+
+def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nested", decoy_head_dim: bool = False) -> list[ShardPlan]:
+    os.makedirs(out_dir, exist_ok=True)
+    plans = plan(d)
+    pools = FastPools(seed) if d.values == "fast" else None
+    weight_map: dict[str, str] = {}
+    total = 0
+    for sp in plans:
+        path = os.path.join(out_dir, sp.file)
+        with open(path, "wb") as f:
+            f.write(sp.header)
+            if d.values == "hole":
+                # Real header, data left as a hole: the file is sparse.
+                f.truncate(len(sp.header) + sp.data_size)
+            else:
+                for u in sp.units:
+                    for t in u.tensors:
+                        written = 0
+                        for chunk in tensor_chunks(t, d.values, seed, pools):
+                            f.write(memoryview(chunk).cast("B"))
+                            written += chunk.nbytes
+                        if written != t.nbytes:
+                            raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.nbytes}")
+        for u in sp.units:
+            for t in u.tensors:
+                weight_map[t.name] = sp.file
+                total += t.nbytes
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        f.write(index_text(total, weight_map))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        f.write(config_text(d, config_shape, decoy_head_dim))
+    return plans
