@@ -419,3 +419,9 @@ impl Globals {
         })
     }
 }
+
+impl TensorShapes for k3_proto::safetensors::CheckpointIndex {
+    fn meta(&self, name: &str) -> Option<(Dtype, Vec<u64>)> {
+        self.get(name).map(|t| (t.dtype, t.shape().to_vec()))
+    }
+}
