@@ -273,7 +273,7 @@ impl DiskFile {
     pub fn read_span(&self, off: u64, len: u64, dst: &mut [u8]) -> Result<usize, ReadError> {
         self.check_range(off, len)?;
         let span = span_len(off, len).ok_or_else(|| self.err(off, len, "length overflows"))?;
-        if (dst.len() as u64) < span || dst.as_ptr() as usize % ALIGN != 0 {
+        if (dst.len() as u64) < span || !(dst.as_ptr() as usize).is_multiple_of(ALIGN) {
             return Err(self.err(
                 off,
                 len,

@@ -449,7 +449,7 @@ impl TrunkLayout {
                 layers.push(None);
                 continue;
             }
-            if jl.file_off % json.align != 0 {
+            if !jl.file_off.is_multiple_of(json.align) {
                 return Err(refuse(format!(
                     "layer {l}: file_off {} is not a multiple of align {}",
                     jl.file_off, json.align

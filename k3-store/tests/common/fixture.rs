@@ -211,7 +211,7 @@ fn write_shard(path: &Path, entries: &[Entry]) -> Vec<u64> {
     }
     header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
     let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let base = 8 + h.len() as u64;
