@@ -425,3 +425,44 @@ impl TensorShapes for k3_proto::safetensors::CheckpointIndex {
         self.get(name).map(|t| (t.dtype, t.shape().to_vec()))
     }
 }
+
+/// The stored dtype and shape of every non-expert tensor of the bound layers and the model-level
+/// tensors, copied out of a [`k3_proto::safetensors::CheckpointIndex`] so the (large, at full
+/// scale ~100 MB) index itself can be dropped before the run.
+#[derive(Debug, Default)]
+pub struct ShapeTable {
+    map: std::collections::HashMap<String, (Dtype, Vec<u64>)>,
+}
+
+impl ShapeTable {
+    /// Keep the model-level tensors and the trunk tensors of layers `< n_layers`.
+    pub fn from_index(index: &k3_proto::safetensors::CheckpointIndex, n_layers: usize) -> Self {
+        use k3_proto::names::{classify, TensorClass};
+        let map = index
+            .iter()
+            .filter(|t| match classify(t.name) {
+                TensorClass::Model => true,
+                TensorClass::Trunk { layer } => layer < n_layers,
+                _ => false,
+            })
+            .map(|t| (t.name.to_string(), (t.dtype, t.shape().to_vec())))
+            .collect();
+        ShapeTable { map }
+    }
+
+    /// Tensors held.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+impl TensorShapes for ShapeTable {
+    fn meta(&self, name: &str) -> Option<(Dtype, Vec<u64>)> {
+        self.map.get(name).cloned()
+    }
+}
