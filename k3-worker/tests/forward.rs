@@ -198,3 +198,36 @@ fn layers_flag_binds_only_a_prefix() {
     assert_eq!(calls.iter().filter(|c| c.0 == 'L').count(), 5);
     assert!(!calls.contains(&('P', 5)));
 }
+
+#[test]
+fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
+    use k3_worker::model::bind::{Attn, LayerWeights, Mlp};
+    let mut src = MemSource::random(&tiny_dims(), 10);
+    // MODEL.md §10 C5: the router bias may be BF16.
+    let bias = layer_name(1, "block_sparse_moe.gate.e_score_correction_bias");
+    src.set_loc(&bias, k3_proto::Dtype::BF16, 16);
+    src.set_meta(&bias, k3_proto::Dtype::BF16, vec![8]);
+    let vals = [0.5f32, -0.25, 1.0, 2.0, -3.0, 0.125, 0.0, 7.0];
+    src.set(&bias, &vals);
+    // §10 C2: A_log declared [num_heads] (HF module) instead of the release's [head_dim].
+    let alog = layer_name(1, "self_attn.A_log");
+    let want_a = src.get(&alog)[..2].to_vec();
+    src.set_loc(&alog, k3_proto::Dtype::F32, 8);
+    src.set_meta(&alog, k3_proto::Dtype::F32, vec![2]);
+    let d = tiny_dims();
+    let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
+    let lw = LayerWeights::bind(&d, &run, Some(&src as &dyn TensorShapes)).unwrap();
+    let Mlp::Moe(moe) = &lw.mlp else { panic!() };
+    assert_eq!(moe.bias, vals);
+    let Attn::Kda(kda) = &lw.attn else { panic!() };
+    assert_eq!(kda.a_log, want_a);
+    // A third A_log length is still refused.
+    src.set_loc(&alog, k3_proto::Dtype::F32, 12);
+    src.set_meta(&alog, k3_proto::Dtype::F32, vec![3]);
+    let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
+    let e = LayerWeights::bind(&d, &run, None).unwrap_err().to_string();
+    assert!(
+        e.contains("A_log") && e.contains("[8]") && e.contains("[2]"),
+        "{e}"
+    );
+}
