@@ -3,6 +3,8 @@
 use clap::{Parser, Subcommand};
 
 mod inspect;
+mod pack;
+mod presets;
 mod store_cmds;
 mod tokenize;
 
@@ -28,6 +30,10 @@ enum Cmd {
     Stats(store_cmds::StatsArgs),
     /// Ask the store to drain and exit; waits until its socket is gone.
     Stop(store_cmds::SocketArg),
+    /// Copy every layer's trunk tensors into trunk.bin + trunk.json (one aligned run per layer).
+    PackTrunk(pack::Args),
+    /// Print the memory presets (trunk / expert-cache budgets).
+    Presets(presets::Args),
 }
 
 fn main() {
@@ -50,6 +56,8 @@ fn main() {
         Cmd::Status(a) => store_cmds::run_status(a),
         Cmd::Stats(a) => store_cmds::run_stats(a),
         Cmd::Stop(a) => store_cmds::run_stop(a),
+        Cmd::PackTrunk(a) => pack::run(a),
+        Cmd::Presets(a) => presets::run(a),
     };
     std::process::exit(code);
 }

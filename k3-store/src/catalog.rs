@@ -7,7 +7,7 @@
 //! catalog only, so it can be tested with hand-written extents.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_proto::Dtype;
@@ -275,7 +275,6 @@ impl Catalog {
         self.trunk(l).iter().map(|t| t.nbytes).sum()
     }
 
-    #[cfg(any())] // enabled once k3_proto::{safetensors,config,names} lands
     /// Open the checkpoint in `dir` through the proto index and config (see `from_index`).
     pub fn open_dir(dir: &Path) -> Result<(Catalog, k3_proto::config::ModelConfig), CatalogError> {
         let cfg = k3_proto::config::ModelConfig::load(&dir.join("config.json")).map_err(|e| {
@@ -287,7 +286,6 @@ impl Catalog {
         Ok((cat, cfg))
     }
 
-    #[cfg(any())] // enabled once k3_proto::{safetensors,config,names} lands
     /// Build from the proto checkpoint index and config. Tensors of layers at or past
     /// `cfg.num_hidden_layers` are ignored (so a `with_layers(n)` config gives a partial view).
     pub fn from_index(

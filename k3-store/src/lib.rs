@@ -10,8 +10,10 @@ pub mod daemon;
 pub mod experts;
 pub mod io;
 pub mod ipc;
+pub mod plan;
 pub mod shmem;
 pub mod source;
+pub mod standalone;
 pub mod stream;
 pub mod trunk;
 

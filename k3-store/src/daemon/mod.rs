@@ -22,6 +22,7 @@ use k3_proto::wire::{self, ClientKind, Request, Response, StatsReport, StatusRep
 
 use crate::ipc;
 
+pub mod backend;
 pub mod detach;
 
 /// A connection's identity inside the store.
@@ -32,8 +33,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Lease one layer's experts for `conn`, releasing that connection's earlier leases for the
     /// same layer. Answers are in request order.
     fn experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response;
-    /// Release every lease `conn` holds (on `ReleaseAll` and on disconnect).
+    /// Release every lease `conn` holds (on `ReleaseAll`).
     fn release_all(&self, conn: ConnId);
+    /// A client finished its handshake.
+    fn opened(&self, _conn: ConnId, _kind: ClientKind, _label: &str) {}
+    /// A client disconnected (cleanly or killed): release everything it held.
+    fn closed(&self, conn: ConnId) {
+        self.release_all(conn);
+    }
     /// Lifetime and per-connection counters.
     fn stats(&self, conn: ConnId) -> StatsReport;
     /// Static description (model, preset, plan, memory).
@@ -221,6 +228,7 @@ fn serve_connection<B: Backend>(shared: Arc<Shared<B>>, mut stream: UnixStream) 
     if sent.is_err() {
         return;
     }
+    shared.backend.opened(id, kind, &label);
     shared
         .clients
         .lock()
@@ -290,7 +298,7 @@ fn serve_connection<B: Backend>(shared: Arc<Shared<B>>, mut stream: UnixStream) 
         }
     }
     // Disconnect (clean or SIGKILL): every lease goes.
-    shared.backend.release_all(id);
+    shared.backend.closed(id);
     shared
         .clients
         .lock()

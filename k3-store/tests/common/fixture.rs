@@ -313,6 +313,7 @@ pub fn write_into(spec: &Spec, dir: &Path) -> Written {
             catalog_entries.push((i as u16, off, e));
         }
     }
+    write_config(spec, dir);
     let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
     std::fs::write(
         dir.join("model.safetensors.index.json"),
@@ -352,6 +353,80 @@ pub fn write_into(spec: &Spec, dir: &Path) -> Written {
         catalog: cat.finish().unwrap(),
         spec: spec.clone(),
     }
+}
+
+/// MLA layers (0-based): 3, 7, … and the last layer, like the real layer map.
+pub fn mla_layers(spec: &Spec) -> Vec<usize> {
+    (0..spec.n_layers)
+        .filter(|&l| (l + 1) % 4 == 0 || l + 1 == spec.n_layers)
+        .collect()
+}
+
+/// A nested (released-shape) config.json for `spec`.
+pub fn write_config(spec: &Spec, dir: &Path) {
+    let mla = mla_layers(spec);
+    let full: Vec<usize> = mla.iter().map(|l| l + 1).collect();
+    let kda: Vec<usize> = (1..=spec.n_layers).filter(|x| !full.contains(x)).collect();
+    let mut t = serde_json::Map::new();
+    let mut put = |k: &str, v: serde_json::Value| {
+        t.insert(k.to_string(), v);
+    };
+    put("model_type", "kimi_linear".into());
+    put("hidden_size", spec.hidden.into());
+    put("num_hidden_layers", spec.n_layers.into());
+    put("vocab_size", spec.vocab.into());
+    put("rms_norm_eps", 1e-5.into());
+    put("hidden_act", "situ".into());
+    put("activation_situ_beta", 4.0.into());
+    put("activation_situ_linear_beta", 25.0.into());
+    put("intermediate_size", 96.into());
+    put("first_k_dense_replace", 1.into());
+    put("moe_layer_freq", 1.into());
+    put("num_experts", spec.n_experts.into());
+    put("num_experts_per_token", 2.into());
+    put("num_shared_experts", 2.into());
+    put("moe_intermediate_size", spec.layout.inter.into());
+    put("routed_expert_hidden_size", spec.layout.latent.into());
+    put("latent_moe_use_norm", true.into());
+    put("moe_router_activation_func", "sigmoid".into());
+    put("moe_renormalize", true.into());
+    put("routed_scaling_factor", 1.0.into());
+    put("topk_method", "noaux_tc".into());
+    put("use_grouped_topk", true.into());
+    put("num_expert_group", 1.into());
+    put("topk_group", 1.into());
+    put("num_attention_heads", 4.into());
+    put("num_key_value_heads", 4.into());
+    put("q_lora_rank", 32.into());
+    put("kv_lora_rank", 16.into());
+    put("qk_nope_head_dim", 8.into());
+    put("qk_rope_head_dim", 8.into());
+    put("v_head_dim", 8.into());
+    put("mla_use_nope", true.into());
+    put("mla_use_output_gate", true.into());
+    put("attn_res_block_size", 3.into());
+    put("num_nextn_predict_layers", 0.into());
+    put("tie_word_embeddings", false.into());
+    put(
+        "linear_attn_config",
+        serde_json::json!({
+            "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
+            "gate_lower_bound": -5.0, "use_full_rank_gate": true,
+            "full_attn_layers": full, "kda_layers": kda
+        }),
+    );
+    let cfg = serde_json::json!({
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
+        "tie_word_embeddings": false,
+        "text_config": serde_json::Value::Object(t),
+    });
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&cfg).unwrap(),
+    )
+    .unwrap();
 }
 
 /// Expected bytes of layer l's trunk tensor `name`.

@@ -1,0 +1,11 @@
+//! `k3-ctl presets`: the memory presets (PRODUCT.md §3).
+
+/// Arguments of `k3-ctl presets`.
+#[derive(clap::Args, Debug)]
+pub struct Args {}
+
+/// Print the preset table to stdout.
+pub fn run(_a: Args) -> i32 {
+    print!("{}", k3_store::plan::presets_table());
+    k3_proto::exit::OK
+}

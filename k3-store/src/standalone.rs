@@ -1,0 +1,422 @@
+//! The in-process weight source (`k3-worker --standalone`): the store's logic without a daemon.
+//!
+//! Model-level tensors are read once into aligned buffers; the trunk streams through
+//! [`crate::stream::TrunkStream`] (pinned prefix + ring); routed experts come from
+//! [`crate::experts::ExpertCache`]. The memory plan is computed and checked against
+//! `MemAvailable` before anything large is allocated.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::catalog::Catalog;
+use crate::experts::{CacheOptions, CacheStats, ExpertCache};
+use crate::io::DiskFile;
+use crate::plan::{mem_available, Budget, MemoryPlan, PlanInputs};
+use crate::source::{
+    ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
+};
+use crate::stream::{StreamOptions, StreamStats, TrunkStream};
+use crate::trunk::{open_shards, TrunkError, TrunkLayout};
+
+/// Options of [`StandaloneSource`].
+#[derive(Clone, Debug)]
+pub struct StandaloneOptions {
+    /// Positions the KV cache is planned for.
+    pub context_len: usize,
+    /// Parallel expert readers.
+    pub io_threads: usize,
+    /// Compare the plan with `MemAvailable` and refuse when it does not fit.
+    pub check_memory: bool,
+    /// How long a request waits for leased slots (experts) or ring slots (trunk).
+    pub wait_timeout: Duration,
+}
+
+impl Default for StandaloneOptions {
+    fn default() -> Self {
+        StandaloneOptions {
+            context_len: 4096,
+            io_threads: 8,
+            check_memory: true,
+            wait_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Why a standalone source could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// Bad checkpoint, bad packed trunk or a plan that does not fit: exit 2.
+    #[error("{0}")]
+    Refused(String),
+    /// An I/O failure while loading: exit 1.
+    #[error("{0}")]
+    Io(String),
+}
+
+impl OpenError {
+    /// The process exit code for this error (`k3_proto::exit`).
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            OpenError::Refused(_) => k3_proto::exit::REFUSED,
+            OpenError::Io(_) => k3_proto::exit::FAILURE,
+        }
+    }
+}
+
+impl From<TrunkError> for OpenError {
+    fn from(e: TrunkError) -> Self {
+        match e {
+            TrunkError::Refused(m) => OpenError::Refused(m),
+            TrunkError::Io(m) => OpenError::Io(m),
+        }
+    }
+}
+
+impl From<SourceError> for OpenError {
+    fn from(e: SourceError) -> Self {
+        OpenError::Io(e.to_string())
+    }
+}
+
+/// Weights served in-process.
+pub struct StandaloneSource {
+    model: HashMap<String, Region>,
+    stream: TrunkStream,
+    experts: ExpertCache,
+    plan: MemoryPlan,
+}
+
+impl std::fmt::Debug for StandaloneSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StandaloneSource({:?}, {:?})", self.stream, self.experts)
+    }
+}
+
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<StandaloneSource>();
+};
+
+impl StandaloneSource {
+    /// Open the checkpoint in `model_dir` (config + index), optionally with a packed trunk,
+    /// make the memory plan for `budget`, refuse if it does not fit, then load. `progress` is
+    /// called with (what, done, total) while loading. `layers` limits the model to its first N
+    /// layers (`--layers N`, for partial shard sets).
+    pub fn open(
+        model_dir: &Path,
+        trunk_dir: Option<&Path>,
+        budget: &Budget,
+        layers: Option<usize>,
+        opts: &StandaloneOptions,
+        progress: &mut dyn FnMut(&str, usize, usize),
+    ) -> Result<(StandaloneSource, MemoryPlan), OpenError> {
+        let cfg_path = model_dir.join("config.json");
+        let mut cfg = k3_proto::config::ModelConfig::load(&cfg_path)
+            .map_err(|e| OpenError::Refused(format!("{}: {e}", cfg_path.display())))?;
+        if let Some(n) = layers {
+            cfg = cfg.with_layers(n);
+        }
+        let index = k3_proto::safetensors::CheckpointIndex::open(model_dir)
+            .map_err(|e| OpenError::Refused(format!("{}: {e}", model_dir.display())))?;
+        let cat = Catalog::from_index(&index, &cfg).map_err(|e| OpenError::Refused(e.0))?;
+        drop(index);
+        let ctx = opts.context_len;
+        Self::build(
+            Arc::new(cat),
+            trunk_dir,
+            budget,
+            opts,
+            &|cat, trunk| PlanInputs::from_model(&cfg, cat, trunk, ctx),
+            progress,
+        )
+    }
+
+    /// Open from an already built catalog; `inputs` describes the model for the plan given the
+    /// catalog and the trunk read plan.
+    pub fn build(
+        cat: Arc<Catalog>,
+        trunk_dir: Option<&Path>,
+        budget: &Budget,
+        opts: &StandaloneOptions,
+        inputs: &dyn Fn(&Catalog, &TrunkLayout) -> PlanInputs,
+        progress: &mut dyn FnMut(&str, usize, usize),
+    ) -> Result<(StandaloneSource, MemoryPlan), OpenError> {
+        let shards = open_shards(&cat).map_err(|e| OpenError::Io(e.0))?;
+        for (f, &want) in shards.iter().zip(cat.shard_lens()) {
+            if f.len() != want {
+                return Err(OpenError::Refused(format!(
+                    "{} is {} bytes but was {want} bytes when indexed",
+                    f.path().display(),
+                    f.len()
+                )));
+            }
+        }
+        let layout = match trunk_dir {
+            Some(d) => TrunkLayout::from_packed(&cat, shards.clone(), d)?,
+            None => TrunkLayout::from_catalog(&cat, shards.clone()),
+        };
+        let mut plan = MemoryPlan::compute(&inputs(&cat, &layout), budget);
+        let avail = if opts.check_memory {
+            Some(mem_available().map_err(OpenError::Refused)?)
+        } else {
+            None
+        };
+        plan.check(avail).map_err(OpenError::Refused)?;
+
+        let model = load_model_tensors(&cat, &shards, progress)?;
+        let stream = TrunkStream::new(
+            Arc::new(layout),
+            &StreamOptions {
+                pinned: plan.pinned_layers,
+                ring_slots: plan.ring_slots,
+                demand_timeout: opts.wait_timeout,
+            },
+            &mut |d, t| progress("pinned trunk layers", d, t),
+        )?;
+        let experts = ExpertCache::new(
+            cat,
+            shards,
+            CacheOptions {
+                slots: plan.expert_slots,
+                io_threads: opts.io_threads,
+                busy_timeout: opts.wait_timeout,
+            },
+        )?;
+        let src = StandaloneSource {
+            model,
+            stream,
+            experts,
+            plan: plan.clone(),
+        };
+        Ok((src, plan))
+    }
+
+    /// The plan the source was built from.
+    pub fn plan(&self) -> &MemoryPlan {
+        &self.plan
+    }
+
+    /// Trunk streaming counters (pinned layers, ring, bytes, waits).
+    pub fn stream_stats(&self) -> StreamStats {
+        self.stream.stats()
+    }
+
+    /// Expert cache counters.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.experts.stats()
+    }
+}
+
+fn load_model_tensors(
+    cat: &Catalog,
+    shards: &[Arc<DiskFile>],
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<HashMap<String, Region>, OpenError> {
+    let ts = cat.model_tensors();
+    let mut out = HashMap::with_capacity(ts.len());
+    for (i, t) in ts.iter().enumerate() {
+        let f = shards
+            .get(t.shard as usize)
+            .ok_or_else(|| OpenError::Io(format!("{}: shard {} not open", t.name, t.shard)))?;
+        let (buf, inner) = f
+            .read_region(t.off, t.nbytes)
+            .map_err(|e| OpenError::Io(format!("{}: {}", t.name, e.0)))?;
+        let owner: Arc<dyn ByteOwner> = Arc::new(buf);
+        let r = Region::new(owner, inner, t.nbytes as usize)
+            .ok_or_else(|| OpenError::Io(format!("{}: window outside its buffer", t.name)))?;
+        out.insert(t.name.clone(), r);
+        progress("model tensors", i + 1, ts.len());
+    }
+    Ok(out)
+}
+
+impl WeightSource for StandaloneSource {
+    fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
+        let name = k3_proto::names::canonical(name);
+        self.model
+            .get(name.as_ref())
+            .cloned()
+            .ok_or_else(|| SourceError::Missing(format!("model tensor {name}")))
+    }
+
+    fn layer(&self, l: usize) -> Result<LayerRun, SourceError> {
+        if l >= self.stream.n_layers() {
+            return Err(SourceError::Invalid(format!(
+                "layer {l} out of range ({} layers)",
+                self.stream.n_layers()
+            )));
+        }
+        self.stream.layer(l)
+    }
+
+    fn prefetch_layer(&self, l: usize) {
+        self.stream.prefetch(l);
+    }
+
+    fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        self.experts.get(l, ids)
+    }
+
+    fn stats(&self) -> SourceStats {
+        let c = self.experts.stats();
+        let s = self.stream.stats();
+        SourceStats {
+            expert_requests: c.table.requests,
+            resident_hits: c.table.resident_hits,
+            misses: c.table.misses,
+            evictions: c.table.evictions,
+            failed_expert_loads: c.table.failed_loads,
+            expert_bytes_read: c.bytes_read,
+            expert_read_seconds: c.read_seconds,
+            trunk_bytes_read: s.bytes_read,
+            trunk_read_seconds: s.read_seconds,
+            io_wait_seconds: s.wait_seconds + c.wait_seconds,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fixture::{self, Spec};
+    use crate::plan::BudgetFlag;
+
+    fn inputs(spec: &Spec) -> impl Fn(&Catalog, &TrunkLayout) -> PlanInputs + '_ {
+        move |cat, trunk| PlanInputs {
+            resident_bytes: cat.model_tensors().iter().map(|t| t.nbytes).sum(),
+            layer_bytes: (0..trunk.n_layers()).map(|l| trunk.buf_len(l)).collect(),
+            expert_bytes: spec.layout.expert_bytes() as u64,
+            expert_slot_bytes: crate::experts::ExpertReader::slot_stride(&spec.layout) as u64,
+            top_k: 2,
+            kda_layers: 3,
+            kda_state_bytes: 1000,
+            mla_layers: 1,
+            mla_bytes_per_position: 64,
+            context_len: 16,
+            buffer_bytes: 4096,
+        }
+    }
+
+    #[test]
+    fn serves_model_trunk_and_experts_and_counts() {
+        let spec = Spec::small(4, 6);
+        let w = fixture::write(&spec, "standalone");
+        let cat = Arc::new(w.catalog.clone());
+        let stride = crate::experts::ExpertReader::slot_stride(&spec.layout) as f64;
+        // Trunk budget: layer 0 pinned + one ring slot; cache: 3 slots.
+        let t = TrunkLayout::from_catalog(&w.catalog, open_shards(&w.catalog).unwrap());
+        let trunk = t.buf_len(0) + (1..4).map(|l| t.buf_len(l)).max().unwrap();
+        let budget = Budget::from_flags(&[
+            BudgetFlag::TrunkGb(trunk as f64 / 1e9),
+            BudgetFlag::CacheGb(3.5 * stride / 1e9),
+        ])
+        .unwrap();
+        let opts = StandaloneOptions {
+            check_memory: true,
+            ..Default::default()
+        };
+        let mut seen = Vec::new();
+        let (src, plan) = StandaloneSource::build(
+            cat,
+            None,
+            &budget,
+            &opts,
+            &inputs(&spec),
+            &mut |what, d, t| seen.push((what.to_string(), d, t)),
+        )
+        .unwrap();
+        assert_eq!(plan.expert_slots, 3);
+        assert_eq!((plan.pinned_layers, plan.ring_slots), (1, 1), "{plan}");
+        assert!(seen.iter().any(|(w, d, t)| w == "model tensors" && d == t));
+        for (n, _, _) in fixture::model_tensors(&spec) {
+            let r = src.model_tensor(&n).unwrap();
+            assert!(r.bytes() == &fixture::expected_tensor(&spec, &n)[..]);
+        }
+        assert!(matches!(
+            src.model_tensor("language_model.model.nope"),
+            Err(SourceError::Missing(_))
+        ));
+        for pass in 0..2 {
+            for l in 0..4 {
+                let run = src.layer(l).unwrap();
+                src.prefetch_layer(l + 1);
+                for (n, _, _) in fixture::trunk_tensors(&spec, l) {
+                    let loc = run.layout.get(&n).unwrap();
+                    assert!(
+                        run.region.bytes()[loc.off as usize..(loc.off + loc.nbytes) as usize]
+                            == fixture::expected_tensor(&spec, &n)[..]
+                    );
+                }
+                if l >= 1 {
+                    let ids = [(pass + l) as u32 % 6, 5];
+                    let b = src.experts(l, &ids).unwrap();
+                    for (e, r) in ids.iter().zip(&b.experts) {
+                        assert!(
+                            r.as_ref().unwrap().bytes()
+                                == &fixture::expert_bytes(&spec, l, *e as usize)[..]
+                        );
+                    }
+                }
+            }
+        }
+        assert!(matches!(src.layer(4), Err(SourceError::Invalid(_))));
+        assert!(matches!(src.experts(1, &[6]), Err(SourceError::Invalid(_))));
+        let s = src.stats();
+        assert_eq!(s.expert_requests, 12);
+        assert_eq!(s.resident_hits + s.misses, 12);
+        assert_eq!(
+            s.expert_bytes_read,
+            s.misses * spec.layout.expert_bytes() as u64
+        );
+        let ring_layers: u64 = (plan.pinned_layers..4)
+            .map(|l| w.catalog.trunk_bytes(l))
+            .sum();
+        assert_eq!(s.trunk_bytes_read, 2 * ring_layers);
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn refuses_a_plan_that_does_not_fit_and_a_changed_shard() {
+        let spec = Spec::small(3, 4);
+        let w = fixture::write(&spec, "refuse");
+        let cat = Arc::new(w.catalog.clone());
+        let budget =
+            Budget::from_flags(&[BudgetFlag::TrunkGb(1.0), BudgetFlag::CacheGb(100_000.0)])
+                .unwrap();
+        let e = StandaloneSource::build(
+            cat.clone(),
+            None,
+            &budget,
+            &StandaloneOptions::default(),
+            &inputs(&spec),
+            &mut |_, _, _| {},
+        )
+        .unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let m = e.to_string();
+        assert!(m.contains("shortfall") && m.contains("TOTAL"), "{m}");
+        // A shard that changed size since indexing is refused before any read.
+        let p = &w.catalog.shard_paths()[1];
+        let len = std::fs::metadata(p).unwrap().len();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_len(len - 1)
+            .unwrap();
+        let budget = Budget::from_flags(&[BudgetFlag::Preset("laptop".into())]).unwrap();
+        let e = StandaloneSource::build(
+            cat,
+            None,
+            &budget,
+            &StandaloneOptions::default(),
+            &inputs(&spec),
+            &mut |_, _, _| {},
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("when indexed"), "{e}");
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+}
