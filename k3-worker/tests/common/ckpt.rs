@@ -14,27 +14,6 @@ use k3_store::source::{
     ExpertBatch, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc, WeightSource,
 };
 
-/// The tiny fixture's config carries the real special-token ids (163584…) with a 256-token
-/// vocabulary, which `k3_proto::config` refuses (reported to the lead). Those ids play no part in
-/// the forward pass, so drop them before parsing when — and only when — that is the one problem.
-pub fn load_config(dir: &Path) -> ModelConfig {
-    let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
-    match ModelConfig::from_json_str(&text) {
-        Ok(c) => c,
-        Err(e) if e.problems.iter().all(|p| p.contains("(bos/eos/pad)")) => {
-            let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
-            for key in ["bos_token_id", "eos_token_id", "pad_token_id"] {
-                v.as_object_mut().unwrap().remove(key);
-                if let Some(t) = v.get_mut("text_config").and_then(|t| t.as_object_mut()) {
-                    t.remove(key);
-                }
-            }
-            ModelConfig::from_json_str(&v.to_string()).expect("config without special ids")
-        }
-        Err(e) => panic!("config: {e}"),
-    }
-}
-
 pub struct CkptSource {
     pub index: CheckpointIndex,
     pub config: ModelConfig,
@@ -49,7 +28,7 @@ fn whole(v: Vec<u8>) -> Region {
 
 impl CkptSource {
     pub fn open(dir: &Path) -> CkptSource {
-        let config = load_config(dir);
+        let config = ModelConfig::load(&dir.join("config.json")).expect("config");
         let index = CheckpointIndex::open(dir).expect("index");
         let shards: Vec<Vec<u8>> = (0..index.n_shards() as u16)
             .map(|s| std::fs::read(index.shard_path(s)).expect("shard"))
