@@ -292,3 +292,38 @@ fn layers_flag_runs_a_prefix_of_the_model() {
     assert!(err.contains("layers=5") && err.contains("KKKMK"), "{err}");
     assert_eq!(stdout_ids(&o).len(), 3);
 }
+
+#[test]
+fn seeded_sampling_is_reproducible_and_mode_independent() {
+    let sb = Sandbox::new("sample");
+    let m = sb.model();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--standalone",
+            s(&m),
+            "--preset",
+            "laptop",
+            "--ids",
+            "5,6,7,8",
+            "--gen",
+            "12",
+            "--temperature",
+            "1.5",
+            "--top-p",
+            "0.95",
+        ];
+        args.extend_from_slice(extra);
+        let o = worker(&args);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        stdout_ids(&o)
+    };
+    let a = run(&["--seed", "7"]);
+    assert_eq!(a.len(), 12);
+    assert_eq!(a, run(&["--seed", "7", "--full-recompute"]));
+    assert_ne!(a, run(&["--seed", "8"]));
+}
