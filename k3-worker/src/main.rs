@@ -94,6 +94,10 @@ struct Cli {
     /// Write every (step, layer, experts) request to DIR/expert_trace.jsonl.
     #[arg(long, value_name = "DIR")]
     dump_cache_trace: Option<PathBuf>,
+    /// Write the prefill's per-layer intermediates as DIR/L{n}.{attn_in,attn_out,mlp_in,mlp_out}.npy
+    /// and DIR/final_in.npy (f32 [tokens, hidden]; same names as the reference's --dump-trace).
+    #[arg(long, value_name = "DIR")]
+    dump_hidden: Option<PathBuf>,
     /// Bind and run only the first N layers (for partial shard sets; logits are then not the
     /// model's).
     #[arg(long, value_name = "N")]
@@ -310,6 +314,27 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());
     }
+    type Dump = std::rc::Rc<std::cell::RefCell<(bool, Vec<(String, Vec<f32>)>)>>;
+    let hidden_dump: Dump = Default::default();
+    if cli.dump_hidden.is_some() {
+        let n_layers = model.dims.n_layers;
+        let sink = hidden_dump.clone();
+        model.tap = Some(Box::new(move |l: usize, name: &str, v: &[f32]| {
+            let mut h = sink.borrow_mut();
+            if h.0 {
+                return; // only the first forward (the prefill)
+            }
+            let key = if l == n_layers {
+                name.to_string()
+            } else {
+                format!("L{l}.{name}")
+            };
+            h.1.push((key, v.to_vec()));
+            if name == "final_in" {
+                h.0 = true;
+            }
+        }));
+    }
 
     // ---- generation
     let gen_opts = GenOptions {
@@ -354,6 +379,7 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
     let st = source.stats();
     let counters = model.counters.clone();
     let trace = model.trace.take();
+    let hidden = model.dims.hidden;
     drop(model);
     let true_hit = if st.expert_requests > 0 {
         st.resident_hits as f64 / st.expert_requests as f64
@@ -401,6 +427,9 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
     if let (Some(dir), Some(trace)) = (&cli.dump_cache_trace, trace) {
         write_trace(dir, &trace).map_err(|e| Fail(exit::FAILURE, e))?;
     }
+    if let Some(dir) = &cli.dump_hidden {
+        write_hidden(dir, &hidden_dump.take().1, hidden).map_err(|e| Fail(exit::FAILURE, e))?;
+    }
     if let Some(path) = &cli.out {
         let json = report_json(
             &report,
@@ -435,6 +464,34 @@ fn write_trace(dir: &Path, trace: &[k3_worker::model::TraceRecord]) -> Result<()
         s.push('\n');
     }
     std::fs::write(&path, s).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// One f32 `[rows, cols]` array in `.npy` format (version 1.0).
+fn npy_f32(v: &[f32], cols: usize) -> Vec<u8> {
+    let mut header = format!(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {}), }}",
+        v.len() / cols,
+        cols
+    );
+    // magic(6) + version(2) + len(2) + header + '\n' is a multiple of 64.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+    out
+}
+
+fn write_hidden(dir: &Path, arrays: &[(String, Vec<f32>)], cols: usize) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for (name, v) in arrays {
+        let path = dir.join(format!("{name}.npy"));
+        std::fs::write(&path, npy_f32(v, cols)).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn report_json(

@@ -327,3 +327,44 @@ fn seeded_sampling_is_reproducible_and_mode_independent() {
     assert_eq!(a, run(&["--seed", "7", "--full-recompute"]));
     assert_ne!(a, run(&["--seed", "8"]));
 }
+
+#[test]
+fn dump_hidden_writes_npy_per_layer_intermediate_of_the_prefill() {
+    let sb = Sandbox::new("hidden");
+    let dir = sb.path("hidden");
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--preset",
+        "laptop",
+        "--ids",
+        "5,6,7",
+        "--gen",
+        "3",
+        "--dump-hidden",
+        s(&dir),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 13 * 4 + 1, "{names:?}");
+    assert!(
+        names.contains(&"L12.mlp_out.npy".to_string())
+            && names.contains(&"final_in.npy".to_string())
+    );
+    let b = std::fs::read(dir.join("L3.attn_out.npy")).unwrap();
+    assert_eq!(&b[..8], b"\x93NUMPY\x01\x00");
+    let hl = u16::from_le_bytes([b[8], b[9]]) as usize;
+    assert_eq!((10 + hl) % 64, 0);
+    let header = std::str::from_utf8(&b[10..10 + hl]).unwrap();
+    assert!(header.contains("'shape': (3, 128)"), "{header}");
+    assert_eq!(b.len(), 10 + hl + 3 * 128 * 4, "prefill only: 3 tokens");
+}

@@ -573,14 +573,14 @@ fn block_attn_res_schedule_on_13_layers_with_block_3() {
     let e = d.hidden;
     let taps: RefCell<BTreeMap<(usize, String), Vec<f32>>> = RefCell::new(BTreeMap::new());
     let ids = [4u32, 8, 15, 16];
-    {
+    let logits = {
         let mut m = Model::new(d.clone(), &src, None).unwrap();
         m.tap = Some(Box::new(|l, name, v| {
             taps.borrow_mut().insert((l, name.to_string()), v.to_vec());
         }));
         let mut st = m.new_state(8);
-        m.forward(&ids, &mut st, Logits::All).unwrap();
-    }
+        m.forward(&ids, &mut st, Logits::All).unwrap()
+    };
     let taps = taps.into_inner();
     let tap = |l: usize, n: &str| taps[&(l, n.to_string())].clone();
     let fold = |n: &str, p: &str| -> Vec<f64> {
@@ -661,7 +661,11 @@ fn block_attn_res_schedule_on_13_layers_with_block_3() {
             ),
             1e-5,
         );
+        check("final aggregate", &tap(d.n_layers, "final_in"), &x);
+        // I30: aggregator, then the final norm, then lm_head.
         let xn = rms(&x, &src.get("language_model.model.norm.weight"), 1e-5);
-        check("final norm", &tap(d.n_layers, "final"), &xn);
+        let want = mv(&src.get("language_model.lm_head.weight"), d.vocab, e, &xn);
+        let err = rel_err(&logits[t * d.vocab..(t + 1) * d.vocab], &want);
+        assert!(err <= 1e-5, "token {t} logits: rel err {err}");
     }
 }

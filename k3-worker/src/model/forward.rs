@@ -69,8 +69,10 @@ pub struct Model<'s> {
     pub trace: Option<Vec<TraceRecord>>,
     /// The step number recorded in trace records (the caller advances it).
     pub step: u64,
-    /// Optional per-layer intermediate tap (`attn_in`, `attn_out`, `mlp_in`, `mlp_out`,
-    /// `final`), for locating divergences from a reference.
+    /// Optional per-layer intermediate tap, named like `scripts/k3_reference.py --dump-trace`
+    /// (`attn_in`, `attn_out`, `mlp_in`, `mlp_out` per layer; `final_in` = the output
+    /// aggregator's result before the final norm, reported with layer = n_layers), for locating
+    /// divergences from the reference.
     pub tap: Option<Tap<'s>>,
 }
 
@@ -252,12 +254,12 @@ impl<'s> Model<'s> {
         let mut src: Vec<&[f32]> = bank.iter().map(|b| b.as_slice()).collect();
         src.push(&pend);
         let x = self.globals.out_res.aggregate(&src, n, d.rms_eps);
+        self.tap(d.n_layers, "final_in", &x);
         let (first, rows) = match which {
             Logits::All => (0, n),
             Logits::Last => (n - 1, 1),
         };
         let xn = rms_norm_rows(&x[first * e..], &self.globals.final_norm, d.rms_eps);
-        self.tap(d.n_layers, "final", &xn);
         let logits = linear(self.globals.lm_head.bytes(), d.vocab, e, &xn, rows);
         st.pos += n;
         Ok(logits)
