@@ -175,6 +175,41 @@ impl TrunkStream {
             progress(l + 1, pinned_n);
         }
         stats.pinned_seconds = t0.elapsed().as_secs_f64();
+        Self::with_pinned(layout, pinned, stats, opts)
+    }
+
+    /// A stream whose pinned prefix is already in memory (the runs of layers `0..pinned.len()`,
+    /// e.g. mapped from the store's shared memory): allocate the ring for the other layers and
+    /// start the reader thread.
+    pub fn from_pinned(
+        layout: Arc<TrunkLayout>,
+        pinned: Vec<LayerRun>,
+        opts: &StreamOptions,
+    ) -> Result<TrunkStream, SourceError> {
+        for (l, r) in pinned.iter().enumerate() {
+            if r.layer != l {
+                return Err(SourceError::Invalid(format!(
+                    "pinned run {l} is layer {}: the pinned set must be a prefix",
+                    r.layer
+                )));
+            }
+        }
+        let stats = StreamStats {
+            pinned_layers: pinned.len(),
+            pinned_bytes: pinned.iter().map(|r| r.region.len() as u64).sum(),
+            ..Default::default()
+        };
+        Self::with_pinned(layout, pinned, stats, opts)
+    }
+
+    fn with_pinned(
+        layout: Arc<TrunkLayout>,
+        pinned: Vec<LayerRun>,
+        mut stats: StreamStats,
+        opts: &StreamOptions,
+    ) -> Result<TrunkStream, SourceError> {
+        let n = layout.n_layers();
+        let pinned_n = pinned.len();
         let slot_bytes = (pinned_n..n).map(|l| layout.buf_len(l)).max().unwrap_or(0);
         let ring = if pinned_n < n {
             opts.ring_slots.clamp(1, 2)

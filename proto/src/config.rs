@@ -380,6 +380,14 @@ impl<'a> Reader<'a> {
     }
 
     fn req_kda_usize(&mut self, nested_key: &str, flat_key: &str) -> usize {
+        if let Some(l) = self.linear {
+            let a = l.get(nested_key).filter(|v| !v.is_null()).map(|v| Found {
+                value: v,
+                at: format!("text_config.linear_attn_config.{nested_key}"),
+            });
+            let b = self.find(&[flat_key]);
+            self.check_alias(a, b);
+        }
         match self.find_kda(nested_key, flat_key) {
             Some(f) => self.usize_of(f).unwrap_or(0),
             None => {
@@ -398,7 +406,28 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Reports two spellings of one field (`names[0]` and `names[1]`, e.g. the nested and flat
+    /// SiTU names) that are both present with different values.
+    fn check_alias(&mut self, a: Option<Found<'_>>, b: Option<Found<'_>>) {
+        if let (Some(a), Some(b)) = (a, b) {
+            let same = match (a.value.as_f64(), b.value.as_f64()) {
+                (Some(x), Some(y)) => x == y,
+                _ => a.value == b.value,
+            };
+            if !same {
+                self.problems.push(format!(
+                    "`{}` = {} conflicts with `{}` = {}",
+                    a.at, a.value, b.at, b.value
+                ));
+            }
+        }
+    }
+
     fn req_f32(&mut self, names: &[&str]) -> f32 {
+        if names.len() == 2 {
+            let (a, b) = (self.find(&names[..1]), self.find(&names[1..]));
+            self.check_alias(a, b);
+        }
         let Some(f) = self.find(names) else {
             self.missing(names);
             return 0.0;

@@ -71,6 +71,9 @@ pub enum IndexError {
         tensor: String,
         msg: String,
     },
+    /// A skipped (unreadable-dtype) tensor whose name occurs twice.
+    #[error("tensor `{tensor}` appears twice in the checkpoint")]
+    Repeated { tensor: String },
     #[error("{msg}")]
     Limit { msg: String },
     #[error("{}", list_errors(.0, .1))]
@@ -248,9 +251,12 @@ impl CheckpointIndex {
         }
         let diffs: Vec<WeightMapDiff> =
             ok.iter_mut().map(|o| std::mem::take(&mut o.diff)).collect();
+        // The listed names are no longer needed: free them before the merge allocates.
+        let listed_in_index_json = weight_map.is_some();
+        drop(weight_map);
         let index = merge(ok, paths)?;
-        if let Some(wm) = &weight_map {
-            index.report_weight_map(&index_path, wm, diffs)?;
+        if listed_in_index_json {
+            index.report_weight_map(&index_path, &files, diffs)?;
         }
         Ok(index)
     }
@@ -363,7 +369,7 @@ impl CheckpointIndex {
     fn report_weight_map(
         &self,
         index_path: &Path,
-        wm: &WeightMap,
+        files: &[String],
         diffs: Vec<WeightMapDiff>,
     ) -> Result<(), IndexError> {
         let mut errors = Vec::new();
@@ -377,7 +383,7 @@ impl CheckpointIndex {
             .flat_map(|d| d.not_in_header.iter().map(|s| s.as_str()))
             .collect();
         for (shard, d) in diffs.iter().enumerate() {
-            let file = &wm.files[shard];
+            let file = &files[shard];
             for name in &d.not_in_header {
                 match self.find(name) {
                     Some(i) => errors.push(err(
@@ -479,6 +485,9 @@ fn read_index_json(dir: &Path, path: &Path) -> Result<WeightMap, IndexError> {
     drop(buf);
     if !raw.seen_weight_map {
         return Err(json_err("no `weight_map` object".into()));
+    }
+    if raw.entries.is_empty() {
+        return Err(json_err("`weight_map` is empty".into()));
     }
     // Shard ids follow sorted file names.
     let mut order: Vec<usize> = (0..raw.files.len()).collect();
@@ -1152,9 +1161,7 @@ fn merge(outs: Vec<ShardOut>, paths: Vec<PathBuf>) -> Result<CheckpointIndex, In
         let mut seen = HashSet::new();
         for s in &index.skipped {
             if index.find(s).is_some() || !seen.insert(s.as_str()) {
-                errors.push(IndexError::Limit {
-                    msg: format!("tensor `{s}` appears twice in the checkpoint"),
-                });
+                errors.push(IndexError::Repeated { tensor: s.clone() });
             }
         }
     }

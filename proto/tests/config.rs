@@ -544,3 +544,24 @@ fn special_ids_outside_a_small_vocab_are_accepted() {
     assert_eq!(cfg.vocab_size, 256);
     assert!(cfg.eos_token_ids.contains(&163586));
 }
+
+#[test]
+fn conflicting_alias_spellings_are_rejected() {
+    let mut v = released();
+    text(&mut v).insert("situ_beta".into(), json!(5.0));
+    let p = problems(parse(&v));
+    assert!(mentions(&p, "conflicts with"), "{p:?}");
+    assert!(mentions(&p, "activation_situ_beta") && mentions(&p, "situ_beta"));
+    // Same value under both names is fine.
+    let mut v = released();
+    text(&mut v).insert("situ_beta".into(), json!(4));
+    text(&mut v).insert("kda_head_dim".into(), json!(128));
+    assert_eq!(parse(&v).unwrap().situ_beta, 4.0);
+    let mut v = released();
+    text(&mut v).insert("kda_num_heads".into(), json!(64));
+    let p = problems(parse(&v));
+    assert!(
+        mentions(&p, "linear_attn_config.num_heads` = 96 conflicts"),
+        "{p:?}"
+    );
+}

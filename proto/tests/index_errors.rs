@@ -288,6 +288,12 @@ fn index_json_malformed_or_escaping_the_directory() {
     )
     .unwrap();
     assert_has(&open_err(&dir), &["no `weight_map`"]);
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        "{\"weight_map\": {}}",
+    )
+    .unwrap();
+    assert_has(&open_err(&dir), &["`weight_map` is empty"]);
     write_index_json(dir.path(), &[(Q, "../a.safetensors")]);
     assert_has(
         &open_err(&dir),
@@ -368,4 +374,62 @@ fn problems_in_several_shards_are_all_reported() {
         p[0].contains("a.safetensors") && p[1].contains("b.safetensors"),
         "{p:?}"
     );
+}
+
+#[test]
+fn index_json_listing_a_name_twice() {
+    let dir = TempDir::new("wmtwice");
+    write_shard(
+        &dir.join("a.safetensors"),
+        &[t(Q, "BF16", &[2]), t(names::LM_HEAD, "BF16", &[2])],
+    );
+    write_index_json(
+        dir.path(),
+        &[
+            (Q, "a.safetensors"),
+            (names::LM_HEAD, "a.safetensors"),
+            (Q, "a.safetensors"),
+        ],
+    );
+    assert_has(&open_err(&dir), &[Q, "listed twice"]);
+}
+
+#[test]
+fn weight_map_checks_still_allow_skipped_tensors_and_legacy_names() {
+    let dir = TempDir::new("wmskip");
+    write_shard(
+        &dir.join("a.safetensors"),
+        &[
+            t("vision_tower.pos_ids", "I64", &[3]),
+            t("language_model.layers.2.mlp_res_norm.weight", "BF16", &[2]),
+        ],
+    );
+    write_index_json(
+        dir.path(),
+        &[
+            ("vision_tower.pos_ids", "a.safetensors"),
+            // listed under the canonical spelling while the header uses the legacy one
+            (
+                "language_model.model.layers.2.mlp_res_norm.weight",
+                "a.safetensors",
+            ),
+        ],
+    );
+    let idx = CheckpointIndex::open(dir.path()).unwrap();
+    assert_eq!(idx.len(), 1);
+    assert_eq!(idx.skipped().len(), 1);
+}
+
+#[test]
+fn duplicate_skipped_tensor_across_shards() {
+    let dir = TempDir::new("dupskip");
+    write_shard(
+        &dir.join("a.safetensors"),
+        &[t("vision_tower.ids", "I64", &[2])],
+    );
+    write_shard(
+        &dir.join("b.safetensors"),
+        &[t("vision_tower.ids", "I64", &[2])],
+    );
+    assert_has(&open_err(&dir), &["vision_tower.ids", "twice"]);
 }

@@ -1,0 +1,327 @@
+//! Attached mode: a worker's [`WeightSource`] over a running store.
+//!
+//! The worker maps the store's memfd read-only. Model-level tensors and pinned trunk layers are
+//! windows onto that mapping (no copy, no per-run reload); unpinned layers are streamed by the
+//! worker itself through its own ring with prefetch; routed experts are leased from the store one
+//! layer at a time and read in place from the arena.
+//!
+//! Lease contract: the regions returned by [`WeightSource::experts`] stay valid until the next
+//! `experts` call on the same source (the store may reuse those slots after that). The engine
+//! finishes a layer before it routes the next, so it never holds an expert region that long.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k3_proto::names::MODEL_TENSORS;
+use k3_proto::shm::{RegionKind, ShmHeader};
+use k3_proto::wire::{ClientKind, Counters, Request, Response, SlotAnswer};
+
+use crate::catalog::Catalog;
+use crate::client::{Client, ClientError};
+use crate::shmem::ReadOnlySegment;
+use crate::source::{
+    ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
+};
+use crate::stream::{StreamOptions, TrunkStream};
+use crate::trunk::{open_shards, TrunkLayout};
+
+/// Why a worker could not attach.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    /// No store answers, or it refused us (exit 3).
+    #[error("{0}")]
+    NoStore(String),
+    /// The store's checkpoint or trunk cannot be opened here, or the memory is not what it
+    /// should be (exit 3: we cannot attach).
+    #[error("cannot attach: {0}")]
+    Mismatch(String),
+}
+
+/// How to attach.
+#[derive(Clone, Debug)]
+pub struct AttachOptions {
+    /// Ring slots for streaming the unpinned layers (1 or 2).
+    pub ring_slots: usize,
+    /// The label the store shows for this worker.
+    pub label: String,
+}
+
+impl Default for AttachOptions {
+    fn default() -> Self {
+        AttachOptions {
+            ring_slots: 2,
+            label: format!("k3-worker pid {}", std::process::id()),
+        }
+    }
+}
+
+/// What was attached.
+#[derive(Clone, Debug)]
+pub struct AttachInfo {
+    /// Checkpoint directory the store serves.
+    pub model_dir: PathBuf,
+    /// Packed trunk directory.
+    pub trunk_dir: PathBuf,
+    /// Layers pinned in the store's memory.
+    pub pinned_layers: usize,
+    /// Bytes of shared memory mapped.
+    pub shm_bytes: u64,
+    /// Expert slots in the store's arena.
+    pub slots: u32,
+    /// Ring slots this worker allocated for unpinned layers, and their size.
+    pub ring_slots: usize,
+    /// Bytes per ring slot.
+    pub ring_slot_bytes: u64,
+    /// Seconds from connect to ready.
+    pub attach_seconds: f64,
+}
+
+/// A worker's view of a running store.
+pub struct AttachedSource {
+    client: Mutex<Client>,
+    seg: Arc<ReadOnlySegment>,
+    arena_off: usize,
+    stride: usize,
+    expert_bytes: usize,
+    slots: u32,
+    model: HashMap<&'static str, Region>,
+    stream: TrunkStream,
+    wait: Mutex<f64>,
+}
+
+fn no_store(e: ClientError) -> AttachError {
+    AttachError::NoStore(e.to_string())
+}
+
+impl AttachedSource {
+    /// Connect to the store at `socket`, map its memory and prepare to stream unpinned layers.
+    pub fn attach(
+        socket: &Path,
+        opts: &AttachOptions,
+    ) -> Result<(AttachedSource, AttachInfo), AttachError> {
+        let t0 = Instant::now();
+        let mut client =
+            Client::connect(socket, ClientKind::Worker, &opts.label).map_err(no_store)?;
+        let Response::Welcome {
+            model_dir,
+            trunk_dir,
+            shm_bytes,
+            ..
+        } = client.welcome.clone()
+        else {
+            return Err(AttachError::NoStore("the store sent no Welcome".into()));
+        };
+        let fd = client
+            .shm_fd
+            .take()
+            .ok_or_else(|| AttachError::NoStore("the store sent no shared memory".into()))?;
+        let seg = Arc::new(
+            ReadOnlySegment::map(fd, shm_bytes)
+                .map_err(|e| AttachError::Mismatch(format!("mapping the store's memory: {e}")))?,
+        );
+        let header = ShmHeader::decode(seg.bytes())
+            .map_err(|e| AttachError::Mismatch(format!("the store's memory: {e}")))?;
+        let model_dir = PathBuf::from(model_dir);
+        let trunk_dir = PathBuf::from(trunk_dir);
+        let mismatch = |m: String| AttachError::Mismatch(m);
+        let (cat, _cfg) = Catalog::open_dir(&model_dir).map_err(|e| mismatch(e.0))?;
+        let config_bytes = std::fs::read(model_dir.join("config.json"))
+            .map_err(|e| mismatch(format!("config.json: {e}")))?;
+        let shard_ids: Vec<(String, u64)> = cat
+            .shard_paths()
+            .iter()
+            .zip(cat.shard_lens())
+            .map(|(p, &n)| {
+                (
+                    p.file_name()
+                        .map(|f| f.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                    n,
+                )
+            })
+            .collect();
+        if k3_proto::shm::model_identity(&config_bytes, &shard_ids) != header.model_identity {
+            return Err(mismatch(format!(
+                "{} changed since the store loaded it (config or shard sizes differ); restart \
+                 the store",
+                model_dir.display()
+            )));
+        }
+        let shards = open_shards(&cat).map_err(|e| mismatch(e.0))?;
+        let trunk = Arc::new(
+            TrunkLayout::from_packed(&cat, shards, &trunk_dir)
+                .map_err(|e| mismatch(e.to_string()))?,
+        );
+        let owner: Arc<dyn ByteOwner> = seg.clone();
+        let mut model = HashMap::new();
+        for (i, name) in MODEL_TENSORS.iter().enumerate() {
+            if let Some(r) = header.find(RegionKind::ModelTensor, i as u32) {
+                let region = Region::new(owner.clone(), r.offset as usize, r.len as usize)
+                    .ok_or_else(|| mismatch(format!("{name}: region outside the mapping")))?;
+                model.insert(*name, region);
+            }
+        }
+        let mut pinned = Vec::new();
+        while let Some(r) = header.find(RegionKind::PinnedLayer, pinned.len() as u32) {
+            let l = pinned.len();
+            let plan = trunk
+                .plan(l)
+                .ok_or_else(|| mismatch(format!("pinned layer {l} is not in the trunk")))?;
+            if plan.run_len != r.len {
+                return Err(mismatch(format!(
+                    "pinned layer {l} is {} bytes in the store, {} in {}",
+                    r.len,
+                    plan.run_len,
+                    trunk_dir.display()
+                )));
+            }
+            let region = Region::new(owner.clone(), r.offset as usize, r.len as usize)
+                .ok_or_else(|| mismatch(format!("pinned layer {l}: region outside the mapping")))?;
+            pinned.push(LayerRun {
+                layer: l,
+                region,
+                layout: plan.layout.clone(),
+            });
+        }
+        let pinned_layers = pinned.len();
+        let stream = TrunkStream::from_pinned(
+            trunk.clone(),
+            pinned,
+            &StreamOptions {
+                pinned: pinned_layers,
+                ring_slots: opts.ring_slots,
+                demand_timeout: Duration::from_secs(120),
+            },
+        )
+        .map_err(|e| mismatch(e.to_string()))?;
+        let arena = header
+            .find(RegionKind::ExpertArena, 0)
+            .ok_or_else(|| mismatch("the store's memory has no expert arena".into()))?;
+        let ss = stream.stats();
+        let info = AttachInfo {
+            model_dir,
+            trunk_dir,
+            pinned_layers,
+            shm_bytes,
+            slots: header.slot_count,
+            ring_slots: ss.ring_slots,
+            ring_slot_bytes: ss.slot_bytes,
+            attach_seconds: t0.elapsed().as_secs_f64(),
+        };
+        Ok((
+            AttachedSource {
+                client: Mutex::new(client),
+                seg,
+                arena_off: arena.offset as usize,
+                stride: header.slot_stride as usize,
+                expert_bytes: header.expert_bytes as usize,
+                slots: header.slot_count,
+                model,
+                stream,
+                wait: Mutex::new(0.0),
+            },
+            info,
+        ))
+    }
+
+    /// This job's counters as the store keeps them (TRUE resident hits, bytes read, …).
+    pub fn job_counters(&self) -> Result<Counters, SourceError> {
+        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        match c.call(&Request::Stats) {
+            Ok(Response::Stats(s)) => Ok(s.job),
+            Ok(other) => Err(SourceError::Io(format!(
+                "unexpected answer from the store: {other:?}"
+            ))),
+            Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
+        }
+    }
+}
+
+impl WeightSource for AttachedSource {
+    fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
+        self.model
+            .get(name)
+            .cloned()
+            .ok_or_else(|| SourceError::Missing(format!("{name} (not in the store's memory)")))
+    }
+
+    fn layer(&self, l: usize) -> Result<LayerRun, SourceError> {
+        self.stream.layer(l)
+    }
+
+    fn prefetch_layer(&self, l: usize) {
+        self.stream.prefetch(l)
+    }
+
+    fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        let t0 = Instant::now();
+        let layer = u32::try_from(l).map_err(|_| SourceError::Invalid(format!("layer {l}")))?;
+        let resp = {
+            let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+            c.call(&Request::Experts {
+                layer,
+                ids: ids.to_vec(),
+            })
+        };
+        *self.wait.lock().unwrap_or_else(|p| p.into_inner()) += t0.elapsed().as_secs_f64();
+        match resp {
+            Ok(Response::Experts { answers, .. }) => {
+                if answers.len() != ids.len() {
+                    return Err(SourceError::Io(format!(
+                        "the store answered {} experts for {} requested",
+                        answers.len(),
+                        ids.len()
+                    )));
+                }
+                let owner: Arc<dyn ByteOwner> = self.seg.clone();
+                let experts = answers
+                    .into_iter()
+                    .zip(ids)
+                    .map(|(a, e)| match a {
+                        SlotAnswer::Leased { slot } if slot < self.slots => Region::new(
+                            owner.clone(),
+                            self.arena_off + slot as usize * self.stride,
+                            self.expert_bytes,
+                        )
+                        .ok_or_else(|| {
+                            format!("layer {l} expert {e}: slot {slot} outside the arena")
+                        }),
+                        SlotAnswer::Leased { slot } => Err(format!(
+                            "layer {l} expert {e}: slot {slot} out of range ({} slots)",
+                            self.slots
+                        )),
+                        SlotAnswer::Failed { reason } => Err(reason),
+                    })
+                    .collect();
+                Ok(ExpertBatch { experts })
+            }
+            Ok(Response::Error { message }) => Err(SourceError::Invalid(format!(
+                "the store refused layer {l}'s experts: {message}"
+            ))),
+            Ok(other) => Err(SourceError::Io(format!(
+                "unexpected answer from the store: {other:?}"
+            ))),
+            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
+        }
+    }
+
+    fn stats(&self) -> SourceStats {
+        let s = self.stream.stats();
+        let job = self.job_counters().unwrap_or_default();
+        let wait = *self.wait.lock().unwrap_or_else(|p| p.into_inner());
+        SourceStats {
+            expert_requests: job.requests,
+            resident_hits: job.resident_hits,
+            misses: job.misses,
+            evictions: 0,
+            failed_expert_loads: job.failed_loads,
+            expert_bytes_read: job.bytes_read,
+            expert_read_seconds: job.read_seconds,
+            trunk_bytes_read: s.bytes_read,
+            trunk_read_seconds: s.read_seconds,
+            io_wait_seconds: s.wait_seconds + wait,
+        }
+    }
+}

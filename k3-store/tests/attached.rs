@@ -1,0 +1,220 @@
+//! The store path end to end without the engine: an in-process daemon (real `StoreBackend` over
+//! a memfd, real `Server` on a Unix socket) on the tiny fixture, and a worker's `AttachedSource`
+//! next to a `StandaloneSource` over the same checkpoint. Every byte the engine could ask for
+//! must be identical, and the TRUE resident hit rate must behave as defined.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use k3_proto::names::MODEL_TENSORS;
+use k3_store::attached::{AttachOptions, AttachedSource};
+use k3_store::catalog::Catalog;
+use k3_store::daemon::backend::{BuildOptions, StoreBackend};
+use k3_store::daemon::Server;
+use k3_store::plan::{Budget, BudgetFlag};
+use k3_store::source::WeightSource;
+use k3_store::standalone::{StandaloneOptions, StandaloneSource};
+
+fn tiny() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/model")
+}
+
+struct Store {
+    dir: PathBuf,
+    socket: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<usize>>,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn start_store(tag: &str, pinned: usize, slots: usize) -> Store {
+    let dir = std::env::temp_dir().join(format!("k3-attach-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let trunk = dir.join("trunk");
+    let (cat, _) = Catalog::open_dir(&tiny()).unwrap();
+    k3_store::trunk::pack_trunk(&cat, &trunk, &mut |_| {}).unwrap();
+    let backend = StoreBackend::build(
+        &BuildOptions {
+            model_dir: tiny(),
+            trunk_dir: trunk,
+            pinned_layers: pinned,
+            slots,
+            io_threads: 2,
+            preset: "test".into(),
+            plan_text: String::new(),
+        },
+        |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(backend.pinned_layers() as usize, pinned);
+    let socket = dir.join("store.sock");
+    let listener = k3_store::ipc::bind(&socket).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = Server::new(listener, socket.clone(), backend, stop.clone());
+    let thread = Some(std::thread::spawn(move || server.run()));
+    Store {
+        dir,
+        socket,
+        stop,
+        thread,
+    }
+}
+
+fn standalone() -> StandaloneSource {
+    let budget = Budget::from_flags(&[BudgetFlag::TrunkGb(1.0), BudgetFlag::CacheGb(0.5)]).unwrap();
+    let opts = StandaloneOptions {
+        check_memory: false,
+        ..Default::default()
+    };
+    StandaloneSource::open(&tiny(), None, &budget, None, &opts, &mut |_, _, _| {})
+        .unwrap()
+        .0
+}
+
+#[test]
+fn attached_bytes_equal_standalone_bytes() {
+    let store = start_store("bytes", 5, 32);
+    let (att, info) = AttachedSource::attach(&store.socket, &AttachOptions::default()).unwrap();
+    assert_eq!(info.pinned_layers, 5);
+    assert!(info.ring_slots >= 1, "13 layers, 5 pinned: the rest stream");
+    let alone = standalone();
+    for name in MODEL_TENSORS {
+        assert_eq!(
+            att.model_tensor(name).unwrap().bytes(),
+            alone.model_tensor(name).unwrap().bytes(),
+            "{name}"
+        );
+    }
+    // Every layer, pinned (mapped from the store) or streamed (read by the worker), with
+    // prefetch of the next layer as the engine does.
+    for _pass in 0..2 {
+        for l in 0..13 {
+            let a = att.layer(l).unwrap();
+            att.prefetch_layer(l + 1);
+            let b = alone.layer(l).unwrap();
+            assert_eq!(a.layer, l);
+            for t in b.layout.tensors() {
+                let ta = a.layout.get(&t.name).expect("same tensors");
+                let ra = &a.region.bytes()[ta.off as usize..(ta.off + ta.nbytes) as usize];
+                let rb = &b.region.bytes()[t.off as usize..(t.off + t.nbytes) as usize];
+                assert_eq!(ra, rb, "layer {l} {}", t.name);
+            }
+        }
+    }
+    // Experts, including layer 1 expert 3 (the fixture's non-contiguous one).
+    let mut rng = 0x1234_5678u64;
+    for step in 0..40 {
+        let l = 1 + (step % 12);
+        let mut ids = vec![3u32];
+        for _ in 0..3 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            ids.push((rng % 8) as u32);
+        }
+        let a = att.experts(l, &ids).unwrap();
+        let b = alone.experts(l, &ids).unwrap();
+        for (i, (x, y)) in a.experts.iter().zip(&b.experts).enumerate() {
+            let x = x.as_ref().expect("attached expert loads");
+            let y = y.as_ref().expect("standalone expert loads");
+            assert_eq!(x.bytes(), y.bytes(), "layer {l} expert {}", ids[i]);
+        }
+    }
+}
+
+#[test]
+fn second_job_hits_what_the_first_loaded() {
+    let store = start_store("warm", 13, 64);
+    let ids: Vec<u32> = vec![0, 5];
+    let first_pass = |att: &AttachedSource| {
+        for l in 1..13 {
+            let b = att.experts(l, &ids).unwrap();
+            assert!(b.experts.iter().all(|e| e.is_ok()));
+        }
+    };
+    {
+        let (a1, _) = AttachedSource::attach(&store.socket, &AttachOptions::default()).unwrap();
+        first_pass(&a1);
+        let c = a1.job_counters().unwrap();
+        assert_eq!(c.requests, 24);
+        assert_eq!(
+            c.resident_hits, 0,
+            "cold store: nothing resident before the first job"
+        );
+        let eb = k3_proto::expert::ExpertLayout {
+            inter: 64,
+            latent: 64,
+        }
+        .expert_bytes() as u64;
+        assert_eq!(c.bytes_read, 24 * eb, "every miss read exactly one expert");
+        // No trunk bytes were read: all 13 layers are pinned in the store.
+        for l in 0..13 {
+            a1.layer(l).unwrap();
+        }
+        assert_eq!(a1.stats().trunk_bytes_read, 0);
+    }
+    let (a2, _) = AttachedSource::attach(&store.socket, &AttachOptions::default()).unwrap();
+    first_pass(&a2);
+    let c = a2.job_counters().unwrap();
+    assert_eq!((c.requests, c.resident_hits, c.bytes_read), (24, 24, 0));
+    assert!((c.true_resident_hit_rate() - 1.0).abs() < 1e-12);
+}
+
+#[test]
+fn leases_block_eviction_until_released() {
+    // 2 slots, top-2 batches: a live worker's leases keep another worker from evicting them;
+    // when the first disconnects (as after SIGKILL) the second proceeds.
+    let store = start_store("lease", 13, 2);
+    let (a1, _) = AttachedSource::attach(&store.socket, &AttachOptions::default()).unwrap();
+    let held = a1.experts(1, &[0, 1]).unwrap();
+    let before: Vec<Vec<u8>> = held
+        .experts
+        .iter()
+        .map(|r| r.as_ref().unwrap().bytes().to_vec())
+        .collect();
+    let sock = store.socket.clone();
+    let other = std::thread::spawn(move || {
+        let (a2, _) = AttachedSource::attach(&sock, &AttachOptions::default()).unwrap();
+        let t0 = std::time::Instant::now();
+        let b = a2.experts(2, &[6, 7]).unwrap();
+        assert!(b.experts.iter().all(|e| e.is_ok()));
+        t0.elapsed()
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Still leased to us: the bytes have not been overwritten by the other worker.
+    for (r, b) in held.experts.iter().zip(&before) {
+        assert_eq!(r.as_ref().unwrap().bytes(), &b[..]);
+    }
+    drop(held);
+    drop(a1); // disconnect releases the leases
+    let waited = other.join().unwrap();
+    assert!(
+        waited >= std::time::Duration::from_millis(250),
+        "the second worker must have waited for the leases, waited {waited:?}"
+    );
+}
+
+#[test]
+fn bad_requests_are_refused_not_fatal() {
+    let store = start_store("bad", 2, 8);
+    let (a, _) = AttachedSource::attach(&store.socket, &AttachOptions::default()).unwrap();
+    assert!(a.experts(99, &[0]).is_err(), "layer out of range");
+    assert!(a.experts(1, &[8]).is_err(), "expert out of range");
+    assert!(a
+        .experts(1, &[0, 1])
+        .unwrap()
+        .experts
+        .iter()
+        .all(|e| e.is_ok()));
+}
