@@ -6,9 +6,12 @@
 //!           [--full-recompute] [--temperature T] [--top-p P] [--seed S] [--threads N]
 //!           [--out FILE] [--dump-logits FILE] [--dump-cache-trace DIR] [--layers N]
 //! ```
-//! Generated text (or ids without a tokenizer) goes to stdout as tokens arrive; the run report
+//! Without `--standalone` the worker attaches to a running `k3-store` at `--socket` (the store
+//! owns the checkpoint, the budget and the expert cache; `--trunk`/`--preset`/`--*-gb` are then
+//! refused). Generated text (or ids without a tokenizer) goes to stdout as tokens arrive; the run report
 //! goes to stderr. Exit codes (`k3_proto::exit`): 0 ok; 1 bind/forward/I/O failure; 2 refused
-//! before any work (usage, config, memory plan / KV cache that does not fit); 4 the run finished
+//! before any work (usage, config, memory plan / KV cache that does not fit); 3 cannot attach to
+//! the store; 4 the run finished
 //! but a routed expert failed to load (the ids are unsound).
 //!
 //! `--dump-cache-trace DIR` writes `DIR/expert_trace.jsonl`: one JSON object per expert request
@@ -22,6 +25,7 @@ use std::time::Instant;
 use clap::{CommandFactory, FromArgMatches, Parser};
 use k3_proto::config::ModelConfig;
 use k3_proto::exit;
+use k3_store::attached::{AttachError, AttachOptions, AttachedSource};
 use k3_store::plan::Budget;
 use k3_store::source::WeightSource;
 use k3_store::standalone::{StandaloneOptions, StandaloneSource};
@@ -41,12 +45,18 @@ const MAX_PROMPT_FILE: u64 = 16 << 20;
 #[command(name = "k3-worker", version, about, long_about = None)]
 struct Cli {
     /// Run the store logic in-process on this checkpoint directory (config.json + shards).
+    /// Without it the worker attaches to a running `k3-store` (see --socket).
     #[arg(long, value_name = "MODEL_DIR")]
-    standalone: PathBuf,
-    /// Packed trunk directory (trunk.bin + trunk.json) to stream layers from.
+    standalone: Option<PathBuf>,
+    /// The store's socket (attached mode; default $XDG_RUNTIME_DIR/k3/store.sock, else
+    /// /tmp/k3-$UID/store.sock).
+    #[arg(long, value_name = "PATH", conflicts_with = "standalone")]
+    socket: Option<PathBuf>,
+    /// Packed trunk directory (trunk.bin + trunk.json) to stream layers from (--standalone).
     #[arg(long, value_name = "DIR")]
     trunk: Option<PathBuf>,
-    /// Memory preset (see `k3-ctl presets`); a later memory flag overrides an earlier one.
+    /// Memory preset (see `k3-ctl presets`; --standalone); a later memory flag overrides an
+    /// earlier one.
     #[arg(long, value_name = "NAME")]
     preset: Vec<String>,
     /// Trunk budget in GB (pinned layers + ring).
@@ -219,7 +229,21 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         return Err(refuse(format!("--gen {} outside 1..={MAX_GEN}", cli.gen)));
     }
     let sampler = Sampler::new(cli.temperature, cli.top_p, cli.seed).map_err(refuse)?;
-    let budget = Budget::from_matches(matches, "preset", "trunk_gb", "cache_gb").map_err(refuse)?;
+    let budget = match &cli.standalone {
+        Some(_) => {
+            Some(Budget::from_matches(matches, "preset", "trunk_gb", "cache_gb").map_err(refuse)?)
+        }
+        None if !cli.preset.is_empty()
+            || !cli.trunk_gb.is_empty()
+            || !cli.cache_gb.is_empty()
+            || cli.trunk.is_some() =>
+        {
+            return Err(refuse(
+                "--trunk/--preset/--trunk-gb/--cache-gb need --standalone (an attached worker uses the store's)",
+            ))
+        }
+        None => None,
+    };
     if let Some(t) = cli.threads {
         if t == 0 {
             return Err(refuse("--threads must be ≥ 1"));
@@ -238,7 +262,41 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
     };
     let prompt = prompt_ids(cli, tok.as_ref())?;
 
-    let model_dir = &cli.standalone;
+    // Attached mode: connect first (the store tells us which checkpoint it serves).
+    let attached = match &cli.standalone {
+        Some(_) => None,
+        None => {
+            let socket = cli.socket.clone().unwrap_or_else(|| {
+                // SAFETY: getuid has no preconditions and cannot fail.
+                k3_proto::paths::default_socket(unsafe { libc::getuid() })
+            });
+            let (src, info) = AttachedSource::attach(&socket, &AttachOptions::default()).map_err(
+                |e| match e {
+                    AttachError::NoStore(m) => {
+                        Fail(exit::NO_STORE, format!("{}: {m}", socket.display()))
+                    }
+                    AttachError::Mismatch(m) => Fail(exit::NO_STORE, m),
+                },
+            )?;
+            eprintln!(
+                "attached to {} in {:.3} s: model {}, {} pinned layers, {:.3} GB shared, {} expert slots, ring {} x {:.3} GB",
+                socket.display(),
+                info.attach_seconds,
+                info.model_dir.display(),
+                info.pinned_layers,
+                gb(info.shm_bytes),
+                info.slots,
+                info.ring_slots,
+                gb(info.ring_slot_bytes)
+            );
+            Some((src, info))
+        }
+    };
+    let model_dir: PathBuf = match (&cli.standalone, &attached) {
+        (Some(d), _) => d.clone(),
+        (None, Some((_, info))) => info.model_dir.clone(),
+        (None, None) => unreachable!("attached mode was entered above"),
+    };
     let cfg_path = model_dir.join("config.json");
     let mut cfg =
         ModelConfig::load(&cfg_path).map_err(|e| refuse(format!("{}: {e}", cfg_path.display())))?;
@@ -285,31 +343,58 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         dims.n_mla(),
         gb(dims.kda_state_bytes())
     );
-    let opts = StandaloneOptions {
-        context_len: positions,
-        ..StandaloneOptions::default()
-    };
-    let (source, plan) = StandaloneSource::open(
-        model_dir,
-        cli.trunk.as_deref(),
-        &budget,
-        cli.layers,
-        &opts,
-        &mut |what, done, total| {
-            if done == total {
-                eprintln!("loaded {what}: {done}/{total}");
+    let standalone;
+    let source: &dyn WeightSource = match (attached.as_ref(), budget.as_ref()) {
+        (Some((src, info)), _) => {
+            // The store holds the weights; this process holds the sequence state and its ring.
+            let need = dims.kda_state_bytes() + dims.mla_cache_bytes(positions as u64);
+            let avail = k3_store::plan::mem_available().map_err(refuse)?;
+            if need > avail {
+                return Err(refuse(format!(
+                    "REFUSING TO START: the sequence state needs {:.3} GB but only {:.3} GB is available",
+                    gb(need),
+                    gb(avail)
+                )));
             }
-        },
-    )
-    .map_err(|e| Fail(e.exit_code(), e.to_string()))?;
-    eprintln!("{plan}");
+            eprintln!(
+                "worker memory: sequence state {:.3} GB + ring {:.3} GB; available {:.3} GB",
+                gb(need),
+                gb(info.ring_slots as u64 * info.ring_slot_bytes),
+                gb(avail)
+            );
+            src
+        }
+        (None, Some(budget)) => {
+            let opts = StandaloneOptions {
+                context_len: positions,
+                ..StandaloneOptions::default()
+            };
+            let (src, plan) = StandaloneSource::open(
+                &model_dir,
+                cli.trunk.as_deref(),
+                budget,
+                cli.layers,
+                &opts,
+                &mut |what, done, total| {
+                    if done == total {
+                        eprintln!("loaded {what}: {done}/{total}");
+                    }
+                },
+            )
+            .map_err(|e| Fail(e.exit_code(), e.to_string()))?;
+            eprintln!("{plan}");
+            standalone = src;
+            &standalone
+        }
+        (None, None) => unreachable!("standalone mode has a budget"),
+    };
 
     let shapes = {
-        let index = k3_proto::safetensors::CheckpointIndex::open(model_dir)
+        let index = k3_proto::safetensors::CheckpointIndex::open(&model_dir)
             .map_err(|e| refuse(format!("{}: {e}", model_dir.display())))?;
         ShapeTable::from_index(&index, dims.n_layers)
     };
-    let mut model = Model::new(dims, &source, Some(&shapes as &dyn TensorShapes))
+    let mut model = Model::new(dims, source, Some(&shapes as &dyn TensorShapes))
         .map_err(|e| Fail(exit::FAILURE, e.to_string()))?;
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());

@@ -368,3 +368,27 @@ fn dump_hidden_writes_npy_per_layer_intermediate_of_the_prefill() {
     assert!(header.contains("'shape': (3, 128)"), "{header}");
     assert_eq!(b.len(), 10 + hl + 3 * 128 * 4, "prefill only: 3 tokens");
 }
+
+#[test]
+fn attached_mode_without_a_store_exits_3_and_refuses_standalone_flags() {
+    let sb = Sandbox::new("attach");
+    let sock = sb.path("none.sock");
+    let o = worker(&["--socket", s(&sock), "--ids", "1,2"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("none.sock"), "{err}");
+    // Budget flags belong to --standalone: refused (2) before trying to connect.
+    let o = worker(&["--socket", s(&sock), "--preset", "laptop", "--ids", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("need --standalone"));
+    // --socket and --standalone are exclusive.
+    let o = worker(&[
+        "--socket",
+        s(&sock),
+        "--standalone",
+        s(&sb.model()),
+        "--ids",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+}
