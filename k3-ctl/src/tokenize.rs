@@ -1,27 +1,224 @@
-//! `k3-ctl tokenize` / `detokenize` (being written).
+//! `k3-ctl tokenize` / `detokenize`: the Kimi K3 tokenizer on the command line.
+//!
+//! `tokenize` prints the ids as one comma-separated line (an empty input prints an empty line);
+//! `detokenize` writes the exact bytes of the ids with nothing added. Input text must be UTF-8
+//! (the tokenizer works on Unicode text, like tiktoken): other bytes are refused with the offset
+//! of the first invalid byte. Usage errors, an unreadable tokenizer or input, and bad ids exit 2;
+//! a failed write to stdout exits 1.
+
+use std::fmt::Write as _;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use k3_proto::exit;
+use k3_worker::tokenizer::{pretok::RegexSplitter, Tokenizer};
 
 /// Arguments of `k3-ctl tokenize`.
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["text", "file"])))]
 pub struct TokenizeArgs {
     /// Tokenizer directory (holds `tiktoken.model` and `tokenizer_config.json`).
     #[arg(long)]
-    pub tok: std::path::PathBuf,
+    pub tok: PathBuf,
+    /// Text to encode.
+    #[arg(long, allow_hyphen_values = true)]
+    pub text: Option<String>,
+    /// File whose bytes (UTF-8) are encoded exactly, with no newline stripped.
+    #[arg(long)]
+    pub file: Option<PathBuf>,
+    /// Turn added-token strings such as `<|open|>` into their ids (default: user text, where
+    /// they are ordinary characters).
+    #[arg(long)]
+    pub allow_special: bool,
+    /// Print timings to stderr: tokenizer load and encode seconds (encode excludes reading the
+    /// input and printing), bytes, tokens and encode MB/s.
+    #[arg(long)]
+    pub stats: bool,
+    /// Pre-tokenize with the reference regex (fancy-regex running Kimi's pattern, as tiktoken
+    /// does) instead of the scanner; for cross-checks and benchmarks.
+    #[arg(long, hide = true)]
+    pub regex_pretok: bool,
 }
 
 /// Arguments of `k3-ctl detokenize`.
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["ids", "ids_file"])))]
 pub struct DetokenizeArgs {
     /// Tokenizer directory.
     #[arg(long)]
-    pub tok: std::path::PathBuf,
+    pub tok: PathBuf,
+    /// Comma-separated ids, e.g. `19180,2695` (may be empty).
+    #[arg(long, allow_hyphen_values = true)]
+    pub ids: Option<String>,
+    /// File holding comma-separated ids (for lists too long for the command line); one trailing
+    /// newline is allowed.
+    #[arg(long)]
+    pub ids_file: Option<PathBuf>,
 }
 
-pub fn run_tokenize(_a: TokenizeArgs) -> i32 {
-    eprintln!("k3-ctl tokenize: not available in this build");
-    k3_proto::exit::FAILURE
+fn load(dir: &Path, what: &str) -> Result<Tokenizer, i32> {
+    Tokenizer::from_dir(dir).map_err(|e| {
+        eprintln!(
+            "k3-ctl {what}: cannot load the tokenizer from {}: {e}",
+            dir.display()
+        );
+        exit::REFUSED
+    })
 }
 
-pub fn run_detokenize(_a: DetokenizeArgs) -> i32 {
-    eprintln!("k3-ctl detokenize: not available in this build");
-    k3_proto::exit::FAILURE
+fn write_stdout(what: &str, bytes: &[u8]) -> i32 {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(bytes).and_then(|()| out.flush()) {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("k3-ctl {what}: cannot write to stdout: {e}");
+            exit::FAILURE
+        }
+    }
+}
+
+/// Runs `k3-ctl tokenize`.
+pub fn run_tokenize(a: TokenizeArgs) -> i32 {
+    let t0 = Instant::now();
+    let tok = match load(&a.tok, "tokenize") {
+        Ok(t) => t,
+        Err(code) => return code,
+    };
+    let load_s = t0.elapsed().as_secs_f64();
+    let input: Vec<u8> = match (&a.text, &a.file) {
+        (Some(t), _) => t.clone().into_bytes(),
+        (None, Some(path)) => match std::fs::read(path) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("k3-ctl tokenize: cannot read {}: {e}", path.display());
+                return exit::REFUSED;
+            }
+        },
+        (None, None) => {
+            eprintln!("k3-ctl tokenize: give --text or --file");
+            return exit::REFUSED;
+        }
+    };
+    let splitter = if a.regex_pretok {
+        match RegexSplitter::new() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("k3-ctl tokenize: {e}");
+                return exit::FAILURE;
+            }
+        }
+    } else {
+        None
+    };
+    let t1 = Instant::now();
+    let result = match &splitter {
+        None => tok.encode_bytes(&input, a.allow_special),
+        Some(s) => tok.encode_bytes_with_regex(s, &input, a.allow_special),
+    };
+    let encode_s = t1.elapsed().as_secs_f64();
+    let ids = match result {
+        Ok(ids) => ids,
+        Err(e) => {
+            eprintln!("k3-ctl tokenize: {e}");
+            return exit::REFUSED;
+        }
+    };
+    if a.stats {
+        let mb_s = if encode_s > 0.0 {
+            input.len() as f64 / 1e6 / encode_s
+        } else {
+            0.0
+        };
+        eprintln!(
+            "k3-ctl tokenize: pretokenizer={} load_s={load_s:.6} encode_s={encode_s:.6} bytes={} tokens={} encode_mb_per_s={mb_s:.2}",
+            if splitter.is_some() { "regex" } else { "scanner" },
+            input.len(),
+            ids.len()
+        );
+    }
+    let mut line = String::with_capacity(ids.len() * 7 + 1);
+    for (k, id) in ids.iter().enumerate() {
+        if k > 0 {
+            line.push(',');
+        }
+        // Writing to a String cannot fail.
+        let _ = write!(line, "{id}");
+    }
+    line.push('\n');
+    write_stdout("tokenize", line.as_bytes())
+}
+
+/// Parses a comma-separated id list; spaces around ids are allowed, empty items are not.
+fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(Vec::new());
+    }
+    text.split(',')
+        .enumerate()
+        .map(|(k, item)| {
+            let item = item.trim();
+            if item.is_empty() || !item.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(format!(
+                    "id #{k} {item:?} is not a non-negative decimal integer"
+                ));
+            }
+            item.parse::<u32>()
+                .map_err(|_| format!("id #{k} {item} is too large"))
+        })
+        .collect()
+}
+
+/// Runs `k3-ctl detokenize`.
+pub fn run_detokenize(a: DetokenizeArgs) -> i32 {
+    let text = match (&a.ids, &a.ids_file) {
+        (Some(s), _) => s.clone(),
+        (None, Some(path)) => match std::fs::read_to_string(path) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("k3-ctl detokenize: cannot read {}: {e}", path.display());
+                return exit::REFUSED;
+            }
+        },
+        (None, None) => {
+            eprintln!("k3-ctl detokenize: give --ids or --ids-file");
+            return exit::REFUSED;
+        }
+    };
+    let ids = match parse_ids(&text) {
+        Ok(ids) => ids,
+        Err(e) => {
+            eprintln!("k3-ctl detokenize: {e}");
+            return exit::REFUSED;
+        }
+    };
+    let tok = match load(&a.tok, "detokenize") {
+        Ok(t) => t,
+        Err(code) => return code,
+    };
+    match tok.decode(&ids) {
+        Ok(bytes) => write_stdout("detokenize", &bytes),
+        Err(e) => {
+            eprintln!("k3-ctl detokenize: {e}");
+            exit::REFUSED
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_ids;
+
+    #[test]
+    fn id_lists() {
+        assert_eq!(parse_ids("").unwrap(), Vec::<u32>::new());
+        assert_eq!(parse_ids("\n").unwrap(), Vec::<u32>::new());
+        assert_eq!(parse_ids("1,2, 3\n").unwrap(), vec![1, 2, 3]);
+        assert_eq!(parse_ids("163839").unwrap(), vec![163_839]);
+        for bad in ["1,,2", "1,", "-1", "0x10", "1 2", "4294967296", "a"] {
+            assert!(parse_ids(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(parse_ids("1,x").unwrap_err().contains("id #1"));
+    }
 }

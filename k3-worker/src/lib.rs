@@ -3,3 +3,4 @@
 pub mod generate;
 pub mod kernels;
 pub mod model;
+pub mod tokenizer;
