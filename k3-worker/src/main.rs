@@ -32,6 +32,7 @@ use k3_store::standalone::{StandaloneOptions, StandaloneSource};
 use k3_worker::generate::{generate, positions_needed, GenOptions, GenReport, Sampler, END_IDS};
 use k3_worker::model::bind::ShapeTable;
 use k3_worker::model::{Dims, Model, TensorShapes};
+use k3_worker::tokenizer::Tokenizer;
 
 /// Most tokens one request may generate.
 const MAX_GEN: usize = 4096;
@@ -112,23 +113,6 @@ struct Cli {
     /// model's).
     #[arg(long, value_name = "N")]
     layers: Option<usize>,
-}
-
-/// Stand-in for `k3_worker::tokenizer::Tokenizer` until the tokenizer branch is merged into
-/// this build: `--tok` (and so `--prompt` / `--prompt-file`) is refused with a clear message.
-/// Replace with `use k3_worker::tokenizer::Tokenizer;` once it lands.
-struct Tokenizer;
-
-impl Tokenizer {
-    fn from_dir(_dir: &Path) -> Result<Tokenizer, String> {
-        Err("the tokenizer is not merged into this build yet: use --ids".into())
-    }
-    fn encode_bytes(&self, _b: &[u8], _special: bool) -> Result<Vec<u32>, String> {
-        Err("no tokenizer".into())
-    }
-    fn decode(&self, _ids: &[u32]) -> Result<Vec<u8>, String> {
-        Err("no tokenizer".into())
-    }
 }
 
 /// A failure with its exit code.

@@ -392,3 +392,53 @@ fn attached_mode_without_a_store_exits_3_and_refuses_standalone_flags() {
     ]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+#[test]
+fn with_a_tokenizer_text_is_streamed_and_prompts_are_encoded() {
+    let sb = Sandbox::new("tok");
+    let tok = root().join("fixtures/tokenizer");
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--preset",
+        "laptop",
+        "--ids",
+        &prompt,
+        "--gen",
+        "20",
+        "--tok",
+        s(&tok),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let t = k3_worker::tokenizer::Tokenizer::from_dir(&tok).unwrap();
+    let mut want = t.decode(&ref_ids("greedy_ids.json")).unwrap();
+    want.push(b'\n');
+    assert_eq!(
+        o.stdout, want,
+        "stdout = the decoded bytes of the greedy ids"
+    );
+
+    // "Hello world" encodes to [19180, 2695] (MODEL.md §5.2): outside the tiny vocabulary.
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--preset",
+        "laptop",
+        "--prompt",
+        "Hello world",
+        "--tok",
+        s(&tok),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("prompt id 19180 outside the vocabulary of 256"),
+        "{err}"
+    );
+}
