@@ -159,6 +159,28 @@ pub struct GenOptions {
     pub stop_ids: Vec<u32>,
     /// Keep the step-0 logits (last prompt position) in the report.
     pub keep_step0_logits: bool,
+    /// Run a prefix in forward calls of at most this many tokens (0 = all at once). Bounds the
+    /// prefill's activation memory; results are identical for any value because every position
+    /// is computed the same way whatever batch it arrives in.
+    pub prefill_chunk: usize,
+}
+
+/// Default `prefill_chunk`: about half a GB of activations per chunk at full scale.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+/// Feed `ids` after the state's current position, in chunks, returning the logits of the last.
+fn run_prefix(
+    model: &mut Model<'_>,
+    ids: &[u32],
+    state: &mut crate::model::SeqState,
+    chunk: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let chunk = if chunk == 0 { ids.len() } else { chunk };
+    let mut last = Vec::new();
+    for part in ids.chunks(chunk) {
+        last = model.forward(part, state, Logits::Last)?;
+    }
+    Ok(last)
 }
 
 /// One generated token.
@@ -246,10 +268,10 @@ pub fn generate(
         let t0 = Instant::now();
         model.step = step as u64;
         let logits = if step == 0 {
-            model.forward(prompt, &mut state, Logits::Last)?
+            run_prefix(model, prompt, &mut state, opts.prefill_chunk)?
         } else if opts.full_recompute {
             let mut fresh = model.new_state(seq.len());
-            model.forward(&seq, &mut fresh, Logits::Last)?
+            run_prefix(model, &seq, &mut fresh, opts.prefill_chunk)?
         } else {
             model.forward(&seq[seq.len() - 1..], &mut state, Logits::Last)?
         };

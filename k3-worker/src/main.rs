@@ -29,7 +29,9 @@ use k3_store::attached::{AttachError, AttachOptions, AttachedSource};
 use k3_store::plan::Budget;
 use k3_store::source::WeightSource;
 use k3_store::standalone::{StandaloneOptions, StandaloneSource};
-use k3_worker::generate::{generate, positions_needed, GenOptions, GenReport, Sampler, END_IDS};
+use k3_worker::generate::{
+    generate, positions_needed, GenOptions, GenReport, Sampler, DEFAULT_PREFILL_CHUNK, END_IDS,
+};
 use k3_worker::model::bind::ShapeTable;
 use k3_worker::model::{Dims, Model, TensorShapes};
 use k3_worker::tokenizer::Tokenizer;
@@ -93,6 +95,10 @@ struct Cli {
     /// Sampling seed.
     #[arg(long, value_name = "S", default_value_t = 0)]
     seed: u64,
+    /// Run the prompt in forward calls of at most N tokens (bounds prefill memory; 0 = all at
+    /// once; results are identical for any N).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
     /// Compute threads (default: all cores).
     #[arg(long, value_name = "N")]
     threads: Option<usize>,
@@ -412,6 +418,7 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         sampler,
         stop_ids: END_IDS.to_vec(),
         keep_step0_logits: cli.dump_logits.is_some(),
+        prefill_chunk: cli.prefill_chunk,
     };
     eprintln!(
         "{:>5} {:>8} {:>9} {:>10} {:>9} {:>8}",

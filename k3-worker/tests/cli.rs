@@ -142,29 +142,34 @@ fn greedy_run_matches_the_reference_and_writes_every_artifact() {
 }
 
 #[test]
-fn full_recompute_gives_the_same_ids() {
+fn full_recompute_and_chunked_prefill_give_the_same_ids() {
     let sb = Sandbox::new("full");
     let prompt = csv(&ref_ids("prompt_ids.json"));
-    let o = worker(&[
-        "--standalone",
-        s(&sb.model()),
-        "--preset",
-        "laptop",
-        "--ids",
-        &prompt,
-        "--gen",
-        "20",
-        "--full-recompute",
-        "--threads",
-        "1",
-    ]);
-    assert_eq!(
-        o.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"));
+    let m = sb.model();
+    for extra in [
+        &["--full-recompute", "--threads", "1"][..],
+        &["--prefill-chunk", "5"][..],
+    ] {
+        let mut args = vec![
+            "--standalone",
+            s(&m),
+            "--preset",
+            "laptop",
+            "--ids",
+            &prompt,
+            "--gen",
+            "20",
+        ];
+        args.extend_from_slice(extra);
+        let o = worker(&args);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"), "{extra:?}");
+    }
 }
 
 #[test]

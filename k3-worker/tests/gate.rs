@@ -58,6 +58,7 @@ fn gen(full_recompute: bool) -> (Vec<u32>, Vec<f32>) {
         sampler: Sampler::Greedy,
         stop_ids: END_IDS.to_vec(),
         keep_step0_logits: true,
+        prefill_chunk: 0,
     };
     let stats = || k3_store::source::WeightSource::stats(&src);
     let r = generate(&mut m, &stats, &ids("prompt_ids.json"), &opts, &mut |_| {}).unwrap();

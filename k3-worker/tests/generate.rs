@@ -7,6 +7,16 @@ use k3_worker::generate::{generate, GenOptions, Sampler};
 use k3_worker::model::{Model, TensorShapes};
 
 fn run(src: &MemSource, full: bool, sampler: Sampler, stop: Vec<u32>) -> Vec<u32> {
+    run_chunked(src, full, sampler, stop, 0).0
+}
+
+fn run_chunked(
+    src: &MemSource,
+    full: bool,
+    sampler: Sampler,
+    stop: Vec<u32>,
+    chunk: usize,
+) -> (Vec<u32>, Vec<f32>) {
     let mut m = Model::new(src.dims.clone(), src, Some(src as &dyn TensorShapes)).unwrap();
     let opts = GenOptions {
         max_new: 10,
@@ -14,6 +24,7 @@ fn run(src: &MemSource, full: bool, sampler: Sampler, stop: Vec<u32>) -> Vec<u32
         sampler,
         stop_ids: stop,
         keep_step0_logits: true,
+        prefill_chunk: chunk,
     };
     let mut seen = Vec::new();
     let stats = || k3_store::source::WeightSource::stats(src);
@@ -23,7 +34,21 @@ fn run(src: &MemSource, full: bool, sampler: Sampler, stop: Vec<u32>) -> Vec<u32
     .unwrap();
     assert_eq!(seen, r.generated_ids, "on_step sees every token in order");
     assert_eq!(r.step0_logits.as_ref().unwrap().len(), src.dims.vocab);
-    r.generated_ids
+    (r.generated_ids, r.step0_logits.unwrap())
+}
+
+#[test]
+fn chunked_prefill_gives_identical_logits_and_ids() {
+    let src = MemSource::random(&tiny_dims(), 13);
+    let (ids, logits) = run_chunked(&src, false, Sampler::Greedy, vec![], 0);
+    for chunk in [1, 2, 3] {
+        for full in [false, true] {
+            let (i, l) = run_chunked(&src, full, Sampler::Greedy, vec![], chunk);
+            assert_eq!(i, ids, "chunk {chunk} full {full}");
+            let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(b(&l), b(&logits), "chunk {chunk}: step-0 logits");
+        }
+    }
 }
 
 #[test]
