@@ -11,8 +11,56 @@
 //!   `matvec_*` of token `t` (prefill and incremental decode agree bit for bit).
 //! * Lengths are checked with `assert!`: a mismatch is a bug in the caller (the binder checks
 //!   every tensor's shape against the config before any kernel runs).
+//!
+//! # Tiers
+//! The free functions below run on the *active* tier ([`active_tier`]), chosen once per process:
+//! the best tier the CPU supports, or the one forced by the environment variable `K3_SIMD`
+//! (`scalar`, `avx2`, `avx512`; unset, empty or `auto` = best available). Binaries call
+//! [`select_tier`] at start-up and refuse to run (exit 2) when it returns an error (unknown value,
+//! or a forced tier this CPU lacks); no instruction the CPU lacks is ever executed.
+//! [`Kernels`] gives tier-specific entry points (tests and benchmarks run every tier on one
+//! machine); a `Kernels` value can only be made for a tier the CPU supports.
+//!
+//! Tiers differ from each other only by the order of f32 additions (and FMA contraction) inside
+//! dot products; the elementwise kernels (`rms_norm`, `l2_norm_inplace`, `situ_glu`,
+//! `softmax_inplace`) are the scalar code on every tier, so their results never depend on the CPU.
+//!
+//! # Threads
+//! The matrix kernels split their OUTPUT ROWS into fixed chunks of [`ROW_CHUNK`] rows and run
+//! them on the *current* rayon pool (call them inside `ThreadPool::install` to choose the pool;
+//! see [`build_pool`]). Problems under [`PAR_MIN_MACS`] multiply-adds run on the calling thread.
+//! A row is always computed by the same code, so the thread count never changes a result.
 
 pub mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+mod tier;
+
+pub use tier::{active_tier, choose_tier, select_tier, Tier, TierError, SIMD_ENV};
+
+use rayon::prelude::*;
+
+/// Output rows per parallel task. Fixed, so the work split never depends on the thread count
+/// (and a row's result never depends on the split anyway). 16 rows of the widest bf16 matrix
+/// (12288 columns, 393 KB) stay in L2 while a multi-token product passes each token block over
+/// them.
+pub const ROW_CHUNK: usize = 16;
+
+/// Below this many multiply-adds (`rows·cols·n`) a matrix kernel runs on the calling thread.
+pub const PAR_MIN_MACS: usize = 32 * 1024;
+
+/// Build a rayon pool with `threads` workers (the engine builds one from `--threads` and runs
+/// the forward pass inside `pool.install(..)`; every kernel then uses that pool).
+pub fn build_pool(threads: usize) -> Result<rayon::ThreadPool, rayon::ThreadPoolBuildError> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("k3-kern-{i}"))
+        .build()
+}
 
 /// Widen one bf16 (given as its bits) to f32, exactly.
 #[inline(always)]
@@ -48,13 +96,13 @@ pub fn f32_bytes_to_f32(bytes: &[u8]) -> Vec<f32> {
 
 /// `y[r] = Σ_c W[r,c]·x[c]` for a bf16 matrix `W [rows, cols]`.
 pub fn matvec_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
-    scalar::matvec_bf16(w, rows, cols, x, y)
+    Kernels::active().matvec_bf16(w, rows, cols, x, y)
 }
 
 /// `y[t·rows + r] = Σ_c W[r,c]·x[t·cols + c]` for `n` tokens; row `t` equals `matvec_bf16` of
 /// token `t` bit for bit.
 pub fn matmul_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
-    scalar::matmul_bf16(w, rows, cols, x, n, y)
+    Kernels::active().matmul_bf16(w, rows, cols, x, n, y)
 }
 
 /// `y[r] = Σ_c W[r,c]·x[c]` for an MXFP4 matrix with E8M0 group scales.
@@ -66,7 +114,7 @@ pub fn matvec_mxfp4(
     x: &[f32],
     y: &mut [f32],
 ) {
-    scalar::matvec_mxfp4(packed, scales, rows, cols, x, y)
+    Kernels::active().matvec_mxfp4(packed, scales, rows, cols, x, y)
 }
 
 /// MXFP4 product for `n` tokens (`x [n, cols]`, `y [n, rows]`); row `t` equals `matvec_mxfp4`.
@@ -79,7 +127,7 @@ pub fn matmul_mxfp4(
     n: usize,
     y: &mut [f32],
 ) {
-    scalar::matmul_mxfp4(packed, scales, rows, cols, x, n, y)
+    Kernels::active().matmul_mxfp4(packed, scales, rows, cols, x, n, y)
 }
 
 /// `out[i] = w[i]·x[i] / sqrt(mean(x²) + eps)`.
@@ -104,7 +152,7 @@ pub fn softmax_inplace(x: &mut [f32]) {
 
 /// `Σ a[i]·b[i]` over f32 vectors.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    scalar::dot_f32(a, b)
+    Kernels::active().dot_f32(a, b)
 }
 
 /// Logistic sigmoid.
@@ -117,4 +165,207 @@ pub fn sigmoid(z: f32) -> f32 {
 #[inline]
 pub fn silu(z: f32) -> f32 {
     z * sigmoid(z)
+}
+
+/// The kernels of one tier. Holding a `Kernels` proves the CPU supports its tier: the only
+/// constructors are [`Kernels::new`] (checks CPU detection) and [`Kernels::active`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernels {
+    tier: Tier,
+}
+
+/// Runs one tier's row kernel. `$k` is a `Kernels`; the AVX arms are sound because a `Kernels`
+/// only exists for a tier the CPU supports.
+macro_rules! by_tier {
+    ($k:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match $k.tier {
+            Tier::Scalar => scalar::$f($($arg),*),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Kernels` values are only constructed for tiers whose CPU features were
+            // detected (`Kernels::new` / `active_tier`); the callee checks every slice length.
+            Tier::Avx2 => unsafe { avx2::$f($($arg),*) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, AVX-512 F/BW/VL and FMA were detected before this value existed.
+            Tier::Avx512 => unsafe { avx512::$f($($arg),*) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("SIMD tier on a non-x86_64 build"),
+        }
+    };
+}
+
+impl Kernels {
+    /// The kernels of `tier`, or `None` if this CPU cannot run it.
+    pub fn new(tier: Tier) -> Option<Kernels> {
+        tier.is_available().then_some(Kernels { tier })
+    }
+
+    /// The kernels of the process-wide active tier (see [`active_tier`]).
+    pub fn active() -> Kernels {
+        Kernels {
+            tier: active_tier(),
+        }
+    }
+
+    /// The tier these kernels run.
+    pub fn tier(self) -> Tier {
+        self.tier
+    }
+
+    /// [`matvec_bf16`] on this tier.
+    pub fn matvec_bf16(self, w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
+        self.matmul_bf16(w, rows, cols, x, 1, y)
+    }
+
+    /// [`matmul_bf16`] on this tier.
+    pub fn matmul_bf16(
+        self,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) {
+        assert_eq!(
+            Some(w.len()),
+            rows.checked_mul(cols).and_then(|v| v.checked_mul(2)),
+            "bf16 weight bytes"
+        );
+        assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
+        assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
+        if cols == 0 {
+            y.fill(0.0);
+            return;
+        }
+        let row_bytes = cols * 2;
+        by_rows(rows, cols, n, y, |r0, out| {
+            let k = out.len() / n;
+            let wr = &w[r0 * row_bytes..(r0 + k) * row_bytes];
+            by_tier!(self, bf16_rows(wr, cols, x, n, out))
+        });
+    }
+
+    /// [`matvec_mxfp4`] on this tier.
+    pub fn matvec_mxfp4(
+        self,
+        packed: &[u8],
+        scales: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        y: &mut [f32],
+    ) {
+        self.matmul_mxfp4(packed, scales, rows, cols, x, 1, y)
+    }
+
+    /// [`matmul_mxfp4`] on this tier.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_mxfp4(
+        self,
+        packed: &[u8],
+        scales: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) {
+        assert!(
+            cols.is_multiple_of(32),
+            "MXFP4 width {cols} is not a multiple of 32"
+        );
+        assert_eq!(
+            Some(packed.len()),
+            rows.checked_mul(cols / 2),
+            "MXFP4 packed bytes"
+        );
+        assert_eq!(
+            Some(scales.len()),
+            rows.checked_mul(cols / 32),
+            "MXFP4 scale bytes"
+        );
+        assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
+        assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
+        if cols == 0 {
+            y.fill(0.0);
+            return;
+        }
+        // The SIMD tiers read each group's activations as [even columns | odd columns] so that
+        // the low/high nibbles map onto whole vectors; rearrange once per call.
+        let lanes = match self.tier {
+            Tier::Scalar => 0,
+            Tier::Avx2 => 8,
+            Tier::Avx512 => 16,
+        };
+        let xs = if lanes == 0 {
+            std::borrow::Cow::Borrowed(x)
+        } else {
+            std::borrow::Cow::Owned(split_even_odd(x, lanes))
+        };
+        let (pw, sw) = (cols / 2, cols / 32);
+        by_rows(rows, cols, n, y, |r0, out| {
+            let k = out.len() / n;
+            let (p, s) = (
+                &packed[r0 * pw..(r0 + k) * pw],
+                &scales[r0 * sw..(r0 + k) * sw],
+            );
+            by_tier!(self, mxfp4_rows(p, s, cols, &xs, n, out))
+        });
+    }
+
+    /// [`dot_f32`] on this tier.
+    pub fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len(), "dot_f32 lengths");
+        by_tier!(self, dot_f32(a, b))
+    }
+}
+
+/// Runs `f(first_row, out_rows)` over `y`'s rows: `f` fills `out_rows`, laid out `[k, n]`
+/// (row-major by output row), for rows `first_row .. first_row + k`. `y` is `[n, rows]`.
+fn by_rows<F>(rows: usize, cols: usize, n: usize, y: &mut [f32], f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    if rows == 0 || n == 0 {
+        return;
+    }
+    let serial = rows.saturating_mul(cols).saturating_mul(n) < PAR_MIN_MACS
+        || rayon::current_num_threads() == 1;
+    let run = |out: &mut [f32]| {
+        if serial {
+            f(0, out)
+        } else {
+            out.par_chunks_mut(ROW_CHUNK * n)
+                .enumerate()
+                .for_each(|(i, o)| f(i * ROW_CHUNK, o));
+        }
+    };
+    if n == 1 {
+        run(y);
+    } else {
+        // Rows-major scratch so each task owns a contiguous slice, then transpose to [n, rows].
+        let mut t = vec![0.0f32; rows * n];
+        run(&mut t);
+        for (r, vals) in t.chunks_exact(n).enumerate() {
+            for (tok, &v) in vals.iter().enumerate() {
+                y[tok * rows + r] = v;
+            }
+        }
+    }
+}
+
+/// Rearranges every block of `2·lanes` activations as `[evens | odds]` (the order in which the
+/// SIMD tiers consume MXFP4 nibbles: byte `i` of a block holds columns `2i` and `2i+1`).
+fn split_even_odd(x: &[f32], lanes: usize) -> Vec<f32> {
+    let block = 2 * lanes;
+    assert!(x.len().is_multiple_of(block));
+    let mut out = vec![0.0f32; x.len()];
+    for (src, dst) in x.chunks_exact(block).zip(out.chunks_exact_mut(block)) {
+        let (ev, od) = dst.split_at_mut(lanes);
+        for i in 0..lanes {
+            ev[i] = src[2 * i];
+            od[i] = src[2 * i + 1];
+        }
+    }
+    out
 }

@@ -10,7 +10,7 @@ pub const E2M1: [f32; 16] = [
 /// `2^(s-127)` for an E8M0 scale byte. 255 (NaN in the OCP MX spec) maps to 0; the loader counts
 /// such bytes as anomalies.
 #[inline]
-pub fn e8m0(s: u8) -> f32 {
+pub const fn e8m0(s: u8) -> f32 {
     match s {
         0 => f32::from_bits(0x0040_0000), // 2^-127, subnormal
         255 => 0.0,
@@ -18,8 +18,19 @@ pub fn e8m0(s: u8) -> f32 {
     }
 }
 
+/// [`e8m0`] of every byte (the SIMD tiers broadcast from it).
+pub static E8M0_TABLE: [f32; 256] = {
+    let mut t = [0.0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = e8m0(i as u8);
+        i += 1;
+    }
+    t
+};
+
 #[inline]
-fn dot_bf16_row(row: &[u8], x: &[f32]) -> f32 {
+pub(super) fn dot_bf16_row(row: &[u8], x: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let n = x.len();
     let main = n - n % 8;
@@ -55,7 +66,7 @@ pub fn matmul_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &
 }
 
 #[inline]
-fn dot_mxfp4_row(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+pub(super) fn dot_mxfp4_row(packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     let mut acc = 0.0f32;
     for (g, &s) in scales.iter().enumerate() {
         let mut part = 0.0f32;
@@ -102,6 +113,42 @@ pub fn matmul_mxfp4(
         let (pr, sr) = (&packed[r * pw..(r + 1) * pw], &scales[r * sw..(r + 1) * sw]);
         for t in 0..n {
             y[t * rows + r] = dot_mxfp4_row(pr, sr, &x[t * cols..(t + 1) * cols]);
+        }
+    }
+}
+
+/// Row kernel of the scalar tier: `out [k, n]` for the `k` rows in `w` (see `Kernels`).
+pub(super) fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+    let rb = cols * 2;
+    assert_eq!(w.len() * n, out.len() * rb, "bf16 rows vs output");
+    assert_eq!(x.len(), n * cols, "bf16 rows input");
+    for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+        for (t, v) in o.iter_mut().enumerate() {
+            *v = dot_bf16_row(row, &x[t * cols..(t + 1) * cols]);
+        }
+    }
+}
+
+/// Row kernel of the scalar tier for MXFP4 (`x` in natural column order).
+pub(super) fn mxfp4_rows(
+    packed: &[u8],
+    scales: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let (pw, sw) = (cols / 2, cols / 32);
+    assert_eq!(packed.len() * n, out.len() * pw, "MXFP4 rows vs output");
+    assert_eq!(scales.len() * n, out.len() * sw, "MXFP4 scales vs output");
+    assert_eq!(x.len(), n * cols, "MXFP4 rows input");
+    for ((pr, sr), o) in packed
+        .chunks_exact(pw)
+        .zip(scales.chunks_exact(sw))
+        .zip(out.chunks_exact_mut(n))
+    {
+        for (t, v) in o.iter_mut().enumerate() {
+            *v = dot_mxfp4_row(pr, sr, &x[t * cols..(t + 1) * cols]);
         }
     }
 }

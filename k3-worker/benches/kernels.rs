@@ -1,0 +1,494 @@
+//! Kernel benchmark: memory read bandwidth (the floor) and every tier's rates at the real
+//! shapes, at 1 and 2 threads.
+//!
+//! `cargo bench -p k3-worker --bench kernels [-- --reps N] [--tiers avx2,avx512] [--json PATH]`
+//! (`K3_BENCH_JSON=PATH` works too). Each figure is the median and min–max of `reps` (≥ 5)
+//! timed runs after one warm-up run. Every tier's output is checked against the scalar tier.
+//!
+//! Shapes: bf16 12288×7168 and 7168×12288 (one 176 MB matrix, read as either shape); MXFP4 one
+//! expert's 3072×3584 (w1/w3) and 3584×3072 (w2), cycled over 16 distinct experts per timed run
+//! so the bytes come from memory as in decode (one expert alone would sit in the LLC); bf16
+//! matmul of 5 and 16 tokens at 12288×7168.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use k3_worker::kernels::{build_pool, Kernels, Tier};
+use rayon::prelude::*;
+use serde_json::{json, Value};
+
+const GIB: usize = 1 << 30;
+const THREADS: [usize; 2] = [1, 2];
+/// Distinct MXFP4 experts cycled per timed run (16 × 5.85 MB ≫ LLC).
+const EXPERTS: usize = 16;
+
+struct Args {
+    reps: usize,
+    tiers: Option<Vec<Tier>>,
+    json: Option<String>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        reps: 7,
+        tiers: None,
+        json: std::env::var("K3_BENCH_JSON").ok(),
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--bench" => {} // passed by `cargo bench`
+            "--reps" => {
+                let v = it.next().ok_or("--reps needs a value")?;
+                args.reps = v.parse().map_err(|_| format!("--reps {v:?}"))?;
+                if args.reps < 5 {
+                    return Err("--reps must be at least 5".into());
+                }
+            }
+            "--tiers" => {
+                let v = it.next().ok_or("--tiers needs a list")?;
+                let t: Option<Vec<Tier>> = v.split(',').map(Tier::from_name).collect();
+                args.tiers = Some(t.ok_or(format!("--tiers {v:?}: expected scalar,avx2,avx512"))?);
+            }
+            "--json" => args.json = Some(it.next().ok_or("--json needs a path")?),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(args)
+}
+
+/// Median, min and max of `reps` timed runs (seconds) after one warm-up run, and the share of
+/// `threads` CPUs the process actually got during them (the machine is shared: a share well
+/// below 1 means the figures are depressed by other work, not by the kernel).
+#[derive(Clone, Copy)]
+struct Stat {
+    median: f64,
+    min: f64,
+    max: f64,
+    cpu_share: f64,
+}
+
+/// CPU time of every thread of this process so far, in ns (Linux schedstat; 0 if unreadable).
+fn process_cpu_ns() -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.filter_map(|e| e.ok())
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn time<F: FnMut()>(reps: usize, threads: usize, mut f: F) -> Stat {
+    f();
+    let cpu0 = process_cpu_ns();
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    let cpu = (process_cpu_ns().saturating_sub(cpu0)) as f64 * 1e-9;
+    let wall: f64 = t.iter().sum();
+    t.sort_by(f64::total_cmp);
+    Stat {
+        median: t[t.len() / 2],
+        min: t[0],
+        max: t[t.len() - 1],
+        cpu_share: cpu / (wall * threads as f64),
+    }
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// A rate (`amount / second`) from a time: median, and the min–max range (the slowest run
+/// gives the minimum rate).
+fn rate(amount: f64, s: Stat) -> (f64, f64, f64) {
+    (amount / s.median, amount / s.max, amount / s.min)
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// Random finite bf16 weights of magnitude 2^-15 .. 2 (exponent field 112..127).
+fn bf16_bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(2 * n);
+    for _ in 0..n {
+        let r = rng.next();
+        let bits = (r & 0x8000) | ((112 + (r >> 20) % 16) << 7) | ((r >> 8) & 0x7F);
+        v.extend_from_slice(&(bits as u16).to_le_bytes());
+    }
+    v
+}
+
+fn f32s(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|_| (rng.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        .collect()
+}
+
+struct Expert {
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+}
+
+fn mxfp4_expert(rng: &mut Rng, rows: usize, cols: usize) -> Expert {
+    Expert {
+        packed: (0..rows * cols / 2).map(|_| rng.next() as u8).collect(),
+        scales: (0..rows * cols / 32)
+            .map(|_| 120 + (rng.next() % 16) as u8)
+            .collect(),
+    }
+}
+
+/// Largest |a−b| relative to the RMS of `b` (a sanity check that a tier computed the same
+/// product as the scalar tier; reassociation differences are ~1e-6).
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let rms = (b.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / b.len() as f64).sqrt();
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 - y as f64).abs())
+        .fold(0.0, f64::max);
+    d / rms.max(1e-30)
+}
+const CHECK_REL: f64 = 1e-4;
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn git_commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Sum of a buffer of u64 (8 independent lanes so the loads, not the adds, limit the rate).
+fn sum_u64(v: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    let mut it = v.chunks_exact(8);
+    for c in &mut it {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = a.wrapping_add(x);
+        }
+    }
+    let tail = it.remainder().iter().fold(0u64, |a, &x| a.wrapping_add(x));
+    acc.iter().fold(tail, |a, &x| a.wrapping_add(x))
+}
+
+struct Row {
+    kernel: String,
+    tier: Tier,
+    threads: usize,
+    stat: Stat,
+    bytes: f64,
+    macs: f64,
+    mem_gbs: f64,
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("kernels bench: {e}");
+            std::process::exit(2);
+        }
+    };
+    let active = match k3_worker::kernels::select_tier() {
+        Ok(t) => t.name().to_string(),
+        Err(e) => format!("error: {e}"),
+    };
+    let tiers: Vec<Kernels> = Tier::ALL
+        .into_iter()
+        .filter(|t| args.tiers.as_ref().is_none_or(|l| l.contains(t)))
+        .filter_map(Kernels::new)
+        .collect();
+    for t in Tier::ALL {
+        if !t.is_available() {
+            println!("note: tier {t} skipped (CPU lacks it)");
+        }
+    }
+    let pools: Vec<_> = THREADS
+        .iter()
+        .map(|&n| build_pool(n).expect("thread pool"))
+        .collect();
+    println!(
+        "machine: {} | {} logical CPUs | load average {} | tiers: {} | active (K3_SIMD/auto): {} | commit {} | reps {} (+1 warm-up)",
+        cpu_model(),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        load_average(),
+        tiers.iter().map(|k| k.tier().name()).collect::<Vec<_>>().join(" "),
+        active,
+        git_commit(),
+        args.reps
+    );
+
+    // --- memory read bandwidth --------------------------------------------------------------
+    let mut mem = Vec::new();
+    {
+        let n = GIB / 8;
+        let buf: Vec<u64> = (0..n as u64).collect(); // touches every page
+        let want = (n as u64).wrapping_mul(n as u64 - 1) / 2;
+        for (pool, &threads) in pools.iter().zip(&THREADS) {
+            let s = time(args.reps, threads, || {
+                let got = pool.install(|| {
+                    buf.par_chunks(1 << 17)
+                        .map(sum_u64)
+                        .reduce(|| 0, u64::wrapping_add)
+                });
+                assert_eq!(got, want, "memory sum check");
+            });
+            let (m, lo, hi) = rate(GIB as f64 / 1e9, s);
+            println!(
+                "memory read bandwidth (sum over 1 GiB), {threads} thread(s): {m:.2} GB/s ({lo:.2}–{hi:.2}), cpu share {:.2}",
+                s.cpu_share
+            );
+            mem.push((threads, s, m));
+        }
+    }
+    let mem_at = |threads: usize| {
+        mem.iter()
+            .find(|m| m.0 == threads)
+            .map_or(f64::NAN, |m| m.2)
+    };
+
+    // --- data --------------------------------------------------------------------------------
+    let mut rng = Rng(42);
+    let (big_r, big_c) = (12288usize, 7168usize);
+    let w = bf16_bytes(&mut rng, big_r * big_c);
+    let x_wide = f32s(&mut rng, 16 * big_r.max(big_c));
+    let (er, ec) = (3072usize, 3584usize);
+    let experts: Vec<Expert> = (0..EXPERTS)
+        .map(|_| mxfp4_expert(&mut rng, er, ec))
+        .collect();
+
+    let mut rows: Vec<Row> = Vec::new();
+    let mut checks_ok = true;
+    let scalar = Kernels::new(Tier::Scalar).expect("scalar tier");
+
+    // Reference outputs (scalar tier) for the self-check.
+    let mut refs: Vec<Vec<f32>> = Vec::new();
+    pools[pools.len() - 1].install(|| {
+        for (r, c) in [(big_r, big_c), (big_c, big_r)] {
+            let mut y = vec![0.0f32; r];
+            scalar.matvec_bf16(&w, r, c, &x_wide[..c], &mut y);
+            refs.push(y);
+        }
+        for (r, c) in [(er, ec), (ec, er)] {
+            let mut y = vec![0.0f32; r];
+            scalar.matvec_mxfp4(
+                &experts[0].packed,
+                &experts[0].scales,
+                r,
+                c,
+                &x_wide[..c],
+                &mut y,
+            );
+            refs.push(y);
+        }
+    });
+
+    for k in &tiers {
+        for (pool, &threads) in pools.iter().zip(&THREADS) {
+            pool.install(|| {
+                for (i, (r, c)) in [(big_r, big_c), (big_c, big_r)].into_iter().enumerate() {
+                    let mut y = vec![0.0f32; r];
+                    let s = time(args.reps, threads, || {
+                        k.matvec_bf16(black_box(&w), r, c, &x_wide[..c], &mut y);
+                        black_box(&y);
+                    });
+                    if rel_diff(&y, &refs[i]) > CHECK_REL {
+                        eprintln!("CHECK FAILED: {} bf16 {r}x{c}", k.tier());
+                        checks_ok = false;
+                    }
+                    rows.push(Row {
+                        kernel: format!("bf16 matvec {r}x{c}"),
+                        tier: k.tier(),
+                        threads,
+                        stat: s,
+                        bytes: (r * c * 2) as f64,
+                        macs: (r * c) as f64,
+                        mem_gbs: mem_at(threads),
+                    });
+                }
+                for (i, (r, c)) in [(er, ec), (ec, er)].into_iter().enumerate() {
+                    let mut y = vec![0.0f32; r];
+                    let s = time(args.reps, threads, || {
+                        for e in &experts {
+                            k.matvec_mxfp4(
+                                black_box(&e.packed),
+                                &e.scales,
+                                r,
+                                c,
+                                &x_wide[..c],
+                                &mut y,
+                            );
+                            black_box(&y);
+                        }
+                    });
+                    k.matvec_mxfp4(
+                        &experts[0].packed,
+                        &experts[0].scales,
+                        r,
+                        c,
+                        &x_wide[..c],
+                        &mut y,
+                    );
+                    if rel_diff(&y, &refs[2 + i]) > CHECK_REL {
+                        eprintln!("CHECK FAILED: {} mxfp4 {r}x{c}", k.tier());
+                        checks_ok = false;
+                    }
+                    let per = |v: f64| v / EXPERTS as f64;
+                    rows.push(Row {
+                        kernel: format!("mxfp4 matvec {r}x{c}"),
+                        tier: k.tier(),
+                        threads,
+                        stat: Stat {
+                            median: per(s.median),
+                            min: per(s.min),
+                            max: per(s.max),
+                            cpu_share: s.cpu_share,
+                        },
+                        bytes: (r * c / 2 + r * c / 32) as f64,
+                        macs: (r * c) as f64,
+                        mem_gbs: mem_at(threads),
+                    });
+                }
+                for n in [5usize, 16] {
+                    let (r, c) = (big_r, big_c);
+                    let mut y = vec![0.0f32; n * r];
+                    let s = time(args.reps, threads, || {
+                        k.matmul_bf16(black_box(&w), r, c, &x_wide[..n * c], n, &mut y);
+                        black_box(&y);
+                    });
+                    if rel_diff(&y[..r], &refs[0]) > CHECK_REL {
+                        eprintln!("CHECK FAILED: {} bf16 matmul n={n}", k.tier());
+                        checks_ok = false;
+                    }
+                    rows.push(Row {
+                        kernel: format!("bf16 matmul {r}x{c} n={n}"),
+                        tier: k.tier(),
+                        threads,
+                        stat: s,
+                        bytes: (r * c * 2) as f64,
+                        macs: (r * c * n) as f64,
+                        mem_gbs: mem_at(threads),
+                    });
+                }
+            });
+        }
+    }
+
+    // --- table -------------------------------------------------------------------------------
+    println!();
+    println!(
+        "{:<28} {:<7} {:>3} {:>10} {:>22} {:>8} {:>8} {:>5} {:>9}",
+        "kernel",
+        "tier",
+        "thr",
+        "median ms",
+        "GB/s weights (min–max)",
+        "GMAC/s",
+        "÷mem bw",
+        "cpu",
+        "GB/s/cpu"
+    );
+    let mut out_rows = Vec::new();
+    for r in &rows {
+        let (gbs, gbs_lo, gbs_hi) = rate(r.bytes / 1e9, r.stat);
+        let (gmac, _, _) = rate(r.macs / 1e9, r.stat);
+        let ratio = gbs / r.mem_gbs;
+        // Rate per CPU actually received (an estimate under contention, not a machine limit).
+        let per_cpu = gbs / (r.stat.cpu_share * r.threads as f64);
+        println!(
+            "{:<28} {:<7} {:>3} {:>10.3} {:>8.2} ({:>5.2}–{:>5.2}) {:>8.2} {:>8.2} {:>5.2} {:>9.2}",
+            r.kernel,
+            r.tier.name(),
+            r.threads,
+            r.stat.median * 1e3,
+            gbs,
+            gbs_lo,
+            gbs_hi,
+            gmac,
+            ratio,
+            r.stat.cpu_share,
+            per_cpu
+        );
+        out_rows.push(json!({
+            "kernel": r.kernel, "tier": r.tier.name(), "threads": r.threads,
+            "seconds": {"median": r.stat.median, "min": r.stat.min, "max": r.stat.max},
+            "bytes": r.bytes, "macs": r.macs,
+            "gb_per_s": {"median": gbs, "min": gbs_lo, "max": gbs_hi},
+            "gmac_per_s": gmac, "ratio_to_memory_bandwidth": ratio,
+            "cpu_share": r.stat.cpu_share, "gb_per_s_per_cpu_received": per_cpu,
+        }));
+    }
+    println!(
+        "\ncpu = share of the `thr` CPUs this process got during the timed runs (schedstat); \
+         GB/s/cpu = GB/s ÷ (cpu·thr), the rate per CPU actually received (an estimate)."
+    );
+    println!(
+        "self-check against the scalar tier (max |Δ|/rms ≤ {CHECK_REL:e}): {}",
+        if checks_ok { "ok" } else { "FAILED" }
+    );
+
+    if let Some(path) = &args.json {
+        let doc: Value = json!({
+            "machine": {"cpu": cpu_model(),
+                        "logical_cpus": std::thread::available_parallelism().map_or(0, |n| n.get())},
+            "commit": git_commit(),
+            "load_average_at_start": load_average(),
+            "reps": args.reps,
+            "active_tier": active,
+            "memory_read_bandwidth": mem.iter().map(|(t, s, m)| {
+                let (_, lo, hi) = rate(GIB as f64 / 1e9, *s);
+                json!({"threads": t, "gb_per_s": {"median": m, "min": lo, "max": hi},
+                       "cpu_share": s.cpu_share})
+            }).collect::<Vec<_>>(),
+            "kernels": out_rows,
+            "self_check_ok": checks_ok,
+        });
+        match serde_json::to_string_pretty(&doc) {
+            Ok(s) => {
+                if let Err(e) = std::fs::write(path, s) {
+                    eprintln!("kernels bench: cannot write {path}: {e}");
+                    std::process::exit(1);
+                }
+                println!("wrote {path}");
+            }
+            Err(e) => {
+                eprintln!("kernels bench: JSON: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    if !checks_ok {
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,431 @@
+//! AVX-512 tier (F + BW + VL, with FMA): 16 f32 lanes.
+//!
+//! * bf16 dot: 16 weights are widened exactly (zero-extend each u16 to 32 bits, shift left 16)
+//!   and FMA'd with f32 activations. Four accumulators over 64-column steps, then 16-column
+//!   steps into accumulator 0, then one masked step into accumulator 1; reduced
+//!   `(a0+a1)+(a2+a3)` and then across lanes in a fixed tree.
+//! * MXFP4 dot: 16 packed bytes (one 32-column group) are zero-extended to 16 lanes; the low
+//!   nibble indexes a 16-entry E2M1 table with `vpermps` (which reads only index bits 0..3), the
+//!   high nibble (`>> 4`) likewise. Activations arrive per group as `[16 even | 16 odd]` columns
+//!   (see `split_even_odd`), so `p = w_even·x_even + w_odd·x_odd` is the group's partial sum in
+//!   16 lanes; it is then scaled by the group's `2^(s−127)` into one of two accumulators
+//!   (even/odd groups).
+//! * matmul: each loaded weight vector is used for `TOKEN_BLOCK` tokens at once; every token
+//!   has its own accumulators and the same operation sequence as `T = 1`, so matmul == matvec
+//!   bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2), so the
+//!   weights come from memory once and the activations of a block stay in L1/L2.
+//!
+//! Never the AVX-512 BF16 dot instructions: they round the activations to bf16.
+
+use std::arch::x86_64::*;
+
+use super::scalar::{E2M1, E8M0_TABLE};
+
+/// Tokens dotted with one loaded weight row at a time (4 tokens × 4 accumulators + 4 weight
+/// vectors stay within the 32 zmm registers).
+const TOKEN_BLOCK: usize = 4;
+// The row loops below match remainders 1..=3 explicitly.
+const _: () = assert!(TOKEN_BLOCK == 4);
+
+// ------------------------------------------------------------------------------------------
+// Loads (each is one unsafe operation with a stated contract)
+
+/// Widens 64 bf16 at `p` into four vectors of 16 f32.
+///
+/// # Safety
+/// 128 bytes at `p` are readable; the CPU supports AVX-512 F/BW/VL.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn widen64(p: *const u8) -> [__m512; 4] {
+    let mut v = [_mm512_setzero_ps(); 4];
+    for (i, vi) in v.iter_mut().enumerate() {
+        // SAFETY: bytes p+32i .. p+32i+32 lie within the 128 readable bytes (caller contract).
+        *vi = unsafe { widen16(p.wrapping_add(32 * i)) };
+    }
+    v
+}
+
+/// Widens 16 bf16 at `p`.
+///
+/// # Safety
+/// 32 bytes at `p` are readable; the CPU supports AVX-512 F/BW/VL.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn widen16(p: *const u8) -> __m512 {
+    // SAFETY: 32 readable bytes at p (caller contract); unaligned load.
+    let h = unsafe { _mm256_loadu_si256(p as *const __m256i) };
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+}
+
+/// Widens the first `m.count_ones()` bf16 at `p` (`m` a prefix mask); other lanes are +0.
+///
+/// # Safety
+/// The `2·popcount(m)` bytes at `p` selected by `m` are readable; masked-off lanes are not
+/// accessed (AVX-512 fault suppression). The CPU supports AVX-512 F/BW/VL.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn widen16_masked(p: *const u8, m: __mmask16) -> __m512 {
+    // SAFETY: only the lanes in `m` are read, and those are in bounds (caller contract).
+    let h = unsafe { _mm256_maskz_loadu_epi16(m, p as *const i16) };
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+}
+
+/// Loads 64 f32 at `p` as four vectors.
+///
+/// # Safety
+/// 64 f32 at `p` are readable; the CPU supports AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn load64(p: *const f32) -> [__m512; 4] {
+    let mut v = [_mm512_setzero_ps(); 4];
+    for (i, vi) in v.iter_mut().enumerate() {
+        // SAFETY: p+16i .. p+16i+16 lie within the 64 readable floats (caller contract).
+        *vi = unsafe { _mm512_loadu_ps(p.wrapping_add(16 * i)) };
+    }
+    v
+}
+
+/// Loads 16 f32 at `p`.
+///
+/// # Safety
+/// 16 f32 at `p` are readable; the CPU supports AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn load16(p: *const f32) -> __m512 {
+    // SAFETY: 16 readable floats at p (caller contract).
+    unsafe { _mm512_loadu_ps(p) }
+}
+
+/// Loads the lanes of `m` from `p`; other lanes are +0.
+///
+/// # Safety
+/// The floats selected by `m` are readable (masked-off lanes are not accessed).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn load16_masked(p: *const f32, m: __mmask16) -> __m512 {
+    // SAFETY: only lanes in `m` are read, all in bounds (caller contract).
+    unsafe { _mm512_maskz_loadu_ps(m, p) }
+}
+
+/// Fixed-order sum of the 16 lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+fn hsum(v: __m512) -> f32 {
+    let lo = _mm512_castps512_ps256(v);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    let s = _mm256_add_ps(lo, hi);
+    let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+    _mm_cvtss_f32(s)
+}
+
+// ------------------------------------------------------------------------------------------
+// bf16
+
+/// `T` dot products of one bf16 row with `T` token vectors.
+///
+/// # Safety
+/// `w` has `2·cols` readable bytes, each `x[t]` has `cols` readable floats; AVX-512 F/BW/VL+FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn dot_bf16<const T: usize>(w: *const u8, x: [*const f32; T], cols: usize) -> [f32; T] {
+    let mut acc = [[_mm512_setzero_ps(); 4]; T];
+    let mut c = 0;
+    while c + 64 <= cols {
+        // SAFETY: c + 64 <= cols, so row bytes 2c .. 2c+128 are in bounds.
+        let wv = unsafe { widen64(w.wrapping_add(2 * c)) };
+        for t in 0..T {
+            // SAFETY: columns c .. c+64 of token t are in bounds.
+            let xv = unsafe { load64(x[t].wrapping_add(c)) };
+            for j in 0..4 {
+                acc[t][j] = _mm512_fmadd_ps(wv[j], xv[j], acc[t][j]);
+            }
+        }
+        c += 64;
+    }
+    while c + 16 <= cols {
+        // SAFETY: c + 16 <= cols, so row bytes 2c .. 2c+32 are in bounds.
+        let wv = unsafe { widen16(w.wrapping_add(2 * c)) };
+        for t in 0..T {
+            // SAFETY: columns c .. c+16 of token t are in bounds.
+            let xv = unsafe { load16(x[t].wrapping_add(c)) };
+            acc[t][0] = _mm512_fmadd_ps(wv, xv, acc[t][0]);
+        }
+        c += 16;
+    }
+    if c < cols {
+        let m: __mmask16 = ((1u32 << (cols - c)) - 1) as u16;
+        // SAFETY: the mask selects columns c .. cols, in bounds; the rest is not accessed.
+        let wv = unsafe { widen16_masked(w.wrapping_add(2 * c), m) };
+        for t in 0..T {
+            // SAFETY: the mask selects columns c .. cols of token t, in bounds.
+            let xv = unsafe { load16_masked(x[t].wrapping_add(c), m) };
+            acc[t][1] = _mm512_fmadd_ps(wv, xv, acc[t][1]);
+        }
+    }
+    let mut out = [0.0f32; T];
+    for t in 0..T {
+        let a = &acc[t];
+        out[t] = hsum(_mm512_add_ps(
+            _mm512_add_ps(a[0], a[1]),
+            _mm512_add_ps(a[2], a[3]),
+        ));
+    }
+    out
+}
+
+/// Tokens `t0 .. t0+T` of one row into `o[t0 .. t0+T]`.
+///
+/// # Safety
+/// `row.len() == 2·cols`, `x.len() >= (t0+T)·cols`; AVX-512 F/BW/VL+FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn bf16_tokens<const T: usize>(
+    row: &[u8],
+    cols: usize,
+    x: &[f32],
+    t0: usize,
+    o: &mut [f32],
+) {
+    let xp: [*const f32; T] = std::array::from_fn(|i| x[(t0 + i) * cols..].as_ptr());
+    // SAFETY: the row holds 2·cols bytes and each token slice starts a cols-float run (caller
+    // contract); CPU features are the caller's contract.
+    let r = unsafe { dot_bf16::<T>(row.as_ptr(), xp, cols) };
+    o[t0..t0 + T].copy_from_slice(&r);
+}
+
+/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]`.
+///
+/// # Safety
+/// The CPU supports AVX-512 F, BW, VL and FMA. (Lengths are checked here.)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+    assert!(cols > 0 && n > 0, "empty bf16 product");
+    let rb = 2 * cols;
+    assert!(w.len().is_multiple_of(rb), "bf16 rows: partial row");
+    assert_eq!(out.len(), w.len() / rb * n, "bf16 rows vs output");
+    assert_eq!(x.len(), n * cols, "bf16 rows input");
+    // Token blocks outer, rows inner: the task's rows stay in L2 while every token block passes
+    // over them, and each token block's activations stay in L1/L2.
+    for t in (0..n).step_by(TOKEN_BLOCK) {
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            match n - t {
+                // SAFETY: row is 2·cols bytes and tokens t..t+4 lie in x (lengths checked above);
+                // CPU features are this function's contract.
+                4.. => unsafe { bf16_tokens::<TOKEN_BLOCK>(row, cols, x, t, o) },
+                // SAFETY: as above, for the three remaining tokens.
+                3 => unsafe { bf16_tokens::<3>(row, cols, x, t, o) },
+                // SAFETY: as above, for the two remaining tokens.
+                2 => unsafe { bf16_tokens::<2>(row, cols, x, t, o) },
+                // SAFETY: as above, for the one remaining token.
+                _ => unsafe { bf16_tokens::<1>(row, cols, x, t, o) },
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// MXFP4
+
+/// Loads 16 packed bytes (one group) zero-extended to 16 lanes.
+///
+/// # Safety
+/// 16 bytes at `p` are readable; AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn load_group(p: *const u8) -> __m512i {
+    // SAFETY: 16 readable bytes at p (caller contract).
+    let b = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    _mm512_cvtepu8_epi32(b)
+}
+
+/// Loads one group's 32 rearranged activations `[even | odd]`.
+///
+/// # Safety
+/// 32 f32 at `p` are readable; AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn load32(p: *const f32) -> [__m512; 2] {
+    // SAFETY: p .. p+16 within the 32 readable floats (caller contract).
+    let e = unsafe { _mm512_loadu_ps(p) };
+    // SAFETY: p+16 .. p+32 within the 32 readable floats (caller contract).
+    let o = unsafe { _mm512_loadu_ps(p.wrapping_add(16)) };
+    [e, o]
+}
+
+/// Adds group `g` of one MXFP4 row, scaled, into `acc[t]` for each token.
+///
+/// # Safety
+/// Group `g` exists in `packed` (16 bytes) and in each `x[t]` (32 floats); AVX-512 F/BW/VL+FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn mxfp4_group<const T: usize>(
+    packed: &[u8],
+    scale: u8,
+    x: &[*const f32; T],
+    g: usize,
+    table: __m512,
+    acc: &mut [__m512; T],
+) {
+    // SAFETY: group g's 16 bytes lie in `packed` (caller contract).
+    let b = unsafe { load_group(packed.as_ptr().wrapping_add(16 * g)) };
+    // vpermps reads index bits 0..3 only: the low nibble of each byte lane.
+    let we = _mm512_permutexvar_ps(b, table);
+    let wo = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), table);
+    let s = _mm512_set1_ps(E8M0_TABLE[scale as usize]);
+    for t in 0..T {
+        // SAFETY: group g's 32 activations of token t are in bounds (caller contract).
+        let [xe, xo] = unsafe { load32(x[t].wrapping_add(32 * g)) };
+        let p = _mm512_fmadd_ps(wo, xo, _mm512_mul_ps(we, xe));
+        acc[t] = _mm512_fmadd_ps(p, s, acc[t]);
+    }
+}
+
+/// `T` MXFP4 row dots. `x[t]` is the token's activations in `[even | odd]` group order. Even
+/// groups accumulate in `acc0`, odd groups in `acc1`.
+///
+/// # Safety
+/// `packed` has `16·groups` bytes, `scales` has `groups`, each `x[t]` `32·groups` readable
+/// floats; AVX-512 F/BW/VL+FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn dot_mxfp4<const T: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    x: [*const f32; T],
+    groups: usize,
+) -> [f32; T] {
+    assert!(packed.len() == 16 * groups && scales.len() == groups);
+    // SAFETY: E2M1 is a 16-float array.
+    let table = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
+    let mut acc0 = [_mm512_setzero_ps(); T];
+    let mut acc1 = [_mm512_setzero_ps(); T];
+    let mut g = 0;
+    while g + 2 <= groups {
+        // SAFETY: g < groups (lengths asserted above, activations per the caller contract).
+        unsafe { mxfp4_group::<T>(packed, scales[g], &x, g, table, &mut acc0) };
+        // SAFETY: g + 1 < groups, as above.
+        unsafe { mxfp4_group::<T>(packed, scales[g + 1], &x, g + 1, table, &mut acc1) };
+        g += 2;
+    }
+    if g < groups {
+        // SAFETY: g < groups, as above.
+        unsafe { mxfp4_group::<T>(packed, scales[g], &x, g, table, &mut acc0) };
+    }
+    let mut out = [0.0f32; T];
+    for t in 0..T {
+        out[t] = hsum(_mm512_add_ps(acc0[t], acc1[t]));
+    }
+    out
+}
+
+/// Tokens `t0 .. t0+T` of one MXFP4 row into `o[t0 .. t0+T]`.
+///
+/// # Safety
+/// `pr.len() == cols/2`, `sr.len() == cols/32`, `x.len() >= (t0+T)·cols`; AVX-512 F/BW/VL+FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn mxfp4_tokens<const T: usize>(
+    pr: &[u8],
+    sr: &[u8],
+    cols: usize,
+    x: &[f32],
+    t0: usize,
+    o: &mut [f32],
+) {
+    let xp: [*const f32; T] = std::array::from_fn(|i| x[(t0 + i) * cols..].as_ptr());
+    // SAFETY: lengths per the caller contract; each token pointer starts a cols-float run.
+    let r = unsafe { dot_mxfp4::<T>(pr, sr, xp, cols / 32) };
+    o[t0..t0 + T].copy_from_slice(&r);
+}
+
+/// Row kernel: `out [k, n]` for the `k` rows in `packed`/`scales`; `x [n, cols]` with every
+/// 32-column group rearranged `[even | odd]`.
+///
+/// # Safety
+/// The CPU supports AVX-512 F, BW, VL and FMA. (Lengths are checked here.)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn mxfp4_rows(
+    packed: &[u8],
+    scales: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    assert!(cols > 0 && cols.is_multiple_of(32) && n > 0, "MXFP4 shape");
+    let (pw, sw) = (cols / 2, cols / 32);
+    assert!(packed.len().is_multiple_of(pw), "MXFP4 rows: partial row");
+    let k = packed.len() / pw;
+    assert_eq!(scales.len(), k * sw, "MXFP4 scales vs rows");
+    assert_eq!(out.len(), k * n, "MXFP4 rows vs output");
+    assert_eq!(x.len(), n * cols, "MXFP4 rows input");
+    // Token blocks outer, rows inner (see `bf16_rows`).
+    for t in (0..n).step_by(TOKEN_BLOCK) {
+        for ((pr, sr), o) in packed
+            .chunks_exact(pw)
+            .zip(scales.chunks_exact(sw))
+            .zip(out.chunks_exact_mut(n))
+        {
+            match n - t {
+                // SAFETY: row slices have the checked lengths and tokens t..t+4 lie in x; CPU
+                // features are this function's contract.
+                4.. => unsafe { mxfp4_tokens::<TOKEN_BLOCK>(pr, sr, cols, x, t, o) },
+                // SAFETY: as above, for the three remaining tokens.
+                3 => unsafe { mxfp4_tokens::<3>(pr, sr, cols, x, t, o) },
+                // SAFETY: as above, for the two remaining tokens.
+                2 => unsafe { mxfp4_tokens::<2>(pr, sr, cols, x, t, o) },
+                // SAFETY: as above, for the one remaining token.
+                _ => unsafe { mxfp4_tokens::<1>(pr, sr, cols, x, t, o) },
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// f32 dot
+
+/// `Σ a[i]·b[i]`: four accumulators over 64-element steps, 16-element steps into accumulator 0,
+/// a masked step into accumulator 1.
+///
+/// # Safety
+/// The CPU supports AVX-512 F and FMA. (Lengths are checked here.)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_f32 lengths");
+    let n = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut i = 0;
+    while i + 64 <= n {
+        // SAFETY: i + 64 <= n = a.len().
+        let va = unsafe { load64(pa.wrapping_add(i)) };
+        // SAFETY: i + 64 <= n = b.len().
+        let vb = unsafe { load64(pb.wrapping_add(i)) };
+        for j in 0..4 {
+            acc[j] = _mm512_fmadd_ps(va[j], vb[j], acc[j]);
+        }
+        i += 64;
+    }
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n = a.len().
+        let va = unsafe { load16(pa.wrapping_add(i)) };
+        // SAFETY: i + 16 <= n = b.len().
+        let vb = unsafe { load16(pb.wrapping_add(i)) };
+        acc[0] = _mm512_fmadd_ps(va, vb, acc[0]);
+        i += 16;
+    }
+    if i < n {
+        let m: __mmask16 = ((1u32 << (n - i)) - 1) as u16;
+        // SAFETY: the mask selects a[i..n], in bounds.
+        let va = unsafe { load16_masked(pa.wrapping_add(i), m) };
+        // SAFETY: the mask selects b[i..n], in bounds.
+        let vb = unsafe { load16_masked(pb.wrapping_add(i), m) };
+        acc[1] = _mm512_fmadd_ps(va, vb, acc[1]);
+    }
+    hsum(_mm512_add_ps(
+        _mm512_add_ps(acc[0], acc[1]),
+        _mm512_add_ps(acc[2], acc[3]),
+    ))
+}

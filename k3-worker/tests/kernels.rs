@@ -1,0 +1,757 @@
+//! Every kernel tier against the scalar reference and against independent f64 oracles written
+//! here (not the kernels' own tables), on awkward lengths; bit-exactness where the contract
+//! promises it (bf16 widening, matmul == matvec, thread-count invariance).
+//!
+//! Tiers this CPU lacks are skipped with a printed note.
+
+use k3_worker::kernels::{self, build_pool, scalar, Kernels, Tier};
+
+// ------------------------------------------------------------------------------------------
+// Tolerances
+
+/// Unit roundoff of f32 (2^-24).
+const U_F32: f64 = 1.0 / (1u64 << 24) as f64;
+
+/// Longest chain of f32 roundings between one product and a dot's result, for `cols` terms, in
+/// any tier: ≤ cols/8 sequential adds into one accumulator lane (the scalar tier's 8 lanes; the
+/// SIMD tiers' lanes are shorter), ≤ 32 adds inside an MXFP4 group partial sum, ≤ 16 for tail
+/// steps and the fixed final reductions, and 1 for the product itself.
+fn rounding_chain(cols: usize) -> f64 {
+    (cols / 8 + 32 + 16 + 1) as f64
+}
+
+/// Absolute slack for products and group scales in the subnormal range, where f32 loses bits
+/// below 2^-149 whatever the order (E8M0 byte 0 is 2^-127; bf16 subnormals exist).
+const SUBNORMAL_SLACK: f64 = 1e-30;
+
+/// DOT_ERROR_BOUND: forward error of ANY summation order of `cols` f32 products, relative to
+/// the exact sum: `|computed − exact| ≤ γ_k · Σ|w·x|` with `γ_k = k·u / (1 − k·u)` and
+/// `k = rounding_chain(cols)` (Higham, *Accuracy and Stability of Numerical Algorithms*, §3.1).
+/// Two tiers (different orders) therefore differ by at most twice this.
+fn dot_error_bound(cols: usize, abs_sum: f64) -> f64 {
+    let k = rounding_chain(cols);
+    k * U_F32 / (1.0 - k * U_F32) * abs_sum + SUBNORMAL_SLACK
+}
+
+/// `|got − want| ≤ bound` (false for NaN).
+fn within(got: f64, want: f64, bound: f64) -> bool {
+    (got - want).abs() <= bound
+}
+
+// ------------------------------------------------------------------------------------------
+// Data
+
+/// splitmix64: small, deterministic, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Random finite bf16 bits: ±0 (5%), subnormals (2%), else normal values of magnitude
+/// 2^-8 .. 2^5 with random mantissa and sign.
+fn random_bf16(rng: &mut Rng) -> u16 {
+    let sign = (rng.below(2) as u16) << 15;
+    match rng.below(100) {
+        0..=4 => sign,
+        5..=6 => sign | (1 + rng.below(127)) as u16,
+        _ => {
+            let exp = (127 - 8 + rng.below(14)) as u16;
+            sign | (exp << 7) | rng.below(128) as u16
+        }
+    }
+}
+
+/// Random activations in [-2, 2), with ±0 (5%).
+fn random_x(rng: &mut Rng, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|_| match rng.below(40) {
+            0 => -0.0,
+            1 => 0.0,
+            _ => 2.0 * rng.unit(),
+        })
+        .collect()
+}
+
+fn bf16_matrix(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<u8>, Vec<u16>) {
+    let bits: Vec<u16> = (0..rows * cols).map(|_| random_bf16(rng)).collect();
+    let bytes = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    (bytes, bits)
+}
+
+/// Every tier this CPU can run; prints a note for each one it cannot.
+fn tiers() -> Vec<Kernels> {
+    Tier::ALL
+        .into_iter()
+        .filter_map(|t| {
+            let k = Kernels::new(t);
+            if k.is_none() {
+                eprintln!("note: skipping tier {t}: this CPU lacks its instructions");
+            }
+            k
+        })
+        .collect()
+}
+
+const BF16_COLS: [usize; 17] = [
+    1, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 1023, 1024, 4099,
+];
+const BF16_ROWS: [usize; 4] = [1, 3, 17, 33];
+const MXFP4_GROUPS: [usize; 7] = [1, 2, 3, 5, 7, 31, 112];
+const MXFP4_ROWS: [usize; 4] = [1, 3, 17, 33];
+
+// ------------------------------------------------------------------------------------------
+// Oracles (independent of the kernels' code and tables)
+
+/// `(Σ w·x, Σ|w·x|)` in f64 for one bf16 row given as bits; widening via the `half` crate.
+fn oracle_bf16(bits: &[u16], x: &[f32]) -> (f64, f64) {
+    bits.iter().zip(x).fold((0.0, 0.0), |(s, a), (&b, &xv)| {
+        let p = half::bf16::from_bits(b).to_f64() * xv as f64;
+        (s + p, a + p.abs())
+    })
+}
+
+/// E2M1 decoded from the bit layout: bit 3 sign, bits 0..2 index the magnitudes.
+fn e2m1_value(code: u8) -> f64 {
+    let mag = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][(code & 7) as usize];
+    if code & 8 != 0 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+/// Dequantised MXFP4 row in f64. `swap` decodes the nibbles the wrong way round (the negative
+/// control): with `swap = false`, column `2i` is the LOW nibble of byte `i`.
+fn dequant_mxfp4_row(packed: &[u8], scales: &[u8], swap: bool) -> Vec<f64> {
+    let cols = packed.len() * 2;
+    (0..cols)
+        .map(|c| {
+            let b = packed[c / 2];
+            let (lo, hi) = (b & 0xF, b >> 4);
+            let code = if (c % 2 == 0) != swap { lo } else { hi };
+            let s = scales[c / 32];
+            let factor = if s == 255 {
+                0.0
+            } else {
+                2f64.powi(s as i32 - 127)
+            };
+            e2m1_value(code) * factor
+        })
+        .collect()
+}
+
+fn oracle_dot(w: &[f64], x: &[f32]) -> (f64, f64) {
+    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&wv, &xv)| {
+        let p = wv * xv as f64;
+        (s + p, a + p.abs())
+    })
+}
+
+struct Mxfp4 {
+    packed: Vec<u8>,
+    scales: Vec<u8>,
+}
+
+/// Random MXFP4 matrix: every code equally likely; scale bytes 100..=150, except that about one
+/// row in three has one group at an edge byte (0 = 2^-127, subnormal; 254 = 2^127). Activations
+/// for these matrices stay below 2^-8 in magnitude so one 2^127 group cannot overflow f32.
+fn mxfp4_matrix(rng: &mut Rng, rows: usize, cols: usize) -> Mxfp4 {
+    let packed = (0..rows * cols / 2).map(|_| rng.below(256) as u8).collect();
+    let sw = cols / 32;
+    let mut scales: Vec<u8> = (0..rows * sw).map(|_| 100 + rng.below(51) as u8).collect();
+    for r in 0..rows {
+        match rng.below(6) {
+            0 => scales[r * sw + rng.below(sw as u64) as usize] = 0,
+            1 => scales[r * sw + rng.below(sw as u64) as usize] = 254,
+            _ => {}
+        }
+    }
+    Mxfp4 { packed, scales }
+}
+
+fn small_x(rng: &mut Rng, len: usize) -> Vec<f32> {
+    random_x(rng, len).iter().map(|v| v / 512.0).collect()
+}
+
+fn bits_of(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+// ------------------------------------------------------------------------------------------
+// bf16
+
+#[test]
+fn bf16_to_f32_matches_half_for_all_65536_patterns() {
+    for b in 0..=u16::MAX {
+        let ours = kernels::bf16_to_f32(b);
+        let theirs = half::bf16::from_bits(b).to_f32();
+        if theirs.is_nan() {
+            assert!(ours.is_nan(), "pattern {b:#06x}: expected NaN, got {ours}");
+        } else {
+            assert_eq!(ours.to_bits(), theirs.to_bits(), "pattern {b:#06x}");
+        }
+    }
+    let bytes: Vec<u8> = [0x3F80u16, 0xC000, 0x8000]
+        .iter()
+        .flat_map(|b| b.to_le_bytes())
+        .collect();
+    let v = kernels::bf16_bytes_to_f32(&bytes);
+    assert_eq!(v[..2], [1.0, -2.0]);
+    assert_eq!(v[2].to_bits(), (-0.0f32).to_bits());
+}
+
+/// Every tier widens every bf16 pattern exactly in every lane position (main loop, single-vector
+/// steps and the tail): row `r` holds pattern `r` at column `r % 81` and zeros elsewhere; with
+/// `x = 1` the dot is exactly the widened pattern.
+#[test]
+fn every_tier_widens_every_bf16_pattern_exactly_in_every_lane() {
+    const COLS: usize = 81;
+    let rows = 1usize << 16;
+    let mut w = vec![0u8; rows * COLS * 2];
+    for r in 0..rows {
+        let at = (r * COLS + r % COLS) * 2;
+        w[at..at + 2].copy_from_slice(&(r as u16).to_le_bytes());
+    }
+    let x = vec![1.0f32; COLS];
+    for k in tiers() {
+        let mut y = vec![0.0f32; rows];
+        k.matvec_bf16(&w, rows, COLS, &x, &mut y);
+        for (r, &v) in y.iter().enumerate() {
+            let want = half::bf16::from_bits(r as u16).to_f32();
+            if want.is_nan() {
+                assert!(v.is_nan(), "{}: pattern {r:#06x}", k.tier());
+            } else {
+                // `==`: the sign of an exact zero result is not part of the contract.
+                assert!(v == want, "{}: pattern {r:#06x}: {v} != {want}", k.tier());
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_matvec_every_tier_within_bound_of_oracle_and_scalar() {
+    let mut rng = Rng(1);
+    for &cols in &BF16_COLS {
+        for &rows in &BF16_ROWS {
+            let (w, bits) = bf16_matrix(&mut rng, rows, cols);
+            let x = random_x(&mut rng, cols);
+            let mut reference = vec![0.0f32; rows];
+            scalar::matvec_bf16(&w, rows, cols, &x, &mut reference);
+            for k in tiers() {
+                let mut y = vec![f32::NAN; rows];
+                k.matvec_bf16(&w, rows, cols, &x, &mut y);
+                for r in 0..rows {
+                    let (exact, abs) = oracle_bf16(&bits[r * cols..(r + 1) * cols], &x);
+                    let bound = dot_error_bound(cols, abs);
+                    let (got, sref) = (y[r] as f64, reference[r] as f64);
+                    assert!(
+                        (got - exact).abs() <= bound,
+                        "{} {rows}x{cols} row {r}: {got} vs exact {exact} (bound {bound:e})",
+                        k.tier()
+                    );
+                    assert!(
+                        (got - sref).abs() <= 2.0 * bound,
+                        "{} {rows}x{cols} row {r}: {got} vs scalar {sref}",
+                        k.tier()
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A wrong widening (e.g. treating bf16 as f16, or a byte-swapped load) must fail the oracle
+/// comparison: checks that the comparison above has teeth.
+#[test]
+fn bf16_oracle_rejects_byte_swapped_weights() {
+    let mut rng = Rng(2);
+    let (rows, cols) = (17, 65);
+    let (w, bits) = bf16_matrix(&mut rng, rows, cols);
+    let swapped: Vec<u8> = w.chunks_exact(2).flat_map(|b| [b[1], b[0]]).collect();
+    let x = random_x(&mut rng, cols);
+    for k in tiers() {
+        let mut y = vec![0.0f32; rows];
+        k.matvec_bf16(&swapped, rows, cols, &x, &mut y);
+        let failing = (0..rows)
+            .filter(|&r| {
+                let (exact, abs) = oracle_bf16(&bits[r * cols..(r + 1) * cols], &x);
+                !within(y[r] as f64, exact, dot_error_bound(cols, abs))
+            })
+            .count();
+        assert!(
+            failing >= rows - 1,
+            "{}: only {failing} rows differ",
+            k.tier()
+        );
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// MXFP4
+
+#[test]
+fn mxfp4_matvec_every_tier_within_bound_of_dequantised_oracle() {
+    let mut rng = Rng(3);
+    let mut codes_seen = [false; 16];
+    let (mut saw0, mut saw254) = (false, false);
+    for &groups in &MXFP4_GROUPS {
+        for &rows in &MXFP4_ROWS {
+            let cols = 32 * groups;
+            let m = mxfp4_matrix(&mut rng, rows, cols);
+            for b in &m.packed {
+                codes_seen[(b & 0xF) as usize] = true;
+                codes_seen[(b >> 4) as usize] = true;
+            }
+            saw0 |= m.scales.contains(&0);
+            saw254 |= m.scales.contains(&254);
+            let x = small_x(&mut rng, cols);
+            let mut reference = vec![0.0f32; rows];
+            scalar::matvec_mxfp4(&m.packed, &m.scales, rows, cols, &x, &mut reference);
+            for k in tiers() {
+                let mut y = vec![f32::NAN; rows];
+                k.matvec_mxfp4(&m.packed, &m.scales, rows, cols, &x, &mut y);
+                for r in 0..rows {
+                    let w = dequant_mxfp4_row(
+                        &m.packed[r * cols / 2..(r + 1) * cols / 2],
+                        &m.scales[r * groups..(r + 1) * groups],
+                        false,
+                    );
+                    let (exact, abs) = oracle_dot(&w, &x);
+                    let bound = dot_error_bound(cols, abs);
+                    let (got, sref) = (y[r] as f64, reference[r] as f64);
+                    assert!(
+                        (got - exact).abs() <= bound,
+                        "{} {rows}x{cols} row {r}: {got} vs exact {exact} (bound {bound:e})",
+                        k.tier()
+                    );
+                    assert!(
+                        (got - sref).abs() <= 2.0 * bound,
+                        "{} {rows}x{cols} row {r}: {got} vs scalar {sref}",
+                        k.tier()
+                    );
+                }
+            }
+        }
+    }
+    assert!(
+        codes_seen.iter().all(|&s| s),
+        "not every nibble code was exercised"
+    );
+    assert!(
+        saw0 && saw254,
+        "edge scale bytes 0 and 254 were not exercised"
+    );
+}
+
+/// Negative control: decoding the nibbles the other way round (high nibble = even column) must
+/// FAIL the same comparison, for every tier.
+#[test]
+fn mxfp4_swapped_nibble_oracle_is_rejected() {
+    let mut rng = Rng(4);
+    let (rows, cols) = (33, 96);
+    let m = mxfp4_matrix(&mut rng, rows, cols);
+    let x = small_x(&mut rng, cols);
+    for k in tiers() {
+        let mut y = vec![0.0f32; rows];
+        k.matvec_mxfp4(&m.packed, &m.scales, rows, cols, &x, &mut y);
+        let failing = (0..rows)
+            .filter(|&r| {
+                let w = dequant_mxfp4_row(
+                    &m.packed[r * cols / 2..(r + 1) * cols / 2],
+                    &m.scales[r * 3..(r + 1) * 3],
+                    true,
+                );
+                let (exact, abs) = oracle_dot(&w, &x);
+                !within(y[r] as f64, exact, dot_error_bound(cols, abs))
+            })
+            .count();
+        assert!(
+            failing >= rows - 1,
+            "{}: swapped nibbles matched on {} of {rows} rows",
+            k.tier(),
+            rows - failing
+        );
+    }
+}
+
+/// One exact case by hand: codes 0..15 in order with x = 1 at one column at a time, scale bytes
+/// 127 (×1), 128 (×2), 0 (×2^-127) and 255 (treated as 0).
+#[test]
+fn mxfp4_single_columns_decode_exactly() {
+    let cols = 32;
+    let row_codes: Vec<u8> = (0..32).map(|c| (c % 16) as u8).collect();
+    let packed_row: Vec<u8> = row_codes.chunks(2).map(|p| p[0] | (p[1] << 4)).collect();
+    let scale_bytes = [127u8, 128, 0, 255];
+    let rows = scale_bytes.len();
+    let packed: Vec<u8> = (0..rows).flat_map(|_| packed_row.clone()).collect();
+    for k in tiers() {
+        for c in 0..cols {
+            let mut x = vec![0.0f32; cols];
+            x[c] = 1.0;
+            let mut y = vec![0.0f32; rows];
+            k.matvec_mxfp4(&packed, &scale_bytes, rows, cols, &x, &mut y);
+            let v = e2m1_value(row_codes[c]);
+            let want = [v, 2.0 * v, v * 2f64.powi(-127), 0.0];
+            for r in 0..rows {
+                assert!(
+                    y[r] as f64 == want[r],
+                    "{} column {c} scale {}: {} != {}",
+                    k.tier(),
+                    scale_bytes[r],
+                    y[r],
+                    want[r]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn e8m0_table_is_two_to_the_s_minus_127() {
+    for s in 0..=254u8 {
+        assert_eq!(
+            scalar::E8M0_TABLE[s as usize] as f64,
+            2f64.powi(s as i32 - 127),
+            "byte {s}"
+        );
+        assert_eq!(scalar::e8m0(s), scalar::E8M0_TABLE[s as usize]);
+    }
+    assert_eq!(scalar::E8M0_TABLE[255], 0.0);
+}
+
+// ------------------------------------------------------------------------------------------
+// Bitwise contracts: matmul == matvec, thread-count invariance
+
+fn check_matmul_equals_matvec(k: Kernels, rows: usize, cols: usize, rng: &mut Rng) {
+    let (w, _) = bf16_matrix(rng, rows, cols);
+    let m = mxfp4_matrix(rng, rows, cols);
+    for n in [1usize, 2, 3, 4, 5, 7, 9, 16] {
+        let x = random_x(rng, n * cols);
+        let xs = small_x(rng, n * cols);
+        let mut yb = vec![f32::NAN; n * rows];
+        let mut ym = vec![f32::NAN; n * rows];
+        k.matmul_bf16(&w, rows, cols, &x, n, &mut yb);
+        k.matmul_mxfp4(&m.packed, &m.scales, rows, cols, &xs, n, &mut ym);
+        for t in 0..n {
+            let mut vb = vec![f32::NAN; rows];
+            let mut vm = vec![f32::NAN; rows];
+            k.matvec_bf16(&w, rows, cols, &x[t * cols..(t + 1) * cols], &mut vb);
+            k.matvec_mxfp4(
+                &m.packed,
+                &m.scales,
+                rows,
+                cols,
+                &xs[t * cols..(t + 1) * cols],
+                &mut vm,
+            );
+            let tier = k.tier();
+            assert_eq!(
+                bits_of(&yb[t * rows..(t + 1) * rows]),
+                bits_of(&vb),
+                "{tier} bf16 {rows}x{cols} n={n} token {t}"
+            );
+            assert_eq!(
+                bits_of(&ym[t * rows..(t + 1) * rows]),
+                bits_of(&vm),
+                "{tier} mxfp4 {rows}x{cols} n={n} token {t}"
+            );
+        }
+    }
+}
+
+#[test]
+fn matmul_row_t_equals_matvec_of_token_t_bitwise() {
+    let mut rng = Rng(5);
+    for k in tiers() {
+        // Small (serial) and large enough for the parallel path; odd sizes exercise tails.
+        for (rows, cols) in [(3, 32), (17, 96), (33, 224), (67, 1056)] {
+            check_matmul_equals_matvec(k, rows, cols, &mut rng);
+        }
+    }
+}
+
+#[test]
+fn results_do_not_depend_on_thread_count() {
+    let mut rng = Rng(6);
+    let (rows, cols, n) = (301, 544, 5); // 164k MACs per token: parallel path, 10 row chunks
+    assert!(rows * cols >= kernels::PAR_MIN_MACS);
+    let (w, _) = bf16_matrix(&mut rng, rows, cols);
+    let m = mxfp4_matrix(&mut rng, rows, cols);
+    let x = random_x(&mut rng, n * cols);
+    let xs = small_x(&mut rng, n * cols);
+    let a = random_x(&mut rng, 100_003);
+    let b = random_x(&mut rng, 100_003);
+    for k in tiers() {
+        let run = |threads: usize| {
+            let pool = build_pool(threads).expect("thread pool");
+            pool.install(|| {
+                assert_eq!(rayon::current_num_threads(), threads);
+                let mut out = Vec::new();
+                let mut y = vec![0.0f32; rows];
+                k.matvec_bf16(&w, rows, cols, &x[..cols], &mut y);
+                out.extend(bits_of(&y));
+                let mut y = vec![0.0f32; n * rows];
+                k.matmul_bf16(&w, rows, cols, &x, n, &mut y);
+                out.extend(bits_of(&y));
+                let mut y = vec![0.0f32; rows];
+                k.matvec_mxfp4(&m.packed, &m.scales, rows, cols, &xs[..cols], &mut y);
+                out.extend(bits_of(&y));
+                let mut y = vec![0.0f32; n * rows];
+                k.matmul_mxfp4(&m.packed, &m.scales, rows, cols, &xs, n, &mut y);
+                out.extend(bits_of(&y));
+                out.push(k.dot_f32(&a, &b).to_bits());
+                out
+            })
+        };
+        let one = run(1);
+        for threads in [2, 3] {
+            assert!(
+                run(threads) == one,
+                "{}: {threads} threads differ from 1",
+                k.tier()
+            );
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// dot_f32, degenerate shapes, elementwise kernels
+
+#[test]
+fn dot_f32_every_tier_within_bound() {
+    let mut rng = Rng(7);
+    for len in [
+        0usize, 1, 3, 7, 8, 15, 16, 17, 31, 33, 63, 64, 65, 127, 576, 1023, 4099,
+    ] {
+        let a = random_x(&mut rng, len);
+        let b = random_x(&mut rng, len);
+        let (exact, abs) = a.iter().zip(&b).fold((0.0f64, 0.0f64), |(s, t), (&p, &q)| {
+            let v = p as f64 * q as f64;
+            (s + v, t + v.abs())
+        });
+        let bound = dot_error_bound(len, abs);
+        for k in tiers() {
+            let got = k.dot_f32(&a, &b) as f64;
+            assert!(
+                (got - exact).abs() <= bound,
+                "{} len {len}: {got} vs {exact}",
+                k.tier()
+            );
+        }
+        assert!((scalar::dot_f32(&a, &b) as f64 - exact).abs() <= bound);
+    }
+}
+
+#[test]
+fn degenerate_shapes() {
+    for k in tiers() {
+        // No rows or no tokens: nothing to write.
+        k.matvec_bf16(&[], 0, 5, &[0.0; 5], &mut []);
+        k.matmul_bf16(&[0u8; 10], 1, 5, &[], 0, &mut []);
+        k.matmul_mxfp4(&[], &[], 0, 32, &[0.0; 64], 2, &mut []);
+        // No columns: empty sums are zero.
+        let mut y = [f32::NAN; 3];
+        k.matvec_bf16(&[], 3, 0, &[], &mut y);
+        assert_eq!(y, [0.0; 3]);
+        let mut y = [f32::NAN; 2];
+        k.matvec_mxfp4(&[], &[], 2, 0, &[], &mut y);
+        assert_eq!(y, [0.0; 2]);
+    }
+}
+
+#[test]
+#[should_panic(expected = "bf16 weight bytes")]
+fn bf16_length_mismatch_is_caught() {
+    let k = Kernels::new(Tier::best_available()).expect("best tier");
+    let mut y = [0.0f32; 2];
+    k.matvec_bf16(&[0u8; 6], 2, 2, &[0.0; 2], &mut y);
+}
+
+#[test]
+#[should_panic(expected = "not a multiple of 32")]
+fn mxfp4_width_must_be_whole_groups() {
+    let k = Kernels::new(Tier::best_available()).expect("best tier");
+    let mut y = [0.0f32; 1];
+    k.matvec_mxfp4(&[0u8; 8], &[127], 1, 16, &[0.0; 16], &mut y);
+}
+
+#[test]
+fn situ_glu_saturates_at_both_caps_and_stays_within_100() {
+    let (b1, b2) = (4.0f32, 25.0f32);
+    // |out| ≤ β1·β2 over |z| from 0.1 to 1000, all sign combinations.
+    let mags: Vec<f32> = (0..=40)
+        .map(|i| 0.1 * 10f32.powf(i as f32 / 10.0))
+        .collect();
+    let mut gate = Vec::new();
+    let mut up = Vec::new();
+    for &g in &mags {
+        for &u in &mags {
+            for (sg, su) in [(1.0, 1.0), (1.0, -1.0), (-1.0, 1.0), (-1.0, -1.0)] {
+                gate.push(sg * g);
+                up.push(su * u);
+            }
+        }
+    }
+    let mut out = vec![0.0f32; gate.len()];
+    kernels::situ_glu(&gate, &up, b1, b2, &mut out);
+    for i in 0..out.len() {
+        assert!(
+            out[i].abs() <= 100.0,
+            "g={} u={} out={}",
+            gate[i],
+            up[i],
+            out[i]
+        );
+        let (g, u) = (gate[i] as f64, up[i] as f64);
+        let want = 4.0 * (g / 4.0).tanh() / (1.0 + (-g).exp()) * 25.0 * (u / 25.0).tanh();
+        assert!((out[i] as f64 - want).abs() <= 1e-5 * want.abs().max(1e-3));
+    }
+    // Both caps saturate: large gate → 4 (σ → 1), large |up| → ±25; the product reaches ±100.
+    let mut o = [0.0f32; 4];
+    kernels::situ_glu(
+        &[1000.0, 1000.0, 1000.0, 1.0],
+        &[1000.0, -1000.0, 1.0, 1000.0],
+        b1,
+        b2,
+        &mut o,
+    );
+    assert!(
+        (o[0] - 100.0).abs() < 1e-4 && (o[1] + 100.0).abs() < 1e-4,
+        "{o:?}"
+    );
+    let a1 = 4.0 * (0.25f64).tanh() / (1.0 + (-1.0f64).exp());
+    assert!(
+        (o[2] as f64 - 4.0 * 25.0 * (1.0f64 / 25.0).tanh()).abs() < 1e-4,
+        "gate cap: {o:?}"
+    );
+    assert!((o[3] as f64 - a1 * 25.0).abs() < 1e-4, "up cap: {o:?}");
+    // σ takes the UNCAPPED gate: a large negative gate gives ~0, not −4·σ(−4)·u.
+    let mut o = [0.0f32; 1];
+    kernels::situ_glu(&[-30.0], &[10.0], b1, b2, &mut o);
+    assert!(o[0].abs() < 1e-9, "{o:?}");
+}
+
+#[test]
+fn rms_norm_is_mean_with_eps_inside_and_l2_is_sum() {
+    let x = [3.0f32, -4.0, 0.0, 1.0];
+    let w = [1.0f32, 2.0, 3.0, 0.5];
+    let eps = 1e-5f32;
+    let mut out = [0.0f32; 4];
+    kernels::rms_norm(&x, &w, eps, &mut out);
+    let inv = 1.0 / ((9.0 + 16.0 + 0.0 + 1.0) / 4.0 + eps as f64).sqrt();
+    for i in 0..4 {
+        let want = w[i] as f64 * x[i] as f64 * inv;
+        assert!(
+            (out[i] as f64 - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "{i}"
+        );
+    }
+    let mut v = x;
+    kernels::l2_norm_inplace(&mut v, 1e-6);
+    let inv = 1.0 / (26.0f64 + 1e-6).sqrt();
+    for i in 0..4 {
+        assert!((v[i] as f64 - x[i] as f64 * inv).abs() <= 1e-6, "{i}");
+    }
+    let mut s = [1.0f32, 2.0, 3.0, -1000.0];
+    kernels::softmax_inplace(&mut s);
+    let e = [(-2f64).exp(), (-1f64).exp(), 1.0];
+    let z: f64 = e.iter().sum();
+    for i in 0..3 {
+        assert!((s[i] as f64 - e[i] / z).abs() < 1e-6);
+    }
+    assert_eq!(s[3], 0.0);
+}
+
+/// Child half of `k3_simd_env_forces_or_refuses_each_tier`: prints what `select_tier` chose.
+#[test]
+fn env_child_reports_tier() {
+    if std::env::var_os("K3_KERNELS_TEST_CHILD").is_none() {
+        return; // only meaningful when spawned by the parent test
+    }
+    match kernels::select_tier() {
+        Ok(t) => {
+            assert_eq!(kernels::active_tier(), t);
+            println!("SELECTED={t}");
+        }
+        Err(e) => println!("REFUSED={e}"),
+    }
+}
+
+/// `K3_SIMD` is read once per process: run this test binary as a child with each value.
+#[test]
+fn k3_simd_env_forces_or_refuses_each_tier() {
+    let exe = std::env::current_exe().expect("test binary path");
+    let run = |value: &str| -> String {
+        let out = std::process::Command::new(&exe)
+            .args([
+                "--exact",
+                "env_child_reports_tier",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("K3_KERNELS_TEST_CHILD", "1")
+            .env(kernels::SIMD_ENV, value)
+            .output()
+            .expect("spawn child test");
+        assert!(out.status.success(), "child failed for {value:?}");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        // libtest prints "test <name> ... " on the same line before the test's own output.
+        stdout
+            .lines()
+            .find_map(|l| {
+                let at = l.find("SELECTED=").or_else(|| l.find("REFUSED="))?;
+                Some(l[at..].to_string())
+            })
+            .unwrap_or_else(|| panic!("no report from child for {value:?}: {stdout}"))
+    };
+    for t in Tier::ALL {
+        let got = run(t.name());
+        if t.is_available() {
+            assert_eq!(got, format!("SELECTED={t}"));
+        } else {
+            assert!(
+                got.starts_with("REFUSED=") && got.contains("lacks"),
+                "{got}"
+            );
+        }
+    }
+    assert_eq!(run("auto"), format!("SELECTED={}", Tier::best_available()));
+    assert_eq!(run(""), format!("SELECTED={}", Tier::best_available()));
+    let bogus = run("sse9");
+    assert!(
+        bogus.starts_with("REFUSED=") && bogus.contains("\"sse9\""),
+        "{bogus}"
+    );
+}
+
+#[test]
+fn active_tier_is_available_and_matches_select() {
+    if std::env::var_os(kernels::SIMD_ENV).is_some() {
+        eprintln!(
+            "note: {} is set; checking it was honoured",
+            kernels::SIMD_ENV
+        );
+    }
+    match kernels::select_tier() {
+        Ok(t) => {
+            assert!(t.is_available());
+            assert_eq!(kernels::active_tier(), t);
+            assert_eq!(Kernels::active().tier(), t);
+        }
+        Err(e) => eprintln!("note: {e}"),
+    }
+}
