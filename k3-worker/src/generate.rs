@@ -1,0 +1,349 @@
+//! Generation: prefill the prompt, then pick tokens (greedy argmax or seeded top-p sampling)
+//! and feed them back one at a time (incremental: KDA state, conv history and the MLA latent
+//! cache carried) or by re-running the whole prefix (`full_recompute`, for checking: both give
+//! identical ids because the kernels make prefill and decode bit-identical).
+
+use std::time::Instant;
+
+use crate::model::{Logits, Model, ModelError};
+
+/// The two end-of-turn ids (MODEL.md §5.4, I34): `[EOS]` and `<|end_of_msg|>`.
+pub const END_IDS: [u32; 2] = [163_585, 163_586];
+
+/// PCG32 (XSH-RR), a small deterministic generator for sampling.
+#[derive(Clone, Debug)]
+pub struct Pcg32 {
+    state: u64,
+    inc: u64,
+}
+
+impl Pcg32 {
+    const MUL: u64 = 6_364_136_223_846_793_005;
+
+    /// Seeded generator (stream 54, the reference default).
+    pub fn new(seed: u64) -> Pcg32 {
+        let mut g = Pcg32 {
+            state: 0,
+            inc: (54 << 1) | 1,
+        };
+        g.next_u32();
+        g.state = g.state.wrapping_add(seed);
+        g.next_u32();
+        g
+    }
+
+    /// Next 32 random bits.
+    pub fn next_u32(&mut self) -> u32 {
+        let old = self.state;
+        self.state = old.wrapping_mul(Self::MUL).wrapping_add(self.inc);
+        let xorshifted = (((old >> 18) ^ old) >> 27) as u32;
+        let rot = (old >> 59) as u32;
+        xorshifted.rotate_right(rot)
+    }
+
+    /// Uniform in [0, 1) with 53 bits.
+    pub fn next_f64(&mut self) -> f64 {
+        let hi = (self.next_u32() >> 5) as u64; // 27 bits
+        let lo = (self.next_u32() >> 6) as u64; // 26 bits
+        ((hi << 26) | lo) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Greedy argmax; the first index wins ties. NaN never wins.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] || logits[best].is_nan() && !v.is_nan() {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// How the next token is chosen.
+#[derive(Clone, Debug)]
+pub enum Sampler {
+    /// Argmax.
+    Greedy,
+    /// Temperature + nucleus sampling with a seeded PCG32.
+    TopP {
+        /// Softmax temperature (> 0).
+        temperature: f32,
+        /// Nucleus mass in (0, 1].
+        top_p: f32,
+        /// Generator.
+        rng: Pcg32,
+    },
+}
+
+impl Sampler {
+    /// Greedy when `temperature` is 0, else top-p sampling; rejects out-of-range values.
+    pub fn new(temperature: f32, top_p: f32, seed: u64) -> Result<Sampler, String> {
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            return Err(format!("--temperature {temperature} must be ≥ 0"));
+        }
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(format!("--top-p {top_p} must be in (0, 1]"));
+        }
+        Ok(if temperature == 0.0 {
+            Sampler::Greedy
+        } else {
+            Sampler::TopP {
+                temperature,
+                top_p,
+                rng: Pcg32::new(seed),
+            }
+        })
+    }
+
+    /// Pick a token from `logits`.
+    pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        match self {
+            Sampler::Greedy => argmax(logits),
+            Sampler::TopP {
+                temperature,
+                top_p,
+                rng,
+            } => {
+                let m = logits[argmax(logits) as usize] as f64;
+                let t = *temperature as f64;
+                let p: Vec<f64> = logits
+                    .iter()
+                    .map(|&l| {
+                        if l.is_nan() {
+                            0.0
+                        } else {
+                            ((l as f64 - m) / t).exp()
+                        }
+                    })
+                    .collect();
+                let z: f64 = p.iter().sum();
+                let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+                idx.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+                // Smallest prefix whose mass reaches top_p (at least one token).
+                let mut mass = 0.0;
+                let mut keep = 0;
+                for &i in &idx {
+                    mass += p[i as usize] / z;
+                    keep += 1;
+                    if mass >= *top_p as f64 {
+                        break;
+                    }
+                }
+                let kept = &idx[..keep];
+                let total: f64 = kept.iter().map(|&i| p[i as usize]).sum();
+                let r = rng.next_f64() * total;
+                let mut acc = 0.0;
+                for &i in kept {
+                    acc += p[i as usize];
+                    if r < acc {
+                        return i;
+                    }
+                }
+                kept[keep - 1]
+            }
+        }
+    }
+}
+
+/// Generation settings.
+#[derive(Clone, Debug)]
+pub struct GenOptions {
+    /// Tokens to generate (≥ 1).
+    pub max_new: usize,
+    /// Re-run the whole prefix every step instead of carrying state.
+    pub full_recompute: bool,
+    /// Token choice.
+    pub sampler: Sampler,
+    /// Stop after generating one of these (only ids inside the vocabulary are kept).
+    pub stop_ids: Vec<u32>,
+    /// Keep the step-0 logits (last prompt position) in the report.
+    pub keep_step0_logits: bool,
+    /// Run a prefix in forward calls of at most this many tokens (0 = all at once). Bounds the
+    /// prefill's activation memory; results are identical for any value because every position
+    /// is computed the same way whatever batch it arrives in.
+    pub prefill_chunk: usize,
+}
+
+/// Default `prefill_chunk`: about half a GB of activations per chunk at full scale.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+/// Feed `ids` after the state's current position, in chunks, returning the logits of the last.
+fn run_prefix(
+    model: &mut Model<'_>,
+    ids: &[u32],
+    state: &mut crate::model::SeqState,
+    chunk: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let chunk = if chunk == 0 { ids.len() } else { chunk };
+    let mut last = Vec::new();
+    for part in ids.chunks(chunk) {
+        last = model.forward(part, state, Logits::Last)?;
+    }
+    Ok(last)
+}
+
+/// One generated token.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StepReport {
+    /// 0 = the prefill step.
+    pub step: usize,
+    /// The chosen id.
+    pub token: u32,
+    /// Wall seconds of this step (forward + pick).
+    pub seconds: f64,
+    /// Weight bytes the source read during this step.
+    pub bytes_read: u64,
+    /// Requested experts already resident / requested, this step (None if none requested).
+    pub resident_hit_rate: Option<f64>,
+}
+
+/// What a generation produced.
+#[derive(Clone, Debug)]
+pub struct GenReport {
+    /// The prompt.
+    pub prompt_ids: Vec<u32>,
+    /// Generated ids (including a final stop id, if one was produced).
+    pub generated_ids: Vec<u32>,
+    /// Per step.
+    pub steps: Vec<StepReport>,
+    /// Logits of the last prompt position, when asked for.
+    pub step0_logits: Option<Vec<f32>>,
+    /// The stop id that ended generation, if any.
+    pub stopped_on: Option<u32>,
+}
+
+impl GenReport {
+    /// Seconds of step 0 (prefill + first pick).
+    pub fn prefill_seconds(&self) -> f64 {
+        self.steps.first().map_or(0.0, |s| s.seconds)
+    }
+
+    /// Mean seconds per token over steps ≥ 1 (None with fewer than two steps).
+    pub fn seconds_per_token(&self) -> Option<f64> {
+        let rest = &self.steps[1.min(self.steps.len())..];
+        (!rest.is_empty()).then(|| rest.iter().map(|s| s.seconds).sum::<f64>() / rest.len() as f64)
+    }
+}
+
+/// Positions a request needs: the prompt plus every generated token fed back.
+pub fn positions_needed(prompt_len: usize, max_new: usize) -> usize {
+    prompt_len + max_new.saturating_sub(1)
+}
+
+/// Generate from `prompt`, calling `on_step` after each token (for streaming and the report).
+pub fn generate(
+    model: &mut Model<'_>,
+    source_stats: &dyn Fn() -> k3_store::source::SourceStats,
+    prompt: &[u32],
+    opts: &GenOptions,
+    on_step: &mut dyn FnMut(&StepReport),
+) -> Result<GenReport, ModelError> {
+    if prompt.is_empty() {
+        return Err(ModelError::Input("empty prompt".into()));
+    }
+    if opts.max_new == 0 {
+        return Err(ModelError::Input("nothing to generate (--gen 0)".into()));
+    }
+    let vocab = model.dims.vocab as u32;
+    let stops: Vec<u32> = opts
+        .stop_ids
+        .iter()
+        .copied()
+        .filter(|&s| s < vocab)
+        .collect();
+    let capacity = positions_needed(prompt.len(), opts.max_new);
+    let mut sampler = opts.sampler.clone();
+    let mut seq: Vec<u32> = prompt.to_vec();
+    let mut state = model.new_state(capacity);
+    let mut report = GenReport {
+        prompt_ids: prompt.to_vec(),
+        generated_ids: Vec::new(),
+        steps: Vec::new(),
+        step0_logits: None,
+        stopped_on: None,
+    };
+    for step in 0..opts.max_new {
+        let before = source_stats();
+        let t0 = Instant::now();
+        model.step = step as u64;
+        let logits = if step == 0 {
+            run_prefix(model, prompt, &mut state, opts.prefill_chunk)?
+        } else if opts.full_recompute {
+            let mut fresh = model.new_state(seq.len());
+            run_prefix(model, &seq, &mut fresh, opts.prefill_chunk)?
+        } else {
+            model.forward(&seq[seq.len() - 1..], &mut state, Logits::Last)?
+        };
+        let token = sampler.pick(&logits);
+        if step == 0 && opts.keep_step0_logits {
+            report.step0_logits = Some(logits);
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        let after = source_stats();
+        let reqs = after.expert_requests.saturating_sub(before.expert_requests);
+        let hits = after.resident_hits.saturating_sub(before.resident_hits);
+        let r = StepReport {
+            step,
+            token,
+            seconds,
+            bytes_read: (after.expert_bytes_read + after.trunk_bytes_read)
+                .saturating_sub(before.expert_bytes_read + before.trunk_bytes_read),
+            resident_hit_rate: (reqs > 0).then(|| hits as f64 / reqs as f64),
+        };
+        on_step(&r);
+        report.steps.push(r);
+        report.generated_ids.push(token);
+        seq.push(token);
+        if stops.contains(&token) {
+            report.stopped_on = Some(token);
+            break;
+        }
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_first_index_wins_ties_and_skips_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, 0.5, 0.5]), 1);
+        assert_eq!(argmax(&[-1.0]), 0);
+    }
+
+    #[test]
+    fn pcg32_matches_the_reference_sequence() {
+        // pcg32_srandom(42, 54) → first outputs of the PCG reference demo.
+        let mut g = Pcg32::new(42);
+        let got: Vec<u32> = (0..6).map(|_| g.next_u32()).collect();
+        assert_eq!(
+            got,
+            [0xa15c02b7, 0x7b47f409, 0xba1d3330, 0x83d2f293, 0xbfa4784b, 0xcbed606e]
+        );
+    }
+
+    #[test]
+    fn tiny_top_p_is_greedy_and_sampling_is_seeded() {
+        let logits = [0.1f32, 2.0, 1.9, -3.0];
+        let mut s = Sampler::new(1.0, 1e-6, 7).unwrap();
+        assert!((0..50).all(|_| s.pick(&logits) == 1));
+        let draw = |seed| {
+            let mut s = Sampler::new(1.0, 1.0, seed).unwrap();
+            (0..64).map(|_| s.pick(&logits)).collect::<Vec<u32>>()
+        };
+        assert_eq!(draw(3), draw(3));
+        assert_ne!(draw(3), draw(4));
+        let d = draw(3);
+        // Both high-probability tokens show up; the p≈0.3% token rarely does.
+        assert!(d.contains(&1) && d.contains(&2), "{d:?}");
+        assert!(Sampler::new(-1.0, 1.0, 0).is_err());
+        assert!(Sampler::new(1.0, 0.0, 0).is_err());
+        assert!(matches!(
+            Sampler::new(0.0, 1.0, 0).unwrap(),
+            Sampler::Greedy
+        ));
+    }
+}

@@ -1,0 +1,48 @@
+//! Block Attention Residuals (MODEL.md §3.3).
+//!
+//! ```text
+//! AttnRes(S; w):  s_i = Σ_d ( S_i[d] / sqrt(mean_d(S_i²) + eps) ) · w[d]
+//!                 p   = softmax_i(s)
+//!                 out = Σ_i p_i · S_i          (RAW sources, not the normalised keys)
+//! ```
+//! `w = norm.weight ⊙ proj.weight`, folded once at bind. Nothing crosses token positions.
+
+use crate::kernels;
+
+/// One AttnRes site: the folded query `norm.weight ⊙ proj.weight` (`[E]`, f32).
+#[derive(Clone, Debug)]
+pub struct AttnResQuery {
+    /// `norm.weight[d] · proj.weight[0, d]`.
+    pub w: Vec<f32>,
+}
+
+impl AttnResQuery {
+    /// Aggregate `sources` (each `[T, E]`, token-major) into `[T, E]`.
+    ///
+    /// Per token: keys are the RMS-normalised sources (eps = `rms_norm_eps`), scored against the
+    /// folded query, softmax over sources, and the output is the probability-weighted sum of the
+    /// raw sources, accumulated in source order.
+    pub fn aggregate(&self, sources: &[&[f32]], n_tok: usize, eps: f32) -> Vec<f32> {
+        let e = self.w.len();
+        let mut out = vec![0.0f32; n_tok * e];
+        let mut key = vec![0.0f32; e];
+        let mut p = vec![0.0f32; sources.len()];
+        for t in 0..n_tok {
+            for (i, s) in sources.iter().enumerate() {
+                let row = &s[t * e..(t + 1) * e];
+                // key ⊙ w in one pass: rms_norm computes w[d]·(x[d]·inv_rms).
+                kernels::rms_norm(row, &self.w, eps, &mut key);
+                p[i] = key.iter().map(|&v| v as f64).sum::<f64>() as f32;
+            }
+            kernels::softmax_inplace(&mut p);
+            let o = &mut out[t * e..(t + 1) * e];
+            for (i, s) in sources.iter().enumerate() {
+                let row = &s[t * e..(t + 1) * e];
+                for d in 0..e {
+                    o[d] += p[i] * row[d];
+                }
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,267 @@
+//! The top-level loop with Block Attention Residuals (MODEL.md §3.3), one code path for prefill
+//! (n prompt tokens as matrix products) and decode (n = 1).
+//!
+//! ```text
+//! bank = []; pend = embed[id]
+//! for L:
+//!     x = bank empty ? pend : AttnRes(bank ++ [pend]; w_selfres_L)   # guard: layer 0 only
+//!     if L % block == 0: bank.push(pend); pend = NONE                 # raw snapshot, reset
+//!     a = Attn_L(RMSNorm(x; input_layernorm_L));   pend = pend? pend + a : a
+//!     x = AttnRes(bank ++ [pend]; w_mlpres_L)                         # no guard
+//!     pend += MLP_L(RMSNorm(x; post_attention_layernorm_L))
+//! logits = lm_head · RMSNorm(AttnRes(bank ++ [pend]; w_outres); norm)
+//! ```
+//! Per layer: `source.layer(l)`, `source.prefetch_layer(l+1)`, bind, compute, drop the run. For
+//! MoE layers the tokens are routed first and the union of their experts is requested from the
+//! source ONCE.
+
+use k3_store::source::WeightSource;
+
+use super::bind::{Attn, Globals, LayerWeights, Mlp, TensorShapes};
+use super::state::{LayerState, SeqState};
+use super::{linear, rms_norm_rows, Dims, ModelError};
+use crate::kernels::bf16_bytes_to_f32;
+
+/// Which positions to compute logits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position of the call (generation).
+    Last,
+    /// Every position of the call (teacher forcing).
+    All,
+}
+
+/// One expert request made to the weight source.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct TraceRecord {
+    /// Generation step (0 = prefill).
+    pub step: u64,
+    /// Layer.
+    pub layer: u32,
+    /// Expert ids requested, in request order (ascending, unique).
+    pub experts: Vec<u32>,
+}
+
+/// Counters the engine keeps itself.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunCounters {
+    /// Routed experts whose load failed (their contribution was skipped).
+    pub failed_expert_loads: u64,
+    /// The first few failures, `layer L expert E: reason`.
+    pub failure_messages: Vec<String>,
+    /// Expert ids requested from the source.
+    pub expert_requests: u64,
+}
+
+/// Callback receiving named per-layer intermediates: `(layer, name, values [n, E])`.
+pub type Tap<'s> = Box<dyn FnMut(usize, &str, &[f32]) + 's>;
+
+/// The model: dimensions, the weight source, the resident model-level tensors.
+pub struct Model<'s> {
+    /// Dimensions.
+    pub dims: Dims,
+    source: &'s dyn WeightSource,
+    shapes: Option<&'s dyn TensorShapes>,
+    globals: Globals,
+    /// Failure/request counters.
+    pub counters: RunCounters,
+    /// When `Some`, every expert request is appended here.
+    pub trace: Option<Vec<TraceRecord>>,
+    /// The step number recorded in trace records (the caller advances it).
+    pub step: u64,
+    /// Optional per-layer intermediate tap, named like `scripts/k3_reference.py --dump-trace`
+    /// (`attn_in`, `attn_out`, `mlp_in`, `mlp_out` per layer; `final_in` = the output
+    /// aggregator's result before the final norm, reported with layer = n_layers), for locating
+    /// divergences from the reference.
+    pub tap: Option<Tap<'s>>,
+}
+
+impl std::fmt::Debug for Model<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("dims", &self.dims)
+            .field("counters", &self.counters)
+            .finish()
+    }
+}
+
+/// Keep at most this many failure messages.
+const MAX_FAILURE_MESSAGES: usize = 16;
+
+impl<'s> Model<'s> {
+    /// Validate `dims` and bind the model-level tensors.
+    pub fn new(
+        dims: Dims,
+        source: &'s dyn WeightSource,
+        shapes: Option<&'s dyn TensorShapes>,
+    ) -> Result<Model<'s>, ModelError> {
+        dims.validate()?;
+        let globals = Globals::bind(&dims, source, shapes)?;
+        Ok(Model {
+            dims,
+            source,
+            shapes,
+            globals,
+            counters: RunCounters::default(),
+            trace: None,
+            step: 0,
+            tap: None,
+        })
+    }
+
+    /// Fresh per-sequence state for at most `capacity` positions.
+    pub fn new_state(&self, capacity: usize) -> SeqState {
+        SeqState::new(&self.dims, capacity)
+    }
+
+    fn tap(&mut self, l: usize, name: &str, v: &[f32]) {
+        if let Some(t) = self.tap.as_mut() {
+            t(l, name, v);
+        }
+    }
+
+    /// Run `ids` (appended after the `st.pos` tokens already consumed) and return logits
+    /// `[rows, vocab]` for the positions chosen by `which`. On error the state is unusable.
+    pub fn forward(
+        &mut self,
+        ids: &[u32],
+        st: &mut SeqState,
+        which: Logits,
+    ) -> Result<Vec<f32>, ModelError> {
+        let d = self.dims.clone();
+        let (n, e) = (ids.len(), d.hidden);
+        if n == 0 {
+            return Err(ModelError::Input("no tokens to run".into()));
+        }
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= d.vocab) {
+            return Err(ModelError::Input(format!(
+                "token id {bad} outside the vocabulary of {}",
+                d.vocab
+            )));
+        }
+        if st.layers.len() != d.n_layers {
+            return Err(ModelError::Input(format!(
+                "state for {} layers, model has {}",
+                st.layers.len(),
+                d.n_layers
+            )));
+        }
+        st.reserve(n)?;
+
+        // Embedding, unscaled.
+        let mut h = Vec::with_capacity(n * e);
+        let emb = self.globals.embed.bytes();
+        for &id in ids {
+            let o = id as usize * e * 2;
+            h.extend(bf16_bytes_to_f32(&emb[o..o + e * 2]));
+        }
+
+        let mut bank: Vec<Vec<f32>> = Vec::new();
+        let mut pend = h;
+        for l in 0..d.n_layers {
+            let run = self.source.layer(l)?;
+            if run.layer != l {
+                return Err(ModelError::Config(format!(
+                    "source returned layer {} for layer {l}",
+                    run.layer
+                )));
+            }
+            if l + 1 < d.n_layers {
+                self.source.prefetch_layer(l + 1);
+            }
+            let lw = LayerWeights::bind(&d, &run, self.shapes)?;
+
+            // Attention side.
+            let x = if bank.is_empty() {
+                pend.clone()
+            } else {
+                let mut src: Vec<&[f32]> = bank.iter().map(|b| b.as_slice()).collect();
+                src.push(&pend);
+                lw.self_res.aggregate(&src, n, d.rms_eps)
+            };
+            let carried = if l % d.block == 0 {
+                bank.push(std::mem::take(&mut pend));
+                None
+            } else {
+                Some(std::mem::take(&mut pend))
+            };
+            self.tap(l, "attn_in", &x);
+            let xn = rms_norm_rows(&x, &lw.input_norm, d.rms_eps);
+            let a = match (&lw.attn, &mut st.layers[l]) {
+                (Attn::Kda(w), LayerState::Kda(s)) => w.forward(&d, &xn, n, s),
+                (Attn::Mla(w), LayerState::Mla(c)) => w.forward(&d, &xn, n, c),
+                _ => {
+                    return Err(ModelError::Input(format!(
+                        "state of layer {l} does not match its kind"
+                    )))
+                }
+            };
+            self.tap(l, "attn_out", &a);
+            pend = match carried {
+                Some(mut p) => {
+                    p.iter_mut().zip(&a).for_each(|(pv, av)| *pv += av);
+                    p
+                }
+                None => a,
+            };
+
+            // MLP side (bank is non-empty: layer 0 is a boundary).
+            let mut src: Vec<&[f32]> = bank.iter().map(|b| b.as_slice()).collect();
+            src.push(&pend);
+            let x = lw.mlp_res.aggregate(&src, n, d.rms_eps);
+            self.tap(l, "mlp_in", &x);
+            let xn = rms_norm_rows(&x, &lw.post_norm, d.rms_eps);
+            let m = match &lw.mlp {
+                Mlp::Dense(mlp) => mlp.forward(&d, &xn, n),
+                Mlp::Moe(moe) => {
+                    let routing = moe.route(&d, &xn, n);
+                    let uniq = routing.unique();
+                    if let Some(t) = self.trace.as_mut() {
+                        t.push(TraceRecord {
+                            step: self.step,
+                            layer: l as u32,
+                            experts: uniq.clone(),
+                        });
+                    }
+                    self.counters.expert_requests += uniq.len() as u64;
+                    let batch = self.source.experts(l, &uniq)?;
+                    if batch.experts.len() != uniq.len() {
+                        return Err(ModelError::Config(format!(
+                            "source answered {} experts for a request of {} (layer {l})",
+                            batch.experts.len(),
+                            uniq.len()
+                        )));
+                    }
+                    let (out, failed) = moe.forward(&d, &xn, n, &routing, &uniq, &batch);
+                    for (id, why) in failed {
+                        self.counters.failed_expert_loads += 1;
+                        if self.counters.failure_messages.len() < MAX_FAILURE_MESSAGES {
+                            self.counters
+                                .failure_messages
+                                .push(format!("layer {l} expert {id}: {why}"));
+                        }
+                    }
+                    out
+                }
+            };
+            self.tap(l, "mlp_out", &m);
+            pend.iter_mut().zip(&m).for_each(|(pv, mv)| *pv += mv);
+            drop(lw);
+            drop(run);
+        }
+
+        // Output aggregator → final norm → lm_head.
+        let mut src: Vec<&[f32]> = bank.iter().map(|b| b.as_slice()).collect();
+        src.push(&pend);
+        let x = self.globals.out_res.aggregate(&src, n, d.rms_eps);
+        self.tap(d.n_layers, "final_in", &x);
+        let (first, rows) = match which {
+            Logits::All => (0, n),
+            Logits::Last => (n - 1, 1),
+        };
+        let xn = rms_norm_rows(&x[first * e..], &self.globals.final_norm, d.rms_eps);
+        let logits = linear(self.globals.lm_head.bytes(), d.vocab, e, &xn, rows);
+        st.pos += n;
+        Ok(logits)
+    }
+}

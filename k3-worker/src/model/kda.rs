@@ -1,0 +1,196 @@
+//! Kimi Delta Attention (MODEL.md §3.4).
+//!
+//! Per token t (x = the normalised layer input):
+//! 1. `q̂, k̂, v̂ = W_q x, W_k x, W_v x` (each `[P]`, `P = H·D`).
+//! 2. Causal depthwise short conv over the raw projections (tap K-1 = current token), SiLU.
+//! 3. Per head: `q ← l2(q)`, `k ← l2(k)` (sum of squares, eps 1e-6); v raw.
+//! 4. `β_h = σ((W_b x)[h])`.
+//! 5. `z = W_fb (W_fa x)`; `g = lb·σ(exp(A_log[h])·(z + dt_bias))`; `α = exp(g)`.
+//! 6. Per head, in order: `S ← diag(α) S`; `u = Sᵀk`; `S ← S + k ⊗ β(v − u)`;
+//!    `o = Sᵀ (q / sqrt(D))` (reads the UPDATED state).
+//! 7. `y_h = RMSNorm(o_h; o_norm, rms_eps) ⊙ σ((W_g x)_h)` (norm first, then gate).
+//! 8. `out = W_o concat_h y_h`.
+//!
+//! The recurrence is sequential per token in both prefill and decode, so a prefill of T tokens
+//! and T single-token calls perform the same operations in the same order.
+
+use rayon::prelude::*;
+
+use super::state::KdaState;
+use super::{linear, Dims};
+use crate::kernels;
+
+/// L2-norm eps for q and k (fla `l2norm`).
+const L2_EPS: f32 = 1e-6;
+
+/// One KDA layer's weights. bf16 matrices are raw bytes `[out, in]`; small vectors are f32.
+#[derive(Debug)]
+pub struct KdaWeights<'a> {
+    /// `q_proj` `[P, E]`.
+    pub q_proj: &'a [u8],
+    /// `k_proj` `[P, E]`.
+    pub k_proj: &'a [u8],
+    /// `v_proj` `[P, E]`.
+    pub v_proj: &'a [u8],
+    /// Conv kernels for q, k, v: `[P, K]` (tap K-1 multiplies the current token).
+    pub conv: [Vec<f32>; 3],
+    /// `f_a_proj` `[D, E]` (decay bottleneck, rank D).
+    pub f_a: &'a [u8],
+    /// `f_b_proj` `[P, D]`.
+    pub f_b: &'a [u8],
+    /// `A_log[0..H]` (per head).
+    pub a_log: Vec<f32>,
+    /// `dt_bias` `[P]`, index `h·D + d`.
+    pub dt_bias: Vec<f32>,
+    /// `b_proj` `[H, E]`.
+    pub b_proj: &'a [u8],
+    /// `g_proj` `[P, E]`.
+    pub g_proj: &'a [u8],
+    /// `o_norm` `[D]`, shared by all heads.
+    pub o_norm: Vec<f32>,
+    /// `o_proj` `[E, P]`.
+    pub o_proj: &'a [u8],
+}
+
+impl KdaWeights<'_> {
+    /// Run `n` tokens (`x [n, E]`, already normalised) through the layer, advancing `st`.
+    pub fn forward(&self, d: &Dims, x: &[f32], n: usize, st: &mut KdaState) -> Vec<f32> {
+        let (e, h_n, dh) = (d.hidden, d.kda_heads, d.kda_dim);
+        let p = h_n * dh;
+        let k = d.conv_k;
+
+        // 1–2. projections, causal conv + SiLU with carried raw history.
+        let mut qkv = [
+            linear(self.q_proj, p, e, x, n),
+            linear(self.k_proj, p, e, x, n),
+            linear(self.v_proj, p, e, x, n),
+        ];
+        for ((raw, w), hist) in qkv.iter_mut().zip(&self.conv).zip(st.conv.iter_mut()) {
+            short_conv_silu(raw, w, hist, p, k, n);
+        }
+        let [q, kk, v] = qkv;
+
+        // 4. β per head.
+        let mut beta = linear(self.b_proj, h_n, e, x, n);
+        beta.iter_mut().for_each(|b| *b = kernels::sigmoid(*b));
+
+        // 5. decay α = exp(lb·σ(exp(A_log[h])·(z + dt_bias))).
+        let za = linear(self.f_a, dh, e, x, n);
+        let mut alpha = linear(self.f_b, p, dh, &za, n);
+        for t in 0..n {
+            for c in 0..p {
+                let a = self.a_log[c / dh].exp();
+                let z = alpha[t * p + c] + self.dt_bias[c];
+                alpha[t * p + c] = (d.gate_lb * kernels::sigmoid(a * z)).exp();
+            }
+        }
+
+        let mut gate = linear(self.g_proj, p, e, x, n);
+        gate.iter_mut().for_each(|g| *g = kernels::sigmoid(*g));
+
+        // 3, 6, 7 per head (heads are independent; tokens sequential inside a head).
+        let q_scale = 1.0 / (dh as f32).sqrt();
+        let per_head: Vec<Vec<f32>> =
+            st.s.par_chunks_mut(dh * dh)
+                .enumerate()
+                .map(|(h, s)| {
+                    let mut out = vec![0.0f32; n * dh];
+                    let (mut qh, mut kh, mut u, mut o) =
+                        (vec![0.0; dh], vec![0.0; dh], vec![0.0; dh], vec![0.0; dh]);
+                    for t in 0..n {
+                        let base = t * p + h * dh;
+                        qh.copy_from_slice(&q[base..base + dh]);
+                        kh.copy_from_slice(&kk[base..base + dh]);
+                        kernels::l2_norm_inplace(&mut qh, L2_EPS);
+                        kernels::l2_norm_inplace(&mut kh, L2_EPS);
+                        qh.iter_mut().for_each(|v| *v *= q_scale);
+                        let vh = &v[base..base + dh];
+                        let al = &alpha[base..base + dh];
+                        let b = beta[t * h_n + h];
+                        recurrence_step(s, dh, al, &kh, vh, b, &qh, &mut u, &mut o);
+                        let y = &mut out[t * dh..(t + 1) * dh];
+                        kernels::rms_norm(&o, &self.o_norm, d.rms_eps, y);
+                        for (yv, g) in y.iter_mut().zip(&gate[base..base + dh]) {
+                            *yv *= g;
+                        }
+                    }
+                    out
+                })
+                .collect();
+        let mut y = vec![0.0f32; n * p];
+        for (h, oh) in per_head.iter().enumerate() {
+            for t in 0..n {
+                y[t * p + h * dh..t * p + (h + 1) * dh].copy_from_slice(&oh[t * dh..(t + 1) * dh]);
+            }
+        }
+
+        // 8.
+        linear(self.o_proj, e, p, &y, n)
+    }
+}
+
+/// Causal depthwise conv of width `k` over `n` tokens of `raw [n, p]` (replaced in place by
+/// `silu(conv)`), reading and then updating the raw history `hist [p, k-1]` (oldest first).
+fn short_conv_silu(raw: &mut [f32], w: &[f32], hist: &mut [f32], p: usize, k: usize, n: usize) {
+    let hl = k - 1;
+    for c in 0..p {
+        let wc = &w[c * k..(c + 1) * k];
+        let hc = &mut hist[c * hl..(c + 1) * hl];
+        for t in 0..n {
+            let cur = raw[t * p + c];
+            let mut acc = 0.0f32;
+            for j in 0..hl {
+                acc += wc[j] * hc[j];
+            }
+            acc += wc[hl] * cur;
+            if hl > 0 {
+                hc.copy_within(1.., 0);
+                hc[hl - 1] = cur;
+            }
+            raw[t * p + c] = kernels::silu(acc);
+        }
+    }
+}
+
+/// One token of the delta-rule recurrence for one head, state `s [k][v]` (`D×D`):
+/// decay → read → write → read the updated state. `q` is already scaled by `1/sqrt(D)`.
+#[allow(clippy::too_many_arguments)]
+pub fn recurrence_step(
+    s: &mut [f32],
+    dh: usize,
+    alpha: &[f32],
+    k: &[f32],
+    v: &[f32],
+    beta: f32,
+    q: &[f32],
+    u: &mut [f32],
+    o: &mut [f32],
+) {
+    // S ← diag(α)·S  (row k scaled by α[k])
+    for (row, &a) in s.chunks_exact_mut(dh).zip(alpha) {
+        row.iter_mut().for_each(|x| *x *= a);
+    }
+    // u = Sᵀ k
+    u.iter_mut().for_each(|x| *x = 0.0);
+    for (row, &kv) in s.chunks_exact(dh).zip(k) {
+        for (uv, &sv) in u.iter_mut().zip(row) {
+            *uv += kv * sv;
+        }
+    }
+    // S ← S + k ⊗ β(v − u)
+    for (uv, &vv) in u.iter_mut().zip(v) {
+        *uv = beta * (vv - *uv);
+    }
+    for (row, &kv) in s.chunks_exact_mut(dh).zip(k) {
+        for (sv, &dv) in row.iter_mut().zip(u.iter()) {
+            *sv += kv * dv;
+        }
+    }
+    // o = Sᵀ q
+    o.iter_mut().for_each(|x| *x = 0.0);
+    for (row, &qv) in s.chunks_exact(dh).zip(q) {
+        for (ov, &sv) in o.iter_mut().zip(row) {
+            *ov += qv * sv;
+        }
+    }
+}

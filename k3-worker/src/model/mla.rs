@@ -1,0 +1,141 @@
+//! Gated MLA (NoPE) in latent ("absorbed") form (MODEL.md §3.5, §3.6).
+//!
+//! ```text
+//! q    = W_qb · RMSNorm(W_qa x; q_a_layernorm, 1e-6)        q_h = [q_nope_h | q_rope_h]
+//! ckv  = W_kva x;  c = RMSNorm(ckv[..kv_lora]; kv_a_layernorm, 1e-6);  kr = ckv[kv_lora..]
+//! cache ← [c | kr]                                          (576 floats per position)
+//! q̃_h  = W_UK[h]ᵀ q_nope_h                                  (W_UK[h] = kv_b rows h·(nope+v) ..+nope)
+//! s    = (q̃_h·c_s + q_rope_h·kr_s) / sqrt(nope + rope)      causal: s ≤ t; rope dims never rotated
+//! ĉ_h  = Σ_s softmax(s) c_s;   o_h = W_UV[h] ĉ_h            (W_UV[h] = the next v rows)
+//! out  = W_o (concat_h o_h ⊙ σ(W_g x))                      (gate BEFORE o_proj, no norm)
+//! ```
+//! Prefill and decode both use this form: each query position performs the same operations
+//! over the same cache rows, whatever the batch it arrives in.
+
+use rayon::prelude::*;
+
+use super::state::MlaCache;
+use super::{linear, rms_norm_rows, Dims};
+use crate::kernels;
+
+/// One MLA layer's weights.
+#[derive(Debug)]
+pub struct MlaWeights<'a> {
+    /// `q_a_proj` `[q_lora, E]`.
+    pub q_a: &'a [u8],
+    /// `q_a_layernorm` `[q_lora]`.
+    pub q_a_norm: Vec<f32>,
+    /// `q_b_proj` `[H·(nope+rope), q_lora]`, per head `[nope | rope]`.
+    pub q_b: &'a [u8],
+    /// `kv_a_proj_with_mqa` `[kv_lora + rope, E]`.
+    pub kv_a: &'a [u8],
+    /// `kv_a_layernorm` `[kv_lora]`.
+    pub kv_a_norm: Vec<f32>,
+    /// `kv_b_proj` `[H·(nope+v), kv_lora]`, per head `[k_nope | v]`.
+    pub kv_b: &'a [u8],
+    /// `W_UK[h]ᵀ` for every head, `[H][kv_lora][nope]` bf16 bytes: a re-layout of `kv_b` made
+    /// at bind so that the absorption `q̃ = W_UKᵀ q_nope` is a plain kernel product.
+    pub w_uk_t: Vec<u8>,
+    /// `o_proj` `[E, H·v]`.
+    pub o_proj: &'a [u8],
+    /// `g_proj` `[H·v, E]` (absent when `mla_use_output_gate` is false).
+    pub g_proj: Option<&'a [u8]>,
+}
+
+impl MlaWeights<'_> {
+    /// Transpose each head's `W_UK` block of `kv_b` into `[H][kv_lora][nope]` (bytes copied,
+    /// values untouched).
+    pub fn transpose_uk(d: &Dims, kv_b: &[u8]) -> Vec<u8> {
+        let (hn, nope, v, kl) = (d.mla_heads, d.nope, d.v_head, d.kv_lora);
+        let mut out = vec![0u8; hn * kl * nope * 2];
+        for h in 0..hn {
+            for i in 0..nope {
+                let row = (h * (nope + v) + i) * kl;
+                for j in 0..kl {
+                    let src = (row + j) * 2;
+                    let dst = ((h * kl + j) * nope + i) * 2;
+                    out[dst..dst + 2].copy_from_slice(&kv_b[src..src + 2]);
+                }
+            }
+        }
+        out
+    }
+
+    /// Run `n` tokens (`x [n, E]`, normalised) through the layer, appending them to `cache`.
+    pub fn forward(&self, d: &Dims, x: &[f32], n: usize, cache: &mut MlaCache) -> Vec<f32> {
+        let (e, hn, nope, rope, vh, kl) =
+            (d.hidden, d.mla_heads, d.nope, d.rope, d.v_head, d.kv_lora);
+        let qw = nope + rope;
+        let lw = d.latent_width();
+
+        // Queries.
+        let qa = linear(self.q_a, d.q_lora, e, x, n);
+        let qa = rms_norm_rows(&qa, &self.q_a_norm, d.mla_norm_eps);
+        let q = linear(self.q_b, hn * qw, d.q_lora, &qa, n);
+
+        // Keys/values: append [c | kr] of the new positions to the latent cache.
+        let ckv = linear(self.kv_a, lw, e, x, n);
+        let past = cache.len();
+        let mut c = vec![0.0f32; kl];
+        for t in 0..n {
+            let row = &ckv[t * lw..(t + 1) * lw];
+            kernels::rms_norm(&row[..kl], &self.kv_a_norm, d.mla_norm_eps, &mut c);
+            cache.rows.extend_from_slice(&c);
+            cache.rows.extend_from_slice(&row[kl..]);
+        }
+        let rows = &cache.rows;
+
+        // Per head: absorbed query, causal softmax over the cache, latent sum, V expansion.
+        let scale = 1.0 / ((nope + rope) as f32).sqrt();
+        let per_head: Vec<Vec<f32>> = (0..hn)
+            .into_par_iter()
+            .map(|h| {
+                let mut qn = vec![0.0f32; n * nope];
+                for t in 0..n {
+                    let src = &q[t * hn * qw + h * qw..t * hn * qw + h * qw + nope];
+                    qn[t * nope..(t + 1) * nope].copy_from_slice(src);
+                }
+                let wt = &self.w_uk_t[h * kl * nope * 2..(h + 1) * kl * nope * 2];
+                let qt = linear(wt, kl, nope, &qn, n); // q̃ [n, kv_lora]
+                let mut query = vec![0.0f32; lw];
+                let mut chat = vec![0.0f32; n * kl];
+                let mut p = Vec::with_capacity(past + n);
+                for t in 0..n {
+                    query[..kl].copy_from_slice(&qt[t * kl..(t + 1) * kl]);
+                    let qr = t * hn * qw + h * qw + nope;
+                    query[kl..].copy_from_slice(&q[qr..qr + rope]);
+                    let upto = past + t + 1; // causal: positions 0..=past+t
+                    p.clear();
+                    for s in 0..upto {
+                        p.push(kernels::dot_f32(&query, &rows[s * lw..(s + 1) * lw]) * scale);
+                    }
+                    kernels::softmax_inplace(&mut p);
+                    let ch = &mut chat[t * kl..(t + 1) * kl];
+                    for (s, &ps) in p.iter().enumerate() {
+                        for (a, &cv) in ch.iter_mut().zip(&rows[s * lw..s * lw + kl]) {
+                            *a += ps * cv;
+                        }
+                    }
+                }
+                let wuv_off = (h * (nope + vh) + nope) * kl * 2;
+                linear(&self.kv_b[wuv_off..wuv_off + vh * kl * 2], vh, kl, &chat, n)
+            })
+            .collect();
+
+        let hv = hn * vh;
+        let mut o = vec![0.0f32; n * hv];
+        for (h, oh) in per_head.iter().enumerate() {
+            for t in 0..n {
+                o[t * hv + h * vh..t * hv + (h + 1) * vh]
+                    .copy_from_slice(&oh[t * vh..(t + 1) * vh]);
+            }
+        }
+        if let Some(g_proj) = self.g_proj {
+            let g = linear(g_proj, hv, e, x, n);
+            for (ov, gv) in o.iter_mut().zip(&g) {
+                *ov *= kernels::sigmoid(*gv);
+            }
+        }
+        linear(self.o_proj, e, hv, &o, n)
+    }
+}

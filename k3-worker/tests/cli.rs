@@ -1,0 +1,449 @@
+//! The `k3-worker` binary on the bundled tiny checkpoint: greedy ids against the float64
+//! reference, the JSON report, the logits dump, the cache trace, and refusals (exit 2).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// A private output directory per test.
+struct Sandbox(PathBuf);
+
+impl Sandbox {
+    fn new(tag: &str) -> Sandbox {
+        let dir = std::env::temp_dir().join(format!("k3-worker-cli-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Sandbox(dir)
+    }
+    fn model(&self) -> PathBuf {
+        root().join("fixtures/tiny/model")
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn worker(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_k3-worker"))
+        .args(args)
+        .output()
+        .expect("run k3-worker")
+}
+
+fn ref_ids(name: &str) -> Vec<u32> {
+    let p = root().join("fixtures/tiny/reference").join(name);
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn csv(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn stdout_ids(o: &Output) -> Vec<u32> {
+    String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn greedy_run_matches_the_reference_and_writes_every_artifact() {
+    let sb = Sandbox::new("greedy");
+    let (out, logits, trace) = (sb.path("run.json"), sb.path("logits.f32"), sb.path("trace"));
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--preset",
+        "laptop",
+        "--ids",
+        &prompt,
+        "--gen",
+        "20",
+        "--out",
+        s(&out),
+        "--dump-logits",
+        s(&logits),
+        "--dump-cache-trace",
+        s(&trace),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let want = ref_ids("greedy_ids.json");
+    assert_eq!(stdout_ids(&o), want);
+    assert!(
+        err.contains("<- quote this") && err.contains("TRUE resident hit rate"),
+        "{err}"
+    );
+
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(j["generated_ids"], serde_json::json!(want));
+    assert_eq!(
+        j["prompt_ids"],
+        serde_json::json!(ref_ids("prompt_ids.json"))
+    );
+    assert_eq!(j["failed_expert_loads"], 0);
+    assert!(j["peak_rss_bytes"].as_u64().unwrap() > 0);
+    for k in [
+        "seconds_per_token",
+        "prefill_seconds",
+        "bytes_read",
+        "true_resident_hit_rate",
+    ] {
+        assert!(j[k].is_number(), "{k}: {}", j[k]);
+    }
+
+    let got: Vec<f32> = std::fs::read(&logits)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let refl: Vec<f32> = std::fs::read(root().join("fixtures/tiny/reference/logits_step0.f32"))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(got.len(), 256);
+    let num = got
+        .iter()
+        .zip(&refl)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    let den = refl.iter().map(|b| b.abs()).fold(0.0f32, f32::max);
+    assert!(num / den <= 1e-4, "{}", num / den);
+
+    let lines = std::fs::read_to_string(trace.join("expert_trace.jsonl")).unwrap();
+    let recs: Vec<serde_json::Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // 12 MoE layers (1..12) per step, 20 steps.
+    assert_eq!(recs.len(), 12 * 20);
+    assert_eq!(recs[0]["step"], 0);
+    assert_eq!(recs[0]["layer"], 1);
+    assert_eq!(recs[12]["step"], 1);
+}
+
+#[test]
+fn full_recompute_and_chunked_prefill_give_the_same_ids() {
+    let sb = Sandbox::new("full");
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    let m = sb.model();
+    for extra in [
+        &["--full-recompute", "--threads", "1"][..],
+        &["--prefill-chunk", "5"][..],
+    ] {
+        let mut args = vec![
+            "--standalone",
+            s(&m),
+            "--preset",
+            "laptop",
+            "--ids",
+            &prompt,
+            "--gen",
+            "20",
+        ];
+        args.extend_from_slice(extra);
+        let o = worker(&args);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"), "{extra:?}");
+    }
+}
+
+#[test]
+fn usage_and_plan_problems_exit_2_before_any_work() {
+    let sb = Sandbox::new("refuse");
+    let m = sb.model();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["--standalone", s(&m), "--preset", "laptop"],
+            "exactly one prompt source",
+        ),
+        (
+            vec![
+                "--standalone",
+                s(&m),
+                "--preset",
+                "laptop",
+                "--ids",
+                "1",
+                "--prompt",
+                "x",
+            ],
+            "exactly one prompt source",
+        ),
+        (
+            vec!["--standalone", s(&m), "--ids", "1"],
+            "no memory budget",
+        ),
+        (
+            vec![
+                "--standalone",
+                s(&m),
+                "--preset",
+                "laptop",
+                "--ids",
+                "1,256",
+            ],
+            "outside the vocabulary",
+        ),
+        (
+            vec![
+                "--standalone",
+                s(&m),
+                "--preset",
+                "laptop",
+                "--ids",
+                "1",
+                "--gen",
+                "0",
+            ],
+            "--gen",
+        ),
+        (
+            vec![
+                "--standalone",
+                s(&m),
+                "--preset",
+                "laptop",
+                "--ids",
+                "1",
+                "--layers",
+                "14",
+            ],
+            "--layers",
+        ),
+        (
+            vec![
+                "--standalone",
+                s(&m),
+                "--preset",
+                "laptop",
+                "--prompt",
+                "hi",
+            ],
+            "--tok",
+        ),
+        (
+            vec!["--standalone", s(&m), "--preset", "nope", "--ids", "1"],
+            "unknown preset",
+        ),
+        (
+            vec![
+                "--standalone",
+                s(&m),
+                "--preset",
+                "laptop",
+                "--ids",
+                "1",
+                "--top-p",
+                "0",
+            ],
+            "--top-p",
+        ),
+        (
+            vec!["--standalone", s(&m), "--preset", "laptop", "--ids", "x"],
+            "invalid value",
+        ),
+    ];
+    for (args, needle) in cases {
+        let o = worker(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(o.stdout.is_empty(), "{args:?} produced output");
+    }
+}
+
+#[test]
+fn layers_flag_runs_a_prefix_of_the_model() {
+    let sb = Sandbox::new("layers");
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--preset",
+        "laptop",
+        "--ids",
+        "5,6,7",
+        "--gen",
+        "3",
+        "--layers",
+        "5",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("layers=5") && err.contains("KKKMK"), "{err}");
+    assert_eq!(stdout_ids(&o).len(), 3);
+}
+
+#[test]
+fn seeded_sampling_is_reproducible_and_mode_independent() {
+    let sb = Sandbox::new("sample");
+    let m = sb.model();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--standalone",
+            s(&m),
+            "--preset",
+            "laptop",
+            "--ids",
+            "5,6,7,8",
+            "--gen",
+            "12",
+            "--temperature",
+            "1.5",
+            "--top-p",
+            "0.95",
+        ];
+        args.extend_from_slice(extra);
+        let o = worker(&args);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        stdout_ids(&o)
+    };
+    let a = run(&["--seed", "7"]);
+    assert_eq!(a.len(), 12);
+    assert_eq!(a, run(&["--seed", "7", "--full-recompute"]));
+    assert_ne!(a, run(&["--seed", "8"]));
+}
+
+#[test]
+fn dump_hidden_writes_npy_per_layer_intermediate_of_the_prefill() {
+    let sb = Sandbox::new("hidden");
+    let dir = sb.path("hidden");
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--preset",
+        "laptop",
+        "--ids",
+        "5,6,7",
+        "--gen",
+        "3",
+        "--dump-hidden",
+        s(&dir),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 13 * 4 + 1, "{names:?}");
+    assert!(
+        names.contains(&"L12.mlp_out.npy".to_string())
+            && names.contains(&"final_in.npy".to_string())
+    );
+    let b = std::fs::read(dir.join("L3.attn_out.npy")).unwrap();
+    assert_eq!(&b[..8], b"\x93NUMPY\x01\x00");
+    let hl = u16::from_le_bytes([b[8], b[9]]) as usize;
+    assert_eq!((10 + hl) % 64, 0);
+    let header = std::str::from_utf8(&b[10..10 + hl]).unwrap();
+    assert!(header.contains("'shape': (3, 128)"), "{header}");
+    assert_eq!(b.len(), 10 + hl + 3 * 128 * 4, "prefill only: 3 tokens");
+}
+
+#[test]
+fn attached_mode_without_a_store_exits_3_and_refuses_standalone_flags() {
+    let sb = Sandbox::new("attach");
+    let sock = sb.path("none.sock");
+    let o = worker(&["--socket", s(&sock), "--ids", "1,2"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(3), "{err}");
+    assert!(err.contains("none.sock"), "{err}");
+    // Budget flags belong to --standalone: refused (2) before trying to connect.
+    let o = worker(&["--socket", s(&sock), "--preset", "laptop", "--ids", "1"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("need --standalone"));
+    // --socket and --standalone are exclusive.
+    let o = worker(&[
+        "--socket",
+        s(&sock),
+        "--standalone",
+        s(&sb.model()),
+        "--ids",
+        "1",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn with_a_tokenizer_text_is_streamed_and_prompts_are_encoded() {
+    let sb = Sandbox::new("tok");
+    let tok = root().join("fixtures/tokenizer");
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--preset",
+        "laptop",
+        "--ids",
+        &prompt,
+        "--gen",
+        "20",
+        "--tok",
+        s(&tok),
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let t = k3_worker::tokenizer::Tokenizer::from_dir(&tok).unwrap();
+    let mut want = t.decode(&ref_ids("greedy_ids.json")).unwrap();
+    want.push(b'\n');
+    assert_eq!(
+        o.stdout, want,
+        "stdout = the decoded bytes of the greedy ids"
+    );
+
+    // "Hello world" encodes to [19180, 2695] (MODEL.md §5.2): outside the tiny vocabulary.
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--preset",
+        "laptop",
+        "--prompt",
+        "Hello world",
+        "--tok",
+        s(&tok),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("prompt id 19180 outside the vocabulary of 256"),
+        "{err}"
+    );
+}

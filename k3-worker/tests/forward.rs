@@ -1,0 +1,233 @@
+//! End-to-end properties of the forward pass on a tiny random checkpoint with the real tensor
+//! graph (13 layers, block 3, map KKKMKKKMKKKMM, MXFP4 experts).
+
+mod common;
+
+use common::{layer_name, tiny_dims, MemSource};
+use k3_worker::model::{Logits, Model, ModelError, TensorShapes};
+
+const PROMPT: [u32; 7] = [5, 17, 3, 88, 42, 42, 9];
+
+fn model(src: &MemSource) -> Model<'_> {
+    Model::new(src.dims.clone(), src, Some(src as &dyn TensorShapes)).expect("bind globals")
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn prefill_logits_equal_token_by_token_decode_bitwise() {
+    let src = MemSource::random(&tiny_dims(), 1);
+    let v = src.dims.vocab;
+    let mut m = model(&src);
+    let mut st = m.new_state(16);
+    let all = m.forward(&PROMPT, &mut st, Logits::All).unwrap();
+    assert_eq!(all.len(), PROMPT.len() * v);
+    assert!(all.iter().all(|x| x.is_finite()));
+
+    // One token at a time.
+    let mut st1 = m.new_state(16);
+    for (t, &id) in PROMPT.iter().enumerate() {
+        let row = m.forward(&[id], &mut st1, Logits::Last).unwrap();
+        assert_eq!(
+            bits(&row),
+            bits(&all[t * v..(t + 1) * v]),
+            "position {t}: decode differs from prefill"
+        );
+    }
+    // Prefill of T-2 then two single steps (conv history and caches carried, MODEL.md I12).
+    let mut st2 = m.new_state(16);
+    m.forward(&PROMPT[..5], &mut st2, Logits::Last).unwrap();
+    m.forward(&PROMPT[5..6], &mut st2, Logits::Last).unwrap();
+    let last = m.forward(&PROMPT[6..], &mut st2, Logits::Last).unwrap();
+    assert_eq!(bits(&last), bits(&all[6 * v..]));
+    assert_eq!(
+        st1, st2,
+        "carried state must not depend on how tokens were batched"
+    );
+}
+
+#[test]
+fn logits_do_not_depend_on_thread_count() {
+    let src = MemSource::random(&tiny_dims(), 2);
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut m = model(&src);
+            let mut st = m.new_state(16);
+            let mut out = m.forward(&PROMPT, &mut st, Logits::All).unwrap();
+            out.extend(m.forward(&[7], &mut st, Logits::Last).unwrap());
+            out
+        })
+    };
+    assert_eq!(bits(&run(1)), bits(&run(2)));
+}
+
+#[test]
+fn engine_asks_each_layer_once_prefetches_the_next_and_experts_once_per_layer() {
+    let src = MemSource::random(&tiny_dims(), 3);
+    let mut m = model(&src);
+    m.trace = Some(Vec::new());
+    let mut st = m.new_state(16);
+    m.forward(&PROMPT, &mut st, Logits::Last).unwrap();
+    let calls = src.calls.lock().unwrap().clone();
+    let mut want = Vec::new();
+    for l in 0..13 {
+        want.push(('L', l));
+        if l + 1 < 13 {
+            want.push(('P', l + 1));
+        }
+    }
+    assert_eq!(calls, want);
+    let trace = m.trace.as_ref().unwrap();
+    // One request per MoE layer (1..12) for the whole 7-token prefill; unique ascending ids.
+    assert_eq!(
+        trace.iter().map(|r| r.layer).collect::<Vec<_>>(),
+        (1..13).collect::<Vec<u32>>()
+    );
+    for r in trace {
+        assert!(r.experts.windows(2).all(|w| w[0] < w[1]), "{r:?}");
+        assert!(r.experts.len() >= 2 && r.experts.len() <= 8);
+    }
+    assert_eq!(
+        src.stats.lock().unwrap().expert_requests,
+        trace.iter().map(|r| r.experts.len() as u64).sum::<u64>()
+    );
+}
+
+#[test]
+fn failed_expert_is_counted_and_the_run_completes() {
+    let d = tiny_dims();
+    let clean = MemSource::random(&d, 4);
+    let mut m = model(&clean);
+    m.trace = Some(Vec::new());
+    let mut st = m.new_state(16);
+    let good = m.forward(&PROMPT, &mut st, Logits::Last).unwrap();
+    let victim = m.trace.as_ref().unwrap()[4].experts[0]; // layer 5's first requested expert
+    assert_eq!(m.counters.failed_expert_loads, 0);
+
+    let mut bad = MemSource::random(&d, 4);
+    bad.fail.insert((5, victim));
+    let mut m = model(&bad);
+    let mut st = m.new_state(16);
+    let out = m.forward(&PROMPT, &mut st, Logits::Last).unwrap();
+    assert_eq!(m.counters.failed_expert_loads, 1);
+    assert!(m.counters.failure_messages[0].contains(&format!("layer 5 expert {victim}")));
+    assert_ne!(
+        bits(&out),
+        bits(&good),
+        "the failed expert's contribution must be gone"
+    );
+    assert!(out.iter().all(|x| x.is_finite()));
+}
+
+fn bind_error(src: &MemSource) -> String {
+    let mut m = model(src);
+    let mut st = m.new_state(4);
+    match m.forward(&[1], &mut st, Logits::Last) {
+        Err(e @ ModelError::Bind { .. }) => e.to_string(),
+        other => panic!("expected a bind error, got {other:?}"),
+    }
+}
+
+#[test]
+fn transposed_shape_in_the_index_is_a_bind_error_naming_the_tensor() {
+    let mut src = MemSource::random(&tiny_dims(), 5);
+    let name = layer_name(2, "self_attn.f_b_proj.weight");
+    // Same element count (16 × 8 vs 8 × 16), so only a full-shape check catches it.
+    src.set_meta(&name, k3_proto::Dtype::BF16, vec![8, 16]);
+    let msg = bind_error(&src);
+    assert!(msg.contains(&name), "{msg}");
+    assert!(msg.contains("[16, 8]") && msg.contains("[8, 16]"), "{msg}");
+}
+
+#[test]
+fn wrong_size_or_dtype_in_the_layer_layout_is_a_bind_error() {
+    let mut src = MemSource::random(&tiny_dims(), 6);
+    let name = layer_name(3, "self_attn.kv_b_proj.weight");
+    src.set_loc(&name, k3_proto::Dtype::BF16, 2 * 32 * 15);
+    let msg = bind_error(&src);
+    assert!(
+        msg.contains(&name) && msg.contains("found 960 bytes"),
+        "{msg}"
+    );
+
+    let mut src = MemSource::random(&tiny_dims(), 6);
+    let name = layer_name(1, "self_attn.dt_bias");
+    src.set_loc(&name, k3_proto::Dtype::BF16, 2 * 16);
+    let msg = bind_error(&src);
+    assert!(
+        msg.contains(&name) && msg.contains("expected dtype F32, found BF16"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn missing_model_tensor_or_wrong_vocab_is_refused_at_construction() {
+    let src = MemSource::random(&tiny_dims(), 7);
+    let mut d = tiny_dims();
+    d.vocab = 96;
+    let err = Model::new(d, &src, None).unwrap_err().to_string();
+    assert!(
+        err.contains("language_model.model.embed_tokens.weight"),
+        "{err}"
+    );
+}
+
+#[test]
+fn token_outside_the_vocabulary_is_an_input_error() {
+    let src = MemSource::random(&tiny_dims(), 8);
+    let mut m = model(&src);
+    let mut st = m.new_state(4);
+    let err = m.forward(&[97], &mut st, Logits::Last).unwrap_err();
+    assert!(matches!(err, ModelError::Input(_)), "{err}");
+}
+
+#[test]
+fn layers_flag_binds_only_a_prefix() {
+    let src = MemSource::random(&tiny_dims(), 9);
+    let d = tiny_dims().truncated(5).unwrap();
+    let mut m = Model::new(d, &src, Some(&src as &dyn TensorShapes)).unwrap();
+    let mut st = m.new_state(8);
+    m.forward(&PROMPT, &mut st, Logits::Last).unwrap();
+    let calls = src.calls.lock().unwrap().clone();
+    assert_eq!(calls.iter().filter(|c| c.0 == 'L').count(), 5);
+    assert!(!calls.contains(&('P', 5)));
+}
+
+#[test]
+fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
+    use k3_worker::model::bind::{Attn, LayerWeights, Mlp};
+    let mut src = MemSource::random(&tiny_dims(), 10);
+    // MODEL.md §10 C5: the router bias may be BF16.
+    let bias = layer_name(1, "block_sparse_moe.gate.e_score_correction_bias");
+    src.set_loc(&bias, k3_proto::Dtype::BF16, 16);
+    src.set_meta(&bias, k3_proto::Dtype::BF16, vec![8]);
+    let vals = [0.5f32, -0.25, 1.0, 2.0, -3.0, 0.125, 0.0, 7.0];
+    src.set(&bias, &vals);
+    // §10 C2: A_log declared [num_heads] (HF module) instead of the release's [head_dim].
+    let alog = layer_name(1, "self_attn.A_log");
+    let want_a = src.get(&alog)[..2].to_vec();
+    src.set_loc(&alog, k3_proto::Dtype::F32, 8);
+    src.set_meta(&alog, k3_proto::Dtype::F32, vec![2]);
+    let d = tiny_dims();
+    let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
+    let lw = LayerWeights::bind(&d, &run, Some(&src as &dyn TensorShapes)).unwrap();
+    let Mlp::Moe(moe) = &lw.mlp else { panic!() };
+    assert_eq!(moe.bias, vals);
+    let Attn::Kda(kda) = &lw.attn else { panic!() };
+    assert_eq!(kda.a_log, want_a);
+    // A third A_log length is still refused.
+    src.set_loc(&alog, k3_proto::Dtype::F32, 12);
+    src.set_meta(&alog, k3_proto::Dtype::F32, vec![3]);
+    let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
+    let e = LayerWeights::bind(&d, &run, None).unwrap_err().to_string();
+    assert!(
+        e.contains("A_log") && e.contains("[8]") && e.contains("[2]"),
+        "{e}"
+    );
+}
