@@ -215,6 +215,10 @@ fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, Fail> {
 fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
     let wall = Instant::now();
     // ---- everything that can be refused, before any work
+    // The SIMD tier is chosen once, here: a forced tier (K3_SIMD) that is unknown or that this
+    // CPU lacks is a refusal, never a crash or a silent fallback.
+    let tier = k3_worker::kernels::select_tier().map_err(|e| refuse(e.to_string()))?;
+    eprintln!("kernels: {} tier", tier.name());
     if cli.gen == 0 || cli.gen > MAX_GEN {
         return Err(refuse(format!("--gen {} outside 1..={MAX_GEN}", cli.gen)));
     }

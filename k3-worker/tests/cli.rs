@@ -447,3 +447,48 @@ fn with_a_tokenizer_text_is_streamed_and_prompts_are_encoded() {
         "{err}"
     );
 }
+
+#[test]
+fn every_simd_tier_gives_the_reference_ids_and_a_bad_tier_is_refused() {
+    let sb = Sandbox::new("tiers");
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    let want = ref_ids("greedy_ids.json");
+    let run = |tier: &str, threads: &str| {
+        Command::new(env!("CARGO_BIN_EXE_k3-worker"))
+            .args([
+                "--standalone",
+                s(&sb.model()),
+                "--preset",
+                "laptop",
+                "--ids",
+                &prompt,
+                "--gen",
+                "20",
+                "--threads",
+                threads,
+            ])
+            .env("K3_SIMD", tier)
+            .output()
+            .expect("run k3-worker")
+    };
+    for tier in ["scalar", "avx2", "avx512"] {
+        for threads in ["1", "2"] {
+            let o = run(tier, threads);
+            let err = String::from_utf8_lossy(&o.stderr);
+            if o.status.code() == Some(2) && err.contains("lacks the instructions") {
+                eprintln!("skipping {tier}: this CPU lacks it");
+                continue;
+            }
+            assert_eq!(o.status.code(), Some(0), "{tier}/{threads}: {err}");
+            assert!(err.contains(&format!("kernels: {tier} tier")), "{err}");
+            assert_eq!(stdout_ids(&o), want, "{tier} tier, {threads} threads");
+        }
+    }
+    let o = run("avx9000", "1");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("avx9000") && err.contains("not a SIMD tier"),
+        "{err}"
+    );
+}
