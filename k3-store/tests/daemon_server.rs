@@ -61,14 +61,23 @@ impl Backend for Fake {
     }
 }
 
-fn start(
-    tag: &str,
-) -> (
+/// Removes the test's directory when dropped.
+struct Dir(std::path::PathBuf);
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+type Started = (
     std::path::PathBuf,
     Arc<AtomicBool>,
     Arc<Mutex<Log>>,
     std::thread::JoinHandle<usize>,
-) {
+    Dir,
+);
+
+fn start(tag: &str) -> Started {
     let dir = std::env::temp_dir().join(format!("k3-srv-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let sock = dir.join("store.sock");
@@ -87,12 +96,12 @@ fn start(
         stop.clone(),
     );
     let h = std::thread::spawn(move || server.run());
-    (sock, stop, log, h)
+    (sock, stop, log, h, Dir(dir))
 }
 
 #[test]
 fn worker_handshake_gets_memory_and_leases() {
-    let (sock, stop, log, h) = start("worker");
+    let (sock, stop, log, h, _dir) = start("worker");
     let mut c = Client::connect(&sock, ClientKind::Worker, "test worker").unwrap();
     let fd = c.shm_fd.take().expect("workers receive the shared memory");
     let view = k3_store::shmem::ReadOnlySegment::map(fd, 4096).unwrap();
@@ -134,7 +143,7 @@ fn worker_handshake_gets_memory_and_leases() {
 
 #[test]
 fn version_mismatch_is_refused_naming_both() {
-    let (sock, stop, _log, h) = start("version");
+    let (sock, stop, _log, h, _dir) = start("version");
     let err = Client::connect_with_version(&sock, ClientKind::Worker, "old", PROTOCOL_VERSION + 7)
         .err()
         .expect("refused");
@@ -151,7 +160,7 @@ fn version_mismatch_is_refused_naming_both() {
 
 #[test]
 fn control_clients_cannot_lease_and_stop_drains() {
-    let (sock, _stop, _log, h) = start("ctl");
+    let (sock, _stop, _log, h, _dir) = start("ctl");
     let mut c = Client::connect(&sock, ClientKind::Control, "k3-ctl").unwrap();
     assert!(c.shm_fd.is_none(), "control clients get no memory");
     assert!(matches!(
@@ -181,7 +190,7 @@ fn control_clients_cannot_lease_and_stop_drains() {
 
 #[test]
 fn first_message_must_be_hello() {
-    let (sock, stop, _log, h) = start("hello");
+    let (sock, stop, _log, h, _dir) = start("hello");
     let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
     k3_store::ipc::send_frame(&mut s, &Request::Stats, None).unwrap();
     let (resp, _) = k3_store::ipc::recv_frame::<Response>(&mut s).unwrap();

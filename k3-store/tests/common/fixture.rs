@@ -179,11 +179,17 @@ enum Class {
     Expert(usize, usize, ExpertPart),
 }
 
-/// A written checkpoint.
+/// A written checkpoint. Dropping it removes its directory (also when a test panics).
 pub struct Written {
     pub dir: PathBuf,
     pub catalog: Catalog,
     pub spec: Spec,
+}
+
+impl Drop for Written {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 pub fn tmpdir(tag: &str) -> PathBuf {
