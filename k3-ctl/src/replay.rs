@@ -170,11 +170,7 @@ fn render(
     }
     s.push('\n');
     for &cap in caps {
-        s += &format!(
-            "{:>9} {:>6.1}%",
-            cap,
-            100.0 * cap as f64 / ws.max(1) as f64
-        );
+        s += &format!("{:>9} {:>6.1}%", cap, 100.0 * cap as f64 / ws.max(1) as f64);
         for c in cols {
             let cell = rows
                 .iter()

@@ -45,7 +45,25 @@ pub const MAX_EXPERT: u32 = (1 << 24) - 1;
 pub const MAX_REQUESTS: u64 = 100_000_000;
 
 /// Names accepted by [`policy_by_name`] (each may take `:PARAM`, see the module docs).
-pub const POLICY_NAMES: &[&str] = &["lru", "lfu", "layer", "layer-lfu"];
+pub const POLICY_NAMES: &[&str] = &[
+    "lru",
+    "lfu",
+    "layer",
+    "layer-lfu",
+    "lrfu",
+    "layer-lrfu",
+    "layer-age",
+];
+
+/// Default decay of the recency-weighted frequency policies, per token (see [`Lrfu`]).
+pub const DEFAULT_LRFU_LAMBDA: f64 = 0.5;
+
+/// Default decay of [`LayerAge`]'s frequency count, halvings per visit of the expert's layer
+/// (tuned on the tuning traces of `docs/CACHE_POLICY.md`: a slow, long-term count).
+pub const DEFAULT_AGE_LAMBDA: f64 = 0.005;
+
+/// Ages above this many visits of the layer count as equally stale in [`LayerAge`] (tuned).
+pub const AGE_CAP: u64 = 4;
 
 /// Default ageing period of the frequency policies, in multiples of the slot count.
 pub const DEFAULT_AGE_FACTOR: f64 = 4.0;
@@ -58,20 +76,28 @@ pub fn policy_by_name(name: &str, slots: usize) -> Option<Box<dyn EvictionPolicy
         Some((b, p)) => (b, Some(p)),
         None => (name, None),
     };
-    let factor = match param {
-        None => DEFAULT_AGE_FACTOR,
+    let param = match param {
+        None => None,
         Some(p) => {
             let f: f64 = p.parse().ok()?;
             if !(f.is_finite() && f > 0.0 && f <= 1e6) {
                 return None;
             }
-            f
+            Some(f)
         }
     };
+    let factor = param.unwrap_or(DEFAULT_AGE_FACTOR);
     let period = ((slots.max(1) as f64) * factor).ceil().max(1.0) as u64;
+    let lambda = param.unwrap_or(DEFAULT_LRFU_LAMBDA);
     match base {
+        "lrfu" => Some(Box::new(Lrfu::new(slots, lambda, false))),
+        "layer-lrfu" => Some(Box::new(Lrfu::new(slots, lambda, true))),
         "lru" if param.is_none() => Some(Box::new(Lru::new(slots))),
         "lfu" => Some(Box::new(Lfu::new(slots, period))),
+        "layer-age" => Some(Box::new(LayerAge::new(
+            slots,
+            param.unwrap_or(DEFAULT_AGE_LAMBDA),
+        ))),
         "layer" if param.is_none() => Some(Box::new(LayerDistance::new(slots, None))),
         "layer-lfu" => Some(Box::new(LayerDistance::new(slots, Some(period)))),
         _ => None,
@@ -234,7 +260,241 @@ impl EvictionPolicy for LayerDistance {
         let mut best: Option<((u32, u32, u64), usize)> = None;
         for s in 0..self.stamp.len() {
             let count = self.freq.as_ref().map_or(0, |f| f.slot_count[s]);
-            let k = (u32::MAX - self.distance(self.layer[s]), count, self.stamp[s]);
+            let k = (
+                u32::MAX - self.distance(self.layer[s]),
+                count,
+                self.stamp[s],
+            );
+            if best.is_none_or(|(bk, _)| k < bk) && eligible(s) {
+                best = Some((k, s));
+            }
+        }
+        best.map(|(_, s)| s)
+    }
+}
+
+/// Recency-weighted frequency (LRFU): each (layer, expert) carries a score that adds 1 per
+/// request and halves every `1/λ` tokens (a token = one visit of every layer, counted from
+/// [`EvictionPolicy::begin`]); the victim has the lowest score. λ → ∞ is LRU, λ → 0 is LFU.
+/// With `layer_first`, the layer distance of [`LayerDistance`] is compared first.
+#[derive(Debug)]
+pub struct Lrfu {
+    lambda: f64,
+    layer_first: bool,
+    /// Per (layer, expert): log2 of the score at its last request, and that time (tokens).
+    hist: HashMap<(u32, u32), (f64, f64)>,
+    /// Per slot: log2(score) + λ·last, which orders slots as their scores now do.
+    rank: Vec<f64>,
+    layer: Vec<u32>,
+    batches: u64,
+    current: u32,
+    n_layers: u32,
+}
+
+impl Lrfu {
+    /// For `slots` slots with decay `lambda` (halvings per token).
+    pub fn new(slots: usize, lambda: f64, layer_first: bool) -> Lrfu {
+        Lrfu {
+            lambda,
+            layer_first,
+            hist: HashMap::new(),
+            rank: vec![f64::NEG_INFINITY; slots],
+            layer: vec![0; slots],
+            batches: 0,
+            current: 0,
+            n_layers: 1,
+        }
+    }
+
+    fn now(&self) -> f64 {
+        self.batches as f64 / self.n_layers as f64
+    }
+
+    fn distance(&self, layer: u32) -> u32 {
+        let n = self.n_layers as u64;
+        let d = ((layer as u64 + n - (self.current as u64 % n)) % n) as u32;
+        if d == 0 {
+            self.n_layers
+        } else {
+            d
+        }
+    }
+}
+
+impl EvictionPolicy for Lrfu {
+    fn name(&self) -> &'static str {
+        if self.layer_first {
+            "layer-lrfu"
+        } else {
+            "lrfu"
+        }
+    }
+    fn begin(&mut self, layer: u32) {
+        self.n_layers = self.n_layers.max(layer.saturating_add(1));
+        self.current = layer;
+        self.batches += 1;
+    }
+    fn touch(&mut self, slot: usize, layer: u32, expert: u32) {
+        self.n_layers = self.n_layers.max(layer.saturating_add(1));
+        let now = self.now();
+        let (l2, last) = self
+            .hist
+            .get(&(layer, expert))
+            .copied()
+            .unwrap_or((f64::NEG_INFINITY, now));
+        // score = score·2^(−λ·Δt) + 1, in log2.
+        let decayed = l2 - self.lambda * (now - last);
+        let l2 = (decayed.exp2() + 1.0).log2();
+        self.hist.insert((layer, expert), (l2, now));
+        self.rank[slot] = l2 + self.lambda * now;
+        self.layer[slot] = layer;
+    }
+    fn forget(&mut self, slot: usize) {
+        self.rank[slot] = f64::NEG_INFINITY;
+    }
+    fn victim(&mut self, eligible: &mut dyn FnMut(usize) -> bool) -> Option<usize> {
+        let mut best: Option<((u32, f64), usize)> = None;
+        for s in 0..self.rank.len() {
+            let d = if self.layer_first {
+                u32::MAX - self.distance(self.layer[s])
+            } else {
+                0
+            };
+            let k = (d, self.rank[s]);
+            if best.is_none_or(|(bk, _)| k < bk) && eligible(s) {
+                best = Some((k, s));
+            }
+        }
+        best.map(|(_, s)| s)
+    }
+}
+
+/// Layers whose visits [`LayerAge`] counts apart (larger indices share counters modulo this).
+const AGE_LAYERS: usize = 1 << 16;
+
+/// Age in visits of the expert's own layer, then long-term frequency, then layer distance, then
+/// LRU.
+///
+/// An expert's age is the number of requests for its layer since it was last requested (0 = used
+/// at its layer's latest visit; the current layer's other residents are at least 1), capped at
+/// [`AGE_CAP`]. The victim is the oldest; among equally old, the least frequently used (a count
+/// per (layer, expert) that survives eviction and halves every `1/λ` visits of its layer,
+/// `layer-age:λ`); then the one whose layer comes back last in the cyclic schedule (as
+/// [`LayerDistance`]); then the least recently used. Measuring staleness per layer removes LRU's
+/// cyclic pathology (an expert of the layer just served looks younger than one of the next
+/// layer, so LRU evicts exactly what is needed next), while stale experts of any layer still go
+/// before fresh ones, which strict layer distance ignores; among the stale, popular experts stay.
+#[derive(Debug)]
+pub struct LayerAge {
+    /// Halvings of the count per visit of the layer.
+    lambda: f64,
+    /// Per (layer, expert): the count at its last request, and that visit of its layer.
+    hist: HashMap<(u32, u32), (f64, u64)>,
+    /// Per slot: log2 of its expert's count at its last request.
+    score: Vec<f64>,
+    visits: Vec<u64>,
+    last_visit: Vec<u64>,
+    layer: Vec<u32>,
+    stamp: Vec<u64>,
+    clock: u64,
+    current: u32,
+    n_layers: u32,
+}
+
+impl LayerAge {
+    /// For `slots` slots, the frequency count halving every `1/lambda` visits.
+    pub fn new(slots: usize, lambda: f64) -> LayerAge {
+        LayerAge {
+            lambda,
+            hist: HashMap::new(),
+            score: vec![f64::NEG_INFINITY; slots],
+            visits: Vec::new(),
+            last_visit: vec![0; slots],
+            layer: vec![0; slots],
+            stamp: vec![0; slots],
+            clock: 0,
+            current: 0,
+            n_layers: 1,
+        }
+    }
+
+    fn visit_index(layer: u32) -> usize {
+        layer as usize % AGE_LAYERS
+    }
+
+    fn visits_of(&self, layer: u32) -> u64 {
+        self.visits
+            .get(Self::visit_index(layer))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn distance(&self, layer: u32) -> u32 {
+        let n = self.n_layers as u64;
+        let d = ((layer as u64 + n - (self.current as u64 % n)) % n) as u32;
+        if d == 0 {
+            self.n_layers
+        } else {
+            d
+        }
+    }
+}
+
+impl EvictionPolicy for LayerAge {
+    fn name(&self) -> &'static str {
+        "layer-age"
+    }
+    fn begin(&mut self, layer: u32) {
+        self.n_layers = self.n_layers.max(layer.saturating_add(1));
+        self.current = layer;
+        let i = Self::visit_index(layer);
+        if self.visits.len() <= i {
+            self.visits.resize(i + 1, 0);
+        }
+        self.visits[i] += 1;
+    }
+    fn touch(&mut self, slot: usize, layer: u32, expert: u32) {
+        self.n_layers = self.n_layers.max(layer.saturating_add(1));
+        self.clock += 1;
+        self.stamp[slot] = self.clock;
+        self.layer[slot] = layer;
+        let now = self.visits_of(layer);
+        self.last_visit[slot] = now;
+        let (c, at) = self
+            .hist
+            .get(&(layer, expert))
+            .copied()
+            .unwrap_or((0.0, now));
+        let c = c * (-self.lambda * now.saturating_sub(at) as f64).exp2() + 1.0;
+        self.hist.insert((layer, expert), (c, now));
+        self.score[slot] = c.log2();
+    }
+    fn forget(&mut self, slot: usize) {
+        self.stamp[slot] = 0;
+        self.last_visit[slot] = 0;
+        self.score[slot] = f64::NEG_INFINITY;
+    }
+    fn victim(&mut self, eligible: &mut dyn FnMut(usize) -> bool) -> Option<usize> {
+        // Smallest key wins: oldest (capped); among the stale (age at the cap), the lowest
+        // count now; then the farthest layer; then the least recently used. Fresh experts are
+        // not compared by count: in the cyclic schedule, layers served earlier in this token have
+        // one more request counted than those still to come, and preferring them would bring
+        // back LRU's pathology.
+        let mut best: Option<((u64, f64, u32, u64), usize)> = None;
+        for s in 0..self.stamp.len() {
+            let l = self.layer[s];
+            let age = self.visits_of(l).saturating_sub(self.last_visit[s]);
+            let count = if age >= AGE_CAP {
+                self.score[s] - self.lambda * age as f64
+            } else {
+                0.0
+            };
+            let k = (
+                u64::MAX - age.min(AGE_CAP),
+                count,
+                u32::MAX - self.distance(l),
+                self.stamp[s],
+            );
             if best.is_none_or(|(bk, _)| k < bk) && eligible(s) {
                 best = Some((k, s));
             }
@@ -328,7 +588,9 @@ impl Trace {
             let raw: RawLine = serde_json::from_str(text).map_err(|e| {
                 err(
                     line,
-                    format!("expected {{\"step\": u64, \"layer\": u32, \"experts\": [u32, ...]}}: {e}"),
+                    format!(
+                        "expected {{\"step\": u64, \"layer\": u32, \"experts\": [u32, ...]}}: {e}"
+                    ),
                 )
             })?;
             if raw.layer > MAX_LAYER {

@@ -135,9 +135,40 @@ fn cyclic_scan_larger_than_the_cache_defeats_lru_not_belady() {
     // OPT on a cycle of n = 10 with k = 5 slots: after the 5 cold misses, it misses
     // (n - k) / (n - 1) = 5/9 of the remaining 495 requests (275), and hits the other 220.
     assert_eq!((opt.evictions, opt.resident_hits), (275, 220), "{opt:?}");
-    // Evicting the layer needed farthest ahead is exactly OPT on a pure cyclic scan.
-    let layer = online(&t, "layer", 5);
-    assert_eq!(layer.resident_hits, opt.resident_hits, "{layer:?}");
+    // Evicting the layer needed farthest ahead is exactly OPT on a pure cyclic scan (this also
+    // fails if the table does not tell the policy the current layer).
+    for name in ["layer", "layer-lfu", "layer-lrfu", "layer-age"] {
+        let c = online(&t, name, 5);
+        assert_eq!(c.resident_hits, opt.resident_hits, "{name}: {c:?}");
+    }
+}
+
+#[test]
+fn below_the_per_token_footprint_lru_gets_nothing_and_layer_age_does() {
+    // 8 layers, uniformly random top-2 of 32 experts per layer, 200 tokens; 12 slots < the 16
+    // experts a token touches, so LRU has evicted a layer's experts before it comes back.
+    let mut rng = Rng(4242);
+    let mut t = Trace {
+        batches: Vec::new(),
+        jobs: 1,
+    };
+    for step in 0..200u64 {
+        for layer in 0..8u32 {
+            let a = rng.below(32) as u32;
+            let b = (a + 1 + rng.below(31) as u32) % 32;
+            t.batches.push(TraceBatch {
+                step,
+                layer,
+                experts: vec![a, b],
+            });
+        }
+    }
+    assert_eq!(online(&t, "lru", 12).resident_hits, 0);
+    let age = online(&t, "layer-age", 12);
+    let opt = replay_offline(&t, 12, Offline::Belady).unwrap();
+    // Uniform routing: about (12 - 2) / 256 of requests can be kept for the next token.
+    assert!(age.resident_hits > age.requests / 50, "{age:?}");
+    assert!(opt.resident_hits >= age.resident_hits);
 }
 
 #[test]
@@ -215,10 +246,22 @@ fn malformed_trace_lines_are_errors_with_line_numbers() {
         ("{\"step\":0,\"layer\":1,\"experts\":[\"a\"]}", "expected"),
         ("{\"step\":0,\"layer\":1,\"experts\":[1]", "expected"),
         ("[1,2,3]", "expected"),
-        ("{\"step\":0,\"layer\":1,\"experts\":[]}", "empty expert list"),
-        ("{\"step\":0,\"layer\":70000,\"experts\":[1]}", "layer 70000"),
-        ("{\"step\":0,\"layer\":1,\"experts\":[16777216]}", "expert id 16777216"),
-        ("{\"step\":0,\"layer\":1,\"experts\":[4294967296]}", "expected"),
+        (
+            "{\"step\":0,\"layer\":1,\"experts\":[]}",
+            "empty expert list",
+        ),
+        (
+            "{\"step\":0,\"layer\":70000,\"experts\":[1]}",
+            "layer 70000",
+        ),
+        (
+            "{\"step\":0,\"layer\":1,\"experts\":[16777216]}",
+            "expert id 16777216",
+        ),
+        (
+            "{\"step\":0,\"layer\":1,\"experts\":[4294967296]}",
+            "expected",
+        ),
     ];
     for (bad, why) in cases {
         let text = format!("{good}\n{good}{bad}\n{good}");
@@ -265,8 +308,17 @@ fn policies_are_constructed_by_name() {
         assert_eq!(policy_by_name(name, 8).unwrap().name(), *name);
     }
     assert_eq!(policy_by_name("lfu:2.5", 8).unwrap().name(), "lfu");
-    assert_eq!(policy_by_name("layer-lfu:1", 8).unwrap().name(), "layer-lfu");
-    for bad in ["mru", "lfu:", "lfu:0", "lfu:-3", "lfu:nan", "lru:2", "layer:3", ""] {
+    assert_eq!(
+        policy_by_name("layer-lfu:1", 8).unwrap().name(),
+        "layer-lfu"
+    );
+    assert_eq!(
+        policy_by_name("layer-age:0.1", 8).unwrap().name(),
+        "layer-age"
+    );
+    for bad in [
+        "mru", "lfu:", "lfu:0", "lfu:-3", "lfu:nan", "lru:2", "layer:3", "lfu:1e9", "",
+    ] {
         assert!(policy_by_name(bad, 8).is_none(), "{bad}");
     }
 }
