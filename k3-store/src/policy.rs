@@ -13,18 +13,23 @@
 //! used before anything is evicted, and a batch's own loads are never evicted by that batch. The
 //! same simulator also runs LRU, which the tests compare against the real table.
 //!
-//! The online candidates, all O(slots) per victim like [`Lru`]:
-//! - `lfu`: least frequently used with ageing. Frequencies are kept per (layer, expert), so they
-//!   survive eviction, and every count is halved each `F × slots` requests (`lfu:F`, default 4).
+//! The online candidates (`--cache-policy NAME`, [`policy_by_name`]), all O(slots) per victim
+//! like [`Lru`]; `docs/CACHE_POLICY.md` has the measurements:
+//! - `lfu[:F]`: least frequently used with ageing. Frequencies are kept per (layer, expert), so
+//!   they survive eviction, and every count is halved each `F × slots` requests (default 4).
 //!   Ties go to the least recently used.
 //! - `layer`: layer distance. A decode step visits the MoE layers in the cyclic order 0..n-1, so
 //!   the resident expert needed farthest in the future is, to a first approximation, one of the
 //!   layer just served. With the current layer c (from [`EvictionPolicy::begin`]) an expert of
 //!   layer l is next needed after (l − c) mod n layers, and after a whole cycle when l = c; the
-//!   victim maximises that distance, ties (same layer) to the least recently used. In steady state
-//!   this self-balances into equal per-layer partitions, which is what defeats the cyclic scan
-//!   that makes LRU miss everything.
-//! - `layer-lfu`: layer distance, ties within a layer to the lowest aged frequency (`layer-lfu:F`).
+//!   victim maximises that distance, ties (same layer) to the least recently used. This is
+//!   exactly OPT on a pure cyclic scan, where LRU gets nothing.
+//! - `layer-lfu[:F]`: layer distance, ties within a layer to the lowest aged frequency.
+//! - `lrfu[:λ]`: recency-weighted frequency (a count per expert halving every 1/λ tokens).
+//! - `layer-lrfu[:λ]`: layer distance, ties to `lrfu`'s score.
+//! - `layer-age[:λ]`: staleness in visits of the expert's own layer (capped at [`AGE_CAP`]),
+//!   then, among the stale, a long-term frequency; then layer distance; then LRU. The best of
+//!   these on the tuning traces, and never worse than LRU on any trace measured.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -586,10 +591,15 @@ impl Trace {
                 continue;
             }
             let raw: RawLine = serde_json::from_str(text).map_err(|e| {
+                // serde's own "at line 1 column C" would contradict our line number.
+                let m = e.to_string();
+                let m = m.rsplit_once(" at line ").map_or(m.as_str(), |(a, _)| a);
                 err(
                     line,
                     format!(
-                        "expected {{\"step\": u64, \"layer\": u32, \"experts\": [u32, ...]}}: {e}"
+                        "expected {{\"step\": u64, \"layer\": u32, \"experts\": [u32, ...]}}: \
+                         {m} (column {})",
+                        e.column()
                     ),
                 )
             })?;
