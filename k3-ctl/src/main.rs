@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod inspect;
 mod pack;
 mod presets;
+mod replay;
 mod store_cmds;
 mod tokenize;
 
@@ -34,6 +35,8 @@ enum Cmd {
     PackTrunk(pack::Args),
     /// Print the memory presets (trunk / expert-cache budgets).
     Presets(presets::Args),
+    /// Replay expert-cache traces: TRUE hit rate per eviction policy and capacity vs Belady.
+    ReplayTrace(replay::Args),
 }
 
 fn main() {
@@ -58,6 +61,7 @@ fn main() {
         Cmd::Stop(a) => store_cmds::run_stop(a),
         Cmd::PackTrunk(a) => pack::run(a),
         Cmd::Presets(a) => presets::run(a),
+        Cmd::ReplayTrace(a) => replay::run(a),
     };
     std::process::exit(code);
 }

@@ -56,6 +56,10 @@ pub enum SlotState {
 pub trait EvictionPolicy: Send {
     /// Short name for reports.
     fn name(&self) -> &'static str;
+    /// A batch of `layer` is about to be served (called once per successful
+    /// [`SlotTable::reserve`], before its hits are touched). Default: nothing; policies that use
+    /// the cyclic layer schedule (see `policy.rs`) learn the current layer here.
+    fn begin(&mut self, _layer: u32) {}
     /// `slot` was used (a hit, or its expert was just published).
     fn touch(&mut self, slot: usize, layer: u32, expert: u32);
     /// `slot` became EMPTY.
@@ -314,6 +318,7 @@ impl SlotTable {
             }
         }
         // Commit: lease hits and waits first, so no victim can be one of them.
+        self.policy.begin(layer);
         let mut out: Vec<Option<Reserved>> = vec![None; ids.len()];
         for (i, &e) in ids.iter().enumerate() {
             self.counters.requests += 1;

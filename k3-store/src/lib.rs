@@ -12,6 +12,7 @@ pub mod experts;
 pub mod io;
 pub mod ipc;
 pub mod plan;
+pub mod policy;
 pub mod shmem;
 pub mod source;
 pub mod standalone;
