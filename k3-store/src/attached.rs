@@ -255,6 +255,10 @@ impl WeightSource for AttachedSource {
         self.stream.prefetch(l)
     }
 
+    fn max_expert_batch(&self) -> usize {
+        (self.slots as usize).max(1)
+    }
+
     fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
         let t0 = Instant::now();
         let layer = u32::try_from(l).map_err(|_| SourceError::Invalid(format!("layer {l}")))?;

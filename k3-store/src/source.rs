@@ -194,6 +194,12 @@ pub trait WeightSource: Send + Sync {
     /// The routed experts `ids` of layer `l` (one layer's top-k for a token or a batch).
     fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError>;
 
+    /// The most distinct experts one [`WeightSource::experts`] call may ask for (the cache's
+    /// slots). The engine splits a prefill's larger union into requests of at most this many.
+    fn max_expert_batch(&self) -> usize {
+        usize::MAX
+    }
+
     /// Counters so far.
     fn stats(&self) -> SourceStats;
 }

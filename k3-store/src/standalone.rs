@@ -238,6 +238,10 @@ fn load_model_tensors(
 }
 
 impl WeightSource for StandaloneSource {
+    fn max_expert_batch(&self) -> usize {
+        self.plan.expert_slots.max(1)
+    }
+
     fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
         let name = k3_proto::names::canonical(name);
         self.model

@@ -492,3 +492,51 @@ fn every_simd_tier_gives_the_reference_ids_and_a_bad_tier_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn a_cache_smaller_than_the_prefill_union_still_gives_the_reference_ids() {
+    // Tiny experts are 6528 bytes; a slot is align_up(6528) + 4096 = 12288 bytes, so 40 kB of
+    // cache is 3 slots, while the 12-token prompt routes up to 8 distinct experts per layer.
+    let sb = Sandbox::new("small-cache");
+    let trace = sb.path("trace");
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--trunk-gb",
+        "1",
+        "--cache-gb",
+        "0.00004",
+        "--ids",
+        &csv(&ref_ids("prompt_ids.json")),
+        "--gen",
+        "20",
+        "--dump-cache-trace",
+        s(&trace),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"));
+    let lines = std::fs::read_to_string(trace.join("expert_trace.jsonl")).unwrap();
+    let mut widest = 0;
+    let mut prefill_union: std::collections::BTreeMap<u64, std::collections::BTreeSet<u64>> =
+        Default::default();
+    for line in lines.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let ids = v["experts"].as_array().unwrap();
+        widest = widest.max(ids.len());
+        if v["step"] == 0 {
+            prefill_union
+                .entry(v["layer"].as_u64().unwrap())
+                .or_default()
+                .extend(ids.iter().map(|i| i.as_u64().unwrap()));
+        }
+    }
+    assert!(
+        widest <= 3,
+        "a request of {widest} experts exceeds the 3 slots"
+    );
+    assert!(
+        prefill_union.values().any(|u| u.len() > 3),
+        "the test needs a prefill whose union exceeds the cache"
+    );
+}

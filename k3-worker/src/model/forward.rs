@@ -216,23 +216,33 @@ impl<'s> Model<'s> {
                 Mlp::Moe(moe) => {
                     let routing = moe.route(&d, &xn, n);
                     let uniq = routing.unique();
-                    if let Some(t) = self.trace.as_mut() {
-                        t.push(TraceRecord {
-                            step: self.step,
-                            layer: l as u32,
-                            experts: uniq.clone(),
-                        });
+                    let z = moe.latent_in(&d, &xn, n);
+                    // A prefill's union of experts can exceed the cache: fetch it in groups the
+                    // source can hold at once. Each group's slots are released (its batch
+                    // dropped) before the next is requested; the output does not depend on the
+                    // grouping.
+                    let group = self.source.max_expert_batch().max(1);
+                    let mut results = Vec::with_capacity(uniq.len());
+                    for ids in uniq.chunks(group) {
+                        if let Some(t) = self.trace.as_mut() {
+                            t.push(TraceRecord {
+                                step: self.step,
+                                layer: l as u32,
+                                experts: ids.to_vec(),
+                            });
+                        }
+                        self.counters.expert_requests += ids.len() as u64;
+                        let batch = self.source.experts(l, ids)?;
+                        if batch.experts.len() != ids.len() {
+                            return Err(ModelError::Config(format!(
+                                "source answered {} experts for a request of {} (layer {l})",
+                                batch.experts.len(),
+                                ids.len()
+                            )));
+                        }
+                        results.extend(moe.run_experts(&d, &z, n, &routing, ids, &batch));
                     }
-                    self.counters.expert_requests += uniq.len() as u64;
-                    let batch = self.source.experts(l, &uniq)?;
-                    if batch.experts.len() != uniq.len() {
-                        return Err(ModelError::Config(format!(
-                            "source answered {} experts for a request of {} (layer {l})",
-                            batch.experts.len(),
-                            uniq.len()
-                        )));
-                    }
-                    let (out, failed) = moe.forward(&d, &xn, n, &routing, &uniq, &batch);
+                    let (out, failed) = moe.combine(&d, &xn, n, &routing, &results);
                     for (id, why) in failed {
                         self.counters.failed_expert_loads += 1;
                         if self.counters.failure_messages.len() < MAX_FAILURE_MESSAGES {

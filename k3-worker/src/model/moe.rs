@@ -58,7 +58,8 @@ impl Routing {
 }
 
 /// One expert's users (flat `token·k + slot` indices) and its output rows `[users, latent]`.
-type ExpertRows = (Vec<usize>, Vec<f32>);
+/// One expert's users (indices into the `[n, k]` selection) and its latent outputs `[users, latent]`.
+pub type ExpertRows = (Vec<usize>, Vec<f32>);
 
 /// One MoE layer's resident weights.
 #[derive(Debug)]
@@ -127,14 +128,34 @@ impl MoeWeights<'_> {
         ids: &[u32],
         batch: &ExpertBatch,
     ) -> (Vec<f32>, Vec<(u32, String)>) {
+        let z = self.latent_in(d, x, n);
+        let results = self.run_experts(d, &z, n, routing, ids, batch);
+        self.combine(d, x, n, routing, &results)
+    }
+
+    /// The latent down-projection `z = W_down x` (`[n, latent]`) that every routed expert reads.
+    pub fn latent_in(&self, d: &Dims, x: &[f32], n: usize) -> Vec<f32> {
+        linear(self.down, d.latent, d.hidden, x, n)
+    }
+
+    /// Run the experts `ids` (answered by `batch`, in that order) over the latent rows of the
+    /// tokens routed to them. The result does not depend on how a layer's experts are split
+    /// into requests: each expert always runs over all of its users at once.
+    pub fn run_experts(
+        &self,
+        d: &Dims,
+        z: &[f32],
+        n: usize,
+        routing: &Routing,
+        ids: &[u32],
+        batch: &ExpertBatch,
+    ) -> Vec<(u32, Result<ExpertRows, String>)> {
         let lat = d.latent;
         let k = routing.k;
         let layout = ExpertLayout {
             inter: d.moe_inter,
             latent: lat,
         };
-        let z = linear(self.down, lat, d.hidden, x, n);
-
         // Per unique expert: its (token, slot) users, the gathered latent rows, the result.
         let results: Vec<Result<ExpertRows, String>> = ids
             .par_iter()
@@ -196,11 +217,27 @@ impl MoeWeights<'_> {
                 Ok((users, y))
             })
             .collect();
+        ids.iter().copied().zip(results).collect()
+    }
 
+    /// Aggregate the experts' outputs per token in selection order, normalise the aggregate,
+    /// project it up and add the shared experts. Returns the output `[n, E]` and the ids whose
+    /// load failed (their contribution is skipped).
+    pub fn combine(
+        &self,
+        d: &Dims,
+        x: &[f32],
+        n: usize,
+        routing: &Routing,
+        results: &[(u32, Result<ExpertRows, String>)],
+    ) -> (Vec<f32>, Vec<(u32, String)>) {
+        let lat = d.latent;
+        let k = routing.k;
         // Scatter to (token, slot) and aggregate per token in selection order.
         let mut slot_out: Vec<Option<&[f32]>> = vec![None; n * k];
         let mut failed = Vec::new();
-        for (r, &id) in results.iter().zip(ids) {
+        for (id, r) in results {
+            let id = *id;
             match r {
                 Ok((users, y)) => {
                     for (j, &i) in users.iter().enumerate() {
