@@ -133,7 +133,10 @@ fn start(a: StartArgs, m: &clap::ArgMatches) -> i32 {
     };
     // The plan: the store holds the resident tensors, the pinned prefix and the expert arena;
     // ring slots, KV caches and activations live in each worker.
-    let inputs = PlanInputs::from_model(&cfg, &cat, &trunk, 0);
+    let mut inputs = PlanInputs::from_model(&cfg, &cat, &trunk, 0);
+    // The store holds the embedding in shared memory too (workers read its rows there).
+    inputs.resident_bytes += inputs.mapped_bytes;
+    inputs.mapped_bytes = 0;
     let mut plan = MemoryPlan::compute(&inputs, &budget);
     let shm = segment_bytes(&cat, &trunk, plan.pinned_layers, plan.expert_slots);
     let available = mem_available().ok();

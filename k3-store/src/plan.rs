@@ -202,8 +202,11 @@ impl Budget {
 /// Everything the plan needs to know about the model, in bytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanInputs {
-    /// Model-level tensors (embedding, lm_head, final norms, output AttnRes).
+    /// Model-level tensors read into memory (lm_head, final norms, output AttnRes).
     pub resident_bytes: u64,
+    /// Model-level tensors served by a file mapping, paged in on demand (the embedding table:
+    /// one row per token is read, so it is not counted as resident).
+    pub mapped_bytes: u64,
     /// Memory one layer's trunk occupies when loaded (read buffer size), per layer.
     pub layer_bytes: Vec<u64>,
     /// Bytes of one expert.
@@ -252,8 +255,13 @@ impl PlanInputs {
         .max()
         .unwrap_or(0) as u64;
         let blocks = (cfg.num_hidden_layers / cfg.attn_res_block_size.max(1)) as u64 + 2;
+        let (embed, resident): (Vec<_>, Vec<_>) = cat
+            .model_tensors()
+            .iter()
+            .partition(|t| t.name == k3_proto::names::EMBED);
         PlanInputs {
-            resident_bytes: cat.model_tensors().iter().map(|t| t.nbytes).sum(),
+            resident_bytes: resident.iter().map(|t| t.nbytes).sum(),
+            mapped_bytes: embed.iter().map(|t| t.nbytes).sum(),
             layer_bytes: (0..trunk.n_layers()).map(|l| trunk.buf_len(l)).collect(),
             expert_bytes: cfg.expert_layout().expert_bytes() as u64,
             expert_slot_bytes: crate::experts::ExpertReader::slot_stride(&cfg.expert_layout())
@@ -294,8 +302,10 @@ pub struct MemoryPlan {
     pub ring_slots: usize,
     /// Bytes per ring slot (largest unpinned layer).
     pub ring_slot_bytes: u64,
-    /// Model-level tensors.
+    /// Model-level tensors read into memory.
     pub resident_bytes: u64,
+    /// Model-level tensors mapped from the checkpoint (the embedding; not counted in the total).
+    pub mapped_bytes: u64,
     /// Expert slots.
     pub expert_slots: usize,
     /// Bytes per expert slot.
@@ -379,6 +389,7 @@ impl MemoryPlan {
             ring_slots,
             ring_slot_bytes: if ring_slots > 0 { slot } else { 0 },
             resident_bytes: inputs.resident_bytes,
+            mapped_bytes: inputs.mapped_bytes,
             expert_slots,
             expert_slot_bytes: stride,
             top_k: inputs.top_k,
@@ -492,12 +503,30 @@ impl std::fmt::Display for MemoryPlan {
             )
         };
         row(f, "trunk", self.trunk_bytes(), trunk_note)?;
-        row(
-            f,
-            "embed+lm_head",
-            self.resident_bytes,
-            "model-level tensors, resident".into(),
-        )?;
+        if self.mapped_bytes > 0 {
+            row(
+                f,
+                "lm_head+norms",
+                self.resident_bytes,
+                "model-level tensors, resident".into(),
+            )?;
+            row(
+                f,
+                "embedding",
+                0,
+                format!(
+                    "{} mapped from the checkpoint; only the rows of used tokens are paged in",
+                    fmt_gb(self.mapped_bytes)
+                ),
+            )?;
+        } else {
+            row(
+                f,
+                "embed+lm_head",
+                self.resident_bytes,
+                "model-level tensors, resident".into(),
+            )?;
+        }
         row(
             f,
             "expert cache",
@@ -581,6 +610,7 @@ mod tests {
             .collect();
         PlanInputs {
             resident_bytes: 4_697_620_480 + 4 * 7168 * 2,
+            mapped_bytes: 0,
             layer_bytes,
             expert_bytes: 17_547_264,
             expert_slot_bytes: 17_547_264 + 4096,

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::catalog::Catalog;
 use crate::experts::{CacheOptions, CacheStats, ExpertCache};
-use crate::io::DiskFile;
+use crate::io::{DiskFile, MappedRange};
 use crate::plan::{mem_available, Budget, MemoryPlan, PlanInputs};
 use crate::source::{
     ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
@@ -225,12 +225,20 @@ fn load_model_tensors(
         let f = shards
             .get(t.shard as usize)
             .ok_or_else(|| OpenError::Io(format!("{}: shard {} not open", t.name, t.shard)))?;
-        let (buf, inner) = f
-            .read_region(t.off, t.nbytes)
-            .map_err(|e| OpenError::Io(format!("{}: {}", t.name, e.0)))?;
-        let owner: Arc<dyn ByteOwner> = Arc::new(buf);
-        let r = Region::new(owner, inner, t.nbytes as usize)
-            .ok_or_else(|| OpenError::Io(format!("{}: window outside its buffer", t.name)))?;
+        let r = if t.name == k3_proto::names::EMBED {
+            // One row per token is read: map it, so only the rows used become resident.
+            let m = MappedRange::map(f.path(), t.off, t.nbytes)
+                .map_err(|e| OpenError::Io(format!("{}: {}", t.name, e.0)))?;
+            let owner: Arc<dyn ByteOwner> = Arc::new(m);
+            Region::whole(owner)
+        } else {
+            let (buf, inner) = f
+                .read_region(t.off, t.nbytes)
+                .map_err(|e| OpenError::Io(format!("{}: {}", t.name, e.0)))?;
+            let owner: Arc<dyn ByteOwner> = Arc::new(buf);
+            Region::new(owner, inner, t.nbytes as usize)
+                .ok_or_else(|| OpenError::Io(format!("{}: window outside its buffer", t.name)))?
+        };
         out.insert(t.name.clone(), r);
         progress("model tensors", i + 1, ts.len());
     }
@@ -295,6 +303,7 @@ mod tests {
     fn inputs(spec: &Spec) -> impl Fn(&Catalog, &TrunkLayout) -> PlanInputs + '_ {
         move |cat, trunk| PlanInputs {
             resident_bytes: cat.model_tensors().iter().map(|t| t.nbytes).sum(),
+            mapped_bytes: 0,
             layer_bytes: (0..trunk.n_layers()).map(|l| trunk.buf_len(l)).collect(),
             expert_bytes: spec.layout.expert_bytes() as u64,
             expert_slot_bytes: crate::experts::ExpertReader::slot_stride(&spec.layout) as u64,
