@@ -647,3 +647,61 @@ fn start_tiny_on(sb: &mut Sandbox, model: &Path, trunk: &Path) {
         "laptop",
     ]);
 }
+
+/// Start a long worker on `sb`'s store and wait until it is mid-generation (has made expert
+/// requests). Returns it.
+fn long_worker_mid_generation(sb: &Sandbox) -> k3_tests::Spawned {
+    let ids = ids_arg(&reference_prompt());
+    let w = sb.spawn_worker(&[
+        "--ids",
+        &ids,
+        "--gen",
+        "4000",
+        "--full-recompute",
+        "--threads",
+        "1",
+    ]);
+    let pid = w.pid();
+    let seen = poll_until(Duration::from_secs(15), || {
+        let s = sb.stats();
+        let j = live_job(&s, pid)?;
+        (j["live"] == true && u(&j["counters"], "requests") > 0).then_some(())
+    });
+    assert!(seen.is_some(), "worker {pid} never started: {}", sb.stats());
+    w
+}
+
+#[test]
+fn store_going_away_mid_generation_ends_the_worker_promptly() {
+    let mut sb = Sandbox::new("away");
+    let trunk = sb.pack_tiny_trunk();
+    let bufs = trunk_layer_bufs(&trunk);
+    let budget = [
+        "--trunk-gb".to_string(),
+        gb_arg(trunk_budget_pinning(&bufs, 0)),
+        "--cache-gb".to_string(),
+        cache_gb_for_slots(TOP_K + 1),
+    ];
+    let budget: Vec<&str> = budget.iter().map(String::as_str).collect();
+
+    // `k3-ctl stop` while a worker runs: the store drains and exits; the worker's next request
+    // is refused and it fails with a clear message instead of hanging.
+    start_tiny(&mut sb, &trunk, &budget);
+    let w = long_worker_mid_generation(&sb);
+    let r = sb.stop_store().expect("running");
+    assert_eq!(r.code, 0, "{r:?}");
+    let wr = w.wait(Duration::from_secs(20));
+    assert_eq!(wr.code, 1, "{wr:?}");
+    assert!(wr.stderr.contains("the store is stopping"), "{}", wr.stderr);
+
+    // The store is SIGKILLed under a running worker: the worker notices the closed socket.
+    start_tiny(&mut sb, &trunk, &budget);
+    let w = long_worker_mid_generation(&sb);
+    sb.signal_store("KILL");
+    let wr = w.wait(Duration::from_secs(20));
+    assert_eq!(wr.code, 1, "{wr:?}");
+    assert!(wr.stderr.contains("store connection lost"), "{}", wr.stderr);
+    // A new store replaces the stale socket and serves.
+    start_tiny(&mut sb, &trunk, &budget);
+    reference_run(&sb, &[]);
+}
