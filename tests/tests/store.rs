@@ -705,3 +705,120 @@ fn store_going_away_mid_generation_ends_the_worker_promptly() {
     start_tiny(&mut sb, &trunk, &budget);
     reference_run(&sb, &[]);
 }
+
+#[test]
+fn hostile_and_confused_clients_get_errors_and_the_store_keeps_serving() {
+    use k3_proto::wire::{ClientKind, Request, Response, SlotAnswer, PROTOCOL_VERSION};
+    use k3_store::client::Client;
+    use std::io::{Read, Write};
+    let mut sb = Sandbox::new("hostile");
+    let trunk = sb.pack_tiny_trunk();
+    let cache = cache_gb_for_slots(4);
+    start_tiny(
+        &mut sb,
+        &trunk,
+        &["--preset", "laptop", "--cache-gb", &cache],
+    );
+
+    // A first frame whose length prefix is far beyond the frame limit: the store closes the
+    // connection at once (nothing allocated, no thread left waiting for 4 GB).
+    let mut raw = std::os::unix::net::UnixStream::connect(&sb.socket).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    raw.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    let mut reply = Vec::new();
+    let t0 = std::time::Instant::now();
+    raw.read_to_end(&mut reply)
+        .expect("the store closes the connection (no read timeout)");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    drop(raw);
+
+    // An idle connection that never says Hello must not block anything (kept open below).
+    let idle = std::os::unix::net::UnixStream::connect(&sb.socket).unwrap();
+
+    let bad = |req: Request, kind: ClientKind| {
+        let mut c = Client::connect(&sb.socket, kind, "confused").expect("handshake");
+        match c.call(&req).expect("an answer") {
+            Response::Error { message } => message,
+            other => panic!("{req:?} as {kind:?} was answered {other:?}"),
+        }
+    };
+    let m = bad(
+        Request::Experts {
+            layer: 1,
+            ids: vec![0, 1],
+        },
+        ClientKind::Control,
+    );
+    assert!(m.contains("only workers"), "{m}");
+    let m = bad(
+        Request::Experts {
+            layer: 13,
+            ids: vec![0],
+        },
+        ClientKind::Worker,
+    );
+    assert!(m.contains("layer 13 out of range"), "{m}");
+    let m = bad(
+        Request::Experts {
+            layer: 1,
+            ids: vec![0, 8],
+        },
+        ClientKind::Worker,
+    );
+    assert!(m.contains("expert 8 out of range"), "{m}");
+    let m = bad(
+        Request::Experts {
+            layer: 1,
+            ids: vec![0, 1, 2, 3, 4],
+        },
+        ClientKind::Worker,
+    );
+    assert!(m.contains("too small"), "5 experts in a 4-slot cache: {m}");
+    let m = bad(
+        Request::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            kind: ClientKind::Worker,
+            label: "again".into(),
+        },
+        ClientKind::Control,
+    );
+    assert!(m.contains("already"), "{m}");
+
+    // A well-formed lease: the same expert twice is one slot, answered twice; the lease shows
+    // in stats while the connection lives and is gone once it closes.
+    {
+        let mut c = Client::connect(&sb.socket, ClientKind::Worker, "lessee").unwrap();
+        match c
+            .call(&Request::Experts {
+                layer: 2,
+                ids: vec![5, 5, 6],
+            })
+            .unwrap()
+        {
+            Response::Experts { answers, .. } => {
+                let slots: Vec<u32> = answers
+                    .iter()
+                    .map(|a| match a {
+                        SlotAnswer::Leased { slot } => *slot,
+                        other => panic!("{other:?}"),
+                    })
+                    .collect();
+                assert_eq!(slots.len(), 3);
+                assert_eq!(slots[0], slots[1]);
+                assert_ne!(slots[0], slots[2]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(u(&sb.stats(), "slots_leased"), 2);
+    }
+    let released = poll_until(Duration::from_secs(10), || {
+        (u(&sb.stats(), "slots_leased") == 0).then_some(())
+    });
+    assert!(released.is_some(), "{}", sb.stats());
+
+    // The store still serves a real job, and stops promptly with the idle connection open.
+    reference_run(&sb, &[]);
+    let r = sb.stop_store().expect("running");
+    assert_eq!(r.code, 0, "{r:?}");
+    drop(idle);
+}
