@@ -1,6 +1,11 @@
-//! Helpers for the end-to-end tests: where the workspace, the fixtures and the built binaries are.
+//! Helpers for the end-to-end tests: where the workspace, the fixtures and the built binaries are;
+//! a [`Sandbox`] per test (own directory, socket and store), spawned processes that are killed if
+//! a test fails, and bounded polling for conditions set by other processes.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// The workspace root (the directory holding the top-level `Cargo.toml`).
 pub fn workspace_root() -> PathBuf {
@@ -32,6 +37,130 @@ pub fn bin(name: &str) -> PathBuf {
         p.display()
     );
     p
+}
+
+/// The bundled tiny checkpoint.
+pub fn tiny_model() -> PathBuf {
+    fixture("tiny/model")
+}
+
+fn read_ids(rel: &str) -> Vec<u32> {
+    let p = fixture(rel);
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+/// The tiny fixture's reference prompt ids.
+pub fn reference_prompt() -> Vec<u32> {
+    read_ids("tiny/reference/prompt_ids.json")
+}
+
+/// The tiny fixture's reference greedy continuation of [`reference_prompt`] (20 ids).
+pub fn reference_greedy() -> Vec<u32> {
+    read_ids("tiny/reference/greedy_ids.json")
+}
+
+/// Ids as the comma list `--ids` takes.
+pub fn ids_arg(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// True once process `pid` has exited (gone, or a zombie waiting to be reaped).
+pub fn pid_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(s) => s
+            .rsplit_once(") ")
+            .map(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X'))
+            .unwrap_or(true),
+    }
+}
+
+/// Poll `cond` every 20 ms until it returns `Some` or `timeout` passes (then `None`). For
+/// conditions another process sets (a disconnect being processed, a process exiting).
+pub fn poll_until<T>(timeout: Duration, mut cond: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = cond() {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Send `sig` (e.g. `"KILL"`, `"TERM"`) to `pid` with kill(1).
+pub fn send_signal(pid: u32, sig: &str) {
+    let st = Command::new("kill")
+        .args([format!("-{sig}"), pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(st.success(), "kill -{sig} {pid} failed");
+}
+
+/// A process started with [`Sandbox::spawn`]; killed (SIGKILL) and reaped on drop if still
+/// running. Its stdout and stderr go to files in the sandbox.
+pub struct Spawned {
+    child: Child,
+    /// File holding its stdout.
+    pub stdout_path: PathBuf,
+    /// File holding its stderr.
+    pub stderr_path: PathBuf,
+}
+
+impl Spawned {
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL it and reap it; returns what it had written.
+    pub fn kill9(mut self) -> Run {
+        let _ = self.child.kill();
+        let st = self.child.wait().expect("wait for killed child");
+        self.collect(st.code().unwrap_or(-1))
+    }
+
+    /// Wait (at most `timeout`) for it to exit; panics (after killing it) on timeout.
+    pub fn wait(mut self, timeout: Duration) -> Run {
+        let code = poll_until(timeout, || self.child.try_wait().expect("try_wait"));
+        match code {
+            Some(st) => self.collect(st.code().unwrap_or(-1)),
+            None => {
+                let pid = self.pid();
+                let r = self.kill9();
+                panic!("pid {pid} did not exit within {timeout:?}: {r:?}")
+            }
+        }
+    }
+
+    fn collect(&self, code: i32) -> Run {
+        Run {
+            code,
+            stdout: std::fs::read_to_string(&self.stdout_path).unwrap_or_default(),
+            stderr: std::fs::read_to_string(&self.stderr_path).unwrap_or_default(),
+        }
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+static UNIQUE: AtomicUsize = AtomicUsize::new(0);
+
+fn unique() -> usize {
+    UNIQUE.fetch_add(1, Ordering::SeqCst)
 }
 
 /// One test's private world: its own temporary directory, socket path and store. Dropping it
@@ -89,12 +218,104 @@ impl Sandbox {
     /// Run a workspace binary with `args` to completion.
     pub fn run(&self, bin_name: &str, args: &[&str]) -> Run {
         Run::from(
-            std::process::Command::new(bin(bin_name))
-                .args(args)
-                .env("XDG_RUNTIME_DIR", self.dir.join("xdg"))
+            self.command(bin_name, args)
+                .stdin(Stdio::null())
                 .output()
                 .expect("spawn"),
         )
+    }
+
+    fn command(&self, bin_name: &str, args: &[&str]) -> Command {
+        let mut c = Command::new(bin(bin_name));
+        c.args(args).env("XDG_RUNTIME_DIR", self.dir.join("xdg"));
+        c
+    }
+
+    /// Start a workspace binary with `args` in the background, output to files in the sandbox.
+    pub fn spawn(&self, bin_name: &str, args: &[&str]) -> Spawned {
+        let n = unique();
+        let stdout_path = self.dir.join(format!("{bin_name}-{n}.stdout"));
+        let stderr_path = self.dir.join(format!("{bin_name}-{n}.stderr"));
+        let out = std::fs::File::create(&stdout_path).expect("create stdout file");
+        let err = std::fs::File::create(&stderr_path).expect("create stderr file");
+        let child = self
+            .command(bin_name, args)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .expect("spawn");
+        Spawned {
+            child,
+            stdout_path,
+            stderr_path,
+        }
+    }
+
+    /// `k3-worker <args> --socket <ours>` in the background.
+    pub fn spawn_worker(&self, args: &[&str]) -> Spawned {
+        let sock = self.socket.to_str().expect("utf-8 path").to_string();
+        let mut full = args.to_vec();
+        full.extend_from_slice(&["--socket", &sock]);
+        self.spawn("k3-worker", &full)
+    }
+
+    /// Pack the tiny fixture's trunk into `<sandbox>/trunk` (`k3-ctl pack-trunk`); returns it.
+    pub fn pack_tiny_trunk(&self) -> PathBuf {
+        self.pack_trunk(&tiny_model(), "trunk")
+    }
+
+    /// Pack `model`'s trunk into `<sandbox>/<name>`; returns that directory.
+    pub fn pack_trunk(&self, model: &Path, name: &str) -> PathBuf {
+        let out = self.dir.join(name);
+        let r = self.run(
+            "k3-ctl",
+            &[
+                "pack-trunk",
+                model.to_str().expect("utf-8 path"),
+                out.to_str().expect("utf-8 path"),
+            ],
+        );
+        assert_eq!(r.code, 0, "pack-trunk failed: {r:?}");
+        out
+    }
+
+    /// Run `k3-worker` (attached to our store unless `args` has `--standalone`) with
+    /// `--out <file>`; returns the run and the parsed report (`Null` when none was written).
+    pub fn worker_json(&self, args: &[&str]) -> (Run, serde_json::Value) {
+        let out = self.dir.join(format!("report-{}.json", unique()));
+        let out_s = out.to_str().expect("utf-8 path").to_string();
+        let mut full = args.to_vec();
+        full.extend_from_slice(&["--out", &out_s]);
+        let r = if args.contains(&"--standalone") {
+            self.run("k3-worker", &full)
+        } else {
+            self.worker(&full)
+        };
+        let json = std::fs::read_to_string(&out)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or(serde_json::Value::Null);
+        (r, json)
+    }
+
+    /// `k3-ctl stats --json`, parsed; panics if the store does not answer.
+    pub fn stats(&self) -> serde_json::Value {
+        let r = self.ctl(&["stats", "--json"]);
+        assert_eq!(r.code, 0, "k3-ctl stats failed: {r:?}");
+        serde_json::from_str(r.stdout.trim()).unwrap_or_else(|e| panic!("stats JSON: {e}: {r:?}"))
+    }
+
+    /// Send `sig` to the store and wait (≤ 10 s) until its process has exited. The store is then
+    /// considered stopped (Drop does not stop it again). Returns its pid.
+    pub fn signal_store(&mut self, sig: &str) -> u32 {
+        let pid = self.store_pid.take().expect("a store was started");
+        send_signal(pid, sig);
+        assert!(
+            poll_until(Duration::from_secs(10), || pid_gone(pid).then_some(())).is_some(),
+            "store pid {pid} still running 10 s after SIG{sig}"
+        );
+        pid
     }
 
     /// `k3-store start … --socket <ours> --detach`; returns the readiness output. Panics (with
@@ -165,6 +386,12 @@ impl Sandbox {
 impl Drop for Sandbox {
     fn drop(&mut self) {
         if let Some(pid) = self.store_pid {
+            if std::thread::panicking() {
+                // A failing test: do not risk a second panic (an abort); just kill the store.
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+                let _ = std::fs::remove_dir_all(&self.dir);
+                return;
+            }
             let stopped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 self.stop_store();
             }));

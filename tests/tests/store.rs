@@ -1,0 +1,824 @@
+//! Multi-process end-to-end tests: a real `k3-store` daemon, real `k3-worker` jobs and `k3-ctl`,
+//! each test in its own [`Sandbox`] (own directory, socket and store) on the bundled tiny
+//! checkpoint. Every generation is checked against the fixture's reference greedy ids.
+
+use std::path::Path;
+use std::time::Duration;
+
+use k3_tests::{
+    ids_arg, pid_gone, poll_until, reference_greedy, reference_prompt, tiny_model, Run, Sandbox,
+};
+use serde_json::Value;
+
+/// Bytes of one tiny routed expert (MXFP4 w1/w2/w3 packed + scales).
+const EXPERT_BYTES: u64 = 6528;
+/// I/O alignment of the store.
+const ALIGN: u64 = 4096;
+/// Experts per token in the tiny model.
+const TOP_K: u64 = 2;
+
+fn align_up(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+/// Bytes between expert slots in the arena (`ExpertReader::slot_stride`).
+fn slot_stride() -> u64 {
+    align_up(EXPERT_BYTES) + ALIGN
+}
+
+/// `--cache-gb` value that buys exactly `n` expert slots.
+fn cache_gb_for_slots(n: u64) -> String {
+    gb_arg(n * slot_stride())
+}
+
+/// A byte count as a `--*-gb` argument that rounds back to exactly `bytes`.
+fn gb_arg(bytes: u64) -> String {
+    format!("{:.9}", bytes as f64 / 1e9)
+}
+
+/// Each layer's trunk read-buffer size (the plan's unit), from the packed `trunk.json`.
+fn trunk_layer_bufs(trunk: &Path) -> Vec<u64> {
+    let j: Value =
+        serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap();
+    j["layers"]
+        .as_array()
+        .expect("trunk.json layers")
+        .iter()
+        .map(|l| {
+            let off = l["file_off"].as_u64().expect("file_off");
+            let n = l["nbytes"].as_u64().expect("nbytes");
+            align_up(off % ALIGN + n)
+        })
+        .collect()
+}
+
+/// The trunk budget that pins exactly layers `0..p` and rings the rest with one slot.
+fn trunk_budget_pinning(bufs: &[u64], p: usize) -> u64 {
+    let ring = bufs[p..].iter().copied().max().unwrap_or(0);
+    let budget = bufs[..p].iter().sum::<u64>() + ring;
+    // The plan pins the longest prefix that fits with one ring slot: p + 1 must not fit.
+    if p < bufs.len() {
+        let next_ring = bufs[p + 1..].iter().copied().max().unwrap_or(0);
+        assert!(
+            bufs[..=p].iter().sum::<u64>() + next_ring > budget,
+            "budget for {p} pinned layers would pin {}",
+            p + 1
+        );
+    }
+    budget
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn u(v: &Value, key: &str) -> u64 {
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no integer {key:?} in {v}"))
+}
+
+fn generated(v: &Value) -> Vec<u32> {
+    v["generated_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no generated_ids in {v}"))
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// The ids a worker printed on stdout (no tokenizer: space-separated ids).
+fn printed_ids(r: &Run) -> Vec<u32> {
+    r.stdout
+        .split_whitespace()
+        .map(|t| {
+            t.parse()
+                .unwrap_or_else(|_| panic!("stdout {:?}", r.stdout))
+        })
+        .collect()
+}
+
+/// Attached worker on the reference prompt, 20 greedy tokens; asserts exit 0 and the reference
+/// ids (in the report and on stdout). Returns the report.
+fn reference_run(sb: &Sandbox, extra: &[&str]) -> Value {
+    let ids = ids_arg(&reference_prompt());
+    let mut args = vec!["--ids", ids.as_str(), "--gen", "20", "--threads", "1"];
+    args.extend_from_slice(extra);
+    let (r, j) = sb.worker_json(&args);
+    assert_eq!(r.code, 0, "worker failed: {r:?}");
+    assert_eq!(generated(&j), reference_greedy(), "report ids: {r:?}");
+    assert_eq!(printed_ids(&r), reference_greedy(), "printed ids");
+    j
+}
+
+/// `k3-worker --standalone` with the given budget flags on the reference prompt; returns its ids.
+fn standalone_ids(sb: &Sandbox, trunk: &Path, budget: &[&str]) -> (Vec<u32>, Value) {
+    let model = tiny_model();
+    let ids = ids_arg(&reference_prompt());
+    let mut args = vec![
+        "--standalone",
+        path_str(&model),
+        "--trunk",
+        path_str(trunk),
+        "--ids",
+        ids.as_str(),
+        "--gen",
+        "20",
+        "--threads",
+        "1",
+    ];
+    args.extend_from_slice(budget);
+    let (r, j) = sb.worker_json(&args);
+    assert_eq!(r.code, 0, "standalone worker failed: {r:?}");
+    (generated(&j), j)
+}
+
+/// Stats once every worker job has disconnected and `n` jobs are listed (the disconnect is
+/// processed asynchronously by the store's connection thread).
+fn stats_after_jobs(sb: &Sandbox, n: usize) -> Value {
+    poll_until(Duration::from_secs(10), || {
+        let s = sb.stats();
+        let jobs = s["jobs"].as_array().expect("jobs").clone();
+        (jobs.len() == n && jobs.iter().all(|j| j["live"] == false)).then_some(s)
+    })
+    .unwrap_or_else(|| panic!("store never showed {n} finished jobs: {}", sb.stats()))
+}
+
+fn start_tiny(sb: &mut Sandbox, trunk: &Path, budget: &[&str]) -> Run {
+    let model = tiny_model();
+    let mut args = vec![path_str(&model), "--trunk", path_str(trunk)];
+    args.extend_from_slice(budget);
+    sb.start_store(&args)
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn second_worker_finds_everything_resident_and_stats_add_up() {
+    let mut sb = Sandbox::new("seq");
+    let trunk = sb.pack_tiny_trunk();
+    start_tiny(&mut sb, &trunk, &["--preset", "laptop"]);
+    let s0 = sb.stats();
+    assert_eq!(
+        u(&s0, "pinned_layers"),
+        13,
+        "laptop pins every tiny layer: {s0}"
+    );
+
+    let a = reference_run(&sb, &[]);
+    let b = reference_run(&sb, &[]);
+    // Every trunk layer is pinned in shared memory: neither worker reads trunk bytes.
+    assert_eq!(u(&a, "trunk_bytes_read"), 0, "{a}");
+    assert_eq!(u(&b, "trunk_bytes_read"), 0, "{b}");
+    // The first job loaded experts; the second found every one resident.
+    assert!(u(&a, "expert_bytes_read") > 0, "{a}");
+    assert!(u(&a, "resident_hits") < u(&a, "expert_requests"), "{a}");
+    assert_eq!(u(&b, "expert_bytes_read"), 0, "{b}");
+    assert_eq!(u(&b, "resident_hits"), u(&b, "expert_requests"), "{b}");
+    assert_eq!(b["true_resident_hit_rate"].as_f64(), Some(1.0), "{b}");
+    assert_eq!(u(&a, "expert_requests"), u(&b, "expert_requests"));
+
+    let s = stats_after_jobs(&sb, 2);
+    let jobs = s["jobs"].as_array().unwrap();
+    for (job, rep) in jobs.iter().zip([&a, &b]) {
+        let c = &job["counters"];
+        assert_eq!(
+            u(c, "requests"),
+            u(rep, "expert_requests"),
+            "{job} vs {rep}"
+        );
+        assert_eq!(
+            u(c, "resident_hits"),
+            u(rep, "resident_hits"),
+            "{job} vs {rep}"
+        );
+        assert_eq!(
+            u(c, "misses"),
+            u(rep, "expert_requests") - u(rep, "resident_hits")
+        );
+        assert_eq!(u(c, "bytes_read"), u(rep, "expert_bytes_read"), "{job}");
+        assert_eq!(u(c, "failed_loads"), 0);
+    }
+    assert_eq!(u(&jobs[1]["counters"], "misses"), 0);
+    let l = &s["lifetime"];
+    let sum = |k: &str| jobs.iter().map(|j| u(&j["counters"], k)).sum::<u64>();
+    for k in ["requests", "resident_hits", "misses", "bytes_read"] {
+        assert_eq!(u(l, k), sum(k), "lifetime {k} = sum of jobs: {s}");
+    }
+    assert_eq!(
+        u(l, "evictions"),
+        0,
+        "the laptop cache holds every tiny expert"
+    );
+    assert_eq!(
+        u(&s, "slots_leased"),
+        0,
+        "finished jobs hold no leases: {s}"
+    );
+    assert_eq!(u(&s, "workers"), 0);
+    let r = sb.stop_store().expect("store was running");
+    assert_eq!(r.code, 0, "{r:?}");
+}
+
+#[test]
+fn attached_ids_equal_standalone_ids_at_every_budget() {
+    let mut sb = Sandbox::new("budgets");
+    let trunk = sb.pack_tiny_trunk();
+    let bufs = trunk_layer_bufs(&trunk);
+    assert_eq!(bufs.len(), 13);
+    let prefix = 3;
+    let prefix_budget = gb_arg(trunk_budget_pinning(&bufs, prefix));
+    let none_budget = gb_arg(trunk_budget_pinning(&bufs, 0));
+    let tiny_cache = cache_gb_for_slots(TOP_K + 1);
+    let cases: Vec<(&str, Vec<&str>, u64, Option<u64>)> = vec![
+        ("everything pinned", vec!["--preset", "laptop"], 13, None),
+        (
+            "prefix pinned",
+            vec!["--trunk-gb", &prefix_budget, "--cache-gb", "0.01"],
+            prefix as u64,
+            None,
+        ),
+        (
+            "nothing pinned, tiny cache",
+            vec!["--trunk-gb", &none_budget, "--cache-gb", &tiny_cache],
+            0,
+            Some(TOP_K + 1),
+        ),
+    ];
+    let reference = reference_greedy();
+    for (what, budget, pinned, slots) in cases {
+        let (solo, solo_rep) = standalone_ids(&sb, &trunk, &budget);
+        assert_eq!(solo, reference, "{what}: standalone ids");
+        start_tiny(&mut sb, &trunk, &budget);
+        let s = sb.stats();
+        assert_eq!(u(&s, "pinned_layers"), pinned, "{what}: {s}");
+        if let Some(n) = slots {
+            assert_eq!(u(&s, "slots_total"), n, "{what}: {s}");
+        }
+        let rep = reference_run(&sb, &[]);
+        assert_eq!(
+            generated(&rep),
+            solo,
+            "{what}: attached ids == standalone ids"
+        );
+        let streamed = u(&rep, "trunk_bytes_read");
+        if pinned == 13 {
+            assert_eq!(streamed, 0, "{what}: {rep}");
+        } else {
+            // The unpinned layers are streamed by the worker itself, once per forward pass.
+            let unpinned: u64 = bufs[pinned as usize..].iter().sum();
+            assert!(
+                streamed >= unpinned,
+                "{what}: streamed {streamed} < {unpinned}"
+            );
+            assert!(u(&solo_rep, "trunk_bytes_read") > 0, "{what}: {solo_rep}");
+        }
+        if slots.is_some() {
+            let st = stats_after_jobs(&sb, 1);
+            assert!(
+                u(&st["lifetime"], "evictions") > 0,
+                "{what}: a {}-slot cache must evict: {st}",
+                TOP_K + 1
+            );
+            assert!(u(&rep, "expert_bytes_read") > 0);
+        }
+        let r = sb.stop_store().expect("store running");
+        assert_eq!(r.code, 0, "{what}: {r:?}");
+    }
+}
+
+#[test]
+fn two_concurrent_workers_get_identical_ids() {
+    let mut sb = Sandbox::new("concurrent");
+    let trunk = sb.pack_tiny_trunk();
+    // A small cache so the two jobs contend for slots (evictions, waits on leased slots).
+    let cache = cache_gb_for_slots(4);
+    start_tiny(
+        &mut sb,
+        &trunk,
+        &["--preset", "laptop", "--cache-gb", &cache],
+    );
+    let (a, b) = std::thread::scope(|s| {
+        let ta = s.spawn(|| reference_run(&sb, &[]));
+        let tb = s.spawn(|| reference_run(&sb, &[]));
+        (ta.join().expect("worker a"), tb.join().expect("worker b"))
+    });
+    assert_eq!(generated(&a), generated(&b));
+    let s = stats_after_jobs(&sb, 2);
+    let total: u64 = s["jobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| u(&j["counters"], "requests"))
+        .sum();
+    assert_eq!(total, u(&a, "expert_requests") + u(&b, "expert_requests"));
+    assert_eq!(u(&s["lifetime"], "requests"), total);
+    assert_eq!(u(&s, "slots_leased"), 0, "{s}");
+}
+
+/// The live job of worker `pid` in a stats report.
+fn live_job(s: &Value, pid: u32) -> Option<Value> {
+    let label = format!("pid {pid}");
+    s["jobs"]
+        .as_array()?
+        .iter()
+        .find(|j| j["label"].as_str().is_some_and(|l| l.ends_with(&label)))
+        .cloned()
+}
+
+#[test]
+fn workers_killed_mid_generation_release_their_leases() {
+    let mut sb = Sandbox::new("kill");
+    let trunk = sb.pack_tiny_trunk();
+    // Nothing pinned and a 3-slot cache: every layer leases and evicts.
+    let bufs = trunk_layer_bufs(&trunk);
+    let none_budget = gb_arg(trunk_budget_pinning(&bufs, 0));
+    let cache = cache_gb_for_slots(TOP_K + 1);
+    start_tiny(
+        &mut sb,
+        &trunk,
+        &["--trunk-gb", &none_budget, "--cache-gb", &cache],
+    );
+    let ids = ids_arg(&reference_prompt());
+    for round in 0..4 {
+        // O(T²) recompute of up to 4000 tokens: runs far longer than this test waits.
+        let w = sb.spawn_worker(&[
+            "--ids",
+            &ids,
+            "--gen",
+            "4000",
+            "--full-recompute",
+            "--threads",
+            "1",
+        ]);
+        let pid = w.pid();
+        // Wait until it is mid-generation and holding leases.
+        let seen = poll_until(Duration::from_secs(15), || {
+            let s = sb.stats();
+            let j = live_job(&s, pid)?;
+            (j["live"] == true && u(&j["counters"], "requests") > 0 && u(&s, "slots_leased") > 0)
+                .then_some(s)
+        });
+        assert!(
+            seen.is_some(),
+            "round {round}: worker {pid} never leased anything: {}",
+            sb.stats()
+        );
+        let r = w.kill9();
+        assert_eq!(r.code, -1, "round {round}: killed by a signal: {r:?}");
+        // The store notices the closed socket and releases everything the worker held.
+        let after = poll_until(Duration::from_secs(10), || {
+            let s = sb.stats();
+            let j = live_job(&s, pid)?;
+            (j["live"] == false && u(&s, "slots_leased") == 0 && u(&s, "workers") == 0).then_some(s)
+        });
+        assert!(
+            after.is_some(),
+            "round {round}: leases of killed worker {pid} not released: {}",
+            sb.stats()
+        );
+        // The store still serves, with the right answer.
+        reference_run(&sb, &[]);
+    }
+    let s = sb.stats();
+    assert_eq!(u(&s, "slots_leased"), 0);
+    assert_eq!(u(&s["lifetime"], "failed_loads"), 0, "{s}");
+    let r = sb.stop_store().expect("running");
+    assert_eq!(r.code, 0, "{r:?}");
+}
+
+#[test]
+fn stop_refuse_second_start_and_socket_modes() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut sb = Sandbox::new("life");
+    let trunk = sb.pack_tiny_trunk();
+    start_tiny(&mut sb, &trunk, &["--preset", "laptop"]);
+    let dir_mode = std::fs::metadata(sb.socket.parent().unwrap())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    let sock_mode = std::fs::metadata(&sb.socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!((dir_mode, sock_mode), (0o700, 0o600));
+
+    // A second store on the same socket is refused before any work, naming the live one.
+    let model = tiny_model();
+    let r = sb.run(
+        "k3-store",
+        &[
+            "start",
+            path_str(&model),
+            "--trunk",
+            path_str(&trunk),
+            "--preset",
+            "laptop",
+            "--socket",
+            path_str(&sb.socket),
+            "--detach",
+        ],
+    );
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("already running"), "{r:?}");
+    // … and the first one is untouched.
+    assert!(sb.socket.exists());
+    reference_run(&sb, &[]);
+
+    let pid = sb.store_pid().unwrap();
+    let r = sb.stop_store().expect("running"); // checks: socket gone, process gone
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(pid_gone(pid));
+}
+
+#[test]
+fn sigterm_stops_the_store_cleanly() {
+    let mut sb = Sandbox::new("term");
+    let trunk = sb.pack_tiny_trunk();
+    start_tiny(&mut sb, &trunk, &["--preset", "laptop"]);
+    reference_run(&sb, &[]);
+    sb.signal_store("TERM");
+    assert!(!sb.socket.exists(), "SIGTERM must unlink the socket");
+    let log = std::fs::read_to_string(sb.socket.with_file_name("store.log")).unwrap();
+    assert!(log.contains("k3-store: stopped"), "{log}");
+    let r = sb.ctl(&["stats"]);
+    assert_eq!(r.code, 3, "{r:?}");
+}
+
+#[test]
+fn stale_socket_of_a_killed_store_is_replaced() {
+    let mut sb = Sandbox::new("stale");
+    let trunk = sb.pack_tiny_trunk();
+    start_tiny(&mut sb, &trunk, &["--preset", "laptop"]);
+    let old = sb.signal_store("KILL");
+    assert!(
+        sb.socket.exists(),
+        "a SIGKILLed store leaves its socket file"
+    );
+    let r = sb.ctl(&["status"]);
+    assert_eq!(r.code, 3, "nothing answers on a stale socket: {r:?}");
+    let r = start_tiny(&mut sb, &trunk, &["--preset", "laptop"]);
+    assert_ne!(sb.store_pid(), Some(old), "{r:?}");
+    let s = sb.stats();
+    assert_eq!(u(&s["lifetime"], "requests"), 0, "a fresh store: {s}");
+    reference_run(&sb, &[]);
+    let r = sb.stop_store().expect("running");
+    assert_eq!(r.code, 0, "{r:?}");
+}
+
+#[test]
+fn protocol_version_mismatch_and_unreachable_store() {
+    use k3_proto::wire::{ClientKind, PROTOCOL_VERSION};
+    use k3_store::client::{Client, ClientError};
+    let mut sb = Sandbox::new("proto");
+    let trunk = sb.pack_tiny_trunk();
+    let ids = ids_arg(&reference_prompt());
+
+    // No store yet: worker and ctl exit 3 naming the socket.
+    let r = sb.worker(&["--ids", &ids, "--gen", "2"]);
+    assert_eq!(r.code, 3, "{r:?}");
+    assert!(r.stderr.contains(path_str(&sb.socket)), "{r:?}");
+    for cmd in [&["stats"][..], &["status"], &["stop"]] {
+        let r = sb.ctl(cmd);
+        assert_eq!(r.code, 3, "k3-ctl {cmd:?}: {r:?}");
+        assert!(r.stderr.contains("no store answers"), "{r:?}");
+    }
+
+    start_tiny(&mut sb, &trunk, &["--preset", "laptop"]);
+    for (kind, version) in [
+        (ClientKind::Worker, PROTOCOL_VERSION + 1),
+        (ClientKind::Control, PROTOCOL_VERSION.wrapping_sub(1)),
+    ] {
+        match Client::connect_with_version(&sb.socket, kind, "old client", version) {
+            Err(ClientError::Refused(reason)) => {
+                assert!(
+                    reason.contains(&format!("v{PROTOCOL_VERSION}"))
+                        && reason.contains(&format!("v{version}")),
+                    "both versions named: {reason}"
+                );
+            }
+            Err(e) => panic!("expected a refusal, got {e}"),
+            Ok(_) => panic!("a v{version} client was accepted by a v{PROTOCOL_VERSION} store"),
+        }
+    }
+    // The right version is accepted, and the refused clients left no job behind.
+    assert!(Client::connect(&sb.socket, ClientKind::Control, "test").is_ok());
+    let s = sb.stats();
+    assert_eq!(s["jobs"].as_array().map(Vec::len), Some(0), "{s}");
+
+    // Standalone-only flags in attached mode: refused before any work.
+    for flags in [
+        &["--preset", "laptop"][..],
+        &["--cache-gb", "1"],
+        &["--trunk", path_str(&trunk)],
+    ] {
+        let mut args = vec!["--ids", ids.as_str(), "--gen", "2"];
+        args.extend_from_slice(flags);
+        let r = sb.worker(&args);
+        assert_eq!(r.code, 2, "{flags:?}: {r:?}");
+        assert!(r.stderr.contains("--standalone"), "{r:?}");
+    }
+    let s = sb.stats();
+    assert_eq!(
+        u(&s["lifetime"], "requests"),
+        0,
+        "refused workers did no work"
+    );
+}
+
+#[test]
+fn impossible_budget_refuses_detached_start_and_leaves_no_socket() {
+    let sb = Sandbox::new("refuse");
+    let trunk = sb.pack_tiny_trunk();
+    let model = tiny_model();
+    let r = sb.run(
+        "k3-store",
+        &[
+            "start",
+            path_str(&model),
+            "--trunk",
+            path_str(&trunk),
+            "--preset",
+            "laptop",
+            "--cache-gb",
+            "0.000001",
+            "--socket",
+            path_str(&sb.socket),
+            "--detach",
+        ],
+    );
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("REFUSING TO START"), "{r:?}");
+    assert!(r.stderr.contains("top_k = 2"), "the plan's problem: {r:?}");
+    assert!(r.stderr.contains("TOTAL"), "the plan is printed: {r:?}");
+    assert!(!sb.socket.exists(), "a refused start leaves no socket");
+}
+
+/// Copy the tiny checkpoint into `dst`.
+fn copy_model(dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(tiny_model()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+}
+
+/// File offset of the first routed-expert tensor stored in `shard` (from its safetensors header).
+fn first_expert_offset(shard: &Path) -> u64 {
+    let bytes = std::fs::read(shard).unwrap();
+    let hlen = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    assert!(hlen < bytes.len() as u64);
+    let header: Value = serde_json::from_slice(&bytes[8..8 + hlen as usize]).unwrap();
+    let start = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(name, _)| name.contains(".experts."))
+        .map(|(_, t)| t["data_offsets"][0].as_u64().unwrap())
+        .min()
+        .expect("the shard holds experts");
+    8 + hlen + start
+}
+
+#[test]
+fn expert_that_cannot_be_read_gives_exit_4() {
+    let mut sb = Sandbox::new("exit4");
+    let model = sb.dir.join("model");
+    copy_model(&model);
+    let trunk = sb.pack_trunk(&model, "trunk");
+    start_tiny_on(&mut sb, &model, &trunk);
+    // After the store opened its shards, the middle shard loses every expert it stores (layers
+    // 4–8): the store's reads of those experts come up short. A fresh file with the original
+    // bytes takes the path, so the worker (which checks the checkpoint's identity: config and
+    // shard sizes) still attaches — only the store's open descriptor sees the damage.
+    let name = "model-00002-of-000003.safetensors";
+    let shard = model.join(name);
+    let cut = first_expert_offset(&shard);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap();
+    f.set_len(cut).unwrap();
+    drop(f);
+    std::fs::rename(&shard, model.join("damaged.bin")).unwrap();
+    std::fs::copy(tiny_model().join(name), &shard).unwrap();
+
+    let ids = ids_arg(&reference_prompt());
+    let (r, j) = sb.worker_json(&["--ids", &ids, "--gen", "4", "--threads", "1"]);
+    assert_eq!(r.code, 4, "a routed expert failed to load: {r:?}");
+    assert!(u(&j, "failed_expert_loads") > 0, "{j}");
+    assert_eq!(generated(&j).len(), 4, "the run finished: {j}");
+    assert!(
+        r.stderr.contains("expert load failed: layer ") && r.stderr.contains(" expert "),
+        "the failed expert is named: {}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("unsound"), "{}", r.stderr);
+    let s = stats_after_jobs(&sb, 1);
+    assert!(u(&s["lifetime"], "failed_loads") > 0, "{s}");
+    assert_eq!(u(&s, "slots_leased"), 0, "{s}");
+
+    // A standalone run on a checkpoint whose shard is short is refused up front (exit 2),
+    // naming the shard: it never starts a generation whose experts it cannot read.
+    std::fs::rename(model.join("damaged.bin"), &shard).unwrap();
+    let (r, _) = {
+        let bs = ["--preset", "laptop"];
+        let mut args = vec![
+            "--standalone",
+            path_str(&model),
+            "--trunk",
+            path_str(&trunk),
+            "--ids",
+            ids.as_str(),
+            "--gen",
+            "4",
+        ];
+        args.extend_from_slice(&bs);
+        sb.worker_json(&args)
+    };
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains(name), "{r:?}");
+}
+
+fn start_tiny_on(sb: &mut Sandbox, model: &Path, trunk: &Path) {
+    sb.start_store(&[
+        path_str(model),
+        "--trunk",
+        path_str(trunk),
+        "--preset",
+        "laptop",
+    ]);
+}
+
+/// Start a long worker on `sb`'s store and wait until it is mid-generation (has made expert
+/// requests). Returns it.
+fn long_worker_mid_generation(sb: &Sandbox) -> k3_tests::Spawned {
+    let ids = ids_arg(&reference_prompt());
+    let w = sb.spawn_worker(&[
+        "--ids",
+        &ids,
+        "--gen",
+        "4000",
+        "--full-recompute",
+        "--threads",
+        "1",
+    ]);
+    let pid = w.pid();
+    let seen = poll_until(Duration::from_secs(15), || {
+        let s = sb.stats();
+        let j = live_job(&s, pid)?;
+        (j["live"] == true && u(&j["counters"], "requests") > 0).then_some(())
+    });
+    assert!(seen.is_some(), "worker {pid} never started: {}", sb.stats());
+    w
+}
+
+#[test]
+fn store_going_away_mid_generation_ends_the_worker_promptly() {
+    let mut sb = Sandbox::new("away");
+    let trunk = sb.pack_tiny_trunk();
+    let bufs = trunk_layer_bufs(&trunk);
+    let budget = [
+        "--trunk-gb".to_string(),
+        gb_arg(trunk_budget_pinning(&bufs, 0)),
+        "--cache-gb".to_string(),
+        cache_gb_for_slots(TOP_K + 1),
+    ];
+    let budget: Vec<&str> = budget.iter().map(String::as_str).collect();
+
+    // `k3-ctl stop` while a worker runs: the store drains and exits; the worker's next request
+    // is refused and it fails with a clear message instead of hanging.
+    start_tiny(&mut sb, &trunk, &budget);
+    let w = long_worker_mid_generation(&sb);
+    let r = sb.stop_store().expect("running");
+    assert_eq!(r.code, 0, "{r:?}");
+    let wr = w.wait(Duration::from_secs(20));
+    assert_eq!(wr.code, 1, "{wr:?}");
+    assert!(wr.stderr.contains("the store is stopping"), "{}", wr.stderr);
+
+    // The store is SIGKILLed under a running worker: the worker notices the closed socket.
+    start_tiny(&mut sb, &trunk, &budget);
+    let w = long_worker_mid_generation(&sb);
+    sb.signal_store("KILL");
+    let wr = w.wait(Duration::from_secs(20));
+    assert_eq!(wr.code, 1, "{wr:?}");
+    assert!(wr.stderr.contains("store connection lost"), "{}", wr.stderr);
+    // A new store replaces the stale socket and serves.
+    start_tiny(&mut sb, &trunk, &budget);
+    reference_run(&sb, &[]);
+}
+
+#[test]
+fn hostile_and_confused_clients_get_errors_and_the_store_keeps_serving() {
+    use k3_proto::wire::{ClientKind, Request, Response, SlotAnswer, PROTOCOL_VERSION};
+    use k3_store::client::Client;
+    use std::io::{Read, Write};
+    let mut sb = Sandbox::new("hostile");
+    let trunk = sb.pack_tiny_trunk();
+    let cache = cache_gb_for_slots(4);
+    start_tiny(
+        &mut sb,
+        &trunk,
+        &["--preset", "laptop", "--cache-gb", &cache],
+    );
+
+    // A first frame whose length prefix is far beyond the frame limit: the store closes the
+    // connection at once (nothing allocated, no thread left waiting for 4 GB).
+    let mut raw = std::os::unix::net::UnixStream::connect(&sb.socket).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    raw.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    let mut reply = Vec::new();
+    let t0 = std::time::Instant::now();
+    raw.read_to_end(&mut reply)
+        .expect("the store closes the connection (no read timeout)");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    drop(raw);
+
+    // An idle connection that never says Hello must not block anything (kept open below).
+    let idle = std::os::unix::net::UnixStream::connect(&sb.socket).unwrap();
+
+    let bad = |req: Request, kind: ClientKind| {
+        let mut c = Client::connect(&sb.socket, kind, "confused").expect("handshake");
+        match c.call(&req).expect("an answer") {
+            Response::Error { message } => message,
+            other => panic!("{req:?} as {kind:?} was answered {other:?}"),
+        }
+    };
+    let m = bad(
+        Request::Experts {
+            layer: 1,
+            ids: vec![0, 1],
+        },
+        ClientKind::Control,
+    );
+    assert!(m.contains("only workers"), "{m}");
+    let m = bad(
+        Request::Experts {
+            layer: 13,
+            ids: vec![0],
+        },
+        ClientKind::Worker,
+    );
+    assert!(m.contains("layer 13 out of range"), "{m}");
+    let m = bad(
+        Request::Experts {
+            layer: 1,
+            ids: vec![0, 8],
+        },
+        ClientKind::Worker,
+    );
+    assert!(m.contains("expert 8 out of range"), "{m}");
+    let m = bad(
+        Request::Experts {
+            layer: 1,
+            ids: vec![0, 1, 2, 3, 4],
+        },
+        ClientKind::Worker,
+    );
+    assert!(m.contains("too small"), "5 experts in a 4-slot cache: {m}");
+    let m = bad(
+        Request::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            kind: ClientKind::Worker,
+            label: "again".into(),
+        },
+        ClientKind::Control,
+    );
+    assert!(m.contains("already"), "{m}");
+
+    // A well-formed lease: the same expert twice is one slot, answered twice; the lease shows
+    // in stats while the connection lives and is gone once it closes.
+    {
+        let mut c = Client::connect(&sb.socket, ClientKind::Worker, "lessee").unwrap();
+        match c
+            .call(&Request::Experts {
+                layer: 2,
+                ids: vec![5, 5, 6],
+            })
+            .unwrap()
+        {
+            Response::Experts { answers, .. } => {
+                let slots: Vec<u32> = answers
+                    .iter()
+                    .map(|a| match a {
+                        SlotAnswer::Leased { slot } => *slot,
+                        other => panic!("{other:?}"),
+                    })
+                    .collect();
+                assert_eq!(slots.len(), 3);
+                assert_eq!(slots[0], slots[1]);
+                assert_ne!(slots[0], slots[2]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(u(&sb.stats(), "slots_leased"), 2);
+    }
+    let released = poll_until(Duration::from_secs(10), || {
+        (u(&sb.stats(), "slots_leased") == 0).then_some(())
+    });
+    assert!(released.is_some(), "{}", sb.stats());
+
+    // The store still serves a real job, and stops promptly with the idle connection open.
+    reference_run(&sb, &[]);
+    let r = sb.stop_store().expect("running");
+    assert_eq!(r.code, 0, "{r:?}");
+    drop(idle);
+}
