@@ -338,11 +338,8 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         gb(dims.kda_state_bytes())
     );
     let standalone;
-    // Expert slots in the cache this run leases from (the store's arena or our own).
-    let expert_slots: usize;
     let source: &dyn WeightSource = match (attached.as_ref(), budget.as_ref()) {
         (Some((src, info)), _) => {
-            expert_slots = info.slots as usize;
             // The store holds the weights; this process holds the sequence state and its ring.
             let need = dims.kda_state_bytes() + dims.mla_cache_bytes(positions as u64);
             let avail = k3_store::plan::mem_available().map_err(refuse)?;
@@ -380,7 +377,6 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
             )
             .map_err(|e| Fail(e.exit_code(), e.to_string()))?;
             eprintln!("{plan}");
-            expert_slots = plan.expert_slots;
             standalone = src;
             &standalone
         }
@@ -419,27 +415,6 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         }));
     }
 
-    // A forward pass over C tokens leases the union of their experts per layer (up to
-    // C x top_k). The plan only guarantees top_k slots, so a prefill chunk must not route more
-    // experts than the cache holds: bound it (the ids are identical for any chunk size).
-    let prefill_chunk = {
-        let want = if cli.prefill_chunk == 0 {
-            prompt.len()
-        } else {
-            cli.prefill_chunk
-        };
-        let fits = (expert_slots / model.dims.top_k.max(1)).max(1);
-        if expert_slots < model.dims.n_experts && want > fits {
-            eprintln!(
-                "prefill chunk: {fits} token(s) (the expert cache holds {expert_slots} slots, top_k {})",
-                model.dims.top_k
-            );
-            fits
-        } else {
-            cli.prefill_chunk
-        }
-    };
-
     // ---- generation
     let gen_opts = GenOptions {
         max_new: cli.gen,
@@ -447,7 +422,7 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         sampler,
         stop_ids: END_IDS.to_vec(),
         keep_step0_logits: cli.dump_logits.is_some(),
-        prefill_chunk,
+        prefill_chunk: cli.prefill_chunk,
     };
     eprintln!(
         "{:>5} {:>8} {:>9} {:>10} {:>9} {:>8}",
