@@ -540,3 +540,82 @@ fn a_cache_smaller_than_the_prefill_union_still_gives_the_reference_ids() {
         "the test needs a prefill whose union exceeds the cache"
     );
 }
+
+/// The tiny checkpoint's shards (symlinked) under `dir` with `config` as its config.json.
+fn checkpoint_with_config(dir: &Path, config: &serde_json::Value) {
+    std::fs::create_dir_all(dir).unwrap();
+    for e in std::fs::read_dir(root().join("fixtures/tiny/model")).unwrap() {
+        let e = e.unwrap();
+        let name = e.file_name();
+        if name != "config.json" {
+            std::os::unix::fs::symlink(e.path(), dir.join(&name)).unwrap();
+        }
+    }
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+}
+
+#[test]
+fn flat_config_and_a_decoy_head_dim_give_the_reference_ids() {
+    let sb = Sandbox::new("shapes");
+    let nested: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("fixtures/tiny/model/config.json")).unwrap(),
+    )
+    .unwrap();
+    // Flat shape (MODEL.md §1.3): every text_config key at the root, the KDA keys hoisted and
+    // renamed, SiTU betas renamed, no kda_layers (derived as the complement).
+    let text = nested["text_config"].as_object().unwrap();
+    let mut flat = serde_json::Map::new();
+    for (k, v) in text {
+        match k.as_str() {
+            "linear_attn_config" => {}
+            "activation_situ_beta" => {
+                flat.insert("situ_beta".into(), v.clone());
+            }
+            "activation_situ_linear_beta" => {
+                flat.insert("situ_linear_beta".into(), v.clone());
+            }
+            _ => {
+                flat.insert(k.clone(), v.clone());
+            }
+        }
+    }
+    let lin = text["linear_attn_config"].as_object().unwrap();
+    for (k, v) in lin {
+        match k.as_str() {
+            "num_heads" => flat.insert("kda_num_heads".into(), v.clone()),
+            "head_dim" => flat.insert("kda_head_dim".into(), v.clone()),
+            "kda_layers" => None,
+            _ => flat.insert(k.clone(), v.clone()),
+        };
+    }
+    // A re-saved config may carry text_config.head_dim = hidden / heads (32 here, while the
+    // KDA head dim is 16): a reader that lets it win binds the wrong shapes.
+    let mut decoy = nested.clone();
+    let hd = nested["text_config"]["hidden_size"].as_u64().unwrap()
+        / nested["text_config"]["num_attention_heads"]
+            .as_u64()
+            .unwrap();
+    assert_ne!(hd, lin["head_dim"].as_u64().unwrap());
+    decoy["text_config"]["head_dim"] = serde_json::json!(hd);
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    for (name, cfg) in [("flat", serde_json::Value::Object(flat)), ("decoy", decoy)] {
+        let dir = sb.path(name);
+        checkpoint_with_config(&dir, &cfg);
+        let o = worker(&[
+            "--standalone",
+            s(&dir),
+            "--preset",
+            "laptop",
+            "--ids",
+            &prompt,
+            "--gen",
+            "20",
+        ]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{name}: {err}");
+        if name == "flat" {
+            assert!(err.contains("flat shape"), "{err}");
+        }
+        assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"), "{name}");
+    }
+}
