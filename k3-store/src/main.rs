@@ -58,6 +58,10 @@ struct StartArgs {
     /// Parallel expert reads per request.
     #[arg(long, default_value_t = 8)]
     io_threads: usize,
+    /// Expert-cache eviction policy: lru (default), lfu, layer, layer-lfu, lrfu, layer-lrfu,
+    /// layer-age (see docs/CACHE_POLICY.md).
+    #[arg(long, default_value = "lru")]
+    cache_policy: String,
     /// Internal: the readiness pipe of a detached start.
     #[arg(long, hide = true)]
     ready_fd: Option<i32>,
@@ -118,6 +122,13 @@ fn start(a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Ok(b) => b,
         Err(e) => return fail(&mut notify, exit::REFUSED, e),
     };
+    if k3_store::policy::policy_by_name(&a.cache_policy, 1).is_none() {
+        return fail(
+            &mut notify,
+            exit::REFUSED,
+            k3_store::policy::unknown_policy(&a.cache_policy),
+        );
+    }
     // Open the checkpoint and the packed trunk; anything unreadable is a refusal.
     let (cat, cfg) = match k3_store::catalog::Catalog::open_dir(&a.model_dir) {
         Ok(x) => x,
@@ -189,6 +200,7 @@ fn start(a: StartArgs, m: &clap::ArgMatches) -> i32 {
         pinned_layers: plan.pinned_layers,
         slots: plan.expert_slots,
         io_threads: a.io_threads,
+        cache_policy: a.cache_policy.clone(),
         preset: budget.label.clone(),
         plan_text,
     };

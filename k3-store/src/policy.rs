@@ -76,6 +76,15 @@ pub const DEFAULT_AGE_FACTOR: f64 = 4.0;
 /// The online policy called `name` (one of [`POLICY_NAMES`], optionally `name:PARAM`) for a
 /// cache of `slots` slots, or `None` if the name or parameter is not recognised. This is the
 /// constructor for a `--cache-policy NAME` flag.
+/// The refusal text for an unknown policy name.
+pub fn unknown_policy(name: &str) -> String {
+    format!(
+        "unknown cache policy '{name}' (known: {})",
+        POLICY_NAMES.join(", ")
+    )
+}
+
+/// Construct a policy by name (`NAME` or `NAME:PARAM`) for `slots` slots; `None` if unknown.
 pub fn policy_by_name(name: &str, slots: usize) -> Option<Box<dyn EvictionPolicy>> {
     let (base, param) = match name.split_once(':') {
         Some((b, p)) => (b, Some(p)),

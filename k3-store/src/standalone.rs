@@ -31,6 +31,8 @@ pub struct StandaloneOptions {
     pub check_memory: bool,
     /// How long a request waits for leased slots (experts) or ring slots (trunk).
     pub wait_timeout: Duration,
+    /// Expert-cache eviction policy (a name from `k3_store::policy::POLICY_NAMES`).
+    pub cache_policy: String,
 }
 
 impl Default for StandaloneOptions {
@@ -40,6 +42,7 @@ impl Default for StandaloneOptions {
             io_threads: 8,
             check_memory: true,
             wait_timeout: Duration::from_secs(60),
+            cache_policy: "lru".into(),
         }
     }
 }
@@ -175,7 +178,9 @@ impl StandaloneSource {
             },
             &mut |d, t| progress("pinned trunk layers", d, t),
         )?;
-        let experts = ExpertCache::new(
+        let policy = crate::policy::policy_by_name(&opts.cache_policy, plan.expert_slots)
+            .ok_or_else(|| OpenError::Refused(crate::policy::unknown_policy(&opts.cache_policy)))?;
+        let experts = ExpertCache::with_policy(
             cat,
             shards,
             CacheOptions {
@@ -183,6 +188,7 @@ impl StandaloneSource {
                 io_threads: opts.io_threads,
                 busy_timeout: opts.wait_timeout,
             },
+            policy,
         )?;
         let src = StandaloneSource {
             model,

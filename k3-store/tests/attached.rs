@@ -51,6 +51,7 @@ fn start_store(tag: &str, pinned: usize, slots: usize) -> Store {
             pinned_layers: pinned,
             slots,
             io_threads: 2,
+            cache_policy: "lru".into(),
             preset: "test".into(),
             plan_text: String::new(),
         },

@@ -58,6 +58,10 @@ struct Cli {
     /// Packed trunk directory (trunk.bin + trunk.json) to stream layers from (--standalone).
     #[arg(long, value_name = "DIR")]
     trunk: Option<PathBuf>,
+    /// Expert-cache eviction policy (--standalone): lru (default), lfu, layer, layer-lfu, lrfu,
+    /// layer-lrfu, layer-age (see docs/CACHE_POLICY.md).
+    #[arg(long, value_name = "NAME")]
+    cache_policy: Option<String>,
     /// Memory preset (see `k3-ctl presets`; --standalone); a later memory flag overrides an
     /// earlier one.
     #[arg(long, value_name = "NAME")]
@@ -230,10 +234,11 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         None if !cli.preset.is_empty()
             || !cli.trunk_gb.is_empty()
             || !cli.cache_gb.is_empty()
-            || cli.trunk.is_some() =>
+            || cli.trunk.is_some()
+            || cli.cache_policy.is_some() =>
         {
             return Err(refuse(
-                "--trunk/--preset/--trunk-gb/--cache-gb need --standalone (an attached worker uses the store's)",
+                "--trunk/--preset/--trunk-gb/--cache-gb/--cache-policy need --standalone (an attached worker uses the store's)",
             ))
         }
         None => None,
@@ -361,6 +366,7 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         (None, Some(budget)) => {
             let opts = StandaloneOptions {
                 context_len: positions,
+                cache_policy: cli.cache_policy.clone().unwrap_or_else(|| "lru".into()),
                 ..StandaloneOptions::default()
             };
             let (src, plan) = StandaloneSource::open(

@@ -619,3 +619,49 @@ fn flat_config_and_a_decoy_head_dim_give_the_reference_ids() {
         assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"), "{name}");
     }
 }
+
+#[test]
+fn every_cache_policy_gives_the_reference_ids_and_unknown_ones_are_refused() {
+    let sb = Sandbox::new("policies");
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    let run = |policy: &str, out: &Path| {
+        worker(&[
+            "--standalone",
+            s(&sb.model()),
+            "--trunk-gb",
+            "1",
+            "--cache-gb",
+            "0.00005", // 4 slots: every token evicts
+            "--cache-policy",
+            policy,
+            "--ids",
+            &prompt,
+            "--gen",
+            "20",
+            "--out",
+            s(out),
+        ])
+    };
+    let mut hits = Vec::new();
+    for policy in k3_store::policy::POLICY_NAMES {
+        let out = sb.path(&format!("{policy}.json"));
+        let o = run(policy, &out);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{policy}: {err}");
+        assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"), "{policy}");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        hits.push(v["resident_hits"].as_u64().unwrap());
+    }
+    assert!(
+        hits.iter().any(|&h| h != hits[0]),
+        "policies should differ in what they keep resident: {hits:?}"
+    );
+    let o = run("belady", &sb.path("x.json"));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("unknown cache policy 'belady'") && err.contains("layer-age"),
+        "{err}"
+    );
+}

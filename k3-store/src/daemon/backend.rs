@@ -26,7 +26,7 @@ use k3_proto::wire::{
 use super::{Backend, ConnId};
 use crate::catalog::Catalog;
 use crate::experts::ExpertReader;
-use crate::experts::{Lru, ReserveError, Reserved, SlotState, SlotTable};
+use crate::experts::{ReserveError, Reserved, SlotState, SlotTable};
 use crate::io::{align_up, run_parallel, span_len, DiskFile};
 use crate::shmem::Segment;
 use crate::trunk::{open_shards, TrunkLayout};
@@ -44,6 +44,8 @@ pub struct BuildOptions {
     pub slots: usize,
     /// Parallel expert reads per batch.
     pub io_threads: usize,
+    /// Expert-cache eviction policy (a name from `crate::policy::POLICY_NAMES`).
+    pub cache_policy: String,
     /// Preset name (or "custom") for status.
     pub preset: String,
     /// The memory plan as printed, for status.
@@ -163,6 +165,8 @@ impl StoreBackend {
         if opts.slots < 1 {
             return Err("the expert arena needs at least one slot".into());
         }
+        let policy = crate::policy::policy_by_name(&opts.cache_policy, opts.slots)
+            .ok_or_else(|| crate::policy::unknown_policy(&opts.cache_policy))?;
         let lay = segment_layout(&cat, &trunk, opts.pinned_layers, opts.slots);
         let config_bytes = std::fs::read(opts.model_dir.join("config.json"))
             .map_err(|e| format!("config.json: {e}"))?;
@@ -262,7 +266,7 @@ impl StoreBackend {
             catalog: cat,
             io_threads: opts.io_threads.max(1),
             state: Mutex::new(State {
-                table: SlotTable::new(opts.slots, Box::new(Lru::new(opts.slots))),
+                table: SlotTable::new(opts.slots, policy),
                 jobs: BTreeMap::new(),
                 finished: VecDeque::new(),
                 bytes_read: 0,
