@@ -127,22 +127,8 @@ impl AttachedSource {
         let trunk_dir = PathBuf::from(trunk_dir);
         let mismatch = |m: String| AttachError::Mismatch(m);
         let (cat, _cfg) = Catalog::open_dir(&model_dir).map_err(|e| mismatch(e.0))?;
-        let config_bytes = std::fs::read(model_dir.join("config.json"))
-            .map_err(|e| mismatch(format!("config.json: {e}")))?;
-        let shard_ids: Vec<(String, u64)> = cat
-            .shard_paths()
-            .iter()
-            .zip(cat.shard_lens())
-            .map(|(p, &n)| {
-                (
-                    p.file_name()
-                        .map(|f| f.to_string_lossy().into_owned())
-                        .unwrap_or_default(),
-                    n,
-                )
-            })
-            .collect();
-        if k3_proto::shm::model_identity(&config_bytes, &shard_ids) != header.model_identity {
+        let identity = cat.identity(&model_dir).map_err(mismatch)?;
+        if identity != header.model_identity {
             return Err(mismatch(format!(
                 "{} changed since the store loaded it (config or shard sizes differ); restart \
                  the store",

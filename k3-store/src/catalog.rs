@@ -275,6 +275,24 @@ impl Catalog {
         self.trunk(l).iter().map(|t| t.nbytes).sum()
     }
 
+    /// The checkpoint's identity ([`k3_proto::shm::model_identity`] of `dir/config.json` and
+    /// every shard's file name and size): the store records it in shared memory and a worker
+    /// refuses to attach when its own view of the checkpoint differs.
+    pub fn identity(&self, dir: &Path) -> Result<u64, String> {
+        let cfg = dir.join("config.json");
+        let config_bytes = std::fs::read(&cfg).map_err(|e| format!("{}: {e}", cfg.display()))?;
+        let shards: Vec<(String, u64)> = self
+            .shard_paths()
+            .iter()
+            .zip(self.shard_lens())
+            .map(|(p, &n)| {
+                let name = p.file_name().map(|f| f.to_string_lossy().into_owned());
+                (name.unwrap_or_default(), n)
+            })
+            .collect();
+        Ok(k3_proto::shm::model_identity(&config_bytes, &shards))
+    }
+
     /// Open the checkpoint in `dir` through the proto index and config (see `from_index`).
     pub fn open_dir(dir: &Path) -> Result<(Catalog, k3_proto::config::ModelConfig), CatalogError> {
         let cfg = k3_proto::config::ModelConfig::load(&dir.join("config.json")).map_err(|e| {

@@ -2,13 +2,13 @@
 //! permissions, stale-socket detection, the peer-uid check, and frames that carry a file
 //! descriptor (`SCM_RIGHTS`).
 
-use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::io::{IoSlice, IoSliceMut, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
 
-use k3_proto::wire::{self, WireError, MAX_FRAME};
+use k3_proto::wire::{self, WireError};
 use nix::sys::socket::{self, sockopt, ControlMessage, ControlMessageOwned, MsgFlags};
 
 /// What is at a socket path before the store binds it.
@@ -164,18 +164,7 @@ pub fn recv_frame<T: for<'de> serde::Deserialize<'de>>(
             }
         }
     }
-    let n = u32::from_le_bytes(len);
-    if n > MAX_FRAME {
-        return Err(WireError::TooLong(n as u64));
-    }
-    let mut body = vec![0u8; n as usize];
-    stream.read_exact(&mut body).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            WireError::Malformed(format!("frame cut short: wanted {n} bytes"))
-        } else {
-            WireError::Io(e)
-        }
-    })?;
+    let body = wire::read_body(stream, u32::from_le_bytes(len))?;
     Ok((wire::decode(&body)?, fd))
 }
 

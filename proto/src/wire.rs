@@ -252,7 +252,12 @@ pub fn read_frame_bytes<R: Read>(r: &mut R) -> Result<Vec<u8>, WireError> {
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
         Err(e) => return Err(e.into()),
     }
-    let len = u32::from_le_bytes(len);
+    read_body(r, u32::from_le_bytes(len))
+}
+
+/// Read a frame body of `len` bytes (the length prefix already read), bounding it by
+/// [`MAX_FRAME`] before allocating.
+pub fn read_body<R: Read>(r: &mut R, len: u32) -> Result<Vec<u8>, WireError> {
     if len > MAX_FRAME {
         return Err(WireError::TooLong(len as u64));
     }

@@ -168,22 +168,7 @@ impl StoreBackend {
         let policy = crate::policy::policy_by_name(&opts.cache_policy, opts.slots)
             .ok_or_else(|| crate::policy::unknown_policy(&opts.cache_policy))?;
         let lay = segment_layout(&cat, &trunk, opts.pinned_layers, opts.slots);
-        let config_bytes = std::fs::read(opts.model_dir.join("config.json"))
-            .map_err(|e| format!("config.json: {e}"))?;
-        let shard_ids: Vec<(String, u64)> = cat
-            .shard_paths()
-            .iter()
-            .zip(cat.shard_lens())
-            .map(|(p, &n)| {
-                (
-                    p.file_name()
-                        .map(|f| f.to_string_lossy().into_owned())
-                        .unwrap_or_default(),
-                    n,
-                )
-            })
-            .collect();
-        let identity = k3_proto::shm::model_identity(&config_bytes, &shard_ids);
+        let identity = cat.identity(&opts.model_dir)?;
         let mut seg = Segment::create("k3-store", lay.total)
             .map_err(|e| format!("cannot create {} bytes of shared memory: {e}", lay.total))?;
         let mut header = ShmHeader::new(lay.total, identity);
