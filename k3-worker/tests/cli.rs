@@ -665,3 +665,45 @@ fn every_cache_policy_gives_the_reference_ids_and_unknown_ones_are_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn step0_logits_are_bit_identical_across_budgets_threads_and_modes() {
+    let sb = Sandbox::new("logits-bits");
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    let runs: [(&str, &[&str]); 5] = [
+        ("resident-2t", &["--preset", "laptop", "--threads", "2"]),
+        ("resident-1t", &["--preset", "laptop", "--threads", "1"]),
+        // Nothing pinned (one ring slot) and a 3-slot expert cache: everything streams.
+        (
+            "streaming",
+            &["--trunk-gb", "0.0003", "--cache-gb", "0.00004"],
+        ),
+        ("recompute", &["--preset", "laptop", "--full-recompute"]),
+        ("chunked", &["--preset", "laptop", "--prefill-chunk", "5"]),
+    ];
+    let model = sb.model();
+    let mut first: Option<Vec<u8>> = None;
+    for (name, extra) in runs {
+        let path = sb.path(&format!("{name}.f32"));
+        let mut args = vec![
+            "--standalone",
+            s(&model),
+            "--ids",
+            &prompt,
+            "--gen",
+            "2",
+            "--dump-logits",
+            s(&path),
+        ];
+        args.extend_from_slice(extra);
+        let o = worker(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{name}: {err}");
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len(), 256 * 4, "{name}");
+        match &first {
+            None => first = Some(bytes),
+            Some(f) => assert!(f == &bytes, "{name}: step-0 logits differ in their bits"),
+        }
+    }
+}
