@@ -607,8 +607,11 @@ fn run_chat(
 ) -> Result<i32, Fail> {
     use k3_worker::chat::{run_repl, ChatFormat, ReplOptions, Session, TurnOptions};
     let fmt = ChatFormat::new(tok, thinking).map_err(refuse)?;
-    // SAFETY: isatty only inspects the given descriptor number; it has no memory preconditions.
-    let (stdin_tty, stderr_tty) = unsafe { (libc::isatty(0) == 1, libc::isatty(2) == 1) };
+    let isatty = |fd| {
+        // SAFETY: isatty only inspects the descriptor number; it has no memory preconditions.
+        unsafe { libc::isatty(fd) == 1 }
+    };
+    let (stdin_tty, stderr_tty) = (isatty(0), isatty(2));
     eprintln!(
         "chat: thinking {}; context {capacity} positions; up to {} tokens per reply; end of input ends the session",
         thinking.map_or("off".to_string(), |e| format!("on (effort {})", e.as_str())),

@@ -531,6 +531,23 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
         "degenerate reply {:?}",
         t2.reply.ids
     );
+
+    // An edited history no longer extends the state: the next turn re-prefills everything
+    // and gives the ids of a fresh session on that history.
+    s.history[0] = Message::user("Hello");
+    let edited = s.history.clone();
+    let t3 = s
+        .turn(&mut model, &f, "Once more", &opts, &mut |_, _| {})
+        .unwrap();
+    assert!(t3.restarted);
+    assert_eq!((t3.reused, t3.prefilled), (0, t3.conversation_len));
+    let mut fresh = Session::with_history(&model, capacity, Sampler::Greedy, edited);
+    let t3_fresh = fresh
+        .turn(&mut model, &f, "Once more", &opts, &mut |_, _| {})
+        .unwrap();
+    assert!(!t3_fresh.restarted);
+    assert_eq!(t3_fresh.reply.ids, t3.reply.ids);
+
     assert_eq!(model.counters.failed_expert_loads, 0);
     eprintln!(
         "turn 2 with reuse: prefill {} tokens in {:.4} s (reused {}); without: {} tokens in {:.4} s; speed-up {:.2}x",
