@@ -825,7 +825,12 @@ pub fn run_repl(
         let line = match read_line_bounded(input, MAX_LINE_BYTES)
             .map_err(|e| format!("reading stdin: {e}"))?
         {
-            None => break,
+            None => {
+                if opts.prompt {
+                    let _ = writeln!(err);
+                }
+                break;
+            }
             Some(Line::TooLong) => {
                 let _ = writeln!(err, "turn refused: the line exceeds {MAX_LINE_BYTES} bytes");
                 summary.refused += 1;
@@ -870,11 +875,9 @@ pub fn run_repl(
                 Channel::Structure => Ok(()),
             };
             if last == Channel::Think && ch != Channel::Think {
-                let _ = writeln!(err);
+                let _ = writeln!(err); // the think text ended
             }
-            if ch != Channel::Structure {
-                last = ch;
-            }
+            last = ch;
             if let (Err(e), None) = (r, &io_err) {
                 io_err = Some(e);
             }
