@@ -5,7 +5,10 @@
 //!           (--ids 1,2,3 | --prompt TEXT | --prompt-file PATH) [--tok DIR] [--gen N]
 //!           [--full-recompute] [--temperature T] [--top-p P] [--seed S] [--threads N]
 //!           [--out FILE] [--dump-logits FILE] [--dump-cache-trace DIR] [--layers N]
+//! k3-worker … --chat --tok DIR [--no-think | --effort low|medium|high|max] [--ctx N] [--gen N]
 //! ```
+//! `--chat` reads user turns from stdin, one per line, in the XTML chat format (MODEL.md §5.5;
+//! see `k3_worker::chat`), keeping the sequence state between turns.
 //! Without `--standalone` the worker attaches to a running `k3-store` at `--socket` (the store
 //! owns the checkpoint, the budget and the expert cache; `--trunk`/`--preset`/`--*-gb` are then
 //! refused). Generated text (or ids without a tokenizer) goes to stdout as tokens arrive; the run report
@@ -123,6 +126,22 @@ struct Cli {
     /// model's).
     #[arg(long, value_name = "N")]
     layers: Option<usize>,
+    /// Multi-turn chat in the XTML format: user turns from stdin, one per line (needs --tok).
+    #[arg(long, conflicts_with_all = ["ids", "prompt", "prompt_file", "full_recompute", "out", "dump_logits", "dump_hidden", "dump_cache_trace"])]
+    chat: bool,
+    /// Chat with the think channel (the default).
+    #[arg(long, conflicts_with = "no_think")]
+    think: bool,
+    /// Chat without the think channel (no thinking-effort system message).
+    #[arg(long)]
+    no_think: bool,
+    /// Thinking effort: low, medium (disputed, see MODEL.md §10 C4), high, max (default).
+    #[arg(long, value_name = "LEVEL", conflicts_with = "no_think")]
+    effort: Option<String>,
+    /// Chat context in positions (the whole conversation plus one reply must fit; default
+    /// 4096).
+    #[arg(long, value_name = "N")]
+    ctx: Option<usize>,
 }
 
 /// A failure with its exit code.
@@ -259,7 +278,13 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         ),
         None => None,
     };
-    let prompt = prompt_ids(cli, tok.as_ref())?;
+    let (prompt, thinking) = if cli.chat {
+        (Vec::new(), chat_setup(cli, tok.as_ref())?)
+    } else if cli.think || cli.no_think || cli.effort.is_some() || cli.ctx.is_some() {
+        return Err(refuse("--think/--no-think/--effort/--ctx need --chat"));
+    } else {
+        (prompt_ids(cli, tok.as_ref())?, None)
+    };
 
     // Attached mode: connect first (the store tells us which checkpoint it serves).
     let attached = match &cli.standalone {
@@ -333,7 +358,11 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
 
     // The per-sequence state for the whole request is planned up front: the source's plan
     // includes it and refuses (exit 2) when the total does not fit.
-    let positions = positions_needed(prompt.len(), cli.gen);
+    let positions = if cli.chat {
+        cli.ctx.unwrap_or(DEFAULT_CTX)
+    } else {
+        positions_needed(prompt.len(), cli.gen)
+    };
     eprintln!(
         "sequence state: {} positions -> MLA latent cache {:.3} GB ({} B/position over {} layers) + KDA state {:.3} GB",
         positions,
@@ -419,6 +448,10 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
                 h.0 = true;
             }
         }));
+    }
+
+    if let (true, Some(tok)) = (cli.chat, tok.as_ref()) {
+        return run_chat(cli, &mut model, tok, thinking, sampler, positions);
     }
 
     // ---- generation
@@ -530,6 +563,89 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
             serde_json::to_string_pretty(&json).unwrap_or_default() + "\n",
         )
         .map_err(|e| Fail(exit::FAILURE, format!("{}: {e}", path.display())))?;
+    }
+    if counters.failed_expert_loads > 0 {
+        eprintln!(
+            "k3-worker: {} routed expert load(s) failed: the generated ids are unsound",
+            counters.failed_expert_loads
+        );
+        return Ok(exit::EXPERT_LOAD_FAILED);
+    }
+    Ok(exit::OK)
+}
+
+/// Longest chat context accepted, in positions.
+const MAX_CTX: usize = 1 << 18;
+/// Chat context without --ctx, in positions.
+const DEFAULT_CTX: usize = 4096;
+
+/// Checks for `--chat` before any work; returns the thinking setting (`None` = off).
+fn chat_setup(cli: &Cli, tok: Option<&Tokenizer>) -> Result<Option<k3_worker::chat::Effort>, Fail> {
+    let tok = tok.ok_or_else(|| refuse("--chat needs --tok DIR"))?;
+    k3_worker::chat::Markers::from_tokenizer(tok).map_err(refuse)?;
+    let ctx = cli.ctx.unwrap_or(DEFAULT_CTX);
+    if ctx == 0 || ctx > MAX_CTX {
+        return Err(refuse(format!("--ctx {ctx} outside 1..={MAX_CTX}")));
+    }
+    if cli.no_think {
+        return Ok(None);
+    }
+    let effort = cli.effort.as_deref().unwrap_or("max");
+    k3_worker::chat::Effort::parse(effort)
+        .map(Some)
+        .map_err(refuse)
+}
+
+/// The `--chat` loop: stdin lines are user turns; exit 0 at end of input.
+fn run_chat(
+    cli: &Cli,
+    model: &mut Model<'_>,
+    tok: &Tokenizer,
+    thinking: Option<k3_worker::chat::Effort>,
+    sampler: Sampler,
+    capacity: usize,
+) -> Result<i32, Fail> {
+    use k3_worker::chat::{run_repl, ChatFormat, ReplOptions, Session, TurnOptions};
+    let fmt = ChatFormat::new(tok, thinking).map_err(refuse)?;
+    let isatty = |fd| {
+        // SAFETY: isatty only inspects the descriptor number; it has no memory preconditions.
+        unsafe { libc::isatty(fd) == 1 }
+    };
+    let (stdin_tty, stderr_tty) = (isatty(0), isatty(2));
+    eprintln!(
+        "chat: thinking {}; context {capacity} positions; up to {} tokens per reply; end of input ends the session",
+        thinking.map_or("off".to_string(), |e| format!("on (effort {})", e.as_str())),
+        cli.gen
+    );
+    let mut session = Session::new(model, capacity, sampler);
+    let opts = ReplOptions {
+        turn: TurnOptions {
+            max_new: cli.gen,
+            prefill_chunk: cli.prefill_chunk,
+        },
+        prompt: stdin_tty,
+        dim_think: stderr_tty,
+    };
+    let stdin = std::io::stdin();
+    let summary = run_repl(
+        model,
+        &fmt,
+        &mut session,
+        &mut stdin.lock(),
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+        &opts,
+    )
+    .map_err(|e| Fail(exit::FAILURE, e))?;
+    let counters = &model.counters;
+    eprintln!(
+        "chat: {} turns ({} refused); PEAK RSS for the whole run: {:.3} GB",
+        summary.turns,
+        summary.refused,
+        gb(peak_rss_bytes())
+    );
+    for m in &counters.failure_messages {
+        eprintln!("expert load failed: {m}");
     }
     if counters.failed_expert_loads > 0 {
         eprintln!(

@@ -1,0 +1,928 @@
+//! Multi-turn chat in Kimi K3's XTML format (MODEL.md §5.5), with the sequence state kept
+//! between turns.
+//!
+//! * [`ChatFormat`] renders a conversation to ids: the four structural markers (`<|open|>`,
+//!   `<|close|>`, `<|sep|>`, `<|end_of_msg|>`) are control ids looked up in the tokenizer;
+//!   everything else (tag names, attributes, contents) is ordinary text encoded with specials
+//!   disabled, so a user-typed `<|open|>` stays bytes. Attribute values are escaped. Text between
+//!   two markers is one segment: BPE merges run within it, never across a marker.
+//! * [`ReplyParser`] splits the model's reply at the markers into the think and response
+//!   channels, and stops on `[EOS]` (163585) or `<|end_of_msg|>` (163586) (MODEL.md I34).
+//! * [`Session`] runs turns. The [`SeqState`] persists: a turn prefills only the ids after those
+//!   the state already holds, after checking that the rendered conversation starts with exactly
+//!   those ids ([`plan_prefill`]); when it does not, the whole conversation is prefilled again.
+//!   A reply the model produced is kept in the history with the model's own ids for its channel
+//!   contents, so the next render reproduces what the state holds (re-encoding the decoded text
+//!   can split it differently, which would both change what the model conditioned on and defeat
+//!   the reuse).
+//! * [`run_repl`] is the line-by-line loop behind `k3-worker --chat`.
+//!
+//! `thinking_effort` values: `low`, `medium`, `high`, `max`. `medium` is disputed (MODEL.md §10
+//! C4: the prompt text lists it, one report says the checkpoint's `encoding_k3.py` refuses it);
+//! it is accepted here because the effort body itself names it.
+
+use std::io::{BufRead, Write};
+use std::time::Instant;
+
+use crate::generate::{Sampler, END_IDS};
+use crate::model::{Logits, Model, ModelError, SeqState};
+use crate::tokenizer::Tokenizer;
+
+/// How much the model is asked to think (thinking on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Effort {
+    /// `low`.
+    Low,
+    /// `medium` (disputed, MODEL.md §10 C4).
+    Medium,
+    /// `high`.
+    High,
+    /// `max` (the default).
+    Max,
+}
+
+impl Effort {
+    /// Every accepted value, in the order the effort body lists them.
+    pub const ALL: [Effort; 4] = [Effort::Low, Effort::Medium, Effort::High, Effort::Max];
+
+    /// The name used in the system message.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Effort::Low => "low",
+            Effort::Medium => "medium",
+            Effort::High => "high",
+            Effort::Max => "max",
+        }
+    }
+
+    /// Parse `low|medium|high|max`.
+    pub fn parse(s: &str) -> Result<Effort, String> {
+        Effort::ALL
+            .into_iter()
+            .find(|e| e.as_str() == s)
+            .ok_or_else(|| format!("unknown thinking effort {s:?} (low, medium, high, max)"))
+    }
+}
+
+/// The body of the leading thinking-effort system message, byte-exact (MODEL.md §5.5).
+pub fn effort_body(effort: Effort) -> String {
+    format!(
+        "`thinking_effort` guides on how much to think in your thinking channel (not including the \
+         response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the \
+         system is invoked with `thinking_effort={}`.",
+        effort.as_str()
+    )
+}
+
+/// Escape an attribute value: `&` → `&amp;`, `"` → `&quot;`.
+pub fn escape_attr(v: &str) -> String {
+    v.replace('&', "&amp;").replace('"', "&quot;")
+}
+
+/// The text between `<|open|>` and `<|sep|>`: `NAME k1="v1" k2="v2"` with escaped values.
+pub fn tag_text(name: &str, attrs: &[(&str, &str)]) -> String {
+    let mut s = name.to_string();
+    for (k, v) in attrs {
+        s.push_str(&format!(" {k}=\"{}\"", escape_attr(v)));
+    }
+    s
+}
+
+/// Who wrote a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// `system`.
+    System,
+    /// `user`.
+    User,
+    /// `assistant`.
+    Assistant,
+}
+
+impl Role {
+    /// The `role` attribute value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+}
+
+/// An assistant reply's channel contents as the model produced them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplyIds {
+    /// Ids of the think channel's contents.
+    pub think: Vec<u32>,
+    /// Ids of the response channel's contents.
+    pub response: Vec<u32>,
+}
+
+/// One message of a conversation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Message {
+    /// Author.
+    pub role: Role,
+    /// Text (the response channel for an assistant).
+    pub content: String,
+    /// An assistant's reasoning (think channel); rendered only with thinking on.
+    pub reasoning: Option<String>,
+    /// For a reply the model produced: its own ids for the channel contents, rendered instead of
+    /// re-encoding `content`/`reasoning` (they decode to the same bytes).
+    pub ids: Option<ReplyIds>,
+}
+
+impl Message {
+    /// A system message.
+    pub fn system(content: impl Into<String>) -> Message {
+        Message::text(Role::System, content.into(), None)
+    }
+
+    /// A user message.
+    pub fn user(content: impl Into<String>) -> Message {
+        Message::text(Role::User, content.into(), None)
+    }
+
+    /// An assistant message given as text.
+    pub fn assistant(content: impl Into<String>, reasoning: Option<String>) -> Message {
+        Message::text(Role::Assistant, content.into(), reasoning)
+    }
+
+    fn text(role: Role, content: String, reasoning: Option<String>) -> Message {
+        Message {
+            role,
+            content,
+            reasoning,
+            ids: None,
+        }
+    }
+
+    /// The assistant message for a parsed reply, keeping the model's ids.
+    pub fn from_reply(r: &Reply) -> Message {
+        Message {
+            role: Role::Assistant,
+            content: r.response.clone(),
+            reasoning: r.think.clone(),
+            ids: Some(ReplyIds {
+                think: r.think_ids.clone(),
+                response: r.response_ids.clone(),
+            }),
+        }
+    }
+}
+
+/// The four structural control ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Markers {
+    /// `<|open|>`.
+    pub open: u32,
+    /// `<|close|>`.
+    pub close: u32,
+    /// `<|sep|>`.
+    pub sep: u32,
+    /// `<|end_of_msg|>`.
+    pub end_of_msg: u32,
+}
+
+impl Markers {
+    /// Look the markers up in the tokenizer's added tokens.
+    pub fn from_tokenizer(tok: &Tokenizer) -> Result<Markers, String> {
+        let get = |s: &str| {
+            tok.special_id(s)
+                .ok_or_else(|| format!("the tokenizer has no added token {s} (needed for --chat)"))
+        };
+        Ok(Markers {
+            open: get("<|open|>")?,
+            close: get("<|close|>")?,
+            sep: get("<|sep|>")?,
+            end_of_msg: get("<|end_of_msg|>")?,
+        })
+    }
+}
+
+/// Builds an id sequence: markers as ids, text accumulated and encoded (specials disabled) when
+/// the next marker or verbatim ids arrive.
+struct Emitter<'t> {
+    tok: &'t Tokenizer,
+    out: Vec<u32>,
+    text: String,
+}
+
+impl Emitter<'_> {
+    fn flush(&mut self) {
+        if !self.text.is_empty() {
+            self.out.extend(self.tok.encode(&self.text));
+            self.text.clear();
+        }
+    }
+
+    fn mark(&mut self, id: u32) {
+        self.flush();
+        self.out.push(id);
+    }
+
+    fn text(&mut self, s: &str) {
+        self.text.push_str(s);
+    }
+
+    fn ids(&mut self, ids: &[u32]) {
+        self.flush();
+        self.out.extend_from_slice(ids);
+    }
+
+    fn finish(mut self) -> Vec<u32> {
+        self.flush();
+        self.out
+    }
+}
+
+/// The XTML renderer for one tokenizer and thinking setting.
+#[derive(Clone, Copy, Debug)]
+pub struct ChatFormat<'t> {
+    tok: &'t Tokenizer,
+    /// The control ids.
+    pub markers: Markers,
+    /// `Some(effort)` = thinking on; `None` = off.
+    pub thinking: Option<Effort>,
+}
+
+impl<'t> ChatFormat<'t> {
+    /// A renderer; fails when the tokenizer lacks a marker.
+    pub fn new(tok: &'t Tokenizer, thinking: Option<Effort>) -> Result<ChatFormat<'t>, String> {
+        Ok(ChatFormat {
+            tok,
+            markers: Markers::from_tokenizer(tok)?,
+            thinking,
+        })
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &'t Tokenizer {
+        self.tok
+    }
+
+    fn emitter(&self) -> Emitter<'t> {
+        Emitter {
+            tok: self.tok,
+            out: Vec::new(),
+            text: String::new(),
+        }
+    }
+
+    /// `<|open|>NAME k="v"…<|sep|>` (values escaped).
+    fn open(&self, e: &mut Emitter<'_>, name: &str, attrs: &[(&str, &str)]) {
+        e.mark(self.markers.open);
+        e.text(&tag_text(name, attrs));
+        e.mark(self.markers.sep);
+    }
+
+    /// `<|close|>NAME<|sep|>`.
+    fn close(&self, e: &mut Emitter<'_>, name: &str) {
+        e.mark(self.markers.close);
+        e.text(name);
+        e.mark(self.markers.sep);
+    }
+
+    /// One channel (`think`/`response`) with its contents as ids or text.
+    fn channel(&self, e: &mut Emitter<'_>, name: &str, ids: Option<&[u32]>, text: &str) {
+        self.open(e, name, &[]);
+        match ids {
+            Some(ids) => e.ids(ids),
+            None => e.text(text),
+        }
+        self.close(e, name);
+    }
+
+    fn message(&self, e: &mut Emitter<'_>, m: &Message) {
+        self.open(e, "message", &[("role", m.role.as_str())]);
+        match m.role {
+            Role::System | Role::User => e.text(&m.content),
+            Role::Assistant => {
+                if self.thinking.is_some() {
+                    let ids = m.ids.as_ref().map(|r| r.think.as_slice());
+                    let text = m.reasoning.as_deref().unwrap_or("");
+                    self.channel(e, "think", ids, text);
+                }
+                let ids = m.ids.as_ref().map(|r| r.response.as_slice());
+                self.channel(e, "response", ids, &m.content);
+            }
+        }
+        self.close(e, "message");
+        e.mark(self.markers.end_of_msg);
+    }
+
+    /// The ids of a conversation: the effort system message (thinking on), every message, and
+    /// with `generation_prompt` the opening of the assistant's reply.
+    pub fn render(&self, history: &[Message], generation_prompt: bool) -> Vec<u32> {
+        let mut e = self.emitter();
+        if let Some(effort) = self.thinking {
+            self.open(
+                &mut e,
+                "message",
+                &[("role", "system"), ("type", "thinking-effort")],
+            );
+            e.text(&effort_body(effort));
+            self.close(&mut e, "message");
+            e.mark(self.markers.end_of_msg);
+        }
+        for m in history {
+            self.message(&mut e, m);
+        }
+        if generation_prompt {
+            self.open(&mut e, "message", &[("role", "assistant")]);
+            let channel = if self.thinking.is_some() {
+                "think"
+            } else {
+                "response"
+            };
+            self.open(&mut e, channel, &[]);
+        }
+        e.finish()
+    }
+
+    /// A parser for the reply that follows [`ChatFormat::render`]'s generation prompt.
+    pub fn parser(&self) -> ReplyParser {
+        ReplyParser::new(self.markers, self.thinking.is_some())
+    }
+}
+
+/// Where a reply id landed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Channel {
+    /// The think channel's contents.
+    Think,
+    /// The response channel's contents.
+    Response,
+    /// Structure (markers, tag names) or text outside both channels.
+    Structure,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ParseState {
+    /// Inside the contents of `channel`.
+    Body,
+    /// After `<|open|>`, collecting the tag until `<|sep|>`.
+    Open,
+    /// After `<|close|>`, collecting the tag until `<|sep|>`.
+    Close,
+    /// An end id arrived.
+    Done,
+}
+
+/// A parsed reply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reply {
+    /// Every generated id, including a final end id.
+    pub ids: Vec<u32>,
+    /// Ids of the think channel's contents.
+    pub think_ids: Vec<u32>,
+    /// Ids of the response channel's contents.
+    pub response_ids: Vec<u32>,
+    /// Think text (`Some` when thinking was on or the model opened a think channel).
+    pub think: Option<String>,
+    /// Response text.
+    pub response: String,
+    /// The end id that stopped the reply (`None`: the token limit was reached).
+    pub stopped_on: Option<u32>,
+}
+
+/// Incremental parser of a reply, id by id (MODEL.md §5.5: reasoning, `<|close|>think<|sep|>
+/// <|open|>response<|sep|>`, answer, `<|close|>response<|sep|><|close|>message<|sep|>`, end id).
+#[derive(Clone, Debug)]
+pub struct ReplyParser {
+    m: Markers,
+    state: ParseState,
+    channel: Channel,
+    tag: Vec<u32>,
+    saw_think: bool,
+    ids: Vec<u32>,
+    think: Vec<u32>,
+    response: Vec<u32>,
+    stopped_on: Option<u32>,
+}
+
+impl ReplyParser {
+    /// A parser starting inside the think channel (thinking on) or the response channel.
+    pub fn new(m: Markers, thinking: bool) -> ReplyParser {
+        ReplyParser {
+            m,
+            state: ParseState::Body,
+            channel: if thinking {
+                Channel::Think
+            } else {
+                Channel::Response
+            },
+            tag: Vec::new(),
+            saw_think: thinking,
+            ids: Vec::new(),
+            think: Vec::new(),
+            response: Vec::new(),
+            stopped_on: None,
+        }
+    }
+
+    /// True once an end id arrived.
+    pub fn done(&self) -> bool {
+        self.state == ParseState::Done
+    }
+
+    /// Feed one id; returns the channel it belongs to (`Think`/`Response` for contents).
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Channel {
+        if self.state == ParseState::Done {
+            return Channel::Structure;
+        }
+        self.ids.push(id);
+        if END_IDS.contains(&id) {
+            self.state = ParseState::Done;
+            self.stopped_on = Some(id);
+            return Channel::Structure;
+        }
+        match self.state {
+            ParseState::Body if id == self.m.open => {
+                self.state = ParseState::Open;
+                self.tag.clear();
+            }
+            ParseState::Body if id == self.m.close => {
+                self.state = ParseState::Close;
+                self.tag.clear();
+            }
+            ParseState::Body if id == self.m.sep => {} // stray separator: structure
+            ParseState::Body => match self.channel {
+                Channel::Think => {
+                    self.think.push(id);
+                    return Channel::Think;
+                }
+                Channel::Response => {
+                    self.response.push(id);
+                    return Channel::Response;
+                }
+                Channel::Structure => {}
+            },
+            ParseState::Open | ParseState::Close if id == self.m.sep => {
+                let opened = self.state == ParseState::Open;
+                let tag = tok.decode(&self.tag).unwrap_or_default();
+                let name = tag.split(|&b| b == b' ').next().unwrap_or(&[]);
+                self.channel = match (opened, name) {
+                    (true, b"think") => {
+                        self.saw_think = true;
+                        Channel::Think
+                    }
+                    (true, b"response") => Channel::Response,
+                    _ => Channel::Structure,
+                };
+                self.state = ParseState::Body;
+            }
+            ParseState::Open | ParseState::Close => self.tag.push(id),
+            ParseState::Done => unreachable!("handled above"),
+        }
+        Channel::Structure
+    }
+
+    /// The reply so far.
+    pub fn finish(&self, tok: &Tokenizer) -> Reply {
+        let text = |ids: &[u32]| {
+            String::from_utf8_lossy(&tok.decode(ids).unwrap_or_default()).into_owned()
+        };
+        Reply {
+            ids: self.ids.clone(),
+            think: self.saw_think.then(|| text(&self.think)),
+            response: text(&self.response),
+            think_ids: self.think.clone(),
+            response_ids: self.response.clone(),
+            stopped_on: self.stopped_on,
+        }
+    }
+}
+
+/// How a turn's prompt reaches the state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prefill {
+    /// The state's ids are a strict prefix of the conversation: feed `conversation[from..]`.
+    Reuse {
+        /// Ids already in the state.
+        from: usize,
+    },
+    /// The state does not match: start a fresh state and feed the whole conversation.
+    Restart,
+}
+
+/// Decide how to prefill `conversation` given the ids `held` by the state.
+pub fn plan_prefill(held: &[u32], conversation: &[u32]) -> Prefill {
+    if !held.is_empty() && conversation.len() > held.len() && conversation.starts_with(held) {
+        Prefill::Reuse { from: held.len() }
+    } else {
+        Prefill::Restart
+    }
+}
+
+/// Positions a turn needs: the conversation plus every generated id fed back (the last one is
+/// never fed).
+pub fn positions_for_turn(conversation_len: usize, max_new: usize) -> usize {
+    conversation_len + max_new.saturating_sub(1)
+}
+
+/// Why a turn did not run.
+#[derive(Debug, thiserror::Error)]
+pub enum TurnError {
+    /// The turn would overflow the context; the session is unchanged.
+    #[error("turn refused: the conversation is {conversation} tokens and up to {max_new} more may be generated, which exceeds the context of {capacity} positions (raise --ctx or start a new session)")]
+    Overflow {
+        /// Ids of the rendered conversation with the generation prompt.
+        conversation: usize,
+        /// Requested generation limit.
+        max_new: usize,
+        /// The state's capacity.
+        capacity: usize,
+    },
+    /// The forward pass failed (the state is reset before the next turn).
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// Per-turn settings.
+#[derive(Clone, Debug)]
+pub struct TurnOptions {
+    /// Most ids generated in a turn (≥ 1).
+    pub max_new: usize,
+    /// Prefill in forward calls of at most this many ids (0 = all at once).
+    pub prefill_chunk: usize,
+}
+
+/// What one turn did.
+#[derive(Clone, Debug)]
+pub struct TurnReport {
+    /// The parsed reply.
+    pub reply: Reply,
+    /// Ids of the rendered conversation (with the generation prompt).
+    pub conversation_len: usize,
+    /// Ids reused from the state (0 on the first turn or a restart).
+    pub reused: usize,
+    /// Ids prefilled this turn.
+    pub prefilled: usize,
+    /// True when the state held ids that did not prefix the conversation (re-prefilled).
+    pub restarted: bool,
+    /// Seconds of the prefill forward(s) plus the first pick.
+    pub prefill_seconds: f64,
+    /// Seconds of each later decode step.
+    pub decode_seconds: Vec<f64>,
+}
+
+impl TurnReport {
+    /// Mean seconds per generated id after the first (None when only one was generated).
+    pub fn seconds_per_token(&self) -> Option<f64> {
+        let d = &self.decode_seconds;
+        (!d.is_empty()).then(|| d.iter().sum::<f64>() / d.len() as f64)
+    }
+}
+
+/// A conversation with its persisted sequence state.
+#[derive(Debug)]
+pub struct Session {
+    /// The messages so far (the thinking-effort system message is implicit).
+    pub history: Vec<Message>,
+    state: SeqState,
+    /// The ids the state holds, in order (`state.pos == held.len()` when valid).
+    held: Vec<u32>,
+    sampler: Sampler,
+}
+
+impl Session {
+    /// An empty conversation with a state of `capacity` positions.
+    pub fn new(model: &Model<'_>, capacity: usize, sampler: Sampler) -> Session {
+        Session {
+            history: Vec::new(),
+            state: model.new_state(capacity),
+            held: Vec::new(),
+            sampler,
+        }
+    }
+
+    /// A session that starts from `history` (nothing in the state yet).
+    pub fn with_history(
+        model: &Model<'_>,
+        capacity: usize,
+        sampler: Sampler,
+        history: Vec<Message>,
+    ) -> Session {
+        Session {
+            history,
+            ..Session::new(model, capacity, sampler)
+        }
+    }
+
+    /// The ids the state holds.
+    pub fn held(&self) -> &[u32] {
+        &self.held
+    }
+
+    /// Positions the state was sized for.
+    pub fn capacity(&self) -> usize {
+        self.state.capacity
+    }
+
+    /// One turn: append `user`, prefill what the state lacks, generate up to `max_new` ids,
+    /// append the reply to the history. `on_id` sees each generated id with its channel.
+    pub fn turn(
+        &mut self,
+        model: &mut Model<'_>,
+        fmt: &ChatFormat<'_>,
+        user: &str,
+        opts: &TurnOptions,
+        on_id: &mut dyn FnMut(Channel, u32),
+    ) -> Result<TurnReport, TurnError> {
+        self.history.push(Message::user(user));
+        let conversation = fmt.render(&self.history, true);
+        let capacity = self.state.capacity;
+        if opts.max_new == 0 || positions_for_turn(conversation.len(), opts.max_new) > capacity {
+            self.history.pop();
+            return Err(TurnError::Overflow {
+                conversation: conversation.len(),
+                max_new: opts.max_new,
+                capacity,
+            });
+        }
+        let result = self.run(model, fmt, &conversation, opts, on_id);
+        match &result {
+            Ok(r) => self.history.push(Message::from_reply(&r.reply)),
+            Err(_) => {
+                // The state is unusable after a failed forward: the next turn starts afresh.
+                self.history.pop();
+                self.held.clear();
+                self.state = model.new_state(capacity);
+            }
+        }
+        result
+    }
+
+    fn run(
+        &mut self,
+        model: &mut Model<'_>,
+        fmt: &ChatFormat<'_>,
+        conversation: &[u32],
+        opts: &TurnOptions,
+        on_id: &mut dyn FnMut(Channel, u32),
+    ) -> Result<TurnReport, TurnError> {
+        let valid = self.state.pos == self.held.len();
+        let plan = if valid {
+            plan_prefill(&self.held, conversation)
+        } else {
+            Prefill::Restart
+        };
+        let restarted = plan == Prefill::Restart && !self.held.is_empty();
+        let from = match plan {
+            Prefill::Reuse { from } => from,
+            Prefill::Restart => {
+                if self.state.pos != 0 {
+                    self.state = model.new_state(self.state.capacity);
+                }
+                self.held.clear();
+                0
+            }
+        };
+        let new = &conversation[from..];
+        let t0 = Instant::now();
+        let chunk = if opts.prefill_chunk == 0 {
+            new.len()
+        } else {
+            opts.prefill_chunk
+        };
+        let mut logits = Vec::new();
+        for part in new.chunks(chunk) {
+            logits = model.forward(part, &mut self.state, Logits::Last)?;
+            self.held.extend_from_slice(part);
+        }
+        let tok = fmt.tokenizer();
+        let mut parser = fmt.parser();
+        let mut prefill_seconds = 0.0;
+        let mut decode_seconds = Vec::new();
+        let mut t = t0;
+        for step in 0..opts.max_new {
+            if step > 0 {
+                t = Instant::now();
+                let last = *parser.ids.last().expect("one id per earlier step");
+                logits = model.forward(&[last], &mut self.state, Logits::Last)?;
+                self.held.push(last);
+            }
+            let id = self.sampler.pick(&logits);
+            let channel = parser.push(tok, id);
+            if step == 0 {
+                prefill_seconds = t.elapsed().as_secs_f64();
+            } else {
+                decode_seconds.push(t.elapsed().as_secs_f64());
+            }
+            on_id(channel, id);
+            if parser.done() {
+                break;
+            }
+        }
+        Ok(TurnReport {
+            reply: parser.finish(tok),
+            conversation_len: conversation.len(),
+            reused: from,
+            prefilled: new.len(),
+            restarted,
+            prefill_seconds,
+            decode_seconds,
+        })
+    }
+}
+
+/// Longest user line accepted, in bytes.
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// One line of input.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Line {
+    /// The line without its terminator.
+    Text(Vec<u8>),
+    /// The line exceeded the limit (the rest of it was discarded).
+    TooLong,
+}
+
+/// Read one `\n`-terminated line of at most `limit` bytes (`None` at end of input).
+pub fn read_line_bounded(input: &mut dyn BufRead, limit: usize) -> std::io::Result<Option<Line>> {
+    let mut line = Vec::new();
+    let mut too_long = false;
+    let mut any = false;
+    loop {
+        let buf = match input.fill_buf() {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        if buf.is_empty() {
+            break;
+        }
+        any = true;
+        let (take, end) = match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => (i, true),
+            None => (buf.len(), false),
+        };
+        if !too_long {
+            if line.len() + take > limit {
+                too_long = true;
+                line = Vec::new();
+            } else {
+                line.extend_from_slice(&buf[..take]);
+            }
+        }
+        input.consume(take + usize::from(end));
+        if end {
+            break;
+        }
+    }
+    if !any {
+        return Ok(None);
+    }
+    if too_long {
+        return Ok(Some(Line::TooLong));
+    }
+    if line.last() == Some(&b'\r') {
+        line.pop();
+    }
+    Ok(Some(Line::Text(line)))
+}
+
+/// Settings of the line-by-line loop.
+#[derive(Clone, Debug)]
+pub struct ReplOptions {
+    /// Per-turn settings.
+    pub turn: TurnOptions,
+    /// Show a `> ` prompt on `err` (stdin is a terminal).
+    pub prompt: bool,
+    /// Dim the think text with ANSI escapes (stderr is a terminal); otherwise it is prefixed.
+    pub dim_think: bool,
+}
+
+/// What a whole session did.
+#[derive(Clone, Debug, Default)]
+pub struct ReplSummary {
+    /// Turns that ran.
+    pub turns: usize,
+    /// Turns refused (overflow, bad input).
+    pub refused: usize,
+}
+
+/// Read user turns from `input` until end of input; the response goes to `out`, the think text
+/// and the per-turn report to `err`. Returns on end of input, or on a forward/I/O failure.
+pub fn run_repl(
+    model: &mut Model<'_>,
+    fmt: &ChatFormat<'_>,
+    session: &mut Session,
+    input: &mut dyn BufRead,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+    opts: &ReplOptions,
+) -> Result<ReplSummary, String> {
+    let mut summary = ReplSummary::default();
+    let tok = fmt.tokenizer();
+    loop {
+        if opts.prompt {
+            let _ = write!(err, "> ");
+            let _ = err.flush();
+        }
+        let line = match read_line_bounded(input, MAX_LINE_BYTES)
+            .map_err(|e| format!("reading stdin: {e}"))?
+        {
+            None => {
+                if opts.prompt {
+                    let _ = writeln!(err);
+                }
+                break;
+            }
+            Some(Line::TooLong) => {
+                let _ = writeln!(err, "turn refused: the line exceeds {MAX_LINE_BYTES} bytes");
+                summary.refused += 1;
+                continue;
+            }
+            Some(Line::Text(l)) => l,
+        };
+        let text = match String::from_utf8(line) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = writeln!(
+                    err,
+                    "turn refused: the line is not UTF-8 (invalid byte at offset {})",
+                    e.utf8_error().valid_up_to()
+                );
+                summary.refused += 1;
+                continue;
+            }
+        };
+        if text.trim().is_empty() {
+            continue;
+        }
+        let mut last = Channel::Structure;
+        let mut io_err = None;
+        let mut on_id = |ch: Channel, id: u32| {
+            let bytes = tok.token_bytes(id).unwrap_or(&[]);
+            let r = match ch {
+                Channel::Response => out.write_all(bytes).and_then(|_| out.flush()),
+                Channel::Think => {
+                    let start = last != Channel::Think;
+                    let r = if opts.dim_think {
+                        err.write_all(b"\x1b[2m")
+                            .and_then(|_| err.write_all(bytes))
+                            .and_then(|_| err.write_all(b"\x1b[0m"))
+                    } else if start {
+                        err.write_all(b"think: ").and_then(|_| err.write_all(bytes))
+                    } else {
+                        err.write_all(bytes)
+                    };
+                    r.and_then(|_| err.flush())
+                }
+                Channel::Structure => Ok(()),
+            };
+            if last == Channel::Think && ch != Channel::Think {
+                let _ = writeln!(err); // the think text ended
+            }
+            last = ch;
+            if let (Err(e), None) = (r, &io_err) {
+                io_err = Some(e);
+            }
+        };
+        match session.turn(model, fmt, &text, &opts.turn, &mut on_id) {
+            Ok(r) => {
+                if last == Channel::Think {
+                    let _ = writeln!(err);
+                }
+                writeln!(out).map_err(|e| format!("writing stdout: {e}"))?;
+                let _ = out.flush();
+                if let Some(e) = io_err {
+                    return Err(format!("writing output: {e}"));
+                }
+                summary.turns += 1;
+                if r.restarted {
+                    let _ = writeln!(
+                        err,
+                        "state: the rendered conversation does not start with the ids the state held; re-prefilled the whole conversation"
+                    );
+                }
+                let n = r.reply.ids.len();
+                let _ = writeln!(
+                    err,
+                    "turn {}: prefill {} tokens (reused {}) in {:.3} s; generated {} tokens, {}; stop {}; context {}/{}",
+                    summary.turns,
+                    r.prefilled,
+                    r.reused,
+                    r.prefill_seconds,
+                    n,
+                    r.seconds_per_token()
+                        .map_or("no decode steps".into(), |s| format!("{s:.3} s/token")),
+                    r.reply
+                        .stopped_on
+                        .map_or("token limit".into(), |id| id.to_string()),
+                    session.held().len(),
+                    session.capacity()
+                );
+            }
+            Err(e @ TurnError::Overflow { .. }) => {
+                let _ = writeln!(err, "{e}");
+                summary.refused += 1;
+            }
+            Err(TurnError::Model(e)) => return Err(e.to_string()),
+        }
+    }
+    Ok(summary)
+}
