@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod doctor;
 mod inspect;
 mod pack;
 mod presets;
@@ -34,6 +35,8 @@ enum Cmd {
     PackTrunk(pack::Args),
     /// Print the memory presets (trunk / expert-cache budgets).
     Presets(presets::Args),
+    /// CPU, SIMD tiers, RAM -> recommended preset, disk bandwidth measured the way the engine reads.
+    Doctor(doctor::Args),
 }
 
 fn main() {
@@ -58,6 +61,7 @@ fn main() {
         Cmd::Stop(a) => store_cmds::run_stop(a),
         Cmd::PackTrunk(a) => pack::run(a),
         Cmd::Presets(a) => presets::run(a),
+        Cmd::Doctor(a) => doctor::run(a),
     };
     std::process::exit(code);
 }
