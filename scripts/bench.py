@@ -115,9 +115,9 @@ def plan_budgets(layers, expert_bytes: int, moe_layers: int, n_experts: int, top
     out["laptop-like"] = (max(bufs) + slack, s * stride + slack, s,
                           f"nothing pinned: one ring slot of the largest layer; {s} expert slots "
                           f"(laptop's 1 GB share, at least top_k)")
-    out["laptop-2ring"] = (2 * max(bufs) + slack, s * stride + slack, s,
-                           "as laptop-like with two ring slots (the next layer is read while "
-                           "the current one computes)")
+    out["laptop-2x"] = (2 * max(bufs) + slack, s * stride + slack, s,
+                        "laptop-like with twice the trunk budget (the plan pins the prefix that "
+                        "still leaves one ring slot)")
     return out
 
 
