@@ -313,6 +313,10 @@ def warm_start(bins: Path, model: Path, trunk: Path, budget, gen: int, work: Pat
         sh([bins / "k3-ctl", "stop", "--socket", sock], capture_output=True)
 
     res = {}
+    # Standalone first: a store that was just stopped may not have returned its memory yet.
+    f, t, _ = worker(work / "ws-standalone.json", False)
+    res["standalone_cold"] = {"first_token_s": f, "exit_s": t,
+                              "run": json.loads((work / "ws-standalone.json").read_text())}
     try:
         st = start_store()
         f, t, _ = worker(work / "ws-cold-store.json", True)
@@ -323,9 +327,6 @@ def warm_start(bins: Path, model: Path, trunk: Path, budget, gen: int, work: Pat
                              "run": json.loads((work / "ws-warm-store.json").read_text())}
     finally:
         stop_store()
-    f, t, _ = worker(work / "ws-standalone.json", False)
-    res["standalone_cold"] = {"first_token_s": f, "exit_s": t,
-                              "run": json.loads((work / "ws-standalone.json").read_text())}
     ids0 = {k: v["run"]["generated_ids"] for k, v in res.items()}
     if len({tuple(v) for v in ids0.values()}) != 1:
         raise SystemExit(f"bench: warm-start modes disagree on ids: {ids0}")
