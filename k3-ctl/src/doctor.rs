@@ -461,6 +461,12 @@ pub fn run(a: Args) -> i32 {
         eprintln!("k3-ctl doctor: --seconds must be in (0, 600]");
         return k3_proto::exit::REFUSED;
     }
+    if !a.no_disk {
+        if let Err(e) = std::fs::metadata(&a.dir) {
+            eprintln!("k3-ctl doctor: --dir {}: {e}", a.dir.display());
+            return k3_proto::exit::REFUSED;
+        }
+    }
     if a.size_mib > (1 << 20) {
         eprintln!("k3-ctl doctor: --size-mib at most 1048576");
         return k3_proto::exit::REFUSED;
