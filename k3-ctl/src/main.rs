@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod doctor;
 mod inspect;
 mod pack;
 mod presets;
@@ -37,6 +38,8 @@ enum Cmd {
     Presets(presets::Args),
     /// Replay expert-cache traces: TRUE hit rate per eviction policy and capacity vs Belady.
     ReplayTrace(replay::Args),
+    /// CPU, SIMD tiers, RAM -> recommended preset, disk bandwidth measured the way the engine reads.
+    Doctor(doctor::Args),
 }
 
 fn main() {
@@ -62,6 +65,7 @@ fn main() {
         Cmd::PackTrunk(a) => pack::run(a),
         Cmd::Presets(a) => presets::run(a),
         Cmd::ReplayTrace(a) => replay::run(a),
+        Cmd::Doctor(a) => doctor::run(a),
     };
     std::process::exit(code);
 }

@@ -1,7 +1,8 @@
 //! Kernel benchmark: memory read bandwidth (the floor) and every tier's rates at the real
 //! shapes, at 1 and 2 threads.
 //!
-//! `cargo bench -p k3-worker --bench kernels [-- --reps N] [--tiers avx2,avx512] [--json PATH]`
+//! `cargo bench -p k3-worker --bench kernels [-- --reps N] [--tiers avx2,avx512] [--json PATH]
+//! [--memory-only]]` (`--memory-only`: just the memory read bandwidth, for floors in a hurry)
 //! (`K3_BENCH_JSON=PATH` works too). Each figure is the median and min–max of `reps` (≥ 5)
 //! timed runs after one warm-up run. Every tier's output is checked against the scalar tier.
 //!
@@ -26,6 +27,7 @@ struct Args {
     reps: usize,
     tiers: Option<Vec<Tier>>,
     json: Option<String>,
+    memory_only: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -33,6 +35,7 @@ fn parse_args() -> Result<Args, String> {
         reps: 7,
         tiers: None,
         json: std::env::var("K3_BENCH_JSON").ok(),
+        memory_only: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -51,6 +54,7 @@ fn parse_args() -> Result<Args, String> {
                 args.tiers = Some(t.ok_or(format!("--tiers {v:?}: expected scalar,avx2,avx512"))?);
             }
             "--json" => args.json = Some(it.next().ok_or("--json needs a path")?),
+            "--memory-only" => args.memory_only = true,
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -272,6 +276,10 @@ fn main() {
             mem.push((threads, s, m));
         }
     }
+    if args.memory_only {
+        write_json(&args, &active, &mem, Vec::new(), true);
+        return;
+    }
     let mem_at = |threads: usize| {
         mem.iter()
             .find(|m| m.0 == threads)
@@ -458,6 +466,20 @@ fn main() {
         if checks_ok { "ok" } else { "FAILED" }
     );
 
+    write_json(&args, &active, &mem, out_rows, checks_ok);
+    if !checks_ok {
+        std::process::exit(1);
+    }
+}
+
+/// Write the JSON report when `--json` was given (exit 1 if it cannot be written).
+fn write_json(
+    args: &Args,
+    active: &str,
+    mem: &[(usize, Stat, f64)],
+    out_rows: Vec<Value>,
+    checks_ok: bool,
+) {
     if let Some(path) = &args.json {
         let doc: Value = json!({
             "machine": {"cpu": cpu_model(),
@@ -487,8 +509,5 @@ fn main() {
                 std::process::exit(1);
             }
         }
-    }
-    if !checks_ok {
-        std::process::exit(1);
     }
 }

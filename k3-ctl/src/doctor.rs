@@ -1,0 +1,687 @@
+//! `k3-ctl doctor`: what this machine can do for k3.
+//!
+//! - CPU model, logical cores, the SIMD tiers the kernels can use here (and the one `K3_SIMD` /
+//!   auto-detection picks).
+//! - RAM: `MemTotal` / `MemAvailable` and the recommended preset: the largest whose full-scale
+//!   memory plan ([`k3_store::plan::MemoryPlan`]) fits `MemAvailable`.
+//! - Disk bandwidth measured the way the engine reads: `O_DIRECT` random reads of one expert
+//!   (17,547,264 bytes) through [`k3_store::io::DiskFile`] at queue depth 1 and 16 (16 reader
+//!   threads; also 8, the standalone expert cache's reader count), sequential large `O_DIRECT` reads, and buffered reads of expert-sized chunks
+//!   after `posix_fadvise(DONTNEED)`; each as MB/s median and min–max over rounds.
+//!
+//! `--dir PATH`: a directory gets a scratch file (written, fsynced, dropped from the page cache,
+//! measured, deleted); a regular file is measured in place, read-only (e.g. a checkpoint shard).
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k3_store::io::{AlignedBuf, DiskFile, ALIGN};
+use k3_store::plan::{Budget, BudgetFlag, MemoryPlan, PlanInputs, PRESETS};
+use serde_json::{json, Value};
+
+/// Bytes of one routed expert at full scale (MXFP4 w1/w2/w3 + scales): one engine read.
+pub const EXPERT_BYTES: u64 = 17_547_264;
+/// Reader threads for the queue-depth-16 figure.
+const QD_HIGH: usize = 16;
+/// Reader threads of the standalone expert cache (`StandaloneOptions::io_threads`).
+const QD_ENGINE: usize = 8;
+/// Sequential read size.
+const SEQ_CHUNK: u64 = 64 << 20;
+/// Timed rounds per measurement (median and min–max are over these).
+const ROUNDS: usize = 5;
+
+/// Arguments of `k3-ctl doctor`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Directory (a scratch file is created there and deleted) or existing file (read in place)
+    /// to measure disk bandwidth on; default the current directory.
+    #[arg(long, value_name = "PATH", default_value = ".")]
+    dir: PathBuf,
+    /// Print the report as JSON on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Seconds per disk measurement (5 rounds each).
+    #[arg(long, value_name = "N", default_value_t = 2.0)]
+    seconds: f64,
+    /// Size of the scratch file in MiB (directories only).
+    #[arg(long, value_name = "MIB", default_value_t = 2048)]
+    size_mib: u64,
+    /// Skip the disk measurements.
+    #[arg(long)]
+    no_disk: bool,
+}
+
+/// Full-scale trunk layer sizes and resident tensor bytes of the released Kimi K3 (MODEL.md §2.9;
+/// the same figures as `k3_store::plan`'s full-scale tests, where they are checked to sum to the
+/// spec's 108,811,877,376 trunk bytes): layer 0 KDA + dense MLP, MLA+MoE layers at 3, 7, …, 91
+/// and 92, KDA+MoE elsewhere. The ONE place doctor hardcodes the full model's sizes: a real
+/// catalog is 1.56 TB we do not have here. Context 4096 positions.
+fn full_scale_inputs() -> PlanInputs {
+    let layer_bytes = (0..93)
+        .map(|l| {
+            if l == 0 {
+                2_341_213_184
+            } else if (l + 1) % 4 == 0 || l == 92 {
+                844_335_616
+            } else {
+                1_267_744_256
+            }
+        })
+        .collect();
+    PlanInputs {
+        resident_bytes: 4_697_620_480 + 4 * 7168 * 2,
+        layer_bytes,
+        expert_bytes: EXPERT_BYTES,
+        expert_slot_bytes: EXPERT_BYTES + ALIGN as u64,
+        top_k: 16,
+        total_experts: 92 * 896,
+        kda_layers: 69,
+        kda_state_bytes: 4 * (96 * 128 * 128 + 3 * 12288 * 3),
+        mla_layers: 24,
+        mla_bytes_per_position: 4 * 576,
+        context_len: 4096,
+        buffer_bytes: 100 << 20,
+    }
+}
+
+/// (preset name, full-scale plan total bytes), smallest first.
+pub fn preset_needs() -> Vec<(&'static str, u64)> {
+    let inputs = full_scale_inputs();
+    PRESETS
+        .iter()
+        .filter_map(|p| {
+            let b = Budget::from_flags(&[BudgetFlag::Preset(p.name.into())]).ok()?;
+            Some((p.name, MemoryPlan::compute(&inputs, &b).total_bytes()))
+        })
+        .collect()
+}
+
+/// The largest preset whose full-scale plan fits `available` bytes.
+pub fn recommend(needs: &[(&'static str, u64)], available: u64) -> Option<&'static str> {
+    needs
+        .iter()
+        .filter(|(_, n)| *n <= available)
+        .max_by_key(|(_, n)| *n)
+        .map(|(name, _)| *name)
+}
+
+/// Median, min and max of a non-empty list.
+pub fn summarize(v: &[f64]) -> (f64, f64, f64) {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if s.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    let med = if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        0.5 * (s[n / 2 - 1] + s[n / 2])
+    };
+    (med, s[0], s[n - 1])
+}
+
+fn meminfo_kb(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|r| r.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn rustc_version() -> Option<String> {
+    let out = std::process::Command::new("rustc")
+        .arg("--version")
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// (mount source, mount point, fs type) of the filesystem holding `path` (longest mount-point
+/// prefix in /proc/mounts).
+fn mount_of(path: &Path) -> Option<(String, String, String)> {
+    let p = std::fs::canonicalize(path).ok()?;
+    let mounts = std::fs::read_to_string("/proc/mounts").ok()?;
+    mounts
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() >= 3).then(|| (f[0].to_string(), f[1].to_string(), f[2].to_string()))
+        })
+        .filter(|(_, mp, _)| p.starts_with(mp))
+        .max_by_key(|(_, mp, _)| mp.len())
+}
+
+/// Drop `f`'s pages from the page cache (best effort; the answer says whether it worked).
+fn drop_cache(f: &File) -> bool {
+    // SAFETY: posix_fadvise only reads its integer arguments; the fd is open for the call.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0 }
+}
+
+/// Drop `[off, off+len)` of `f` from the page cache (best effort).
+fn drop_range(f: &File, off: u64, len: u64) {
+    // SAFETY: posix_fadvise only reads its integer arguments; the fd is open for the call.
+    let _ = unsafe {
+        libc::posix_fadvise(
+            f.as_raw_fd(),
+            off as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_DONTNEED,
+        )
+    };
+}
+
+/// A tiny xorshift generator (offsets and scratch contents; no statistical claims).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// The scratch file: deleted on drop.
+struct Scratch(PathBuf);
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is a NUL-terminated path and `st` a properly aligned statvfs to fill.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled the (already zeroed) struct.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+/// Write a scratch file of `size` bytes of non-constant data in `dir`, fsync it and drop it
+/// from the page cache.
+fn make_scratch(dir: &Path, size: u64) -> Result<Scratch, String> {
+    if let Some(free) = free_bytes(dir) {
+        if free < size.saturating_mul(2) {
+            return Err(format!(
+                "{}: {:.2} GB free, the {:.2} GB scratch file needs twice that to leave room \
+                 (use --size-mib)",
+                dir.display(),
+                free as f64 / 1e9,
+                size as f64 / 1e9
+            ));
+        }
+    }
+    let path = dir.join(format!(".k3-doctor-{}.tmp", std::process::id()));
+    let scratch = Scratch(path.clone());
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let chunk = 8usize << 20;
+    let mut buf = vec![0u8; chunk];
+    let mut left = size;
+    while left > 0 {
+        for w in buf.chunks_exact_mut(8) {
+            w.copy_from_slice(&rng.next().to_le_bytes());
+        }
+        let n = left.min(chunk as u64) as usize;
+        f.write_all(&buf[..n])
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        left -= n as u64;
+    }
+    f.sync_all()
+        .map_err(|e| format!("fsync {}: {e}", path.display()))?;
+    drop_cache(&f);
+    Ok(scratch)
+}
+
+/// One disk measurement: MB/s per round, and what was read.
+struct Measure {
+    name: &'static str,
+    what: String,
+    mbps: Vec<f64>,
+    direct: bool,
+}
+
+impl Measure {
+    fn to_json(&self) -> Value {
+        let (m, lo, hi) = summarize(&self.mbps);
+        json!({"name": self.name, "what": self.what, "direct": self.direct,
+               "mb_per_s": {"median": m, "min": lo, "max": hi}, "rounds": self.mbps})
+    }
+}
+
+/// Random `len`-byte reads at 4 KiB-aligned offsets with `threads` readers, `ROUNDS` rounds of
+/// `round` each.
+fn random_reads(
+    file: &DiskFile,
+    len: u64,
+    threads: usize,
+    round: Duration,
+    uncache: Option<&File>,
+) -> Result<Vec<f64>, String> {
+    let span = file.len().saturating_sub(len) / ALIGN as u64;
+    if span == 0 {
+        return Err(format!(
+            "{}: {} bytes is too small for {len}-byte random reads",
+            file.path().display(),
+            file.len()
+        ));
+    }
+    let mut out = Vec::with_capacity(ROUNDS);
+    for r in 0..ROUNDS {
+        let t0 = Instant::now();
+        let results: Vec<Result<u64, String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..threads)
+                .map(|t| {
+                    s.spawn(move || -> Result<u64, String> {
+                        let mut buf = AlignedBuf::zeroed(len as usize + ALIGN)?;
+                        let mut rng = Rng(0x1234_5678 + (r * 1000 + t) as u64 * 7919);
+                        let mut bytes = 0u64;
+                        loop {
+                            let off = (rng.next() % span) * ALIGN as u64;
+                            file.read_span(off, len, buf.as_mut_slice())
+                                .map_err(|e| e.0)?;
+                            if let Some(f) = uncache {
+                                // A later read of the same range must come from the disk too.
+                                drop_range(f, off, len);
+                            }
+                            bytes += len;
+                            if t0.elapsed() >= round {
+                                return Ok(bytes);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("reader panicked".into())))
+                .collect()
+        });
+        let secs = t0.elapsed().as_secs_f64();
+        let mut bytes = 0;
+        for x in results {
+            bytes += x?;
+        }
+        out.push(bytes as f64 / 1e6 / secs);
+    }
+    Ok(out)
+}
+
+/// Sequential `chunk`-byte reads from offset 0 (wrapping), one reader.
+fn sequential_reads(
+    file: &DiskFile,
+    chunk: u64,
+    round: Duration,
+    before: &dyn Fn(),
+) -> Result<Vec<f64>, String> {
+    let chunk = chunk.min(file.len() / ALIGN as u64 * ALIGN as u64);
+    if chunk == 0 {
+        return Err(format!("{}: empty file", file.path().display()));
+    }
+    let mut buf = AlignedBuf::zeroed(chunk as usize + ALIGN)?;
+    let mut out = Vec::with_capacity(ROUNDS);
+    let mut off = 0u64;
+    for _ in 0..ROUNDS {
+        before();
+        let t0 = Instant::now();
+        let mut bytes = 0u64;
+        while t0.elapsed() < round {
+            if off + chunk > file.len() {
+                off = 0;
+            }
+            file.read_span(off, chunk, buf.as_mut_slice())
+                .map_err(|e| e.0)?;
+            off += chunk;
+            bytes += chunk;
+        }
+        out.push(bytes as f64 / 1e6 / t0.elapsed().as_secs_f64());
+    }
+    Ok(out)
+}
+
+/// Measure the disk holding `target` (a directory gets a scratch file).
+fn measure_disk(a: &Args) -> Result<Value, String> {
+    let meta = std::fs::metadata(&a.dir).map_err(|e| format!("{}: {e}", a.dir.display()))?;
+    let (_scratch, file_path, scratch_note) = if meta.is_dir() {
+        let size = a.size_mib.max(64) << 20;
+        let t0 = Instant::now();
+        let s = make_scratch(&a.dir, size)?;
+        let p = s.0.clone();
+        let note = format!(
+            "scratch file of {} MiB written and fsynced in {:.1} s (deleted afterwards)",
+            size >> 20,
+            t0.elapsed().as_secs_f64()
+        );
+        (Some(s), p, note)
+    } else {
+        (None, a.dir.clone(), "existing file, read in place".into())
+    };
+    let round = Duration::from_secs_f64((a.seconds / ROUNDS as f64).max(0.05));
+    let direct = DiskFile::open(&file_path).map_err(|e| e.0)?;
+    let is_direct = direct.is_direct();
+    let buffered = DiskFile::open_with(&file_path, false).map_err(|e| e.0)?;
+    let plain = File::open(&file_path).map_err(|e| format!("{}: {e}", file_path.display()))?;
+    let dropper = || {
+        drop_cache(&plain);
+    };
+    let mut ms = Vec::new();
+    let mode = if is_direct {
+        "O_DIRECT"
+    } else {
+        "buffered (O_DIRECT refused)"
+    };
+    ms.push(Measure {
+        name: "random_qd1",
+        what: format!("{EXPERT_BYTES}-byte random reads, 1 reader, {mode}"),
+        mbps: random_reads(&direct, EXPERT_BYTES, 1, round, None)?,
+        direct: is_direct,
+    });
+    ms.push(Measure {
+        name: "random_qd8",
+        what: format!(
+            "{EXPERT_BYTES}-byte random reads, {QD_ENGINE} reader threads (the standalone expert \
+             cache's readers), {mode}"
+        ),
+        mbps: random_reads(&direct, EXPERT_BYTES, QD_ENGINE, round, None)?,
+        direct: is_direct,
+    });
+    ms.push(Measure {
+        name: "random_qd16",
+        what: format!("{EXPERT_BYTES}-byte random reads, {QD_HIGH} reader threads, {mode}"),
+        mbps: random_reads(&direct, EXPERT_BYTES, QD_HIGH, round, None)?,
+        direct: is_direct,
+    });
+    ms.push(Measure {
+        name: "sequential_direct",
+        what: format!("{} MiB sequential reads, 1 reader, {mode}", SEQ_CHUNK >> 20),
+        mbps: sequential_reads(&direct, SEQ_CHUNK, round, &|| {})?,
+        direct: is_direct,
+    });
+    ms.push(Measure {
+        name: "sequential_buffered",
+        what: format!(
+            "{EXPERT_BYTES}-byte sequential buffered reads, 1 reader, page cache dropped \
+             (posix_fadvise DONTNEED) before each round"
+        ),
+        mbps: sequential_reads(&buffered, EXPERT_BYTES, round, &dropper)?,
+        direct: false,
+    });
+    dropper();
+    ms.push(Measure {
+        name: "random_buffered_qd1",
+        what: format!(
+            "{EXPERT_BYTES}-byte random buffered reads, 1 reader, each range dropped from the \
+             page cache after its read"
+        ),
+        mbps: random_reads(&buffered, EXPERT_BYTES, 1, round, Some(&plain))?,
+        direct: false,
+    });
+    dropper();
+    let mount = mount_of(&file_path);
+    Ok(json!({
+        "path": file_path.display().to_string(),
+        "file_bytes": direct.len(),
+        "note": scratch_note,
+        "filesystem": mount.as_ref().map(|(src, mp, ty)| json!({"source": src, "mount": mp, "type": ty})),
+        "device": std::fs::metadata(&file_path).ok().map(|m| format!("{}:{}", libc::major(m.dev()), libc::minor(m.dev()))),
+        "seconds_per_measurement": a.seconds,
+        "rounds": ROUNDS,
+        "measurements": ms.iter().map(Measure::to_json).collect::<Vec<_>>(),
+    }))
+}
+
+/// Run `k3-ctl doctor`.
+pub fn run(a: Args) -> i32 {
+    if !(a.seconds.is_finite() && a.seconds > 0.0 && a.seconds <= 600.0) {
+        eprintln!("k3-ctl doctor: --seconds must be in (0, 600]");
+        return k3_proto::exit::REFUSED;
+    }
+    if !a.no_disk {
+        if let Err(e) = std::fs::metadata(&a.dir) {
+            eprintln!("k3-ctl doctor: --dir {}: {e}", a.dir.display());
+            return k3_proto::exit::REFUSED;
+        }
+    }
+    if a.size_mib > (1 << 20) {
+        eprintln!("k3-ctl doctor: --size-mib at most 1048576");
+        return k3_proto::exit::REFUSED;
+    }
+    let tiers: Vec<Value> = k3_worker::kernels::Tier::ALL
+        .iter()
+        .map(|t| json!({"tier": t.name(), "available": t.is_available()}))
+        .collect();
+    let active = match k3_worker::kernels::select_tier() {
+        Ok(t) => t.name().to_string(),
+        Err(e) => format!("error: {e}"),
+    };
+    let total = meminfo_kb("MemTotal").map(|k| k * 1024);
+    let avail = meminfo_kb("MemAvailable").map(|k| k * 1024);
+    let needs = preset_needs();
+    let rec = avail.and_then(|a| recommend(&needs, a));
+    let mut doc = json!({
+        "cpu": {"model": cpu_model(),
+                "logical_cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+                "simd_tiers": tiers, "active_tier": active},
+        "toolchain": {"rustc": rustc_version(),
+                      "k3_version": env!("CARGO_PKG_VERSION"),
+                      "k3_build": if cfg!(debug_assertions) { "debug" } else { "release" }},
+        "memory": {"total_bytes": total, "available_bytes": avail,
+                   "preset_plan_totals_bytes": needs.iter().map(|(n, b)| json!({"preset": n, "bytes": b})).collect::<Vec<_>>(),
+                   "recommended_preset": rec},
+    });
+    if !a.json {
+        print_head(&doc);
+    }
+    let code = if a.no_disk {
+        k3_proto::exit::OK
+    } else {
+        if !a.json {
+            println!(
+                "disk: measuring on {} ({} s per measurement)…",
+                a.dir.display(),
+                a.seconds
+            );
+        }
+        match measure_disk(&a) {
+            Ok(d) => {
+                if !a.json {
+                    print_disk(&d);
+                }
+                doc["disk"] = d;
+                k3_proto::exit::OK
+            }
+            Err(e) => {
+                eprintln!("k3-ctl doctor: disk: {e}");
+                doc["disk"] = json!({"error": e});
+                k3_proto::exit::FAILURE
+            }
+        }
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+    }
+    code
+}
+
+fn print_head(d: &Value) {
+    let c = &d["cpu"];
+    let tiers: Vec<String> = c["simd_tiers"]
+        .as_array()
+        .map(|v| {
+            v.iter()
+                .map(|t| {
+                    format!(
+                        "{}{}",
+                        t["tier"].as_str().unwrap_or("?"),
+                        if t["available"].as_bool() == Some(true) {
+                            ""
+                        } else {
+                            " (absent)"
+                        }
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    println!(
+        "cpu: {} | {} logical cores",
+        c["model"].as_str().unwrap_or("?"),
+        c["logical_cores"]
+    );
+    println!(
+        "simd tiers: {} | kernels will use: {}",
+        tiers.join(", "),
+        c["active_tier"].as_str().unwrap_or("?")
+    );
+    let t = &d["toolchain"];
+    println!(
+        "toolchain: {} | k3 {} ({} build)",
+        t["rustc"].as_str().unwrap_or("rustc not found"),
+        t["k3_version"].as_str().unwrap_or("?"),
+        t["k3_build"].as_str().unwrap_or("?")
+    );
+    let m = &d["memory"];
+    let g = |v: &Value| {
+        v.as_u64()
+            .map_or("?".into(), |b| format!("{:.2} GB", b as f64 / 1e9))
+    };
+    println!(
+        "ram: total {} | available {}",
+        g(&m["total_bytes"]),
+        g(&m["available_bytes"])
+    );
+    if let Some(rows) = m["preset_plan_totals_bytes"].as_array() {
+        let s: Vec<String> = rows
+            .iter()
+            .map(|r| format!("{} {}", r["preset"].as_str().unwrap_or("?"), g(&r["bytes"])))
+            .collect();
+        println!("full-model plan totals (context 4096): {}", s.join(" · "));
+    }
+    match m["recommended_preset"].as_str() {
+        Some(p) => println!(
+            "recommended preset: {p} (the largest whose full-model plan fits MemAvailable)"
+        ),
+        None => println!("recommended preset: none — even `laptop` does not fit MemAvailable"),
+    }
+}
+
+fn print_disk(d: &Value) {
+    println!(
+        "disk: {} ({}) — {}",
+        d["path"].as_str().unwrap_or("?"),
+        d["filesystem"]
+            .get("source")
+            .and_then(Value::as_str)
+            .unwrap_or("?"),
+        d["note"].as_str().unwrap_or("")
+    );
+    println!(
+        "  {:<22} {:>10} {:>22}  what",
+        "measurement", "MB/s med", "min–max"
+    );
+    for m in d["measurements"].as_array().into_iter().flatten() {
+        let r = &m["mb_per_s"];
+        println!(
+            "  {:<22} {:>10.0} {:>10.0}–{:<10.0}  {}",
+            m["name"].as_str().unwrap_or("?"),
+            r["median"].as_f64().unwrap_or(0.0),
+            r["min"].as_f64().unwrap_or(0.0),
+            r["max"].as_f64().unwrap_or(0.0),
+            m["what"].as_str().unwrap_or("")
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preset_totals_match_the_full_scale_plan() {
+        let n = preset_needs();
+        let names: Vec<_> = n.iter().map(|x| x.0).collect();
+        assert_eq!(names, ["laptop", "desktop", "workstation", "server", "max"]);
+        // Totals grow with the presets and are in the range the brief quotes (8.8…223 GB).
+        for w in n.windows(2) {
+            assert!(w[0].1 < w[1].1, "{n:?}");
+        }
+        assert!((8.0e9..9.5e9).contains(&(n[0].1 as f64)), "{n:?}");
+        assert!((215e9..230e9).contains(&(n[4].1 as f64)), "{n:?}");
+    }
+
+    #[test]
+    fn recommendation_is_the_largest_that_fits() {
+        let n = preset_needs();
+        assert_eq!(recommend(&n, 1_000_000_000), None);
+        assert_eq!(recommend(&n, n[0].1), Some("laptop"));
+        assert_eq!(recommend(&n, n[1].1 - 1), Some("laptop"));
+        assert_eq!(recommend(&n, n[2].1 + 1), Some("workstation"));
+        assert_eq!(recommend(&n, u64::MAX), Some("max"));
+    }
+
+    #[test]
+    fn summary_is_median_min_max() {
+        assert_eq!(summarize(&[3.0, 1.0, 2.0]), (2.0, 1.0, 3.0));
+        assert_eq!(summarize(&[4.0, 1.0, 2.0, 3.0]), (2.5, 1.0, 4.0));
+        assert_eq!(summarize(&[]), (0.0, 0.0, 0.0));
+    }
+
+    #[test]
+    fn disk_measurement_on_a_small_scratch_file() {
+        let dir = std::env::temp_dir().join(format!("k3doctor-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let a = Args {
+            dir: dir.clone(),
+            json: true,
+            seconds: 0.25,
+            size_mib: 64,
+            no_disk: false,
+        };
+        let d = measure_disk(&a).unwrap();
+        let ms = d["measurements"].as_array().unwrap();
+        let names: Vec<_> = ms.iter().map(|m| m["name"].as_str().unwrap()).collect();
+        assert_eq!(
+            names,
+            [
+                "random_qd1",
+                "random_qd8",
+                "random_qd16",
+                "sequential_direct",
+                "sequential_buffered",
+                "random_buffered_qd1"
+            ]
+        );
+        for m in ms {
+            assert!(m["mb_per_s"]["median"].as_f64().unwrap() > 0.0, "{m}");
+            assert_eq!(m["rounds"].as_array().unwrap().len(), ROUNDS);
+        }
+        // The scratch file is gone.
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,625 @@
+#!/usr/bin/env python3
+"""k3 benchmark (docs/BENCHMARKS.md, /work/shared/BENCH.md): floors, then per-budget runs.
+
+    scripts/bench.py --quick                          # small checkpoint, generated in a temp dir
+    scripts/bench.py --model /tmp/k3slice --trunk T   # a real-dimension slice
+    scripts/bench.py --model M --warm-start           # + warm/cold store and standalone start-up
+
+In ONE run:
+1. floors: disk via `k3-ctl doctor --json` on the checkpoint's filesystem (O_DIRECT random
+   17,547,264-byte reads at QD 1/8/16, sequential direct, buffered); memory read bandwidth via
+   the kernels bench (`--memory-only`, or the full kernel table with --kernels);
+2. `k3-worker --standalone` at named budgets that mirror the presets at the checkpoint's scale
+   (all-resident, trunk-pinned, laptop-like), each for --gen steps (default 7: 6 decode steps),
+   interleaved over --reps repetitions;
+3. per budget: prefill s, decode s/token (median, min-max over steps >= 1 of every rep), disk GB
+   per token (trunk / experts), I/O share, TRUE resident hit rate, peak RSS, the ids' hash, and
+   the floor ratio = median decode time / max(disk floor, memory floor). All budgets must give
+   identical ids, or the run fails (exit 1).
+
+Output: a table on stdout, --json FILE, --plot FILE.png (matplotlib; skipped with a note if it
+is missing: pip install -r scripts/requirements-bench.txt).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ALIGN = 4096
+PROMPT = [17, 200, 3, 99, 42]
+# Full-scale preset expert-cache slots as a share of one token's expert reads
+# (moe_layers * top_k = 92 * 16 = 1472): laptop 1.0 GB = 56 slots, server 13 GB = 740 slots.
+LAPTOP_SLOT_SHARE = 56 / 1472
+SERVER_SLOT_SHARE = 740 / 1472
+# Reader threads of the standalone expert cache (StandaloneOptions::io_threads).
+ENGINE_EXPERT_READERS = 8
+
+
+# ---------------------------------------------------------------- small helpers (tested)
+
+def align_up(x: int) -> int:
+    return (x + ALIGN - 1) // ALIGN * ALIGN
+
+
+def span_len(off: int, n: int) -> int:
+    """Bytes of the 4 KiB-aligned span holding [off, off+n) (k3_store::io::span_len)."""
+    return align_up(off + n) - (off // ALIGN * ALIGN)
+
+
+def med_min_max(xs):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def ids_hash(ids) -> str:
+    return hashlib.sha256(",".join(str(i) for i in ids).encode()).hexdigest()[:16]
+
+
+def trunk_layers(trunk_json: dict):
+    """[(run_len, buf_len)] per layer, from trunk.json."""
+    return [(l["nbytes"], span_len(l["file_off"], l["nbytes"])) for l in trunk_json["layers"]]
+
+
+def expert_bytes_from_checkpoint(model: Path) -> tuple[int, int, int, int]:
+    """(expert_bytes, moe_layers, n_experts, top_k) from config.json and one expert's tensors."""
+    cfg = json.loads((model / "config.json").read_text())
+    t = cfg.get("text_config", cfg)
+    n_layers = t["num_hidden_layers"]
+    dense = t.get("first_k_dense_replace", 0)
+    idx = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+    want = [n for n in idx if ".experts.0." in n and f"layers.{dense}." in n]
+    if len(want) != 6:
+        raise SystemExit(f"bench: cannot find the 6 parts of layer {dense} expert 0 in {model}")
+    shard = model / idx[want[0]]
+    with open(shard, "rb") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        if hlen > 1 << 30:
+            raise SystemExit(f"bench: {shard}: header length {hlen} is not believable")
+        hdr = json.loads(f.read(hlen))
+    eb = sum(hdr[n]["data_offsets"][1] - hdr[n]["data_offsets"][0] for n in want)
+    return eb, n_layers - dense, t["num_experts"], t["num_experts_per_token"]
+
+
+def plan_budgets(layers, expert_bytes: int, moe_layers: int, n_experts: int, top_k: int):
+    """Budgets mirroring the presets at this checkpoint's scale: name -> (trunk bytes, cache bytes,
+    expert slots, description). GB values are passed to the worker with 9 decimals (exact bytes);
+    a small slack keeps float rounding from losing a slot or a layer."""
+    stride = align_up(expert_bytes) + ALIGN  # ExpertReader::slot_stride
+    bufs = [b for _, b in layers]
+    total_trunk = sum(bufs)
+    all_experts = moe_layers * n_experts
+    per_token = moe_layers * top_k
+    out = {}
+    slack = ALIGN
+    out["all-resident"] = (total_trunk + slack, all_experts * stride + slack, all_experts,
+                           f"all {len(bufs)} trunk layers pinned, all {all_experts} experts cached")
+    s = max(top_k, round(SERVER_SLOT_SHARE * per_token))
+    out["trunk-pinned"] = (total_trunk + slack, s * stride + slack, s,
+                           f"all trunk layers pinned; {s} expert slots (server's 13 GB share of "
+                           f"one token's {per_token} expert reads)")
+    s = max(top_k, round(LAPTOP_SLOT_SHARE * per_token))
+    out["laptop-like"] = (max(bufs) + slack, s * stride + slack, s,
+                          f"nothing pinned: one ring slot of the largest layer; {s} expert slots "
+                          f"(laptop's 1 GB share, at least top_k)")
+    out["laptop-2x"] = (2 * max(bufs) + slack, s * stride + slack, s,
+                        "laptop-like with twice the trunk budget (the plan pins the prefix that "
+                        "still leaves one ring slot)")
+    return out
+
+
+def floors(decode_trunk_bytes: float, decode_expert_bytes: float, touched_bytes: float,
+           seq_mbps: float, rand_mbps: float, mem_gbps: float):
+    """Disk floor (trunk at sequential O_DIRECT rate + experts at the engine's random-read
+    rate), memory floor (resident bytes touched / memory bandwidth) and the floor (the max)."""
+    disk = decode_trunk_bytes / (seq_mbps * 1e6) + decode_expert_bytes / (rand_mbps * 1e6)
+    mem = touched_bytes / (mem_gbps * 1e9)
+    return {"disk_s": disk, "memory_s": mem, "floor_s": max(disk, mem),
+            "bound": "disk" if disk >= mem else "memory"}
+
+
+def summarize_run(run: dict, trunk_per_step: int):
+    """Per-run figures from a worker --out JSON."""
+    steps = run["steps"]
+    dec = steps[1:]
+    n = len(steps)
+    dec_bytes = [s["bytes_read"] for s in dec]
+    total = run["bytes_read"] or 1
+    io_wait = run["io_share"] * run["wall_seconds"]
+    dec_sec = [s["seconds"] for s in dec]
+    mean_dec_bytes = statistics.mean(dec_bytes) if dec_bytes else 0.0
+    trunk_tok = min(trunk_per_step, mean_dec_bytes) if dec_bytes else 0.0
+    return {
+        "prefill_s": steps[0]["seconds"],
+        "decode_s": dec_sec,
+        "decode_bytes": dec_bytes,
+        "trunk_bytes_per_token": trunk_tok,
+        "expert_bytes_per_token": max(0.0, mean_dec_bytes - trunk_tok),
+        "io_share": run["io_share"],
+        # I/O wait apportioned to decode steps by bytes read (the worker reports one total).
+        "io_wait_per_decode_token_s": io_wait * mean_dec_bytes / total if n > 1 else 0.0,
+        "true_resident_hit_rate": run["true_resident_hit_rate"],
+        "peak_rss_bytes": run["peak_rss_bytes"],
+        "generated_ids": run["generated_ids"],
+        "wall_s": run["wall_seconds"],
+        "startup_s": run["wall_seconds"] - sum(s["seconds"] for s in steps),
+        "trunk_bytes_read": run["trunk_bytes_read"],
+        "expert_bytes_read": run["expert_bytes_read"],
+        "steps": n,
+    }
+
+
+def fmt_table(rows) -> str:
+    head = ("budget", "pinned", "prefill s", "decode s/tok (min-max)", "GB/tok trunk+exp",
+            "I/O share", "TRUE hit", "peak RSS GB", "floor s", "floor ratio", "ids hash")
+    lines = [head]
+    for r in rows:
+        d = r["decode_s"]
+        lines.append((
+            r["budget"], r["pinned"], f"{r['prefill_s']['median']:.2f}",
+            f"{d['median']:.3f} ({d['min']:.3f}-{d['max']:.3f})" if d else "-",
+            f"{r['trunk_gb_per_token']:.3f}+{r['expert_gb_per_token']:.3f}",
+            f"{100 * r['io_share']:.0f}%", f"{100 * r['true_resident_hit_rate']:.1f}%",
+            f"{r['peak_rss_gb']:.2f}", f"{r['floor']['floor_s']:.3f} ({r['floor']['bound']})",
+            f"{r['floor_ratio']:.2f}" if r["floor_ratio"] else "-", r["ids_hash"]))
+    w = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(x[i]).ljust(w[i]) for i in range(len(head))) for x in lines)
+
+
+# ---------------------------------------------------------------- running things
+
+def sh(cmd, **kw):
+    print("+ " + " ".join(str(c) for c in cmd), file=sys.stderr, flush=True)
+    return subprocess.run([str(c) for c in cmd], **kw)
+
+
+def build(bins: Path):
+    r = sh(["cargo", "build", "--release", "--quiet", "-p", "k3-worker", "-p", "k3-ctl",
+            "-p", "k3-store", "--bins"], cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit("bench: release build failed")
+
+
+def doctor(bins: Path, target_dir: Path, seconds: float, size_mib: int) -> dict:
+    r = sh([bins / "k3-ctl", "doctor", "--json", "--dir", target_dir, "--seconds", seconds,
+            "--size-mib", size_mib], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench: k3-ctl doctor failed:\n{r.stderr}")
+    return json.loads(r.stdout)
+
+
+def memory_bench(out: Path, full_kernels: bool) -> dict:
+    cmd = ["cargo", "bench", "--quiet", "-p", "k3-worker", "--bench", "kernels", "--",
+           "--json", out, "--reps", "5"]
+    if not full_kernels:
+        cmd.append("--memory-only")
+    r = sh(cmd, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench: kernels bench failed:\n{r.stdout}\n{r.stderr}")
+    return json.loads(out.read_text())
+
+
+def run_worker(bins: Path, model: Path, trunk: Path, trunk_b: int, cache_b: int, gen: int,
+               out: Path, chunk: int) -> tuple[dict, str]:
+    cmd = [bins / "k3-worker", "--standalone", model, "--trunk", trunk,
+           "--trunk-gb", f"{trunk_b / 1e9:.9f}", "--cache-gb", f"{cache_b / 1e9:.9f}",
+           "--ids", ",".join(map(str, PROMPT)), "--gen", gen, "--prefill-chunk", chunk,
+           "--out", out]
+    r = sh(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench: worker failed (exit {r.returncode}):\n{r.stderr}")
+    return json.loads(out.read_text()), r.stderr
+
+
+def pinned_line(stderr: str) -> str:
+    for line in stderr.splitlines():
+        if "PINNED" in line:
+            return " ".join(line.split()[3:])
+    return "?"
+
+
+def pinned_count(stderr: str, n_layers: int) -> int:
+    for line in stderr.splitlines():
+        if "layers PINNED" in line:
+            tok = [t for t in line.split() if "/" in t and t.split("/")[0].isdigit()]
+            if tok:
+                return int(tok[0].split("/")[0])
+    return n_layers
+
+
+def plot(rows, path: Path, title: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib missing: no plot (pip install -r scripts/requirements-bench.txt)"
+    names = [r["budget"] for r in rows]
+    tot = [r["decode_s"]["median"] for r in rows]
+    io = [min(r["io_wait_per_decode_token_s"], t) for r, t in zip(rows, tot)]
+    comp = [t - i for t, i in zip(tot, io)]
+    floor = [r["floor"]["floor_s"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(names, comp, label="compute (+ overlapped I/O)")
+    ax.bar(names, io, bottom=comp, label="I/O wait (apportioned by bytes)")
+    ax.scatter(names, floor, color="k", marker="_", s=800, label="floor", zorder=3)
+    ax.set_ylabel("seconds per decode token (median)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return f"plot: {path}"
+
+
+# ---------------------------------------------------------------- warm start
+
+def warm_start(bins: Path, model: Path, trunk: Path, budget, gen: int, work: Path, chunk: int):
+    """Exec -> first token (stdout timestamp) and per-worker peak RSS for (a) a warm store,
+    (b) a store that just started, (c) --standalone from cold. Same budget everywhere."""
+    trunk_b, cache_b = budget[0], budget[1]
+    sock = work / "run" / "store.sock"
+    ids = ",".join(map(str, PROMPT))
+
+    def timed(cmd):
+        t0 = time.monotonic()
+        p = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        first = None
+        # The worker prints "ID " per token as it arrives (no tokenizer).
+        while True:
+            b = p.stdout.read(1)
+            if not b:
+                break
+            if b == b" " and first is None:
+                first = time.monotonic() - t0
+        err = p.stderr.read().decode(errors="replace")
+        rc = p.wait()
+        total = time.monotonic() - t0
+        if rc != 0:
+            raise SystemExit(f"bench: warm-start worker failed ({rc}):\n{err}")
+        return first, total, err
+
+    def worker(out, attached):
+        base = [bins / "k3-worker", "--ids", ids, "--gen", gen, "--prefill-chunk", chunk,
+                "--out", out]
+        if attached:
+            return timed(base + ["--socket", sock])
+        return timed(base + ["--standalone", model, "--trunk", trunk, "--trunk-gb",
+                             f"{trunk_b / 1e9:.9f}", "--cache-gb", f"{cache_b / 1e9:.9f}"])
+
+    def start_store():
+        t0 = time.monotonic()
+        r = sh([bins / "k3-store", "start", model, "--trunk", trunk, "--trunk-gb",
+                f"{trunk_b / 1e9:.9f}", "--cache-gb", f"{cache_b / 1e9:.9f}", "--socket", sock,
+                "--detach"], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"bench: k3-store start failed:\n{r.stderr}")
+        return time.monotonic() - t0
+
+    def stop_store():
+        sh([bins / "k3-ctl", "stop", "--socket", sock], capture_output=True)
+
+    res = {}
+    # Standalone first: a store that was just stopped may not have returned its memory yet.
+    f, t, _ = worker(work / "ws-standalone.json", False)
+    res["standalone_cold"] = {"first_token_s": f, "exit_s": t,
+                              "run": json.loads((work / "ws-standalone.json").read_text())}
+    try:
+        st = start_store()
+        f, t, _ = worker(work / "ws-cold-store.json", True)
+        res["cold_store"] = {"store_start_s": st, "first_token_s": f, "exit_s": t,
+                             "run": json.loads((work / "ws-cold-store.json").read_text())}
+        f, t, _ = worker(work / "ws-warm-store.json", True)
+        res["warm_store"] = {"first_token_s": f, "exit_s": t,
+                             "run": json.loads((work / "ws-warm-store.json").read_text())}
+    finally:
+        stop_store()
+    ids0 = {k: v["run"]["generated_ids"] for k, v in res.items()}
+    if len({tuple(v) for v in ids0.values()}) != 1:
+        raise SystemExit(f"bench: warm-start modes disagree on ids: {ids0}")
+    for v in res.values():
+        r = v.pop("run")
+        v.update({"peak_rss_bytes": r["peak_rss_bytes"], "prefill_s": r["prefill_seconds"],
+                  "true_resident_hit_rate": r["true_resident_hit_rate"],
+                  "bytes_read": r["bytes_read"], "ids_hash": ids_hash(r["generated_ids"])})
+    return res
+
+
+# ---------------------------------------------------------------- full-model projection
+
+# Full-scale Kimi K3 (MODEL.md §2.9; the same figures as k3_store::plan's full-scale tests and
+# k3-ctl doctor): trunk bytes of layer 0 (KDA + dense MLP), a KDA+MoE layer, an MLA+MoE layer.
+FULL = {"dense": 2_341_213_184, "kda_moe": 1_267_744_256, "mla_moe": 844_335_616,
+        "n_kda_moe": 68, "n_mla_moe": 24, "moe_layers": 92, "experts": 896, "top_k": 16,
+        "expert_bytes": 17_547_264, "lm_head": 163_840 * 7168 * 2}
+PRESET_GB = {"laptop": (3.0, 1.0), "desktop": (16.0, 10.0), "workstation": (60.0, 30.0),
+             "server": (110.0, 13.0), "max": (110.0, 109.0)}
+# kimi-k3-in-c: TRUE resident hit rate was 0% below ~36 GB of expert arena (flat routing).
+HIT_THRESHOLD_BYTES = 36e9
+
+
+def full_layers():
+    """Trunk bytes per layer at full scale: MLA at 3, 7, ..., 91 and 92, KDA elsewhere."""
+    return [FULL["dense"] if l == 0 else FULL["mla_moe"] if (l + 1) % 4 == 0 or l == 92
+            else FULL["kda_moe"] for l in range(93)]
+
+
+def pinned_prefix(layers, budget: int) -> int:
+    """Largest prefix that leaves room for one ring slot of the largest remaining layer
+    (k3_store::plan::MemoryPlan::compute)."""
+    n = len(layers)
+    for p in range(n, -1, -1):
+        ring = max(layers[p:]) if p < n else 0
+        if sum(layers[:p]) + ring <= budget:
+            return p
+    return 0
+
+
+def project(res_decode_s: float, touched_slice: float, seq_mbps: float, rand_mbps: float,
+            ratio_laptop: float | None, ratio_pinned: float | None = None):
+    """Seconds per token of the full model per preset (an ESTIMATE):
+    C = compute = all-resident k3slice decode s / touched byte x full-model touched bytes;
+    D = disk = streamed trunk bytes / sequential + expert misses x 17.5 MB / random QD8;
+    T between max(C, D) (perfect overlap) and C + D (none); 'calibrated' = max(C, D) x the
+    floor ratio measured on k3slice at the matching budget (laptop-like when trunk layers stream,
+    trunk-pinned when the whole trunk is pinned)."""
+    layers = full_layers()
+    eb = FULL["expert_bytes"]
+    stride = eb + 2 * ALIGN
+    touched_full = sum(layers) + FULL["moe_layers"] * FULL["top_k"] * eb + FULL["lm_head"]
+    c = res_decode_s / touched_slice * touched_full
+    out = []
+    for name, (tgb, cgb) in PRESET_GB.items():
+        p = pinned_prefix(layers, int(tgb * 1e9))
+        streamed = sum(layers[p:])
+        slots = min(int(cgb * 1e9) // stride, FULL["moe_layers"] * FULL["experts"])
+        hit = 0.0 if slots * stride < HIT_THRESHOLD_BYTES else slots / (FULL["moe_layers"] * FULL["experts"])
+        misses = FULL["moe_layers"] * FULL["top_k"] * (1 - hit)
+        d = streamed / (seq_mbps * 1e6) + misses * eb / (rand_mbps * 1e6)
+        lo, hi = max(c, d), c + d
+        ratio = ratio_pinned if p == len(layers) and ratio_pinned else ratio_laptop
+        out.append({"preset": name, "pinned_layers": p, "streamed_trunk_gb": streamed / 1e9,
+                    "expert_slots": slots, "assumed_hit_rate": hit,
+                    "disk_gb_per_token": (streamed + misses * eb) / 1e9,
+                    "compute_s": c, "disk_s": d, "overlapped_s": lo, "serial_s": hi,
+                    "calibrated_s": lo * ratio if ratio else None,
+                    "calibration_ratio": ratio})
+    return {"touched_full_bytes": touched_full, "rows": out,
+            "formula": "T in [max(C,D), C+D]; C = (k3slice all-resident decode s / k3slice touched "
+                       "bytes per token) x full touched bytes per token; D = streamed trunk / "
+                       "sequential O_DIRECT + 92*16*(1-h) experts x 17,547,264 B / random QD8 "
+                       "O_DIRECT; h = 0 below a 36 GB arena (kimi-k3-in-c's observation), else "
+                       "slots / 82,432 (uniform routing)"}
+
+
+def fmt_projection(pr) -> str:
+    lines = [("preset", "pinned", "trunk GB/tok", "exp slots", "hit", "disk GB/tok", "C s",
+              "D s", "T overlapped-serial s", "calibrated s")]
+    for r in pr["rows"]:
+        lines.append((r["preset"], f"{r['pinned_layers']}/93", f"{r['streamed_trunk_gb']:.1f}",
+                      str(r["expert_slots"]), f"{100 * r['assumed_hit_rate']:.1f}%",
+                      f"{r['disk_gb_per_token']:.1f}", f"{r['compute_s']:.1f}",
+                      f"{r['disk_s']:.1f}", f"{r['overlapped_s']:.1f}-{r['serial_s']:.1f}",
+                      f"{r['calibrated_s']:.1f}" if r["calibrated_s"] else "-"))
+    w = [max(len(x[i]) for x in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(x[i].ljust(w[i]) for i in range(len(w))) for x in lines)
+
+
+def projection_from(doc: dict):
+    rows = {r["budget"]: r for r in doc["budgets"]}
+    if "all-resident" not in rows:
+        return None
+    f = doc["floors_used"]
+    rand = next(v for k, v in f.items() if k.startswith("random_qd"))
+    lap = rows.get("laptop-like")
+    tp = rows.get("trunk-pinned")
+    return project(rows["all-resident"]["decode_s"]["median"],
+                   doc["checkpoint"]["touched_bytes_per_token"], f["sequential_direct_mb_s"],
+                   rand, lap["floor_ratio"] if lap else None, tp["floor_ratio"] if tp else None)
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--trunk", type=Path, help="packed trunk dir (packed into a temp dir if absent)")
+    ap.add_argument("--quick", action="store_true", help="small checkpoint, short floors")
+    ap.add_argument("--gen", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per budget (interleaved)")
+    ap.add_argument("--budgets", default="all-resident,trunk-pinned,laptop-like")
+    ap.add_argument("--prefill-chunk", type=int, default=1,
+                    help="worker --prefill-chunk (1: the prefill's expert batches stay <= top_k, "
+                         "so the laptop-like cache of top_k slots can serve them)")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--warm-start", action="store_true")
+    ap.add_argument("--warm-budget", default="trunk-pinned")
+    ap.add_argument("--kernels", action="store_true", help="full kernel table, not only memory")
+    ap.add_argument("--no-build", action="store_true")
+    ap.add_argument("--doctor-seconds", type=float, default=None)
+    ap.add_argument("--doctor-dir", type=Path, default=None)
+    ap.add_argument("--bins", type=Path, default=ROOT / "target" / "release")
+    ap.add_argument("--project", type=Path, metavar="BENCH_JSON",
+                    help="only print the full-model projection from a k3slice bench JSON")
+    a = ap.parse_args(argv)
+    if a.project:
+        pr = projection_from(json.loads(a.project.read_text()))
+        if pr is None:
+            raise SystemExit("bench: the JSON has no all-resident budget to project from")
+        print("full-model projection (ESTIMATE)\n" + fmt_projection(pr) + "\n" + pr["formula"])
+        return 0
+    reps = a.reps or (1 if a.quick else 2)
+    if a.gen < 2:
+        raise SystemExit("bench: --gen must be >= 2 (decode steps are steps >= 1)")
+    if not a.no_build:
+        build(a.bins)
+    tmp = Path(tempfile.mkdtemp(prefix="k3-bench."))
+    try:
+        return run(a, reps, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(a, reps: int, tmp: Path) -> int:
+    model = a.model
+    if model is None:
+        if not a.quick:
+            raise SystemExit("bench: give --model DIR (or --quick to generate the small preset)")
+        model = tmp / "small"
+        r = sh([sys.executable, ROOT / "scripts" / "make-checkpoint.py", "--preset", "small",
+                "--seed", "1", model], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"bench: generating the small checkpoint failed:\n{r.stderr}")
+    trunk = a.trunk
+    if trunk is None:
+        trunk = tmp / "trunk"
+        r = sh([a.bins / "k3-ctl", "pack-trunk", model, trunk], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"bench: pack-trunk failed:\n{r.stderr}")
+    tj = json.loads((trunk / "trunk.json").read_text())
+    layers = trunk_layers(tj)
+    eb, moe_layers, n_experts, top_k = expert_bytes_from_checkpoint(model)
+    budgets = plan_budgets(layers, eb, moe_layers, n_experts, top_k)
+    names = [b for b in a.budgets.split(",") if b]
+    for b in names:
+        if b not in budgets:
+            raise SystemExit(f"bench: unknown budget {b!r} (have {', '.join(budgets)})")
+
+    # ---- floors
+    print(f"== floors (load {os.getloadavg()[0]:.2f})", flush=True)
+    ddir = a.doctor_dir or model.resolve().parent  # the checkpoint's filesystem
+    secs = a.doctor_seconds or (0.5 if a.quick else 2.0)
+    doc = doctor(a.bins, ddir, secs, 512 if a.quick else 2048)
+    disk = {m["name"]: m for m in doc["disk"]["measurements"]}
+    seq = disk["sequential_direct"]["mb_per_s"]["median"]
+    rnd_name = f"random_qd{ENGINE_EXPERT_READERS}"
+    rnd = disk[rnd_name]["mb_per_s"]["median"]
+    for m in doc["disk"]["measurements"]:
+        r = m["mb_per_s"]
+        print(f"  disk {m['name']:<20} {r['median']:8.0f} MB/s ({r['min']:.0f}-{r['max']:.0f})")
+    kb = memory_bench(tmp / "kernels.json", a.kernels)
+    threads = os.cpu_count() or 1
+    mem_rows = kb["memory_read_bandwidth"]
+    mem_row = min(mem_rows, key=lambda m: abs(m["threads"] - threads))
+    mem_gbps = mem_row["gb_per_s"]["median"]
+    for m in mem_rows:
+        g = m["gb_per_s"]
+        print(f"  memory read {m['threads']} thread(s): {g['median']:.2f} GB/s "
+              f"({g['min']:.2f}-{g['max']:.2f})")
+
+    # ---- budgets, interleaved
+    print(f"== budgets on {model} (prompt {PROMPT}, --gen {a.gen}, {reps} rep(s))", flush=True)
+    raw = {b: [] for b in names}
+    info = {}
+    for rep in range(reps):
+        for b in names:
+            tb, cb, slots, desc = budgets[b]
+            run, err = run_worker(a.bins, model, trunk, tb, cb, a.gen, tmp / f"{b}-{rep}.json",
+                                  a.prefill_chunk)
+            p = pinned_count(err, len(layers))
+            info[b] = {"pinned_layers": p, "plan": pinned_line(err), "desc": desc,
+                       "trunk_budget_bytes": tb, "cache_budget_bytes": cb, "expert_slots": slots}
+            trunk_step = sum(rl for rl, _ in layers[p:])
+            raw[b].append(summarize_run(run, trunk_step))
+            s = raw[b][-1]
+            print(f"  {b:<13} rep {rep}: prefill {s['prefill_s']:.2f} s, decode "
+                  f"{statistics.median(s['decode_s']):.3f} s/token, ids {ids_hash(s['generated_ids'])}",
+                  flush=True)
+    ref = raw[names[0]][0]["generated_ids"]
+    bad = [(b, i) for b in names for i, s in enumerate(raw[b]) if s["generated_ids"] != ref]
+    if bad:
+        for b, i in bad:
+            print(f"IDS DIFFER: {b} rep {i}: {raw[b][i]['generated_ids']} != {ref}", file=sys.stderr)
+        raise SystemExit("bench: FAILED: budgets gave different ids")
+
+    lm_head = 0
+    cfg = json.loads((model / "config.json").read_text())
+    t = cfg.get("text_config", cfg)
+    lm_head = t["vocab_size"] * t["hidden_size"] * 2
+    run_len_total = sum(rl for rl, _ in layers)
+    touched = run_len_total + moe_layers * top_k * eb + lm_head
+    rows = []
+    for b in names:
+        rs = raw[b]
+        dec = [x for s in rs for x in s["decode_s"]]
+        tr = statistics.mean(s["trunk_bytes_per_token"] for s in rs)
+        ex = statistics.mean(s["expert_bytes_per_token"] for s in rs)
+        fl = floors(tr, ex, touched, seq, rnd, mem_gbps)
+        d = med_min_max(dec)
+        rows.append({
+            "budget": b, "pinned": f"{info[b]['pinned_layers']}/{len(layers)} L, {info[b]['expert_slots']} slots",
+            **info[b],
+            "prefill_s": med_min_max([s["prefill_s"] for s in rs]),
+            "decode_s": d,
+            "trunk_gb_per_token": tr / 1e9, "expert_gb_per_token": ex / 1e9,
+            "io_share": statistics.median(s["io_share"] for s in rs),
+            "io_wait_per_decode_token_s": statistics.median(s["io_wait_per_decode_token_s"] for s in rs),
+            "true_resident_hit_rate": statistics.median(s["true_resident_hit_rate"] for s in rs),
+            "peak_rss_gb": max(s["peak_rss_bytes"] for s in rs) / 1e9,
+            "startup_s": med_min_max([s["startup_s"] for s in rs]),
+            "floor": fl,
+            "floor_ratio": d["median"] / fl["floor_s"] if d and fl["floor_s"] > 0 else None,
+            "ids_hash": ids_hash(rs[0]["generated_ids"]),
+            "runs": rs,
+        })
+    print()
+    print(fmt_table(rows))
+    print(f"\nfloor = max(trunk bytes/token / sequential O_DIRECT {seq:.0f} MB/s + expert bytes/token"
+          f" / random QD{ENGINE_EXPERT_READERS} O_DIRECT {rnd:.0f} MB/s (the engine's"
+          f" {ENGINE_EXPERT_READERS} expert readers), {touched / 1e9:.3f} GB touched/token /"
+          f" memory {mem_gbps:.2f} GB/s at {mem_row['threads']} threads)")
+    print(f"all budgets gave identical ids: {ref}")
+    out = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                 capture_output=True, text=True).stdout.strip(),
+        "load_average": os.getloadavg(),
+        "model": str(model), "prompt": PROMPT, "gen": a.gen, "reps": reps,
+        "prefill_chunk": a.prefill_chunk,
+        "checkpoint": {"layers": len(layers), "trunk_run_bytes": [rl for rl, _ in layers],
+                       "expert_bytes": eb, "moe_layers": moe_layers, "n_experts": n_experts,
+                       "top_k": top_k, "lm_head_bytes": lm_head,
+                       "touched_bytes_per_token": touched},
+        "doctor": doc, "kernels": kb,
+        "floors_used": {"sequential_direct_mb_s": seq, f"{rnd_name}_mb_s": rnd,
+                        "memory_gb_s": mem_gbps, "memory_threads": mem_row["threads"]},
+        "budgets": rows, "generated_ids": ref,
+    }
+    if t["hidden_size"] == 7168 and "all-resident" in names:
+        pr = projection_from(out)
+        out["projection"] = pr
+        print("\nfull-model projection (ESTIMATE)\n" + fmt_projection(pr) + "\n" + pr["formula"])
+    if a.warm_start:
+        print("== warm start", flush=True)
+        ws = warm_start(a.bins, model, trunk, budgets[a.warm_budget], 2, tmp, a.prefill_chunk)
+        out["warm_start"] = {"budget": a.warm_budget, **ws}
+        for k, v in ws.items():
+            print(f"  {k:<16} exec->first token {v['first_token_s']:.3f} s, exit {v['exit_s']:.3f} s, "
+                  f"prefill {v['prefill_s']:.3f} s, peak RSS {v['peak_rss_bytes'] / 1e9:.3f} GB, "
+                  f"read {v['bytes_read'] / 1e9:.3f} GB"
+                  + (f", store start {v['store_start_s']:.2f} s" if "store_start_s" in v else ""))
+    if a.plot:
+        print(plot(rows, a.plot, f"{model.name}: decode time per token by budget"))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Smoke tests of scripts/bench.py's parsing and arithmetic on synthetic inputs (no timing)."""
+import json
+import struct
+
+import pytest
+
+import bench
+
+
+def test_span_len_matches_the_engine():
+    assert bench.span_len(0, 1) == 4096
+    assert bench.span_len(4095, 2) == 8192
+    assert bench.span_len(8192, 4096) == 4096
+    assert bench.span_len(100, 17_547_264) == 17_547_264 + 4096
+
+
+def test_med_min_max_and_hash():
+    assert bench.med_min_max([3.0, 1.0, 2.0, float("nan")]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert bench.med_min_max([]) is None
+    assert bench.ids_hash([1, 2, 3]) == bench.ids_hash([1, 2, 3])
+    assert bench.ids_hash([1, 2, 3]) != bench.ids_hash([1, 2, 4])
+    assert bench.ids_hash([12, 3]) != bench.ids_hash([1, 23])
+
+
+def test_budgets_mirror_the_presets():
+    # k3slice-like: layer 0 biggest; 4 MoE layers x 64 experts, top-16.
+    layers = bench.trunk_layers({"layers": [
+        {"file_off": 0, "nbytes": 2_341_213_184},
+        {"file_off": 2_341_216_256, "nbytes": 1_255_813_376},
+        {"file_off": 3_597_029_376, "nbytes": 832_404_736},
+    ]})
+    eb = 17_547_264
+    b = bench.plan_budgets(layers, eb, moe_layers=4, n_experts=64, top_k=16)
+    stride = eb + 4096
+    total = sum(x[1] for x in layers)
+    assert b["all-resident"][0] >= total and b["all-resident"][2] == 256
+    assert b["all-resident"][1] >= 256 * stride
+    # trunk-pinned: whole trunk, about half of one token's expert reads (server's share).
+    assert b["trunk-pinned"][0] >= total and b["trunk-pinned"][2] == 32
+    # laptop-like: one ring slot of the largest layer (less than two), top_k slots.
+    lt, lc, ls, _ = b["laptop-like"]
+    assert max(x[1] for x in layers) <= lt < 2 * max(x[1] for x in layers)
+    assert ls == 16 and ls * stride <= lc < (ls + 1) * stride
+
+
+def test_floors_pick_the_larger_bound():
+    f = bench.floors(6e9, 1e9, 12e9, seq_mbps=2000, rand_mbps=1000, mem_gbps=10)
+    assert f["disk_s"] == pytest.approx(3.0 + 1.0)
+    assert f["memory_s"] == pytest.approx(1.2)
+    assert f["floor_s"] == pytest.approx(4.0) and f["bound"] == "disk"
+    g = bench.floors(0, 0, 12e9, seq_mbps=2000, rand_mbps=1000, mem_gbps=10)
+    assert g["bound"] == "memory" and g["floor_s"] == pytest.approx(1.2)
+
+
+def _run(steps, **kw):
+    r = {"steps": [{"step": i, "token": 5, "seconds": s, "bytes_read": b,
+                    "resident_hit_rate": 0.0} for i, (s, b) in enumerate(steps)],
+         "bytes_read": sum(b for _, b in steps), "io_share": 0.5, "wall_seconds": 10.0,
+         "true_resident_hit_rate": 0.25, "peak_rss_bytes": 7 << 30, "generated_ids": [5, 5, 5],
+         "trunk_bytes_read": 0, "expert_bytes_read": 0}
+    r.update(kw)
+    return r
+
+
+def test_summarize_run_splits_trunk_and_experts():
+    s = bench.summarize_run(_run([(4.0, 10e9), (1.0, 3e9), (2.0, 3e9)]), trunk_per_step=2_000_000_000)
+    assert s["prefill_s"] == 4.0 and s["decode_s"] == [1.0, 2.0]
+    assert s["trunk_bytes_per_token"] == 2e9
+    assert s["expert_bytes_per_token"] == pytest.approx(1e9)
+    # io wait 5 s apportioned by bytes: a decode step read 3 of 16 GB.
+    assert s["io_wait_per_decode_token_s"] == pytest.approx(5.0 * 3 / 16)
+    assert s["startup_s"] == pytest.approx(3.0)
+    # All resident: no bytes per decode step, so no trunk or expert bytes either.
+    z = bench.summarize_run(_run([(4.0, 10e9), (1.0, 0), (1.0, 0)]), trunk_per_step=2_000_000_000)
+    assert z["trunk_bytes_per_token"] == 0 and z["expert_bytes_per_token"] == 0
+
+
+def test_table_formats_every_budget():
+    row = {"budget": "laptop-like", "pinned": "0/5 L, 16 slots",
+           "prefill_s": {"median": 15.2, "min": 15.0, "max": 16.0},
+           "decode_s": {"median": 3.1, "min": 3.0, "max": 3.4},
+           "trunk_gb_per_token": 6.5, "expert_gb_per_token": 1.12, "io_share": 0.67,
+           "true_resident_hit_rate": 0.0, "peak_rss_gb": 7.19,
+           "floor": {"floor_s": 2.5, "bound": "disk"}, "floor_ratio": 1.24, "ids_hash": "abc"}
+    t = bench.fmt_table([row])
+    assert "laptop-like" in t and "3.100 (3.000-3.400)" in t and "1.24" in t
+    assert "6.500+1.120" in t and "67%" in t and "2.500 (disk)" in t
+
+
+def test_pinned_count_from_the_plan_line():
+    err = "memory plan ...\n  trunk                2.34 GB   0/5 layers PINNED (0.00 GB) + ring 1 x 2.34 GB\n"
+    assert bench.pinned_count(err, 5) == 0
+    assert bench.pinned_count("trunk 6.52 GB 5/5 layers PINNED (6.52 GB)", 5) == 5
+    assert bench.pinned_count("nothing", 7) == 7
+
+
+def test_expert_bytes_from_a_synthetic_checkpoint(tmp_path):
+    parts = {"w1.weight_packed": 600, "w1.weight_scale": 40, "w2.weight_packed": 600,
+             "w2.weight_scale": 40, "w3.weight_packed": 600, "w3.weight_scale": 40}
+    hdr, off = {}, 0
+    for k, n in parts.items():
+        name = f"language_model.model.layers.1.block_sparse_moe.experts.0.{k}"
+        hdr[name] = {"dtype": "U8", "shape": [n], "data_offsets": [off, off + n]}
+        off += n
+    h = json.dumps(hdr).encode()
+    (tmp_path / "s.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + bytes(off))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: "s.safetensors" for k in hdr}}))
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {
+        "num_hidden_layers": 5, "first_k_dense_replace": 1, "num_experts": 64,
+        "num_experts_per_token": 16}}))
+    assert bench.expert_bytes_from_checkpoint(tmp_path) == (1920, 4, 64, 16)
