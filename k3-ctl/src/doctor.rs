@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use k3_store::io::{AlignedBuf, DiskFile, ALIGN};
-use k3_store::plan::{Budget, BudgetFlag, MemoryPlan, PlanInputs, PRESETS};
+use k3_store::plan::{Budget, BudgetFlag, MemoryPlan, PRESETS};
 use serde_json::{json, Value};
 
 /// Bytes of one routed expert at full scale (MXFP4 w1/w2/w3 + scales): one engine read.
@@ -55,45 +55,9 @@ pub struct Args {
     no_disk: bool,
 }
 
-/// Full-scale trunk layer sizes and resident tensor bytes of the released Kimi K3 (MODEL.md §2.9;
-/// the same figures as `k3_store::plan`'s full-scale tests, where they are checked to sum to the
-/// spec's 108,811,877,376 trunk bytes): layer 0 KDA + dense MLP, MLA+MoE layers at 3, 7, …, 91
-/// and 92, KDA+MoE elsewhere. The ONE place doctor hardcodes the full model's sizes: a real
-/// catalog is 1.56 TB we do not have here. Context 4096 positions.
-fn full_scale_inputs() -> PlanInputs {
-    let layer_bytes = (0..93)
-        .map(|l| {
-            if l == 0 {
-                2_341_213_184
-            } else if (l + 1) % 4 == 0 || l == 92 {
-                844_335_616
-            } else {
-                1_267_744_256
-            }
-        })
-        .collect();
-    PlanInputs {
-        // lm_head + final norm + output AttnRes vectors are read into memory; the embedding
-        // (same size as lm_head) is mapped and only used rows are paged in.
-        resident_bytes: 2_348_810_240 + 3 * 7168 * 2,
-        mapped_bytes: 2_348_810_240,
-        layer_bytes,
-        expert_bytes: EXPERT_BYTES,
-        expert_slot_bytes: EXPERT_BYTES + ALIGN as u64,
-        top_k: 16,
-        total_experts: 92 * 896,
-        kda_layers: 69,
-        kda_state_bytes: 4 * (96 * 128 * 128 + 3 * 12288 * 3),
-        mla_layers: 24,
-        mla_bytes_per_position: 4 * 576,
-        context_len: 4096,
-        buffer_bytes: 100 << 20,
-    }
-}
-
 /// (preset name, full-scale plan total bytes), smallest first.
 pub fn preset_needs() -> Vec<(&'static str, u64)> {
-    let inputs = full_scale_inputs();
+    let inputs = k3_store::plan::full_scale_inputs(4096);
     PRESETS
         .iter()
         .filter_map(|p| {

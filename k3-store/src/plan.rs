@@ -591,38 +591,49 @@ fn parse_meminfo(s: &str) -> Result<u64, String> {
     Err("/proc/meminfo has no MemAvailable line".into())
 }
 
+/// The plan inputs of the full released model (MODEL.md §2.9: layer 0 KDA + dense MLP, MLA+MoE
+/// at layers 3, 7, …, 87, 91, 92, KDA+MoE elsewhere; 896 experts of 17,547,264 bytes, top-16),
+/// as a standalone worker lays it out: lm_head and the small model-level vectors resident, the
+/// embedding mapped. The one place the full model's sizes are written down, for `k3-ctl doctor`
+/// (which has no 1.56 TB catalog to compute them from) and the tests.
+pub fn full_scale_inputs(context_len: usize) -> PlanInputs {
+    const EXPERT_BYTES: u64 = 17_547_264;
+    let layer_bytes = (0..93)
+        .map(|l| {
+            if l == 0 {
+                2_341_213_184
+            } else if (l + 1) % 4 == 0 || l == 92 {
+                844_335_616
+            } else {
+                1_267_744_256
+            }
+        })
+        .collect();
+    PlanInputs {
+        // lm_head + final norm + output AttnRes norm and projection (3 × 7168 bf16).
+        resident_bytes: 2_348_810_240 + 3 * 7168 * 2,
+        // The embedding (163,840 × 7168 bf16): one row per token is read.
+        mapped_bytes: 2_348_810_240,
+        layer_bytes,
+        expert_bytes: EXPERT_BYTES,
+        expert_slot_bytes: EXPERT_BYTES + ALIGN as u64,
+        top_k: 16,
+        total_experts: 92 * 896,
+        kda_layers: 69,
+        kda_state_bytes: 4 * (96 * 128 * 128 + 3 * 12288 * 3),
+        mla_layers: 24,
+        mla_bytes_per_position: 4 * 576,
+        context_len,
+        buffer_bytes: 100 << 20,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Full-scale inputs (MODEL.md §2.9): layer 0 KDA+dense, MLA at 3,7,…,87,91,92.
     fn full_scale() -> PlanInputs {
-        let layer_bytes = (0..93)
-            .map(|l| {
-                if l == 0 {
-                    2_341_213_184
-                } else if (l + 1) % 4 == 0 || l == 92 {
-                    844_335_616
-                } else {
-                    1_267_744_256
-                }
-            })
-            .collect();
-        PlanInputs {
-            resident_bytes: 4_697_620_480 + 4 * 7168 * 2,
-            mapped_bytes: 0,
-            layer_bytes,
-            expert_bytes: 17_547_264,
-            expert_slot_bytes: 17_547_264 + 4096,
-            top_k: 16,
-            total_experts: 92 * 896,
-            kda_layers: 69,
-            kda_state_bytes: 4 * (96 * 128 * 128 + 3 * 12288 * 3),
-            mla_layers: 24,
-            mla_bytes_per_position: 4 * 576,
-            context_len: 4096,
-            buffer_bytes: 100 << 20,
-        }
+        full_scale_inputs(4096)
     }
 
     fn b(flags: &[BudgetFlag]) -> Budget {
@@ -711,7 +722,9 @@ mod tests {
         let text = d.to_string();
         for w in [
             "trunk",
-            "embed+lm_head",
+            "lm_head+norms",
+            "embedding",
+            "mapped from the checkpoint",
             "expert cache",
             "recurrent state",
             "KV cache",
