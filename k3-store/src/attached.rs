@@ -312,6 +312,7 @@ impl WeightSource for AttachedSource {
             trunk_bytes_read: s.bytes_read,
             trunk_read_seconds: s.read_seconds,
             io_wait_seconds: s.wait_seconds + wait,
+            trunk_wait_seconds: s.wait_seconds,
         }
     }
 }

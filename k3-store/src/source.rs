@@ -162,8 +162,11 @@ pub struct SourceStats {
     pub trunk_bytes_read: u64,
     /// Wall seconds spent in trunk reads.
     pub trunk_read_seconds: f64,
-    /// Seconds the engine spent blocked waiting for bytes (trunk + experts).
+    /// Seconds the source's callers spent inside its calls waiting for bytes (trunk + experts).
+    /// An engine that fetches experts beside its own compute measures its blocked time itself.
     pub io_wait_seconds: f64,
+    /// Seconds callers were blocked in [`WeightSource::layer`] waiting for trunk bytes.
+    pub trunk_wait_seconds: f64,
 }
 
 /// Errors a source reports.

@@ -296,6 +296,7 @@ impl WeightSource for StandaloneSource {
             trunk_bytes_read: s.bytes_read,
             trunk_read_seconds: s.read_seconds,
             io_wait_seconds: s.wait_seconds + c.wait_seconds,
+            trunk_wait_seconds: s.wait_seconds,
         }
     }
 }

@@ -495,8 +495,11 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
 
     // ---- report
     let total = wall.elapsed().as_secs_f64();
-    let st = source.stats();
+    let mut st = source.stats();
     let counters = model.counters.clone();
+    // The engine fetches experts beside its own compute: the time it was really blocked is the
+    // trunk wait plus what it measured waiting for experts, not the time spent in the source.
+    st.io_wait_seconds = st.trunk_wait_seconds + counters.expert_wait_seconds;
     let trace = model.trace.take();
     let hidden = model.dims.hidden;
     drop(model);
@@ -529,6 +532,14 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         gb(st.expert_bytes_read),
         100.0 * st.io_wait_seconds / total.max(1e-9)
     );
+    if let Some(h) = io_hidden_fraction(&st) {
+        eprintln!(
+            "I/O hidden behind compute: {:.1}% ({:.3} s reading, {:.3} s waited for)",
+            100.0 * h,
+            st.trunk_read_seconds + st.expert_read_seconds,
+            st.io_wait_seconds
+        );
+    }
     eprintln!(
         "PEAK RSS for the whole run: {:.3} GB   <- quote this, not the plan",
         gb(peak)
@@ -657,6 +668,13 @@ fn run_chat(
     Ok(exit::OK)
 }
 
+/// The share of the time spent reading weights that the engine did not wait for (reads that
+/// overlapped compute): `1 − wait ÷ read`, clamped to [0, 1]; `None` when nothing was read.
+fn io_hidden_fraction(st: &k3_store::source::SourceStats) -> Option<f64> {
+    let read = st.trunk_read_seconds + st.expert_read_seconds;
+    (read > 0.0).then(|| (1.0 - st.io_wait_seconds / read).clamp(0.0, 1.0))
+}
+
 fn write_trace(dir: &Path, trace: &[k3_worker::model::TraceRecord]) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let path = dir.join("expert_trace.jsonl");
@@ -716,6 +734,9 @@ fn report_json(
         "trunk_bytes_read": st.trunk_bytes_read,
         "expert_bytes_read": st.expert_bytes_read,
         "io_share": st.io_wait_seconds / total.max(1e-9),
+        "io_read_seconds": st.trunk_read_seconds + st.expert_read_seconds,
+        "io_wait_seconds": st.io_wait_seconds,
+        "io_hidden_fraction": io_hidden_fraction(st),
         "expert_requests": st.expert_requests,
         "resident_hits": st.resident_hits,
         "true_resident_hit_rate": true_hit,

@@ -51,6 +51,9 @@ pub struct RunCounters {
     pub failure_messages: Vec<String>,
     /// Expert ids requested from the source.
     pub expert_requests: u64,
+    /// Seconds the forward pass was blocked waiting for routed experts (the part of their
+    /// fetch that did not overlap the latent projection and the shared experts).
+    pub expert_wait_seconds: f64,
 }
 
 /// Callback receiving named per-layer intermediates: `(layer, name, values [n, E])`.
@@ -216,14 +219,13 @@ impl<'s> Model<'s> {
                 Mlp::Moe(moe) => {
                     let routing = moe.route(&d, &xn, n);
                     let uniq = routing.unique();
-                    let z = moe.latent_in(&d, &xn, n);
                     // A prefill's union of experts can exceed the cache: fetch it in groups the
                     // source can hold at once. Each group's slots are released (its batch
                     // dropped) before the next is requested; the output does not depend on the
                     // grouping.
                     let group = self.source.max_expert_batch().max(1);
-                    let mut results = Vec::with_capacity(uniq.len());
-                    for ids in uniq.chunks(group) {
+                    let groups: Vec<&[u32]> = uniq.chunks(group).collect();
+                    for ids in &groups {
                         if let Some(t) = self.trace.as_mut() {
                             t.push(TraceRecord {
                                 step: self.step,
@@ -232,7 +234,38 @@ impl<'s> Model<'s> {
                             });
                         }
                         self.counters.expert_requests += ids.len() as u64;
-                        let batch = self.source.experts(l, ids)?;
+                    }
+                    // The first group's read overlaps the latent down-projection and the shared
+                    // experts, which do not depend on it.
+                    let source = self.source;
+                    let (first, z, shared, waited) = std::thread::scope(|sc| {
+                        let fetch = groups
+                            .first()
+                            .map(|&ids| sc.spawn(move || source.experts(l, ids)));
+                        let z = moe.latent_in(&d, &xn, n);
+                        let shared = moe.shared_out(&d, &xn, n);
+                        let t_wait = std::time::Instant::now();
+                        let first = fetch.map(|h| h.join());
+                        (first, z, shared, t_wait.elapsed().as_secs_f64())
+                    });
+                    self.counters.expert_wait_seconds += waited;
+                    let mut results = Vec::with_capacity(uniq.len());
+                    let mut first = first;
+                    for ids in &groups {
+                        let batch = match first.take() {
+                            Some(Ok(b)) => b?,
+                            Some(Err(_)) => {
+                                return Err(ModelError::Config(format!(
+                                    "the expert fetch of layer {l} panicked"
+                                )))
+                            }
+                            None => {
+                                let t_wait = std::time::Instant::now();
+                                let b = self.source.experts(l, ids)?;
+                                self.counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
+                                b
+                            }
+                        };
                         if batch.experts.len() != ids.len() {
                             return Err(ModelError::Config(format!(
                                 "source answered {} experts for a request of {} (layer {l})",
@@ -242,7 +275,7 @@ impl<'s> Model<'s> {
                         }
                         results.extend(moe.run_experts(&d, &z, n, &routing, ids, &batch));
                     }
-                    let (out, failed) = moe.combine(&d, &xn, n, &routing, &results);
+                    let (out, failed) = moe.combine(&d, n, &routing, &results, shared.as_deref());
                     for (id, why) in failed {
                         self.counters.failed_expert_loads += 1;
                         if self.counters.failure_messages.len() < MAX_FAILURE_MESSAGES {

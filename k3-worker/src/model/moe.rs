@@ -130,7 +130,14 @@ impl MoeWeights<'_> {
     ) -> (Vec<f32>, Vec<(u32, String)>) {
         let z = self.latent_in(d, x, n);
         let results = self.run_experts(d, &z, n, routing, ids, batch);
-        self.combine(d, x, n, routing, &results)
+        let shared = self.shared_out(d, x, n);
+        self.combine(d, n, routing, &results, shared.as_deref())
+    }
+
+    /// The shared experts' output `[n, E]` on the full-width input (`None` without shared
+    /// experts). Independent of the routed experts, so it can run while they are fetched.
+    pub fn shared_out(&self, d: &Dims, x: &[f32], n: usize) -> Option<Vec<f32>> {
+        self.shared.as_ref().map(|sh| sh.forward(d, x, n))
     }
 
     /// The latent down-projection `z = W_down x` (`[n, latent]`) that every routed expert reads.
@@ -221,15 +228,16 @@ impl MoeWeights<'_> {
     }
 
     /// Aggregate the experts' outputs per token in selection order, normalise the aggregate,
-    /// project it up and add the shared experts. Returns the output `[n, E]` and the ids whose
-    /// load failed (their contribution is skipped).
+    /// project it up and add the shared experts' output (from [`MoeWeights::shared_out`]).
+    /// Returns the output `[n, E]` and the ids whose load failed (their contribution is
+    /// skipped).
     pub fn combine(
         &self,
         d: &Dims,
-        x: &[f32],
         n: usize,
         routing: &Routing,
         results: &[(u32, Result<ExpertRows, String>)],
+        shared: Option<&[f32]>,
     ) -> (Vec<f32>, Vec<(u32, String)>) {
         let lat = d.latent;
         let k = routing.k;
@@ -263,9 +271,8 @@ impl MoeWeights<'_> {
             acc = super::rms_norm_rows(&acc, norm, d.rms_eps);
         }
         let mut out = linear(self.up, d.hidden, lat, &acc, n);
-        if let Some(sh) = &self.shared {
-            let s = sh.forward(d, x, n);
-            for (o, sv) in out.iter_mut().zip(&s) {
+        if let Some(s) = shared {
+            for (o, sv) in out.iter_mut().zip(s) {
                 *o += sv;
             }
         }
