@@ -76,6 +76,18 @@ pub const DEFAULT_AGE_FACTOR: f64 = 4.0;
 /// The online policy called `name` (one of [`POLICY_NAMES`], optionally `name:PARAM`) for a
 /// cache of `slots` slots, or `None` if the name or parameter is not recognised. This is the
 /// constructor for a `--cache-policy NAME` flag.
+/// Layers until `layer` is requested again when `current` is being served and layers are
+/// visited cyclically 0..n_layers; the current layer counts as a whole cycle.
+fn layer_distance(layer: u32, current: u32, n_layers: u32) -> u32 {
+    let n = n_layers as u64;
+    let d = ((layer as u64 + n - (current as u64 % n)) % n) as u32;
+    if d == 0 {
+        n_layers
+    } else {
+        d
+    }
+}
+
 /// The refusal text for an unknown policy name.
 pub fn unknown_policy(name: &str) -> String {
     format!(
@@ -232,13 +244,7 @@ impl LayerDistance {
 
     /// Layers until `layer` is requested again, the current layer counting as a whole cycle.
     fn distance(&self, layer: u32) -> u32 {
-        let n = self.n_layers as u64;
-        let d = ((layer as u64 + n - (self.current as u64 % n)) % n) as u32;
-        if d == 0 {
-            self.n_layers
-        } else {
-            d
-        }
+        layer_distance(layer, self.current, self.n_layers)
     }
 }
 
@@ -325,13 +331,7 @@ impl Lrfu {
     }
 
     fn distance(&self, layer: u32) -> u32 {
-        let n = self.n_layers as u64;
-        let d = ((layer as u64 + n - (self.current as u64 % n)) % n) as u32;
-        if d == 0 {
-            self.n_layers
-        } else {
-            d
-        }
+        layer_distance(layer, self.current, self.n_layers)
     }
 }
 
@@ -444,13 +444,7 @@ impl LayerAge {
     }
 
     fn distance(&self, layer: u32) -> u32 {
-        let n = self.n_layers as u64;
-        let d = ((layer as u64 + n - (self.current as u64 % n)) % n) as u32;
-        if d == 0 {
-            self.n_layers
-        } else {
-            d
-        }
+        layer_distance(layer, self.current, self.n_layers)
     }
 }
 
