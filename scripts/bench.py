@@ -42,6 +42,9 @@ PROMPT = [17, 200, 3, 99, 42]
 # Full-scale preset expert-cache slots as a share of one token's expert reads
 # (moe_layers * top_k = 92 * 16 = 1472): laptop 1.0 GB = 56 slots, server 13 GB = 740 slots.
 LAPTOP_SLOT_SHARE = 56 / 1472
+# The laptop preset's 3 GB trunk budget relative to the full model's largest layer (layer 0,
+# 2,341,213,184 B): on k3slice (real layer sizes) laptop-like gets exactly the laptop preset's 3 GB.
+LAPTOP_TRUNK_FACTOR = 3.0e9 / 2_341_213_184
 SERVER_SLOT_SHARE = 740 / 1472
 # Reader threads of the standalone expert cache (StandaloneOptions::io_threads).
 ENGINE_EXPERT_READERS = 8
@@ -112,12 +115,17 @@ def plan_budgets(layers, expert_bytes: int, moe_layers: int, n_experts: int, top
                            f"all trunk layers pinned; {s} expert slots (server's 13 GB share of "
                            f"one token's {per_token} expert reads)")
     s = max(top_k, round(LAPTOP_SLOT_SHARE * per_token))
-    out["laptop-like"] = (max(bufs) + slack, s * stride + slack, s,
-                          f"nothing pinned: one ring slot of the largest layer; {s} expert slots "
-                          f"(laptop's 1 GB share, at least top_k)")
-    out["laptop-2x"] = (2 * max(bufs) + slack, s * stride + slack, s,
-                        "laptop-like with twice the trunk budget (the plan pins the prefix that "
-                        "still leaves one ring slot)")
+    lap = max(align_up(max(bufs)), int(LAPTOP_TRUNK_FACTOR * max(bufs))) + slack
+    out["laptop-like"] = (lap, s * stride + slack, s,
+                          f"the laptop preset's trunk budget at this scale (1.28 x the largest "
+                          f"layer = 3 GB on k3slice), nothing pinned, all of it the ring; {s} "
+                          f"expert slots (laptop's 1 GB share, at least top_k)")
+    out["laptop-min"] = (align_up(max(bufs)) + slack, s * stride + slack, s,
+                         "the least trunk budget that runs: a ring of exactly the largest layer "
+                         "(no read-ahead past it); laptop-like's expert slots")
+    out["laptop-2x"] = (2 * lap, s * stride + slack, s,
+                        "laptop-like with twice the trunk budget (the plan pins the longest "
+                        "prefix that leaves a ring for the largest remaining layer)")
     return out
 
 
@@ -358,11 +366,11 @@ def full_layers():
 
 
 def pinned_prefix(layers, budget: int) -> int:
-    """Largest prefix that leaves room for one ring slot of the largest remaining layer
-    (k3_store::plan::MemoryPlan::compute)."""
+    """Largest prefix that leaves room for a ring holding the largest remaining layer
+    (k3_store::plan::MemoryPlan::compute; the rest of the budget is the ring)."""
     n = len(layers)
     for p in range(n, -1, -1):
-        ring = max(layers[p:]) if p < n else 0
+        ring = max(align_up(x) for x in layers[p:]) if p < n else 0
         if sum(layers[:p]) + ring <= budget:
             return p
     return 0

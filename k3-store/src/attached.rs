@@ -42,8 +42,9 @@ pub enum AttachError {
 /// How to attach.
 #[derive(Clone, Debug)]
 pub struct AttachOptions {
-    /// Ring slots for streaming the unpinned layers (1 or 2).
-    pub ring_slots: usize,
+    /// Bytes of the ring arena this worker streams the unpinned layers through; `None` = twice
+    /// the largest of them (the next layer is always read while one is computed).
+    pub ring_bytes: Option<u64>,
     /// The label the store shows for this worker.
     pub label: String,
 }
@@ -51,7 +52,7 @@ pub struct AttachOptions {
 impl Default for AttachOptions {
     fn default() -> Self {
         AttachOptions {
-            ring_slots: 2,
+            ring_bytes: None,
             label: format!("k3-worker pid {}", std::process::id()),
         }
     }
@@ -70,10 +71,10 @@ pub struct AttachInfo {
     pub shm_bytes: u64,
     /// Expert slots in the store's arena.
     pub slots: u32,
-    /// Ring slots this worker allocated for unpinned layers, and their size.
-    pub ring_slots: usize,
-    /// Bytes per ring slot.
-    pub ring_slot_bytes: u64,
+    /// Bytes of the ring arena this worker allocated for the unpinned layers (0 if none).
+    pub ring_bytes: u64,
+    /// The largest unpinned layer, bytes.
+    pub ring_layer_bytes: u64,
     /// Seconds from connect to ready.
     pub attach_seconds: f64,
 }
@@ -177,7 +178,9 @@ impl AttachedSource {
             pinned,
             &StreamOptions {
                 pinned: pinned_layers,
-                ring_slots: opts.ring_slots,
+                ring_bytes: opts
+                    .ring_bytes
+                    .unwrap_or(2 * TrunkStream::min_ring_bytes(&trunk, pinned_layers)),
                 demand_timeout: Duration::from_secs(120),
             },
         )
@@ -192,8 +195,8 @@ impl AttachedSource {
             pinned_layers,
             shm_bytes,
             slots: header.slot_count,
-            ring_slots: ss.ring_slots,
-            ring_slot_bytes: ss.slot_bytes,
+            ring_bytes: ss.ring_bytes,
+            ring_layer_bytes: ss.largest_layer_bytes,
             attach_seconds: t0.elapsed().as_secs_f64(),
         };
         Ok((

@@ -167,6 +167,12 @@ impl AlignedBuf {
         // SAFETY: as in `as_slice`, and `&mut self` guarantees this is the only live borrow.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
+
+    /// The start of the buffer as a raw pointer (for owners that hand out disjoint sub-ranges
+    /// themselves, like the trunk ring's arena). Valid for `len()` bytes while `self` lives.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
 }
 
 impl Drop for AlignedBuf {

@@ -4,6 +4,7 @@
 //! there. The same code runs in-process (`k3-worker --standalone`) and inside the `k3-store`
 //! daemon, which is why the seam between the two is the [`source::WeightSource`] trait.
 
+pub mod arena;
 pub mod attached;
 pub mod catalog;
 pub mod client;

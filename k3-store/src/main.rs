@@ -143,7 +143,7 @@ fn start(a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Err(e) => return fail(&mut notify, exit::REFUSED, e.to_string()),
     };
     // The plan: the store holds the resident tensors, the pinned prefix and the expert arena;
-    // ring slots, KV caches and activations live in each worker.
+    // the ring arena, KV caches and activations live in each worker.
     let mut inputs = PlanInputs::from_model(&cfg, &cat, &trunk, 0);
     // The store holds the embedding in shared memory too (workers read its rows there).
     inputs.resident_bytes += inputs.mapped_bytes;

@@ -2,14 +2,14 @@
 //!
 //! A [`Budget`] splits memory between the streamed trunk and the routed-expert cache (GB = 10⁹
 //! bytes, as in kimi-k3-in-c's figures). The [`MemoryPlan`] turns it into concrete numbers —
-//! how many trunk layers are pinned, how many ring slots, how many expert slots, the per-sequence
+//! how many trunk layers are pinned, how big the ring arena is, how many expert slots, the per-sequence
 //! state — and compares the total with `MemAvailable`; a plan that does not fit is refused (exit
 //! 2) with the whole plan and the shortfall printed.
 //!
-//! Trunk budget accounting: pinned layers + ring slots. The model-level tensors (embedding,
+//! Trunk budget accounting: pinned layers + the ring arena. The model-level tensors (embedding,
 //! lm_head, final norms) are their own line and are not charged to the trunk budget.
 
-use crate::io::ALIGN;
+use crate::io::{align_down, align_up, ALIGN};
 
 /// Bytes per GB (decimal).
 pub const GB: f64 = 1e9;
@@ -103,7 +103,7 @@ pub enum BudgetFlag {
 /// How much memory the trunk and the expert cache may use.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Budget {
-    /// Pinned layers + ring slots.
+    /// Pinned layers + ring arena.
     pub trunk_bytes: u64,
     /// Expert cache slots.
     pub cache_bytes: u64,
@@ -298,10 +298,10 @@ pub struct MemoryPlan {
     pub pinned_layers: usize,
     /// Their bytes.
     pub pinned_bytes: u64,
-    /// Ring slots (0 when everything is pinned).
-    pub ring_slots: usize,
-    /// Bytes per ring slot (largest unpinned layer).
-    pub ring_slot_bytes: u64,
+    /// Bytes of the ring arena the other layers stream through (0 when everything is pinned).
+    pub ring_bytes: u64,
+    /// The largest streamed layer (the least the ring must hold), bytes.
+    pub ring_layer_bytes: u64,
     /// Model-level tensors read into memory.
     pub resident_bytes: u64,
     /// Model-level tensors mapped from the checkpoint (the embedding; not counted in the total).
@@ -331,19 +331,23 @@ pub struct MemoryPlan {
 }
 
 impl MemoryPlan {
-    /// Compute the plan. Never fails: problems (trunk budget below one ring slot, cache below
+    /// Compute the plan. Never fails: problems (trunk budget below the largest layer, cache below
     /// top-k slots) are recorded in `problems`; call [`MemoryPlan::check`] to refuse.
     pub fn compute(inputs: &PlanInputs, budget: &Budget) -> MemoryPlan {
         let n = inputs.layer_bytes.len();
-        // suffix_max[p] = largest layer in p..n
+        // A streamed layer takes its read buffer rounded up to the page in the ring arena.
+        let ext = |b: u64| align_up(b).unwrap_or(u64::MAX);
+        // suffix_max[p] / suffix_sum[p]: largest / total arena bytes of layers p..n.
         let mut suffix_max = vec![0u64; n + 1];
+        let mut suffix_sum = vec![0u64; n + 1];
         for l in (0..n).rev() {
-            suffix_max[l] = suffix_max[l + 1].max(inputs.layer_bytes[l]);
+            suffix_max[l] = suffix_max[l + 1].max(ext(inputs.layer_bytes[l]));
+            suffix_sum[l] = suffix_sum[l + 1].saturating_add(ext(inputs.layer_bytes[l]));
         }
         let mut problems = Vec::new();
         let mut pinned = 0usize;
         let mut prefix = 0u64;
-        // Largest prefix that still leaves room for one ring slot for the rest.
+        // Largest prefix that still leaves room for a ring holding the largest remaining layer.
         for p in (0..=n).rev() {
             let pre: u64 = inputs.layer_bytes[..p].iter().sum();
             let ring = if p < n { suffix_max[p] } else { 0 };
@@ -353,21 +357,23 @@ impl MemoryPlan {
                 break;
             }
         }
-        let slot = suffix_max[pinned];
-        let ring_slots = if pinned == n {
+        let need = suffix_max[pinned];
+        // The ring gets the rest of the trunk budget (more room = more read-ahead), but never
+        // more than the streamed layers take together.
+        let ring_bytes = if pinned == n {
             0
-        } else if prefix + 2 * slot <= budget.trunk_bytes {
-            2
-        } else {
-            1
-        };
-        if pinned < n && prefix + slot > budget.trunk_bytes {
+        } else if prefix + need > budget.trunk_bytes {
             problems.push(format!(
-                "trunk budget {} cannot hold one ring slot of {} (the largest layer)",
+                "trunk budget {} cannot hold a ring for {} (the largest layer)",
                 fmt_gb(budget.trunk_bytes),
-                fmt_gb(slot)
+                fmt_gb(need)
             ));
-        }
+            need
+        } else {
+            align_down(budget.trunk_bytes - prefix)
+                .min(suffix_sum[pinned])
+                .max(need)
+        };
         let stride = inputs.expert_slot_bytes.max(ALIGN as u64);
         let budget_slots = usize::try_from(budget.cache_bytes / stride).unwrap_or(usize::MAX);
         let expert_slots = budget_slots.min(inputs.total_experts.max(inputs.top_k));
@@ -386,8 +392,8 @@ impl MemoryPlan {
             n_layers: n,
             pinned_layers: pinned,
             pinned_bytes: prefix,
-            ring_slots,
-            ring_slot_bytes: if ring_slots > 0 { slot } else { 0 },
+            ring_bytes,
+            ring_layer_bytes: if pinned < n { need } else { 0 },
             resident_bytes: inputs.resident_bytes,
             mapped_bytes: inputs.mapped_bytes,
             expert_slots,
@@ -406,9 +412,9 @@ impl MemoryPlan {
         }
     }
 
-    /// Trunk memory: pinned layers + ring slots.
+    /// Trunk memory: pinned layers + ring.
     pub fn trunk_bytes(&self) -> u64 {
-        self.pinned_bytes + self.ring_slots as u64 * self.ring_slot_bytes
+        self.pinned_bytes + self.ring_bytes
     }
 
     /// Expert arena bytes.
@@ -487,19 +493,19 @@ impl std::fmt::Display for MemoryPlan {
             fmt_gb(self.budget.trunk_bytes),
             fmt_gb(self.budget.cache_bytes)
         )?;
-        let trunk_note = if self.ring_slots == 0 {
+        let trunk_note = if self.ring_bytes == 0 {
             format!(
                 "{}/{} layers PINNED, no ring",
                 self.pinned_layers, self.n_layers
             )
         } else {
             format!(
-                "{}/{} layers PINNED ({}) + ring {} x {}",
+                "{}/{} layers PINNED ({}) + ring {} (largest streamed layer {})",
                 self.pinned_layers,
                 self.n_layers,
                 fmt_gb(self.pinned_bytes),
-                self.ring_slots,
-                fmt_gb(self.ring_slot_bytes)
+                fmt_gb(self.ring_bytes),
+                fmt_gb(self.ring_layer_bytes)
             )
         };
         row(f, "trunk", self.trunk_bytes(), trunk_note)?;
@@ -698,25 +704,34 @@ mod tests {
     fn presets_at_full_scale() {
         let i = full_scale();
         let p = |n: &str| MemoryPlan::compute(&i, &b(&[BudgetFlag::Preset(n.into())]));
-        // laptop: 3 GB cannot pin layer 0 (2.34 GB) and still ring the rest (1.27 GB).
+        // laptop: 3 GB cannot pin layer 0 (2.34 GB) and still ring the rest (1.27 GB): nothing
+        // pinned, the whole 3 GB is the ring, which holds two KDA layers at once.
         let l = p("laptop");
+        let ext = |b: u64| align_up(b).unwrap();
         assert_eq!(
-            (l.pinned_layers, l.ring_slots, l.ring_slot_bytes),
-            (0, 1, 2_341_213_184)
+            (l.pinned_layers, l.ring_layer_bytes),
+            (0, ext(2_341_213_184))
         );
+        assert!(l.ring_bytes <= 3_000_000_000 && l.ring_bytes > 3_000_000_000 - ALIGN as u64);
+        assert_eq!(l.ring_bytes % ALIGN as u64, 0);
+        assert!(2 * ext(1_267_744_256) <= l.ring_bytes);
+        assert_eq!(l.trunk_bytes(), l.ring_bytes);
         assert_eq!(l.expert_slots, 56);
         assert!(l.problems.is_empty(), "{:?}", l.problems);
         // server: the whole trunk fits.
         let s = p("server");
-        assert_eq!((s.pinned_layers, s.ring_slots), (93, 0));
+        assert_eq!((s.pinned_layers, s.ring_bytes), (93, 0));
         assert_eq!(s.trunk_bytes(), 108_811_877_376);
-        // desktop: a prefix is pinned and two ring slots of the largest remaining layer fit.
+        // desktop: the longest prefix that leaves a ring for the largest remaining layer is
+        // pinned; the ring takes the rest of the budget.
         let d = p("desktop");
         assert!(d.pinned_layers > 5 && d.pinned_layers < 93);
         assert!(d.trunk_bytes() <= 16_000_000_000);
-        assert_eq!(d.ring_slot_bytes, 1_267_744_256);
+        assert!(d.trunk_bytes() > 16_000_000_000 - ALIGN as u64);
+        assert_eq!(d.ring_layer_bytes, ext(1_267_744_256));
+        assert!(d.ring_bytes >= d.ring_layer_bytes);
         let one_more: u64 = i.layer_bytes[..d.pinned_layers + 1].iter().sum();
-        assert!(one_more + d.ring_slot_bytes > 16_000_000_000);
+        assert!(one_more + d.ring_layer_bytes > 16_000_000_000);
         // KV: 576 floats per position per MLA layer.
         assert_eq!(d.kv_bytes, 4 * 576 * 4096 * 24);
         let text = d.to_string();
@@ -744,7 +759,7 @@ mod tests {
             &b(&[BudgetFlag::TrunkGb(2.0), BudgetFlag::CacheGb(0.1)]),
         );
         let e = tiny.check(Some(1 << 40)).unwrap_err();
-        assert!(e.contains("cannot hold one ring slot"), "{e}");
+        assert!(e.contains("cannot hold a ring"), "{e}");
         assert!(e.contains("at least top_k = 16"), "{e}");
         assert!(e.contains("TOTAL"), "{e}");
         let mut max = MemoryPlan::compute(&i, &b(&[BudgetFlag::Preset("max".into())]));

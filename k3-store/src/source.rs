@@ -1,10 +1,10 @@
 //! The one seam between the engine's maths and weight storage.
 //!
 //! The engine asks a [`WeightSource`] for bytes and never learns whether they came from a
-//! resident buffer, a pinned layer, a ring slot being streamed, or the store daemon's shared
-//! memory. Every byte range it receives is a [`Region`]: the bytes behind it do not change while
-//! the region (or a clone of it) is alive, which is what makes ring-slot reuse and expert leases
-//! safe — a slot is only refilled once no region points into it.
+//! resident buffer, a pinned layer, the streaming ring, or the store daemon's shared memory. Every
+//! byte range it receives is a [`Region`]: the bytes behind it do not change while the region (or
+//! a clone of it) is alive, which is what makes ring reuse and expert leases safe — ring space or
+//! an expert slot is only refilled once no region points into it.
 
 use std::sync::Arc;
 
@@ -72,11 +72,6 @@ impl Region {
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    /// How many regions share this region's owner (used to know when a ring slot is free).
-    pub fn owner_refs(&self) -> usize {
-        Arc::strong_count(&self.owner)
     }
 }
 

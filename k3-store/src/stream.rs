@@ -1,22 +1,32 @@
-//! Trunk streaming: a pinned prefix plus a ring of 1–2 uniform slots.
+//! Trunk streaming: a pinned prefix plus a ring arena that reads ahead.
 //!
 //! Layers `0..pinned` are read once at start and never evicted (the forward pass scans layers
 //! cyclically, which defeats LRU, so a fixed prefix is the right policy). The other layers go
-//! through a ring of slots sized to the largest of them. One background thread does all ring
-//! reads: [`TrunkStream::prefetch`] asks it to read layer l+1 while the engine computes layer l,
-//! [`TrunkStream::layer`] asks for a layer and waits for it.
+//! through one **ring arena** of `ring_bytes` (at least the largest streamed layer): each layer
+//! read lands in a contiguous extent placed by [`crate::arena::place`], so small layers share the
+//! arena and the next layer is read while the current one is computed — a 3 GB laptop arena holds
+//! layer 0 (2.34 GB) alone but two KDA layers (1.27 GB) or an MLA and a KDA layer at once.
 //!
-//! **The one-slot hazard** (MODEL.md I38): a ring slot is refilled only when no [`Region`] points
-//! into it. Each slot's memory is an `Arc<AlignedBuf>`; the regions of a layer share one lease
-//! that holds a clone of it, and the reader writes only through `Arc::get_mut`, which fails while
-//! any clone exists. So with one slot, a prefetch waits until the engine drops the layer it is
-//! computing — it cannot overwrite it.
+//! One background thread does every ring read. It serves the consumer's demand first
+//! ([`TrunkStream::layer`] blocks until its layer is in), then **reads ahead** in forward order —
+//! the layers after the one last handed out, cyclically over the streamed layers — without being
+//! asked, as far as the arena allows. Eviction is Belady for a cyclic scan: a read-ahead may only
+//! overwrite a layer that is needed later than the one it reads (never a layer in use, being
+//! read, or needed sooner), so the arena never thrashes; a demand may overwrite anything not in
+//! use. [`TrunkStream::prefetch`] only moves the read-ahead start (a forward pass that begins
+//! again at layer 0 after an error).
+//!
+//! **The one-slot hazard** (MODEL.md I38): an extent is rewritten only when no [`Region`] points
+//! into it. The regions of a layer share one lease; the reader claims a range only while no live
+//! lease overlaps it (checked under the ring's lock, where leases are also created), so the layer
+//! being computed is never overwritten, however small the arena.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::io::{run_parallel, AlignedBuf};
+use crate::arena::{place, ArenaMem};
+use crate::io::{align_up, run_parallel, AlignedBuf};
 use crate::source::{ByteOwner, LayerRun, Region, SourceError};
 use crate::trunk::TrunkLayout;
 
@@ -28,10 +38,11 @@ const PIN_READERS: usize = 4;
 pub struct StreamOptions {
     /// Layers `0..pinned` are resident.
     pub pinned: usize,
-    /// Ring slots for the other layers (1 or 2; ignored when every layer is pinned).
-    pub ring_slots: usize,
-    /// How long [`TrunkStream::layer`] waits while every ring slot is held by live
-    /// [`LayerRun`]s before reporting it (time spent waiting for the disk does not count).
+    /// Bytes of the ring arena for the other layers (ignored when every layer is pinned); must
+    /// hold the largest streamed layer. More lets the reader work further ahead.
+    pub ring_bytes: u64,
+    /// How long [`TrunkStream::layer`] waits while the layers in use leave no room for the one
+    /// asked for before reporting it (time spent waiting for the disk does not count).
     pub demand_timeout: Duration,
 }
 
@@ -44,10 +55,10 @@ pub struct StreamStats {
     pub pinned_bytes: u64,
     /// Seconds spent reading the pinned layers.
     pub pinned_seconds: f64,
-    /// Ring slots.
-    pub ring_slots: usize,
-    /// Bytes per ring slot.
-    pub slot_bytes: u64,
+    /// Bytes of the ring arena (0 when everything is pinned).
+    pub ring_bytes: u64,
+    /// Largest streamed layer (its read buffer), bytes.
+    pub largest_layer_bytes: u64,
     /// Ring reads done.
     pub layer_reads: u64,
     /// Bytes read into the ring.
@@ -56,37 +67,49 @@ pub struct StreamStats {
     pub read_seconds: f64,
     /// Seconds the consumer waited in [`TrunkStream::layer`].
     pub wait_seconds: f64,
+    /// Layers handed out that were already in the ring when asked for (read ahead, or still
+    /// there from the previous pass).
+    pub ready_on_demand: u64,
+    /// Layers read ahead and overwritten before anyone used them (wasted reads).
+    pub evicted_unused: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
-enum SlotState {
-    Empty,
-    Filling(usize),
-    Ready { layer: usize, inner: usize },
-    Failed(usize, String),
+enum ExtState {
+    Filling,
+    Ready { inner: usize },
+    Failed(String),
 }
 
-struct RingSlot {
-    /// `None` while the reader thread holds it.
-    buf: Option<Arc<AlignedBuf>>,
-    state: SlotState,
+/// One layer's bytes in the arena: `[off, off + len)`.
+struct Extent {
+    layer: usize,
+    off: u64,
+    len: u64,
+    state: ExtState,
     lease: Weak<RingLease>,
-    used: u64,
+    /// Handed out at least once since it was read.
+    used: bool,
 }
 
-impl RingSlot {
-    /// No region points into the slot and the reader is not filling it.
-    fn is_free(&self) -> bool {
-        self.buf.as_ref().is_some_and(|b| Arc::strong_count(b) == 1)
+impl Extent {
+    fn leased(&self) -> bool {
+        self.lease.strong_count() > 0
+    }
+    fn range(&self) -> (u64, u64) {
+        (self.off, self.len)
     }
 }
 
 struct State {
-    slots: Vec<RingSlot>,
+    extents: Vec<Extent>,
     demand: Option<usize>,
-    prefetch: Option<usize>,
+    /// The read-ahead starts here (the layer after the one last handed out).
+    ahead_from: usize,
+    /// Where the last extent ended: the next one goes after it.
+    cursor: u64,
+    reading: bool,
     shutdown: bool,
-    clock: u64,
     stats: StreamStats,
 }
 
@@ -94,42 +117,69 @@ struct Shared {
     st: Mutex<State>,
     cv: Condvar,
     layout: Arc<TrunkLayout>,
+    mem: Arc<ArenaMem>,
+    /// First streamed layer.
+    first: usize,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    fn n_streamed(&self) -> usize {
+        self.layout.n_layers() - self.first
+    }
+
+    /// The streamed layer after `l`, cyclically.
+    fn next(&self, l: usize) -> usize {
+        if l + 1 >= self.layout.n_layers() {
+            self.first
+        } else {
+            l + 1
+        }
+    }
+
+    /// How soon layer `l` is needed in a scan starting at `from` (0 = first).
+    fn distance(&self, from: usize, l: usize) -> usize {
+        let n = self.n_streamed();
+        (l + n - from) % n
+    }
+
+    /// Arena bytes layer `l` takes.
+    fn extent_len(&self, l: usize) -> u64 {
+        align_up(self.layout.buf_len(l)).unwrap_or(u64::MAX)
+    }
 }
 
-/// The lease a layer's regions hold on its ring slot.
+/// The lease a layer's regions hold on its extent.
 struct RingLease {
     shared: Arc<Shared>,
-    buf: Option<Arc<AlignedBuf>>,
-    inner: usize,
+    off: usize,
     len: usize,
 }
 
 impl ByteOwner for RingLease {
     fn bytes(&self) -> &[u8] {
-        match &self.buf {
-            Some(b) => &b.as_slice()[self.inner..self.inner + self.len],
-            None => &[],
-        }
+        // SAFETY: `off..off+len` lies inside a Ready extent (checked when the lease was made,
+        // under the lock). The reader claims a range only after checking, under the same lock,
+        // that no extent overlapping it has a live lease; this lease is live while `&self` is,
+        // so nothing writes these bytes while the returned borrow exists.
+        unsafe { self.shared.mem.range(self.off, self.len) }
     }
 }
 
 impl Drop for RingLease {
     fn drop(&mut self) {
-        // Give up the slot memory first, then wake the reader: it may now refill the slot.
-        self.buf.take();
+        // The strong count is already 0 (no borrow of the bytes remains): wake the reader, which
+        // may now claim this extent. Taking the lock orders the wake-up after its last check.
         let g = self.shared.lock();
         drop(g);
         self.shared.cv.notify_all();
     }
 }
 
-/// A streaming trunk: pinned prefix + ring.
+/// A streaming trunk: pinned prefix + ring arena.
 pub struct TrunkStream {
     shared: Arc<Shared>,
     pinned: Vec<LayerRun>,
@@ -213,6 +263,14 @@ impl TrunkStream {
         Self::with_pinned(layout, pinned, stats, opts)
     }
 
+    /// Arena bytes the streamed layers `pinned..` of `layout` need at least (the largest one).
+    pub fn min_ring_bytes(layout: &TrunkLayout, pinned: usize) -> u64 {
+        (pinned..layout.n_layers())
+            .map(|l| align_up(layout.buf_len(l)).unwrap_or(u64::MAX))
+            .max()
+            .unwrap_or(0)
+    }
+
     fn with_pinned(
         layout: Arc<TrunkLayout>,
         pinned: Vec<LayerRun>,
@@ -220,37 +278,42 @@ impl TrunkStream {
         opts: &StreamOptions,
     ) -> Result<TrunkStream, SourceError> {
         let n = layout.n_layers();
-        let pinned_n = pinned.len();
-        let slot_bytes = (pinned_n..n).map(|l| layout.buf_len(l)).max().unwrap_or(0);
-        let ring = if pinned_n < n {
-            opts.ring_slots.clamp(1, 2)
+        let first = pinned.len();
+        let largest = Self::min_ring_bytes(&layout, first);
+        let ring = if first < n {
+            // More than every streamed layer together is never used.
+            let all: u64 = (first..n)
+                .map(|l| align_up(layout.buf_len(l)).unwrap_or(u64::MAX))
+                .fold(0u64, |a, b| a.saturating_add(b));
+            let ring = opts.ring_bytes.min(all);
+            if ring < largest {
+                return Err(SourceError::Invalid(format!(
+                    "a trunk ring of {} bytes cannot hold the largest streamed layer ({largest} \
+                     bytes)",
+                    opts.ring_bytes
+                )));
+            }
+            ring
         } else {
             0
         };
-        stats.ring_slots = ring;
-        stats.slot_bytes = slot_bytes;
-        let slots = (0..ring)
-            .map(|_| {
-                AlignedBuf::zeroed(slot_bytes as usize).map(|b| RingSlot {
-                    buf: Some(Arc::new(b)),
-                    state: SlotState::Empty,
-                    lease: Weak::new(),
-                    used: 0,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(SourceError::Io)?;
+        stats.ring_bytes = ring;
+        stats.largest_layer_bytes = if first < n { largest } else { 0 };
+        let mem = ArenaMem::new(ring as usize).map_err(SourceError::Io)?;
         let shared = Arc::new(Shared {
             st: Mutex::new(State {
-                slots,
+                extents: Vec::new(),
                 demand: None,
-                prefetch: None,
+                ahead_from: first,
+                cursor: 0,
+                reading: false,
                 shutdown: false,
-                clock: 0,
                 stats,
             }),
             cv: Condvar::new(),
             layout,
+            mem: Arc::new(mem),
+            first,
         });
         let thread = if ring > 0 {
             let s = shared.clone();
@@ -279,13 +342,13 @@ impl TrunkStream {
             Some(d) => format!("packed {}", d.display()),
             None => "from the shards".to_string(),
         };
-        let ring = if st.ring_slots == 0 {
+        let ring = if st.ring_bytes == 0 {
             "no ring".to_string()
         } else {
             format!(
-                "ring {} x {}",
-                st.ring_slots,
-                crate::plan::fmt_bytes(st.slot_bytes)
+                "ring {} (largest streamed layer {}), reading ahead",
+                crate::plan::fmt_bytes(st.ring_bytes),
+                crate::plan::fmt_bytes(st.largest_layer_bytes)
             )
         };
         format!(
@@ -311,9 +374,9 @@ impl TrunkStream {
         self.shared.layout.n_layers()
     }
 
-    /// Ask the reader to load layer `l` into a free ring slot in the background. A no-op for
-    /// pinned layers and layers already in the ring. `l` past the last layer wraps to the first
-    /// streamed layer: the next token's forward pass starts there.
+    /// Start reading ahead from layer `l` (the reader already reads ahead from the layer after
+    /// the one last handed out; this only matters when the next pass starts elsewhere). `l` past
+    /// the last layer wraps to the first streamed layer. A no-op for pinned layers.
     pub fn prefetch(&self, l: usize) {
         let l = if l >= self.n_layers() {
             self.pinned.len()
@@ -324,7 +387,7 @@ impl TrunkStream {
             return;
         }
         let mut g = self.shared.lock();
-        g.prefetch = Some(l);
+        g.ahead_from = l;
         drop(g);
         self.shared.cv.notify_all();
     }
@@ -339,45 +402,48 @@ impl TrunkStream {
             .layout
             .plan(l)
             .ok_or_else(|| SourceError::Missing(format!("trunk layer {l}")))?;
+        let sh = &self.shared;
         let t0 = Instant::now();
         let mut deadline = t0 + self.demand_timeout;
-        let mut g = self.shared.lock();
+        let mut g = sh.lock();
+        let mut asked = false;
         loop {
-            let clock = g.clock + 1;
-            g.clock = clock;
-            let found = g.slots.iter_mut().find(|s| {
-                matches!(s.state, SlotState::Ready { layer, .. } if layer == l)
-                    || matches!(s.state, SlotState::Failed(layer, _) if layer == l)
-            });
-            if let Some(slot) = found {
-                match slot.state.clone() {
-                    SlotState::Failed(_, m) => {
-                        slot.state = SlotState::Empty;
+            if let Some(i) = g.extents.iter().position(|e| e.layer == l) {
+                match g.extents[i].state.clone() {
+                    ExtState::Failed(m) => {
+                        g.extents.remove(i);
                         if g.demand == Some(l) {
                             g.demand = None;
                         }
+                        drop(g);
+                        sh.cv.notify_all();
                         return Err(SourceError::Io(m));
                     }
-                    SlotState::Ready { inner, .. } => {
-                        slot.used = clock;
-                        let lease = match slot.lease.upgrade() {
+                    ExtState::Ready { inner } => {
+                        let e = &mut g.extents[i];
+                        let lease = match e.lease.upgrade() {
                             Some(x) => x,
                             None => {
                                 let x = Arc::new(RingLease {
-                                    shared: self.shared.clone(),
-                                    buf: slot.buf.clone(),
-                                    inner,
+                                    shared: sh.clone(),
+                                    off: e.off as usize + inner,
                                     len: plan.run_len as usize,
                                 });
-                                slot.lease = Arc::downgrade(&x);
+                                e.lease = Arc::downgrade(&x);
                                 x
                             }
                         };
+                        e.used = true;
                         if g.demand == Some(l) {
                             g.demand = None;
                         }
+                        if !asked {
+                            g.stats.ready_on_demand += 1;
+                        }
+                        g.ahead_from = sh.next(l);
                         g.stats.wait_seconds += t0.elapsed().as_secs_f64();
                         drop(g);
+                        sh.cv.notify_all();
                         let owner: Arc<dyn ByteOwner> = lease;
                         return Ok(LayerRun {
                             layer: l,
@@ -385,33 +451,38 @@ impl TrunkStream {
                             layout: plan.layout.clone(),
                         });
                     }
-                    _ => {}
+                    ExtState::Filling => {}
                 }
+            } else if g.demand != Some(l) {
+                g.demand = Some(l);
+                sh.cv.notify_all();
             }
-            g.demand = Some(l);
-            self.shared.cv.notify_all();
+            asked = true;
             let now = Instant::now();
-            // Only a ring whose every slot is held by live layer runs can never serve us; while
-            // a slot is free or being filled we wait for the disk however slow it is.
-            let all_held = g
-                .slots
+            // Only layers in use can keep ours out for good; while the disk works we wait
+            // however slow it is.
+            let leased: Vec<(u64, u64)> = g
+                .extents
                 .iter()
-                .all(|s| s.buf.as_ref().is_some_and(|b| Arc::strong_count(b) > 1));
-            if !all_held {
+                .filter(|e| e.leased())
+                .map(Extent::range)
+                .collect();
+            let filling = g.extents.iter().any(|e| e.state == ExtState::Filling);
+            let stuck = place(sh.mem.len() as u64, sh.extent_len(l), g.cursor, &leased).is_none();
+            if !stuck || filling {
                 deadline = now + self.demand_timeout;
             } else if now >= deadline {
                 if g.demand == Some(l) {
                     g.demand = None;
                 }
                 return Err(SourceError::Invalid(format!(
-                    "waited {:.1} s for trunk layer {l}: all {} ring slots are held by live \
-                     layer runs (drop the previous layer before asking for the next)",
+                    "waited {:.1} s for trunk layer {l}: the layers in use fill the {}-byte ring \
+                     (drop the previous layer before asking for the next)",
                     self.demand_timeout.as_secs_f64(),
-                    g.slots.len()
+                    sh.mem.len()
                 )));
             }
-            g = self
-                .shared
+            g = sh
                 .cv
                 .wait_timeout(g, deadline - now)
                 .unwrap_or_else(|p| p.into_inner())
@@ -422,94 +493,137 @@ impl TrunkStream {
 
 impl Drop for TrunkStream {
     fn drop(&mut self) {
-        self.shared.lock().shutdown = true;
+        let reading = {
+            let mut g = self.shared.lock();
+            g.shutdown = true;
+            g.reading
+        };
         self.shared.cv.notify_all();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            // A read in progress (a read-ahead nobody will use) is not waited for: the thread
+            // owns what it touches and exits when the read returns.
+            if !reading {
+                let _ = t.join();
+            }
         }
     }
 }
 
-/// The reader thread: serves the consumer's demand first, then the prefetch hint.
-fn reader(shared: &Shared) {
-    let mut g = shared.lock();
+/// What the reader should read next and where: `(layer, offset)`, or `None` to wait.
+fn next_read(sh: &Shared, st: &State) -> Option<(usize, u64)> {
+    let cap = sh.mem.len() as u64;
+    let present = |l: usize| st.extents.iter().any(|e| e.layer == l);
+    // The consumer's demand first: anything not in use and not being read may go.
+    if let Some(l) = st.demand.filter(|&l| !present(l)) {
+        let blocked: Vec<(u64, u64)> = st
+            .extents
+            .iter()
+            .filter(|e| e.leased() || e.state == ExtState::Filling)
+            .map(Extent::range)
+            .collect();
+        return place(cap, sh.extent_len(l), st.cursor, &blocked).map(|off| (l, off));
+    }
+    if st.demand.is_some() {
+        return None;
+    }
+    // Read-ahead: the first layer of the scan not in the arena, over extents needed later.
+    let from = st.ahead_from;
+    let l = (0..sh.n_streamed())
+        .map(|k| sh.first + (from - sh.first + k) % sh.n_streamed())
+        .find(|&l| !present(l))?;
+    let d = sh.distance(from, l);
+    let blocked: Vec<(u64, u64)> = st
+        .extents
+        .iter()
+        .filter(|e| {
+            e.leased()
+                || e.state == ExtState::Filling
+                || (!matches!(e.state, ExtState::Failed(_)) && sh.distance(from, e.layer) < d)
+        })
+        .map(Extent::range)
+        .collect();
+    place(cap, sh.extent_len(l), st.cursor, &blocked).map(|off| (l, off))
+}
+
+/// The reader thread.
+fn reader(sh: &Shared) {
+    let mut g = sh.lock();
     loop {
         if g.shutdown {
             return;
         }
-        let present = |st: &State, l: usize| {
-            st.slots.iter().any(|s| match &s.state {
-                SlotState::Filling(x) | SlotState::Failed(x, _) => *x == l,
-                SlotState::Ready { layer, .. } => *layer == l,
-                SlotState::Empty => false,
-            })
+        let Some((l, off)) = next_read(sh, &g) else {
+            g = sh.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+            continue;
         };
-        if let Some(p) = g.prefetch {
-            if present(&g, p) {
-                g.prefetch = None;
+        let len = sh.extent_len(l);
+        // Claim [off, off+len): drop the extents it overlaps (none is leased or being read).
+        let mut wasted = 0;
+        g.extents.retain(|e| {
+            let overlaps = off < e.off + e.len && e.off < off + len;
+            if overlaps && !e.used && matches!(e.state, ExtState::Ready { .. }) {
+                wasted += 1;
             }
-        }
-        let target = [g.demand, g.prefetch]
-            .into_iter()
-            .flatten()
-            .find(|&l| !present(&g, l));
-        let Some(l) = target else {
-            g = shared.cv.wait(g).unwrap_or_else(|p| p.into_inner());
-            continue;
-        };
-        // A free slot: not leased, not being filled, not holding the layer the consumer waits for.
-        let demand = g.demand;
-        let pick = g
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| {
-                s.is_free()
-                    && !matches!(s.state, SlotState::Ready { layer, .. } if Some(layer) == demand)
-            })
-            .min_by_key(|(_, s)| match s.state {
-                SlotState::Empty | SlotState::Failed(..) => (0, 0),
-                _ => (1, s.used),
-            })
-            .map(|(i, _)| i);
-        let Some(i) = pick else {
-            g = shared.cv.wait(g).unwrap_or_else(|p| p.into_inner());
-            continue;
-        };
-        let slot = &mut g.slots[i];
-        let Some(mut buf) = slot.buf.take() else {
-            continue;
-        };
-        slot.state = SlotState::Filling(l);
-        slot.lease = Weak::new();
-        if g.prefetch == Some(l) {
-            g.prefetch = None;
-        }
+            !overlaps
+        });
+        g.stats.evicted_unused += wasted;
+        g.extents.push(Extent {
+            layer: l,
+            off,
+            len,
+            state: ExtState::Filling,
+            lease: Weak::new(),
+            used: false,
+        });
+        g.cursor = off + len;
+        g.reading = true;
         drop(g);
         let t0 = Instant::now();
-        let res = match Arc::get_mut(&mut buf) {
-            Some(b) => shared
-                .layout
-                .read_layer(l, b.as_mut_slice())
-                .map_err(|e| e.0),
-            None => Err(format!(
-                "trunk layer {l}: ring slot {i} is still referenced"
-            )),
-        };
+        // SAFETY: [off, off+len) is inside the arena (`place` checks against its length) and was
+        // just claimed under the lock: every extent overlapping it was dropped, none of them
+        // leased (so no RingLease — the only readers of arena bytes — points into it), and a
+        // Filling extent is never leased nor claimed again until this read is published.
+        let dst = unsafe { sh.mem.range_mut(off as usize, len as usize) };
+        let res = sh.layout.read_layer(l, dst).map_err(|e| e.0);
         let secs = t0.elapsed().as_secs_f64();
-        g = shared.lock();
-        let slot = &mut g.slots[i];
-        slot.buf = Some(buf);
-        slot.state = match res {
-            Ok(inner) => SlotState::Ready { layer: l, inner },
-            Err(m) => SlotState::Failed(l, m),
-        };
-        if matches!(g.slots[i].state, SlotState::Ready { .. }) {
+        let ok = res.is_ok();
+        g = sh.lock();
+        g.reading = false;
+        if let Some(e) = g.extents.iter_mut().find(|e| e.layer == l && e.off == off) {
+            e.state = match res {
+                Ok(inner) => ExtState::Ready { inner },
+                Err(m) => ExtState::Failed(m),
+            };
+        }
+        if ok {
             g.stats.layer_reads += 1;
-            g.stats.bytes_read += shared.layout.plan(l).map(|p| p.run_len).unwrap_or(0);
+            g.stats.bytes_read += sh.layout.plan(l).map(|p| p.run_len).unwrap_or(0);
         }
         g.stats.read_seconds += secs;
-        shared.cv.notify_all();
+        sh.cv.notify_all();
+    }
+}
+
+#[cfg(test)]
+impl TrunkStream {
+    /// Wait until the reader has nothing left to do (read-ahead done as far as the arena allows).
+    fn quiesce(&self) {
+        let sh = &self.shared;
+        let mut g = sh.lock();
+        while g.reading || next_read(sh, &g).is_some() {
+            g = sh
+                .cv
+                .wait_timeout(g, Duration::from_millis(20))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    /// Streamed layers in the arena (any state), ascending.
+    fn present(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.shared.lock().extents.iter().map(|e| e.layer).collect();
+        v.sort_unstable();
+        v
     }
 }
 
@@ -536,21 +650,26 @@ mod tests {
     fn stream(
         layout: Arc<TrunkLayout>,
         pinned: usize,
-        ring: usize,
+        ring_bytes: u64,
         timeout_ms: u64,
     ) -> TrunkStream {
         let opts = StreamOptions {
             pinned,
-            ring_slots: ring,
+            ring_bytes,
             demand_timeout: Duration::from_millis(timeout_ms),
         };
         TrunkStream::new(layout, &opts, &mut |_, _| {}).unwrap()
     }
 
-    /// MODEL.md I38: one ring slot, prefetch of the next layer issued while the current one is
-    /// being "computed" (random sleeps): the consumer always sees the right layer's bytes.
+    /// Arena bytes of layer `l`.
+    fn ext(layout: &TrunkLayout, l: usize) -> u64 {
+        align_up(layout.buf_len(l)).unwrap()
+    }
+
+    /// MODEL.md I38: whatever the arena size, the reader reading ahead while the engine
+    /// "computes" a layer (random sleeps) never overwrites the layer in use.
     #[test]
-    fn one_slot_prefetch_never_overwrites_the_layer_in_use() {
+    fn read_ahead_never_overwrites_the_layer_in_use() {
         let spec = Spec::small(3, 2);
         let w = fixture::write(&spec, "i38");
         let packed_dir = w.dir.join("packed");
@@ -561,9 +680,15 @@ mod tests {
             Arc::new(TrunkLayout::from_catalog(&w.catalog, shards)),
         ];
         for layout in layouts {
-            for ring in [1, 2] {
+            let min = TrunkStream::min_ring_bytes(&layout, 0);
+            let all: u64 = (0..3).map(|l| ext(&layout, l)).sum();
+            for (k, ring) in [min, ext(&layout, 1) + ext(&layout, 2), all - 4096, all]
+                .into_iter()
+                .enumerate()
+            {
+                let ring = ring.max(min);
                 let s = stream(layout.clone(), 0, ring, 10_000);
-                let mut rng = Rng(7 + ring as u64);
+                let mut rng = Rng(7 + k as u64);
                 for step in 0..60 {
                     let l = step % 3;
                     let run = s.layer(l).unwrap();
@@ -571,7 +696,7 @@ mod tests {
                     verify(&spec, &run);
                     s.prefetch((l + 1) % 3);
                     std::thread::sleep(Duration::from_micros(rng.below(3000)));
-                    // Still this layer's bytes after the prefetch had time to run.
+                    // Still this layer's bytes after the reader had time to run.
                     verify(&spec, &run);
                     drop(run);
                     if rng.below(4) == 0 {
@@ -579,33 +704,121 @@ mod tests {
                     }
                 }
                 let st = s.stats();
-                assert_eq!(st.ring_slots, ring);
-                assert!(st.layer_reads >= 60 / 3, "{st:?}");
+                assert_eq!(st.ring_bytes, ring);
+                assert_eq!(st.evicted_unused, 0, "{st:?}");
                 assert_eq!(st.pinned_layers, 0);
+                if ring >= all {
+                    // Everything fits: each layer is read once.
+                    assert_eq!(st.layer_reads, 3, "{st:?}");
+                } else {
+                    // At most once per layer per pass (+ read-ahead into the next pass), at least
+                    // once per pass (the three never fit together).
+                    assert!((20..=63).contains(&st.layer_reads), "{st:?}");
+                }
             }
         }
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 
+    /// The reader works ahead in scan order as far as the arena allows, without being asked, and
+    /// the layer handed out next is then already in memory.
     #[test]
-    fn pinned_prefix_is_read_once_and_ring_serves_the_rest() {
+    fn the_next_layers_are_read_while_the_current_one_is_in_use() {
+        let spec = Spec::small(6, 2);
+        let w = fixture::write(&spec, "ahead");
+        let layout = Arc::new(TrunkLayout::from_catalog(
+            &w.catalog,
+            open_shards(&w.catalog).unwrap(),
+        ));
+        let n = 6;
+        let exts: Vec<u64> = (0..n).map(|l| ext(&layout, l)).collect();
+        // Arena: layer 1 plus the two after it, exactly.
+        let ring = exts[1] + exts[2] + exts[3];
+        let s = stream(layout.clone(), 1, ring, 10_000);
+        let run1 = s.layer(1).unwrap();
+        s.quiesce();
+        // While layer 1 is held, 2 and 3 were read ahead; 4 does not fit.
+        assert_eq!(s.present(), vec![1, 2, 3]);
+        assert_eq!(s.stats().layer_reads, 3);
+        verify(&spec, &run1);
+        drop(run1);
+        s.quiesce();
+        // Layer 1 (needed last in the scan 2, 3, 4, 5, 1) may now go: 4 is read, if it fits in
+        // the space 1 left; nothing needed sooner than 4 was dropped.
+        let st = s.stats();
+        assert!(s.present().contains(&2) && s.present().contains(&3));
+        assert_eq!(st.evicted_unused, 0);
+        // A whole pass: 2 and 3 were ready on demand.
+        let before = s.stats().ready_on_demand;
+        for l in 2..n {
+            let run = s.layer(l).unwrap();
+            verify(&spec, &run);
+        }
+        assert!(s.stats().ready_on_demand >= before + 2, "{:?}", s.stats());
+        // Many passes: each streamed layer read once per pass, no read-ahead wasted.
+        let reads0 = s.stats().layer_reads;
+        for _ in 0..10 {
+            for l in 0..n {
+                verify(&spec, &s.layer(l).unwrap());
+            }
+        }
+        let st = s.stats();
+        let passes = st.layer_reads - reads0;
+        // At most one read per layer per pass (+ the read-ahead into the next pass); fewer when
+        // a layer was still in the arena from the previous pass.
+        assert!(
+            passes <= 10 * 5 + 3,
+            "{passes} reads for 10 passes of 5 streamed layers: {st:?}"
+        );
+        assert_eq!(st.evicted_unused, 0, "{st:?}");
+        assert!(st.ready_on_demand >= 10 * 3, "{st:?}");
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    /// A layer asked out of scan order is read at once, over read-ahead nobody used if need be.
+    #[test]
+    fn an_out_of_order_demand_takes_the_space_of_unused_read_ahead() {
+        let spec = Spec::small(5, 2);
+        let w = fixture::write(&spec, "order");
+        let layout = Arc::new(TrunkLayout::from_catalog(
+            &w.catalog,
+            open_shards(&w.catalog).unwrap(),
+        ));
+        let min = TrunkStream::min_ring_bytes(&layout, 0);
+        let s = stream(layout.clone(), 0, min, 10_000);
+        s.quiesce();
+        // Nothing asked yet: the reader read layer 0 ahead.
+        assert_eq!(s.present(), vec![0]);
+        let run3 = s.layer(3).unwrap();
+        verify(&spec, &run3);
+        assert_eq!(s.stats().evicted_unused, 1);
+        drop(run3);
+        // The scan continues after 3: 4 is read next to 3 (both fit in the dense layer 0's
+        // size); 0, the largest, would need 4's space and 4 is needed sooner.
+        s.quiesce();
+        assert_eq!(s.present(), vec![3, 4]);
+        verify(&spec, &s.layer(0).unwrap());
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn pinned_prefix_is_read_once_and_the_ring_serves_the_rest() {
         let spec = Spec::small(5, 2);
         let w = fixture::write(&spec, "pinned");
         let layout = Arc::new(TrunkLayout::from_catalog(
             &w.catalog,
             open_shards(&w.catalog).unwrap(),
         ));
-        let s = stream(layout.clone(), 2, 2, 10_000);
+        let min = TrunkStream::min_ring_bytes(&layout, 2);
+        assert_eq!(min, (2..5).map(|l| ext(&layout, l)).max().unwrap());
+        let s = stream(layout.clone(), 2, min, 10_000);
         let st = s.stats();
         assert_eq!(st.pinned_layers, 2);
         assert_eq!(
             st.pinned_bytes,
             w.catalog.trunk_bytes(0) + w.catalog.trunk_bytes(1)
         );
-        assert_eq!(
-            st.slot_bytes,
-            (2..5).map(|l| layout.buf_len(l)).max().unwrap()
-        );
+        assert_eq!((st.ring_bytes, st.largest_layer_bytes), (min, min));
         for _ in 0..4 {
             for l in 0..5 {
                 let run = s.layer(l).unwrap();
@@ -613,48 +826,59 @@ mod tests {
                 s.prefetch((l + 1) % 5);
             }
         }
+        s.quiesce();
         let st = s.stats();
-        // Pinned layers never go through the ring: 3 ring layers per pass, 4 passes.
-        assert_eq!(st.layer_reads, 12);
+        // Pinned layers never go through the ring: 3 ring layers per pass, 4 passes, and the
+        // read-ahead of the next pass's first streamed layer (2) once 4 was dropped.
+        assert_eq!(st.layer_reads, 13, "{st:?}");
         let ring_bytes: u64 = (2..5).map(|l| w.catalog.trunk_bytes(l)).sum();
-        assert_eq!(st.bytes_read, 4 * ring_bytes);
-        // Past the last layer the prefetch wraps to the first streamed layer (2).
-        drop(s.layer(4).unwrap());
-        s.prefetch(5);
-        let t0 = Instant::now();
-        while s.stats().layer_reads == 12 && t0.elapsed() < Duration::from_secs(5) {
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        assert_eq!(st.bytes_read, 4 * ring_bytes + w.catalog.trunk_bytes(2));
+        assert_eq!(s.present(), vec![2]);
+        let run2 = s.layer(2).unwrap();
+        verify(&spec, &run2);
         assert_eq!(s.stats().layer_reads, 13);
-        verify(&spec, &s.layer(2).unwrap());
-        assert_eq!(s.stats().layer_reads, 13);
+        drop(run2);
+        // A ring below the largest streamed layer is refused.
+        let opts = StreamOptions {
+            pinned: 2,
+            ring_bytes: min - 1,
+            demand_timeout: Duration::from_secs(1),
+        };
+        let e = TrunkStream::new(layout.clone(), &opts, &mut |_, _| {}).unwrap_err();
+        assert!(e.to_string().contains("cannot hold the largest"), "{e}");
         // Everything pinned: no ring, no reader thread.
-        let all = stream(layout, 5, 2, 1000);
-        assert_eq!(all.stats().ring_slots, 0);
+        let all = stream(layout, 5, 0, 1000);
+        assert_eq!(all.stats().ring_bytes, 0);
         assert!(
-            all.describe().contains("5/5 layers PINNED"),
+            all.describe().contains("5/5 layers PINNED") && all.describe().contains("no ring"),
             "{}",
             all.describe()
         );
-        assert!(s.describe().contains("2/5 layers PINNED") && s.describe().contains("ring 2 x"));
+        assert!(
+            s.describe().contains("2/5 layers PINNED") && s.describe().contains("ring "),
+            "{}",
+            s.describe()
+        );
         verify(&spec, &all.layer(4).unwrap());
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 
     #[test]
-    fn holding_the_only_slot_while_asking_for_another_layer_errors_instead_of_hanging() {
+    fn holding_a_layer_that_leaves_no_room_errors_instead_of_hanging() {
         let spec = Spec::small(3, 2);
         let w = fixture::write(&spec, "hold");
         let layout = Arc::new(TrunkLayout::from_catalog(
             &w.catalog,
             open_shards(&w.catalog).unwrap(),
         ));
-        let s = stream(layout, 0, 1, 200);
+        let min = TrunkStream::min_ring_bytes(&layout, 0);
+        assert!(ext(&layout, 0) + ext(&layout, 1) > min);
+        let s = stream(layout, 0, min, 200);
         let run0 = s.layer(0).unwrap();
         let e = s.layer(1).unwrap_err().to_string();
-        assert!(e.contains("held by live layer runs"), "{e}");
+        assert!(e.contains("layers in use fill"), "{e}");
         verify(&spec, &run0);
-        // The same layer twice shares the slot.
+        // The same layer twice shares the extent.
         let again = s.layer(0).unwrap();
         verify(&spec, &again);
         drop((run0, again));
@@ -684,11 +908,17 @@ mod tests {
             .unwrap()
             .set_len(cut)
             .unwrap();
-        let s = stream(layout, 0, 1, 5000);
-        verify(&spec, &s.layer(0).unwrap());
-        let e = s.layer(2).unwrap_err().to_string();
-        assert!(e.contains("trunk.bin"), "{e}");
-        verify(&spec, &s.layer(1).unwrap());
+        let min = TrunkStream::min_ring_bytes(&layout, 0);
+        for ring in [min, 3 * min] {
+            let s = stream(layout.clone(), 0, ring, 5000);
+            verify(&spec, &s.layer(0).unwrap());
+            let e = s.layer(2).unwrap_err().to_string();
+            assert!(e.contains("trunk.bin"), "{e}");
+            verify(&spec, &s.layer(1).unwrap());
+            // Asked again, the failed layer is read again (and fails again).
+            assert!(s.layer(2).is_err());
+            verify(&spec, &s.layer(0).unwrap());
+        }
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 }

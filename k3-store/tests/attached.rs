@@ -88,7 +88,10 @@ fn attached_bytes_equal_standalone_bytes() {
     let store = start_store("bytes", 5, 32);
     let (att, info) = AttachedSource::attach(&store.socket, &AttachOptions::default()).unwrap();
     assert_eq!(info.pinned_layers, 5);
-    assert!(info.ring_slots >= 1, "13 layers, 5 pinned: the rest stream");
+    assert!(
+        info.ring_layer_bytes > 0 && info.ring_bytes == 2 * info.ring_layer_bytes,
+        "13 layers, 5 pinned: the rest stream through a ring of twice the largest"
+    );
     let alone = standalone();
     for name in MODEL_TENSORS {
         assert_eq!(

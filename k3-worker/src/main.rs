@@ -303,15 +303,14 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
                 },
             )?;
             eprintln!(
-                "attached to {} in {:.3} s: model {}, {} pinned layers, {:.3} GB shared, {} expert slots, ring {} x {:.3} GB",
+                "attached to {} in {:.3} s: model {}, {} pinned layers, {:.3} GB shared, {} expert slots, ring {:.3} GB",
                 socket.display(),
                 info.attach_seconds,
                 info.model_dir.display(),
                 info.pinned_layers,
                 gb(info.shm_bytes),
                 info.slots,
-                info.ring_slots,
-                gb(info.ring_slot_bytes)
+                gb(info.ring_bytes)
             );
             Some((src, info))
         }
@@ -387,7 +386,7 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
             eprintln!(
                 "worker memory: sequence state {:.3} GB + ring {:.3} GB; available {:.3} GB",
                 gb(need),
-                gb(info.ring_slots as u64 * info.ring_slot_bytes),
+                gb(info.ring_bytes),
                 gb(avail)
             );
             src

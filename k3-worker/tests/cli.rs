@@ -673,7 +673,8 @@ fn step0_logits_are_bit_identical_across_budgets_threads_and_modes() {
     let runs: [(&str, &[&str]); 5] = [
         ("resident-2t", &["--preset", "laptop", "--threads", "2"]),
         ("resident-1t", &["--preset", "laptop", "--threads", "1"]),
-        // Nothing pinned (one ring slot) and a 3-slot expert cache: everything streams.
+        // Nothing pinned (a ring of the largest layer) and a 3-slot expert cache: everything
+        // streams.
         (
             "streaming",
             &["--trunk-gb", "0.0003", "--cache-gb", "0.00004"],

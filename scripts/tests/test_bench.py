@@ -37,10 +37,22 @@ def test_budgets_mirror_the_presets():
     assert b["all-resident"][1] >= 256 * stride
     # trunk-pinned: whole trunk, about half of one token's expert reads (server's share).
     assert b["trunk-pinned"][0] >= total and b["trunk-pinned"][2] == 32
-    # laptop-like: one ring slot of the largest layer (less than two), top_k slots.
+    # laptop-like: the laptop preset's 3 GB trunk on real layer sizes, top_k slots.
     lt, lc, ls, _ = b["laptop-like"]
-    assert max(x[1] for x in layers) <= lt < 2 * max(x[1] for x in layers)
+    assert 3_000_000_000 <= lt < 3_000_000_000 + 3 * 4096
     assert ls == 16 and ls * stride <= lc < (ls + 1) * stride
+    # laptop-min: a ring of exactly the largest layer; laptop-2x: twice laptop-like's trunk.
+    big = bench.align_up(max(x[1] for x in layers))
+    assert big <= b["laptop-min"][0] < big + 2 * 4096
+    assert b["laptop-2x"][0] == 2 * lt and b["laptop-2x"][2] == 16
+    # The plan rule on k3slice's five layers (KKKMM): 3 GB cannot pin layer 0 and still hold
+    # layer 1; 6 GB pins layers 0-2 (4.85 GB) and rings the MLA layers in 1.15 GB; the sum pins
+    # all.
+    sizes = [x[1] for x in layers]
+    sizes = sizes[:2] + sizes[1:2] + sizes[2:] + sizes[2:]
+    assert bench.pinned_prefix(sizes, lt) == 0
+    assert bench.pinned_prefix(sizes, b["laptop-2x"][0]) == 3
+    assert bench.pinned_prefix(sizes, sum(bench.align_up(x) for x in sizes)) == 5
 
 
 def test_floors_pick_the_larger_bound():
@@ -88,7 +100,7 @@ def test_table_formats_every_budget():
 
 
 def test_pinned_count_from_the_plan_line():
-    err = "memory plan ...\n  trunk                2.34 GB   0/5 layers PINNED (0.00 GB) + ring 1 x 2.34 GB\n"
+    err = "memory plan ...\n  trunk                2.34 GB   0/5 layers PINNED (0.00 GB) + ring 3.00 GB (largest streamed layer 2.34 GB)\n"
     assert bench.pinned_count(err, 5) == 0
     assert bench.pinned_count("trunk 6.52 GB 5/5 layers PINNED (6.52 GB)", 5) == 5
     assert bench.pinned_count("nothing", 7) == 7

@@ -52,11 +52,13 @@ fn trunk_layer_bufs(trunk: &Path) -> Vec<u64> {
         .collect()
 }
 
-/// The trunk budget that pins exactly layers `0..p` and rings the rest with one slot.
+/// The trunk budget that pins exactly layers `0..p` and rings the rest through a ring of the
+/// largest of them.
 fn trunk_budget_pinning(bufs: &[u64], p: usize) -> u64 {
     let ring = bufs[p..].iter().copied().max().unwrap_or(0);
     let budget = bufs[..p].iter().sum::<u64>() + ring;
-    // The plan pins the longest prefix that fits with one ring slot: p + 1 must not fit.
+    // The plan pins the longest prefix that leaves a ring for the largest remaining layer: p + 1
+    // must not fit.
     if p < bufs.len() {
         let next_ring = bufs[p + 1..].iter().copied().max().unwrap_or(0);
         assert!(

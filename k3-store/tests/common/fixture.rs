@@ -88,7 +88,7 @@ pub fn expert_name(l: usize, e: usize, p: ExpertPart) -> String {
 }
 
 /// Trunk tensors of layer l: (suffix, dtype, shape). Layer sizes differ (layer 0 is the largest,
-/// like the real model's dense layer 0), so ring slots are sized by the largest unpinned layer.
+/// like the real model's dense layer 0), so the ring must hold the largest unpinned layer.
 pub fn trunk_tensors(spec: &Spec, l: usize) -> Vec<(String, Dtype, Vec<usize>)> {
     let h = spec.hidden;
     let mut v = vec![
