@@ -15,12 +15,16 @@
 //! 3. **publish** under the lock only what arrived: a failed read leaves the slot EMPTY and the
 //!    batch reports that expert as `Err(message)`.
 //!
-//! [`SlotTable`] is the memory-agnostic state machine (used by the daemon over shared memory
-//! with explicit per-worker leases: [`SlotTable::hold`], [`SlotTable::release_layer`],
-//! [`SlotTable::release_holder`]); [`ExpertCache`] is the in-process cache of standalone mode,
-//! whose leases are held by the returned [`Region`]s and released when the last one drops.
+//! [`SlotTable`] is the memory-agnostic state machine; [`ExpertSlots::serve_batch`] runs the three
+//! phases over one [`Arena`] of slot memory and is the only implementation of them. Its two
+//! users differ only in memory and in who holds the leases: the daemon's backend (an arena in
+//! shared memory, explicit per-worker leases — [`SlotTable::hold`],
+//! [`SlotTable::release_holder`] — and the slot table mirrored into shared memory) and
+//! [`ExpertCache`], the in-process cache of standalone mode (a heap arena, leases held by the
+//! returned [`Region`]s and released when the last one drops).
 
 use std::collections::HashMap;
+use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -507,6 +511,399 @@ impl ExpertReader {
     }
 }
 
+/// The routed-expert slots' memory: `slots` slots of `stride` bytes at one base address (the
+/// standalone cache's heap arena, or the daemon's arena in shared memory). Slot bytes are only
+/// reached through `Arena::slot_mut` (by the request that holds the slot INFLIGHT) and
+/// `Arena::slot` (under a lease), so the slot protocol alone decides who may touch them.
+pub struct Arena {
+    base: NonNull<u8>,
+    stride: usize,
+    slots: usize,
+    _heap: Option<AlignedBuf>,
+}
+
+// SAFETY: the arena only hands out slices of disjoint slots under the contracts of `slot_mut` and
+// `slot` (one writer of an INFLIGHT slot, readers only of leased RESIDENT slots), which the slot
+// table enforces across threads under its lock; the base pointer itself is plain data.
+unsafe impl Send for Arena {}
+// SAFETY: as above.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// `slots` zeroed slots of `stride` bytes on the heap (pages are committed when first
+    /// written).
+    pub fn heap(stride: usize, slots: usize) -> Result<Arena, String> {
+        let len = stride
+            .checked_mul(slots)
+            .ok_or_else(|| format!("{slots} slots of {stride} bytes overflow"))?;
+        let mut buf = AlignedBuf::zeroed(len)?;
+        let base = NonNull::from(buf.as_mut_slice()).cast::<u8>();
+        Ok(Arena {
+            base,
+            stride,
+            slots,
+            _heap: Some(buf),
+        })
+    }
+
+    /// `slots` slots of `stride` bytes at the start of `mem` (memory the caller owns, such as
+    /// the daemon's shared-memory segment). Fails if `mem` is too short.
+    ///
+    /// # Safety
+    /// `mem` must stay mapped and valid for reads and writes for as long as the arena is used,
+    /// and must not be accessed in this process other than through the arena.
+    pub unsafe fn over(mem: &mut [u8], stride: usize, slots: usize) -> Result<Arena, String> {
+        let need = stride.checked_mul(slots);
+        if need.is_none_or(|n| n > mem.len()) {
+            return Err(format!(
+                "{slots} slots of {stride} bytes do not fit in {} bytes",
+                mem.len()
+            ));
+        }
+        Ok(Arena {
+            base: NonNull::from(mem).cast::<u8>(),
+            stride,
+            slots,
+            _heap: None,
+        })
+    }
+
+    /// Bytes between slots.
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// Number of slots.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    fn slot_ptr(&self, slot: usize) -> *mut u8 {
+        assert!(slot < self.slots, "slot {slot} out of range");
+        // SAFETY: `slot < slots`, so the offset stays inside the `stride * slots` bytes the arena
+        // was built over (one allocation).
+        unsafe { self.base.as_ptr().add(slot * self.stride) }
+    }
+
+    /// The bytes of `slot`, to read an expert into.
+    ///
+    /// # Safety
+    /// The caller must hold `slot` INFLIGHT from its own reservation (so no other request writes
+    /// it and nobody holds a lease on it to read it) and must not create another reference to it
+    /// while the returned slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slot_mut(&self, slot: usize) -> &mut [u8] {
+        // SAFETY: `stride` bytes from the slot's start are inside the arena; exclusivity is
+        // guaranteed by the caller.
+        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(slot), self.stride) }
+    }
+
+    /// The bytes of `slot`, to read the expert it holds.
+    ///
+    /// # Safety
+    /// The caller must hold a lease on `slot` while it is RESIDENT, for as long as the returned
+    /// slice lives (a leased slot is never chosen as a victim, so nobody writes it).
+    unsafe fn slot(&self, slot: usize) -> &[u8] {
+        // SAFETY: `stride` bytes from the slot's start are inside the arena; no writer exists by
+        // the caller's lease.
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(slot), self.stride) }
+    }
+}
+
+/// What the lock of [`ExpertSlots`] guards: the slot table, the read counters, and the caller's
+/// own bookkeeping `X`.
+#[derive(Debug)]
+pub struct Locked<X> {
+    /// The slot state machine.
+    pub table: SlotTable,
+    /// Bytes of experts read.
+    pub bytes_read: u64,
+    /// Wall seconds of the read phases.
+    pub read_seconds: f64,
+    /// The caller's own state.
+    pub extra: X,
+}
+
+/// What [`ExpertSlots::serve_batch`] decided for one distinct requested expert.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    /// RESIDENT before the request (a TRUE resident hit; a wait on another request's read is a
+    /// miss).
+    pub hit: bool,
+    /// The slot holding the expert, with one lease for the caller; or why it could not be
+    /// loaded (no lease).
+    pub slot: Result<usize, String>,
+}
+
+/// A served batch.
+#[derive(Clone, Debug)]
+pub struct Served {
+    /// One outcome per distinct requested expert, in order of first occurrence.
+    pub outcomes: Vec<Outcome>,
+    /// For each requested id, in request order, the index of its outcome.
+    pub index: Vec<usize>,
+    /// Bytes this batch read.
+    pub bytes_read: u64,
+    /// Wall seconds of this batch's read phase (0 when it read nothing).
+    pub read_seconds: f64,
+}
+
+impl Served {
+    /// `per_outcome` (one value per outcome) spread back to request order.
+    pub fn in_request_order<T: Clone>(&self, per_outcome: &[T]) -> Vec<T> {
+        self.index.iter().map(|&i| per_outcome[i].clone()).collect()
+    }
+}
+
+/// Why [`ExpertSlots::serve_batch`] served nothing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum BatchError {
+    /// The request can never be served (layer or expert out of range, cache too small).
+    Invalid(String),
+    /// Slots stayed leased past the busy timeout.
+    Busy(ReserveError),
+}
+
+/// A failure injected into reads (tests).
+pub type FailHook = Box<dyn Fn(u32, u32) -> Option<String> + Send + Sync>;
+
+/// The slot protocol over one [`Arena`]: the one implementation of the three batch phases, used
+/// by the standalone [`ExpertCache`] and by the daemon's backend.
+pub struct ExpertSlots<X> {
+    state: Mutex<Locked<X>>,
+    cv: Condvar,
+    arena: Arena,
+    reader: ExpertReader,
+    catalog: Arc<Catalog>,
+    io_threads: usize,
+    busy_timeout: Duration,
+}
+
+impl<X: Send> ExpertSlots<X> {
+    /// The protocol over `arena` (one slot per table slot), reading `catalog`'s experts from
+    /// `files` with `io_threads` parallel reads; a batch waits up to `busy_timeout` for leased
+    /// slots.
+    pub fn new(
+        catalog: Arc<Catalog>,
+        files: Vec<Arc<DiskFile>>,
+        arena: Arena,
+        policy: Box<dyn EvictionPolicy>,
+        io_threads: usize,
+        busy_timeout: Duration,
+        extra: X,
+    ) -> ExpertSlots<X> {
+        ExpertSlots {
+            state: Mutex::new(Locked {
+                table: SlotTable::new(arena.slots(), policy),
+                bytes_read: 0,
+                read_seconds: 0.0,
+                extra,
+            }),
+            cv: Condvar::new(),
+            reader: ExpertReader::new(files, catalog.expert_layout()),
+            arena,
+            catalog,
+            io_threads: io_threads.max(1),
+            busy_timeout,
+        }
+    }
+
+    /// The lock over the table and counters.
+    pub fn lock(&self) -> MutexGuard<'_, Locked<X>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wake batches waiting for slots (call after releasing leases).
+    pub fn notify(&self) {
+        self.cv.notify_all();
+    }
+
+    /// The slot memory.
+    pub fn arena(&self) -> &Arena {
+        &self.arena
+    }
+
+    /// The expert reader.
+    pub fn reader(&self) -> &ExpertReader {
+        &self.reader
+    }
+
+    /// Serve experts `ids` of `layer` in the three phases of the module docs. Every `Ok` slot
+    /// carries one lease: held by `holder` (recorded with [`SlotTable::hold`], after that
+    /// holder's earlier leases were released before reserving) or, without a holder, by the
+    /// caller, who must [`SlotTable::release`] it. `mirror` is told of every slot whose state the
+    /// batch set (after reserving and after publishing), `fail` injects read failures. Returns
+    /// with the lock still held so the caller can book the batch consistently.
+    pub fn serve_batch(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        holder: Option<HolderId>,
+        fail: Option<&FailHook>,
+        mirror: &dyn Fn(&SlotTable, usize),
+    ) -> Result<(MutexGuard<'_, Locked<X>>, Served), BatchError> {
+        let cat = &self.catalog;
+        if layer >= cat.n_layers() {
+            return Err(BatchError::Invalid(format!(
+                "layer {layer} out of range ({} layers)",
+                cat.n_layers()
+            )));
+        }
+        if let Some(&bad) = ids.iter().find(|&&e| e as usize >= cat.n_experts()) {
+            return Err(BatchError::Invalid(format!(
+                "expert {bad} out of range ({} experts)",
+                cat.n_experts()
+            )));
+        }
+        let l = layer as u32;
+        let mut uniq: Vec<u32> = Vec::with_capacity(ids.len());
+        let mut index = Vec::with_capacity(ids.len());
+        for &e in ids {
+            index.push(uniq.iter().position(|&u| u == e).unwrap_or(uniq.len()));
+            if index.last() == Some(&uniq.len()) {
+                uniq.push(e);
+            }
+        }
+
+        // Phase 1: reserve.
+        let mut g = self.lock();
+        if let Some(h) = holder {
+            g.table.release_holder(h);
+        }
+        let deadline = Instant::now() + self.busy_timeout;
+        let plan = loop {
+            match g.table.reserve(l, &uniq) {
+                Ok(p) => break p,
+                Err(e @ ReserveError::TooSmall { .. }) => {
+                    return Err(BatchError::Invalid(e.to_string()))
+                }
+                Err(e @ ReserveError::Busy { .. }) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(BatchError::Busy(e));
+                    }
+                    g = self
+                        .cv
+                        .wait_timeout(g, deadline - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        };
+        let mut jobs = Vec::new();
+        for (r, &e) in plan.iter().zip(&uniq) {
+            mirror(&g.table, r.slot());
+            if let Reserved::Load { slot, .. } = *r {
+                let ext = cat.expert(layer, e as usize);
+                let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
+                jobs.push((key, slot, e, ext));
+            }
+        }
+        drop(g);
+
+        // Phase 2: read the misses in parallel, in disk-offset order, straight into their slots.
+        jobs.sort_by_key(|j| j.0);
+        let t_read = Instant::now();
+        let n_jobs = jobs.len();
+        let results = run_parallel(jobs, self.io_threads, |(_, slot, e, ext)| {
+            let what = format!("layer {layer} expert {e}");
+            let res = match (fail.and_then(|f| f(l, e)), ext) {
+                (Some(m), _) => Err(format!("{what}: {m}")),
+                (None, None) => Err(format!("{what} is not in the checkpoint")),
+                (None, Some(ext)) => {
+                    // SAFETY: `slot` is INFLIGHT from this batch's reservation: no other request
+                    // writes it, nobody holds a lease to read it, and this job is the only
+                    // reference to it.
+                    let dst = unsafe { self.arena.slot_mut(slot) };
+                    self.reader.read(&what, &ext, dst).map_err(|err| err.0)
+                }
+            };
+            (slot, res)
+        });
+        let read_seconds = if n_jobs > 0 {
+            t_read.elapsed().as_secs_f64()
+        } else {
+            0.0
+        };
+
+        // Phase 3: publish what arrived.
+        let eb = self.reader.expert_bytes() as u64;
+        let mut g = self.lock();
+        let mut failed: HashMap<usize, String> = HashMap::new();
+        let mut bytes_read = 0u64;
+        for (slot, res) in results {
+            match res {
+                Ok(()) => {
+                    g.table.publish(slot, Ok(()));
+                    bytes_read += eb;
+                }
+                Err(m) => {
+                    g.table.publish(slot, Err(m.clone()));
+                    g.table.release(slot);
+                    failed.insert(slot, m);
+                }
+            }
+            mirror(&g.table, slot);
+        }
+        g.bytes_read += bytes_read;
+        g.read_seconds += read_seconds;
+        self.cv.notify_all();
+        // Waits: experts another request was reading.
+        let mut outcomes = Vec::with_capacity(uniq.len());
+        for (r, &e) in plan.iter().zip(&uniq) {
+            let slot = r.slot();
+            let hit = matches!(r, Reserved::Hit { .. });
+            if let Some(m) = failed.get(&slot) {
+                outcomes.push(Outcome {
+                    hit,
+                    slot: Err(m.clone()),
+                });
+                continue;
+            }
+            if let Reserved::Wait { .. } = r {
+                while g.table.state(slot)
+                    == (SlotState::Inflight {
+                        layer: l,
+                        expert: e,
+                    })
+                {
+                    g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+                }
+                if g.table.state(slot)
+                    != (SlotState::Resident {
+                        layer: l,
+                        expert: e,
+                    })
+                {
+                    let m = g
+                        .table
+                        .last_error(slot)
+                        .map(|m| format!("{m} (read by a concurrent request)"))
+                        .unwrap_or_else(|| format!("layer {layer} expert {e}: load failed"));
+                    g.table.release(slot);
+                    outcomes.push(Outcome { hit, slot: Err(m) });
+                    continue;
+                }
+            }
+            outcomes.push(Outcome {
+                hit,
+                slot: Ok(slot),
+            });
+        }
+        if let Some(h) = holder {
+            let held = outcomes.iter().filter_map(|o| o.slot.clone().ok());
+            g.table.hold(h, l, held.collect());
+        }
+        let served = Served {
+            outcomes,
+            index,
+            bytes_read,
+            read_seconds,
+        };
+        Ok((g, served))
+    }
+}
+
 /// Options of the standalone cache.
 #[derive(Clone, Debug)]
 pub struct CacheOptions {
@@ -533,62 +930,35 @@ pub struct CacheStats {
     pub slots_used: usize,
 }
 
-/// A failure injected into reads (tests).
-pub type FailHook = Box<dyn Fn(u32, u32) -> Option<String> + Send + Sync>;
-
-struct Inner {
-    table: SlotTable,
-    bufs: Vec<Option<Arc<AlignedBuf>>>,
-    bytes_read: u64,
-    read_seconds: f64,
-    wait_seconds: f64,
-}
-
-struct Shared {
-    inner: Mutex<Inner>,
-    cv: Condvar,
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
+/// The standalone cache's slots; the lock's own state is the seconds callers waited.
+type Slots = ExpertSlots<f64>;
 
 /// One lease on one slot, held by the regions handed out for it.
 struct ExpertLease {
-    shared: Arc<Shared>,
+    slots: Arc<Slots>,
     slot: usize,
-    buf: Option<Arc<AlignedBuf>>,
     len: usize,
 }
 
 impl ByteOwner for ExpertLease {
     fn bytes(&self) -> &[u8] {
-        match &self.buf {
-            Some(b) => &b.as_slice()[..self.len],
-            None => &[],
-        }
+        // SAFETY: this value holds a lease on `slot`, taken when it was RESIDENT and released
+        // only in `drop`, and the returned borrow cannot outlive `self`.
+        let bytes = unsafe { self.slots.arena().slot(self.slot) };
+        &bytes[..self.len]
     }
 }
 
 impl Drop for ExpertLease {
     fn drop(&mut self) {
-        // Drop our reference to the slot memory before the lease count reaches zero, so a
-        // reserver that sees zero leases also sees a uniquely owned buffer.
-        self.buf.take();
-        let mut g = self.shared.lock();
-        g.table.release(self.slot);
-        drop(g);
-        self.shared.cv.notify_all();
+        self.slots.lock().table.release(self.slot);
+        self.slots.notify();
     }
 }
 
 /// The in-process routed-expert cache (standalone mode).
 pub struct ExpertCache {
-    shared: Arc<Shared>,
-    catalog: Arc<Catalog>,
-    reader: ExpertReader,
+    slots: Arc<Slots>,
     opts: CacheOptions,
     fail: Option<FailHook>,
 }
@@ -618,25 +988,19 @@ impl ExpertCache {
         opts: CacheOptions,
         policy: Box<dyn EvictionPolicy>,
     ) -> Result<ExpertCache, SourceError> {
-        let layout = catalog.expert_layout();
-        let stride = ExpertReader::slot_stride(&layout);
-        let bufs = (0..opts.slots)
-            .map(|_| AlignedBuf::zeroed(stride).map(|b| Some(Arc::new(b))))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(SourceError::Io)?;
-        Ok(ExpertCache {
-            shared: Arc::new(Shared {
-                inner: Mutex::new(Inner {
-                    table: SlotTable::new(opts.slots, policy),
-                    bufs,
-                    bytes_read: 0,
-                    read_seconds: 0.0,
-                    wait_seconds: 0.0,
-                }),
-                cv: Condvar::new(),
-            }),
-            reader: ExpertReader::new(files, layout),
+        let stride = ExpertReader::slot_stride(&catalog.expert_layout());
+        let arena = Arena::heap(stride, opts.slots).map_err(SourceError::Io)?;
+        let slots = ExpertSlots::new(
             catalog,
+            files,
+            arena,
+            policy,
+            opts.io_threads,
+            opts.busy_timeout,
+            0.0,
+        );
+        Ok(ExpertCache {
+            slots: Arc::new(slots),
             opts,
             fail: None,
         })
@@ -649,14 +1013,14 @@ impl ExpertCache {
 
     /// One line for the run report: slots, bytes, policy, read mode.
     pub fn describe(&self) -> String {
-        let stride = ExpertReader::slot_stride(&self.catalog.expert_layout()) as u64;
-        let policy = self.shared.lock().table.policy_name();
+        let stride = self.slots.arena().stride() as u64;
+        let policy = self.slots.lock().table.policy_name();
         format!(
             "expert cache: {} slots x {} ({}), {policy}, {}",
             self.opts.slots,
             crate::plan::fmt_mb(stride),
             crate::plan::fmt_bytes(stride * self.opts.slots as u64),
-            if self.reader.is_direct() {
+            if self.slots.reader().is_direct() {
                 "O_DIRECT"
             } else {
                 "buffered reads"
@@ -666,19 +1030,19 @@ impl ExpertCache {
 
     /// Counters so far.
     pub fn stats(&self) -> CacheStats {
-        let g = self.shared.lock();
+        let g = self.slots.lock();
         CacheStats {
             table: g.table.counters().clone(),
             bytes_read: g.bytes_read,
             read_seconds: g.read_seconds,
-            wait_seconds: g.wait_seconds,
+            wait_seconds: g.extra,
             slots_used: g.table.used(),
         }
     }
 
     /// The state of every slot (diagnostics and tests).
     pub fn slot_states(&self) -> Vec<(SlotState, u32)> {
-        let g = self.shared.lock();
+        let g = self.slots.lock();
         (0..g.table.slots())
             .map(|s| (g.table.state(s), g.table.leases(s)))
             .collect()
@@ -688,175 +1052,36 @@ impl ExpertCache {
     /// layout and stays valid (its slot leased) while the region or a clone lives.
     pub fn get(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
         let t0 = Instant::now();
-        if l >= self.catalog.n_layers() {
-            return Err(SourceError::Invalid(format!(
-                "layer {l} out of range ({} layers)",
-                self.catalog.n_layers()
-            )));
-        }
-        if let Some(&bad) = ids
-            .iter()
-            .find(|&&e| e as usize >= self.catalog.n_experts())
-        {
-            return Err(SourceError::Invalid(format!(
-                "expert {bad} out of range ({} experts)",
-                self.catalog.n_experts()
-            )));
-        }
-        let layer = l as u32;
-        let mut uniq: Vec<u32> = Vec::with_capacity(ids.len());
-        for &e in ids {
-            if !uniq.contains(&e) {
-                uniq.push(e);
-            }
-        }
-        // Phase 1: reserve.
-        let mut g = self.shared.lock();
-        let deadline = Instant::now() + self.opts.busy_timeout;
-        let plan = loop {
-            match g.table.reserve(layer, &uniq) {
-                Ok(p) => break p,
-                Err(e @ ReserveError::TooSmall { .. }) => {
-                    return Err(SourceError::Invalid(e.to_string()))
-                }
-                Err(e @ ReserveError::Busy { .. }) => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(SourceError::Invalid(format!(
-                            "{e} after waiting {:.1} s (regions of earlier batches still alive?)",
-                            self.opts.busy_timeout.as_secs_f64()
-                        )));
-                    }
-                    g = self
-                        .shared
-                        .cv
-                        .wait_timeout(g, deadline - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                }
-            }
-        };
-        let mut jobs = Vec::new();
-        for (i, r) in plan.iter().enumerate() {
-            if let Reserved::Load { slot, .. } = *r {
-                let buf = g.bufs[slot].take();
-                let e = uniq[i];
-                let ext = self.catalog.expert(l, e as usize);
-                let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
-                jobs.push((key, slot, e, ext, buf));
-            }
+        let (mut g, served) = self
+            .slots
+            .serve_batch(l, ids, None, self.fail.as_ref(), &|_, _| {})
+            .map_err(|e| {
+                SourceError::Invalid(match e {
+                    BatchError::Invalid(m) => m,
+                    BatchError::Busy(e) => format!(
+                        "{e} after waiting {:.1} s (regions of earlier batches still alive?)",
+                        self.opts.busy_timeout.as_secs_f64()
+                    ),
+                })
+            })?;
+        if served.outcomes.iter().any(|o| !o.hit) {
+            g.extra += t0.elapsed().as_secs_f64();
         }
         drop(g);
-        let any_miss = plan.iter().any(|r| !matches!(r, Reserved::Hit { .. }));
-
-        // Phase 2: read misses in parallel, in disk-offset order.
-        jobs.sort_by_key(|j| j.0);
-        let t_read = Instant::now();
-        let n_jobs = jobs.len();
-        type Loaded = Result<Arc<AlignedBuf>, (String, Option<Arc<AlignedBuf>>)>;
-        let results = run_parallel(jobs, self.opts.io_threads, |(_, slot, e, ext, buf)| {
-            let what = format!("layer {l} expert {e}");
-            let res = (|| -> Loaded {
-                let mut buf =
-                    buf.ok_or_else(|| (format!("{what}: slot {slot} has no buffer"), None))?;
-                if let Some(m) = self.fail.as_ref().and_then(|f| f(layer, e)) {
-                    return Err((format!("{what}: {m}"), Some(buf)));
-                }
-                let Some(ext) = ext else {
-                    return Err((format!("{what} is not in the checkpoint"), Some(buf)));
-                };
-                match Arc::get_mut(&mut buf) {
-                    None => Err((
-                        format!("{what}: slot {slot} is still referenced"),
-                        Some(buf),
-                    )),
-                    Some(b) => match self.reader.read(&what, &ext, b.as_mut_slice()) {
-                        Ok(()) => Ok(buf),
-                        Err(err) => Err((err.0, Some(buf))),
-                    },
-                }
-            })();
-            (slot, res)
-        });
-        let read_secs = t_read.elapsed().as_secs_f64();
-
-        // Phase 3: publish what arrived.
-        let eb = self.reader.expert_bytes();
-        let mut g = self.shared.lock();
-        let mut failed: HashMap<usize, String> = HashMap::new();
-        for (slot, res) in results {
-            match res {
-                Ok(buf) => {
-                    g.bufs[slot] = Some(buf);
-                    g.table.publish(slot, Ok(()));
-                    g.bytes_read += eb as u64;
-                }
-                Err((m, buf)) => {
-                    if buf.is_some() {
-                        g.bufs[slot] = buf;
-                    }
-                    g.table.publish(slot, Err(m.clone()));
-                    g.table.release(slot);
-                    failed.insert(slot, m);
-                }
-            }
-        }
-        if n_jobs > 0 {
-            g.read_seconds += read_secs;
-        }
-        self.shared.cv.notify_all();
-        // Waits: experts another request was reading.
-        let mut answers: Vec<Result<Region, String>> = Vec::with_capacity(uniq.len());
-        for (i, r) in plan.iter().enumerate() {
-            let e = uniq[i];
-            let slot = r.slot();
-            if let Some(m) = failed.get(&slot) {
-                answers.push(Err(m.clone()));
-                continue;
-            }
-            if let Reserved::Wait { .. } = r {
-                while g.table.state(slot) == (SlotState::Inflight { layer, expert: e }) {
-                    g = self.shared.cv.wait(g).unwrap_or_else(|p| p.into_inner());
-                }
-                if g.table.state(slot) != (SlotState::Resident { layer, expert: e }) {
-                    let m = g
-                        .table
-                        .last_error(slot)
-                        .map(|m| format!("{m} (read by a concurrent request)"))
-                        .unwrap_or_else(|| format!("layer {l} expert {e}: load failed"));
-                    g.table.release(slot);
-                    answers.push(Err(m));
-                    continue;
-                }
-            }
-            let Some(buf) = g.bufs[slot].clone() else {
-                g.table.release(slot);
-                answers.push(Err(format!(
-                    "layer {l} expert {e}: slot {slot} has no memory"
-                )));
-                continue;
-            };
-            // The lease's bytes are exactly the expert, so `whole` is the expert.
-            let owner: Arc<dyn ByteOwner> = Arc::new(ExpertLease {
-                shared: self.shared.clone(),
-                slot,
-                buf: Some(buf),
-                len: eb,
-            });
-            answers.push(Ok(Region::whole(owner)));
-        }
-        if any_miss {
-            g.wait_seconds += t0.elapsed().as_secs_f64();
-        }
-        drop(g);
-        let experts = ids
+        let len = self.slots.reader().expert_bytes();
+        let answers: Vec<Result<Region, String>> = served
+            .outcomes
             .iter()
-            .map(|e| {
-                let i = uniq.iter().position(|u| u == e).unwrap_or(0);
-                answers[i].clone()
+            .map(|o| {
+                let slot = o.slot.clone()?;
+                // The lease's bytes are exactly the expert, so `whole` is the expert.
+                let slots = self.slots.clone();
+                Ok(Region::whole(Arc::new(ExpertLease { slots, slot, len })))
             })
             .collect();
-        Ok(ExpertBatch { experts })
+        Ok(ExpertBatch {
+            experts: served.in_request_order(&answers),
+        })
     }
 }
 
@@ -1136,6 +1361,87 @@ mod tests {
         let b = c.get(1, &[5, 5, 6]).unwrap();
         check(&spec, 1, &[5, 5, 6], &b);
         assert!(c.get(1, &[9]).is_err());
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    fn heap_and_borrowed_arenas_serve_the_same_stream() {
+        // The standalone cache (heap arena, leases held by regions) and the daemon's way of
+        // calling the same routine (borrowed memory, leases held per holder, slot-table mirror)
+        // must give the same bytes, the same hits and failures, and the same slot choices.
+        let spec = spec();
+        let w = fixture::write(&spec, "twomem");
+        let fails = |l: u32, e: u32| ((l, e) == (2, 3)).then(|| "injected EIO".to_string());
+        let mut c = cache(&w, 5, 1000);
+        c.set_fail_hook(Box::new(fails));
+        let fail: FailHook = Box::new(fails);
+        let stride = ExpertReader::slot_stride(&spec.layout);
+        let mut mem = AlignedBuf::zeroed(6 * stride).unwrap();
+        // SAFETY: `mem` outlives `d` (declared before it) and is not touched again.
+        let arena = unsafe { Arena::over(&mut mem.as_mut_slice()[stride..], stride, 5) }.unwrap();
+        let d = ExpertSlots::new(
+            Arc::new(w.catalog.clone()),
+            open_shards(&w.catalog).unwrap(),
+            arena,
+            Box::new(Lru::new(5)),
+            3,
+            Duration::from_millis(1000),
+            (),
+        );
+        let mirrored = Mutex::new(HashMap::new());
+        let mirror = |t: &SlotTable, s: usize| {
+            mirrored
+                .lock()
+                .unwrap()
+                .insert(s, (t.state(s), t.leases(s)));
+        };
+        let mut rng = Rng(0x5eed);
+        let (mut hits, mut failures) = (0, 0);
+        for _ in 0..200 {
+            let l = 1 + rng.below(3) as usize;
+            let mut ids = random_ids(&mut rng, 8, 3);
+            ids.push(ids[0]);
+            let before = c.stats().table.resident_hits;
+            let a = c.get(l, &ids).unwrap();
+            let (g, served) = d
+                .serve_batch(l, &ids, Some(7), Some(&fail), &mirror)
+                .unwrap();
+            let (ta, tb) = (c.slot_states(), g.table.counters().clone());
+            let states_b: Vec<SlotState> = (0..5).map(|s| g.table.state(s)).collect();
+            drop(g);
+            let batch_hits = served.outcomes.iter().filter(|o| o.hit).count() as u64;
+            assert_eq!(c.stats().table.resident_hits - before, batch_hits);
+            assert_eq!(c.stats().table, tb);
+            assert_eq!(ta.iter().map(|x| x.0).collect::<Vec<_>>(), states_b);
+            let b = served.in_request_order(&served.outcomes);
+            for ((e, x), y) in ids.iter().zip(&a.experts).zip(&b) {
+                match (x, &y.slot) {
+                    (Ok(x), Ok(s)) => {
+                        // SAFETY: holder 7 keeps its lease on `s` until its next batch.
+                        let got = unsafe { d.arena().slot(*s) };
+                        let want = fixture::expert_bytes(&spec, l, *e as usize);
+                        assert!(x.bytes() == &want[..] && got[..want.len()] == want[..]);
+                        let m = mirrored.lock().unwrap()[s];
+                        assert_eq!(
+                            m.0,
+                            SlotState::Resident {
+                                layer: l as u32,
+                                expert: *e
+                            }
+                        );
+                    }
+                    (Err(x), Err(y)) => {
+                        assert_eq!(x, y);
+                        assert!(x.contains("injected EIO"), "{x}");
+                        failures += 1;
+                    }
+                    (x, y) => panic!("layer {l} expert {e}: {x:?} vs {y:?}"),
+                }
+            }
+            hits += batch_hits;
+        }
+        assert!(hits > 0 && failures > 0, "{hits} hits, {failures} failures");
+        assert!(c.stats().table.evictions > 0);
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 

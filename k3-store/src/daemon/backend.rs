@@ -1,10 +1,10 @@
 //! The store proper: the shared-memory segment (resident tensors, pinned trunk layers, the
 //! routed-expert arena and its slot table) and the expert requests of connected workers.
 //!
-//! Expert requests run the three phases of the slot protocol: reserve under one lock (hits are
-//! leased, misses get a victim that no one leases), read the misses in parallel in disk-offset
-//! order straight into their arena slots, publish under the lock only what arrived. A failed read
-//! leaves the slot EMPTY and is answered as `Failed` for that expert.
+//! Expert requests run the three phases of the slot protocol ([`ExpertSlots::serve_batch`], the
+//! same routine as the standalone cache) over the arena in shared memory, mirroring each slot's
+//! state into the shared slot table. A failed read leaves the slot EMPTY and is answered as
+//! `Failed` for that expert.
 //!
 //! Leases: a worker's `Experts` request releases every lease that connection held before (the
 //! engine finishes a layer before it routes the next, so this includes the protocol's "until the
@@ -14,8 +14,8 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use k3_proto::names::MODEL_TENSORS;
 use k3_proto::shm::{RegionKind, ShmHeader, FIRST_REGION_OFFSET};
@@ -25,9 +25,8 @@ use k3_proto::wire::{
 
 use super::{Backend, ConnId};
 use crate::catalog::Catalog;
-use crate::experts::ExpertReader;
-use crate::experts::{ReserveError, Reserved, SlotState, SlotTable};
-use crate::io::{align_up, run_parallel, span_len, DiskFile};
+use crate::experts::{Arena, BatchError, ExpertReader, ExpertSlots, SlotState, SlotTable};
+use crate::io::{align_up, span_len, DiskFile};
 use crate::shmem::Segment;
 use crate::trunk::{open_shards, TrunkLayout};
 
@@ -59,12 +58,11 @@ const FINISHED_JOBS_KEPT: usize = 16;
 /// Most expert ids one request may name.
 const MAX_IDS: usize = 4096;
 
-/// The base pointer of the segment, shared by reader threads that write disjoint slots.
+/// The base pointer of the segment, for the slot-table mirror.
 #[derive(Clone, Copy)]
 struct Base(*mut u8);
 // SAFETY: the pointer targets the store's own mapping, which lives as long as the backend; all
-// writes through it go to slots that the writing request holds INFLIGHT and exclusively (see
-// `slot_mut`), or happen under the state mutex (slot-table entries).
+// writes through it are slot-table entries, written under the slots' lock.
 unsafe impl Send for Base {}
 // SAFETY: as above.
 unsafe impl Sync for Base {}
@@ -75,28 +73,19 @@ struct Job {
     counters: Counters,
 }
 
-struct State {
-    table: SlotTable,
-    jobs: BTreeMap<ConnId, Job>,
+/// The workers' jobs, kept under the slots' lock.
+#[derive(Default)]
+struct Jobs {
+    live: BTreeMap<ConnId, Job>,
     finished: VecDeque<(ConnId, Job)>,
-    bytes_read: u64,
-    read_seconds: f64,
 }
 
 /// The daemon's backend.
 pub struct StoreBackend {
     seg: Segment,
     base: Base,
-    arena_off: usize,
-    stride: usize,
-    slots: usize,
     slot_table_off: usize,
-    reader: ExpertReader,
-    catalog: Arc<Catalog>,
-    io_threads: usize,
-    n_layers: usize,
-    state: Mutex<State>,
-    cv: Condvar,
+    experts: ExpertSlots<Jobs>,
     dirs: (String, String),
     status: StatusReport,
     pinned: u32,
@@ -225,6 +214,17 @@ impl StoreBackend {
         header.validate().map_err(|e| e.to_string())?;
         let enc = header.encode();
         seg.bytes_mut()[..enc.len()].copy_from_slice(&enc);
+        let (a0, alen) = (lay.arena.0 as usize, lay.arena.1 as usize);
+        // SAFETY: the arena region lies inside the segment, which `StoreBackend` owns for as
+        // long as the arena is used and never touches through `bytes_mut` after this point; only
+        // the slot-table mirror writes to the segment, and that region is disjoint.
+        let arena = unsafe {
+            Arena::over(
+                &mut seg.bytes_mut()[a0..a0 + alen],
+                lay.stride as usize,
+                opts.slots,
+            )?
+        };
         let base = Base(seg.as_mut_ptr());
         let dirs = (
             opts.model_dir.display().to_string(),
@@ -242,22 +242,16 @@ impl StoreBackend {
         };
         Ok(StoreBackend {
             base,
-            arena_off: lay.arena.0 as usize,
-            stride: lay.stride as usize,
-            slots: opts.slots,
             slot_table_off: lay.slot_table.0 as usize,
-            reader: ExpertReader::new(shards, cat.expert_layout()),
-            n_layers: cat.n_layers(),
-            catalog: cat,
-            io_threads: opts.io_threads.max(1),
-            state: Mutex::new(State {
-                table: SlotTable::new(opts.slots, policy),
-                jobs: BTreeMap::new(),
-                finished: VecDeque::new(),
-                bytes_read: 0,
-                read_seconds: 0.0,
-            }),
-            cv: Condvar::new(),
+            experts: ExpertSlots::new(
+                cat,
+                shards,
+                arena,
+                policy,
+                opts.io_threads,
+                BUSY_TIMEOUT,
+                Jobs::default(),
+            ),
             dirs,
             status,
             pinned: lay.layers.len() as u32,
@@ -265,29 +259,9 @@ impl StoreBackend {
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The bytes of `slot`, for the request that holds it INFLIGHT.
-    ///
-    /// # Safety
-    /// The caller must hold `slot` INFLIGHT from its own reservation (so no other request writes
-    /// it and no worker holds a lease on it) and must not create another reference to it.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slot_mut(&self, slot: usize) -> &mut [u8] {
-        assert!(slot < self.slots, "slot {slot} out of range");
-        // SAFETY: the arena region was laid out inside the mapping for `slots` slots of `stride`
-        // bytes, so the offset stays in bounds of the same allocation.
-        let start = unsafe { self.base.0.add(self.arena_off + slot * self.stride) };
-        // SAFETY: `stride` bytes from `start` are inside the mapping; exclusivity is guaranteed
-        // by the caller.
-        unsafe { std::slice::from_raw_parts_mut(start, self.stride) }
-    }
-
     /// Mirror one slot's state into the shared slot table (diagnostics for readers).
-    fn write_slot_entry(&self, st: &State, slot: usize) {
-        let (state, layer, expert) = match st.table.state(slot) {
+    fn write_slot_entry(&self, table: &SlotTable, slot: usize) {
+        let (state, layer, expert) = match table.state(slot) {
             SlotState::Empty => (0u32, 0u32, 0u32),
             SlotState::Inflight { layer, expert } => (1, layer, expert),
             SlotState::Resident { layer, expert } => (2, layer, expert),
@@ -296,12 +270,12 @@ impl StoreBackend {
         e[0..4].copy_from_slice(&state.to_le_bytes());
         e[4..8].copy_from_slice(&layer.to_le_bytes());
         e[8..12].copy_from_slice(&expert.to_le_bytes());
-        e[12..16].copy_from_slice(&st.table.leases(slot).to_le_bytes());
+        e[12..16].copy_from_slice(&table.leases(slot).to_le_bytes());
         // SAFETY: the slot table region holds 16 bytes per slot inside the mapping.
         let dst = unsafe { self.base.0.add(self.slot_table_off + 16 * slot) };
         // SAFETY: 16 bytes at `dst` are inside the mapping and not referenced elsewhere in this
-        // process; entries are only written under the state mutex (`st` proves the caller holds
-        // it).
+        // process; entries are only written under the slots' lock (the borrowed `table` lives
+        // behind it).
         unsafe { std::ptr::copy_nonoverlapping(e.as_ptr(), dst, 16) };
     }
 
@@ -312,7 +286,7 @@ impl StoreBackend {
 
     /// Slots in the arena.
     pub fn slots(&self) -> usize {
-        self.slots
+        self.experts.arena().slots()
     }
 
     /// Bytes of shared memory.
@@ -321,172 +295,46 @@ impl StoreBackend {
     }
 
     fn serve(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Result<Response, String> {
-        if layer as usize >= self.n_layers {
-            return Err(format!(
-                "layer {layer} out of range ({} layers)",
-                self.n_layers
-            ));
-        }
         if ids.len() > MAX_IDS {
             return Err(format!("{} ids in one request (max {MAX_IDS})", ids.len()));
         }
-        if let Some(&bad) = ids
-            .iter()
-            .find(|&&e| e as usize >= self.catalog.n_experts())
-        {
-            return Err(format!(
-                "expert {bad} out of range ({} experts)",
-                self.catalog.n_experts()
-            ));
-        }
-        let mut uniq: Vec<u32> = Vec::with_capacity(ids.len());
-        for &e in ids {
-            if !uniq.contains(&e) {
-                uniq.push(e);
-            }
-        }
-        // Phase 1: reserve (this connection's earlier leases go first).
-        let mut g = self.lock();
-        g.table.release_holder(conn);
-        let deadline = Instant::now() + BUSY_TIMEOUT;
-        let plan = loop {
-            match g.table.reserve(layer, &uniq) {
-                Ok(p) => break p,
-                Err(e @ ReserveError::TooSmall { .. }) => return Err(e.to_string()),
-                Err(e @ ReserveError::Busy { .. }) => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(format!(
-                            "{e} after {} s: other workers hold the slots (raise --cache-gb)",
-                            BUSY_TIMEOUT.as_secs()
-                        ));
-                    }
-                    g = self
-                        .cv
-                        .wait_timeout(g, deadline - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                }
-            }
-        };
-        for r in &plan {
-            self.write_slot_entry(&g, r.slot());
-        }
-        let mut jobs = Vec::new();
-        for (i, r) in plan.iter().enumerate() {
-            if let Reserved::Load { slot, .. } = *r {
-                let e = uniq[i];
-                let ext = self.catalog.expert(layer as usize, e as usize);
-                let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
-                jobs.push((key, slot, e, ext));
-            }
-        }
-        drop(g);
-
-        // Phase 2: read the misses in disk-offset order, in parallel, straight into their slots.
-        jobs.sort_by_key(|j| j.0);
-        let t_read = Instant::now();
-        let n_jobs = jobs.len();
-        let results = run_parallel(jobs, self.io_threads, |(_, slot, e, ext)| {
-            let what = format!("layer {layer} expert {e}");
-            let res = match ext {
-                None => Err(format!("{what} is not in the checkpoint")),
-                Some(ext) => {
-                    // SAFETY: `slot` is INFLIGHT from this request's reservation: no other
-                    // request writes it, no worker holds a lease on it, and this closure is the
-                    // only reference to it in the process.
-                    let dst = unsafe { self.slot_mut(slot) };
-                    self.reader.read(&what, &ext, dst).map_err(|err| err.0)
-                }
-            };
-            (slot, res)
-        });
-        let read_secs = t_read.elapsed().as_secs_f64();
-
-        // Phase 3: publish what arrived.
-        let eb = self.reader.expert_bytes() as u64;
-        let mut g = self.lock();
-        let mut failed: BTreeMap<usize, String> = BTreeMap::new();
-        let mut bytes = 0u64;
-        for (slot, res) in results {
-            match res {
-                Ok(()) => {
-                    g.table.publish(slot, Ok(()));
-                    bytes += eb;
-                }
-                Err(m) => {
-                    g.table.publish(slot, Err(m.clone()));
-                    g.table.release(slot);
-                    failed.insert(slot, m);
-                }
-            }
-            self.write_slot_entry(&g, slot);
-        }
-        self.cv.notify_all();
-        let mut answers_u: Vec<SlotAnswer> = Vec::with_capacity(uniq.len());
-        let mut held = Vec::with_capacity(uniq.len());
-        let (mut hits, mut misses) = (0u64, 0u64);
-        for (i, r) in plan.iter().enumerate() {
-            let e = uniq[i];
-            let slot = r.slot();
-            match r {
-                Reserved::Hit { .. } => hits += 1,
-                _ => misses += 1,
-            }
-            if let Some(m) = failed.get(&slot) {
-                answers_u.push(SlotAnswer::Failed { reason: m.clone() });
-                continue;
-            }
-            if let Reserved::Wait { .. } = r {
-                while g.table.state(slot) == (SlotState::Inflight { layer, expert: e }) {
-                    g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
-                }
-                if g.table.state(slot) != (SlotState::Resident { layer, expert: e }) {
-                    let m = g
-                        .table
-                        .last_error(slot)
-                        .map(|m| format!("{m} (read by a concurrent request)"))
-                        .unwrap_or_else(|| format!("layer {layer} expert {e}: load failed"));
-                    g.table.release(slot);
-                    answers_u.push(SlotAnswer::Failed { reason: m });
-                    continue;
-                }
-            }
-            held.push(slot);
-            answers_u.push(SlotAnswer::Leased { slot: slot as u32 });
-        }
-        g.table.hold(conn, layer, held);
-        g.bytes_read += bytes;
-        if n_jobs > 0 {
-            g.read_seconds += read_secs;
-        }
-        let n_failed = answers_u
-            .iter()
-            .filter(|a| matches!(a, SlotAnswer::Failed { .. }))
-            .count() as u64;
-        let job = g.jobs.entry(conn).or_insert_with(|| Job {
+        let mirror = |t: &SlotTable, s: usize| self.write_slot_entry(t, s);
+        // Holder `conn`: this connection's earlier leases are released before reserving.
+        let (mut g, served) = self
+            .experts
+            .serve_batch(layer as usize, ids, Some(conn), None, &mirror)
+            .map_err(|e| match e {
+                BatchError::Invalid(m) => m,
+                BatchError::Busy(e) => format!(
+                    "{e} after {} s: other workers hold the slots (raise --cache-gb)",
+                    BUSY_TIMEOUT.as_secs()
+                ),
+            })?;
+        let hits = served.outcomes.iter().filter(|o| o.hit).count() as u64;
+        let n_failed = served.outcomes.iter().filter(|o| o.slot.is_err()).count() as u64;
+        let job = g.extra.live.entry(conn).or_insert_with(|| Job {
             label: format!("connection {conn}"),
             live: true,
             counters: Counters::default(),
         });
-        job.counters.requests += uniq.len() as u64;
-        job.counters.resident_hits += hits;
-        job.counters.misses += misses;
-        job.counters.failed_loads += n_failed;
-        job.counters.bytes_read += bytes;
-        if n_jobs > 0 {
-            job.counters.read_seconds += read_secs;
-        }
+        let c = &mut job.counters;
+        c.requests += served.outcomes.len() as u64;
+        c.resident_hits += hits;
+        c.misses += served.outcomes.len() as u64 - hits;
+        c.failed_loads += n_failed;
+        c.bytes_read += served.bytes_read;
+        c.read_seconds += served.read_seconds;
         drop(g);
-        let answers = ids
+        let answers: Vec<SlotAnswer> = served
+            .outcomes
             .iter()
-            .map(|e| {
-                let i = uniq.iter().position(|u| u == e).unwrap_or(0);
-                answers_u[i].clone()
+            .map(|o| match &o.slot {
+                Ok(s) => SlotAnswer::Leased { slot: *s as u32 },
+                Err(m) => SlotAnswer::Failed { reason: m.clone() },
             })
             .collect();
         Ok(Response::Experts {
-            answers,
+            answers: served.in_request_order(&answers),
             resident_hits: hits as u32,
         })
     }
@@ -499,18 +347,18 @@ impl Backend for StoreBackend {
     }
 
     fn release_all(&self, conn: ConnId) {
-        let mut g = self.lock();
+        let mut g = self.experts.lock();
         g.table.release_holder(conn);
-        for s in 0..self.slots {
-            self.write_slot_entry(&g, s);
+        for s in 0..g.table.slots() {
+            self.write_slot_entry(&g.table, s);
         }
         drop(g);
-        self.cv.notify_all();
+        self.experts.notify();
     }
 
     fn opened(&self, conn: ConnId, kind: ClientKind, label: &str) {
         if kind == ClientKind::Worker {
-            self.lock().jobs.insert(
+            self.experts.lock().extra.live.insert(
                 conn,
                 Job {
                     label: label.to_string(),
@@ -523,18 +371,19 @@ impl Backend for StoreBackend {
 
     fn closed(&self, conn: ConnId) {
         self.release_all(conn);
-        let mut g = self.lock();
-        if let Some(mut job) = g.jobs.remove(&conn) {
+        let mut g = self.experts.lock();
+        let jobs = &mut g.extra;
+        if let Some(mut job) = jobs.live.remove(&conn) {
             job.live = false;
-            g.finished.push_back((conn, job));
-            while g.finished.len() > FINISHED_JOBS_KEPT {
-                g.finished.pop_front();
+            jobs.finished.push_back((conn, job));
+            while jobs.finished.len() > FINISHED_JOBS_KEPT {
+                jobs.finished.pop_front();
             }
         }
     }
 
     fn stats(&self, conn: ConnId) -> StatsReport {
-        let g = self.lock();
+        let g = self.experts.lock();
         let t = g.table.counters();
         let lifetime = Counters {
             requests: t.requests,
@@ -551,22 +400,24 @@ impl Backend for StoreBackend {
             live: j.live,
             counters: j.counters.clone(),
         };
-        let mut jobs: Vec<JobStats> = g.finished.iter().map(|(c, j)| to_stats(c, j)).collect();
-        jobs.extend(g.jobs.iter().map(|(c, j)| to_stats(c, j)));
+        let mut jobs: Vec<JobStats> = (g.extra.finished.iter())
+            .map(|(c, j)| to_stats(c, j))
+            .collect();
+        jobs.extend(g.extra.live.iter().map(|(c, j)| to_stats(c, j)));
         jobs.sort_by_key(|j| j.conn);
         StatsReport {
             lifetime,
-            job: g
-                .jobs
-                .get(&conn)
+            job: (g.extra.live.get(&conn))
                 .map(|j| j.counters.clone())
                 .unwrap_or_default(),
             jobs,
             pinned_layers: self.pinned,
             slots_used: g.table.used() as u32,
-            slots_total: self.slots as u32,
-            slots_leased: (0..self.slots).filter(|&s| g.table.leases(s) > 0).count() as u32,
-            workers: g.jobs.len() as u32,
+            slots_total: g.table.slots() as u32,
+            slots_leased: (0..g.table.slots())
+                .filter(|&s| g.table.leases(s) > 0)
+                .count() as u32,
+            workers: g.extra.live.len() as u32,
             uptime_seconds: 0.0,
         }
     }
