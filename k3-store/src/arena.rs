@@ -8,18 +8,19 @@
 
 use crate::io::{AlignedBuf, ALIGN};
 
-/// The arena's memory. Sub-ranges are handed out as raw slices; who may touch which range when is
-/// the caller's state machine (see the safety contracts of [`ArenaMem::range`] and
-/// [`ArenaMem::range_mut`]).
+/// Memory handed out as raw sub-slices: the trunk ring's arena and the routed-expert slots
+/// ([`crate::experts::Arena`]). Who may touch which range when is the owner's state machine (see
+/// the safety contracts of [`ArenaMem::range`] and [`ArenaMem::range_mut`]).
 pub struct ArenaMem {
-    /// Owns the allocation; never borrowed after construction (all access goes through `base`).
-    _buf: AlignedBuf,
+    /// Owns the allocation when the arena made it; never borrowed after construction (all access
+    /// goes through `base`). `None` over memory someone else owns ([`ArenaMem::over`]).
+    _buf: Option<AlignedBuf>,
     base: *mut u8,
     len: usize,
 }
 
-// SAFETY: the memory is plain bytes owned by `_buf`; moving the owner between threads is as safe
-// as moving an `AlignedBuf`. Every access goes through `range`/`range_mut`, whose callers
+// SAFETY: the memory is plain bytes (owned by `_buf`, or by the caller of `over` for as long as
+// the arena is used); moving the owner between threads is as safe as moving an `AlignedBuf`. Every access goes through `range`/`range_mut`, whose callers
 // guarantee that no range is written while any overlapping range is borrowed.
 unsafe impl Send for ArenaMem {}
 // SAFETY: see `Send`; shared access only produces the raw-pointer slices whose exclusivity the
@@ -32,10 +33,23 @@ impl ArenaMem {
         let mut buf = AlignedBuf::zeroed(len)?;
         let base = buf.as_mut_ptr();
         Ok(ArenaMem {
-            _buf: buf,
+            _buf: Some(buf),
             base,
             len,
         })
+    }
+
+    /// An arena over `mem`, memory the caller owns (the daemon's shared-memory segment).
+    ///
+    /// # Safety
+    /// `mem` must stay mapped and valid for reads and writes for as long as the arena is used,
+    /// and must not be accessed in this process other than through the arena.
+    pub unsafe fn over(mem: &mut [u8]) -> ArenaMem {
+        ArenaMem {
+            _buf: None,
+            base: mem.as_mut_ptr(),
+            len: mem.len(),
+        }
     }
 
     /// Bytes in the arena.

@@ -24,14 +24,14 @@
 //! returned [`Region`]s and released when the last one drops).
 
 use std::collections::HashMap;
-use std::ptr::NonNull;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 
+use crate::arena::ArenaMem;
 use crate::catalog::{Catalog, ExpertExtents};
-use crate::io::{align_up, run_parallel, AlignedBuf, DiskFile, ReadError, ALIGN};
+use crate::io::{align_up, run_parallel, DiskFile, ReadError, ALIGN};
 use crate::source::{ByteOwner, ExpertBatch, Region, SourceError};
 
 /// State of one slot.
@@ -516,18 +516,10 @@ impl ExpertReader {
 /// reached through `Arena::slot_mut` (by the request that holds the slot INFLIGHT) and
 /// `Arena::slot` (under a lease), so the slot protocol alone decides who may touch them.
 pub struct Arena {
-    base: NonNull<u8>,
+    mem: ArenaMem,
     stride: usize,
     slots: usize,
-    _heap: Option<AlignedBuf>,
 }
-
-// SAFETY: the arena only hands out slices of disjoint slots under the contracts of `slot_mut` and
-// `slot` (one writer of an INFLIGHT slot, readers only of leased RESIDENT slots), which the slot
-// table enforces across threads under its lock; the base pointer itself is plain data.
-unsafe impl Send for Arena {}
-// SAFETY: as above.
-unsafe impl Sync for Arena {}
 
 impl Arena {
     /// `slots` zeroed slots of `stride` bytes on the heap (pages are committed when first
@@ -536,13 +528,10 @@ impl Arena {
         let len = stride
             .checked_mul(slots)
             .ok_or_else(|| format!("{slots} slots of {stride} bytes overflow"))?;
-        let mut buf = AlignedBuf::zeroed(len)?;
-        let base = NonNull::from(buf.as_mut_slice()).cast::<u8>();
         Ok(Arena {
-            base,
+            mem: ArenaMem::new(len)?,
             stride,
             slots,
-            _heap: Some(buf),
         })
     }
 
@@ -550,8 +539,8 @@ impl Arena {
     /// the daemon's shared-memory segment). Fails if `mem` is too short.
     ///
     /// # Safety
-    /// `mem` must stay mapped and valid for reads and writes for as long as the arena is used,
-    /// and must not be accessed in this process other than through the arena.
+    /// As [`ArenaMem::over`]: `mem` must stay mapped and valid for reads and writes for as long
+    /// as the arena is used, and must not be accessed in this process other than through it.
     pub unsafe fn over(mem: &mut [u8], stride: usize, slots: usize) -> Result<Arena, String> {
         let need = stride.checked_mul(slots);
         if need.is_none_or(|n| n > mem.len()) {
@@ -561,10 +550,10 @@ impl Arena {
             ));
         }
         Ok(Arena {
-            base: NonNull::from(mem).cast::<u8>(),
+            // SAFETY: the caller's contract is ArenaMem::over's.
+            mem: unsafe { ArenaMem::over(mem) },
             stride,
             slots,
-            _heap: None,
         })
     }
 
@@ -578,13 +567,6 @@ impl Arena {
         self.slots
     }
 
-    fn slot_ptr(&self, slot: usize) -> *mut u8 {
-        assert!(slot < self.slots, "slot {slot} out of range");
-        // SAFETY: `slot < slots`, so the offset stays inside the `stride * slots` bytes the arena
-        // was built over (one allocation).
-        unsafe { self.base.as_ptr().add(slot * self.stride) }
-    }
-
     /// The bytes of `slot`, to read an expert into.
     ///
     /// # Safety
@@ -593,9 +575,9 @@ impl Arena {
     /// while the returned slice lives.
     #[allow(clippy::mut_from_ref)]
     unsafe fn slot_mut(&self, slot: usize) -> &mut [u8] {
-        // SAFETY: `stride` bytes from the slot's start are inside the arena; exclusivity is
-        // guaranteed by the caller.
-        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(slot), self.stride) }
+        assert!(slot < self.slots, "slot {slot} out of range");
+        // SAFETY: `slot < slots`, so the slot lies inside the arena; exclusivity is the caller's.
+        unsafe { self.mem.range_mut(slot * self.stride, self.stride) }
     }
 
     /// The bytes of `slot`, to read the expert it holds.
@@ -604,9 +586,9 @@ impl Arena {
     /// The caller must hold a lease on `slot` while it is RESIDENT, for as long as the returned
     /// slice lives (a leased slot is never chosen as a victim, so nobody writes it).
     unsafe fn slot(&self, slot: usize) -> &[u8] {
-        // SAFETY: `stride` bytes from the slot's start are inside the arena; no writer exists by
-        // the caller's lease.
-        unsafe { std::slice::from_raw_parts(self.slot_ptr(slot), self.stride) }
+        assert!(slot < self.slots, "slot {slot} out of range");
+        // SAFETY: `slot < slots`, so the slot lies inside the arena; no writer by the lease.
+        unsafe { self.mem.range(slot * self.stride, self.stride) }
     }
 }
 
@@ -1376,7 +1358,7 @@ mod tests {
         c.set_fail_hook(Box::new(fails));
         let fail: FailHook = Box::new(fails);
         let stride = ExpertReader::slot_stride(&spec.layout);
-        let mut mem = AlignedBuf::zeroed(6 * stride).unwrap();
+        let mut mem = crate::io::AlignedBuf::zeroed(6 * stride).unwrap();
         // SAFETY: `mem` outlives `d` (declared before it) and is not touched again.
         let arena = unsafe { Arena::over(&mut mem.as_mut_slice()[stride..], stride, 5) }.unwrap();
         let d = ExpertSlots::new(
