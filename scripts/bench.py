@@ -150,6 +150,15 @@ def summarize_run(run: dict, trunk_per_step: int):
     dec_sec = [s["seconds"] for s in dec]
     mean_dec_bytes = statistics.mean(dec_bytes) if dec_bytes else 0.0
     trunk_tok = min(trunk_per_step, mean_dec_bytes) if dec_bytes else 0.0
+    if dec and all("io_wait_seconds" in s for s in dec):
+        # The worker measures each step's blocked time and read time itself.
+        wait_tok = statistics.mean(s["io_wait_seconds"] for s in dec)
+        read = sum(s["io_read_seconds"] for s in dec)
+        hidden = 1.0 - sum(s["io_wait_seconds"] for s in dec) / read if read > 0 else None
+    else:
+        # Older workers report one total: apportion it to decode steps by bytes read.
+        wait_tok = io_wait * mean_dec_bytes / total if n > 1 else 0.0
+        hidden = None
     return {
         "prefill_s": steps[0]["seconds"],
         "decode_s": dec_sec,
@@ -157,8 +166,8 @@ def summarize_run(run: dict, trunk_per_step: int):
         "trunk_bytes_per_token": trunk_tok,
         "expert_bytes_per_token": max(0.0, mean_dec_bytes - trunk_tok),
         "io_share": run["io_share"],
-        # I/O wait apportioned to decode steps by bytes read (the worker reports one total).
-        "io_wait_per_decode_token_s": io_wait * mean_dec_bytes / total if n > 1 else 0.0,
+        "io_wait_per_decode_token_s": wait_tok,
+        "decode_io_hidden": None if hidden is None else max(0.0, min(1.0, hidden)),
         "true_resident_hit_rate": run["true_resident_hit_rate"],
         "peak_rss_bytes": run["peak_rss_bytes"],
         "generated_ids": run["generated_ids"],
@@ -172,7 +181,8 @@ def summarize_run(run: dict, trunk_per_step: int):
 
 def fmt_table(rows) -> str:
     head = ("budget", "pinned", "prefill s", "decode s/tok (min-max)", "GB/tok trunk+exp",
-            "I/O share", "TRUE hit", "peak RSS GB", "floor s", "floor ratio", "ids hash")
+            "I/O share", "I/O hidden", "TRUE hit", "peak RSS GB", "floor s", "floor ratio",
+            "ids hash")
     lines = [head]
     for r in rows:
         d = r["decode_s"]
@@ -180,7 +190,9 @@ def fmt_table(rows) -> str:
             r["budget"], r["pinned"], f"{r['prefill_s']['median']:.2f}",
             f"{d['median']:.3f} ({d['min']:.3f}-{d['max']:.3f})" if d else "-",
             f"{r['trunk_gb_per_token']:.3f}+{r['expert_gb_per_token']:.3f}",
-            f"{100 * r['io_share']:.0f}%", f"{100 * r['true_resident_hit_rate']:.1f}%",
+            f"{100 * r['io_share']:.0f}%",
+            f"{100 * r['decode_io_hidden']:.0f}%" if r.get("decode_io_hidden") is not None else "-",
+            f"{100 * r['true_resident_hit_rate']:.1f}%",
             f"{r['peak_rss_gb']:.2f}", f"{r['floor']['floor_s']:.3f} ({r['floor']['bound']})",
             f"{r['floor_ratio']:.2f}" if r["floor_ratio"] else "-", r["ids_hash"]))
     w = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
@@ -262,7 +274,7 @@ def plot(rows, path: Path, title: str) -> str:
     floor = [r["floor"]["floor_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(names, comp, label="compute (+ overlapped I/O)")
-    ax.bar(names, io, bottom=comp, label="I/O wait (apportioned by bytes)")
+    ax.bar(names, io, bottom=comp, label="I/O wait (engine blocked on weights)")
     ax.scatter(names, floor, color="k", marker="_", s=800, label="floor", zorder=3)
     ax.set_ylabel("seconds per decode token (median)")
     ax.set_title(title)
@@ -576,6 +588,9 @@ def run(a, reps: int, tmp: Path) -> int:
             "trunk_gb_per_token": tr / 1e9, "expert_gb_per_token": ex / 1e9,
             "io_share": statistics.median(s["io_share"] for s in rs),
             "io_wait_per_decode_token_s": statistics.median(s["io_wait_per_decode_token_s"] for s in rs),
+            "decode_io_hidden": (statistics.median(s["decode_io_hidden"] for s in rs)
+                                 if all(s.get("decode_io_hidden") is not None for s in rs)
+                                 else None),
             "true_resident_hit_rate": statistics.median(s["true_resident_hit_rate"] for s in rs),
             "peak_rss_gb": max(s["peak_rss_bytes"] for s in rs) / 1e9,
             "startup_s": med_min_max([s["startup_s"] for s in rs]),

@@ -196,6 +196,12 @@ pub struct StepReport {
     pub bytes_read: u64,
     /// Requested experts already resident / requested, this step (None if none requested).
     pub resident_hit_rate: Option<f64>,
+    /// Seconds of this step the forward pass was blocked waiting for weight bytes (trunk layers
+    /// not yet read + routed experts not yet arrived): the I/O this step did NOT hide.
+    pub io_wait_seconds: f64,
+    /// Seconds the source spent reading weight bytes that completed during this step (reads run
+    /// beside compute; 1 − wait ÷ read is the share of I/O hidden behind compute).
+    pub io_read_seconds: f64,
 }
 
 /// What a generation produced.
@@ -265,6 +271,7 @@ pub fn generate(
     };
     for step in 0..opts.max_new {
         let before = source_stats();
+        let expert_wait0 = model.counters.expert_wait_seconds;
         let t0 = Instant::now();
         model.step = step as u64;
         let logits = if step == 0 {
@@ -290,6 +297,12 @@ pub fn generate(
             bytes_read: (after.expert_bytes_read + after.trunk_bytes_read)
                 .saturating_sub(before.expert_bytes_read + before.trunk_bytes_read),
             resident_hit_rate: (reqs > 0).then(|| hits as f64 / reqs as f64),
+            io_wait_seconds: (after.trunk_wait_seconds - before.trunk_wait_seconds).max(0.0)
+                + (model.counters.expert_wait_seconds - expert_wait0).max(0.0),
+            io_read_seconds: (after.trunk_read_seconds + after.expert_read_seconds
+                - before.trunk_read_seconds
+                - before.expert_read_seconds)
+                .max(0.0),
         };
         on_step(&r);
         report.steps.push(r);

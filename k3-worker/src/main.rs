@@ -463,8 +463,8 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
         prefill_chunk: cli.prefill_chunk,
     };
     eprintln!(
-        "{:>5} {:>8} {:>9} {:>10} {:>9} {:>8}",
-        "STEP", "TOKEN", "SECONDS", "READ GB", "HIT", "TOK/S"
+        "{:>5} {:>8} {:>9} {:>10} {:>9} {:>9} {:>8}",
+        "STEP", "TOKEN", "SECONDS", "READ GB", "IO WAIT", "HIT", "TOK/S"
     );
     let stdout = std::io::stdout();
     let stats = || source.stats();
@@ -473,11 +473,12 @@ fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, Fail> {
             .resident_hit_rate
             .map_or("-".to_string(), |h| format!("{:.1}%", 100.0 * h));
         eprintln!(
-            "{:>5} {:>8} {:>9.3} {:>10.3} {:>9} {:>8.3}",
+            "{:>5} {:>8} {:>9.3} {:>10.3} {:>9.3} {:>9} {:>8.3}",
             s.step,
             s.token,
             s.seconds,
             gb(s.bytes_read),
+            s.io_wait_seconds,
             hit,
             1.0 / s.seconds.max(1e-9)
         );

@@ -109,6 +109,24 @@ fn greedy_run_matches_the_reference_and_writes_every_artifact() {
     ] {
         assert!(j[k].is_number(), "{k}: {}", j[k]);
     }
+    // Per step: the time blocked on weights is part of the step, and all steps' waits are part
+    // of the run's total.
+    let steps = j["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 20);
+    let mut waited = 0.0;
+    for st in steps {
+        let (w, r, t) = (
+            st["io_wait_seconds"].as_f64().unwrap(),
+            st["io_read_seconds"].as_f64().unwrap(),
+            st["seconds"].as_f64().unwrap(),
+        );
+        assert!((0.0..=t).contains(&w) && r >= 0.0, "{st}");
+        waited += w;
+    }
+    assert!(
+        waited <= j["io_wait_seconds"].as_f64().unwrap() + 1e-6,
+        "{j}"
+    );
 
     let got: Vec<f32> = std::fs::read(&logits)
         .unwrap()

@@ -122,3 +122,15 @@ def test_expert_bytes_from_a_synthetic_checkpoint(tmp_path):
         "num_hidden_layers": 5, "first_k_dense_replace": 1, "num_experts": 64,
         "num_experts_per_token": 16}}))
     assert bench.expert_bytes_from_checkpoint(tmp_path) == (1920, 4, 64, 16)
+
+
+def test_summarize_run_uses_the_workers_per_step_io_wait():
+    r = _run([(4.0, 10e9), (1.0, 3e9), (2.0, 3e9)])
+    for s, (w, rd) in zip(r["steps"], [(3.0, 4.0), (0.2, 1.0), (0.4, 1.0)]):
+        s["io_wait_seconds"], s["io_read_seconds"] = w, rd
+    s = bench.summarize_run(r, trunk_per_step=2_000_000_000)
+    # Decode steps only: mean wait 0.3 s; 0.6 s of 2.0 s of reads not hidden -> 70% hidden.
+    assert s["io_wait_per_decode_token_s"] == pytest.approx(0.3)
+    assert s["decode_io_hidden"] == pytest.approx(0.7)
+    # Without per-step figures there is no hidden share (and the old apportioning is used).
+    assert bench.summarize_run(_run([(4.0, 10e9), (1.0, 3e9)]), 0)["decode_io_hidden"] is None
