@@ -503,9 +503,9 @@ impl std::fmt::Display for MemoryPlan {
                 "{}/{} layers PINNED ({}) + ring {} (largest streamed layer {})",
                 self.pinned_layers,
                 self.n_layers,
-                fmt_gb(self.pinned_bytes),
-                fmt_gb(self.ring_bytes),
-                fmt_gb(self.ring_layer_bytes)
+                fmt_bytes(self.pinned_bytes),
+                fmt_bytes(self.ring_bytes),
+                fmt_bytes(self.ring_layer_bytes)
             )
         };
         row(f, "trunk", self.trunk_bytes(), trunk_note)?;

@@ -688,14 +688,19 @@ fn every_cache_policy_gives_the_reference_ids_and_unknown_ones_are_refused() {
 fn step0_logits_are_bit_identical_across_budgets_threads_and_modes() {
     let sb = Sandbox::new("logits-bits");
     let prompt = csv(&ref_ids("prompt_ids.json"));
-    let runs: [(&str, &[&str]); 5] = [
+    let runs: [(&str, &[&str]); 6] = [
         ("resident-2t", &["--preset", "laptop", "--threads", "2"]),
         ("resident-1t", &["--preset", "laptop", "--threads", "1"]),
-        // Nothing pinned (a ring of the largest layer) and a 3-slot expert cache: everything
-        // streams.
+        // Nothing pinned (a ring of the largest layer, 227 KB, in 300 KB) and a 3-slot expert
+        // cache: everything streams.
         (
             "streaming",
             &["--trunk-gb", "0.0003", "--cache-gb", "0.00004"],
+        ),
+        // 3 layers pinned and a 0.41 MB ring (two layers): the reader works ahead.
+        (
+            "streaming-ahead",
+            &["--trunk-gb", "0.00105", "--cache-gb", "0.00004"],
         ),
         ("recompute", &["--preset", "laptop", "--full-recompute"]),
         ("chunked", &["--preset", "laptop", "--prefill-chunk", "5"]),
