@@ -1,18 +1,24 @@
 //! AVX2 + FMA tier: 8 f32 lanes.
 //!
-//! * bf16 dot: 8 weights are widened exactly (zero-extend each u16 to 32 bits, shift left 16)
-//!   and FMA'd with f32 activations. Four accumulators over 32-column steps, then 8-column steps
-//!   into accumulator 0, then the last `< 8` columns copied into zero-padded buffers and FMA'd
-//!   into accumulator 1; reduced `(a0+a1)+(a2+a3)` and then across lanes in a fixed tree.
+//! * bf16 dot: 16 weights (one 32-byte load, eight u32 lanes of two bf16 each) are widened
+//!   exactly by two integer ops: `lane << 16` is the even column's f32, `lane & 0xFFFF_0000` the
+//!   odd column's. Activations arrive per 16 columns as `[8 even | 8 odd]` (the last
+//!   `cols mod 16` columns stay in order; see `split_even_odd_rows`), so no weight shuffle is
+//!   needed. After the 16-column blocks, one 8-column step (zero-extend + shift) and the
+//!   zero-padded last `< 8` columns complete the row. Each (row, token) pair has one
+//!   accumulator; it is reduced across lanes in a fixed tree.
+//! * bf16 blocking: a single token (decode) is dotted with 8 rows at once, so each activation
+//!   vector is loaded once per 8 rows (the kernel then runs at memory bandwidth instead of being
+//!   bound by activation loads); `TOKEN_BLOCK` tokens are dotted with 4 rows at once.
 //! * MXFP4 dot: 8 packed bytes (16 columns) are zero-extended to 8 lanes; `vpermps` (index bits
 //!   0..2) looks up the E2M1 magnitude of each nibble and bit 3 of the nibble becomes the f32
-//!   sign bit. Activations arrive per 16 columns as `[8 even | 8 odd]` (see `split_even_odd`).
-//!   A group's 32 products are summed in 8 lanes, scaled by `2^(s−127)` and added to one of two
-//!   accumulators (even/odd groups).
+//!   sign bit. Activations arrive per 16 columns as `[8 even | 8 odd]` (see
+//!   `split_even_odd_rows`). A group's 32 products are summed in 8 lanes, scaled by `2^(s−127)`
+//!   and added to one of two accumulators (even/odd groups).
 //! * matmul: each loaded weight vector is used for `TOKEN_BLOCK` tokens at once; every token
-//!   has its own accumulators and the same operation sequence as `T = 1`, so matmul == matvec
-//!   bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2), so the
-//!   weights come from memory once and the activations of a block stay in L1/L2.
+//!   has its own accumulators and the same operation sequence as one token alone, so matmul ==
+//!   matvec bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2),
+//!   so the weights come from memory once and the activations of a block stay in L1/L2.
 
 use std::arch::x86_64::*;
 
@@ -21,9 +27,9 @@ use super::scalar::{E2M1, E8M0_TABLE};
 /// Tokens dotted with one loaded weight vector at a time (matmul; MXFP4 and bf16).
 const TOKEN_BLOCK: usize = 2;
 /// bf16 rows per block for a single token (decode): each activation vector is loaded once per
-/// 8 rows; 8 accumulators + 1 activation + 1 weight vector fit the 16 ymm registers.
+/// 8 rows; 8 accumulators + 2 activation + 2 weight vectors fit the 16 ymm registers.
 const MATVEC_ROWS: usize = 8;
-/// bf16 rows per block with `TOKEN_BLOCK` tokens: 4 × 2 accumulators.
+/// bf16 rows per block with `TOKEN_BLOCK` tokens: 4 × 2 accumulators + 4 activation vectors.
 const MATMUL_ROWS: usize = 4;
 
 // ------------------------------------------------------------------------------------------
@@ -39,6 +45,17 @@ unsafe fn widen8(p: *const u8) -> __m256 {
     // SAFETY: 16 readable bytes at p (caller contract); unaligned load.
     let h = unsafe { _mm_loadu_si128(p as *const __m128i) };
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+}
+
+/// Loads 32 bytes at `p`.
+///
+/// # Safety
+/// 32 bytes at `p` are readable; the CPU supports AVX.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load_bytes32(p: *const u8) -> __m256i {
+    // SAFETY: 32 readable bytes at p (caller contract); unaligned load.
+    unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
 
 /// Loads 8 f32 at `p`.
@@ -100,13 +117,15 @@ fn load_tail(v: &[f32]) -> __m256 {
 // ------------------------------------------------------------------------------------------
 // bf16
 
-/// `R` bf16 rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`.
+/// `R` bf16 rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`,
+/// with each token's activations in the `split_even_odd_rows` layout (blocks of 16).
 ///
-/// Every (row, token) pair has ONE accumulator vector: lane `l` sums the products of columns
-/// `c ≡ l (mod 8)` in increasing `c` with FMA, the zero-padded last `< 8` columns are one more
-/// FMA into the same accumulator, and the lanes are reduced by `hsum`. That sequence does not
-/// depend on `R` or `T`, so any blocking gives the same bits (matmul == matvec); the blocking
-/// only decides how often each weight vector and each activation vector is loaded.
+/// Every (row, token) pair has ONE accumulator vector and this sequence of FMAs into it: per
+/// 16-column block the even columns then the odd columns (lane `l` takes columns `2l` and
+/// `2l+1` of the block), then at most one 8-column step (lane `l` = column `l`), then the
+/// zero-padded last `< 8` columns; the lanes are reduced by `hsum`. The sequence does not depend
+/// on `R` or `T`, so any blocking gives the same bits (matmul == matvec); the blocking only
+/// decides how often each weight vector and each activation vector is loaded.
 ///
 /// # Safety
 /// Each `w[i]` has `2·cols` readable bytes and each `x[t]` has `cols` readable floats; the CPU
@@ -119,8 +138,28 @@ unsafe fn dot_block<const R: usize, const T: usize>(
     cols: usize,
 ) -> [[f32; T]; R] {
     let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let odd = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     let mut c = 0;
-    while c + 8 <= cols {
+    while c + 16 <= cols {
+        // SAFETY: c + 16 <= cols: floats c .. c+8 of every token are in bounds.
+        let xe: [__m256; T] =
+            std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c)) });
+        // SAFETY: c + 16 <= cols: floats c+8 .. c+16 of every token are in bounds.
+        let xo: [__m256; T] =
+            std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c + 8)) });
+        for i in 0..R {
+            // SAFETY: c + 16 <= cols: bytes 2c .. 2c+32 of every row are in bounds.
+            let v = unsafe { load_bytes32(w[i].as_ptr().wrapping_add(2 * c)) };
+            let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+            let wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+            for t in 0..T {
+                acc[i][t] = _mm256_fmadd_ps(we, xe[t], acc[i][t]);
+                acc[i][t] = _mm256_fmadd_ps(wo, xo[t], acc[i][t]);
+            }
+        }
+        c += 16;
+    }
+    if c + 8 <= cols {
         // SAFETY: c + 8 <= cols: floats c .. c+8 of every token are in bounds.
         let xv: [__m256; T] =
             std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c)) });
@@ -218,7 +257,8 @@ unsafe fn bf16_tokens<const R: usize, const T: usize>(
     }
 }
 
-/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]`.
+/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]` with each
+/// token's columns in the `split_even_odd_rows` layout (blocks of 16).
 ///
 /// # Safety
 /// The CPU supports AVX2 and FMA. (Lengths are checked here.)

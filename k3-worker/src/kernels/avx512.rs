@@ -1,19 +1,25 @@
 //! AVX-512 tier (F + BW + VL, with FMA): 16 f32 lanes.
 //!
-//! * bf16 dot: 16 weights are widened exactly (zero-extend each u16 to 32 bits, shift left 16)
-//!   and FMA'd with f32 activations. Four accumulators over 64-column steps, then 16-column
-//!   steps into accumulator 0, then one masked step into accumulator 1; reduced
-//!   `(a0+a1)+(a2+a3)` and then across lanes in a fixed tree.
+//! * bf16 dot: 32 weights (one 64-byte load, sixteen u32 lanes of two bf16 each) are widened
+//!   exactly by two integer ops: `lane << 16` is the even column's f32, `lane & 0xFFFF_0000` the
+//!   odd column's. Activations arrive per 32 columns as `[16 even | 16 odd]` (the last
+//!   `cols mod 32` columns stay in order; see `split_even_odd_rows`), so no weight shuffle is
+//!   needed. After the 32-column blocks, one 16-column step (zero-extend + shift) and one masked
+//!   step for the last `< 16` columns complete the row. Each (row, token) pair has one
+//!   accumulator; it is reduced across lanes in a fixed tree.
+//! * bf16 blocking: a single token (decode) is dotted with 8 rows at once, so each activation
+//!   vector is loaded once per 8 rows (the kernel then runs at memory bandwidth instead of being
+//!   bound by activation loads); up to `TOKEN_BLOCK` tokens are dotted with 4 rows at once.
 //! * MXFP4 dot: 16 packed bytes (one 32-column group) are zero-extended to 16 lanes; the low
 //!   nibble indexes a 16-entry E2M1 table with `vpermps` (which reads only index bits 0..3), the
 //!   high nibble (`>> 4`) likewise. Activations arrive per group as `[16 even | 16 odd]` columns
-//!   (see `split_even_odd`), so `p = w_even·x_even + w_odd·x_odd` is the group's partial sum in
-//!   16 lanes; it is then scaled by the group's `2^(s−127)` into one of two accumulators
+//!   (see `split_even_odd_rows`), so `p = w_even·x_even + w_odd·x_odd` is the group's partial
+//!   sum in 16 lanes; it is then scaled by the group's `2^(s−127)` into one of two accumulators
 //!   (even/odd groups).
 //! * matmul: each loaded weight vector is used for `TOKEN_BLOCK` tokens at once; every token
-//!   has its own accumulators and the same operation sequence as `T = 1`, so matmul == matvec
-//!   bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2), so the
-//!   weights come from memory once and the activations of a block stay in L1/L2.
+//!   has its own accumulators and the same operation sequence as one token alone, so matmul ==
+//!   matvec bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2),
+//!   so the weights come from memory once and the activations of a block stay in L1/L2.
 //!
 //! Never the AVX-512 BF16 dot instructions: they round the activations to bf16.
 
@@ -45,6 +51,17 @@ unsafe fn widen16(p: *const u8) -> __m512 {
     // SAFETY: 32 readable bytes at p (caller contract); unaligned load.
     let h = unsafe { _mm256_loadu_si256(p as *const __m256i) };
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+}
+
+/// Loads 64 bytes at `p`.
+///
+/// # Safety
+/// 64 bytes at `p` are readable; the CPU supports AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn load_bytes64(p: *const u8) -> __m512i {
+    // SAFETY: 64 readable bytes at p (caller contract); unaligned load.
+    unsafe { _mm512_loadu_si512(p as *const _) }
 }
 
 /// Widens the first `m.count_ones()` bf16 at `p` (`m` a prefix mask); other lanes are +0.
@@ -113,13 +130,15 @@ fn hsum(v: __m512) -> f32 {
 // ------------------------------------------------------------------------------------------
 // bf16
 
-/// `R` bf16 rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`.
+/// `R` bf16 rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`,
+/// with each token's activations in the `split_even_odd_rows` layout (blocks of 32).
 ///
-/// Every (row, token) pair has ONE accumulator vector: lane `l` sums the products of columns
-/// `c ≡ l (mod 16)` in increasing `c` with FMA, the last `< 16` columns are one masked FMA into
-/// the same accumulator, and the lanes are reduced by `hsum`. That sequence does not depend on
-/// `R` or `T`, so any blocking gives the same bits (matmul == matvec); the blocking only decides
-/// how often each weight vector and each activation vector is loaded.
+/// Every (row, token) pair has ONE accumulator vector and this sequence of FMAs into it: per
+/// 32-column block the even columns then the odd columns (lane `l` takes columns `2l` and
+/// `2l+1` of the block), then at most one 16-column step (lane `l` = column `l`), then one masked
+/// step for the last `< 16` columns; the lanes are reduced by `hsum`. The sequence does not
+/// depend on `R` or `T`, so any blocking gives the same bits (matmul == matvec); the blocking
+/// only decides how often each weight vector and each activation vector is loaded.
 ///
 /// # Safety
 /// Each `w[i]` has `2·cols` readable bytes and each `x[t]` has `cols` readable floats; the CPU
@@ -132,8 +151,26 @@ unsafe fn dot_block<const R: usize, const T: usize>(
     cols: usize,
 ) -> [[f32; T]; R] {
     let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let odd = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
     let mut c = 0;
-    while c + 16 <= cols {
+    while c + 32 <= cols {
+        // SAFETY: c + 32 <= cols: floats c .. c+16 of every token are in bounds.
+        let xe: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t].wrapping_add(c)) });
+        // SAFETY: c + 32 <= cols: floats c+16 .. c+32 of every token are in bounds.
+        let xo: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t].wrapping_add(c + 16)) });
+        for i in 0..R {
+            // SAFETY: c + 32 <= cols: bytes 2c .. 2c+64 of every row are in bounds.
+            let v = unsafe { load_bytes64(w[i].wrapping_add(2 * c)) };
+            let we = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+            let wo = _mm512_castsi512_ps(_mm512_and_si512(v, odd));
+            for t in 0..T {
+                acc[i][t] = _mm512_fmadd_ps(we, xe[t], acc[i][t]);
+                acc[i][t] = _mm512_fmadd_ps(wo, xo[t], acc[i][t]);
+            }
+        }
+        c += 32;
+    }
+    if c + 16 <= cols {
         // SAFETY: c + 16 <= cols: floats c .. c+16 of every token are in bounds.
         let xv: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t].wrapping_add(c)) });
         for i in 0..R {
@@ -236,7 +273,8 @@ unsafe fn bf16_tokens<const R: usize, const T: usize>(
     }
 }
 
-/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]`.
+/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]` with each
+/// token's columns in the `split_even_odd_rows` layout (blocks of 32).
 ///
 /// # Safety
 /// The CPU supports AVX-512 F, BW, VL and FMA. (Lengths are checked here.)
