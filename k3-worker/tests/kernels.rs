@@ -106,10 +106,14 @@ fn tiers() -> Vec<Kernels> {
         .collect()
 }
 
-const BF16_COLS: [usize; 17] = [
-    1, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 1023, 1024, 4099,
+/// Widths around the SIMD tiers' steps: AVX2 reads 16-column blocks, then one 8-column step,
+/// then a padded tail; AVX-512 reads 32-column blocks, then one 16-column step, then a masked
+/// tail (e.g. 24 = 16+8, 47 = 32+15 / 2·16+8+7, 57 = 32+16+9 / 3·16+8+1).
+const BF16_COLS: [usize; 23] = [
+    1, 3, 7, 8, 15, 16, 17, 24, 31, 32, 33, 40, 47, 48, 57, 63, 64, 65, 79, 127, 1023, 1024, 4099,
 ];
-const BF16_ROWS: [usize; 4] = [1, 3, 17, 33];
+/// Row counts around the SIMD tiers' row blocks (8 rows, then 4, 2, 1): 15 = 8+4+2+1.
+const BF16_ROWS: [usize; 6] = [1, 3, 6, 15, 17, 33];
 const MXFP4_GROUPS: [usize; 7] = [1, 2, 3, 5, 7, 31, 112];
 const MXFP4_ROWS: [usize; 4] = [1, 3, 17, 33];
 
@@ -214,29 +218,65 @@ fn bf16_to_f32_matches_half_for_all_65536_patterns() {
     assert_eq!(v[2].to_bits(), (-0.0f32).to_bits());
 }
 
-/// Every tier widens every bf16 pattern exactly in every lane position (main loop, single-vector
-/// steps and the tail): row `r` holds pattern `r` at column `r % 81` and zeros elsewhere; with
-/// `x = 1` the dot is exactly the widened pattern.
+/// Every tier widens every bf16 pattern exactly in every lane position (even and odd halves of
+/// the paired blocks, single-vector steps and the tail): row `r` holds pattern `r` at column
+/// `r % cols` and zeros elsewhere; with `x = 1` the dot is exactly the widened pattern. 81 and 95
+/// columns: AVX2 reads 5 blocks of 16 then 1 / 8 + 7 columns, AVX-512 2 blocks of 32, 16, then
+/// 1 / 15 columns.
 #[test]
 fn every_tier_widens_every_bf16_pattern_exactly_in_every_lane() {
-    const COLS: usize = 81;
-    let rows = 1usize << 16;
-    let mut w = vec![0u8; rows * COLS * 2];
-    for r in 0..rows {
-        let at = (r * COLS + r % COLS) * 2;
-        w[at..at + 2].copy_from_slice(&(r as u16).to_le_bytes());
+    for cols in [81usize, 95] {
+        let rows = 1usize << 16;
+        let mut w = vec![0u8; rows * cols * 2];
+        for r in 0..rows {
+            let at = (r * cols + r % cols) * 2;
+            w[at..at + 2].copy_from_slice(&(r as u16).to_le_bytes());
+        }
+        let x = vec![1.0f32; cols];
+        for k in tiers() {
+            let mut y = vec![0.0f32; rows];
+            k.matvec_bf16(&w, rows, cols, &x, &mut y);
+            for (r, &v) in y.iter().enumerate() {
+                let want = half::bf16::from_bits(r as u16).to_f32();
+                if want.is_nan() {
+                    assert!(v.is_nan(), "{} cols {cols}: pattern {r:#06x}", k.tier());
+                } else {
+                    // `==`: the sign of an exact zero result is not part of the contract.
+                    assert!(
+                        v == want,
+                        "{} cols {cols}: pattern {r:#06x}: {v} != {want}",
+                        k.tier()
+                    );
+                }
+            }
+        }
     }
-    let x = vec![1.0f32; COLS];
-    for k in tiers() {
-        let mut y = vec![0.0f32; rows];
-        k.matvec_bf16(&w, rows, COLS, &x, &mut y);
-        for (r, &v) in y.iter().enumerate() {
-            let want = half::bf16::from_bits(r as u16).to_f32();
-            if want.is_nan() {
-                assert!(v.is_nan(), "{}: pattern {r:#06x}", k.tier());
-            } else {
-                // `==`: the sign of an exact zero result is not part of the contract.
-                assert!(v == want, "{}: pattern {r:#06x}: {v} != {want}", k.tier());
+}
+
+/// The SIMD tiers read the activations rearranged (even/odd columns per block, the tail in
+/// order): a single nonzero activation at each column in turn must pick out exactly that
+/// column's weight, for widths with every kind of tail.
+#[test]
+fn bf16_each_activation_column_meets_its_own_weight_column() {
+    let mut rng = Rng(11);
+    for cols in [15usize, 16, 17, 24, 33, 47, 57, 95] {
+        let rows = 9;
+        let (w, bits) = bf16_matrix(&mut rng, rows, cols);
+        for k in tiers() {
+            for c in 0..cols {
+                let mut x = vec![0.0f32; cols];
+                x[c] = 1.0;
+                let mut y = vec![f32::NAN; rows];
+                k.matvec_bf16(&w, rows, cols, &x, &mut y);
+                for r in 0..rows {
+                    let want = half::bf16::from_bits(bits[r * cols + c]).to_f32();
+                    assert!(
+                        y[r] == want,
+                        "{} {rows}x{cols} row {r} column {c}: {} != {want}",
+                        k.tier(),
+                        y[r]
+                    );
+                }
             }
         }
     }
@@ -473,6 +513,33 @@ fn check_matmul_equals_matvec(k: Kernels, rows: usize, cols: usize, rng: &mut Rn
     }
 }
 
+/// bf16 alone on widths that are not whole SIMD blocks (the activations' rearranged blocks and
+/// in-order tails) and row counts around the row blocks; 37×1001 takes the parallel path.
+#[test]
+fn bf16_matmul_equals_matvec_bitwise_on_odd_widths() {
+    let mut rng = Rng(8);
+    for k in tiers() {
+        for (rows, cols) in [(15, 37), (6, 95), (37, 1001)] {
+            let (w, _) = bf16_matrix(&mut rng, rows, cols);
+            for n in [1usize, 2, 3, 4, 5, 7, 9] {
+                let x = random_x(&mut rng, n * cols);
+                let mut y = vec![f32::NAN; n * rows];
+                k.matmul_bf16(&w, rows, cols, &x, n, &mut y);
+                for t in 0..n {
+                    let mut v = vec![f32::NAN; rows];
+                    k.matvec_bf16(&w, rows, cols, &x[t * cols..(t + 1) * cols], &mut v);
+                    assert_eq!(
+                        bits_of(&y[t * rows..(t + 1) * rows]),
+                        bits_of(&v),
+                        "{} bf16 {rows}x{cols} n={n} token {t}",
+                        k.tier()
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_row_t_equals_matvec_of_token_t_bitwise() {
     let mut rng = Rng(5);
@@ -495,6 +562,10 @@ fn results_do_not_depend_on_thread_count() {
     let xs = small_x(&mut rng, n * cols);
     let a = random_x(&mut rng, 100_003);
     let b = random_x(&mut rng, 100_003);
+    // bf16 at a width that is not whole SIMD blocks (rearranged blocks plus in-order tails).
+    let (odd_rows, odd_cols) = (203, 547);
+    let (wo, _) = bf16_matrix(&mut rng, odd_rows, odd_cols);
+    let xo = random_x(&mut rng, n * odd_cols);
     for k in tiers() {
         let run = |threads: usize| {
             let pool = build_pool(threads).expect("thread pool");
@@ -506,6 +577,12 @@ fn results_do_not_depend_on_thread_count() {
                 out.extend(bits_of(&y));
                 let mut y = vec![0.0f32; n * rows];
                 k.matmul_bf16(&w, rows, cols, &x, n, &mut y);
+                out.extend(bits_of(&y));
+                let mut y = vec![0.0f32; odd_rows];
+                k.matvec_bf16(&wo, odd_rows, odd_cols, &xo[..odd_cols], &mut y);
+                out.extend(bits_of(&y));
+                let mut y = vec![0.0f32; n * odd_rows];
+                k.matmul_bf16(&wo, odd_rows, odd_cols, &xo, n, &mut y);
                 out.extend(bits_of(&y));
                 let mut y = vec![0.0f32; rows];
                 k.matvec_mxfp4(&m.packed, &m.scales, rows, cols, &xs[..cols], &mut y);

@@ -1,26 +1,36 @@
 //! AVX2 + FMA tier: 8 f32 lanes.
 //!
-//! * bf16 dot: 8 weights are widened exactly (zero-extend each u16 to 32 bits, shift left 16)
-//!   and FMA'd with f32 activations. Four accumulators over 32-column steps, then 8-column steps
-//!   into accumulator 0, then the last `< 8` columns copied into zero-padded buffers and FMA'd
-//!   into accumulator 1; reduced `(a0+a1)+(a2+a3)` and then across lanes in a fixed tree.
+//! * bf16 dot: 16 weights (one 32-byte load, eight u32 lanes of two bf16 each) are widened
+//!   exactly by two integer ops: `lane << 16` is the even column's f32, `lane & 0xFFFF_0000` the
+//!   odd column's. Activations arrive per 16 columns as `[8 even | 8 odd]` (the last
+//!   `cols mod 16` columns stay in order; see `split_even_odd_rows`), so no weight shuffle is
+//!   needed. After the 16-column blocks, one 8-column step (zero-extend + shift) and the
+//!   zero-padded last `< 8` columns complete the row. Each (row, token) pair has one
+//!   accumulator; it is reduced across lanes in a fixed tree.
+//! * bf16 blocking: a single token (decode) is dotted with 8 rows at once, so each activation
+//!   vector is loaded once per 8 rows (the kernel then runs at memory bandwidth instead of being
+//!   bound by activation loads); `TOKEN_BLOCK` tokens are dotted with 4 rows at once.
 //! * MXFP4 dot: 8 packed bytes (16 columns) are zero-extended to 8 lanes; `vpermps` (index bits
 //!   0..2) looks up the E2M1 magnitude of each nibble and bit 3 of the nibble becomes the f32
-//!   sign bit. Activations arrive per 16 columns as `[8 even | 8 odd]` (see `split_even_odd`).
-//!   A group's 32 products are summed in 8 lanes, scaled by `2^(s−127)` and added to one of two
-//!   accumulators (even/odd groups).
+//!   sign bit. Activations arrive per 16 columns as `[8 even | 8 odd]` (see
+//!   `split_even_odd_rows`). A group's 32 products are summed in 8 lanes, scaled by `2^(s−127)`
+//!   and added to one of two accumulators (even/odd groups).
 //! * matmul: each loaded weight vector is used for `TOKEN_BLOCK` tokens at once; every token
-//!   has its own accumulators and the same operation sequence as `T = 1`, so matmul == matvec
-//!   bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2), so the
-//!   weights come from memory once and the activations of a block stay in L1/L2.
+//!   has its own accumulators and the same operation sequence as one token alone, so matmul ==
+//!   matvec bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2),
+//!   so the weights come from memory once and the activations of a block stay in L1/L2.
 
 use std::arch::x86_64::*;
 
 use super::scalar::{E2M1, E8M0_TABLE};
 
-/// Tokens dotted with one loaded weight row at a time (2 tokens × 4 accumulators + 4 weight
-/// vectors stay within the 16 ymm registers).
+/// Tokens dotted with one loaded weight vector at a time (matmul; MXFP4 and bf16).
 const TOKEN_BLOCK: usize = 2;
+/// bf16 rows per block for a single token (decode): each activation vector is loaded once per
+/// 8 rows; 8 accumulators + 2 activation + 2 weight vectors fit the 16 ymm registers.
+const MATVEC_ROWS: usize = 8;
+/// bf16 rows per block with `TOKEN_BLOCK` tokens: 4 × 2 accumulators + 4 activation vectors.
+const MATMUL_ROWS: usize = 4;
 
 // ------------------------------------------------------------------------------------------
 // Loads (each is one unsafe operation with a stated contract)
@@ -37,19 +47,15 @@ unsafe fn widen8(p: *const u8) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
 }
 
-/// Widens 32 bf16 at `p` into four vectors.
+/// Loads 32 bytes at `p`.
 ///
 /// # Safety
-/// 64 bytes at `p` are readable; the CPU supports AVX2.
+/// 32 bytes at `p` are readable; the CPU supports AVX.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn widen32(p: *const u8) -> [__m256; 4] {
-    let mut v = [_mm256_setzero_ps(); 4];
-    for (i, vi) in v.iter_mut().enumerate() {
-        // SAFETY: bytes p+16i .. p+16i+16 lie within the 64 readable bytes (caller contract).
-        *vi = unsafe { widen8(p.wrapping_add(16 * i)) };
-    }
-    v
+unsafe fn load_bytes32(p: *const u8) -> __m256i {
+    // SAFETY: 32 readable bytes at p (caller contract); unaligned load.
+    unsafe { _mm256_loadu_si256(p as *const __m256i) }
 }
 
 /// Loads 8 f32 at `p`.
@@ -111,57 +117,148 @@ fn load_tail(v: &[f32]) -> __m256 {
 // ------------------------------------------------------------------------------------------
 // bf16
 
-/// `T` dot products of one bf16 row (`2·cols` bytes) with tokens `x[t0 .. t0+T]` of `x [n, cols]`.
+/// `R` bf16 rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`,
+/// with each token's activations in the `split_even_odd_rows` layout (blocks of 16).
+///
+/// Every (row, token) pair has ONE accumulator vector and this sequence of FMAs into it: per
+/// 16-column block the even columns then the odd columns (lane `l` takes columns `2l` and
+/// `2l+1` of the block), then at most one 8-column step (lane `l` = column `l`), then the
+/// zero-padded last `< 8` columns; the lanes are reduced by `hsum`. The sequence does not depend
+/// on `R` or `T`, so any blocking gives the same bits (matmul == matvec); the blocking only
+/// decides how often each weight vector and each activation vector is loaded.
 ///
 /// # Safety
-/// `row.len() == 2·cols` and `x.len() >= (t0+T)·cols`; the CPU supports AVX2 and FMA.
+/// Each `w[i]` has `2·cols` readable bytes and each `x[t]` has `cols` readable floats; the CPU
+/// supports AVX2 and FMA.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_bf16<const T: usize>(row: &[u8], x: &[f32], cols: usize, t0: usize) -> [f32; T] {
-    let w = row.as_ptr();
-    let xs: [&[f32]; T] = std::array::from_fn(|i| &x[(t0 + i) * cols..(t0 + i + 1) * cols]);
-    let mut acc = [[_mm256_setzero_ps(); 4]; T];
+unsafe fn dot_block<const R: usize, const T: usize>(
+    w: [&[u8]; R],
+    x: [&[f32]; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let odd = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
     let mut c = 0;
-    while c + 32 <= cols {
-        // SAFETY: c + 32 <= cols, so row bytes 2c .. 2c+64 are in bounds.
-        let wv = unsafe { widen32(w.wrapping_add(2 * c)) };
-        for t in 0..T {
-            // SAFETY: columns c .. c+32 of token t (a cols-float slice) are in bounds.
-            let xv = unsafe { load32(xs[t].as_ptr().wrapping_add(c)) };
-            for j in 0..4 {
-                acc[t][j] = _mm256_fmadd_ps(wv[j], xv[j], acc[t][j]);
+    while c + 16 <= cols {
+        // SAFETY: c + 16 <= cols: floats c .. c+8 of every token are in bounds.
+        let xe: [__m256; T] =
+            std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c)) });
+        // SAFETY: c + 16 <= cols: floats c+8 .. c+16 of every token are in bounds.
+        let xo: [__m256; T] =
+            std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c + 8)) });
+        for i in 0..R {
+            // SAFETY: c + 16 <= cols: bytes 2c .. 2c+32 of every row are in bounds.
+            let v = unsafe { load_bytes32(w[i].as_ptr().wrapping_add(2 * c)) };
+            let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
+            let wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
+            for t in 0..T {
+                acc[i][t] = _mm256_fmadd_ps(we, xe[t], acc[i][t]);
+                acc[i][t] = _mm256_fmadd_ps(wo, xo[t], acc[i][t]);
             }
         }
-        c += 32;
+        c += 16;
     }
-    while c + 8 <= cols {
-        // SAFETY: c + 8 <= cols, so row bytes 2c .. 2c+16 are in bounds.
-        let wv = unsafe { widen8(w.wrapping_add(2 * c)) };
-        for t in 0..T {
-            // SAFETY: columns c .. c+8 of token t are in bounds.
-            let xv = unsafe { load8(xs[t].as_ptr().wrapping_add(c)) };
-            acc[t][0] = _mm256_fmadd_ps(wv, xv, acc[t][0]);
+    if c + 8 <= cols {
+        // SAFETY: c + 8 <= cols: floats c .. c+8 of every token are in bounds.
+        let xv: [__m256; T] =
+            std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c)) });
+        for i in 0..R {
+            // SAFETY: c + 8 <= cols: bytes 2c .. 2c+16 of every row are in bounds.
+            let wv = unsafe { widen8(w[i].as_ptr().wrapping_add(2 * c)) };
+            for t in 0..T {
+                acc[i][t] = _mm256_fmadd_ps(wv, xv[t], acc[i][t]);
+            }
         }
         c += 8;
     }
     if c < cols {
-        let wv = widen_tail(&row[2 * c..]);
-        for t in 0..T {
-            acc[t][1] = _mm256_fmadd_ps(wv, load_tail(&xs[t][c..]), acc[t][1]);
+        let xv: [__m256; T] = std::array::from_fn(|t| load_tail(&x[t][c..cols]));
+        for i in 0..R {
+            let wv = widen_tail(&w[i][2 * c..2 * cols]);
+            for t in 0..T {
+                acc[i][t] = _mm256_fmadd_ps(wv, xv[t], acc[i][t]);
+            }
         }
     }
-    let mut out = [0.0f32; T];
-    for t in 0..T {
-        let a = &acc[t];
-        out[t] = hsum(_mm256_add_ps(
-            _mm256_add_ps(a[0], a[1]),
-            _mm256_add_ps(a[2], a[3]),
-        ));
+    let mut out = [[0.0f32; T]; R];
+    for i in 0..R {
+        for t in 0..T {
+            out[i][t] = hsum(acc[i][t]);
+        }
     }
     out
 }
 
-/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]`.
+/// Rows `r0 .. r0+R` (of `w`, `2·cols` bytes each) × tokens `t0 .. t0+T` (of `x [n, cols]`) into
+/// `out [k, n]`.
+///
+/// # Safety
+/// The rows and tokens exist (`w.len() >= (r0+R)·2·cols`, `x.len() >= (t0+T)·cols`,
+/// `out.len() >= (r0+R)·n`, `t0+T <= n`); AVX2 + FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn bf16_block<const R: usize, const T: usize>(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let rb = 2 * cols;
+    let rows: [&[u8]; R] = std::array::from_fn(|i| &w[(r0 + i) * rb..(r0 + i + 1) * rb]);
+    let toks: [&[f32]; T] = std::array::from_fn(|t| &x[(t0 + t) * cols..(t0 + t + 1) * cols]);
+    // SAFETY: every slice above has the length `dot_block` needs; CPU features are this
+    // function's contract.
+    let r = unsafe { dot_block::<R, T>(rows, toks, cols) };
+    for i in 0..R {
+        out[(r0 + i) * n + t0..(r0 + i) * n + t0 + T].copy_from_slice(&r[i]);
+    }
+}
+
+/// All `k` rows of `w` × tokens `t0 .. t0+T`: blocks of `R` rows, then the remaining `< R` rows in
+/// blocks of 4, 2 and 1 (`R` is 8, 4 or 2).
+///
+/// # Safety
+/// As [`bf16_block`] for every row of `w`; AVX2 + FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn bf16_tokens<const R: usize, const T: usize>(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let k = w.len() / (2 * cols);
+    let mut r = 0;
+    while r + R <= k {
+        // SAFETY: rows r .. r+R < k exist; tokens are the caller's contract.
+        unsafe { bf16_block::<R, T>(w, cols, x, n, r, t0, out) };
+        r += R;
+    }
+    if R > 4 && r + 4 <= k {
+        // SAFETY: as above, for 4 rows.
+        unsafe { bf16_block::<4, T>(w, cols, x, n, r, t0, out) };
+        r += 4;
+    }
+    if R > 2 && r + 2 <= k {
+        // SAFETY: as above, for 2 rows.
+        unsafe { bf16_block::<2, T>(w, cols, x, n, r, t0, out) };
+        r += 2;
+    }
+    if r < k {
+        // SAFETY: as above, for the last row.
+        unsafe { bf16_block::<1, T>(w, cols, x, n, r, t0, out) };
+    }
+}
+
+/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]` with each
+/// token's columns in the `split_even_odd_rows` layout (blocks of 16).
 ///
 /// # Safety
 /// The CPU supports AVX2 and FMA. (Lengths are checked here.)
@@ -174,19 +271,16 @@ pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: 
     assert_eq!(x.len(), n * cols, "bf16 rows input");
     // Token blocks outer, rows inner: the task's rows stay in L2 while every token block passes
     // over them, and each token block's activations stay in L1/L2.
-    for t in (0..n).step_by(TOKEN_BLOCK) {
-        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            if n - t >= TOKEN_BLOCK {
-                // SAFETY: row is 2·cols bytes and tokens t..t+2 lie in x (lengths checked
-                // above); CPU features are this function's contract.
-                let r = unsafe { dot_bf16::<TOKEN_BLOCK>(row, x, cols, t) };
-                o[t..t + TOKEN_BLOCK].copy_from_slice(&r);
-            } else {
-                // SAFETY: as above, for the one remaining token.
-                let [r] = unsafe { dot_bf16::<1>(row, x, cols, t) };
-                o[t] = r;
-            }
-        }
+    let mut t = 0;
+    while t + TOKEN_BLOCK <= n {
+        // SAFETY: tokens t .. t+TOKEN_BLOCK lie in x (lengths checked above); CPU features are
+        // this function's contract.
+        unsafe { bf16_tokens::<MATMUL_ROWS, TOKEN_BLOCK>(w, cols, x, n, t, out) };
+        t += TOKEN_BLOCK;
+    }
+    if t < n {
+        // SAFETY: as above, for the last token (all of a matvec).
+        unsafe { bf16_tokens::<MATVEC_ROWS, 1>(w, cols, x, n, t, out) };
     }
 }
 

@@ -1,19 +1,25 @@
 //! AVX-512 tier (F + BW + VL, with FMA): 16 f32 lanes.
 //!
-//! * bf16 dot: 16 weights are widened exactly (zero-extend each u16 to 32 bits, shift left 16)
-//!   and FMA'd with f32 activations. Four accumulators over 64-column steps, then 16-column
-//!   steps into accumulator 0, then one masked step into accumulator 1; reduced
-//!   `(a0+a1)+(a2+a3)` and then across lanes in a fixed tree.
+//! * bf16 dot: 32 weights (one 64-byte load, sixteen u32 lanes of two bf16 each) are widened
+//!   exactly by two integer ops: `lane << 16` is the even column's f32, `lane & 0xFFFF_0000` the
+//!   odd column's. Activations arrive per 32 columns as `[16 even | 16 odd]` (the last
+//!   `cols mod 32` columns stay in order; see `split_even_odd_rows`), so no weight shuffle is
+//!   needed. After the 32-column blocks, one 16-column step (zero-extend + shift) and one masked
+//!   step for the last `< 16` columns complete the row. Each (row, token) pair has one
+//!   accumulator; it is reduced across lanes in a fixed tree.
+//! * bf16 blocking: a single token (decode) is dotted with 8 rows at once, so each activation
+//!   vector is loaded once per 8 rows (the kernel then runs at memory bandwidth instead of being
+//!   bound by activation loads); up to `TOKEN_BLOCK` tokens are dotted with 4 rows at once.
 //! * MXFP4 dot: 16 packed bytes (one 32-column group) are zero-extended to 16 lanes; the low
 //!   nibble indexes a 16-entry E2M1 table with `vpermps` (which reads only index bits 0..3), the
 //!   high nibble (`>> 4`) likewise. Activations arrive per group as `[16 even | 16 odd]` columns
-//!   (see `split_even_odd`), so `p = w_even·x_even + w_odd·x_odd` is the group's partial sum in
-//!   16 lanes; it is then scaled by the group's `2^(s−127)` into one of two accumulators
+//!   (see `split_even_odd_rows`), so `p = w_even·x_even + w_odd·x_odd` is the group's partial
+//!   sum in 16 lanes; it is then scaled by the group's `2^(s−127)` into one of two accumulators
 //!   (even/odd groups).
 //! * matmul: each loaded weight vector is used for `TOKEN_BLOCK` tokens at once; every token
-//!   has its own accumulators and the same operation sequence as `T = 1`, so matmul == matvec
-//!   bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2), so the
-//!   weights come from memory once and the activations of a block stay in L1/L2.
+//!   has its own accumulators and the same operation sequence as one token alone, so matmul ==
+//!   matvec bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2),
+//!   so the weights come from memory once and the activations of a block stay in L1/L2.
 //!
 //! Never the AVX-512 BF16 dot instructions: they round the activations to bf16.
 
@@ -21,29 +27,19 @@ use std::arch::x86_64::*;
 
 use super::scalar::{E2M1, E8M0_TABLE};
 
-/// Tokens dotted with one loaded weight row at a time (4 tokens × 4 accumulators + 4 weight
-/// vectors stay within the 32 zmm registers).
+/// Tokens dotted with one loaded weight vector at a time (matmul; MXFP4 and bf16).
 const TOKEN_BLOCK: usize = 4;
+/// bf16 rows per block for a single token (decode): each activation vector is loaded once per
+/// 8 rows.
+const MATVEC_ROWS: usize = 8;
+/// bf16 rows per block with up to `TOKEN_BLOCK` tokens: 4 × 4 accumulators + 4 activation
+/// vectors within the 32 zmm registers.
+const MATMUL_ROWS: usize = 4;
 // The row loops below match remainders 1..=3 explicitly.
 const _: () = assert!(TOKEN_BLOCK == 4);
 
 // ------------------------------------------------------------------------------------------
 // Loads (each is one unsafe operation with a stated contract)
-
-/// Widens 64 bf16 at `p` into four vectors of 16 f32.
-///
-/// # Safety
-/// 128 bytes at `p` are readable; the CPU supports AVX-512 F/BW/VL.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn widen64(p: *const u8) -> [__m512; 4] {
-    let mut v = [_mm512_setzero_ps(); 4];
-    for (i, vi) in v.iter_mut().enumerate() {
-        // SAFETY: bytes p+32i .. p+32i+32 lie within the 128 readable bytes (caller contract).
-        *vi = unsafe { widen16(p.wrapping_add(32 * i)) };
-    }
-    v
-}
 
 /// Widens 16 bf16 at `p`.
 ///
@@ -55,6 +51,17 @@ unsafe fn widen16(p: *const u8) -> __m512 {
     // SAFETY: 32 readable bytes at p (caller contract); unaligned load.
     let h = unsafe { _mm256_loadu_si256(p as *const __m256i) };
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+}
+
+/// Loads 64 bytes at `p`.
+///
+/// # Safety
+/// 64 bytes at `p` are readable; the CPU supports AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn load_bytes64(p: *const u8) -> __m512i {
+    // SAFETY: 64 readable bytes at p (caller contract); unaligned load.
+    unsafe { _mm512_loadu_si512(p as *const _) }
 }
 
 /// Widens the first `m.count_ones()` bf16 at `p` (`m` a prefix mask); other lanes are +0.
@@ -123,79 +130,151 @@ fn hsum(v: __m512) -> f32 {
 // ------------------------------------------------------------------------------------------
 // bf16
 
-/// `T` dot products of one bf16 row with `T` token vectors.
+/// `R` bf16 rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`,
+/// with each token's activations in the `split_even_odd_rows` layout (blocks of 32).
+///
+/// Every (row, token) pair has ONE accumulator vector and this sequence of FMAs into it: per
+/// 32-column block the even columns then the odd columns (lane `l` takes columns `2l` and
+/// `2l+1` of the block), then at most one 16-column step (lane `l` = column `l`), then one masked
+/// step for the last `< 16` columns; the lanes are reduced by `hsum`. The sequence does not
+/// depend on `R` or `T`, so any blocking gives the same bits (matmul == matvec); the blocking
+/// only decides how often each weight vector and each activation vector is loaded.
 ///
 /// # Safety
-/// `w` has `2·cols` readable bytes, each `x[t]` has `cols` readable floats; AVX-512 F/BW/VL+FMA.
+/// Each `w[i]` has `2·cols` readable bytes and each `x[t]` has `cols` readable floats; the CPU
+/// supports AVX-512 F/BW/VL and FMA.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn dot_bf16<const T: usize>(w: *const u8, x: [*const f32; T], cols: usize) -> [f32; T] {
-    let mut acc = [[_mm512_setzero_ps(); 4]; T];
+unsafe fn dot_block<const R: usize, const T: usize>(
+    w: [*const u8; R],
+    x: [*const f32; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let odd = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
     let mut c = 0;
-    while c + 64 <= cols {
-        // SAFETY: c + 64 <= cols, so row bytes 2c .. 2c+128 are in bounds.
-        let wv = unsafe { widen64(w.wrapping_add(2 * c)) };
-        for t in 0..T {
-            // SAFETY: columns c .. c+64 of token t are in bounds.
-            let xv = unsafe { load64(x[t].wrapping_add(c)) };
-            for j in 0..4 {
-                acc[t][j] = _mm512_fmadd_ps(wv[j], xv[j], acc[t][j]);
+    while c + 32 <= cols {
+        // SAFETY: c + 32 <= cols: floats c .. c+16 of every token are in bounds.
+        let xe: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t].wrapping_add(c)) });
+        // SAFETY: c + 32 <= cols: floats c+16 .. c+32 of every token are in bounds.
+        let xo: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t].wrapping_add(c + 16)) });
+        for i in 0..R {
+            // SAFETY: c + 32 <= cols: bytes 2c .. 2c+64 of every row are in bounds.
+            let v = unsafe { load_bytes64(w[i].wrapping_add(2 * c)) };
+            let we = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+            let wo = _mm512_castsi512_ps(_mm512_and_si512(v, odd));
+            for t in 0..T {
+                acc[i][t] = _mm512_fmadd_ps(we, xe[t], acc[i][t]);
+                acc[i][t] = _mm512_fmadd_ps(wo, xo[t], acc[i][t]);
             }
         }
-        c += 64;
+        c += 32;
     }
-    while c + 16 <= cols {
-        // SAFETY: c + 16 <= cols, so row bytes 2c .. 2c+32 are in bounds.
-        let wv = unsafe { widen16(w.wrapping_add(2 * c)) };
-        for t in 0..T {
-            // SAFETY: columns c .. c+16 of token t are in bounds.
-            let xv = unsafe { load16(x[t].wrapping_add(c)) };
-            acc[t][0] = _mm512_fmadd_ps(wv, xv, acc[t][0]);
+    if c + 16 <= cols {
+        // SAFETY: c + 16 <= cols: floats c .. c+16 of every token are in bounds.
+        let xv: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t].wrapping_add(c)) });
+        for i in 0..R {
+            // SAFETY: c + 16 <= cols: bytes 2c .. 2c+32 of every row are in bounds.
+            let wv = unsafe { widen16(w[i].wrapping_add(2 * c)) };
+            for t in 0..T {
+                acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
+            }
         }
         c += 16;
     }
     if c < cols {
         let m: __mmask16 = ((1u32 << (cols - c)) - 1) as u16;
-        // SAFETY: the mask selects columns c .. cols, in bounds; the rest is not accessed.
-        let wv = unsafe { widen16_masked(w.wrapping_add(2 * c), m) };
-        for t in 0..T {
-            // SAFETY: the mask selects columns c .. cols of token t, in bounds.
-            let xv = unsafe { load16_masked(x[t].wrapping_add(c), m) };
-            acc[t][1] = _mm512_fmadd_ps(wv, xv, acc[t][1]);
+        let xv: [__m512; T] = std::array::from_fn(|t| {
+            // SAFETY: the mask selects floats c .. cols of the token, in bounds.
+            unsafe { load16_masked(x[t].wrapping_add(c), m) }
+        });
+        for i in 0..R {
+            // SAFETY: the mask selects bytes 2c .. 2·cols of the row, in bounds.
+            let wv = unsafe { widen16_masked(w[i].wrapping_add(2 * c), m) };
+            for t in 0..T {
+                acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
+            }
         }
     }
-    let mut out = [0.0f32; T];
-    for t in 0..T {
-        let a = &acc[t];
-        out[t] = hsum(_mm512_add_ps(
-            _mm512_add_ps(a[0], a[1]),
-            _mm512_add_ps(a[2], a[3]),
-        ));
+    let mut out = [[0.0f32; T]; R];
+    for i in 0..R {
+        for t in 0..T {
+            out[i][t] = hsum(acc[i][t]);
+        }
     }
     out
 }
 
-/// Tokens `t0 .. t0+T` of one row into `o[t0 .. t0+T]`.
+/// Rows `r0 .. r0+R` (of `w`, `2·cols` bytes each) × tokens `t0 .. t0+T` (of `x [n, cols]`) into
+/// `out [k, n]`.
 ///
 /// # Safety
-/// `row.len() == 2·cols`, `x.len() >= (t0+T)·cols`; AVX-512 F/BW/VL+FMA.
+/// AVX-512 F/BW/VL + FMA. (The slicing below checks that the rows, tokens and outputs exist.)
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn bf16_tokens<const T: usize>(
-    row: &[u8],
+#[allow(clippy::too_many_arguments)]
+unsafe fn bf16_block<const R: usize, const T: usize>(
+    w: &[u8],
     cols: usize,
     x: &[f32],
+    n: usize,
+    r0: usize,
     t0: usize,
-    o: &mut [f32],
+    out: &mut [f32],
 ) {
-    let xp: [*const f32; T] = std::array::from_fn(|i| x[(t0 + i) * cols..].as_ptr());
-    // SAFETY: the row holds 2·cols bytes and each token slice starts a cols-float run (caller
-    // contract); CPU features are the caller's contract.
-    let r = unsafe { dot_bf16::<T>(row.as_ptr(), xp, cols) };
-    o[t0..t0 + T].copy_from_slice(&r);
+    let rb = 2 * cols;
+    let rows: [*const u8; R] =
+        std::array::from_fn(|i| w[(r0 + i) * rb..(r0 + i + 1) * rb].as_ptr());
+    let toks: [*const f32; T] =
+        std::array::from_fn(|t| x[(t0 + t) * cols..(t0 + t + 1) * cols].as_ptr());
+    // SAFETY: each pointer starts a slice of the length `dot_block` needs (checked by the
+    // slicing above); CPU features are this function's contract.
+    let r = unsafe { dot_block::<R, T>(rows, toks, cols) };
+    for i in 0..R {
+        out[(r0 + i) * n + t0..(r0 + i) * n + t0 + T].copy_from_slice(&r[i]);
+    }
 }
 
-/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]`.
+/// All `k` rows of `w` × tokens `t0 .. t0+T`: blocks of `R` rows, then the remaining `< R` rows in
+/// blocks of 4, 2 and 1 (`R` is 8, 4 or 2).
+///
+/// # Safety
+/// AVX-512 F/BW/VL + FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn bf16_tokens<const R: usize, const T: usize>(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let k = w.len() / (2 * cols);
+    let mut r = 0;
+    while r + R <= k {
+        // SAFETY: CPU features are this function's contract.
+        unsafe { bf16_block::<R, T>(w, cols, x, n, r, t0, out) };
+        r += R;
+    }
+    if R > 4 && r + 4 <= k {
+        // SAFETY: as above, for 4 rows.
+        unsafe { bf16_block::<4, T>(w, cols, x, n, r, t0, out) };
+        r += 4;
+    }
+    if R > 2 && r + 2 <= k {
+        // SAFETY: as above, for 2 rows.
+        unsafe { bf16_block::<2, T>(w, cols, x, n, r, t0, out) };
+        r += 2;
+    }
+    if r < k {
+        // SAFETY: as above, for the last row.
+        unsafe { bf16_block::<1, T>(w, cols, x, n, r, t0, out) };
+    }
+}
+
+/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]` with each
+/// token's columns in the `split_even_odd_rows` layout (blocks of 32).
 ///
 /// # Safety
 /// The CPU supports AVX-512 F, BW, VL and FMA. (Lengths are checked here.)
@@ -208,20 +287,20 @@ pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: 
     assert_eq!(x.len(), n * cols, "bf16 rows input");
     // Token blocks outer, rows inner: the task's rows stay in L2 while every token block passes
     // over them, and each token block's activations stay in L1/L2.
-    for t in (0..n).step_by(TOKEN_BLOCK) {
-        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            match n - t {
-                // SAFETY: row is 2·cols bytes and tokens t..t+4 lie in x (lengths checked above);
-                // CPU features are this function's contract.
-                4.. => unsafe { bf16_tokens::<TOKEN_BLOCK>(row, cols, x, t, o) },
-                // SAFETY: as above, for the three remaining tokens.
-                3 => unsafe { bf16_tokens::<3>(row, cols, x, t, o) },
-                // SAFETY: as above, for the two remaining tokens.
-                2 => unsafe { bf16_tokens::<2>(row, cols, x, t, o) },
-                // SAFETY: as above, for the one remaining token.
-                _ => unsafe { bf16_tokens::<1>(row, cols, x, t, o) },
-            }
-        }
+    let mut t = 0;
+    while t + TOKEN_BLOCK <= n {
+        // SAFETY: CPU features are this function's contract.
+        unsafe { bf16_tokens::<MATMUL_ROWS, TOKEN_BLOCK>(w, cols, x, n, t, out) };
+        t += TOKEN_BLOCK;
+    }
+    match n - t {
+        0 => {}
+        // SAFETY: as above, for the 3 remaining tokens.
+        3 => unsafe { bf16_tokens::<MATMUL_ROWS, 3>(w, cols, x, n, t, out) },
+        // SAFETY: as above, for the 2 remaining tokens.
+        2 => unsafe { bf16_tokens::<MATMUL_ROWS, 2>(w, cols, x, n, t, out) },
+        // SAFETY: as above, for the last token (all of a matvec).
+        _ => unsafe { bf16_tokens::<MATVEC_ROWS, 1>(w, cols, x, n, t, out) },
     }
 }
 

@@ -44,10 +44,11 @@ pub use tier::{active_tier, choose_tier, select_tier, Tier, TierError, SIMD_ENV}
 
 use rayon::prelude::*;
 
-/// Output rows per parallel task. Fixed, so the work split never depends on the thread count
-/// (and a row's result never depends on the split anyway). 16 rows of the widest bf16 matrix
-/// (12288 columns, 393 KB) stay in L2 while a multi-token product passes each token block over
-/// them.
+/// Output rows per task (run in parallel, or in order on the calling thread). Fixed, so the work
+/// split never depends on the thread count (and a row's result never depends on the split
+/// anyway). 16 rows of the widest bf16 matrix (12288 columns, 393 KB) stay in L2 while a
+/// multi-token product passes each token block over them; 16 is a multiple of the SIMD tiers'
+/// 8-row bf16 decode blocks.
 pub const ROW_CHUNK: usize = 16;
 
 /// Below this many multiply-adds (`rows·cols·n`) a matrix kernel runs on the calling thread.
@@ -237,11 +238,12 @@ impl Kernels {
             y.fill(0.0);
             return;
         }
+        let xs = self.split_activations(x, cols);
         let row_bytes = cols * 2;
         by_rows(rows, cols, n, y, |r0, out| {
             let k = out.len() / n;
             let wr = &w[r0 * row_bytes..(r0 + k) * row_bytes];
-            by_tier!(self, bf16_rows(wr, cols, x, n, out))
+            by_tier!(self, bf16_rows(wr, cols, &xs, n, out))
         });
     }
 
@@ -290,18 +292,7 @@ impl Kernels {
             y.fill(0.0);
             return;
         }
-        // The SIMD tiers read each group's activations as [even columns | odd columns] so that
-        // the low/high nibbles map onto whole vectors; rearrange once per call.
-        let lanes = match self.tier {
-            Tier::Scalar => 0,
-            Tier::Avx2 => 8,
-            Tier::Avx512 => 16,
-        };
-        let xs = if lanes == 0 {
-            std::borrow::Cow::Borrowed(x)
-        } else {
-            std::borrow::Cow::Owned(split_even_odd(x, lanes))
-        };
+        let xs = self.split_activations(x, cols);
         let (pw, sw) = (cols / 2, cols / 32);
         by_rows(rows, cols, n, y, |r0, out| {
             let k = out.len() / n;
@@ -311,6 +302,19 @@ impl Kernels {
             );
             by_tier!(self, mxfp4_rows(p, s, cols, &xs, n, out))
         });
+    }
+
+    /// `x [n, cols]` in the layout this tier's bf16 and MXFP4 kernels read: unchanged for the
+    /// scalar tier; for the SIMD tiers, [`split_even_odd_rows`] with the tier's f32 lane count
+    /// (so one 32-bit lane holding two bf16, or one byte holding two E2M1 nibbles, feeds the
+    /// same lane of an even-column and an odd-column vector). Once per call: `O(n·cols)`.
+    fn split_activations(self, x: &[f32], cols: usize) -> std::borrow::Cow<'_, [f32]> {
+        let lanes = match self.tier {
+            Tier::Scalar => return std::borrow::Cow::Borrowed(x),
+            Tier::Avx2 => 8,
+            Tier::Avx512 => 16,
+        };
+        std::borrow::Cow::Owned(split_even_odd_rows(x, cols, lanes))
     }
 
     /// [`dot_f32`] on this tier.
@@ -331,9 +335,14 @@ where
     }
     let serial = rows.saturating_mul(cols).saturating_mul(n) < PAR_MIN_MACS
         || rayon::current_num_threads() == 1;
+    // Serial runs use the same chunks in order: with several tokens, a chunk's rows stay in L2
+    // while every token block passes over them (one call over all rows would stream the whole
+    // matrix from memory once per token block).
     let run = |out: &mut [f32]| {
         if serial {
-            f(0, out)
+            out.chunks_mut(ROW_CHUNK * n)
+                .enumerate()
+                .for_each(|(i, o)| f(i * ROW_CHUNK, o));
         } else {
             out.par_chunks_mut(ROW_CHUNK * n)
                 .enumerate()
@@ -354,18 +363,77 @@ where
     }
 }
 
-/// Rearranges every block of `2·lanes` activations as `[evens | odds]` (the order in which the
-/// SIMD tiers consume MXFP4 nibbles: byte `i` of a block holds columns `2i` and `2i+1`).
-fn split_even_odd(x: &[f32], lanes: usize) -> Vec<f32> {
+/// Rearranges each `cols`-float row of `x` (one token) in blocks of `2·lanes` columns as
+/// `[lanes even columns | lanes odd columns]`; the last `cols mod 2·lanes` columns of each row
+/// stay in order. This is the order in which the SIMD tiers consume bf16 pairs (the two halves of
+/// a 32-bit lane) and MXFP4 nibbles (byte `i` of a block holds columns `2i` and `2i+1`).
+fn split_even_odd_rows(x: &[f32], cols: usize, lanes: usize) -> Vec<f32> {
+    assert!(cols > 0 && lanes > 0 && x.len().is_multiple_of(cols));
     let block = 2 * lanes;
-    assert!(x.len().is_multiple_of(block));
-    let mut out = vec![0.0f32; x.len()];
-    for (src, dst) in x.chunks_exact(block).zip(out.chunks_exact_mut(block)) {
-        let (ev, od) = dst.split_at_mut(lanes);
-        for i in 0..lanes {
-            ev[i] = src[2 * i];
-            od[i] = src[2 * i + 1];
+    let mut out = x.to_vec();
+    for (src, dst) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
+        for (s, d) in src.chunks_exact(block).zip(dst.chunks_exact_mut(block)) {
+            let (ev, od) = d.split_at_mut(lanes);
+            for i in 0..lanes {
+                ev[i] = s[2 * i];
+                od[i] = s[2 * i + 1];
+            }
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_even_odd_rows_permutes_whole_blocks_of_each_row_and_keeps_tails() {
+        for lanes in [8usize, 16] {
+            let block = 2 * lanes;
+            for cols in [
+                1,
+                7,
+                block - 1,
+                block,
+                block + 1,
+                2 * block + lanes + 3,
+                5 * block,
+            ] {
+                let n = 3;
+                // Value = token·10000 + column: the layout can be read back from the values.
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| ((i / cols) * 10_000 + i % cols) as f32)
+                    .collect();
+                let y = split_even_odd_rows(&x, cols, lanes);
+                assert_eq!(y.len(), x.len());
+                for t in 0..n {
+                    let row = &y[t * cols..(t + 1) * cols];
+                    let whole = cols / block * block;
+                    for (j, &v) in row.iter().enumerate() {
+                        let col = if j < whole {
+                            let (b, k) = (j / block, j % block);
+                            b * block
+                                + if k < lanes {
+                                    2 * k
+                                } else {
+                                    2 * (k - lanes) + 1
+                                }
+                        } else {
+                            j
+                        };
+                        assert_eq!(
+                            v,
+                            (t * 10_000 + col) as f32,
+                            "lanes {lanes} cols {cols} [{t},{j}]"
+                        );
+                    }
+                    // A permutation of the token's own columns.
+                    let mut sorted: Vec<f32> = row.to_vec();
+                    sorted.sort_by(f32::total_cmp);
+                    assert_eq!(sorted, x[t * cols..(t + 1) * cols]);
+                }
+            }
+        }
+    }
 }
