@@ -105,6 +105,45 @@ pub fn place(cap: u64, len: u64, cursor: u64, blocked: &[(u64, u64)]) -> Option<
     cands.into_iter().min_by_key(|&c| (c < cursor, c))
 }
 
+/// Like [`place`], but `soft` ranges may be overlapped (memory in use now that will be released
+/// soon): the position overlapping them least, then the first from `cursor`. Returns the position
+/// and how many bytes of it overlap `soft`; `None` when nothing avoids `blocked`.
+pub fn place_min_overlap(
+    cap: u64,
+    len: u64,
+    cursor: u64,
+    blocked: &[(u64, u64)],
+    soft: &[(u64, u64)],
+) -> Option<(u64, u64)> {
+    let a = ALIGN as u64;
+    let up = |x: u64| x.div_ceil(a) * a;
+    let down = |x: u64| x / a * a;
+    // The overlap is piecewise linear in the position: its minimum is at a breakpoint, where an
+    // edge of the extent meets an edge of a range or of the arena.
+    let mut cands: Vec<u64> = vec![up(cursor), 0];
+    if let Some(last) = cap.checked_sub(len) {
+        cands.push(down(last));
+    }
+    for &(s, l) in blocked.iter().chain(soft) {
+        for edge in [s, s + l] {
+            cands.push(up(edge));
+            if let Some(c) = edge.checked_sub(len) {
+                cands.push(down(c));
+            }
+        }
+    }
+    let overlap = |c: u64, r: &[(u64, u64)]| -> u64 {
+        r.iter()
+            .map(|&(s, l)| (c + len).min(s + l).saturating_sub(c.max(s)))
+            .sum()
+    };
+    cands
+        .into_iter()
+        .filter(|&c| c.checked_add(len).is_some_and(|e| e <= cap) && overlap(c, blocked) == 0)
+        .map(|c| (c, overlap(c, soft)))
+        .min_by_key(|&(c, o)| (o, c < cursor, c))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -156,6 +195,59 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_least_overlapping_position_is_found() {
+        // Brute force over every aligned position of small arenas with one blocked and two soft
+        // ranges.
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        for _ in 0..3000 {
+            let cap = 1 + next(12);
+            let len = 1 + next(cap);
+            let cursor = next(cap);
+            let nb = next(2);
+            let ns = next(3);
+            let mut r = || {
+                let s = next(cap);
+                (s * P, (1 + next(cap - s)) * P)
+            };
+            let blocked: Vec<_> = (0..nb).map(|_| r()).collect();
+            let soft: Vec<_> = (0..ns).map(|_| r()).collect();
+            let ov = |c: u64, rs: &[(u64, u64)]| -> u64 {
+                rs.iter()
+                    .map(|&(s, l)| (c + len * P).min(s + l).saturating_sub(c.max(s)))
+                    .sum()
+            };
+            let best = (0..=cap - len)
+                .map(|c| c * P)
+                .filter(|&c| ov(c, &blocked) == 0)
+                .map(|c| ov(c, &soft))
+                .min();
+            let got = place_min_overlap(cap * P, len * P, cursor * P, &blocked, &soft);
+            match (got, best) {
+                (None, None) => {}
+                (Some((c, o)), Some(b)) => {
+                    assert_eq!(o, b, "cap {cap} len {len} {blocked:?} {soft:?}");
+                    assert_eq!(o, ov(c, &soft));
+                    assert_eq!(ov(c, &blocked), 0);
+                    assert!(c % P == 0 && c + len * P <= cap * P);
+                }
+                (g, b) => panic!("got {g:?}, brute force {b:?}: cap {cap} len {len} {blocked:?}"),
+            }
+        }
+        // No soft ranges: the same position as `place`.
+        assert_eq!(
+            place_min_overlap(10 * P, 3 * P, 8 * P, &[(0, P)], &[]),
+            Some((P, 0))
+        );
+        assert_eq!(place(10 * P, 3 * P, 8 * P, &[(0, P)]), Some(P));
     }
 
     #[test]

@@ -405,30 +405,60 @@ impl DiskFile {
     /// offset inside `dst` where byte `off` landed (`off % ALIGN`); bytes of `dst` outside
     /// `[inner, inner+len)` are unspecified afterwards.
     pub fn read_span(&self, off: u64, len: u64, dst: &mut [u8]) -> Result<usize, ReadError> {
-        self.check_range(off, len)?;
         let span = span_len(off, len).ok_or_else(|| self.err(off, len, "length overflows"))?;
-        if (dst.len() as u64) < span || !(dst.as_ptr() as usize).is_multiple_of(ALIGN) {
+        if (dst.len() as u64) < span {
             return Err(self.err(
                 off,
                 len,
                 format_args!(
-                    "destination buffer of {} bytes is too small or unaligned (needs {span})",
+                    "destination buffer of {} bytes is too small (needs {span})",
                     dst.len()
+                ),
+            ));
+        }
+        self.read_span_window(off, len, &mut dst[..span as usize], 0)
+    }
+
+    /// The part `[at, at + window.len())` of what [`DiskFile::read_span`]`(off, len, ..)` writes
+    /// into its destination, written into `window` (the same bytes: a span read window by window
+    /// equals one read). `at` is a multiple of [`ALIGN`], `window` is [`ALIGN`]-aligned, and its
+    /// length is a multiple of [`ALIGN`] or reaches the end of the span. Returns `off % ALIGN`,
+    /// like `read_span`.
+    pub fn read_span_window(
+        &self,
+        off: u64,
+        len: u64,
+        window: &mut [u8],
+        at: usize,
+    ) -> Result<usize, ReadError> {
+        self.check_range(off, len)?;
+        let span = span_len(off, len).ok_or_else(|| self.err(off, len, "length overflows"))?;
+        let end = at as u64 + window.len() as u64;
+        if !(window.as_ptr() as usize).is_multiple_of(ALIGN)
+            || !at.is_multiple_of(ALIGN)
+            || end > span
+            || (!window.len().is_multiple_of(ALIGN) && end != span)
+        {
+            return Err(self.err(
+                off,
+                len,
+                format_args!(
+                    "window [{at}, {end}) of a {span}-byte span is unaligned or out of range"
                 ),
             ));
         }
         let aoff = align_down(off);
         let inner = (off - aoff) as usize;
-        let need = inner + len as usize;
-        if len == 0 {
+        // The window's bytes that belong to [off, off+len), in span coordinates.
+        let lo = at.max(inner);
+        let hi = (end as usize).min(inner + len as usize);
+        if lo >= hi {
             return Ok(inner);
         }
-        if self.is_direct()
-            && self.direct_read(aoff, &mut dst[..span as usize], need, (off, len))?
-        {
+        if self.is_direct() && self.direct_read(aoff + at as u64, window, hi - at, (off, len))? {
             return Ok(inner);
         }
-        self.pread_exact(off, &mut dst[inner..need])?;
+        self.pread_exact(aoff + lo as u64, &mut window[lo - at..hi - at])?;
         Ok(inner)
     }
 
@@ -592,7 +622,31 @@ mod tests {
             let mut v = vec![0u8; len as usize];
             f.read_exact_at(off, &mut v).unwrap();
             assert_eq!(&v[..], &data[off as usize..(off + len) as usize]);
+            // Window by window, last window first, the span gets the same bytes.
+            let span = span_len(off, len).unwrap() as usize;
+            let mut w = AlignedBuf::zeroed(span).unwrap();
+            for a in (0..span).step_by(ALIGN).rev() {
+                let b = (a + ALIGN).min(span);
+                let got = f
+                    .read_span_window(off, len, &mut w.as_mut_slice()[a..b], a)
+                    .unwrap();
+                assert_eq!(got as u64, off % 4096);
+            }
+            let inner = (off % 4096) as usize;
+            assert!(
+                w.as_slice()[inner..inner + len as usize]
+                    == data[off as usize..(off + len) as usize],
+                "windows: off {off} len {len}"
+            );
         }
+        // Unaligned windows are refused.
+        let mut w = AlignedBuf::zeroed(3 * ALIGN).unwrap();
+        assert!(f
+            .read_span_window(0, 3 * ALIGN as u64, &mut w.as_mut_slice()[1..ALIGN + 1], 1)
+            .is_err());
+        assert!(f
+            .read_span_window(0, 3 * ALIGN as u64, &mut w.as_mut_slice()[..100], 0)
+            .is_err());
     }
 
     #[test]

@@ -25,7 +25,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::arena::{place, ArenaMem};
+use crate::arena::{place, place_min_overlap, ArenaMem};
 use crate::io::{align_up, run_parallel, AlignedBuf};
 use crate::source::{ByteOwner, LayerRun, Region, SourceError};
 use crate::trunk::TrunkLayout;
@@ -72,6 +72,9 @@ pub struct StreamStats {
     pub ready_on_demand: u64,
     /// Layers read ahead and overwritten before anyone used them (wasted reads).
     pub evicted_unused: u64,
+    /// Bytes of layers read into the part of their extent that was free while the rest was
+    /// still in use by the layer being computed (the rest is read once it is released).
+    pub early_bytes: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -90,6 +93,8 @@ struct Extent {
     lease: Weak<RingLease>,
     /// Handed out at least once since it was read.
     used: bool,
+    /// Filling, the free part read, waiting for layers in use that overlap it to be released.
+    waiting: bool,
 }
 
 impl Extent {
@@ -98,6 +103,9 @@ impl Extent {
     }
     fn range(&self) -> (u64, u64) {
         (self.off, self.len)
+    }
+    fn overlaps(&self, off: u64, len: u64) -> bool {
+        off < self.off + self.len && self.off < off + len
     }
 }
 
@@ -162,9 +170,10 @@ struct RingLease {
 impl ByteOwner for RingLease {
     fn bytes(&self) -> &[u8] {
         // SAFETY: `off..off+len` lies inside a Ready extent (checked when the lease was made,
-        // under the lock). The reader claims a range only after checking, under the same lock,
-        // that no extent overlapping it has a live lease; this lease is live while `&self` is,
-        // so nothing writes these bytes while the returned borrow exists.
+        // under the lock). The reader writes a range only while, as decided under the same
+        // lock, no extent overlapping it has a live lease (a claim overlapping a leased extent
+        // reads only the part outside it until that extent is released and dropped); this
+        // lease is live while `&self` is, so nothing writes these bytes while the borrow exists.
         unsafe { self.shared.mem.range(self.off, self.len) }
     }
 }
@@ -467,9 +476,17 @@ impl TrunkStream {
                 .filter(|e| e.leased())
                 .map(Extent::range)
                 .collect();
-            let filling = g.extents.iter().any(|e| e.state == ExtState::Filling);
-            let stuck = place(sh.mem.len() as u64, sh.extent_len(l), g.cursor, &leased).is_none();
-            if !stuck || filling {
+            // A read in progress will finish; while the reader waits for layers in use to be
+            // released (to finish a partial read) it serves nothing else, so that depends on
+            // them like a layer that does not fit.
+            let progressing = g
+                .extents
+                .iter()
+                .any(|e| e.state == ExtState::Filling && !e.waiting);
+            let parked = g.extents.iter().any(|e| e.waiting);
+            let stuck =
+                parked || place(sh.mem.len() as u64, sh.extent_len(l), g.cursor, &leased).is_none();
+            if !stuck || progressing {
                 deadline = now + self.demand_timeout;
             } else if now >= deadline {
                 if g.demand == Some(l) {
@@ -509,7 +526,9 @@ impl Drop for TrunkStream {
     }
 }
 
-/// What the reader should read next and where: `(layer, offset)`, or `None` to wait.
+/// What the reader should read next and where: `(layer, offset)`, or `None` to wait. A
+/// read-ahead of the very next layer may overlap the layer in use (a "partial" claim): the free
+/// part is read at once, the rest when that layer is released.
 fn next_read(sh: &Shared, st: &State) -> Option<(usize, u64)> {
     let cap = sh.mem.len() as u64;
     let present = |l: usize| st.extents.iter().any(|e| e.layer == l);
@@ -532,17 +551,72 @@ fn next_read(sh: &Shared, st: &State) -> Option<(usize, u64)> {
         .map(|k| sh.first + (from - sh.first + k) % sh.n_streamed())
         .find(|&l| !present(l))?;
     let d = sh.distance(from, l);
+    let hard = |e: &&Extent| {
+        e.state == ExtState::Filling
+            || (!matches!(e.state, ExtState::Failed(_)) && sh.distance(from, e.layer) < d)
+    };
     let blocked: Vec<(u64, u64)> = st
         .extents
         .iter()
-        .filter(|e| {
-            e.leased()
-                || e.state == ExtState::Filling
-                || (!matches!(e.state, ExtState::Failed(_)) && sh.distance(from, e.layer) < d)
-        })
+        .filter(|e| e.leased() || hard(e))
         .map(Extent::range)
         .collect();
-    place(cap, sh.extent_len(l), st.cursor, &blocked).map(|off| (l, off))
+    let len = sh.extent_len(l);
+    if let Some(off) = place(cap, len, st.cursor, &blocked) {
+        return Some((l, off));
+    }
+    if d > 0 || !sh.layout.windowed(l) {
+        return None;
+    }
+    let soft: Vec<(u64, u64)> = st
+        .extents
+        .iter()
+        .filter(|e| e.leased() && !hard(e))
+        .map(Extent::range)
+        .collect();
+    let hard: Vec<(u64, u64)> = st
+        .extents
+        .iter()
+        .filter(|e| !e.leased() && hard(e))
+        .map(Extent::range)
+        .collect();
+    place_min_overlap(cap, len, st.cursor, &hard, &soft)
+        .filter(|&(_, overlap)| overlap < len)
+        .map(|(off, _)| (l, off))
+}
+
+/// `[0, len)` minus `busy` (sorted, disjoint sub-ranges `(start, len)`), as `(start, end)`.
+fn free_windows(len: u64, busy: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for &(s, l) in busy {
+        if s > at {
+            out.push((at, s));
+        }
+        at = at.max(s + l);
+    }
+    if at < len {
+        out.push((at, len));
+    }
+    out
+}
+
+/// Read windows `(start, end)` (relative to the extent) of layer `l` into its extent at `off`.
+fn read_windows(sh: &Shared, l: usize, off: u64, windows: &[(u64, u64)]) -> Result<usize, String> {
+    let mut inner = 0;
+    for &(a, b) in windows {
+        // SAFETY: the window lies inside the extent claimed for this read ([off, off+len) is in
+        // the arena) and, when it is read, overlaps no extent with a live lease: the claim
+        // dropped every non-leased extent it overlaps, the windows read first exclude the
+        // leased ones, and the rest is read only after those were released and dropped, all
+        // decided under the ring's lock, where leases are also made.
+        let dst = unsafe { sh.mem.range_mut((off + a) as usize, (b - a) as usize) };
+        inner = sh
+            .layout
+            .read_layer_window(l, dst, a as usize)
+            .map_err(|e| e.0)?;
+    }
+    Ok(inner)
 }
 
 /// The reader thread.
@@ -557,15 +631,25 @@ fn reader(sh: &Shared) {
             continue;
         };
         let len = sh.extent_len(l);
-        // Claim [off, off+len): drop the extents it overlaps (none is leased or being read).
+        // Claim [off, off+len): drop the extents it overlaps that are not in use; the ones in
+        // use (a partial claim) stay until released.
         let mut wasted = 0;
+        let mut busy: Vec<(u64, u64)> = Vec::new();
         g.extents.retain(|e| {
-            let overlaps = off < e.off + e.len && e.off < off + len;
-            if overlaps && !e.used && matches!(e.state, ExtState::Ready { .. }) {
+            if !e.overlaps(off, len) {
+                return true;
+            }
+            if e.leased() {
+                let s = e.off.max(off);
+                busy.push((s - off, (e.off + e.len).min(off + len) - s));
+                return true;
+            }
+            if !e.used && matches!(e.state, ExtState::Ready { .. }) {
                 wasted += 1;
             }
-            !overlaps
+            false
         });
+        busy.sort_unstable();
         g.stats.evicted_unused += wasted;
         g.extents.push(Extent {
             layer: l,
@@ -574,20 +658,58 @@ fn reader(sh: &Shared) {
             state: ExtState::Filling,
             lease: Weak::new(),
             used: false,
+            waiting: false,
         });
         g.cursor = off + len;
         g.reading = true;
         drop(g);
         let t0 = Instant::now();
-        // SAFETY: [off, off+len) is inside the arena (`place` checks against its length) and was
-        // just claimed under the lock: every extent overlapping it was dropped, none of them
-        // leased (so no RingLease — the only readers of arena bytes — points into it), and a
-        // Filling extent is never leased nor claimed again until this read is published.
-        let dst = unsafe { sh.mem.range_mut(off as usize, len as usize) };
-        let res = sh.layout.read_layer(l, dst).map_err(|e| e.0);
-        let secs = t0.elapsed().as_secs_f64();
-        let ok = res.is_ok();
+        let mut res = if busy.is_empty() {
+            // SAFETY: [off, off+len) is inside the arena (`place` checks against its length)
+            // and was just claimed under the lock: every extent overlapping it was dropped, none
+            // of them leased (so no RingLease — the only readers of arena bytes — points into
+            // it), and a Filling extent is never leased nor claimed again until this read is
+            // published.
+            let dst = unsafe { sh.mem.range_mut(off as usize, len as usize) };
+            sh.layout.read_layer(l, dst).map_err(|e| e.0)
+        } else {
+            read_windows(sh, l, off, &free_windows(len, &busy))
+        };
+        let mut secs = t0.elapsed().as_secs_f64();
         g = sh.lock();
+        if !busy.is_empty() && res.is_ok() {
+            g.stats.early_bytes += len - busy.iter().map(|b| b.1).sum::<u64>();
+            // Wait until the layers in use that overlap the claim are released, drop them, read
+            // the rest.
+            g.reading = false;
+            let me = |e: &Extent| e.layer == l && e.off == off;
+            if let Some(e) = g.extents.iter_mut().find(|e| me(e)) {
+                e.waiting = true;
+            }
+            sh.cv.notify_all();
+            while g
+                .extents
+                .iter()
+                .any(|e| !me(e) && e.overlaps(off, len) && e.leased())
+            {
+                if g.shutdown {
+                    return;
+                }
+                g = sh.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+            }
+            g.extents.retain(|e| me(e) || !e.overlaps(off, len));
+            if let Some(e) = g.extents.iter_mut().find(|e| me(e)) {
+                e.waiting = false;
+            }
+            g.reading = true;
+            drop(g);
+            let windows: Vec<(u64, u64)> = busy.iter().map(|&(s, l)| (s, s + l)).collect();
+            let t1 = Instant::now();
+            res = read_windows(sh, l, off, &windows);
+            secs += t1.elapsed().as_secs_f64();
+            g = sh.lock();
+        }
+        let ok = res.is_ok();
         g.reading = false;
         if let Some(e) = g.extents.iter_mut().find(|e| e.layer == l && e.off == off) {
             e.state = match res {
@@ -610,7 +732,7 @@ impl TrunkStream {
     fn quiesce(&self) {
         let sh = &self.shared;
         let mut g = sh.lock();
-        while g.reading || next_read(sh, &g).is_some() {
+        while g.reading || (next_read(sh, &g).is_some() && !g.extents.iter().any(|e| e.waiting)) {
             g = sh
                 .cv
                 .wait_timeout(g, Duration::from_millis(20))
@@ -772,6 +894,51 @@ mod tests {
         );
         assert_eq!(st.evicted_unused, 0, "{st:?}");
         assert!(st.ready_on_demand >= 10 * 3, "{st:?}");
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    /// The next layer does not fit beside the one in use: its free part is read at once, the
+    /// rest after the layer in use is released — and the layer in use is never touched.
+    #[test]
+    fn a_partial_read_ahead_fills_around_the_layer_in_use() {
+        let spec = Spec::small(6, 2);
+        let w = fixture::write(&spec, "partial");
+        let packed_dir = w.dir.join("packed");
+        pack_trunk(&w.catalog, &packed_dir, &mut |_| {}).unwrap();
+        let shards = open_shards(&w.catalog).unwrap();
+        let layouts = [
+            Arc::new(TrunkLayout::from_packed(&w.catalog, shards.clone(), &packed_dir).unwrap()),
+            Arc::new(TrunkLayout::from_catalog(&w.catalog, shards)),
+        ];
+        for layout in layouts {
+            assert!((0..6).all(|l| layout.windowed(l)));
+            let (e1, e2) = (ext(&layout, 1), ext(&layout, 2));
+            let min = TrunkStream::min_ring_bytes(&layout, 1);
+            // Layer 2 overlaps the held layer 1 by two pages.
+            let ring = (e1 + e2 - 2 * 4096).max(min);
+            let s = stream(layout.clone(), 1, ring, 300);
+            let run1 = s.layer(1).unwrap();
+            s.quiesce();
+            let st = s.stats();
+            assert_eq!(st.early_bytes, e2 - (e1 + e2 - ring), "{st:?}");
+            assert_eq!(s.present(), vec![1, 2]);
+            // Asking for layer 2 while holding the layer it waits for fails instead of hanging.
+            let e = s.layer(2).unwrap_err().to_string();
+            assert!(e.contains("layers in use fill"), "{e}");
+            verify(&spec, &run1);
+            drop(run1);
+            let run2 = s.layer(2).unwrap();
+            verify(&spec, &run2);
+            assert_eq!(s.stats().layer_reads, 2);
+            drop(run2);
+            // The scan goes on from layer 3, then five whole passes.
+            for l in (3..6).chain((0..5).flat_map(|_| 0..6)) {
+                let run = s.layer(l).unwrap();
+                verify(&spec, &run);
+            }
+            let st = s.stats();
+            assert!(st.early_bytes > e2 && st.evicted_unused == 0, "{st:?}");
+        }
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 

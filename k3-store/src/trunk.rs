@@ -611,6 +611,43 @@ impl TrunkLayout {
         }
     }
 
+    /// True when layer `l` can be read window by window ([`TrunkLayout::read_layer_window`]):
+    /// its run is one contiguous file range (packed, or contiguous in its shard).
+    pub fn windowed(&self, l: usize) -> bool {
+        self.plan(l)
+            .is_some_and(|p| !matches!(p.source, RunSource::Scattered { .. }))
+    }
+
+    /// The part `[at, at + window.len())` of what [`TrunkLayout::read_layer`] writes into its
+    /// buffer, written into `window` (`at` a multiple of [`crate::io::ALIGN`], `window` aligned;
+    /// see [`DiskFile::read_span_window`]). Returns the run's offset in the whole buffer, like
+    /// `read_layer`. Only for [`TrunkLayout::windowed`] layers.
+    pub fn read_layer_window(
+        &self,
+        l: usize,
+        window: &mut [u8],
+        at: usize,
+    ) -> Result<usize, ReadError> {
+        let p = self
+            .plan(l)
+            .ok_or_else(|| ReadError(format!("layer {l} is not in the checkpoint")))?;
+        match &p.source {
+            RunSource::Packed { file_off } => {
+                let f = self
+                    .packed
+                    .as_ref()
+                    .ok_or_else(|| ReadError("no trunk.bin".into()))?;
+                f.read_span_window(*file_off, p.run_len, window, at)
+            }
+            RunSource::Contiguous { shard, off } => self
+                .shard(*shard)?
+                .read_span_window(*off, p.run_len, window, at),
+            RunSource::Scattered { .. } => Err(ReadError(format!(
+                "layer {l} is scattered over its shards: it cannot be read by windows"
+            ))),
+        }
+    }
+
     fn shard(&self, s: u16) -> Result<&DiskFile, ReadError> {
         self.shards
             .get(s as usize)
