@@ -148,8 +148,10 @@ def summarize_run(run: dict, trunk_per_step: int):
     total = run["bytes_read"] or 1
     io_wait = run["io_share"] * run["wall_seconds"]
     dec_sec = [s["seconds"] for s in dec]
-    mean_dec_bytes = statistics.mean(dec_bytes) if dec_bytes else 0.0
-    trunk_tok = min(trunk_per_step, mean_dec_bytes) if dec_bytes else 0.0
+    # The median step: a layer read that completes just before or after a step's end is
+    # counted in that step or the next, so single steps can show one layer too many or too few.
+    med_dec_bytes = statistics.median(dec_bytes) if dec_bytes else 0.0
+    trunk_tok = min(trunk_per_step, med_dec_bytes) if dec_bytes else 0.0
     if dec and all("io_wait_seconds" in s for s in dec):
         # The worker measures each step's blocked time and read time itself.
         wait_tok = statistics.mean(s["io_wait_seconds"] for s in dec)
@@ -157,14 +159,14 @@ def summarize_run(run: dict, trunk_per_step: int):
         hidden = 1.0 - sum(s["io_wait_seconds"] for s in dec) / read if read > 0 else None
     else:
         # Older workers report one total: apportion it to decode steps by bytes read.
-        wait_tok = io_wait * mean_dec_bytes / total if n > 1 else 0.0
+        wait_tok = io_wait * med_dec_bytes / total if n > 1 else 0.0
         hidden = None
     return {
         "prefill_s": steps[0]["seconds"],
         "decode_s": dec_sec,
         "decode_bytes": dec_bytes,
         "trunk_bytes_per_token": trunk_tok,
-        "expert_bytes_per_token": max(0.0, mean_dec_bytes - trunk_tok),
+        "expert_bytes_per_token": max(0.0, med_dec_bytes - trunk_tok),
         "io_share": run["io_share"],
         "io_wait_per_decode_token_s": wait_tok,
         "decode_io_hidden": None if hidden is None else max(0.0, min(1.0, hidden)),
@@ -182,7 +184,7 @@ def summarize_run(run: dict, trunk_per_step: int):
 def fmt_table(rows) -> str:
     head = ("budget", "pinned", "prefill s", "decode s/tok (min-max)", "GB/tok trunk+exp",
             "I/O share", "I/O hidden", "TRUE hit", "peak RSS GB", "floor s", "floor ratio",
-            "ids hash")
+            "per-run ratio", "ids hash")
     lines = [head]
     for r in rows:
         d = r["decode_s"]
@@ -194,12 +196,82 @@ def fmt_table(rows) -> str:
             f"{100 * r['decode_io_hidden']:.0f}%" if r.get("decode_io_hidden") is not None else "-",
             f"{100 * r['true_resident_hit_rate']:.1f}%",
             f"{r['peak_rss_gb']:.2f}", f"{r['floor']['floor_s']:.3f} ({r['floor']['bound']})",
-            f"{r['floor_ratio']:.2f}" if r["floor_ratio"] else "-", r["ids_hash"]))
+            f"{r['floor_ratio']:.2f}" if r["floor_ratio"] else "-",
+            (f"{pr['median']:.2f} ({pr['min']:.2f}-{pr['max']:.2f})"
+             if (pr := r.get("floor_ratio_per_run")) else "-"),
+            r["ids_hash"]))
     w = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(x[i]).ljust(w[i]) for i in range(len(head))) for x in lines)
 
 
 # ---------------------------------------------------------------- running things
+
+def direct_rates(trunk_bin: Path, shards, expert_bytes: int, seconds: float, seed: int):
+    """The disk right now, on the checkpoint's own files (what the engine reads): sequential
+    64 MiB O_DIRECT reads of trunk.bin and random expert-sized O_DIRECT reads of the shards by
+    ENGINE_EXPERT_READERS threads, `seconds` each. Returns (sequential MB/s, random MB/s)."""
+    import mmap
+    import random
+    import threading
+
+    def timed_reads(path: Path, size: int, offsets, stop: float) -> int:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+        done = 0
+        try:
+            for off in offsets:
+                if time.monotonic() >= stop:
+                    break
+                try:
+                    done += os.preadv(fd, [buf], off)
+                except OSError:  # no O_DIRECT on this filesystem (tmpfs): buffered reads
+                    os.close(fd)
+                    fd = os.open(path, os.O_RDONLY)
+                    done += os.preadv(fd, [buf], off)
+        finally:
+            os.close(fd)
+            buf.close()
+        return done
+
+    seq_size = 64 << 20
+    n = os.path.getsize(trunk_bin)
+    start = random.Random(seed).randrange(max(1, n // seq_size)) * seq_size
+
+    def seq_offsets():
+        off = start
+        while True:
+            if off + seq_size > n:
+                off = 0
+            yield off
+            off += seq_size
+    t0 = time.monotonic()
+    got = timed_reads(trunk_bin, seq_size, seq_offsets(), t0 + seconds)
+    seq = got / (time.monotonic() - t0) / 1e6
+
+    size = align_up(expert_bytes)
+    files = [(f, os.path.getsize(f)) for f in shards if os.path.getsize(f) > size + ALIGN]
+    totals = [0] * ENGINE_EXPERT_READERS
+
+    def worker(i: int, stop: float):
+        rng = random.Random(seed * 1000 + i)
+
+        def offs():
+            while True:
+                f, n = files[rng.randrange(len(files))]
+                yield f, rng.randrange((n - size) // ALIGN) * ALIGN
+        for f, off in offs():
+            if time.monotonic() >= stop:
+                return
+            totals[i] += timed_reads(f, size, [off], stop + 60)
+    t0 = time.monotonic()
+    th = [threading.Thread(target=worker, args=(i, t0 + seconds)) for i in range(len(totals))]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    rnd = sum(totals) / (time.monotonic() - t0) / 1e6
+    return seq, rnd
+
 
 def sh(cmd, **kw):
     print("+ " + " ".join(str(c) for c in cmd), file=sys.stderr, flush=True)
@@ -472,6 +544,10 @@ def main(argv=None):
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--doctor-seconds", type=float, default=None)
     ap.add_argument("--doctor-dir", type=Path, default=None)
+    ap.add_argument("--rep-disk-seconds", type=float, default=2.0,
+                    help="after every run, measure sequential (trunk.bin) and random QD8 (shards) "
+                         "O_DIRECT rates on the checkpoint's own files for this long each and "
+                         "report a floor ratio against them too (0: off; off with --quick)")
     ap.add_argument("--bins", type=Path, default=ROOT / "target" / "release")
     ap.add_argument("--project", type=Path, metavar="BENCH_JSON",
                     help="only print the full-model projection from a k3slice bench JSON")
@@ -543,6 +619,8 @@ def run(a, reps: int, tmp: Path) -> int:
 
     # ---- budgets, interleaved
     print(f"== budgets on {model} (prompt {PROMPT}, --gen {a.gen}, {reps} rep(s))", flush=True)
+    rep_disk = 0.0 if a.quick else a.rep_disk_seconds
+    shard_files = sorted(model.glob("*.safetensors"))
     raw = {b: [] for b in names}
     info = {}
     for rep in range(reps):
@@ -556,6 +634,10 @@ def run(a, reps: int, tmp: Path) -> int:
             trunk_step = sum(rl for rl, _ in layers[p:])
             raw[b].append(summarize_run(run, trunk_step))
             s = raw[b][-1]
+            if rep_disk:
+                # The disk right after this run (so the engine never profits from the check).
+                s["disk_after_mb_s"] = direct_rates(trunk / "trunk.bin", shard_files, eb,
+                                                    rep_disk, 17 * rep + len(raw[b]))
             print(f"  {b:<13} rep {rep}: prefill {s['prefill_s']:.2f} s, decode "
                   f"{statistics.median(s['decode_s']):.3f} s/token, ids {ids_hash(s['generated_ids'])}",
                   flush=True)
@@ -580,6 +662,11 @@ def run(a, reps: int, tmp: Path) -> int:
         ex = statistics.mean(s["expert_bytes_per_token"] for s in rs)
         fl = floors(tr, ex, touched, seq, rnd, mem_gbps)
         d = med_min_max(dec)
+        # Each run against the disk measured right after it, on the checkpoint's own files.
+        per_run = [statistics.median(s["decode_s"]) / floors(
+            s["trunk_bytes_per_token"], s["expert_bytes_per_token"], touched,
+            s["disk_after_mb_s"][0], s["disk_after_mb_s"][1], mem_gbps)["floor_s"]
+            for s in rs if s.get("disk_after_mb_s") and s["decode_s"]]
         rows.append({
             "budget": b, "pinned": f"{info[b]['pinned_layers']}/{len(layers)} L, {info[b]['expert_slots']} slots",
             **info[b],
@@ -596,6 +683,8 @@ def run(a, reps: int, tmp: Path) -> int:
             "startup_s": med_min_max([s["startup_s"] for s in rs]),
             "floor": fl,
             "floor_ratio": d["median"] / fl["floor_s"] if d and fl["floor_s"] > 0 else None,
+            "floor_ratio_per_run": ({"median": statistics.median(per_run), "min": min(per_run),
+                                     "max": max(per_run)} if per_run else None),
             "ids_hash": ids_hash(rs[0]["generated_ids"]),
             "runs": rs,
         })
@@ -605,6 +694,10 @@ def run(a, reps: int, tmp: Path) -> int:
           f" / random QD{ENGINE_EXPERT_READERS} O_DIRECT {rnd:.0f} MB/s (the engine's"
           f" {ENGINE_EXPERT_READERS} expert readers), {touched / 1e9:.3f} GB touched/token /"
           f" memory {mem_gbps:.2f} GB/s at {mem_row['threads']} threads)")
+    if rep_disk:
+        print(f"per-run ratio = each run's median decode time / the floor with the disk measured "
+              f"right after that run on the checkpoint's own files ({rep_disk:.1f} s sequential "
+              f"over trunk.bin + {rep_disk:.1f} s random QD{ENGINE_EXPERT_READERS} over the shards)")
     print(f"all budgets gave identical ids: {ref}")
     out = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

@@ -16,6 +16,13 @@
 //! use. [`TrunkStream::prefetch`] only moves the read-ahead start (a forward pass that begins
 //! again at layer 0 after an error).
 //!
+//! **Partial read-ahead.** When the very next layer does not fit beside the layer in use (layer 1
+//! after the 2.34 GB layer 0 in a 3 GB arena), it is placed where it overlaps that layer least
+//! ([`crate::arena::place_min_overlap`]); the free part of its extent is read at once, page-
+//! aligned windows of the same span ([`TrunkLayout::read_layer_window`]), and the rest as soon as
+//! the layer in use is released. While it waits the reader serves nothing else, so a consumer
+//! that keeps the layer and asks for another gets the "layers in use" error after the timeout.
+//!
 //! **The one-slot hazard** (MODEL.md I38): an extent is rewritten only when no [`Region`] points
 //! into it. The regions of a layer share one lease; the reader claims a range only while no live
 //! lease overlaps it (checked under the ring's lock, where leases are also created), so the layer
