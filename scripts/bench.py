@@ -206,73 +206,6 @@ def fmt_table(rows) -> str:
 
 # ---------------------------------------------------------------- running things
 
-def direct_rates(trunk_bin: Path, shards, expert_bytes: int, seconds: float, seed: int):
-    """The disk right now, on the checkpoint's own files (what the engine reads): sequential
-    64 MiB O_DIRECT reads of trunk.bin and random expert-sized O_DIRECT reads of the shards by
-    ENGINE_EXPERT_READERS threads, `seconds` each. Returns (sequential MB/s, random MB/s)."""
-    import mmap
-    import random
-    import threading
-
-    def timed_reads(path: Path, size: int, offsets, stop: float) -> int:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-        buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
-        done = 0
-        try:
-            for off in offsets:
-                if time.monotonic() >= stop:
-                    break
-                try:
-                    done += os.preadv(fd, [buf], off)
-                except OSError:  # no O_DIRECT on this filesystem (tmpfs): buffered reads
-                    os.close(fd)
-                    fd = os.open(path, os.O_RDONLY)
-                    done += os.preadv(fd, [buf], off)
-        finally:
-            os.close(fd)
-            buf.close()
-        return done
-
-    seq_size = 64 << 20
-    n = os.path.getsize(trunk_bin)
-    start = random.Random(seed).randrange(max(1, n // seq_size)) * seq_size
-
-    def seq_offsets():
-        off = start
-        while True:
-            if off + seq_size > n:
-                off = 0
-            yield off
-            off += seq_size
-    t0 = time.monotonic()
-    got = timed_reads(trunk_bin, seq_size, seq_offsets(), t0 + seconds)
-    seq = got / (time.monotonic() - t0) / 1e6
-
-    size = align_up(expert_bytes)
-    files = [(f, os.path.getsize(f)) for f in shards if os.path.getsize(f) > size + ALIGN]
-    totals = [0] * ENGINE_EXPERT_READERS
-
-    def worker(i: int, stop: float):
-        rng = random.Random(seed * 1000 + i)
-
-        def offs():
-            while True:
-                f, n = files[rng.randrange(len(files))]
-                yield f, rng.randrange((n - size) // ALIGN) * ALIGN
-        for f, off in offs():
-            if time.monotonic() >= stop:
-                return
-            totals[i] += timed_reads(f, size, [off], stop + 60)
-    t0 = time.monotonic()
-    th = [threading.Thread(target=worker, args=(i, t0 + seconds)) for i in range(len(totals))]
-    for x in th:
-        x.start()
-    for x in th:
-        x.join()
-    rnd = sum(totals) / (time.monotonic() - t0) / 1e6
-    return seq, rnd
-
-
 def sh(cmd, **kw):
     print("+ " + " ".join(str(c) for c in cmd), file=sys.stderr, flush=True)
     return subprocess.run([str(c) for c in cmd], **kw)
@@ -291,6 +224,18 @@ def doctor(bins: Path, target_dir: Path, seconds: float, size_mib: int) -> dict:
     if r.returncode != 0:
         raise SystemExit(f"bench: k3-ctl doctor failed:\n{r.stderr}")
     return json.loads(r.stdout)
+
+
+def direct_rates(bins: Path, trunk_bin: Path, shard: Path, seconds: float):
+    """The disk right now, on the checkpoint's own files (what the engine reads; this VM's disk
+    speed depends on what the host has cached): `k3-ctl doctor` reading in place, sequential
+    O_DIRECT over trunk.bin and random expert-sized O_DIRECT reads at QD8 over a shard.
+    Returns (sequential MB/s, random MB/s)."""
+    def rate(target: Path, name: str) -> float:
+        m = {x["name"]: x for x in doctor(bins, target, seconds, 0)["disk"]["measurements"]}
+        return m[name]["mb_per_s"]["median"]
+    return (rate(trunk_bin, "sequential_direct"),
+            rate(shard, f"random_qd{ENGINE_EXPERT_READERS}"))
 
 
 def memory_bench(out: Path, full_kernels: bool) -> dict:
@@ -544,10 +489,11 @@ def main(argv=None):
     ap.add_argument("--no-build", action="store_true")
     ap.add_argument("--doctor-seconds", type=float, default=None)
     ap.add_argument("--doctor-dir", type=Path, default=None)
-    ap.add_argument("--rep-disk-seconds", type=float, default=2.0,
-                    help="after every run, measure sequential (trunk.bin) and random QD8 (shards) "
-                         "O_DIRECT rates on the checkpoint's own files for this long each and "
-                         "report a floor ratio against them too (0: off; off with --quick)")
+    ap.add_argument("--rep-disk-seconds", type=float, default=0.25,
+                    help="after every run, measure sequential (trunk.bin) and random QD8 (largest "
+                         "shard) O_DIRECT rates on the checkpoint's own files with k3-ctl doctor "
+                         "(this many seconds per round) and report a floor ratio against them too "
+                         "(0: off; off with --quick)")
     ap.add_argument("--bins", type=Path, default=ROOT / "target" / "release")
     ap.add_argument("--project", type=Path, metavar="BENCH_JSON",
                     help="only print the full-model projection from a k3slice bench JSON")
@@ -620,7 +566,8 @@ def run(a, reps: int, tmp: Path) -> int:
     # ---- budgets, interleaved
     print(f"== budgets on {model} (prompt {PROMPT}, --gen {a.gen}, {reps} rep(s))", flush=True)
     rep_disk = 0.0 if a.quick else a.rep_disk_seconds
-    shard_files = sorted(model.glob("*.safetensors"))
+    # The largest shard: the one holding most experts.
+    shard_files = sorted(model.glob("*.safetensors"), key=lambda f: -f.stat().st_size)
     raw = {b: [] for b in names}
     info = {}
     for rep in range(reps):
@@ -636,8 +583,8 @@ def run(a, reps: int, tmp: Path) -> int:
             s = raw[b][-1]
             if rep_disk:
                 # The disk right after this run (so the engine never profits from the check).
-                s["disk_after_mb_s"] = direct_rates(trunk / "trunk.bin", shard_files, eb,
-                                                    rep_disk, 17 * rep + len(raw[b]))
+                s["disk_after_mb_s"] = direct_rates(a.bins, trunk / "trunk.bin", shard_files[0],
+                                                    rep_disk)
             print(f"  {b:<13} rep {rep}: prefill {s['prefill_s']:.2f} s, decode "
                   f"{statistics.median(s['decode_s']):.3f} s/token, ids {ids_hash(s['generated_ids'])}",
                   flush=True)
@@ -696,8 +643,9 @@ def run(a, reps: int, tmp: Path) -> int:
           f" memory {mem_gbps:.2f} GB/s at {mem_row['threads']} threads)")
     if rep_disk:
         print(f"per-run ratio = each run's median decode time / the floor with the disk measured "
-              f"right after that run on the checkpoint's own files ({rep_disk:.1f} s sequential "
-              f"over trunk.bin + {rep_disk:.1f} s random QD{ENGINE_EXPERT_READERS} over the shards)")
+              f"right after that run on the checkpoint's own files (k3-ctl doctor in place: "
+              f"sequential O_DIRECT over trunk.bin, random QD{ENGINE_EXPERT_READERS} over the "
+              f"largest shard)")
     print(f"all budgets gave identical ids: {ref}")
     out = {
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),

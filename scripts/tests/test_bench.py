@@ -142,15 +142,3 @@ def test_bytes_per_token_ignore_a_layer_read_counted_in_the_next_step():
                             trunk_per_step=6_000_000_000)
     assert s["trunk_bytes_per_token"] == 6e9
     assert s["expert_bytes_per_token"] == pytest.approx(1e9)
-
-
-def test_direct_rates_read_the_checkpoint_files(tmp_path):
-    trunk = tmp_path / "trunk.bin"
-    trunk.write_bytes(bytes(range(256)) * (1 << 14))       # 4 MiB
-    shards = []
-    for i in range(2):
-        f = tmp_path / f"model-{i}.safetensors"
-        f.write_bytes(bytes(1 << 20))
-        shards.append(f)
-    seq, rnd = bench.direct_rates(trunk, shards, expert_bytes=100_000, seconds=0.2, seed=1)
-    assert seq > 0 and rnd > 0
