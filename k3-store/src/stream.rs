@@ -790,6 +790,26 @@ mod tests {
         TrunkStream::new(layout, &opts, &mut |_, _| {}).unwrap()
     }
 
+    /// The trunk read straight from the shards.
+    fn catalog_layout(w: &fixture::Written) -> Arc<TrunkLayout> {
+        Arc::new(TrunkLayout::from_catalog(
+            &w.catalog,
+            open_shards(&w.catalog).unwrap(),
+        ))
+    }
+
+    /// The trunk packed into `w.dir/packed` and read from there.
+    fn packed_layout(w: &fixture::Written) -> Arc<TrunkLayout> {
+        let packed_dir = w.dir.join("packed");
+        if !packed_dir.exists() {
+            pack_trunk(&w.catalog, &packed_dir, &mut |_| {}).unwrap();
+        }
+        Arc::new(
+            TrunkLayout::from_packed(&w.catalog, open_shards(&w.catalog).unwrap(), &packed_dir)
+                .unwrap(),
+        )
+    }
+
     /// Arena bytes of layer `l`.
     fn ext(layout: &TrunkLayout, l: usize) -> u64 {
         align_up(layout.buf_len(l)).unwrap()
@@ -801,13 +821,7 @@ mod tests {
     fn read_ahead_never_overwrites_the_layer_in_use() {
         let spec = Spec::small(3, 2);
         let w = fixture::write(&spec, "i38");
-        let packed_dir = w.dir.join("packed");
-        pack_trunk(&w.catalog, &packed_dir, &mut |_| {}).unwrap();
-        let shards = open_shards(&w.catalog).unwrap();
-        let layouts = [
-            Arc::new(TrunkLayout::from_packed(&w.catalog, shards.clone(), &packed_dir).unwrap()),
-            Arc::new(TrunkLayout::from_catalog(&w.catalog, shards)),
-        ];
+        let layouts = [packed_layout(&w), catalog_layout(&w)];
         for layout in layouts {
             let min = TrunkStream::min_ring_bytes(&layout, 0);
             let all: u64 = (0..3).map(|l| ext(&layout, l)).sum();
@@ -855,10 +869,7 @@ mod tests {
     fn the_next_layers_are_read_while_the_current_one_is_in_use() {
         let spec = Spec::small(6, 2);
         let w = fixture::write(&spec, "ahead");
-        let layout = Arc::new(TrunkLayout::from_catalog(
-            &w.catalog,
-            open_shards(&w.catalog).unwrap(),
-        ));
+        let layout = catalog_layout(&w);
         let n = 6;
         let exts: Vec<u64> = (0..n).map(|l| ext(&layout, l)).collect();
         // Arena: layer 1 plus the two after it, exactly.
@@ -910,13 +921,7 @@ mod tests {
     fn a_partial_read_ahead_fills_around_the_layer_in_use() {
         let spec = Spec::small(6, 2);
         let w = fixture::write(&spec, "partial");
-        let packed_dir = w.dir.join("packed");
-        pack_trunk(&w.catalog, &packed_dir, &mut |_| {}).unwrap();
-        let shards = open_shards(&w.catalog).unwrap();
-        let layouts = [
-            Arc::new(TrunkLayout::from_packed(&w.catalog, shards.clone(), &packed_dir).unwrap()),
-            Arc::new(TrunkLayout::from_catalog(&w.catalog, shards)),
-        ];
+        let layouts = [packed_layout(&w), catalog_layout(&w)];
         for layout in layouts {
             assert!((0..6).all(|l| layout.windowed(l)));
             let (e1, e2) = (ext(&layout, 1), ext(&layout, 2));
@@ -954,10 +959,7 @@ mod tests {
     fn an_out_of_order_demand_takes_the_space_of_unused_read_ahead() {
         let spec = Spec::small(5, 2);
         let w = fixture::write(&spec, "order");
-        let layout = Arc::new(TrunkLayout::from_catalog(
-            &w.catalog,
-            open_shards(&w.catalog).unwrap(),
-        ));
+        let layout = catalog_layout(&w);
         let min = TrunkStream::min_ring_bytes(&layout, 0);
         let s = stream(layout.clone(), 0, min, 10_000);
         s.quiesce();
@@ -979,10 +981,7 @@ mod tests {
     fn pinned_prefix_is_read_once_and_the_ring_serves_the_rest() {
         let spec = Spec::small(5, 2);
         let w = fixture::write(&spec, "pinned");
-        let layout = Arc::new(TrunkLayout::from_catalog(
-            &w.catalog,
-            open_shards(&w.catalog).unwrap(),
-        ));
+        let layout = catalog_layout(&w);
         let min = TrunkStream::min_ring_bytes(&layout, 2);
         assert_eq!(min, (2..5).map(|l| ext(&layout, l)).max().unwrap());
         let s = stream(layout.clone(), 2, min, 10_000);
@@ -1041,10 +1040,7 @@ mod tests {
     fn holding_a_layer_that_leaves_no_room_errors_instead_of_hanging() {
         let spec = Spec::small(3, 2);
         let w = fixture::write(&spec, "hold");
-        let layout = Arc::new(TrunkLayout::from_catalog(
-            &w.catalog,
-            open_shards(&w.catalog).unwrap(),
-        ));
+        let layout = catalog_layout(&w);
         let min = TrunkStream::min_ring_bytes(&layout, 0);
         assert!(ext(&layout, 0) + ext(&layout, 1) > min);
         let s = stream(layout, 0, min, 200);

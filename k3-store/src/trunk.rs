@@ -577,38 +577,50 @@ impl TrunkLayout {
         }
     }
 
-    /// Read layer `l` into `dst` (4096-aligned, at least [`TrunkLayout::buf_len`] bytes). Returns
-    /// the offset in `dst` where the run starts.
-    pub fn read_layer(&self, l: usize, dst: &mut [u8]) -> Result<usize, ReadError> {
+    /// Layer `l`'s run when it is one contiguous file range: the file and `(offset, length)`.
+    /// `Ok(None)` for a run scattered over its shards.
+    fn span_file(&self, l: usize) -> Result<Option<(&DiskFile, u64, u64)>, ReadError> {
         let p = self
             .plan(l)
             .ok_or_else(|| ReadError(format!("layer {l} is not in the checkpoint")))?;
-        match &p.source {
+        Ok(match &p.source {
             RunSource::Packed { file_off } => {
                 let f = self
                     .packed
                     .as_ref()
                     .ok_or_else(|| ReadError("no trunk.bin".into()))?;
-                f.read_span(*file_off, p.run_len, dst)
+                Some((f, *file_off, p.run_len))
             }
-            RunSource::Contiguous { shard, off } => {
-                self.shard(*shard)?.read_span(*off, p.run_len, dst)
-            }
-            RunSource::Scattered { pieces } => {
-                if (dst.len() as u64) < p.run_len {
-                    return Err(ReadError(format!(
-                        "layer {l}: buffer of {} bytes, needs {}",
-                        dst.len(),
-                        p.run_len
-                    )));
-                }
-                for pc in pieces {
-                    let d = &mut dst[pc.dst as usize..(pc.dst + pc.len) as usize];
-                    self.shard(pc.shard)?.read_exact_at(pc.off, d)?;
-                }
-                Ok(0)
-            }
+            RunSource::Contiguous { shard, off } => Some((self.shard(*shard)?, *off, p.run_len)),
+            RunSource::Scattered { .. } => None,
+        })
+    }
+
+    /// Read layer `l` into `dst` (4096-aligned, at least [`TrunkLayout::buf_len`] bytes). Returns
+    /// the offset in `dst` where the run starts.
+    pub fn read_layer(&self, l: usize, dst: &mut [u8]) -> Result<usize, ReadError> {
+        if let Some((f, off, len)) = self.span_file(l)? {
+            return f.read_span(off, len, dst);
         }
+        let Some(LayerPlan {
+            run_len,
+            source: RunSource::Scattered { pieces },
+            ..
+        }) = self.plan(l)
+        else {
+            return Err(ReadError(format!("layer {l} is not in the checkpoint")));
+        };
+        if (dst.len() as u64) < *run_len {
+            return Err(ReadError(format!(
+                "layer {l}: buffer of {} bytes, needs {run_len}",
+                dst.len()
+            )));
+        }
+        for pc in pieces {
+            let d = &mut dst[pc.dst as usize..(pc.dst + pc.len) as usize];
+            self.shard(pc.shard)?.read_exact_at(pc.off, d)?;
+        }
+        Ok(0)
     }
 
     /// True when layer `l` can be read window by window ([`TrunkLayout::read_layer_window`]):
@@ -628,21 +640,9 @@ impl TrunkLayout {
         window: &mut [u8],
         at: usize,
     ) -> Result<usize, ReadError> {
-        let p = self
-            .plan(l)
-            .ok_or_else(|| ReadError(format!("layer {l} is not in the checkpoint")))?;
-        match &p.source {
-            RunSource::Packed { file_off } => {
-                let f = self
-                    .packed
-                    .as_ref()
-                    .ok_or_else(|| ReadError("no trunk.bin".into()))?;
-                f.read_span_window(*file_off, p.run_len, window, at)
-            }
-            RunSource::Contiguous { shard, off } => self
-                .shard(*shard)?
-                .read_span_window(*off, p.run_len, window, at),
-            RunSource::Scattered { .. } => Err(ReadError(format!(
+        match self.span_file(l)? {
+            Some((f, off, len)) => f.read_span_window(off, len, window, at),
+            None => Err(ReadError(format!(
                 "layer {l} is scattered over its shards: it cannot be read by windows"
             ))),
         }
