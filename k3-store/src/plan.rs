@@ -2,9 +2,9 @@
 //!
 //! A [`Budget`] splits memory between the streamed trunk and the routed-expert cache (GB = 10⁹
 //! bytes, as in kimi-k3-in-c's figures). The [`MemoryPlan`] turns it into concrete numbers —
-//! how many trunk layers are pinned, how big the ring arena is, how many expert slots, the per-sequence
-//! state — and compares the total with `MemAvailable`; a plan that does not fit is refused (exit
-//! 2) with the whole plan and the shortfall printed.
+//! how many trunk layers are pinned, how big the ring arena is, how many expert slots, the
+//! per-sequence state — and compares the total with `MemAvailable`; a plan that does not fit is
+//! refused (exit 2) with the whole plan and the shortfall printed.
 //!
 //! Trunk budget accounting: pinned layers + the ring arena. The model-level tensors (embedding,
 //! lm_head, final norms) are their own line and are not charged to the trunk budget.
