@@ -163,8 +163,13 @@ impl Shared {
 
     /// Arena bytes layer `l` takes.
     fn extent_len(&self, l: usize) -> u64 {
-        align_up(self.layout.buf_len(l)).unwrap_or(u64::MAX)
+        extent_len(&self.layout, l)
     }
+}
+
+/// Arena bytes layer `l` takes: its read buffer rounded up to the page.
+fn extent_len(layout: &TrunkLayout, l: usize) -> u64 {
+    align_up(layout.buf_len(l)).unwrap_or(u64::MAX)
 }
 
 /// The lease a layer's regions hold on its extent.
@@ -282,7 +287,7 @@ impl TrunkStream {
     /// Arena bytes the streamed layers `pinned..` of `layout` need at least (the largest one).
     pub fn min_ring_bytes(layout: &TrunkLayout, pinned: usize) -> u64 {
         (pinned..layout.n_layers())
-            .map(|l| align_up(layout.buf_len(l)).unwrap_or(u64::MAX))
+            .map(|l| extent_len(layout, l))
             .max()
             .unwrap_or(0)
     }
@@ -299,7 +304,7 @@ impl TrunkStream {
         let ring = if first < n {
             // More than every streamed layer together is never used.
             let all: u64 = (first..n)
-                .map(|l| align_up(layout.buf_len(l)).unwrap_or(u64::MAX))
+                .map(|l| extent_len(&layout, l))
                 .fold(0u64, |a, b| a.saturating_add(b));
             let ring = opts.ring_bytes.min(all);
             if ring < largest {
@@ -812,7 +817,7 @@ mod tests {
 
     /// Arena bytes of layer `l`.
     fn ext(layout: &TrunkLayout, l: usize) -> u64 {
-        align_up(layout.buf_len(l)).unwrap()
+        extent_len(layout, l)
     }
 
     /// MODEL.md I38: whatever the arena size, the reader reading ahead while the engine
