@@ -7,6 +7,7 @@
 pub mod arena;
 pub mod attached;
 pub mod catalog;
+pub mod cli;
 pub mod client;
 pub mod daemon;
 pub mod experts;
@@ -14,6 +15,7 @@ pub mod io;
 pub mod ipc;
 pub mod plan;
 pub mod policy;
+pub mod progress;
 pub mod shmem;
 pub mod source;
 pub mod standalone;

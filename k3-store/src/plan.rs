@@ -244,17 +244,6 @@ impl PlanInputs {
         let d = cfg.kda_head_dim as u64;
         let p = h * d;
         let conv = cfg.short_conv_kernel_size.saturating_sub(1) as u64;
-        let hidden = cfg.hidden_size as u64;
-        let widest = [
-            cfg.intermediate_size,
-            (cfg.num_shared_experts * cfg.moe_intermediate_size),
-            (cfg.kda_num_heads * cfg.kda_head_dim),
-            cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0) as u64;
-        let blocks = (cfg.num_hidden_layers / cfg.attn_res_block_size.max(1)) as u64 + 2;
         let (embed, resident): (Vec<_>, Vec<_>) = cat
             .model_tensors()
             .iter()
@@ -279,12 +268,72 @@ impl PlanInputs {
             mla_layers: cfg.n_mla(),
             mla_bytes_per_position: f * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) as u64,
             context_len,
-            // Per token: logits, ~32 hidden-width vectors, the AttnRes bank, 4 of the widest
-            // intermediates; plus two 8 MiB I/O bounce buffers.
-            buffer_bytes: f * (cfg.vocab_size as u64 + (32 + blocks) * hidden + 4 * widest)
-                + 2 * (8 << 20),
+            buffer_bytes: activation_bytes(cfg, 1),
         }
     }
+}
+
+/// Activation buffers, logits and I/O bounce buffers of one forward call of `tokens` tokens (a
+/// prefill chunk; 1 in decode), an upper estimate: per token the AttnRes bank and ~32
+/// hidden-width vectors, 4 of the widest intermediates, MLA's per-head latent query and sum,
+/// the routed experts' latent rows and the router scores; once the logits and two 8 MiB bounce
+/// buffers.
+pub fn activation_bytes(cfg: &k3_proto::config::ModelConfig, tokens: usize) -> u64 {
+    let f = 4u64;
+    let hidden = cfg.hidden_size as u64;
+    let widest = [
+        cfg.intermediate_size,
+        cfg.num_shared_experts * cfg.moe_intermediate_size,
+        cfg.kda_num_heads * cfg.kda_head_dim * 2,
+        cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0) as u64;
+    let blocks = (cfg.num_hidden_layers / cfg.attn_res_block_size.max(1)) as u64 + 2;
+    let mla = (cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.v_head_dim)) as u64;
+    let moe = (cfg.num_experts_per_token
+        * (cfg.routed_expert_hidden_size + 2 * cfg.moe_intermediate_size)
+        + cfg.num_experts) as u64;
+    let per_token = (32 + blocks) * hidden + 4 * widest + mla + moe;
+    f * (cfg.vocab_size as u64 + (tokens.max(1) as u64).saturating_mul(per_token)) + 2 * (8 << 20)
+}
+
+/// Bytes this process may still allocate: the least of `MemAvailable`, the address-space limit
+/// (`RLIMIT_AS`) less the address space already mapped, and the cgroup's `memory.max` less its
+/// `memory.current` (cgroup v2), whichever are set.
+pub fn allocatable() -> Result<u64, String> {
+    let mut avail = mem_available()?;
+    // SAFETY: getrlimit writes one rlimit into the valid struct we pass.
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `rl` is a valid, writable rlimit; RLIMIT_AS is a valid resource.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0 && rl.rlim_cur != libc::RLIM_INFINITY {
+        let mapped = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| status_kb(&s, "VmSize:"))
+            .unwrap_or(0);
+        avail = avail.min((rl.rlim_cur as u64).saturating_sub(mapped));
+    }
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    if let (Some(max), Some(cur)) = (
+        read("/sys/fs/cgroup/memory.max"),
+        read("/sys/fs/cgroup/memory.current"),
+    ) {
+        if let (Ok(max), Ok(cur)) = (max.trim().parse::<u64>(), cur.trim().parse::<u64>()) {
+            avail = avail.min(max.saturating_sub(cur));
+        }
+    }
+    Ok(avail)
+}
+
+/// A `/proc/self/status` field in kB, as bytes.
+fn status_kb(s: &str, key: &str) -> Option<u64> {
+    let rest = s.lines().find_map(|l| l.strip_prefix(key))?;
+    let kb: u64 = rest.trim().trim_end_matches("kB").trim().parse().ok()?;
+    kb.checked_mul(1024)
 }
 
 /// The memory plan (computed before anything is allocated).

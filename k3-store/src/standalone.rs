@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::catalog::Catalog;
 use crate::experts::{CacheOptions, CacheStats, ExpertCache};
 use crate::io::{DiskFile, MappedRange};
-use crate::plan::{mem_available, Budget, MemoryPlan, PlanInputs};
+use crate::plan::{allocatable, Budget, MemoryPlan, PlanInputs};
 use crate::source::{
     ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
 };
@@ -25,6 +25,9 @@ use crate::trunk::{open_shards, TrunkError, TrunkLayout};
 pub struct StandaloneOptions {
     /// Positions the KV cache is planned for.
     pub context_len: usize,
+    /// Most tokens in one forward call (the prefill chunk): sizes the activation buffers the
+    /// plan counts.
+    pub prefill_tokens: usize,
     /// Parallel expert readers.
     pub io_threads: usize,
     /// Compare the plan with `MemAvailable` and refuse when it does not fit.
@@ -39,6 +42,7 @@ impl Default for StandaloneOptions {
     fn default() -> Self {
         StandaloneOptions {
             context_len: 4096,
+            prefill_tokens: 1,
             io_threads: 8,
             check_memory: true,
             wait_timeout: Duration::from_secs(60),
@@ -125,13 +129,16 @@ impl StandaloneSource {
             .map_err(|e| OpenError::Refused(format!("{}: {e}", model_dir.display())))?;
         let cat = Catalog::from_index(&index, &cfg).map_err(|e| OpenError::Refused(e.0))?;
         drop(index);
-        let ctx = opts.context_len;
+        let (ctx, chunk) = (opts.context_len, opts.prefill_tokens);
         Self::build(
             Arc::new(cat),
             trunk_dir,
             budget,
             opts,
-            &|cat, trunk| PlanInputs::from_model(&cfg, cat, trunk, ctx),
+            &|cat, trunk| PlanInputs {
+                buffer_bytes: crate::plan::activation_bytes(&cfg, chunk),
+                ..PlanInputs::from_model(&cfg, cat, trunk, ctx)
+            },
             progress,
         )
     }
@@ -162,7 +169,7 @@ impl StandaloneSource {
         };
         let mut plan = MemoryPlan::compute(&inputs(&cat, &layout), budget);
         let avail = if opts.check_memory {
-            Some(mem_available().map_err(OpenError::Refused)?)
+            Some(allocatable().map_err(OpenError::Refused)?)
         } else {
             None
         };

@@ -22,10 +22,9 @@
 //! it is accepted here because the effort body itself names it.
 
 use std::io::{BufRead, Write};
-use std::time::Instant;
 
-use crate::generate::{Sampler, END_IDS};
-use crate::model::{Logits, Model, ModelError, SeqState};
+use crate::generate::{self, positions_needed, Flow, GenOptions, Sampler, END_IDS};
+use crate::model::{Model, ModelError};
 use crate::tokenizer::Tokenizer;
 
 /// How much the model is asked to think (thinking on).
@@ -516,12 +515,6 @@ pub fn plan_prefill(held: &[u32], conversation: &[u32]) -> Prefill {
     }
 }
 
-/// Positions a turn needs: the conversation plus every generated id fed back (the last one is
-/// never fed).
-pub fn positions_for_turn(conversation_len: usize, max_new: usize) -> usize {
-    conversation_len + max_new.saturating_sub(1)
-}
-
 /// Why a turn did not run.
 #[derive(Debug, thiserror::Error)]
 pub enum TurnError {
@@ -576,15 +569,13 @@ impl TurnReport {
     }
 }
 
-/// A conversation with its persisted sequence state.
+/// A conversation with its persisted sequence state: the history plus one
+/// [`generate::Session`], whose loop runs every turn.
 #[derive(Debug)]
 pub struct Session {
     /// The messages so far (the thinking-effort system message is implicit).
     pub history: Vec<Message>,
-    state: SeqState,
-    /// The ids the state holds, in order (`state.pos == held.len()` when valid).
-    held: Vec<u32>,
-    sampler: Sampler,
+    seq: generate::Session,
 }
 
 impl Session {
@@ -592,9 +583,7 @@ impl Session {
     pub fn new(model: &Model<'_>, capacity: usize, sampler: Sampler) -> Session {
         Session {
             history: Vec::new(),
-            state: model.new_state(capacity),
-            held: Vec::new(),
-            sampler,
+            seq: generate::Session::new(model, capacity, sampler),
         }
     }
 
@@ -613,12 +602,12 @@ impl Session {
 
     /// The ids the state holds.
     pub fn held(&self) -> &[u32] {
-        &self.held
+        self.seq.held()
     }
 
     /// Positions the state was sized for.
     pub fn capacity(&self) -> usize {
-        self.state.capacity
+        self.seq.capacity()
     }
 
     /// One turn: append `user`, prefill what the state lacks, generate up to `max_new` ids,
@@ -633,8 +622,8 @@ impl Session {
     ) -> Result<TurnReport, TurnError> {
         self.history.push(Message::user(user));
         let conversation = fmt.render(&self.history, true);
-        let capacity = self.state.capacity;
-        if opts.max_new == 0 || positions_for_turn(conversation.len(), opts.max_new) > capacity {
+        let capacity = self.seq.capacity();
+        if opts.max_new == 0 || positions_needed(conversation.len(), opts.max_new) > capacity {
             self.history.pop();
             return Err(TurnError::Overflow {
                 conversation: conversation.len(),
@@ -648,11 +637,14 @@ impl Session {
             Err(_) => {
                 // The state is unusable after a failed forward: the next turn starts afresh.
                 self.history.pop();
-                self.held.clear();
-                self.state = model.new_state(capacity);
+                self.seq = generate::Session::new(model, capacity, self.seq_sampler());
             }
         }
         result
+    }
+
+    fn seq_sampler(&self) -> Sampler {
+        self.seq.sampler().clone()
     }
 
     fn run(
@@ -663,67 +655,47 @@ impl Session {
         opts: &TurnOptions,
         on_id: &mut dyn FnMut(Channel, u32),
     ) -> Result<TurnReport, TurnError> {
-        let valid = self.state.pos == self.held.len();
-        let plan = if valid {
-            plan_prefill(&self.held, conversation)
+        let plan = if self.seq.is_valid() {
+            plan_prefill(self.seq.held(), conversation)
         } else {
             Prefill::Restart
         };
-        let restarted = plan == Prefill::Restart && !self.held.is_empty();
+        let restarted = plan == Prefill::Restart && !self.seq.held().is_empty();
         let from = match plan {
             Prefill::Reuse { from } => from,
             Prefill::Restart => {
-                if self.state.pos != 0 {
-                    self.state = model.new_state(self.state.capacity);
-                }
-                self.held.clear();
+                self.seq.reset(model);
                 0
             }
         };
         let new = &conversation[from..];
-        let t0 = Instant::now();
-        let chunk = if opts.prefill_chunk == 0 {
-            new.len()
-        } else {
-            opts.prefill_chunk
-        };
-        let mut logits = Vec::new();
-        for part in new.chunks(chunk) {
-            logits = model.forward(part, &mut self.state, Logits::Last)?;
-            self.held.extend_from_slice(part);
-        }
         let tok = fmt.tokenizer();
         let mut parser = fmt.parser();
-        let mut prefill_seconds = 0.0;
-        let mut decode_seconds = Vec::new();
-        let mut t = t0;
-        for step in 0..opts.max_new {
-            if step > 0 {
-                t = Instant::now();
-                let last = *parser.ids.last().expect("one id per earlier step");
-                logits = model.forward(&[last], &mut self.state, Logits::Last)?;
-                self.held.push(last);
-            }
-            let id = self.sampler.pick(&logits);
-            let channel = parser.push(tok, id);
-            if step == 0 {
-                prefill_seconds = t.elapsed().as_secs_f64();
-            } else {
-                decode_seconds.push(t.elapsed().as_secs_f64());
-            }
-            on_id(channel, id);
+        let gen = GenOptions {
+            max_new: opts.max_new,
+            full_recompute: false,
+            sampler: Sampler::Greedy, // unused: the session's own sampler picks
+            stop_ids: END_IDS.to_vec(),
+            keep_step0_logits: false,
+            prefill_chunk: opts.prefill_chunk,
+        };
+        let report = self.seq.generate(model, new, &gen, &mut |s| {
+            let channel = parser.push(tok, s.token);
+            on_id(channel, s.token);
             if parser.done() {
-                break;
+                Flow::Stop
+            } else {
+                Flow::Continue
             }
-        }
+        })?;
         Ok(TurnReport {
             reply: parser.finish(tok),
             conversation_len: conversation.len(),
             reused: from,
             prefilled: new.len(),
             restarted,
-            prefill_seconds,
-            decode_seconds,
+            prefill_seconds: report.prefill_seconds(),
+            decode_seconds: report.steps.iter().skip(1).map(|s| s.seconds).collect(),
         })
     }
 }
@@ -804,6 +776,17 @@ pub struct ReplSummary {
     pub refused: usize,
 }
 
+/// Why the chat loop stopped early.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplError {
+    /// The forward pass failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Reading stdin or writing the reply failed.
+    #[error("chat I/O")]
+    Io(#[from] std::io::Error),
+}
+
 /// Read user turns from `input` until end of input; the response goes to `out`, the think text
 /// and the per-turn report to `err`. Returns on end of input, or on a forward/I/O failure.
 pub fn run_repl(
@@ -814,7 +797,7 @@ pub fn run_repl(
     out: &mut dyn Write,
     err: &mut dyn Write,
     opts: &ReplOptions,
-) -> Result<ReplSummary, String> {
+) -> Result<ReplSummary, ReplError> {
     let mut summary = ReplSummary::default();
     let tok = fmt.tokenizer();
     loop {
@@ -822,9 +805,7 @@ pub fn run_repl(
             let _ = write!(err, "> ");
             let _ = err.flush();
         }
-        let line = match read_line_bounded(input, MAX_LINE_BYTES)
-            .map_err(|e| format!("reading stdin: {e}"))?
-        {
+        let line = match read_line_bounded(input, MAX_LINE_BYTES)? {
             None => {
                 if opts.prompt {
                     let _ = writeln!(err);
@@ -887,10 +868,10 @@ pub fn run_repl(
                 if last == Channel::Think {
                     let _ = writeln!(err);
                 }
-                writeln!(out).map_err(|e| format!("writing stdout: {e}"))?;
+                writeln!(out)?;
                 let _ = out.flush();
                 if let Some(e) = io_err {
-                    return Err(format!("writing output: {e}"));
+                    return Err(ReplError::Io(e));
                 }
                 summary.turns += 1;
                 if r.restarted {
@@ -921,7 +902,7 @@ pub fn run_repl(
                 let _ = writeln!(err, "{e}");
                 summary.refused += 1;
             }
-            Err(TurnError::Model(e)) => return Err(e.to_string()),
+            Err(TurnError::Model(e)) => return Err(ReplError::Model(e)),
         }
     }
     Ok(summary)

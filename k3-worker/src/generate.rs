@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use crate::model::{Logits, Model, ModelError};
+use crate::model::{Logits, Model, ModelError, SeqState};
 
 /// The two end-of-turn ids (MODEL.md §5.4, I34): `[EOS]` and `<|end_of_msg|>`.
 pub const END_IDS: [u32; 2] = [163_585, 163_586];
@@ -168,21 +168,6 @@ pub struct GenOptions {
 /// Default `prefill_chunk`: about half a GB of activations per chunk at full scale.
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
-/// Feed `ids` after the state's current position, in chunks, returning the logits of the last.
-fn run_prefix(
-    model: &mut Model<'_>,
-    ids: &[u32],
-    state: &mut crate::model::SeqState,
-    chunk: usize,
-) -> Result<Vec<f32>, ModelError> {
-    let chunk = if chunk == 0 { ids.len() } else { chunk };
-    let mut last = Vec::new();
-    for part in ids.chunks(chunk) {
-        last = model.forward(part, state, Logits::Last)?;
-    }
-    Ok(last)
-}
-
 /// One generated token.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct StepReport {
@@ -232,88 +217,219 @@ impl GenReport {
     }
 }
 
-/// Positions a request needs: the prompt plus every generated token fed back.
+/// Positions a request needs: the prompt (or conversation) plus every generated token fed back
+/// (the last one is never fed).
 pub fn positions_needed(prompt_len: usize, max_new: usize) -> usize {
     prompt_len + max_new.saturating_sub(1)
 }
 
-/// Generate from `prompt`, calling `on_step` after each token (for streaming and the report).
+/// What the step callback wants next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Generate the next token (up to the limit or a stop id).
+    Continue,
+    /// Stop after this token (e.g. the chat reply parser saw the end of the message).
+    Stop,
+}
+
+/// A sequence being generated: its state (with its reused buffers), the ids the state holds, and
+/// the sampler. The ONE generation loop ([`Session::generate`]) serves one-shot runs
+/// ([`generate`]) and chat turns (`crate::chat::Session`), and every later mode.
+#[derive(Debug)]
+pub struct Session {
+    state: SeqState,
+    /// The ids the state holds, in order (`state.pos == held.len()` while the state is valid).
+    held: Vec<u32>,
+    sampler: Sampler,
+}
+
+impl Session {
+    /// An empty sequence of at most `capacity` positions.
+    pub fn new(model: &Model<'_>, capacity: usize, sampler: Sampler) -> Session {
+        Session {
+            state: model.new_state(capacity),
+            held: Vec::new(),
+            sampler,
+        }
+    }
+
+    /// The ids the state holds.
+    pub fn held(&self) -> &[u32] {
+        &self.held
+    }
+
+    /// Positions the state was sized for.
+    pub fn capacity(&self) -> usize {
+        self.state.capacity
+    }
+
+    /// The sampler (its generator carries on from one call to the next).
+    pub fn sampler(&self) -> &Sampler {
+        &self.sampler
+    }
+
+    /// True while the state matches `held` (a failed forward leaves it unusable).
+    pub fn is_valid(&self) -> bool {
+        self.state.pos == self.held.len()
+    }
+
+    /// Forget everything: a fresh state of the same capacity (kept allocation-free when the
+    /// state is already empty).
+    pub fn reset(&mut self, model: &Model<'_>) {
+        if self.state.pos != 0 {
+            self.state = model.new_state(self.state.capacity);
+        }
+        self.held.clear();
+    }
+
+    /// Feed `new` after the ids the state holds (prefill, in chunks of `opts.prefill_chunk`),
+    /// then pick and feed back up to `opts.max_new` ids, stopping after a stop id or when
+    /// `on_step` returns [`Flow::Stop`]. Step 0 is the prefill and the first pick.
+    pub fn generate(
+        &mut self,
+        model: &mut Model<'_>,
+        new: &[u32],
+        opts: &GenOptions,
+        on_step: &mut dyn FnMut(&StepReport) -> Flow,
+    ) -> Result<GenReport, ModelError> {
+        if new.is_empty() {
+            return Err(ModelError::Input("empty prompt".into()));
+        }
+        if opts.max_new == 0 {
+            return Err(ModelError::Input("nothing to generate (--gen 0)".into()));
+        }
+        if !self.is_valid() {
+            return Err(ModelError::Input(
+                "the sequence state is unusable after a failed forward; reset it first".into(),
+            ));
+        }
+        let need = positions_needed(self.held.len() + new.len(), opts.max_new);
+        if need > self.state.capacity {
+            return Err(ModelError::Input(format!(
+                "{} held + {} new ids and up to {} generated need {need} positions; the state holds {}",
+                self.held.len(),
+                new.len(),
+                opts.max_new,
+                self.state.capacity
+            )));
+        }
+        let vocab = model.dims.vocab as u32;
+        let stops: Vec<u32> = opts
+            .stop_ids
+            .iter()
+            .copied()
+            .filter(|&s| s < vocab)
+            .collect();
+        let mut report = GenReport {
+            prompt_ids: new.to_vec(),
+            generated_ids: Vec::new(),
+            steps: Vec::new(),
+            step0_logits: None,
+            stopped_on: None,
+        };
+        let source = model.source();
+        for step in 0..opts.max_new {
+            let before = source.stats();
+            let expert_wait0 = model.counters.expert_wait_seconds;
+            let t0 = Instant::now();
+            model.step = step as u64;
+            let logits = if step == 0 {
+                self.feed(model, new, opts.prefill_chunk)?
+            } else {
+                let last = *report.generated_ids.last().expect("one id per earlier step");
+                if opts.full_recompute {
+                    // Check mode: the whole sequence again on a fresh state.
+                    self.held.push(last);
+                    let mut fresh = model.new_state(self.state.capacity);
+                    let logits = run_chunks(model, &self.held, &mut fresh, opts.prefill_chunk)?;
+                    self.state = fresh;
+                    logits
+                } else {
+                    self.feed(model, &[last], 0)?
+                }
+            };
+            let token = self.sampler.pick(&logits);
+            if step == 0 && opts.keep_step0_logits {
+                report.step0_logits = Some(logits);
+            }
+            let seconds = t0.elapsed().as_secs_f64();
+            let after = source.stats();
+            let reqs = after.expert_requests.saturating_sub(before.expert_requests);
+            let hits = after.resident_hits.saturating_sub(before.resident_hits);
+            let r = StepReport {
+                step,
+                token,
+                seconds,
+                bytes_read: (after.expert_bytes_read + after.trunk_bytes_read)
+                    .saturating_sub(before.expert_bytes_read + before.trunk_bytes_read),
+                resident_hit_rate: (reqs > 0).then(|| hits as f64 / reqs as f64),
+                io_wait_seconds: (after.trunk_wait_seconds - before.trunk_wait_seconds).max(0.0)
+                    + (model.counters.expert_wait_seconds - expert_wait0).max(0.0),
+                io_read_seconds: (after.trunk_read_seconds + after.expert_read_seconds
+                    - before.trunk_read_seconds
+                    - before.expert_read_seconds)
+                    .max(0.0),
+            };
+            let flow = on_step(&r);
+            report.steps.push(r);
+            report.generated_ids.push(token);
+            if stops.contains(&token) {
+                report.stopped_on = Some(token);
+                break;
+            }
+            if flow == Flow::Stop {
+                break;
+            }
+        }
+        Ok(report)
+    }
+
+    /// Run `ids` through the state in chunks, recording them as held; the last chunk's logits.
+    fn feed(
+        &mut self,
+        model: &mut Model<'_>,
+        ids: &[u32],
+        chunk: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        let chunk = if chunk == 0 { ids.len() } else { chunk };
+        let mut last = Vec::new();
+        for part in ids.chunks(chunk) {
+            last = model.forward(part, &mut self.state, Logits::Last)?;
+            self.held.extend_from_slice(part);
+        }
+        Ok(last)
+    }
+}
+
+/// Feed `ids` after the state's current position, in chunks, returning the last chunk's logits.
+fn run_chunks(
+    model: &mut Model<'_>,
+    ids: &[u32],
+    state: &mut SeqState,
+    chunk: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let chunk = if chunk == 0 { ids.len() } else { chunk };
+    let mut last = Vec::new();
+    for part in ids.chunks(chunk) {
+        last = model.forward(part, state, Logits::Last)?;
+    }
+    Ok(last)
+}
+
+/// One-shot generation from `prompt` on a fresh sequence sized for exactly this request; calls
+/// `on_step` after each token (for streaming and the report).
 pub fn generate(
     model: &mut Model<'_>,
-    source_stats: &dyn Fn() -> k3_store::source::SourceStats,
     prompt: &[u32],
     opts: &GenOptions,
     on_step: &mut dyn FnMut(&StepReport),
 ) -> Result<GenReport, ModelError> {
-    if prompt.is_empty() {
-        return Err(ModelError::Input("empty prompt".into()));
-    }
-    if opts.max_new == 0 {
-        return Err(ModelError::Input("nothing to generate (--gen 0)".into()));
-    }
-    let vocab = model.dims.vocab as u32;
-    let stops: Vec<u32> = opts
-        .stop_ids
-        .iter()
-        .copied()
-        .filter(|&s| s < vocab)
-        .collect();
     let capacity = positions_needed(prompt.len(), opts.max_new);
-    let mut sampler = opts.sampler.clone();
-    let mut seq: Vec<u32> = prompt.to_vec();
-    let mut state = model.new_state(capacity);
-    let mut report = GenReport {
-        prompt_ids: prompt.to_vec(),
-        generated_ids: Vec::new(),
-        steps: Vec::new(),
-        step0_logits: None,
-        stopped_on: None,
-    };
-    for step in 0..opts.max_new {
-        let before = source_stats();
-        let expert_wait0 = model.counters.expert_wait_seconds;
-        let t0 = Instant::now();
-        model.step = step as u64;
-        let logits = if step == 0 {
-            run_prefix(model, prompt, &mut state, opts.prefill_chunk)?
-        } else if opts.full_recompute {
-            let mut fresh = model.new_state(seq.len());
-            run_prefix(model, &seq, &mut fresh, opts.prefill_chunk)?
-        } else {
-            model.forward(&seq[seq.len() - 1..], &mut state, Logits::Last)?
-        };
-        let token = sampler.pick(&logits);
-        if step == 0 && opts.keep_step0_logits {
-            report.step0_logits = Some(logits);
-        }
-        let seconds = t0.elapsed().as_secs_f64();
-        let after = source_stats();
-        let reqs = after.expert_requests.saturating_sub(before.expert_requests);
-        let hits = after.resident_hits.saturating_sub(before.resident_hits);
-        let r = StepReport {
-            step,
-            token,
-            seconds,
-            bytes_read: (after.expert_bytes_read + after.trunk_bytes_read)
-                .saturating_sub(before.expert_bytes_read + before.trunk_bytes_read),
-            resident_hit_rate: (reqs > 0).then(|| hits as f64 / reqs as f64),
-            io_wait_seconds: (after.trunk_wait_seconds - before.trunk_wait_seconds).max(0.0)
-                + (model.counters.expert_wait_seconds - expert_wait0).max(0.0),
-            io_read_seconds: (after.trunk_read_seconds + after.expert_read_seconds
-                - before.trunk_read_seconds
-                - before.expert_read_seconds)
-                .max(0.0),
-        };
-        on_step(&r);
-        report.steps.push(r);
-        report.generated_ids.push(token);
-        seq.push(token);
-        if stops.contains(&token) {
-            report.stopped_on = Some(token);
-            break;
-        }
-    }
-    Ok(report)
+    let mut session = Session::new(model, capacity, opts.sampler.clone());
+    session.generate(model, prompt, opts, &mut |s| {
+        on_step(s);
+        Flow::Continue
+    })
 }
 
 #[cfg(test)]

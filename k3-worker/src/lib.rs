@@ -1,7 +1,12 @@
-//! k3 worker library: kernels, the Kimi K3 forward pass, the tokenizer and generation.
+//! k3 worker library: kernels, the Kimi K3 forward pass, the tokenizer, generation (one loop for
+//! one-shot runs and chat), and the `k3-worker` job itself (`cli`, `job`, `report`), so the
+//! binary is only wiring.
 
 pub mod chat;
+pub mod cli;
 pub mod generate;
+pub mod job;
 pub mod kernels;
 pub mod model;
+pub mod report;
 pub mod tokenizer;

@@ -13,7 +13,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use k3_worker::chat::{
-    effort_body, escape_attr, plan_prefill, positions_for_turn, read_line_bounded, tag_text,
+    effort_body, escape_attr, plan_prefill, read_line_bounded, tag_text,
     Channel, ChatFormat, Effort, Line, Message, Prefill, ReplyParser,
 };
 use k3_worker::tokenizer::Tokenizer;
@@ -294,8 +294,8 @@ fn prefill_plan_reuses_only_a_strict_prefix() {
     assert_eq!(plan_prefill(&[1, 2, 3], &[1, 2, 3]), Prefill::Restart);
     assert_eq!(plan_prefill(&[1, 9], &[1, 2, 3]), Prefill::Restart);
     assert_eq!(plan_prefill(&[1, 2, 3, 4], &[1, 2, 3]), Prefill::Restart);
-    assert_eq!(positions_for_turn(10, 1), 10);
-    assert_eq!(positions_for_turn(10, 8), 17);
+    assert_eq!(k3_worker::generate::positions_needed(10, 1), 10);
+    assert_eq!(k3_worker::generate::positions_needed(10, 8), 17);
 }
 
 /// What the state holds after a turn: the prompt plus every generated id but the last.
@@ -423,14 +423,14 @@ fn chat_flags_are_refused_before_any_work() {
     let tokdir = tokdir.to_str().unwrap();
     let base = ["--standalone", "/nonexistent/model", "--preset", "laptop"];
     let cases: &[(&[&str], &str)] = &[
-        (&["--chat"], "--chat needs --tok"),
+        (&["--chat"], "--tok <DIR>"),
         (
             &["--chat", "--tok", tokdir, "--ids", "1"],
             "cannot be used with",
         ),
         (
             &["--chat", "--tok", tokdir, "--effort", "extreme"],
-            "unknown thinking effort",
+            "invalid value 'extreme'",
         ),
         (
             &["--chat", "--tok", tokdir, "--no-think", "--effort", "max"],
@@ -438,10 +438,10 @@ fn chat_flags_are_refused_before_any_work() {
         ),
         (
             &["--chat", "--tok", tokdir, "--ctx", "0"],
-            "--ctx 0 outside",
+            "invalid value '0'",
         ),
-        (&["--no-think", "--ids", "1"], "need --chat"),
-        (&["--ctx", "64", "--ids", "1"], "need --chat"),
+        (&["--no-think", "--ids", "1"], "--chat"),
+        (&["--ctx", "64", "--ids", "1"], "--chat"),
     ];
     for (extra, want) in cases {
         let args: Vec<&str> = base.iter().chain(extra.iter()).copied().collect();

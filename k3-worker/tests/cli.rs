@@ -197,7 +197,7 @@ fn usage_and_plan_problems_exit_2_before_any_work() {
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["--standalone", s(&m), "--preset", "laptop"],
-            "exactly one prompt source",
+            "the following required arguments were not provided",
         ),
         (
             vec![
@@ -210,7 +210,7 @@ fn usage_and_plan_problems_exit_2_before_any_work() {
                 "--prompt",
                 "x",
             ],
-            "exactly one prompt source",
+            "cannot be used with",
         ),
         (
             vec!["--standalone", s(&m), "--ids", "1"],
@@ -266,7 +266,7 @@ fn usage_and_plan_problems_exit_2_before_any_work() {
         ),
         (
             vec!["--standalone", s(&m), "--preset", "nope", "--ids", "1"],
-            "unknown preset",
+            "invalid value 'nope'",
         ),
         (
             vec![
@@ -403,7 +403,7 @@ fn attached_mode_without_a_store_exits_3_and_refuses_standalone_flags() {
     // Budget flags belong to --standalone: refused (2) before trying to connect.
     let o = worker(&["--socket", s(&sock), "--preset", "laptop", "--ids", "1"]);
     assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("need --standalone"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot be used with"));
     // --socket and --standalone are exclusive.
     let o = worker(&[
         "--socket",
@@ -679,7 +679,7 @@ fn every_cache_policy_gives_the_reference_ids_and_unknown_ones_are_refused() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("unknown cache policy 'belady'") && err.contains("layer-age"),
+        err.contains("unknown cache policy \"belady\"") && err.contains("layer-age"),
         "{err}"
     );
 }

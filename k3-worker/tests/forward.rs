@@ -201,7 +201,7 @@ fn layers_flag_binds_only_a_prefix() {
 
 #[test]
 fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
-    use k3_worker::model::bind::{Attn, LayerWeights, Mlp};
+    use k3_worker::model::bind::{Attn, BoundLayer, Mlp};
     let mut src = MemSource::random(&tiny_dims(), 10);
     // MODEL.md §10 C5: the router bias may be BF16.
     let bias = layer_name(1, "block_sparse_moe.gate.e_score_correction_bias");
@@ -216,7 +216,8 @@ fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
     src.set_meta(&alog, k3_proto::Dtype::F32, vec![2]);
     let d = tiny_dims();
     let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
-    let lw = LayerWeights::bind(&d, &run, Some(&src as &dyn TensorShapes)).unwrap();
+    let bound = BoundLayer::bind(&d, &run, Some(&src as &dyn TensorShapes)).unwrap();
+    let lw = bound.weights(&run).unwrap();
     let Mlp::Moe(moe) = &lw.mlp else { panic!() };
     assert_eq!(moe.bias, vals);
     let Attn::Kda(kda) = &lw.attn else { panic!() };
@@ -225,7 +226,7 @@ fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
     src.set_loc(&alog, k3_proto::Dtype::F32, 12);
     src.set_meta(&alog, k3_proto::Dtype::F32, vec![3]);
     let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
-    let e = LayerWeights::bind(&d, &run, None).unwrap_err().to_string();
+    let e = BoundLayer::bind(&d, &run, None).unwrap_err().to_string();
     assert!(
         e.contains("A_log") && e.contains("[8]") && e.contains("[2]"),
         "{e}"

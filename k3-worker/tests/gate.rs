@@ -60,8 +60,7 @@ fn gen(full_recompute: bool) -> (Vec<u32>, Vec<f32>) {
         keep_step0_logits: true,
         prefill_chunk: 0,
     };
-    let stats = || k3_store::source::WeightSource::stats(&src);
-    let r = generate(&mut m, &stats, &ids("prompt_ids.json"), &opts, &mut |_| {}).unwrap();
+    let r = generate(&mut m, &ids("prompt_ids.json"), &opts, &mut |_| {}).unwrap();
     assert_eq!(m.counters.failed_expert_loads, 0);
     (r.generated_ids, r.step0_logits.unwrap())
 }

@@ -27,8 +27,7 @@ fn run_chunked(
         prefill_chunk: chunk,
     };
     let mut seen = Vec::new();
-    let stats = || k3_store::source::WeightSource::stats(src);
-    let r = generate(&mut m, &stats, &[3, 14, 15, 92, 65], &opts, &mut |s| {
+    let r = generate(&mut m, &[3, 14, 15, 92, 65], &opts, &mut |s| {
         seen.push(s.token)
     })
     .unwrap();

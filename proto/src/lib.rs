@@ -15,3 +15,6 @@ pub mod shm;
 pub mod wire;
 
 pub use dtype::Dtype;
+
+/// `--version` of every k3 binary: the crate version and the commit it was built from.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (", env!("K3_COMMIT"), ")");

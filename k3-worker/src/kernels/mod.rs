@@ -106,6 +106,33 @@ pub fn matmul_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &
     Kernels::active().matmul_bf16(w, rows, cols, x, n, y)
 }
 
+/// `y[t·cols + c] = Σ_r W[r,c]·x[t·rows + r]` for `n` tokens: the product with the TRANSPOSE of
+/// a bf16 matrix `W [rows, cols]`, read in its stored layout (no transposed copy is made).
+///
+/// Each output element adds its `rows` terms in row order, one multiply and one add each, the
+/// same sequence on every tier and thread count (the loop runs along a row, so it vectorises
+/// across output elements without reordering any element's sum); token `t`'s row does not
+/// depend on `n`, so prefill and decode agree bit for bit. Used for MLA's absorbed query
+/// `q̃ = W_UKᵀ q_nope` (SPEC.md §3.5), where `W_UK` is a block of `kv_b_proj` rows.
+pub fn matmul_t_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
+    assert_eq!(w.len(), rows * cols * 2, "bf16 matrix [{rows}, {cols}]");
+    assert_eq!(x.len(), n * rows, "activations [{n}, {rows}]");
+    assert_eq!(y.len(), n * cols, "output [{n}, {cols}]");
+    y.iter_mut().for_each(|v| *v = 0.0);
+    let mut row = vec![0.0f32; cols];
+    for (r, wr) in w.chunks_exact(cols * 2).enumerate() {
+        for (dst, b) in row.iter_mut().zip(wr.chunks_exact(2)) {
+            *dst = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+        }
+        for t in 0..n {
+            let xr = x[t * rows + r];
+            for (yv, &wv) in y[t * cols..(t + 1) * cols].iter_mut().zip(&row) {
+                *yv += xr * wv;
+            }
+        }
+    }
+}
+
 /// `y[r] = Σ_c W[r,c]·x[c]` for an MXFP4 matrix with E8M0 group scales.
 pub fn matvec_mxfp4(
     packed: &[u8],

@@ -7,7 +7,9 @@
 //! full stored shape. A failure names the tensor, what was expected and what was found.
 
 use k3_proto::Dtype;
-use k3_store::source::{LayerRun, Region, WeightSource};
+use std::sync::Arc;
+
+use k3_store::source::{LayerLayout, LayerRun, Region, WeightSource};
 
 use super::attn_res::AttnResQuery;
 use super::kda::KdaWeights;
@@ -82,7 +84,22 @@ fn check_meta(
     Ok(())
 }
 
-/// Checked access to one layer run's tensors.
+/// Where one tensor sits inside its layer run, checked once at bind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    /// Byte offset inside the run.
+    pub off: usize,
+    /// Byte length.
+    pub len: usize,
+}
+
+impl Span {
+    fn of<'r>(&self, bytes: &'r [u8]) -> &'r [u8] {
+        &bytes[self.off..self.off + self.len]
+    }
+}
+
+/// Checked access to one layer run's tensors (used once per layer, at bind).
 struct LayerView<'r> {
     l: usize,
     run: &'r LayerRun,
@@ -90,14 +107,14 @@ struct LayerView<'r> {
 }
 
 impl<'r> LayerView<'r> {
-    /// The bytes of `layers.{l}.{suffix}`, whose shape must be one of `accept` and dtype one of
-    /// `dtypes`. Returns the bytes, the dtype and the accepted shape that matched.
+    /// The place of `layers.{l}.{suffix}`, whose shape must be one of `accept` and dtype one of
+    /// `dtypes`. Returns the span, the dtype and the accepted shape that matched.
     fn get(
         &self,
         suffix: &str,
         accept: &[&[usize]],
         dtypes: &[Dtype],
-    ) -> Result<(&'r [u8], Dtype, usize), ModelError> {
+    ) -> Result<(Span, Dtype, usize), ModelError> {
         let name = names::layer(self.l, suffix);
         let loc = self
             .run
@@ -135,43 +152,45 @@ impl<'r> LayerView<'r> {
         let region = &self.run.region;
         let off = usize::try_from(loc.off).ok();
         let len = usize::try_from(loc.nbytes).ok();
-        let bytes = match (off, len) {
+        match (off, len) {
             (Some(o), Some(n)) if o.checked_add(n).is_some_and(|end| end <= region.len()) => {
-                &region.bytes()[o..o + n]
+                Ok((Span { off: o, len: n }, loc.dtype, which))
             }
-            _ => {
-                return Err(bind_err(
-                    &name,
-                    format!(
-                        "offset {} + {} bytes outside the {}-byte layer run",
-                        loc.off,
-                        loc.nbytes,
-                        region.len()
-                    ),
-                ))
-            }
-        };
-        Ok((bytes, loc.dtype, which))
+            _ => Err(bind_err(
+                &name,
+                format!(
+                    "offset {} + {} bytes outside the {}-byte layer run",
+                    loc.off,
+                    loc.nbytes,
+                    region.len()
+                ),
+            )),
+        }
     }
 
-    /// A bf16 matrix `[rows, cols]` as raw bytes.
-    fn mat(&self, suffix: &str, rows: usize, cols: usize) -> Result<&'r [u8], ModelError> {
+    /// A bf16 matrix `[rows, cols]`.
+    fn mat(&self, suffix: &str, rows: usize, cols: usize) -> Result<Span, ModelError> {
         Ok(self.get(suffix, &[&[rows, cols]], &[Dtype::BF16])?.0)
     }
 
-    /// A small vector of `shape` widened to f32 (stored as one of `dtypes`).
-    fn vec(&self, suffix: &str, shape: &[usize], dtypes: &[Dtype]) -> Result<Vec<f32>, ModelError> {
-        let (b, dt, _) = self.get(suffix, &[shape], dtypes)?;
-        Ok(widen(b, dt))
+    /// A small vector of `shape` widened to f32, stored as BF16 or F32 (SPEC.md §2: the release
+    /// stores some vectors as F32; either width is widened exactly).
+    fn vec(&self, suffix: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let (span, dt, _) = self.get(suffix, &[shape], VECTOR_DTYPES)?;
+        Ok(widen(span.of(self.run.region.bytes()), dt))
     }
 
     /// A folded AttnRes query `norm ⊙ proj`.
     fn attn_res(&self, site: &str, e: usize) -> Result<AttnResQuery, ModelError> {
-        let norm = self.vec(&format!("{site}_norm.weight"), &[e], &[Dtype::BF16])?;
-        let proj = self.vec(&format!("{site}_proj.weight"), &[1, e], &[Dtype::BF16])?;
+        let norm = self.vec(&format!("{site}_norm.weight"), &[e])?;
+        let proj = self.vec(&format!("{site}_proj.weight"), &[1, e])?;
         Ok(fold(&norm, &proj))
     }
 }
+
+/// The float widths accepted for every small vector (norm gains, AttnRes vectors, router bias,
+/// `A_log`, `dt_bias`, conv kernels, `o_norm`).
+const VECTOR_DTYPES: &[Dtype] = &[Dtype::BF16, Dtype::F32];
 
 fn widen(b: &[u8], dt: Dtype) -> Vec<f32> {
     match dt {
@@ -206,31 +225,125 @@ pub enum Mlp<'a> {
     Moe(MoeWeights<'a>),
 }
 
-/// One decoder layer, bound.
+/// One decoder layer's weights for one pass: views onto the run's bytes and the bound layer's
+/// widened vectors. Made from a [`BoundLayer`] without name look-ups or copies.
 #[derive(Debug)]
 pub struct LayerWeights<'a> {
     /// Folded AttnRes query before attention (unused at layer 0, still checked).
-    pub self_res: AttnResQuery,
+    pub self_res: &'a AttnResQuery,
     /// Folded AttnRes query before the MLP.
-    pub mlp_res: AttnResQuery,
+    pub mlp_res: &'a AttnResQuery,
     /// `input_layernorm` `[E]`.
-    pub input_norm: Vec<f32>,
+    pub input_norm: &'a [f32],
     /// `post_attention_layernorm` `[E]`.
-    pub post_norm: Vec<f32>,
+    pub post_norm: &'a [f32],
     /// KDA or MLA.
     pub attn: Attn<'a>,
     /// Dense MLP or MoE.
     pub mlp: Mlp<'a>,
 }
 
-impl<'a> LayerWeights<'a> {
+/// A KDA layer's places and vectors.
+#[derive(Debug)]
+struct KdaBound {
+    q: Span,
+    k: Span,
+    v: Span,
+    f_a: Span,
+    f_b: Span,
+    b: Span,
+    g: Span,
+    o: Span,
+    conv: [Vec<f32>; 3],
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    o_norm: Vec<f32>,
+}
+
+/// An MLA layer's places and vectors.
+#[derive(Debug)]
+struct MlaBound {
+    q_a: Span,
+    q_b: Span,
+    kv_a: Span,
+    kv_b: Span,
+    o: Span,
+    g: Option<Span>,
+    q_a_norm: Vec<f32>,
+    kv_a_norm: Vec<f32>,
+}
+
+/// A SiTU MLP's places.
+#[derive(Clone, Copy, Debug)]
+struct SituBound {
+    gate: Span,
+    up: Span,
+    down: Span,
+    width: usize,
+}
+
+impl SituBound {
+    fn view<'a>(&self, b: &'a [u8]) -> SituMlp<'a> {
+        SituMlp {
+            gate: self.gate.of(b),
+            up: self.up.of(b),
+            down: self.down.of(b),
+            width: self.width,
+        }
+    }
+}
+
+/// A MoE layer's places and vectors.
+#[derive(Debug)]
+struct MoeBound {
+    router: Span,
+    down: Span,
+    up: Span,
+    bias: Vec<f32>,
+    norm: Option<Vec<f32>>,
+    shared: Option<SituBound>,
+}
+
+#[derive(Debug)]
+enum AttnBound {
+    Kda(KdaBound),
+    Mla(MlaBound),
+}
+
+#[derive(Debug)]
+enum MlpBound {
+    Dense(SituBound),
+    Moe(MoeBound),
+}
+
+/// One decoder layer bound ONCE: every tensor's name looked up, its dtype, size, stored shape and
+/// place inside the run checked, its small vectors widened to f32 and the AttnRes queries folded.
+/// Each later pass slices the run's bytes by the recorded spans ([`BoundLayer::weights`]) — no
+/// name formatting, map look-up, widening or copy per token, whether the layer is resident or
+/// streamed through the ring.
+#[derive(Debug)]
+pub struct BoundLayer {
+    /// The 0-based layer.
+    pub layer: usize,
+    layout: Arc<LayerLayout>,
+    /// Every span ends at or before this many bytes of the run.
+    run_len: usize,
+    self_res: AttnResQuery,
+    mlp_res: AttnResQuery,
+    input_norm: Vec<f32>,
+    post_norm: Vec<f32>,
+    attn: AttnBound,
+    mlp: MlpBound,
+}
+
+impl BoundLayer {
     /// Bind layer `run.layer` of a model with dims `d`. `shapes` (the checkpoint index), when
     /// given, also checks each tensor's stored shape.
     pub fn bind(
         d: &Dims,
-        run: &'a LayerRun,
-        shapes: Option<&'a dyn TensorShapes>,
-    ) -> Result<LayerWeights<'a>, ModelError> {
+        run: &LayerRun,
+        shapes: Option<&dyn TensorShapes>,
+    ) -> Result<BoundLayer, ModelError> {
         let l = run.layer;
         if l >= d.n_layers {
             return Err(ModelError::Config(format!(
@@ -241,100 +354,185 @@ impl<'a> LayerWeights<'a> {
         let v = LayerView { l, run, shapes };
         let e = d.hidden;
         let attn = if d.is_mla(l) {
-            bind_mla(d, &v)?
+            AttnBound::Mla(bind_mla(d, &v)?)
         } else {
-            bind_kda(d, &v)?
+            AttnBound::Kda(bind_kda(d, &v)?)
         };
         let mlp = if d.is_moe(l) {
-            bind_moe(d, &v)?
+            MlpBound::Moe(bind_moe(d, &v)?)
         } else {
-            Mlp::Dense(SituMlp {
+            MlpBound::Dense(SituBound {
                 gate: v.mat("mlp.gate_proj.weight", d.dense_inter, e)?,
                 up: v.mat("mlp.up_proj.weight", d.dense_inter, e)?,
                 down: v.mat("mlp.down_proj.weight", e, d.dense_inter)?,
                 width: d.dense_inter,
             })
         };
-        Ok(LayerWeights {
+        let run_len = run
+            .layout
+            .tensors()
+            .iter()
+            .filter_map(|t| usize::try_from(t.off.checked_add(t.nbytes)?).ok())
+            .max()
+            .unwrap_or(0)
+            .min(run.region.len());
+        Ok(BoundLayer {
+            layer: l,
+            layout: run.layout.clone(),
+            run_len,
             self_res: v.attn_res("self_attention_res", e)?,
             mlp_res: v.attn_res("mlp_res", e)?,
-            input_norm: v.vec("input_layernorm.weight", &[e], &[Dtype::BF16])?,
-            post_norm: v.vec("post_attention_layernorm.weight", &[e], &[Dtype::BF16])?,
+            input_norm: v.vec("input_layernorm.weight", &[e])?,
+            post_norm: v.vec("post_attention_layernorm.weight", &[e])?,
+            attn,
+            mlp,
+        })
+    }
+
+    /// Bytes of f32 vectors this bound layer keeps (counted in the worker's memory plan).
+    pub fn vector_bytes(&self) -> usize {
+        let mut n = self.self_res.w.len()
+            + self.mlp_res.w.len()
+            + self.input_norm.len()
+            + self.post_norm.len();
+        n += match &self.attn {
+            AttnBound::Kda(k) => {
+                k.conv.iter().map(Vec::len).sum::<usize>()
+                    + k.a_log.len()
+                    + k.dt_bias.len()
+                    + k.o_norm.len()
+            }
+            AttnBound::Mla(m) => m.q_a_norm.len() + m.kv_a_norm.len(),
+        };
+        if let MlpBound::Moe(m) = &self.mlp {
+            n += m.bias.len() + m.norm.as_ref().map_or(0, Vec::len);
+        }
+        n * 4
+    }
+
+    /// This pass's weights: views onto `run`'s bytes at the recorded spans. `run` must be this
+    /// layer's run with the layout it was bound with.
+    pub fn weights<'a>(&'a self, run: &'a LayerRun) -> Result<LayerWeights<'a>, ModelError> {
+        let same_layout = Arc::ptr_eq(&run.layout, &self.layout)
+            || run.layout.tensors() == self.layout.tensors();
+        if run.layer != self.layer || !same_layout || run.region.len() < self.run_len {
+            return Err(ModelError::Config(format!(
+                "layer {} was bound to another layout than the run the source returned (layer {}, {} bytes)",
+                self.layer,
+                run.layer,
+                run.region.len()
+            )));
+        }
+        let b = run.region.bytes();
+        let attn = match &self.attn {
+            AttnBound::Kda(k) => Attn::Kda(KdaWeights {
+                q_proj: k.q.of(b),
+                k_proj: k.k.of(b),
+                v_proj: k.v.of(b),
+                conv: [&k.conv[0], &k.conv[1], &k.conv[2]],
+                f_a: k.f_a.of(b),
+                f_b: k.f_b.of(b),
+                a_log: &k.a_log,
+                dt_bias: &k.dt_bias,
+                b_proj: k.b.of(b),
+                g_proj: k.g.of(b),
+                o_norm: &k.o_norm,
+                o_proj: k.o.of(b),
+            }),
+            AttnBound::Mla(m) => Attn::Mla(MlaWeights {
+                q_a: m.q_a.of(b),
+                q_a_norm: &m.q_a_norm,
+                q_b: m.q_b.of(b),
+                kv_a: m.kv_a.of(b),
+                kv_a_norm: &m.kv_a_norm,
+                kv_b: m.kv_b.of(b),
+                o_proj: m.o.of(b),
+                g_proj: m.g.map(|g| g.of(b)),
+            }),
+        };
+        let mlp = match &self.mlp {
+            MlpBound::Dense(s) => Mlp::Dense(s.view(b)),
+            MlpBound::Moe(m) => Mlp::Moe(MoeWeights {
+                router: m.router.of(b),
+                bias: &m.bias,
+                down: m.down.of(b),
+                norm: m.norm.as_deref(),
+                up: m.up.of(b),
+                shared: m.shared.map(|s| s.view(b)),
+            }),
+        };
+        Ok(LayerWeights {
+            self_res: &self.self_res,
+            mlp_res: &self.mlp_res,
+            input_norm: &self.input_norm,
+            post_norm: &self.post_norm,
             attn,
             mlp,
         })
     }
 }
 
-fn bind_kda<'a>(d: &Dims, v: &LayerView<'a>) -> Result<Attn<'a>, ModelError> {
+fn bind_kda(d: &Dims, v: &LayerView<'_>) -> Result<KdaBound, ModelError> {
     let (e, h, dh, k) = (d.hidden, d.kda_heads, d.kda_dim, d.conv_k);
     let p = h * dh;
-    let f32_ = &[Dtype::F32][..];
-    let conv = |w: &str| v.vec(&format!("self_attn.{w}_conv1d.weight"), &[p, 1, k], f32_);
-    // A_log: the release stores [head_dim] with a zero tail (MODEL.md §10 C2); the HF module
+    let conv = |w: &str| v.vec(&format!("self_attn.{w}_conv1d.weight"), &[p, 1, k]);
+    // A_log: the release stores [head_dim] with a zero tail (SPEC.md §10 C2); the HF module
     // declares [num_heads]. Accept either; only the first H entries are used.
     let (sd, sh) = ([dh], [h]);
     let a_shapes: &[&[usize]] = if h <= dh { &[&sd, &sh] } else { &[&sh] };
-    let (a_bytes, a_dt, _) = v.get("self_attn.A_log", a_shapes, f32_)?;
-    let mut a_log = widen(a_bytes, a_dt);
+    let (a_span, a_dt, _) = v.get("self_attn.A_log", a_shapes, VECTOR_DTYPES)?;
+    let mut a_log = widen(a_span.of(v.run.region.bytes()), a_dt);
     a_log.truncate(h);
-    Ok(Attn::Kda(KdaWeights {
-        q_proj: v.mat("self_attn.q_proj.weight", p, e)?,
-        k_proj: v.mat("self_attn.k_proj.weight", p, e)?,
-        v_proj: v.mat("self_attn.v_proj.weight", p, e)?,
+    Ok(KdaBound {
+        q: v.mat("self_attn.q_proj.weight", p, e)?,
+        k: v.mat("self_attn.k_proj.weight", p, e)?,
+        v: v.mat("self_attn.v_proj.weight", p, e)?,
         conv: [conv("q")?, conv("k")?, conv("v")?],
         f_a: v.mat("self_attn.f_a_proj.weight", dh, e)?,
         f_b: v.mat("self_attn.f_b_proj.weight", p, dh)?,
         a_log,
-        dt_bias: v.vec("self_attn.dt_bias", &[p], f32_)?,
-        b_proj: v.mat("self_attn.b_proj.weight", h, e)?,
-        g_proj: v.mat("self_attn.g_proj.weight", p, e)?,
-        o_norm: v.vec("self_attn.o_norm.weight", &[dh], f32_)?,
-        o_proj: v.mat("self_attn.o_proj.weight", e, p)?,
-    }))
+        dt_bias: v.vec("self_attn.dt_bias", &[p])?,
+        b: v.mat("self_attn.b_proj.weight", h, e)?,
+        g: v.mat("self_attn.g_proj.weight", p, e)?,
+        o_norm: v.vec("self_attn.o_norm.weight", &[dh])?,
+        o: v.mat("self_attn.o_proj.weight", e, p)?,
+    })
 }
 
-fn bind_mla<'a>(d: &Dims, v: &LayerView<'a>) -> Result<Attn<'a>, ModelError> {
+fn bind_mla(d: &Dims, v: &LayerView<'_>) -> Result<MlaBound, ModelError> {
     let (e, h) = (d.hidden, d.mla_heads);
-    let bf = &[Dtype::BF16][..];
-    let kv_b = v.mat(
-        "self_attn.kv_b_proj.weight",
-        h * (d.nope + d.v_head),
-        d.kv_lora,
-    )?;
-    let g_proj = if d.mla_gate {
+    let g = if d.mla_gate {
         Some(v.mat("self_attn.g_proj.weight", h * d.v_head, e)?)
     } else {
         None
     };
-    Ok(Attn::Mla(MlaWeights {
+    Ok(MlaBound {
         q_a: v.mat("self_attn.q_a_proj.weight", d.q_lora, e)?,
-        q_a_norm: v.vec("self_attn.q_a_layernorm.weight", &[d.q_lora], bf)?,
+        q_a_norm: v.vec("self_attn.q_a_layernorm.weight", &[d.q_lora])?,
         q_b: v.mat("self_attn.q_b_proj.weight", h * (d.nope + d.rope), d.q_lora)?,
         kv_a: v.mat("self_attn.kv_a_proj_with_mqa.weight", d.kv_lora + d.rope, e)?,
-        kv_a_norm: v.vec("self_attn.kv_a_layernorm.weight", &[d.kv_lora], bf)?,
-        kv_b,
-        w_uk_t: MlaWeights::transpose_uk(d, kv_b),
-        o_proj: v.mat("self_attn.o_proj.weight", e, h * d.v_head)?,
-        g_proj,
-    }))
+        kv_a_norm: v.vec("self_attn.kv_a_layernorm.weight", &[d.kv_lora])?,
+        kv_b: v.mat(
+            "self_attn.kv_b_proj.weight",
+            h * (d.nope + d.v_head),
+            d.kv_lora,
+        )?,
+        o: v.mat("self_attn.o_proj.weight", e, h * d.v_head)?,
+        g,
+    })
 }
 
-fn bind_moe<'a>(d: &Dims, v: &LayerView<'a>) -> Result<Mlp<'a>, ModelError> {
+fn bind_moe(d: &Dims, v: &LayerView<'_>) -> Result<MoeBound, ModelError> {
     let (e, ne, lat) = (d.hidden, d.n_experts, d.latent);
     let m = "block_sparse_moe";
     let norm = if d.latent_norm {
-        Some(v.vec(
-            &format!("{m}.routed_expert_norm.weight"),
-            &[lat],
-            &[Dtype::BF16],
-        )?)
+        Some(v.vec(&format!("{m}.routed_expert_norm.weight"), &[lat])?)
     } else {
         None
     };
     let sw = d.n_shared * d.moe_inter;
     let shared = if d.n_shared > 0 {
-        Some(SituMlp {
+        Some(SituBound {
             gate: v.mat(&format!("{m}.shared_experts.gate_proj.weight"), sw, e)?,
             up: v.mat(&format!("{m}.shared_experts.up_proj.weight"), sw, e)?,
             down: v.mat(&format!("{m}.shared_experts.down_proj.weight"), e, sw)?,
@@ -343,19 +541,15 @@ fn bind_moe<'a>(d: &Dims, v: &LayerView<'a>) -> Result<Mlp<'a>, ModelError> {
     } else {
         None
     };
-    Ok(Mlp::Moe(MoeWeights {
+    Ok(MoeBound {
         router: v.mat(&format!("{m}.gate.weight"), ne, e)?,
-        // F32 in the release; BF16 accepted (MODEL.md §10 C5).
-        bias: v.vec(
-            &format!("{m}.gate.e_score_correction_bias"),
-            &[ne],
-            &[Dtype::F32, Dtype::BF16],
-        )?,
+        // F32 in the release; BF16 accepted (SPEC.md §10 C5).
+        bias: v.vec(&format!("{m}.gate.e_score_correction_bias"), &[ne])?,
         down: v.mat(&format!("{m}.routed_expert_down_proj.weight"), lat, e)?,
         norm,
         up: v.mat(&format!("{m}.routed_expert_up_proj.weight"), e, lat)?,
         shared,
-    }))
+    })
 }
 
 /// The model-level tensors, resident for the whole run.
@@ -395,6 +589,38 @@ fn model_bf16(
     Ok(r)
 }
 
+/// A model-level small vector of `shape`, stored as BF16 or F32, widened exactly. The width is
+/// the index's dtype when known, else told apart by the byte length (the two differ by 2×).
+fn model_vec(
+    source: &dyn WeightSource,
+    shapes: Option<&dyn TensorShapes>,
+    name: &str,
+    shape: &[usize],
+) -> Result<Vec<f32>, ModelError> {
+    let r = source.model_tensor(name)?;
+    let dt = match shapes.and_then(|s| s.meta(name)) {
+        Some((dt, _)) => dt,
+        None if nbytes_of(shape, Dtype::F32) == Some(r.len() as u64) => Dtype::F32,
+        None => Dtype::BF16,
+    };
+    if !VECTOR_DTYPES.contains(&dt) {
+        return Err(bind_err(name, format!("expected dtype BF16 or F32, found {dt}")));
+    }
+    let want = nbytes_of(shape, dt);
+    if want != Some(r.len() as u64) {
+        return Err(bind_err(
+            name,
+            format!(
+                "expected {} {dt} = {want:?} bytes, found {} bytes",
+                fmt_shape(shape),
+                r.len()
+            ),
+        ));
+    }
+    check_meta(shapes, name, &[shape], dt)?;
+    Ok(widen(r.bytes(), dt))
+}
+
 impl Globals {
     /// Bind and check the five model-level tensors.
     pub fn bind(
@@ -405,17 +631,14 @@ impl Globals {
         let (v, e) = (d.vocab, d.hidden);
         let embed = model_bf16(source, shapes, names::EMBED, &[v, e])?;
         let lm_head = model_bf16(source, shapes, names::LM_HEAD, &[v, e])?;
-        let norm = model_bf16(source, shapes, names::FINAL_NORM, &[e])?;
-        let rn = model_bf16(source, shapes, names::OUT_RES_NORM, &[e])?;
-        let rp = model_bf16(source, shapes, names::OUT_RES_PROJ, &[1, e])?;
+        let final_norm = model_vec(source, shapes, names::FINAL_NORM, &[e])?;
+        let rn = model_vec(source, shapes, names::OUT_RES_NORM, &[e])?;
+        let rp = model_vec(source, shapes, names::OUT_RES_PROJ, &[1, e])?;
         Ok(Globals {
             embed,
             lm_head,
-            final_norm: bf16_bytes_to_f32(norm.bytes()),
-            out_res: fold(
-                &bf16_bytes_to_f32(rn.bytes()),
-                &bf16_bytes_to_f32(rp.bytes()),
-            ),
+            final_norm,
+            out_res: fold(&rn, &rp),
         })
     }
 }

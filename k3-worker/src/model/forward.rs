@@ -17,10 +17,9 @@
 
 use k3_store::source::WeightSource;
 
-use super::bind::{Attn, Globals, LayerWeights, Mlp, TensorShapes};
+use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
 use super::state::{LayerState, SeqState};
 use super::{linear, rms_norm_rows, Dims, ModelError};
-use crate::kernels::bf16_bytes_to_f32;
 
 /// Which positions to compute logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,6 +65,9 @@ pub struct Model<'s> {
     source: &'s dyn WeightSource,
     shapes: Option<&'s dyn TensorShapes>,
     globals: Globals,
+    /// Each layer bound once, at its first pass (names, shapes and places checked, vectors
+    /// widened); later passes only slice the run's bytes.
+    bound: Vec<Option<BoundLayer>>,
     /// Failure/request counters.
     pub counters: RunCounters,
     /// When `Some`, every expert request is appended here.
@@ -92,7 +94,7 @@ impl std::fmt::Debug for Model<'_> {
 const MAX_FAILURE_MESSAGES: usize = 16;
 
 impl<'s> Model<'s> {
-    /// Validate `dims` and bind the model-level tensors.
+    /// Validate `dims` and bind the model-level tensors. Layers are bound at their first pass.
     pub fn new(
         dims: Dims,
         source: &'s dyn WeightSource,
@@ -100,11 +102,13 @@ impl<'s> Model<'s> {
     ) -> Result<Model<'s>, ModelError> {
         dims.validate()?;
         let globals = Globals::bind(&dims, source, shapes)?;
+        let bound = (0..dims.n_layers).map(|_| None).collect();
         Ok(Model {
             dims,
             source,
             shapes,
             globals,
+            bound,
             counters: RunCounters::default(),
             trace: None,
             step: 0,
@@ -117,10 +121,14 @@ impl<'s> Model<'s> {
         SeqState::new(&self.dims, capacity)
     }
 
-    fn tap(&mut self, l: usize, name: &str, v: &[f32]) {
-        if let Some(t) = self.tap.as_mut() {
-            t(l, name, v);
-        }
+    /// The weight source.
+    pub fn source(&self) -> &'s dyn WeightSource {
+        self.source
+    }
+
+    /// Layers bound so far (each is bound once, at its first pass).
+    pub fn bound_layers(&self) -> usize {
+        self.bound.iter().filter(|b| b.is_some()).count()
     }
 
     /// Run `ids` (appended after the `st.pos` tokens already consumed) and return logits
@@ -131,7 +139,23 @@ impl<'s> Model<'s> {
         st: &mut SeqState,
         which: Logits,
     ) -> Result<Vec<f32>, ModelError> {
-        let d = self.dims.clone();
+        let Model {
+            dims: d,
+            source,
+            shapes,
+            globals,
+            bound,
+            counters,
+            trace,
+            step,
+            tap,
+        } = self;
+        let (source, shapes, step) = (*source, *shapes, *step);
+        let mut tap = |l: usize, name: &str, v: &[f32]| {
+            if let Some(t) = tap.as_mut() {
+                t(l, name, v);
+            }
+        };
         let (n, e) = (ids.len(), d.hidden);
         if n == 0 {
             return Err(ModelError::Input("no tokens to run".into()));
@@ -151,18 +175,27 @@ impl<'s> Model<'s> {
         }
         st.reserve(n)?;
 
+        // The residual bank and the pending sum live in the state's buffers, reused every pass.
+        let scratch = &mut st.scratch;
+        let n_blocks = d.n_layers.div_ceil(d.block);
+        scratch.bank.resize_with(n_blocks, Vec::new);
+        let mut banked = 0usize;
+
         // Embedding, unscaled.
-        let mut h = Vec::with_capacity(n * e);
-        let emb = self.globals.embed.bytes();
+        let mut pend = std::mem::take(&mut scratch.pend);
+        pend.clear();
+        let emb = globals.embed.bytes();
         for &id in ids {
             let o = id as usize * e * 2;
-            h.extend(bf16_bytes_to_f32(&emb[o..o + e * 2]));
+            pend.extend(
+                emb[o..o + e * 2]
+                    .chunks_exact(2)
+                    .map(|b| crate::kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+            );
         }
 
-        let mut bank: Vec<Vec<f32>> = Vec::new();
-        let mut pend = h;
         for l in 0..d.n_layers {
-            let run = self.source.layer(l)?;
+            let run = source.layer(l)?;
             if run.layer != l {
                 return Err(ModelError::Config(format!(
                     "source returned layer {} for layer {l}",
@@ -170,99 +203,105 @@ impl<'s> Model<'s> {
                 )));
             }
             if l + 1 < d.n_layers {
-                self.source.prefetch_layer(l + 1);
+                source.prefetch_layer(l + 1);
             }
-            let lw = LayerWeights::bind(&d, &run, self.shapes)?;
+            if bound[l].is_none() {
+                bound[l] = Some(BoundLayer::bind(d, &run, shapes)?);
+            }
+            let lw = bound[l]
+                .as_ref()
+                .expect("bound just above")
+                .weights(&run)?;
 
             // Attention side.
-            let x = if bank.is_empty() {
+            let x = if banked == 0 {
                 pend.clone()
             } else {
-                let mut src: Vec<&[f32]> = bank.iter().map(|b| b.as_slice()).collect();
+                let mut src: Vec<&[f32]> =
+                    scratch.bank[..banked].iter().map(|b| b.as_slice()).collect();
                 src.push(&pend);
                 lw.self_res.aggregate(&src, n, d.rms_eps)
             };
-            let carried = if l % d.block == 0 {
-                bank.push(std::mem::take(&mut pend));
-                None
-            } else {
-                Some(std::mem::take(&mut pend))
-            };
-            self.tap(l, "attn_in", &x);
-            let xn = rms_norm_rows(&x, &lw.input_norm, d.rms_eps);
+            let carried = l % d.block != 0;
+            if !carried {
+                // Boundary: the pending sum becomes a bank entry (its buffer is reused).
+                std::mem::swap(&mut scratch.bank[banked], &mut pend);
+                banked += 1;
+            }
+            tap(l, "attn_in", &x);
+            let xn = rms_norm_rows(&x, lw.input_norm, d.rms_eps);
             let a = match (&lw.attn, &mut st.layers[l]) {
-                (Attn::Kda(w), LayerState::Kda(s)) => w.forward(&d, &xn, n, s),
-                (Attn::Mla(w), LayerState::Mla(c)) => w.forward(&d, &xn, n, c),
+                (Attn::Kda(w), LayerState::Kda(s)) => w.forward(d, &xn, n, s),
+                (Attn::Mla(w), LayerState::Mla(c)) => w.forward(d, &xn, n, c),
                 _ => {
                     return Err(ModelError::Input(format!(
                         "state of layer {l} does not match its kind"
                     )))
                 }
             };
-            self.tap(l, "attn_out", &a);
-            pend = match carried {
-                Some(mut p) => {
-                    p.iter_mut().zip(&a).for_each(|(pv, av)| *pv += av);
-                    p
-                }
-                None => a,
-            };
+            tap(l, "attn_out", &a);
+            if carried {
+                pend.iter_mut().zip(&a).for_each(|(pv, av)| *pv += av);
+            } else {
+                pend.clear();
+                pend.extend_from_slice(&a);
+            }
 
             // MLP side (bank is non-empty: layer 0 is a boundary).
-            let mut src: Vec<&[f32]> = bank.iter().map(|b| b.as_slice()).collect();
+            let mut src: Vec<&[f32]> = scratch.bank[..banked].iter().map(|b| b.as_slice()).collect();
             src.push(&pend);
             let x = lw.mlp_res.aggregate(&src, n, d.rms_eps);
-            self.tap(l, "mlp_in", &x);
-            let xn = rms_norm_rows(&x, &lw.post_norm, d.rms_eps);
+            tap(l, "mlp_in", &x);
+            let xn = rms_norm_rows(&x, lw.post_norm, d.rms_eps);
             let m = match &lw.mlp {
-                Mlp::Dense(mlp) => mlp.forward(&d, &xn, n),
+                Mlp::Dense(mlp) => mlp.forward(d, &xn, n),
                 Mlp::Moe(moe) => {
-                    let routing = moe.route(&d, &xn, n);
+                    let routing = moe.route(d, &xn, n);
                     let uniq = routing.unique();
                     // A prefill's union of experts can exceed the cache: fetch it in groups the
                     // source can hold at once. Each group's slots are released (its batch
                     // dropped) before the next is requested; the output does not depend on the
                     // grouping.
-                    let group = self.source.max_expert_batch().max(1);
+                    let group = source.max_expert_batch().max(1);
                     let groups: Vec<&[u32]> = uniq.chunks(group).collect();
                     for ids in &groups {
-                        if let Some(t) = self.trace.as_mut() {
+                        if let Some(t) = trace.as_mut() {
                             t.push(TraceRecord {
-                                step: self.step,
+                                step,
                                 layer: l as u32,
                                 experts: ids.to_vec(),
                             });
                         }
-                        self.counters.expert_requests += ids.len() as u64;
+                        counters.expert_requests += ids.len() as u64;
                     }
                     // The first group's read overlaps the latent down-projection and the shared
                     // experts, which do not depend on it.
-                    let source = self.source;
                     let (first, z, shared, waited) = std::thread::scope(|sc| {
                         let fetch = groups
                             .first()
                             .map(|&ids| sc.spawn(move || source.experts(l, ids)));
-                        let z = moe.latent_in(&d, &xn, n);
-                        let shared = moe.shared_out(&d, &xn, n);
+                        let z = moe.latent_in(d, &xn, n);
+                        let shared = moe.shared_out(d, &xn, n);
                         let t_wait = std::time::Instant::now();
                         let first = fetch.map(|h| h.join());
                         (first, z, shared, t_wait.elapsed().as_secs_f64())
                     });
-                    self.counters.expert_wait_seconds += waited;
+                    counters.expert_wait_seconds += waited;
                     let mut results = Vec::with_capacity(uniq.len());
                     let mut first = first;
                     for ids in &groups {
                         let batch = match first.take() {
                             Some(Ok(b)) => b?,
-                            Some(Err(_)) => {
-                                return Err(ModelError::Config(format!(
-                                    "the expert fetch of layer {l} panicked"
-                                )))
+                            Some(Err(panic)) => {
+                                return Err(ModelError::FetchPanicked {
+                                    layer: l,
+                                    message: panic_message(&panic),
+                                })
                             }
                             None => {
                                 let t_wait = std::time::Instant::now();
-                                let b = self.source.experts(l, ids)?;
-                                self.counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
+                                let b = source.experts(l, ids)?;
+                                counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
                                 b
                             }
                         };
@@ -273,13 +312,13 @@ impl<'s> Model<'s> {
                                 ids.len()
                             )));
                         }
-                        results.extend(moe.run_experts(&d, &z, n, &routing, ids, &batch));
+                        results.extend(moe.run_experts(d, &z, n, &routing, ids, &batch));
                     }
-                    let (out, failed) = moe.combine(&d, n, &routing, &results, shared.as_deref());
+                    let (out, failed) = moe.combine(d, n, &routing, &results, shared.as_deref());
                     for (id, why) in failed {
-                        self.counters.failed_expert_loads += 1;
-                        if self.counters.failure_messages.len() < MAX_FAILURE_MESSAGES {
-                            self.counters
+                        counters.failed_expert_loads += 1;
+                        if counters.failure_messages.len() < MAX_FAILURE_MESSAGES {
+                            counters
                                 .failure_messages
                                 .push(format!("layer {l} expert {id}: {why}"));
                         }
@@ -287,24 +326,34 @@ impl<'s> Model<'s> {
                     out
                 }
             };
-            self.tap(l, "mlp_out", &m);
+            tap(l, "mlp_out", &m);
             pend.iter_mut().zip(&m).for_each(|(pv, mv)| *pv += mv);
             drop(lw);
             drop(run);
         }
 
         // Output aggregator → final norm → lm_head.
-        let mut src: Vec<&[f32]> = bank.iter().map(|b| b.as_slice()).collect();
+        let mut src: Vec<&[f32]> = scratch.bank[..banked].iter().map(|b| b.as_slice()).collect();
         src.push(&pend);
-        let x = self.globals.out_res.aggregate(&src, n, d.rms_eps);
-        self.tap(d.n_layers, "final_in", &x);
+        let x = globals.out_res.aggregate(&src, n, d.rms_eps);
+        drop(src);
+        scratch.pend = pend;
+        tap(d.n_layers, "final_in", &x);
         let (first, rows) = match which {
             Logits::All => (0, n),
             Logits::Last => (n - 1, 1),
         };
-        let xn = rms_norm_rows(&x[first * e..], &self.globals.final_norm, d.rms_eps);
-        let logits = linear(self.globals.lm_head.bytes(), d.vocab, e, &xn, rows);
+        let xn = rms_norm_rows(&x[first * e..], &globals.final_norm, d.rms_eps);
+        let logits = linear(globals.lm_head.bytes(), d.vocab, e, &xn, rows);
         st.pos += n;
         Ok(logits)
     }
+}
+
+/// The text of a panic payload.
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text panic".into())
 }

@@ -33,21 +33,21 @@ pub struct KdaWeights<'a> {
     /// `v_proj` `[P, E]`.
     pub v_proj: &'a [u8],
     /// Conv kernels for q, k, v: `[P, K]` (tap K-1 multiplies the current token).
-    pub conv: [Vec<f32>; 3],
+    pub conv: [&'a [f32]; 3],
     /// `f_a_proj` `[D, E]` (decay bottleneck, rank D).
     pub f_a: &'a [u8],
     /// `f_b_proj` `[P, D]`.
     pub f_b: &'a [u8],
     /// `A_log[0..H]` (per head).
-    pub a_log: Vec<f32>,
+    pub a_log: &'a [f32],
     /// `dt_bias` `[P]`, index `h·D + d`.
-    pub dt_bias: Vec<f32>,
+    pub dt_bias: &'a [f32],
     /// `b_proj` `[H, E]`.
     pub b_proj: &'a [u8],
     /// `g_proj` `[P, E]`.
     pub g_proj: &'a [u8],
     /// `o_norm` `[D]`, shared by all heads.
-    pub o_norm: Vec<f32>,
+    pub o_norm: &'a [f32],
     /// `o_proj` `[E, P]`.
     pub o_proj: &'a [u8],
 }

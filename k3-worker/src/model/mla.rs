@@ -24,18 +24,15 @@ pub struct MlaWeights<'a> {
     /// `q_a_proj` `[q_lora, E]`.
     pub q_a: &'a [u8],
     /// `q_a_layernorm` `[q_lora]`.
-    pub q_a_norm: Vec<f32>,
+    pub q_a_norm: &'a [f32],
     /// `q_b_proj` `[H·(nope+rope), q_lora]`, per head `[nope | rope]`.
     pub q_b: &'a [u8],
     /// `kv_a_proj_with_mqa` `[kv_lora + rope, E]`.
     pub kv_a: &'a [u8],
     /// `kv_a_layernorm` `[kv_lora]`.
-    pub kv_a_norm: Vec<f32>,
+    pub kv_a_norm: &'a [f32],
     /// `kv_b_proj` `[H·(nope+v), kv_lora]`, per head `[k_nope | v]`.
     pub kv_b: &'a [u8],
-    /// `W_UK[h]ᵀ` for every head, `[H][kv_lora][nope]` bf16 bytes: a re-layout of `kv_b` made
-    /// at bind so that the absorption `q̃ = W_UKᵀ q_nope` is a plain kernel product.
-    pub w_uk_t: Vec<u8>,
     /// `o_proj` `[E, H·v]`.
     pub o_proj: &'a [u8],
     /// `g_proj` `[H·v, E]` (absent when `mla_use_output_gate` is false).
@@ -43,24 +40,6 @@ pub struct MlaWeights<'a> {
 }
 
 impl MlaWeights<'_> {
-    /// Transpose each head's `W_UK` block of `kv_b` into `[H][kv_lora][nope]` (bytes copied,
-    /// values untouched).
-    pub fn transpose_uk(d: &Dims, kv_b: &[u8]) -> Vec<u8> {
-        let (hn, nope, v, kl) = (d.mla_heads, d.nope, d.v_head, d.kv_lora);
-        let mut out = vec![0u8; hn * kl * nope * 2];
-        for h in 0..hn {
-            for i in 0..nope {
-                let row = (h * (nope + v) + i) * kl;
-                for j in 0..kl {
-                    let src = (row + j) * 2;
-                    let dst = ((h * kl + j) * nope + i) * 2;
-                    out[dst..dst + 2].copy_from_slice(&kv_b[src..src + 2]);
-                }
-            }
-        }
-        out
-    }
-
     /// Run `n` tokens (`x [n, E]`, normalised) through the layer, appending them to `cache`.
     pub fn forward(&self, d: &Dims, x: &[f32], n: usize, cache: &mut MlaCache) -> Vec<f32> {
         let (e, hn, nope, rope, vh, kl) =
@@ -95,8 +74,10 @@ impl MlaWeights<'_> {
                     let src = &q[t * hn * qw + h * qw..t * hn * qw + h * qw + nope];
                     qn[t * nope..(t + 1) * nope].copy_from_slice(src);
                 }
-                let wt = &self.w_uk_t[h * kl * nope * 2..(h + 1) * kl * nope * 2];
-                let qt = linear(wt, kl, nope, &qn, n); // q̃ [n, kv_lora]
+                // q̃ = W_UK[h]ᵀ q_nope [n, kv_lora], straight from kv_b's rows (no copy).
+                let uk_off = h * (nope + vh) * kl * 2;
+                let mut qt = vec![0.0f32; n * kl];
+                kernels::matmul_t_bf16(&self.kv_b[uk_off..uk_off + nope * kl * 2], nope, kl, &qn, n, &mut qt);
                 let mut query = vec![0.0f32; lw];
                 let mut chat = vec![0.0f32; n * kl];
                 let mut p = Vec::with_capacity(past + n);

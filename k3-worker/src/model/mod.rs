@@ -22,7 +22,7 @@ pub mod mla;
 pub mod moe;
 pub mod state;
 
-pub use bind::TensorShapes;
+pub use bind::{BoundLayer, TensorShapes};
 pub use forward::{Logits, Model, RunCounters, TraceRecord};
 pub use state::SeqState;
 
@@ -289,6 +289,15 @@ pub enum ModelError {
     /// Bad input (token id out of range, empty prompt, …).
     #[error("input: {0}")]
     Input(String),
+    /// The thread fetching a layer's experts panicked (a bug in the source, not a config
+    /// problem).
+    #[error("the expert fetch of layer {layer} panicked: {message}")]
+    FetchPanicked {
+        /// Layer being fetched.
+        layer: usize,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 /// `y [n, rows] = x [n, cols] · Wᵀ` for a bf16 weight (a thin wrapper over the kernel).

@@ -67,11 +67,11 @@ pub struct MoeWeights<'a> {
     /// Router `gate.weight` `[N, E]` (bf16).
     pub router: &'a [u8],
     /// `gate.e_score_correction_bias` `[N]` (selection only).
-    pub bias: Vec<f32>,
+    pub bias: &'a [f32],
     /// `routed_expert_down_proj` `[latent, E]`.
     pub down: &'a [u8],
     /// `routed_expert_norm` `[latent]` (None when `latent_moe_use_norm` is false).
-    pub norm: Option<Vec<f32>>,
+    pub norm: Option<&'a [f32]>,
     /// `routed_expert_up_proj` `[E, latent]`.
     pub up: &'a [u8],
     /// Shared experts (None when `num_shared_experts` is 0).

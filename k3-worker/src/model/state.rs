@@ -43,6 +43,24 @@ pub enum LayerState {
     Mla(MlaCache),
 }
 
+/// Activation buffers of the top-level loop, owned by the sequence and reused by every forward
+/// call (their contents never carry meaning from one call to the next).
+#[derive(Clone, Debug, Default)]
+pub struct Scratch {
+    /// The AttnRes bank: one `[n, E]` entry per block boundary passed in this call.
+    pub bank: Vec<Vec<f32>>,
+    /// The pending partial sum `[n, E]`.
+    pub pend: Vec<f32>,
+}
+
+impl PartialEq for Scratch {
+    /// Buffers are not state: two sequences in the same state compare equal whatever their
+    /// scratch holds.
+    fn eq(&self, _: &Scratch) -> bool {
+        true
+    }
+}
+
 /// Everything one sequence carries between forward calls.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SeqState {
@@ -52,6 +70,8 @@ pub struct SeqState {
     pub pos: usize,
     /// Positions the MLA caches were sized for (the request's prompt + generation).
     pub capacity: usize,
+    /// Reused activation buffers.
+    pub scratch: Scratch,
 }
 
 impl SeqState {
@@ -83,6 +103,7 @@ impl SeqState {
             layers,
             pos: 0,
             capacity,
+            scratch: Scratch::default(),
         }
     }
 

@@ -1,0 +1,139 @@
+//! Command-line flag groups shared by the three binaries, defined once and flattened into each
+//! (`#[command(flatten)]`): the store socket and the memory budget. Clap validates them (preset
+//! names, policy names, GB ranges); the budget keeps command-line order (a later flag overrides
+//! an earlier one) through [`BudgetArgs::budget`].
+
+use std::path::PathBuf;
+
+use clap::builder::PossibleValuesParser;
+
+use crate::plan::{Budget, PRESETS};
+
+/// `--socket PATH`: where the store listens.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct SocketArgs {
+    /// The store's socket (default $XDG_RUNTIME_DIR/k3/store.sock, else /tmp/k3-$UID/store.sock).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+}
+
+impl SocketArgs {
+    /// The socket given, or this user's default.
+    pub fn path(&self) -> PathBuf {
+        self.socket.clone().unwrap_or_else(|| {
+            // SAFETY: getuid has no preconditions and cannot fail.
+            k3_proto::paths::default_socket(unsafe { libc::getuid() })
+        })
+    }
+}
+
+/// Largest budget accepted on the command line, GB.
+pub const MAX_GB: f64 = 1e6;
+
+fn gb(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of GB"))?;
+    if !(v.is_finite() && (0.0..=MAX_GB).contains(&v)) {
+        return Err(format!("{v} GB outside 0..={MAX_GB}"));
+    }
+    Ok(v)
+}
+
+fn policy(s: &str) -> Result<String, String> {
+    crate::policy::policy_by_name(s, 1)
+        .map(|_| s.to_string())
+        .ok_or_else(|| {
+            format!(
+                "unknown cache policy {s:?} (one of {}, some take :PARAM; see docs/CACHE_POLICY.md)",
+                crate::policy::POLICY_NAMES.join(", ")
+            )
+        })
+}
+
+fn preset_names() -> PossibleValuesParser {
+    PossibleValuesParser::new(PRESETS.iter().map(|p| p.name))
+}
+
+/// The memory budget: `--preset NAME`, `--trunk-gb X`, `--cache-gb X` (in command-line order, a
+/// later one overrides an earlier one), the packed trunk and the expert-cache policy.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct BudgetArgs {
+    /// Packed trunk directory (trunk.bin + trunk.json) to stream layers from.
+    #[arg(long, value_name = "DIR")]
+    pub trunk: Option<PathBuf>,
+    /// Memory preset (see `k3-ctl presets`).
+    #[arg(long, value_name = "NAME", value_parser = preset_names())]
+    pub preset: Vec<String>,
+    /// Trunk budget in GB (pinned layers + ring).
+    #[arg(long, value_name = "GB", value_parser = gb)]
+    pub trunk_gb: Vec<f64>,
+    /// Routed-expert cache budget in GB.
+    #[arg(long, value_name = "GB", value_parser = gb)]
+    pub cache_gb: Vec<f64>,
+    /// Expert-cache eviction policy: lru (default), lfu, layer, layer-lfu, lrfu, layer-lrfu,
+    /// layer-age (see docs/CACHE_POLICY.md).
+    #[arg(long, value_name = "NAME", value_parser = policy)]
+    pub cache_policy: Option<String>,
+}
+
+impl BudgetArgs {
+    /// Ids of the flags in this group (for `requires`/`conflicts_with` in a binary).
+    pub const IDS: [&'static str; 5] = ["trunk", "preset", "trunk_gb", "cache_gb", "cache_policy"];
+
+    /// True when any memory flag (preset or GB) was given.
+    pub fn any_budget(&self) -> bool {
+        !(self.preset.is_empty() && self.trunk_gb.is_empty() && self.cache_gb.is_empty())
+    }
+
+    /// The budget the flags describe, in command-line order (`matches` are the parsed matches of
+    /// the command this group was flattened into).
+    pub fn budget(&self, matches: &clap::ArgMatches) -> Result<Budget, String> {
+        Budget::from_matches(matches, "preset", "trunk_gb", "cache_gb")
+    }
+
+    /// The cache policy, `lru` when not given.
+    pub fn policy(&self) -> String {
+        self.cache_policy.clone().unwrap_or_else(|| "lru".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, FromArgMatches, Parser};
+
+    #[derive(Parser, Debug)]
+    struct T {
+        #[command(flatten)]
+        budget: BudgetArgs,
+        #[command(flatten)]
+        socket: SocketArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<(T, clap::ArgMatches), clap::Error> {
+        let m = T::command().try_get_matches_from(std::iter::once("t").chain(args.iter().copied()))?;
+        Ok((T::from_arg_matches(&m)?, m))
+    }
+
+    #[test]
+    fn later_memory_flags_override_earlier_ones() {
+        let (t, m) = parse(&["--cache-gb", "40", "--preset", "server"]).unwrap();
+        let later_preset = t.budget.budget(&m).unwrap();
+        let (t, m) = parse(&["--preset", "server", "--cache-gb", "40"]).unwrap();
+        let later_cache = t.budget.budget(&m).unwrap();
+        assert_eq!(later_cache.cache_bytes, 40_000_000_000);
+        assert_ne!(later_preset.cache_bytes, later_cache.cache_bytes);
+        assert_eq!(later_preset.trunk_bytes, later_cache.trunk_bytes);
+    }
+
+    #[test]
+    fn clap_refuses_unknown_presets_policies_and_bad_sizes() {
+        assert!(parse(&["--preset", "huge"]).is_err());
+        assert!(parse(&["--cache-policy", "fifo"]).is_err());
+        assert!(parse(&["--trunk-gb", "-1"]).is_err());
+        assert!(parse(&["--trunk-gb", "nan"]).is_err());
+        assert!(parse(&["--cache-gb", "1e9"]).is_err());
+        let (t, _) = parse(&["--cache-policy", "layer-lfu"]).unwrap();
+        assert_eq!(t.budget.policy(), "layer-lfu");
+        assert!(t.socket.path().ends_with("store.sock"));
+    }
+}

@@ -1,0 +1,111 @@
+//! Progress of long steps (store load, standalone pinned load, pack-trunk, doctor) and the
+//! log set-up every binary shares.
+//!
+//! On a terminal a step shows an `indicatif` bar on stderr; otherwise (a detached store's log, a
+//! pipe, CI) it logs plain `tracing` lines at every tenth and at the end, so a log file never
+//! gets `\r` frames.
+
+use std::io::IsTerminal;
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Log lines with levels and timestamps on stderr, filtered by `RUST_LOG` (default `info`).
+/// Safe to call more than once (later calls do nothing).
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .try_init();
+}
+
+/// One long step's display: a bar on a terminal, plain log lines otherwise.
+#[derive(Debug)]
+pub struct Progress {
+    bar: Option<ProgressBar>,
+    what: String,
+    total: u64,
+    last_tenth: u64,
+}
+
+impl Progress {
+    /// A step of `total` units named `what`; `bytes` formats the counts as sizes.
+    pub fn new(what: &str, total: u64, bytes: bool) -> Progress {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let tpl = if bytes {
+                "{msg:>24} [{bar:32}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}"
+            } else {
+                "{msg:>24} [{bar:32}] {pos}/{len} eta {eta}"
+            };
+            let b = ProgressBar::new(total).with_message(what.to_string());
+            if let Ok(style) = ProgressStyle::with_template(tpl) {
+                b.set_style(style.progress_chars("=> "));
+            }
+            b.enable_steady_tick(Duration::from_millis(200));
+            b
+        });
+        Progress {
+            bar,
+            what: what.to_string(),
+            total,
+            last_tenth: 0,
+        }
+    }
+
+    /// `done` of the total units are complete.
+    pub fn set(&mut self, done: u64) {
+        match &self.bar {
+            Some(b) => {
+                b.set_position(done);
+                if done >= self.total {
+                    b.finish();
+                }
+            }
+            None => {
+                let tenth = if self.total == 0 {
+                    10
+                } else {
+                    done.saturating_mul(10) / self.total
+                };
+                if tenth > self.last_tenth || done >= self.total && self.last_tenth < 10 {
+                    self.last_tenth = tenth.max(if done >= self.total { 10 } else { 0 });
+                    tracing::info!("{}: {done}/{}", self.what, self.total);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if let Some(b) = &self.bar {
+            if !b.is_finished() {
+                b.abandon();
+            }
+        }
+    }
+}
+
+/// A `(what, done, total)` callback (the shape the loaders report in) that keeps one
+/// [`Progress`] per step name.
+#[derive(Debug, Default)]
+pub struct Steps {
+    current: Option<(String, Progress)>,
+}
+
+impl Steps {
+    /// Report `done` of `total` for the step `what` (a new name starts a new display).
+    pub fn update(&mut self, what: &str, done: usize, total: usize) {
+        let same = self.current.as_ref().is_some_and(|(w, _)| w == what);
+        if !same {
+            self.current = Some((what.to_string(), Progress::new(what, total as u64, false)));
+        }
+        if let Some((_, p)) = self.current.as_mut() {
+            p.set(done as u64);
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! The `k3-worker` command line. Clap validates it: one input (`--ids`, `--prompt`,
+//! `--prompt-file` or `--chat`), text inputs need `--tok`, the memory flags need `--standalone`,
+//! chat-only flags need `--chat`, ranges and names are checked before any work (exit 2).
+
+use std::path::PathBuf;
+
+use clap::{ArgGroup, CommandFactory, FromArgMatches, Parser, ValueEnum};
+use k3_store::cli::{BudgetArgs, SocketArgs};
+
+use crate::generate::DEFAULT_PREFILL_CHUNK;
+
+/// Most tokens one request may generate.
+pub const MAX_GEN: u64 = 4096;
+/// Longest prompt accepted, in tokens.
+pub const MAX_PROMPT: usize = 32_768;
+/// Largest prompt file read, in bytes.
+pub const MAX_PROMPT_FILE: u64 = 16 << 20;
+/// Longest chat context accepted, in positions.
+pub const MAX_CTX: u64 = 1 << 18;
+/// Chat context without --ctx, in positions.
+pub const DEFAULT_CTX: usize = 4096;
+
+/// Thinking effort of a chat (SPEC.md §5.5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum EffortArg {
+    /// Low.
+    Low,
+    /// Medium (disputed, SPEC.md §10 C4).
+    Medium,
+    /// High.
+    High,
+    /// Max (the default).
+    Max,
+}
+
+impl From<EffortArg> for crate::chat::Effort {
+    fn from(e: EffortArg) -> Self {
+        match e {
+            EffortArg::Low => crate::chat::Effort::Low,
+            EffortArg::Medium => crate::chat::Effort::Medium,
+            EffortArg::High => crate::chat::Effort::High,
+            EffortArg::Max => crate::chat::Effort::Max,
+        }
+    }
+}
+
+/// Run the Kimi K3 model on one prompt, or chat.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "k3-worker", version = k3_proto::VERSION, about, long_about = None)]
+#[command(group(ArgGroup::new("input").required(true).args(["ids", "prompt", "prompt_file", "chat"])))]
+pub struct Cli {
+    /// Run the store logic in-process on this checkpoint directory (config.json + shards).
+    /// Without it the worker attaches to a running `k3-store` (see --socket).
+    #[arg(long, value_name = "MODEL_DIR")]
+    pub standalone: Option<PathBuf>,
+    /// Store socket (attached mode).
+    #[command(flatten)]
+    pub socket: SocketArgs,
+    /// Memory budget (--standalone only; an attached worker uses the store's).
+    #[command(flatten)]
+    pub budget: BudgetArgs,
+    /// Prompt as token ids, comma separated (no tokenizer needed).
+    #[arg(long, value_name = "IDS", value_delimiter = ',')]
+    pub ids: Option<Vec<u32>>,
+    /// Prompt text (needs --tok).
+    #[arg(long, value_name = "TEXT", requires = "tok")]
+    pub prompt: Option<String>,
+    /// Prompt read verbatim from a file (needs --tok; UTF-8).
+    #[arg(long, value_name = "PATH", requires = "tok")]
+    pub prompt_file: Option<PathBuf>,
+    /// Tokenizer directory (tiktoken.model + tokenizer_config.json).
+    #[arg(long, value_name = "DIR")]
+    pub tok: Option<PathBuf>,
+    /// Tokens to generate (per chat reply with --chat).
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_GEN))]
+    pub gen: u64,
+    /// Re-run the whole prefix every step instead of carrying state (must give identical ids).
+    #[arg(long)]
+    pub full_recompute: bool,
+    /// Sampling temperature; 0 = greedy argmax.
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus mass for sampling, in (0, 1].
+    #[arg(long, value_name = "P", default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Sampling seed.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+    /// Run the prompt in forward calls of at most N tokens (bounds prefill memory; 0 = all at
+    /// once; results are identical for any N).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PREFILL_CHUNK)]
+    pub prefill_chunk: usize,
+    /// Compute threads (default: all cores; at most the CPUs this process may use).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub threads: Option<u64>,
+    /// Write the run report as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// Write the step-0 logits (last prompt position) as raw little-endian f32.
+    #[arg(long, value_name = "FILE")]
+    pub dump_logits: Option<PathBuf>,
+    /// Write every (step, layer, experts) request to DIR/expert_trace.jsonl.
+    #[arg(long, value_name = "DIR")]
+    pub dump_cache_trace: Option<PathBuf>,
+    /// Write the prefill's per-layer intermediates as DIR/L<n>.<site>.npy (site: attn_in,
+    /// attn_out, mlp_in, mlp_out) and DIR/final_in.npy (f32 [tokens, hidden]; the names of the
+    /// reference's --dump-trace).
+    #[arg(long, value_name = "DIR")]
+    pub dump_hidden: Option<PathBuf>,
+    /// Bind and run only the first N layers (for partial shard sets; logits are then not the
+    /// model's).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub layers: Option<u64>,
+    /// Multi-turn chat in the XTML format: user turns from stdin, one per line (needs --tok).
+    #[arg(long, requires = "tok",
+          conflicts_with_all = ["full_recompute", "out", "dump_logits", "dump_hidden", "dump_cache_trace"])]
+    pub chat: bool,
+    /// Chat without the think channel (no thinking-effort system message; thinking is on by
+    /// default).
+    #[arg(long, requires = "chat")]
+    pub no_think: bool,
+    /// Thinking effort of the chat.
+    #[arg(long, value_name = "LEVEL", value_enum, requires = "chat", conflicts_with = "no_think")]
+    pub effort: Option<EffortArg>,
+    /// Chat context in positions (the whole conversation plus one reply must fit).
+    #[arg(long, value_name = "N", requires = "chat", default_value_t = DEFAULT_CTX as u64,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_CTX))]
+    pub ctx: u64,
+}
+
+impl Cli {
+    /// The command with the cross-group rules the derive cannot state: memory flags and
+    /// `--trunk` need `--standalone`; `--socket` conflicts with it.
+    pub fn command_checked() -> clap::Command {
+        let mut cmd = Cli::command().mut_arg("socket", |a| a.conflicts_with("standalone"));
+        for id in BudgetArgs::IDS {
+            cmd = cmd.mut_arg(id, |a| a.requires("standalone").conflicts_with("socket"));
+        }
+        cmd
+    }
+
+    /// Parse the process arguments (usage errors exit 2, `--help`/`--version` 0), keeping the
+    /// matches (the budget needs their order).
+    pub fn parse_with_matches() -> (Cli, clap::ArgMatches) {
+        let matches = Cli::command_checked().get_matches();
+        match Cli::from_arg_matches(&matches) {
+            Ok(cli) => (cli, matches),
+            Err(e) => e.exit(),
+        }
+    }
+
+    /// Parse `args` (tests).
+    pub fn try_parse_with_matches<I, T>(args: I) -> Result<(Cli, clap::ArgMatches), clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        let matches = Cli::command_checked().try_get_matches_from(args)?;
+        Ok((Cli::from_arg_matches(&matches)?, matches))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_with_matches(std::iter::once("k3-worker").chain(args.iter().copied()))
+            .map(|c| c.0)
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command_checked().debug_assert();
+    }
+
+    #[test]
+    fn exactly_one_input_and_its_requirements() {
+        assert!(parse(&["--standalone", "m"]).is_err(), "no input");
+        assert!(parse(&["--ids", "1", "--prompt", "x", "--tok", "t"]).is_err(), "two inputs");
+        assert!(parse(&["--prompt", "x"]).is_err(), "text without --tok");
+        assert!(parse(&["--chat"]).is_err(), "chat without --tok");
+        assert!(parse(&["--ids", "1", "--ctx", "9"]).is_err(), "--ctx needs --chat");
+        assert!(parse(&["--ids", "1", "--effort", "high"]).is_err());
+        assert!(parse(&["--chat", "--tok", "t", "--effort", "low", "--no-think"]).is_err());
+        let c = parse(&["--chat", "--tok", "t", "--effort", "medium"]).unwrap();
+        assert_eq!(c.effort, Some(EffortArg::Medium));
+        assert_eq!(parse(&["--ids", "5,6,7"]).unwrap().ids, Some(vec![5, 6, 7]));
+    }
+
+    #[test]
+    fn ranges_and_mode_rules_are_clap_errors() {
+        assert!(parse(&["--ids", "1", "--gen", "0"]).is_err());
+        assert!(parse(&["--ids", "1", "--gen", "4097"]).is_err());
+        assert!(parse(&["--ids", "1", "--threads", "0"]).is_err());
+        assert!(parse(&["--ids", "1", "--preset", "laptop"]).is_err(), "budget needs --standalone");
+        assert!(parse(&["--ids", "1", "--standalone", "m", "--socket", "s"]).is_err());
+        assert!(parse(&["--ids", "1", "--socket", "s", "--cache-gb", "1"]).is_err());
+        assert!(parse(&["--ids", "1", "--standalone", "m", "--preset", "laptop"]).is_ok());
+        assert!(parse(&["--ids", "1", "--layers", "0"]).is_err());
+        assert_eq!(parse(&["--ids", "1"]).unwrap().gen, 8);
+    }
+}

@@ -1,0 +1,556 @@
+//! One `k3-worker` job, in stages: [`preflight`] (everything that can be refused before any work),
+//! [`open_source`] (attach to the store or open the checkpoint in-process), [`bind`] (config,
+//! memory check, the bound-once engine), then one-shot generation or chat on the one generation
+//! loop ([`crate::generate::Session`]), and the report ([`crate::report`]).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use k3_proto::config::ModelConfig;
+use k3_proto::exit;
+use k3_store::attached::{AttachError, AttachOptions, AttachedSource};
+use k3_store::source::WeightSource;
+use k3_store::standalone::{OpenError, StandaloneOptions, StandaloneSource};
+
+use crate::chat::Effort;
+use crate::cli::{Cli, MAX_PROMPT, MAX_PROMPT_FILE};
+use crate::generate::{positions_needed, GenOptions, Sampler, END_IDS};
+use crate::model::bind::ShapeTable;
+use crate::model::{Dims, Model, ModelError, TensorShapes};
+use crate::report::{self, gb, HiddenDump};
+use crate::tokenizer::Tokenizer;
+
+/// Why a job stopped, with its exit code ([`k3_proto::exit::ExitStatus`]).
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    /// Refused before any work (exit 2).
+    #[error("{0}")]
+    Refused(String),
+    /// An input file could not be read (exit 2).
+    #[error("{path}")]
+    Input {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An output path is not writable (checked before work: exit 2; after: exit 1).
+    #[error("cannot write {path}")]
+    Output {
+        /// The file or directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+        /// True when found before any work.
+        before_work: bool,
+    },
+    /// Cannot attach to the store (exit 3).
+    #[error("{socket}: {source}")]
+    Attach {
+        /// The store's socket.
+        socket: PathBuf,
+        /// Why.
+        #[source]
+        source: AttachError,
+    },
+    /// The standalone source could not be opened (exit 2 or 1).
+    #[error(transparent)]
+    Open(#[from] OpenError),
+    /// Binding or running the model failed (exit 1).
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+impl k3_proto::exit::ExitStatus for JobError {
+    fn exit_code(&self) -> i32 {
+        match self {
+            JobError::Refused(_) | JobError::Input { .. } => exit::REFUSED,
+            JobError::Output { before_work, .. } => {
+                if *before_work {
+                    exit::REFUSED
+                } else {
+                    exit::FAILURE
+                }
+            }
+            JobError::Attach { .. } => exit::NO_STORE,
+            JobError::Open(e) => e.exit_code(),
+            JobError::Model(_) => exit::FAILURE,
+        }
+    }
+}
+
+fn refuse(msg: impl Into<String>) -> JobError {
+    JobError::Refused(msg.into())
+}
+
+/// What the job will run.
+#[derive(Debug)]
+pub enum Input {
+    /// One prompt.
+    Prompt(Vec<u32>),
+    /// A chat; `None` = thinking off.
+    Chat(Option<Effort>),
+}
+
+/// Everything checked before any work.
+#[derive(Debug)]
+pub struct Preflight {
+    /// The sampler.
+    pub sampler: Sampler,
+    /// The tokenizer, when given.
+    pub tok: Option<Tokenizer>,
+    /// The input.
+    pub input: Input,
+}
+
+/// Checks and set-up that need neither the store nor the checkpoint: SIMD tier, sampler, thread
+/// pool (bounded by the CPUs), tokenizer, the input, and that every output path is writable.
+pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
+    // The SIMD tier is chosen once, here: a forced tier (K3_SIMD) that is unknown or that this
+    // CPU lacks is a refusal, never a crash or a silent fallback.
+    let tier = crate::kernels::select_tier().map_err(|e| refuse(e.to_string()))?;
+    tracing::info!("kernels: {} tier", tier.name());
+    let sampler = Sampler::new(cli.temperature, cli.top_p, cli.seed).map_err(refuse)?;
+    if let Some(t) = cli.threads {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+        if t > cpus {
+            return Err(refuse(format!(
+                "--threads {t} exceeds the {cpus} CPUs this process may use"
+            )));
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t as usize)
+            .build_global()
+            .map_err(|e| refuse(format!("--threads {t}: {e}")))?;
+    }
+    for path in [&cli.out, &cli.dump_logits].into_iter().flatten() {
+        check_writable_file(path)?;
+    }
+    for dir in [&cli.dump_cache_trace, &cli.dump_hidden].into_iter().flatten() {
+        check_writable_dir(dir)?;
+    }
+    let tok = match &cli.tok {
+        Some(dir) => Some(
+            Tokenizer::from_dir(dir)
+                .map_err(|e| refuse(format!("tokenizer {}: {e}", dir.display())))?,
+        ),
+        None => None,
+    };
+    let input = if cli.chat {
+        let tok = tok.as_ref().ok_or_else(|| refuse("--chat needs --tok DIR"))?;
+        crate::chat::Markers::from_tokenizer(tok).map_err(refuse)?;
+        Input::Chat(if cli.no_think {
+            None
+        } else {
+            Some(cli.effort.map_or(Effort::Max, Effort::from))
+        })
+    } else {
+        Input::Prompt(prompt_ids(cli, tok.as_ref())?)
+    };
+    Ok(Preflight {
+        sampler,
+        tok,
+        input,
+    })
+}
+
+fn check_writable_file(path: &Path) -> Result<(), JobError> {
+    let out = |source| JobError::Output {
+        path: path.to_path_buf(),
+        source,
+        before_work: true,
+    };
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(out)?;
+    if !existed {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
+fn check_writable_dir(dir: &Path) -> Result<(), JobError> {
+    let out = |source| JobError::Output {
+        path: dir.to_path_buf(),
+        source,
+        before_work: true,
+    };
+    std::fs::create_dir_all(dir).map_err(out)?;
+    tempfile::tempfile_in(dir).map_err(out)?;
+    Ok(())
+}
+
+/// The prompt ids, from the one prompt source clap allowed.
+fn prompt_ids(cli: &Cli, tok: Option<&Tokenizer>) -> Result<Vec<u32>, JobError> {
+    let ids = if let Some(ids) = &cli.ids {
+        ids.clone()
+    } else {
+        let tok = tok.ok_or_else(|| refuse("--prompt/--prompt-file need --tok DIR"))?;
+        let bytes = match (&cli.prompt, &cli.prompt_file) {
+            (Some(p), _) => p.as_bytes().to_vec(),
+            (None, Some(path)) => read_bounded(path, MAX_PROMPT_FILE)?,
+            (None, None) => return Err(refuse("no prompt given")),
+        };
+        // User text is encoded with special tokens disabled (SPEC.md §5.2).
+        tok.encode_bytes(&bytes, false)
+            .map_err(|e| refuse(format!("cannot tokenize the prompt: {e}")))?
+    };
+    if ids.is_empty() {
+        return Err(refuse("the prompt is empty"));
+    }
+    if ids.len() > MAX_PROMPT {
+        return Err(refuse(format!(
+            "prompt of {} tokens exceeds the limit of {MAX_PROMPT}",
+            ids.len()
+        )));
+    }
+    Ok(ids)
+}
+
+fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, JobError> {
+    let input = |source| JobError::Input {
+        path: path.to_path_buf(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(input)?;
+    if meta.len() > max {
+        return Err(refuse(format!(
+            "{}: {} bytes exceeds the {max}-byte limit",
+            path.display(),
+            meta.len()
+        )));
+    }
+    std::fs::read(path).map_err(input)
+}
+
+/// Where the weights come from.
+pub enum Source {
+    /// The store's shared memory.
+    Attached(Box<AttachedSource>),
+    /// In-process.
+    Standalone(Box<StandaloneSource>),
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Source::Attached(_) => "Source::Attached",
+            Source::Standalone(_) => "Source::Standalone",
+        })
+    }
+}
+
+impl Source {
+    /// The source as the engine sees it.
+    pub fn weights(&self) -> &dyn WeightSource {
+        match self {
+            Source::Attached(s) => s.as_ref(),
+            Source::Standalone(s) => s.as_ref(),
+        }
+    }
+}
+
+/// The opened source, its checkpoint's config and dims, and the positions the state holds.
+#[derive(Debug)]
+pub struct Opened {
+    /// The source.
+    pub source: Source,
+    /// Checkpoint directory.
+    pub model_dir: PathBuf,
+    /// Dimensions (truncated by --layers).
+    pub dims: Dims,
+    /// Positions the sequence state is sized for.
+    pub positions: usize,
+}
+
+/// Read the config of `model_dir` (truncated to `--layers`) and its dims.
+fn config(cli: &Cli, model_dir: &Path) -> Result<(ModelConfig, Dims), JobError> {
+    let cfg_path = model_dir.join("config.json");
+    let mut cfg =
+        ModelConfig::load(&cfg_path).map_err(|e| refuse(format!("{}: {e}", cfg_path.display())))?;
+    if let Some(n) = cli.layers {
+        let n = usize::try_from(n).unwrap_or(usize::MAX);
+        if n > cfg.num_hidden_layers {
+            return Err(refuse(format!(
+                "--layers {n} outside 1..={}",
+                cfg.num_hidden_layers
+            )));
+        }
+        cfg = cfg.with_layers(n);
+    }
+    let dims = Dims::from_config(&cfg).map_err(|e| refuse(e.to_string()))?;
+    tracing::info!(
+        "config: {} ({} shape) | hidden={} layers={} vocab={} | {} MLA + {} KDA ({}) | experts {} top{} shared{} | latent={}",
+        cfg_path.display(),
+        cfg.shape.name(),
+        dims.hidden,
+        dims.n_layers,
+        dims.vocab,
+        dims.n_mla(),
+        dims.n_kda(),
+        dims.layer_map(),
+        dims.n_experts,
+        dims.top_k,
+        dims.n_shared,
+        dims.latent
+    );
+    Ok((cfg, dims))
+}
+
+/// Attach to the store, or open the checkpoint in-process with the memory plan (which counts
+/// the sequence state and the activation buffers at the prefill chunk, and refuses with exit 2
+/// when the total does not fit what the process may allocate).
+pub fn open_source(
+    cli: &Cli,
+    matches: &clap::ArgMatches,
+    pre: &Preflight,
+) -> Result<Opened, JobError> {
+    let prompt_len = match &pre.input {
+        Input::Prompt(p) => p.len(),
+        Input::Chat(_) => 0,
+    };
+    let positions = match pre.input {
+        Input::Chat(_) => cli.ctx as usize,
+        Input::Prompt(_) => positions_needed(prompt_len, cli.gen as usize),
+    };
+    let chunk = if cli.prefill_chunk == 0 {
+        positions.max(1)
+    } else {
+        cli.prefill_chunk.min(positions.max(1))
+    };
+    match &cli.standalone {
+        None => {
+            let socket = cli.socket.path();
+            let (src, info) = AttachedSource::attach(&socket, &AttachOptions::default())
+                .map_err(|source| JobError::Attach {
+                    socket: socket.clone(),
+                    source,
+                })?;
+            tracing::info!(
+                "attached to {} in {:.3} s: model {}, {} pinned layers, {:.3} GB shared, {} expert slots, ring {:.3} GB",
+                socket.display(),
+                info.attach_seconds,
+                info.model_dir.display(),
+                info.pinned_layers,
+                gb(info.shm_bytes),
+                info.slots,
+                gb(info.ring_bytes)
+            );
+            let (cfg, dims) = config(cli, &info.model_dir)?;
+            // The store holds the weights; this process holds the sequence state, the
+            // activations of one forward call and its ring.
+            let need = dims.kda_state_bytes()
+                + dims.mla_cache_bytes(positions as u64)
+                + k3_store::plan::activation_bytes(&cfg, chunk);
+            let avail = k3_store::plan::allocatable().map_err(refuse)?;
+            if need > avail {
+                return Err(refuse(format!(
+                    "REFUSING TO START: the sequence state and buffers need {:.3} GB but this process may allocate only {:.3} GB",
+                    gb(need),
+                    gb(avail)
+                )));
+            }
+            tracing::info!(
+                "worker memory: sequence state and buffers {:.3} GB + ring {:.3} GB; may allocate {:.3} GB",
+                gb(need),
+                gb(info.ring_bytes),
+                gb(avail)
+            );
+            Ok(Opened {
+                source: Source::Attached(Box::new(src)),
+                model_dir: info.model_dir.clone(),
+                dims,
+                positions,
+            })
+        }
+        Some(model_dir) => {
+            let (_, dims) = config(cli, model_dir)?;
+            let budget = cli.budget.budget(matches).map_err(refuse)?;
+            let opts = StandaloneOptions {
+                context_len: positions,
+                prefill_tokens: chunk,
+                cache_policy: cli.budget.policy(),
+                ..StandaloneOptions::default()
+            };
+            let mut steps = k3_store::progress::Steps::default();
+            let (src, plan) = StandaloneSource::open(
+                model_dir,
+                cli.budget.trunk.as_deref(),
+                &budget,
+                cli.layers.map(|n| n as usize),
+                &opts,
+                &mut |what, done, total| steps.update(what, done, total),
+            )?;
+            tracing::info!("memory plan:\n{plan}");
+            Ok(Opened {
+                source: Source::Standalone(Box::new(src)),
+                model_dir: model_dir.clone(),
+                dims,
+                positions,
+            })
+        }
+    }
+}
+
+/// The job's whole run; returns the exit code (0, or 4 when an expert failed to load).
+pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
+    let wall = Instant::now();
+    let pre = preflight(cli)?;
+    let opened = open_source(cli, matches, &pre)?;
+    if let Input::Prompt(prompt) = &pre.input {
+        if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= opened.dims.vocab) {
+            return Err(refuse(format!(
+                "prompt id {bad} outside the vocabulary of {}",
+                opened.dims.vocab
+            )));
+        }
+    }
+    tracing::info!(
+        "sequence state: {} positions -> MLA latent cache {:.3} GB ({} B/position over {} layers) + KDA state {:.3} GB",
+        opened.positions,
+        gb(opened.dims.mla_cache_bytes(opened.positions as u64)),
+        opened.dims.mla_cache_bytes(1),
+        opened.dims.n_mla(),
+        gb(opened.dims.kda_state_bytes())
+    );
+    let shapes = {
+        let index = k3_proto::safetensors::CheckpointIndex::open(&opened.model_dir)
+            .map_err(|e| refuse(format!("{}: {e}", opened.model_dir.display())))?;
+        ShapeTable::from_index(&index, opened.dims.n_layers)
+    };
+    let source = opened.source.weights();
+    let mut model = Model::new(
+        opened.dims.clone(),
+        source,
+        Some(&shapes as &dyn TensorShapes),
+    )?;
+    if cli.dump_cache_trace.is_some() {
+        model.trace = Some(Vec::new());
+    }
+    let hidden = HiddenDump::default();
+    if cli.dump_hidden.is_some() {
+        model.tap = Some(hidden.tap(model.dims.n_layers));
+    }
+    match &pre.input {
+        Input::Chat(thinking) => {
+            let tok = pre.tok.as_ref().ok_or_else(|| refuse("--chat needs --tok DIR"))?;
+            run_chat(cli, &mut model, tok, *thinking, pre.sampler.clone(), opened.positions)
+        }
+        Input::Prompt(prompt) => {
+            run_prompt(cli, &mut model, pre.tok.as_ref(), prompt, &pre.sampler, &hidden, wall)
+        }
+    }
+}
+
+fn run_prompt(
+    cli: &Cli,
+    model: &mut Model<'_>,
+    tok: Option<&Tokenizer>,
+    prompt: &[u32],
+    sampler: &Sampler,
+    hidden: &HiddenDump,
+    wall: Instant,
+) -> Result<i32, JobError> {
+    let gen_opts = GenOptions {
+        max_new: cli.gen as usize,
+        full_recompute: cli.full_recompute,
+        sampler: sampler.clone(),
+        stop_ids: END_IDS.to_vec(),
+        keep_step0_logits: cli.dump_logits.is_some(),
+        prefill_chunk: cli.prefill_chunk,
+    };
+    eprintln!("{}", report::STEP_HEADER);
+    let stdout = std::io::stdout();
+    let gen = crate::generate::generate(model, prompt, &gen_opts, &mut |s| {
+        eprintln!("{}", report::step_line(s));
+        let mut out = stdout.lock();
+        let text = tok.and_then(|t| t.decode(&[s.token]).ok());
+        let _ = match text {
+            Some(bytes) => out.write_all(&bytes),
+            None => write!(out, "{} ", s.token),
+        };
+        let _ = out.flush();
+    })?;
+    println!();
+    let summary = report::RunSummary::collect(model, &gen, wall.elapsed().as_secs_f64());
+    summary.print_totals(&gen);
+    let written = |r: Result<(), (PathBuf, std::io::Error)>| {
+        r.map_err(|(path, source)| JobError::Output {
+            path,
+            source,
+            before_work: false,
+        })
+    };
+    if let Some(path) = &cli.dump_logits {
+        written(report::write_logits(path, gen.step0_logits.as_deref().unwrap_or(&[])))?;
+    }
+    if let (Some(dir), Some(trace)) = (&cli.dump_cache_trace, model.trace.as_ref()) {
+        written(report::write_trace(dir, trace))?;
+    }
+    if let Some(dir) = &cli.dump_hidden {
+        written(hidden.write(dir, model.dims.hidden))?;
+    }
+    if let Some(path) = &cli.out {
+        written(report::write_json(path, &summary.json(&gen)))?;
+    }
+    Ok(summary.exit_code())
+}
+
+/// The `--chat` loop: stdin lines are user turns; exit 0 at end of input.
+fn run_chat(
+    cli: &Cli,
+    model: &mut Model<'_>,
+    tok: &Tokenizer,
+    thinking: Option<Effort>,
+    sampler: Sampler,
+    capacity: usize,
+) -> Result<i32, JobError> {
+    use crate::chat::{run_repl, ChatFormat, ReplOptions, Session, TurnOptions};
+    use std::io::IsTerminal;
+    let fmt = ChatFormat::new(tok, thinking).map_err(refuse)?;
+    tracing::info!(
+        "chat: thinking {}; context {capacity} positions; up to {} tokens per reply; end of input ends the session",
+        thinking.map_or("off".to_string(), |e| format!("on (effort {})", e.as_str())),
+        cli.gen
+    );
+    let mut session = Session::new(model, capacity, sampler);
+    let opts = ReplOptions {
+        turn: TurnOptions {
+            max_new: cli.gen as usize,
+            prefill_chunk: cli.prefill_chunk,
+        },
+        prompt: std::io::stdin().is_terminal(),
+        dim_think: std::io::stderr().is_terminal(),
+    };
+    let stdin = std::io::stdin();
+    let summary = run_repl(
+        model,
+        &fmt,
+        &mut session,
+        &mut stdin.lock(),
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+        &opts,
+    )
+    .map_err(|e| match e {
+        crate::chat::ReplError::Model(m) => JobError::Model(m),
+        crate::chat::ReplError::Io(source) => JobError::Output {
+            path: PathBuf::from("<stdio>"),
+            source,
+            before_work: false,
+        },
+    })?;
+    eprintln!(
+        "chat: {} turns ({} refused); PEAK RSS for the whole run: {:.3} GB",
+        summary.turns,
+        summary.refused,
+        gb(report::peak_rss_bytes())
+    );
+    Ok(report::expert_failures(&model.counters))
+}

@@ -1,0 +1,281 @@
+//! The run report: the per-step table, the summary on stderr, the `--out` JSON, and the dump
+//! files (`--dump-logits`, `--dump-cache-trace`, `--dump-hidden`).
+
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use k3_store::source::SourceStats;
+
+use crate::generate::{GenReport, StepReport};
+use crate::model::{Model, RunCounters, TraceRecord};
+
+/// Bytes as decimal GB.
+pub fn gb(b: u64) -> f64 {
+    b as f64 / 1e9
+}
+
+/// Peak resident set size of this process, in bytes.
+pub fn peak_rss_bytes() -> u64 {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one `rusage` into the valid, properly aligned buffer we pass.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    if rc != 0 {
+        return 0;
+    }
+    // SAFETY: getrusage returned 0, so the struct is initialised (and it was zeroed before).
+    let ru = unsafe { ru.assume_init() };
+    ru.ru_maxrss.max(0) as u64 * 1024 // kilobytes on Linux
+}
+
+/// The step table's header.
+pub const STEP_HEADER: &str =
+    " STEP    TOKEN   SECONDS    READ GB   IO WAIT       HIT    TOK/S";
+
+/// One row of the step table.
+pub fn step_line(s: &StepReport) -> String {
+    let hit = s
+        .resident_hit_rate
+        .map_or("-".to_string(), |h| format!("{:.1}%", 100.0 * h));
+    format!(
+        "{:>5} {:>8} {:>9.3} {:>10.3} {:>9.3} {:>9} {:>8.3}",
+        s.step,
+        s.token,
+        s.seconds,
+        gb(s.bytes_read),
+        s.io_wait_seconds,
+        hit,
+        1.0 / s.seconds.max(1e-9)
+    )
+}
+
+/// Print the expert-load failures and return the exit code they imply (4, or 0).
+pub fn expert_failures(c: &RunCounters) -> i32 {
+    for m in &c.failure_messages {
+        eprintln!("expert load failed: {m}");
+    }
+    if c.failed_expert_loads > 0 {
+        eprintln!(
+            "k3-worker: {} routed expert load(s) failed: the generated ids are unsound",
+            c.failed_expert_loads
+        );
+        return k3_proto::exit::EXPERT_LOAD_FAILED;
+    }
+    k3_proto::exit::OK
+}
+
+/// The share of the time spent reading weights that the engine did not wait for (reads that
+/// overlapped compute): `1 − wait ÷ read`, clamped to [0, 1]; `None` when nothing was read.
+pub fn io_hidden_fraction(st: &SourceStats) -> Option<f64> {
+    let read = st.trunk_read_seconds + st.expert_read_seconds;
+    (read > 0.0).then(|| (1.0 - st.io_wait_seconds / read).clamp(0.0, 1.0))
+}
+
+/// Totals of a finished one-shot run.
+#[derive(Debug)]
+pub struct RunSummary {
+    /// The source's counters, with `io_wait_seconds` = the engine's own blocked time.
+    pub stats: SourceStats,
+    /// The engine's counters.
+    pub counters: RunCounters,
+    /// Resident hits ÷ expert requests.
+    pub true_hit: f64,
+    /// Peak RSS, bytes.
+    pub peak: u64,
+    /// Wall seconds of the whole job.
+    pub wall: f64,
+}
+
+impl RunSummary {
+    /// Gather the totals after `gen`.
+    pub fn collect(model: &Model<'_>, gen: &GenReport, wall: f64) -> RunSummary {
+        let _ = gen;
+        let mut stats = model.source().stats();
+        let counters = model.counters.clone();
+        // The engine fetches experts beside its own compute: the time it was really blocked is
+        // the trunk wait plus what it measured waiting for experts.
+        stats.io_wait_seconds = stats.trunk_wait_seconds + counters.expert_wait_seconds;
+        let true_hit = if stats.expert_requests > 0 {
+            stats.resident_hits as f64 / stats.expert_requests as f64
+        } else {
+            0.0
+        };
+        RunSummary {
+            stats,
+            counters,
+            true_hit,
+            peak: peak_rss_bytes(),
+            wall,
+        }
+    }
+
+    /// The summary lines on stderr (ends with the expert failures, if any).
+    pub fn print_totals(&self, gen: &GenReport) {
+        let st = &self.stats;
+        eprintln!(
+            "{} tokens in {:.3} s; prefill (step 0) {:.3} s; {}",
+            gen.generated_ids.len(),
+            gen.steps.iter().map(|s| s.seconds).sum::<f64>(),
+            gen.prefill_seconds(),
+            gen.seconds_per_token()
+                .map_or("no decode steps".into(), |s| format!(
+                    "{s:.3} s/token over steps >= 1"
+                ))
+        );
+        eprintln!(
+            "experts: requests {} resident hits {} misses {} evictions {} failed {}",
+            st.expert_requests,
+            st.resident_hits,
+            st.misses,
+            st.evictions,
+            self.counters.failed_expert_loads
+        );
+        eprintln!("TRUE resident hit rate: {:.1}%", 100.0 * self.true_hit);
+        eprintln!(
+            "bytes read: {:.3} GB (trunk {:.3}, experts {:.3}); I/O share of wall clock: {:.1}%",
+            gb(st.trunk_bytes_read + st.expert_bytes_read),
+            gb(st.trunk_bytes_read),
+            gb(st.expert_bytes_read),
+            100.0 * st.io_wait_seconds / self.wall.max(1e-9)
+        );
+        if let Some(h) = io_hidden_fraction(st) {
+            eprintln!(
+                "I/O hidden behind compute: {:.1}% ({:.3} s reading, {:.3} s waited for)",
+                100.0 * h,
+                st.trunk_read_seconds + st.expert_read_seconds,
+                st.io_wait_seconds
+            );
+        }
+        eprintln!(
+            "PEAK RSS for the whole run: {:.3} GB   <- quote this, not the plan",
+            gb(self.peak)
+        );
+    }
+
+    /// The exit code the run ends with (4 when an expert failed to load), after printing the
+    /// failures.
+    pub fn exit_code(&self) -> i32 {
+        expert_failures(&self.counters)
+    }
+
+    /// The `--out` report.
+    pub fn json(&self, r: &GenReport) -> serde_json::Value {
+        let st = &self.stats;
+        serde_json::json!({
+            "prompt_ids": r.prompt_ids,
+            "generated_ids": r.generated_ids,
+            "stopped_on": r.stopped_on,
+            "steps": r.steps,
+            "prefill_seconds": r.prefill_seconds(),
+            "seconds_per_token": r.seconds_per_token(),
+            "wall_seconds": self.wall,
+            "bytes_read": st.trunk_bytes_read + st.expert_bytes_read,
+            "trunk_bytes_read": st.trunk_bytes_read,
+            "expert_bytes_read": st.expert_bytes_read,
+            "io_share": st.io_wait_seconds / self.wall.max(1e-9),
+            "io_read_seconds": st.trunk_read_seconds + st.expert_read_seconds,
+            "io_wait_seconds": st.io_wait_seconds,
+            "io_hidden_fraction": io_hidden_fraction(st),
+            "expert_requests": st.expert_requests,
+            "resident_hits": st.resident_hits,
+            "true_resident_hit_rate": self.true_hit,
+            "peak_rss_bytes": self.peak,
+            "failed_expert_loads": self.counters.failed_expert_loads,
+        })
+    }
+}
+
+/// An output file that could not be written.
+pub type WriteResult = Result<(), (PathBuf, std::io::Error)>;
+
+fn write(path: &Path, bytes: &[u8]) -> WriteResult {
+    std::fs::write(path, bytes).map_err(|e| (path.to_path_buf(), e))
+}
+
+/// `--dump-logits`: raw little-endian f32.
+pub fn write_logits(path: &Path, logits: &[f32]) -> WriteResult {
+    let bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+    write(path, &bytes)
+}
+
+/// `--out`: pretty JSON and a newline.
+pub fn write_json(path: &Path, v: &serde_json::Value) -> WriteResult {
+    let text = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
+    write(path, text.as_bytes())
+}
+
+/// `--dump-cache-trace`: `DIR/expert_trace.jsonl`, one request per line.
+pub fn write_trace(dir: &Path, trace: &[TraceRecord]) -> WriteResult {
+    std::fs::create_dir_all(dir).map_err(|e| (dir.to_path_buf(), e))?;
+    let mut s = String::new();
+    for r in trace {
+        s.push_str(&serde_json::to_string(r).unwrap_or_default());
+        s.push('\n');
+    }
+    write(&dir.join("expert_trace.jsonl"), s.as_bytes())
+}
+
+/// One f32 `[rows, cols]` array in `.npy` format (version 1.0).
+pub fn npy_f32(v: &[f32], cols: usize) -> Vec<u8> {
+    let mut header = format!(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {}), }}",
+        v.len() / cols,
+        cols
+    );
+    // magic(6) + version(2) + len(2) + header + '\n' is a multiple of 64.
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut out = b"\x93NUMPY\x01\x00".to_vec();
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.extend(v.iter().flat_map(|x| x.to_le_bytes()));
+    out
+}
+
+/// What `--dump-hidden` collected: the prefill's named intermediates, in order.
+#[derive(Debug, Default)]
+struct Collected {
+    /// The first forward call (the prefill) ended.
+    done: bool,
+    arrays: Vec<(String, Vec<f32>)>,
+}
+
+/// The `--dump-hidden` collector: a tap for the engine and the writer.
+#[derive(Debug, Default, Clone)]
+pub struct HiddenDump {
+    inner: Rc<RefCell<Collected>>,
+}
+
+impl HiddenDump {
+    /// The engine tap: keeps the first forward call's intermediates as `L{l}.{site}` and
+    /// `final_in`.
+    pub fn tap(&self, n_layers: usize) -> crate::model::forward::Tap<'static> {
+        let sink = self.inner.clone();
+        Box::new(move |l: usize, name: &str, v: &[f32]| {
+            let mut c = sink.borrow_mut();
+            if c.done {
+                return;
+            }
+            let key = if l == n_layers {
+                name.to_string()
+            } else {
+                format!("L{l}.{name}")
+            };
+            c.arrays.push((key, v.to_vec()));
+            if name == "final_in" {
+                c.done = true;
+            }
+        })
+    }
+
+    /// Write every array as `DIR/NAME.npy` (`cols` = the hidden width).
+    pub fn write(&self, dir: &Path, cols: usize) -> WriteResult {
+        std::fs::create_dir_all(dir).map_err(|e| (dir.to_path_buf(), e))?;
+        for (name, v) in &self.inner.borrow().arrays {
+            write(&dir.join(format!("{name}.npy")), &npy_f32(v, cols))?;
+        }
+        Ok(())
+    }
+}
