@@ -158,10 +158,11 @@ fn wrong_size_or_dtype_in_the_layer_layout_is_a_bind_error() {
 
     let mut src = MemSource::random(&tiny_dims(), 6);
     let name = layer_name(1, "self_attn.dt_bias");
-    src.set_loc(&name, k3_proto::Dtype::BF16, 2 * 16);
+    // Vectors are accepted as BF16 or F32 (SPEC.md §2); any other dtype is refused.
+    src.set_loc(&name, k3_proto::Dtype::F16, 2 * 16);
     let msg = bind_error(&src);
     assert!(
-        msg.contains(&name) && msg.contains("expected dtype F32, found BF16"),
+        msg.contains(&name) && msg.contains("expected dtype BF16 or F32, found F16"),
         "{msg}"
     );
 }
