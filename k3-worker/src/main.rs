@@ -7,7 +7,7 @@
 //!           [--out FILE] [--dump-logits FILE] [--dump-cache-trace DIR] [--layers N]
 //! k3-worker … --chat --tok DIR [--no-think | --effort low|medium|high|max] [--ctx N] [--gen N]
 //! ```
-//! `--chat` reads user turns from stdin, one per line, in the XTML chat format (MODEL.md §5.5;
+//! `--chat` reads user turns from stdin, one per line, in the XTML chat format (SPEC.md §5.5;
 //! see `k3_worker::chat`), keeping the sequence state between turns.
 //! Without `--standalone` the worker attaches to a running `k3-store` at `--socket` (the store
 //! owns the checkpoint, the budget and the expert cache; `--trunk`/`--preset`/`--*-gb` are then
@@ -135,7 +135,7 @@ struct Cli {
     /// Chat without the think channel (no thinking-effort system message).
     #[arg(long)]
     no_think: bool,
-    /// Thinking effort: low, medium (disputed, see MODEL.md §10 C4), high, max (default).
+    /// Thinking effort: low, medium (disputed, see SPEC.md §10 C4), high, max (default).
     #[arg(long, value_name = "LEVEL", conflicts_with = "no_think")]
     effort: Option<String>,
     /// Chat context in positions (the whole conversation plus one reply must fit; default
@@ -207,7 +207,7 @@ fn prompt_ids(cli: &Cli, tok: Option<&Tokenizer>) -> Result<Vec<u32>, Fail> {
             (None, Some(path)) => read_bounded(path, MAX_PROMPT_FILE)?,
             (None, None) => unreachable!("one prompt source was checked above"),
         };
-        // User text is encoded with special tokens disabled (MODEL.md §5.2).
+        // User text is encoded with special tokens disabled (SPEC.md §5.2).
         tok.encode_bytes(&bytes, false)
             .map_err(|e| refuse(format!("cannot tokenize the prompt: {e}")))?
     };

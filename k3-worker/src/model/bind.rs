@@ -1,7 +1,7 @@
 //! Binding checkpoint tensors to the layer structs — the ONE place where tensor names appear.
 //!
 //! Binding only creates views onto the bytes a [`WeightSource`] hands out (bf16 matrices stay raw
-//! bytes) and widens the small vectors to f32. Every tensor is checked before use (MODEL.md I4):
+//! bytes) and widens the small vectors to f32. Every tensor is checked before use (SPEC.md I4):
 //! present in the layer run, the expected dtype, `nbytes == product(config-derived shape) ×
 //! dtype size`, inside the run, and — when the source can tell (the checkpoint index) — the
 //! full stored shape. A failure names the tensor, what was expected and what was found.
@@ -22,7 +22,7 @@ pub trait TensorShapes: Send + Sync {
     fn meta(&self, name: &str) -> Option<(Dtype, Vec<u64>)>;
 }
 
-/// Tensor names (MODEL.md §2), from the proto crate.
+/// Tensor names (SPEC.md §2), from the proto crate.
 mod names {
     pub use k3_proto::names::{EMBED, FINAL_NORM, LM_HEAD, OUT_RES_NORM, OUT_RES_PROJ};
 
@@ -271,7 +271,7 @@ fn bind_kda<'a>(d: &Dims, v: &LayerView<'a>) -> Result<Attn<'a>, ModelError> {
     let p = h * dh;
     let f32_ = &[Dtype::F32][..];
     let conv = |w: &str| v.vec(&format!("self_attn.{w}_conv1d.weight"), &[p, 1, k], f32_);
-    // A_log: the release stores [head_dim] with a zero tail (MODEL.md §10 C2); the HF module
+    // A_log: the release stores [head_dim] with a zero tail (SPEC.md §10 C2); the HF module
     // declares [num_heads]. Accept either; only the first H entries are used.
     let (sd, sh) = ([dh], [h]);
     let a_shapes: &[&[usize]] = if h <= dh { &[&sd, &sh] } else { &[&sh] };
@@ -345,7 +345,7 @@ fn bind_moe<'a>(d: &Dims, v: &LayerView<'a>) -> Result<Mlp<'a>, ModelError> {
     };
     Ok(Mlp::Moe(MoeWeights {
         router: v.mat(&format!("{m}.gate.weight"), ne, e)?,
-        // F32 in the release; BF16 accepted (MODEL.md §10 C5).
+        // F32 in the release; BF16 accepted (SPEC.md §10 C5).
         bias: v.vec(
             &format!("{m}.gate.e_score_correction_bias"),
             &[ne],
