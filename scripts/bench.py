@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""k3 benchmark (docs/BENCHMARKS.md, /work/shared/BENCH.md): floors, then per-budget runs.
+"""k3 benchmark (docs/BENCHMARKS.md): floors, then per-budget runs.
 
     scripts/bench.py --quick                          # small checkpoint, generated in a temp dir
     scripts/bench.py --model /tmp/k3slice --trunk T   # a real-dimension slice
@@ -377,7 +377,7 @@ def warm_start(bins: Path, model: Path, trunk: Path, budget, gen: int, work: Pat
 
 # ---------------------------------------------------------------- full-model projection
 
-# Full-scale Kimi K3 (MODEL.md §2.9; the same figures as k3_store::plan's full-scale tests and
+# Full-scale Kimi K3 (SPEC.md §2.9; the same figures as k3_store::plan's full-scale tests and
 # k3-ctl doctor): trunk bytes of layer 0 (KDA + dense MLP), a KDA+MoE layer, an MLA+MoE layer.
 FULL = {"dense": 2_341_213_184, "kda_moe": 1_267_744_256, "mla_moe": 844_335_616,
         "n_kda_moe": 68, "n_mla_moe": 24, "moe_layers": 92, "experts": 896, "top_k": 16,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Independent float64 reference forward pass of the Kimi K3 text model (numpy only).
 
-Written from MODEL.md alone; the Rust engine is proven against its outputs.
+Written from SPEC.md alone; the Rust engine is proven against its outputs.
 
     python3 scripts/k3_reference.py MODEL_DIR --ids 1,2,3 [--gen N] [--mode full|incremental]
         [--layers N] [--out-dir DIR] [--config PATH] [--mla-norm-eps 1e-6]
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, default=None)
     p.add_argument("--config", type=Path, default=None, help="default MODEL_DIR/config.json")
     p.add_argument("--mla-norm-eps", type=float, default=DEFAULT_MLA_NORM_EPS,
-                   help="eps of q_a_layernorm/kv_a_layernorm (MODEL.md §10 C1; default 1e-6)")
+                   help="eps of q_a_layernorm/kv_a_layernorm (SPEC.md §10 C1; default 1e-6)")
     p.add_argument("--mla-form", choices=["expanded", "latent"], default="expanded")
     p.add_argument("--dump-trace", type=Path, default=None,
                    help="save the named intermediates of the prompt forward to this .npz")
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "generator": "scripts/k3_reference.py (float64 numpy reference, MODEL.md)",
+        "generator": "scripts/k3_reference.py (float64 numpy reference, SPEC.md)",
         "model_dir": str(args.model_dir),
         "config_path": str(config_path),
         "config_shape": cfg.shape,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Write a synthetic Kimi K3 checkpoint with the real tensor graph (MODEL.md §1, §2, §4).
+"""Write a synthetic Kimi K3 checkpoint with the real tensor graph (SPEC.md §1, §2, §4).
 
     python3 scripts/make-checkpoint.py --preset tiny --seed 1 fixtures/tiny/model
 

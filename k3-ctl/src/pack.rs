@@ -1,5 +1,5 @@
 //! `k3-ctl pack-trunk <model_dir> <out_dir>`: copy every layer's trunk run into `trunk.bin` +
-//! `trunk.json` (MODEL.md §6.1). Exit 2 when the checkpoint cannot be packed (a layer's trunk
+//! `trunk.json` (SPEC.md §6.1). Exit 2 when the checkpoint cannot be packed (a layer's trunk
 //! tensors are not one contiguous run in one shard, or the checkpoint cannot be read with
 //! confidence), 1 on an I/O failure.
 

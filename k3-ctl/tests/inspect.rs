@@ -1,5 +1,5 @@
 //! End-to-end: `k3-ctl inspect` on a synthetic tiny checkpoint with the real tensor graph
-//! (MODEL.md §2 names, §7.2 dims), and on broken inputs (exit 2, the problem named).
+//! (SPEC.md §2 names, §7.2 dims), and on broken inputs (exit 2, the problem named).
 
 use std::fs::File;
 use std::io::Write;
@@ -34,7 +34,7 @@ struct Dims {
 }
 
 impl Dims {
-    /// MODEL.md §7.2 (the tiny nested config fixture).
+    /// SPEC.md §7.2 (the tiny nested config fixture).
     fn tiny() -> Dims {
         Dims {
             e: 128,
@@ -56,7 +56,7 @@ impl Dims {
         }
     }
 
-    /// MODEL.md §1.1 (the released config fixture).
+    /// SPEC.md §1.1 (the released config fixture).
     fn full() -> Dims {
         Dims {
             e: 7168,
@@ -586,7 +586,7 @@ fn tiny_tensors() -> [Vec<T>; 2] {
 }
 
 /// The release's tensor graph at full size (1.56 TB of sparse holes, 497,052 tensors): the
-/// census must reproduce MODEL.md §2.8/§2.9. Ignored by default (writes 1.5 TB sparse files;
+/// census must reproduce SPEC.md §2.8/§2.9. Ignored by default (writes 1.5 TB sparse files;
 /// needs a filesystem with sparse-file support). Run:
 /// `cargo test --release -p k3-ctl --test inspect -- --ignored --nocapture`
 /// (set `K3_FULL_SCALE_DIR` to keep the checkpoint in a chosen directory).
@@ -635,8 +635,8 @@ fn full_scale_census_matches_the_published_figures() {
     assert_eq!(j["n_expert_tensors"], 494_592);
     assert_eq!(j["n_routed_experts"], 82_432);
     assert_eq!(j["expert_bytes"], 17_547_264u64);
-    // 82,432 × 17,547,264. (MODEL.md §2.9 prints 1,446,456,127,488, which is not this product:
-    // off by 61,440 bytes.)
+    // 82,432 × 17,547,264 (SPEC.md §2.9; an earlier copy of the spec printed 1,446,456,127,488,
+    // off by 61,440 bytes).
     assert_eq!(j["expert_total_bytes"], 1_446_456_066_048u64);
     assert_eq!(j["trunk_bytes"], 108_811_877_376u64);
     assert_eq!(j["largest_layer"], 0);

@@ -646,7 +646,7 @@ fn parse_meminfo(s: &str) -> Result<u64, String> {
     Err("/proc/meminfo has no MemAvailable line".into())
 }
 
-/// The plan inputs of the full released model (MODEL.md §2.9: layer 0 KDA + dense MLP, MLA+MoE
+/// The plan inputs of the full released model (SPEC.md §2.9: layer 0 KDA + dense MLP, MLA+MoE
 /// at layers 3, 7, …, 87, 91, 92, KDA+MoE elsewhere; 896 experts of 17,547,264 bytes, top-16),
 /// as a standalone worker lays it out: lm_head and the small model-level vectors resident, the
 /// embedding mapped. The one place the full model's sizes are written down, for `k3-ctl doctor`

@@ -23,7 +23,7 @@
 //! the layer in use is released. While it waits the reader serves nothing else, so a consumer
 //! that keeps the layer and asks for another gets the "layers in use" error after the timeout.
 //!
-//! **The one-slot hazard** (MODEL.md I38): an extent is rewritten only when no [`Region`] points
+//! **The one-slot hazard** (SPEC.md I38): an extent is rewritten only when no [`Region`] points
 //! into it. The regions of a layer share one lease; the reader claims a range only while no live
 //! lease overlaps it (checked under the ring's lock, where leases are also created), so the layer
 //! being computed is never overwritten, however small the arena.
@@ -820,7 +820,7 @@ mod tests {
         extent_len(layout, l)
     }
 
-    /// MODEL.md I38: whatever the arena size, the reader reading ahead while the engine
+    /// SPEC.md I38: whatever the arena size, the reader reading ahead while the engine
     /// "computes" a layer (random sleeps) never overwrites the layer in use.
     #[test]
     fn read_ahead_never_overwrites_the_layer_in_use() {

@@ -1,4 +1,4 @@
-//! The packed trunk (`trunk.bin` + `trunk.json`, MODEL.md §6.1) and the per-layer read plan.
+//! The packed trunk (`trunk.bin` + `trunk.json`, SPEC.md §6.1) and the per-layer read plan.
 //!
 //! A layer's *trunk* is every non-expert tensor of the layer (attention, norms, router, shared
 //! experts). Packing copies each layer's trunk run verbatim into `trunk.bin`, each run starting at a

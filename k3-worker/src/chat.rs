@@ -1,4 +1,4 @@
-//! Multi-turn chat in Kimi K3's XTML format (MODEL.md §5.5), with the sequence state kept
+//! Multi-turn chat in Kimi K3's XTML format (SPEC.md §5.5), with the sequence state kept
 //! between turns.
 //!
 //! * [`ChatFormat`] renders a conversation to ids: the four structural markers (`<|open|>`,
@@ -7,7 +7,7 @@
 //!   disabled, so a user-typed `<|open|>` stays bytes. Attribute values are escaped. Text between
 //!   two markers is one segment: BPE merges run within it, never across a marker.
 //! * [`ReplyParser`] splits the model's reply at the markers into the think and response
-//!   channels, and stops on `[EOS]` (163585) or `<|end_of_msg|>` (163586) (MODEL.md I34).
+//!   channels, and stops on `[EOS]` (163585) or `<|end_of_msg|>` (163586) (SPEC.md I34).
 //! * [`Session`] runs turns. The [`SeqState`] persists: a turn prefills only the ids after those
 //!   the state already holds, after checking that the rendered conversation starts with exactly
 //!   those ids ([`plan_prefill`]); when it does not, the whole conversation is prefilled again.
@@ -17,7 +17,7 @@
 //!   the reuse).
 //! * [`run_repl`] is the line-by-line loop behind `k3-worker --chat`.
 //!
-//! `thinking_effort` values: `low`, `medium`, `high`, `max`. `medium` is disputed (MODEL.md §10
+//! `thinking_effort` values: `low`, `medium`, `high`, `max`. `medium` is disputed (SPEC.md §10
 //! C4: the prompt text lists it, one report says the checkpoint's `encoding_k3.py` refuses it);
 //! it is accepted here because the effort body itself names it.
 
@@ -32,7 +32,7 @@ use crate::tokenizer::Tokenizer;
 pub enum Effort {
     /// `low`.
     Low,
-    /// `medium` (disputed, MODEL.md §10 C4).
+    /// `medium` (disputed, SPEC.md §10 C4).
     Medium,
     /// `high`.
     High,
@@ -63,7 +63,7 @@ impl Effort {
     }
 }
 
-/// The body of the leading thinking-effort system message, byte-exact (MODEL.md §5.5).
+/// The body of the leading thinking-effort system message, byte-exact (SPEC.md §5.5).
 pub fn effort_body(effort: Effort) -> String {
     format!(
         "`thinking_effort` guides on how much to think in your thinking channel (not including the \
@@ -386,7 +386,7 @@ pub struct Reply {
     pub stopped_on: Option<u32>,
 }
 
-/// Incremental parser of a reply, id by id (MODEL.md §5.5: reasoning, `<|close|>think<|sep|>
+/// Incremental parser of a reply, id by id (SPEC.md §5.5: reasoning, `<|close|>think<|sep|>
 /// <|open|>response<|sep|>`, answer, `<|close|>response<|sep|><|close|>message<|sep|>`, end id).
 #[derive(Clone, Debug)]
 pub struct ReplyParser {

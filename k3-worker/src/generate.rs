@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use crate::model::{Logits, Model, ModelError, SeqState};
 
-/// The two end-of-turn ids (MODEL.md §5.4, I34): `[EOS]` and `<|end_of_msg|>`.
+/// The two end-of-turn ids (SPEC.md §5.4, I34): `[EOS]` and `<|end_of_msg|>`.
 pub const END_IDS: [u32; 2] = [163_585, 163_586];
 
 /// PCG32 (XSH-RR), a small deterministic generator for sampling.

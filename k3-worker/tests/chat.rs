@@ -1,4 +1,4 @@
-//! XTML chat (MODEL.md §5.5) on the real Kimi vocabulary (`fixtures/tokenizer/`): rendering,
+//! XTML chat (SPEC.md §5.5) on the real Kimi vocabulary (`fixtures/tokenizer/`): rendering,
 //! reply parsing, the prefill plan that lets a session keep its state between turns, and the
 //! `--chat` refusals. The end-to-end test on the `small` checkpoint is `#[ignore]`d (it needs a
 //! ~190 MB generated checkpoint); run it with
@@ -26,7 +26,7 @@ fn tok() -> &'static Tokenizer {
     })
 }
 
-// The control ids of MODEL.md §5.3, written out (the renderer looks them up in the tokenizer).
+// The control ids of SPEC.md §5.3, written out (the renderer looks them up in the tokenizer).
 const EOS: u32 = 163_585;
 const EOM: u32 = 163_586;
 const OPEN: u32 = 163_587;

@@ -447,7 +447,7 @@ fn with_a_tokenizer_text_is_streamed_and_prompts_are_encoded() {
         "stdout = the decoded bytes of the greedy ids"
     );
 
-    // "Hello world" encodes to [19180, 2695] (MODEL.md §5.2): outside the tiny vocabulary.
+    // "Hello world" encodes to [19180, 2695] (SPEC.md §5.2): outside the tiny vocabulary.
     let o = worker(&[
         "--standalone",
         s(&sb.model()),
@@ -579,7 +579,7 @@ fn flat_config_and_a_decoy_head_dim_give_the_reference_ids() {
         &std::fs::read_to_string(root().join("fixtures/tiny/model/config.json")).unwrap(),
     )
     .unwrap();
-    // Flat shape (MODEL.md §1.3): every text_config key at the root, the KDA keys hoisted and
+    // Flat shape (SPEC.md §1.3): every text_config key at the root, the KDA keys hoisted and
     // renamed, SiTU betas renamed, no kda_layers (derived as the complement).
     let text = nested["text_config"].as_object().unwrap();
     let mut flat = serde_json::Map::new();

@@ -36,7 +36,7 @@ fn prefill_logits_equal_token_by_token_decode_bitwise() {
             "position {t}: decode differs from prefill"
         );
     }
-    // Prefill of T-2 then two single steps (conv history and caches carried, MODEL.md I12).
+    // Prefill of T-2 then two single steps (conv history and caches carried, SPEC.md I12).
     let mut st2 = m.new_state(16);
     m.forward(&PROMPT[..5], &mut st2, Logits::Last).unwrap();
     m.forward(&PROMPT[5..6], &mut st2, Logits::Last).unwrap();
@@ -204,7 +204,7 @@ fn layers_flag_binds_only_a_prefix() {
 fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
     use k3_worker::model::bind::{Attn, BoundLayer, Mlp};
     let mut src = MemSource::random(&tiny_dims(), 10);
-    // MODEL.md §10 C5: the router bias may be BF16.
+    // SPEC.md §10 C5: the router bias may be BF16.
     let bias = layer_name(1, "block_sparse_moe.gate.e_score_correction_bias");
     src.set_loc(&bias, k3_proto::Dtype::BF16, 16);
     src.set_meta(&bias, k3_proto::Dtype::BF16, vec![8]);

@@ -1,4 +1,4 @@
-//! Generation on a tiny random checkpoint: incremental decode vs full recompute (MODEL.md I36).
+//! Generation on a tiny random checkpoint: incremental decode vs full recompute (SPEC.md I36).
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! Layer-level invariants (MODEL.md §8) against straightforward f64 re-implementations written
+//! Layer-level invariants (SPEC.md §8) against straightforward f64 re-implementations written
 //! here from the spec: expanded MLA (I15–I19), sequential KDA (I6–I14, I10 T=1 formula), router
 //! (I20), aggregate norm (I22), shared experts (I23), the Block-AttnRes schedule (I28–I30).
 
@@ -63,7 +63,7 @@ fn g(src: &MemSource, l: usize, s: &str) -> Vec<f32> {
 
 // ---------------------------------------------------------------- MLA (I15–I19)
 
-/// Expanded-form MLA of MODEL.md §3.5 over all `n` positions, in f64.
+/// Expanded-form MLA of SPEC.md §3.5 over all `n` positions, in f64.
 fn mla_expanded(src: &MemSource, l: usize, x: &[f32], n: usize) -> Vec<f64> {
     let d = &src.dims;
     let (e, h, no, ro, vh, kl, ql) = (
@@ -163,7 +163,7 @@ fn latent_mla_equals_expanded_mla_with_causal_mask_across_calls() {
 
 // ---------------------------------------------------------------- KDA (I6–I14)
 
-/// Sequential KDA of MODEL.md §3.4 (fla naive_recurrent_kda order), f64, from zero state.
+/// Sequential KDA of SPEC.md §3.4 (fla naive_recurrent_kda order), f64, from zero state.
 fn kda_reference(src: &MemSource, l: usize, x: &[f32], n: usize) -> Vec<f64> {
     let d = &src.dims;
     let (e, h, dh, k) = (d.hidden, d.kda_heads, d.kda_dim, d.conv_k);

@@ -1,10 +1,10 @@
-//! The model config reader (MODEL.md §1). It refuses to guess.
+//! The model config reader (SPEC.md §1). It refuses to guess.
 //!
 //! Two shapes are accepted:
 //! * **nested** (the released `config.json`): the language model lives in `text_config`; each key
 //!   is searched in `text_config` → `text_config.linear_attn_config` → root, except the KDA
 //!   `num_heads` / `head_dim`, which come from `linear_attn_config` first (a re-saved config can
-//!   carry a computed `text_config.head_dim = 74`, MODEL.md §8 I2);
+//!   carry a computed `text_config.head_dim = 74`, SPEC.md §8 I2);
 //! * **flat** (kimi-k3-in-c fixtures): every key at the root, KDA and SiTU keys renamed
 //!   (`kda_num_heads`, `kda_head_dim`, `situ_beta`, `situ_linear_beta`), no `kda_layers`.
 //!
@@ -61,7 +61,7 @@ const MAX_DIM: u64 = 1 << 24;
 /// Upper bound on `num_hidden_layers` (93 in the release).
 const MAX_LAYERS: usize = 4096;
 
-/// Everything the forward pass needs from `config.json`. Field meanings: MODEL.md §1.1.
+/// Everything the forward pass needs from `config.json`. Field meanings: SPEC.md §1.1.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
     pub shape: ConfigShape,
@@ -69,7 +69,7 @@ pub struct ModelConfig {
     pub num_hidden_layers: usize,
     pub vocab_size: usize,
     pub rms_norm_eps: f32,
-    /// eps of q_a_layernorm / kv_a_layernorm: 1e-6 (HF upstream; MODEL.md §10 C1). Not read from
+    /// eps of q_a_layernorm / kv_a_layernorm: 1e-6 (HF upstream; SPEC.md §10 C1). Not read from
     /// the file; settable by callers that reproduce kimi-k3-in-c (1e-5).
     pub mla_norm_eps: f32,
     /// SiTU β1 (gate cap), `activation_situ_beta` / `situ_beta`.
@@ -625,7 +625,7 @@ impl<'a> Reader<'a> {
         );
         self.expect_u64("topk_group", 1, "grouped top-k routing is not implemented");
 
-        // Structural checks (MODEL.md §1.2). Skip those whose inputs were already reported.
+        // Structural checks (SPEC.md §1.2). Skip those whose inputs were already reported.
         let n = num_hidden_layers;
         let mut kda_layers = Vec::new();
         if let Some(full) = &full_attn_layers {

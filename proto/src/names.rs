@@ -1,7 +1,7 @@
-//! Checkpoint tensor names (MODEL.md §2) and their classification.
+//! Checkpoint tensor names (SPEC.md §2) and their classification.
 //!
 //! Canonical decoder names start with `language_model.model.layers.{l}.`; the legacy prefix
-//! `language_model.layers.` (MODEL.md §10 C6) is rewritten by [`canonical`].
+//! `language_model.layers.` (SPEC.md §10 C6) is rewritten by [`canonical`].
 
 use std::borrow::Cow;
 

@@ -1,5 +1,5 @@
 //! The checkpoint index: every tensor of every safetensors shard, bounds-checked, stored
-//! compactly (MODEL.md §2.1).
+//! compactly (SPEC.md §2.1).
 //!
 //! A shard is `[u64 LE header length][JSON header][data]`; each header entry gives `dtype`,
 //! `shape` and `data_offsets` relative to the start of the data. [`CheckpointIndex::open`] reads

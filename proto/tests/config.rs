@@ -1,4 +1,4 @@
-//! Config reader tests (MODEL.md §1, §8 I1–I3).
+//! Config reader tests (SPEC.md §1, §8 I1–I3).
 
 use k3_proto::config::{ConfigError, ConfigShape, LayerKind, ModelConfig};
 use serde_json::{json, Value};

@@ -11,7 +11,7 @@ use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_proto::names;
 use k3_proto::safetensors::CheckpointIndex;
 
-/// Per-layer non-expert suffixes of a KDA + MoE layer (MODEL.md §2.3, §2.4, §2.7): 28 tensors.
+/// Per-layer non-expert suffixes of a KDA + MoE layer (SPEC.md §2.3, §2.4, §2.7): 28 tensors.
 const KDA_MOE: &[(&str, &str, &[u64])] = &[
     ("input_layernorm.weight", "BF16", &[7168]),
     ("post_attention_layernorm.weight", "BF16", &[7168]),

@@ -1,4 +1,4 @@
-//! Tensor names and classification (MODEL.md §2).
+//! Tensor names and classification (SPEC.md §2).
 
 use k3_proto::expert::ExpertPart;
 use k3_proto::names::{self, classify, TensorClass};

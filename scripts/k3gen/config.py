@@ -1,4 +1,4 @@
-"""config.json writers: the released nested shape (MODEL.md §1.1) and the flat shape of the
+"""config.json writers: the released nested shape (SPEC.md §1.1) and the flat shape of the
 kimi-k3-in-c fixtures (§1.3)."""
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def nested_config(d: Dims, decoy_head_dim: bool = False) -> dict:
         "vocab_size": d.vocab,
     }
     if decoy_head_dim:
-        # What a re-saved KimiLinearConfig carries (MODEL.md §8 I2); a correct reader ignores it.
+        # What a re-saved KimiLinearConfig carries (SPEC.md §8 I2); a correct reader ignores it.
         text["head_dim"] = d.hidden // d.mla_heads
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],

@@ -1,4 +1,4 @@
-"""The Kimi K3 text tensor graph (MODEL.md §2): names, shapes, dtypes, and the units the
+"""The Kimi K3 text tensor graph (SPEC.md §2): names, shapes, dtypes, and the units the
 writer lays out on disk.
 
 A *unit* is a run of tensors written back to back in one shard: a model-level tensor, one

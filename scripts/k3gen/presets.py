@@ -1,4 +1,4 @@
-"""Model dimensions of each checkpoint preset (MODEL.md §1, §7.2; BENCH.md "Checkpoints").
+"""Model dimensions of each checkpoint preset (SPEC.md §1, §7.2; BENCH.md "Checkpoints").
 
 Layer lists are 1-based, exactly as in the released config: 0-based layer L is MLA iff
 L + 1 is in `full_attn_layers`; every other layer is KDA.
@@ -75,7 +75,7 @@ class Dims:
             raise ValueError(f"preset {self.name}: " + "; ".join(problems))
 
 
-# The real Kimi K3 text model (MODEL.md §1.1).
+# The real Kimi K3 text model (SPEC.md §1.1).
 REAL = Dims(
     name="skeleton-full",
     hidden=7168,
@@ -104,7 +104,7 @@ REAL = Dims(
 )
 
 PRESETS: dict[str, Dims] = {
-    # MODEL.md §7.2: the kimi-k3-in-c tiny oracle dims, MXFP4-compatible widths. Layer map
+    # SPEC.md §7.2: the kimi-k3-in-c tiny oracle dims, MXFP4-compatible widths. Layer map
     # KKKMKKKMKKKMM, AttnRes boundaries at 0,3,6,9,12.
     "tiny": Dims(
         name="tiny",

@@ -1,8 +1,8 @@
 """k3ref: an independent float64 numpy reference of the Kimi K3 text forward pass.
 
-Written from /work/shared/MODEL.md only (no Rust code, no third-party model code). Modules:
+Written from docs/SPEC.md only (no Rust code, no third-party model code). Modules:
 
-* ``config``      — config.json reader (nested released shape and flat shape, MODEL.md §1)
+* ``config``      — config.json reader (nested released shape and flat shape, SPEC.md §1)
 * ``safetensors`` — a small bounded safetensors reader (§2.1)
 * ``checkpoint``  — shard index, legacy prefix, lazy tensor access (§2)
 * ``mxfp4``       — MXFP4 / E8M0 dequantisation (§4)

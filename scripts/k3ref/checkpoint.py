@@ -1,6 +1,6 @@
 """A checkpoint directory: shards through ``model.safetensors.index.json`` (or a scan of
 ``*.safetensors`` when there is no index), the legacy ``language_model.layers.`` prefix accepted as
-``language_model.model.layers.`` (MODEL.md §10 C6), tensors loaded lazily and cached.
+``language_model.model.layers.`` (SPEC.md §10 C6), tensors loaded lazily and cached.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""config.json reader for both shapes (MODEL.md §1.1-§1.3).
+"""config.json reader for both shapes (SPEC.md §1.1-§1.3).
 
 Search order per key: ``text_config`` → ``text_config.linear_attn_config`` → root. KDA
 ``num_heads``/``head_dim`` are read from ``linear_attn_config`` FIRST and otherwise only from the

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (MODEL.md §3.4), float64, sequential recurrence.
+"""Kimi Delta Attention layer (SPEC.md §3.4), float64, sequential recurrence.
 
 Per head h the state S_h is [D_k][D_v] (indexed [k][v]). Per token, in this order:
   S ← diag(α)·S;  u ← Sᵀk;  S ← S + k ⊗ β(v − u);  o ← Sᵀ(q/√D)   (read the UPDATED state)

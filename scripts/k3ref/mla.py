@@ -1,4 +1,4 @@
-"""Gated MLA layer, NoPE (MODEL.md §3.5), in two mathematically identical forms:
+"""Gated MLA layer, NoPE (SPEC.md §3.5), in two mathematically identical forms:
 
 * ``expanded``: k_h = [W_UK[h] c_s | kr_s], v_h = W_UV[h] c_s for every cached position;
 * ``latent`` (absorbed, §3.6): q̃_h = W_UK[h]ᵀ q_nope_h, score = (q̃_h·c_s + q_rope_h·kr_s)/√(nope+rope),
@@ -34,7 +34,7 @@ class MlaDims:
     rope: int
     v: int
     kv_lora: int
-    norm_eps: float          # q_a_layernorm / kv_a_layernorm eps (MODEL.md §10 C1; default 1e-6)
+    norm_eps: float          # q_a_layernorm / kv_a_layernorm eps (SPEC.md §10 C1; default 1e-6)
 
 
 @dataclass

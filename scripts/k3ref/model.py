@@ -1,4 +1,4 @@
-"""Binding checkpoint tensors to layers (one place) and the top-level forward (MODEL.md §3.3).
+"""Binding checkpoint tensors to layers (one place) and the top-level forward (SPEC.md §3.3).
 
 ``tensors`` is any mapping name → ndarray supporting ``in`` and ``[]`` (a ``Checkpoint`` or a plain
 dict of float64 arrays, with uint8 arrays for MXFP4 ``weight_packed``/``weight_scale``). Every

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (MODEL.md §3.7) and the dense SiTU MLP (§3.8)."""
+"""Stable LatentMoE (SPEC.md §3.7) and the dense SiTU MLP (§3.8)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""MXFP4 (compressed-tensors ``mxfp4-pack-quantized``) dequantisation, MODEL.md §4.
+"""MXFP4 (compressed-tensors ``mxfp4-pack-quantized``) dequantisation, SPEC.md §4.
 
 code (4 bits): bit 3 = sign, bits 0..2 index E2M1 = [0, .5, 1, 1.5, 2, 3, 4, 6].
 weight_packed[r, i] holds column 2i in the LOW nibble and column 2i+1 in the HIGH nibble.

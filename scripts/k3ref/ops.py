@@ -1,4 +1,4 @@
-"""Elementwise / normalisation building blocks (MODEL.md §3.1-§3.3), float64 throughout."""
+"""Elementwise / normalisation building blocks (SPEC.md §3.1-§3.3), float64 throughout."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""A small, bounded safetensors reader (MODEL.md §2.1).
+"""A small, bounded safetensors reader (SPEC.md §2.1).
 
 Layout: 8-byte little-endian header length N, N bytes of JSON header, then the data region.
 Header entries: name → {dtype, shape, data_offsets: [begin, end]} with offsets relative to the

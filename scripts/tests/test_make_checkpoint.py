@@ -1,6 +1,6 @@
 """Tests of scripts/make-checkpoint.py.
 
-The expected tensor table below is restated from MODEL.md §2 (not imported from the generator),
+The expected tensor table below is restated from SPEC.md §2 (not imported from the generator),
 and every layout property is checked on the written safetensors headers, as a reader sees them.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def load(model_dir):
 
 
 def expected_tensors(tc, with_experts=True):
-    """MODEL.md §2 tables, as {name: (dtype, shape)}, from a nested text_config."""
+    """SPEC.md §2 tables, as {name: (dtype, shape)}, from a nested text_config."""
     E, V = tc["hidden_size"], tc["vocab_size"]
     la = tc["linear_attn_config"]
     H, D, K = la["num_heads"], la["head_dim"], la["short_conv_kernel_size"]
@@ -299,7 +299,7 @@ def test_tiny_values_are_numerically_interesting(tiny):
         assert np.abs(read_values(d, t, name)).min() > 0
     gains = read_values(d, t, L + "input_layernorm.weight")
     assert abs(gains.mean() - 1) < 0.05 and 0.05 < gains.std() < 0.2
-    # Router bias reorders the top-2 on most inputs (MODEL.md §8 I20).
+    # Router bias reorders the top-2 on most inputs (SPEC.md §8 I20).
     g = read_values(d, t, L + "block_sparse_moe.gate.weight").astype(np.float64)
     bias = read_values(d, t, L + "block_sparse_moe.gate.e_score_correction_bias").astype(np.float64)
     x = np.random.default_rng(7).standard_normal((400, 128))

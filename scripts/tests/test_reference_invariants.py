@@ -1,4 +1,4 @@
-"""Invariant self-tests of the float64 reference (scripts/k3ref), MODEL.md §8.
+"""Invariant self-tests of the float64 reference (scripts/k3ref), SPEC.md §8.
 
 Each test checks the reference against an analytic / independently written expectation AND shows
 that the plausible wrong variant (written here) differs by far more than the tolerance. Weights
@@ -52,7 +52,7 @@ def assert_differs(wrong, right):
 
 
 # --------------------------------------------------------------------------------------------
-# In-memory tiny model builder (MODEL.md §7.1 dims with MXFP4-compatible expert widths, §7.2)
+# In-memory tiny model builder (SPEC.md §7.1 dims with MXFP4-compatible expert widths, §7.2)
 # --------------------------------------------------------------------------------------------
 
 def tiny_root(**text_over) -> dict:

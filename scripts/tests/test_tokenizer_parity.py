@@ -126,7 +126,7 @@ def test_corpus_round_trip(enc, k3ctl, tmp_path, corpus_ids):
 
 
 def test_goldens_exact(k3ctl, tmp_path):
-    # MODEL.md §5.2 goldens, independent of tiktoken.
+    # SPEC.md §5.2 goldens, independent of tiktoken.
     goldens = {
         "The capital of France is": [1008, 10484, 318, 15383, 387],
         "Hello world": [19180, 2695],

@@ -1,4 +1,4 @@
-//! Block Attention Residuals (MODEL.md §3.3).
+//! Block Attention Residuals (SPEC.md §3.3).
 //!
 //! ```text
 //! AttnRes(S; w):  s_i = Σ_d ( S_i[d] / sqrt(mean_d(S_i²) + eps) ) · w[d]

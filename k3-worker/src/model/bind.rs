@@ -1,7 +1,7 @@
 //! Binding checkpoint tensors to the layer structs — the ONE place where tensor names appear.
 //!
 //! Binding only creates views onto the bytes a [`WeightSource`] hands out (bf16 matrices stay raw
-//! bytes) and widens the small vectors to f32. Every tensor is checked before use (MODEL.md I4):
+//! bytes) and widens the small vectors to f32. Every tensor is checked before use (SPEC.md I4):
 //! present in the layer run, the expected dtype, `nbytes == product(config-derived shape) ×
 //! dtype size`, inside the run, and — when the source can tell (the checkpoint index) — the
 //! full stored shape. A failure names the tensor, what was expected and what was found.
@@ -24,7 +24,7 @@ pub trait TensorShapes: Send + Sync {
     fn meta(&self, name: &str) -> Option<(Dtype, Vec<u64>)>;
 }
 
-/// Tensor names (MODEL.md §2), from the proto crate.
+/// Tensor names (SPEC.md §2), from the proto crate.
 mod names {
     pub use k3_proto::names::{EMBED, FINAL_NORM, LM_HEAD, OUT_RES_NORM, OUT_RES_PROJ};
 

@@ -1,4 +1,4 @@
-//! The top-level loop with Block Attention Residuals (MODEL.md §3.3), one code path for prefill
+//! The top-level loop with Block Attention Residuals (SPEC.md §3.3), one code path for prefill
 //! (n prompt tokens as matrix products) and decode (n = 1).
 //!
 //! ```text

@@ -1,4 +1,4 @@
-//! Kimi Delta Attention (MODEL.md §3.4).
+//! Kimi Delta Attention (SPEC.md §3.4).
 //!
 //! Per token t (x = the normalised layer input):
 //! 1. `q̂, k̂, v̂ = W_q x, W_k x, W_v x` (each `[P]`, `P = H·D`).

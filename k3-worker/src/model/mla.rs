@@ -1,4 +1,4 @@
-//! Gated MLA (NoPE) in latent ("absorbed") form (MODEL.md §3.5, §3.6).
+//! Gated MLA (NoPE) in latent ("absorbed") form (SPEC.md §3.5, §3.6).
 //!
 //! ```text
 //! q    = W_qb · RMSNorm(W_qa x; q_a_layernorm, 1e-6)        q_h = [q_nope_h | q_rope_h]

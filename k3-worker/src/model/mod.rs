@@ -1,8 +1,8 @@
-//! The Kimi K3 forward pass (MODEL.md §3).
+//! The Kimi K3 forward pass (SPEC.md §3).
 //!
 //! One file per layer kind, loading apart from maths:
 //! * [`bind`] — the ONE place where checkpoint tensor names meet structs; every tensor's full
-//!   shape and dtype is checked against [`Dims`] there (MODEL.md I4).
+//!   shape and dtype is checked against [`Dims`] there (SPEC.md I4).
 //! * [`attn_res`] — Block Attention Residuals (§3.3).
 //! * [`kda`] — Kimi Delta Attention (§3.4).
 //! * [`mla`] — Gated MLA with the latent cache (§3.5, §3.6).
@@ -31,7 +31,7 @@ use k3_store::source::SourceError;
 
 /// Every dimension and constant the forward pass needs, derived once from the model config.
 ///
-/// Field names follow `config.json` (MODEL.md §1); layer indices are 0-based.
+/// Field names follow `config.json` (SPEC.md §1); layer indices are 0-based.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dims {
     /// E: hidden width (7168).
@@ -42,7 +42,7 @@ pub struct Dims {
     pub vocab: usize,
     /// `rms_norm_eps` (1e-5): every RMSNorm except the MLA q_a/kv_a layernorms.
     pub rms_eps: f32,
-    /// eps of `q_a_layernorm` / `kv_a_layernorm` (1e-6, MODEL.md §10 C1).
+    /// eps of `q_a_layernorm` / `kv_a_layernorm` (1e-6, SPEC.md §10 C1).
     pub mla_norm_eps: f32,
     /// SiTU β1, the gate cap (4.0).
     pub situ_beta: f32,

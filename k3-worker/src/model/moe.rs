@@ -1,5 +1,5 @@
 //! The MLP side: SiTU-GLU MLPs (layer-0 dense MLP, shared experts), the router, and Stable
-//! LatentMoE with MXFP4 routed experts (MODEL.md §3.2, §3.7, §3.8).
+//! LatentMoE with MXFP4 routed experts (SPEC.md §3.2, §3.7, §3.8).
 //!
 //! The router is maths and lives here; expert bytes are storage and arrive as an
 //! [`ExpertBatch`] that the caller fetched with ONE `WeightSource::experts` call per layer per

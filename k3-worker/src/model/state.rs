@@ -1,4 +1,4 @@
-//! Per-sequence state carried between forward calls (MODEL.md §3.10): the KDA recurrent state
+//! Per-sequence state carried between forward calls (SPEC.md §3.10): the KDA recurrent state
 //! and conv histories per KDA layer, the MLA latent cache per MLA layer. Nothing else — no
 //! positions, no AttnRes state.
 

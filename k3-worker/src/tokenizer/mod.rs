@@ -1,6 +1,6 @@
 //! The Kimi K3 tokenizer: byte-level BPE over `tiktoken.model` with Kimi's pre-tokenizer,
 //! giving the same ids as the `tiktoken` package configured like `tokenization_kimi.py`
-//! (MODEL.md §5).
+//! (SPEC.md §5).
 //!
 //! Encoding, in order:
 //! 1. Chunking ([`kimi_chunks`]), as `tokenization_kimi.py::encode` does before calling tiktoken:

@@ -1,7 +1,7 @@
 //! Kimi's pre-tokenizer: cuts text into the pieces that tiktoken's `find_iter` over
 //! [`kimi_pattern`] produces, with a hand-written scanner.
 //!
-//! The pattern (MODEL.md §5.2, `tokenization_kimi.py`'s `pat_str`) is an alternation tried in
+//! The pattern (SPEC.md §5.2, `tokenization_kimi.py`'s `pat_str`) is an alternation tried in
 //! order at each position, with backtracking (leftmost-first) semantics:
 //!
 //! ```text

@@ -14,7 +14,7 @@ fn kimi() -> &'static Tokenizer {
 
 #[test]
 fn goldens() {
-    // MODEL.md §5.2.
+    // SPEC.md §5.2.
     let t = kimi();
     let cases: &[(&str, &[u32])] = &[
         ("The capital of France is", &[1008, 10484, 318, 15383, 387]),

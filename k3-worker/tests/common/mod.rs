@@ -1,7 +1,7 @@
 //! Test helpers: tiny random checkpoints with the REAL tensor names, served by an in-memory
 //! `WeightSource` (also a `TensorShapes` oracle), plus a seeded PRNG.
 //!
-//! The tensor list below is written from MODEL.md §2 independently of `model/bind.rs`, so a
+//! The tensor list below is written from SPEC.md §2 independently of `model/bind.rs`, so a
 //! naming or shape slip in the binder fails here.
 #![allow(dead_code)]
 
@@ -33,7 +33,7 @@ impl Rng {
     }
 }
 
-/// The 13-layer / block-3 tiny model of MODEL.md §7.1 (map KKKMKKKMKKKMM), shrunk further and
+/// The 13-layer / block-3 tiny model of SPEC.md §7.1 (map KKKMKKKMKKKMM), shrunk further and
 /// with MXFP4-compatible expert widths.
 pub fn tiny_dims() -> Dims {
     let full = [4usize, 8, 12, 13];
@@ -71,7 +71,7 @@ pub fn tiny_dims() -> Dims {
     }
 }
 
-/// `(suffix, shape, dtype)` of every trunk tensor of layer `l` (MODEL.md §2.3–2.7).
+/// `(suffix, shape, dtype)` of every trunk tensor of layer `l` (SPEC.md §2.3–2.7).
 pub fn layer_specs(d: &Dims, l: usize) -> Vec<(String, Vec<usize>, Dtype)> {
     let e = d.hidden;
     let bf = Dtype::BF16;
@@ -187,7 +187,7 @@ fn init_values(suffix: &str, shape: &[usize], d: &Dims, rng: &mut Rng) -> Vec<f3
     let n: usize = shape.iter().product();
     let fan_in = *shape.last().unwrap_or(&1) as f32;
     if suffix.ends_with("A_log") {
-        // Distinct per head, zero tail (MODEL.md §2.4).
+        // Distinct per head, zero tail (SPEC.md §2.4).
         return (0..n)
             .map(|i| if i < d.kda_heads { rng.sym() } else { 0.0 })
             .collect();
