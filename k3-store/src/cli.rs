@@ -31,7 +31,9 @@ impl SocketArgs {
 pub const MAX_GB: f64 = 1e6;
 
 fn gb(s: &str) -> Result<f64, String> {
-    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of GB"))?;
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of GB"))?;
     if !(v.is_finite() && (0.0..=MAX_GB).contains(&v)) {
         return Err(format!("{v} GB outside 0..={MAX_GB}"));
     }
@@ -50,7 +52,7 @@ fn policy(s: &str) -> Result<String, String> {
 }
 
 fn preset_names() -> PossibleValuesParser {
-    PossibleValuesParser::new(PRESETS.iter().map(|p| p.name))
+    PossibleValuesParser::new(PRESETS.iter().map(|p| p.name).chain(["auto"]))
 }
 
 /// The memory budget: `--preset NAME`, `--trunk-gb X`, `--cache-gb X` (in command-line order, a
@@ -60,7 +62,8 @@ pub struct BudgetArgs {
     /// Packed trunk directory (trunk.bin + trunk.json) to stream layers from.
     #[arg(long, value_name = "DIR")]
     pub trunk: Option<PathBuf>,
-    /// Memory preset (see `k3-ctl presets`).
+    /// Memory preset (see `k3-ctl presets`); `auto` (the default when no memory flag is given)
+    /// sizes the trunk and the cache from the memory this process may allocate.
     #[arg(long, value_name = "NAME", value_parser = preset_names())]
     pub preset: Vec<String>,
     /// Trunk budget in GB (pinned layers + ring).
@@ -87,6 +90,15 @@ impl BudgetArgs {
     /// The budget the flags describe, in command-line order (`matches` are the parsed matches of
     /// the command this group was flattened into).
     pub fn budget(&self, matches: &clap::ArgMatches) -> Result<Budget, String> {
+        if !self.any_budget() {
+            return Ok(Budget::auto());
+        }
+        if self.preset.iter().any(|p| p == "auto") {
+            if self.preset.len() == 1 && self.trunk_gb.is_empty() && self.cache_gb.is_empty() {
+                return Ok(Budget::auto());
+            }
+            return Err("--preset auto cannot be combined with other memory flags".into());
+        }
         Budget::from_matches(matches, "preset", "trunk_gb", "cache_gb")
     }
 
@@ -110,7 +122,8 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> Result<(T, clap::ArgMatches), clap::Error> {
-        let m = T::command().try_get_matches_from(std::iter::once("t").chain(args.iter().copied()))?;
+        let m =
+            T::command().try_get_matches_from(std::iter::once("t").chain(args.iter().copied()))?;
         Ok((T::from_arg_matches(&m)?, m))
     }
 
@@ -132,6 +145,12 @@ mod tests {
         assert!(parse(&["--trunk-gb", "-1"]).is_err());
         assert!(parse(&["--trunk-gb", "nan"]).is_err());
         assert!(parse(&["--cache-gb", "1e9"]).is_err());
+        let (t, m) = parse(&[]).unwrap();
+        assert!(t.budget.budget(&m).unwrap().auto, "no memory flag = auto");
+        let (t, m) = parse(&["--preset", "auto"]).unwrap();
+        assert!(t.budget.budget(&m).unwrap().auto);
+        let (t, m) = parse(&["--preset", "auto", "--cache-gb", "3"]).unwrap();
+        assert!(t.budget.budget(&m).is_err());
         let (t, _) = parse(&["--cache-policy", "layer-lfu"]).unwrap();
         assert_eq!(t.budget.policy(), "layer-lfu");
         assert!(t.socket.path().ends_with("store.sock"));

@@ -109,6 +109,76 @@ pub struct Budget {
     pub cache_bytes: u64,
     /// What the budget came from, e.g. `server` or `server, --cache-gb 40`.
     pub label: String,
+    /// `--preset auto` (implied when no budget flag is given): trunk and cache are chosen from
+    /// the memory this process may allocate when the plan is made ([`Budget::fit`]).
+    pub auto: bool,
+}
+
+/// Share of the allocatable memory `--preset auto` plans for (the rest is left to the page
+/// cache that O_DIRECT does not use, other processes and allocator slack).
+pub const AUTO_SHARE: f64 = 0.85;
+
+impl Budget {
+    /// `--preset auto`, resolved later by [`Budget::fit`].
+    pub fn auto() -> Budget {
+        Budget {
+            trunk_bytes: 0,
+            cache_bytes: 0,
+            label: "auto".into(),
+            auto: true,
+        }
+    }
+
+    /// The budget `--preset auto` picks for `inputs` given `allocatable` bytes: of
+    /// `usable = AUTO_SHARE × allocatable − (resident tensors + sequence state + buffers)`, the
+    /// trunk gets first call (SPEC.md §6: a pinned layer saves a full read per token, an expert
+    /// slot only sometimes) — all of it when the whole trunk and top-k expert slots fit, else
+    /// everything but top-k expert slots; the expert cache gets the rest, at most every expert.
+    /// Never below the smallest runnable budget (a ring of the largest layer and top-k slots):
+    /// when even that does not fit, the plan's check refuses with the shortfall.
+    pub fn fit(inputs: &PlanInputs, allocatable: u64) -> Budget {
+        let fixed = inputs
+            .resident_bytes
+            .saturating_add(
+                inputs
+                    .kda_state_bytes
+                    .saturating_mul(inputs.kda_layers as u64),
+            )
+            .saturating_add(
+                inputs
+                    .mla_bytes_per_position
+                    .saturating_mul(inputs.context_len as u64)
+                    .saturating_mul(inputs.mla_layers as u64),
+            )
+            .saturating_add(inputs.buffer_bytes);
+        let usable = ((allocatable as f64 * AUTO_SHARE) as u64).saturating_sub(fixed);
+        let ext = |b: u64| align_up(b).unwrap_or(u64::MAX);
+        let whole_trunk: u64 = inputs.layer_bytes.iter().map(|&b| ext(b)).sum();
+        let largest = inputs
+            .layer_bytes
+            .iter()
+            .map(|&b| ext(b))
+            .max()
+            .unwrap_or(0);
+        let stride = inputs.expert_slot_bytes.max(ALIGN as u64);
+        let min_cache = stride.saturating_mul(inputs.top_k as u64);
+        let all_experts = stride.saturating_mul(inputs.total_experts.max(inputs.top_k) as u64);
+        let trunk = whole_trunk
+            .min(usable.saturating_sub(min_cache))
+            .max(largest);
+        let cache = usable.saturating_sub(trunk).min(all_experts).max(min_cache);
+        Budget {
+            trunk_bytes: trunk,
+            cache_bytes: cache,
+            label: format!(
+                "auto ({} trunk, {} cache of {} may allocate)",
+                fmt_gb(trunk),
+                fmt_gb(cache),
+                fmt_gb(allocatable)
+            ),
+            auto: true,
+        }
+    }
 }
 
 fn gb_bytes(what: &str, x: f64) -> Result<u64, String> {
@@ -155,6 +225,7 @@ impl Budget {
                 trunk_bytes,
                 cache_bytes,
                 label: label.join(", "),
+                auto: false,
             }),
             (t, c) => {
                 let mut missing = Vec::new();
@@ -310,7 +381,9 @@ pub fn allocatable() -> Result<u64, String> {
         rlim_max: 0,
     };
     // SAFETY: `rl` is a valid, writable rlimit; RLIMIT_AS is a valid resource.
-    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0 && rl.rlim_cur != libc::RLIM_INFINITY {
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0
+        && rl.rlim_cur != libc::RLIM_INFINITY
+    {
         let mapped = std::fs::read_to_string("/proc/self/status")
             .ok()
             .and_then(|s| status_kb(&s, "VmSize:"))
@@ -798,6 +871,34 @@ mod tests {
         ] {
             assert!(text.contains(w), "{w} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn auto_budget_gives_the_trunk_first_and_fits_what_may_be_allocated() {
+        let i = full_scale();
+        let ext = |b: u64| align_up(b).unwrap();
+        let whole: u64 = i.layer_bytes.iter().map(|&b| ext(b)).sum();
+        let largest = i.layer_bytes.iter().map(|&b| ext(b)).max().unwrap();
+        // A machine that holds everything: the whole trunk and every expert.
+        let big = Budget::fit(&i, 4_000_000_000_000);
+        assert!(big.auto);
+        assert_eq!(big.trunk_bytes, whole);
+        let mut p = MemoryPlan::compute(&i, &big);
+        assert_eq!(p.pinned_layers, i.layer_bytes.len());
+        assert_eq!(p.expert_slots, i.total_experts);
+        assert!(p.check(Some(4_000_000_000_000)).is_ok());
+        // 64 GB: the trunk takes all but top-k slots; the plan fits what may be allocated.
+        let mid = Budget::fit(&i, 64_000_000_000);
+        let mut p = MemoryPlan::compute(&i, &mid);
+        assert!(mid.trunk_bytes > 40_000_000_000, "{}", mid.label);
+        assert_eq!(p.expert_slots, i.top_k);
+        assert!(p.check(Some(64_000_000_000)).is_ok(), "{p}");
+        // Too little memory: never below a runnable budget, and the check refuses.
+        let tiny = Budget::fit(&i, 2_000_000_000);
+        assert!(tiny.trunk_bytes >= largest);
+        assert!(MemoryPlan::compute(&i, &tiny)
+            .check(Some(2_000_000_000))
+            .is_err());
     }
 
     #[test]

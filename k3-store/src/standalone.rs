@@ -167,12 +167,18 @@ impl StandaloneSource {
             Some(d) => TrunkLayout::from_packed(&cat, shards.clone(), d)?,
             None => TrunkLayout::from_catalog(&cat, shards.clone()),
         };
-        let mut plan = MemoryPlan::compute(&inputs(&cat, &layout), budget);
-        let avail = if opts.check_memory {
+        let avail = if opts.check_memory || budget.auto {
             Some(allocatable().map_err(OpenError::Refused)?)
         } else {
             None
         };
+        let plan_inputs = inputs(&cat, &layout);
+        let budget = match (budget.auto, avail) {
+            (true, Some(a)) => Budget::fit(&plan_inputs, a),
+            _ => budget.clone(),
+        };
+        let mut plan = MemoryPlan::compute(&plan_inputs, &budget);
+        let avail = if opts.check_memory { avail } else { None };
         plan.check(avail).map_err(OpenError::Refused)?;
 
         let model = load_model_tensors(&cat, &shards, progress)?;

@@ -121,7 +121,13 @@ pub struct Cli {
     #[arg(long, requires = "chat")]
     pub no_think: bool,
     /// Thinking effort of the chat.
-    #[arg(long, value_name = "LEVEL", value_enum, requires = "chat", conflicts_with = "no_think")]
+    #[arg(
+        long,
+        value_name = "LEVEL",
+        value_enum,
+        requires = "chat",
+        conflicts_with = "no_think"
+    )]
     pub effort: Option<EffortArg>,
     /// Chat context in positions (the whole conversation plus one reply must fit).
     #[arg(long, value_name = "N", requires = "chat", default_value_t = DEFAULT_CTX as u64,
@@ -178,10 +184,16 @@ mod tests {
     #[test]
     fn exactly_one_input_and_its_requirements() {
         assert!(parse(&["--standalone", "m"]).is_err(), "no input");
-        assert!(parse(&["--ids", "1", "--prompt", "x", "--tok", "t"]).is_err(), "two inputs");
+        assert!(
+            parse(&["--ids", "1", "--prompt", "x", "--tok", "t"]).is_err(),
+            "two inputs"
+        );
         assert!(parse(&["--prompt", "x"]).is_err(), "text without --tok");
         assert!(parse(&["--chat"]).is_err(), "chat without --tok");
-        assert!(parse(&["--ids", "1", "--ctx", "9"]).is_err(), "--ctx needs --chat");
+        assert!(
+            parse(&["--ids", "1", "--ctx", "9"]).is_err(),
+            "--ctx needs --chat"
+        );
         assert!(parse(&["--ids", "1", "--effort", "high"]).is_err());
         assert!(parse(&["--chat", "--tok", "t", "--effort", "low", "--no-think"]).is_err());
         let c = parse(&["--chat", "--tok", "t", "--effort", "medium"]).unwrap();
@@ -194,7 +206,10 @@ mod tests {
         assert!(parse(&["--ids", "1", "--gen", "0"]).is_err());
         assert!(parse(&["--ids", "1", "--gen", "4097"]).is_err());
         assert!(parse(&["--ids", "1", "--threads", "0"]).is_err());
-        assert!(parse(&["--ids", "1", "--preset", "laptop"]).is_err(), "budget needs --standalone");
+        assert!(
+            parse(&["--ids", "1", "--preset", "laptop"]).is_err(),
+            "budget needs --standalone"
+        );
         assert!(parse(&["--ids", "1", "--standalone", "m", "--socket", "s"]).is_err());
         assert!(parse(&["--ids", "1", "--socket", "s", "--cache-gb", "1"]).is_err());
         assert!(parse(&["--ids", "1", "--standalone", "m", "--preset", "laptop"]).is_ok());

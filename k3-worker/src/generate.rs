@@ -336,7 +336,10 @@ impl Session {
             let logits = if step == 0 {
                 self.feed(model, new, opts.prefill_chunk)?
             } else {
-                let last = *report.generated_ids.last().expect("one id per earlier step");
+                let last = *report
+                    .generated_ids
+                    .last()
+                    .expect("one id per earlier step");
                 if opts.full_recompute {
                     // Check mode: the whole sequence again on a fresh state.
                     self.held.push(last);

@@ -129,7 +129,10 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
     for path in [&cli.out, &cli.dump_logits].into_iter().flatten() {
         check_writable_file(path)?;
     }
-    for dir in [&cli.dump_cache_trace, &cli.dump_hidden].into_iter().flatten() {
+    for dir in [&cli.dump_cache_trace, &cli.dump_hidden]
+        .into_iter()
+        .flatten()
+    {
         check_writable_dir(dir)?;
     }
     let tok = match &cli.tok {
@@ -140,7 +143,9 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
         None => None,
     };
     let input = if cli.chat {
-        let tok = tok.as_ref().ok_or_else(|| refuse("--chat needs --tok DIR"))?;
+        let tok = tok
+            .as_ref()
+            .ok_or_else(|| refuse("--chat needs --tok DIR"))?;
         crate::chat::Markers::from_tokenizer(tok).map_err(refuse)?;
         Input::Chat(if cli.no_think {
             None
@@ -327,10 +332,12 @@ pub fn open_source(
     match &cli.standalone {
         None => {
             let socket = cli.socket.path();
-            let (src, info) = AttachedSource::attach(&socket, &AttachOptions::default())
-                .map_err(|source| JobError::Attach {
-                    socket: socket.clone(),
-                    source,
+            let (src, info) =
+                AttachedSource::attach(&socket, &AttachOptions::default()).map_err(|source| {
+                    JobError::Attach {
+                        socket: socket.clone(),
+                        source,
+                    }
                 })?;
             tracing::info!(
                 "attached to {} in {:.3} s: model {}, {} pinned layers, {:.3} GB shared, {} expert slots, ring {:.3} GB",
@@ -439,12 +446,28 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
     }
     match &pre.input {
         Input::Chat(thinking) => {
-            let tok = pre.tok.as_ref().ok_or_else(|| refuse("--chat needs --tok DIR"))?;
-            run_chat(cli, &mut model, tok, *thinking, pre.sampler.clone(), opened.positions)
+            let tok = pre
+                .tok
+                .as_ref()
+                .ok_or_else(|| refuse("--chat needs --tok DIR"))?;
+            run_chat(
+                cli,
+                &mut model,
+                tok,
+                *thinking,
+                pre.sampler.clone(),
+                opened.positions,
+            )
         }
-        Input::Prompt(prompt) => {
-            run_prompt(cli, &mut model, pre.tok.as_ref(), prompt, &pre.sampler, &hidden, wall)
-        }
+        Input::Prompt(prompt) => run_prompt(
+            cli,
+            &mut model,
+            pre.tok.as_ref(),
+            prompt,
+            &pre.sampler,
+            &hidden,
+            wall,
+        ),
     }
 }
 
@@ -488,7 +511,10 @@ fn run_prompt(
         })
     };
     if let Some(path) = &cli.dump_logits {
-        written(report::write_logits(path, gen.step0_logits.as_deref().unwrap_or(&[])))?;
+        written(report::write_logits(
+            path,
+            gen.step0_logits.as_deref().unwrap_or(&[]),
+        ))?;
     }
     if let (Some(dir), Some(trace)) = (&cli.dump_cache_trace, model.trace.as_ref()) {
         written(report::write_trace(dir, trace))?;

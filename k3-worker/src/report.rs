@@ -29,8 +29,7 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 /// The step table's header.
-pub const STEP_HEADER: &str =
-    " STEP    TOKEN   SECONDS    READ GB   IO WAIT       HIT    TOK/S";
+pub const STEP_HEADER: &str = " STEP    TOKEN   SECONDS    READ GB   IO WAIT       HIT    TOK/S";
 
 /// One row of the step table.
 pub fn step_line(s: &StepReport) -> String {

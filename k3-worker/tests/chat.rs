@@ -13,8 +13,8 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use k3_worker::chat::{
-    effort_body, escape_attr, plan_prefill, read_line_bounded, tag_text,
-    Channel, ChatFormat, Effort, Line, Message, Prefill, ReplyParser,
+    effort_body, escape_attr, plan_prefill, read_line_bounded, tag_text, Channel, ChatFormat,
+    Effort, Line, Message, Prefill, ReplyParser,
 };
 use k3_worker::tokenizer::Tokenizer;
 

@@ -213,10 +213,6 @@ fn usage_and_plan_problems_exit_2_before_any_work() {
             "cannot be used with",
         ),
         (
-            vec!["--standalone", s(&m), "--ids", "1"],
-            "no memory budget",
-        ),
-        (
             vec![
                 "--standalone",
                 s(&m),
@@ -729,5 +725,114 @@ fn step0_logits_are_bit_identical_across_budgets_threads_and_modes() {
             None => first = Some(bytes),
             Some(f) => assert!(f == &bytes, "{name}: step-0 logits differ in their bits"),
         }
+    }
+}
+
+/// A small vector that may be stored as BF16 or F32 (SPEC.md §2).
+fn is_small_vector(name: &str) -> bool {
+    [
+        "norm.weight",
+        "_res_proj.weight",
+        "attention_res_proj.weight",
+        "conv1d.weight",
+        "A_log",
+        "dt_bias",
+        "e_score_correction_bias",
+    ]
+    .iter()
+    .any(|s| name.ends_with(s))
+        || name.ends_with("output_res_proj.weight")
+}
+
+/// Copy the checkpoint `src` to `dst` with every BF16 small vector stored as F32 (widened
+/// exactly, so the model is the same function).
+fn widen_vectors(src: &Path, dst: &Path) -> usize {
+    std::fs::create_dir_all(dst).unwrap();
+    let mut widened = 0;
+    for entry in std::fs::read_dir(src).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_str().unwrap().to_string();
+        if !name.ends_with(".safetensors") {
+            std::fs::copy(&path, dst.join(&name)).unwrap();
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let hl = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_slice(&bytes[8..8 + hl]).unwrap();
+        let data = &bytes[8 + hl..];
+        let mut entries: Vec<(String, serde_json::Value)> = header.into_iter().collect();
+        entries.sort_by_key(|(_, v)| v["data_offsets"][0].as_u64().unwrap_or(0));
+        let (mut out_header, mut out_data) = (serde_json::Map::new(), Vec::new());
+        for (k, mut v) in entries {
+            if k == "__metadata__" {
+                out_header.insert(k, v);
+                continue;
+            }
+            let (a, b) = (
+                v["data_offsets"][0].as_u64().unwrap() as usize,
+                v["data_offsets"][1].as_u64().unwrap() as usize,
+            );
+            let mut t = data[a..b].to_vec();
+            if v["dtype"] == "BF16" && is_small_vector(&k) {
+                t = t
+                    .chunks_exact(2)
+                    .flat_map(|p| (((u16::from_le_bytes([p[0], p[1]]) as u32) << 16).to_le_bytes()))
+                    .collect();
+                v["dtype"] = "F32".into();
+                widened += 1;
+            }
+            let start = out_data.len();
+            out_data.extend_from_slice(&t);
+            v["data_offsets"] = serde_json::json!([start, out_data.len()]);
+            out_header.insert(k, v);
+        }
+        let h = serde_json::to_vec(&out_header).unwrap();
+        let mut file = (h.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(&h);
+        file.extend_from_slice(&out_data);
+        std::fs::write(dst.join(&name), file).unwrap();
+    }
+    widened
+}
+
+#[test]
+fn no_budget_flag_plans_auto_and_f32_vectors_give_the_reference_ids() {
+    let sb = Sandbox::new("auto-f32");
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    // No memory flag: `--preset auto` is implied and printed.
+    let o = worker(&[
+        "--standalone",
+        s(&sb.model()),
+        "--ids",
+        &prompt,
+        "--gen",
+        "20",
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("auto ("),
+        "the plan names the auto budget: {err}"
+    );
+    assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"));
+    // The same checkpoint with every small vector stored as F32.
+    let f32_model = sb.path("f32-model");
+    let n = widen_vectors(&sb.model(), &f32_model);
+    assert!(n > 13 * 4, "only {n} vectors widened");
+    for extra in [&[][..], &["--preset", "laptop"][..]] {
+        let mut args = vec![
+            "--standalone",
+            s(&f32_model),
+            "--ids",
+            &prompt,
+            "--gen",
+            "20",
+        ];
+        args.extend_from_slice(extra);
+        let o = worker(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{err}");
+        assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"), "{extra:?}");
     }
 }

@@ -58,7 +58,10 @@ mod tests {
     #[test]
     fn report_keeps_the_code_and_passes_ok_through() {
         assert_eq!(report::<Outer>("t", Ok(OK)), OK);
-        assert_eq!(report::<Outer>("t", Ok(EXPERT_LOAD_FAILED)), EXPERT_LOAD_FAILED);
+        assert_eq!(
+            report::<Outer>("t", Ok(EXPERT_LOAD_FAILED)),
+            EXPERT_LOAD_FAILED
+        );
         let e = Outer(std::io::Error::new(std::io::ErrorKind::NotFound, "gone"));
         assert_eq!(report("t", Err(e)), REFUSED);
     }

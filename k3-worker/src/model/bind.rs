@@ -413,8 +413,8 @@ impl BoundLayer {
     /// This pass's weights: views onto `run`'s bytes at the recorded spans. `run` must be this
     /// layer's run with the layout it was bound with.
     pub fn weights<'a>(&'a self, run: &'a LayerRun) -> Result<LayerWeights<'a>, ModelError> {
-        let same_layout = Arc::ptr_eq(&run.layout, &self.layout)
-            || run.layout.tensors() == self.layout.tensors();
+        let same_layout =
+            Arc::ptr_eq(&run.layout, &self.layout) || run.layout.tensors() == self.layout.tensors();
         if run.layer != self.layer || !same_layout || run.region.len() < self.run_len {
             return Err(ModelError::Config(format!(
                 "layer {} was bound to another layout than the run the source returned (layer {}, {} bytes)",
@@ -604,7 +604,10 @@ fn model_vec(
         None => Dtype::BF16,
     };
     if !VECTOR_DTYPES.contains(&dt) {
-        return Err(bind_err(name, format!("expected dtype BF16 or F32, found {dt}")));
+        return Err(bind_err(
+            name,
+            format!("expected dtype BF16 or F32, found {dt}"),
+        ));
     }
     let want = nbytes_of(shape, dt);
     if want != Some(r.len() as u64) {

@@ -208,17 +208,16 @@ impl<'s> Model<'s> {
             if bound[l].is_none() {
                 bound[l] = Some(BoundLayer::bind(d, &run, shapes)?);
             }
-            let lw = bound[l]
-                .as_ref()
-                .expect("bound just above")
-                .weights(&run)?;
+            let lw = bound[l].as_ref().expect("bound just above").weights(&run)?;
 
             // Attention side.
             let x = if banked == 0 {
                 pend.clone()
             } else {
-                let mut src: Vec<&[f32]> =
-                    scratch.bank[..banked].iter().map(|b| b.as_slice()).collect();
+                let mut src: Vec<&[f32]> = scratch.bank[..banked]
+                    .iter()
+                    .map(|b| b.as_slice())
+                    .collect();
                 src.push(&pend);
                 lw.self_res.aggregate(&src, n, d.rms_eps)
             };
@@ -248,7 +247,10 @@ impl<'s> Model<'s> {
             }
 
             // MLP side (bank is non-empty: layer 0 is a boundary).
-            let mut src: Vec<&[f32]> = scratch.bank[..banked].iter().map(|b| b.as_slice()).collect();
+            let mut src: Vec<&[f32]> = scratch.bank[..banked]
+                .iter()
+                .map(|b| b.as_slice())
+                .collect();
             src.push(&pend);
             let x = lw.mlp_res.aggregate(&src, n, d.rms_eps);
             tap(l, "mlp_in", &x);
@@ -333,7 +335,10 @@ impl<'s> Model<'s> {
         }
 
         // Output aggregator → final norm → lm_head.
-        let mut src: Vec<&[f32]> = scratch.bank[..banked].iter().map(|b| b.as_slice()).collect();
+        let mut src: Vec<&[f32]> = scratch.bank[..banked]
+            .iter()
+            .map(|b| b.as_slice())
+            .collect();
         src.push(&pend);
         let x = globals.out_res.aggregate(&src, n, d.rms_eps);
         drop(src);

@@ -77,7 +77,14 @@ impl MlaWeights<'_> {
                 // q̃ = W_UK[h]ᵀ q_nope [n, kv_lora], straight from kv_b's rows (no copy).
                 let uk_off = h * (nope + vh) * kl * 2;
                 let mut qt = vec![0.0f32; n * kl];
-                kernels::matmul_t_bf16(&self.kv_b[uk_off..uk_off + nope * kl * 2], nope, kl, &qn, n, &mut qt);
+                kernels::matmul_t_bf16(
+                    &self.kv_b[uk_off..uk_off + nope * kl * 2],
+                    nope,
+                    kl,
+                    &qn,
+                    n,
+                    &mut qt,
+                );
                 let mut query = vec![0.0f32; lw];
                 let mut chat = vec![0.0f32; n * kl];
                 let mut p = Vec::with_capacity(past + n);
