@@ -68,6 +68,7 @@ pub struct Model<'s> {
     /// Each layer bound once, at its first pass (names, shapes and places checked, vectors
     /// widened); later passes only slice the run's bytes.
     bound: Vec<Option<BoundLayer>>,
+    binds: u64,
     /// Failure/request counters.
     pub counters: RunCounters,
     /// When `Some`, every expert request is appended here.
@@ -109,6 +110,7 @@ impl<'s> Model<'s> {
             shapes,
             globals,
             bound,
+            binds: 0,
             counters: RunCounters::default(),
             trace: None,
             step: 0,
@@ -131,6 +133,12 @@ impl<'s> Model<'s> {
         self.bound.iter().filter(|b| b.is_some()).count()
     }
 
+    /// Times a layer was bound over this engine's life (= the layers run, if binding happens
+    /// once per layer as it must).
+    pub fn bind_count(&self) -> u64 {
+        self.binds
+    }
+
     /// Run `ids` (appended after the `st.pos` tokens already consumed) and return logits
     /// `[rows, vocab]` for the positions chosen by `which`. On error the state is unusable.
     pub fn forward(
@@ -145,6 +153,7 @@ impl<'s> Model<'s> {
             shapes,
             globals,
             bound,
+            binds,
             counters,
             trace,
             step,
@@ -207,6 +216,7 @@ impl<'s> Model<'s> {
             }
             if bound[l].is_none() {
                 bound[l] = Some(BoundLayer::bind(d, &run, shapes)?);
+                *binds += 1;
             }
             let lw = bound[l].as_ref().expect("bound just above").weights(&run)?;
 
