@@ -622,10 +622,10 @@ mod tests {
 
     #[test]
     fn disk_measurement_on_a_small_scratch_file() {
-        let dir = std::env::temp_dir().join(format!("k3doctor-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let a = Args {
-            dir: dir.clone(),
+            dir: dir.to_path_buf(),
             json: true,
             seconds: 0.25,
             size_mib: 64,
@@ -650,7 +650,6 @@ mod tests {
             assert_eq!(m["rounds"].as_array().unwrap().len(), ROUNDS);
         }
         // The scratch file is gone.
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
-        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(std::fs::read_dir(dir).unwrap().count(), 0);
     }
 }

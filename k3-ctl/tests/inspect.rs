@@ -5,7 +5,6 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::Value;
 
@@ -79,26 +78,12 @@ impl Dims {
     }
 }
 
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "k3-ctl-inspect-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A fresh temporary directory (removed on drop).
+fn tempdir(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("k3-ctl-inspect-{tag}-"))
+        .tempdir()
+        .unwrap()
 }
 
 #[derive(Clone, Debug)]
@@ -387,10 +372,10 @@ fn stderr(o: &Output) -> String {
 
 #[test]
 fn tiny_checkpoint_census() {
-    let dir = TempDir::new("ok");
+    let dir = tempdir("ok");
     let shards = tiny_tensors();
-    write_checkpoint(&dir.0, TINY_CONFIG, &shards);
-    let out = inspect(&dir.0, true);
+    write_checkpoint(dir.path(), TINY_CONFIG, &shards);
+    let out = inspect(dir.path(), true);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let j: Value = serde_json::from_slice(&out.stdout).unwrap();
 
@@ -447,7 +432,7 @@ fn tiny_checkpoint_census() {
         per_layer
     );
 
-    let out = inspect(&dir.0, false);
+    let out = inspect(dir.path(), false);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(
@@ -462,14 +447,14 @@ fn tiny_checkpoint_census() {
 
 #[test]
 fn missing_config_field_is_refused_by_name() {
-    let dir = TempDir::new("cfg");
+    let dir = tempdir("cfg");
     let mut cfg: Value = serde_json::from_str(TINY_CONFIG).unwrap();
     cfg["text_config"]
         .as_object_mut()
         .unwrap()
         .remove("activation_situ_beta");
-    write_checkpoint(&dir.0, &cfg.to_string(), &tiny_tensors());
-    let out = inspect(&dir.0, false);
+    write_checkpoint(dir.path(), &cfg.to_string(), &tiny_tensors());
+    let out = inspect(dir.path(), false);
     assert_eq!(out.status.code(), Some(2));
     assert!(
         stderr(&out).contains("activation_situ_beta"),
@@ -481,12 +466,12 @@ fn missing_config_field_is_refused_by_name() {
 
 #[test]
 fn missing_expert_part_is_refused_by_name() {
-    let dir = TempDir::new("part");
+    let dir = tempdir("part");
     let mut shards = tiny_tensors();
     let gone = "language_model.model.layers.9.block_sparse_moe.experts.5.w3.weight_scale";
     shards[1].retain(|t| t.name != gone);
-    write_checkpoint(&dir.0, TINY_CONFIG, &shards);
-    let out = inspect(&dir.0, true);
+    write_checkpoint(dir.path(), TINY_CONFIG, &shards);
+    let out = inspect(dir.path(), true);
     assert_eq!(out.status.code(), Some(2));
     let e = stderr(&out);
     assert!(
@@ -502,7 +487,7 @@ fn missing_expert_part_is_refused_by_name() {
 #[test]
 fn transposed_expert_is_refused() {
     // w2 packed is stored [latent, inter/2]; a transposed copy has the same byte count.
-    let dir = TempDir::new("shape");
+    let dir = tempdir("shape");
     let mut shards = tiny_tensors();
     let name = "language_model.model.layers.2.block_sparse_moe.experts.0.w2.weight_packed";
     for t in shards[0].iter_mut() {
@@ -511,20 +496,20 @@ fn transposed_expert_is_refused() {
             t.shape = vec![d.inter / 2, d.lat]; // transposed: same element count, wrong shape
         }
     }
-    write_checkpoint(&dir.0, TINY_CONFIG, &shards);
-    let out = inspect(&dir.0, false);
+    write_checkpoint(dir.path(), TINY_CONFIG, &shards);
+    let out = inspect(dir.path(), false);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains(name), "{}", stderr(&out));
 }
 
 #[test]
 fn a_config_claiming_millions_of_experts_is_refused_quickly() {
-    let dir = TempDir::new("huge");
+    let dir = tempdir("huge");
     let mut cfg: Value = serde_json::from_str(TINY_CONFIG).unwrap();
     cfg["text_config"]["num_experts"] = serde_json::json!(16_000_000);
-    write_checkpoint(&dir.0, &cfg.to_string(), &tiny_tensors());
+    write_checkpoint(dir.path(), &cfg.to_string(), &tiny_tensors());
     let t0 = std::time::Instant::now();
-    let out = inspect(&dir.0, false);
+    let out = inspect(dir.path(), false);
     assert_eq!(out.status.code(), Some(2));
     assert!(
         t0.elapsed().as_secs() < 30,
@@ -540,14 +525,14 @@ fn a_config_claiming_millions_of_experts_is_refused_quickly() {
 
 #[test]
 fn truncated_shard_and_bad_config_are_both_listed() {
-    let dir = TempDir::new("trunc");
+    let dir = tempdir("trunc");
     let mut cfg: Value = serde_json::from_str(TINY_CONFIG).unwrap();
     cfg["text_config"]["linear_attn_config"]
         .as_object_mut()
         .unwrap()
         .remove("full_attn_layers");
-    write_checkpoint(&dir.0, &cfg.to_string(), &tiny_tensors());
-    let p = dir.0.join(SHARDS[1]);
+    write_checkpoint(dir.path(), &cfg.to_string(), &tiny_tensors());
+    let p = dir.path().join(SHARDS[1]);
     let len = std::fs::metadata(&p).unwrap().len();
     File::options()
         .write(true)
@@ -555,7 +540,7 @@ fn truncated_shard_and_bad_config_are_both_listed() {
         .unwrap()
         .set_len(len - 10)
         .unwrap();
-    let out = inspect(&dir.0, false);
+    let out = inspect(dir.path(), false);
     assert_eq!(out.status.code(), Some(2));
     let e = stderr(&out);
     assert!(e.contains("full_attn_layers"), "{e}");
@@ -564,11 +549,11 @@ fn truncated_shard_and_bad_config_are_both_listed() {
 
 #[test]
 fn missing_model_level_tensor_and_missing_directory() {
-    let dir = TempDir::new("lmhead");
+    let dir = tempdir("lmhead");
     let mut shards = tiny_tensors();
     shards[0].retain(|t| t.name != "language_model.lm_head.weight");
-    write_checkpoint(&dir.0, TINY_CONFIG, &shards);
-    let out = inspect(&dir.0, false);
+    write_checkpoint(dir.path(), TINY_CONFIG, &shards);
+    let out = inspect(dir.path(), false);
     assert_eq!(out.status.code(), Some(2));
     assert!(
         stderr(&out).contains("`language_model.lm_head.weight` is missing"),
@@ -576,7 +561,7 @@ fn missing_model_level_tensor_and_missing_directory() {
         stderr(&out)
     );
 
-    let out = inspect(&dir.0.join("nope"), false);
+    let out = inspect(&dir.path().join("nope"), false);
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("nope"), "{}", stderr(&out));
 }
@@ -594,8 +579,8 @@ fn tiny_tensors() -> [Vec<T>; 2] {
 #[ignore]
 fn full_scale_census_matches_the_published_figures() {
     let keep = std::env::var_os("K3_FULL_SCALE_DIR").map(PathBuf::from);
-    let tmp = TempDir::new("full");
-    let dir = keep.clone().unwrap_or_else(|| tmp.0.clone());
+    let tmp = tempdir("full");
+    let dir = keep.clone().unwrap_or_else(|| tmp.path().to_path_buf());
     std::fs::create_dir_all(&dir).unwrap();
     let d = Dims::full();
     let [a, b] = checkpoint_tensors(&d);

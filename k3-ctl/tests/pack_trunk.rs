@@ -49,7 +49,6 @@ fn pack_trunk_exit_codes_and_output() {
         "{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    std::fs::remove_dir_all(&w.dir).unwrap();
 
     // A layer whose trunk tensors are interleaved with an expert tensor: refused, exit 2.
     let mut spec = Spec::small(4, 3);
@@ -64,7 +63,6 @@ fn pack_trunk_exit_codes_and_output() {
         "{stderr}"
     );
     assert!(!out.join("trunk.json").exists());
-    std::fs::remove_dir_all(&w.dir).unwrap();
 }
 
 #[test]

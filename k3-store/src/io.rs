@@ -560,11 +560,11 @@ where
 mod tests {
     use super::*;
 
-    fn tmpdir(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("k3io-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    fn tmpdir(tag: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("k3io-{tag}-"))
+            .tempdir()
+            .unwrap()
     }
 
     fn pattern(n: usize) -> Vec<u8> {
@@ -651,7 +651,8 @@ mod tests {
 
     #[test]
     fn reads_arbitrary_ranges_direct_and_buffered() {
-        let d = tmpdir("ranges");
+        let tmp = tmpdir("ranges");
+        let d = tmp.path();
         let p = d.join("f.bin");
         // Not a multiple of 4096, so the last block is partial (direct reads stop at EOF).
         let data = pattern(3 * 4096 * 7 + 123);
@@ -669,7 +670,6 @@ mod tests {
         let mut v = vec![0u8; (17 << 20) - 4097];
         f.read_exact_at(4097, &mut v).unwrap();
         assert!(v == big[4097..]);
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
@@ -688,7 +688,8 @@ mod tests {
 
     #[test]
     fn past_eof_and_short_file_are_errors_naming_file_offset_len() {
-        let d = tmpdir("eof");
+        let tmp = tmpdir("eof");
+        let d = tmp.path();
         let p = d.join("short.bin");
         std::fs::write(&p, pattern(5000)).unwrap();
         let f = DiskFile::open(&p).unwrap();
@@ -718,7 +719,6 @@ mod tests {
         );
         let e = DiskFile::open(&d.join("nope")).unwrap_err().0;
         assert!(e.contains("nope"), "{e}");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

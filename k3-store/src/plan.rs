@@ -388,7 +388,7 @@ pub fn allocatable() -> Result<u64, String> {
             .ok()
             .and_then(|s| status_kb(&s, "VmSize:"))
             .unwrap_or(0);
-        avail = avail.min((rl.rlim_cur as u64).saturating_sub(mapped));
+        avail = avail.min(rl.rlim_cur.saturating_sub(mapped));
     }
     let read = |p: &str| std::fs::read_to_string(p).ok();
     if let (Some(max), Some(cur)) = (

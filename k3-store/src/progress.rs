@@ -66,11 +66,10 @@ impl Progress {
                 }
             }
             None => {
-                let tenth = if self.total == 0 {
-                    10
-                } else {
-                    done.saturating_mul(10) / self.total
-                };
+                let tenth = done
+                    .saturating_mul(10)
+                    .checked_div(self.total)
+                    .unwrap_or(10);
                 if tenth > self.last_tenth || done >= self.total && self.last_tenth < 10 {
                     self.last_tenth = tenth.max(if done >= self.total { 10 } else { 0 });
                     tracing::info!("{}: {done}/{}", self.what, self.total);

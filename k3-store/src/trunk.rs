@@ -828,9 +828,8 @@ mod sparse_tests {
     #[test]
     fn zero_blocks_become_holes_and_bytes_are_kept() {
         use std::os::unix::fs::MetadataExt;
-        let dir = std::env::temp_dir().join(format!("k3-sparse-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join("f");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
         let f = std::fs::File::create(&p).unwrap();
         // 64 blocks of zeros with a few non-zero bytes straddling block boundaries, written at
         // an unaligned offset.
@@ -853,6 +852,5 @@ mod sparse_tests {
             allocated <= 8 * 4096,
             "{allocated} bytes allocated for 4 non-zero blocks"
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -21,7 +21,8 @@ fn tiny() -> PathBuf {
 }
 
 struct Store {
-    dir: PathBuf,
+    /// Removed when the store (after its server thread) is dropped.
+    _dir: tempfile::TempDir,
     socket: PathBuf,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<usize>>,
@@ -33,15 +34,15 @@ impl Drop for Store {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
 fn start_store(tag: &str, pinned: usize, slots: usize) -> Store {
-    let dir = std::env::temp_dir().join(format!("k3-attach-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let trunk = dir.join("trunk");
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("k3-attach-{tag}-"))
+        .tempdir()
+        .unwrap();
+    let trunk = dir.path().join("trunk");
     let (cat, _) = Catalog::open_dir(&tiny()).unwrap();
     k3_store::trunk::pack_trunk(&cat, &trunk, &mut |_| {}).unwrap();
     let backend = StoreBackend::build(
@@ -59,13 +60,13 @@ fn start_store(tag: &str, pinned: usize, slots: usize) -> Store {
     )
     .unwrap();
     assert_eq!(backend.pinned_layers() as usize, pinned);
-    let socket = dir.join("store.sock");
+    let socket = dir.path().join("store.sock");
     let listener = k3_store::ipc::bind(&socket).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let server = Server::new(listener, socket.clone(), backend, stop.clone());
     let thread = Some(std::thread::spawn(move || server.run()));
     Store {
-        dir,
+        _dir: dir,
         socket,
         stop,
         thread,

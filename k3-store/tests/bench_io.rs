@@ -78,5 +78,4 @@ fn expert_miss_throughput_and_pack_speed() {
         s.bytes as f64 / 1e6,
         s.seconds
     );
-    std::fs::remove_dir_all(&w.dir).unwrap();
 }

@@ -42,7 +42,6 @@ fn catalog_from_the_index_matches_what_was_written() {
     assert!(cat.expert(0, 0).is_none());
     assert!(cat.expert(2, 1).unwrap().coalesced().is_none());
     assert!(cat.expert(2, 2).unwrap().coalesced().is_some());
-    std::fs::remove_dir_all(&w.dir).unwrap();
 }
 
 #[test]
@@ -97,5 +96,4 @@ fn standalone_open_with_and_without_a_packed_trunk() {
     .unwrap();
     assert_eq!(plan.n_layers, 3);
     assert!(src.layer(3).is_err());
-    std::fs::remove_dir_all(&w.dir).unwrap();
 }

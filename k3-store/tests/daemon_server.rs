@@ -61,26 +61,21 @@ impl Backend for Fake {
     }
 }
 
-/// Removes the test's directory when dropped.
-struct Dir(std::path::PathBuf);
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 type Started = (
     std::path::PathBuf,
     Arc<AtomicBool>,
     Arc<Mutex<Log>>,
     std::thread::JoinHandle<usize>,
-    Dir,
+    tempfile::TempDir,
 );
 
 fn start(tag: &str) -> Started {
-    let dir = std::env::temp_dir().join(format!("k3-srv-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let sock = dir.join("store.sock");
+    let dir = tempfile::Builder::new()
+        .prefix(&format!("k3-srv-{tag}-"))
+        .tempdir()
+        .unwrap();
+    // The server creates the socket's directory itself.
+    let sock = dir.path().join("run").join("store.sock");
     let listener = k3_store::ipc::bind(&sock).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let log = Arc::new(Mutex::new(Log::default()));
@@ -96,7 +91,7 @@ fn start(tag: &str) -> Started {
         stop.clone(),
     );
     let h = std::thread::spawn(move || server.run());
-    (sock, stop, log, h, Dir(dir))
+    (sock, stop, log, h, dir)
 }
 
 #[test]

@@ -8,27 +8,23 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// A private output directory per test.
-struct Sandbox(PathBuf);
+/// A private output directory per test (removed on drop).
+struct Sandbox(tempfile::TempDir);
 
 impl Sandbox {
     fn new(tag: &str) -> Sandbox {
-        let dir = std::env::temp_dir().join(format!("k3-worker-cli-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        Sandbox(dir)
+        Sandbox(
+            tempfile::Builder::new()
+                .prefix(&format!("k3-worker-cli-{tag}-"))
+                .tempdir()
+                .unwrap(),
+        )
     }
     fn model(&self) -> PathBuf {
         root().join("fixtures/tiny/model")
     }
     fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for Sandbox {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0.path().join(name)
     }
 }
 
@@ -777,7 +773,7 @@ fn widen_vectors(src: &Path, dst: &Path) -> usize {
             if v["dtype"] == "BF16" && is_small_vector(&k) {
                 t = t
                     .chunks_exact(2)
-                    .flat_map(|p| (((u16::from_le_bytes([p[0], p[1]]) as u32) << 16).to_le_bytes()))
+                    .flat_map(|p| ((u16::from_le_bytes([p[0], p[1]]) as u32) << 16).to_le_bytes())
                     .collect();
                 v["dtype"] = "F32".into();
                 widened += 1;

@@ -6,12 +6,17 @@
 //! store writes; workers map the memfd read-only and read a slot only under a lease granted on
 //! the socket.
 //!
-//! The header is plain `#[repr(C)]` data with a compile-time size check. It is encoded and
-//! decoded field by field in little-endian (no transmute), so a worker never trusts the mapping
-//! blindly: [`ShmHeader::decode`] checks magic, layout version, sizes and that every region lies
+//! The header and the slot-table entries are `#[repr(C)]` types without padding, read and
+//! written as bytes through `zerocopy` (its derives prove at compile time that every byte is a
+//! field and any bytes are a valid value), so no code spells a field's offset. Fields are in the
+//! host's byte order: the segment is shared between processes of one machine, never stored or
+//! sent (on the little-endian targets the bytes are those of layout v1's field-by-field
+//! little-endian encoding). A worker never trusts the mapping blindly: [`ShmHeader::decode`]
+//! copies the header out and checks magic, layout version, sizes and that every region lies
 //! inside the mapping without overlapping another.
 
 use serde::{Deserialize, Serialize};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 /// Magic bytes at offset 0.
 pub const SHM_MAGIC: [u8; 8] = *b"K3STORE\0";
@@ -50,7 +55,7 @@ impl RegionKind {
 
 /// One entry of the region table.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct RegionEntry {
     /// [`RegionKind`] as u32.
     pub kind: u32,
@@ -66,9 +71,9 @@ const _: () = assert!(std::mem::size_of::<RegionEntry>() == 24);
 /// One entry of the slot table (written by the store; workers may read it for diagnostics only —
 /// leases, not this table, make a slot safe to read).
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct SlotEntry {
-    /// 0 EMPTY, 1 INFLIGHT, 2 RESIDENT.
+    /// [`SlotEntry::EMPTY`], [`SlotEntry::INFLIGHT`] or [`SlotEntry::RESIDENT`].
     pub state: u32,
     /// Layer of the resident expert.
     pub layer: u32,
@@ -79,9 +84,23 @@ pub struct SlotEntry {
 }
 const _: () = assert!(std::mem::size_of::<SlotEntry>() == 16);
 
+impl SlotEntry {
+    /// `state` of a slot holding nothing.
+    pub const EMPTY: u32 = 0;
+    /// `state` of a slot whose expert is being read.
+    pub const INFLIGHT: u32 = 1;
+    /// `state` of a slot holding a whole expert.
+    pub const RESIDENT: u32 = 2;
+
+    /// Bytes of a slot table with `slots` entries.
+    pub const fn table_bytes(slots: u64) -> u64 {
+        slots * std::mem::size_of::<SlotEntry>() as u64
+    }
+}
+
 /// The header at offset 0 of the mapping.
 #[repr(C)]
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, FromBytes, IntoBytes, Immutable, KnownLayout)]
 pub struct ShmHeader {
     /// [`SHM_MAGIC`].
     pub magic: [u8; 8],
@@ -108,8 +127,10 @@ pub struct ShmHeader {
 }
 
 /// Bytes of the encoded header.
-pub const HEADER_BYTES: usize = 64 + 24 * MAX_REGIONS;
-const _: () = assert!(std::mem::size_of::<ShmHeader>() == HEADER_BYTES);
+pub const HEADER_BYTES: usize = std::mem::size_of::<ShmHeader>();
+// Layout v1: a 64-byte fixed part, then the region table. A change here changes the bytes: bump
+// SHM_LAYOUT_VERSION.
+const _: () = assert!(HEADER_BYTES == 64 + std::mem::size_of::<RegionEntry>() * MAX_REGIONS);
 
 /// Where the first region may start.
 pub const FIRST_REGION_OFFSET: u64 =
@@ -195,55 +216,24 @@ impl ShmHeader {
             .find(|r| r.kind == kind as u32 && r.index == index)
     }
 
-    /// Little-endian encoding, exactly [`HEADER_BYTES`] long.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(HEADER_BYTES);
-        b.extend_from_slice(&self.magic);
-        b.extend_from_slice(&self.layout_version.to_le_bytes());
-        b.extend_from_slice(&self.header_bytes.to_le_bytes());
-        b.extend_from_slice(&self.total_bytes.to_le_bytes());
-        b.extend_from_slice(&self.model_identity.to_le_bytes());
-        b.extend_from_slice(&self.n_regions.to_le_bytes());
-        b.extend_from_slice(&self.slot_count.to_le_bytes());
-        b.extend_from_slice(&self.slot_stride.to_le_bytes());
-        b.extend_from_slice(&self.expert_bytes.to_le_bytes());
-        b.extend_from_slice(&self.reserved.to_le_bytes());
-        for r in &self.regions {
-            b.extend_from_slice(&r.kind.to_le_bytes());
-            b.extend_from_slice(&r.index.to_le_bytes());
-            b.extend_from_slice(&r.offset.to_le_bytes());
-            b.extend_from_slice(&r.len.to_le_bytes());
-        }
-        debug_assert_eq!(b.len(), HEADER_BYTES);
-        b
+    /// The header's bytes as they lie in the mapping, exactly [`HEADER_BYTES`] long.
+    pub fn encode(&self) -> &[u8] {
+        self.as_bytes()
     }
 
     /// Decode and validate a header from the start of a mapping of `bytes.len()` bytes.
     pub fn decode(bytes: &[u8]) -> Result<ShmHeader, ShmError> {
-        if bytes.len() < HEADER_BYTES {
-            return Err(ShmError::TooShort(bytes.len()));
-        }
-        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
-        let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().expect("8 bytes"));
-        let mut magic = [0u8; 8];
-        magic.copy_from_slice(&bytes[..8]);
-        if magic != SHM_MAGIC {
+        let (h, _) =
+            ShmHeader::read_from_prefix(bytes).map_err(|_| ShmError::TooShort(bytes.len()))?;
+        if h.magic != SHM_MAGIC {
             return Err(ShmError::BadMagic);
         }
-        let layout_version = u32_at(8);
-        if layout_version != SHM_LAYOUT_VERSION {
+        if h.layout_version != SHM_LAYOUT_VERSION {
             return Err(ShmError::Version {
-                found: layout_version,
+                found: h.layout_version,
                 expected: SHM_LAYOUT_VERSION,
             });
         }
-        let mut h = ShmHeader::new(u64_at(16), u64_at(24));
-        h.header_bytes = u32_at(12);
-        h.n_regions = u32_at(32);
-        h.slot_count = u32_at(36);
-        h.slot_stride = u64_at(40);
-        h.expert_bytes = u64_at(48);
-        h.reserved = u64_at(56);
         if h.header_bytes as usize != HEADER_BYTES {
             return Err(ShmError::Inconsistent(format!(
                 "header is {} bytes, expected {HEADER_BYTES}",
@@ -262,15 +252,6 @@ impl ShmHeader {
                 "{} regions (max {MAX_REGIONS})",
                 h.n_regions
             )));
-        }
-        for i in 0..MAX_REGIONS {
-            let o = 64 + 24 * i;
-            h.regions[i] = RegionEntry {
-                kind: u32_at(o),
-                index: u32_at(o + 4),
-                offset: u64_at(o + 8),
-                len: u64_at(o + 16),
-            };
         }
         h.validate()?;
         Ok(h)
@@ -305,7 +286,9 @@ impl ShmHeader {
                     ));
                 }
             }
-            if kind == RegionKind::SlotTable && r.len < 16 * self.slot_count as u64 {
+            if kind == RegionKind::SlotTable
+                && r.len < SlotEntry::table_bytes(self.slot_count.into())
+            {
                 return bad("slot table shorter than the slot count".into());
             }
             spans.push((r.offset, end));
@@ -343,6 +326,7 @@ pub fn model_identity(config_bytes: &[u8], shards: &[(String, u64)]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::mem::{offset_of, size_of};
 
     fn sample() -> ShmHeader {
         let total = FIRST_REGION_OFFSET + 3 * REGION_ALIGN + 2 * 8192 + 4096;
@@ -362,10 +346,170 @@ mod tests {
         h
     }
 
+    /// `h` as the store lays it in a mapping of `h.total_bytes`.
+    fn full(h: &ShmHeader) -> Vec<u8> {
+        let mut b = vec![0u8; h.total_bytes as usize];
+        h.write_to_prefix(&mut b).unwrap();
+        b
+    }
+
+    /// Overwrite the field at `offset` of an encoded header with `v`.
+    fn put<T: IntoBytes + Immutable>(b: &mut [u8], offset: usize, v: T) {
+        let bytes = v.as_bytes();
+        b[offset..offset + bytes.len()].copy_from_slice(bytes);
+    }
+
+    /// Byte offset of region `i`'s field at `field` (an `offset_of!` within [`RegionEntry`]).
+    fn region_field(i: usize, field: usize) -> usize {
+        offset_of!(ShmHeader, regions) + i * size_of::<RegionEntry>() + field
+    }
+
+    #[test]
+    fn header_written_into_a_mapping_round_trips_and_each_corrupted_field_is_refused() {
+        let h = sample();
+        let b = full(&h);
+        assert_eq!(&b[..HEADER_BYTES], h.encode());
+        let back = ShmHeader::decode(&b).unwrap();
+        assert_eq!(back, h);
+        assert_eq!(back.regions().len(), 4);
+        assert_eq!(back.slot_stride, 8192);
+        assert_eq!(back.model_identity, 42);
+
+        let refused = |offset: usize, patch: &dyn Fn(&mut Vec<u8>, usize)| {
+            let mut c = b.clone();
+            patch(&mut c, offset);
+            ShmHeader::decode(&c).expect_err("corrupted header accepted")
+        };
+        let bad_magic = refused(offset_of!(ShmHeader, magic), &|c, o| c[o + 7] = b'!');
+        assert_eq!(bad_magic, ShmError::BadMagic);
+        let version = refused(offset_of!(ShmHeader, layout_version), &|c, o| {
+            put(c, o, SHM_LAYOUT_VERSION + 1)
+        });
+        assert_eq!(
+            version,
+            ShmError::Version {
+                found: SHM_LAYOUT_VERSION + 1,
+                expected: SHM_LAYOUT_VERSION
+            }
+        );
+        let inconsistent = |e: ShmError, what: &str| match e {
+            ShmError::Inconsistent(m) => assert!(m.contains(what), "{what}: got {m}"),
+            other => panic!("{what}: got {other:?}"),
+        };
+        inconsistent(
+            refused(offset_of!(ShmHeader, header_bytes), &|c, o| {
+                put(c, o, HEADER_BYTES as u32 - 8)
+            }),
+            "header is",
+        );
+        inconsistent(
+            refused(offset_of!(ShmHeader, total_bytes), &|c, o| {
+                put(c, o, h.total_bytes + 4096)
+            }),
+            "mapping has",
+        );
+        inconsistent(
+            refused(offset_of!(ShmHeader, n_regions), &|c, o| {
+                put(c, o, MAX_REGIONS as u32 + 1)
+            }),
+            "regions (max",
+        );
+        // One more region in use: the zero entry after the last is not a known kind.
+        inconsistent(
+            refused(offset_of!(ShmHeader, n_regions), &|c, o| put(c, o, 5u32)),
+            "unknown kind",
+        );
+        inconsistent(
+            refused(offset_of!(ShmHeader, slot_stride), &|c, o| {
+                put(c, o, 4096u64)
+            }),
+            "cannot hold",
+        );
+        inconsistent(
+            refused(offset_of!(ShmHeader, slot_count), &|c, o| put(c, o, 3u32)),
+            "cannot hold",
+        );
+        inconsistent(
+            refused(region_field(2, offset_of!(RegionEntry, kind)), &|c, o| {
+                put(c, o, 99u32)
+            }),
+            "unknown kind 99",
+        );
+        inconsistent(
+            refused(region_field(1, offset_of!(RegionEntry, offset)), &|c, o| {
+                put(c, o, FIRST_REGION_OFFSET + 1)
+            }),
+            "unaligned",
+        );
+        inconsistent(
+            refused(region_field(1, offset_of!(RegionEntry, offset)), &|c, o| {
+                put(c, o, FIRST_REGION_OFFSET)
+            }),
+            "overlap",
+        );
+        inconsistent(
+            refused(region_field(3, offset_of!(RegionEntry, len)), &|c, o| {
+                put(c, o, 8u64)
+            }),
+            "slot table shorter",
+        );
+        inconsistent(
+            refused(region_field(3, offset_of!(RegionEntry, len)), &|c, o| {
+                put(c, o, h.total_bytes)
+            }),
+            "past",
+        );
+    }
+
+    /// The byte layout of v1, pinned: a change here is a layout change (bump
+    /// [`SHM_LAYOUT_VERSION`]) that workers of the previous build must refuse.
+    #[test]
+    fn layout_v1_is_pinned() {
+        let fields = [
+            (offset_of!(ShmHeader, magic), 0),
+            (offset_of!(ShmHeader, layout_version), 8),
+            (offset_of!(ShmHeader, header_bytes), 12),
+            (offset_of!(ShmHeader, total_bytes), 16),
+            (offset_of!(ShmHeader, model_identity), 24),
+            (offset_of!(ShmHeader, n_regions), 32),
+            (offset_of!(ShmHeader, slot_count), 36),
+            (offset_of!(ShmHeader, slot_stride), 40),
+            (offset_of!(ShmHeader, expert_bytes), 48),
+            (offset_of!(ShmHeader, reserved), 56),
+            (offset_of!(ShmHeader, regions), 64),
+            (offset_of!(RegionEntry, kind), 0),
+            (offset_of!(RegionEntry, index), 4),
+            (offset_of!(RegionEntry, offset), 8),
+            (offset_of!(RegionEntry, len), 16),
+            (offset_of!(SlotEntry, state), 0),
+            (offset_of!(SlotEntry, layer), 4),
+            (offset_of!(SlotEntry, expert), 8),
+            (offset_of!(SlotEntry, leases), 12),
+        ];
+        for (i, (got, want)) in fields.iter().enumerate() {
+            assert_eq!(got, want, "field {i} moved");
+        }
+        assert_eq!(SHM_LAYOUT_VERSION, 1);
+        assert_eq!(HEADER_BYTES, 6208);
+        let e = SlotEntry {
+            state: SlotEntry::RESIDENT,
+            layer: 3,
+            expert: 0x0102_0304,
+            leases: 7,
+        };
+        let mut want = Vec::new();
+        for v in [2u32, 3, 0x0102_0304, 7] {
+            want.extend_from_slice(&v.to_ne_bytes());
+        }
+        assert_eq!(e.as_bytes(), &want[..]);
+        assert_eq!(SlotEntry::read_from_bytes(&want).unwrap(), e);
+        assert_eq!(SlotEntry::table_bytes(3), 48);
+    }
+
     #[test]
     fn header_round_trips() {
         let h = sample();
-        let mut bytes = h.encode();
+        let mut bytes = h.encode().to_vec();
         bytes.resize(h.total_bytes as usize, 0);
         let back = ShmHeader::decode(&bytes).unwrap();
         assert_eq!(back, h);
@@ -379,16 +523,11 @@ mod tests {
     #[test]
     fn corrupt_headers_are_refused() {
         let h = sample();
-        let full = |h: &ShmHeader| {
-            let mut b = h.encode();
-            b.resize(h.total_bytes as usize, 0);
-            b
-        };
         let mut b = full(&h);
-        b[0] = b'X';
+        b[offset_of!(ShmHeader, magic)] = b'X';
         assert_eq!(ShmHeader::decode(&b), Err(ShmError::BadMagic));
         let mut b = full(&h);
-        b[8] = 9;
+        put(&mut b, offset_of!(ShmHeader, layout_version), 9u32);
         assert!(matches!(
             ShmHeader::decode(&b),
             Err(ShmError::Version { found: 9, .. })

@@ -518,15 +518,14 @@ fn with_layers_truncates_the_map() {
 
 #[test]
 fn load_reads_a_file_and_names_a_missing_one() {
-    let dir = std::env::temp_dir().join(format!("k3-proto-config-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
     let p = dir.join("config.json");
     std::fs::write(&p, RELEASED).unwrap();
     assert_eq!(ModelConfig::load(&p).unwrap().num_hidden_layers, 93);
     let missing = dir.join("nope.json");
     let e = ModelConfig::load(&missing).unwrap_err();
     assert!(e.to_string().contains("nope.json"), "{e}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -1,9 +1,9 @@
 """Token-for-token parity of `k3-ctl tokenize` with the `tiktoken` package configured like
 Moonshot's `tokenization_kimi.py` (scripts/tok_parity.py), plus byte-exact decode round trips.
 
-Runs the built binary `target/debug/k3-ctl` (override with the K3_CTL environment variable);
-`scripts/test.sh` builds it first. Inputs are passed through files so that bytes are exact and
-large inputs do not hit argument-length limits.
+Runs the `k3-ctl` that `cargo build` produces for this test run (built once per session, so an
+edited source is what gets tested; override with the K3_CTL environment variable). Inputs are
+passed through files so that bytes are exact and large inputs do not hit argument-length limits.
 """
 import json
 import os
@@ -21,13 +21,25 @@ CORPUS = Path(__file__).resolve().parent / "tok_corpus.json"
 
 
 def k3ctl_path():
-    p = Path(os.environ.get("K3_CTL", ROOT / "target" / "debug" / "k3-ctl"))
-    if not p.is_file():
-        pytest.fail(
-            f"k3-ctl binary not found at {p}: build it first (`cargo build -p k3-ctl`, or run "
-            "scripts/test.sh which builds every binary), or point K3_CTL at it"
-        )
-    return p
+    if "K3_CTL" in os.environ:
+        p = Path(os.environ["K3_CTL"])
+        if not p.is_file():
+            pytest.fail(f"K3_CTL={p} is not a file")
+        return p
+    # Build it now and take the path Cargo reports, never whatever sits under target/.
+    r = subprocess.run(
+        [os.environ.get("CARGO", "cargo"), "build", "-p", "k3-ctl", "--bin", "k3-ctl",
+         "--message-format=json-render-diagnostics"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    if r.returncode != 0:
+        pytest.fail(f"cargo build -p k3-ctl failed ({r.returncode}):\n{r.stderr}")
+    for line in r.stdout.splitlines():
+        msg = json.loads(line)
+        if (msg.get("reason") == "compiler-artifact" and msg.get("executable")
+                and msg["target"]["name"] == "k3-ctl"):
+            return Path(msg["executable"])
+    pytest.fail(f"cargo build reported no k3-ctl executable:\n{r.stderr}")
 
 
 @pytest.fixture(scope="module")

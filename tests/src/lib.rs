@@ -2,9 +2,11 @@
 //! a [`Sandbox`] per test (own directory, socket and store), spawned processes that are killed if
 //! a test fails, and bounded polling for conditions set by other processes.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The workspace root (the directory holding the top-level `Cargo.toml`).
@@ -20,23 +22,56 @@ pub fn fixture(rel: &str) -> PathBuf {
     workspace_root().join("fixtures").join(rel)
 }
 
-/// The path of a workspace binary (`k3-ctl`, `k3-worker`, `k3-store`) built into the same
-/// target directory as this test executable. The test command (`scripts/test.sh`) builds every
-/// binary before running the tests.
+/// The workspace binaries the end-to-end tests run, with the package that builds each.
+const BINARIES: [(&str, &str); 3] = [
+    ("k3-store", "k3-store"),
+    ("k3-worker", "k3-worker"),
+    ("k3-ctl", "k3-ctl"),
+];
+
+/// The path of a workspace binary (`k3-ctl`, `k3-worker`, `k3-store`) that Cargo built for this
+/// test run. The first call in a test process runs `cargo build --bins` for the three packages,
+/// in the profile this test was built in (through `escargot`, with the `cargo` that runs the
+/// tests), and remembers where Cargo put each executable; so editing a binary's source and
+/// running `cargo test -p k3-tests` tests the edited binary, never a stale one under `target/`.
+/// A build failure fails the test with Cargo's output.
 pub fn bin(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    // target/<profile>/deps/<test-binary> -> target/<profile>/<name>
-    let dir = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("test binary lives in target/<profile>/deps");
-    let p = dir.join(name);
-    assert!(
-        p.exists(),
-        "{} not built; run `cargo build --workspace --bins` first (scripts/test.sh does)",
-        p.display()
-    );
-    p
+    static BUILT: OnceLock<Result<BTreeMap<String, PathBuf>, String>> = OnceLock::new();
+    let built = BUILT
+        .get_or_init(build_binaries)
+        .as_ref()
+        .unwrap_or_else(|e| panic!("building the workspace binaries failed:\n{e}"));
+    built
+        .get(name)
+        .unwrap_or_else(|| panic!("{name} is not one of the binaries built: {built:?}"))
+        .clone()
+}
+
+fn build_binaries() -> Result<BTreeMap<String, PathBuf>, String> {
+    let mut build = escargot::CargoBuild::new()
+        .manifest_path(workspace_root().join("Cargo.toml"))
+        .current_release()
+        .bins();
+    for (_, package) in BINARIES {
+        build = build.package(package);
+    }
+    let mut built = BTreeMap::new();
+    for msg in build.exec().map_err(|e| e.to_string())? {
+        let msg = msg.map_err(|e| e.to_string())?;
+        if let Ok(escargot::format::Message::CompilerArtifact(a)) = msg.decode() {
+            if let Some(exe) = a.executable {
+                built.insert(a.target.name.to_string(), exe.into_owned());
+            }
+        }
+    }
+    for (name, _) in BINARIES {
+        if !built.contains_key(name) {
+            return Err(format!(
+                "cargo reported no executable for {name}: {built:?}"
+            ));
+        }
+    }
+    Ok(built)
 }
 
 /// The bundled tiny checkpoint.
@@ -169,6 +204,8 @@ fn unique() -> usize {
 pub struct Sandbox {
     /// The temporary directory (removed on drop).
     pub dir: PathBuf,
+    /// Owns `dir`: removes it when the sandbox (after stopping its store) is dropped.
+    _tmp: tempfile::TempDir,
     /// The socket path this sandbox's store listens on.
     pub socket: PathBuf,
     store_pid: Option<u32>,
@@ -198,18 +235,15 @@ impl Run {
 impl Sandbox {
     /// A fresh sandbox named after the test.
     pub fn new(tag: &str) -> Sandbox {
-        let dir = std::env::temp_dir().join(format!(
-            "k3-e2e-{tag}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0)
-        ));
-        std::fs::create_dir_all(&dir).expect("create sandbox dir");
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!("k3-e2e-{tag}-"))
+            .tempdir()
+            .expect("create sandbox dir");
+        let dir = tmp.path().to_path_buf();
         let socket = dir.join("run").join("store.sock");
         Sandbox {
             dir,
+            _tmp: tmp,
             socket,
             store_pid: None,
         }
@@ -389,7 +423,6 @@ impl Drop for Sandbox {
             if std::thread::panicking() {
                 // A failing test: do not risk a second panic (an abort); just kill the store.
                 let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-                let _ = std::fs::remove_dir_all(&self.dir);
                 return;
             }
             let stopped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -401,6 +434,5 @@ impl Drop for Sandbox {
                     .status();
             }
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

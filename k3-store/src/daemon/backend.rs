@@ -18,10 +18,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k3_proto::names::MODEL_TENSORS;
-use k3_proto::shm::{RegionKind, ShmHeader, FIRST_REGION_OFFSET};
+use k3_proto::shm::{RegionKind, ShmHeader, SlotEntry, FIRST_REGION_OFFSET};
 use k3_proto::wire::{
     ClientKind, Counters, JobStats, Response, SlotAnswer, StatsReport, StatusReport,
 };
+use zerocopy::IntoBytes;
 
 use super::{Backend, ConnId};
 use crate::catalog::Catalog;
@@ -126,7 +127,7 @@ fn segment_layout(cat: &Catalog, trunk: &TrunkLayout, pinned: usize, slots: usiz
     let stride = ExpertReader::slot_stride(&cat.expert_layout()) as u64;
     let arena = (at, stride * slots as u64);
     at += arena.1;
-    let slot_table = (at, up(16 * slots as u64));
+    let slot_table = (at, up(SlotEntry::table_bytes(slots as u64)));
     at += slot_table.1;
     SegLayout {
         model,
@@ -213,7 +214,7 @@ impl StoreBackend {
             .map_err(|e| e.to_string())?;
         header.validate().map_err(|e| e.to_string())?;
         let enc = header.encode();
-        seg.bytes_mut()[..enc.len()].copy_from_slice(&enc);
+        seg.bytes_mut()[..enc.len()].copy_from_slice(enc);
         let (a0, alen) = (lay.arena.0 as usize, lay.arena.1 as usize);
         // SAFETY: the arena region lies inside the segment, which `StoreBackend` owns for as
         // long as the arena is used and never touches through `bytes_mut` after this point; only
@@ -262,21 +263,26 @@ impl StoreBackend {
     /// Mirror one slot's state into the shared slot table (diagnostics for readers).
     fn write_slot_entry(&self, table: &SlotTable, slot: usize) {
         let (state, layer, expert) = match table.state(slot) {
-            SlotState::Empty => (0u32, 0u32, 0u32),
-            SlotState::Inflight { layer, expert } => (1, layer, expert),
-            SlotState::Resident { layer, expert } => (2, layer, expert),
+            SlotState::Empty => (SlotEntry::EMPTY, 0, 0),
+            SlotState::Inflight { layer, expert } => (SlotEntry::INFLIGHT, layer, expert),
+            SlotState::Resident { layer, expert } => (SlotEntry::RESIDENT, layer, expert),
         };
-        let mut e = [0u8; 16];
-        e[0..4].copy_from_slice(&state.to_le_bytes());
-        e[4..8].copy_from_slice(&layer.to_le_bytes());
-        e[8..12].copy_from_slice(&expert.to_le_bytes());
-        e[12..16].copy_from_slice(&table.leases(slot).to_le_bytes());
-        // SAFETY: the slot table region holds 16 bytes per slot inside the mapping.
-        let dst = unsafe { self.base.0.add(self.slot_table_off + 16 * slot) };
-        // SAFETY: 16 bytes at `dst` are inside the mapping and not referenced elsewhere in this
-        // process; entries are only written under the slots' lock (the borrowed `table` lives
-        // behind it).
-        unsafe { std::ptr::copy_nonoverlapping(e.as_ptr(), dst, 16) };
+        let entry = SlotEntry {
+            state,
+            layer,
+            expert,
+            leases: table.leases(slot),
+        };
+        let bytes = entry.as_bytes();
+        assert!(slot < self.slots(), "slot {slot} outside the slot table");
+        // SAFETY: the slot table region, laid out by `segment_layout` for `self.slots()` entries,
+        // holds `SlotEntry::table_bytes(slots)` bytes inside the mapping, so entry `slot` starts
+        // inside it.
+        let dst = unsafe { self.base.0.add(self.slot_table_off + slot * bytes.len()) };
+        // SAFETY: the entry's bytes at `dst` are inside the mapping and not referenced elsewhere
+        // in this process; entries are only written under the slots' lock (the borrowed `table`
+        // lives behind it). A byte copy needs no alignment.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
     }
 
     /// Pinned layers held in shared memory.

@@ -179,30 +179,13 @@ enum Class {
     Expert(usize, usize, ExpertPart),
 }
 
-/// A written checkpoint. Dropping it removes its directory (also when a test panics).
+/// A written checkpoint. One from [`write`] owns its temporary directory: dropping it removes
+/// the directory (also when a test panics).
 pub struct Written {
     pub dir: PathBuf,
     pub catalog: Catalog,
     pub spec: Spec,
-}
-
-impl Drop for Written {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-pub fn tmpdir(tag: &str) -> PathBuf {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    static N: AtomicUsize = AtomicUsize::new(0);
-    let d = std::env::temp_dir().join(format!(
-        "k3store-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    _tmp: Option<tempfile::TempDir>,
 }
 
 fn write_shard(path: &Path, entries: &[Entry]) -> Vec<u64> {
@@ -235,8 +218,13 @@ fn write_shard(path: &Path, entries: &[Entry]) -> Vec<u64> {
 
 /// Write the checkpoint described by `spec` into a fresh temp dir.
 pub fn write(spec: &Spec, tag: &str) -> Written {
-    let dir = tmpdir(tag);
-    write_into(spec, &dir)
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("k3store-{tag}-"))
+        .tempdir()
+        .unwrap();
+    let mut w = write_into(spec, tmp.path());
+    w._tmp = Some(tmp);
+    w
 }
 
 pub fn write_into(spec: &Spec, dir: &Path) -> Written {
@@ -358,6 +346,7 @@ pub fn write_into(spec: &Spec, dir: &Path) -> Written {
         dir: dir.to_path_buf(),
         catalog: cat.finish().unwrap(),
         spec: spec.clone(),
+        _tmp: None,
     }
 }
 

@@ -203,7 +203,7 @@ impl<'s> Model<'s> {
             );
         }
 
-        for l in 0..d.n_layers {
+        for (l, slot) in bound.iter_mut().enumerate().take(d.n_layers) {
             let run = source.layer(l)?;
             if run.layer != l {
                 return Err(ModelError::Config(format!(
@@ -214,11 +214,11 @@ impl<'s> Model<'s> {
             if l + 1 < d.n_layers {
                 source.prefetch_layer(l + 1);
             }
-            if bound[l].is_none() {
-                bound[l] = Some(BoundLayer::bind(d, &run, shapes)?);
+            if slot.is_none() {
+                *slot = Some(BoundLayer::bind(d, &run, shapes)?);
                 *binds += 1;
             }
-            let lw = bound[l].as_ref().expect("bound just above").weights(&run)?;
+            let lw = slot.as_ref().expect("bound just above").weights(&run)?;
 
             // Attention side.
             let x = if banked == 0 {
@@ -340,7 +340,6 @@ impl<'s> Model<'s> {
             };
             tap(l, "mlp_out", &m);
             pend.iter_mut().zip(&m).for_each(|(pv, mv)| *pv += mv);
-            drop(lw);
             drop(run);
         }
 

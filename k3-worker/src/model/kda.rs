@@ -109,7 +109,7 @@ impl KdaWeights<'_> {
                         let b = beta[t * h_n + h];
                         recurrence_step(s, dh, al, &kh, vh, b, &qh, &mut u, &mut o);
                         let y = &mut out[t * dh..(t + 1) * dh];
-                        kernels::rms_norm(&o, &self.o_norm, d.rms_eps, y);
+                        kernels::rms_norm(&o, self.o_norm, d.rms_eps, y);
                         for (yv, g) in y.iter_mut().zip(&gate[base..base + dh]) {
                             *yv *= g;
                         }

@@ -49,7 +49,7 @@ impl MlaWeights<'_> {
 
         // Queries.
         let qa = linear(self.q_a, d.q_lora, e, x, n);
-        let qa = rms_norm_rows(&qa, &self.q_a_norm, d.mla_norm_eps);
+        let qa = rms_norm_rows(&qa, self.q_a_norm, d.mla_norm_eps);
         let q = linear(self.q_b, hn * qw, d.q_lora, &qa, n);
 
         // Keys/values: append [c | kr] of the new positions to the latent cache.
@@ -58,7 +58,7 @@ impl MlaWeights<'_> {
         let mut c = vec![0.0f32; kl];
         for t in 0..n {
             let row = &ckv[t * lw..(t + 1) * lw];
-            kernels::rms_norm(&row[..kl], &self.kv_a_norm, d.mla_norm_eps, &mut c);
+            kernels::rms_norm(&row[..kl], self.kv_a_norm, d.mla_norm_eps, &mut c);
             cache.rows.extend_from_slice(&c);
             cache.rows.extend_from_slice(&row[kl..]);
         }

@@ -100,7 +100,7 @@ impl MoeWeights<'_> {
         let mut w = Vec::with_capacity(n * k);
         for t in 0..n {
             let s = &logits[t * ne..(t + 1) * ne];
-            let chosen = select_top_k(s, &self.bias, k);
+            let chosen = select_top_k(s, self.bias, k);
             let mut ws: Vec<f32> = chosen.iter().map(|&i| s[i as usize]).collect();
             if d.renormalize {
                 let sum: f32 = ws.iter().sum::<f32>() + 1e-20;
