@@ -23,6 +23,14 @@
 //! the layer in use is released. While it waits the reader serves nothing else, so a consumer
 //! that keeps the layer and asks for another gets the "layers in use" error after the timeout.
 //!
+//! **Integrity.** Every layer read from a packed trunk is checked against the XXH3-64 checksum
+//! `trunk.json` records ([`TrunkLayout::verify_run`]): pinned layers when loaded (a mismatch
+//! fails the start: the caller refuses, exit 2), streamed layers after every ring read unless
+//! the environment sets `K3_TRUNK_VERIFY=0` (a mismatch fails that layer's read like an I/O
+//! error: the worker stops with an error, never with other weights). Checking a streamed read
+//! costs about 3% of reading it from a fast NVMe disk (docs/RELIABILITY.md, "Trunk integrity"),
+//! and it runs on the reader thread, off the compute path, so it is on by default.
+//!
 //! **The one-slot hazard** (MODEL.md I38): an extent is rewritten only when no [`Region`] points
 //! into it. The regions of a layer share one lease; the reader claims a range only while no live
 //! lease overlaps it (checked under the ring's lock, where leases are also created), so the layer
@@ -82,6 +90,23 @@ pub struct StreamStats {
     /// Bytes of layers read into the part of their extent that was free while the rest was
     /// still in use by the layer being computed (the rest is read once it is released).
     pub early_bytes: u64,
+    /// Seconds the reader spent checking streamed layers against their checksums.
+    pub verify_seconds: f64,
+}
+
+/// Environment variable that turns off checking streamed trunk reads (`0`, `off`, `false`, `no`).
+pub const VERIFY_ENV: &str = "K3_TRUNK_VERIFY";
+
+/// Whether streamed reads are checked against their checksums: yes unless [`VERIFY_ENV`] says
+/// otherwise.
+pub fn verify_streamed_reads() -> bool {
+    match std::env::var(VERIFY_ENV) {
+        Ok(v) => !matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "off" | "false" | "no"
+        ),
+        Err(_) => true,
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -135,6 +160,8 @@ struct Shared {
     mem: Arc<ArenaMem>,
     /// First streamed layer.
     first: usize,
+    /// Check each ring read against the layer's checksum.
+    verify: bool,
 }
 
 impl Shared {
@@ -240,6 +267,8 @@ impl TrunkStream {
                 let mut buf =
                     AlignedBuf::zeroed(layout.buf_len(l) as usize).map_err(SourceError::Io)?;
                 let inner = layout.read_layer(l, buf.as_mut_slice())?;
+                let run = &buf.as_slice()[inner..inner + plan.run_len as usize];
+                layout.verify_run(l, run).map_err(SourceError::Invalid)?;
                 let owner: Arc<dyn ByteOwner> = Arc::new(buf);
                 let region = Region::new(owner, inner, plan.run_len as usize)
                     .ok_or_else(|| SourceError::Io(format!("layer {l}: run outside its buffer")))?;
@@ -335,6 +364,7 @@ impl TrunkStream {
             layout,
             mem: Arc::new(mem),
             first,
+            verify: verify_streamed_reads(),
         });
         let thread = if ring > 0 {
             let s = shared.clone();
@@ -721,6 +751,30 @@ fn reader(sh: &Shared) {
             secs += t1.elapsed().as_secs_f64();
             g = sh.lock();
         }
+        if sh.verify {
+            if let Ok(inner) = res {
+                // Checked without the lock (the extent is ours while Filling and `reading` is
+                // set), so the consumer is not held up by the hash.
+                drop(g);
+                let t1 = Instant::now();
+                let run_len = sh.layout.plan(l).map(|p| p.run_len).unwrap_or(0);
+                res = match (inner as u64).checked_add(run_len) {
+                    Some(end) if end <= len => {
+                        // SAFETY: [off+inner, off+end) lies inside this layer's extent
+                        // [off, off+len), which is in the arena; the extent is still Filling
+                        // (claimed by this thread, never leased, so no RingLease and no other
+                        // claim can point into it) and its last write (above) has returned.
+                        let run = unsafe { sh.mem.range(off as usize + inner, run_len as usize) };
+                        sh.layout.verify_run(l, run).map(|()| inner)
+                    }
+                    _ => Err(format!("trunk layer {l}: run outside its extent")),
+                };
+                let dt = t1.elapsed().as_secs_f64();
+                g = sh.lock();
+                g.stats.verify_seconds += dt;
+                secs += dt;
+            }
+        }
         let ok = res.is_ok();
         g.reading = false;
         if let Some(e) = g.extents.iter_mut().find(|e| e.layer == l && e.off == off) {
@@ -1058,6 +1112,49 @@ mod tests {
         verify(&spec, &again);
         drop((run0, again));
         verify(&spec, &s.layer(1).unwrap());
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    /// A byte flipped in `trunk.bin` after the trunk was opened: a pinned layer fails the start,
+    /// a streamed one fails its read (every time it is asked for), the other layers are served.
+    #[test]
+    fn a_damaged_layer_is_refused_pinned_and_fails_streamed() {
+        let spec = Spec::small(3, 2);
+        let w = fixture::write(&spec, "sflip");
+        let layout = packed_layout(&w);
+        let json: crate::trunk::TrunkJson = serde_json::from_str(
+            &std::fs::read_to_string(w.dir.join("packed").join("trunk.json")).unwrap(),
+        )
+        .unwrap();
+        let at = json.layers[1].file_off + 7;
+        {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(w.dir.join("packed").join(crate::trunk::TRUNK_BIN))
+                .unwrap();
+            f.write_all_at(&[0xa5, 0x5a, 0xa5], at).unwrap();
+        }
+        let opts = StreamOptions {
+            pinned: 2,
+            ring_bytes: TrunkStream::min_ring_bytes(&layout, 2),
+            demand_timeout: Duration::from_secs(5),
+        };
+        let e = TrunkStream::new(layout.clone(), &opts, &mut |_, _| {}).unwrap_err();
+        assert!(
+            matches!(&e, SourceError::Invalid(m) if m.contains("trunk layer 1")),
+            "{e}"
+        );
+        let min = TrunkStream::min_ring_bytes(&layout, 0);
+        for ring in [min, 3 * min] {
+            let s = stream(layout.clone(), 0, ring, 5000);
+            verify(&spec, &s.layer(0).unwrap());
+            let e = s.layer(1).unwrap_err().to_string();
+            assert!(e.contains("trunk layer 1") && e.contains("checksum"), "{e}");
+            verify(&spec, &s.layer(2).unwrap());
+            assert!(s.layer(1).is_err());
+            assert!(s.stats().verify_seconds > 0.0);
+        }
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 
