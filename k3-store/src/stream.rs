@@ -26,10 +26,12 @@
 //! **Integrity.** Every layer read from a packed trunk is checked against the XXH3-64 checksum
 //! `trunk.json` records ([`TrunkLayout::verify_run`]): pinned layers when loaded (a mismatch
 //! fails the start: the caller refuses, exit 2), streamed layers after every ring read unless
-//! the environment sets `K3_TRUNK_VERIFY=0` (a mismatch fails that layer's read like an I/O
-//! error: the worker stops with an error, never with other weights). Checking a streamed read
-//! costs about 3% of reading it from a fast NVMe disk (docs/RELIABILITY.md, "Trunk integrity"),
-//! and it runs on the reader thread, off the compute path, so it is on by default.
+//! on their first read in the process ([`VerifyMode`], `K3_TRUNK_VERIFY=first|every|off`). A
+//! mismatch fails that layer's read like an I/O error: the worker stops with an error, never
+//! computes with other weights. Checking one read costs about a fifth of its read time in CPU
+//! (XXH3 at ~11.5 GB/s of one core against ~2.1 GB/s of disk here; docs/RELIABILITY.md, "Trunk
+//! integrity"), too much for every read of every token by default; once per layer per process
+//! it is under 1% of the streamed reads of a 20-token run.
 //!
 //! **The one-slot hazard** (MODEL.md I38): an extent is rewritten only when no [`Region`] points
 //! into it. The regions of a layer share one lease; the reader claims a range only while no live
@@ -94,18 +96,39 @@ pub struct StreamStats {
     pub verify_seconds: f64,
 }
 
-/// Environment variable that turns off checking streamed trunk reads (`0`, `off`, `false`, `no`).
+/// Environment variable choosing which streamed trunk reads are checked against their checksums
+/// ([`VerifyMode`]): `first` (the default), `every`, or `0`/`off`.
 pub const VERIFY_ENV: &str = "K3_TRUNK_VERIFY";
 
-/// Whether streamed reads are checked against their checksums: yes unless [`VERIFY_ENV`] says
-/// otherwise.
-pub fn verify_streamed_reads() -> bool {
-    match std::env::var(VERIFY_ENV) {
-        Ok(v) => !matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "0" | "off" | "false" | "no"
-        ),
-        Err(_) => true,
+/// Which ring reads are checked against the layer's checksum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerifyMode {
+    /// None (`K3_TRUNK_VERIFY=0`).
+    Off,
+    /// The first read of each layer in this process (the default): damage at rest — flipped
+    /// bits, a `trunk.bin` from another pack — is caught before the layer's bytes are first
+    /// used, at one check per layer per process. (The file is open, and packing never rewrites
+    /// a trunk in place, so later reads return the same bytes unless the disk fails them.)
+    First,
+    /// Every read (`K3_TRUNK_VERIFY=every`): also catches bytes that change while the file is
+    /// open, at a CPU cost of about a fifth of the read time (docs/RELIABILITY.md).
+    Every,
+}
+
+impl VerifyMode {
+    /// The mode [`VERIFY_ENV`] selects; `Err` names a value it does not know.
+    pub fn from_env() -> Result<VerifyMode, String> {
+        match std::env::var(VERIFY_ENV) {
+            Err(_) => Ok(VerifyMode::First),
+            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "" | "1" | "first" | "on" | "yes" => Ok(VerifyMode::First),
+                "every" | "all" => Ok(VerifyMode::Every),
+                "0" | "off" | "no" | "false" => Ok(VerifyMode::Off),
+                other => Err(format!(
+                    "{VERIFY_ENV}={other:?}: expected first (the default), every or off"
+                )),
+            },
+        }
     }
 }
 
@@ -151,6 +174,8 @@ struct State {
     reading: bool,
     shutdown: bool,
     stats: StreamStats,
+    /// Layers whose checksum a ring read has matched (for [`VerifyMode::First`]).
+    verified: Vec<bool>,
 }
 
 struct Shared {
@@ -160,8 +185,8 @@ struct Shared {
     mem: Arc<ArenaMem>,
     /// First streamed layer.
     first: usize,
-    /// Check each ring read against the layer's checksum.
-    verify: bool,
+    /// Which ring reads are checked against the layer's checksum.
+    verify: VerifyMode,
 }
 
 impl Shared {
@@ -349,6 +374,7 @@ impl TrunkStream {
         };
         stats.ring_bytes = ring;
         stats.largest_layer_bytes = if first < n { largest } else { 0 };
+        let verify = VerifyMode::from_env().map_err(SourceError::Invalid)?;
         let mem = ArenaMem::new(ring as usize).map_err(SourceError::Io)?;
         let shared = Arc::new(Shared {
             st: Mutex::new(State {
@@ -359,12 +385,13 @@ impl TrunkStream {
                 reading: false,
                 shutdown: false,
                 stats,
+                verified: vec![false; n],
             }),
             cv: Condvar::new(),
             layout,
             mem: Arc::new(mem),
             first,
-            verify: verify_streamed_reads(),
+            verify,
         });
         let thread = if ring > 0 {
             let s = shared.clone();
@@ -751,7 +778,12 @@ fn reader(sh: &Shared) {
             secs += t1.elapsed().as_secs_f64();
             g = sh.lock();
         }
-        if sh.verify {
+        let check = match sh.verify {
+            VerifyMode::Off => false,
+            VerifyMode::First => !g.verified.get(l).copied().unwrap_or(false),
+            VerifyMode::Every => true,
+        };
+        if check {
             if let Ok(inner) = res {
                 // Checked without the lock (the extent is ours while Filling and `reading` is
                 // set), so the consumer is not held up by the hash.
@@ -772,6 +804,11 @@ fn reader(sh: &Shared) {
                 let dt = t1.elapsed().as_secs_f64();
                 g = sh.lock();
                 g.stats.verify_seconds += dt;
+                if res.is_ok() {
+                    if let Some(v) = g.verified.get_mut(l) {
+                        *v = true;
+                    }
+                }
                 secs += dt;
             }
         }
