@@ -651,8 +651,13 @@ impl TrunkLayout {
             )));
         }
         let mut layers = Vec::with_capacity(cat.n_layers());
-        for l in 0..cat.n_layers() {
-            let jl = &json.layers[l];
+        let in_view = json
+            .layers
+            .iter()
+            .zip(&sums)
+            .enumerate()
+            .take(cat.n_layers());
+        for (l, (jl, &sum)) in in_view {
             let ts = cat.trunk(l);
             if ts.is_empty() {
                 layers.push(None);
@@ -705,7 +710,7 @@ impl TrunkLayout {
             layers.push(Some(LayerPlan {
                 run_len: jl.nbytes,
                 layout: Arc::new(LayerLayout::new(locs)),
-                xxh3: Some(sums[l]),
+                xxh3: Some(sum),
                 source: RunSource::Packed {
                     file_off: jl.file_off,
                 },
