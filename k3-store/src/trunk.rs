@@ -21,8 +21,9 @@
 //! `k3-ctl pack-trunk`), an identity that differs from the checkpoint opened (both are named), a
 //! missing or zero checksum or identity, and runs that overlap, are unaligned or lie outside
 //! `trunk.bin`. Layer bytes are checked against their checksum with
-//! [`TrunkLayout::verify_run`]: pinned layers always when loaded, streamed layers on every read
-//! unless `K3_TRUNK_VERIFY=0` (see `crate::stream`), every layer by `k3-ctl verify`.
+//! [`TrunkLayout::verify_run`]: pinned layers always when loaded, streamed layers on their first
+//! read in a process by default (`K3_TRUNK_VERIFY=first|every|off`, see `crate::stream`), every
+//! layer by `k3-ctl verify`.
 //!
 //! **Checkpoint identity** ([`checkpoint_id`]): XXH3-128 over, for every shard in file-name order,
 //! its file name, its length, its safetensors JSON header (the raw bytes, so every name, dtype,
