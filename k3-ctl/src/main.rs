@@ -9,6 +9,7 @@ mod presets;
 mod replay;
 mod store_cmds;
 mod tokenize;
+mod verify;
 
 /// k3 control: inspect checkpoints, tokenize, and (later) talk to the store.
 #[derive(Parser, Debug)]
@@ -40,6 +41,8 @@ enum Cmd {
     ReplayTrace(replay::Args),
     /// CPU, SIMD tiers, RAM -> recommended preset, disk bandwidth measured the way the engine reads.
     Doctor(doctor::Args),
+    /// Check every byte: the shards end to end, and each packed trunk layer against its checksum.
+    Verify(verify::Args),
 }
 
 fn main() {
@@ -66,6 +69,7 @@ fn main() {
         Cmd::Presets(a) => presets::run(a),
         Cmd::ReplayTrace(a) => replay::run(a),
         Cmd::Doctor(a) => doctor::run(a),
+        Cmd::Verify(a) => verify::run(a),
     };
     std::process::exit(code);
 }

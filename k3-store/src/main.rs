@@ -209,7 +209,7 @@ fn start(a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Ok(b) => b,
         Err(e) => {
             let _ = std::fs::remove_file(&socket);
-            return fail(&mut notify, exit::FAILURE, e);
+            return fail(&mut notify, e.code, e.message);
         }
     };
     eprintln!();

@@ -190,7 +190,12 @@ impl StandaloneSource {
                 demand_timeout: opts.wait_timeout,
             },
             &mut |d, t| progress("pinned trunk layers", d, t),
-        )?;
+        )
+        // A pinned layer failing its checksum (or a ring the plan cannot use) is a refusal.
+        .map_err(|e| match e {
+            SourceError::Invalid(m) => OpenError::Refused(m),
+            e => e.into(),
+        })?;
         let policy = crate::policy::policy_by_name(&opts.cache_policy, plan.expert_slots)
             .ok_or_else(|| OpenError::Refused(crate::policy::unknown_policy(&opts.cache_policy)))?;
         let experts = ExpertCache::with_policy(

@@ -139,6 +139,31 @@ fn segment_layout(cat: &Catalog, trunk: &TrunkLayout, pinned: usize, slots: usiz
     }
 }
 
+/// Why [`StoreBackend::build`] failed: the message and the exit code (`k3_proto::exit`): 2 when
+/// a pinned trunk layer fails its checksum, 1 otherwise.
+#[derive(Debug)]
+pub struct BuildError {
+    /// Exit code.
+    pub code: i32,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl From<String> for BuildError {
+    fn from(message: String) -> Self {
+        BuildError {
+            code: k3_proto::exit::FAILURE,
+            message,
+        }
+    }
+}
+
+impl std::fmt::Display for BuildError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 impl StoreBackend {
     /// Open the checkpoint and the packed trunk, create the segment, load the resident tensors
     /// and the pinned layers (calling `progress(done, total)` as bytes arrive), and lay out the
@@ -146,14 +171,14 @@ impl StoreBackend {
     pub fn build(
         opts: &BuildOptions,
         mut progress: impl FnMut(u64, u64),
-    ) -> Result<StoreBackend, String> {
+    ) -> Result<StoreBackend, BuildError> {
         let (cat, _cfg) = Catalog::open_dir(&opts.model_dir).map_err(|e| e.0)?;
         let cat = Arc::new(cat);
         let shards = open_shards(&cat).map_err(|e| e.0)?;
         let trunk = TrunkLayout::from_packed(&cat, shards.clone(), &opts.trunk_dir)
             .map_err(|e| e.to_string())?;
         if opts.slots < 1 {
-            return Err("the expert arena needs at least one slot".into());
+            return Err(String::from("the expert arena needs at least one slot").into());
         }
         let policy = crate::policy::policy_by_name(&opts.cache_policy, opts.slots)
             .ok_or_else(|| crate::policy::unknown_policy(&opts.cache_policy))?;
@@ -197,6 +222,12 @@ impl StoreBackend {
             if inner != 0 {
                 dst.copy_within(inner..inner + run as usize, 0);
             }
+            trunk
+                .verify_run(l, &dst[..run as usize])
+                .map_err(|message| BuildError {
+                    code: k3_proto::exit::REFUSED,
+                    message,
+                })?;
             header
                 .push_region(RegionKind::PinnedLayer, l as u32, off, run)
                 .map_err(|e| e.to_string())?;
