@@ -115,7 +115,26 @@ impl Client {
             },
             None,
         )?;
-        let (welcome, shm_fd) = ipc::recv_frame::<Response>(&mut stream)?;
+        let (welcome, shm_fd) = ipc::recv_frame::<Response>(&mut stream).map_err(|e| match e {
+            WireError::Io(err)
+                if matches!(
+                    err.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                ClientError::Unreachable {
+                    path: path.clone(),
+                    err: std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "the store accepted but did not answer within {} s (overloaded?)",
+                            HANDSHAKE_TIMEOUT.as_secs()
+                        ),
+                    ),
+                }
+            }
+            e => ClientError::Wire(e),
+        })?;
         stream.set_read_timeout(None).map_err(WireError::Io)?;
         match welcome {
             Response::Welcome { .. } => Ok(Client {

@@ -282,6 +282,40 @@ mod tests {
     }
 
     #[test]
+    fn socket_directory_must_be_ours_and_private() {
+        let dir = tmpdir("trust");
+        let me = current_uid();
+        assert!(matches!(
+            check_private_dir(&dir, me),
+            Err(TrustError::Missing(_))
+        ));
+        let sock = dir.join("store.sock");
+        prepare_socket_dir(&sock).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        check_private_dir(&dir, me).expect("0755: others cannot write");
+        for mode in [0o777, 0o775, 0o1777, 0o730] {
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = prepare_socket_dir(&sock).unwrap_err();
+            assert!(e.to_string().contains("can write"), "{mode:o}: {e}");
+            assert!(matches!(bind(&sock), Err(BindError::Untrusted(_))));
+            assert!(!sock.exists());
+        }
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let e = check_private_dir(&dir, me + 1).unwrap_err();
+        assert!(
+            e.to_string().contains(&format!("belongs to uid {me}")),
+            "{e}"
+        );
+        let file = dir.join("f");
+        std::fs::write(&file, b"").unwrap();
+        assert!(check_private_dir(&file, me).is_err());
+        assert_eq!(socket_dir(Path::new("r.sock")), Path::new("."));
+        assert_eq!(socket_dir(Path::new("/a/r.sock")), Path::new("/a"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn refuses_to_remove_a_non_socket() {
         let dir = tmpdir("nonsock");
         std::fs::create_dir_all(&dir).unwrap();

@@ -395,7 +395,7 @@ mod tests {
         // A request-sized limit refuses what the general one accepts.
         let big = encode(&Request::Experts {
             layer: 0,
-            ids: (0..20_000).collect(),
+            ids: (0..40_000).collect(),
         })
         .unwrap();
         assert!(read_frame::<Request, _>(&mut &big[..]).is_ok());

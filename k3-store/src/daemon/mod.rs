@@ -153,6 +153,8 @@ struct AcceptBackoff {
     delay: Duration,
     failures: u64,
     unlogged: u64,
+    /// A line was logged during the current run of failures (its end is then logged too).
+    announced: bool,
     last_log: Option<Instant>,
 }
 
@@ -166,6 +168,7 @@ impl AcceptBackoff {
             delay: Self::FIRST,
             failures: 0,
             unlogged: 0,
+            announced: false,
             last_log: None,
         }
     }
@@ -190,6 +193,7 @@ impl AcceptBackoff {
                 );
             }
             self.unlogged = 0;
+            self.announced = true;
             self.last_log = Some(Instant::now());
         }
         let wait = self.delay;
@@ -198,7 +202,7 @@ impl AcceptBackoff {
     }
 
     fn succeeded(&mut self) {
-        if self.failures > 0 {
+        if self.announced {
             eprintln!(
                 "k3-store: accepting again after {} failed attempts",
                 self.failures
