@@ -241,9 +241,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {
         Ok(l) => l,
-        Err(
-            e @ (k3_store::ipc::BindError::Live(_) | k3_store::ipc::BindError::Untrusted(_)),
-        ) => return fail(&mut notify, exit::REFUSED, e.to_string()),
+        Err(e @ (k3_store::ipc::BindError::Live(_) | k3_store::ipc::BindError::Untrusted(_))) => {
+            return fail(&mut notify, exit::REFUSED, e.to_string())
+        }
         Err(e) => return fail(&mut notify, exit::FAILURE, e.to_string()),
     };
     let stop = Arc::new(AtomicBool::new(false));
@@ -395,8 +395,20 @@ mod tests {
         let strs: Vec<&str> = child.iter().map(|s| s.to_str().unwrap()).collect();
         let (b, m2) = parse(&strs);
         assert_eq!(
-            (&b.model_dir, &b.trunk, &b.socket, b.io_threads, &b.cache_policy),
-            (&a.model_dir, &a.trunk, &a.socket, a.io_threads, &a.cache_policy)
+            (
+                &b.model_dir,
+                &b.trunk,
+                &b.socket,
+                b.io_threads,
+                &b.cache_policy
+            ),
+            (
+                &a.model_dir,
+                &a.trunk,
+                &a.socket,
+                a.io_threads,
+                &a.cache_policy
+            )
         );
         // The budget flags keep their order (a later one overrides an earlier one).
         assert_eq!(

@@ -54,8 +54,14 @@ mod tests {
     #[test]
     fn relative_paths_become_absolute() {
         let cwd = std::env::current_dir().unwrap();
-        assert_eq!(resolve_file(Path::new("r.sock")).unwrap(), cwd.canonicalize().unwrap().join("r.sock"));
-        assert_eq!(resolve(Path::new(".")).unwrap(), cwd.canonicalize().unwrap());
+        assert_eq!(
+            resolve_file(Path::new("r.sock")).unwrap(),
+            cwd.canonicalize().unwrap().join("r.sock")
+        );
+        assert_eq!(
+            resolve(Path::new(".")).unwrap(),
+            cwd.canonicalize().unwrap()
+        );
         let missing = resolve(Path::new("no/such/dir")).unwrap();
         assert!(missing.is_absolute() && missing.ends_with("no/such/dir"));
         assert!(resolve_file(Path::new("/")).is_err());

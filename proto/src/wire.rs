@@ -253,8 +253,8 @@ pub enum WireError {
 /// Encode `msg` as one frame (length prefix + postcard), refused when longer than [`MAX_FRAME`].
 pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, WireError> {
     // Reserve the prefix and serialize behind it: one allocation, no copy.
-    let mut out = postcard::to_extend(msg, vec![0u8; 4])
-        .map_err(|e| WireError::Malformed(e.to_string()))?;
+    let mut out =
+        postcard::to_extend(msg, vec![0u8; 4]).map_err(|e| WireError::Malformed(e.to_string()))?;
     let body_len = out.len() - 4;
     let len = u32::try_from(body_len)
         .ok()
@@ -401,7 +401,10 @@ mod tests {
         assert!(read_frame::<Request, _>(&mut &big[..]).is_ok());
         assert!(matches!(
             read_frame_limited::<Request, _>(&mut &big[..], MAX_REQUEST_FRAME),
-            Err(WireError::TooLong { limit: MAX_REQUEST_FRAME, .. })
+            Err(WireError::TooLong {
+                limit: MAX_REQUEST_FRAME,
+                ..
+            })
         ));
         // Too large to send at all.
         let huge = Response::Error {
@@ -417,7 +420,10 @@ mod tests {
         let mut frame = MAX_FRAME.to_le_bytes().to_vec();
         frame.extend_from_slice(&[0; 10]);
         let err = read_frame_bytes(&mut &frame[..], MAX_FRAME).unwrap_err();
-        assert!(matches!(err, WireError::Malformed(ref m) if m.contains("got 10")), "{err}");
+        assert!(
+            matches!(err, WireError::Malformed(ref m) if m.contains("got 10")),
+            "{err}"
+        );
         // Cut inside the prefix.
         assert!(matches!(
             read_frame_bytes(&mut &[1u8, 0][..], MAX_FRAME),

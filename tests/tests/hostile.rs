@@ -109,7 +109,8 @@ fn huge_hello_frame(n: usize) -> Vec<u8> {
 /// True once the peer has closed `c` (read returns 0 or an error other than a timeout).
 fn closed_within(c: &mut UnixStream, within: Duration) -> Option<Duration> {
     let t0 = Instant::now();
-    c.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+    c.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
     let mut buf = [0u8; 4096];
     while t0.elapsed() < within {
         match c.read(&mut buf) {
@@ -153,9 +154,7 @@ fn squatter_store(sb: &Sandbox, trunk: &Path, socket: &Path) -> k3_tests::Spawne
     c.uid(NOBODY).gid(NOBODY);
     let sq = sb.spawn_command("squatter", c);
     let up = poll_until(Duration::from_secs(20), || {
-        read_log(&sq.stderr_path)
-            .contains("serving")
-            .then_some(())
+        read_log(&sq.stderr_path).contains("serving").then_some(())
     });
     assert!(
         up.is_some(),
@@ -263,7 +262,11 @@ fn socket_directory_writable_by_others_is_refused() {
     );
     assert_eq!(r.code, 2, "store used a 0777 directory: {r:?}");
     assert!(r.stderr.contains("0777"), "{r:?}");
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "nothing opened");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "nothing opened"
+    );
 
     // A private directory works; made writable by others afterwards, clients refuse it.
     chmod(&dir, 0o700);
@@ -334,17 +337,8 @@ fn relative_paths_work_from_another_directory() {
     let mut c = sb.command(
         "k3-store",
         &[
-            "start",
-            "model",
-            "--trunk",
-            "./trunk",
-            "--preset",
-            "laptop",
-            "--socket",
-            "r.sock",
-            "--log",
-            "r.log",
-            "--detach",
+            "start", "model", "--trunk", "./trunk", "--preset", "laptop", "--socket", "r.sock",
+            "--log", "r.log", "--detach",
         ],
     );
     c.current_dir(&here);
@@ -551,7 +545,10 @@ fn idle_and_half_sent_clients_are_cut_off_and_cost_little() {
     // The handshake and frame timeouts (5 s) close the silent and the half-sent ones.
     let t = closed_within(&mut silent, Duration::from_secs(9));
     assert!(t.is_some(), "a client that never says Hello is kept");
-    println!("measured: a silent client was closed {:?} after the first checks", t.unwrap());
+    println!(
+        "measured: a silent client was closed {:?} after the first checks",
+        t.unwrap()
+    );
     for c in half.iter_mut() {
         assert!(
             closed_within(c, Duration::from_secs(3)).is_some(),
@@ -602,7 +599,11 @@ fn oversized_labels_keep_stats_and_status_working() {
     assert_eq!(st["workers"].as_u64(), Some(80), "{}", st["workers"]);
     for j in jobs {
         let l = j["label"].as_str().unwrap();
-        assert!(l.len() <= wire::MAX_LABEL_BYTES, "label of {} bytes", l.len());
+        assert!(
+            l.len() <= wire::MAX_LABEL_BYTES,
+            "label of {} bytes",
+            l.len()
+        );
         assert!(l.ends_with('L'));
     }
     let r = sb.ctl(&["stats"]);

@@ -127,8 +127,11 @@ pub fn open_log(path: &Path) -> Result<File, String> {
             m.nlink()
         ));
     }
-    nix::fcntl::fcntl(&f, nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_APPEND))
-        .map_err(|e| format!("log {}: {e}", path.display()))?;
+    nix::fcntl::fcntl(
+        &f,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_APPEND),
+    )
+    .map_err(|e| format!("log {}: {e}", path.display()))?;
     Ok(f)
 }
 

@@ -450,12 +450,19 @@ fn read_request(
     }
     let started = Instant::now() + frame_timeout;
     let deadline = idle_deadline.map_or(started, |d| d.min(started));
-    wire::read_frame_limited(&mut DeadlineReader { stream, deadline }, wire::MAX_REQUEST_FRAME)
+    wire::read_frame_limited(
+        &mut DeadlineReader { stream, deadline },
+        wire::MAX_REQUEST_FRAME,
+    )
 }
 
 /// Send `resp`; a reply too large for one frame is replaced by an error saying so. False when the
 /// client is gone (or did not take the reply within the write timeout).
-fn reply(stream: &mut UnixStream, resp: &Response, fd: Option<std::os::fd::BorrowedFd<'_>>) -> bool {
+fn reply(
+    stream: &mut UnixStream,
+    resp: &Response,
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> bool {
     match ipc::send_frame(stream, resp, fd) {
         Ok(()) => true,
         Err(WireError::TooLong { len, limit }) => ipc::send_frame(
