@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use k3_proto::wire::{self, ClientKind, Request, Response, PROTOCOL_VERSION};
+use k3_store::client::Client;
 use k3_tests::{
     ids_arg, is_root, pid_gone, poll_until, reference_greedy, reference_prompt, rss_bytes,
     send_signal, tiny_model, Run, Sandbox,
@@ -494,8 +495,6 @@ fn descriptor_limit_backs_off_and_keeps_serving() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     assert_reference(&sb.worker(&args), 2);
 }
-
-use k3_store::client::Client;
 
 #[test]
 fn idle_and_half_sent_clients_are_cut_off_and_cost_little() {
