@@ -1,4 +1,5 @@
-//! `k3-ctl status`, `stats`, `stop`: talk to a running store.
+//! `k3-ctl status`, `stats`, `stop`: talk to a running store — only one run by this user (the
+//! socket directory and the store's uid are checked by [`Client::connect`]; exit 3 otherwise).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -44,8 +45,11 @@ fn connect(s: &SocketArg) -> Result<Client, i32> {
     Client::connect(&s.path(), ClientKind::Control, "k3-ctl").map_err(|e| {
         eprintln!("k3-ctl: {e}");
         match e {
-            ClientError::Unreachable { .. } | ClientError::Refused(_) => exit::NO_STORE,
-            _ => exit::FAILURE,
+            ClientError::Unreachable { .. }
+            | ClientError::Untrusted { .. }
+            | ClientError::Refused(_)
+            | ClientError::Wire(_) => exit::NO_STORE,
+            ClientError::Unexpected(_) => exit::FAILURE,
         }
     })
 }

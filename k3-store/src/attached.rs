@@ -127,6 +127,16 @@ impl AttachedSource {
         let model_dir = PathBuf::from(model_dir);
         let trunk_dir = PathBuf::from(trunk_dir);
         let mismatch = |m: String| AttachError::Mismatch(m);
+        // The store resolves its paths before it starts; a relative one would be looked up in
+        // this worker's directory, where a different checkpoint may sit.
+        for d in [&model_dir, &trunk_dir] {
+            if !d.is_absolute() {
+                return Err(mismatch(format!(
+                    "the store sent a relative path {}; refusing to resolve it here",
+                    d.display()
+                )));
+            }
+        }
         let (cat, _cfg) = Catalog::open_dir(&model_dir).map_err(|e| mismatch(e.0))?;
         let identity = cat.identity(&model_dir).map_err(mismatch)?;
         if identity != header.model_identity {

@@ -1,8 +1,9 @@
-//! Unix-socket plumbing shared by the store, workers and `k3-ctl`: the socket directory and file
-//! permissions, stale-socket detection, the peer-uid check, and frames that carry a file
-//! descriptor (`SCM_RIGHTS`).
+//! Unix-socket plumbing shared by the store, workers and `k3-ctl`: the socket directory's trust
+//! check (ours, not writable by others) and file permissions, stale-socket detection, the
+//! peer-uid check, and the transport of frames that carry a file descriptor (`SCM_RIGHTS`; the
+//! framing itself is `k3_proto::wire`'s).
 
-use std::io::{IoSlice, IoSliceMut, Write};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -44,12 +45,103 @@ pub fn probe(path: &Path) -> std::io::Result<Existing> {
     }
 }
 
+/// Why a socket directory is not trusted.
+#[derive(Debug, thiserror::Error)]
+pub enum TrustError {
+    /// The directory does not exist (clients: no store there).
+    #[error("{0} does not exist")]
+    Missing(String),
+    /// The directory cannot be inspected or created.
+    #[error("{path}: {err}")]
+    Io {
+        /// The directory.
+        path: String,
+        /// What went wrong.
+        err: std::io::Error,
+    },
+    /// Not a directory, another owner, or writable by others.
+    #[error("{0}")]
+    Untrusted(String),
+}
+
+/// The directory a socket path lives in (`.` for a bare file name).
+pub fn socket_dir(socket: &Path) -> &Path {
+    match socket.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
+}
+
+/// Check that `dir` is a directory owned by `uid` that neither group nor others can write.
+///
+/// This is what keeps another local user out: whoever owns the directory decides what socket
+/// (and what log) is there. Symlinks are followed: what counts is the directory itself. Readable
+/// directories (0755) are accepted: the socket inside is 0600 and nobody else can add to them.
+pub fn check_private_dir(dir: &Path, uid: u32) -> Result<(), TrustError> {
+    let m = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(TrustError::Missing(dir.display().to_string()))
+        }
+        Err(err) => {
+            return Err(TrustError::Io {
+                path: dir.display().to_string(),
+                err,
+            })
+        }
+    };
+    if !m.is_dir() {
+        return Err(TrustError::Untrusted(format!(
+            "{} is not a directory",
+            dir.display()
+        )));
+    }
+    if m.uid() != uid {
+        return Err(TrustError::Untrusted(format!(
+            "socket directory {} belongs to uid {}, not to uid {uid} (you): another user may \
+             have created it; refusing to use it",
+            dir.display(),
+            m.uid()
+        )));
+    }
+    let mode = m.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(TrustError::Untrusted(format!(
+            "socket directory {} has mode {mode:04o}: group or others can write there; refusing \
+             to use it (chmod 700 {})",
+            dir.display(),
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+/// The store's side: create the socket's directory if missing (mode 0700), then require it to be
+/// ours and private ([`check_private_dir`]). Runs before anything is opened there.
+pub fn prepare_socket_dir(socket: &Path) -> Result<(), TrustError> {
+    let dir = socket_dir(socket);
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|err| TrustError::Io {
+                path: dir.display().to_string(),
+                err,
+            })?;
+    }
+    check_private_dir(dir, current_uid())
+}
+
 /// Why the store could not bind its socket.
 #[derive(Debug, thiserror::Error)]
 pub enum BindError {
     /// Another store is serving at this path.
     #[error("a store is already running at {0} (stop it with `k3-ctl stop --socket {0}`)")]
     Live(String),
+    /// The socket's directory is not ours or others can write there (refused: exit 2).
+    #[error("{0}")]
+    Untrusted(TrustError),
     /// Anything else.
     #[error("cannot listen at {path}: {err}")]
     Io {
@@ -60,29 +152,17 @@ pub enum BindError {
     },
 }
 
-/// Create the socket's directory (mode 0700, refused if owned by another user), replace a stale
-/// socket, refuse a live one, bind, and make the socket 0600.
+/// Prepare the socket's directory ([`prepare_socket_dir`]), replace a stale socket, refuse a
+/// live one, bind, and make the socket 0600.
 pub fn bind(path: &Path) -> Result<UnixListener, BindError> {
     let io = |err: std::io::Error| BindError::Io {
         path: path.display().to_string(),
         err,
     };
-    if let Some(dir) = path.parent() {
-        if !dir.exists() {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(io)?;
-        }
-        let m = std::fs::metadata(dir).map_err(io)?;
-        if m.uid() != nix::unistd::getuid().as_raw() {
-            return Err(io(std::io::Error::other(format!(
-                "directory {} belongs to uid {}, not to us",
-                dir.display(),
-                m.uid()
-            ))));
-        }
+    match prepare_socket_dir(path) {
+        Ok(()) => {}
+        Err(TrustError::Io { err, .. }) => return Err(io(err)),
+        Err(e) => return Err(BindError::Untrusted(e)),
     }
     match probe(path).map_err(io)? {
         Existing::Live => return Err(BindError::Live(path.display().to_string())),
@@ -99,23 +179,23 @@ pub fn current_uid() -> u32 {
     nix::unistd::getuid().as_raw()
 }
 
-/// The uid of the process at the other end (`SO_PEERCRED`).
+/// The uid of the process at the other end (`SO_PEERCRED`: for a client, the process that
+/// called `listen`).
 pub fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
     let cred = socket::getsockopt(stream, sockopt::PeerCredentials)?;
     Ok(cred.uid())
 }
 
-/// Send one frame, attaching `fd` (if any) to its first byte.
+/// Send one frame ([`wire::encode`]), attaching `fd` (if any) to its first byte.
 pub fn send_frame<T: serde::Serialize>(
     stream: &mut UnixStream,
     msg: &T,
     fd: Option<BorrowedFd<'_>>,
 ) -> Result<(), WireError> {
-    let frame = wire::encode(msg)?;
     let Some(fd) = fd else {
-        stream.write_all(&frame)?;
-        return Ok(());
+        return wire::write_frame(stream, msg);
     };
+    let frame = wire::encode(msg)?;
     let fds = [fd.as_raw_fd()];
     let cmsg = [ControlMessage::ScmRights(&fds)];
     let sent = socket::sendmsg::<()>(
@@ -130,42 +210,47 @@ pub fn send_frame<T: serde::Serialize>(
     Ok(())
 }
 
-/// Receive one frame and the descriptor attached to it, if any.
-pub fn recv_frame<T: for<'de> serde::Deserialize<'de>>(
-    stream: &mut UnixStream,
-) -> Result<(T, Option<OwnedFd>), WireError> {
-    let mut len = [0u8; 4];
-    let mut got = 0usize;
-    let mut fd: Option<OwnedFd> = None;
-    while got < 4 {
+/// A [`Read`] over a Unix stream that receives with `recvmsg` and keeps the first descriptor that
+/// arrives with the bytes (`SCM_RIGHTS`, close-on-exec); any further ones are closed.
+struct FdReader<'a> {
+    stream: &'a UnixStream,
+    fd: Option<OwnedFd>,
+}
+
+impl Read for FdReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-        let mut iov = [IoSliceMut::new(&mut len[got..])];
+        let mut iov = [IoSliceMut::new(buf)];
         let msg = socket::recvmsg::<()>(
-            stream.as_raw_fd(),
+            self.stream.as_raw_fd(),
             &mut iov,
             Some(&mut space),
             MsgFlags::MSG_CMSG_CLOEXEC,
         )
         .map_err(std::io::Error::from)?;
-        if msg.bytes == 0 {
-            return Err(WireError::Closed);
-        }
-        got += msg.bytes;
         for c in msg.cmsgs().map_err(std::io::Error::from)? {
             if let ControlMessageOwned::ScmRights(raw) = c {
                 for r in raw {
                     // SAFETY: the kernel just installed `r` in our table for us alone; wrapping it
                     // once makes it closed exactly once (extra descriptors are dropped = closed).
                     let owned = unsafe { crate::shmem::owned_fd(r) };
-                    if fd.is_none() {
-                        fd = Some(owned);
+                    if self.fd.is_none() {
+                        self.fd = Some(owned);
                     }
                 }
             }
         }
+        Ok(msg.bytes)
     }
-    let body = wire::read_body(stream, u32::from_le_bytes(len))?;
-    Ok((wire::decode(&body)?, fd))
+}
+
+/// Receive one frame ([`wire::read_frame`]) and the descriptor attached to it, if any.
+pub fn recv_frame<T: for<'de> serde::Deserialize<'de>>(
+    stream: &mut UnixStream,
+) -> Result<(T, Option<OwnedFd>), WireError> {
+    let mut r = FdReader { stream, fd: None };
+    let msg = wire::read_frame(&mut r)?;
+    Ok((msg, r.fd))
 }
 
 #[cfg(test)]
@@ -193,6 +278,40 @@ mod tests {
         drop(l); // the file stays: a dead store's socket
         assert_eq!(probe(&sock).unwrap(), Existing::Stale);
         let _l2 = bind(&sock).expect("stale socket replaced");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn socket_directory_must_be_ours_and_private() {
+        let dir = tmpdir("trust");
+        let me = current_uid();
+        assert!(matches!(
+            check_private_dir(&dir, me),
+            Err(TrustError::Missing(_))
+        ));
+        let sock = dir.join("store.sock");
+        prepare_socket_dir(&sock).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().mode() & 0o777, 0o700);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        check_private_dir(&dir, me).expect("0755: others cannot write");
+        for mode in [0o777, 0o775, 0o1777, 0o730] {
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = prepare_socket_dir(&sock).unwrap_err();
+            assert!(e.to_string().contains("can write"), "{mode:o}: {e}");
+            assert!(matches!(bind(&sock), Err(BindError::Untrusted(_))));
+            assert!(!sock.exists());
+        }
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let e = check_private_dir(&dir, me + 1).unwrap_err();
+        assert!(
+            e.to_string().contains(&format!("belongs to uid {me}")),
+            "{e}"
+        );
+        let file = dir.join("f");
+        std::fs::write(&file, b"").unwrap();
+        assert!(check_private_dir(&file, me).is_err());
+        assert_eq!(socket_dir(Path::new("r.sock")), Path::new("."));
+        assert_eq!(socket_dir(Path::new("/a/r.sock")), Path::new("/a"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -102,11 +102,53 @@ fn socket_path(a: &StartArgs) -> PathBuf {
         .unwrap_or_else(|| k3_proto::paths::default_socket(k3_store::ipc::current_uid()))
 }
 
-fn start(a: StartArgs, m: &clap::ArgMatches) -> i32 {
-    let socket = socket_path(&a);
-    if a.detach && a.ready_fd.is_none() {
-        return start_detached(&a, &socket);
+/// Make every path of `a` absolute (canonical where it exists) and fill in the default socket,
+/// so that nothing depends on the directory the store was started from: the detached store runs
+/// in `/`, and workers get these paths in the handshake.
+fn resolve_paths(a: &mut StartArgs) -> Result<(), String> {
+    a.model_dir = k3_proto::paths::resolve(&a.model_dir)?;
+    a.trunk = k3_proto::paths::resolve(&a.trunk)?;
+    a.socket = Some(k3_proto::paths::resolve_file(&socket_path(a))?);
+    if let Some(log) = &a.log {
+        a.log = Some(k3_proto::paths::resolve_file(log)?);
     }
+    Ok(())
+}
+
+/// The budget flags exactly as given (their order decides which wins), in `--flag=value` form.
+fn budget_args(m: &clap::ArgMatches) -> Vec<OsString> {
+    let mut flags: Vec<(usize, String)> = Vec::new();
+    if let (Some(v), Some(i)) = (m.get_many::<String>("preset"), m.indices_of("preset")) {
+        flags.extend(i.zip(v).map(|(i, v)| (i, format!("--preset={v}"))));
+    }
+    for (id, flag) in [("trunk_gb", "--trunk-gb"), ("cache_gb", "--cache-gb")] {
+        if let (Some(v), Some(i)) = (m.get_many::<f64>(id), m.indices_of(id)) {
+            flags.extend(i.zip(v).map(|(i, v)| (i, format!("{flag}={v}"))));
+        }
+    }
+    flags.sort_by_key(|f| f.0);
+    flags.into_iter().map(|f| f.1.into()).collect()
+}
+
+/// The detached child's arguments: every path absolute (see [`resolve_paths`]), the budget flags
+/// in their order, the other options by value. Every option of [`StartArgs`] that the child needs
+/// must appear here (`child_args_round_trip` checks).
+fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
+    let mut args: Vec<OsString> = vec![
+        "start".into(),
+        a.model_dir.clone().into(),
+        "--trunk".into(),
+        a.trunk.clone().into(),
+    ];
+    args.extend(budget_args(m));
+    args.push("--socket".into());
+    args.push(socket_path(a).into());
+    args.push(format!("--io-threads={}", a.io_threads).into());
+    args.push(format!("--cache-policy={}", a.cache_policy).into());
+    args
+}
+
+fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     let mut notify = match a.ready_fd {
         // SAFETY: `--ready-fd` is only passed by `start_detached`, which hands this process the
         // write end of a pipe that nothing else here uses.
@@ -118,6 +160,21 @@ fn start(a: StartArgs, m: &clap::ArgMatches) -> i32 {
         notify.failed(code, &msg);
         code
     };
+    if let Err(e) = resolve_paths(&mut a) {
+        return fail(&mut notify, exit::REFUSED, e);
+    }
+    let socket = socket_path(&a);
+    // The socket's directory is created (0700) or checked before anything is opened there.
+    if let Err(e) = k3_store::ipc::prepare_socket_dir(&socket) {
+        return fail(
+            &mut notify,
+            exit::REFUSED,
+            format!("socket {}: {e}", socket.display()),
+        );
+    }
+    if a.detach && a.ready_fd.is_none() {
+        return start_detached(&a, &socket, m);
+    }
     let budget = match Budget::from_matches(m, "preset", "trunk_gb", "cache_gb") {
         Ok(b) => b,
         Err(e) => return fail(&mut notify, exit::REFUSED, e),
@@ -184,13 +241,14 @@ fn start(a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {
         Ok(l) => l,
-        Err(e @ k3_store::ipc::BindError::Live(_)) => {
+        Err(e @ (k3_store::ipc::BindError::Live(_) | k3_store::ipc::BindError::Untrusted(_))) => {
             return fail(&mut notify, exit::REFUSED, e.to_string())
         }
         Err(e) => return fail(&mut notify, exit::FAILURE, e.to_string()),
     };
     let stop = Arc::new(AtomicBool::new(false));
-    if let Err(e) = install_signal_handlers(&stop) {
+    let hup = Arc::new(AtomicBool::new(false));
+    if let Err(e) = install_signal_handlers(&stop, &hup) {
         let _ = std::fs::remove_file(&socket);
         return fail(&mut notify, exit::FAILURE, format!("signal handlers: {e}"));
     }
@@ -221,7 +279,9 @@ fn start(a: StartArgs, m: &clap::ArgMatches) -> i32 {
         std::process::id()
     );
     notify.ready(&socket);
-    let left = Server::new(listener, socket.clone(), backend, stop).run();
+    let left = Server::new(listener, socket.clone(), backend, stop)
+        .with_hup(hup)
+        .run();
     if left > 0 {
         eprintln!("k3-store: stopped with {left} request(s) still in flight after the drain cap");
     } else {
@@ -254,33 +314,22 @@ fn progress_bar() -> impl FnMut(u64, u64) {
     }
 }
 
-fn start_detached(a: &StartArgs, socket: &Path) -> i32 {
-    // The log goes beside the socket; its directory is created (0700) like the socket's.
-    if let Some(dir) = socket.parent() {
-        use std::os::unix::fs::DirBuilderExt;
-        if let Err(e) = std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-        {
-            eprintln!("k3-store: cannot create {}: {e}", dir.display());
-            return exit::FAILURE;
-        }
-    }
+fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
+    // The socket's directory has been checked (ours, private): only now is the log opened there,
+    // without following a symlink.
     let log = a
         .log
         .clone()
         .unwrap_or_else(|| socket.with_file_name("store.log"));
-    // Re-run ourselves with the same arguments, minus --detach, plus the explicit socket.
-    let mut args: Vec<OsString> = std::env::args_os()
-        .skip(1)
-        .filter(|x| x != "--detach")
-        .collect();
-    if a.socket.is_none() {
-        args.push("--socket".into());
-        args.push(socket.into());
-    }
-    match detach::spawn_and_wait(&args, &log) {
+    let logf = match detach::open_log(&log) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("k3-store: {e}");
+            return exit::REFUSED;
+        }
+    };
+    let args = child_args(a, m);
+    match detach::spawn_and_wait(&args, logf, &log) {
         Ok(Readiness::Ready { socket, pid }) => {
             println!(
                 "k3-store ready: listening on {socket} (pid {pid}); log {}",
@@ -306,5 +355,72 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    fn parse(args: &[&str]) -> (StartArgs, clap::ArgMatches) {
+        let m = Cli::command()
+            .try_get_matches_from(std::iter::once("k3-store").chain(args.iter().copied()))
+            .unwrap();
+        let Cmd::Start(a) = Cli::from_arg_matches(&m).unwrap().cmd;
+        let sub = m.subcommand_matches("start").unwrap().clone();
+        (a, sub)
+    }
+
+    #[test]
+    fn child_args_round_trip() {
+        let (mut a, m) = parse(&[
+            "start",
+            "rel/model",
+            "--cache-gb=-1.5",
+            "--trunk",
+            "t",
+            "--preset",
+            "laptop",
+            "--trunk-gb=0.25",
+            "--socket",
+            "r.sock",
+            "--detach",
+            "--log",
+            "x.log",
+            "--io-threads",
+            "3",
+            "--cache-policy",
+            "lfu",
+        ]);
+        resolve_paths(&mut a).unwrap();
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(a.socket.as_deref(), Some(cwd.join("r.sock").as_path()));
+        assert!(a.model_dir.is_absolute() && a.trunk.is_absolute());
+        let child = child_args(&a, &m);
+        let strs: Vec<&str> = child.iter().map(|s| s.to_str().unwrap()).collect();
+        let (b, m2) = parse(&strs);
+        assert_eq!(
+            (
+                &b.model_dir,
+                &b.trunk,
+                &b.socket,
+                b.io_threads,
+                &b.cache_policy
+            ),
+            (
+                &a.model_dir,
+                &a.trunk,
+                &a.socket,
+                a.io_threads,
+                &a.cache_policy
+            )
+        );
+        // The budget flags keep their order (a later one overrides an earlier one).
+        assert_eq!(
+            (&b.preset, &b.trunk_gb, &b.cache_gb),
+            (&a.preset, &a.trunk_gb, &a.cache_gb)
+        );
+        assert_eq!(budget_args(&m2), budget_args(&m));
+        assert_eq!(
+            budget_args(&m),
+            ["--cache-gb=-1.5", "--preset=laptop", "--trunk-gb=0.25"]
+                .map(OsString::from)
+                .to_vec()
+        );
     }
 }

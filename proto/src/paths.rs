@@ -1,6 +1,6 @@
-//! Where the store listens by default.
+//! Where the store listens by default, and how the paths given to it are made absolute.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Environment variables k3 reads, in one place.
 pub mod env {
@@ -24,9 +24,58 @@ pub fn default_socket_from(xdg: Option<std::ffi::OsString>, uid: u32) -> PathBuf
     }
 }
 
+/// `p` made absolute without depending on the current directory later: canonical (symlinks
+/// and `..` resolved) when it exists, else joined to the current directory.
+pub fn resolve(p: &Path) -> Result<PathBuf, String> {
+    match std::fs::canonicalize(p) {
+        Ok(c) => Ok(c),
+        Err(_) => std::path::absolute(p).map_err(|e| format!("{}: {e}", p.display())),
+    }
+}
+
+/// A file path (a socket, a log) made absolute: its directory canonical when it exists, the file
+/// name kept as given (the file itself may not exist yet, and a symlink there must stay visible
+/// as one).
+pub fn resolve_file(p: &Path) -> Result<PathBuf, String> {
+    let abs = std::path::absolute(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    let name = abs
+        .file_name()
+        .ok_or_else(|| format!("{} names no file", p.display()))?;
+    let dir = abs.parent().unwrap_or(Path::new("/"));
+    Ok(std::fs::canonicalize(dir)
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .join(name))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn relative_paths_become_absolute() {
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(
+            resolve_file(Path::new("r.sock")).unwrap(),
+            cwd.canonicalize().unwrap().join("r.sock")
+        );
+        assert_eq!(
+            resolve(Path::new(".")).unwrap(),
+            cwd.canonicalize().unwrap()
+        );
+        let missing = resolve(Path::new("no/such/dir")).unwrap();
+        assert!(missing.is_absolute() && missing.ends_with("no/such/dir"));
+        assert!(resolve_file(Path::new("/")).is_err());
+        let dir = std::env::temp_dir().join(format!("k3-paths-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("real")).unwrap();
+        let _ = std::fs::remove_file(dir.join("link"));
+        std::os::unix::fs::symlink(dir.join("real"), dir.join("link")).unwrap();
+        // The directory is resolved, the file name kept.
+        assert_eq!(
+            resolve_file(&dir.join("link").join("s.sock")).unwrap(),
+            dir.canonicalize().unwrap().join("real").join("s.sock")
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn xdg_wins_when_absolute() {

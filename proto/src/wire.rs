@@ -1,7 +1,10 @@
 //! The store ⇄ worker / ctl wire protocol.
 //!
-//! Frames on the Unix socket are `u32` little-endian length + a postcard-encoded message. The
-//! length is checked against [`MAX_FRAME`] before anything is allocated. The first exchange on a
+//! Frames on the Unix socket are `u32` little-endian length + a postcard-encoded message. This
+//! module is the one framing implementation ([`encode`]/[`write_frame`], [`read_frame`]); the
+//! socket code only adds the transport (`sendmsg`/`recvmsg` for the descriptor). The length is
+//! checked against [`MAX_FRAME`] (or the store's [`MAX_REQUEST_FRAME`]) before anything is
+//! allocated. The first exchange on a
 //! connection is always the handshake: the client sends [`Request::Hello`] and the store answers
 //! [`Response::Welcome`] (with the shared-memory file descriptor attached as `SCM_RIGHTS`
 //! ancillary data) or [`Response::Refused`] naming both versions. Every later request gets
@@ -20,6 +23,23 @@ pub const PROTOCOL_VERSION: u32 = 1;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
+
+/// Largest request frame the store reads (64 KiB): the largest request, 4096 expert ids, is
+/// under 21 KiB, and a `Hello` label is cut at [`MAX_LABEL_BYTES`]. A client cannot make the store
+/// buffer more than this per connection.
+pub const MAX_REQUEST_FRAME: u32 = 64 << 10;
+
+/// Longest client label the store keeps (bytes, cut at a character boundary).
+pub const MAX_LABEL_BYTES: usize = 256;
+
+/// `label` cut to at most [`MAX_LABEL_BYTES`] bytes at a character boundary.
+pub fn bounded_label(label: &str) -> &str {
+    let mut end = label.len().min(MAX_LABEL_BYTES);
+    while !label.is_char_boundary(end) {
+        end -= 1;
+    }
+    &label[..end]
+}
 
 /// What a client is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -210,65 +230,87 @@ pub enum Response {
 /// Wire errors.
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
-    /// Socket error.
+    /// Socket error (a timeout shows as `TimedOut`/`WouldBlock`).
     #[error("socket: {0}")]
     Io(#[from] std::io::Error),
-    /// A frame longer than [`MAX_FRAME`].
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
-    TooLong(u64),
+    /// A frame longer than the reader's limit ([`MAX_FRAME`], or [`MAX_REQUEST_FRAME`] for the
+    /// store reading requests), or a message too large to send as one frame.
+    #[error("frame of {len} bytes exceeds the {limit}-byte limit")]
+    TooLong {
+        /// The announced or encoded length.
+        len: u64,
+        /// The limit it exceeds.
+        limit: u32,
+    },
     /// A frame that does not decode as a message of this protocol version.
     #[error("malformed frame: {0}")]
     Malformed(String),
-    /// The peer closed the connection.
+    /// The peer closed the connection (before the first byte of a frame).
     #[error("peer closed the connection")]
     Closed,
 }
 
-/// Encode `msg` as one frame (length prefix + postcard).
+/// Encode `msg` as one frame (length prefix + postcard), refused when longer than [`MAX_FRAME`].
 pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, WireError> {
-    let body = postcard::to_stdvec(msg).map_err(|e| WireError::Malformed(e.to_string()))?;
-    let len = u32::try_from(body.len()).map_err(|_| WireError::TooLong(body.len() as u64))?;
-    if len > MAX_FRAME {
-        return Err(WireError::TooLong(len as u64));
-    }
-    let mut out = Vec::with_capacity(4 + body.len());
-    out.extend_from_slice(&len.to_le_bytes());
-    out.extend_from_slice(&body);
+    // Reserve the prefix and serialize behind it: one allocation, no copy.
+    let mut out =
+        postcard::to_extend(msg, vec![0u8; 4]).map_err(|e| WireError::Malformed(e.to_string()))?;
+    let body_len = out.len() - 4;
+    let len = u32::try_from(body_len)
+        .ok()
+        .filter(|&l| l <= MAX_FRAME)
+        .ok_or(WireError::TooLong {
+            len: body_len as u64,
+            limit: MAX_FRAME,
+        })?;
+    out[..4].copy_from_slice(&len.to_le_bytes());
     Ok(out)
 }
 
-/// Write one frame.
+/// Write one frame. For a frame that carries a file descriptor, the socket code sends the bytes
+/// of [`encode`] with `sendmsg` itself (the framing is the same).
 pub fn write_frame<T: Serialize, W: Write>(w: &mut W, msg: &T) -> Result<(), WireError> {
     w.write_all(&encode(msg)?)?;
     w.flush()?;
     Ok(())
 }
 
-/// Read one frame's body, bounding the length before allocating.
-pub fn read_frame_bytes<R: Read>(r: &mut R) -> Result<Vec<u8>, WireError> {
+/// Read one frame's body, at most `limit` bytes. The length prefix is checked against `limit`
+/// before anything is allocated, and the body buffer grows only as bytes actually arrive (a peer
+/// that announces a large frame and sends half of it costs half, not the whole). End of input
+/// before the first byte is [`WireError::Closed`]; inside a frame it is `Malformed`.
+pub fn read_frame_bytes<R: Read>(r: &mut R, limit: u32) -> Result<Vec<u8>, WireError> {
     let mut len = [0u8; 4];
-    match r.read_exact(&mut len) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
-        Err(e) => return Err(e.into()),
-    }
-    read_body(r, u32::from_le_bytes(len))
-}
-
-/// Read a frame body of `len` bytes (the length prefix already read), bounding it by
-/// [`MAX_FRAME`] before allocating.
-pub fn read_body<R: Read>(r: &mut R, len: u32) -> Result<Vec<u8>, WireError> {
-    if len > MAX_FRAME {
-        return Err(WireError::TooLong(len as u64));
-    }
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body).map_err(|e| {
-        if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            WireError::Malformed(format!("frame cut short: wanted {len} bytes"))
-        } else {
-            WireError::Io(e)
+    let mut got = 0;
+    while got < 4 {
+        match r.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Err(WireError::Closed),
+            Ok(0) => {
+                return Err(WireError::Malformed(
+                    "frame cut short inside its length prefix".into(),
+                ))
+            }
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
         }
-    })?;
+    }
+    let len = u32::from_le_bytes(len);
+    if len > limit {
+        return Err(WireError::TooLong {
+            len: len as u64,
+            limit,
+        });
+    }
+    const FIRST_CHUNK: usize = 64 << 10;
+    let mut body = Vec::with_capacity((len as usize).min(FIRST_CHUNK));
+    r.take(len as u64).read_to_end(&mut body)?;
+    if body.len() != len as usize {
+        return Err(WireError::Malformed(format!(
+            "frame cut short: wanted {len} bytes, got {}",
+            body.len()
+        )));
+    }
     Ok(body)
 }
 
@@ -285,9 +327,17 @@ pub fn decode<T: for<'de> Deserialize<'de>>(body: &[u8]) -> Result<T, WireError>
     Ok(msg)
 }
 
-/// Read and decode one frame.
+/// Read and decode one frame of at most [`MAX_FRAME`] bytes.
 pub fn read_frame<T: for<'de> Deserialize<'de>, R: Read>(r: &mut R) -> Result<T, WireError> {
-    decode(&read_frame_bytes(r)?)
+    read_frame_limited(r, MAX_FRAME)
+}
+
+/// Read and decode one frame of at most `limit` bytes.
+pub fn read_frame_limited<T: for<'de> Deserialize<'de>, R: Read>(
+    r: &mut R,
+    limit: u32,
+) -> Result<T, WireError> {
+    decode(&read_frame_bytes(r, limit)?)
 }
 
 /// The store's answer to a `Hello` with `client_version`: `None` when accepted.
@@ -341,7 +391,53 @@ mod tests {
         let mut frame = (u32::MAX).to_le_bytes().to_vec();
         frame.extend_from_slice(&[0; 16]);
         let err = read_frame::<Request, _>(&mut &frame[..]).unwrap_err();
-        assert!(matches!(err, WireError::TooLong(n) if n == u32::MAX as u64));
+        assert!(matches!(err, WireError::TooLong { len, .. } if len == u32::MAX as u64));
+        // A request-sized limit refuses what the general one accepts.
+        let big = encode(&Request::Experts {
+            layer: 0,
+            ids: (0..40_000).collect(),
+        })
+        .unwrap();
+        assert!(read_frame::<Request, _>(&mut &big[..]).is_ok());
+        assert!(matches!(
+            read_frame_limited::<Request, _>(&mut &big[..], MAX_REQUEST_FRAME),
+            Err(WireError::TooLong {
+                limit: MAX_REQUEST_FRAME,
+                ..
+            })
+        ));
+        // Too large to send at all.
+        let huge = Response::Error {
+            message: "x".repeat(MAX_FRAME as usize + 1),
+        };
+        assert!(matches!(encode(&huge), Err(WireError::TooLong { .. })));
+    }
+
+    #[test]
+    fn half_sent_frame_costs_what_arrived() {
+        // A frame announcing 1 MiB with 10 bytes behind it: an error, and the reader never
+        // reserves the announced size.
+        let mut frame = MAX_FRAME.to_le_bytes().to_vec();
+        frame.extend_from_slice(&[0; 10]);
+        let err = read_frame_bytes(&mut &frame[..], MAX_FRAME).unwrap_err();
+        assert!(
+            matches!(err, WireError::Malformed(ref m) if m.contains("got 10")),
+            "{err}"
+        );
+        // Cut inside the prefix.
+        assert!(matches!(
+            read_frame_bytes(&mut &[1u8, 0][..], MAX_FRAME),
+            Err(WireError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn labels_are_cut_at_a_char_boundary() {
+        assert_eq!(bounded_label("k3-ctl"), "k3-ctl");
+        let long = "é".repeat(MAX_LABEL_BYTES); // 2 bytes each
+        let cut = bounded_label(&long);
+        assert!(cut.len() <= MAX_LABEL_BYTES && cut.len() >= MAX_LABEL_BYTES - 1);
+        assert!(cut.chars().all(|c| c == 'é'));
     }
 
     #[test]

@@ -138,6 +138,29 @@ pub fn send_signal(pid: u32, sig: &str) {
     assert!(st.success(), "kill -{sig} {pid} failed");
 }
 
+/// True when the tests run as root (tests that need a second uid skip otherwise).
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// Resident memory of process `pid` in bytes (`VmRSS`).
+pub fn rss_bytes(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/pid/status");
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .expect("VmRSS in /proc/pid/status")
+        * 1024
+}
+
 /// A process started with [`Sandbox::spawn`]; killed (SIGKILL) and reaped on drop if still
 /// running. Its stdout and stderr go to files in the sandbox.
 pub struct Spawned {
@@ -259,21 +282,38 @@ impl Sandbox {
         )
     }
 
-    fn command(&self, bin_name: &str, args: &[&str]) -> Command {
+    /// The command [`Sandbox::run`] and [`Sandbox::spawn`] use: the binary with `args` and
+    /// `XDG_RUNTIME_DIR=<sandbox>/xdg`, for a test to adjust (working directory, uid, …) and
+    /// run with [`Sandbox::run_command`] or [`Sandbox::spawn_command`].
+    pub fn command(&self, bin_name: &str, args: &[&str]) -> Command {
         let mut c = Command::new(bin(bin_name));
-        c.args(args).env("XDG_RUNTIME_DIR", self.dir.join("xdg"));
+        c.args(args).env("XDG_RUNTIME_DIR", self.xdg_dir());
         c
+    }
+
+    /// The sandbox's `XDG_RUNTIME_DIR` (not created): the default socket is `<it>/k3/store.sock`.
+    pub fn xdg_dir(&self) -> PathBuf {
+        self.dir.join("xdg")
+    }
+
+    /// Run a prepared command to completion (stdin closed).
+    pub fn run_command(&self, mut c: Command) -> Run {
+        Run::from(c.stdin(Stdio::null()).output().expect("spawn"))
     }
 
     /// Start a workspace binary with `args` in the background, output to files in the sandbox.
     pub fn spawn(&self, bin_name: &str, args: &[&str]) -> Spawned {
+        self.spawn_command(bin_name, self.command(bin_name, args))
+    }
+
+    /// Start a prepared command in the background (`tag` names its output files).
+    pub fn spawn_command(&self, tag: &str, mut c: Command) -> Spawned {
         let n = unique();
-        let stdout_path = self.dir.join(format!("{bin_name}-{n}.stdout"));
-        let stderr_path = self.dir.join(format!("{bin_name}-{n}.stderr"));
+        let stdout_path = self.dir.join(format!("{tag}-{n}.stdout"));
+        let stderr_path = self.dir.join(format!("{tag}-{n}.stderr"));
         let out = std::fs::File::create(&stdout_path).expect("create stdout file");
         let err = std::fs::File::create(&stderr_path).expect("create stderr file");
-        let child = self
-            .command(bin_name, args)
+        let child = c
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -360,6 +400,13 @@ impl Sandbox {
         full.extend_from_slice(args);
         full.extend_from_slice(&["--socket", &sock, "--detach"]);
         let r = self.run("k3-store", &full);
+        self.adopt_store(r)
+    }
+
+    /// Take charge of a store started (with `--detach`) by the test itself, listening at
+    /// [`Sandbox::socket`]: panics unless `r` is a successful start; the store is then stopped
+    /// and checked on drop like one from [`Sandbox::start_store`].
+    pub fn adopt_store(&mut self, r: Run) -> Run {
         assert_eq!(r.code, 0, "store did not start: {r:?}");
         let pid = r
             .stdout
@@ -370,6 +417,11 @@ impl Sandbox {
             .unwrap_or_else(|| panic!("no pid in readiness output: {r:?}"));
         self.store_pid = Some(pid);
         r
+    }
+
+    /// The detached store's log (the default one, beside the socket).
+    pub fn store_log(&self) -> PathBuf {
+        self.socket.with_file_name("store.log")
     }
 
     /// The store's pid, if started.

@@ -83,9 +83,62 @@ pub fn parse_line(line: &str, pid: u32) -> Option<Readiness> {
     })
 }
 
-/// Re-run this executable with `args` plus `--ready-fd N` in its own process group, stdout and
-/// stderr appended to `log`, and wait for its readiness line.
-pub fn spawn_and_wait(args: &[OsString], log: &Path) -> std::io::Result<Readiness> {
+/// Open (append, create 0600) the detached store's log without following a symlink
+/// (`O_NOFOLLOW`, close-on-exec), and only if what is there is a regular file of ours with one
+/// link: a planted symlink, FIFO, another user's file or a hard link to one is refused. Call it
+/// after the directory's owner was checked ([`crate::ipc::prepare_socket_dir`]).
+pub fn open_log(path: &Path) -> Result<File, String> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        // O_NONBLOCK: a FIFO planted at the path must not block the open (it is refused below).
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                format!(
+                    "log {} is a symbolic link; refusing to write through it",
+                    path.display()
+                )
+            } else {
+                format!("cannot open the log {}: {e}", path.display())
+            }
+        })?;
+    let m = f
+        .metadata()
+        .map_err(|e| format!("log {}: {e}", path.display()))?;
+    let me = crate::ipc::current_uid();
+    if !m.is_file() {
+        return Err(format!("log {} is not a regular file", path.display()));
+    }
+    if m.uid() != me {
+        return Err(format!(
+            "log {} belongs to uid {}, not to uid {me}; refusing to write to it",
+            path.display(),
+            m.uid()
+        ));
+    }
+    if m.nlink() != 1 {
+        return Err(format!(
+            "log {} has {} hard links; refusing to write to it",
+            path.display(),
+            m.nlink()
+        ));
+    }
+    nix::fcntl::fcntl(
+        &f,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_APPEND),
+    )
+    .map_err(|e| format!("log {}: {e}", path.display()))?;
+    Ok(f)
+}
+
+/// Re-run this executable with `args` plus `--ready-fd N` in its own process group, in `/` (every
+/// path in `args` is absolute), stdout and stderr appended to `logf` (opened with [`open_log`]
+/// at `log`), and wait for its readiness line.
+pub fn spawn_and_wait(args: &[OsString], logf: File, log: &Path) -> std::io::Result<Readiness> {
     let exe = std::env::current_exe()?;
     let (rd, wr): (OwnedFd, OwnedFd) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
     // The child must inherit the write end: clear close-on-exec on it only.
@@ -93,14 +146,11 @@ pub fn spawn_and_wait(args: &[OsString], log: &Path) -> std::io::Result<Readines
         &wr,
         nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
     )?;
-    let logf = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)?;
     let mut cmd = Command::new(exe);
     cmd.args(args)
         .arg("--ready-fd")
         .arg(wr.as_raw_fd().to_string())
+        .current_dir("/")
         .stdin(Stdio::null())
         .stdout(logf.try_clone()?)
         .stderr(logf)
@@ -121,6 +171,34 @@ pub fn spawn_and_wait(args: &[OsString], log: &Path) -> std::io::Result<Readines
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_refuses_symlinks_and_fifos_and_appends_to_files() {
+        let dir = std::env::temp_dir().join(format!("k3-detach-log-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let target = dir.join("precious");
+        std::fs::write(&target, b"keep").unwrap();
+        let link = dir.join("link.log");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = open_log(&link).unwrap_err();
+        assert!(e.contains("symbolic link"), "{e}");
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        let fifo = dir.join("fifo.log");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let e = open_log(&fifo).unwrap_err();
+        assert!(e.contains("fifo.log"), "{e}");
+        let hard = dir.join("hard.log");
+        std::fs::hard_link(&target, &hard).unwrap();
+        let e = open_log(&hard).unwrap_err();
+        assert!(e.contains("hard links"), "{e}");
+        let log = dir.join("store.log");
+        std::fs::write(&log, b"old\n").unwrap();
+        let mut f = open_log(&log).unwrap();
+        f.write_all(b"new\n").unwrap();
+        assert_eq!(std::fs::read(&log).unwrap(), b"old\nnew\n");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn lines_parse() {

@@ -10,8 +10,22 @@
 //! (else `Refused`, naming both versions), and the peer's uid must be ours (`SO_PEERCRED`).
 //! Workers receive the read-only shared-memory descriptor with `Welcome`. A connection's leases
 //! are released when it closes — including when the worker is killed with SIGKILL.
+//!
+//! Clients cannot stall the store ([`Limits`]): at most 256 connections (one more gets an error
+//! and is closed); a `Hello` must arrive within 5 s of the accept; a frame whose first byte has
+//! arrived must be complete within 5 s, and no request frame may exceed
+//! [`wire::MAX_REQUEST_FRAME`] (the body is buffered as it arrives, never reserved from the
+//! announced length); a reply not taken within 10 s ends the connection; one request per
+//! connection is in flight at a time. Between requests a handshaken client may stay idle
+//! indefinitely (workers hold leases while they compute, a chat waits for its user). Labels are
+//! cut at [`wire::MAX_LABEL_BYTES`], stats list at most 64 jobs, and a reply that would exceed the
+//! frame limit is replaced by an error. Accept errors back off exponentially (5 ms to 1 s) with
+//! one log line per 10 s; out of descriptors, the oldest connection that has not said `Hello` is
+//! closed to make room. SIGHUP is logged and ignored.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -51,14 +65,77 @@ pub trait Backend: Send + Sync + 'static {
     fn dirs(&self) -> (String, String);
 }
 
+/// The limits the server enforces on its clients (README, "k3-store start").
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Connections served at once; one more is answered with an error and closed.
+    pub max_connections: usize,
+    /// From accept to a complete `Hello`: a client that says nothing is closed after this.
+    pub handshake_timeout: Duration,
+    /// A frame whose first byte arrived must be complete within this. Between frames an
+    /// attached client may stay idle as long as it likes (a worker holds leases while it
+    /// computes, a chat waits for its user).
+    pub frame_timeout: Duration,
+    /// A reply the client does not take within this ends the connection (a client that sends
+    /// requests and never reads the answers).
+    pub write_timeout: Duration,
+    /// Per-job entries in a stats reply (live jobs first, then the most recent finished ones);
+    /// also the most client labels a status reply lists.
+    pub max_listed_jobs: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 256,
+            handshake_timeout: Duration::from_secs(5),
+            frame_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(10),
+            max_listed_jobs: 64,
+        }
+    }
+}
+
 /// Shared server state.
 struct Shared<B: Backend> {
     backend: B,
     stop: Arc<AtomicBool>,
+    limits: Limits,
     in_flight: AtomicUsize,
+    connections: AtomicUsize,
     next_id: AtomicU64,
     clients: Mutex<Vec<(ConnId, String)>>,
+    /// Connections that have not finished their handshake: descriptor and accept time. An entry
+    /// is removed (under this lock) before its descriptor is closed, so a descriptor found here
+    /// is still open.
+    pending: Mutex<BTreeMap<ConnId, (RawFd, Instant)>>,
     started: Instant,
+}
+
+impl<B: Backend> Shared<B> {
+    fn handshaken(&self, id: ConnId) {
+        lock(&self.pending).remove(&id);
+    }
+
+    /// Out of descriptors: shut down the oldest connection still in its handshake (older than
+    /// 50 ms, so a client whose `Hello` is being read is spared). True if one was.
+    fn evict_oldest_pending(&self) -> bool {
+        let mut p = lock(&self.pending);
+        let Some((&id, &(fd, at))) = p.iter().next() else {
+            return false;
+        };
+        if at.elapsed() < Duration::from_millis(50) {
+            return false;
+        }
+        // The owner removes its entry under this lock before closing `fd`: it is still open.
+        let _ = nix::sys::socket::shutdown(fd, nix::sys::socket::Shutdown::Both);
+        p.remove(&id);
+        true
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The daemon's server.
@@ -66,7 +143,76 @@ pub struct Server<B: Backend> {
     listener: UnixListener,
     socket: PathBuf,
     shared: Arc<Shared<B>>,
+    hup: Arc<AtomicBool>,
     drain_cap: Duration,
+}
+
+/// Accept failures: exponential back-off (5 ms doubling to 1 s) and at most one log line per
+/// [`AcceptBackoff::LOG_PERIOD`] while they last.
+struct AcceptBackoff {
+    delay: Duration,
+    failures: u64,
+    unlogged: u64,
+    /// A line was logged during the current run of failures (its end is then logged too).
+    announced: bool,
+    last_log: Option<Instant>,
+}
+
+impl AcceptBackoff {
+    const FIRST: Duration = Duration::from_millis(5);
+    const MAX: Duration = Duration::from_secs(1);
+    const LOG_PERIOD: Duration = Duration::from_secs(10);
+
+    fn new() -> Self {
+        AcceptBackoff {
+            delay: Self::FIRST,
+            failures: 0,
+            unlogged: 0,
+            announced: false,
+            last_log: None,
+        }
+    }
+
+    /// A failure; returns how long to wait before the next accept.
+    fn failed(&mut self, what: &str) -> Duration {
+        self.failures += 1;
+        self.unlogged += 1;
+        let due = self
+            .last_log
+            .is_none_or(|t| t.elapsed() >= Self::LOG_PERIOD);
+        if due {
+            if self.failures == 1 {
+                eprintln!(
+                    "k3-store: {what}; backing off (at most one line per {} s while this lasts)",
+                    Self::LOG_PERIOD.as_secs()
+                );
+            } else {
+                eprintln!(
+                    "k3-store: {what} ({} times since the last line; {} in a row)",
+                    self.unlogged, self.failures
+                );
+            }
+            self.unlogged = 0;
+            self.announced = true;
+            self.last_log = Some(Instant::now());
+        }
+        let wait = self.delay;
+        self.delay = (self.delay * 2).min(Self::MAX);
+        wait
+    }
+
+    fn succeeded(&mut self) {
+        if self.announced {
+            eprintln!(
+                "k3-store: accepting again after {} failed attempts",
+                self.failures
+            );
+        }
+        *self = AcceptBackoff {
+            last_log: self.last_log,
+            ..AcceptBackoff::new()
+        };
+    }
 }
 
 impl<B: Backend> Server<B> {
@@ -79,13 +225,32 @@ impl<B: Backend> Server<B> {
             shared: Arc::new(Shared {
                 backend,
                 stop,
+                limits: Limits::default(),
                 in_flight: AtomicUsize::new(0),
+                connections: AtomicUsize::new(0),
                 next_id: AtomicU64::new(1),
                 clients: Mutex::new(Vec::new()),
+                pending: Mutex::new(BTreeMap::new()),
                 started: Instant::now(),
             }),
+            hup: Arc::new(AtomicBool::new(false)),
             drain_cap: Duration::from_secs(10),
         }
+    }
+
+    /// Use these limits instead of [`Limits::default`].
+    pub fn with_limits(mut self, limits: Limits) -> Self {
+        Arc::get_mut(&mut self.shared)
+            .expect("limits are set before serving")
+            .limits = limits;
+        self
+    }
+
+    /// The flag a SIGHUP handler sets (see [`install_signal_handlers`]): the server logs it and
+    /// carries on.
+    pub fn with_hup(mut self, hup: Arc<AtomicBool>) -> Self {
+        self.hup = hup;
+        self
     }
 
     /// Serve until stopped; then drain and remove the socket. Returns the number of requests
@@ -94,7 +259,14 @@ impl<B: Backend> Server<B> {
         self.listener
             .set_nonblocking(true)
             .expect("set_nonblocking on a listening socket");
+        let mut backoff = AcceptBackoff::new();
         while !self.shared.stop.load(Ordering::SeqCst) {
+            if self.hup.swap(false, Ordering::SeqCst) {
+                eprintln!(
+                    "k3-store: SIGHUP received and ignored (there is nothing to reload; stop the \
+                     store with `k3-ctl stop`)"
+                );
+            }
             // Wait for a connection, waking at least every 100 ms to notice a stop request.
             let mut fds = [nix::poll::PollFd::new(
                 self.listener.as_fd(),
@@ -105,22 +277,32 @@ impl<B: Backend> Server<B> {
                 Ok(_) => {}
                 Err(nix::errno::Errno::EINTR) => continue,
                 Err(e) => {
-                    eprintln!("k3-store: poll failed: {e}");
+                    let wait = backoff.failed(&format!("poll failed: {e}"));
+                    std::thread::sleep(wait);
                     continue;
                 }
             }
             match self.listener.accept() {
                 Ok((stream, _)) => {
-                    let _ = stream.set_nonblocking(false);
-                    let shared = self.shared.clone();
-                    std::thread::Builder::new()
-                        .name("k3-conn".into())
-                        .spawn(move || serve_connection(shared, stream))
-                        .map(|_| ())
-                        .unwrap_or_else(|e| eprintln!("k3-store: cannot spawn a thread: {e}"));
+                    backoff.succeeded();
+                    self.admit(stream);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => eprintln!("k3-store: accept failed: {e}"),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let out_of_fds = matches!(
+                        e.raw_os_error(),
+                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                    );
+                    // Out of descriptors: make room by closing the oldest connection that has
+                    // not said Hello (a well-behaved client says it at once), then retry soon.
+                    if out_of_fds && self.shared.evict_oldest_pending() {
+                        std::thread::sleep(Duration::from_millis(2));
+                        continue;
+                    }
+                    let wait = backoff.failed(&format!("accept failed: {e}"));
+                    std::thread::sleep(wait);
+                }
             }
         }
         // One place for every shutdown cause: stop accepting, drain, clean up.
@@ -131,16 +313,58 @@ impl<B: Backend> Server<B> {
         }
         self.shared.in_flight.load(Ordering::SeqCst)
     }
+
+    /// A new connection: refused with an error at the connection cap, else served by a thread.
+    fn admit(&self, mut stream: UnixStream) {
+        let limits = &self.shared.limits;
+        if self.shared.connections.load(Ordering::SeqCst) >= limits.max_connections {
+            // The reply fits an empty socket buffer; never wait for it.
+            let _ = stream.set_nonblocking(true);
+            let _ = wire::write_frame(
+                &mut stream,
+                &Response::Error {
+                    message: format!(
+                        "the store already serves {} connections, its limit; try again later",
+                        limits.max_connections
+                    ),
+                },
+            );
+            return;
+        }
+        let _ = stream.set_nonblocking(false);
+        self.shared.connections.fetch_add(1, Ordering::SeqCst);
+        let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
+        lock(&self.shared.pending).insert(id, (stream.as_raw_fd(), Instant::now()));
+        let conn = Conn {
+            shared: self.shared.clone(),
+            id,
+            accepted: Instant::now(),
+            stream,
+        };
+        // If the thread cannot start, the closure (and with it `conn`) is dropped: closed.
+        if let Err(e) = std::thread::Builder::new()
+            .name("k3-conn".into())
+            .spawn(move || serve_connection(conn))
+        {
+            eprintln!("k3-store: cannot start a connection thread: {e}");
+        }
+    }
 }
 
-/// SIGTERM and SIGINT set `stop`; a second one exits the process at once (status 1).
-pub fn install_signal_handlers(stop: &Arc<AtomicBool>) -> std::io::Result<()> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
+/// SIGTERM and SIGINT set `stop`; a second one exits the process at once (status 1). SIGHUP sets
+/// `hup`, which the server logs and otherwise ignores (the store has nothing to reload; a
+/// detached store must not die with the terminal that started it).
+pub fn install_signal_handlers(
+    stop: &Arc<AtomicBool>,
+    hup: &Arc<AtomicBool>,
+) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     for sig in [SIGTERM, SIGINT] {
         // Order matters: the conditional shutdown fires only if `stop` is already set.
         signal_hook::flag::register_conditional_shutdown(sig, 1, stop.clone())?;
         signal_hook::flag::register(sig, stop.clone())?;
     }
+    signal_hook::flag::register(SIGHUP, hup.clone())?;
     Ok(())
 }
 
@@ -157,14 +381,140 @@ impl Drop for InFlight<'_> {
     }
 }
 
-fn serve_connection<B: Backend>(shared: Arc<Shared<B>>, mut stream: UnixStream) {
-    let id = shared.next_id.fetch_add(1, Ordering::SeqCst);
+/// One connection. Dropping it takes it off the pending list and the connection count before
+/// its descriptor is closed (fields drop after `drop` runs).
+struct Conn<B: Backend> {
+    shared: Arc<Shared<B>>,
+    id: ConnId,
+    accepted: Instant,
+    stream: UnixStream,
+}
+
+impl<B: Backend> Drop for Conn<B> {
+    fn drop(&mut self) {
+        self.shared.handshaken(self.id);
+        self.shared.connections.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Reads from a stream, failing with `TimedOut` once `deadline` has passed.
+struct DeadlineReader<'a> {
+    stream: &'a UnixStream,
+    deadline: Instant,
+}
+
+impl Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        match (&mut &*self.stream).read(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                Err(std::io::ErrorKind::TimedOut.into())
+            }
+            r => r,
+        }
+    }
+}
+
+/// Read one request of at most [`wire::MAX_REQUEST_FRAME`] bytes. Waits for its first byte until
+/// `idle_deadline` (forever if `None`); once it has started, the frame must be complete within
+/// the frame timeout (and the idle deadline).
+fn read_request(
+    stream: &UnixStream,
+    idle_deadline: Option<Instant>,
+    frame_timeout: Duration,
+) -> Result<Request, WireError> {
+    loop {
+        let timeout = match idle_deadline {
+            None => nix::poll::PollTimeout::NONE,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(WireError::Io(std::io::ErrorKind::TimedOut.into()));
+                }
+                nix::poll::PollTimeout::try_from(left).unwrap_or(nix::poll::PollTimeout::MAX)
+            }
+        };
+        let mut fds = [nix::poll::PollFd::new(
+            stream.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        match nix::poll::poll(&mut fds, timeout) {
+            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
+            Ok(_) => break,
+            Err(e) => return Err(WireError::Io(e.into())),
+        }
+    }
+    let started = Instant::now() + frame_timeout;
+    let deadline = idle_deadline.map_or(started, |d| d.min(started));
+    wire::read_frame_limited(
+        &mut DeadlineReader { stream, deadline },
+        wire::MAX_REQUEST_FRAME,
+    )
+}
+
+/// Send `resp`; a reply too large for one frame is replaced by an error saying so. False when the
+/// client is gone (or did not take the reply within the write timeout).
+fn reply(
+    stream: &mut UnixStream,
+    resp: &Response,
+    fd: Option<std::os::fd::BorrowedFd<'_>>,
+) -> bool {
+    match ipc::send_frame(stream, resp, fd) {
+        Ok(()) => true,
+        Err(WireError::TooLong { len, limit }) => ipc::send_frame(
+            stream,
+            &Response::Error {
+                message: format!("the reply ({len} bytes) exceeds the {limit}-byte frame limit"),
+            },
+            None,
+        )
+        .is_ok(),
+        Err(_) => false,
+    }
+}
+
+fn request_name(r: &Request) -> &'static str {
+    match r {
+        Request::Hello { .. } => "Hello",
+        Request::Experts { .. } => "Experts",
+        Request::Stats => "Stats",
+        Request::Status => "Status",
+        Request::Stop => "Stop",
+        Request::ReleaseAll => "ReleaseAll",
+    }
+}
+
+/// Keep at most `max` job entries: live ones first (oldest first), then the most recent finished
+/// ones; listed in connection order.
+fn bound_jobs(jobs: &mut Vec<k3_proto::wire::JobStats>, max: usize) {
+    for j in jobs.iter_mut() {
+        if j.label.len() > wire::MAX_LABEL_BYTES {
+            j.label = wire::bounded_label(&j.label).to_string();
+        }
+    }
+    if jobs.len() > max {
+        jobs.sort_by_key(|j| (!j.live, if j.live { j.conn } else { u64::MAX - j.conn }));
+        jobs.truncate(max);
+        jobs.sort_by_key(|j| j.conn);
+    }
+}
+
+fn serve_connection<B: Backend>(mut conn: Conn<B>) {
+    let shared = conn.shared.clone();
+    let id = conn.id;
+    let limits = shared.limits.clone();
+    let stream = &mut conn.stream;
     let me = nix::unistd::getuid().as_raw();
-    match ipc::peer_uid(&stream) {
+    let _ = stream.set_write_timeout(Some(limits.write_timeout));
+    match ipc::peer_uid(stream) {
         Ok(uid) if uid == me => {}
         Ok(uid) => {
-            let _ = ipc::send_frame(
-                &mut stream,
+            reply(
+                stream,
                 &Response::Error {
                     message: format!("peer uid {uid} is not the store's uid {me}"),
                 },
@@ -172,32 +522,44 @@ fn serve_connection<B: Backend>(shared: Arc<Shared<B>>, mut stream: UnixStream) 
             );
             return;
         }
-        Err(e) => {
-            eprintln!("k3-store: cannot read peer credentials: {e}");
-            return;
-        }
+        Err(_) => return,
     }
-    // Handshake first.
-    let (kind, label) = match ipc::recv_frame::<Request>(&mut stream) {
-        Ok((
-            Request::Hello {
-                protocol_version,
-                kind,
-                label,
-            },
-            _,
-        )) => {
+    // Handshake first, complete within the handshake timeout.
+    let hello = read_request(
+        stream,
+        Some(conn.accepted + limits.handshake_timeout),
+        limits.frame_timeout,
+    );
+    let (kind, label) = match hello {
+        Ok(Request::Hello {
+            protocol_version,
+            kind,
+            label,
+        }) => {
             if let Some(refusal) = wire::check_version(protocol_version) {
-                let _ = ipc::send_frame(&mut stream, &refusal, None);
+                reply(stream, &refusal, None);
                 return;
             }
-            (kind, label)
+            (kind, wire::bounded_label(&label).to_string())
         }
-        Ok((other, _)) => {
-            let _ = ipc::send_frame(
-                &mut stream,
+        Ok(other) => {
+            reply(
+                stream,
                 &Response::Error {
-                    message: format!("the first message must be Hello, got {other:?}"),
+                    message: format!(
+                        "the first message must be Hello, got {}",
+                        request_name(&other)
+                    ),
+                },
+                None,
+            );
+            return;
+        }
+        Err(e @ (WireError::TooLong { .. } | WireError::Malformed(_))) => {
+            reply(
+                stream,
+                &Response::Error {
+                    message: e.to_string(),
                 },
                 None,
             );
@@ -205,6 +567,7 @@ fn serve_connection<B: Backend>(shared: Arc<Shared<B>>, mut stream: UnixStream) 
         }
         Err(_) => return,
     };
+    shared.handshaken(id);
     let (model_dir, trunk_dir) = shared.backend.dirs();
     let welcome = |shm_bytes| Response::Welcome {
         protocol_version: wire::PROTOCOL_VERSION,
@@ -214,33 +577,32 @@ fn serve_connection<B: Backend>(shared: Arc<Shared<B>>, mut stream: UnixStream) 
     };
     let sent = match kind {
         ClientKind::Worker => match shared.backend.worker_fd() {
-            Ok((fd, len)) => ipc::send_frame(&mut stream, &welcome(len), Some(fd.as_fd())),
-            Err(e) => ipc::send_frame(
-                &mut stream,
+            Ok((fd, len)) => reply(stream, &welcome(len), Some(fd.as_fd())),
+            Err(e) => reply(
+                stream,
                 &Response::Error {
                     message: format!("cannot share memory: {e}"),
                 },
                 None,
             ),
         },
-        ClientKind::Control => ipc::send_frame(&mut stream, &welcome(0), None),
+        ClientKind::Control => reply(stream, &welcome(0), None),
     };
-    if sent.is_err() {
+    if !sent {
         return;
     }
     shared.backend.opened(id, kind, &label);
-    shared
-        .clients
-        .lock()
-        .expect("clients lock")
-        .push((id, label));
+    lock(&shared.clients).push((id, label));
+    // One request at a time per connection: it is read, served and answered before the next is
+    // read (requests a client pipelines wait in the kernel's socket buffer, not in the store).
     loop {
-        let req = match ipc::recv_frame::<Request>(&mut stream) {
-            Ok((r, _)) => r,
+        let req = match read_request(stream, None, limits.frame_timeout) {
+            Ok(r) => r,
             Err(WireError::Closed) => break,
+            Err(WireError::Io(_)) => break,
             Err(e) => {
-                let _ = ipc::send_frame(
-                    &mut stream,
+                reply(
+                    stream,
                     &Response::Error {
                         message: e.to_string(),
                     },
@@ -270,17 +632,24 @@ fn serve_connection<B: Backend>(shared: Arc<Shared<B>>, mut stream: UnixStream) 
             Request::Stats => {
                 let mut s = shared.backend.stats(id);
                 s.uptime_seconds = shared.started.elapsed().as_secs_f64();
+                bound_jobs(&mut s.jobs, limits.max_listed_jobs);
                 Response::Stats(s)
             }
             Request::Status => {
                 let mut s = shared.backend.status();
-                s.clients = shared
-                    .clients
-                    .lock()
-                    .expect("clients lock")
+                let clients = lock(&shared.clients);
+                s.clients = clients
                     .iter()
+                    .take(limits.max_listed_jobs)
                     .map(|(_, l)| l.clone())
                     .collect();
+                if clients.len() > limits.max_listed_jobs {
+                    s.clients.push(format!(
+                        "(and {} more)",
+                        clients.len() - limits.max_listed_jobs
+                    ));
+                }
+                drop(clients);
                 s.uptime_seconds = shared.started.elapsed().as_secs_f64();
                 Response::Status(s)
             }
@@ -293,15 +662,11 @@ fn serve_connection<B: Backend>(shared: Arc<Shared<B>>, mut stream: UnixStream) 
                 Response::Released
             }
         };
-        if ipc::send_frame(&mut stream, &resp, None).is_err() {
+        if !reply(stream, &resp, None) {
             break;
         }
     }
-    // Disconnect (clean or SIGKILL): every lease goes.
+    // Disconnect (clean, SIGKILL or cut off by a timeout): every lease goes.
     shared.backend.closed(id);
-    shared
-        .clients
-        .lock()
-        .expect("clients lock")
-        .retain(|(c, _)| *c != id);
+    lock(&shared.clients).retain(|(c, _)| *c != id);
 }

@@ -1,0 +1,665 @@
+//! The store against other users and hostile or broken clients (issue 13, items 2 and 3), with
+//! real processes: a socket directory squatted by another uid or writable by others, a symlink
+//! planted as the log, relative paths from another directory, the descriptor limit, idle and
+//! half-sent clients, oversized labels, SIGHUP, and a store killed and restarted on its socket.
+//!
+//! The squatter tests need a second uid: they run it as uid 65534 when the tests run as root,
+//! and print a message and skip otherwise.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use k3_proto::wire::{self, ClientKind, Request, Response, PROTOCOL_VERSION};
+use k3_store::client::Client;
+use k3_tests::{
+    ids_arg, is_root, pid_gone, poll_until, reference_greedy, reference_prompt, rss_bytes,
+    send_signal, tiny_model, Run, Sandbox,
+};
+use serde_json::Value;
+
+const NOBODY: u32 = 65534;
+
+fn s(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+fn chmod(p: &Path, mode: u32) {
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).expect("chmod");
+}
+
+fn start_tiny(sb: &mut Sandbox, trunk: &Path) -> Run {
+    let model = tiny_model();
+    sb.start_store(&[s(&model), "--trunk", s(trunk), "--preset", "laptop"])
+}
+
+/// The ids a worker printed (no tokenizer: space-separated ids).
+fn printed_ids(r: &Run) -> Vec<u32> {
+    r.stdout
+        .split_whitespace()
+        .filter_map(|t| t.parse().ok())
+        .collect()
+}
+
+/// Worker args for a short reference run (the first `n` reference ids).
+fn worker_args(ids: &str, n: usize) -> Vec<String> {
+    ["--ids", ids, "--gen", &n.to_string(), "--threads", "1"]
+        .iter()
+        .map(|x| x.to_string())
+        .collect()
+}
+
+fn assert_reference(r: &Run, n: usize) {
+    assert_eq!(r.code, 0, "worker failed: {r:?}");
+    assert_eq!(printed_ids(r), reference_greedy()[..n].to_vec(), "{r:?}");
+}
+
+/// A raw connection that says Hello as `kind` with `label` (sent as is, however long) and returns
+/// the stream and the store's first answer.
+fn raw_hello(socket: &Path, kind: ClientKind, label: &str) -> (UnixStream, Option<Response>) {
+    let mut c = UnixStream::connect(socket).expect("connect");
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let frame = raw_frame(&Request::Hello {
+        protocol_version: PROTOCOL_VERSION,
+        kind,
+        label: label.to_string(),
+    });
+    let _ = c.write_all(&frame);
+    let answer = wire::read_frame::<Response, _>(&mut c).ok();
+    (c, answer)
+}
+
+/// A frame built by hand around `msg` (what a client may send, up to the general frame limit).
+fn raw_frame(msg: &Request) -> Vec<u8> {
+    wire::encode(msg).expect("encodable")
+}
+
+/// `msg`'s postcard body.
+fn postcard_body(msg: &Request) -> Vec<u8> {
+    raw_frame(msg)[4..].to_vec()
+}
+
+/// A Hello whose label is `n` bytes, as a hostile client would send it (over any limit).
+fn huge_hello_frame(n: usize) -> Vec<u8> {
+    // Postcard: enum tag (varint), u32 varint, kind tag, string = varint length + bytes.
+    let head = postcard_body(&Request::Hello {
+        protocol_version: PROTOCOL_VERSION,
+        kind: ClientKind::Worker,
+        label: String::new(),
+    });
+    let mut body = head[..head.len() - 1].to_vec(); // drop the empty string's length (0)
+    let mut len = n as u64;
+    loop {
+        let b = (len & 0x7f) as u8;
+        len >>= 7;
+        if len == 0 {
+            body.push(b);
+            break;
+        }
+        body.push(b | 0x80);
+    }
+    body.extend(std::iter::repeat_n(b'L', n));
+    let mut f = (body.len() as u32).to_le_bytes().to_vec();
+    f.extend_from_slice(&body);
+    f
+}
+
+/// True once the peer has closed `c` (read returns 0 or an error other than a timeout).
+fn closed_within(c: &mut UnixStream, within: Duration) -> Option<Duration> {
+    let t0 = Instant::now();
+    c.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    while t0.elapsed() < within {
+        match c.read(&mut buf) {
+            Ok(0) => return Some(t0.elapsed()),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return Some(t0.elapsed()),
+        }
+    }
+    None
+}
+
+fn log_len(p: &Path) -> u64 {
+    std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)
+}
+
+fn read_log(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_default()
+}
+
+/// A store run by uid 65534 in `dir` (owned by it), in the foreground; returns once it serves.
+fn squatter_store(sb: &Sandbox, trunk: &Path, socket: &Path) -> k3_tests::Spawned {
+    let model = tiny_model();
+    let mut c = sb.command(
+        "k3-store",
+        &[
+            "start",
+            s(&model),
+            "--trunk",
+            s(trunk),
+            "--preset",
+            "laptop",
+            "--socket",
+            s(socket),
+        ],
+    );
+    c.uid(NOBODY).gid(NOBODY);
+    let sq = sb.spawn_command("squatter", c);
+    let up = poll_until(Duration::from_secs(20), || {
+        read_log(&sq.stderr_path).contains("serving").then_some(())
+    });
+    assert!(
+        up.is_some(),
+        "the squatter's store did not start: {}",
+        read_log(&sq.stderr_path)
+    );
+    sq
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn squatted_socket_directory_and_foreign_store_are_refused() {
+    if !is_root() {
+        println!("SKIPPED squatted_socket_directory_and_foreign_store_are_refused: needs root to act as a second uid");
+        return;
+    }
+    let sb = Sandbox::new("squat");
+    let trunk = sb.pack_tiny_trunk();
+    let ids = ids_arg(&reference_prompt());
+    // Another user creates the default socket directory first and serves its own store there.
+    let xdg = sb.xdg_dir();
+    let squat = xdg.join("k3");
+    std::fs::create_dir_all(&squat).unwrap();
+    std::os::unix::fs::chown(&squat, Some(NOBODY), Some(NOBODY)).unwrap();
+    chmod(&squat, 0o700);
+    let squat_sock = squat.join("store.sock");
+    let squatter = squatter_store(&sb, &trunk, &squat_sock);
+
+    // Our worker and k3-ctl at the default path: exit 3 before connecting, naming the owner.
+    let args = worker_args(&ids, 2);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    // (An honest store of another uid refuses us too; the check must not depend on the other
+    // user's store being honest, so the reason must be our own check's.)
+    let r = sb.run("k3-worker", &args);
+    assert_eq!(r.code, 3, "worker used another user's store: {r:?}");
+    assert!(r.stderr.contains("belongs to uid 65534"), "{r:?}");
+    for cmd in ["stats", "status", "stop"] {
+        let r = sb.run("k3-ctl", &[cmd]);
+        assert_eq!(r.code, 3, "k3-ctl {cmd}: {r:?}");
+        assert!(
+            r.stderr.contains("belongs to uid 65534"),
+            "k3-ctl {cmd}: {r:?}"
+        );
+    }
+    // Our store refuses the directory (exit 2) and leaves nothing in it.
+    let model = tiny_model();
+    let before: Vec<_> = std::fs::read_dir(&squat).unwrap().collect();
+    let r = sb.run(
+        "k3-store",
+        &[
+            "start",
+            s(&model),
+            "--trunk",
+            s(&trunk),
+            "--preset",
+            "laptop",
+            "--detach",
+        ],
+    );
+    assert_eq!(r.code, 2, "store used a squatted directory: {r:?}");
+    assert!(r.stderr.contains("uid 65534"), "{r:?}");
+    assert!(!squat.join("store.log").exists(), "a log was opened there");
+    assert_eq!(std::fs::read_dir(&squat).unwrap().count(), before.len());
+
+    // A directory of ours whose socket leads to the other user's store: the directory passes,
+    // the store's uid (SO_PEERCRED) does not.
+    let ours = sb.dir.join("run");
+    std::fs::create_dir_all(&ours).unwrap();
+    chmod(&ours, 0o700);
+    let link = ours.join("store.sock");
+    std::os::unix::fs::symlink(&squat_sock, &link).unwrap();
+    let mut args = args.clone();
+    args.extend_from_slice(&["--socket", s(&link)]);
+    let r = sb.run("k3-worker", &args);
+    assert_eq!(r.code, 3, "worker attached to uid 65534's store: {r:?}");
+    assert!(r.stderr.contains("runs as uid 65534"), "{r:?}");
+    let r = sb.run("k3-ctl", &["stats", "--socket", s(&link)]);
+    assert_eq!(r.code, 3, "{r:?}");
+    assert!(r.stderr.contains("runs as uid 65534"), "{r:?}");
+
+    // The squatter's store never saw a request from us.
+    assert!(!pid_gone(squatter.pid()), "the squatter's store died");
+    drop(squatter);
+}
+
+#[test]
+fn socket_directory_writable_by_others_is_refused() {
+    let mut sb = Sandbox::new("mode");
+    let trunk = sb.pack_tiny_trunk();
+    let ids = ids_arg(&reference_prompt());
+    let dir = sb.socket.parent().unwrap().to_path_buf();
+    std::fs::create_dir_all(&dir).unwrap();
+    chmod(&dir, 0o777);
+    let model = tiny_model();
+    let sock = sb.socket.clone();
+    let r = sb.run(
+        "k3-store",
+        &[
+            "start",
+            s(&model),
+            "--trunk",
+            s(&trunk),
+            "--preset",
+            "laptop",
+            "--socket",
+            s(&sock),
+            "--detach",
+        ],
+    );
+    assert_eq!(r.code, 2, "store used a 0777 directory: {r:?}");
+    assert!(r.stderr.contains("0777"), "{r:?}");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "nothing opened"
+    );
+
+    // A private directory works; made writable by others afterwards, clients refuse it.
+    chmod(&dir, 0o700);
+    start_tiny(&mut sb, &trunk);
+    let args = worker_args(&ids, 2);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_reference(&sb.worker(&args), 2);
+    for mode in [0o777, 0o770, 0o702] {
+        chmod(&dir, mode);
+        let r = sb.worker(&args);
+        assert_eq!(r.code, 3, "mode {mode:o}: {r:?}");
+        assert!(r.stderr.contains("can write"), "{r:?}");
+        let r = sb.ctl(&["stats"]);
+        assert_eq!(r.code, 3, "mode {mode:o}: {r:?}");
+    }
+    // Readable by others but not writable: accepted (the socket itself is 0600).
+    chmod(&dir, 0o755);
+    assert_reference(&sb.worker(&args), 2);
+    chmod(&dir, 0o700);
+}
+
+#[test]
+fn symlink_planted_as_the_log_is_not_followed() {
+    let sb = Sandbox::new("loglink");
+    let trunk = sb.pack_tiny_trunk();
+    let dir = sb.socket.parent().unwrap().to_path_buf();
+    std::fs::create_dir_all(&dir).unwrap();
+    chmod(&dir, 0o700);
+    let secret = sb.dir.join("secret");
+    std::fs::write(&secret, b"root only\n").unwrap();
+    chmod(&secret, 0o600);
+    std::os::unix::fs::symlink(&secret, sb.store_log()).unwrap();
+    let model = tiny_model();
+    let sock = sb.socket.clone();
+    let r = sb.run(
+        "k3-store",
+        &[
+            "start",
+            s(&model),
+            "--trunk",
+            s(&trunk),
+            "--preset",
+            "laptop",
+            "--socket",
+            s(&sock),
+            "--detach",
+        ],
+    );
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("symbolic link"), "{r:?}");
+    assert_eq!(std::fs::read(&secret).unwrap(), b"root only\n");
+    assert!(!sock.exists(), "no store was started");
+}
+
+#[test]
+fn relative_paths_work_from_another_directory() {
+    let mut sb = Sandbox::new("relative");
+    let here = sb.dir.join("here");
+    let there = sb.dir.join("there");
+    std::fs::create_dir_all(&here).unwrap();
+    // A decoy checkpoint and trunk where the worker runs: they must not be used.
+    std::fs::create_dir_all(there.join("model")).unwrap();
+    std::fs::create_dir_all(there.join("trunk")).unwrap();
+    std::fs::write(there.join("model/config.json"), b"{}").unwrap();
+    sb.pack_trunk(&tiny_model(), "here/trunk");
+    std::os::unix::fs::symlink(tiny_model(), here.join("model")).unwrap();
+
+    let mut c = sb.command(
+        "k3-store",
+        &[
+            "start", "model", "--trunk", "./trunk", "--preset", "laptop", "--socket", "r.sock",
+            "--log", "r.log", "--detach",
+        ],
+    );
+    c.current_dir(&here);
+    let r = sb.run_command(c);
+    sb.socket = here.join("r.sock");
+    sb.adopt_store(r);
+    assert!(here.join("r.log").exists(), "the log is where it was asked");
+
+    // From another directory, with a relative socket path.
+    let ids = ids_arg(&reference_prompt());
+    let mut args = worker_args(&ids, 3);
+    args.extend(["--socket".into(), "../here/r.sock".into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut w = sb.command("k3-worker", &args);
+    w.current_dir(&there);
+    assert_reference(&sb.run_command(w), 3);
+    // The handshake carried absolute, canonical paths.
+    let st = sb.ctl(&["status"]);
+    assert_eq!(st.code, 0, "{st:?}");
+    let canon_model = std::fs::canonicalize(tiny_model()).unwrap();
+    let canon_trunk = std::fs::canonicalize(here.join("trunk")).unwrap();
+    assert!(
+        st.stdout
+            .contains(&format!("model: {}\n", canon_model.display())),
+        "{st:?}"
+    );
+    assert!(
+        st.stdout
+            .contains(&format!("trunk: {}\n", canon_trunk.display())),
+        "{st:?}"
+    );
+}
+
+#[test]
+fn descriptor_limit_backs_off_and_keeps_serving() {
+    let mut sb = Sandbox::new("fdlimit");
+    let trunk = sb.pack_tiny_trunk();
+    let model = tiny_model();
+    let sock = sb.socket.clone();
+    let store = k3_tests::bin("k3-store");
+    // The store (and its detached child) under a 40-descriptor limit.
+    let mut c = std::process::Command::new("sh");
+    c.args([
+        "-c",
+        "ulimit -n 40 && exec \"$0\" \"$@\"",
+        s(&store),
+        "start",
+        s(&model),
+        "--trunk",
+        s(&trunk),
+        "--preset",
+        "laptop",
+        "--socket",
+        s(&sock),
+        "--detach",
+    ])
+    .env("XDG_RUNTIME_DIR", sb.xdg_dir());
+    let r = sb.run_command(c);
+    let r = sb.adopt_store(r);
+    let pid = sb.store_pid().unwrap();
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    assert!(
+        limits
+            .lines()
+            .any(|l| l.starts_with("Max open files") && l.contains(" 40 ")),
+        "{limits}\n{r:?}"
+    );
+    let log = sb.store_log();
+    // k3-ctl stats, given at most 10 s (a store that cannot serve fails the test, not hangs it).
+    let ctl_stats = || {
+        let mut args = vec!["stats", "--json", "--socket"];
+        args.push(s(&sock));
+        sb.spawn("k3-ctl", &args).wait(Duration::from_secs(10))
+    };
+
+    // 1. A flood of connections that never say Hello: the store runs out of descriptors, closes
+    //    the oldest silent ones to make room, and a well-behaved client is served promptly.
+    let silent: Vec<UnixStream> = (0..100)
+        .map(|_| UnixStream::connect(&sock).expect("connect"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = Instant::now();
+    let r = ctl_stats();
+    assert_eq!(r.code, 0, "{r:?}");
+    println!(
+        "measured: k3-ctl stats served in {:.3} s with 100 silent connections at a 40-fd limit",
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "k3-ctl stats took {:?} with silent clients",
+        t0.elapsed()
+    );
+    drop(silent);
+
+    // 2. Clients that do say Hello and then hold their connections (they may: a worker that
+    //    computes or a chat that waits): the store cannot make room, backs off and logs at most a
+    //    few lines, not a line per failed accept.
+    let mut held = Vec::new();
+    for i in 0..60 {
+        let mut c = UnixStream::connect(&sock).expect("connect");
+        c.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        c.write_all(&raw_frame(&Request::Hello {
+            protocol_version: PROTOCOL_VERSION,
+            kind: ClientKind::Control,
+            label: format!("holder {i}"),
+        }))
+        .unwrap();
+        let answered = wire::read_frame::<Response, _>(&mut c).is_ok();
+        held.push(c);
+        if !answered {
+            break; // the store is out of descriptors: this one waits in the backlog
+        }
+    }
+    let extra: Vec<UnixStream> = (0..20)
+        .filter_map(|_| UnixStream::connect(&sock).ok())
+        .collect();
+    let len0 = log_len(&log);
+    std::thread::sleep(Duration::from_secs(3));
+    let grown = log_len(&log) - len0;
+    println!(
+        "measured: {} holders; the log grew by {grown} bytes in 3 s at the descriptor limit",
+        held.len()
+    );
+    assert!(
+        grown < 2048,
+        "the log grew by {grown} bytes in 3 s at the descriptor limit:\n{}",
+        read_log(&log)
+    );
+    assert!(
+        read_log(&log).contains("Too many open files"),
+        "the limit was reached and said once: {}",
+        read_log(&log)
+    );
+    // The holders leave: a well-behaved client is served within the back-off's cap.
+    drop(held);
+    drop(extra);
+    let t0 = Instant::now();
+    let r = ctl_stats();
+    assert_eq!(r.code, 0, "{r:?}");
+    println!(
+        "measured: k3-ctl stats served {:.3} s after the holders left",
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    let ids = ids_arg(&reference_prompt());
+    let args = worker_args(&ids, 2);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_reference(&sb.worker(&args), 2);
+}
+
+#[test]
+fn idle_and_half_sent_clients_are_cut_off_and_cost_little() {
+    let mut sb = Sandbox::new("idle");
+    let trunk = sb.pack_tiny_trunk();
+    start_tiny(&mut sb, &trunk);
+    let pid = sb.store_pid().unwrap();
+    let sock = sb.socket.clone();
+    let rss0 = rss_bytes(pid);
+
+    // Announcing a 1 MiB frame before the handshake: refused at its length prefix.
+    let mut big: Vec<UnixStream> = (0..100)
+        .map(|_| {
+            let mut c = UnixStream::connect(&sock).unwrap();
+            let _ = c.write_all(&wire::MAX_FRAME.to_le_bytes());
+            let _ = c.write_all(&vec![7u8; 512 << 10]);
+            c
+        })
+        .collect();
+    // After the handshake, frames announced at 60 000 bytes and cut at half.
+    let mut half: Vec<UnixStream> = (0..100)
+        .map(|i| {
+            let (mut c, w) = raw_hello(&sock, ClientKind::Control, &format!("half {i}"));
+            assert!(matches!(w, Some(Response::Welcome { .. })), "{w:?}");
+            c.write_all(&60_000u32.to_le_bytes()).unwrap();
+            c.write_all(&vec![1u8; 30_000]).unwrap();
+            c
+        })
+        .collect();
+    // Silent before the handshake, and an attached worker idle after it.
+    let mut silent = UnixStream::connect(&sock).unwrap();
+    let mut idle_worker = Client::connect(&sock, ClientKind::Worker, "idle worker").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let grown = rss_bytes(pid).saturating_sub(rss0);
+    println!(
+        "measured: store RSS {:.1} MB -> +{:.1} MB with 100 announced 1 MiB frames and 100 \
+         half-sent 60 KB frames",
+        rss0 as f64 / 1e6,
+        grown as f64 / 1e6
+    );
+    assert!(
+        grown < 40 << 20,
+        "store RSS grew by {} MB with 200 half-sent frames",
+        grown >> 20
+    );
+    for c in big.iter_mut() {
+        assert!(
+            closed_within(c, Duration::from_secs(2)).is_some(),
+            "a 1 MiB frame announcement was not refused at once"
+        );
+    }
+    // The handshake and frame timeouts (5 s) close the silent and the half-sent ones.
+    let t = closed_within(&mut silent, Duration::from_secs(9));
+    assert!(t.is_some(), "a client that never says Hello is kept");
+    println!(
+        "measured: a silent client was closed {:?} after the first checks",
+        t.unwrap()
+    );
+    for c in half.iter_mut() {
+        assert!(
+            closed_within(c, Duration::from_secs(3)).is_some(),
+            "a half-sent frame is kept"
+        );
+    }
+    // The idle worker is still attached and served.
+    match idle_worker.call(&Request::Stats) {
+        Ok(Response::Stats(_)) => {}
+        other => panic!("idle worker: {other:?}"),
+    }
+    drop(idle_worker);
+    let stats = sb.stats();
+    assert_eq!(stats["workers"].as_u64(), Some(0), "{stats}");
+}
+
+#[test]
+fn oversized_labels_keep_stats_and_status_working() {
+    let mut sb = Sandbox::new("labels");
+    let trunk = sb.pack_tiny_trunk();
+    start_tiny(&mut sb, &trunk);
+    let sock = sb.socket.clone();
+    // 300 KB labels: over the request frame limit, refused with the reason.
+    for _ in 0..5 {
+        let mut c = UnixStream::connect(&sock).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = c.write_all(&huge_hello_frame(300_000));
+        match wire::read_frame::<Response, _>(&mut c) {
+            Ok(Response::Error { message }) => assert!(message.contains("limit"), "{message}"),
+            other => panic!("300 KB label: {other:?}"),
+        }
+    }
+    // 60 KB labels fit a frame: accepted and cut to the documented length. 80 of them: more jobs
+    // than a stats reply lists.
+    let held: Vec<UnixStream> = (0..80)
+        .map(|i| {
+            let label = format!("{i:03}{}", "L".repeat(60_000));
+            let (c, w) = raw_hello(&sock, ClientKind::Worker, &label);
+            assert!(matches!(w, Some(Response::Welcome { .. })), "{w:?}");
+            c
+        })
+        .collect();
+    let r = sb.ctl(&["stats", "--json"]);
+    assert_eq!(r.code, 0, "{r:?}");
+    let st: Value = serde_json::from_str(r.stdout.trim()).unwrap();
+    let jobs = st["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 64, "stats lists at most 64 jobs");
+    assert_eq!(st["workers"].as_u64(), Some(80), "{}", st["workers"]);
+    for j in jobs {
+        let l = j["label"].as_str().unwrap();
+        assert!(
+            l.len() <= wire::MAX_LABEL_BYTES,
+            "label of {} bytes",
+            l.len()
+        );
+        assert!(l.ends_with('L'));
+    }
+    let r = sb.ctl(&["stats"]);
+    assert_eq!(r.code, 0, "{r:?}");
+    let r = sb.ctl(&["status"]);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(r.stdout.contains("(and 17 more)"), "{}", r.stdout.len());
+    drop(held);
+    let ids = ids_arg(&reference_prompt());
+    let args = worker_args(&ids, 2);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_reference(&sb.worker(&args), 2);
+}
+
+#[test]
+fn sighup_is_logged_and_ignored() {
+    let mut sb = Sandbox::new("hup");
+    let trunk = sb.pack_tiny_trunk();
+    start_tiny(&mut sb, &trunk);
+    let pid = sb.store_pid().unwrap();
+    send_signal(pid, "HUP");
+    let logged = poll_until(Duration::from_secs(5), || {
+        read_log(&sb.store_log()).contains("SIGHUP").then_some(())
+    });
+    assert!(logged.is_some(), "{}", read_log(&sb.store_log()));
+    assert!(!pid_gone(pid), "the store died of SIGHUP");
+    assert_eq!(sb.ctl(&["stats"]).code, 0);
+}
+
+#[test]
+fn store_killed_and_restarted_on_its_socket_leaves_nothing_behind() {
+    let mut sb = Sandbox::new("restart");
+    let trunk = sb.pack_tiny_trunk();
+    let ids = ids_arg(&reference_prompt());
+    let args = worker_args(&ids, 2);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    start_tiny(&mut sb, &trunk);
+    assert_reference(&sb.worker(&args), 2);
+    let first = sb.signal_store("KILL");
+    assert!(sb.socket.exists(), "a killed store leaves its socket");
+    start_tiny(&mut sb, &trunk);
+    let second = sb.store_pid().unwrap();
+    assert_ne!(first, second);
+    assert_reference(&sb.worker(&args), 2);
+    let r = sb.stop_store().expect("running");
+    assert_eq!(r.code, 0, "{r:?}");
+    assert!(pid_gone(first) && pid_gone(second));
+    let left: Vec<PathBuf> = std::fs::read_dir(sb.socket.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(left, vec![sb.store_log()], "only the log stays");
+    let log = read_log(&sb.store_log());
+    assert_eq!(log.matches("k3-store: stopped").count(), 1, "{log}");
+}
