@@ -7,6 +7,7 @@ mod inspect;
 mod pack;
 mod presets;
 mod replay;
+mod serve;
 mod store_cmds;
 mod tokenize;
 
@@ -40,6 +41,8 @@ enum Cmd {
     ReplayTrace(replay::Args),
     /// CPU, SIMD tiers, RAM -> recommended preset, disk bandwidth measured the way the engine reads.
     Doctor(doctor::Args),
+    /// OpenAI-compatible HTTP server in front of a running store (one worker per request).
+    Serve(serve::Args),
 }
 
 fn main() {
@@ -66,6 +69,7 @@ fn main() {
         Cmd::Presets(a) => presets::run(a),
         Cmd::ReplayTrace(a) => replay::run(a),
         Cmd::Doctor(a) => doctor::run(a),
+        Cmd::Serve(a) => serve::run(a),
     };
     std::process::exit(code);
 }
