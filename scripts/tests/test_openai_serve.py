@@ -95,7 +95,8 @@ def world():
             cramped = Server(sock, d / "serve-cramped.log", "--max-jobs", "1", "--queue", "0",
                              "--max-body", "4096", "--threads", "1")
             servers.append(cramped)
-            yield {"dir": d, "sock": sock, "main": main, "cramped": cramped, "env": env}
+            yield {"dir": d, "sock": sock, "main": main, "cramped": cramped, "env": env, "model": model,
+                   "trunk": d / "trunk"}
         finally:
             for s in servers:
                 s.stop()
@@ -388,14 +389,21 @@ def test_a_disconnect_mid_stream_kills_and_reaps_the_worker(world):
     wait_for(lambda: not live_worker_pids(world), "the store to show no live job")
 
 
-def test_a_disconnect_while_waiting_for_a_whole_answer_kills_the_worker(world):
-    s = socket.create_connection(("127.0.0.1", world["main"].port), timeout=60)
-    body = json.dumps(LONG).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    pids = wait_for(lambda: live_worker_pids(world), "the worker to attach")
-    s.close()
-    wait_for(lambda: reaped(pids[0]), f"worker pid {pids[0]} to be killed and reaped")
-    wait_for(lambda: not live_worker_pids(world), "the store to show no live job")
+def test_a_disconnect_during_the_prefill_kills_the_worker_at_once(world):
+    """Before its first token the worker writes nothing for seconds (a 1500-id prefill), so only
+    an explicit kill ends it quickly: losing its pipes would stop it only at its next write."""
+    prompt = [1000 + (i * 7919) % 90000 for i in range(1500)]
+    for stream in (False, True):
+        s = socket.create_connection(("127.0.0.1", world["main"].port), timeout=60)
+        body = json.dumps(dict(LONG, prompt=prompt, stream=stream)).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        pids = wait_for(lambda: live_worker_pids(world), "the worker to attach")
+        t0 = time.monotonic()
+        s.close()
+        wait_for(lambda: reaped(pids[0]), f"worker pid {pids[0]} to be killed and reaped")
+        took = time.monotonic() - t0
+        assert took < 3.0, f"stream={stream}: the worker lived {took:.1f} s after the disconnect"
+        wait_for(lambda: not live_worker_pids(world), "the store to show no live job")
 
 
 def test_a_full_queue_answers_429_with_retry_after(world):
@@ -419,3 +427,30 @@ def test_a_full_queue_answers_429_with_retry_after(world):
             return None
     r = wait_for(served, "the slot to be freed")
     assert r.usage.completion_tokens >= 1
+
+
+def test_a_store_that_goes_down_gives_503_and_serve_exits_cleanly(world):
+    d = world["dir"]
+    sock2 = d / "run2" / "store.sock"
+    run([binary("k3-store"), "start", world["model"], "--trunk", world["trunk"], "--preset", "laptop",
+         "--socket", sock2, "--detach"], env=world["env"])
+    srv = Server(sock2, d / "serve-down.log", "--threads", "1")
+    try:
+        r = srv.client().completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert r.usage.completion_tokens == 1
+        run([binary("k3-ctl"), "stop", "--socket", sock2])
+        status, headers, body = http(srv, "POST", "/v1/completions",
+                                     json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode())
+        assert status == 503, body
+        assert_error_shape(body, "store_unavailable")
+        assert int(headers["Retry-After"]) >= 1
+        assert http(srv, "GET", "/health")[0] == 503
+        with pytest.raises(openai.InternalServerError):
+            srv.client().models.list()
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, "SIGTERM should stop serve with exit 0"
+    # Without a store, serve refuses to start: exit 3.
+    r = subprocess.run([str(binary("k3-ctl")), "serve", "--socket", str(sock2), "--listen", "127.0.0.1:0"],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 3, r
