@@ -104,10 +104,13 @@ fn fresh(prefix: &str) -> (String, u64) {
     (format!("{prefix}-{nanos:x}{n:x}"), seed)
 }
 
+/// How long a status question to the store may take.
+const STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Is the store up? (A control connection and a status request, off the async threads.)
 async fn store_up(st: &Shared) -> Result<(), ApiError> {
     let socket = st.socket.clone();
-    let r = tokio::task::spawn_blocking(move || {
+    let ask = tokio::task::spawn_blocking(move || {
         let mut c = k3_store::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
             .map_err(|e| e.to_string())?;
         match c.call(&StoreRequest::Status) {
@@ -115,9 +118,11 @@ async fn store_up(st: &Shared) -> Result<(), ApiError> {
             Ok(other) => Err(format!("unexpected answer {other:?}")),
             Err(e) => Err(e.to_string()),
         }
-    })
-    .await
-    .map_err(|e| ApiError::internal(e.to_string()))?;
+    });
+    let r = match tokio::time::timeout(STORE_TIMEOUT, ask).await {
+        Ok(joined) => joined.map_err(|e| ApiError::internal(e.to_string()))?,
+        Err(_) => Err(format!("no answer within {STORE_TIMEOUT:?}")),
+    };
     r.map_err(|m| ApiError::unavailable("store_unavailable", format!("the store is down: {m}")))
 }
 
@@ -356,6 +361,7 @@ async fn whole_response(place: Place, mut job: Job, first: Option<u32>, mut g: G
     drop(job); // a stop string: the worker is still running and is killed here
     drop(place);
     let finish = g.reply.finish().map(|f| f.as_str());
+    g.log_done(finish);
     let usage = api::usage(g.prompt.len(), g.reply.generated());
     let body = match g.kind {
         Kind::Chat => {
@@ -379,6 +385,16 @@ async fn whole_response(place: Place, mut job: Job, first: Option<u32>, mut g: G
 }
 
 impl Gen {
+    fn log_done(&self, finish: Option<&str>) {
+        eprintln!(
+            "k3-ctl serve: {} done: {} prompt + {} generated ids, finish_reason {}",
+            self.id,
+            self.prompt.len(),
+            self.reply.generated(),
+            finish.unwrap_or("-")
+        );
+    }
+
     fn reply_has_reasoning(&self) -> bool {
         self.reply.thinking()
     }
@@ -461,6 +477,7 @@ async fn step(mut s: Streaming) -> Option<(Vec<Event>, Streaming)> {
                 s.job.take(); // killed if a stop string ended the reply early
                 s.place.take();
                 let finish = s.g.reply.finish().map(|f| f.as_str());
+                s.g.log_done(finish);
                 events.push(data(&s.g.chunk(&Delta::default(), finish, s.first)));
                 if s.g.settings.include_usage {
                     events.push(data(&s.g.usage_chunk()));

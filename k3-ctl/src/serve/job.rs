@@ -241,7 +241,7 @@ impl Drop for Job {
                 rt.spawn(async move {
                     let _ = child.wait().await;
                     eprintln!(
-                        "k3-ctl serve: job of worker pid {pid} cancelled (killed and reaped)"
+                        "k3-ctl serve: worker pid {pid} stopped before its end (killed and reaped)"
                     );
                 });
             }
