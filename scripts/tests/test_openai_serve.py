@@ -229,8 +229,15 @@ def xtml_prompt(messages, effort=None):
                 "response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the "
                 f"system is invoked with `thinking_effort={effort}`.")
         s += f'<|open|>message role="system" type="thinking-effort"<|sep|>{body}<|close|>message<|sep|><|end_of_msg|>'
-    for role, text in messages:
-        s += f'<|open|>message role="{role}"<|sep|>{text}<|close|>message<|sep|><|end_of_msg|>'
+    for role, text, *reasoning in messages:
+        s += f'<|open|>message role="{role}"<|sep|>'
+        if role == "assistant":
+            if effort:
+                s += f"<|open|>think<|sep|>{reasoning[0] if reasoning else ''}<|close|>think<|sep|>"
+            s += f"<|open|>response<|sep|>{text}<|close|>response<|sep|>"
+        else:
+            s += text
+        s += "<|close|>message<|sep|><|end_of_msg|>"
     s += '<|open|>message role="assistant"<|sep|>'
     s += "<|open|>think<|sep|>" if effort else "<|open|>response<|sep|>"
     return s
@@ -257,6 +264,31 @@ def test_chat_without_thinking(world):
     assert (content, reasoning, finish) == (m.content, "", r.choices[0].finish_reason)
     assert roles == ["assistant"]
     assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
+    # `stop` cuts the content before the stop text, streamed or not.
+    full = m.content
+    assert len(full) >= 6, full
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    r = c.chat.completions.create(**kw, stop=[stop])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (full[: full.find(stop)], "stop")
+    content, _, finish, _, _ = stream_chat(c, **kw, stop=stop)
+    assert (content, finish) == (full[: full.find(stop)], "stop")
+
+
+def test_multi_turn_chat_renders_like_the_xtml_template(world):
+    c = world["main"].client()
+    turns = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello! \"Quoted\" & more", "they greet"),
+             ("user", "Sum 2+2 <|open|> literally")]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": 'Hello! "Quoted" & more', "reasoning_content": "they greet"},
+            {"role": "user", "content": [{"type": "text", "text": "Sum 2+2 "}, {"type": "text", "text": "<|open|> literally"}]}]
+    for extra, effort in (({"thinking": {"type": "disabled"}}, None), ({"reasoning_effort": "medium"}, "medium")):
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0, extra_body=extra)
+        # The user's typed "<|open|>" is text, not the marker: tokenize those parts without specials.
+        text = xtml_prompt([t if t[0] != "user" or "<|" not in t[1] else (t[0], "\0") for t in turns], effort=effort)
+        before, after = text.split("\0")
+        want = tokenize(before, special=True) + tokenize("Sum 2+2 <|open|> literally") + tokenize(after, special=True)
+        assert r.usage.prompt_tokens == len(want), extra
+        assert r.usage.completion_tokens == 1
 
 
 def test_chat_with_thinking(world):
