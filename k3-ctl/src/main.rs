@@ -7,6 +7,7 @@ mod inspect;
 mod pack;
 mod presets;
 mod replay;
+mod serve;
 mod store_cmds;
 mod tokenize;
 mod verify;
@@ -43,6 +44,8 @@ enum Cmd {
     Doctor(doctor::Args),
     /// Check every byte: the shards end to end, and each packed trunk layer against its checksum.
     Verify(verify::Args),
+    /// OpenAI-compatible HTTP server in front of a running store (one worker per request).
+    Serve(serve::Args),
 }
 
 fn main() {
@@ -70,6 +73,7 @@ fn main() {
         Cmd::ReplayTrace(a) => replay::run(a),
         Cmd::Doctor(a) => doctor::run(a),
         Cmd::Verify(a) => verify::run(a),
+        Cmd::Serve(a) => serve::run(a),
     };
     std::process::exit(code);
 }

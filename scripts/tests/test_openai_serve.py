@@ -1,0 +1,488 @@
+"""`k3-ctl serve` end to end, with the official `openai` package as the client.
+
+A `small` checkpoint (real vocabulary, so text round-trips) is generated once per module, its
+trunk packed, a store started on it, and two servers put in front of it: the main one and a
+cramped one (one job, no queue, 4 KiB bodies) for the 429 and 413 checks. The binaries are the
+built ones in `target/debug/` (override the directory with K3_BIN_DIR); `scripts/test.sh` builds
+them first. Nothing here is skipped: a missing binary or package is a failure.
+
+What is checked: streamed and whole answers give the same text (greedy and seeded sampling),
+and that text is the worker's own ids detokenized; `usage` equals the tokenizer's counts (the
+chat prompt as the XTML rendering, independently tokenized); `stop` cuts the text before the
+stop string; `max_tokens` gives finish_reason "length"; a client that disconnects (streaming or
+not) gets its worker killed and reaped; a full queue answers 429 with Retry-After; an oversized
+body 413; malformed JSON 400, unknown routes and models 404, all in the OpenAI error shape.
+"""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOK = ROOT / "fixtures" / "tokenizer"
+MODEL = "kimi-k3"
+END_IDS = (163585, 163586)
+
+
+def binary(name):
+    p = Path(os.environ.get("K3_BIN_DIR", ROOT / "target" / "debug")) / name
+    if not p.is_file():
+        pytest.fail(f"{p} not built: run `cargo build --workspace --bins` (scripts/test.sh does) or set K3_BIN_DIR")
+    return p
+
+
+def run(args, **kw):
+    r = subprocess.run([str(a) for a in args], capture_output=True, timeout=300, **kw)
+    assert r.returncode == 0, f"{args} exited {r.returncode}: {r.stderr.decode(errors='replace')[-2000:]}"
+    return r
+
+
+class Server:
+    """A `k3-ctl serve` process on an ephemeral loopback port."""
+
+    def __init__(self, sock, log, *extra):
+        self.log = open(log, "w+b")
+        self.proc = subprocess.Popen(
+            [str(binary("k3-ctl")), "serve", "--socket", str(sock), "--listen", "127.0.0.1:0", *extra],
+            stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL)
+        line = self.proc.stdout.readline().decode()
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if not m:
+            self.stop()
+            self.log.seek(0)
+            pytest.fail(f"serve did not start: {line!r} {self.log.read().decode(errors='replace')}")
+        self.port = int(m.group(1))
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def world():
+    with tempfile.TemporaryDirectory(prefix="k3-serve-") as d:
+        d = Path(d)
+        model = d / "small"
+        run([sys.executable, ROOT / "scripts" / "make-checkpoint.py", "--preset", "small", "--seed", "1", model])
+        run([binary("k3-ctl"), "pack-trunk", model, d / "trunk"])
+        sock = d / "run" / "store.sock"
+        env = dict(os.environ, XDG_RUNTIME_DIR=str(d / "xdg"))
+        run([binary("k3-store"), "start", model, "--trunk", d / "trunk", "--preset", "laptop",
+             "--socket", sock, "--detach"], env=env)
+        servers = []
+        try:
+            main = Server(sock, d / "serve-main.log", "--max-jobs", "1", "--queue", "4", "--threads", "1")
+            servers.append(main)
+            cramped = Server(sock, d / "serve-cramped.log", "--max-jobs", "1", "--queue", "0",
+                             "--max-body", "4096", "--threads", "1")
+            servers.append(cramped)
+            yield {"dir": d, "sock": sock, "main": main, "cramped": cramped, "env": env, "model": model,
+                   "trunk": d / "trunk"}
+        finally:
+            for s in servers:
+                s.stop()
+            subprocess.run([str(binary("k3-ctl")), "stop", "--socket", str(sock)], capture_output=True, timeout=60)
+
+
+def tokenize(text, special=False):
+    r = run([binary("k3-ctl"), "tokenize", "--tok", TOK, "--text", text, *(["--allow-special"] if special else [])])
+    line = r.stdout.decode().strip()
+    return [int(x) for x in line.split(",")] if line else []
+
+
+def detokenize(ids):
+    return run([binary("k3-ctl"), "detokenize", "--tok", TOK, "--ids", ",".join(map(str, ids))]).stdout
+
+
+def worker_ids(world, prompt_ids, n, *extra):
+    """The worker's own ids for a prompt (attached to the same store)."""
+    r = run([binary("k3-worker"), "--socket", world["sock"], "--ids", ",".join(map(str, prompt_ids)),
+             "--gen", str(n), "--threads", "1", *extra], env=world["env"])
+    return [int(x) for x in r.stdout.decode().split()]
+
+
+def expected_completion(world, prompt_ids, n, *extra):
+    ids = worker_ids(world, prompt_ids, n, *extra)
+    if ids and ids[-1] in END_IDS:
+        return detokenize(ids[:-1]).decode("utf-8", errors="replace"), "stop", len(ids)
+    return detokenize(ids).decode("utf-8", errors="replace"), "length", len(ids)
+
+
+def stream_completion(client, **kw):
+    text, finish, usage = "", None, None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.text
+            if c.finish_reason is not None:
+                finish = c.finish_reason
+    return text, finish, usage
+
+
+def stream_chat(client, **kw):
+    content, reasoning, finish, usage, roles = "", "", None, None, []
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.append(c.delta.role)
+            content += c.delta.content or ""
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            if c.finish_reason is not None:
+                finish = c.finish_reason
+    return content, reasoning, finish, usage, roles
+
+
+PROMPT = "The capital of France is"
+
+
+def test_models_lists_the_served_id(world):
+    c = world["main"].client()
+    assert [m.id for m in c.models.list()] == [MODEL]
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4o")
+
+
+def test_completion_is_the_workers_ids_streamed_or_not(world):
+    c = world["main"].client()
+    prompt_ids = tokenize(PROMPT)
+    want_text, want_finish, want_n = expected_completion(world, prompt_ids, 12)
+    r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want_text
+    assert r.choices[0].finish_reason == want_finish
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), want_n)
+    assert r.usage.total_tokens == len(prompt_ids) + want_n
+    text, finish, usage = stream_completion(c, model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert (text, finish) == (want_text, want_finish)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), want_n)
+    # Token ids as the prompt give the same answer.
+    r2 = c.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=0)
+    assert r2.choices[0].text == want_text
+
+
+def test_max_tokens_ends_with_length(world):
+    c = world["main"].client()
+    ids = worker_ids(world, tokenize(PROMPT), 3)
+    assert not any(i in END_IDS for i in ids), "pick another prompt: the model ends within 3 ids"
+    r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 3
+    _, finish, usage = stream_completion(c, model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert (finish, usage.completion_tokens) == ("length", 3)
+
+
+def test_seeded_sampling_is_the_workers_and_repeats(world):
+    c = world["main"].client()
+    prompt_ids = tokenize(PROMPT)
+    want_text, _, _ = expected_completion(world, prompt_ids, 10, "--temperature", "0.9", "--top-p", "0.95",
+                                          "--seed", "7")
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0.9, top_p=0.95, seed=7)
+    assert c.completions.create(**kw).choices[0].text == want_text
+    assert stream_completion(c, **kw)[0] == want_text
+    # The seed is passed through: another seed draws another text.
+    assert c.completions.create(**dict(kw, seed=8)).choices[0].text != want_text
+
+
+def test_stop_cuts_before_the_stop_text(world):
+    c = world["main"].client()
+    full = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    assert len(full) >= 8, full
+    # A stop string from the middle of the text (its first occurrence decides).
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    want = full[: full.find(stop)]
+    for stops in (stop, ["\u2603 never", stop]):
+        r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stops)
+        assert r.choices[0].text == want
+        assert r.choices[0].finish_reason == "stop"
+        assert r.usage.completion_tokens < 16
+        text, finish, _ = stream_completion(c, model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stops)
+        assert (text, finish) == (want, "stop")
+
+
+def xtml_prompt(messages, effort=None):
+    """The generation prompt as text with the markers spelled out (tokenized with specials on)."""
+    s = ""
+    if effort:
+        body = ("`thinking_effort` guides on how much to think in your thinking channel (not including the "
+                "response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the "
+                f"system is invoked with `thinking_effort={effort}`.")
+        s += f'<|open|>message role="system" type="thinking-effort"<|sep|>{body}<|close|>message<|sep|><|end_of_msg|>'
+    for role, text, *reasoning in messages:
+        s += f'<|open|>message role="{role}"<|sep|>'
+        if role == "assistant":
+            if effort:
+                s += f"<|open|>think<|sep|>{reasoning[0] if reasoning else ''}<|close|>think<|sep|>"
+            s += f"<|open|>response<|sep|>{text}<|close|>response<|sep|>"
+        else:
+            s += text
+        s += "<|close|>message<|sep|><|end_of_msg|>"
+    s += '<|open|>message role="assistant"<|sep|>'
+    s += "<|open|>think<|sep|>" if effort else "<|open|>response<|sep|>"
+    return s
+
+
+def test_chat_without_thinking(world):
+    c = world["main"].client()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    prompt_ids = tokenize(xtml_prompt([("system", "Be brief."), ("user", "What is 2+2?")]), special=True)
+    kw = dict(model=MODEL, messages=msgs, max_tokens=10, temperature=0, extra_body={"thinking": {"type": "disabled"}})
+    r = c.chat.completions.create(**kw)
+    m = r.choices[0].message
+    assert m.role == "assistant"
+    assert "reasoning_content" not in (m.model_extra or {})
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    # The reply is the worker's ids for the same rendering: with no markers generated, all of
+    # it is the response channel.
+    ids = worker_ids(world, prompt_ids, 10)
+    text_ids = [i for i in ids if i not in END_IDS]
+    assert all(i < 163584 for i in text_ids), f"the model generated a marker: pick another prompt {ids}"
+    assert m.content == detokenize(text_ids).decode("utf-8", errors="replace")
+    assert r.usage.completion_tokens == len(ids)
+    content, reasoning, finish, usage, roles = stream_chat(c, **kw)
+    assert (content, reasoning, finish) == (m.content, "", r.choices[0].finish_reason)
+    assert roles == ["assistant"]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
+    # `stop` cuts the content before the stop text, streamed or not.
+    full = m.content
+    assert len(full) >= 6, full
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    r = c.chat.completions.create(**kw, stop=[stop])
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (full[: full.find(stop)], "stop")
+    content, _, finish, _, _ = stream_chat(c, **kw, stop=stop)
+    assert (content, finish) == (full[: full.find(stop)], "stop")
+
+
+def test_multi_turn_chat_renders_like_the_xtml_template(world):
+    c = world["main"].client()
+    turns = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello! \"Quoted\" & more", "they greet"),
+             ("user", "Sum 2+2 <|open|> literally")]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": 'Hello! "Quoted" & more', "reasoning_content": "they greet"},
+            {"role": "user", "content": [{"type": "text", "text": "Sum 2+2 "}, {"type": "text", "text": "<|open|> literally"}]}]
+    for extra, effort in (({"thinking": {"type": "disabled"}}, None), ({"reasoning_effort": "medium"}, "medium")):
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0, extra_body=extra)
+        # The user's typed "<|open|>" is text, not the marker: tokenize those parts without specials.
+        text = xtml_prompt([t if t[0] != "user" or "<|" not in t[1] else (t[0], "\0") for t in turns], effort=effort)
+        before, after = text.split("\0")
+        want = tokenize(before, special=True) + tokenize("Sum 2+2 <|open|> literally") + tokenize(after, special=True)
+        assert r.usage.prompt_tokens == len(want), extra
+        assert r.usage.completion_tokens == 1
+
+
+def test_chat_with_thinking(world):
+    c = world["main"].client()
+    msgs = [{"role": "user", "content": "Hi"}]
+    for extra, effort in (({}, "max"), ({"reasoning_effort": "low"}, "low"),
+                          ({"thinking": {"type": "enabled"}, "reasoning_effort": "high"}, "high")):
+        prompt_ids = tokenize(xtml_prompt([("user", "Hi")], effort=effort), special=True)
+        kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0, extra_body=extra)
+        r = c.chat.completions.create(**kw)
+        m = r.choices[0].message
+        assert r.usage.prompt_tokens == len(prompt_ids), extra
+        reasoning = (m.model_extra or {}).get("reasoning_content")
+        assert isinstance(reasoning, str)
+        ids = worker_ids(world, prompt_ids, 8)
+        # No marker generated (checked): everything is thinking.
+        assert all(i < 163584 for i in ids), f"the model generated a marker: pick another prompt {ids}"
+        assert reasoning == detokenize(ids).decode("utf-8", errors="replace")
+        assert m.content == ""
+        assert r.choices[0].finish_reason == "length"
+        content, s_reasoning, finish, usage, _ = stream_chat(c, **kw)
+        assert (content, s_reasoning, finish) == (m.content, reasoning, r.choices[0].finish_reason)
+        assert usage.completion_tokens == r.usage.completion_tokens
+
+
+# ---- raw HTTP: errors, limits, disconnects
+
+
+def http(server, method, path, body=None, headers=None):
+    req = urllib.request.Request(server.url + path, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def assert_error_shape(body, code=None):
+    e = json.loads(body)["error"]
+    assert set(e) == {"message", "type", "param", "code"}, e
+    assert isinstance(e["message"], str) and e["message"]
+    if code is not None:
+        assert e["code"] == code, e
+    return e
+
+
+def test_malformed_json_is_400_in_the_openai_shape(world):
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        status, _, body = http(world["main"], "POST", path, b'{"model": "kimi-k3", "prompt": ', {"Content-Type": "application/json"})
+        assert status == 400
+        assert assert_error_shape(body)["type"] == "invalid_request_error"
+    status, _, body = http(world["main"], "POST", "/v1/completions",
+                           json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode())
+    assert status == 400 and assert_error_shape(body)["param"] == "max_tokens"
+    c = world["main"].client()
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="x", n=2)
+
+
+def test_unknown_route_and_model_are_404(world):
+    status, _, body = http(world["main"], "GET", "/v1/nothing")
+    assert status == 404
+    assert_error_shape(body, "unknown_url")
+    status, _, body = http(world["main"], "POST", "/v1/completions",
+                           json.dumps({"model": "gpt-4o", "prompt": "x"}).encode())
+    assert status == 404
+    assert_error_shape(body, "model_not_found")
+    status, _, body = http(world["main"], "GET", "/v1/completions")
+    assert status == 405
+    assert_error_shape(body)
+
+
+def test_oversized_body_is_413_and_huge_headers_are_refused(world):
+    big = json.dumps({"model": MODEL, "prompt": "x" * 8000}).encode()
+    status, _, body = http(world["cramped"], "POST", "/v1/completions", big)
+    assert status == 413
+    assert_error_shape(body, "request_too_large")
+    with pytest.raises(openai.APIStatusError) as e:
+        world["cramped"].client().completions.create(model=MODEL, prompt="y" * 8000, max_tokens=1)
+    assert e.value.status_code == 413
+    status, _, _ = http(world["main"], "GET", "/v1/models", headers={"X-Big": "a" * 20000})
+    assert status == 431
+
+
+def open_stream(server, payload):
+    """Send a streamed request on a raw socket; return it once the first event arrived."""
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+    body = json.dumps(payload).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while b"data: " not in got:
+        chunk = s.recv(4096)
+        assert chunk, f"connection closed before the first event: {got!r}"
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200"), got
+    return s
+
+
+def live_worker_pids(world):
+    r = run([binary("k3-ctl"), "stats", "--json", "--socket", world["sock"]])
+    jobs = json.loads(r.stdout)["jobs"]
+    return [int(re.search(r"pid (\d+)", j["label"]).group(1)) for j in jobs
+            if j["live"] and "k3-worker" in j["label"]]
+
+
+def wait_for(cond, what, timeout=30):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def reaped(pid):
+    return not Path(f"/proc/{pid}").exists()  # a zombie (not reaped) still has /proc/PID
+
+
+LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4096, "temperature": 0}
+
+
+def test_a_disconnect_mid_stream_kills_and_reaps_the_worker(world):
+    s = open_stream(world["main"], dict(LONG, stream=True))
+    pids = wait_for(lambda: live_worker_pids(world), "the worker to attach")
+    assert len(pids) == 1
+    s.close()
+    wait_for(lambda: reaped(pids[0]), f"worker pid {pids[0]} to be killed and reaped")
+    wait_for(lambda: not live_worker_pids(world), "the store to show no live job")
+
+
+def test_a_disconnect_during_the_prefill_kills_the_worker_at_once(world):
+    """Before its first token the worker writes nothing for seconds (a 1500-id prefill), so only
+    an explicit kill ends it quickly: losing its pipes would stop it only at its next write."""
+    prompt = [1000 + (i * 7919) % 90000 for i in range(1500)]
+    for stream in (False, True):
+        s = socket.create_connection(("127.0.0.1", world["main"].port), timeout=60)
+        body = json.dumps(dict(LONG, prompt=prompt, stream=stream)).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        pids = wait_for(lambda: live_worker_pids(world), "the worker to attach")
+        t0 = time.monotonic()
+        s.close()
+        wait_for(lambda: reaped(pids[0]), f"worker pid {pids[0]} to be killed and reaped")
+        took = time.monotonic() - t0
+        assert took < 3.0, f"stream={stream}: the worker lived {took:.1f} s after the disconnect"
+        wait_for(lambda: not live_worker_pids(world), "the store to show no live job")
+
+
+def test_a_full_queue_answers_429_with_retry_after(world):
+    cramped = world["cramped"]
+    s = open_stream(cramped, dict(LONG, stream=True))
+    try:
+        status, headers, body = http(cramped, "POST", "/v1/completions",
+                                     json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode())
+        assert status == 429
+        assert int(headers["Retry-After"]) >= 1
+        assert_error_shape(body, "queue_full")
+        with pytest.raises(openai.RateLimitError):
+            cramped.client().completions.create(model=MODEL, prompt="x", max_tokens=1)
+    finally:
+        s.close()
+    # The place is freed with the cancelled job: the next request runs.
+    def served():
+        try:
+            return cramped.client().completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+        except openai.RateLimitError:
+            return None
+    r = wait_for(served, "the slot to be freed")
+    assert r.usage.completion_tokens >= 1
+
+
+def test_a_store_that_goes_down_gives_503_and_serve_exits_cleanly(world):
+    d = world["dir"]
+    sock2 = d / "run2" / "store.sock"
+    run([binary("k3-store"), "start", world["model"], "--trunk", world["trunk"], "--preset", "laptop",
+         "--socket", sock2, "--detach"], env=world["env"])
+    srv = Server(sock2, d / "serve-down.log", "--threads", "1")
+    try:
+        r = srv.client().completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert r.usage.completion_tokens == 1
+        run([binary("k3-ctl"), "stop", "--socket", sock2])
+        status, headers, body = http(srv, "POST", "/v1/completions",
+                                     json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode())
+        assert status == 503, body
+        assert_error_shape(body, "store_unavailable")
+        assert int(headers["Retry-After"]) >= 1
+        assert http(srv, "GET", "/health")[0] == 503
+        with pytest.raises(openai.InternalServerError):
+            srv.client().models.list()
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0, "SIGTERM should stop serve with exit 0"
+    # Without a store, serve refuses to start: exit 3.
+    r = subprocess.run([str(binary("k3-ctl")), "serve", "--socket", str(sock2), "--listen", "127.0.0.1:0"],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 3, r
