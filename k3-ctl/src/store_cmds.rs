@@ -49,6 +49,7 @@ fn connect(s: &SocketArg) -> Result<Client, i32> {
             | ClientError::Untrusted { .. }
             | ClientError::Refused(_)
             | ClientError::Wire(_) => exit::NO_STORE,
+            ClientError::Store { code, .. } => code.exit_code(),
             ClientError::Unexpected(_) => exit::FAILURE,
         }
     })

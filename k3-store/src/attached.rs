@@ -300,8 +300,8 @@ impl WeightSource for AttachedSource {
                     .collect();
                 Ok(ExpertBatch { experts })
             }
-            Ok(Response::Error { message }) => Err(SourceError::Invalid(format!(
-                "the store refused layer {l}'s experts: {message}"
+            Ok(Response::Error { code, message }) => Err(SourceError::Invalid(format!(
+                "the store refused layer {l}'s experts ({code:?}): {message}"
             ))),
             Ok(other) => Err(SourceError::Io(format!(
                 "unexpected answer from the store: {other:?}"

@@ -49,6 +49,14 @@ pub enum ClientError {
     /// The store refused the handshake (e.g. protocol version).
     #[error("the store refused the connection: {0}")]
     Refused(String),
+    /// The store answered with an error of a kind a client can match.
+    #[error("the store answered {code:?}: {message}")]
+    Store {
+        /// What kind of failure.
+        code: k3_proto::wire::ErrorCode,
+        /// Why.
+        message: String,
+    },
     /// A protocol error.
     #[error("store protocol: {0}")]
     Wire(#[from] WireError),
@@ -143,7 +151,7 @@ impl Client {
                 shm_fd,
             }),
             Response::Refused { reason, .. } => Err(ClientError::Refused(reason)),
-            Response::Error { message } => Err(ClientError::Refused(message)),
+            Response::Error { code, message } => Err(ClientError::Store { code, message }),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
         }
     }

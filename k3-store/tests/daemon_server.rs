@@ -189,7 +189,9 @@ fn first_message_must_be_hello() {
     let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
     k3_store::ipc::send_frame(&mut s, &Request::Stats, None).unwrap();
     let (resp, _) = k3_store::ipc::recv_frame::<Response>(&mut s).unwrap();
-    assert!(matches!(resp, Response::Error { message } if message.contains("Hello")));
+    assert!(
+        matches!(resp, Response::Error { code: k3_proto::wire::ErrorCode::BadRequest, message } if message.contains("Hello"))
+    );
     stop.store(true, Ordering::SeqCst);
     h.join().unwrap();
 }

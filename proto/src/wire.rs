@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -220,11 +220,46 @@ pub enum Response {
     Stopping,
     /// v1. Answer to [`Request::ReleaseAll`].
     Released,
-    /// v1. The request was understood but cannot be served (bad layer, too many ids, …).
+    /// v2. The request cannot be served; `code` says which kind of failure it is, so a client
+    /// can act on it without matching the text.
     Error {
-        /// Why.
+        /// What kind of failure.
+        code: ErrorCode,
+        /// Why, for people.
         message: String,
     },
+}
+
+/// The kind of a [`Response::Error`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// The request is malformed or out of range (bad layer, unknown expert, too many ids, a
+    /// frame over the limit, a first message that is not `Hello`).
+    BadRequest,
+    /// This client may not make this request (a control client leasing experts, a peer of
+    /// another uid, `Hello` twice).
+    NotAllowed,
+    /// The store is at a limit (connections); try again later.
+    Busy,
+    /// The store is stopping.
+    Stopping,
+    /// The answer would exceed the frame limit.
+    TooLarge,
+    /// The store failed to do something it should be able to (share memory, read experts).
+    Internal,
+}
+
+impl ErrorCode {
+    /// The exit code a client ends with when the store answers this (`k3_proto::exit`): the
+    /// store is there but will not serve us (3) for a refusal or a limit, a failure otherwise.
+    pub fn exit_code(self) -> i32 {
+        match self {
+            ErrorCode::NotAllowed | ErrorCode::Busy | ErrorCode::Stopping => crate::exit::NO_STORE,
+            ErrorCode::BadRequest | ErrorCode::TooLarge | ErrorCode::Internal => {
+                crate::exit::FAILURE
+            }
+        }
+    }
 }
 
 /// Wire errors.
@@ -408,6 +443,7 @@ mod tests {
         ));
         // Too large to send at all.
         let huge = Response::Error {
+            code: ErrorCode::Internal,
             message: "x".repeat(MAX_FRAME as usize + 1),
         };
         assert!(matches!(encode(&huge), Err(WireError::TooLong { .. })));

@@ -581,7 +581,10 @@ fn oversized_labels_keep_stats_and_status_working() {
         c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let _ = c.write_all(&huge_hello_frame(300_000));
         match wire::read_frame::<Response, _>(&mut c) {
-            Ok(Response::Error { message }) => assert!(message.contains("limit"), "{message}"),
+            Ok(Response::Error { code, message }) => {
+                assert_eq!(code, k3_proto::wire::ErrorCode::TooLarge, "{message}");
+                assert!(message.contains("limit"), "{message}")
+            }
             other => panic!("300 KB label: {other:?}"),
         }
     }

@@ -740,7 +740,7 @@ fn hostile_and_confused_clients_get_errors_and_the_store_keeps_serving() {
     let bad = |req: Request, kind: ClientKind| {
         let mut c = Client::connect(&sb.socket, kind, "confused").expect("handshake");
         match c.call(&req).expect("an answer") {
-            Response::Error { message } => message,
+            Response::Error { message, .. } => message,
             other => panic!("{req:?} as {kind:?} was answered {other:?}"),
         }
     };

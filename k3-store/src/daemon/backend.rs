@@ -380,7 +380,10 @@ impl StoreBackend {
 impl Backend for StoreBackend {
     fn experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response {
         self.serve(conn, layer, ids)
-            .unwrap_or_else(|message| Response::Error { message })
+            .unwrap_or_else(|message| Response::Error {
+                code: k3_proto::wire::ErrorCode::BadRequest,
+                message,
+            })
     }
 
     fn release_all(&self, conn: ConnId) {

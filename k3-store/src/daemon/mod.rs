@@ -32,7 +32,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k3_proto::wire::{self, ClientKind, Request, Response, StatsReport, StatusReport, WireError};
+use k3_proto::wire::{
+    self, ClientKind, ErrorCode, Request, Response, StatsReport, StatusReport, WireError,
+};
 
 use crate::ipc;
 
@@ -323,6 +325,7 @@ impl<B: Backend> Server<B> {
             let _ = wire::write_frame(
                 &mut stream,
                 &Response::Error {
+                    code: ErrorCode::Busy,
                     message: format!(
                         "the store already serves {} connections, its limit; try again later",
                         limits.max_connections
@@ -468,6 +471,7 @@ fn reply(
         Err(WireError::TooLong { len, limit }) => ipc::send_frame(
             stream,
             &Response::Error {
+                code: ErrorCode::TooLarge,
                 message: format!("the reply ({len} bytes) exceeds the {limit}-byte frame limit"),
             },
             None,
@@ -516,6 +520,7 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             reply(
                 stream,
                 &Response::Error {
+                    code: ErrorCode::NotAllowed,
                     message: format!("peer uid {uid} is not the store's uid {me}"),
                 },
                 None,
@@ -546,6 +551,7 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             reply(
                 stream,
                 &Response::Error {
+                    code: ErrorCode::BadRequest,
                     message: format!(
                         "the first message must be Hello, got {}",
                         request_name(&other)
@@ -559,6 +565,11 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             reply(
                 stream,
                 &Response::Error {
+                    code: if matches!(e, WireError::TooLong { .. }) {
+                        ErrorCode::TooLarge
+                    } else {
+                        ErrorCode::BadRequest
+                    },
                     message: e.to_string(),
                 },
                 None,
@@ -581,6 +592,7 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             Err(e) => reply(
                 stream,
                 &Response::Error {
+                    code: ErrorCode::Internal,
                     message: format!("cannot share memory: {e}"),
                 },
                 None,
@@ -604,6 +616,11 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                 reply(
                     stream,
                     &Response::Error {
+                        code: if matches!(e, WireError::TooLong { .. }) {
+                            ErrorCode::TooLarge
+                        } else {
+                            ErrorCode::BadRequest
+                        },
                         message: e.to_string(),
                     },
                     None,
@@ -614,15 +631,18 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
         let _busy = InFlight::enter(&shared.in_flight);
         let resp = match req {
             Request::Hello { .. } => Response::Error {
+                code: ErrorCode::NotAllowed,
                 message: "Hello was already exchanged".into(),
             },
             Request::Experts { layer, ids } => {
                 if kind != ClientKind::Worker {
                     Response::Error {
+                        code: ErrorCode::NotAllowed,
                         message: "only workers lease experts".into(),
                     }
                 } else if shared.stop.load(Ordering::SeqCst) {
                     Response::Error {
+                        code: ErrorCode::Stopping,
                         message: "the store is stopping".into(),
                     }
                 } else {
