@@ -63,8 +63,8 @@ impl Default for AttachOptions {
 pub struct AttachInfo {
     /// Checkpoint directory the store serves.
     pub model_dir: PathBuf,
-    /// Packed trunk directory.
-    pub trunk_dir: PathBuf,
+    /// Packed trunk directory (`None`: the store reads the layers from the shards).
+    pub trunk_dir: Option<PathBuf>,
     /// Layers pinned in the store's memory.
     pub pinned_layers: usize,
     /// Bytes of shared memory mapped.
@@ -125,11 +125,12 @@ impl AttachedSource {
         let header = ShmHeader::decode(seg.bytes())
             .map_err(|e| AttachError::Mismatch(format!("the store's memory: {e}")))?;
         let model_dir = PathBuf::from(model_dir);
-        let trunk_dir = PathBuf::from(trunk_dir);
+        // An empty trunk directory: the store reads the layers from the checkpoint's shards.
+        let trunk_dir = (!trunk_dir.is_empty()).then(|| PathBuf::from(trunk_dir));
         let mismatch = |m: String| AttachError::Mismatch(m);
         // The store resolves its paths before it starts; a relative one would be looked up in
         // this worker's directory, where a different checkpoint may sit.
-        for d in [&model_dir, &trunk_dir] {
+        for d in std::iter::once(&model_dir).chain(trunk_dir.as_ref()) {
             if !d.is_absolute() {
                 return Err(mismatch(format!(
                     "the store sent a relative path {}; refusing to resolve it here",
@@ -147,10 +148,12 @@ impl AttachedSource {
             )));
         }
         let shards = open_shards(&cat).map_err(|e| mismatch(e.0))?;
-        let trunk = Arc::new(
-            TrunkLayout::from_packed(&cat, shards, &trunk_dir)
-                .map_err(|e| mismatch(e.to_string()))?,
-        );
+        let trunk = Arc::new(match &trunk_dir {
+            Some(dir) => {
+                TrunkLayout::from_packed(&cat, shards, dir).map_err(|e| mismatch(e.to_string()))?
+            }
+            None => TrunkLayout::from_catalog(&cat, shards),
+        });
         let owner: Arc<dyn ByteOwner> = seg.clone();
         let mut model = HashMap::new();
         for (i, name) in MODEL_TENSORS.iter().enumerate() {
@@ -171,7 +174,7 @@ impl AttachedSource {
                     "pinned layer {l} is {} bytes in the store, {} in {}",
                     r.len,
                     plan.run_len,
-                    trunk_dir.display()
+                    trunk_dir.as_deref().unwrap_or(&model_dir).display()
                 )));
             }
             let region = Region::new(owner.clone(), r.offset as usize, r.len as usize)

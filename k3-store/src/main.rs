@@ -4,21 +4,22 @@
 //! [--socket PATH] [--detach]` — see the README for the whole flow.
 
 use std::ffi::OsString;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use clap::{ArgAction, CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use k3_proto::exit;
+use k3_store::cli::{BudgetArgs, SocketArgs};
 use k3_store::daemon::backend::{segment_bytes, BuildOptions, StoreBackend};
 use k3_store::daemon::detach::{self, Notifier, Readiness};
 use k3_store::daemon::{install_signal_handlers, Server};
-use k3_store::plan::{fmt_gb, mem_available, Budget, MemoryPlan, PlanInputs};
+use k3_store::plan::{allocatable, fmt_gb, Budget, MemoryPlan, PlanInputs};
+use k3_store::progress::Progress;
 
 /// k3 store daemon.
 #[derive(Parser, Debug)]
-#[command(name = "k3-store", version, about)]
+#[command(name = "k3-store", version = k3_proto::VERSION, about)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -34,40 +35,30 @@ enum Cmd {
 struct StartArgs {
     /// Checkpoint directory (config.json, *.safetensors, model.safetensors.index.json).
     model_dir: PathBuf,
-    /// Packed trunk directory (`k3-ctl pack-trunk`).
-    #[arg(long)]
-    trunk: PathBuf,
-    /// Memory preset: laptop, desktop, workstation, server, max (`k3-ctl presets`).
-    #[arg(long, action = ArgAction::Append)]
-    preset: Vec<String>,
-    /// Trunk budget in GB (overrides an earlier --preset).
-    #[arg(long = "trunk-gb", action = ArgAction::Append)]
-    trunk_gb: Vec<f64>,
-    /// Expert-cache budget in GB (overrides an earlier --preset).
-    #[arg(long = "cache-gb", action = ArgAction::Append)]
-    cache_gb: Vec<f64>,
-    /// Socket path (default: $XDG_RUNTIME_DIR/k3/store.sock, else /tmp/k3-$UID/store.sock).
-    #[arg(long)]
-    socket: Option<PathBuf>,
+    /// Memory budget and packed trunk (`k3-ctl pack-trunk`; without --trunk the layers are read
+    /// from the checkpoint's shards). No memory flag = `--preset auto`.
+    #[command(flatten)]
+    budget: BudgetArgs,
+    /// Store socket.
+    #[command(flatten)]
+    socket: SocketArgs,
     /// Return once the store is ready, leaving it running in the background.
     #[arg(long)]
     detach: bool,
     /// With --detach: the store's log file (default: store.log beside the socket).
-    #[arg(long)]
+    #[arg(long, value_name = "FILE")]
     log: Option<PathBuf>,
     /// Parallel expert reads per request.
-    #[arg(long, default_value_t = 8)]
-    io_threads: usize,
-    /// Expert-cache eviction policy: lru (default), lfu, layer, layer-lfu, lrfu, layer-lrfu,
-    /// layer-age (see docs/CACHE_POLICY.md).
-    #[arg(long, default_value = "lru")]
-    cache_policy: String,
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    io_threads: u64,
     /// Internal: the readiness pipe of a detached start.
     #[arg(long, hide = true)]
     ready_fd: Option<i32>,
 }
 
 fn main() {
+    k3_store::progress::init_logging();
     let matches = match Cli::command().try_get_matches() {
         Ok(m) => m,
         Err(e) => {
@@ -97,9 +88,7 @@ fn main() {
 }
 
 fn socket_path(a: &StartArgs) -> PathBuf {
-    a.socket
-        .clone()
-        .unwrap_or_else(|| k3_proto::paths::default_socket(k3_store::ipc::current_uid()))
+    a.socket.path()
 }
 
 /// Make every path of `a` absolute (canonical where it exists) and fill in the default socket,
@@ -107,8 +96,10 @@ fn socket_path(a: &StartArgs) -> PathBuf {
 /// in `/`, and workers get these paths in the handshake.
 fn resolve_paths(a: &mut StartArgs) -> Result<(), String> {
     a.model_dir = k3_proto::paths::resolve(&a.model_dir)?;
-    a.trunk = k3_proto::paths::resolve(&a.trunk)?;
-    a.socket = Some(k3_proto::paths::resolve_file(&socket_path(a))?);
+    if let Some(t) = &a.budget.trunk {
+        a.budget.trunk = Some(k3_proto::paths::resolve(t)?);
+    }
+    a.socket.socket = Some(k3_proto::paths::resolve_file(&socket_path(a))?);
     if let Some(log) = &a.log {
         a.log = Some(k3_proto::paths::resolve_file(log)?);
     }
@@ -134,17 +125,18 @@ fn budget_args(m: &clap::ArgMatches) -> Vec<OsString> {
 /// in their order, the other options by value. Every option of [`StartArgs`] that the child needs
 /// must appear here (`child_args_round_trip` checks).
 fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
-    let mut args: Vec<OsString> = vec![
-        "start".into(),
-        a.model_dir.clone().into(),
-        "--trunk".into(),
-        a.trunk.clone().into(),
-    ];
+    let mut args: Vec<OsString> = vec!["start".into(), a.model_dir.clone().into()];
+    if let Some(t) = &a.budget.trunk {
+        args.push("--trunk".into());
+        args.push(t.clone().into());
+    }
     args.extend(budget_args(m));
     args.push("--socket".into());
     args.push(socket_path(a).into());
     args.push(format!("--io-threads={}", a.io_threads).into());
-    args.push(format!("--cache-policy={}", a.cache_policy).into());
+    if let Some(p) = &a.budget.cache_policy {
+        args.push(format!("--cache-policy={p}").into());
+    }
     args
 }
 
@@ -156,7 +148,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         None => Notifier::none(),
     };
     let fail = |notify: &mut Notifier, code: i32, msg: String| {
-        eprintln!("k3-store: {msg}");
+        tracing::error!("{msg}");
         notify.failed(code, &msg);
         code
     };
@@ -175,17 +167,11 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     if a.detach && a.ready_fd.is_none() {
         return start_detached(&a, &socket, m);
     }
-    let budget = match Budget::from_matches(m, "preset", "trunk_gb", "cache_gb") {
+    let budget = match a.budget.budget(m) {
         Ok(b) => b,
         Err(e) => return fail(&mut notify, exit::REFUSED, e),
     };
-    if k3_store::policy::policy_by_name(&a.cache_policy, 1).is_none() {
-        return fail(
-            &mut notify,
-            exit::REFUSED,
-            k3_store::policy::unknown_policy(&a.cache_policy),
-        );
-    }
+    let cache_policy = a.budget.policy();
     // Open the checkpoint and the packed trunk; anything unreadable is a refusal.
     let (cat, cfg) = match k3_store::catalog::Catalog::open_dir(&a.model_dir) {
         Ok(x) => x,
@@ -195,9 +181,13 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Ok(s) => s,
         Err(e) => return fail(&mut notify, exit::FAILURE, e.0),
     };
-    let trunk = match k3_store::trunk::TrunkLayout::from_packed(&cat, shards, &a.trunk) {
-        Ok(t) => t,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e.to_string()),
+    let trunk = match &a.budget.trunk {
+        Some(dir) => match k3_store::trunk::TrunkLayout::from_packed(&cat, shards, dir) {
+            Ok(t) => t,
+            Err(e) => return fail(&mut notify, exit::REFUSED, e.to_string()),
+        },
+        // No packed trunk: the layers are read from the checkpoint's shards.
+        None => k3_store::trunk::TrunkLayout::from_catalog(&cat, shards),
     };
     // The plan: the store holds the resident tensors, the pinned prefix and the expert arena;
     // the ring arena, KV caches and activations live in each worker.
@@ -205,9 +195,20 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // The store holds the embedding in shared memory too (workers read its rows there).
     inputs.resident_bytes += inputs.mapped_bytes;
     inputs.mapped_bytes = 0;
+    let available = allocatable().ok();
+    let budget = match (budget.auto, available) {
+        (true, Some(av)) => Budget::fit(&inputs, av),
+        (true, None) => {
+            return fail(
+                &mut notify,
+                exit::REFUSED,
+                "--preset auto: cannot tell how much memory is available".into(),
+            )
+        }
+        (false, _) => budget,
+    };
     let mut plan = MemoryPlan::compute(&inputs, &budget);
     let shm = segment_bytes(&cat, &trunk, plan.pinned_layers, plan.expert_slots);
-    let available = mem_available().ok();
     let mut problems = plan.problems.clone();
     if let Some(av) = available {
         if shm > av {
@@ -236,7 +237,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         );
         return fail(&mut notify, exit::REFUSED, msg);
     }
-    eprint!("{plan_text}");
+    tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
     drop(trunk);
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {
@@ -254,25 +255,29 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     }
     let opts = BuildOptions {
         model_dir: a.model_dir.clone(),
-        trunk_dir: a.trunk.clone(),
+        trunk_dir: a.budget.trunk.clone(),
         pinned_layers: plan.pinned_layers,
         slots: plan.expert_slots,
-        io_threads: a.io_threads,
-        cache_policy: a.cache_policy.clone(),
+        io_threads: a.io_threads as usize,
+        cache_policy,
         preset: budget.label.clone(),
         plan_text,
     };
     let t0 = std::time::Instant::now();
-    let backend = match StoreBackend::build(&opts, progress_bar()) {
+    let mut bar: Option<Progress> = None;
+    let progress = |done: u64, total: u64| {
+        bar.get_or_insert_with(|| Progress::new("loading shared memory", total, true))
+            .set(done)
+    };
+    let backend = match StoreBackend::build(&opts, progress) {
         Ok(b) => b,
         Err(e) => {
             let _ = std::fs::remove_file(&socket);
             return fail(&mut notify, e.code, e.message);
         }
     };
-    eprintln!();
-    eprintln!(
-        "k3-store: loaded in {:.2} s; serving {} at {} (pid {})",
+    tracing::info!(
+        "loaded in {:.2} s; serving {} at {} (pid {})",
         t0.elapsed().as_secs_f64(),
         a.model_dir.display(),
         socket.display(),
@@ -283,35 +288,11 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         .with_hup(hup)
         .run();
     if left > 0 {
-        eprintln!("k3-store: stopped with {left} request(s) still in flight after the drain cap");
+        tracing::warn!("stopped with {left} request(s) still in flight after the drain cap");
     } else {
-        eprintln!("k3-store: stopped");
+        tracing::info!("stopped");
     }
     exit::OK
-}
-
-/// A progress bar on stderr: `loading [#####.....] 45%  1.20/2.60 GB  850 MB/s`.
-fn progress_bar() -> impl FnMut(u64, u64) {
-    let t0 = std::time::Instant::now();
-    let mut last = 0u64;
-    move |done, total| {
-        let pct = (done * 100).checked_div(total).unwrap_or(100);
-        if pct == last && done != total && done != 0 {
-            return;
-        }
-        last = pct;
-        let bar: String = (0..20)
-            .map(|i| if i * 5 < pct { '#' } else { '.' })
-            .collect();
-        let secs = t0.elapsed().as_secs_f64().max(1e-9);
-        eprint!(
-            "\rloading [{bar}] {pct:>3}%  {:.2}/{:.2} GB  {:.0} MB/s ",
-            done as f64 / 1e9,
-            total as f64 / 1e9,
-            done as f64 / 1e6 / secs
-        );
-        let _ = std::io::stderr().flush();
-    }
 }
 
 fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
@@ -324,7 +305,7 @@ fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
     let logf = match detach::open_log(&log) {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("k3-store: {e}");
+            tracing::error!("{e}");
             return exit::REFUSED;
         }
     };
@@ -338,11 +319,11 @@ fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
             exit::OK
         }
         Ok(Readiness::Failed { code, message }) => {
-            eprintln!("k3-store: {}", message.replace(" | ", "\n"));
+            tracing::error!("{}", message.replace(" | ", "\n"));
             code
         }
         Err(e) => {
-            eprintln!("k3-store: cannot start in the background: {e}");
+            tracing::error!("cannot start in the background: {e}");
             exit::FAILURE
         }
     }
@@ -371,7 +352,7 @@ mod tests {
         let (mut a, m) = parse(&[
             "start",
             "rel/model",
-            "--cache-gb=-1.5",
+            "--cache-gb=1.5",
             "--trunk",
             "t",
             "--preset",
@@ -389,36 +370,39 @@ mod tests {
         ]);
         resolve_paths(&mut a).unwrap();
         let cwd = std::env::current_dir().unwrap();
-        assert_eq!(a.socket.as_deref(), Some(cwd.join("r.sock").as_path()));
-        assert!(a.model_dir.is_absolute() && a.trunk.is_absolute());
+        assert_eq!(
+            a.socket.socket.as_deref(),
+            Some(cwd.join("r.sock").as_path())
+        );
+        assert!(a.model_dir.is_absolute() && a.budget.trunk.as_ref().unwrap().is_absolute());
         let child = child_args(&a, &m);
         let strs: Vec<&str> = child.iter().map(|s| s.to_str().unwrap()).collect();
         let (b, m2) = parse(&strs);
         assert_eq!(
             (
                 &b.model_dir,
-                &b.trunk,
-                &b.socket,
+                &b.budget.trunk,
+                &b.socket.socket,
                 b.io_threads,
-                &b.cache_policy
+                &b.budget.cache_policy
             ),
             (
                 &a.model_dir,
-                &a.trunk,
-                &a.socket,
+                &a.budget.trunk,
+                &a.socket.socket,
                 a.io_threads,
-                &a.cache_policy
+                &a.budget.cache_policy
             )
         );
         // The budget flags keep their order (a later one overrides an earlier one).
         assert_eq!(
-            (&b.preset, &b.trunk_gb, &b.cache_gb),
-            (&a.preset, &a.trunk_gb, &a.cache_gb)
+            (&b.budget.preset, &b.budget.trunk_gb, &b.budget.cache_gb),
+            (&a.budget.preset, &a.budget.trunk_gb, &a.budget.cache_gb)
         );
         assert_eq!(budget_args(&m2), budget_args(&m));
         assert_eq!(
             budget_args(&m),
-            ["--cache-gb=-1.5", "--preset=laptop", "--trunk-gb=0.25"]
+            ["--cache-gb=1.5", "--preset=laptop", "--trunk-gb=0.25"]
                 .map(OsString::from)
                 .to_vec()
         );

@@ -48,7 +48,7 @@ fn start_store(tag: &str, pinned: usize, slots: usize) -> Store {
     let backend = StoreBackend::build(
         &BuildOptions {
             model_dir: tiny(),
-            trunk_dir: trunk,
+            trunk_dir: Some(trunk),
             pinned_layers: pinned,
             slots,
             io_threads: 2,

@@ -664,5 +664,9 @@ fn store_killed_and_restarted_on_its_socket_leaves_nothing_behind() {
         .collect();
     assert_eq!(left, vec![sb.store_log()], "only the log stays");
     let log = read_log(&sb.store_log());
-    assert_eq!(log.matches("k3-store: stopped").count(), 1, "{log}");
+    assert_eq!(
+        log.lines().filter(|l| l.ends_with(" stopped")).count(),
+        1,
+        "{log}"
+    );
 }

@@ -440,7 +440,7 @@ fn sigterm_stops_the_store_cleanly() {
     sb.signal_store("TERM");
     assert!(!sb.socket.exists(), "SIGTERM must unlink the socket");
     let log = std::fs::read_to_string(sb.socket.with_file_name("store.log")).unwrap();
-    assert!(log.contains("k3-store: stopped"), "{log}");
+    assert!(log.lines().any(|l| l.ends_with(" stopped")), "{log}");
     let r = sb.ctl(&["stats"]);
     assert_eq!(r.code, 3, "{r:?}");
 }
@@ -823,4 +823,33 @@ fn hostile_and_confused_clients_get_errors_and_the_store_keeps_serving() {
     let r = sb.stop_store().expect("running");
     assert_eq!(r.code, 0, "{r:?}");
     drop(idle);
+}
+
+#[test]
+fn a_store_started_with_only_the_model_reads_the_shards_and_picks_its_budget() {
+    // `k3-store start MODEL`: no --trunk (layers read from the checkpoint's shards), no memory
+    // flag (`--preset auto`, sized from what the store may allocate).
+    let mut sb = Sandbox::new("bare");
+    let model = tiny_model();
+    sb.start_store(&[path_str(&model)]);
+    let log = std::fs::read_to_string(sb.store_log()).unwrap_or_default();
+    assert!(log.contains("memory plan (auto ("), "{log}");
+    let s = sb.stats();
+    assert_eq!(
+        u(&s, "pinned_layers"),
+        13,
+        "auto pins the whole tiny trunk: {s}"
+    );
+    for _ in 0..2 {
+        let r = reference_run(&sb, &[]);
+        assert_eq!(u(&r, "trunk_bytes_read"), 0, "{r}");
+    }
+    sb.stop_store();
+    // A trunk budget below the model: attached workers stream the unpinned layers straight
+    // from the shards, with the reference ids.
+    sb.start_store(&[path_str(&model), "--trunk-gb", "0.0006", "--cache-gb", "1"]);
+    let s = sb.stats();
+    assert!(u(&s, "pinned_layers") < 13, "{s}");
+    let r = reference_run(&sb, &[]);
+    assert!(u(&r, "trunk_bytes_read") > 0, "{r}");
 }

@@ -13,7 +13,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::OwnedFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,7 +37,7 @@ pub struct BuildOptions {
     /// Checkpoint directory.
     pub model_dir: PathBuf,
     /// Packed trunk directory.
-    pub trunk_dir: PathBuf,
+    pub trunk_dir: Option<PathBuf>,
     /// Pin layers `0..pinned_layers` in shared memory.
     pub pinned_layers: usize,
     /// Whole-expert slots in the arena.
@@ -175,8 +175,13 @@ impl StoreBackend {
         let (cat, _cfg) = Catalog::open_dir(&opts.model_dir).map_err(|e| e.0)?;
         let cat = Arc::new(cat);
         let shards = open_shards(&cat).map_err(|e| e.0)?;
-        let trunk = TrunkLayout::from_packed(&cat, shards.clone(), &opts.trunk_dir)
-            .map_err(|e| e.to_string())?;
+        // Without a packed trunk the layers are read from the checkpoint's shards (SPEC.md §6).
+        let trunk = match &opts.trunk_dir {
+            Some(dir) => {
+                TrunkLayout::from_packed(&cat, shards.clone(), dir).map_err(|e| e.to_string())?
+            }
+            None => TrunkLayout::from_catalog(&cat, shards.clone()),
+        };
         if opts.slots < 1 {
             return Err(String::from("the expert arena needs at least one slot").into());
         }
@@ -260,7 +265,9 @@ impl StoreBackend {
         let base = Base(seg.as_mut_ptr());
         let dirs = (
             opts.model_dir.display().to_string(),
-            opts.trunk_dir.display().to_string(),
+            opts.trunk_dir
+                .as_ref()
+                .map_or(String::new(), |d| d.display().to_string()),
         );
         let status = StatusReport {
             model_dir: dirs.0.clone(),
@@ -490,6 +497,10 @@ pub fn describe(opts: &BuildOptions) -> String {
         opts.pinned_layers,
         opts.slots,
         opts.model_dir.display(),
-        Path::new(&opts.trunk_dir).display()
+        opts.trunk_dir
+            .as_deref()
+            .map_or("(none: layers read from the shards)".into(), |d| d
+                .display()
+                .to_string())
     )
 }

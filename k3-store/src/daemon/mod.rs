@@ -184,14 +184,15 @@ impl AcceptBackoff {
             .is_none_or(|t| t.elapsed() >= Self::LOG_PERIOD);
         if due {
             if self.failures == 1 {
-                eprintln!(
-                    "k3-store: {what}; backing off (at most one line per {} s while this lasts)",
+                tracing::warn!(
+                    "{what}; backing off (at most one line per {} s while this lasts)",
                     Self::LOG_PERIOD.as_secs()
                 );
             } else {
-                eprintln!(
-                    "k3-store: {what} ({} times since the last line; {} in a row)",
-                    self.unlogged, self.failures
+                tracing::warn!(
+                    "{what} ({} times since the last line; {} in a row)",
+                    self.unlogged,
+                    self.failures
                 );
             }
             self.unlogged = 0;
@@ -205,10 +206,7 @@ impl AcceptBackoff {
 
     fn succeeded(&mut self) {
         if self.announced {
-            eprintln!(
-                "k3-store: accepting again after {} failed attempts",
-                self.failures
-            );
+            tracing::info!("accepting again after {} failed attempts", self.failures);
         }
         *self = AcceptBackoff {
             last_log: self.last_log,
@@ -264,8 +262,8 @@ impl<B: Backend> Server<B> {
         let mut backoff = AcceptBackoff::new();
         while !self.shared.stop.load(Ordering::SeqCst) {
             if self.hup.swap(false, Ordering::SeqCst) {
-                eprintln!(
-                    "k3-store: SIGHUP received and ignored (there is nothing to reload; stop the \
+                tracing::info!(
+                    "SIGHUP received and ignored (there is nothing to reload; stop the \
                      store with `k3-ctl stop`)"
                 );
             }
@@ -349,7 +347,7 @@ impl<B: Backend> Server<B> {
             .name("k3-conn".into())
             .spawn(move || serve_connection(conn))
         {
-            eprintln!("k3-store: cannot start a connection thread: {e}");
+            tracing::error!("cannot start a connection thread: {e}");
         }
     }
 }
