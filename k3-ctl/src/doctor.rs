@@ -357,6 +357,8 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         drop_cache(&plain);
     };
     let mut ms = Vec::new();
+    // Six measurements of --seconds each: a bar on a terminal, log lines otherwise.
+    let mut bar = k3_store::progress::Progress::new("measuring the disk", 6, false);
     let mode = if is_direct {
         "O_DIRECT"
     } else {
@@ -368,6 +370,7 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         mbps: random_reads(&direct, EXPERT_BYTES, 1, round, None)?,
         direct: is_direct,
     });
+    bar.set(ms.len() as u64);
     ms.push(Measure {
         name: "random_qd8",
         what: format!(
@@ -377,18 +380,21 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         mbps: random_reads(&direct, EXPERT_BYTES, QD_ENGINE, round, None)?,
         direct: is_direct,
     });
+    bar.set(ms.len() as u64);
     ms.push(Measure {
         name: "random_qd16",
         what: format!("{EXPERT_BYTES}-byte random reads, {QD_HIGH} reader threads, {mode}"),
         mbps: random_reads(&direct, EXPERT_BYTES, QD_HIGH, round, None)?,
         direct: is_direct,
     });
+    bar.set(ms.len() as u64);
     ms.push(Measure {
         name: "sequential_direct",
         what: format!("{} MiB sequential reads, 1 reader, {mode}", SEQ_CHUNK >> 20),
         mbps: sequential_reads(&direct, SEQ_CHUNK, round, &|| {})?,
         direct: is_direct,
     });
+    bar.set(ms.len() as u64);
     ms.push(Measure {
         name: "sequential_buffered",
         what: format!(
@@ -398,6 +404,7 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         mbps: sequential_reads(&buffered, EXPERT_BYTES, round, &dropper)?,
         direct: false,
     });
+    bar.set(ms.len() as u64);
     dropper();
     ms.push(Measure {
         name: "random_buffered_qd1",
@@ -408,6 +415,7 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         mbps: random_reads(&buffered, EXPERT_BYTES, 1, round, Some(&plain))?,
         direct: false,
     });
+    bar.set(ms.len() as u64);
     dropper();
     let mount = mount_of(&file_path);
     Ok(json!({

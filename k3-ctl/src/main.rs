@@ -12,9 +12,9 @@ mod store_cmds;
 mod tokenize;
 mod verify;
 
-/// k3 control: inspect checkpoints, tokenize, and (later) talk to the store.
+/// k3 control: inspect, pack and verify checkpoints, tokenize, talk to the store, serve HTTP.
 #[derive(Parser, Debug)]
-#[command(name = "k3-ctl", version, about)]
+#[command(name = "k3-ctl", version = k3_proto::VERSION, about)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -49,6 +49,7 @@ enum Cmd {
 }
 
 fn main() {
+    k3_store::progress::init_logging();
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {

@@ -3,9 +3,7 @@
 //! tensors are not one contiguous run in one shard, or the checkpoint cannot be read with
 //! confidence), 1 on an I/O failure.
 
-use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::time::Instant;
 
 use k3_proto::exit;
 use k3_store::catalog::Catalog;
@@ -38,35 +36,10 @@ pub fn run(a: Args) -> i32 {
         a.model_dir.display(),
         a.out_dir.display()
     );
-    let t0 = Instant::now();
-    let mut err = std::io::stderr();
-    let tty = err.is_terminal();
-    let mut last_tenth = 0u64;
-    let r = pack_trunk(&cat, &a.out_dir, &mut |p| {
-        let secs = t0.elapsed().as_secs_f64().max(1e-9);
-        let line = format!(
-            "  layer {}/{}  {} / {}  {:.0} MB/s",
-            p.layers_done,
-            p.layers_total,
-            fmt_bytes(p.bytes_done),
-            fmt_bytes(p.bytes_total),
-            p.bytes_done as f64 / 1e6 / secs
-        );
-        if tty {
-            let _ = write!(err, "\r{line}   ");
-            let _ = err.flush();
-        } else {
-            // One line per tenth of the work when stderr is a file or a pipe.
-            let tenth = p.bytes_done * 10 / p.bytes_total.max(1);
-            if tenth > last_tenth || p.layers_done == p.layers_total {
-                last_tenth = tenth;
-                let _ = writeln!(err, "{line}");
-            }
-        }
-    });
-    if tty {
-        eprintln!();
-    }
+    // A bar on a terminal, one log line per tenth otherwise (k3_store::progress).
+    let mut bar = k3_store::progress::Progress::new("packing the trunk", total, true);
+    let r = pack_trunk(&cat, &a.out_dir, &mut |p| bar.set(p.bytes_done));
+    drop(bar);
     match r {
         Ok(s) => {
             println!(

@@ -1,32 +1,14 @@
 //! `k3-ctl status`, `stats`, `stop`: talk to a running store — only one run by this user (the
 //! socket directory and the store's uid are checked by [`Client::connect`]; exit 3 otherwise).
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use k3_proto::exit;
 use k3_proto::wire::{ClientKind, Counters, Request, Response, StatsReport};
 use k3_store::client::{Client, ClientError};
 
-/// Where the store listens.
-#[derive(clap::Args, Debug)]
-pub struct SocketArg {
-    /// Store socket (default: $XDG_RUNTIME_DIR/k3/store.sock, else /tmp/k3-$UID/store.sock).
-    #[arg(long)]
-    pub socket: Option<PathBuf>,
-}
-
-impl SocketArg {
-    fn path(&self) -> PathBuf {
-        self.socket
-            .clone()
-            .unwrap_or_else(|| k3_proto::paths::default_socket(nix_uid()))
-    }
-}
-
-fn nix_uid() -> u32 {
-    k3_store::ipc::current_uid()
-}
+/// Where the store listens: the flag group every binary shares.
+pub use k3_store::cli::SocketArgs as SocketArg;
 
 /// Arguments of `k3-ctl stats`.
 #[derive(clap::Args, Debug)]

@@ -8,7 +8,6 @@
 //! layer (or a JSON report); exit 0 when everything is good, 2 on any mismatch or refusal.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use k3_proto::exit;
 use k3_store::catalog::Catalog;
@@ -33,29 +32,16 @@ pub struct Args {
 /// Read chunk for the shards.
 const CHUNK: u64 = 64 << 20;
 
-/// Progress on stderr: one line at each further tenth of the bytes to read.
+/// Progress on stderr: a bar on a terminal, a line at each tenth otherwise.
 struct Progress {
-    total: u64,
     done: u64,
-    tenth: u64,
-    t0: Instant,
+    bar: k3_store::progress::Progress,
 }
 
 impl Progress {
     fn add(&mut self, n: u64) {
         self.done += n;
-        let tenth = self.done * 10 / self.total.max(1);
-        if tenth > self.tenth {
-            self.tenth = tenth;
-            let secs = self.t0.elapsed().as_secs_f64().max(1e-9);
-            eprintln!(
-                "  verify: {}% ({} / {}, {:.0} MB/s)",
-                tenth * 10,
-                fmt_bytes(self.done),
-                fmt_bytes(self.total),
-                self.done as f64 / 1e6 / secs
-            );
-        }
+        self.bar.set(self.done);
     }
 }
 
@@ -139,10 +125,8 @@ pub fn run(a: Args) -> i32 {
             0
         };
     let mut p = Progress {
-        total,
         done: 0,
-        tenth: 0,
-        t0: Instant::now(),
+        bar: k3_store::progress::Progress::new("verifying", total, true),
     };
     eprintln!(
         "verifying {} ({} shards, {}){}: reading {}",

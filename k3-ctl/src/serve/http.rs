@@ -307,8 +307,8 @@ async fn start(st: &Shared, g: Gen) -> Result<(Place, Job, Option<u32>, Gen), Ap
         seed: g.settings.seed,
     };
     let mut job = Job::spawn(&st.worker, &params).map_err(|e| ApiError::internal(e.message))?;
-    eprintln!(
-        "k3-ctl serve: {} started worker pid {} ({} prompt ids, up to {} new)",
+    tracing::info!(
+        "{} started worker pid {} ({} prompt ids, up to {} new)",
         g.id,
         job.pid(),
         g.prompt.len(),
@@ -386,8 +386,8 @@ async fn whole_response(place: Place, mut job: Job, first: Option<u32>, mut g: G
 
 impl Gen {
     fn log_done(&self, finish: Option<&str>) {
-        eprintln!(
-            "k3-ctl serve: {} done: {} prompt + {} generated ids, finish_reason {}",
+        tracing::info!(
+            "{} done: {} prompt + {} generated ids, finish_reason {}",
             self.id,
             self.prompt.len(),
             self.reply.generated(),
@@ -487,7 +487,7 @@ async fn step(mut s: Streaming) -> Option<(Vec<Event>, Streaming)> {
             }
         }
         Err(e) => {
-            eprintln!("k3-ctl serve: {} failed mid-stream: {}", s.g.id, e.message);
+            tracing::warn!("{} failed mid-stream: {}", s.g.id, e.message);
             s.job.take();
             s.place.take();
             events.push(data(&e.body()));

@@ -240,9 +240,7 @@ impl Drop for Job {
                 let pid = self.pid;
                 rt.spawn(async move {
                     let _ = child.wait().await;
-                    eprintln!(
-                        "k3-ctl serve: worker pid {pid} stopped before its end (killed and reaped)"
-                    );
+                    tracing::warn!("worker pid {pid} stopped before its end (killed and reaped)");
                 });
             }
             Err(_) => {

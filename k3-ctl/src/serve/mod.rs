@@ -39,9 +39,9 @@ const MAX_CONNECTIONS: usize = 256;
 /// Arguments of `k3-ctl serve`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Store socket (default: $XDG_RUNTIME_DIR/k3/store.sock, else /tmp/k3-$UID/store.sock).
-    #[arg(long)]
-    pub socket: Option<PathBuf>,
+    /// Store socket.
+    #[command(flatten)]
+    pub socket: k3_store::cli::SocketArgs,
     /// Address to listen on. The server has no authentication: keep it on loopback unless a
     /// proxy in front of it does that.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
@@ -83,7 +83,7 @@ fn default_tokenizer(exe: &Path) -> Option<PathBuf> {
 }
 
 fn refuse(msg: impl std::fmt::Display) -> i32 {
-    eprintln!("k3-ctl serve: {msg}");
+    tracing::warn!("{msg}");
     exit::REFUSED
 }
 
@@ -127,21 +127,18 @@ pub fn run(a: Args) -> i32 {
             worker.display()
         ));
     }
-    let socket = a
-        .socket
-        .clone()
-        .unwrap_or_else(|| k3_proto::paths::default_socket(k3_store::ipc::current_uid()));
+    let socket = a.socket.path();
     let status = k3_store::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
         .map_err(|e| e.to_string())
         .and_then(|mut c| c.call(&Request::Status).map_err(|e| e.to_string()));
     let model_dir = match status {
         Ok(Response::Status(s)) => PathBuf::from(s.model_dir),
         Ok(other) => {
-            eprintln!("k3-ctl serve: unexpected answer from the store: {other:?}");
+            tracing::warn!("unexpected answer from the store: {other:?}");
             return exit::NO_STORE;
         }
         Err(e) => {
-            eprintln!("k3-ctl serve: {e}");
+            tracing::warn!("{e}");
             return exit::NO_STORE;
         }
     };
@@ -174,7 +171,7 @@ pub fn run(a: Args) -> i32 {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("k3-ctl serve: cannot start the async runtime: {e}");
+            tracing::warn!("cannot start the async runtime: {e}");
             return exit::FAILURE;
         }
     };
@@ -185,8 +182,7 @@ pub fn run(a: Args) -> i32 {
         };
         let addr = listener.local_addr().unwrap_or(a.listen);
         if !addr.ip().is_loopback() {
-            eprintln!(
-                "k3-ctl serve: WARNING: listening on {addr}, which is not a loopback address; the server has no authentication"
+            tracing::warn!("listening on {addr}, which is not a loopback address; the server has no authentication"
             );
         }
         println!(
@@ -211,7 +207,7 @@ async fn serve(listener: tokio::net::TcpListener, app: axum::Router) -> i32 {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("k3-ctl serve: cannot watch SIGTERM: {e}");
+            tracing::warn!("cannot watch SIGTERM: {e}");
             return exit::FAILURE;
         }
     };
@@ -235,7 +231,7 @@ async fn serve(listener: tokio::net::TcpListener, app: axum::Router) -> i32 {
                 Ok((s, _)) => s,
                 Err(e) => {
                     // E.g. out of file descriptors: wait a little instead of spinning.
-                    eprintln!("k3-ctl serve: accept: {e}");
+                    tracing::warn!("accept: {e}");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
@@ -250,6 +246,6 @@ async fn serve(listener: tokio::net::TcpListener, app: axum::Router) -> i32 {
             drop(permit);
         });
     }
-    eprintln!("k3-ctl serve: stopping (in-flight jobs are cancelled)");
+    tracing::info!("stopping (in-flight jobs are cancelled)");
     exit::OK
 }
