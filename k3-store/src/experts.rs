@@ -481,7 +481,7 @@ impl ExpertReader {
     pub fn read(&self, what: &str, ext: &ExpertExtents, dst: &mut [u8]) -> Result<(), ReadError> {
         let eb = self.layout.expert_bytes();
         if dst.len() < Self::slot_stride(&self.layout) {
-            return Err(ReadError(format!(
+            return Err(ReadError::msg(format!(
                 "{what}: slot of {} bytes too small",
                 dst.len()
             )));
@@ -489,12 +489,12 @@ impl ExpertReader {
         let file = |s: u16| {
             self.files
                 .get(s as usize)
-                .ok_or_else(|| ReadError(format!("{what}: shard {s} is not open")))
+                .ok_or_else(|| ReadError::msg(format!("{what}: shard {s} is not open")))
         };
         if let Some((shard, off)) = ext.coalesced() {
             let inner = file(shard)?
                 .read_span(off, eb as u64, dst)
-                .map_err(|e| ReadError(format!("{what}: {}", e.0)))?;
+                .map_err(|e| ReadError::msg(format!("{what}: {}", e.0)))?;
             if inner != 0 {
                 dst.copy_within(inner..inner + eb, 0);
             }
@@ -505,7 +505,7 @@ impl ExpertReader {
             let at = self.layout.part_offset(*p);
             file(pe.shard)?
                 .read_exact_at(pe.off, &mut dst[at..at + pe.nbytes as usize])
-                .map_err(|e| ReadError(format!("{what} {}: {}", p.suffix(), e.0)))?;
+                .map_err(|e| ReadError::msg(format!("{what} {}: {}", p.suffix(), e.0)))?;
         }
         Ok(())
     }

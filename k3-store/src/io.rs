@@ -40,14 +40,27 @@ pub fn span_len(off: u64, len: u64) -> Option<u64> {
     Some(end - align_down(off))
 }
 
-/// A read failure. The message always names the file, the offset and the length.
+/// A read failure. The message always names the file, the offset and the length; the kind of
+/// the operating system's error, when there was one, is kept (`NotFound`, `PermissionDenied`,
+/// `UnexpectedEof`, …) so callers can tell them apart without reading the text.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct ReadError(pub String);
+pub struct ReadError(pub String, pub Option<std::io::ErrorKind>);
 
-impl From<ReadError> for crate::source::SourceError {
-    fn from(e: ReadError) -> Self {
-        crate::source::SourceError::Io(e.0)
+impl ReadError {
+    /// A failure that is not an operating-system error (bounds, a missing layer, …).
+    pub fn msg(m: impl Into<String>) -> ReadError {
+        ReadError(m.into(), None)
+    }
+
+    /// An operating-system error while doing `what`.
+    pub fn io(what: impl std::fmt::Display, e: &std::io::Error) -> ReadError {
+        ReadError(format!("{what}: {e}"), Some(e.kind()))
+    }
+
+    /// The operating system's error kind, if the failure was one.
+    pub fn kind(&self) -> Option<std::io::ErrorKind> {
+        self.1
     }
 }
 
@@ -204,19 +217,15 @@ impl MappedRange {
     /// Map `len` bytes of `path` from `off`.
     pub fn map(path: &Path, off: u64, len: u64) -> Result<MappedRange, ReadError> {
         let what = || format!("{} [{off}, +{len})", path.display());
-        let f = File::open(path).map_err(|e| ReadError(format!("{}: {e}", what())))?;
-        let flen = f
-            .metadata()
-            .map_err(|e| ReadError(format!("{}: {e}", what())))?
-            .len();
-        let end = off
-            .checked_add(len)
-            .filter(|&e| e <= flen)
-            .ok_or_else(|| ReadError(format!("{}: past the end of a {flen}-byte file", what())))?;
+        let f = File::open(path).map_err(|e| ReadError::io(what(), &e))?;
+        let flen = f.metadata().map_err(|e| ReadError::io(what(), &e))?.len();
+        let end = off.checked_add(len).filter(|&e| e <= flen).ok_or_else(|| {
+            ReadError::msg(format!("{}: past the end of a {flen}-byte file", what()))
+        })?;
         let start = align_down(off);
         let inner = (off - start) as usize;
         let map_len = usize::try_from(end - start)
-            .map_err(|_| ReadError(format!("{}: too large to map", what())))?;
+            .map_err(|_| ReadError::msg(format!("{}: too large to map", what())))?;
         // SAFETY: the file is opened read-only and mapped read-only; k3 never writes checkpoint
         // files. The range was checked against the file's size above. (As with any mapped
         // loader, another process truncating the file while it is mapped would fault; the
@@ -227,7 +236,7 @@ impl MappedRange {
                 .len(map_len)
                 .map(&f)
         }
-        .map_err(|e| ReadError(format!("mapping {}: {e}", what())))?;
+        .map_err(|e| ReadError::io(format!("mapping {}", what()), &e))?;
         Ok(MappedRange {
             map,
             inner,
@@ -278,10 +287,10 @@ impl DiskFile {
     /// Like [`DiskFile::open`]; `try_direct = false` never uses `O_DIRECT`.
     pub fn open_with(path: &Path, try_direct: bool) -> Result<DiskFile, ReadError> {
         let buffered = File::open(path)
-            .map_err(|e| ReadError(format!("cannot open {}: {e}", path.display())))?;
+            .map_err(|e| ReadError::io(format!("cannot open {}", path.display()), &e))?;
         let len = buffered
             .metadata()
-            .map_err(|e| ReadError(format!("cannot stat {}: {e}", path.display())))?
+            .map_err(|e| ReadError::io(format!("cannot stat {}", path.display()), &e))?
             .len();
         let direct = if try_direct {
             std::fs::OpenOptions::new()
@@ -322,7 +331,7 @@ impl DiskFile {
     }
 
     fn err(&self, off: u64, len: u64, what: impl std::fmt::Display) -> ReadError {
-        ReadError(format!(
+        ReadError::msg(format!(
             "read of {} bytes at offset {} in {} failed: {what}",
             len,
             off,
@@ -355,7 +364,10 @@ impl DiskFile {
                 }
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.err(off, dst.len() as u64, e)),
+                Err(e) => {
+                    let kind = e.kind();
+                    return Err(ReadError(self.err(off, dst.len() as u64, e).0, Some(kind)));
+                }
             }
         }
         Ok(())
@@ -394,7 +406,10 @@ impl DiskFile {
                     self.direct_ok.store(false, Ordering::Relaxed);
                     return Ok(false);
                 }
-                Err(e) => return Err(self.err(off, len, e)),
+                Err(e) => {
+                    let kind = e.kind();
+                    return Err(ReadError(self.err(off, len, e).0, Some(kind)));
+                }
             }
         }
         Ok(true)
@@ -727,5 +742,17 @@ mod tests {
         assert_eq!(out, (0..100u64).map(|x| x * x).collect::<Vec<_>>());
         let out: Vec<u64> = run_parallel(vec![], 4, |x: u64| x);
         assert!(out.is_empty());
+    }
+
+    #[test]
+    fn read_errors_keep_the_operating_system_error_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = DiskFile::open(&dir.path().join("absent")).unwrap_err();
+        assert_eq!(e.kind(), Some(std::io::ErrorKind::NotFound), "{e}");
+        assert!(e.to_string().contains("absent"), "{e}");
+        let s: crate::source::SourceError = e.clone().into();
+        assert!(matches!(s, crate::source::SourceError::Read(ref r) if r.kind() == e.kind()));
+        let bounds = ReadError::msg("outside the file");
+        assert_eq!(bounds.kind(), None);
     }
 }

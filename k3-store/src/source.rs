@@ -173,6 +173,9 @@ pub enum SourceError {
     /// An I/O failure (the message names the file and offset).
     #[error("I/O: {0}")]
     Io(String),
+    /// A read that failed, with the operating system's error kind when there was one.
+    #[error("I/O: {0}")]
+    Read(#[from] crate::io::ReadError),
     /// The request itself is invalid (layer out of range, expert id too large, …).
     #[error("invalid request: {0}")]
     Invalid(String),

@@ -763,14 +763,14 @@ impl TrunkLayout {
         on_bytes: &mut dyn FnMut(u64),
     ) -> Result<u64, ReadError> {
         let Some((f, off, len)) = self.span_file(l)? else {
-            let mut buf = AlignedBuf::zeroed(self.buf_len(l) as usize).map_err(ReadError)?;
+            let mut buf = AlignedBuf::zeroed(self.buf_len(l) as usize).map_err(ReadError::msg)?;
             let inner = self.read_layer(l, buf.as_mut_slice())?;
             let run_len = self.plan(l).map(|p| p.run_len).unwrap_or(0) as usize;
             on_bytes(run_len as u64);
             return Ok(run_checksum(&buf.as_slice()[inner..inner + run_len]));
         };
         let chunk = len.min(PACK_CHUNK);
-        let mut buf = AlignedBuf::zeroed(chunk as usize + 2 * ALIGN).map_err(ReadError)?;
+        let mut buf = AlignedBuf::zeroed(chunk as usize + 2 * ALIGN).map_err(ReadError::msg)?;
         let mut h = twox_hash::XxHash3_64::new();
         let mut done = 0u64;
         while done < len {
@@ -816,13 +816,13 @@ impl TrunkLayout {
     fn span_file(&self, l: usize) -> Result<Option<(&DiskFile, u64, u64)>, ReadError> {
         let p = self
             .plan(l)
-            .ok_or_else(|| ReadError(format!("layer {l} is not in the checkpoint")))?;
+            .ok_or_else(|| ReadError::msg(format!("layer {l} is not in the checkpoint")))?;
         Ok(match &p.source {
             RunSource::Packed { file_off } => {
                 let f = self
                     .packed
                     .as_ref()
-                    .ok_or_else(|| ReadError("no trunk.bin".into()))?;
+                    .ok_or_else(|| ReadError::msg("no trunk.bin"))?;
                 Some((f, *file_off, p.run_len))
             }
             RunSource::Contiguous { shard, off } => Some((self.shard(*shard)?, *off, p.run_len)),
@@ -842,10 +842,12 @@ impl TrunkLayout {
             ..
         }) = self.plan(l)
         else {
-            return Err(ReadError(format!("layer {l} is not in the checkpoint")));
+            return Err(ReadError::msg(format!(
+                "layer {l} is not in the checkpoint"
+            )));
         };
         if (dst.len() as u64) < *run_len {
-            return Err(ReadError(format!(
+            return Err(ReadError::msg(format!(
                 "layer {l}: buffer of {} bytes, needs {run_len}",
                 dst.len()
             )));
@@ -876,7 +878,7 @@ impl TrunkLayout {
     ) -> Result<usize, ReadError> {
         match self.span_file(l)? {
             Some((f, off, len)) => f.read_span_window(off, len, window, at),
-            None => Err(ReadError(format!(
+            None => Err(ReadError::msg(format!(
                 "layer {l} is scattered over its shards: it cannot be read by windows"
             ))),
         }
@@ -886,7 +888,7 @@ impl TrunkLayout {
         self.shards
             .get(s as usize)
             .map(|f| &**f)
-            .ok_or_else(|| ReadError(format!("shard {s} is not open")))
+            .ok_or_else(|| ReadError::msg(format!("shard {s} is not open")))
     }
 }
 
