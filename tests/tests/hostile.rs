@@ -670,3 +670,51 @@ fn store_killed_and_restarted_on_its_socket_leaves_nothing_behind() {
         "{log}"
     );
 }
+
+#[test]
+fn a_hundred_workers_killed_mid_request_leave_no_lease_and_the_ids_unchanged() {
+    let mut sb = Sandbox::new("kill100");
+    let trunk = sb.pack_tiny_trunk();
+    // A 3-slot cache: every layer leases and evicts, so a kill lands mid-request often.
+    sb.start_store(&[
+        s(&tiny_model()),
+        "--trunk",
+        s(&trunk),
+        "--trunk-gb",
+        "0.0006",
+        "--cache-gb",
+        "0.0001",
+    ]);
+    let ids = ids_arg(&reference_prompt());
+    let mut killed = 0;
+    for round in 0..10u64 {
+        let workers: Vec<_> = (0..10)
+            .map(|_| sb.spawn_worker(&["--ids", &ids, "--gen", "64", "--threads", "1"]))
+            .collect();
+        // Kill at staggered moments: while attaching, prefilling, decoding.
+        std::thread::sleep(Duration::from_millis(20 + 23 * round));
+        for w in workers {
+            let r = w.kill9();
+            killed += usize::from(r.code == -1);
+        }
+    }
+    assert!(
+        killed >= 50,
+        "only {killed} of 100 workers were still running when killed"
+    );
+    let s = poll_until(Duration::from_secs(15), || {
+        let s = sb.stats();
+        (s["slots_leased"].as_u64() == Some(0) && s["workers"].as_u64() == Some(0)).then_some(s)
+    })
+    .unwrap_or_else(|| panic!("leases or workers left after the kills: {}", sb.stats()));
+    assert_eq!(s["slots_leased"].as_u64(), Some(0));
+    // The next worker gets exactly the reference ids.
+    let r = sb.worker(&["--ids", &ids, "--gen", "20", "--threads", "1"]);
+    assert_eq!(r.code, 0, "{r:?}");
+    let got: Vec<u32> = r
+        .stdout
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    assert_eq!(got, reference_greedy());
+}
