@@ -832,3 +832,28 @@ fn no_budget_flag_plans_auto_and_f32_vectors_give_the_reference_ids() {
         assert_eq!(stdout_ids(&o), ref_ids("greedy_ids.json"), "{extra:?}");
     }
 }
+
+#[test]
+fn impossible_threads_and_unwritable_outputs_are_refused_before_any_work() {
+    let sb = Sandbox::new("preflight");
+    let prompt = csv(&ref_ids("prompt_ids.json"));
+    let model = sb.model();
+    let base = ["--standalone", s(&model), "--ids", &prompt, "--gen", "4"];
+    let cases: &[(&[&str], &str)] = &[
+        (&["--threads", "4096"], "exceeds the"),
+        (&["--out", "/proc/k3-no-such-dir/run.json"], "cannot write"),
+        (&["--dump-logits", "/proc/k3-no-such-dir/l.f32"], "cannot write"),
+        (&["--dump-hidden", "/proc/k3-no-such-dir"], "cannot write"),
+    ];
+    for (extra, want) in cases {
+        let args: Vec<&str> = base.iter().chain(extra.iter()).copied().collect();
+        let t0 = std::time::Instant::now();
+        let o = worker(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
+        assert!(err.contains(want), "{extra:?}: {err}");
+        assert!(o.stdout.is_empty(), "{extra:?}: generated before refusing");
+        assert!(!err.contains("STEP"), "{extra:?}: ran before refusing: {err}");
+        assert!(t0.elapsed().as_secs() < 30);
+    }
+}
