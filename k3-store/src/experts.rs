@@ -1427,6 +1427,45 @@ mod tests {
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 
+    /// The slot views of a heap and of a borrowed arena: each slot is its own `stride` bytes,
+    /// writing one through `slot_mut` shows in `slot` of that slot only, the borrowed arena
+    /// stays inside the memory it was given, and a too-small memory is refused. No I/O, so it
+    /// also runs under Miri (scripts/miri.sh), which checks the raw-pointer views.
+    #[test]
+    fn slot_views_are_disjoint_and_inside_the_arena() {
+        let (stride, slots, skip) = (64usize, 3usize, 5usize);
+        let heap = Arena::heap(stride, slots).unwrap();
+        let mut mem = vec![0xeeu8; skip + stride * slots + skip];
+        // SAFETY: `mem` outlives `over` (dropped below) and is not touched while it is used.
+        let over = unsafe { Arena::over(&mut mem[skip..], stride, slots) }.unwrap();
+        for a in [&heap, &over] {
+            assert_eq!((a.stride(), a.slots()), (stride, slots));
+            for s in 0..slots {
+                // SAFETY: one thread; no other view of slot `s` lives.
+                unsafe { a.slot_mut(s) }.fill(s as u8 + 1);
+            }
+            for s in 0..slots {
+                // SAFETY: no mutable view lives any more.
+                let v = unsafe { a.slot(s) };
+                assert_eq!(v.len(), stride);
+                assert!(v.iter().all(|&b| b == s as u8 + 1), "slot {s}");
+            }
+        }
+        drop(over);
+        assert!(mem[..skip].iter().all(|&b| b == 0xee));
+        assert!(mem[skip + stride * slots..].iter().all(|&b| b == 0xee));
+        for (s, chunk) in mem[skip..skip + stride * slots].chunks(stride).enumerate() {
+            assert!(
+                chunk.iter().all(|&b| b == s as u8 + 1),
+                "slot {s} in borrowed memory"
+            );
+        }
+        let mut small = [0u8; 2 * 8 - 1];
+        // SAFETY: refused, so no arena over `small` exists.
+        assert!(unsafe { Arena::over(&mut small, 8, 2) }.is_err());
+        assert!(Arena::heap(usize::MAX, 2).is_err());
+    }
+
     #[test]
     fn table_lru_order_and_explicit_holders() {
         let mut t = SlotTable::new(2, Box::new(Lru::new(2)));

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Runs the unit tests of k3's unsafe owner types that need no system calls under Miri
+# (undefined-behaviour checker; issue 13 item 5):
+#   k3-store  arena::             ArenaMem slicing (range/range_mut) and the placement rule
+#             experts::tests::slot_views_are_disjoint_and_inside_the_arena
+#                                 the routed-expert slot views (Arena::heap / Arena::over)
+#             experts::tests::table_lru_order_and_explicit_holders   the slot state machine
+#   k3-worker --test kernels      bf16 widening, the scalar kernels' tails and degenerate
+#                                 shapes, and the SIMD tiers' pointer loads: the kernels test
+#                                 is run twice, scalar only (Miri reports no CPU features) and
+#                                 with AVX2+FMA enabled at compile time (Miri emulates them).
+# Tests that need system calls Miri lacks (O_DIRECT, memfd, file mappings) are not selected;
+# those in the selected modules carry #[cfg_attr(miri, ignore)].
+#
+#   scripts/miri.sh          (needs the nightly toolchain with the miri component)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+if ! cargo +nightly miri --version >/dev/null 2>&1; then
+    echo "miri: installing the miri component for nightly"
+    rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+    rustup component add --toolchain nightly miri rust-src
+fi
+cargo +nightly miri setup >/dev/null
+
+start=$SECONDS
+step() { echo "miri: $*"; }
+
+step "k3-store: arena slicing, expert slot views, slot table"
+cargo +nightly miri test -p k3-store --lib -- \
+    arena:: experts::tests::slot_views_are_disjoint_and_inside_the_arena \
+    experts::tests::table_lru_order_and_explicit_holders
+
+KERNEL_TESTS=(
+    bf16_to_f32_matches_half_for_all_65536_patterns
+    bf16_matmul_equals_matvec_bitwise_on_odd_widths
+    dot_f32_every_tier_within_bound
+    degenerate_shapes
+    bf16_length_mismatch_is_caught
+    mxfp4_width_must_be_whole_groups
+    mxfp4_single_columns_decode_exactly
+)
+step "k3-worker kernels (scalar tier)"
+cargo +nightly miri test -p k3-worker --test kernels -- "${KERNEL_TESTS[@]}"
+
+step "k3-worker kernels (AVX2+FMA tier, emulated)"
+# Its own target dir: other RUSTFLAGS would rebuild the scalar run's artefacts each time.
+RUSTFLAGS="-C target-feature=+avx2,+fma" CARGO_TARGET_DIR="$root/target/miri-avx2" \
+    cargo +nightly miri test -p k3-worker --test kernels -- "${KERNEL_TESTS[@]}"
+
+echo "miri: all selected tests passed in $((SECONDS - start)) s"
