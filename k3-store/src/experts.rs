@@ -1117,6 +1117,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn reversed_expert_is_assembled_in_canonical_order() {
         let spec = spec();
         let w = fixture::write(&spec, "canon");
@@ -1129,6 +1130,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn random_streams_never_alias_with_capacity_below_working_set() {
         let spec = spec();
         let w = fixture::write(&spec, "alias");
@@ -1162,6 +1164,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn held_regions_keep_their_bytes_while_later_batches_evict() {
         let spec = spec();
         let w = fixture::write(&spec, "held");
@@ -1181,6 +1184,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn two_threads_concurrent_batches() {
         let spec = spec();
         let w = fixture::write(&spec, "threads");
@@ -1208,6 +1212,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn inflight_expert_is_read_once_and_waited_for() {
         let spec = spec();
         let w = fixture::write(&spec, "inflight");
@@ -1236,6 +1241,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn failed_read_is_reported_and_not_published() {
         let spec = spec();
         let w = fixture::write(&spec, "fail");
@@ -1269,6 +1275,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn truncated_shard_fails_only_the_experts_past_the_end() {
         let mut spec = spec();
         spec.n_shards = 1;
@@ -1301,6 +1308,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn eviction_never_touches_leased_slots_and_too_small_is_refused() {
         let spec = spec();
         let w = fixture::write(&spec, "leased");
@@ -1336,6 +1344,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn duplicate_ids_share_one_slot() {
         let spec = spec();
         let w = fixture::write(&spec, "dup");
@@ -1347,6 +1356,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn heap_and_borrowed_arenas_serve_the_same_stream() {
         // The standalone cache (heap arena, leases held by regions) and the daemon's way of
         // calling the same routine (borrowed memory, leases held per holder, slot-table mirror)
