@@ -1117,6 +1117,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn reversed_expert_is_assembled_in_canonical_order() {
         let spec = spec();
         let w = fixture::write(&spec, "canon");
@@ -1129,6 +1130,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn random_streams_never_alias_with_capacity_below_working_set() {
         let spec = spec();
         let w = fixture::write(&spec, "alias");
@@ -1162,6 +1164,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn held_regions_keep_their_bytes_while_later_batches_evict() {
         let spec = spec();
         let w = fixture::write(&spec, "held");
@@ -1181,6 +1184,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn two_threads_concurrent_batches() {
         let spec = spec();
         let w = fixture::write(&spec, "threads");
@@ -1208,6 +1212,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn inflight_expert_is_read_once_and_waited_for() {
         let spec = spec();
         let w = fixture::write(&spec, "inflight");
@@ -1236,6 +1241,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn failed_read_is_reported_and_not_published() {
         let spec = spec();
         let w = fixture::write(&spec, "fail");
@@ -1269,6 +1275,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn truncated_shard_fails_only_the_experts_past_the_end() {
         let mut spec = spec();
         spec.n_shards = 1;
@@ -1301,6 +1308,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn eviction_never_touches_leased_slots_and_too_small_is_refused() {
         let spec = spec();
         let w = fixture::write(&spec, "leased");
@@ -1336,6 +1344,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn duplicate_ids_share_one_slot() {
         let spec = spec();
         let w = fixture::write(&spec, "dup");
@@ -1347,6 +1356,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn heap_and_borrowed_arenas_serve_the_same_stream() {
         // The standalone cache (heap arena, leases held by regions) and the daemon's way of
         // calling the same routine (borrowed memory, leases held per holder, slot-table mirror)
@@ -1425,6 +1435,45 @@ mod tests {
         assert!(hits > 0 && failures > 0, "{hits} hits, {failures} failures");
         assert!(c.stats().table.evictions > 0);
         std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    /// The slot views of a heap and of a borrowed arena: each slot is its own `stride` bytes,
+    /// writing one through `slot_mut` shows in `slot` of that slot only, the borrowed arena
+    /// stays inside the memory it was given, and a too-small memory is refused. No I/O, so it
+    /// also runs under Miri (scripts/miri.sh), which checks the raw-pointer views.
+    #[test]
+    fn slot_views_are_disjoint_and_inside_the_arena() {
+        let (stride, slots, skip) = (64usize, 3usize, 5usize);
+        let heap = Arena::heap(stride, slots).unwrap();
+        let mut mem = vec![0xeeu8; skip + stride * slots + skip];
+        // SAFETY: `mem` outlives `over` (dropped below) and is not touched while it is used.
+        let over = unsafe { Arena::over(&mut mem[skip..], stride, slots) }.unwrap();
+        for a in [&heap, &over] {
+            assert_eq!((a.stride(), a.slots()), (stride, slots));
+            for s in 0..slots {
+                // SAFETY: one thread; no other view of slot `s` lives.
+                unsafe { a.slot_mut(s) }.fill(s as u8 + 1);
+            }
+            for s in 0..slots {
+                // SAFETY: no mutable view lives any more.
+                let v = unsafe { a.slot(s) };
+                assert_eq!(v.len(), stride);
+                assert!(v.iter().all(|&b| b == s as u8 + 1), "slot {s}");
+            }
+        }
+        drop(over);
+        assert!(mem[..skip].iter().all(|&b| b == 0xee));
+        assert!(mem[skip + stride * slots..].iter().all(|&b| b == 0xee));
+        for (s, chunk) in mem[skip..skip + stride * slots].chunks(stride).enumerate() {
+            assert!(
+                chunk.iter().all(|&b| b == s as u8 + 1),
+                "slot {s} in borrowed memory"
+            );
+        }
+        let mut small = [0u8; 2 * 8 - 1];
+        // SAFETY: refused, so no arena over `small` exists.
+        assert!(unsafe { Arena::over(&mut small, 8, 2) }.is_err());
+        assert!(Arena::heap(usize::MAX, 2).is_err());
     }
 
     #[test]

@@ -770,6 +770,7 @@ fn env_child_reports_tier() {
 
 /// `K3_SIMD` is read once per process: run this test binary as a child with each value.
 #[test]
+#[cfg_attr(miri, ignore)] // runs this test binary as child processes
 fn k3_simd_env_forces_or_refuses_each_tier() {
     let exe = std::env::current_exe().expect("test binary path");
     let run = |value: &str| -> String {
