@@ -13,7 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 /// Log lines with levels and timestamps on stderr, filtered by `RUST_LOG` (default `info`).
 /// Safe to call more than once (later calls do nothing).
 pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    let filter = tracing_subscriber::EnvFilter::try_from_env(k3_proto::paths::env::RUST_LOG)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -98,7 +98,7 @@ pub struct StreamStats {
 
 /// Environment variable choosing which streamed trunk reads are checked against their checksums
 /// ([`VerifyMode`]): `first` (the default), `every`, or `0`/`off`.
-pub const VERIFY_ENV: &str = "K3_TRUNK_VERIFY";
+pub const VERIFY_ENV: &str = k3_proto::paths::env::K3_TRUNK_VERIFY;
 
 /// Which ring reads are checked against the layer's checksum.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

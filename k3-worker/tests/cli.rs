@@ -842,7 +842,10 @@ fn impossible_threads_and_unwritable_outputs_are_refused_before_any_work() {
     let cases: &[(&[&str], &str)] = &[
         (&["--threads", "4096"], "exceeds the"),
         (&["--out", "/proc/k3-no-such-dir/run.json"], "cannot write"),
-        (&["--dump-logits", "/proc/k3-no-such-dir/l.f32"], "cannot write"),
+        (
+            &["--dump-logits", "/proc/k3-no-such-dir/l.f32"],
+            "cannot write",
+        ),
         (&["--dump-hidden", "/proc/k3-no-such-dir"], "cannot write"),
     ];
     for (extra, want) in cases {
@@ -853,7 +856,10 @@ fn impossible_threads_and_unwritable_outputs_are_refused_before_any_work() {
         assert_eq!(o.status.code(), Some(2), "{extra:?}: {err}");
         assert!(err.contains(want), "{extra:?}: {err}");
         assert!(o.stdout.is_empty(), "{extra:?}: generated before refusing");
-        assert!(!err.contains("STEP"), "{extra:?}: ran before refusing: {err}");
+        assert!(
+            !err.contains("STEP"),
+            "{extra:?}: ran before refusing: {err}"
+        );
         assert!(t0.elapsed().as_secs() < 30);
     }
 }

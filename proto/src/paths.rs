@@ -8,6 +8,10 @@ pub mod env {
     pub const XDG_RUNTIME_DIR: &str = "XDG_RUNTIME_DIR";
     /// Force a SIMD tier: `scalar`, `avx2`, `avx512`.
     pub const K3_SIMD: &str = "K3_SIMD";
+    /// When streamed trunk layers are checked against their checksum: `first`, `every`, `off`.
+    pub const K3_TRUNK_VERIFY: &str = "K3_TRUNK_VERIFY";
+    /// Log level filter of the three binaries (`tracing_subscriber::EnvFilter` syntax).
+    pub const RUST_LOG: &str = "RUST_LOG";
 }
 
 /// The default socket path: `$XDG_RUNTIME_DIR/k3/store.sock` when `XDG_RUNTIME_DIR` is set to an

@@ -5,7 +5,7 @@ use std::sync::OnceLock;
 
 /// Environment variable that forces a tier: `scalar`, `avx2` or `avx512` (`auto`, empty or unset:
 /// the best tier this CPU supports).
-pub const SIMD_ENV: &str = "K3_SIMD";
+pub const SIMD_ENV: &str = k3_proto::paths::env::K3_SIMD;
 
 /// A kernel implementation level.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
