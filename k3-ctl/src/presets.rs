@@ -1,4 +1,4 @@
-//! `k3-ctl presets`: the memory presets (PRODUCT.md §3).
+//! `k3-ctl presets`: the memory presets (README "Presets").
 
 /// Arguments of `k3-ctl presets`.
 #[derive(clap::Args, Debug)]

@@ -14,7 +14,7 @@ use crate::io::{align_down, align_up, ALIGN};
 /// Bytes per GB (decimal).
 pub const GB: f64 = 1e9;
 
-/// A named memory preset (PRODUCT.md §3).
+/// A named memory preset (README "Presets").
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Preset {
     /// Name used with `--preset`.

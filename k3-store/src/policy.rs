@@ -707,7 +707,7 @@ impl Trace {
 // ---------------------------------------------------------------------------------------------
 // Replay
 
-/// Counters of one replay, defined exactly as the store's (PRODUCT.md §1).
+/// Counters of one replay, defined exactly as the store's (`k3_proto::wire::Counters`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Counts {
     /// Experts requested.

@@ -1,4 +1,4 @@
-"""Model dimensions of each checkpoint preset (SPEC.md §1, §7.2; BENCH.md "Checkpoints").
+"""Model dimensions of each checkpoint preset (SPEC.md §1, §7.2; docs/BENCHMARKS.md).
 
 Layer lists are 1-based, exactly as in the released config: 0-based layer L is MLA iff
 L + 1 is in `full_attn_layers`; every other layer is KDA.

@@ -31,6 +31,26 @@ fn chmod(p: &Path, mode: u32) {
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).expect("chmod");
 }
 
+/// `k3-store start` on the tiny model with `trunk` at the laptop preset, detached, on the
+/// sandbox's socket; the run, whatever its outcome (the caller checks it).
+fn try_start_tiny(sb: &Sandbox, trunk: &Path) -> Run {
+    let sock = sb.socket.clone();
+    sb.run(
+        "k3-store",
+        &[
+            "start",
+            s(&tiny_model()),
+            "--trunk",
+            s(trunk),
+            "--preset",
+            "laptop",
+            "--socket",
+            s(&sock),
+            "--detach",
+        ],
+    )
+}
+
 fn start_tiny(sb: &mut Sandbox, trunk: &Path) -> Run {
     let model = tiny_model();
     sb.start_store(&[s(&model), "--trunk", s(trunk), "--preset", "laptop"])
@@ -250,22 +270,8 @@ fn socket_directory_writable_by_others_is_refused() {
     let dir = sb.socket.parent().unwrap().to_path_buf();
     std::fs::create_dir_all(&dir).unwrap();
     chmod(&dir, 0o777);
-    let model = tiny_model();
     let sock = sb.socket.clone();
-    let r = sb.run(
-        "k3-store",
-        &[
-            "start",
-            s(&model),
-            "--trunk",
-            s(&trunk),
-            "--preset",
-            "laptop",
-            "--socket",
-            s(&sock),
-            "--detach",
-        ],
-    );
+    let r = try_start_tiny(&sb, &trunk);
     assert_eq!(r.code, 2, "store used a 0777 directory: {r:?}");
     assert!(r.stderr.contains("0777"), "{r:?}");
     assert_eq!(
@@ -305,22 +311,8 @@ fn symlink_planted_as_the_log_is_not_followed() {
     std::fs::write(&secret, b"root only\n").unwrap();
     chmod(&secret, 0o600);
     std::os::unix::fs::symlink(&secret, sb.store_log()).unwrap();
-    let model = tiny_model();
     let sock = sb.socket.clone();
-    let r = sb.run(
-        "k3-store",
-        &[
-            "start",
-            s(&model),
-            "--trunk",
-            s(&trunk),
-            "--preset",
-            "laptop",
-            "--socket",
-            s(&sock),
-            "--detach",
-        ],
-    );
+    let r = try_start_tiny(&sb, &trunk);
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("symbolic link"), "{r:?}");
     assert_eq!(std::fs::read(&secret).unwrap(), b"root only\n");
