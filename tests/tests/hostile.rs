@@ -270,7 +270,6 @@ fn socket_directory_writable_by_others_is_refused() {
     let dir = sb.socket.parent().unwrap().to_path_buf();
     std::fs::create_dir_all(&dir).unwrap();
     chmod(&dir, 0o777);
-    let sock = sb.socket.clone();
     let r = try_start_tiny(&sb, &trunk);
     assert_eq!(r.code, 2, "store used a 0777 directory: {r:?}");
     assert!(r.stderr.contains("0777"), "{r:?}");
