@@ -24,24 +24,13 @@ pub struct StatsArgs {
 }
 
 fn connect(s: &SocketArg) -> Result<Client, i32> {
-    Client::connect(&s.path(), ClientKind::Control, "k3-ctl").map_err(|e| {
-        eprintln!("k3-ctl: {e}");
-        match e {
-            ClientError::Unreachable { .. }
-            | ClientError::Untrusted { .. }
-            | ClientError::Refused(_)
-            | ClientError::Wire(_) => exit::NO_STORE,
-            ClientError::Store { code, .. } => code.exit_code(),
-            ClientError::Unexpected(_) => exit::FAILURE,
-        }
-    })
+    Client::connect(&s.path(), ClientKind::Control, "k3-ctl")
+        .map_err(|e| exit::report::<ClientError>("k3-ctl", Err(e)))
 }
 
 fn call(c: &mut Client, req: &Request) -> Result<Response, i32> {
-    c.call(req).map_err(|e| {
-        eprintln!("k3-ctl: {e}");
-        exit::NO_STORE
-    })
+    c.call(req)
+        .map_err(|e| exit::report::<ClientError>("k3-ctl", Err(e)))
 }
 
 /// `k3-ctl status`.

@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use k3_proto::exit;
+use k3_proto::exit::{self, ExitStatus};
 use k3_store::cli::{BudgetArgs, SocketArgs};
 use k3_store::daemon::backend::{segment_bytes, BuildOptions, StoreBackend};
 use k3_store::daemon::detach::{self, Notifier, Readiness};
@@ -175,16 +175,16 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // Open the checkpoint and the packed trunk; anything unreadable is a refusal.
     let (cat, cfg) = match k3_store::catalog::Catalog::open_dir(&a.model_dir) {
         Ok(x) => x,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e.0),
+        Err(e) => return fail(&mut notify, e.exit_code(), e.0),
     };
     let shards = match k3_store::trunk::open_shards(&cat) {
         Ok(s) => s,
-        Err(e) => return fail(&mut notify, exit::FAILURE, e.0),
+        Err(e) => return fail(&mut notify, e.exit_code(), e.0),
     };
     let trunk = match &a.budget.trunk {
         Some(dir) => match k3_store::trunk::TrunkLayout::from_packed(&cat, shards, dir) {
             Ok(t) => t,
-            Err(e) => return fail(&mut notify, exit::REFUSED, e.to_string()),
+            Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
         },
         // No packed trunk: the layers are read from the checkpoint's shards.
         None => k3_store::trunk::TrunkLayout::from_catalog(&cat, shards),
@@ -242,10 +242,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {
         Ok(l) => l,
-        Err(e @ (k3_store::ipc::BindError::Live(_) | k3_store::ipc::BindError::Untrusted(_))) => {
-            return fail(&mut notify, exit::REFUSED, e.to_string())
-        }
-        Err(e) => return fail(&mut notify, exit::FAILURE, e.to_string()),
+        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
     };
     let stop = Arc::new(AtomicBool::new(false));
     let hup = Arc::new(AtomicBool::new(false));
