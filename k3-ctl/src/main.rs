@@ -32,6 +32,8 @@ enum Cmd {
     Status(store_cmds::SocketArg),
     /// The store's counters: TRUE resident hit rate, misses, evictions, bytes read, per job.
     Stats(store_cmds::StatsArgs),
+    /// The store's live jobs: tokens so far, seconds per token, bytes read.
+    Ps(store_cmds::PsArgs),
     /// Ask the store to drain and exit; waits until its socket is gone.
     Stop(store_cmds::SocketArg),
     /// Copy every layer's trunk tensors into trunk.bin + trunk.json (one aligned run per layer).
@@ -69,6 +71,7 @@ fn main() {
         Cmd::Status(a) => store_cmds::run_status(a),
         Cmd::Stats(a) => store_cmds::run_stats(a),
         Cmd::Stop(a) => store_cmds::run_stop(a),
+        Cmd::Ps(a) => store_cmds::run_ps(a),
         Cmd::PackTrunk(a) => pack::run(a),
         Cmd::Presets(a) => presets::run(a),
         Cmd::ReplayTrace(a) => replay::run(a),

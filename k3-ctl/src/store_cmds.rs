@@ -197,10 +197,111 @@ pub fn run_stats(a: StatsArgs) -> i32 {
     }
 }
 
+/// Arguments of `k3-ctl ps`.
+#[derive(clap::Args, Debug)]
+pub struct PsArgs {
+    /// Store socket.
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// Print JSON (one object per live job) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The live jobs as a table: tokens so far, seconds per token, bytes read.
+fn render_ps(s: &StatsReport) -> String {
+    use std::fmt::Write as _;
+    let mut out = format!(
+        "{:>6}  {:<28} {:>7} {:>10} {:>9} {:>10} {:>10} {:>7}\n",
+        "CONN", "JOB", "TOKENS", "PREFILL s", "S/TOKEN", "TRUNK GB", "EXPERT GB", "HIT"
+    );
+    let live: Vec<_> = s.jobs.iter().filter(|j| j.live).collect();
+    for j in &live {
+        let p = &j.progress;
+        let label: String = j.label.chars().take(28).collect();
+        let _ = writeln!(
+            out,
+            "{:>6}  {:<28} {:>7} {:>10.3} {:>9} {:>10.3} {:>10.3} {:>6.1}%",
+            j.conn,
+            label,
+            p.tokens,
+            p.prefill_seconds,
+            p.seconds_per_token()
+                .map_or("-".to_string(), |v| format!("{v:.3}")),
+            p.trunk_bytes_read as f64 / 1e9,
+            j.counters.bytes_read as f64 / 1e9,
+            100.0 * j.counters.true_resident_hit_rate()
+        );
+    }
+    if live.is_empty() {
+        out.push_str("(no live jobs)\n");
+    }
+    out
+}
+
+/// `k3-ctl ps`: the store's live jobs.
+pub fn run_ps(a: PsArgs) -> i32 {
+    let mut c = match connect(&a.socket) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match call(&mut c, &Request::Stats) {
+        Ok(Response::Stats(s)) => {
+            if a.json {
+                let live: Vec<_> = s.jobs.iter().filter(|j| j.live).collect();
+                match serde_json::to_string(&live) {
+                    Ok(j) => println!("{j}"),
+                    Err(e) => {
+                        eprintln!("k3-ctl: {e}");
+                        return exit::FAILURE;
+                    }
+                }
+            } else {
+                print!("{}", render_ps(&s));
+            }
+            exit::OK
+        }
+        Ok(other) => {
+            eprintln!("k3-ctl: unexpected answer {other:?}");
+            exit::FAILURE
+        }
+        Err(code) => code,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use k3_proto::wire::JobStats;
+
+    #[test]
+    fn ps_lists_live_jobs_with_tokens_and_seconds_per_token() {
+        let mut s = StatsReport::default();
+        for (conn, live, tokens) in [(1u64, false, 9u64), (2, true, 5), (3, true, 1)] {
+            s.jobs.push(JobStats {
+                conn,
+                label: format!("k3-worker pid {conn}"),
+                live,
+                progress: k3_proto::wire::JobProgress {
+                    tokens,
+                    decode_seconds: 2.0 * tokens.saturating_sub(1) as f64,
+                    prefill_seconds: 3.0,
+                    trunk_bytes_read: 4_000_000_000,
+                },
+                ..JobStats::default()
+            });
+        }
+        let t = render_ps(&s);
+        assert!(!t.contains("pid 1 "), "a finished job is not listed:\n{t}");
+        let row2 = t.lines().find(|l| l.contains("pid 2")).unwrap();
+        assert!(
+            row2.contains(" 5 ") && row2.contains("2.000") && row2.contains("4.000"),
+            "{t}"
+        );
+        let row3 = t.lines().find(|l| l.contains("pid 3")).unwrap();
+        assert!(row3.contains(" - "), "one token: no s/token yet:\n{t}");
+        assert!(render_ps(&StatsReport::default()).contains("no live jobs"));
+    }
 
     #[test]
     fn stats_table_shows_true_hit_rate_per_job() {
@@ -221,6 +322,7 @@ mod tests {
                         misses: 5,
                         ..Default::default()
                     },
+                    ..Default::default()
                 },
                 JobStats {
                     conn: 2,
@@ -232,6 +334,7 @@ mod tests {
                         misses: 1,
                         ..Default::default()
                     },
+                    ..Default::default()
                 },
             ],
             ..Default::default()

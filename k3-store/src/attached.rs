@@ -239,6 +239,18 @@ impl AttachedSource {
             Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
         }
     }
+
+    /// Tell the store how far this job has come (shown by `k3-ctl ps`).
+    pub fn report_progress(&self, p: k3_proto::wire::JobProgress) -> Result<(), SourceError> {
+        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        match c.call(&Request::Progress(p)) {
+            Ok(Response::Noted) => Ok(()),
+            Ok(other) => Err(SourceError::Io(format!(
+                "unexpected answer from the store: {other:?}"
+            ))),
+            Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
+        }
+    }
 }
 
 impl WeightSource for AttachedSource {

@@ -444,6 +444,11 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
     if cli.dump_hidden.is_some() {
         model.tap = Some(hidden.tap(model.dims.n_layers));
     }
+    // An attached worker tells the store its progress after every token (`k3-ctl ps`).
+    let reporter = match &opened.source {
+        Source::Attached(src) => Some(src.as_ref()),
+        Source::Standalone(_) => None,
+    };
     match &pre.input {
         Input::Chat(thinking) => {
             let tok = pre
@@ -467,10 +472,12 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
             &pre.sampler,
             &hidden,
             wall,
+            reporter,
         ),
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_prompt(
     cli: &Cli,
     model: &mut Model<'_>,
@@ -479,6 +486,7 @@ fn run_prompt(
     sampler: &Sampler,
     hidden: &HiddenDump,
     wall: Instant,
+    reporter: Option<&AttachedSource>,
 ) -> Result<i32, JobError> {
     let gen_opts = GenOptions {
         max_new: cli.gen as usize,
@@ -490,8 +498,22 @@ fn run_prompt(
     };
     eprintln!("{}", report::STEP_HEADER);
     let stdout = std::io::stdout();
+    let mut progress = k3_proto::wire::JobProgress::default();
     let gen = crate::generate::generate(model, prompt, &gen_opts, &mut |s| {
         eprintln!("{}", report::step_line(s));
+        if let Some(src) = reporter {
+            progress.tokens += 1;
+            if s.step == 0 {
+                progress.prefill_seconds = s.seconds;
+            } else {
+                progress.decode_seconds += s.seconds;
+            }
+            progress.trunk_bytes_read = src.stats().trunk_bytes_read;
+            // Progress is for people watching; a lost connection fails the next expert request.
+            if let Err(e) = src.report_progress(progress.clone()) {
+                tracing::debug!("progress not reported: {e}");
+            }
+        }
         let mut out = stdout.lock();
         let text = tok.and_then(|t| t.decode(&[s.token]).ok());
         let _ = match text {

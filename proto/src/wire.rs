@@ -78,6 +78,28 @@ pub enum Request {
     Stop,
     /// v1. Release every lease of this connection (also implied by disconnecting).
     ReleaseAll,
+    /// v2. A worker's progress so far (for `k3-ctl ps`); answered with [`Response::Noted`].
+    Progress(JobProgress),
+}
+
+/// What a worker reports of its job after each generated token.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobProgress {
+    /// Tokens generated so far.
+    pub tokens: u64,
+    /// Seconds of the decode steps so far (steps ≥ 1).
+    pub decode_seconds: f64,
+    /// Seconds of the prefill step (step 0).
+    pub prefill_seconds: f64,
+    /// Trunk bytes the worker streamed itself so far.
+    pub trunk_bytes_read: u64,
+}
+
+impl JobProgress {
+    /// Mean seconds per token over the decode steps (`None` before the first).
+    pub fn seconds_per_token(&self) -> Option<f64> {
+        (self.tokens > 1).then(|| self.decode_seconds / (self.tokens - 1) as f64)
+    }
 }
 
 /// One expert's answer inside [`Response::Experts`].
@@ -136,6 +158,8 @@ pub struct JobStats {
     pub live: bool,
     /// This job's counters.
     pub counters: Counters,
+    /// What the worker last reported of its progress.
+    pub progress: JobProgress,
 }
 
 /// The answer to [`Request::Stats`].
@@ -220,6 +244,8 @@ pub enum Response {
     Stopping,
     /// v1. Answer to [`Request::ReleaseAll`].
     Released,
+    /// v2. Answer to [`Request::Progress`].
+    Noted,
     /// v2. The request cannot be served; `code` says which kind of failure it is, so a client
     /// can act on it without matching the text.
     Error {

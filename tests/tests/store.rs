@@ -853,3 +853,45 @@ fn a_store_started_with_only_the_model_reads_the_shards_and_picks_its_budget() {
     let r = reference_run(&sb, &[]);
     assert!(u(&r, "trunk_bytes_read") > 0, "{r}");
 }
+
+#[test]
+fn ps_shows_a_live_jobs_tokens_seconds_per_token_and_bytes() {
+    let mut sb = Sandbox::new("ps");
+    let trunk = sb.pack_tiny_trunk();
+    // Nothing pinned: the worker streams the trunk itself, so its trunk bytes grow.
+    let bufs = trunk_layer_bufs(&trunk);
+    let none_budget = gb_arg(trunk_budget_pinning(&bufs, 0));
+    start_tiny(
+        &mut sb,
+        &trunk,
+        &["--trunk-gb", &none_budget, "--cache-gb", "1"],
+    );
+    let ids = ids_arg(&reference_prompt());
+    let w = sb.spawn_worker(&["--ids", &ids, "--gen", "4000", "--threads", "1"]);
+    let pid = w.pid();
+    let row = poll_until(Duration::from_secs(20), || {
+        let r = sb.ctl(&["ps", "--json"]);
+        assert_eq!(r.code, 0, "{r:?}");
+        let rows: Vec<Value> = serde_json::from_str(r.stdout.trim()).ok()?;
+        rows.into_iter().find(|j| {
+            j["label"]
+                .as_str()
+                .is_some_and(|l| l.ends_with(&pid.to_string()))
+                && u(&j["progress"], "tokens") >= 3
+        })
+    })
+    .unwrap_or_else(|| panic!("ps never showed worker {pid} with 3 tokens: {}", sb.stats()));
+    let p = &row["progress"];
+    assert!(p["decode_seconds"].as_f64().unwrap() > 0.0, "{row}");
+    assert!(u(p, "trunk_bytes_read") > 0, "{row}");
+    assert_eq!(row["live"], true);
+    // The table names the job too.
+    let t = sb.ctl(&["ps"]);
+    assert!(t.stdout.contains(&pid.to_string()), "{t:?}");
+    w.kill9();
+    let gone = poll_until(Duration::from_secs(10), || {
+        let r = sb.ctl(&["ps", "--json"]);
+        (r.stdout.trim() == "[]").then_some(())
+    });
+    assert!(gone.is_some(), "a killed job is no longer listed");
+}

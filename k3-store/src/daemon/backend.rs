@@ -72,6 +72,7 @@ struct Job {
     label: String,
     live: bool,
     counters: Counters,
+    progress: k3_proto::wire::JobProgress,
 }
 
 /// The workers' jobs, kept under the slots' lock.
@@ -360,6 +361,7 @@ impl StoreBackend {
             label: format!("connection {conn}"),
             live: true,
             counters: Counters::default(),
+            progress: Default::default(),
         });
         let c = &mut job.counters;
         c.requests += served.outcomes.len() as u64;
@@ -411,6 +413,7 @@ impl Backend for StoreBackend {
                     label: label.to_string(),
                     live: true,
                     counters: Counters::default(),
+                    progress: Default::default(),
                 },
             );
         }
@@ -426,6 +429,12 @@ impl Backend for StoreBackend {
             while jobs.finished.len() > FINISHED_JOBS_KEPT {
                 jobs.finished.pop_front();
             }
+        }
+    }
+
+    fn progress(&self, conn: ConnId, p: k3_proto::wire::JobProgress) {
+        if let Some(job) = self.experts.lock().extra.live.get_mut(&conn) {
+            job.progress = p;
         }
     }
 
@@ -446,6 +455,7 @@ impl Backend for StoreBackend {
             label: j.label.clone(),
             live: j.live,
             counters: j.counters.clone(),
+            progress: j.progress.clone(),
         };
         let mut jobs: Vec<JobStats> = (g.extra.finished.iter())
             .map(|(c, j)| to_stats(c, j))

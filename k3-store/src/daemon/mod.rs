@@ -57,6 +57,8 @@ pub trait Backend: Send + Sync + 'static {
     fn closed(&self, conn: ConnId) {
         self.release_all(conn);
     }
+    /// A worker reported its progress.
+    fn progress(&self, _conn: ConnId, _p: k3_proto::wire::JobProgress) {}
     /// Lifetime and per-connection counters.
     fn stats(&self, conn: ConnId) -> StatsReport;
     /// Static description (model, preset, plan, memory).
@@ -487,6 +489,7 @@ fn request_name(r: &Request) -> &'static str {
         Request::Status => "Status",
         Request::Stop => "Stop",
         Request::ReleaseAll => "ReleaseAll",
+        Request::Progress(_) => "Progress",
     }
 }
 
@@ -678,6 +681,17 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             Request::ReleaseAll => {
                 shared.backend.release_all(id);
                 Response::Released
+            }
+            Request::Progress(p) => {
+                if kind == ClientKind::Worker {
+                    shared.backend.progress(id, p);
+                    Response::Noted
+                } else {
+                    Response::Error {
+                        code: ErrorCode::NotAllowed,
+                        message: "only workers report progress".into(),
+                    }
+                }
             }
         };
         if !reply(stream, &resp, None) {
