@@ -287,3 +287,26 @@ def test_a_client_that_disconnects_through_the_balancer_cancels_its_worker(world
     while live_workers(serve):
         assert time.monotonic() - t0 < 30, "the worker still runs 30 s after the client went away"
         time.sleep(0.1)
+
+
+def test_a_backend_that_cannot_be_reached_is_skipped(world):
+    """A machine that is down (nothing listens on its port) is skipped for the next one, even for
+    a POST (nginx retries only requests it could not send), and the answer is the live one's."""
+    live = world["serves"][0]
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    nginx = Nginx(world["dir"] / "nginx-failover", [live.addr, dead])
+    try:
+        tried_dead = 0
+        for i in range(16):
+            raw = nginx.client(f"failover-{i}").models.with_raw_response.list()
+            assert [m.id for m in raw.parse()] == [MODEL]
+            path = [a.strip() for a in raw.headers["X-K3-Backend"].split(",")]
+            assert path[-1] == live.addr, path
+            tried_dead += dead in path
+        assert tried_dead, "no conversation was hashed to the dead backend first: the test proves nothing"
+        raw = nginx.client("failover-post").completions.with_raw_response.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+        assert raw.headers["X-K3-Backend"].split(",")[-1].strip() == live.addr
+        assert raw.parse().usage.completion_tokens >= 1
+    finally:
+        stop(nginx.proc)
