@@ -169,6 +169,16 @@ def backend_of(nginx, conversation):
     return raw.headers["X-K3-Backend"]
 
 
+def one_conversation_per_backend(nginx, prefix):
+    """{backend address: the first conversation id nginx sends there}."""
+    convs = {}
+    for i in range(200):
+        convs.setdefault(backend_of(nginx, f"{prefix}-{i}"), f"{prefix}-{i}")
+        if len(convs) == 2:
+            return convs
+    pytest.fail(f"200 conversation ids all went to {set(convs)}")
+
+
 def worker_jobs(serve):
     """The worker jobs a store has seen (connected and the recent finished ones): their labels."""
     r = run([binary("k3-ctl"), "stats", "--json", "--socket", serve.sock])
@@ -198,13 +208,7 @@ def test_the_stores_themselves_ran_the_requests_of_their_conversations(world):
     on the stores (k3-ctl stats), not on the balancer."""
     nginx, serves = world["nginx"], world["serves"]
     by_addr = {s.addr: s for s in serves}
-    convs = {}
-    for i in range(200):  # the first conversation landing on each backend
-        cid = f"chat-{i}"
-        convs.setdefault(backend_of(nginx, cid), cid)
-        if len(convs) == 2:
-            break
-    assert len(convs) == 2, "no conversation id reached the second backend"
+    convs = one_conversation_per_backend(nginx, "chat")
     before = {s.addr: worker_jobs(s) for s in serves}
     per_backend = 3
     for addr, cid in convs.items():
@@ -253,7 +257,9 @@ def test_greedy_answers_through_the_balancer_equal_each_backends(world):
     # Both stores hold the same model: the other backend answers the same.
     assert completion(serves[1].client(), stream=False) == want_completion
     assert chat(serves[1].client(), stream=False) == want_chat
-    for cid in ("greedy-1", "greedy-2", "greedy-3"):
+    # One conversation on each backend, through the balancer.
+    convs = one_conversation_per_backend(nginx, "greedy")
+    for cid in convs.values():
         c = nginx.client(cid)
         for stream in (False, True):
             assert completion(c, stream) == want_completion, (cid, stream)
