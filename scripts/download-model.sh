@@ -77,10 +77,13 @@ fi
 # (with a note) when it cannot be had; a listing that is not what it should be is an error.
 fetch_listing() {
   local url="$ENDPOINT/api/models/$REPO/tree/$REVISION?recursive=true" n=0
+  # (curl takes --retry-delay 0 as "its own backoff": no retries then.)
+  local LISTING_RETRY=()
+  [ "$RETRY_DELAY" -gt 0 ] && LISTING_RETRY=(--retry 3 --retry-delay "$RETRY_DELAY")
   while [ -n "$url" ]; do
     n=$((n + 1))
     [ $n -le 1000 ] || { echo "the hub's listing has more than 1000 pages" >&2; return 1; }
-    if ! curl -fsSL --retry 3 --retry-delay "$RETRY_DELAY" -H @"$HDR" -D "$WORK/head.$n" \
+    if ! curl -fsSL "${LISTING_RETRY[@]}" -H @"$HDR" -D "$WORK/head.$n" \
          -o "$WORK/page.$n" "$url"; then
       echo "note: no file listing from $ENDPOINT for $REPO@$REVISION" >&2
       return 1
@@ -102,9 +105,9 @@ PY
     # A relative next link is resolved against the endpoint.
     case "$url" in ""|http://*|https://*) ;; /*) url="$ENDPOINT$url" ;; *) url="$ENDPOINT/$url" ;; esac
   done
-  python3 - "$MANIFEST" "$WORK" "$n" <<'PY'
+  python3 - "$MANIFEST" "$WORK" "$n" "$REPO" "$REVISION" <<'PY'
 import json, os, posixpath, re, sys
-out, work, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out, work, n, repo, revision = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 files = []
 for i in range(1, n + 1):
     try:
@@ -135,7 +138,7 @@ if not files:
 if len({f["path"] for f in files}) != len(files):
     sys.exit("the hub's listing names a file twice")
 tmp = out + ".tmp"
-json.dump({"files": files}, open(tmp, "w"), indent=1)
+json.dump({"repo": repo, "revision": revision, "files": files}, open(tmp, "w"), indent=1)
 os.replace(tmp, out)
 PY
 }
@@ -169,17 +172,32 @@ fetch() {
   return 1
 }
 
+# A listing saved by an earlier run for this repository and revision.
+saved_listing() {
+  [ -s "$MANIFEST" ] && python3 - "$MANIFEST" "$REPO" "$REVISION" <<'PY'
+import json, sys
+try:
+    m = json.load(open(sys.argv[1]))
+except ValueError:
+    sys.exit(1)
+sys.exit(0 if (m.get("repo"), m.get("revision")) == (sys.argv[2], sys.argv[3]) else 1)
+PY
+}
+
 HAVE_MANIFEST=0
-if [ "$VERIFY_ONLY" = 1 ] && [ -s "$MANIFEST" ]; then
+if [ "$VERIFY_ONLY" = 1 ] && saved_listing; then
   HAVE_MANIFEST=1
 elif command -v curl >/dev/null; then
   set +e; fetch_listing; rc=$?; set -e
   if [ $rc = 0 ]; then HAVE_MANIFEST=1
   elif [ -s "$WORK/page.1" ]; then exit 1   # a listing arrived but is unusable: said above
-  else rm -f "$MANIFEST"
+  elif saved_listing; then
+    echo "note: using the listing saved by an earlier run ($MANIFEST)" >&2; HAVE_MANIFEST=1
   fi
 elif [ "$VERIFY_ONLY" = 0 ]; then
   echo "curl is required" >&2; exit 1
+elif saved_listing; then
+  HAVE_MANIFEST=1
 fi
 
 FAILED=0

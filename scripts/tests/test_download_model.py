@@ -10,8 +10,9 @@ What is checked: a file whose sha256 is the listing's is accepted, one whose sha
 refused (exit 1, named), a file without an LFS hash whose size differs is refused (named); the
 token is sent as a bearer header and never appears in the script's output; an interrupted
 transfer resumes with a range request at the byte it reached, and so does a partial file left by
-an earlier run; a second run downloads nothing and does not hash again, and a file changed on
-disk afterwards is caught by --verify-only; a listing that names a path outside the destination
+an earlier run; a second run downloads nothing and does not hash again, the listing saved by an earlier
+run stands in when the hub's API is down (for that repository only), and a file changed on disk
+afterwards is caught by --verify-only; a listing that names a path outside the destination
 is refused before anything is written.
 """
 import hashlib
@@ -47,6 +48,7 @@ class Hub:
         self.entries = entries  # the listing
         self.requests = []  # (path, Range header or None, Authorization header or None)
         self.cut_once = set()  # names whose next transfer stops halfway
+        self.api_down = False  # the listing answers 503
         hub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -60,7 +62,9 @@ class Hub:
                 hub.requests.append((u.path, self.headers.get("Range"), self.headers.get("Authorization")))
                 tree = f"/api/models/{REPO}/tree/main"
                 resolve = f"/{REPO}/resolve/main/"
-                if u.path == tree:
+                if u.path == tree and hub.api_down:
+                    self.send_error(503)
+                elif u.path == tree:
                     page = parse_qs(u.query).get("cursor", ["0"])[0]
                     half = len(hub.entries) // 2
                     if page == "0":
@@ -220,6 +224,18 @@ def test_a_second_run_downloads_and_hashes_nothing_and_verify_only_catches_a_cha
     assert rc == 0, out
     assert h.file_gets() == [], "a complete, verified file was downloaded again"
     assert "good.bin: ok" not in out, "a verified file was hashed again"
+    # The hub's API down: the listing saved by the first run is used, with a note.
+    h.api_down = True
+    rc, out = download(h, tmp_path)
+    assert rc == 0, out
+    assert "using the listing saved by an earlier run" in out and "2 files (1 by sha256" in out, out
+    # ... but not for another repository's download into the same directory.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "K3_HF"))}
+    env.update(K3_HF_ENDPOINT=f"http://127.0.0.1:{h.port}", K3_DL_RETRY_DELAY="0")
+    r = subprocess.run(["bash", str(SCRIPT), "other/repo", str(tmp_path), "--verify-only"], capture_output=True,
+                       timeout=60, env=env)
+    assert r.returncode == 1 and b"verified" not in r.stdout, r
+    h.api_down = False
     # One byte changed on disk (same size): --verify-only hashes it again and refuses it.
     p = tmp_path / "good.bin"
     data = bytearray(p.read_bytes())
