@@ -523,7 +523,7 @@ fn run_prompt(
         let _ = out.flush();
     })?;
     println!();
-    let summary = report::RunSummary::collect(model, &gen, wall.elapsed().as_secs_f64());
+    let summary = report::RunSummary::collect(model, wall.elapsed().as_secs_f64());
     summary.print_totals(&gen);
     let written = |r: Result<(), (PathBuf, std::io::Error)>| {
         r.map_err(|(path, source)| JobError::Output {

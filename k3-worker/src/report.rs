@@ -86,9 +86,8 @@ pub struct RunSummary {
 }
 
 impl RunSummary {
-    /// Gather the totals after `gen`.
-    pub fn collect(model: &Model<'_>, gen: &GenReport, wall: f64) -> RunSummary {
-        let _ = gen;
+    /// Gather the totals at the end of a run.
+    pub fn collect(model: &Model<'_>, wall: f64) -> RunSummary {
         let mut stats = model.source().stats();
         let counters = model.counters.clone();
         // The engine fetches experts beside its own compute: the time it was really blocked is
