@@ -5,7 +5,9 @@
 
 use std::io::Cursor;
 
-use k3_proto::wire::{decode, encode, read_frame, read_frame_bytes, Request, WireError, MAX_FRAME};
+use k3_proto::wire::{
+    decode, encode, read_frame, read_frame_bytes, Request, WireError, MAX_FRAME, MAX_REQUEST_FRAME,
+};
 use libfuzzer_sys::fuzz_target;
 
 fn round_trip(msg: &Request) {
@@ -25,16 +27,16 @@ fuzz_target!(|data: &[u8]| {
     // The input as a byte stream of frames.
     let mut r = Cursor::new(data);
     loop {
-        match read_frame_bytes(&mut r) {
+        match read_frame_bytes(&mut r, MAX_REQUEST_FRAME) {
             Ok(body) => {
-                assert!(body.len() <= MAX_FRAME as usize);
+                assert!(body.len() <= MAX_REQUEST_FRAME as usize);
                 if let Ok(msg) = decode::<Request>(&body) {
                     round_trip(&msg);
                 }
             }
-            Err(WireError::Closed) | Err(WireError::Malformed(_)) | Err(WireError::TooLong(_)) => {
-                break
-            }
+            Err(WireError::Closed)
+            | Err(WireError::Malformed(_))
+            | Err(WireError::TooLong { .. }) => break,
             Err(e) => panic!("reading from memory cannot fail with {e}"),
         }
     }

@@ -27,16 +27,16 @@ fuzz_target!(|data: &[u8]| {
     // The input as a byte stream of frames.
     let mut r = Cursor::new(data);
     loop {
-        match read_frame_bytes(&mut r) {
+        match read_frame_bytes(&mut r, MAX_FRAME) {
             Ok(body) => {
                 assert!(body.len() <= MAX_FRAME as usize);
                 if let Ok(msg) = decode::<Response>(&body) {
                     round_trip(&msg);
                 }
             }
-            Err(WireError::Closed) | Err(WireError::Malformed(_)) | Err(WireError::TooLong(_)) => {
-                break
-            }
+            Err(WireError::Closed)
+            | Err(WireError::Malformed(_))
+            | Err(WireError::TooLong { .. }) => break,
             Err(e) => panic!("reading from memory cannot fail with {e}"),
         }
     }
