@@ -394,13 +394,11 @@ impl Session {
         ids: &[u32],
         chunk: usize,
     ) -> Result<Vec<f32>, ModelError> {
-        let chunk = if chunk == 0 { ids.len() } else { chunk };
-        let mut last = Vec::new();
-        for part in ids.chunks(chunk) {
-            last = model.forward(part, &mut self.state, Logits::Last)?;
-            self.held.extend_from_slice(part);
-        }
-        Ok(last)
+        // After a failed forward `held` no longer matches the state's position, so the session
+        // reads as unusable ([`Session::is_valid`]) until it is reset.
+        let logits = run_chunks(model, ids, &mut self.state, chunk)?;
+        self.held.extend_from_slice(ids);
+        Ok(logits)
     }
 }
 
