@@ -251,6 +251,41 @@ impl AttachedSource {
             Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
         }
     }
+
+    /// Ask the store's history for up to `max` ids following `context` (history drafting). The
+    /// context is cut to its last [`k3_proto::wire::MAX_DRAFT_CONTEXT`] ids.
+    pub fn history_draft(&self, context: &[u32], max: usize) -> Result<Vec<u32>, SourceError> {
+        let context = &context[context.len().saturating_sub(k3_proto::wire::MAX_DRAFT_CONTEXT)..];
+        let max = (max as u32).min(k3_proto::wire::MAX_DRAFT_IDS);
+        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        match c.call(&Request::Draft {
+            context: context.to_vec(),
+            max,
+        }) {
+            Ok(Response::Draft { mut ids }) => {
+                ids.truncate(max as usize);
+                Ok(ids)
+            }
+            Ok(other) => Err(SourceError::Io(format!(
+                "unexpected answer from the store: {other:?}"
+            ))),
+            Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
+        }
+    }
+
+    /// Add this job's token stream (its newest [`k3_proto::wire::MAX_RECORD_IDS`] ids) to the
+    /// store's history, so a later similar job can draft from it.
+    pub fn record_history(&self, ids: &[u32]) -> Result<(), SourceError> {
+        let ids = &ids[ids.len().saturating_sub(k3_proto::wire::MAX_RECORD_IDS)..];
+        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        match c.call(&Request::Record { ids: ids.to_vec() }) {
+            Ok(Response::Noted) => Ok(()),
+            Ok(other) => Err(SourceError::Io(format!(
+                "unexpected answer from the store: {other:?}"
+            ))),
+            Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
+        }
+    }
 }
 
 impl WeightSource for AttachedSource {

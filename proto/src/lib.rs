@@ -5,6 +5,7 @@
 //! shared-memory layout) and nothing about kernels or threads.
 
 pub mod config;
+pub mod draft;
 pub mod dtype;
 pub mod exit;
 pub mod expert;

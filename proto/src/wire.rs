@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -80,7 +80,35 @@ pub enum Request {
     ReleaseAll,
     /// v2. A worker's progress so far (for `k3-ctl ps`); answered with [`Response::Noted`].
     Progress(JobProgress),
+    /// v3. Draft ids for speculative decoding from the store's history of earlier jobs' token
+    /// streams: the continuation of the longest suffix of `context` found there
+    /// (`crate::draft::lookup`). Answered with [`Response::Draft`] (empty when nothing
+    /// matches). `context` holds at most [`MAX_DRAFT_CONTEXT`] ids, `max` at most
+    /// [`MAX_DRAFT_IDS`].
+    Draft {
+        /// The job's last ids (the last one not yet run through the model).
+        context: Vec<u32>,
+        /// Most ids wanted.
+        max: u32,
+    },
+    /// v3. Add a finished job's token stream (prompt then generated ids, at most
+    /// [`MAX_RECORD_IDS`]: the newest ones) to the history; answered with [`Response::Noted`].
+    Record {
+        /// The ids.
+        ids: Vec<u32>,
+    },
 }
+
+/// Most context ids a [`Request::Draft`] may carry (the lookup matches at most
+/// `crate::draft::MAX_MATCH` of them).
+pub const MAX_DRAFT_CONTEXT: usize = 64;
+
+/// Most ids a [`Request::Draft`] may ask for.
+pub const MAX_DRAFT_IDS: u32 = 64;
+
+/// Most ids a [`Request::Record`] may carry: 12 288 ids are at most 60 KiB as postcard varints,
+/// under [`MAX_REQUEST_FRAME`].
+pub const MAX_RECORD_IDS: usize = 12 * 1024;
 
 /// What a worker reports of its job after each generated token.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -93,6 +121,12 @@ pub struct JobProgress {
     pub prefill_seconds: f64,
     /// Trunk bytes the worker streamed itself so far.
     pub trunk_bytes_read: u64,
+    /// v3. Decode forward passes so far (after the prefill).
+    pub forward_passes: u64,
+    /// v3. Draft ids verified so far (speculative decoding).
+    pub drafted_tokens: u64,
+    /// v3. Draft ids the model agreed with.
+    pub accepted_tokens: u64,
 }
 
 impl JobProgress {
@@ -183,6 +217,25 @@ pub struct StatsReport {
     pub workers: u32,
     /// Seconds since the store was ready.
     pub uptime_seconds: f64,
+    /// v3. The history drafts are taken from.
+    pub history: HistoryStats,
+}
+
+/// The store's history of earlier jobs' token streams (speculative drafting, SPEC.md §5.6).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct HistoryStats {
+    /// Streams kept.
+    pub streams: u64,
+    /// Ids kept, over all streams.
+    pub tokens: u64,
+    /// Most ids kept (oldest streams are dropped first).
+    pub capacity_tokens: u64,
+    /// Draft requests answered.
+    pub queries: u64,
+    /// Draft requests that found a match.
+    pub hits: u64,
+    /// Ids drafted, over all answers.
+    pub drafted: u64,
 }
 
 /// The answer to [`Request::Status`].
@@ -244,7 +297,7 @@ pub enum Response {
     Stopping,
     /// v1. Answer to [`Request::ReleaseAll`].
     Released,
-    /// v2. Answer to [`Request::Progress`].
+    /// v2. Answer to [`Request::Progress`] (and, v3, to [`Request::Record`]).
     Noted,
     /// v2. The request cannot be served; `code` says which kind of failure it is, so a client
     /// can act on it without matching the text.
@@ -253,6 +306,11 @@ pub enum Response {
         code: ErrorCode,
         /// Why, for people.
         message: String,
+    },
+    /// v3. Answer to [`Request::Draft`]: the drafted ids (possibly none).
+    Draft {
+        /// At most the `max` asked for.
+        ids: Vec<u32>,
     },
 }
 

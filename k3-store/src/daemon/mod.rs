@@ -40,6 +40,7 @@ use crate::ipc;
 
 pub mod backend;
 pub mod detach;
+pub mod history;
 
 /// A connection's identity inside the store.
 pub type ConnId = u64;
@@ -86,6 +87,8 @@ pub struct Limits {
     /// Per-job entries in a stats reply (live jobs first, then the most recent finished ones);
     /// also the most client labels a status reply lists.
     pub max_listed_jobs: usize,
+    /// Ids of earlier jobs' token streams kept for history drafting (0 keeps none).
+    pub history_tokens: usize,
 }
 
 impl Default for Limits {
@@ -96,6 +99,7 @@ impl Default for Limits {
             frame_timeout: Duration::from_secs(5),
             write_timeout: Duration::from_secs(10),
             max_listed_jobs: 64,
+            history_tokens: history::DEFAULT_HISTORY_TOKENS,
         }
     }
 }
@@ -114,6 +118,8 @@ struct Shared<B: Backend> {
     /// is still open.
     pending: Mutex<BTreeMap<ConnId, (RawFd, Instant)>>,
     started: Instant,
+    /// Earlier jobs' token streams (history drafting).
+    history: Mutex<history::History>,
 }
 
 impl<B: Backend> Shared<B> {
@@ -234,6 +240,7 @@ impl<B: Backend> Server<B> {
                 clients: Mutex::new(Vec::new()),
                 pending: Mutex::new(BTreeMap::new()),
                 started: Instant::now(),
+                history: Mutex::new(history::History::new(Limits::default().history_tokens)),
             }),
             hup: Arc::new(AtomicBool::new(false)),
             drain_cap: Duration::from_secs(10),
@@ -242,9 +249,9 @@ impl<B: Backend> Server<B> {
 
     /// Use these limits instead of [`Limits::default`].
     pub fn with_limits(mut self, limits: Limits) -> Self {
-        Arc::get_mut(&mut self.shared)
-            .expect("limits are set before serving")
-            .limits = limits;
+        let shared = Arc::get_mut(&mut self.shared).expect("limits are set before serving");
+        shared.history = Mutex::new(history::History::new(limits.history_tokens));
+        shared.limits = limits;
         self
     }
 
@@ -490,6 +497,8 @@ fn request_name(r: &Request) -> &'static str {
         Request::Stop => "Stop",
         Request::ReleaseAll => "ReleaseAll",
         Request::Progress(_) => "Progress",
+        Request::Draft { .. } => "Draft",
+        Request::Record { .. } => "Record",
     }
 }
 
@@ -653,6 +662,7 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             Request::Stats => {
                 let mut s = shared.backend.stats(id);
                 s.uptime_seconds = shared.started.elapsed().as_secs_f64();
+                s.history = lock(&shared.history).stats();
                 bound_jobs(&mut s.jobs, limits.max_listed_jobs);
                 Response::Stats(s)
             }
@@ -691,6 +701,41 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                         code: ErrorCode::NotAllowed,
                         message: "only workers report progress".into(),
                     }
+                }
+            }
+            Request::Draft { context, max } => {
+                if context.len() > wire::MAX_DRAFT_CONTEXT || max > wire::MAX_DRAFT_IDS {
+                    Response::Error {
+                        code: ErrorCode::BadRequest,
+                        message: format!(
+                            "a draft request carries at most {} context ids and asks for at most {} ids",
+                            wire::MAX_DRAFT_CONTEXT,
+                            wire::MAX_DRAFT_IDS
+                        ),
+                    }
+                } else {
+                    Response::Draft {
+                        ids: lock(&shared.history).draft(&context, max as usize),
+                    }
+                }
+            }
+            Request::Record { ids } => {
+                if kind != ClientKind::Worker {
+                    Response::Error {
+                        code: ErrorCode::NotAllowed,
+                        message: "only workers record token streams".into(),
+                    }
+                } else if ids.len() > wire::MAX_RECORD_IDS {
+                    Response::Error {
+                        code: ErrorCode::BadRequest,
+                        message: format!(
+                            "a recorded stream holds at most {} ids",
+                            wire::MAX_RECORD_IDS
+                        ),
+                    }
+                } else {
+                    lock(&shared.history).record(&ids);
+                    Response::Noted
                 }
             }
         };
