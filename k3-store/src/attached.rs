@@ -254,7 +254,7 @@ impl AttachedSource {
 
     /// Ask the store's history for up to `max` ids following `context` (history drafting). The
     /// context is cut to its last [`k3_proto::wire::MAX_DRAFT_CONTEXT`] ids.
-    pub fn history_draft(&self, context: &[u32], max: usize) -> Result<Vec<u32>, SourceError> {
+    fn store_history_draft(&self, context: &[u32], max: usize) -> Result<Vec<u32>, SourceError> {
         let context = &context[context.len().saturating_sub(k3_proto::wire::MAX_DRAFT_CONTEXT)..];
         let max = (max as u32).min(k3_proto::wire::MAX_DRAFT_IDS);
         let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
@@ -275,7 +275,7 @@ impl AttachedSource {
 
     /// Add this job's token stream (its newest [`k3_proto::wire::MAX_RECORD_IDS`] ids) to the
     /// store's history, so a later similar job can draft from it.
-    pub fn record_history(&self, ids: &[u32]) -> Result<(), SourceError> {
+    fn store_record_history(&self, ids: &[u32]) -> Result<(), SourceError> {
         let ids = &ids[ids.len().saturating_sub(k3_proto::wire::MAX_RECORD_IDS)..];
         let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Record { ids: ids.to_vec() }) {
@@ -358,6 +358,14 @@ impl WeightSource for AttachedSource {
             ))),
             Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
         }
+    }
+
+    fn history_draft(&self, context: &[u32], max: usize) -> Result<Vec<u32>, SourceError> {
+        self.store_history_draft(context, max)
+    }
+
+    fn record_history(&self, ids: &[u32]) -> Result<(), SourceError> {
+        self.store_record_history(ids)
     }
 
     fn stats(&self) -> SourceStats {

@@ -370,6 +370,26 @@ pub fn activation_bytes(cfg: &k3_proto::config::ModelConfig, tokens: usize) -> u
     f * (cfg.vocab_size as u64 + (tokens.max(1) as u64).saturating_mul(per_token)) + 2 * (8 << 20)
 }
 
+/// What a speculative verify pass of `drafts` drafted ids needs beyond a decode pass whose
+/// forward calls run `chunk` positions (SPEC.md §5.6): the rollback journal of every KDA layer
+/// (conv histories before the pass and, per position, the raw q/k/v, k, v and α rows and β),
+/// `drafts` more logits rows, and the activations of `drafts + 1` positions where they exceed
+/// those of `chunk`. 0 without drafts.
+pub fn verify_bytes(cfg: &k3_proto::config::ModelConfig, drafts: usize, chunk: usize) -> u64 {
+    if drafts == 0 {
+        return 0;
+    }
+    let f = 4u64;
+    let n = drafts as u64 + 1;
+    let h = cfg.kda_num_heads as u64;
+    let p = h * cfg.kda_head_dim as u64;
+    let hist = cfg.short_conv_kernel_size.saturating_sub(1) as u64;
+    let journal = f * (3 * p * hist + n * (6 * p + h));
+    let logits = f * drafts as u64 * cfg.vocab_size as u64;
+    let acts = activation_bytes(cfg, drafts + 1).saturating_sub(activation_bytes(cfg, chunk));
+    journal * cfg.n_kda() as u64 + logits + acts
+}
+
 /// Bytes this process may still allocate: the least of `MemAvailable`, the address-space limit
 /// (`RLIMIT_AS`) less the address space already mapped, and the cgroup's `memory.max` less its
 /// `memory.current` (cgroup v2), whichever are set.

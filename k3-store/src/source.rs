@@ -203,4 +203,15 @@ pub trait WeightSource: Send + Sync {
 
     /// Counters so far.
     fn stats(&self) -> SourceStats;
+
+    /// Up to `max` draft ids following `context` from earlier jobs' token streams (speculative
+    /// decoding's history drafter). Only a store keeps a history: the default has none.
+    fn history_draft(&self, _context: &[u32], _max: usize) -> Result<Vec<u32>, SourceError> {
+        Ok(Vec::new())
+    }
+
+    /// Keep this job's token stream for later jobs' history drafting (a no-op without a store).
+    fn record_history(&self, _ids: &[u32]) -> Result<(), SourceError> {
+        Ok(())
+    }
 }

@@ -36,6 +36,9 @@ pub struct StandaloneOptions {
     pub wait_timeout: Duration,
     /// Expert-cache eviction policy (a name from `k3_store::policy::POLICY_NAMES`).
     pub cache_policy: String,
+    /// Bytes the job needs beyond the sequence state and one forward call's buffers (e.g. a
+    /// speculative verify pass: `crate::plan::verify_bytes`), counted in the plan's buffers.
+    pub extra_buffer_bytes: u64,
 }
 
 impl Default for StandaloneOptions {
@@ -47,6 +50,7 @@ impl Default for StandaloneOptions {
             check_memory: true,
             wait_timeout: Duration::from_secs(60),
             cache_policy: "lru".into(),
+            extra_buffer_bytes: 0,
         }
     }
 }
@@ -136,7 +140,7 @@ impl StandaloneSource {
             budget,
             opts,
             &|cat, trunk| PlanInputs {
-                buffer_bytes: crate::plan::activation_bytes(&cfg, chunk),
+                buffer_bytes: crate::plan::activation_bytes(&cfg, chunk) + opts.extra_buffer_bytes,
                 ..PlanInputs::from_model(&cfg, cat, trunk, ctx)
             },
             progress,

@@ -540,6 +540,8 @@ pub struct TurnOptions {
     pub max_new: usize,
     /// Prefill in forward calls of at most this many ids (0 = all at once).
     pub prefill_chunk: usize,
+    /// Speculative decoding (needs a drafter: [`Session::set_drafter`]).
+    pub spec: crate::spec::SpecMode,
 }
 
 /// What one turn did.
@@ -585,6 +587,11 @@ impl Session {
             history: Vec::new(),
             seq: generate::Session::new(model, capacity, sampler),
         }
+    }
+
+    /// Draft with `drafter` when the turn options enable speculation.
+    pub fn set_drafter(&mut self, drafter: Box<dyn crate::spec::Drafter>) {
+        self.seq.set_drafter(drafter);
     }
 
     /// A session that starts from `history` (nothing in the state yet).
@@ -678,6 +685,7 @@ impl Session {
             stop_ids: END_IDS.to_vec(),
             keep_step0_logits: false,
             prefill_chunk: opts.prefill_chunk,
+            spec: opts.spec,
         };
         let report = self.seq.generate(model, new, &gen, &mut |s| {
             let channel = parser.push(tok, s.token);

@@ -44,6 +44,17 @@ impl From<EffortArg> for crate::chat::Effort {
     }
 }
 
+/// A drafter for speculative decoding (`crate::spec`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DraftArg {
+    /// The store's history of earlier jobs' token streams.
+    History,
+    /// N-gram lookup over the job's own ids.
+    Ngram,
+    /// A given continuation with injected misses (--draft-replay).
+    Replay,
+}
+
 /// Run the Kimi K3 model on one prompt, or chat.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "k3-worker", version = k3_proto::VERSION, about, long_about = None)]
@@ -112,6 +123,25 @@ pub struct Cli {
     /// model's).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub layers: Option<u64>,
+    /// Speculative decoding: `auto` (drafts when the measured acceptance and pass costs say it
+    /// pays), `off`, or a fixed number of drafted ids per pass (1-16). The ids are the same
+    /// in every mode.
+    #[arg(long, value_name = "auto|off|N", default_value = "auto", conflicts_with = "full_recompute")]
+    pub spec: crate::spec::SpecMode,
+    /// Drafters, tried in order: `history` (the store's earlier jobs; attached only), `ngram`
+    /// (the job's own ids), `replay` (benchmarks: --draft-replay).
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "history,ngram")]
+    pub draft: Vec<DraftArg>,
+    /// The continuation the replay drafter proposes: a file of ids (JSON list or separated by
+    /// commas/whitespace), e.g. an earlier run's generated ids.
+    #[arg(long, value_name = "FILE")]
+    pub draft_replay: Option<PathBuf>,
+    /// Share of the replayed ids made wrong, in [0, 1] (benchmarks of acceptance).
+    #[arg(long, value_name = "R", default_value_t = 0.0, requires = "draft_replay")]
+    pub draft_miss_rate: f64,
+    /// Seed of the replay drafter's miss pattern.
+    #[arg(long, value_name = "S", default_value_t = 0, requires = "draft_replay")]
+    pub draft_seed: u64,
     /// Multi-turn chat in the XTML format: user turns from stdin, one per line (needs --tok).
     #[arg(long, requires = "tok",
           conflicts_with_all = ["full_recompute", "out", "dump_logits", "dump_hidden", "dump_cache_trace"])]

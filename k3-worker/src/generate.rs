@@ -6,6 +6,7 @@
 use std::time::Instant;
 
 use crate::model::{Logits, Model, ModelError, SeqState};
+use crate::spec::{Controller, Drafter, SpecMode, SpecTotals};
 
 /// The two end-of-turn ids (SPEC.md §5.4, I34): `[EOS]` and `<|end_of_msg|>`.
 pub const END_IDS: [u32; 2] = [163_585, 163_586];
@@ -163,6 +164,9 @@ pub struct GenOptions {
     /// prefill's activation memory; results are identical for any value because every position
     /// is computed the same way whatever batch it arrives in.
     pub prefill_chunk: usize,
+    /// Speculative decoding (`crate::spec`): how many drafted ids each decode pass verifies.
+    /// Needs a drafter ([`Session::set_drafter`]); ignored with `full_recompute`.
+    pub spec: SpecMode,
 }
 
 /// Default `prefill_chunk`: about half a GB of activations per chunk at full scale.
@@ -187,6 +191,13 @@ pub struct StepReport {
     /// Seconds the source spent reading weight bytes that completed during this step (reads run
     /// beside compute; 1 − wait ÷ read is the share of I/O hidden behind compute).
     pub io_read_seconds: f64,
+    /// The forward pass that produced this id (0 = the prefill). A verify pass produces one id
+    /// per accepted draft plus one; its seconds, bytes and I/O are shared equally among them.
+    pub pass: usize,
+    /// Drafted ids the pass verified (on the pass's first id; 0 on the others).
+    pub drafted: usize,
+    /// Drafted ids the pass accepted (on the pass's first id; 0 on the others).
+    pub accepted: usize,
 }
 
 /// What a generation produced.
@@ -202,6 +213,8 @@ pub struct GenReport {
     pub step0_logits: Option<Vec<f32>>,
     /// The stop id that ended generation, if any.
     pub stopped_on: Option<u32>,
+    /// Speculative decoding's counts for this generation.
+    pub spec: SpecTotals,
 }
 
 impl GenReport {
@@ -241,7 +254,13 @@ pub struct Session {
     /// The ids the state holds, in order (`state.pos == held.len()` while the state is valid).
     held: Vec<u32>,
     sampler: Sampler,
+    /// Proposes ids for speculative verify passes (none: plain decoding).
+    drafter: Option<Box<dyn Drafter>>,
+    /// Auto mode's estimates, carried across calls (chat turns learn from earlier turns).
+    control: Option<Controller>,
 }
+
+
 
 impl Session {
     /// An empty sequence of at most `capacity` positions.
@@ -250,7 +269,15 @@ impl Session {
             state: model.new_state(capacity),
             held: Vec::new(),
             sampler,
+            drafter: None,
+            control: None,
         }
+    }
+
+    /// Draft with `drafter` in the decode passes of later [`Session::generate`] calls whose
+    /// options enable speculation.
+    pub fn set_drafter(&mut self, drafter: Box<dyn Drafter>) {
+        self.drafter = Some(drafter);
     }
 
     /// The ids the state holds.
@@ -313,33 +340,60 @@ impl Session {
                 self.state.capacity
             )));
         }
-        let vocab = model.dims.vocab as u32;
+        let vocab = model.dims.vocab;
         let stops: Vec<u32> = opts
             .stop_ids
             .iter()
             .copied()
-            .filter(|&s| s < vocab)
+            .filter(|&s| (s as usize) < vocab)
             .collect();
+        let mode = if opts.full_recompute || self.drafter.is_none() {
+            SpecMode::Off
+        } else {
+            opts.spec
+        };
+        let mut control = match self.control.take() {
+            Some(c) if c.mode() == mode => c,
+            _ => Controller::new(mode),
+        };
         let mut report = GenReport {
             prompt_ids: new.to_vec(),
             generated_ids: Vec::new(),
             steps: Vec::new(),
             step0_logits: None,
             stopped_on: None,
+            spec: SpecTotals::default(),
         };
         let source = model.source();
-        for step in 0..opts.max_new {
+        let mut pass = 0usize;
+        let mut context: Vec<u32> = Vec::new();
+        'passes: while report.generated_ids.len() < opts.max_new {
             let before = source.stats();
             let expert_wait0 = model.counters.expert_wait_seconds;
             let t0 = Instant::now();
-            model.step = step as u64;
-            let logits = if step == 0 {
+            model.step = report.generated_ids.len() as u64;
+            // The pass: the prompt (pass 0), or the last id plus any drafts.
+            let mut drafts: Vec<u32> = Vec::new();
+            let logits = if pass == 0 {
                 self.feed(model, new, opts.prefill_chunk)?
             } else {
-                let last = *report
-                    .generated_ids
-                    .last()
-                    .expect("one id per earlier step");
+                let last = *report.generated_ids.last().expect("one id per earlier pass");
+                // At most max_new − generated − 1 drafts: a pass emits at most drafts + 1 ids.
+                let room = opts.max_new - report.generated_ids.len() - 1;
+                let k = control.choose(room.min(opts.spec.max_drafts()));
+                if k > 0 {
+                    if let Some(drafter) = self.drafter.as_mut() {
+                        context.clear();
+                        context.extend_from_slice(&self.held);
+                        context.push(last);
+                        drafts = drafter.draft(source, &context, k);
+                        drafts.truncate(k);
+                        // A drafter's id outside the vocabulary ends the draft.
+                        if let Some(bad) = drafts.iter().position(|&d| d as usize >= vocab) {
+                            drafts.truncate(bad);
+                        }
+                    }
+                }
                 if opts.full_recompute {
                     // Check mode: the whole sequence again on a fresh state.
                     self.held.push(last);
@@ -347,43 +401,100 @@ impl Session {
                     let logits = run_chunks(model, &self.held, &mut fresh, opts.prefill_chunk)?;
                     self.state = fresh;
                     logits
-                } else {
+                } else if drafts.is_empty() {
                     self.feed(model, &[last], 0)?
+                } else {
+                    // Verify pass: logits at every position, state journaled for the rollback.
+                    context.clear();
+                    context.push(last);
+                    context.extend_from_slice(&drafts);
+                    self.state.begin_journal();
+                    model.forward(&context, &mut self.state, Logits::All)?
                 }
             };
-            let token = self.sampler.pick(&logits);
-            if step == 0 && opts.keep_step0_logits {
+            // The model's pick at each position, up to the first disagreement with the drafts
+            // (or a stop id). The sampler draws once per pick, as plain decoding does; its state
+            // after each pick is kept in case the caller stops early.
+            let mut picks: Vec<(u32, Sampler)> = Vec::with_capacity(drafts.len() + 1);
+            for i in 0..=drafts.len() {
+                let row = &logits[i * vocab..(i + 1) * vocab];
+                let token = self.sampler.pick(row);
+                picks.push((token, self.sampler.clone()));
+                if stops.contains(&token) || i == drafts.len() || token != drafts[i] {
+                    break;
+                }
+            }
+            if pass == 0 && opts.keep_step0_logits {
                 report.step0_logits = Some(logits);
             }
             let seconds = t0.elapsed().as_secs_f64();
             let after = source.stats();
+            let produced = picks.len();
+            let share = 1.0 / produced as f64;
             let reqs = after.expert_requests.saturating_sub(before.expert_requests);
             let hits = after.resident_hits.saturating_sub(before.resident_hits);
-            let r = StepReport {
-                step,
-                token,
-                seconds,
-                bytes_read: (after.expert_bytes_read + after.trunk_bytes_read)
-                    .saturating_sub(before.expert_bytes_read + before.trunk_bytes_read),
-                resident_hit_rate: (reqs > 0).then(|| hits as f64 / reqs as f64),
-                io_wait_seconds: (after.trunk_wait_seconds - before.trunk_wait_seconds).max(0.0)
-                    + (model.counters.expert_wait_seconds - expert_wait0).max(0.0),
-                io_read_seconds: (after.trunk_read_seconds + after.expert_read_seconds
-                    - before.trunk_read_seconds
-                    - before.expert_read_seconds)
-                    .max(0.0),
-            };
-            let flow = on_step(&r);
-            report.steps.push(r);
-            report.generated_ids.push(token);
-            if stops.contains(&token) {
-                report.stopped_on = Some(token);
-                break;
+            let bytes = (after.expert_bytes_read + after.trunk_bytes_read)
+                .saturating_sub(before.expert_bytes_read + before.trunk_bytes_read);
+            let io_wait = (after.trunk_wait_seconds - before.trunk_wait_seconds).max(0.0)
+                + (model.counters.expert_wait_seconds - expert_wait0).max(0.0);
+            let io_read = (after.trunk_read_seconds + after.expert_read_seconds
+                - before.trunk_read_seconds
+                - before.expert_read_seconds)
+                .max(0.0);
+            let accepted = produced - 1;
+            if pass > 0 {
+                // Drafts checked: every accepted one, plus the one that was refused (if any).
+                let tested = drafts.len().min(produced);
+                control.observe(drafts.len(), tested, accepted, seconds);
+                report.spec.forward_passes += 1;
+                report.spec.drafted_tokens += drafts.len() as u64;
             }
-            if flow == Flow::Stop {
-                break;
+            // Emit the picks; the caller may stop after any of them.
+            let mut emitted = 0;
+            let mut stop = false;
+            for (i, (token, _)) in picks.iter().enumerate() {
+                let r = StepReport {
+                    step: report.generated_ids.len(),
+                    token: *token,
+                    seconds: seconds * share,
+                    bytes_read: bytes / produced as u64 + u64::from(i == 0) * (bytes % produced as u64),
+                    resident_hit_rate: (reqs > 0).then(|| hits as f64 / reqs as f64),
+                    io_wait_seconds: io_wait * share,
+                    io_read_seconds: io_read * share,
+                    pass,
+                    drafted: if i == 0 { drafts.len() } else { 0 },
+                    accepted: if i == 0 { accepted } else { 0 },
+                };
+                let flow = on_step(&r);
+                report.steps.push(r);
+                report.generated_ids.push(*token);
+                emitted += 1;
+                if stops.contains(token) {
+                    report.stopped_on = Some(*token);
+                    stop = true;
+                }
+                if stop || flow == Flow::Stop {
+                    stop = true;
+                    break;
+                }
+            }
+            if pass > 0 {
+                report.spec.accepted_tokens += (emitted - 1) as u64;
+            }
+            if !drafts.is_empty() {
+                // Keep the positions whose ids were emitted: the last id and the accepted drafts
+                // before the final pick (the final pick itself is fed by the next pass).
+                self.state.rollback(emitted)?;
+                self.held.extend_from_slice(&context[..emitted]);
+                // The sampler as plain decoding would leave it after `emitted` picks.
+                self.sampler = picks[emitted - 1].1.clone();
+            }
+            pass += 1;
+            if stop {
+                break 'passes;
             }
         }
+        self.control = Some(control);
         Ok(report)
     }
 
@@ -425,8 +536,22 @@ pub fn generate(
     opts: &GenOptions,
     on_step: &mut dyn FnMut(&StepReport),
 ) -> Result<GenReport, ModelError> {
+    generate_with(model, prompt, opts, None, on_step)
+}
+
+/// [`generate`] with a drafter for speculative decoding (used when `opts.spec` is not off).
+pub fn generate_with(
+    model: &mut Model<'_>,
+    prompt: &[u32],
+    opts: &GenOptions,
+    drafter: Option<Box<dyn Drafter>>,
+    on_step: &mut dyn FnMut(&StepReport),
+) -> Result<GenReport, ModelError> {
     let capacity = positions_needed(prompt.len(), opts.max_new);
     let mut session = Session::new(model, capacity, opts.sampler.clone());
+    if let Some(d) = drafter {
+        session.set_drafter(d);
+    }
     session.generate(model, prompt, opts, &mut |s| {
         on_step(s);
         Flow::Continue

@@ -15,7 +15,9 @@ use k3_store::standalone::{OpenError, StandaloneOptions, StandaloneSource};
 
 use crate::chat::Effort;
 use crate::cli::{Cli, MAX_PROMPT, MAX_PROMPT_FILE};
+use crate::cli::DraftArg;
 use crate::generate::{positions_needed, GenOptions, Sampler, END_IDS};
+use crate::spec::{Drafter, FirstOf, HistoryDrafter, NgramDrafter, ReplayDrafter, SpecMode};
 use crate::model::bind::ShapeTable;
 use crate::model::{Dims, Model, ModelError, TensorShapes};
 use crate::report::{self, gb, HiddenDump};
@@ -104,6 +106,8 @@ pub struct Preflight {
     pub tok: Option<Tokenizer>,
     /// The input.
     pub input: Input,
+    /// The replay drafter's continuation (`--draft-replay`).
+    pub replay: Option<Vec<u32>>,
 }
 
 /// Checks and set-up that need neither the store nor the checkpoint: SIMD tier, sampler, thread
@@ -155,11 +159,74 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
     } else {
         Input::Prompt(prompt_ids(cli, tok.as_ref())?)
     };
+    let replay = draft_replay(cli)?;
     Ok(Preflight {
         sampler,
         tok,
         input,
+        replay,
     })
+}
+
+/// The `--draft-replay` continuation, checked with the other drafter flags.
+fn draft_replay(cli: &Cli) -> Result<Option<Vec<u32>>, JobError> {
+    if !(0.0..=1.0).contains(&cli.draft_miss_rate) {
+        return Err(refuse(format!(
+            "--draft-miss-rate {} must be in [0, 1]",
+            cli.draft_miss_rate
+        )));
+    }
+    let wants = cli.draft.contains(&DraftArg::Replay);
+    let Some(path) = &cli.draft_replay else {
+        if wants {
+            return Err(refuse("--draft replay needs --draft-replay FILE"));
+        }
+        return Ok(None);
+    };
+    if !wants {
+        return Err(refuse("--draft-replay needs replay in --draft"));
+    }
+    let text = String::from_utf8(read_bounded(path, MAX_PROMPT_FILE)?)
+        .map_err(|_| refuse(format!("{}: not UTF-8", path.display())))?;
+    let ids: Result<Vec<u32>, _> = text
+        .split(|c: char| c == ',' || c == '[' || c == ']' || c.is_whitespace())
+        .filter(|t| !t.is_empty())
+        .map(|t| t.parse::<u32>())
+        .collect();
+    let ids = ids.map_err(|e| {
+        refuse(format!(
+            "{}: expected token ids (a JSON list or ids separated by commas or spaces): {e}",
+            path.display()
+        ))
+    })?;
+    if ids.is_empty() {
+        return Err(refuse(format!("{}: no ids", path.display())));
+    }
+    Ok(Some(ids))
+}
+
+/// The drafters `--draft` names, in order (None with `--spec off`).
+fn drafter(cli: &Cli, replay: Option<&[u32]>, prompt_len: usize) -> Option<Box<dyn Drafter>> {
+    if cli.spec == SpecMode::Off || cli.full_recompute {
+        return None;
+    }
+    let list: Vec<Box<dyn Drafter>> = cli
+        .draft
+        .iter()
+        .map(|d| -> Box<dyn Drafter> {
+            match d {
+                DraftArg::History => Box::new(HistoryDrafter::default()),
+                DraftArg::Ngram => Box::new(NgramDrafter),
+                DraftArg::Replay => Box::new(ReplayDrafter {
+                    continuation: replay.unwrap_or_default().to_vec(),
+                    prompt_len,
+                    miss_rate: cli.draft_miss_rate,
+                    seed: cli.draft_seed,
+                }),
+            }
+        })
+        .collect();
+    Some(Box::new(FirstOf(list)))
 }
 
 fn check_writable_file(path: &Path) -> Result<(), JobError> {
@@ -354,7 +421,8 @@ pub fn open_source(
             // activations of one forward call and its ring.
             let need = dims.kda_state_bytes()
                 + dims.mla_cache_bytes(positions as u64)
-                + k3_store::plan::activation_bytes(&cfg, chunk);
+                + k3_store::plan::activation_bytes(&cfg, chunk)
+                + k3_store::plan::verify_bytes(&cfg, spec_drafts(cli), chunk);
             let avail = k3_store::plan::allocatable().map_err(refuse)?;
             if need > avail {
                 return Err(refuse(format!(
@@ -377,11 +445,12 @@ pub fn open_source(
             })
         }
         Some(model_dir) => {
-            let (_, dims) = config(cli, model_dir)?;
+            let (cfg, dims) = config(cli, model_dir)?;
             let budget = cli.budget.budget(matches).map_err(refuse)?;
             let opts = StandaloneOptions {
                 context_len: positions,
                 prefill_tokens: chunk,
+                extra_buffer_bytes: k3_store::plan::verify_bytes(&cfg, spec_drafts(cli), chunk),
                 cache_policy: cli.budget.policy(),
                 ..StandaloneOptions::default()
             };
@@ -402,6 +471,15 @@ pub fn open_source(
                 positions,
             })
         }
+    }
+}
+
+/// The most ids a verify pass may draft in this job (its memory is planned up front).
+fn spec_drafts(cli: &Cli) -> usize {
+    if cli.full_recompute {
+        0
+    } else {
+        cli.spec.max_drafts()
     }
 }
 
@@ -462,6 +540,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
                 *thinking,
                 pre.sampler.clone(),
                 opened.positions,
+                drafter(cli, None, 0),
             )
         }
         Input::Prompt(prompt) => run_prompt(
@@ -473,6 +552,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
             &hidden,
             wall,
             reporter,
+            drafter(cli, pre.replay.as_deref(), prompt.len()),
         ),
     }
 }
@@ -487,6 +567,7 @@ fn run_prompt(
     hidden: &HiddenDump,
     wall: Instant,
     reporter: Option<&AttachedSource>,
+    drafter: Option<Box<dyn Drafter>>,
 ) -> Result<i32, JobError> {
     let gen_opts = GenOptions {
         max_new: cli.gen as usize,
@@ -495,11 +576,12 @@ fn run_prompt(
         stop_ids: END_IDS.to_vec(),
         keep_step0_logits: cli.dump_logits.is_some(),
         prefill_chunk: cli.prefill_chunk,
+        spec: cli.spec,
     };
     eprintln!("{}", report::STEP_HEADER);
     let stdout = std::io::stdout();
     let mut progress = k3_proto::wire::JobProgress::default();
-    let gen = crate::generate::generate(model, prompt, &gen_opts, &mut |s| {
+    let gen = crate::generate::generate_with(model, prompt, &gen_opts, drafter, &mut |s| {
         eprintln!("{}", report::step_line(s));
         if let Some(src) = reporter {
             progress.tokens += 1;
@@ -507,6 +589,11 @@ fn run_prompt(
                 progress.prefill_seconds = s.seconds;
             } else {
                 progress.decode_seconds += s.seconds;
+                if s.pass as u64 > progress.forward_passes {
+                    progress.forward_passes = s.pass as u64;
+                }
+                progress.drafted_tokens += s.drafted as u64;
+                progress.accepted_tokens += s.accepted as u64;
             }
             progress.trunk_bytes_read = src.stats().trunk_bytes_read;
             // Progress is for people watching; a lost connection fails the next expert request.
@@ -523,6 +610,14 @@ fn run_prompt(
         let _ = out.flush();
     })?;
     println!();
+    if let Some(src) = reporter {
+        // The job's stream, for later jobs' history drafting (SPEC.md §5.6).
+        let mut stream = prompt.to_vec();
+        stream.extend_from_slice(&gen.generated_ids);
+        if let Err(e) = src.record_history(&stream) {
+            tracing::warn!("token stream not recorded in the store's history: {e}");
+        }
+    }
     let summary = report::RunSummary::collect(model, wall.elapsed().as_secs_f64());
     summary.print_totals(&gen);
     let written = |r: Result<(), (PathBuf, std::io::Error)>| {
@@ -558,6 +653,7 @@ fn run_chat(
     thinking: Option<Effort>,
     sampler: Sampler,
     capacity: usize,
+    drafter: Option<Box<dyn Drafter>>,
 ) -> Result<i32, JobError> {
     use crate::chat::{run_repl, ChatFormat, ReplOptions, Session, TurnOptions};
     use std::io::IsTerminal;
@@ -568,10 +664,14 @@ fn run_chat(
         cli.gen
     );
     let mut session = Session::new(model, capacity, sampler);
+    if let Some(d) = drafter {
+        session.set_drafter(d);
+    }
     let opts = ReplOptions {
         turn: TurnOptions {
             max_new: cli.gen as usize,
             prefill_chunk: cli.prefill_chunk,
+            spec: cli.spec,
         },
         prompt: std::io::stdin().is_terminal(),
         dim_think: std::io::stderr().is_terminal(),

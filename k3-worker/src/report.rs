@@ -29,22 +29,31 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 /// The step table's header.
-pub const STEP_HEADER: &str = " STEP    TOKEN   SECONDS    READ GB   IO WAIT       HIT    TOK/S";
+pub const STEP_HEADER: &str =
+    " STEP    TOKEN   SECONDS    READ GB   IO WAIT       HIT    TOK/S  PASS  ACC/DRAFT";
 
 /// One row of the step table.
 pub fn step_line(s: &StepReport) -> String {
     let hit = s
         .resident_hit_rate
         .map_or("-".to_string(), |h| format!("{:.1}%", 100.0 * h));
+    // A verify pass shows accepted/drafted on its first id; its other ids share its pass number.
+    let spec = if s.drafted > 0 {
+        format!("{}/{}", s.accepted, s.drafted)
+    } else {
+        String::new()
+    };
     format!(
-        "{:>5} {:>8} {:>9.3} {:>10.3} {:>9.3} {:>9} {:>8.3}",
+        "{:>5} {:>8} {:>9.3} {:>10.3} {:>9.3} {:>9} {:>8.3} {:>5} {:>10}",
         s.step,
         s.token,
         s.seconds,
         gb(s.bytes_read),
         s.io_wait_seconds,
         hit,
-        1.0 / s.seconds.max(1e-9)
+        1.0 / s.seconds.max(1e-9),
+        s.pass,
+        spec
     )
 }
 
@@ -129,6 +138,16 @@ impl RunSummary {
             self.counters.failed_expert_loads
         );
         eprintln!("TRUE resident hit rate: {:.1}%", 100.0 * self.true_hit);
+        if gen.spec.drafted_tokens > 0 {
+            eprintln!(
+                "speculation: {} decode passes for {} ids; {} of {} drafted ids accepted ({:.1}%)",
+                gen.spec.forward_passes,
+                gen.generated_ids.len().saturating_sub(1),
+                gen.spec.accepted_tokens,
+                gen.spec.drafted_tokens,
+                100.0 * gen.spec.accepted_tokens as f64 / gen.spec.drafted_tokens as f64
+            );
+        }
         eprintln!(
             "bytes read: {:.3} GB (trunk {:.3}, experts {:.3}); I/O share of wall clock: {:.1}%",
             gb(st.trunk_bytes_read + st.expert_bytes_read),
@@ -179,6 +198,11 @@ impl RunSummary {
             "true_resident_hit_rate": self.true_hit,
             "peak_rss_bytes": self.peak,
             "failed_expert_loads": self.counters.failed_expert_loads,
+            "forward_passes": r.spec.forward_passes,
+            "drafted_tokens": r.spec.drafted_tokens,
+            "accepted_tokens": r.spec.accepted_tokens,
+            "bytes_per_token": (!r.generated_ids.is_empty())
+                .then(|| (st.trunk_bytes_read + st.expert_bytes_read) as f64 / r.generated_ids.len() as f64),
         })
     }
 }

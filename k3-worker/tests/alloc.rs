@@ -46,6 +46,7 @@ fn layers_are_bound_once_and_decode_allocation_does_not_grow() {
         stop_ids: vec![],
         keep_step0_logits: false,
         prefill_chunk: 0,
+        spec: k3_worker::spec::SpecMode::Off,
     };
     let mut per_step: Vec<(u64, u64, u64)> = Vec::new();
     let mut last = (0u64, 0u64);

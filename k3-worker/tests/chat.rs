@@ -487,6 +487,7 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
     let opts = TurnOptions {
         max_new: 16,
         prefill_chunk: 512,
+        spec: k3_worker::spec::SpecMode::Off,
     };
     let capacity = 1024;
 

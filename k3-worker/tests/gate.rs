@@ -59,6 +59,7 @@ fn gen(full_recompute: bool) -> (Vec<u32>, Vec<f32>) {
         stop_ids: END_IDS.to_vec(),
         keep_step0_logits: true,
         prefill_chunk: 0,
+        spec: k3_worker::spec::SpecMode::Off,
     };
     let r = generate(&mut m, &ids("prompt_ids.json"), &opts, &mut |_| {}).unwrap();
     assert_eq!(m.counters.failed_expert_loads, 0);

@@ -25,6 +25,7 @@ fn run_chunked(
         stop_ids: stop,
         keep_step0_logits: true,
         prefill_chunk: chunk,
+        spec: k3_worker::spec::SpecMode::Off,
     };
     let mut seen = Vec::new();
     let r = generate(&mut m, &[3, 14, 15, 92, 65], &opts, &mut |s| {

@@ -239,8 +239,13 @@ impl<'s> Model<'s> {
             }
             tap(l, "attn_in", &x);
             let xn = rms_norm_rows(&x, lw.input_norm, d.rms_eps);
+            let journal = if st.journal.active {
+                st.journal.kda.get_mut(l)
+            } else {
+                None
+            };
             let a = match (&lw.attn, &mut st.layers[l]) {
-                (Attn::Kda(w), LayerState::Kda(s)) => w.forward(d, &xn, n, s),
+                (Attn::Kda(w), LayerState::Kda(s)) => w.forward(d, &xn, n, s, journal),
                 (Attn::Mla(w), LayerState::Mla(c)) => w.forward(d, &xn, n, c),
                 _ => {
                     return Err(ModelError::Input(format!(

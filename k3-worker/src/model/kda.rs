@@ -16,8 +16,8 @@
 
 use rayon::prelude::*;
 
-use super::state::KdaState;
-use super::{linear, Dims};
+use super::state::{KdaJournal, KdaState};
+use super::{linear, Dims, ModelError};
 use crate::kernels;
 
 /// L2-norm eps for q and k (fla `l2norm`).
@@ -53,8 +53,17 @@ pub struct KdaWeights<'a> {
 }
 
 impl KdaWeights<'_> {
-    /// Run `n` tokens (`x [n, E]`, already normalised) through the layer, advancing `st`.
-    pub fn forward(&self, d: &Dims, x: &[f32], n: usize, st: &mut KdaState) -> Vec<f32> {
+    /// Run `n` tokens (`x [n, E]`, already normalised) through the layer, advancing `st`. With
+    /// a `journal`, also keep what [`replay`] needs to roll the state back to any of the `n`
+    /// positions.
+    pub fn forward(
+        &self,
+        d: &Dims,
+        x: &[f32],
+        n: usize,
+        st: &mut KdaState,
+        mut journal: Option<&mut KdaJournal>,
+    ) -> Vec<f32> {
         let (e, h_n, dh) = (d.hidden, d.kda_heads, d.kda_dim);
         let p = h_n * dh;
         let k = d.conv_k;
@@ -65,6 +74,14 @@ impl KdaWeights<'_> {
             linear(self.k_proj, p, e, x, n),
             linear(self.v_proj, p, e, x, n),
         ];
+        let deferred = journal.is_some();
+        if let Some(j) = journal.as_deref_mut() {
+            j.n = n;
+            for i in 0..3 {
+                copy_into(&mut j.conv0[i], &st.conv[i]);
+                copy_into(&mut j.raw[i], &qkv[i]);
+            }
+        }
         for ((raw, w), hist) in qkv.iter_mut().zip(&self.conv).zip(st.conv.iter_mut()) {
             short_conv_silu(raw, w, hist, p, k, n);
         }
@@ -85,6 +102,13 @@ impl KdaWeights<'_> {
             }
         }
 
+        if let Some(j) = journal {
+            copy_into(&mut j.k, &kk);
+            copy_into(&mut j.v, &v);
+            copy_into(&mut j.alpha, &alpha);
+            copy_into(&mut j.beta, &beta);
+        }
+
         let mut gate = linear(self.g_proj, p, e, x, n);
         gate.iter_mut().for_each(|g| *g = kernels::sigmoid(*g));
 
@@ -93,7 +117,16 @@ impl KdaWeights<'_> {
         let per_head: Vec<Vec<f32>> =
             st.s.par_chunks_mut(dh * dh)
                 .enumerate()
-                .map(|(h, s)| {
+                .map(|(h, s_live)| {
+                    // A journaled pass runs the recurrence on a copy: the live state stays at
+                    // the pass's start until `replay` advances it by the kept positions.
+                    let mut copy;
+                    let s: &mut [f32] = if deferred {
+                        copy = s_live.to_vec();
+                        &mut copy
+                    } else {
+                        s_live
+                    };
                     let mut out = vec![0.0f32; n * dh];
                     let (mut qh, mut kh, mut u, mut o) =
                         (vec![0.0; dh], vec![0.0; dh], vec![0.0; dh], vec![0.0; dh]);
@@ -127,6 +160,71 @@ impl KdaWeights<'_> {
         // 8.
         linear(self.o_proj, e, p, &y, n)
     }
+}
+
+/// `dst` becomes a copy of `src`, reusing its allocation.
+fn copy_into(dst: &mut Vec<f32>, src: &[f32]) {
+    dst.clear();
+    dst.extend_from_slice(src);
+}
+
+/// Advance a KDA layer's state by the first `keep` positions of the journaled pass `j` (whose
+/// recurrence ran on a copy, leaving `st.s` at the pass's start): only the recurrence's state
+/// update runs, from the journaled inputs, through the same functions the forward pass uses —
+/// so the result is bit for bit what a pass of only those positions leaves. The conv histories
+/// become the last `K-1` raw projections of (history before the pass ++ the kept positions).
+pub fn replay(st: &mut KdaState, j: &KdaJournal, keep: usize) -> Result<(), ModelError> {
+    let n = j.n;
+    let bad = |what: &str| ModelError::Input(format!("KDA rollback journal: {what}"));
+    if keep > n || n == 0 {
+        return Err(bad("keeps more positions than the pass ran"));
+    }
+    if j.beta.is_empty() || j.beta.len() % n != 0 {
+        return Err(bad("does not match the layer's state"));
+    }
+    let h_n = j.beta.len() / n;
+    let p = j.alpha.len() / n;
+    let dh = p / h_n;
+    if dh * dh * h_n != st.s.len() || [&j.k, &j.v, &j.alpha].iter().any(|a| a.len() != n * p) {
+        return Err(bad("inconsistent sizes"));
+    }
+    st.s.par_chunks_mut(dh * dh).enumerate().for_each(|(h, s)| {
+        let (mut kh, mut u) = (vec![0.0f32; dh], vec![0.0f32; dh]);
+        for t in 0..keep {
+            let base = t * p + h * dh;
+            kh.copy_from_slice(&j.k[base..base + dh]);
+            kernels::l2_norm_inplace(&mut kh, L2_EPS);
+            let b = j.beta[t * h_n + h];
+            state_update(
+                s,
+                dh,
+                &j.alpha[base..base + dh],
+                &kh,
+                &j.v[base..base + dh],
+                b,
+                &mut u,
+            );
+        }
+    });
+    for i in 0..3 {
+        let (hist, h0, raw) = (&mut st.conv[i], &j.conv0[i], &j.raw[i]);
+        if h0.len() != hist.len() || raw.len() != n * p {
+            return Err(bad("conv history sizes"));
+        }
+        let hl = hist.len() / p;
+        for c in 0..p {
+            // The sequence (old history ++ kept raw values), last `hl` of it.
+            let total = hl + keep;
+            for (slot, idx) in (total - hl..total).enumerate() {
+                hist[c * hl + slot] = if idx < hl {
+                    h0[c * hl + idx]
+                } else {
+                    raw[(idx - hl) * p + c]
+                };
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Causal depthwise conv of width `k` over `n` tokens of `raw [n, p]` (replaced in place by
@@ -166,6 +264,27 @@ pub fn recurrence_step(
     u: &mut [f32],
     o: &mut [f32],
 ) {
+    state_update(s, dh, alpha, k, v, beta, u);
+    // o = Sᵀ q
+    o.iter_mut().for_each(|x| *x = 0.0);
+    for (row, &qv) in s.chunks_exact(dh).zip(q) {
+        for (ov, &sv) in o.iter_mut().zip(row) {
+            *ov += qv * sv;
+        }
+    }
+}
+
+/// The state half of [`recurrence_step`] (decay → read → write), shared with [`replay`] so a
+/// rollback performs exactly the forward pass's operations.
+fn state_update(
+    s: &mut [f32],
+    dh: usize,
+    alpha: &[f32],
+    k: &[f32],
+    v: &[f32],
+    beta: f32,
+    u: &mut [f32],
+) {
     // S ← diag(α)·S  (row k scaled by α[k])
     for (row, &a) in s.chunks_exact_mut(dh).zip(alpha) {
         row.iter_mut().for_each(|x| *x *= a);
@@ -184,13 +303,6 @@ pub fn recurrence_step(
     for (row, &kv) in s.chunks_exact_mut(dh).zip(k) {
         for (sv, &dv) in row.iter_mut().zip(u.iter()) {
             *sv += kv * dv;
-        }
-    }
-    // o = Sᵀ q
-    o.iter_mut().for_each(|x| *x = 0.0);
-    for (row, &qv) in s.chunks_exact(dh).zip(q) {
-        for (ov, &sv) in o.iter_mut().zip(row) {
-            *ov += qv * sv;
         }
     }
 }

@@ -61,6 +61,48 @@ impl PartialEq for Scratch {
     }
 }
 
+/// What one KDA layer keeps during a journaled pass (a speculative verify pass) so that its state
+/// can be advanced by any prefix of the pass afterwards without running the layer again: the
+/// conv histories before the pass and the per-position inputs of the recurrence. The recurrence
+/// itself runs on a copy during the pass, so no snapshot of the (large) state is needed
+/// (SPEC.md §5.6).
+#[derive(Clone, Debug, Default)]
+pub struct KdaJournal {
+    /// Positions the pass ran.
+    pub n: usize,
+    /// The conv histories before the pass (`[P][K-1]` each).
+    pub conv0: [Vec<f32>; 3],
+    /// The pass's raw (pre-conv) q, k, v projections, `[n, P]` each.
+    pub raw: [Vec<f32>; 3],
+    /// k after conv + SiLU, before its l2 norm, `[n, P]`.
+    pub k: Vec<f32>,
+    /// v after conv + SiLU, `[n, P]`.
+    pub v: Vec<f32>,
+    /// Decay α, `[n, P]`.
+    pub alpha: Vec<f32>,
+    /// β, `[n, H]`.
+    pub beta: Vec<f32>,
+}
+
+/// The journal of a speculative verify pass: where it started and, per KDA layer, what rolling
+/// back needs. Its buffers are reused from one pass to the next.
+#[derive(Clone, Debug, Default)]
+pub struct Journal {
+    /// A journaled pass is in progress (set by [`SeqState::begin_journal`]).
+    pub active: bool,
+    /// The position the pass started at.
+    pub pos0: usize,
+    /// One entry per layer (MLA layers leave theirs empty: truncating the cache is enough).
+    pub kda: Vec<KdaJournal>,
+}
+
+impl PartialEq for Journal {
+    /// Buffers, not state (see [`Scratch`]).
+    fn eq(&self, _: &Journal) -> bool {
+        true
+    }
+}
+
 /// Everything one sequence carries between forward calls.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SeqState {
@@ -72,6 +114,8 @@ pub struct SeqState {
     pub capacity: usize,
     /// Reused activation buffers.
     pub scratch: Scratch,
+    /// The rollback journal of a speculative verify pass.
+    pub journal: Journal,
 }
 
 impl SeqState {
@@ -104,7 +148,52 @@ impl SeqState {
             pos: 0,
             capacity,
             scratch: Scratch::default(),
+            journal: Journal::default(),
         }
+    }
+
+    /// Journal the next forward call so that [`SeqState::rollback`] can keep any prefix of it.
+    pub fn begin_journal(&mut self) {
+        self.journal.active = true;
+        self.journal.pos0 = self.pos;
+        self.journal.kda.resize_with(self.layers.len(), KdaJournal::default);
+    }
+
+    /// The journal entry layer `l`'s forward must fill, when a journaled pass is running.
+    pub fn journal_for(&mut self, l: usize) -> Option<&mut KdaJournal> {
+        if self.journal.active {
+            self.journal.kda.get_mut(l)
+        } else {
+            None
+        }
+    }
+
+    /// End a journaled pass keeping only its first `keep` positions: the MLA caches are
+    /// truncated and every KDA layer's recurrent state is advanced by those positions from the
+    /// journal (its conv history rebuilt), bit for bit the state a pass of only those positions
+    /// would have left. No weight is read. Must follow every journaled pass, even one that
+    /// keeps all its positions.
+    pub fn rollback(&mut self, keep: usize) -> Result<(), ModelError> {
+        let j = &mut self.journal;
+        if !j.active {
+            return Err(ModelError::Input("rollback without a journaled pass".into()));
+        }
+        j.active = false;
+        let ran = self.pos - j.pos0;
+        if keep > ran {
+            return Err(ModelError::Input(format!(
+                "cannot keep {keep} positions of a pass of {ran}"
+            )));
+        }
+        let end = j.pos0 + keep;
+        for (layer, jl) in self.layers.iter_mut().zip(&j.kda) {
+            match layer {
+                LayerState::Mla(c) => c.rows.truncate(end * c.width),
+                LayerState::Kda(s) => super::kda::replay(s, jl, keep)?,
+            }
+        }
+        self.pos = end;
+        Ok(())
     }
 
     /// Check that `n` more tokens fit the planned capacity.

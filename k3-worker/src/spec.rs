@@ -1,0 +1,422 @@
+//! Speculative decoding (SPEC.md §5.6): drafters propose the next ids, one forward pass runs the
+//! last emitted id plus the K drafts, and the model's own pick at every position decides. The
+//! emitted ids are the ids plain decoding emits — greedy or sampled with the same seed — because
+//! every position's logits are bit-identical to a one-position pass's (I39) and the sampler draws
+//! once per emitted id either way. A draft only changes how many ids one read of the weights
+//! yields.
+//!
+//! K is chosen per pass ([`SpecMode::Auto`]) from the measured acceptance and a cost model of
+//! the pass fitted on this run: `T(K) = t1 + K·c1` (one-position pass + each extra position's
+//! compute and expert reads), expected ids `E(K) = Σ_{i≤K} aⁱ`. K maximises `E(K)/T(K)` and is
+//! 0 unless that beats plain decoding by [`MIN_GAIN`]; with K = 0 a one-draft probe runs every
+//! [`PROBE_EVERY`] passes so a drafter that starts agreeing is noticed.
+
+use k3_store::source::WeightSource;
+
+/// How many ids to draft per pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpecMode {
+    /// Plain decoding: one position per pass.
+    Off,
+    /// K chosen per pass from the measured acceptance and pass costs (the default).
+    Auto,
+    /// Always draft this many ids (fewer when the drafter has fewer, or near the end).
+    Fixed(usize),
+}
+
+impl std::str::FromStr for SpecMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<SpecMode, String> {
+        match s {
+            "off" | "0" => Ok(SpecMode::Off),
+            "auto" => Ok(SpecMode::Auto),
+            n => match n.parse::<usize>() {
+                Ok(k) if (1..=MAX_K).contains(&k) => Ok(SpecMode::Fixed(k)),
+                _ => Err(format!("expected auto, off or a draft length 1..={MAX_K}")),
+            },
+        }
+    }
+}
+
+/// Largest fixed K: the verify pass's memory (journal, logits rows, activations) is planned for
+/// the mode's largest K ([`SpecMode::max_drafts`]).
+pub const MAX_K: usize = 16;
+
+/// Largest K auto mode drafts: at 75% acceptance the 9th position adds under 0.08 expected ids,
+/// and each position costs journal memory (~0.3 MB per KDA layer at full scale).
+pub const AUTO_MAX_K: usize = 8;
+
+impl SpecMode {
+    /// The most ids one pass may draft in this mode.
+    pub fn max_drafts(self) -> usize {
+        match self {
+            SpecMode::Off => 0,
+            SpecMode::Auto => AUTO_MAX_K,
+            SpecMode::Fixed(k) => k,
+        }
+    }
+}
+
+/// Auto mode speculates only when the model predicts at least this speed-up over plain decoding.
+pub const MIN_GAIN: f64 = 1.03;
+
+/// Auto mode at K = 0 probes with one draft after this many plain passes.
+pub const PROBE_EVERY: u32 = 16;
+
+impl std::fmt::Debug for dyn Drafter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Drafter({})", self.name())
+    }
+}
+
+/// Proposes the ids likely to follow a context. A drafter may be wrong or return nothing; it
+/// cannot change an emitted id, only the cost of producing it.
+pub trait Drafter: Send {
+    /// Short name for reports (`ngram`, `history`, `replay`, ...).
+    fn name(&self) -> &'static str;
+    /// Up to `k` ids to follow `context` (every id so far; the last one is not yet run).
+    fn draft(&mut self, source: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32>;
+}
+
+/// N-gram lookup over the job's own ids: the continuation of the longest earlier occurrence of
+/// the context's last 3–8 ids (prompts that quote, edit or repeat their input).
+#[derive(Debug, Default)]
+pub struct NgramDrafter;
+
+impl Drafter for NgramDrafter {
+    fn name(&self) -> &'static str {
+        "ngram"
+    }
+    fn draft(&mut self, _: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32> {
+        k3_proto::draft::lookup(context, context, k)
+            .map(|(_, c)| c.to_vec())
+            .unwrap_or_default()
+    }
+}
+
+/// The store's history of earlier jobs' token streams (attached workers; nothing standalone).
+/// A failed query is reported once and drafts nothing: drafting is never worth failing a job.
+#[derive(Debug, Default)]
+pub struct HistoryDrafter {
+    warned: bool,
+}
+
+impl Drafter for HistoryDrafter {
+    fn name(&self) -> &'static str {
+        "history"
+    }
+    fn draft(&mut self, source: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32> {
+        match source.history_draft(context, k) {
+            Ok(ids) => ids,
+            Err(e) => {
+                if !self.warned {
+                    tracing::warn!("history drafting off for this job: {e}");
+                    self.warned = true;
+                }
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// The first drafter that proposes anything wins.
+pub struct FirstOf(pub Vec<Box<dyn Drafter>>);
+
+impl Drafter for FirstOf {
+    fn name(&self) -> &'static str {
+        "first-of"
+    }
+    fn draft(&mut self, source: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32> {
+        for d in &mut self.0 {
+            let ids = d.draft(source, context, k);
+            if !ids.is_empty() {
+                return ids;
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// For benchmarks: drafts a given continuation of the prompt (e.g. a plain run's output), with
+/// each drafted id replaced by a wrong one with probability `miss_rate` (decided by a hash of
+/// the seed and the id's position, so a position is a miss whatever pass drafts it).
+#[derive(Clone, Debug)]
+pub struct ReplayDrafter {
+    /// Ids expected after the prompt.
+    pub continuation: Vec<u32>,
+    /// Prompt length (ids before the continuation).
+    pub prompt_len: usize,
+    /// Share of drafted ids made wrong, in [0, 1].
+    pub miss_rate: f64,
+    /// Seed of the miss pattern.
+    pub seed: u64,
+}
+
+impl ReplayDrafter {
+    fn is_miss(&self, pos: usize) -> bool {
+        // SplitMix64 of (seed, position) → uniform in [0, 1).
+        let mut z = self
+            .seed
+            .wrapping_add((pos as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 11) as f64 / (1u64 << 53) as f64) < self.miss_rate
+    }
+}
+
+impl Drafter for ReplayDrafter {
+    fn name(&self) -> &'static str {
+        "replay"
+    }
+    fn draft(&mut self, _: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32> {
+        // The context holds the prompt and every generated id: the next id is generated id
+        // number `context.len() - prompt_len`.
+        let Some(next) = context.len().checked_sub(self.prompt_len) else {
+            return Vec::new();
+        };
+        let end = (next + k).min(self.continuation.len());
+        (next..end)
+            .map(|i| {
+                let t = self.continuation[i];
+                if self.is_miss(i) {
+                    if t == 0 {
+                        1
+                    } else {
+                        t - 1
+                    }
+                } else {
+                    t
+                }
+            })
+            .collect()
+    }
+}
+
+/// What speculation did over a run.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct SpecTotals {
+    /// Decode forward passes (after the prefill).
+    pub forward_passes: u64,
+    /// Drafted ids run through verify passes.
+    pub drafted_tokens: u64,
+    /// Drafted ids the model agreed with (each one an id emitted without its own pass).
+    pub accepted_tokens: u64,
+}
+
+/// Auto mode's running estimates: acceptance and pass costs, both exponentially weighted so
+/// they follow a drafter whose quality changes mid-run.
+#[derive(Clone, Debug)]
+pub struct Controller {
+    mode: SpecMode,
+    /// Decayed counts of drafted ids that were checked and that were accepted.
+    tested: f64,
+    accepted: f64,
+    /// Seconds of a one-position pass.
+    t1: Option<f64>,
+    /// Extra seconds per drafted position.
+    c1: Option<f64>,
+    plain_since_probe: u32,
+}
+
+/// Weight of history in the running estimates (per pass).
+const DECAY: f64 = 0.8;
+
+impl Controller {
+    /// A controller for `mode`, knowing nothing yet.
+    pub fn new(mode: SpecMode) -> Controller {
+        Controller {
+            mode,
+            tested: 0.0,
+            accepted: 0.0,
+            t1: None,
+            c1: None,
+            plain_since_probe: 0,
+        }
+    }
+
+    /// The mode.
+    pub fn mode(&self) -> SpecMode {
+        self.mode
+    }
+
+    /// Estimated probability that the next drafted id is accepted (Laplace prior ½).
+    pub fn acceptance(&self) -> f64 {
+        (self.accepted + 1.0) / (self.tested + 2.0)
+    }
+
+    /// Drafts to ask for in the next pass, at most `k_max`.
+    pub fn choose(&mut self, k_max: usize) -> usize {
+        if k_max == 0 {
+            return 0;
+        }
+        match self.mode {
+            SpecMode::Off => 0,
+            SpecMode::Fixed(k) => k.min(k_max),
+            SpecMode::Auto => {
+                let Some(t1) = self.t1 else {
+                    return 0; // measure a plain pass first
+                };
+                let Some(c1) = self.c1 else {
+                    return 1; // then one draft, to measure what a position costs
+                };
+                let k = best_k(self.acceptance(), t1, c1, k_max);
+                if k == 0 {
+                    self.plain_since_probe += 1;
+                    if self.plain_since_probe >= PROBE_EVERY {
+                        self.plain_since_probe = 0;
+                        return 1;
+                    }
+                }
+                k
+            }
+        }
+    }
+
+    /// Learn from a finished pass: `drafted` ids were run, the first `tested` of them were
+    /// checked against the model's picks and `accepted` agreed; the pass took `seconds`.
+    pub fn observe(&mut self, drafted: usize, tested: usize, accepted: usize, seconds: f64) {
+        let ewma = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| DECAY * o + (1.0 - DECAY) * new));
+        if drafted == 0 {
+            self.t1 = ewma(self.t1, seconds);
+            return;
+        }
+        if let Some(t1) = self.t1 {
+            let extra = ((seconds - t1) / drafted as f64).max(0.0);
+            self.c1 = ewma(self.c1, extra);
+        }
+        self.tested = DECAY * self.tested + tested as f64;
+        self.accepted = DECAY * self.accepted + accepted as f64;
+    }
+}
+
+/// The K in `0..=k_max` with the most expected ids per second, `Σ_{i≤K} aⁱ / (t1 + K·c1)`; 0
+/// unless it beats plain decoding (`1 / t1`) by [`MIN_GAIN`].
+pub fn best_k(a: f64, t1: f64, c1: f64, k_max: usize) -> usize {
+    let plain = 1.0 / t1.max(1e-9);
+    let (mut best, mut best_rate) = (0, plain);
+    let (mut expected, mut term) = (1.0, 1.0);
+    for k in 1..=k_max {
+        term *= a;
+        expected += term;
+        let rate = expected / (t1 + k as f64 * c1).max(1e-9);
+        if rate > best_rate {
+            best = k;
+            best_rate = rate;
+        }
+    }
+    if best_rate >= MIN_GAIN * plain {
+        best
+    } else {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn best_k_follows_acceptance_and_cost() {
+        // Trunk-bound pass (t1 = 3 s, 0.2 s per extra position): long drafts pay at 75%.
+        assert!(best_k(0.75, 3.0, 0.2, 16) >= 4);
+        // Nothing is accepted: never speculate.
+        assert_eq!(best_k(0.0, 3.0, 0.2, 16), 0);
+        // Extra positions cost as much as a pass (all experts new, compute-bound): only a near
+        // certain draft pays, and never by more than the gain threshold at 50%.
+        assert_eq!(best_k(0.5, 1.0, 1.0, 16), 0);
+        assert!(best_k(0.99, 1.0, 1.0, 16) >= 1);
+        assert_eq!(best_k(0.9, 3.0, 0.2, 0), 0);
+    }
+
+    #[test]
+    fn auto_measures_plain_then_probes_then_backs_off() {
+        let mut c = Controller::new(SpecMode::Auto);
+        assert_eq!(c.choose(8), 0, "first a plain pass");
+        c.observe(0, 0, 0, 3.0);
+        assert_eq!(c.choose(8), 1, "then a one-draft probe");
+        c.observe(1, 1, 0, 3.2);
+        // Rejections drive K to 0; a probe comes back every PROBE_EVERY plain passes.
+        for _ in 0..6 {
+            let k = c.choose(8);
+            c.observe(k, k.min(1), 0, 3.0 + 0.2 * k as f64);
+        }
+        let ks: Vec<usize> = (0..PROBE_EVERY)
+            .map(|_| {
+                let k = c.choose(8);
+                c.observe(k, k.min(1), 0, 3.0 + 0.2 * k as f64);
+                k
+            })
+            .collect();
+        assert_eq!(ks.iter().filter(|&&k| k == 1).count(), 1, "{ks:?}");
+        assert!(ks.iter().all(|&k| k <= 1), "{ks:?}");
+        // A drafter that agrees gets longer drafts.
+        for _ in 0..10 {
+            let k = c.choose(8).max(1);
+            c.observe(k, k, k, 3.0 + 0.2 * k as f64);
+        }
+        assert!(c.choose(8) >= 4, "acceptance {}", c.acceptance());
+        assert_eq!(Controller::new(SpecMode::Off).choose(8), 0);
+        assert_eq!(Controller::new(SpecMode::Fixed(4)).choose(2), 2);
+    }
+
+    use k3_store::source::{ExpertBatch, LayerRun, Region, SourceError, SourceStats};
+
+    /// A source with no weights: the drafters here never read any.
+    struct NoWeights;
+
+    impl WeightSource for NoWeights {
+        fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
+            Err(SourceError::Missing(name.into()))
+        }
+        fn layer(&self, l: usize) -> Result<LayerRun, SourceError> {
+            Err(SourceError::Missing(format!("layer {l}")))
+        }
+        fn experts(&self, l: usize, _: &[u32]) -> Result<ExpertBatch, SourceError> {
+            Err(SourceError::Missing(format!("layer {l} experts")))
+        }
+        fn stats(&self) -> SourceStats {
+            SourceStats::default()
+        }
+    }
+
+    #[test]
+    fn ngram_drafts_from_the_context_itself() {
+        let ctx = [5, 6, 7, 8, 9, 1, 5, 6, 7];
+        assert_eq!(NgramDrafter.draft(&NoWeights, &ctx, 3), vec![8, 9, 1]);
+        assert!(NgramDrafter.draft(&NoWeights, &ctx[..5], 3).is_empty());
+        let mut chain = FirstOf(vec![Box::new(HistoryDrafter::default()), Box::new(NgramDrafter)]);
+        assert_eq!(chain.draft(&NoWeights, &ctx, 2), vec![8, 9], "history is empty standalone");
+    }
+
+    #[test]
+    fn replay_misses_at_the_asked_rate_and_by_position() {
+        let cont: Vec<u32> = (100..2100).collect();
+        let mut r = ReplayDrafter {
+            continuation: cont.clone(),
+            prompt_len: 3,
+            miss_rate: 0.25,
+            seed: 7,
+        };
+        let src = NoWeights;
+        let ctx: Vec<u32> = vec![1, 2, 3];
+        let all = r.draft(&src, &ctx, 2000);
+        let misses = all.iter().zip(&cont).filter(|(a, b)| a != b).count();
+        assert!((400..600).contains(&misses), "{misses} misses of 2000 at 25%");
+        // The same position is a miss whichever pass drafts it.
+        let mut ctx2 = ctx.clone();
+        ctx2.extend_from_slice(&cont[..10]);
+        assert_eq!(r.draft(&src, &ctx2, 5), all[10..15].to_vec());
+        r.miss_rate = 0.0;
+        assert_eq!(r.draft(&src, &ctx, 4), cont[..4].to_vec());
+    }
+
+    #[test]
+    fn parses_modes() {
+        assert_eq!("auto".parse::<SpecMode>().unwrap(), SpecMode::Auto);
+        assert_eq!("off".parse::<SpecMode>().unwrap(), SpecMode::Off);
+        assert_eq!("4".parse::<SpecMode>().unwrap(), SpecMode::Fixed(4));
+        assert!("17".parse::<SpecMode>().is_err());
+        assert!("-1".parse::<SpecMode>().is_err());
+    }
+}
