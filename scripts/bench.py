@@ -250,11 +250,13 @@ def memory_bench(out: Path, full_kernels: bool) -> dict:
 
 
 def run_worker(bins: Path, model: Path, trunk: Path, trunk_b: int, cache_b: int, gen: int,
-               out: Path, chunk: int) -> tuple[dict, str]:
+               out: Path, chunk: int, extra=("--spec", "off")) -> tuple[dict, str]:
+    """One standalone worker run; plain decoding unless `extra` says otherwise (the budget
+    table measures one forward pass per token; --spec measures speculation separately)."""
     cmd = [bins / "k3-worker", "--standalone", model, "--trunk", trunk,
            "--trunk-gb", f"{trunk_b / 1e9:.9f}", "--cache-gb", f"{cache_b / 1e9:.9f}",
            "--ids", ",".join(map(str, PROMPT)), "--gen", gen, "--prefill-chunk", chunk,
-           "--out", out]
+           "--out", out, *extra]
     r = sh(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"bench: worker failed (exit {r.returncode}):\n{r.stderr}")
@@ -470,6 +472,84 @@ def projection_from(doc: dict):
 
 # ---------------------------------------------------------------- main
 
+def spec_summary(run: dict) -> dict:
+    """Decode figures per EMITTED id of a run (steps >= 1; a verify pass's time and bytes are
+    shared by the ids it emits)."""
+    dec = run["steps"][1:]
+    n = max(1, len(dec))
+    drafted = run.get("drafted_tokens", 0)
+    return {
+        "decode_s_per_token": sum(s["seconds"] for s in dec) / n,
+        "decode_bytes_per_token": sum(s["bytes_read"] for s in dec) / n,
+        "forward_passes": run.get("forward_passes", len(dec)),
+        "drafted": drafted,
+        "accepted": run.get("accepted_tokens", 0),
+        "acceptance": run.get("accepted_tokens", 0) / drafted if drafted else None,
+        "peak_rss_bytes": run["peak_rss_bytes"],
+        "generated_ids": run["generated_ids"],
+    }
+
+
+def fmt_spec_table(rows) -> str:
+    head = ("budget", "drafts right", "K", "s/token", "x plain", "GB/token", "passes",
+            "accepted/drafted", "peak RSS GB")
+    lines = [head]
+    for r in rows:
+        lines.append((r["budget"], "-" if r["target_acceptance"] is None else
+                      f"{100 * r['target_acceptance']:.0f}%", r["k"],
+                      f"{r['decode_s_per_token']:.3f}", f"{r['x_plain']:.2f}",
+                      f"{r['decode_bytes_per_token'] / 1e9:.3f}", r["forward_passes"],
+                      f"{r['accepted']}/{r['drafted']}", f"{r['peak_rss_bytes'] / 1e9:.2f}"))
+    w = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(x[i]).ljust(w[i]) for i in range(len(head))) for x in lines)
+
+
+def spec_bench(a, model: Path, trunk: Path, budgets: dict, tmp: Path) -> dict:
+    """Speculative decoding with replayed drafts: per budget, a plain run gives the ids; then
+    the replay drafter proposes them with misses injected (1 - acceptance) at each K (and auto).
+    Every run must give the plain run's ids."""
+    rows = []
+    ks = [k for k in a.spec_ks.split(",") if k]
+    accs = [float(x) / 100 for x in a.spec_acceptance.split(",") if x]
+    for b in [x for x in a.spec_budgets.split(",") if x]:
+        tb, cb, _, _ = budgets[b]
+        reps_plain = []
+        for rep in range(a.spec_reps):
+            run, _ = run_worker(a.bins, model, trunk, tb, cb, a.gen, tmp / f"spec-{b}-plain-{rep}.json",
+                                a.prefill_chunk)
+            reps_plain.append(spec_summary(run))
+        ids = reps_plain[0]["generated_ids"]
+        plain_s = statistics.median(r["decode_s_per_token"] for r in reps_plain)
+        cont = tmp / f"spec-{b}-cont.json"
+        cont.write_text(json.dumps(ids))
+        base = {**reps_plain[0], "decode_s_per_token": plain_s}
+        rows.append({"budget": b, "target_acceptance": None, "k": "off", **base, "x_plain": 1.0})
+        print(f"  {b:<12} plain: {plain_s:.3f} s/token", flush=True)
+        for acc in accs:
+            for k in ks:
+                reps = []
+                for rep in range(a.spec_reps):
+                    run, _ = run_worker(
+                        a.bins, model, trunk, tb, cb, a.gen,
+                        tmp / f"spec-{b}-{acc}-{k}-{rep}.json", a.prefill_chunk,
+                        extra=("--spec", k, "--draft", "replay", "--draft-replay", cont,
+                               "--draft-miss-rate", f"{1 - acc:.4f}", "--draft-seed", str(rep)))
+                    r = spec_summary(run)
+                    if r["generated_ids"] != ids:
+                        raise SystemExit(f"bench: FAILED: --spec {k} at {acc:.0%} gave "
+                                         f"{r['generated_ids']} != plain {ids}")
+                    reps.append(r)
+                med = statistics.median(r["decode_s_per_token"] for r in reps)
+                r0 = reps[0]
+                row = {"budget": b, "target_acceptance": acc, "k": k, **r0,
+                       "decode_s_per_token": med, "x_plain": med / plain_s,
+                       "reps": [r["decode_s_per_token"] for r in reps]}
+                rows.append(row)
+                print(f"  {b:<12} {acc:4.0%} K={k:<4} {med:.3f} s/token ({med / plain_s:.2f}x plain),"
+                      f" accepted {r0['accepted']}/{r0['drafted']}", flush=True)
+    return {"rows": rows, "gen": a.gen, "reps": a.spec_reps}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path)
@@ -495,6 +575,14 @@ def main(argv=None):
                          "(this many seconds per round) and report a floor ratio against them too "
                          "(0: off; off with --quick)")
     ap.add_argument("--bins", type=Path, default=ROOT / "target" / "release")
+    ap.add_argument("--spec", action="store_true",
+                    help="only the speculative-decoding table: replayed drafts at each acceptance "
+                         "and K beside plain decoding, per --spec-budgets")
+    ap.add_argument("--spec-budgets", default="laptop-like,trunk-pinned")
+    ap.add_argument("--spec-ks", default="2,4,8,auto")
+    ap.add_argument("--spec-acceptance", default="100,75,50,25,0",
+                    help="percent of drafted ids that are right")
+    ap.add_argument("--spec-reps", type=int, default=1)
     ap.add_argument("--project", type=Path, metavar="BENCH_JSON",
                     help="only print the full-model projection from a k3slice bench JSON")
     a = ap.parse_args(argv)
@@ -536,6 +624,27 @@ def run(a, reps: int, tmp: Path) -> int:
     layers = trunk_layers(tj)
     eb, moe_layers, n_experts, top_k = expert_bytes_from_checkpoint(model)
     budgets = plan_budgets(layers, eb, moe_layers, n_experts, top_k)
+    if a.spec:
+        for b in a.spec_budgets.split(","):
+            if b and b not in budgets:
+                raise SystemExit(f"bench: unknown budget {b!r} (have {', '.join(budgets)})")
+        print(f"== speculative decoding on {model} (prompt {PROMPT}, --gen {a.gen})", flush=True)
+        sp = spec_bench(a, model, trunk, budgets, tmp)
+        print()
+        print(fmt_spec_table(sp["rows"]))
+        print("\ns/token = decode seconds per emitted id (steps >= 1); GB/token = bytes read per "
+              "emitted id; drafts right = 1 - the replay drafter's miss rate; every run gave the "
+              "plain run's ids")
+        if a.json:
+            out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                   "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                            capture_output=True, text=True).stdout.strip(),
+                   "load_average": os.getloadavg(), "model": str(model), "prompt": PROMPT,
+                   "prefill_chunk": a.prefill_chunk, "spec": sp}
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(out, indent=1) + "\n")
+            print(f"wrote {a.json}")
+        return 0
     names = [b for b in a.budgets.split(",") if b]
     for b in names:
         if b not in budgets:

@@ -137,17 +137,33 @@ pub fn render_stats(s: &StatsReport) -> String {
         "memory:   pinned layers {}  arena slots used {}/{}  leased {}  workers {}",
         s.pinned_layers, s.slots_used, s.slots_total, s.slots_leased, s.workers
     );
+    let h = &s.history;
+    let _ = writeln!(
+        o,
+        "history:  streams {}  ids {}/{}  draft queries {}  hits {}  drafted ids {}",
+        h.streams, h.tokens, h.capacity_tokens, h.queries, h.hits, h.drafted
+    );
     if !s.jobs.is_empty() {
         let _ = writeln!(
             o,
-            "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10}",
-            "job", "label", "live", "requests", "hits", "misses", "TRUE hit", "read MB"
+            "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10} {:>7} {:>13}",
+            "job",
+            "label",
+            "live",
+            "requests",
+            "hits",
+            "misses",
+            "TRUE hit",
+            "read MB",
+            "passes",
+            "acc/drafted"
         );
         for j in &s.jobs {
             let c = &j.counters;
+            let p = &j.progress;
             let _ = writeln!(
                 o,
-                "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10.1}",
+                "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10.1} {:>7} {:>13}",
                 j.conn,
                 j.label,
                 if j.live { "yes" } else { "no" },
@@ -155,7 +171,9 @@ pub fn render_stats(s: &StatsReport) -> String {
                 c.resident_hits,
                 c.misses,
                 pct(c),
-                c.bytes_read as f64 / 1e6
+                c.bytes_read as f64 / 1e6,
+                p.forward_passes,
+                format!("{}/{}", p.accepted_tokens, p.drafted_tokens)
             );
         }
     }
@@ -287,6 +305,7 @@ mod tests {
                     decode_seconds: 2.0 * tokens.saturating_sub(1) as f64,
                     prefill_seconds: 3.0,
                     trunk_bytes_read: 4_000_000_000,
+                    ..Default::default()
                 },
                 ..JobStats::default()
             });

@@ -371,7 +371,7 @@ pub fn activation_bytes(cfg: &k3_proto::config::ModelConfig, tokens: usize) -> u
 }
 
 /// What a speculative verify pass of `drafts` drafted ids needs beyond a decode pass whose
-/// forward calls run `chunk` positions (SPEC.md §5.6): the rollback journal of every KDA layer
+/// forward calls run `chunk` positions (SPEC.md §3.12): the rollback journal of every KDA layer
 /// (conv histories before the pass and, per position, the raw q/k/v, k, v and α rows and β),
 /// `drafts` more logits rows, and the activations of `drafts + 1` positions where they exceed
 /// those of `chunk`. 0 without drafts.

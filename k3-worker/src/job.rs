@@ -611,7 +611,7 @@ fn run_prompt(
     })?;
     println!();
     if let Some(src) = reporter {
-        // The job's stream, for later jobs' history drafting (SPEC.md §5.6).
+        // The job's stream, for later jobs' history drafting (SPEC.md §3.12).
         let mut stream = prompt.to_vec();
         stream.extend_from_slice(&gen.generated_ids);
         if let Err(e) = src.record_history(&stream) {

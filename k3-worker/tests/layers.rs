@@ -283,8 +283,8 @@ fn kda_matches_the_sequential_reference_over_several_tokens_and_calls() {
     };
     let n = 6;
     let x = rand_x(n, d.hidden, 6);
-    let mut got = w.forward(d, &x[..3 * d.hidden], 3, &mut st);
-    got.extend(w.forward(d, &x[3 * d.hidden..], 3, &mut st));
+    let mut got = w.forward(d, &x[..3 * d.hidden], 3, &mut st, None);
+    got.extend(w.forward(d, &x[3 * d.hidden..], 3, &mut st, None));
     let want = kda_reference(&src, 2, &x, n);
     let err = rel_err(&got, &want);
     assert!(err <= 1e-5, "KDA vs sequential reference: rel err {err}");
@@ -302,7 +302,7 @@ fn kda_single_token_from_zero_state_is_beta_qk_v_over_sqrt_d() {
     let lw = bound.weights(&run).unwrap();
     let Attn::Kda(w) = &lw.attn else { panic!() };
     let x = rand_x(1, e, 7);
-    let got = w.forward(d, &x, 1, &mut st);
+    let got = w.forward(d, &x, 1, &mut st, None);
 
     let at = |s: &str| g(&src, 1, &format!("self_attn.{s}"));
     let xt: Vec<f64> = x.iter().map(|&v| v as f64).collect();

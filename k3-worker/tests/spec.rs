@@ -1,4 +1,4 @@
-//! Speculative decoding (SPEC.md §5.6, I39–I41) on a tiny random checkpoint: a verify pass's
+//! Speculative decoding (SPEC.md §3.12, I39–I41) on a tiny random checkpoint: a verify pass's
 //! rollback leaves exactly the state plain decoding leaves, and the emitted ids — greedy and
 //! sampled — equal plain decoding's whatever the drafts, K or mode.
 

@@ -1,4 +1,4 @@
-//! Draft lookup for speculative decoding (SPEC.md §5.6): the continuation of the longest suffix
+//! Draft lookup for speculative decoding (SPEC.md §3.12): the continuation of the longest suffix
 //! of a context found in a corpus of earlier token ids. Used by the worker over its own prompt
 //! and output (n-gram drafting) and by the store over earlier jobs' token streams (history
 //! drafting). A draft is only a guess: the worker verifies every drafted id against the model,

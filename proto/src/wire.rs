@@ -221,7 +221,7 @@ pub struct StatsReport {
     pub history: HistoryStats,
 }
 
-/// The store's history of earlier jobs' token streams (speculative drafting, SPEC.md §5.6).
+/// The store's history of earlier jobs' token streams (speculative drafting, SPEC.md §3.12).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct HistoryStats {
     /// Streams kept.

@@ -1,5 +1,5 @@
 //! The store's history of earlier jobs' token streams, the corpus of history drafting
-//! (SPEC.md §5.6). Bounded by ids kept: the oldest streams are dropped first. A draft query scans
+//! (SPEC.md §3.12). Bounded by ids kept: the oldest streams are dropped first. A draft query scans
 //! the streams newest first for the longest suffix match (`k3_proto::draft::lookup`), so its cost
 //! is linear in the ids kept (about a millisecond per million ids, against seconds per token).
 

@@ -65,7 +65,7 @@ impl PartialEq for Scratch {
 /// can be advanced by any prefix of the pass afterwards without running the layer again: the
 /// conv histories before the pass and the per-position inputs of the recurrence. The recurrence
 /// itself runs on a copy during the pass, so no snapshot of the (large) state is needed
-/// (SPEC.md §5.6).
+/// (SPEC.md §3.12).
 #[derive(Clone, Debug, Default)]
 pub struct KdaJournal {
     /// Positions the pass ran.

@@ -1,0 +1,151 @@
+//! Speculative decoding end to end (SPEC.md §3.12): real store, real workers, the bundled tiny
+//! checkpoint, every run checked against the fixture's reference greedy ids (computed by the
+//! float64 reference, not by this engine).
+
+use std::path::Path;
+
+use k3_tests::{ids_arg, reference_greedy, reference_prompt, tiny_model, Sandbox};
+use serde_json::Value;
+
+fn u(v: &Value, key: &str) -> u64 {
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no integer {key:?} in {v}"))
+}
+
+fn generated(v: &Value) -> Vec<u32> {
+    v["generated_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no generated_ids in {v}"))
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// A worker on the reference prompt (20 greedy ids) with `extra` flags; asserts exit 0 and the
+/// reference ids; returns the report.
+fn run(sb: &Sandbox, extra: &[&str]) -> Value {
+    let ids = ids_arg(&reference_prompt());
+    let mut args = vec!["--ids", ids.as_str(), "--gen", "20", "--threads", "1"];
+    args.extend_from_slice(extra);
+    let (r, j) = sb.worker_json(&args);
+    assert_eq!(r.code, 0, "worker failed: {r:?}");
+    assert_eq!(generated(&j), reference_greedy(), "ids with {extra:?}: {r:?}");
+    j
+}
+
+#[test]
+fn a_repeated_job_drafts_from_the_store_history_with_identical_ids() {
+    let mut sb = Sandbox::new("spec-history");
+    let trunk = sb.pack_tiny_trunk();
+    let model = tiny_model();
+    // Three layers pinned, the rest streamed by the worker: a budget where a pass costs reads.
+    sb.start_store(&[
+        path_str(&model),
+        "--trunk",
+        path_str(&trunk),
+        "--trunk-gb",
+        "0.001",
+        "--cache-gb",
+        "0.01",
+    ]);
+    let first = run(&sb, &[]);
+    let n = reference_greedy().len() as u64;
+    // Nothing to draft from yet on a prompt that does not repeat itself: one pass per id.
+    assert_eq!(u(&first, "accepted_tokens"), 0, "{first}");
+    assert_eq!(u(&first, "forward_passes"), n - 1, "{first}");
+    let second = run(&sb, &[]);
+    let passes = u(&second, "forward_passes");
+    assert!(u(&second, "accepted_tokens") > 0, "{second}");
+    assert!(passes < n - 1, "{passes} passes for {n} ids: {second}");
+    assert_eq!(passes + u(&second, "accepted_tokens"), n - 1, "{second}");
+    assert!(
+        u(&second, "trunk_bytes_read") < u(&first, "trunk_bytes_read"),
+        "fewer passes read fewer trunk bytes: {} vs {}",
+        u(&second, "trunk_bytes_read"),
+        u(&first, "trunk_bytes_read")
+    );
+    let s = sb.stats();
+    let h = &s["history"];
+    assert_eq!(u(h, "streams"), 2, "{s}");
+    assert_eq!(u(h, "tokens"), 2 * (reference_prompt().len() as u64 + n), "{s}");
+    assert!(u(h, "hits") > 0, "{s}");
+    // Per-job figures in `k3-ctl stats`.
+    let jobs = s["jobs"].as_array().expect("jobs");
+    let last = &jobs.last().expect("a job")["progress"];
+    assert_eq!(u(last, "accepted_tokens"), u(&second, "accepted_tokens"), "{s}");
+    assert_eq!(u(last, "forward_passes"), passes, "{s}");
+    // The same job with speculation off, and with every fixed K: the same ids.
+    for k in ["off", "1", "5", "16"] {
+        run(&sb, &["--spec", k]);
+    }
+    sb.stop_store().expect("store running");
+}
+
+#[test]
+fn standalone_replay_drafts_at_any_miss_rate_give_the_reference_ids() {
+    let sb = Sandbox::new("spec-replay");
+    let model = tiny_model();
+    let cont = sb_file(&sb, "cont.json", &format!("{:?}", reference_greedy()));
+    for (miss, k) in [("0", "4"), ("0.5", "auto"), ("1", "2")] {
+        let j = run(
+            &sb,
+            &[
+                "--standalone",
+                path_str(&model),
+                "--draft",
+                "replay",
+                "--draft-replay",
+                &cont,
+                "--draft-miss-rate",
+                miss,
+                "--spec",
+                k,
+            ],
+        );
+        if miss == "0" {
+            assert!(u(&j, "accepted_tokens") > 0, "{j}");
+        }
+        if miss == "1" {
+            assert_eq!(u(&j, "accepted_tokens"), 0, "{j}");
+            assert!(u(&j, "drafted_tokens") > 0, "{j}");
+        }
+    }
+}
+
+fn sb_file(sb: &Sandbox, name: &str, text: &str) -> String {
+    let p = sb.dir.join(name);
+    std::fs::write(&p, text).expect("write");
+    p.to_str().expect("utf-8").to_string()
+}
+
+#[test]
+fn bad_speculation_flags_are_refused_with_exit_2() {
+    let sb = Sandbox::new("spec-flags");
+    let model = tiny_model();
+    let m = path_str(&model);
+    let bad = sb_file(&sb, "bad.txt", "1, 2, x");
+    let good = sb_file(&sb, "good.txt", "1 2 3");
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["--spec", "17"],
+        vec!["--spec", "sometimes"],
+        vec!["--spec", "2", "--full-recompute"],
+        vec!["--draft", "replay"],
+        vec!["--draft-replay", &good],
+        vec!["--draft", "replay", "--draft-replay", &bad],
+        vec!["--draft", "replay", "--draft-replay", "/nonexistent/ids"],
+        vec!["--draft", "replay", "--draft-replay", &good, "--draft-miss-rate", "1.5"],
+        vec!["--draft", "psychic"],
+    ];
+    for extra in cases {
+        let mut args = vec!["--standalone", m, "--ids", "1,2,3", "--gen", "2"];
+        args.extend_from_slice(&extra);
+        let r = sb.run("k3-worker", &args);
+        assert_eq!(r.code, 2, "{extra:?}: {r:?}");
+        assert!(!r.stderr.contains("panicked"), "{extra:?}: {r:?}");
+    }
+}
