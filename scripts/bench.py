@@ -470,6 +470,61 @@ def projection_from(doc: dict):
                    rand, lap["floor_ratio"] if lap else None, tp["floor_ratio"] if tp else None)
 
 
+def union_experts(n_experts: int, top_k: int, positions: int) -> float:
+    """Expected distinct experts among `positions` top-k choices of one layer, routing taken
+    as uniform and independent (consecutive tokens share few of 896 experts)."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** positions)
+
+
+def spec_project(pr: dict, seq_mbps: float, acceptances=(0.5, 0.75, 0.9, 1.0), k_max: int = 8):
+    """Full-model s/token with speculative decoding per preset (an ESTIMATE) from the plain
+    projection `pr` (project()): a pass of K drafts reads the streamed trunk and its weights in
+    memory ONCE, and reads and computes the union of K+1 positions' experts; with no overlap,
+    T(K) = Dtrunk + Ctrunk + (Dexp + Cexp) x U(K+1)/16, U(n) = 896(1 - (1 - 16/896)^n), the
+    compute C split by the bytes it touches (trunk + lm_head vs experts); a pass yields
+    E(K) = sum_{i<=K} a^i ids; s/token = min over K <= 8 of T(K)/E(K) (K = 0: plain)."""
+    rows = []
+    nexp, topk = FULL["experts"], FULL["top_k"]
+    # Decode compute is memory-bound: the trunk's share (its weights are read once per pass,
+    # whatever the positions) and the experts' share (per distinct expert).
+    exp_touched = FULL["moe_layers"] * topk * FULL["expert_bytes"]
+    exp_share = exp_touched / pr["touched_full_bytes"]
+    for r in pr["rows"]:
+        dtrunk = r["streamed_trunk_gb"] * 1e9 / (seq_mbps * 1e6)
+        once = dtrunk + r["compute_s"] * (1 - exp_share)
+        rest = r["disk_s"] - dtrunk + r["compute_s"] * exp_share
+        plain = once + rest
+        row = {"preset": r["preset"], "plain_s": plain, "by_acceptance": {}}
+        for a in acceptances:
+            best = (plain, 0)
+            for k in range(1, k_max + 1):
+                t = once + rest * union_experts(nexp, topk, k + 1) / topk
+                e = sum(a ** i for i in range(k + 1))
+                if t / e < best[0]:
+                    best = (t / e, k)
+            row["by_acceptance"][a] = {"s_per_token": best[0], "k": best[1],
+                                       "x_plain": best[0] / plain}
+        rows.append(row)
+    return {"rows": rows, "acceptances": list(acceptances),
+            "formula": "T(K) = Dtrunk + Ctrunk + (Dexp + Cexp) x U(K+1)/16 (serial, no "
+                       "overlap); U(n) = 896(1-(1-16/896)^n); C split into trunk+lm_head and "
+                       "expert shares by the bytes each touches; E(K) = sum_{i<=K} a^i; "
+                       "s/token = min_{K<=8} T(K)/E(K); C, Dtrunk, Dexp from the plain projection"}
+
+
+def fmt_spec_projection(sp) -> str:
+    head = ["preset", "plain s"] + [f"a={a:.0%}: s (K, x plain)" for a in sp["acceptances"]]
+    lines = [head]
+    for r in sp["rows"]:
+        cells = [r["preset"], f"{r['plain_s']:.1f}"]
+        for a in sp["acceptances"]:
+            b = r["by_acceptance"][a]
+            cells.append(f"{b['s_per_token']:.1f} ({b['k']}, {b['x_plain']:.2f})")
+        lines.append(cells)
+    w = [max(len(x[i]) for x in lines) for i in range(len(head))]
+    return "\n".join("  ".join(x[i].ljust(w[i]) for i in range(len(w))) for x in lines)
+
+
 # ---------------------------------------------------------------- main
 
 def spec_summary(run: dict) -> dict:
@@ -587,10 +642,14 @@ def main(argv=None):
                     help="only print the full-model projection from a k3slice bench JSON")
     a = ap.parse_args(argv)
     if a.project:
-        pr = projection_from(json.loads(a.project.read_text()))
+        doc = json.loads(a.project.read_text())
+        pr = projection_from(doc)
         if pr is None:
             raise SystemExit("bench: the JSON has no all-resident budget to project from")
         print("full-model projection (ESTIMATE)\n" + fmt_projection(pr) + "\n" + pr["formula"])
+        sp = spec_project(pr, doc["floors_used"]["sequential_direct_mb_s"])
+        print("\nwith speculative decoding at acceptance a (ESTIMATE)\n" + fmt_spec_projection(sp)
+              + "\n" + sp["formula"])
         return 0
     reps = a.reps or (1 if a.quick else 2)
     if a.gen < 2:

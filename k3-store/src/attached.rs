@@ -255,7 +255,9 @@ impl AttachedSource {
     /// Ask the store's history for up to `max` ids following `context` (history drafting). The
     /// context is cut to its last [`k3_proto::wire::MAX_DRAFT_CONTEXT`] ids.
     fn store_history_draft(&self, context: &[u32], max: usize) -> Result<Vec<u32>, SourceError> {
-        let context = &context[context.len().saturating_sub(k3_proto::wire::MAX_DRAFT_CONTEXT)..];
+        let context = &context[context
+            .len()
+            .saturating_sub(k3_proto::wire::MAX_DRAFT_CONTEXT)..];
         let max = (max as u32).min(k3_proto::wire::MAX_DRAFT_IDS);
         let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Draft {

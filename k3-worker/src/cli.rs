@@ -126,18 +126,33 @@ pub struct Cli {
     /// Speculative decoding: `auto` (drafts when the measured acceptance and pass costs say it
     /// pays), `off`, or a fixed number of drafted ids per pass (1-16). The ids are the same
     /// in every mode.
-    #[arg(long, value_name = "auto|off|N", default_value = "auto", conflicts_with = "full_recompute")]
+    #[arg(
+        long,
+        value_name = "auto|off|N",
+        default_value = "auto",
+        conflicts_with = "full_recompute"
+    )]
     pub spec: crate::spec::SpecMode,
     /// Drafters, tried in order: `history` (the store's earlier jobs; attached only), `ngram`
     /// (the job's own ids), `replay` (benchmarks: --draft-replay).
-    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "history,ngram")]
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        default_value = "history,ngram"
+    )]
     pub draft: Vec<DraftArg>,
     /// The continuation the replay drafter proposes: a file of ids (JSON list or separated by
     /// commas/whitespace), e.g. an earlier run's generated ids.
     #[arg(long, value_name = "FILE")]
     pub draft_replay: Option<PathBuf>,
     /// Share of the replayed ids made wrong, in [0, 1] (benchmarks of acceptance).
-    #[arg(long, value_name = "R", default_value_t = 0.0, requires = "draft_replay")]
+    #[arg(
+        long,
+        value_name = "R",
+        default_value_t = 0.0,
+        requires = "draft_replay"
+    )]
     pub draft_miss_rate: f64,
     /// Seed of the replay drafter's miss pattern.
     #[arg(long, value_name = "S", default_value_t = 0, requires = "draft_replay")]

@@ -260,8 +260,6 @@ pub struct Session {
     control: Option<Controller>,
 }
 
-
-
 impl Session {
     /// An empty sequence of at most `capacity` positions.
     pub fn new(model: &Model<'_>, capacity: usize, sampler: Sampler) -> Session {
@@ -377,7 +375,10 @@ impl Session {
             let logits = if pass == 0 {
                 self.feed(model, new, opts.prefill_chunk)?
             } else {
-                let last = *report.generated_ids.last().expect("one id per earlier pass");
+                let last = *report
+                    .generated_ids
+                    .last()
+                    .expect("one id per earlier pass");
                 // At most max_new − generated − 1 drafts: a pass emits at most drafts + 1 ids.
                 let room = opts.max_new - report.generated_ids.len() - 1;
                 let k = control.choose(room.min(opts.spec.max_drafts()));
@@ -457,7 +458,8 @@ impl Session {
                     step: report.generated_ids.len(),
                     token: *token,
                     seconds: seconds * share,
-                    bytes_read: bytes / produced as u64 + u64::from(i == 0) * (bytes % produced as u64),
+                    bytes_read: bytes / produced as u64
+                        + u64::from(i == 0) * (bytes % produced as u64),
                     resident_hit_rate: (reqs > 0).then(|| hits as f64 / reqs as f64),
                     io_wait_seconds: io_wait * share,
                     io_read_seconds: io_read * share,

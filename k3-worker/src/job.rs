@@ -14,13 +14,13 @@ use k3_store::source::WeightSource;
 use k3_store::standalone::{OpenError, StandaloneOptions, StandaloneSource};
 
 use crate::chat::Effort;
-use crate::cli::{Cli, MAX_PROMPT, MAX_PROMPT_FILE};
 use crate::cli::DraftArg;
+use crate::cli::{Cli, MAX_PROMPT, MAX_PROMPT_FILE};
 use crate::generate::{positions_needed, GenOptions, Sampler, END_IDS};
-use crate::spec::{Drafter, FirstOf, HistoryDrafter, NgramDrafter, ReplayDrafter, SpecMode};
 use crate::model::bind::ShapeTable;
 use crate::model::{Dims, Model, ModelError, TensorShapes};
 use crate::report::{self, gb, HiddenDump};
+use crate::spec::{Drafter, FirstOf, HistoryDrafter, NgramDrafter, ReplayDrafter, SpecMode};
 use crate::tokenizer::Tokenizer;
 
 /// Why a job stopped, with its exit code ([`k3_proto::exit::ExitStatus`]).

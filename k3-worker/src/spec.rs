@@ -277,7 +277,8 @@ impl Controller {
     /// Learn from a finished pass: `drafted` ids were run, the first `tested` of them were
     /// checked against the model's picks and `accepted` agreed; the pass took `seconds`.
     pub fn observe(&mut self, drafted: usize, tested: usize, accepted: usize, seconds: f64) {
-        let ewma = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| DECAY * o + (1.0 - DECAY) * new));
+        let ewma =
+            |old: Option<f64>, new: f64| Some(old.map_or(new, |o| DECAY * o + (1.0 - DECAY) * new));
         if drafted == 0 {
             self.t1 = ewma(self.t1, seconds);
             return;
@@ -387,8 +388,15 @@ mod tests {
         let ctx = [5, 6, 7, 8, 9, 1, 5, 6, 7];
         assert_eq!(NgramDrafter.draft(&NoWeights, &ctx, 3), vec![8, 9, 1]);
         assert!(NgramDrafter.draft(&NoWeights, &ctx[..5], 3).is_empty());
-        let mut chain = FirstOf(vec![Box::new(HistoryDrafter::default()), Box::new(NgramDrafter)]);
-        assert_eq!(chain.draft(&NoWeights, &ctx, 2), vec![8, 9], "history is empty standalone");
+        let mut chain = FirstOf(vec![
+            Box::new(HistoryDrafter::default()),
+            Box::new(NgramDrafter),
+        ]);
+        assert_eq!(
+            chain.draft(&NoWeights, &ctx, 2),
+            vec![8, 9],
+            "history is empty standalone"
+        );
     }
 
     #[test]
@@ -404,7 +412,10 @@ mod tests {
         let ctx: Vec<u32> = vec![1, 2, 3];
         let all = r.draft(&src, &ctx, 2000);
         let misses = all.iter().zip(&cont).filter(|(a, b)| a != b).count();
-        assert!((400..600).contains(&misses), "{misses} misses of 2000 at 25%");
+        assert!(
+            (400..600).contains(&misses),
+            "{misses} misses of 2000 at 25%"
+        );
         // The same position is a miss whichever pass drafts it.
         let mut ctx2 = ctx.clone();
         ctx2.extend_from_slice(&cont[..10]);

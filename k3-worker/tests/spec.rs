@@ -29,9 +29,14 @@ fn opts(max_new: usize, sampler: Sampler, spec: SpecMode) -> GenOptions {
 
 fn plain(src: &MemSource, n: usize, sampler: Sampler) -> Vec<u32> {
     let mut m = model(src);
-    generate(&mut m, &PROMPT, &opts(n, sampler, SpecMode::Off), &mut |_| {})
-        .unwrap()
-        .generated_ids
+    generate(
+        &mut m,
+        &PROMPT,
+        &opts(n, sampler, SpecMode::Off),
+        &mut |_| {},
+    )
+    .unwrap()
+    .generated_ids
 }
 
 fn replay(cont: &[u32], miss_rate: f64, seed: u64) -> Box<dyn Drafter> {
@@ -62,7 +67,10 @@ fn rollback_leaves_the_state_of_a_pass_of_the_kept_positions() {
         let all = m.forward(&ids, &mut got, Logits::All).unwrap();
         got.rollback(keep).unwrap();
         assert_eq!(got.pos, want.pos);
-        assert!(got == want, "keep {keep}: state differs from plain decoding");
+        assert!(
+            got == want,
+            "keep {keep}: state differs from plain decoding"
+        );
         // And the journaled pass's logits at each position are plain decoding's, bit for bit.
         let mut st = m.new_state(32);
         m.forward(&PROMPT, &mut st, Logits::Last).unwrap();
@@ -177,7 +185,9 @@ fn sampled_verify_pass_follows_the_target_distribution() {
     };
     let sampler = |seed| Sampler::new(temperature, 1.0, seed).unwrap();
     let mut cache: std::collections::HashMap<u32, Vec<f64>> = Default::default();
-    let firsts: Vec<u32> = (0..runs).map(|seed| plain_first(&src, sampler(seed))).collect();
+    let firsts: Vec<u32> = (0..runs)
+        .map(|seed| plain_first(&src, sampler(seed)))
+        .collect();
     for &t0 in &firsts {
         cache.entry(t0).or_insert_with(|| dist(&mut m, t0));
     }
@@ -206,7 +216,10 @@ fn sampled_verify_pass_follows_the_target_distribution() {
             )
             .unwrap();
         assert_eq!(r.generated_ids[0], t0, "step 0 is a plain pick");
-        assert_eq!(r.steps[1].drafted, 1, "step 1 is a verify pass of the draft");
+        assert_eq!(
+            r.steps[1].drafted, 1,
+            "step 1 is a verify pass of the draft"
+        );
         observed[r.generated_ids[1] as usize] += 1.0;
         let p = &cache[&t0];
         for (e, pj) in expected.iter_mut().zip(p) {
@@ -236,10 +249,19 @@ fn sampled_verify_pass_follows_the_target_distribution() {
     // Far beyond the 99.9th percentile of chi-square(dof) for these dof.
     let limit = dof + 4.0 * (2.0 * dof).sqrt() + 10.0;
     assert!(dof >= 3.0, "too few cells to test ({dof})");
-    assert!(chi2 < limit, "chi2 {chi2:.1} with {dof} dof (limit {limit:.1})");
+    assert!(
+        chi2 < limit,
+        "chi2 {chi2:.1} with {dof} dof (limit {limit:.1})"
+    );
     let z = (acc_obs - acc_exp) / acc_var.sqrt();
-    assert!(acc_exp > 30.0, "the draft is rarely right: {acc_exp:.1} expected acceptances");
-    assert!(z.abs() < 4.0, "acceptances {acc_obs} vs expected {acc_exp:.1} (z = {z:.2})");
+    assert!(
+        acc_exp > 30.0,
+        "the draft is rarely right: {acc_exp:.1} expected acceptances"
+    );
+    assert!(
+        z.abs() < 4.0,
+        "acceptances {acc_obs} vs expected {acc_exp:.1} (z = {z:.2})"
+    );
 }
 
 fn plain_first(src: &MemSource, s: Sampler) -> u32 {
@@ -290,7 +312,9 @@ fn a_session_that_stops_mid_pass_carries_on_like_plain_decoding() {
             })
             .unwrap();
         let b = sess
-            .generate(&mut m, &[9, 9], &opts(6, s(), spec), &mut |_| Flow::Continue)
+            .generate(&mut m, &[9, 9], &opts(6, s(), spec), &mut |_| {
+                Flow::Continue
+            })
             .unwrap();
         (a.generated_ids, b.generated_ids, sess.held().to_vec())
     };
@@ -334,5 +358,8 @@ fn ngram_drafts_on_a_quoting_prompt_are_verified_exactly() {
         accepted += got.spec.accepted_tokens;
     }
     eprintln!("ngram: {accepted} of {drafted} drafted ids accepted");
-    assert!(drafted > 0, "the quoted prompt gave the n-gram drafter nothing to propose");
+    assert!(
+        drafted > 0,
+        "the quoted prompt gave the n-gram drafter nothing to propose"
+    );
 }

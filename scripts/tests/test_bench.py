@@ -142,3 +142,41 @@ def test_bytes_per_token_ignore_a_layer_read_counted_in_the_next_step():
                             trunk_per_step=6_000_000_000)
     assert s["trunk_bytes_per_token"] == 6e9
     assert s["expert_bytes_per_token"] == pytest.approx(1e9)
+
+
+def test_union_of_experts_grows_almost_linearly_at_the_real_expert_count():
+    assert bench.union_experts(896, 16, 1) == pytest.approx(16)
+    # Nine positions share few of 896 experts: within 7% of 9 x 16.
+    u9 = bench.union_experts(896, 16, 9)
+    assert 0.93 * 144 < u9 < 144
+    # ... but most of k3slice's 64.
+    assert bench.union_experts(64, 16, 9) < 0.93 * 64
+
+
+def test_spec_summary_counts_per_emitted_id():
+    run = {"steps": [{"seconds": 5.0, "bytes_read": 10},
+                     {"seconds": 1.0, "bytes_read": 4}, {"seconds": 1.0, "bytes_read": 4},
+                     {"seconds": 2.0, "bytes_read": 8}],
+           "forward_passes": 2, "drafted_tokens": 3, "accepted_tokens": 1,
+           "peak_rss_bytes": 1, "generated_ids": [1, 2, 3, 4]}
+    s = bench.spec_summary(run)
+    assert s["decode_s_per_token"] == pytest.approx(4.0 / 3)
+    assert s["decode_bytes_per_token"] == pytest.approx(16 / 3)
+    assert s["acceptance"] == pytest.approx(1 / 3)
+
+
+def test_spec_projection_never_loses_and_gains_most_where_the_trunk_streams():
+    pr = bench.project(0.5, 8.0e9, 2560.0, 2200.0, None)
+    sp = bench.spec_project(pr, 2560.0)
+    rows = {r["preset"]: r for r in sp["rows"]}
+    for r in sp["rows"]:
+        for a, b in r["by_acceptance"].items():
+            assert b["x_plain"] <= 1.0
+            if b["k"] == 0:
+                assert b["x_plain"] == 1.0
+    # Streaming the trunk makes a pass's fixed cost large: speculation pays most at laptop.
+    assert rows["laptop"]["by_acceptance"][0.75]["x_plain"] < rows["server"]["by_acceptance"][0.75]["x_plain"]
+    # Higher acceptance, longer drafts and lower cost.
+    lap = rows["laptop"]["by_acceptance"]
+    assert lap[1.0]["k"] >= lap[0.75]["k"] >= lap[0.5]["k"]
+    assert lap[1.0]["s_per_token"] < lap[0.5]["s_per_token"]

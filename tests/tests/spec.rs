@@ -34,7 +34,11 @@ fn run(sb: &Sandbox, extra: &[&str]) -> Value {
     args.extend_from_slice(extra);
     let (r, j) = sb.worker_json(&args);
     assert_eq!(r.code, 0, "worker failed: {r:?}");
-    assert_eq!(generated(&j), reference_greedy(), "ids with {extra:?}: {r:?}");
+    assert_eq!(
+        generated(&j),
+        reference_greedy(),
+        "ids with {extra:?}: {r:?}"
+    );
     j
 }
 
@@ -72,18 +76,58 @@ fn a_repeated_job_drafts_from_the_store_history_with_identical_ids() {
     let s = sb.stats();
     let h = &s["history"];
     assert_eq!(u(h, "streams"), 2, "{s}");
-    assert_eq!(u(h, "tokens"), 2 * (reference_prompt().len() as u64 + n), "{s}");
+    assert_eq!(
+        u(h, "tokens"),
+        2 * (reference_prompt().len() as u64 + n),
+        "{s}"
+    );
     assert!(u(h, "hits") > 0, "{s}");
     // Per-job figures in `k3-ctl stats`.
     let jobs = s["jobs"].as_array().expect("jobs");
     let last = &jobs.last().expect("a job")["progress"];
-    assert_eq!(u(last, "accepted_tokens"), u(&second, "accepted_tokens"), "{s}");
+    assert_eq!(
+        u(last, "accepted_tokens"),
+        u(&second, "accepted_tokens"),
+        "{s}"
+    );
     assert_eq!(u(last, "forward_passes"), passes, "{s}");
     // The same job with speculation off, and with every fixed K: the same ids.
     for k in ["off", "1", "5", "16"] {
         run(&sb, &["--spec", k]);
     }
     sb.stop_store().expect("store running");
+}
+
+/// Bytes of one tiny routed expert and the store's slot stride for it (4 KiB-aligned + 4 KiB).
+const TINY_SLOT_STRIDE: u64 = 6528_u64.div_ceil(4096) * 4096 + 4096;
+
+#[test]
+fn history_drafts_give_the_reference_ids_at_every_budget() {
+    let mut sb = Sandbox::new("spec-budgets");
+    let trunk = sb.pack_tiny_trunk();
+    let model = tiny_model();
+    // Three tiny-model experts' slots (top-k is 2): a verify pass's union of experts exceeds the
+    // cache and is fetched in groups.
+    let tiny_cache = format!("{:.9}", (3 * TINY_SLOT_STRIDE + 4096) as f64 / 1e9);
+    let budgets: Vec<Vec<&str>> = vec![
+        vec!["--preset", "laptop"],
+        vec!["--trunk-gb", "0.001", "--cache-gb", &tiny_cache],
+    ];
+    for budget in budgets {
+        let mut args = vec![path_str(&model), "--trunk", path_str(&trunk)];
+        args.extend_from_slice(&budget);
+        sb.start_store(&args);
+        run(&sb, &["--spec", "off"]);
+        for spec in ["auto", "2", "8"] {
+            let j = run(&sb, &["--spec", spec]);
+            assert!(
+                u(&j, "accepted_tokens") > 0,
+                "{budget:?} --spec {spec}: {j}"
+            );
+        }
+        let r = sb.stop_store().expect("store running");
+        assert_eq!(r.code, 0, "{budget:?}: {r:?}");
+    }
 }
 
 #[test]
@@ -138,7 +182,14 @@ fn bad_speculation_flags_are_refused_with_exit_2() {
         vec!["--draft-replay", &good],
         vec!["--draft", "replay", "--draft-replay", &bad],
         vec!["--draft", "replay", "--draft-replay", "/nonexistent/ids"],
-        vec!["--draft", "replay", "--draft-replay", &good, "--draft-miss-rate", "1.5"],
+        vec![
+            "--draft",
+            "replay",
+            "--draft-replay",
+            &good,
+            "--draft-miss-rate",
+            "1.5",
+        ],
         vec!["--draft", "psychic"],
     ];
     for extra in cases {

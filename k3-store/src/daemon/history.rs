@@ -96,7 +96,10 @@ mod tests {
         assert_eq!(h.draft(&[1, 11, 12, 13], 2), vec![14, 15]);
         assert_eq!(h.draft(&[7, 8, 9], 2), Vec::<u32>::new());
         let s = h.stats();
-        assert_eq!((s.streams, s.tokens, s.queries, s.hits, s.drafted), (1, 7, 2, 1, 2));
+        assert_eq!(
+            (s.streams, s.tokens, s.queries, s.hits, s.drafted),
+            (1, 7, 2, 1, 2)
+        );
     }
 
     #[test]
@@ -114,7 +117,11 @@ mod tests {
         h.record(&(0..30).collect::<Vec<u32>>());
         assert_eq!(h.stats().tokens, 12);
         assert_eq!(h.draft(&[25, 26, 27], 2), vec![28, 29]);
-        assert_eq!(h.draft(&[5, 6, 7], 2), Vec::<u32>::new(), "ids 0..18 were cut");
+        assert_eq!(
+            h.draft(&[5, 6, 7], 2),
+            Vec::<u32>::new(),
+            "ids 0..18 were cut"
+        );
         // Nothing kept at capacity 0.
         let mut none = History::new(0);
         none.record(&[1, 2, 3, 4, 5]);

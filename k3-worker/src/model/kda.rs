@@ -77,9 +77,11 @@ impl KdaWeights<'_> {
         let deferred = journal.is_some();
         if let Some(j) = journal.as_deref_mut() {
             j.n = n;
-            for i in 0..3 {
-                copy_into(&mut j.conv0[i], &st.conv[i]);
-                copy_into(&mut j.raw[i], &qkv[i]);
+            for ((c0, raw), (hist, proj)) in (j.conv0.iter_mut().zip(j.raw.iter_mut()))
+                .zip(st.conv.iter().zip(&qkv))
+            {
+                copy_into(c0, hist);
+                copy_into(raw, proj);
             }
         }
         for ((raw, w), hist) in qkv.iter_mut().zip(&self.conv).zip(st.conv.iter_mut()) {
@@ -179,7 +181,7 @@ pub fn replay(st: &mut KdaState, j: &KdaJournal, keep: usize) -> Result<(), Mode
     if keep > n || n == 0 {
         return Err(bad("keeps more positions than the pass ran"));
     }
-    if j.beta.is_empty() || j.beta.len() % n != 0 {
+    if j.beta.is_empty() || !j.beta.len().is_multiple_of(n) {
         return Err(bad("does not match the layer's state"));
     }
     let h_n = j.beta.len() / n;

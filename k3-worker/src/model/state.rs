@@ -156,7 +156,9 @@ impl SeqState {
     pub fn begin_journal(&mut self) {
         self.journal.active = true;
         self.journal.pos0 = self.pos;
-        self.journal.kda.resize_with(self.layers.len(), KdaJournal::default);
+        self.journal
+            .kda
+            .resize_with(self.layers.len(), KdaJournal::default);
     }
 
     /// The journal entry layer `l`'s forward must fill, when a journaled pass is running.
@@ -176,7 +178,9 @@ impl SeqState {
     pub fn rollback(&mut self, keep: usize) -> Result<(), ModelError> {
         let j = &mut self.journal;
         if !j.active {
-            return Err(ModelError::Input("rollback without a journaled pass".into()));
+            return Err(ModelError::Input(
+                "rollback without a journaled pass".into(),
+            ));
         }
         j.active = false;
         let ran = self.pos - j.pos0;
