@@ -77,8 +77,8 @@ impl KdaWeights<'_> {
         let deferred = journal.is_some();
         if let Some(j) = journal.as_deref_mut() {
             j.n = n;
-            for ((c0, raw), (hist, proj)) in (j.conv0.iter_mut().zip(j.raw.iter_mut()))
-                .zip(st.conv.iter().zip(&qkv))
+            for ((c0, raw), (hist, proj)) in
+                (j.conv0.iter_mut().zip(j.raw.iter_mut())).zip(st.conv.iter().zip(&qkv))
             {
                 copy_into(c0, hist);
                 copy_into(raw, proj);
