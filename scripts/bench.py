@@ -546,13 +546,14 @@ def spec_summary(run: dict) -> dict:
 
 
 def fmt_spec_table(rows) -> str:
-    head = ("budget", "drafts right", "K", "s/token", "x plain", "GB/token", "passes",
-            "accepted/drafted", "peak RSS GB")
+    head = ("budget", "drafts right", "K", "s/token", "plain s/token", "x plain", "GB/token",
+            "passes", "accepted/drafted", "peak RSS GB")
     lines = [head]
     for r in rows:
         lines.append((r["budget"], "-" if r["target_acceptance"] is None else
                       f"{100 * r['target_acceptance']:.0f}%", r["k"],
-                      f"{r['decode_s_per_token']:.3f}", f"{r['x_plain']:.2f}",
+                      f"{r['decode_s_per_token']:.3f}", f"{r['plain_s_per_token']:.3f}",
+                      f"{r['x_plain']:.2f}",
                       f"{r['decode_bytes_per_token'] / 1e9:.3f}", r["forward_passes"],
                       f"{r['accepted']}/{r['drafted']}", f"{r['peak_rss_bytes'] / 1e9:.2f}"))
     w = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
@@ -562,25 +563,34 @@ def fmt_spec_table(rows) -> str:
 def spec_bench(a, model: Path, trunk: Path, budgets: dict, tmp: Path) -> dict:
     """Speculative decoding with replayed drafts: per budget, a plain run gives the ids; then
     the replay drafter proposes them with misses injected (1 - acceptance) at each K (and auto).
-    Every run must give the plain run's ids."""
+    Every run must give the plain run's ids. A plain run precedes every acceptance group and
+    one ends the budget, and each speculative run is compared with the mean of the plain runs
+    just before and after its group, so drifting load on the machine does not skew the ratios."""
     rows = []
     ks = [k for k in a.spec_ks.split(",") if k]
     accs = [float(x) / 100 for x in a.spec_acceptance.split(",") if x]
     for b in [x for x in a.spec_budgets.split(",") if x]:
         tb, cb, _, _ = budgets[b]
-        reps_plain = []
-        for rep in range(a.spec_reps):
-            run, _ = run_worker(a.bins, model, trunk, tb, cb, a.gen, tmp / f"spec-{b}-plain-{rep}.json",
+        plains = []
+
+        def plain_run(tag):
+            run, _ = run_worker(a.bins, model, trunk, tb, cb, a.gen, tmp / f"spec-{b}-plain-{tag}.json",
                                 a.prefill_chunk)
-            reps_plain.append(spec_summary(run))
-        ids = reps_plain[0]["generated_ids"]
-        plain_s = statistics.median(r["decode_s_per_token"] for r in reps_plain)
+            r = spec_summary(run)
+            plains.append(r)
+            print(f"  {b:<12} plain: {r['decode_s_per_token']:.3f} s/token", flush=True)
+            return r
+
+        first = plain_run("0")
+        ids = first["generated_ids"]
         cont = tmp / f"spec-{b}-cont.json"
         cont.write_text(json.dumps(ids))
-        base = {**reps_plain[0], "decode_s_per_token": plain_s}
-        rows.append({"budget": b, "target_acceptance": None, "k": "off", **base, "x_plain": 1.0})
-        print(f"  {b:<12} plain: {plain_s:.3f} s/token", flush=True)
-        for acc in accs:
+        groups = []
+        for gi, acc in enumerate(accs):
+            if gi > 0:
+                plain_run(str(gi))
+            before = len(plains) - 1
+            group = []
             for k in ks:
                 reps = []
                 for rep in range(a.spec_reps):
@@ -595,13 +605,23 @@ def spec_bench(a, model: Path, trunk: Path, budgets: dict, tmp: Path) -> dict:
                                          f"{r['generated_ids']} != plain {ids}")
                     reps.append(r)
                 med = statistics.median(r["decode_s_per_token"] for r in reps)
-                r0 = reps[0]
-                row = {"budget": b, "target_acceptance": acc, "k": k, **r0,
-                       "decode_s_per_token": med, "x_plain": med / plain_s,
-                       "reps": [r["decode_s_per_token"] for r in reps]}
-                rows.append(row)
-                print(f"  {b:<12} {acc:4.0%} K={k:<4} {med:.3f} s/token ({med / plain_s:.2f}x plain),"
-                      f" accepted {r0['accepted']}/{r0['drafted']}", flush=True)
+                group.append((acc, k, med, reps))
+                print(f"  {b:<12} {acc:4.0%} K={k:<4} {med:.3f} s/token, accepted "
+                      f"{reps[0]['accepted']}/{reps[0]['drafted']}", flush=True)
+            groups.append((before, group))
+        plain_run("end")
+        for before, group in groups:
+            ref = (plains[before]["decode_s_per_token"] + plains[before + 1]["decode_s_per_token"]) / 2
+            for acc, k, med, reps in group:
+                rows.append({"budget": b, "target_acceptance": acc, "k": k, **reps[0],
+                             "decode_s_per_token": med, "x_plain": med / ref,
+                             "plain_s_per_token": ref,
+                             "reps": [r["decode_s_per_token"] for r in reps]})
+        pm = statistics.median(p["decode_s_per_token"] for p in plains)
+        rows.insert(len(rows) - sum(len(g) for _, g in groups),
+                    {"budget": b, "target_acceptance": None, "k": "off", **first,
+                     "decode_s_per_token": pm, "x_plain": 1.0, "plain_s_per_token": pm,
+                     "reps": [p["decode_s_per_token"] for p in plains]})
     return {"rows": rows, "gen": a.gen, "reps": a.spec_reps}
 
 
@@ -691,9 +711,10 @@ def run(a, reps: int, tmp: Path) -> int:
         sp = spec_bench(a, model, trunk, budgets, tmp)
         print()
         print(fmt_spec_table(sp["rows"]))
-        print("\ns/token = decode seconds per emitted id (steps >= 1); GB/token = bytes read per "
-              "emitted id; drafts right = 1 - the replay drafter's miss rate; every run gave the "
-              "plain run's ids")
+        print("\ns/token = decode seconds per emitted id (steps >= 1); plain s/token = the mean of "
+              "the plain runs just before and after the row's group (the 'off' row: their median); "
+              "x plain = their ratio; GB/token = bytes read per emitted id; drafts right = 1 - the "
+              "replay drafter's miss rate; every run gave the plain run's ids")
         if a.json:
             out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                    "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
