@@ -476,6 +476,7 @@ impl Backend for StoreBackend {
                 .count() as u32,
             workers: g.extra.live.len() as u32,
             uptime_seconds: 0.0,
+            sessions: Default::default(), // filled by the server
         }
     }
 
