@@ -103,7 +103,9 @@ fn main() {
 }
 
 fn session_mb(s: &str) -> Result<f64, String> {
-    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of MB"))?;
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of MB"))?;
     if !(v.is_finite() && (0.0..=1e9).contains(&v)) {
         return Err(format!("{v} MB outside 0..=1e9"));
     }

@@ -60,7 +60,9 @@ pub enum SessionError {
     #[error("damaged session: {0}")]
     Length(String),
     /// The checksum does not match the bytes.
-    #[error("damaged session: checksum {found:016x} does not match the contents ({computed:016x})")]
+    #[error(
+        "damaged session: checksum {found:016x} does not match the contents ({computed:016x})"
+    )]
     Checksum {
         /// Stored.
         found: u64,
@@ -375,11 +377,12 @@ impl Blob {
     /// growing (else the peer could change it after it was checked), and hold `expected_len`
     /// bytes.
     pub fn from_fd(fd: OwnedFd, expected_len: u64) -> std::io::Result<Blob> {
-        let seals = nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_GET_SEALS).map_err(|e| {
-            std::io::Error::other(format!(
+        let seals =
+            nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_GET_SEALS).map_err(|e| {
+                std::io::Error::other(format!(
                 "the descriptor is not a sealable memfd ({e}); a session travels as a sealed memfd"
             ))
-        })?;
+            })?;
         let seals = nix::fcntl::SealFlag::from_bits_truncate(seals);
         if !seals.contains(required_seals()) {
             return Err(std::io::Error::other(
@@ -436,9 +439,8 @@ mod tests {
 
     fn sample(identity: u64) -> Vec<u8> {
         let state: Vec<u8> = (0..100u8).collect();
-        let mut w =
-            SessionWriter::begin(Vec::new(), identity, &[1, 2, 300_000], b"{\"m\":1}", 100)
-                .unwrap();
+        let mut w = SessionWriter::begin(Vec::new(), identity, &[1, 2, 300_000], b"{\"m\":1}", 100)
+            .unwrap();
         w.write_all(&state[..40]).unwrap();
         w.write_all(&state[40..]).unwrap();
         w.finish().unwrap()

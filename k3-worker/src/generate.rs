@@ -253,6 +253,32 @@ impl Session {
         }
     }
 
+    /// A sequence over a restored `state` that holds `held` (a kept session).
+    pub fn from_parts(
+        state: SeqState,
+        held: Vec<u32>,
+        sampler: Sampler,
+    ) -> Result<Session, ModelError> {
+        if state.pos != held.len() || held.len() > state.capacity {
+            return Err(ModelError::Input(format!(
+                "a restored state at position {} of {} cannot hold {} ids",
+                state.pos,
+                state.capacity,
+                held.len()
+            )));
+        }
+        Ok(Session {
+            state,
+            held,
+            sampler,
+        })
+    }
+
+    /// The state (to keep it as a session).
+    pub fn state(&self) -> &SeqState {
+        &self.state
+    }
+
     /// The ids the state holds.
     pub fn held(&self) -> &[u32] {
         &self.held

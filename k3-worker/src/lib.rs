@@ -9,4 +9,5 @@ pub mod job;
 pub mod kernels;
 pub mod model;
 pub mod report;
+pub mod session;
 pub mod tokenizer;

@@ -127,7 +127,14 @@ impl Sessions {
     /// Insert under the lock, evicting the least recently used others until the limits hold;
     /// their files are removed under the same lock (so a newer file of the same name is never
     /// removed by an older eviction). Returns the evicted names.
-    fn insert(&self, g: &mut Inner, name: &str, blob: Arc<Blob>, n_ids: u64, ids_hash: u128) -> Vec<String> {
+    fn insert(
+        &self,
+        g: &mut Inner,
+        name: &str,
+        blob: Arc<Blob>,
+        n_ids: u64,
+        ids_hash: u128,
+    ) -> Vec<String> {
         g.tick += 1;
         let len = blob.len();
         if let Some(old) = g.map.insert(
@@ -201,7 +208,12 @@ impl Sessions {
         };
         let (n_ids, ids_hash) = match self.check(&blob) {
             Ok(x) => x,
-            Err(e) => return err(ErrorCode::BadRequest, format!("session {name} refused: {e}")),
+            Err(e) => {
+                return err(
+                    ErrorCode::BadRequest,
+                    format!("session {name} refused: {e}"),
+                )
+            }
         };
         let evicted = {
             let mut g = lock(&self.inner);
@@ -449,7 +461,10 @@ mod tests {
         let st = s.stats();
         assert_eq!((st.count, st.bytes, st.evicted), (1, big.len(), 3));
         // Replacing keeps the count and accounts the new size.
-        assert!(matches!(put(&s, "d", &blob(5, &[1], 10)), Response::SessionStored { .. }));
+        assert!(matches!(
+            put(&s, "d", &blob(5, &[1], 10)),
+            Response::SessionStored { .. }
+        ));
         assert!(s.stats().bytes < one);
         // Another checkpoint, a damaged blob, a missing fd, a bad name, too large: refused.
         match put(&s, "x", &blob(6, &[1], 10)) {
@@ -466,7 +481,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(s.put("x", None, 10), Response::Error { .. }));
-        assert!(matches!(put(&s, "../x", &blob(5, &[1], 10)), Response::Error { .. }));
+        assert!(matches!(
+            put(&s, "../x", &blob(5, &[1], 10)),
+            Response::Error { .. }
+        ));
         assert!(matches!(
             put(&s, "x", &blob(5, &[1], 4 * one as usize)),
             Response::Error {
@@ -493,7 +511,10 @@ mod tests {
         let s = Sessions::new(opts.clone(), 5);
         assert_eq!(s.load_state_dir().unwrap(), Loaded::default());
         for n in ["a", "b", "c"] {
-            assert!(matches!(put(&s, n, &blob(5, &[1, 2], 100)), Response::SessionStored { .. }));
+            assert!(matches!(
+                put(&s, n, &blob(5, &[1, 2], 100)),
+                Response::SessionStored { .. }
+            ));
         }
         let mut files: Vec<String> = std::fs::read_dir(&sd)
             .unwrap()
@@ -505,13 +526,15 @@ mod tests {
         let mut bad = std::fs::read(sd.join("b.k3session")).unwrap();
         bad[80] ^= 1;
         std::fs::write(sd.join("bad.k3session"), &bad).unwrap();
-        std::fs::write(
-            sd.join("foreign.k3session"),
-            blob(9, &[1], 10).bytes(),
-        )
-        .unwrap();
+        std::fs::write(sd.join("foreign.k3session"), blob(9, &[1], 10).bytes()).unwrap();
         std::fs::write(sd.join(".x.1.2.tmp"), b"partial").unwrap();
-        let s2 = Sessions::new(SessionOptions { max_count: 8, ..opts.clone() }, 5);
+        let s2 = Sessions::new(
+            SessionOptions {
+                max_count: 8,
+                ..opts.clone()
+            },
+            5,
+        );
         assert_eq!(
             s2.load_state_dir().unwrap(),
             Loaded {
@@ -526,7 +549,13 @@ mod tests {
             s2.get("c").unwrap().unwrap().bytes(),
             blob(5, &[1, 2], 100).bytes()
         );
-        assert!(!sd.join(".x.1.2.tmp").exists(), "leftover temporary removed");
-        assert!(sd.join("bad.k3session").exists(), "skipped files are left alone");
+        assert!(
+            !sd.join(".x.1.2.tmp").exists(),
+            "leftover temporary removed"
+        );
+        assert!(
+            sd.join("bad.k3session").exists(),
+            "skipped files are left alone"
+        );
     }
 }
