@@ -586,26 +586,25 @@ fn resume_prompt(
     let Some((name, src)) = session else {
         return Ok((fresh(), 0));
     };
-    match crate::session::fetch(src, name, &model.dims, capacity) {
-        Ok(Some(r)) => match crate::session::reusable(&r.held, prompt) {
-            Some(from) => {
-                eprintln!(
-                    "session {name}: resumed; {from} of the prompt's {} ids already held, prefilling {}",
-                    prompt.len(),
-                    prompt.len() - from
-                );
-                let seq = Session::from_parts(r.state, r.held, sampler.clone())?;
-                Ok((seq, from))
-            }
-            None => {
-                eprintln!(
-                    "session {name}: the {} ids it holds are not a prefix of this prompt; prefilling the whole prompt",
-                    r.held.len()
-                );
-                Ok((fresh(), 0))
-            }
-        },
-        Ok(None) => {
+    use crate::session::ForPrompt;
+    match crate::session::fetch_for_prompt(src, name, &model.dims, capacity, prompt) {
+        Ok(ForPrompt::Restored(r)) => {
+            let from = r.held.len();
+            eprintln!(
+                "session {name}: resumed; {from} of the prompt's {} ids already held, prefilling {}",
+                prompt.len(),
+                prompt.len() - from
+            );
+            let seq = Session::from_parts(r.state, r.held, sampler.clone())?;
+            Ok((seq, from))
+        }
+        Ok(ForPrompt::NotPrefix(n)) => {
+            eprintln!(
+                "session {name}: the {n} ids it holds are not a prefix of this prompt; prefilling the whole prompt"
+            );
+            Ok((fresh(), 0))
+        }
+        Ok(ForPrompt::Missing) => {
             eprintln!("session {name}: new (the store has none of that name)");
             Ok((fresh(), 0))
         }

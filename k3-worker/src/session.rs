@@ -95,6 +95,37 @@ pub fn fetch(
     decode(blob.bytes(), src.model_identity(), dims, capacity).map(Some)
 }
 
+/// What [`fetch_for_prompt`] found.
+#[derive(Debug)]
+pub enum ForPrompt {
+    /// The store has no session of that name.
+    Missing,
+    /// The session's ids (this many) are not a strict prefix of the prompt.
+    NotPrefix(usize),
+    /// Restored; it holds the prompt's first `held.len()` ids.
+    Restored(Restored),
+}
+
+/// Fetch session `name` for a one-shot `prompt`: restored only when the ids it holds are a
+/// strict prefix of the prompt (checked before the state is decoded).
+pub fn fetch_for_prompt(
+    src: &AttachedSource,
+    name: &str,
+    dims: &Dims,
+    capacity: usize,
+    prompt: &[u32],
+) -> Result<ForPrompt, String> {
+    let Some(blob) = src.get_session(name)? else {
+        return Ok(ForPrompt::Missing);
+    };
+    let view = container::parse(blob.bytes()).map_err(|e| e.to_string())?;
+    let held = view.ids();
+    if reusable(&held, prompt).is_none() {
+        return Ok(ForPrompt::NotPrefix(held.len()));
+    }
+    decode(blob.bytes(), src.model_identity(), dims, capacity).map(ForPrompt::Restored)
+}
+
 /// What [`keep`] did.
 #[derive(Clone, Debug)]
 pub struct Kept {
