@@ -740,7 +740,10 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                             r
                         }
                         Ok(None) => Response::NoSession,
-                        Err(e) => e,
+                        Err(message) => Response::Error {
+                            code: ErrorCode::BadRequest,
+                            message,
+                        },
                     }
                 }
             }

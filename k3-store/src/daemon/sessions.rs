@@ -265,9 +265,10 @@ impl Sessions {
         std::fs::File::open(dir)?.sync_all()
     }
 
-    /// `GetSession`: the session (now the most recently used), if kept.
-    pub fn get(&self, name: &str) -> Result<Option<Arc<Blob>>, Response> {
-        session::check_name(name).map_err(|m| err(ErrorCode::BadRequest, m))?;
+    /// `GetSession`: the session (now the most recently used), if kept; a bad name is refused
+    /// with the reason.
+    pub fn get(&self, name: &str) -> Result<Option<Arc<Blob>>, String> {
+        session::check_name(name)?;
         let mut g = lock(&self.inner);
         g.tick += 1;
         let tick = g.tick;
