@@ -1,4 +1,4 @@
-//! Kept conversations (docs/SPEC.md §6.9): the session container format and the sealed memfd that
+//! Kept conversations (docs/SPEC.md §6.6): the session container format and the sealed memfd that
 //! carries one between a worker and the store.
 //!
 //! A session is one byte string, the same in memory, on the socket (as a sealed memfd) and in a

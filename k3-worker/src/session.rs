@@ -1,4 +1,4 @@
-//! Kept conversations, the worker's side (docs/SPEC.md §6.9): a sequence state, the ids it holds
+//! Kept conversations, the worker's side (docs/SPEC.md §6.6): a sequence state, the ids it holds
 //! and the chat history, packed as a session ([`k3_store::session`]) and handed to the store, or
 //! fetched from it and restored.
 //!

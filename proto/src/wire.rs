@@ -81,7 +81,7 @@ pub enum Request {
     /// v2. A worker's progress so far (for `k3-ctl ps`); answered with [`Response::Noted`].
     Progress(JobProgress),
     /// v3. Keep a conversation's state under `name` (replacing one of that name). The bytes
-    /// travel as a sealed memfd attached to this frame (`SCM_RIGHTS`, docs/SPEC.md §6.9);
+    /// travel as a sealed memfd attached to this frame (`SCM_RIGHTS`, docs/SPEC.md §6.6);
     /// answered with [`Response::SessionStored`]. Workers only.
     PutSession {
         /// Session name (`k3_store::session::check_name`).

@@ -1,4 +1,4 @@
-//! Conversations kept in the store (docs/SPEC.md §6.9), end to end: real `k3-store`, real
+//! Conversations kept in the store (docs/SPEC.md §6.6), end to end: real `k3-store`, real
 //! `k3-worker` jobs resuming a session in a NEW process, checked against a full re-prefill and
 //! the tiny fixture's reference ids; the store's limits (LRU by count and by bytes), its state
 //! directory (survives a restart; damaged and foreign files refused with a clear log line).

@@ -1,4 +1,4 @@
-//! Which kept conversation a request continues (docs/SPEC.md §6.9).
+//! Which kept conversation a request continues (docs/SPEC.md §6.6).
 //!
 //! The store lists its sessions with the XXH3-128 of the ids each holds; a request continues the
 //! longest one whose ids are a strict prefix of the request's rendered ids (matched on ids, not

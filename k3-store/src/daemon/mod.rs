@@ -9,7 +9,9 @@
 //! Every connection is one thread: the first frame must be `Hello` with our protocol version
 //! (else `Refused`, naming both versions), and the peer's uid must be ours (`SO_PEERCRED`).
 //! Workers receive the read-only shared-memory descriptor with `Welcome`. A connection's leases
-//! are released when it closes — including when the worker is killed with SIGKILL.
+//! are released when it closes — including when the worker is killed with SIGKILL. Requests are
+//! read with `recvmsg`, so a descriptor sent with one (a session's sealed memfd, `PutSession`)
+//! arrives with it; one sent with any other request is closed ([`sessions`]).
 //!
 //! Clients cannot stall the store ([`Limits`]): at most 256 connections (one more gets an error
 //! and is closed); a `Hello` must arrive within 5 s of the accept; a frame whose first byte has

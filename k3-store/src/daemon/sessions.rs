@@ -1,4 +1,4 @@
-//! The store's kept conversations (docs/SPEC.md §6.9): named session blobs ([`crate::session`]),
+//! The store's kept conversations (docs/SPEC.md §6.6): named session blobs ([`crate::session`]),
 //! bounded in bytes and in count, evicted least recently used, optionally mirrored in a
 //! `--state-dir` so they survive a restart.
 //!

@@ -1,4 +1,4 @@
-//! The sequence state as bytes (docs/SPEC.md §6.9): the `state` section of a kept session.
+//! The sequence state as bytes (docs/SPEC.md §6.6): the `state` section of a kept session.
 //!
 //! ```text
 //! u32 n_layers
