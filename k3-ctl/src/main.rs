@@ -34,6 +34,8 @@ enum Cmd {
     Stats(store_cmds::StatsArgs),
     /// The store's live jobs: tokens so far, seconds per token, bytes read.
     Ps(store_cmds::PsArgs),
+    /// The store's kept conversations: name, ids held, size, idle time.
+    Sessions(store_cmds::SessionsArgs),
     /// Ask the store to drain and exit; waits until its socket is gone.
     Stop(store_cmds::SocketArg),
     /// Copy every layer's trunk tensors into trunk.bin + trunk.json (one aligned run per layer).
@@ -72,6 +74,7 @@ fn main() {
         Cmd::Stats(a) => store_cmds::run_stats(a),
         Cmd::Stop(a) => store_cmds::run_stop(a),
         Cmd::Ps(a) => store_cmds::run_ps(a),
+        Cmd::Sessions(a) => store_cmds::run_sessions(a),
         Cmd::PackTrunk(a) => pack::run(a),
         Cmd::Presets(a) => presets::run(a),
         Cmd::ReplayTrace(a) => replay::run(a),

@@ -143,6 +143,21 @@ pub fn render_stats(s: &StatsReport) -> String {
         "history:  streams {}  ids {}/{}  draft queries {}  hits {}  drafted ids {}",
         h.streams, h.tokens, h.capacity_tokens, h.queries, h.hits, h.drafted
     );
+    let ss = &s.sessions;
+    let _ = writeln!(
+        o,
+        "sessions: {} of at most {}  {:.3} MB of {:.3} MB  evicted {}{}",
+        ss.count,
+        ss.max_count,
+        ss.bytes as f64 / 1e6,
+        ss.budget_bytes as f64 / 1e6,
+        ss.evicted,
+        if ss.state_dir.is_empty() {
+            "  (memory only)".to_string()
+        } else {
+            format!("  state dir {}", ss.state_dir)
+        }
+    );
     if !s.jobs.is_empty() {
         let _ = writeln!(
             o,
@@ -212,6 +227,76 @@ pub fn run_stats(a: StatsArgs) -> i32 {
         }
         std::thread::sleep(Duration::from_secs(1));
         println!();
+    }
+}
+
+/// Arguments of `k3-ctl sessions`.
+#[derive(clap::Args, Debug)]
+pub struct SessionsArgs {
+    /// Store socket.
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// Print JSON (one object per session) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The kept conversations as a table, most recently used first.
+fn render_sessions(list: &[k3_proto::wire::SessionInfo]) -> String {
+    use std::fmt::Write as _;
+    let mut out = format!(
+        "{:<32} {:>9} {:>12} {:>10}\n",
+        "SESSION", "IDS", "MB", "IDLE s"
+    );
+    for i in list {
+        let _ = writeln!(
+            out,
+            "{:<32} {:>9} {:>12.3} {:>10.1}",
+            i.name,
+            i.ids,
+            i.bytes as f64 / 1e6,
+            i.idle_seconds
+        );
+    }
+    if list.is_empty() {
+        out.push_str("(no sessions)\n");
+    }
+    out
+}
+
+/// `k3-ctl sessions`: the store's kept conversations.
+pub fn run_sessions(a: SessionsArgs) -> i32 {
+    let mut c = match connect(&a.socket) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match call(&mut c, &Request::ListSessions) {
+        Ok(Response::Sessions(list)) => {
+            if a.json {
+                // ids_hash as hex: JSON numbers cannot hold 128 bits.
+                let v: Vec<serde_json::Value> = list
+                    .iter()
+                    .map(|i| {
+                        serde_json::json!({
+                            "name": i.name,
+                            "ids": i.ids,
+                            "bytes": i.bytes,
+                            "idle_seconds": i.idle_seconds,
+                            "ids_hash": format!("{:032x}", i.ids_hash),
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::Value::Array(v));
+            } else {
+                print!("{}", render_sessions(&list));
+            }
+            exit::OK
+        }
+        Ok(other) => {
+            eprintln!("k3-ctl: unexpected answer {other:?}");
+            exit::FAILURE
+        }
+        Err(code) => code,
     }
 }
 

@@ -90,6 +90,7 @@ pub struct AttachedSource {
     model: HashMap<&'static str, Region>,
     stream: TrunkStream,
     wait: Mutex<f64>,
+    identity: u64,
 }
 
 fn no_store(e: ClientError) -> AttachError {
@@ -223,6 +224,7 @@ impl AttachedSource {
                 model,
                 stream,
                 wait: Mutex::new(0.0),
+                identity: header.model_identity,
             },
             info,
         ))
@@ -237,6 +239,52 @@ impl AttachedSource {
                 "unexpected answer from the store: {other:?}"
             ))),
             Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
+        }
+    }
+
+    /// The identity of the checkpoint the store serves (what a kept session must carry).
+    pub fn model_identity(&self) -> u64 {
+        self.identity
+    }
+
+    /// Fetch the kept session `name` (`None` when the store has none of that name).
+    pub fn get_session(&self, name: &str) -> Result<Option<crate::session::Blob>, String> {
+        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let req = Request::GetSession { name: name.into() };
+        match c.call_with_fd(&req, None) {
+            Ok((Response::Session { bytes }, Some(fd))) => crate::session::Blob::from_fd(fd, bytes)
+                .map(Some)
+                .map_err(|e| format!("the store's session {name}: {e}")),
+            Ok((Response::Session { .. }, None)) => {
+                Err("the store answered a session without its memfd".into())
+            }
+            Ok((Response::NoSession, _)) => Ok(None),
+            Ok((Response::Error { code, message }, _)) => {
+                Err(format!("the store refused ({code:?}): {message}"))
+            }
+            Ok((other, _)) => Err(format!("unexpected answer from the store: {other:?}")),
+            Err(e) => Err(format!("store connection: {e}")),
+        }
+    }
+
+    /// Hand `blob` to the store as session `name`; the names it evicted to make room.
+    pub fn put_session(
+        &self,
+        name: &str,
+        blob: &crate::session::Blob,
+    ) -> Result<Vec<String>, String> {
+        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let req = Request::PutSession {
+            name: name.into(),
+            bytes: blob.len(),
+        };
+        match c.call_with_fd(&req, Some(blob.fd())) {
+            Ok((Response::SessionStored { evicted }, _)) => Ok(evicted),
+            Ok((Response::Error { code, message }, _)) => {
+                Err(format!("the store refused ({code:?}): {message}"))
+            }
+            Ok((other, _)) => Err(format!("unexpected answer from the store: {other:?}")),
+            Err(e) => Err(format!("store connection: {e}")),
         }
     }
 

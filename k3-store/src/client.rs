@@ -158,8 +158,17 @@ impl Client {
 
     /// Send a request and wait for its response.
     pub fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
-        ipc::send_frame(&mut self.stream, req, None)?;
-        let (resp, _) = ipc::recv_frame::<Response>(&mut self.stream)?;
-        Ok(resp)
+        Ok(self.call_with_fd(req, None)?.0)
+    }
+
+    /// Send a request with `fd` attached (if any) and wait for its response and the descriptor
+    /// that came with it (a kept session travels this way).
+    pub fn call_with_fd(
+        &mut self,
+        req: &Request,
+        fd: Option<std::os::fd::BorrowedFd<'_>>,
+    ) -> Result<(Response, Option<OwnedFd>), ClientError> {
+        ipc::send_frame(&mut self.stream, req, fd)?;
+        Ok(ipc::recv_frame::<Response>(&mut self.stream)?)
     }
 }

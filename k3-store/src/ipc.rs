@@ -219,29 +219,39 @@ struct FdReader<'a> {
 
 impl Read for FdReader<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
-        let mut iov = [IoSliceMut::new(buf)];
-        let msg = socket::recvmsg::<()>(
-            self.stream.as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(std::io::Error::from)?;
-        for c in msg.cmsgs().map_err(std::io::Error::from)? {
-            if let ControlMessageOwned::ScmRights(raw) = c {
-                for r in raw {
-                    // SAFETY: the kernel just installed `r` in our table for us alone; wrapping it
-                    // once makes it closed exactly once (extra descriptors are dropped = closed).
-                    let owned = unsafe { crate::shmem::owned_fd(r) };
-                    if self.fd.is_none() {
-                        self.fd = Some(owned);
-                    }
+        recv_keeping_fd(self.stream, buf, &mut self.fd)
+    }
+}
+
+/// One `recvmsg` into `buf`: the first descriptor that arrives (`SCM_RIGHTS`, close-on-exec) is
+/// kept in `slot` if it is empty; any other is closed. Returns the bytes received.
+pub fn recv_keeping_fd(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    slot: &mut Option<OwnedFd>,
+) -> std::io::Result<usize> {
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = socket::recvmsg::<()>(
+        stream.as_raw_fd(),
+        &mut iov,
+        Some(&mut space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .map_err(std::io::Error::from)?;
+    for c in msg.cmsgs().map_err(std::io::Error::from)? {
+        if let ControlMessageOwned::ScmRights(raw) = c {
+            for r in raw {
+                // SAFETY: the kernel just installed `r` in our table for us alone; wrapping it
+                // once makes it closed exactly once (extra descriptors are dropped = closed).
+                let owned = unsafe { crate::shmem::owned_fd(r) };
+                if slot.is_none() {
+                    *slot = Some(owned);
                 }
             }
         }
-        Ok(msg.bytes)
     }
+    Ok(msg.bytes)
 }
 
 /// Receive one frame ([`wire::read_frame`]) and the descriptor attached to it, if any.

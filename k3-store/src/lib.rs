@@ -17,6 +17,7 @@ pub mod ipc;
 pub mod plan;
 pub mod policy;
 pub mod progress;
+pub mod session;
 pub mod shmem;
 pub mod source;
 pub mod standalone;

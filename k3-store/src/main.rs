@@ -13,6 +13,9 @@ use k3_proto::exit::{self, ExitStatus};
 use k3_store::cli::{BudgetArgs, SocketArgs};
 use k3_store::daemon::backend::{segment_bytes, BuildOptions, StoreBackend};
 use k3_store::daemon::detach::{self, Notifier, Readiness};
+use k3_store::daemon::sessions::{
+    SessionOptions, Sessions, DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_MB, MAX_SESSIONS_LIMIT,
+};
 use k3_store::daemon::{install_signal_handlers, Server};
 use k3_store::plan::{allocatable, fmt_gb, Budget, MemoryPlan, PlanInputs};
 use k3_store::progress::Progress;
@@ -52,6 +55,18 @@ struct StartArgs {
     #[arg(long, value_name = "N", default_value_t = 8,
           value_parser = clap::value_parser!(u64).range(1..=64))]
     io_threads: u64,
+    /// Memory for kept conversations, in MB (10^6 bytes), on top of the memory plan: sessions
+    /// are evicted least recently used beyond it (0: keep none).
+    #[arg(long, value_name = "MB", default_value_t = DEFAULT_SESSION_MB, value_parser = session_mb)]
+    session_mb: f64,
+    /// Kept conversations at most (evicted least recently used beyond it; 0: keep none).
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_SESSIONS,
+          value_parser = clap::value_parser!(u32).range(0..=MAX_SESSIONS_LIMIT as i64))]
+    max_sessions: u32,
+    /// Keep conversations in this directory too, so they survive a restart (written atomically;
+    /// reloaded and checked at start).
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
     /// Internal: the readiness pipe of a detached start.
     #[arg(long, hide = true)]
     ready_fd: Option<i32>,
@@ -87,6 +102,16 @@ fn main() {
     std::process::exit(code);
 }
 
+fn session_mb(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of MB"))?;
+    if !(v.is_finite() && (0.0..=1e9).contains(&v)) {
+        return Err(format!("{v} MB outside 0..=1e9"));
+    }
+    Ok(v)
+}
+
 fn socket_path(a: &StartArgs) -> PathBuf {
     a.socket.path()
 }
@@ -102,6 +127,9 @@ fn resolve_paths(a: &mut StartArgs) -> Result<(), String> {
     a.socket.socket = Some(k3_proto::paths::resolve_file(&socket_path(a))?);
     if let Some(log) = &a.log {
         a.log = Some(k3_proto::paths::resolve_file(log)?);
+    }
+    if let Some(d) = &a.state_dir {
+        a.state_dir = Some(k3_proto::paths::resolve_file(d)?);
     }
     Ok(())
 }
@@ -136,6 +164,12 @@ fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
     args.push(format!("--io-threads={}", a.io_threads).into());
     if let Some(p) = &a.budget.cache_policy {
         args.push(format!("--cache-policy={p}").into());
+    }
+    args.push(format!("--session-mb={}", a.session_mb).into());
+    args.push(format!("--max-sessions={}", a.max_sessions).into());
+    if let Some(d) = &a.state_dir {
+        args.push("--state-dir".into());
+        args.push(d.clone().into());
     }
     args
 }
@@ -222,10 +256,15 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     }
     plan.available_bytes = available;
     let plan_text = format!(
-        "{plan}store shared memory: {} ({} pinned layers, {} expert slots)\n",
+        "{plan}store shared memory: {} ({} pinned layers, {} expert slots)\nkept conversations: up to {} and {} sessions, on top of the above{}\n",
         fmt_gb(shm),
         plan.pinned_layers,
-        plan.expert_slots
+        plan.expert_slots,
+        fmt_gb((a.session_mb * 1e6) as u64),
+        a.max_sessions,
+        a.state_dir
+            .as_ref()
+            .map_or(String::new(), |d| format!(" (mirrored in {})", d.display()))
     );
     if !problems.is_empty() {
         let msg = format!(
@@ -239,6 +278,21 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     }
     tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
     drop(trunk);
+    let identity = match cat.identity(&a.model_dir) {
+        Ok(i) => i,
+        Err(e) => return fail(&mut notify, exit::REFUSED, e),
+    };
+    let sessions = Arc::new(Sessions::new(
+        SessionOptions {
+            budget_bytes: (a.session_mb * 1e6) as u64,
+            max_count: a.max_sessions,
+            state_dir: a.state_dir.clone(),
+        },
+        identity,
+    ));
+    if let Err(e) = sessions.load_state_dir() {
+        return fail(&mut notify, exit::REFUSED, e);
+    }
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {
         Ok(l) => l,
@@ -283,6 +337,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     notify.ready(&socket);
     let left = Server::new(listener, socket.clone(), backend, stop)
         .with_hup(hup)
+        .with_sessions(sessions)
         .run();
     if left > 0 {
         tracing::warn!("stopped with {left} request(s) still in flight after the drain cap");
@@ -364,6 +419,12 @@ mod tests {
             "3",
             "--cache-policy",
             "lfu",
+            "--session-mb",
+            "0.5",
+            "--max-sessions",
+            "3",
+            "--state-dir",
+            "st",
         ]);
         resolve_paths(&mut a).unwrap();
         let cwd = std::env::current_dir().unwrap();
@@ -381,16 +442,23 @@ mod tests {
                 &b.budget.trunk,
                 &b.socket.socket,
                 b.io_threads,
-                &b.budget.cache_policy
+                &b.budget.cache_policy,
+                b.session_mb,
+                b.max_sessions,
+                &b.state_dir
             ),
             (
                 &a.model_dir,
                 &a.budget.trunk,
                 &a.socket.socket,
                 a.io_threads,
-                &a.budget.cache_policy
+                &a.budget.cache_policy,
+                a.session_mb,
+                a.max_sessions,
+                &a.state_dir
             )
         );
+        assert_eq!(b.state_dir, Some(cwd.join("st")));
         // The budget flags keep their order (a later one overrides an earlier one).
         assert_eq!(
             (&b.budget.preset, &b.budget.trunk_gb, &b.budget.cache_gb),

@@ -88,7 +88,8 @@ pub fn tag_text(name: &str, attrs: &[(&str, &str)]) -> String {
 }
 
 /// Who wrote a message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Role {
     /// `system`.
     System,
@@ -110,7 +111,7 @@ impl Role {
 }
 
 /// An assistant reply's channel contents as the model produced them.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ReplyIds {
     /// Ids of the think channel's contents.
     pub think: Vec<u32>,
@@ -118,8 +119,8 @@ pub struct ReplyIds {
     pub response: Vec<u32>,
 }
 
-/// One message of a conversation.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One message of a conversation (kept sessions carry the history as JSON of this shape).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Message {
     /// Author.
     pub role: Role,
@@ -607,6 +608,16 @@ impl Session {
         }
     }
 
+    /// A conversation resumed from a kept session: its history and its restored sequence.
+    pub fn from_parts(history: Vec<Message>, seq: generate::Session) -> Session {
+        Session { history, seq }
+    }
+
+    /// The sequence (state and held ids), to keep it as a session.
+    pub fn seq(&self) -> &generate::Session {
+        &self.seq
+    }
+
     /// The ids the state holds.
     pub fn held(&self) -> &[u32] {
         self.seq.held()
@@ -775,6 +786,23 @@ pub struct ReplOptions {
     pub dim_think: bool,
 }
 
+/// One turn that ran, for `--out`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TurnRecord {
+    /// The rendered conversation's ids (with the generation prompt).
+    pub conversation_ids: Vec<u32>,
+    /// Ids reused from the state.
+    pub reused: usize,
+    /// Ids prefilled this turn.
+    pub prefilled: usize,
+    /// True when the state did not match and the whole conversation was prefilled.
+    pub restarted: bool,
+    /// The reply's ids (including a final end id).
+    pub generated_ids: Vec<u32>,
+    /// Seconds of the prefill and the first pick.
+    pub prefill_seconds: f64,
+}
+
 /// What a whole session did.
 #[derive(Clone, Debug, Default)]
 pub struct ReplSummary {
@@ -782,6 +810,8 @@ pub struct ReplSummary {
     pub turns: usize,
     /// Turns refused (overflow, bad input).
     pub refused: usize,
+    /// Every turn that ran.
+    pub records: Vec<TurnRecord>,
 }
 
 /// Why the chat loop stopped early.
@@ -796,7 +826,9 @@ pub enum ReplError {
 }
 
 /// Read user turns from `input` until end of input; the response goes to `out`, the think text
-/// and the per-turn report to `err`. Returns on end of input, or on a forward/I/O failure.
+/// and the per-turn report to `err`; `after_turn` sees the session after each turn that ran (to
+/// keep it in the store). Returns on end of input, or on a forward/I/O failure.
+#[allow(clippy::too_many_arguments)]
 pub fn run_repl(
     model: &mut Model<'_>,
     fmt: &ChatFormat<'_>,
@@ -805,6 +837,7 @@ pub fn run_repl(
     out: &mut dyn Write,
     err: &mut dyn Write,
     opts: &ReplOptions,
+    after_turn: &mut dyn FnMut(&Session, &mut dyn Write),
 ) -> Result<ReplSummary, ReplError> {
     let mut summary = ReplSummary::default();
     let tok = fmt.tokenizer();
@@ -905,6 +938,15 @@ pub fn run_repl(
                     session.held().len(),
                     session.capacity()
                 );
+                summary.records.push(TurnRecord {
+                    conversation_ids: session.held()[..r.conversation_len].to_vec(),
+                    reused: r.reused,
+                    prefilled: r.prefilled,
+                    restarted: r.restarted,
+                    generated_ids: r.reply.ids.clone(),
+                    prefill_seconds: r.prefill_seconds,
+                });
+                after_turn(session, err);
             }
             Err(e @ TurnError::Overflow { .. }) => {
                 let _ = writeln!(err, "{e}");

@@ -20,6 +20,10 @@ pub const MAX_CTX: u64 = 1 << 18;
 /// Chat context without --ctx, in positions.
 pub const DEFAULT_CTX: usize = 4096;
 
+fn session_name(s: &str) -> Result<String, String> {
+    k3_store::session::check_name(s).map(|()| s.to_string())
+}
+
 /// Thinking effort of a chat (SPEC.md §5.5).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum EffortArg {
@@ -159,8 +163,13 @@ pub struct Cli {
     pub draft_seed: u64,
     /// Multi-turn chat in the XTML format: user turns from stdin, one per line (needs --tok).
     #[arg(long, requires = "tok",
-          conflicts_with_all = ["full_recompute", "out", "dump_logits", "dump_hidden", "dump_cache_trace"])]
+          conflicts_with_all = ["full_recompute", "dump_logits", "dump_hidden", "dump_cache_trace"])]
     pub chat: bool,
+    /// Keep the conversation in the store under NAME (attached mode): resume it if the store has
+    /// it (prefilling only what is new) and hand the state back after each chat turn or at the
+    /// end of a one-shot run.
+    #[arg(long, value_name = "NAME", value_parser = session_name, conflicts_with_all = ["standalone", "full_recompute"])]
+    pub session: Option<String>,
     /// Chat without the think channel (no thinking-effort system message; thinking is on by
     /// default).
     #[arg(long, requires = "chat")]
@@ -260,5 +269,16 @@ mod tests {
         assert!(parse(&["--ids", "1", "--standalone", "m", "--preset", "laptop"]).is_ok());
         assert!(parse(&["--ids", "1", "--layers", "0"]).is_err());
         assert_eq!(parse(&["--ids", "1"]).unwrap().gen, 8);
+    }
+
+    #[test]
+    fn sessions_are_attached_only_and_named_safely() {
+        let c = parse(&["--chat", "--tok", "t", "--session", "s-1", "--out", "o"]).unwrap();
+        assert_eq!(c.session.as_deref(), Some("s-1"));
+        assert!(parse(&["--ids", "1", "--session", "s"]).is_ok());
+        let e = parse(&["--ids", "1", "--standalone", "m", "--session", "s"]).unwrap_err();
+        assert!(e.to_string().contains("--standalone"), "{e}");
+        assert!(parse(&["--ids", "1", "--session", "../x"]).is_err());
+        assert!(parse(&["--ids", "1", "--session", "s", "--full-recompute"]).is_err());
     }
 }

@@ -278,6 +278,34 @@ impl Session {
         self.drafter = Some(drafter);
     }
 
+    /// A sequence over a restored `state` that holds `held` (a kept session).
+    pub fn from_parts(
+        state: SeqState,
+        held: Vec<u32>,
+        sampler: Sampler,
+    ) -> Result<Session, ModelError> {
+        if state.pos != held.len() || held.len() > state.capacity {
+            return Err(ModelError::Input(format!(
+                "a restored state at position {} of {} cannot hold {} ids",
+                state.pos,
+                state.capacity,
+                held.len()
+            )));
+        }
+        Ok(Session {
+            state,
+            held,
+            sampler,
+            drafter: None,
+            control: None,
+        })
+    }
+
+    /// The state (to keep it as a session).
+    pub fn state(&self) -> &SeqState {
+        &self.state
+    }
+
     /// The ids the state holds.
     pub fn held(&self) -> &[u32] {
         &self.held

@@ -16,7 +16,7 @@ use k3_store::standalone::{OpenError, StandaloneOptions, StandaloneSource};
 use crate::chat::Effort;
 use crate::cli::DraftArg;
 use crate::cli::{Cli, MAX_PROMPT, MAX_PROMPT_FILE};
-use crate::generate::{positions_needed, GenOptions, Sampler, END_IDS};
+use crate::generate::{positions_needed, Flow, GenOptions, Sampler, Session, END_IDS};
 use crate::model::bind::ShapeTable;
 use crate::model::{Dims, Model, ModelError, TensorShapes};
 use crate::report::{self, gb, HiddenDump};
@@ -515,6 +515,11 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
         source,
         Some(&shapes as &dyn TensorShapes),
     )?;
+    if cli.session.is_some() && !matches!(opened.source, Source::Attached(_)) {
+        return Err(refuse(
+            "--session keeps the conversation in a store: it needs attached mode",
+        ));
+    }
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());
     }
@@ -541,6 +546,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
                 pre.sampler.clone(),
                 opened.positions,
                 drafter(cli, None, 0),
+                reporter,
             )
         }
         Input::Prompt(prompt) => run_prompt(
@@ -581,7 +587,13 @@ fn run_prompt(
     eprintln!("{}", report::STEP_HEADER);
     let stdout = std::io::stdout();
     let mut progress = k3_proto::wire::JobProgress::default();
-    let gen = crate::generate::generate_with(model, prompt, &gen_opts, drafter, &mut |s| {
+    let capacity = positions_needed(prompt.len(), gen_opts.max_new);
+    let session_name = cli.session.as_deref().zip(reporter);
+    let (mut seq, reused) = resume_prompt(session_name, model, prompt, capacity, sampler)?;
+    if let Some(d) = drafter {
+        seq.set_drafter(d);
+    }
+    let mut gen = seq.generate(model, &prompt[reused..], &gen_opts, &mut |s| {
         eprintln!("{}", report::step_line(s));
         if let Some(src) = reporter {
             progress.tokens += 1;
@@ -608,7 +620,9 @@ fn run_prompt(
             None => write!(out, "{} ", s.token),
         };
         let _ = out.flush();
+        Flow::Continue
     })?;
+    gen.prompt_ids = prompt.to_vec();
     println!();
     if let Some(src) = reporter {
         // The job's stream, for later jobs' history drafting (SPEC.md §3.12).
@@ -639,13 +653,110 @@ fn run_prompt(
     if let Some(dir) = &cli.dump_hidden {
         written(hidden.write(dir, model.dims.hidden))?;
     }
+    let kept =
+        session_name.map(|(name, src)| keep_session(src, name, &seq, &[], &mut std::io::stderr()));
     if let Some(path) = &cli.out {
-        written(report::write_json(path, &summary.json(&gen)))?;
+        let mut v = summary.json(&gen);
+        if let Some((name, _)) = session_name {
+            v["session"] = serde_json::json!({
+                "name": name,
+                "reused": reused,
+                "prefilled": prompt.len() - reused,
+                "kept_bytes": kept.flatten(),
+            });
+        }
+        written(report::write_json(path, &v))?;
     }
     Ok(summary.exit_code())
 }
 
-/// The `--chat` loop: stdin lines are user turns; exit 0 at end of input.
+/// The sequence a one-shot run starts from: the kept session `name` when the ids it holds are a
+/// strict prefix of `prompt` (then only the rest is prefilled), else a fresh one; says which on
+/// stderr. Returns the sequence and the number of prompt ids it already holds.
+fn resume_prompt(
+    session: Option<(&str, &AttachedSource)>,
+    model: &Model<'_>,
+    prompt: &[u32],
+    capacity: usize,
+    sampler: &Sampler,
+) -> Result<(Session, usize), JobError> {
+    let fresh = || Session::new(model, capacity, sampler.clone());
+    let Some((name, src)) = session else {
+        return Ok((fresh(), 0));
+    };
+    use crate::session::ForPrompt;
+    match crate::session::fetch_for_prompt(src, name, &model.dims, capacity, prompt) {
+        Ok(ForPrompt::Restored(r)) => {
+            let from = r.held.len();
+            eprintln!(
+                "session {name}: resumed; {from} of the prompt's {} ids already held, prefilling {}",
+                prompt.len(),
+                prompt.len() - from
+            );
+            let seq = Session::from_parts(r.state, r.held, sampler.clone())?;
+            Ok((seq, from))
+        }
+        Ok(ForPrompt::NotPrefix(n)) => {
+            eprintln!(
+                "session {name}: the {n} ids it holds are not a prefix of this prompt; prefilling the whole prompt"
+            );
+            Ok((fresh(), 0))
+        }
+        Ok(ForPrompt::Missing) => {
+            eprintln!("session {name}: new (the store has none of that name)");
+            Ok((fresh(), 0))
+        }
+        Err(e) => {
+            eprintln!("session {name}: not resumed ({e}); prefilling the whole prompt");
+            Ok((fresh(), 0))
+        }
+    }
+}
+
+/// Hand `seq` (and the chat `history`) to the store as session `name`, saying so on `err`; the
+/// bytes kept, or `None` (with the reason on `err`) when the store did not keep it.
+fn keep_session(
+    src: &AttachedSource,
+    name: &str,
+    seq: &Session,
+    history: &[crate::chat::Message],
+    err: &mut dyn Write,
+) -> Option<u64> {
+    if !seq.is_valid() {
+        let _ = writeln!(
+            err,
+            "session {name}: NOT kept (the state is unusable after a failed forward)"
+        );
+        return None;
+    }
+    let meta = crate::session::Meta {
+        history: history.to_vec(),
+    };
+    match crate::session::keep(src, name, seq.held(), seq.state(), &meta) {
+        Ok(k) => {
+            let _ = writeln!(
+                err,
+                "session {name}: kept {} positions ({:.3} MB) in {:.3} s{}",
+                seq.held().len(),
+                k.bytes as f64 / 1e6,
+                k.seconds,
+                if k.evicted.is_empty() {
+                    String::new()
+                } else {
+                    format!("; the store evicted {}", k.evicted.join(", "))
+                }
+            );
+            Some(k.bytes)
+        }
+        Err(e) => {
+            let _ = writeln!(err, "session {name}: NOT kept: {e}");
+            None
+        }
+    }
+}
+
+/// The `--chat` loop: stdin lines are user turns; exit 0 at end of input. With `--session` the
+/// conversation is resumed from the store and kept there after every turn.
 fn run_chat(
     cli: &Cli,
     model: &mut Model<'_>,
@@ -654,6 +765,7 @@ fn run_chat(
     sampler: Sampler,
     capacity: usize,
     drafter: Option<Box<dyn Drafter>>,
+    src: Option<&AttachedSource>,
 ) -> Result<i32, JobError> {
     use crate::chat::{run_repl, ChatFormat, ReplOptions, Session, TurnOptions};
     use std::io::IsTerminal;
@@ -663,7 +775,30 @@ fn run_chat(
         thinking.map_or("off".to_string(), |e| format!("on (effort {})", e.as_str())),
         cli.gen
     );
-    let mut session = Session::new(model, capacity, sampler);
+    let kept_in = cli.session.as_deref().zip(src);
+    let mut session = Session::new(model, capacity, sampler.clone());
+    let mut resumed = None;
+    if let Some((name, src)) = kept_in {
+        match crate::session::fetch(src, name, &model.dims, capacity) {
+            Ok(Some(r)) => {
+                let (n, m) = (r.held.len(), r.meta.history.len());
+                eprintln!(
+                    "session {name}: resumed {n} positions and {m} messages ({:.3} MB)",
+                    r.bytes as f64 / 1e6
+                );
+                let seq = crate::generate::Session::from_parts(r.state, r.held, sampler)?;
+                session = Session::from_parts(r.meta.history, seq);
+                resumed = Some(n);
+            }
+            Ok(None) => eprintln!("session {name}: new (the store has none of that name)"),
+            Err(e) => eprintln!("session {name}: not resumed ({e}); starting afresh"),
+        }
+    }
+    let mut after_turn = |s: &Session, err: &mut dyn Write| {
+        if let Some((name, src)) = kept_in {
+            keep_session(src, name, s.seq(), &s.history, err);
+        }
+    };
     if let Some(d) = drafter {
         session.set_drafter(d);
     }
@@ -685,6 +820,7 @@ fn run_chat(
         &mut std::io::stdout(),
         &mut std::io::stderr(),
         &opts,
+        &mut after_turn,
     )
     .map_err(|e| match e {
         crate::chat::ReplError::Model(m) => JobError::Model(m),
@@ -700,5 +836,20 @@ fn run_chat(
         summary.refused,
         gb(report::peak_rss_bytes())
     );
+    if let Some(path) = &cli.out {
+        let v = serde_json::json!({
+            "mode": "chat",
+            "session": cli.session,
+            "resumed_positions": resumed,
+            "turns": summary.records,
+            "refused": summary.refused,
+            "peak_rss_bytes": report::peak_rss_bytes(),
+        });
+        report::write_json(path, &v).map_err(|(path, source)| JobError::Output {
+            path,
+            source,
+            before_work: false,
+        })?;
+    }
     Ok(report::expert_failures(&model.counters))
 }

@@ -9,5 +9,6 @@ pub mod job;
 pub mod kernels;
 pub mod model;
 pub mod report;
+pub mod session;
 pub mod spec;
 pub mod tokenizer;

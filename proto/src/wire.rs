@@ -97,6 +97,56 @@ pub enum Request {
         /// The ids.
         ids: Vec<u32>,
     },
+    /// v3. Keep a conversation's state under `name` (replacing one of that name). The bytes
+    /// travel as a sealed memfd attached to this frame (`SCM_RIGHTS`, docs/SPEC.md §6.6);
+    /// answered with [`Response::SessionStored`]. Workers only.
+    PutSession {
+        /// Session name (`k3_store::session::check_name`).
+        name: String,
+        /// Bytes in the memfd.
+        bytes: u64,
+    },
+    /// v3. Fetch a kept conversation: [`Response::Session`] with the memfd attached, or
+    /// [`Response::NoSession`]. Workers only.
+    GetSession {
+        /// Session name.
+        name: String,
+    },
+    /// v3. The kept conversations: [`Response::Sessions`].
+    ListSessions,
+}
+
+/// One kept conversation in [`Response::Sessions`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SessionInfo {
+    /// Its name.
+    pub name: String,
+    /// Token ids its state covers.
+    pub ids: u64,
+    /// XXH3-128 of those ids as little-endian u32s: a client matches a prompt's prefix against it
+    /// without sending the prompt.
+    pub ids_hash: u128,
+    /// Bytes it takes.
+    pub bytes: u64,
+    /// Seconds since it was stored or fetched.
+    pub idle_seconds: f64,
+}
+
+/// The kept conversations' figures in [`StatsReport`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SessionStats {
+    /// Sessions kept.
+    pub count: u32,
+    /// Bytes they take.
+    pub bytes: u64,
+    /// The byte limit (`k3-store start --session-mb`).
+    pub budget_bytes: u64,
+    /// The count limit (`--max-sessions`).
+    pub max_count: u32,
+    /// Sessions evicted (least recently used first) since the start.
+    pub evicted: u64,
+    /// `--state-dir`, empty when sessions are kept in memory only.
+    pub state_dir: String,
 }
 
 /// Most context ids a [`Request::Draft`] may carry (the lookup matches at most
@@ -217,6 +267,8 @@ pub struct StatsReport {
     pub workers: u32,
     /// Seconds since the store was ready.
     pub uptime_seconds: f64,
+    /// v3. Kept conversations.
+    pub sessions: SessionStats,
     /// v3. The history drafts are taken from.
     pub history: HistoryStats,
 }
@@ -312,6 +364,20 @@ pub enum Response {
         /// At most the `max` asked for.
         ids: Vec<u32>,
     },
+    /// v3. Answer to [`Request::PutSession`]: kept.
+    SessionStored {
+        /// Sessions evicted to make room (least recently used first).
+        evicted: Vec<String>,
+    },
+    /// v3. Answer to [`Request::GetSession`]; the sealed memfd travels with this frame.
+    Session {
+        /// Bytes in the memfd.
+        bytes: u64,
+    },
+    /// v3. Answer to [`Request::GetSession`]: no session of that name.
+    NoSession,
+    /// v3. Answer to [`Request::ListSessions`], most recently used first.
+    Sessions(Vec<SessionInfo>),
 }
 
 /// The kind of a [`Response::Error`].

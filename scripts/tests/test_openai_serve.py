@@ -335,6 +335,31 @@ def assert_error_shape(body, code=None):
     return e
 
 
+def test_a_request_that_extends_a_kept_conversation_resumes_it(world):
+    """The first request's state is kept in the store; a second request whose ids extend it
+    runs under that session (prefilling only the new ids) and answers exactly what a full
+    prefill of the whole prompt answers."""
+    c = world["main"].client()
+    log = world["dir"] / "serve-main.log"
+    p1 = tokenize("Once upon a time, in a quiet village,")
+    g1 = worker_ids(world, p1, 4)
+    r1 = c.completions.create(model=MODEL, prompt=p1, max_tokens=4, temperature=0)
+    assert r1.usage.completion_tokens == len(g1)
+    p2 = p1 + g1 + tokenize(" and then")
+    want_text, want_finish, want_n = expected_completion(world, p2, 6)
+    seen = log.stat().st_size
+    r2 = c.completions.create(model=MODEL, prompt=p2, max_tokens=6, temperature=0)
+    assert (r2.choices[0].text, r2.choices[0].finish_reason) == (want_text, want_finish)
+    assert r2.usage.completion_tokens == want_n
+    with open(log, "rb") as f:
+        f.seek(seen)
+        tail = f.read().decode(errors="replace")
+    held = len(p1) + len(g1) - 1  # every generated id but the last was fed
+    assert f"resuming session http-" in tail and f"({held} ids held)" in tail, tail
+    sessions = json.loads(run([binary("k3-ctl"), "sessions", "--json", "--socket", world["sock"]]).stdout)
+    assert any(s["ids"] == len(p2) + want_n - 1 for s in sessions), sessions
+
+
 def test_malformed_json_is_400_in_the_openai_shape(world):
     for path in ("/v1/chat/completions", "/v1/completions"):
         status, _, body = http(world["main"], "POST", path, b'{"model": "kimi-k3", "prompt": ', {"Content-Type": "application/json"})

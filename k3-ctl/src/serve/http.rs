@@ -54,6 +54,8 @@ pub struct AppState {
     pub started: u64,
     /// The store's socket.
     pub socket: PathBuf,
+    /// Keep conversations in the store (`--session` for every worker).
+    pub sessions: bool,
 }
 
 type Shared = Arc<AppState>;
@@ -106,6 +108,38 @@ fn fresh(prefix: &str) -> (String, u64) {
 
 /// How long a status question to the store may take.
 const STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The session a request runs under (see [`super::sessions`]): the store's list, asked off the
+/// async threads. If the store does not answer, the request runs under a new name (its worker
+/// will report the store's state itself).
+async fn pick_session(st: &Shared, prompt: &[u32]) -> (String, usize) {
+    let socket = st.socket.clone();
+    let ask = tokio::task::spawn_blocking(move || {
+        let mut c = k3_store::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
+            .map_err(|e| e.to_string())?;
+        match c.call(&StoreRequest::ListSessions) {
+            Ok(StoreResponse::Sessions(list)) => Ok(list),
+            Ok(other) => Err(format!("unexpected answer {other:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    });
+    let list = match tokio::time::timeout(STORE_TIMEOUT, ask).await {
+        Ok(Ok(Ok(list))) => list,
+        Ok(Ok(Err(e))) => {
+            tracing::warn!("cannot list the store's sessions: {e}");
+            Vec::new()
+        }
+        Ok(Err(e)) => {
+            tracing::warn!("cannot list the store's sessions: {e}");
+            Vec::new()
+        }
+        Err(_) => {
+            tracing::warn!("the store did not list its sessions within {STORE_TIMEOUT:?}");
+            Vec::new()
+        }
+    };
+    super::sessions::choose(&list, prompt)
+}
 
 /// Is the store up? (A control connection and a status request, off the async threads.)
 async fn store_up(st: &Shared) -> Result<(), ApiError> {
@@ -299,20 +333,31 @@ async fn start(st: &Shared, g: Gen) -> Result<(Place, Job, Option<u32>, Gen), Ap
         .enter()
         .map_err(|f| ApiError::queue_full(f.retry_after))?;
     place.run().await;
+    let session = if st.sessions {
+        Some(pick_session(st, &g.prompt).await)
+    } else {
+        None
+    };
     let params = GenParams {
         ids: g.prompt.clone(),
         max_new: g.settings.max_new,
         temperature: g.settings.temperature,
         top_p: g.settings.top_p,
         seed: g.settings.seed,
+        session: session.as_ref().map(|s| s.0.clone()),
     };
     let mut job = Job::spawn(&st.worker, &params).map_err(|e| ApiError::internal(e.message))?;
     tracing::info!(
-        "{} started worker pid {} ({} prompt ids, up to {} new)",
+        "{} started worker pid {} ({} prompt ids, up to {} new){}",
         g.id,
         job.pid(),
         g.prompt.len(),
-        g.settings.max_new
+        g.settings.max_new,
+        match &session {
+            Some((name, 0)) => format!("; new session {name}"),
+            Some((name, held)) => format!("; resuming session {name} ({held} ids held)"),
+            None => String::new(),
+        }
     );
     let first = job.next().await.map_err(job_error)?;
     Ok((place, job, first, g))

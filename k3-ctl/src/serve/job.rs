@@ -47,6 +47,8 @@ pub struct GenParams {
     pub top_p: f32,
     /// Sampling seed.
     pub seed: u64,
+    /// Run under this kept session (`--session`).
+    pub session: Option<String>,
 }
 
 /// Why a job failed, with the worker's exit code when it exited.
@@ -98,6 +100,9 @@ pub fn worker_args(spec: &WorkerSpec, p: &GenParams) -> Vec<String> {
     ]);
     if let Some(t) = spec.threads {
         args.extend(["--threads".into(), t.to_string()]);
+    }
+    if let Some(s) = &p.session {
+        args.extend(["--session".into(), s.clone()]);
     }
     args
 }
@@ -267,6 +272,7 @@ mod tests {
             temperature: 0.5,
             top_p: 0.9,
             seed: 7,
+            session: Some("http-1".into()),
         };
         let args = worker_args(&spec, &p);
         let lists: Vec<&String> = args
@@ -284,5 +290,8 @@ mod tests {
         assert!(args.windows(2).any(|w| w[0] == "--gen" && w[1] == "5"));
         assert!(args.windows(2).any(|w| w[0] == "--seed" && w[1] == "7"));
         assert!(args.windows(2).any(|w| w[0] == "--top-p" && w[1] == "0.9"));
+        assert!(args
+            .windows(2)
+            .any(|w| w[0] == "--session" && w[1] == "http-1"));
     }
 }

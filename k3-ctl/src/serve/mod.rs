@@ -25,6 +25,7 @@ mod http;
 mod job;
 mod queue;
 mod reply;
+mod sessions;
 mod text;
 
 /// Largest request head (request line + headers), in bytes.
@@ -68,6 +69,10 @@ pub struct Args {
     /// Compute threads per worker (`k3-worker --threads`; default: all cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
+    /// Do not keep conversations in the store (by default a request whose ids extend a kept
+    /// conversation resumes it, and every request's state is kept for the next turn).
+    #[arg(long)]
+    pub no_sessions: bool,
 }
 
 /// The shipped tokenizer relative to the running binary.
@@ -163,6 +168,7 @@ pub fn run(a: Args) -> i32 {
             .map(|d| d.as_secs())
             .unwrap_or(0),
         socket: socket.clone(),
+        sessions: !a.no_sessions,
     });
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

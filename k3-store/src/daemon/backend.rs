@@ -477,6 +477,7 @@ impl Backend for StoreBackend {
             workers: g.extra.live.len() as u32,
             uptime_seconds: 0.0,
             history: Default::default(),
+            sessions: Default::default(), // filled by the server
         }
     }
 

@@ -9,7 +9,9 @@
 //! Every connection is one thread: the first frame must be `Hello` with our protocol version
 //! (else `Refused`, naming both versions), and the peer's uid must be ours (`SO_PEERCRED`).
 //! Workers receive the read-only shared-memory descriptor with `Welcome`. A connection's leases
-//! are released when it closes — including when the worker is killed with SIGKILL.
+//! are released when it closes — including when the worker is killed with SIGKILL. Requests are
+//! read with `recvmsg`, so a descriptor sent with one (a session's sealed memfd, `PutSession`)
+//! arrives with it; one sent with any other request is closed ([`sessions`]).
 //!
 //! Clients cannot stall the store ([`Limits`]): at most 256 connections (one more gets an error
 //! and is closed); a `Hello` must arrive within 5 s of the accept; a frame whose first byte has
@@ -41,6 +43,9 @@ use crate::ipc;
 pub mod backend;
 pub mod detach;
 pub mod history;
+pub mod sessions;
+
+use sessions::{SessionOptions, Sessions};
 
 /// A connection's identity inside the store.
 pub type ConnId = u64;
@@ -120,6 +125,8 @@ struct Shared<B: Backend> {
     started: Instant,
     /// Earlier jobs' token streams (history drafting).
     history: Mutex<history::History>,
+    /// Kept conversations.
+    sessions: Arc<Sessions>,
 }
 
 impl<B: Backend> Shared<B> {
@@ -241,6 +248,7 @@ impl<B: Backend> Server<B> {
                 pending: Mutex::new(BTreeMap::new()),
                 started: Instant::now(),
                 history: Mutex::new(history::History::new(Limits::default().history_tokens)),
+                sessions: Arc::new(Sessions::new(SessionOptions::off(), 0)),
             }),
             hup: Arc::new(AtomicBool::new(false)),
             drain_cap: Duration::from_secs(10),
@@ -252,6 +260,14 @@ impl<B: Backend> Server<B> {
         let shared = Arc::get_mut(&mut self.shared).expect("limits are set before serving");
         shared.history = Mutex::new(history::History::new(limits.history_tokens));
         shared.limits = limits;
+        self
+    }
+
+    /// Keep conversations in `sessions` (without this, session requests are refused).
+    pub fn with_sessions(mut self, sessions: Arc<Sessions>) -> Self {
+        Arc::get_mut(&mut self.shared)
+            .expect("sessions are set before serving")
+            .sessions = sessions;
         self
     }
 
@@ -407,10 +423,12 @@ impl<B: Backend> Drop for Conn<B> {
     }
 }
 
-/// Reads from a stream, failing with `TimedOut` once `deadline` has passed.
+/// Reads from a stream, failing with `TimedOut` once `deadline` has passed, and keeps the first
+/// descriptor that arrives with the bytes (a session's memfd).
 struct DeadlineReader<'a> {
     stream: &'a UnixStream,
     deadline: Instant,
+    fd: Option<OwnedFd>,
 }
 
 impl Read for DeadlineReader<'_> {
@@ -420,7 +438,7 @@ impl Read for DeadlineReader<'_> {
             return Err(std::io::ErrorKind::TimedOut.into());
         }
         self.stream.set_read_timeout(Some(left))?;
-        match (&mut &*self.stream).read(buf) {
+        match ipc::recv_keeping_fd(self.stream, buf, &mut self.fd) {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 Err(std::io::ErrorKind::TimedOut.into())
             }
@@ -429,14 +447,14 @@ impl Read for DeadlineReader<'_> {
     }
 }
 
-/// Read one request of at most [`wire::MAX_REQUEST_FRAME`] bytes. Waits for its first byte until
-/// `idle_deadline` (forever if `None`); once it has started, the frame must be complete within
-/// the frame timeout (and the idle deadline).
+/// Read one request of at most [`wire::MAX_REQUEST_FRAME`] bytes and the descriptor sent with it,
+/// if any. Waits for its first byte until `idle_deadline` (forever if `None`); once it has
+/// started, the frame must be complete within the frame timeout (and the idle deadline).
 fn read_request(
     stream: &UnixStream,
     idle_deadline: Option<Instant>,
     frame_timeout: Duration,
-) -> Result<Request, WireError> {
+) -> Result<(Request, Option<OwnedFd>), WireError> {
     loop {
         let timeout = match idle_deadline {
             None => nix::poll::PollTimeout::NONE,
@@ -460,10 +478,13 @@ fn read_request(
     }
     let started = Instant::now() + frame_timeout;
     let deadline = idle_deadline.map_or(started, |d| d.min(started));
-    wire::read_frame_limited(
-        &mut DeadlineReader { stream, deadline },
-        wire::MAX_REQUEST_FRAME,
-    )
+    let mut r = DeadlineReader {
+        stream,
+        deadline,
+        fd: None,
+    };
+    let req = wire::read_frame_limited(&mut r, wire::MAX_REQUEST_FRAME)?;
+    Ok((req, r.fd))
 }
 
 /// Send `resp`; a reply too large for one frame is replaced by an error saying so. False when the
@@ -499,6 +520,9 @@ fn request_name(r: &Request) -> &'static str {
         Request::Progress(_) => "Progress",
         Request::Draft { .. } => "Draft",
         Request::Record { .. } => "Record",
+        Request::PutSession { .. } => "PutSession",
+        Request::GetSession { .. } => "GetSession",
+        Request::ListSessions => "ListSessions",
     }
 }
 
@@ -545,7 +569,7 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
         Some(conn.accepted + limits.handshake_timeout),
         limits.frame_timeout,
     );
-    let (kind, label) = match hello {
+    let (kind, label) = match hello.map(|(r, _fd)| r) {
         Ok(Request::Hello {
             protocol_version,
             kind,
@@ -618,7 +642,7 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
     // One request at a time per connection: it is read, served and answered before the next is
     // read (requests a client pipelines wait in the kernel's socket buffer, not in the store).
     loop {
-        let req = match read_request(stream, None, limits.frame_timeout) {
+        let (req, fd) = match read_request(stream, None, limits.frame_timeout) {
             Ok(r) => r,
             Err(WireError::Closed) => break,
             Err(WireError::Io(_)) => break,
@@ -639,6 +663,12 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             }
         };
         let _busy = InFlight::enter(&shared.in_flight);
+        let not_worker = || Response::Error {
+            code: ErrorCode::NotAllowed,
+            message: "only workers store and fetch sessions".into(),
+        };
+        // A fetched session's memfd goes out with the answer.
+        let mut blob = None;
         let resp = match req {
             Request::Hello { .. } => Response::Error {
                 code: ErrorCode::NotAllowed,
@@ -664,6 +694,7 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                 s.uptime_seconds = shared.started.elapsed().as_secs_f64();
                 s.history = lock(&shared.history).stats();
                 bound_jobs(&mut s.jobs, limits.max_listed_jobs);
+                s.sessions = shared.sessions.stats();
                 Response::Stats(s)
             }
             Request::Status => {
@@ -738,8 +769,35 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                     Response::Noted
                 }
             }
+            Request::PutSession { name, bytes } => {
+                if kind == ClientKind::Worker {
+                    shared.sessions.put(&name, fd, bytes)
+                } else {
+                    not_worker()
+                }
+            }
+            Request::GetSession { name } => {
+                if kind != ClientKind::Worker {
+                    not_worker()
+                } else {
+                    match shared.sessions.get(&name) {
+                        Ok(Some(b)) => {
+                            let r = Response::Session { bytes: b.len() };
+                            blob = Some(b);
+                            r
+                        }
+                        Ok(None) => Response::NoSession,
+                        Err(message) => Response::Error {
+                            code: ErrorCode::BadRequest,
+                            message,
+                        },
+                    }
+                }
+            }
+            Request::ListSessions => Response::Sessions(shared.sessions.list()),
         };
-        if !reply(stream, &resp, None) {
+        let fd_out = blob.as_ref().map(|b| b.fd());
+        if !reply(stream, &resp, fd_out) {
             break;
         }
     }

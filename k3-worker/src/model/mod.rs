@@ -20,6 +20,7 @@ pub mod forward;
 pub mod kda;
 pub mod mla;
 pub mod moe;
+pub mod snapshot;
 pub mod state;
 
 pub use bind::{BoundLayer, TensorShapes};
