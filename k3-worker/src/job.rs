@@ -757,6 +757,7 @@ fn keep_session(
 
 /// The `--chat` loop: stdin lines are user turns; exit 0 at end of input. With `--session` the
 /// conversation is resumed from the store and kept there after every turn.
+#[allow(clippy::too_many_arguments)]
 fn run_chat(
     cli: &Cli,
     model: &mut Model<'_>,
