@@ -67,6 +67,11 @@ struct StartArgs {
     /// reloaded and checked at start).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
+    /// Token ids of earlier jobs kept for speculative drafting (oldest streams dropped first;
+    /// 0: keep none, and workers draft only from their own ids). 4 bytes each.
+    #[arg(long, value_name = "N", default_value_t = k3_store::daemon::history::DEFAULT_HISTORY_TOKENS as u64,
+          value_parser = clap::value_parser!(u64).range(0..=(1u64 << 28)))]
+    history_ids: u64,
     /// Internal: the readiness pipe of a detached start.
     #[arg(long, hide = true)]
     ready_fd: Option<i32>,
@@ -167,6 +172,7 @@ fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
     }
     args.push(format!("--session-mb={}", a.session_mb).into());
     args.push(format!("--max-sessions={}", a.max_sessions).into());
+    args.push(format!("--history-ids={}", a.history_ids).into());
     if let Some(d) = &a.state_dir {
         args.push("--state-dir".into());
         args.push(d.clone().into());
@@ -336,6 +342,10 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     );
     notify.ready(&socket);
     let left = Server::new(listener, socket.clone(), backend, stop)
+        .with_limits(k3_store::daemon::Limits {
+            history_tokens: a.history_ids as usize,
+            ..Default::default()
+        })
         .with_hup(hup)
         .with_sessions(sessions)
         .run();
@@ -445,6 +455,7 @@ mod tests {
                 &b.budget.cache_policy,
                 b.session_mb,
                 b.max_sessions,
+                b.history_ids,
                 &b.state_dir
             ),
             (
@@ -455,6 +466,7 @@ mod tests {
                 &a.budget.cache_policy,
                 a.session_mb,
                 a.max_sessions,
+                a.history_ids,
                 &a.state_dir
             )
         );

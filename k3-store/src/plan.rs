@@ -957,3 +957,34 @@ mod tests {
         assert!(presets_table().contains("workstation"));
     }
 }
+
+#[cfg(test)]
+mod verify_tests {
+    use super::*;
+
+    fn tiny() -> k3_proto::config::ModelConfig {
+        let p = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../fixtures/tiny/model/config.json"
+        );
+        k3_proto::config::ModelConfig::load(std::path::Path::new(p)).unwrap()
+    }
+
+    #[test]
+    fn verify_pass_memory_is_the_journal_logits_and_extra_activations() {
+        let c = tiny();
+        assert_eq!(verify_bytes(&c, 0, 1), 0, "no drafts, nothing extra");
+        let p = (c.kda_num_heads * c.kda_head_dim) as u64;
+        let hist = (c.short_conv_kernel_size - 1) as u64;
+        let journal = |n: u64| 4 * (3 * p * hist + n * (6 * p + c.kda_num_heads as u64));
+        // With a prefill chunk at least as large as the pass, only the journal and the extra
+        // logits rows count.
+        let k = 4;
+        let want = journal(k + 1) * c.n_kda() as u64 + 4 * k * c.vocab_size as u64;
+        assert_eq!(verify_bytes(&c, k as usize, 512), want);
+        // A chunk of 1 also counts the activations of the pass's 5 positions beyond 1.
+        let extra = activation_bytes(&c, 5) - activation_bytes(&c, 1);
+        assert_eq!(verify_bytes(&c, 4, 1), want + extra);
+        assert!(verify_bytes(&c, 8, 512) > verify_bytes(&c, 4, 512));
+    }
+}

@@ -98,6 +98,32 @@ fn a_repeated_job_drafts_from_the_store_history_with_identical_ids() {
     sb.stop_store().expect("store running");
 }
 
+#[test]
+fn a_store_that_keeps_no_history_gives_no_history_drafts() {
+    let mut sb = Sandbox::new("spec-nohistory");
+    let trunk = sb.pack_tiny_trunk();
+    let model = tiny_model();
+    sb.start_store(&[
+        path_str(&model),
+        "--trunk",
+        path_str(&trunk),
+        "--preset",
+        "laptop",
+        "--history-ids",
+        "0",
+    ]);
+    run(&sb, &[]);
+    let second = run(&sb, &[]);
+    assert_eq!(u(&second, "accepted_tokens"), 0, "{second}");
+    let h = &sb.stats()["history"];
+    assert_eq!(
+        (u(h, "streams"), u(h, "tokens"), u(h, "capacity_tokens")),
+        (0, 0, 0),
+        "{h}"
+    );
+    sb.stop_store().expect("store running");
+}
+
 /// Bytes of one tiny routed expert and the store's slot stride for it (4 KiB-aligned + 4 KiB).
 const TINY_SLOT_STRIDE: u64 = 6528_u64.div_ceil(4096) * 4096 + 4096;
 

@@ -38,10 +38,10 @@ impl History {
     /// Add a stream (its newest `capacity` ids at most), dropping the oldest streams to stay in
     /// bounds. Streams too short to ever match are not kept.
     pub fn record(&mut self, ids: &[u32]) {
+        let ids = &ids[ids.len().saturating_sub(self.capacity)..];
         if ids.len() <= draft::MIN_MATCH {
             return;
         }
-        let ids = &ids[ids.len().saturating_sub(self.capacity)..];
         while self.tokens + ids.len() > self.capacity {
             match self.streams.pop_front() {
                 Some(old) => self.tokens -= old.len(),
@@ -125,6 +125,7 @@ mod tests {
         // Nothing kept at capacity 0.
         let mut none = History::new(0);
         none.record(&[1, 2, 3, 4, 5]);
-        assert_eq!(none.stats().tokens, 0);
+        assert_eq!((none.stats().tokens, none.stats().streams), (0, 0));
+        assert!(none.draft(&[1, 2, 3], 1).is_empty());
     }
 }
