@@ -20,9 +20,11 @@ use k3_proto::wire::{ClientKind, Counters, Request, Response, SlotAnswer};
 
 use crate::catalog::Catalog;
 use crate::client::{Client, ClientError};
+use crate::pool::IoPool;
 use crate::shmem::ReadOnlySegment;
 use crate::source::{
-    ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
+    ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
+    WeightSource,
 };
 use crate::stream::{StreamOptions, TrunkStream};
 use crate::trunk::{open_shards, TrunkLayout};
@@ -81,14 +83,77 @@ pub struct AttachInfo {
 
 /// A worker's view of a running store.
 pub struct AttachedSource {
+    link: Arc<Link>,
+    model: HashMap<&'static str, Region>,
+    stream: TrunkStream,
+    /// The long-lived thread [`WeightSource::request_experts`] runs on.
+    fetch: IoPool,
+}
+
+impl Link {
+    /// Lease experts `ids` of layer `l` from the store.
+    fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        let t0 = Instant::now();
+        let layer = u32::try_from(l).map_err(|_| SourceError::Invalid(format!("layer {l}")))?;
+        let resp = {
+            let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+            c.call(&Request::Experts {
+                layer,
+                ids: ids.to_vec(),
+            })
+        };
+        *self.wait.lock().unwrap_or_else(|p| p.into_inner()) += t0.elapsed().as_secs_f64();
+        match resp {
+            Ok(Response::Experts { answers, .. }) => {
+                if answers.len() != ids.len() {
+                    return Err(SourceError::Io(format!(
+                        "the store answered {} experts for {} requested",
+                        answers.len(),
+                        ids.len()
+                    )));
+                }
+                let owner: Arc<dyn ByteOwner> = self.seg.clone();
+                let experts = answers
+                    .into_iter()
+                    .zip(ids)
+                    .map(|(a, e)| match a {
+                        SlotAnswer::Leased { slot } if slot < self.slots => Region::new(
+                            owner.clone(),
+                            self.arena_off + slot as usize * self.stride,
+                            self.expert_bytes,
+                        )
+                        .ok_or_else(|| {
+                            format!("layer {l} expert {e}: slot {slot} outside the arena")
+                        }),
+                        SlotAnswer::Leased { slot } => Err(format!(
+                            "layer {l} expert {e}: slot {slot} out of range ({} slots)",
+                            self.slots
+                        )),
+                        SlotAnswer::Failed { reason } => Err(reason),
+                    })
+                    .collect();
+                Ok(ExpertBatch { experts })
+            }
+            Ok(Response::Error { code, message }) => Err(SourceError::Invalid(format!(
+                "the store refused layer {l}'s experts ({code:?}): {message}"
+            ))),
+            Ok(other) => Err(SourceError::Io(format!(
+                "unexpected answer from the store: {other:?}"
+            ))),
+            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
+        }
+    }
+}
+
+/// The connection to the store and the arena's geometry: what an expert request needs, shared
+/// with the fetch thread.
+struct Link {
     client: Mutex<Client>,
     seg: Arc<ReadOnlySegment>,
     arena_off: usize,
     stride: usize,
     expert_bytes: usize,
     slots: u32,
-    model: HashMap<&'static str, Region>,
-    stream: TrunkStream,
     wait: Mutex<f64>,
 }
 
@@ -212,17 +277,22 @@ impl AttachedSource {
             ring_layer_bytes: ss.largest_layer_bytes,
             attach_seconds: t0.elapsed().as_secs_f64(),
         };
+        let fetch = IoPool::new("k3-expert-fetch", 1)
+            .map_err(|e| AttachError::NoStore(format!("starting the expert fetch thread: {e}")))?;
         Ok((
             AttachedSource {
-                client: Mutex::new(client),
-                seg,
-                arena_off: arena.offset as usize,
-                stride: header.slot_stride as usize,
-                expert_bytes: header.expert_bytes as usize,
-                slots: header.slot_count,
+                link: Arc::new(Link {
+                    client: Mutex::new(client),
+                    seg,
+                    arena_off: arena.offset as usize,
+                    stride: header.slot_stride as usize,
+                    expert_bytes: header.expert_bytes as usize,
+                    slots: header.slot_count,
+                    wait: Mutex::new(0.0),
+                }),
                 model,
                 stream,
-                wait: Mutex::new(0.0),
+                fetch,
             },
             info,
         ))
@@ -230,7 +300,7 @@ impl AttachedSource {
 
     /// This job's counters as the store keeps them (TRUE resident hits, bytes read, …).
     pub fn job_counters(&self) -> Result<Counters, SourceError> {
-        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Stats) {
             Ok(Response::Stats(s)) => Ok(s.job),
             Ok(other) => Err(SourceError::Io(format!(
@@ -242,7 +312,7 @@ impl AttachedSource {
 
     /// Tell the store how far this job has come (shown by `k3-ctl ps`).
     pub fn report_progress(&self, p: k3_proto::wire::JobProgress) -> Result<(), SourceError> {
-        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Progress(p)) {
             Ok(Response::Noted) => Ok(()),
             Ok(other) => Err(SourceError::Io(format!(
@@ -270,65 +340,22 @@ impl WeightSource for AttachedSource {
     }
 
     fn max_expert_batch(&self) -> usize {
-        (self.slots as usize).max(1)
+        (self.link.slots as usize).max(1)
     }
 
     fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
-        let t0 = Instant::now();
-        let layer = u32::try_from(l).map_err(|_| SourceError::Invalid(format!("layer {l}")))?;
-        let resp = {
-            let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
-            c.call(&Request::Experts {
-                layer,
-                ids: ids.to_vec(),
-            })
-        };
-        *self.wait.lock().unwrap_or_else(|p| p.into_inner()) += t0.elapsed().as_secs_f64();
-        match resp {
-            Ok(Response::Experts { answers, .. }) => {
-                if answers.len() != ids.len() {
-                    return Err(SourceError::Io(format!(
-                        "the store answered {} experts for {} requested",
-                        answers.len(),
-                        ids.len()
-                    )));
-                }
-                let owner: Arc<dyn ByteOwner> = self.seg.clone();
-                let experts = answers
-                    .into_iter()
-                    .zip(ids)
-                    .map(|(a, e)| match a {
-                        SlotAnswer::Leased { slot } if slot < self.slots => Region::new(
-                            owner.clone(),
-                            self.arena_off + slot as usize * self.stride,
-                            self.expert_bytes,
-                        )
-                        .ok_or_else(|| {
-                            format!("layer {l} expert {e}: slot {slot} outside the arena")
-                        }),
-                        SlotAnswer::Leased { slot } => Err(format!(
-                            "layer {l} expert {e}: slot {slot} out of range ({} slots)",
-                            self.slots
-                        )),
-                        SlotAnswer::Failed { reason } => Err(reason),
-                    })
-                    .collect();
-                Ok(ExpertBatch { experts })
-            }
-            Ok(Response::Error { code, message }) => Err(SourceError::Invalid(format!(
-                "the store refused layer {l}'s experts ({code:?}): {message}"
-            ))),
-            Ok(other) => Err(SourceError::Io(format!(
-                "unexpected answer from the store: {other:?}"
-            ))),
-            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
-        }
+        self.link.experts(l, ids)
+    }
+
+    fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
+        let (link, ids) = (self.link.clone(), ids.to_vec());
+        PendingExperts::on_pool(&self.fetch, move || link.experts(l, &ids))
     }
 
     fn stats(&self) -> SourceStats {
         let s = self.stream.stats();
         let job = self.job_counters().unwrap_or_default();
-        let wait = *self.wait.lock().unwrap_or_else(|p| p.into_inner());
+        let wait = *self.link.wait.lock().unwrap_or_else(|p| p.into_inner());
         SourceStats {
             expert_requests: job.requests,
             resident_hits: job.resident_hits,

@@ -31,7 +31,8 @@ use k3_proto::expert::{ExpertLayout, ExpertPart};
 
 use crate::arena::ArenaMem;
 use crate::catalog::{Catalog, ExpertExtents};
-use crate::io::{align_up, run_parallel, DiskFile, ReadError, ALIGN};
+use crate::io::{align_up, DiskFile, ReadError, ALIGN};
+use crate::pool::IoPool;
 use crate::source::{ByteOwner, ExpertBatch, Region, SourceError};
 
 /// State of one slot.
@@ -654,17 +655,23 @@ pub type FailHook = Box<dyn Fn(u32, u32) -> Option<String> + Send + Sync>;
 pub struct ExpertSlots<X> {
     state: Mutex<Locked<X>>,
     cv: Condvar,
+    io: Arc<SlotIo>,
+    catalog: Arc<Catalog>,
+    /// The long-lived readers of phase 2 (no thread is spawned per batch).
+    pool: IoPool,
+    busy_timeout: Duration,
+}
+
+/// What a phase-2 read touches: the slot memory and the reader, shared with the I/O threads.
+struct SlotIo {
     arena: Arena,
     reader: ExpertReader,
-    catalog: Arc<Catalog>,
-    io_threads: usize,
-    busy_timeout: Duration,
 }
 
 impl<X: Send> ExpertSlots<X> {
     /// The protocol over `arena` (one slot per table slot), reading `catalog`'s experts from
-    /// `files` with `io_threads` parallel reads; a batch waits up to `busy_timeout` for leased
-    /// slots.
+    /// `files` on `io_threads` long-lived reader threads (started here); a batch waits up to
+    /// `busy_timeout` for leased slots. Fails only if the reader threads cannot be started.
     pub fn new(
         catalog: Arc<Catalog>,
         files: Vec<Arc<DiskFile>>,
@@ -673,8 +680,10 @@ impl<X: Send> ExpertSlots<X> {
         io_threads: usize,
         busy_timeout: Duration,
         extra: X,
-    ) -> ExpertSlots<X> {
-        ExpertSlots {
+    ) -> Result<ExpertSlots<X>, String> {
+        let pool = IoPool::new("k3-expert-io", io_threads)
+            .map_err(|e| format!("starting {io_threads} expert reader threads: {e}"))?;
+        Ok(ExpertSlots {
             state: Mutex::new(Locked {
                 table: SlotTable::new(arena.slots(), policy),
                 bytes_read: 0,
@@ -682,12 +691,14 @@ impl<X: Send> ExpertSlots<X> {
                 extra,
             }),
             cv: Condvar::new(),
-            reader: ExpertReader::new(files, catalog.expert_layout()),
-            arena,
+            io: Arc::new(SlotIo {
+                reader: ExpertReader::new(files, catalog.expert_layout()),
+                arena,
+            }),
             catalog,
-            io_threads: io_threads.max(1),
+            pool,
             busy_timeout,
-        }
+        })
     }
 
     /// The lock over the table and counters.
@@ -702,12 +713,12 @@ impl<X: Send> ExpertSlots<X> {
 
     /// The slot memory.
     pub fn arena(&self) -> &Arena {
-        &self.arena
+        &self.io.arena
     }
 
     /// The expert reader.
     pub fn reader(&self) -> &ExpertReader {
-        &self.reader
+        &self.io.reader
     }
 
     /// Serve experts `ids` of `layer` in the three phases of the module docs. Every `Ok` slot
@@ -783,25 +794,37 @@ impl<X: Send> ExpertSlots<X> {
         }
         drop(g);
 
-        // Phase 2: read the misses in parallel, in disk-offset order, straight into their slots.
+        // Phase 2: read the misses in parallel on the reader threads, in disk-offset order,
+        // straight into their slots. Injected failures are decided here, before the reads.
         jobs.sort_by_key(|j| j.0);
         let t_read = Instant::now();
         let n_jobs = jobs.len();
-        let results = run_parallel(jobs, self.io_threads, |(_, slot, e, ext)| {
-            let what = format!("layer {layer} expert {e}");
-            let res = match (fail.and_then(|f| f(l, e)), ext) {
-                (Some(m), _) => Err(format!("{what}: {m}")),
-                (None, None) => Err(format!("{what} is not in the checkpoint")),
-                (None, Some(ext)) => {
-                    // SAFETY: `slot` is INFLIGHT from this batch's reservation: no other request
-                    // writes it, nobody holds a lease to read it, and this job is the only
-                    // reference to it.
-                    let dst = unsafe { self.arena.slot_mut(slot) };
-                    self.reader.read(&what, &ext, dst).map_err(|err| err.0)
+        let jobs: Vec<(usize, u32, Option<ExpertExtents>, Option<String>)> = jobs
+            .into_iter()
+            .map(|(_, slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
+            .collect();
+        let slots_of: Vec<usize> = jobs.iter().map(|j| j.0).collect();
+        let io = self.io.clone();
+        let read =
+            move |(slot, e, ext, injected): (usize, u32, Option<ExpertExtents>, Option<String>)| {
+                let what = format!("layer {layer} expert {e}");
+                match (injected, ext) {
+                    (Some(m), _) => Err(format!("{what}: {m}")),
+                    (None, None) => Err(format!("{what} is not in the checkpoint")),
+                    (None, Some(ext)) => {
+                        // SAFETY: `slot` is INFLIGHT from this batch's reservation: no other request
+                        // writes it, nobody holds a lease to read it, and this job is the only
+                        // reference to it (the batch waits for every job before publishing).
+                        let dst = unsafe { io.arena.slot_mut(slot) };
+                        io.reader.read(&what, &ext, dst).map_err(|err| err.0)
+                    }
                 }
             };
-            (slot, res)
-        });
+        let results: Vec<(usize, Result<(), String>)> = slots_of
+            .into_iter()
+            .zip(self.pool.map(jobs, Arc::new(read)))
+            .map(|(slot, r)| (slot, r.and_then(|x| x)))
+            .collect();
         let read_seconds = if n_jobs > 0 {
             t_read.elapsed().as_secs_f64()
         } else {
@@ -809,7 +832,7 @@ impl<X: Send> ExpertSlots<X> {
         };
 
         // Phase 3: publish what arrived.
-        let eb = self.reader.expert_bytes() as u64;
+        let eb = self.io.reader.expert_bytes() as u64;
         let mut g = self.lock();
         let mut failed: HashMap<usize, String> = HashMap::new();
         let mut bytes_read = 0u64;
@@ -980,7 +1003,8 @@ impl ExpertCache {
             opts.io_threads,
             opts.busy_timeout,
             0.0,
-        );
+        )
+        .map_err(SourceError::Io)?;
         Ok(ExpertCache {
             slots: Arc::new(slots),
             opts,
@@ -1379,7 +1403,8 @@ mod tests {
             3,
             Duration::from_millis(1000),
             (),
-        );
+        )
+        .unwrap();
         let mirrored = Mutex::new(HashMap::new());
         let mirror = |t: &SlotTable, s: usize| {
             mirrored

@@ -14,8 +14,10 @@ use crate::catalog::Catalog;
 use crate::experts::{CacheOptions, CacheStats, ExpertCache};
 use crate::io::{DiskFile, MappedRange};
 use crate::plan::{allocatable, Budget, MemoryPlan, PlanInputs};
+use crate::pool::IoPool;
 use crate::source::{
-    ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
+    ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
+    WeightSource,
 };
 use crate::stream::{StreamOptions, StreamStats, TrunkStream};
 use crate::trunk::{open_shards, TrunkError, TrunkLayout};
@@ -91,7 +93,9 @@ impl From<SourceError> for OpenError {
 pub struct StandaloneSource {
     model: HashMap<String, Region>,
     stream: TrunkStream,
-    experts: ExpertCache,
+    experts: Arc<ExpertCache>,
+    /// The long-lived thread [`WeightSource::request_experts`] runs on.
+    fetch: IoPool,
     plan: MemoryPlan,
 }
 
@@ -208,10 +212,13 @@ impl StandaloneSource {
             },
             policy,
         )?;
+        let fetch = IoPool::new("k3-expert-fetch", 1)
+            .map_err(|e| OpenError::Io(format!("starting the expert fetch thread: {e}")))?;
         let src = StandaloneSource {
             model,
             stream,
-            experts,
+            experts: Arc::new(experts),
+            fetch,
             plan: plan.clone(),
         };
         Ok((src, plan))
@@ -298,6 +305,11 @@ impl WeightSource for StandaloneSource {
 
     fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
         self.experts.get(l, ids)
+    }
+
+    fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
+        let (cache, ids) = (self.experts.clone(), ids.to_vec());
+        PendingExperts::on_pool(&self.fetch, move || cache.get(l, &ids))
     }
 
     fn stats(&self) -> SourceStats {

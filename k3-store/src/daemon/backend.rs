@@ -280,18 +280,19 @@ impl StoreBackend {
             clients: Vec::new(),
             uptime_seconds: 0.0,
         };
+        let experts = ExpertSlots::new(
+            cat,
+            shards,
+            arena,
+            policy,
+            opts.io_threads,
+            BUSY_TIMEOUT,
+            Jobs::default(),
+        )?;
         Ok(StoreBackend {
             base,
             slot_table_off: lay.slot_table.0 as usize,
-            experts: ExpertSlots::new(
-                cat,
-                shards,
-                arena,
-                policy,
-                opts.io_threads,
-                BUSY_TIMEOUT,
-                Jobs::default(),
-            ),
+            experts,
             dirs,
             status,
             pinned: lay.layers.len() as u32,

@@ -15,7 +15,7 @@
 //! MoE layers the tokens are routed first and the union of their experts is requested from the
 //! source ONCE.
 
-use k3_store::source::WeightSource;
+use k3_store::source::{SourceError, WeightSource};
 
 use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
 use super::state::{LayerState, SeqState};
@@ -286,30 +286,24 @@ impl<'s> Model<'s> {
                         }
                         counters.expert_requests += ids.len() as u64;
                     }
-                    // The first group's read overlaps the latent down-projection and the shared
-                    // experts, which do not depend on it.
-                    let (first, z, shared, waited) = std::thread::scope(|sc| {
-                        let fetch = groups
-                            .first()
-                            .map(|&ids| sc.spawn(move || source.experts(l, ids)));
-                        let z = moe.latent_in(d, &xn, n);
-                        let shared = moe.shared_out(d, &xn, n);
-                        let t_wait = std::time::Instant::now();
-                        let first = fetch.map(|h| h.join());
-                        (first, z, shared, t_wait.elapsed().as_secs_f64())
-                    });
-                    counters.expert_wait_seconds += waited;
+                    // The first group's read (on the source's long-lived fetch thread) overlaps
+                    // the latent down-projection and the shared experts, which do not depend on
+                    // it.
+                    let pending = groups.first().map(|&ids| source.request_experts(l, ids));
+                    let z = moe.latent_in(d, &xn, n);
+                    let shared = moe.shared_out(d, &xn, n);
+                    let t_wait = std::time::Instant::now();
+                    let first = pending.map(|p| p.wait());
+                    counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
                     let mut results = Vec::with_capacity(uniq.len());
                     let mut first = first;
                     for ids in &groups {
                         let batch = match first.take() {
-                            Some(Ok(b)) => b?,
-                            Some(Err(panic)) => {
-                                return Err(ModelError::FetchPanicked {
-                                    layer: l,
-                                    message: panic_message(&panic),
-                                })
+                            Some(Ok(b)) => b,
+                            Some(Err(SourceError::Panicked(message))) => {
+                                return Err(ModelError::FetchPanicked { layer: l, message })
                             }
+                            Some(Err(e)) => return Err(e.into()),
                             None => {
                                 let t_wait = std::time::Instant::now();
                                 let b = source.experts(l, ids)?;
@@ -362,12 +356,4 @@ impl<'s> Model<'s> {
         st.pos += n;
         Ok(logits)
     }
-}
-
-/// The text of a panic payload.
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a non-text panic".into())
 }
