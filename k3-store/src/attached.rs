@@ -347,6 +347,21 @@ impl WeightSource for AttachedSource {
         self.link.experts(l, ids)
     }
 
+    fn prefetch_experts(&self, l: usize, ids: &[u32]) {
+        // The store answers at once and reads in the background; the answer is not needed (a
+        // prediction that went nowhere costs nothing).
+        let Ok(layer) = u32::try_from(l) else { return };
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = c.call(&Request::Prefetch {
+            layer,
+            ids: ids.to_vec(),
+        });
+    }
+
+    fn resident_layer(&self, l: usize) -> Option<LayerRun> {
+        self.stream.pinned_layer(l)
+    }
+
     fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
         let (link, ids) = (self.link.clone(), ids.to_vec());
         PendingExperts::on_pool(&self.fetch, move || link.experts(l, &ids))
@@ -368,6 +383,9 @@ impl WeightSource for AttachedSource {
             trunk_read_seconds: s.read_seconds,
             io_wait_seconds: s.wait_seconds + wait,
             trunk_wait_seconds: s.wait_seconds,
+            prefetch_loads: job.prefetch_loads,
+            prefetch_bytes: job.prefetch_bytes,
+            prefetch_used: job.prefetch_used,
         }
     }
 }

@@ -191,6 +191,14 @@ pub struct TableCounters {
     pub evictions: u64,
     /// Loads that failed.
     pub failed_loads: u64,
+    /// Experts a prefetch ([`SlotTable::reserve_prefetch`]) loaded.
+    pub prefetch_loads: u64,
+    /// Requested experts that a prefetch had loaded (or was loading) and no request had used
+    /// yet. Those loaded and never used are wasted: `prefetch_loads − prefetch_used`.
+    pub prefetch_used: u64,
+    /// Predicted experts a prefetch did not load: no free slot, or only slots whose expert is
+    /// more likely to be reused than a prediction is to be right.
+    pub prefetch_declined: u64,
 }
 
 /// Identity of an explicit lease holder (a daemon connection).
@@ -205,6 +213,11 @@ pub struct SlotTable {
     free: Vec<usize>,
     policy: Box<dyn EvictionPolicy>,
     held: HashMap<(HolderId, u32), Vec<usize>>,
+    /// Slots loaded by a prefetch that no request has used yet.
+    prefetched: Vec<bool>,
+    /// Requested experts RESIDENT before the request that no prefetch put there: the cache's
+    /// own reuse, the rate a prefetch's eviction is weighed against.
+    reuse_hits: u64,
     counters: TableCounters,
 }
 
@@ -231,6 +244,8 @@ impl SlotTable {
             free: (0..slots).rev().collect(),
             policy,
             held: HashMap::new(),
+            prefetched: vec![false; slots],
+            reuse_hits: 0,
             counters: TableCounters::default(),
         }
     }
@@ -329,9 +344,16 @@ impl SlotTable {
             self.counters.requests += 1;
             if let Some(&s) = self.map.get(&(layer, e)) {
                 self.leases[s] += 1;
+                let prefetched = std::mem::take(&mut self.prefetched[s]);
+                if prefetched {
+                    self.counters.prefetch_used += 1;
+                }
                 out[i] = Some(match self.states[s] {
                     SlotState::Resident { .. } => {
                         self.counters.resident_hits += 1;
+                        if !prefetched {
+                            self.reuse_hits += 1;
+                        }
                         self.policy.touch(s, layer, e);
                         Reserved::Hit { slot: s }
                     }
@@ -356,17 +378,7 @@ impl SlotTable {
             let s = self
                 .take_victim()
                 .expect("the dry run counted enough eligible slots");
-            let evicted = match self.states[s] {
-                SlotState::Resident {
-                    layer: l,
-                    expert: x,
-                } => {
-                    self.map.remove(&(l, x));
-                    self.counters.evictions += 1;
-                    Some((l, x))
-                }
-                _ => None,
-            };
+            let evicted = self.evict(s);
             self.states[s] = SlotState::Inflight { layer, expert: e };
             self.errors[s] = None;
             self.leases[s] = 1;
@@ -374,6 +386,76 @@ impl SlotTable {
             out[i] = Some(Reserved::Load { slot: s, evicted });
         }
         Ok(out.into_iter().flatten().collect())
+    }
+
+    /// Empty `s` of its RESIDENT expert (if any) before it is refilled; returns that expert.
+    fn evict(&mut self, s: usize) -> Option<(u32, u32)> {
+        self.prefetched[s] = false;
+        match self.states[s] {
+            SlotState::Resident {
+                layer: l,
+                expert: x,
+            } => {
+                self.map.remove(&(l, x));
+                self.counters.evictions += 1;
+                Some((l, x))
+            }
+            _ => None,
+        }
+    }
+
+    /// Reserve slots to PREFETCH `ids` of `layer` (a prediction): no lease is taken, nothing
+    /// already RESIDENT or INFLIGHT is touched, and each missing expert gets either an EMPTY
+    /// slot or — only while predictions have proven more likely to be used
+    /// (`(used + 1) ÷ (loaded + 2)`) than a RESIDENT expert is to be hit again (the cache's own
+    /// reuse rate) — the policy's victim among unleased RESIDENT slots that are not an unused
+    /// prefetch of `layer` itself. The returned `(slot, expert)` pairs are INFLIGHT; load each
+    /// and [`SlotTable::publish`] it (a waiting request is woken by the publish as usual).
+    pub fn reserve_prefetch(&mut self, layer: u32, ids: &[u32]) -> Vec<(usize, u32)> {
+        let c = &self.counters;
+        let right = (c.prefetch_used as f64 + 1.0) / (c.prefetch_loads as f64 + 2.0);
+        let reuse = if c.requests == 0 {
+            0.0
+        } else {
+            self.reuse_hits as f64 / c.requests as f64
+        };
+        let may_evict = right > reuse;
+        let mut out = Vec::new();
+        for (i, &e) in ids.iter().enumerate() {
+            if ids[..i].contains(&e) || self.map.contains_key(&(layer, e)) {
+                continue;
+            }
+            let free = self
+                .free
+                .iter()
+                .rposition(|&s| self.leases[s] == 0 && self.states[s] == SlotState::Empty)
+                .map(|pos| self.free.swap_remove(pos));
+            let slot = free.or_else(|| {
+                if !may_evict {
+                    return None;
+                }
+                let (states, leases, pre) = (&self.states, &self.leases, &self.prefetched);
+                self.policy.victim(&mut |s| {
+                    leases[s] == 0
+                        && match states[s] {
+                            SlotState::Resident { layer: l, .. } => !(pre[s] && l == layer),
+                            _ => false,
+                        }
+                })
+            });
+            let Some(s) = slot else {
+                self.counters.prefetch_declined += 1;
+                continue;
+            };
+            self.evict(s);
+            self.states[s] = SlotState::Inflight { layer, expert: e };
+            self.errors[s] = None;
+            self.prefetched[s] = true;
+            self.map.insert((layer, e), s);
+            self.counters.prefetch_loads += 1;
+            out.push((s, e));
+        }
+        out
     }
 
     fn take_victim(&mut self) -> Option<usize> {
@@ -402,7 +484,11 @@ impl SlotTable {
                 self.policy.touch(slot, layer, expert);
             }
             Err(m) => {
-                self.counters.failed_loads += 1;
+                // A failed prefetch is not a failed load: a request for that expert reads it
+                // again and reports its own failure.
+                if !std::mem::take(&mut self.prefetched[slot]) {
+                    self.counters.failed_loads += 1;
+                }
                 self.map.remove(&(layer, expert));
                 self.states[slot] = SlotState::Empty;
                 self.errors[slot] = Some(m);
@@ -603,6 +689,8 @@ pub struct Locked<X> {
     pub bytes_read: u64,
     /// Wall seconds of the read phases.
     pub read_seconds: f64,
+    /// Bytes of experts read by prefetches (included in `bytes_read`).
+    pub prefetch_bytes: u64,
     /// The caller's own state.
     pub extra: X,
 }
@@ -629,6 +717,8 @@ pub struct Served {
     pub bytes_read: u64,
     /// Wall seconds of this batch's read phase (0 when it read nothing).
     pub read_seconds: f64,
+    /// Requested experts a prefetch had loaded (or was loading) for this batch to use.
+    pub prefetch_used: u64,
 }
 
 impl Served {
@@ -688,6 +778,7 @@ impl<X: Send> ExpertSlots<X> {
                 table: SlotTable::new(arena.slots(), policy),
                 bytes_read: 0,
                 read_seconds: 0.0,
+                prefetch_bytes: 0,
                 extra,
             }),
             cv: Condvar::new(),
@@ -764,6 +855,7 @@ impl<X: Send> ExpertSlots<X> {
             g.table.release_holder(h);
         }
         let deadline = Instant::now() + self.busy_timeout;
+        let used0 = g.table.counters().prefetch_used;
         let plan = loop {
             match g.table.reserve(l, &uniq) {
                 Ok(p) => break p,
@@ -783,6 +875,7 @@ impl<X: Send> ExpertSlots<X> {
                 }
             }
         };
+        let prefetch_used = g.table.counters().prefetch_used - used0;
         let mut jobs = Vec::new();
         for (r, &e) in plan.iter().zip(&uniq) {
             mirror(&g.table, r.slot());
@@ -799,32 +892,11 @@ impl<X: Send> ExpertSlots<X> {
         jobs.sort_by_key(|j| j.0);
         let t_read = Instant::now();
         let n_jobs = jobs.len();
-        let jobs: Vec<(usize, u32, Option<ExpertExtents>, Option<String>)> = jobs
+        let jobs: Vec<ReadJob> = jobs
             .into_iter()
             .map(|(_, slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
             .collect();
-        let slots_of: Vec<usize> = jobs.iter().map(|j| j.0).collect();
-        let io = self.io.clone();
-        let read =
-            move |(slot, e, ext, injected): (usize, u32, Option<ExpertExtents>, Option<String>)| {
-                let what = format!("layer {layer} expert {e}");
-                match (injected, ext) {
-                    (Some(m), _) => Err(format!("{what}: {m}")),
-                    (None, None) => Err(format!("{what} is not in the checkpoint")),
-                    (None, Some(ext)) => {
-                        // SAFETY: `slot` is INFLIGHT from this batch's reservation: no other request
-                        // writes it, nobody holds a lease to read it, and this job is the only
-                        // reference to it (the batch waits for every job before publishing).
-                        let dst = unsafe { io.arena.slot_mut(slot) };
-                        io.reader.read(&what, &ext, dst).map_err(|err| err.0)
-                    }
-                }
-            };
-        let results: Vec<(usize, Result<(), String>)> = slots_of
-            .into_iter()
-            .zip(self.pool.map(jobs, Arc::new(read)))
-            .map(|(slot, r)| (slot, r.and_then(|x| x)))
-            .collect();
+        let results = self.read_into_slots(layer, jobs);
         let read_seconds = if n_jobs > 0 {
             t_read.elapsed().as_secs_f64()
         } else {
@@ -904,8 +976,115 @@ impl<X: Send> ExpertSlots<X> {
             index,
             bytes_read,
             read_seconds,
+            prefetch_used,
         };
         Ok((g, served))
+    }
+}
+
+/// One read of phase 2: (slot, expert, its extents, an injected failure).
+type ReadJob = (usize, u32, Option<ExpertExtents>, Option<String>);
+
+/// What one [`ExpertSlots::prefetch`] did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Prefetched {
+    /// Experts it loaded.
+    pub loads: u64,
+    /// Bytes it read.
+    pub bytes_read: u64,
+}
+
+impl<X: Send> ExpertSlots<X> {
+    /// Phase 2: read each job's expert into its slot (INFLIGHT, reserved by the caller) on the
+    /// reader threads; results per slot, in job order.
+    fn read_into_slots(
+        &self,
+        layer: usize,
+        jobs: Vec<ReadJob>,
+    ) -> Vec<(usize, Result<(), String>)> {
+        let slots_of: Vec<usize> = jobs.iter().map(|j| j.0).collect();
+        let io = self.io.clone();
+        let read = move |(slot, e, ext, injected): ReadJob| {
+            let what = format!("layer {layer} expert {e}");
+            match (injected, ext) {
+                (Some(m), _) => Err(format!("{what}: {m}")),
+                (None, None) => Err(format!("{what} is not in the checkpoint")),
+                (None, Some(ext)) => {
+                    // SAFETY: `slot` is INFLIGHT from the caller's reservation: no other request
+                    // writes it, nobody holds a lease to read it, and this job is the only
+                    // reference to it (the caller waits for every job before publishing).
+                    let dst = unsafe { io.arena.slot_mut(slot) };
+                    io.reader.read(&what, &ext, dst).map_err(|err| err.0)
+                }
+            }
+        };
+        slots_of
+            .into_iter()
+            .zip(self.pool.map(jobs, Arc::new(read)))
+            .map(|(slot, r)| (slot, r.and_then(|x| x)))
+            .collect()
+    }
+
+    /// Prefetch the predicted experts `ids` of `layer` into slots no lease or pending request
+    /// needs ([`SlotTable::reserve_prefetch`]), read them and publish them, without leasing.
+    /// Experts already RESIDENT or INFLIGHT, and those without a slot that may be taken, are
+    /// skipped. Ids out of range are ignored (a prediction is never an error). `mirror` is told
+    /// of every slot whose state changed.
+    pub fn prefetch(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        fail: Option<&FailHook>,
+        mirror: &dyn Fn(&SlotTable, usize),
+    ) -> Prefetched {
+        let cat = &self.catalog;
+        if layer >= cat.n_layers() {
+            return Prefetched::default();
+        }
+        let ids: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&e| (e as usize) < cat.n_experts())
+            .collect();
+        let l = layer as u32;
+        let mut g = self.lock();
+        let plan = g.table.reserve_prefetch(l, &ids);
+        if plan.is_empty() {
+            return Prefetched::default();
+        }
+        let mut jobs = Vec::with_capacity(plan.len());
+        for &(slot, e) in &plan {
+            mirror(&g.table, slot);
+            let ext = cat.expert(layer, e as usize);
+            let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
+            jobs.push((key, slot, e, ext));
+        }
+        drop(g);
+        jobs.sort_by_key(|j| j.0);
+        let jobs: Vec<ReadJob> = jobs
+            .into_iter()
+            .map(|(_, slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
+            .collect();
+        let t_read = Instant::now();
+        let results = self.read_into_slots(layer, jobs);
+        let read_seconds = t_read.elapsed().as_secs_f64();
+        let eb = self.io.reader.expert_bytes() as u64;
+        let mut g = self.lock();
+        let mut done = Prefetched::default();
+        for (slot, res) in results {
+            if res.is_ok() {
+                done.loads += 1;
+                done.bytes_read += eb;
+            }
+            g.table.publish(slot, res);
+            mirror(&g.table, slot);
+        }
+        g.bytes_read += done.bytes_read;
+        g.prefetch_bytes += done.bytes_read;
+        g.read_seconds += read_seconds;
+        drop(g);
+        self.cv.notify_all();
+        done
     }
 }
 
@@ -933,6 +1112,8 @@ pub struct CacheStats {
     pub wait_seconds: f64,
     /// Slots in use.
     pub slots_used: usize,
+    /// Bytes read by prefetches (included in `bytes_read`).
+    pub prefetch_bytes: u64,
 }
 
 /// The standalone cache's slots; the lock's own state is the seconds callers waited.
@@ -1034,6 +1215,12 @@ impl ExpertCache {
         )
     }
 
+    /// Prefetch the predicted experts `ids` of layer `l` without leasing them
+    /// ([`ExpertSlots::prefetch`]).
+    pub fn prefetch(&self, l: usize, ids: &[u32]) -> Prefetched {
+        self.slots.prefetch(l, ids, self.fail.as_ref(), &|_, _| {})
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> CacheStats {
         let g = self.slots.lock();
@@ -1043,6 +1230,7 @@ impl ExpertCache {
             read_seconds: g.read_seconds,
             wait_seconds: g.extra,
             slots_used: g.table.used(),
+            prefetch_bytes: g.prefetch_bytes,
         }
     }
 

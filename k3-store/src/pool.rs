@@ -17,9 +17,25 @@ type Job = Box<dyn FnOnce() + Send + 'static>;
 
 /// A fixed set of long-lived threads running submitted jobs in FIFO order.
 pub struct IoPool {
-    tx: Mutex<mpsc::Sender<Job>>,
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    handles: Vec<std::thread::JoinHandle<()>>,
     threads: usize,
     name: String,
+}
+
+impl Drop for IoPool {
+    /// Close the queue and wait for the threads to finish the jobs already queued, so that no
+    /// job outlives what its pool's owner owns (the store's shared memory). A pool dropped on
+    /// one of its own threads does not wait for itself.
+    fn drop(&mut self) {
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let me = std::thread::current().id();
+        for h in self.handles.drain(..) {
+            if h.thread().id() != me {
+                let _ = h.join();
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for IoPool {
@@ -43,9 +59,10 @@ impl IoPool {
         let threads = threads.max(1);
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
+        let mut handles = Vec::with_capacity(threads);
         for i in 0..threads {
             let rx = rx.clone();
-            std::thread::Builder::new()
+            let h = std::thread::Builder::new()
                 .name(format!("{name}-{i}"))
                 .spawn(move || loop {
                     // One thread waits in `recv` holding the lock; the others wait for the lock.
@@ -64,9 +81,11 @@ impl IoPool {
                         Err(_) => break,
                     }
                 })?;
+            handles.push(h);
         }
         Ok(IoPool {
-            tx: Mutex::new(tx),
+            tx: Mutex::new(Some(tx)),
+            handles,
             threads,
             name: name.to_string(),
         })
@@ -90,7 +109,11 @@ impl IoPool {
             }
         });
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(mpsc::SendError(job)) = tx.send(boxed) {
+        let sent = match tx.as_ref() {
+            Some(tx) => tx.send(boxed).map_err(|mpsc::SendError(job)| job),
+            None => Err(boxed),
+        };
+        if let Err(job) = sent {
             // No thread left to take it (cannot happen while the pool lives: the threads only
             // exit once the sender is dropped). Run it here rather than lose it.
             drop(tx);

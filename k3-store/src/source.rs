@@ -162,6 +162,15 @@ pub struct SourceStats {
     pub io_wait_seconds: f64,
     /// Seconds callers were blocked in [`WeightSource::layer`] waiting for trunk bytes.
     pub trunk_wait_seconds: f64,
+    /// Experts loaded by [`WeightSource::prefetch_experts`] (included in `expert_bytes_read`).
+    #[serde(default)]
+    pub prefetch_loads: u64,
+    /// Bytes those prefetches read.
+    #[serde(default)]
+    pub prefetch_bytes: u64,
+    /// Requested experts a prefetch had loaded; the rest of `prefetch_loads` was wasted.
+    #[serde(default)]
+    pub prefetch_used: u64,
 }
 
 /// Errors a source reports.
@@ -254,6 +263,18 @@ pub trait WeightSource: Send + Sync {
     /// the request synchronously; the store's sources run it on a long-lived fetch thread.
     fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
         PendingExperts::ready(self.experts(l, ids))
+    }
+
+    /// A PREDICTION that layer `l` will request experts `ids` soon: a caching source may read
+    /// them ahead into slots that no lease or pending request needs, without leasing them and
+    /// without evicting anything more likely to be reused. Returns at once; never changes what
+    /// any request answers. Default: nothing.
+    fn prefetch_experts(&self, _l: usize, _ids: &[u32]) {}
+
+    /// Layer `l`'s trunk run if it is already resident (pinned): never reads and never blocks.
+    /// Lets the engine look at a later layer's router early. Default: `None`.
+    fn resident_layer(&self, _l: usize) -> Option<LayerRun> {
+        None
     }
 
     /// The most distinct experts one [`WeightSource::experts`] call may ask for (the cache's

@@ -187,6 +187,10 @@ pub struct StepReport {
     /// Seconds the source spent reading weight bytes that completed during this step (reads run
     /// beside compute; 1 − wait ÷ read is the share of I/O hidden behind compute).
     pub io_read_seconds: f64,
+    /// Bytes the router lookahead's prefetches read during this step (part of `bytes_read`).
+    pub prefetch_bytes: u64,
+    /// Requested experts this step that a prefetch had loaded.
+    pub prefetch_used: u64,
 }
 
 /// What a generation produced.
@@ -372,6 +376,8 @@ impl Session {
                     - before.trunk_read_seconds
                     - before.expert_read_seconds)
                     .max(0.0),
+                prefetch_bytes: after.prefetch_bytes.saturating_sub(before.prefetch_bytes),
+                prefetch_used: after.prefetch_used.saturating_sub(before.prefetch_used),
             };
             let flow = on_step(&r);
             report.steps.push(r);

@@ -437,6 +437,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
         source,
         Some(&shapes as &dyn TensorShapes),
     )?;
+    model.lookahead = crate::model::forward::Lookahead::from_env().map_err(refuse)?;
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());
     }

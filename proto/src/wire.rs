@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -80,6 +80,16 @@ pub enum Request {
     ReleaseAll,
     /// v2. A worker's progress so far (for `k3-ctl ps`); answered with [`Response::Noted`].
     Progress(JobProgress),
+    /// v3. A PREDICTION of a later `Experts` request (router lookahead): the store may read
+    /// these experts into slots that no lease or pending request needs, without leasing them
+    /// and without evicting anything more likely to be reused. Answered at once with
+    /// [`Response::Noted`]; the reads run in the background. Never changes any answer.
+    Prefetch {
+        /// 0-based layer.
+        layer: u32,
+        /// Predicted expert ids.
+        ids: Vec<u32>,
+    },
 }
 
 /// What a worker reports of its job after each generated token.
@@ -134,6 +144,12 @@ pub struct Counters {
     pub bytes_read: u64,
     /// Seconds spent reading experts.
     pub read_seconds: f64,
+    /// v3. Experts loaded by `Prefetch` requests (their bytes are in `bytes_read`).
+    pub prefetch_loads: u64,
+    /// v3. Bytes those prefetches read.
+    pub prefetch_bytes: u64,
+    /// v3. Requested experts that a prefetch had loaded (the rest of the loads were wasted).
+    pub prefetch_used: u64,
 }
 
 impl Counters {

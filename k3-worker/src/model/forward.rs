@@ -53,6 +53,52 @@ pub struct RunCounters {
     /// Seconds the forward pass was blocked waiting for routed experts (the part of their
     /// fetch that did not overlap the latent projection and the shared experts).
     pub expert_wait_seconds: f64,
+    /// Router lookahead: layers whose experts were predicted (and the prediction checked).
+    pub lookahead_layers: u64,
+    /// Router lookahead: distinct experts predicted for those layers.
+    pub lookahead_predicted: u64,
+    /// Router lookahead: the experts those layers then requested.
+    pub lookahead_actual: u64,
+    /// Router lookahead: requested experts that had been predicted (recall = this ÷ actual).
+    pub lookahead_correct: u64,
+}
+
+/// Router lookahead: while layer l computes, the next layer's router is applied to an early
+/// hidden state of layer l and the predicted experts are handed to
+/// [`WeightSource::prefetch_experts`]. Only the reads change; the ids never do.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Lookahead {
+    /// No prediction, no prefetch.
+    Off,
+    /// Predict from layer l's attention input (the AttnRes aggregate before the attention).
+    AttnIn,
+    /// Predict from layer l's MLP input (the AttnRes aggregate before the MLP).
+    #[default]
+    MlpIn,
+}
+
+impl Lookahead {
+    /// Parse `off`, `attn-in`, `mlp-in` (`on` = the default, `mlp-in`).
+    pub fn parse(s: &str) -> Result<Lookahead, String> {
+        match s {
+            "off" => Ok(Lookahead::Off),
+            "attn-in" => Ok(Lookahead::AttnIn),
+            "mlp-in" | "on" => Ok(Lookahead::MlpIn),
+            other => Err(format!(
+                "{}={other:?}: expected off, on, attn-in or mlp-in",
+                k3_proto::paths::env::K3_LOOKAHEAD
+            )),
+        }
+    }
+
+    /// From `K3_LOOKAHEAD` (unset: the default).
+    pub fn from_env() -> Result<Lookahead, String> {
+        match std::env::var(k3_proto::paths::env::K3_LOOKAHEAD) {
+            Ok(v) => Lookahead::parse(&v),
+            Err(std::env::VarError::NotPresent) => Ok(Lookahead::default()),
+            Err(e) => Err(format!("{}: {e}", k3_proto::paths::env::K3_LOOKAHEAD)),
+        }
+    }
 }
 
 /// Callback receiving named per-layer intermediates: `(layer, name, values [n, E])`.
@@ -75,6 +121,8 @@ pub struct Model<'s> {
     pub trace: Option<Vec<TraceRecord>>,
     /// The step number recorded in trace records (the caller advances it).
     pub step: u64,
+    /// Router lookahead mode (default: from the MLP input).
+    pub lookahead: Lookahead,
     /// Optional per-layer intermediate tap, named like `scripts/k3_reference.py --dump-trace`
     /// (`attn_in`, `attn_out`, `mlp_in`, `mlp_out` per layer; `final_in` = the output
     /// aggregator's result before the final norm, reported with layer = n_layers), for locating
@@ -114,6 +162,7 @@ impl<'s> Model<'s> {
             counters: RunCounters::default(),
             trace: None,
             step: 0,
+            lookahead: Lookahead::default(),
             tap: None,
         })
     }
@@ -157,8 +206,10 @@ impl<'s> Model<'s> {
             counters,
             trace,
             step,
+            lookahead,
             tap,
         } = self;
+        let lookahead = *lookahead;
         let (source, shapes, step) = (*source, *shapes, *step);
         let mut tap = |l: usize, name: &str, v: &[f32]| {
             if let Some(t) = tap.as_mut() {
@@ -203,7 +254,11 @@ impl<'s> Model<'s> {
             );
         }
 
-        for (l, slot) in bound.iter_mut().enumerate().take(d.n_layers) {
+        // The experts predicted for the next layer (router lookahead), checked when it routes.
+        let mut predicted: Option<(usize, Vec<u32>)> = None;
+        for l in 0..d.n_layers {
+            let (done, later) = bound.split_at_mut(l + 1);
+            let slot = &mut done[l];
             let run = source.layer(l)?;
             if run.layer != l {
                 return Err(ModelError::Config(format!(
@@ -238,6 +293,7 @@ impl<'s> Model<'s> {
                 banked += 1;
             }
             tap(l, "attn_in", &x);
+            let attn_in = (lookahead == Lookahead::AttnIn).then(|| x.clone());
             let xn = rms_norm_rows(&x, lw.input_norm, d.rms_eps);
             let a = match (&lw.attn, &mut st.layers[l]) {
                 (Attn::Kda(w), LayerState::Kda(s)) => w.forward(d, &xn, n, s),
@@ -270,6 +326,15 @@ impl<'s> Model<'s> {
                 Mlp::Moe(moe) => {
                     let routing = moe.route(d, &xn, n);
                     let uniq = routing.unique();
+                    if let Some((pl, p)) = predicted.take() {
+                        if pl == l {
+                            counters.lookahead_layers += 1;
+                            counters.lookahead_predicted += p.len() as u64;
+                            counters.lookahead_actual += uniq.len() as u64;
+                            counters.lookahead_correct +=
+                                uniq.iter().filter(|e| p.binary_search(e).is_ok()).count() as u64;
+                        }
+                    }
                     // A prefill's union of experts can exceed the cache: fetch it in groups the
                     // source can hold at once. Each group's slots are released (its batch
                     // dropped) before the next is requested; the output does not depend on the
@@ -296,6 +361,29 @@ impl<'s> Model<'s> {
                     let first = pending.map(|p| p.wait());
                     counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
                     let mut results = Vec::with_capacity(uniq.len());
+                    // The disk is free again: read ahead what the next layer's router would
+                    // choose from this layer's early hidden state, if its router is resident.
+                    let early = match lookahead {
+                        Lookahead::Off => None,
+                        Lookahead::AttnIn => attn_in.as_deref(),
+                        Lookahead::MlpIn => Some(&x[..]),
+                    };
+                    if let (Some(h), Some(next)) = (early, later.first_mut()) {
+                        if let Some(run) = source.resident_layer(l + 1) {
+                            if next.is_none() {
+                                *next = Some(BoundLayer::bind(d, &run, shapes)?);
+                                *binds += 1;
+                            }
+                            let nw = next.as_ref().expect("bound just above").weights(&run)?;
+                            if let Mlp::Moe(nmoe) = &nw.mlp {
+                                let hn = rms_norm_rows(h, nw.post_norm, d.rms_eps);
+                                let mut p = nmoe.route(d, &hn, n).unique();
+                                p.truncate(group);
+                                source.prefetch_experts(l + 1, &p);
+                                predicted = Some((l + 1, p));
+                            }
+                        }
+                    }
                     let mut first = first;
                     for ids in &groups {
                         let batch = match first.take() {
