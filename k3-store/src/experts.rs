@@ -1757,4 +1757,110 @@ mod tests {
         assert_eq!(r[1], Reserved::Wait { slot: 0 });
         assert_eq!(t.leases(0), 2);
     }
+
+    #[test]
+    fn prefetch_takes_only_slots_no_lease_or_request_needs_and_counts_use() {
+        let mut t = SlotTable::new(4, Box::new(Lru::new(4)));
+        // Layer 0's request holds slots for experts 0 and 1.
+        let r = t.reserve(0, &[0, 1]).unwrap();
+        for x in &r {
+            t.publish(x.slot(), Ok(()));
+        }
+        let held: Vec<usize> = r.iter().map(|x| x.slot()).collect();
+        // Layer 1 predicted 5, 6, 7 (and 5 again): two free slots, nothing else may be taken
+        // (the other two are leased), so 7 is declined.
+        let p = t.reserve_prefetch(1, &[5, 6, 7, 5]);
+        assert_eq!(p.iter().map(|x| x.1).collect::<Vec<_>>(), vec![5, 6]);
+        assert!(
+            p.iter().all(|x| !held.contains(&x.0)),
+            "{p:?} took a leased slot"
+        );
+        assert_eq!(t.counters().prefetch_loads, 2);
+        assert_eq!(t.counters().prefetch_declined, 1);
+        for &(s, e) in &p {
+            assert_eq!(
+                t.state(s),
+                SlotState::Inflight {
+                    layer: 1,
+                    expert: e
+                }
+            );
+            assert_eq!(t.leases(s), 0, "a prefetch leases nothing");
+        }
+        // A prediction already INFLIGHT or RESIDENT is not read twice.
+        assert!(t.reserve_prefetch(1, &[5, 6]).is_empty());
+        // A request arriving while the prefetch reads waits for it instead of reading again.
+        let w = t.reserve(1, &[6]).unwrap();
+        assert_eq!(w, vec![Reserved::Wait { slot: p[1].0 }]);
+        for &(s, _) in &p {
+            t.publish(s, Ok(()));
+        }
+        t.release(p[1].0);
+        for &s in &held {
+            t.release(s);
+        }
+        // Layer 1 asks for 5 (prefetched: a hit, used) and 9 (a miss that evicts the least
+        // recently used slot, not a prefetched one that is waiting for use).
+        let r = t.reserve(1, &[5, 9]).unwrap();
+        assert_eq!(r[0], Reserved::Hit { slot: p[0].0 });
+        assert!(
+            matches!(
+                r[1],
+                Reserved::Load {
+                    evicted: Some((0, _)),
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert_eq!(
+            t.counters().prefetch_used,
+            2,
+            "6 (waited for) and 5 (hit) were used"
+        );
+        // A failed prefetch is no failed load.
+        for x in &r {
+            t.publish(x.slot(), Ok(()));
+            t.release(x.slot());
+        }
+        let q = t.reserve_prefetch(2, &[3]);
+        assert_eq!(q.len(), 1);
+        t.publish(q[0].0, Err("EIO".into()));
+        assert_eq!(t.counters().failed_loads, 0);
+        assert_eq!(t.lookup(2, 3), None);
+    }
+
+    #[test]
+    fn prefetch_never_evicts_what_is_reused_more_often_than_predictions_are_right() {
+        let mut t = SlotTable::new(2, Box::new(Lru::new(2)));
+        let r = t.reserve(0, &[0, 1]).unwrap();
+        for x in &r {
+            t.publish(x.slot(), Ok(()));
+            t.release(x.slot());
+        }
+        // Layer 0's experts are hit again and again: the cache's reuse rate is high (8 of 10).
+        for _ in 0..4 {
+            for x in t.reserve(0, &[0, 1]).unwrap() {
+                assert!(matches!(x, Reserved::Hit { .. }));
+                t.release(x.slot());
+            }
+        }
+        // No free slot and a prediction is (so far) a coin toss: nothing is evicted.
+        assert!(t.reserve_prefetch(1, &[4]).is_empty());
+        assert_eq!(t.counters().prefetch_declined, 1);
+        assert_eq!(t.counters().evictions, 0);
+        assert!(t.lookup(0, 0).is_some() && t.lookup(0, 1).is_some());
+        // A cache that never hits: predictions (unproven, 1/2) beat its reuse (0), so the
+        // least recently used unleased expert makes room.
+        let mut t = SlotTable::new(2, Box::new(Lru::new(2)));
+        for (l, e) in [(0, 0), (1, 1)] {
+            let r = t.reserve(l, &[e]).unwrap();
+            t.publish(r[0].slot(), Ok(()));
+            t.release(r[0].slot());
+        }
+        let p = t.reserve_prefetch(2, &[7]);
+        assert_eq!(p.len(), 1);
+        assert_eq!(t.lookup(0, 0), None, "the LRU expert (layer 0) was evicted");
+        assert_eq!(t.counters().evictions, 1);
+    }
 }
