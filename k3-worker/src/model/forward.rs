@@ -321,8 +321,22 @@ impl<'s> Model<'s> {
             let x = lw.mlp_res.aggregate(&src, n, d.rms_eps);
             tap(l, "mlp_in", &x);
             let xn = rms_norm_rows(&x, lw.post_norm, d.rms_eps);
+            // The router lookahead's input (SPEC §6.6).
+            let early = match lookahead {
+                Lookahead::Off => None,
+                Lookahead::AttnIn => attn_in.as_deref(),
+                Lookahead::MlpIn => Some(&x[..]),
+            };
             let m = match &lw.mlp {
-                Mlp::Dense(mlp) => mlp.forward(d, &xn, n),
+                Mlp::Dense(mlp) => {
+                    // Nothing to fetch here: the disk is free for the next layer's predicted
+                    // experts at once.
+                    if let Some(h) = early {
+                        let next = later.first_mut();
+                        predicted = predict_next(d, source, shapes, next, binds, l, h, n)?;
+                    }
+                    mlp.forward(d, &xn, n)
+                }
                 Mlp::Moe(moe) => {
                     let routing = moe.route(d, &xn, n);
                     let uniq = routing.unique();
@@ -363,26 +377,9 @@ impl<'s> Model<'s> {
                     let mut results = Vec::with_capacity(uniq.len());
                     // The disk is free again: read ahead what the next layer's router would
                     // choose from this layer's early hidden state, if its router is resident.
-                    let early = match lookahead {
-                        Lookahead::Off => None,
-                        Lookahead::AttnIn => attn_in.as_deref(),
-                        Lookahead::MlpIn => Some(&x[..]),
-                    };
-                    if let (Some(h), Some(next)) = (early, later.first_mut()) {
-                        if let Some(run) = source.resident_layer(l + 1) {
-                            if next.is_none() {
-                                *next = Some(BoundLayer::bind(d, &run, shapes)?);
-                                *binds += 1;
-                            }
-                            let nw = next.as_ref().expect("bound just above").weights(&run)?;
-                            if let Mlp::Moe(nmoe) = &nw.mlp {
-                                let hn = rms_norm_rows(h, nw.post_norm, d.rms_eps);
-                                let mut p = nmoe.route(d, &hn, n).unique();
-                                p.truncate(group);
-                                source.prefetch_experts(l + 1, &p);
-                                predicted = Some((l + 1, p));
-                            }
-                        }
+                    if let Some(h) = early {
+                        let next = later.first_mut();
+                        predicted = predict_next(d, source, shapes, next, binds, l, h, n)?;
                     }
                     let mut first = first;
                     for ids in &groups {
@@ -444,4 +441,38 @@ impl<'s> Model<'s> {
         st.pos += n;
         Ok(logits)
     }
+}
+
+/// Router lookahead: apply layer `l + 1`'s router to `h` (`[n, E]`, an early hidden state of
+/// layer `l`) when that layer is a resident MoE layer (bound here if it was not yet), hand the
+/// predicted experts (at most one request's worth) to the source as a prefetch, and return them
+/// to be checked when layer `l + 1` routes.
+#[allow(clippy::too_many_arguments)]
+fn predict_next(
+    d: &Dims,
+    source: &dyn WeightSource,
+    shapes: Option<&dyn TensorShapes>,
+    next: Option<&mut Option<BoundLayer>>,
+    binds: &mut u64,
+    l: usize,
+    h: &[f32],
+    n: usize,
+) -> Result<Option<(usize, Vec<u32>)>, ModelError> {
+    let Some(next) = next else { return Ok(None) };
+    let Some(run) = source.resident_layer(l + 1) else {
+        return Ok(None);
+    };
+    if next.is_none() {
+        *next = Some(BoundLayer::bind(d, &run, shapes)?);
+        *binds += 1;
+    }
+    let nw = next.as_ref().expect("bound just above").weights(&run)?;
+    let Mlp::Moe(moe) = &nw.mlp else {
+        return Ok(None);
+    };
+    let hn = rms_norm_rows(h, nw.post_norm, d.rms_eps);
+    let mut p = moe.route(d, &hn, n).unique();
+    p.truncate(source.max_expert_batch().max(1));
+    source.prefetch_experts(l + 1, &p);
+    Ok(Some((l + 1, p)))
 }
