@@ -15,6 +15,12 @@
 //! 3. **publish** under the lock only what arrived: a failed read leaves the slot EMPTY and the
 //!    batch reports that expert as `Err(message)`.
 //!
+//! A PREFETCH (router lookahead, [`ExpertSlots::prefetch`]) runs the same phases without
+//! leasing: [`SlotTable::reserve_prefetch`] gives each predicted expert an EMPTY slot, or an
+//! unleased RESIDENT one only while predictions prove likelier to be used than the cache's own
+//! reuse; a request that finds it INFLIGHT waits for that read. Phase 2 runs on a fixed set of
+//! long-lived reader threads ([`crate::pool::IoPool`]), never on threads started per batch.
+//!
 //! [`SlotTable`] is the memory-agnostic state machine; [`ExpertSlots::serve_batch`] runs the three
 //! phases over one [`Arena`] of slot memory and is the only implementation of them. Its two
 //! users differ only in memory and in who holds the leases: the daemon's backend (an arena in
