@@ -132,6 +132,17 @@ pub fn render_stats(s: &StatsReport) -> String {
         l.read_seconds,
         mbps(l)
     );
+    if l.prefetch_loads > 0 {
+        let per = l.prefetch_bytes.checked_div(l.prefetch_loads).unwrap_or(0);
+        let _ = writeln!(
+            o,
+            "prefetch: {} experts ({:.3} GB) read ahead by router lookahead, {} used, {:.3} GB wasted",
+            l.prefetch_loads,
+            l.prefetch_bytes as f64 / 1e9,
+            l.prefetch_used,
+            (l.prefetch_loads.saturating_sub(l.prefetch_used) * per) as f64 / 1e9
+        );
+    }
     let _ = writeln!(
         o,
         "memory:   pinned layers {}  arena slots used {}/{}  leased {}  workers {}",
@@ -414,6 +425,9 @@ mod tests {
                 requests: 10,
                 resident_hits: 4,
                 misses: 6,
+                prefetch_loads: 5,
+                prefetch_bytes: 5_000_000,
+                prefetch_used: 3,
                 ..Default::default()
             },
             jobs: vec![
@@ -445,6 +459,10 @@ mod tests {
         };
         let t = render_stats(&s);
         assert!(t.contains("TRUE resident hits 4 (40.0%)"), "{t}");
+        assert!(
+            t.contains("prefetch: 5 experts (0.005 GB) read ahead by router lookahead, 3 used, 0.002 GB wasted"),
+            "{t}"
+        );
         let second = t.lines().find(|l| l.contains("second")).unwrap();
         assert!(second.contains("80.0%"), "{second}");
         let first = t.lines().find(|l| l.contains("first")).unwrap();

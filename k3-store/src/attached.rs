@@ -20,9 +20,11 @@ use k3_proto::wire::{ClientKind, Counters, Request, Response, SlotAnswer};
 
 use crate::catalog::Catalog;
 use crate::client::{Client, ClientError};
+use crate::pool::IoPool;
 use crate::shmem::ReadOnlySegment;
 use crate::source::{
-    ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
+    ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
+    WeightSource,
 };
 use crate::stream::{StreamOptions, TrunkStream};
 use crate::trunk::{open_shards, TrunkLayout};
@@ -81,14 +83,77 @@ pub struct AttachInfo {
 
 /// A worker's view of a running store.
 pub struct AttachedSource {
+    link: Arc<Link>,
+    model: HashMap<&'static str, Region>,
+    stream: TrunkStream,
+    /// The long-lived thread [`WeightSource::request_experts`] runs on.
+    fetch: IoPool,
+}
+
+impl Link {
+    /// Lease experts `ids` of layer `l` from the store.
+    fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        let t0 = Instant::now();
+        let layer = u32::try_from(l).map_err(|_| SourceError::Invalid(format!("layer {l}")))?;
+        let resp = {
+            let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+            c.call(&Request::Experts {
+                layer,
+                ids: ids.to_vec(),
+            })
+        };
+        *self.wait.lock().unwrap_or_else(|p| p.into_inner()) += t0.elapsed().as_secs_f64();
+        match resp {
+            Ok(Response::Experts { answers, .. }) => {
+                if answers.len() != ids.len() {
+                    return Err(SourceError::Io(format!(
+                        "the store answered {} experts for {} requested",
+                        answers.len(),
+                        ids.len()
+                    )));
+                }
+                let owner: Arc<dyn ByteOwner> = self.seg.clone();
+                let experts = answers
+                    .into_iter()
+                    .zip(ids)
+                    .map(|(a, e)| match a {
+                        SlotAnswer::Leased { slot } if slot < self.slots => Region::new(
+                            owner.clone(),
+                            self.arena_off + slot as usize * self.stride,
+                            self.expert_bytes,
+                        )
+                        .ok_or_else(|| {
+                            format!("layer {l} expert {e}: slot {slot} outside the arena")
+                        }),
+                        SlotAnswer::Leased { slot } => Err(format!(
+                            "layer {l} expert {e}: slot {slot} out of range ({} slots)",
+                            self.slots
+                        )),
+                        SlotAnswer::Failed { reason } => Err(reason),
+                    })
+                    .collect();
+                Ok(ExpertBatch { experts })
+            }
+            Ok(Response::Error { code, message }) => Err(SourceError::Invalid(format!(
+                "the store refused layer {l}'s experts ({code:?}): {message}"
+            ))),
+            Ok(other) => Err(SourceError::Io(format!(
+                "unexpected answer from the store: {other:?}"
+            ))),
+            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
+        }
+    }
+}
+
+/// The connection to the store and the arena's geometry: what an expert request needs, shared
+/// with the fetch thread.
+struct Link {
     client: Mutex<Client>,
     seg: Arc<ReadOnlySegment>,
     arena_off: usize,
     stride: usize,
     expert_bytes: usize,
     slots: u32,
-    model: HashMap<&'static str, Region>,
-    stream: TrunkStream,
     wait: Mutex<f64>,
     identity: u64,
 }
@@ -213,18 +278,23 @@ impl AttachedSource {
             ring_layer_bytes: ss.largest_layer_bytes,
             attach_seconds: t0.elapsed().as_secs_f64(),
         };
+        let fetch = IoPool::new("k3-expert-fetch", 1)
+            .map_err(|e| AttachError::NoStore(format!("starting the expert fetch thread: {e}")))?;
         Ok((
             AttachedSource {
-                client: Mutex::new(client),
-                seg,
-                arena_off: arena.offset as usize,
-                stride: header.slot_stride as usize,
-                expert_bytes: header.expert_bytes as usize,
-                slots: header.slot_count,
+                link: Arc::new(Link {
+                    client: Mutex::new(client),
+                    seg,
+                    arena_off: arena.offset as usize,
+                    stride: header.slot_stride as usize,
+                    expert_bytes: header.expert_bytes as usize,
+                    slots: header.slot_count,
+                    wait: Mutex::new(0.0),
+                    identity: header.model_identity,
+                }),
                 model,
                 stream,
-                wait: Mutex::new(0.0),
-                identity: header.model_identity,
+                fetch,
             },
             info,
         ))
@@ -232,7 +302,7 @@ impl AttachedSource {
 
     /// This job's counters as the store keeps them (TRUE resident hits, bytes read, …).
     pub fn job_counters(&self) -> Result<Counters, SourceError> {
-        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Stats) {
             Ok(Response::Stats(s)) => Ok(s.job),
             Ok(other) => Err(SourceError::Io(format!(
@@ -244,12 +314,12 @@ impl AttachedSource {
 
     /// The identity of the checkpoint the store serves (what a kept session must carry).
     pub fn model_identity(&self) -> u64 {
-        self.identity
+        self.link.identity
     }
 
     /// Fetch the kept session `name` (`None` when the store has none of that name).
     pub fn get_session(&self, name: &str) -> Result<Option<crate::session::Blob>, String> {
-        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         let req = Request::GetSession { name: name.into() };
         match c.call_with_fd(&req, None) {
             Ok((Response::Session { bytes }, Some(fd))) => crate::session::Blob::from_fd(fd, bytes)
@@ -273,7 +343,7 @@ impl AttachedSource {
         name: &str,
         blob: &crate::session::Blob,
     ) -> Result<Vec<String>, String> {
-        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         let req = Request::PutSession {
             name: name.into(),
             bytes: blob.len(),
@@ -290,7 +360,7 @@ impl AttachedSource {
 
     /// Tell the store how far this job has come (shown by `k3-ctl ps`).
     pub fn report_progress(&self, p: k3_proto::wire::JobProgress) -> Result<(), SourceError> {
-        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Progress(p)) {
             Ok(Response::Noted) => Ok(()),
             Ok(other) => Err(SourceError::Io(format!(
@@ -307,7 +377,7 @@ impl AttachedSource {
             .len()
             .saturating_sub(k3_proto::wire::MAX_DRAFT_CONTEXT)..];
         let max = (max as u32).min(k3_proto::wire::MAX_DRAFT_IDS);
-        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Draft {
             context: context.to_vec(),
             max,
@@ -327,7 +397,7 @@ impl AttachedSource {
     /// store's history, so a later similar job can draft from it.
     fn store_record_history(&self, ids: &[u32]) -> Result<(), SourceError> {
         let ids = &ids[ids.len().saturating_sub(k3_proto::wire::MAX_RECORD_IDS)..];
-        let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Record { ids: ids.to_vec() }) {
             Ok(Response::Noted) => Ok(()),
             Ok(other) => Err(SourceError::Io(format!(
@@ -355,59 +425,31 @@ impl WeightSource for AttachedSource {
     }
 
     fn max_expert_batch(&self) -> usize {
-        (self.slots as usize).max(1)
+        (self.link.slots as usize).max(1)
     }
 
     fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
-        let t0 = Instant::now();
-        let layer = u32::try_from(l).map_err(|_| SourceError::Invalid(format!("layer {l}")))?;
-        let resp = {
-            let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
-            c.call(&Request::Experts {
-                layer,
-                ids: ids.to_vec(),
-            })
-        };
-        *self.wait.lock().unwrap_or_else(|p| p.into_inner()) += t0.elapsed().as_secs_f64();
-        match resp {
-            Ok(Response::Experts { answers, .. }) => {
-                if answers.len() != ids.len() {
-                    return Err(SourceError::Io(format!(
-                        "the store answered {} experts for {} requested",
-                        answers.len(),
-                        ids.len()
-                    )));
-                }
-                let owner: Arc<dyn ByteOwner> = self.seg.clone();
-                let experts = answers
-                    .into_iter()
-                    .zip(ids)
-                    .map(|(a, e)| match a {
-                        SlotAnswer::Leased { slot } if slot < self.slots => Region::new(
-                            owner.clone(),
-                            self.arena_off + slot as usize * self.stride,
-                            self.expert_bytes,
-                        )
-                        .ok_or_else(|| {
-                            format!("layer {l} expert {e}: slot {slot} outside the arena")
-                        }),
-                        SlotAnswer::Leased { slot } => Err(format!(
-                            "layer {l} expert {e}: slot {slot} out of range ({} slots)",
-                            self.slots
-                        )),
-                        SlotAnswer::Failed { reason } => Err(reason),
-                    })
-                    .collect();
-                Ok(ExpertBatch { experts })
-            }
-            Ok(Response::Error { code, message }) => Err(SourceError::Invalid(format!(
-                "the store refused layer {l}'s experts ({code:?}): {message}"
-            ))),
-            Ok(other) => Err(SourceError::Io(format!(
-                "unexpected answer from the store: {other:?}"
-            ))),
-            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
-        }
+        self.link.experts(l, ids)
+    }
+
+    fn prefetch_experts(&self, l: usize, ids: &[u32]) {
+        // The store answers at once and reads in the background; the answer is not needed (a
+        // prediction that went nowhere costs nothing).
+        let Ok(layer) = u32::try_from(l) else { return };
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = c.call(&Request::Prefetch {
+            layer,
+            ids: ids.to_vec(),
+        });
+    }
+
+    fn resident_layer(&self, l: usize) -> Option<LayerRun> {
+        self.stream.pinned_layer(l)
+    }
+
+    fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
+        let (link, ids) = (self.link.clone(), ids.to_vec());
+        PendingExperts::on_pool(&self.fetch, move || link.experts(l, &ids))
     }
 
     fn history_draft(&self, context: &[u32], max: usize) -> Result<Vec<u32>, SourceError> {
@@ -421,7 +463,7 @@ impl WeightSource for AttachedSource {
     fn stats(&self) -> SourceStats {
         let s = self.stream.stats();
         let job = self.job_counters().unwrap_or_default();
-        let wait = *self.wait.lock().unwrap_or_else(|p| p.into_inner());
+        let wait = *self.link.wait.lock().unwrap_or_else(|p| p.into_inner());
         SourceStats {
             expert_requests: job.requests,
             resident_hits: job.resident_hits,
@@ -434,6 +476,9 @@ impl WeightSource for AttachedSource {
             trunk_read_seconds: s.read_seconds,
             io_wait_seconds: s.wait_seconds + wait,
             trunk_wait_seconds: s.wait_seconds,
+            prefetch_loads: job.prefetch_loads,
+            prefetch_bytes: job.prefetch_bytes,
+            prefetch_used: job.prefetch_used,
         }
     }
 }

@@ -15,6 +15,12 @@
 //! 3. **publish** under the lock only what arrived: a failed read leaves the slot EMPTY and the
 //!    batch reports that expert as `Err(message)`.
 //!
+//! A PREFETCH (router lookahead, [`ExpertSlots::prefetch`]) runs the same phases without
+//! leasing: [`SlotTable::reserve_prefetch`] gives each predicted expert an EMPTY slot, or an
+//! unleased RESIDENT one only while predictions prove likelier to be used than the cache's own
+//! reuse; a request that finds it INFLIGHT waits for that read. Phase 2 runs on a fixed set of
+//! long-lived reader threads ([`crate::pool::IoPool`]), never on threads started per batch.
+//!
 //! [`SlotTable`] is the memory-agnostic state machine; [`ExpertSlots::serve_batch`] runs the three
 //! phases over one [`Arena`] of slot memory and is the only implementation of them. Its two
 //! users differ only in memory and in who holds the leases: the daemon's backend (an arena in
@@ -31,7 +37,8 @@ use k3_proto::expert::{ExpertLayout, ExpertPart};
 
 use crate::arena::ArenaMem;
 use crate::catalog::{Catalog, ExpertExtents};
-use crate::io::{align_up, run_parallel, DiskFile, ReadError, ALIGN};
+use crate::io::{align_up, DiskFile, ReadError, ALIGN};
+use crate::pool::IoPool;
 use crate::source::{ByteOwner, ExpertBatch, Region, SourceError};
 
 /// State of one slot.
@@ -190,6 +197,14 @@ pub struct TableCounters {
     pub evictions: u64,
     /// Loads that failed.
     pub failed_loads: u64,
+    /// Experts a prefetch ([`SlotTable::reserve_prefetch`]) loaded.
+    pub prefetch_loads: u64,
+    /// Requested experts that a prefetch had loaded (or was loading) and no request had used
+    /// yet. Those loaded and never used are wasted: `prefetch_loads − prefetch_used`.
+    pub prefetch_used: u64,
+    /// Predicted experts a prefetch did not load: no free slot, or only slots whose expert is
+    /// more likely to be reused than a prediction is to be right.
+    pub prefetch_declined: u64,
 }
 
 /// Identity of an explicit lease holder (a daemon connection).
@@ -204,6 +219,11 @@ pub struct SlotTable {
     free: Vec<usize>,
     policy: Box<dyn EvictionPolicy>,
     held: HashMap<(HolderId, u32), Vec<usize>>,
+    /// Slots loaded by a prefetch that no request has used yet.
+    prefetched: Vec<bool>,
+    /// Requested experts RESIDENT before the request that no prefetch put there: the cache's
+    /// own reuse, the rate a prefetch's eviction is weighed against.
+    reuse_hits: u64,
     counters: TableCounters,
 }
 
@@ -230,6 +250,8 @@ impl SlotTable {
             free: (0..slots).rev().collect(),
             policy,
             held: HashMap::new(),
+            prefetched: vec![false; slots],
+            reuse_hits: 0,
             counters: TableCounters::default(),
         }
     }
@@ -328,9 +350,16 @@ impl SlotTable {
             self.counters.requests += 1;
             if let Some(&s) = self.map.get(&(layer, e)) {
                 self.leases[s] += 1;
+                let prefetched = std::mem::take(&mut self.prefetched[s]);
+                if prefetched {
+                    self.counters.prefetch_used += 1;
+                }
                 out[i] = Some(match self.states[s] {
                     SlotState::Resident { .. } => {
                         self.counters.resident_hits += 1;
+                        if !prefetched {
+                            self.reuse_hits += 1;
+                        }
                         self.policy.touch(s, layer, e);
                         Reserved::Hit { slot: s }
                     }
@@ -355,17 +384,7 @@ impl SlotTable {
             let s = self
                 .take_victim()
                 .expect("the dry run counted enough eligible slots");
-            let evicted = match self.states[s] {
-                SlotState::Resident {
-                    layer: l,
-                    expert: x,
-                } => {
-                    self.map.remove(&(l, x));
-                    self.counters.evictions += 1;
-                    Some((l, x))
-                }
-                _ => None,
-            };
+            let evicted = self.evict(s);
             self.states[s] = SlotState::Inflight { layer, expert: e };
             self.errors[s] = None;
             self.leases[s] = 1;
@@ -373,6 +392,76 @@ impl SlotTable {
             out[i] = Some(Reserved::Load { slot: s, evicted });
         }
         Ok(out.into_iter().flatten().collect())
+    }
+
+    /// Empty `s` of its RESIDENT expert (if any) before it is refilled; returns that expert.
+    fn evict(&mut self, s: usize) -> Option<(u32, u32)> {
+        self.prefetched[s] = false;
+        match self.states[s] {
+            SlotState::Resident {
+                layer: l,
+                expert: x,
+            } => {
+                self.map.remove(&(l, x));
+                self.counters.evictions += 1;
+                Some((l, x))
+            }
+            _ => None,
+        }
+    }
+
+    /// Reserve slots to PREFETCH `ids` of `layer` (a prediction): no lease is taken, nothing
+    /// already RESIDENT or INFLIGHT is touched, and each missing expert gets either an EMPTY
+    /// slot or — only while predictions have proven more likely to be used
+    /// (`(used + 1) ÷ (loaded + 2)`) than a RESIDENT expert is to be hit again (the cache's own
+    /// reuse rate) — the policy's victim among unleased RESIDENT slots that are not an unused
+    /// prefetch of `layer` itself. The returned `(slot, expert)` pairs are INFLIGHT; load each
+    /// and [`SlotTable::publish`] it (a waiting request is woken by the publish as usual).
+    pub fn reserve_prefetch(&mut self, layer: u32, ids: &[u32]) -> Vec<(usize, u32)> {
+        let c = &self.counters;
+        let right = (c.prefetch_used as f64 + 1.0) / (c.prefetch_loads as f64 + 2.0);
+        let reuse = if c.requests == 0 {
+            0.0
+        } else {
+            self.reuse_hits as f64 / c.requests as f64
+        };
+        let may_evict = right > reuse;
+        let mut out = Vec::new();
+        for (i, &e) in ids.iter().enumerate() {
+            if ids[..i].contains(&e) || self.map.contains_key(&(layer, e)) {
+                continue;
+            }
+            let free = self
+                .free
+                .iter()
+                .rposition(|&s| self.leases[s] == 0 && self.states[s] == SlotState::Empty)
+                .map(|pos| self.free.swap_remove(pos));
+            let slot = free.or_else(|| {
+                if !may_evict {
+                    return None;
+                }
+                let (states, leases, pre) = (&self.states, &self.leases, &self.prefetched);
+                self.policy.victim(&mut |s| {
+                    leases[s] == 0
+                        && match states[s] {
+                            SlotState::Resident { layer: l, .. } => !(pre[s] && l == layer),
+                            _ => false,
+                        }
+                })
+            });
+            let Some(s) = slot else {
+                self.counters.prefetch_declined += 1;
+                continue;
+            };
+            self.evict(s);
+            self.states[s] = SlotState::Inflight { layer, expert: e };
+            self.errors[s] = None;
+            self.prefetched[s] = true;
+            self.map.insert((layer, e), s);
+            self.counters.prefetch_loads += 1;
+            out.push((s, e));
+        }
+        out
     }
 
     fn take_victim(&mut self) -> Option<usize> {
@@ -401,7 +490,11 @@ impl SlotTable {
                 self.policy.touch(slot, layer, expert);
             }
             Err(m) => {
-                self.counters.failed_loads += 1;
+                // A failed prefetch is not a failed load: a request for that expert reads it
+                // again and reports its own failure.
+                if !std::mem::take(&mut self.prefetched[slot]) {
+                    self.counters.failed_loads += 1;
+                }
                 self.map.remove(&(layer, expert));
                 self.states[slot] = SlotState::Empty;
                 self.errors[slot] = Some(m);
@@ -602,6 +695,8 @@ pub struct Locked<X> {
     pub bytes_read: u64,
     /// Wall seconds of the read phases.
     pub read_seconds: f64,
+    /// Bytes of experts read by prefetches (included in `bytes_read`).
+    pub prefetch_bytes: u64,
     /// The caller's own state.
     pub extra: X,
 }
@@ -628,6 +723,8 @@ pub struct Served {
     pub bytes_read: u64,
     /// Wall seconds of this batch's read phase (0 when it read nothing).
     pub read_seconds: f64,
+    /// Requested experts a prefetch had loaded (or was loading) for this batch to use.
+    pub prefetch_used: u64,
 }
 
 impl Served {
@@ -654,17 +751,23 @@ pub type FailHook = Box<dyn Fn(u32, u32) -> Option<String> + Send + Sync>;
 pub struct ExpertSlots<X> {
     state: Mutex<Locked<X>>,
     cv: Condvar,
+    io: Arc<SlotIo>,
+    catalog: Arc<Catalog>,
+    /// The long-lived readers of phase 2 (no thread is spawned per batch).
+    pool: IoPool,
+    busy_timeout: Duration,
+}
+
+/// What a phase-2 read touches: the slot memory and the reader, shared with the I/O threads.
+struct SlotIo {
     arena: Arena,
     reader: ExpertReader,
-    catalog: Arc<Catalog>,
-    io_threads: usize,
-    busy_timeout: Duration,
 }
 
 impl<X: Send> ExpertSlots<X> {
     /// The protocol over `arena` (one slot per table slot), reading `catalog`'s experts from
-    /// `files` with `io_threads` parallel reads; a batch waits up to `busy_timeout` for leased
-    /// slots.
+    /// `files` on `io_threads` long-lived reader threads (started here); a batch waits up to
+    /// `busy_timeout` for leased slots. Fails only if the reader threads cannot be started.
     pub fn new(
         catalog: Arc<Catalog>,
         files: Vec<Arc<DiskFile>>,
@@ -673,21 +776,26 @@ impl<X: Send> ExpertSlots<X> {
         io_threads: usize,
         busy_timeout: Duration,
         extra: X,
-    ) -> ExpertSlots<X> {
-        ExpertSlots {
+    ) -> Result<ExpertSlots<X>, String> {
+        let pool = IoPool::new("k3-expert-io", io_threads)
+            .map_err(|e| format!("starting {io_threads} expert reader threads: {e}"))?;
+        Ok(ExpertSlots {
             state: Mutex::new(Locked {
                 table: SlotTable::new(arena.slots(), policy),
                 bytes_read: 0,
                 read_seconds: 0.0,
+                prefetch_bytes: 0,
                 extra,
             }),
             cv: Condvar::new(),
-            reader: ExpertReader::new(files, catalog.expert_layout()),
-            arena,
+            io: Arc::new(SlotIo {
+                reader: ExpertReader::new(files, catalog.expert_layout()),
+                arena,
+            }),
             catalog,
-            io_threads: io_threads.max(1),
+            pool,
             busy_timeout,
-        }
+        })
     }
 
     /// The lock over the table and counters.
@@ -702,12 +810,12 @@ impl<X: Send> ExpertSlots<X> {
 
     /// The slot memory.
     pub fn arena(&self) -> &Arena {
-        &self.arena
+        &self.io.arena
     }
 
     /// The expert reader.
     pub fn reader(&self) -> &ExpertReader {
-        &self.reader
+        &self.io.reader
     }
 
     /// Serve experts `ids` of `layer` in the three phases of the module docs. Every `Ok` slot
@@ -753,6 +861,7 @@ impl<X: Send> ExpertSlots<X> {
             g.table.release_holder(h);
         }
         let deadline = Instant::now() + self.busy_timeout;
+        let used0 = g.table.counters().prefetch_used;
         let plan = loop {
             match g.table.reserve(l, &uniq) {
                 Ok(p) => break p,
@@ -772,6 +881,7 @@ impl<X: Send> ExpertSlots<X> {
                 }
             }
         };
+        let prefetch_used = g.table.counters().prefetch_used - used0;
         let mut jobs = Vec::new();
         for (r, &e) in plan.iter().zip(&uniq) {
             mirror(&g.table, r.slot());
@@ -783,25 +893,16 @@ impl<X: Send> ExpertSlots<X> {
         }
         drop(g);
 
-        // Phase 2: read the misses in parallel, in disk-offset order, straight into their slots.
+        // Phase 2: read the misses in parallel on the reader threads, in disk-offset order,
+        // straight into their slots. Injected failures are decided here, before the reads.
         jobs.sort_by_key(|j| j.0);
         let t_read = Instant::now();
         let n_jobs = jobs.len();
-        let results = run_parallel(jobs, self.io_threads, |(_, slot, e, ext)| {
-            let what = format!("layer {layer} expert {e}");
-            let res = match (fail.and_then(|f| f(l, e)), ext) {
-                (Some(m), _) => Err(format!("{what}: {m}")),
-                (None, None) => Err(format!("{what} is not in the checkpoint")),
-                (None, Some(ext)) => {
-                    // SAFETY: `slot` is INFLIGHT from this batch's reservation: no other request
-                    // writes it, nobody holds a lease to read it, and this job is the only
-                    // reference to it.
-                    let dst = unsafe { self.arena.slot_mut(slot) };
-                    self.reader.read(&what, &ext, dst).map_err(|err| err.0)
-                }
-            };
-            (slot, res)
-        });
+        let jobs: Vec<ReadJob> = jobs
+            .into_iter()
+            .map(|(_, slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
+            .collect();
+        let results = self.read_into_slots(layer, jobs);
         let read_seconds = if n_jobs > 0 {
             t_read.elapsed().as_secs_f64()
         } else {
@@ -809,7 +910,7 @@ impl<X: Send> ExpertSlots<X> {
         };
 
         // Phase 3: publish what arrived.
-        let eb = self.reader.expert_bytes() as u64;
+        let eb = self.io.reader.expert_bytes() as u64;
         let mut g = self.lock();
         let mut failed: HashMap<usize, String> = HashMap::new();
         let mut bytes_read = 0u64;
@@ -881,8 +982,115 @@ impl<X: Send> ExpertSlots<X> {
             index,
             bytes_read,
             read_seconds,
+            prefetch_used,
         };
         Ok((g, served))
+    }
+}
+
+/// One read of phase 2: (slot, expert, its extents, an injected failure).
+type ReadJob = (usize, u32, Option<ExpertExtents>, Option<String>);
+
+/// What one [`ExpertSlots::prefetch`] did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Prefetched {
+    /// Experts it loaded.
+    pub loads: u64,
+    /// Bytes it read.
+    pub bytes_read: u64,
+}
+
+impl<X: Send> ExpertSlots<X> {
+    /// Phase 2: read each job's expert into its slot (INFLIGHT, reserved by the caller) on the
+    /// reader threads; results per slot, in job order.
+    fn read_into_slots(
+        &self,
+        layer: usize,
+        jobs: Vec<ReadJob>,
+    ) -> Vec<(usize, Result<(), String>)> {
+        let slots_of: Vec<usize> = jobs.iter().map(|j| j.0).collect();
+        let io = self.io.clone();
+        let read = move |(slot, e, ext, injected): ReadJob| {
+            let what = format!("layer {layer} expert {e}");
+            match (injected, ext) {
+                (Some(m), _) => Err(format!("{what}: {m}")),
+                (None, None) => Err(format!("{what} is not in the checkpoint")),
+                (None, Some(ext)) => {
+                    // SAFETY: `slot` is INFLIGHT from the caller's reservation: no other request
+                    // writes it, nobody holds a lease to read it, and this job is the only
+                    // reference to it (the caller waits for every job before publishing).
+                    let dst = unsafe { io.arena.slot_mut(slot) };
+                    io.reader.read(&what, &ext, dst).map_err(|err| err.0)
+                }
+            }
+        };
+        slots_of
+            .into_iter()
+            .zip(self.pool.map(jobs, Arc::new(read)))
+            .map(|(slot, r)| (slot, r.and_then(|x| x)))
+            .collect()
+    }
+
+    /// Prefetch the predicted experts `ids` of `layer` into slots no lease or pending request
+    /// needs ([`SlotTable::reserve_prefetch`]), read them and publish them, without leasing.
+    /// Experts already RESIDENT or INFLIGHT, and those without a slot that may be taken, are
+    /// skipped. Ids out of range are ignored (a prediction is never an error). `mirror` is told
+    /// of every slot whose state changed.
+    pub fn prefetch(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        fail: Option<&FailHook>,
+        mirror: &dyn Fn(&SlotTable, usize),
+    ) -> Prefetched {
+        let cat = &self.catalog;
+        if layer >= cat.n_layers() {
+            return Prefetched::default();
+        }
+        let ids: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&e| (e as usize) < cat.n_experts())
+            .collect();
+        let l = layer as u32;
+        let mut g = self.lock();
+        let plan = g.table.reserve_prefetch(l, &ids);
+        if plan.is_empty() {
+            return Prefetched::default();
+        }
+        let mut jobs = Vec::with_capacity(plan.len());
+        for &(slot, e) in &plan {
+            mirror(&g.table, slot);
+            let ext = cat.expert(layer, e as usize);
+            let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
+            jobs.push((key, slot, e, ext));
+        }
+        drop(g);
+        jobs.sort_by_key(|j| j.0);
+        let jobs: Vec<ReadJob> = jobs
+            .into_iter()
+            .map(|(_, slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
+            .collect();
+        let t_read = Instant::now();
+        let results = self.read_into_slots(layer, jobs);
+        let read_seconds = t_read.elapsed().as_secs_f64();
+        let eb = self.io.reader.expert_bytes() as u64;
+        let mut g = self.lock();
+        let mut done = Prefetched::default();
+        for (slot, res) in results {
+            if res.is_ok() {
+                done.loads += 1;
+                done.bytes_read += eb;
+            }
+            g.table.publish(slot, res);
+            mirror(&g.table, slot);
+        }
+        g.bytes_read += done.bytes_read;
+        g.prefetch_bytes += done.bytes_read;
+        g.read_seconds += read_seconds;
+        drop(g);
+        self.cv.notify_all();
+        done
     }
 }
 
@@ -910,6 +1118,8 @@ pub struct CacheStats {
     pub wait_seconds: f64,
     /// Slots in use.
     pub slots_used: usize,
+    /// Bytes read by prefetches (included in `bytes_read`).
+    pub prefetch_bytes: u64,
 }
 
 /// The standalone cache's slots; the lock's own state is the seconds callers waited.
@@ -980,7 +1190,8 @@ impl ExpertCache {
             opts.io_threads,
             opts.busy_timeout,
             0.0,
-        );
+        )
+        .map_err(SourceError::Io)?;
         Ok(ExpertCache {
             slots: Arc::new(slots),
             opts,
@@ -1010,6 +1221,12 @@ impl ExpertCache {
         )
     }
 
+    /// Prefetch the predicted experts `ids` of layer `l` without leasing them
+    /// ([`ExpertSlots::prefetch`]).
+    pub fn prefetch(&self, l: usize, ids: &[u32]) -> Prefetched {
+        self.slots.prefetch(l, ids, self.fail.as_ref(), &|_, _| {})
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> CacheStats {
         let g = self.slots.lock();
@@ -1019,6 +1236,7 @@ impl ExpertCache {
             read_seconds: g.read_seconds,
             wait_seconds: g.extra,
             slots_used: g.table.used(),
+            prefetch_bytes: g.prefetch_bytes,
         }
     }
 
@@ -1379,7 +1597,8 @@ mod tests {
             3,
             Duration::from_millis(1000),
             (),
-        );
+        )
+        .unwrap();
         let mirrored = Mutex::new(HashMap::new());
         let mirror = |t: &SlotTable, s: usize| {
             mirrored
@@ -1543,5 +1762,111 @@ mod tests {
         );
         assert_eq!(r[1], Reserved::Wait { slot: 0 });
         assert_eq!(t.leases(0), 2);
+    }
+
+    #[test]
+    fn prefetch_takes_only_slots_no_lease_or_request_needs_and_counts_use() {
+        let mut t = SlotTable::new(4, Box::new(Lru::new(4)));
+        // Layer 0's request holds slots for experts 0 and 1.
+        let r = t.reserve(0, &[0, 1]).unwrap();
+        for x in &r {
+            t.publish(x.slot(), Ok(()));
+        }
+        let held: Vec<usize> = r.iter().map(|x| x.slot()).collect();
+        // Layer 1 predicted 5, 6, 7 (and 5 again): two free slots, nothing else may be taken
+        // (the other two are leased), so 7 is declined.
+        let p = t.reserve_prefetch(1, &[5, 6, 7, 5]);
+        assert_eq!(p.iter().map(|x| x.1).collect::<Vec<_>>(), vec![5, 6]);
+        assert!(
+            p.iter().all(|x| !held.contains(&x.0)),
+            "{p:?} took a leased slot"
+        );
+        assert_eq!(t.counters().prefetch_loads, 2);
+        assert_eq!(t.counters().prefetch_declined, 1);
+        for &(s, e) in &p {
+            assert_eq!(
+                t.state(s),
+                SlotState::Inflight {
+                    layer: 1,
+                    expert: e
+                }
+            );
+            assert_eq!(t.leases(s), 0, "a prefetch leases nothing");
+        }
+        // A prediction already INFLIGHT or RESIDENT is not read twice.
+        assert!(t.reserve_prefetch(1, &[5, 6]).is_empty());
+        // A request arriving while the prefetch reads waits for it instead of reading again.
+        let w = t.reserve(1, &[6]).unwrap();
+        assert_eq!(w, vec![Reserved::Wait { slot: p[1].0 }]);
+        for &(s, _) in &p {
+            t.publish(s, Ok(()));
+        }
+        t.release(p[1].0);
+        for &s in &held {
+            t.release(s);
+        }
+        // Layer 1 asks for 5 (prefetched: a hit, used) and 9 (a miss that evicts the least
+        // recently used slot, not a prefetched one that is waiting for use).
+        let r = t.reserve(1, &[5, 9]).unwrap();
+        assert_eq!(r[0], Reserved::Hit { slot: p[0].0 });
+        assert!(
+            matches!(
+                r[1],
+                Reserved::Load {
+                    evicted: Some((0, _)),
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert_eq!(
+            t.counters().prefetch_used,
+            2,
+            "6 (waited for) and 5 (hit) were used"
+        );
+        // A failed prefetch is no failed load.
+        for x in &r {
+            t.publish(x.slot(), Ok(()));
+            t.release(x.slot());
+        }
+        let q = t.reserve_prefetch(2, &[3]);
+        assert_eq!(q.len(), 1);
+        t.publish(q[0].0, Err("EIO".into()));
+        assert_eq!(t.counters().failed_loads, 0);
+        assert_eq!(t.lookup(2, 3), None);
+    }
+
+    #[test]
+    fn prefetch_never_evicts_what_is_reused_more_often_than_predictions_are_right() {
+        let mut t = SlotTable::new(2, Box::new(Lru::new(2)));
+        let r = t.reserve(0, &[0, 1]).unwrap();
+        for x in &r {
+            t.publish(x.slot(), Ok(()));
+            t.release(x.slot());
+        }
+        // Layer 0's experts are hit again and again: the cache's reuse rate is high (8 of 10).
+        for _ in 0..4 {
+            for x in t.reserve(0, &[0, 1]).unwrap() {
+                assert!(matches!(x, Reserved::Hit { .. }));
+                t.release(x.slot());
+            }
+        }
+        // No free slot and a prediction is (so far) a coin toss: nothing is evicted.
+        assert!(t.reserve_prefetch(1, &[4]).is_empty());
+        assert_eq!(t.counters().prefetch_declined, 1);
+        assert_eq!(t.counters().evictions, 0);
+        assert!(t.lookup(0, 0).is_some() && t.lookup(0, 1).is_some());
+        // A cache that never hits: predictions (unproven, 1/2) beat its reuse (0), so the
+        // least recently used unleased expert makes room.
+        let mut t = SlotTable::new(2, Box::new(Lru::new(2)));
+        for (l, e) in [(0, 0), (1, 1)] {
+            let r = t.reserve(l, &[e]).unwrap();
+            t.publish(r[0].slot(), Ok(()));
+            t.release(r[0].slot());
+        }
+        let p = t.reserve_prefetch(2, &[7]);
+        assert_eq!(p.len(), 1);
+        assert_eq!(t.lookup(0, 0), None, "the LRU expert (layer 0) was evicted");
+        assert_eq!(t.counters().evictions, 1);
     }
 }

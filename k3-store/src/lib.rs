@@ -16,6 +16,7 @@ pub mod io;
 pub mod ipc;
 pub mod plan;
 pub mod policy;
+pub mod pool;
 pub mod progress;
 pub mod session;
 pub mod shmem;

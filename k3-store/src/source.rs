@@ -162,6 +162,15 @@ pub struct SourceStats {
     pub io_wait_seconds: f64,
     /// Seconds callers were blocked in [`WeightSource::layer`] waiting for trunk bytes.
     pub trunk_wait_seconds: f64,
+    /// Experts loaded by [`WeightSource::prefetch_experts`] (included in `expert_bytes_read`).
+    #[serde(default)]
+    pub prefetch_loads: u64,
+    /// Bytes those prefetches read.
+    #[serde(default)]
+    pub prefetch_bytes: u64,
+    /// Requested experts a prefetch had loaded; the rest of `prefetch_loads` was wasted.
+    #[serde(default)]
+    pub prefetch_used: u64,
 }
 
 /// Errors a source reports.
@@ -179,6 +188,59 @@ pub enum SourceError {
     /// The request itself is invalid (layer out of range, expert id too large, …).
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The thread serving a request asynchronously panicked (a bug in the source); the message
+    /// is the panic's.
+    #[error("the request's thread panicked: {0}")]
+    Panicked(String),
+}
+
+/// An expert request running beside the engine's compute ([`WeightSource::request_experts`]).
+/// [`PendingExperts::wait`] blocks until its answer is there.
+#[derive(Debug)]
+pub struct PendingExperts(Pending);
+
+#[derive(Debug)]
+enum Pending {
+    Ready(Result<ExpertBatch, SourceError>),
+    Running(std::sync::mpsc::Receiver<Result<ExpertBatch, SourceError>>),
+}
+
+impl PendingExperts {
+    /// An answer that is already there (a source that serves requests synchronously).
+    pub fn ready(answer: Result<ExpertBatch, SourceError>) -> PendingExperts {
+        PendingExperts(Pending::Ready(answer))
+    }
+
+    /// Run `fetch` on `pool` (one of the source's long-lived threads); a panic in it is answered
+    /// as [`SourceError::Panicked`].
+    pub fn on_pool(
+        pool: &crate::pool::IoPool,
+        fetch: impl FnOnce() -> Result<ExpertBatch, SourceError> + Send + 'static,
+    ) -> PendingExperts {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let tx2 = tx.clone();
+        pool.submit(
+            move || {
+                let _ = tx.send(fetch());
+            },
+            move |m| {
+                let _ = tx2.send(Err(SourceError::Panicked(m)));
+            },
+        );
+        PendingExperts(Pending::Running(rx))
+    }
+
+    /// Wait for the answer.
+    pub fn wait(self) -> Result<ExpertBatch, SourceError> {
+        match self.0 {
+            Pending::Ready(a) => a,
+            Pending::Running(rx) => rx.recv().unwrap_or_else(|_| {
+                Err(SourceError::Panicked(
+                    "the request's thread ended without an answer".into(),
+                ))
+            }),
+        }
+    }
 }
 
 /// Where the engine gets weight bytes.
@@ -194,6 +256,26 @@ pub trait WeightSource: Send + Sync {
 
     /// The routed experts `ids` of layer `l` (one layer's top-k for a token or a batch).
     fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError>;
+
+    /// Start [`WeightSource::experts`] for `l`, `ids` and return at once; the engine computes
+    /// what does not depend on the experts meanwhile, then waits. Same answer, same lease
+    /// contract as `experts` (counted from the moment the answer is there). The default serves
+    /// the request synchronously; the store's sources run it on a long-lived fetch thread.
+    fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
+        PendingExperts::ready(self.experts(l, ids))
+    }
+
+    /// A PREDICTION that layer `l` will request experts `ids` soon: a caching source may read
+    /// them ahead into slots that no lease or pending request needs, without leasing them and
+    /// without evicting anything more likely to be reused. Returns at once; never changes what
+    /// any request answers. Default: nothing.
+    fn prefetch_experts(&self, _l: usize, _ids: &[u32]) {}
+
+    /// Layer `l`'s trunk run if it is already resident (pinned): never reads and never blocks.
+    /// Lets the engine look at a later layer's router early. Default: `None`.
+    fn resident_layer(&self, _l: usize) -> Option<LayerRun> {
+        None
+    }
 
     /// The most distinct experts one [`WeightSource::experts`] call may ask for (the cache's
     /// slots). The engine splits a prefill's larger union into requests of at most this many.

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,8 +15,10 @@ use crate::catalog::Catalog;
 use crate::experts::{CacheOptions, CacheStats, ExpertCache};
 use crate::io::{DiskFile, MappedRange};
 use crate::plan::{allocatable, Budget, MemoryPlan, PlanInputs};
+use crate::pool::IoPool;
 use crate::source::{
-    ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
+    ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
+    WeightSource,
 };
 use crate::stream::{StreamOptions, StreamStats, TrunkStream};
 use crate::trunk::{open_shards, TrunkError, TrunkLayout};
@@ -95,7 +98,13 @@ impl From<SourceError> for OpenError {
 pub struct StandaloneSource {
     model: HashMap<String, Region>,
     stream: TrunkStream,
-    experts: ExpertCache,
+    experts: Arc<ExpertCache>,
+    /// The long-lived thread [`WeightSource::request_experts`] runs on.
+    fetch: IoPool,
+    /// The long-lived thread [`WeightSource::prefetch_experts`] runs on, and the number of the
+    /// latest prefetch submitted (an older one still queued is dropped: its layer has passed).
+    prefetcher: IoPool,
+    latest_prefetch: Arc<AtomicU64>,
     plan: MemoryPlan,
 }
 
@@ -212,10 +221,17 @@ impl StandaloneSource {
             },
             policy,
         )?;
+        let fetch = IoPool::new("k3-expert-fetch", 1)
+            .map_err(|e| OpenError::Io(format!("starting the expert fetch thread: {e}")))?;
+        let prefetcher = IoPool::new("k3-expert-prefetch", 1)
+            .map_err(|e| OpenError::Io(format!("starting the expert prefetch thread: {e}")))?;
         let src = StandaloneSource {
             model,
             stream,
-            experts,
+            experts: Arc::new(experts),
+            fetch,
+            prefetcher,
+            latest_prefetch: Arc::new(AtomicU64::new(0)),
             plan: plan.clone(),
         };
         Ok((src, plan))
@@ -304,6 +320,30 @@ impl WeightSource for StandaloneSource {
         self.experts.get(l, ids)
     }
 
+    fn prefetch_experts(&self, l: usize, ids: &[u32]) {
+        let (cache, ids) = (self.experts.clone(), ids.to_vec());
+        let latest = self.latest_prefetch.clone();
+        let me = latest.fetch_add(1, Ordering::SeqCst) + 1;
+        self.prefetcher.submit(
+            move || {
+                if latest.load(Ordering::SeqCst) == me {
+                    cache.prefetch(l, &ids);
+                }
+            },
+            // A prediction is never needed: a failed prefetch only costs its reads.
+            |_| {},
+        );
+    }
+
+    fn resident_layer(&self, l: usize) -> Option<LayerRun> {
+        self.stream.pinned_layer(l)
+    }
+
+    fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
+        let (cache, ids) = (self.experts.clone(), ids.to_vec());
+        PendingExperts::on_pool(&self.fetch, move || cache.get(l, &ids))
+    }
+
     fn stats(&self) -> SourceStats {
         let c = self.experts.stats();
         let s = self.stream.stats();
@@ -319,6 +359,9 @@ impl WeightSource for StandaloneSource {
             trunk_read_seconds: s.read_seconds,
             io_wait_seconds: s.wait_seconds + c.wait_seconds,
             trunk_wait_seconds: s.wait_seconds,
+            prefetch_loads: c.table.prefetch_loads,
+            prefetch_bytes: c.prefetch_bytes,
+            prefetch_used: c.table.prefetch_used,
         }
     }
 }

@@ -452,6 +452,11 @@ impl TrunkStream {
         self.shared.layout.n_layers()
     }
 
+    /// Layer `l`'s run if it is pinned (never reads, never blocks).
+    pub fn pinned_layer(&self, l: usize) -> Option<LayerRun> {
+        self.pinned.get(l).cloned()
+    }
+
     /// Start reading ahead from layer `l` (the reader already reads ahead from the layer after
     /// the one last handed out; this only matters when the next pass starts elsewhere). `l` past
     /// the last layer wraps to the first streamed layer. A no-op for pinned layers.

@@ -198,6 +198,11 @@ pub struct StepReport {
     pub drafted: usize,
     /// Drafted ids the pass accepted (on the pass's first id; 0 on the others).
     pub accepted: usize,
+    /// Bytes the router lookahead's prefetches read during this step (part of `bytes_read`; for
+    /// a verify pass, the pass's total on its first id).
+    pub prefetch_bytes: u64,
+    /// Requested experts this step that a prefetch had loaded (a verify pass: on its first id).
+    pub prefetch_used: u64,
 }
 
 /// What a generation produced.
@@ -470,6 +475,8 @@ impl Session {
                 - before.trunk_read_seconds
                 - before.expert_read_seconds)
                 .max(0.0);
+            let prefetch_bytes = after.prefetch_bytes.saturating_sub(before.prefetch_bytes);
+            let prefetch_used = after.prefetch_used.saturating_sub(before.prefetch_used);
             let accepted = produced - 1;
             if pass > 0 {
                 // Drafts checked: every accepted one, plus the one that was refused (if any).
@@ -494,6 +501,8 @@ impl Session {
                     pass,
                     drafted: if i == 0 { drafts.len() } else { 0 },
                     accepted: if i == 0 { accepted } else { 0 },
+                    prefetch_bytes: if i == 0 { prefetch_bytes } else { 0 },
+                    prefetch_used: if i == 0 { prefetch_used } else { 0 },
                 };
                 let flow = on_step(&r);
                 report.steps.push(r);

@@ -520,6 +520,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
             "--session keeps the conversation in a store: it needs attached mode",
         ));
     }
+    model.lookahead = crate::model::forward::Lookahead::from_env().map_err(refuse)?;
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());
     }

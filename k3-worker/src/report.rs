@@ -79,6 +79,21 @@ pub fn io_hidden_fraction(st: &SourceStats) -> Option<f64> {
     (read > 0.0).then(|| (1.0 - st.io_wait_seconds / read).clamp(0.0, 1.0))
 }
 
+/// Requested experts the router lookahead had predicted ÷ requested experts of the layers it
+/// predicted (`None` before any prediction was checked).
+pub fn lookahead_recall(c: &RunCounters) -> Option<f64> {
+    (c.lookahead_actual > 0).then(|| c.lookahead_correct as f64 / c.lookahead_actual as f64)
+}
+
+/// Bytes read by prefetches whose expert no request used (so far).
+pub fn wasted_prefetch_bytes(st: &SourceStats) -> u64 {
+    let per = st
+        .prefetch_bytes
+        .checked_div(st.prefetch_loads)
+        .unwrap_or(0);
+    st.prefetch_loads.saturating_sub(st.prefetch_used) * per
+}
+
 /// Totals of a finished one-shot run.
 #[derive(Debug)]
 pub struct RunSummary {
@@ -155,6 +170,21 @@ impl RunSummary {
             gb(st.expert_bytes_read),
             100.0 * st.io_wait_seconds / self.wall.max(1e-9)
         );
+        let c = &self.counters;
+        if c.lookahead_layers > 0 || st.prefetch_loads > 0 {
+            eprintln!(
+                "lookahead: recall {} ({} of {} requested experts predicted over {} layers); \
+                 prefetched {:.3} GB ({} experts), used {}, wasted {:.3} GB",
+                lookahead_recall(c).map_or("-".into(), |r| format!("{:.1}%", 100.0 * r)),
+                c.lookahead_correct,
+                c.lookahead_actual,
+                c.lookahead_layers,
+                gb(st.prefetch_bytes),
+                st.prefetch_loads,
+                st.prefetch_used,
+                gb(wasted_prefetch_bytes(st))
+            );
+        }
         if let Some(h) = io_hidden_fraction(st) {
             eprintln!(
                 "I/O hidden behind compute: {:.1}% ({:.3} s reading, {:.3} s waited for)",
@@ -167,6 +197,28 @@ impl RunSummary {
             "PEAK RSS for the whole run: {:.3} GB   <- quote this, not the plan",
             gb(self.peak)
         );
+    }
+
+    /// The router lookahead's figures for `--out`: the mode, its recall, and the prefetch bytes
+    /// (predicted = experts predicted × bytes per expert; used/wasted as the source counted).
+    pub fn lookahead_json(&self) -> serde_json::Value {
+        let (c, st) = (&self.counters, &self.stats);
+        let per = st
+            .prefetch_bytes
+            .checked_div(st.prefetch_loads)
+            .unwrap_or(0);
+        serde_json::json!({
+            "layers": c.lookahead_layers,
+            "predicted_experts": c.lookahead_predicted,
+            "requested_experts": c.lookahead_actual,
+            "correct_experts": c.lookahead_correct,
+            "recall": lookahead_recall(c),
+            "prefetched_experts": st.prefetch_loads,
+            "prefetched_bytes": st.prefetch_bytes,
+            "used_experts": st.prefetch_used,
+            "used_bytes": st.prefetch_used * per,
+            "wasted_bytes": wasted_prefetch_bytes(st),
+        })
     }
 
     /// The exit code the run ends with (4 when an expert failed to load), after printing the
@@ -203,6 +255,7 @@ impl RunSummary {
             "accepted_tokens": r.spec.accepted_tokens,
             "bytes_per_token": (!r.generated_ids.is_empty())
                 .then(|| (st.trunk_bytes_read + st.expert_bytes_read) as f64 / r.generated_ids.len() as f64),
+            "lookahead": self.lookahead_json(),
         })
     }
 }

@@ -10,6 +10,9 @@ pub mod env {
     pub const K3_SIMD: &str = "K3_SIMD";
     /// When streamed trunk layers are checked against their checksum: `first`, `every`, `off`.
     pub const K3_TRUNK_VERIFY: &str = "K3_TRUNK_VERIFY";
+    /// Router lookahead prefetch of the worker: `off`, `on` (= `mlp-in`, the default),
+    /// `attn-in`, `mlp-in` (which hidden state predicts the next layer's experts).
+    pub const K3_LOOKAHEAD: &str = "K3_LOOKAHEAD";
     /// Log level filter of the three binaries (`tracing_subscriber::EnvFilter` syntax).
     pub const RUST_LOG: &str = "RUST_LOG";
 }

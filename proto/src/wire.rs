@@ -114,6 +114,16 @@ pub enum Request {
     },
     /// v3. The kept conversations: [`Response::Sessions`].
     ListSessions,
+    /// v3. A PREDICTION of a later `Experts` request (router lookahead): the store may read
+    /// these experts into slots that no lease or pending request needs, without leasing them
+    /// and without evicting anything more likely to be reused. Answered at once with
+    /// [`Response::Noted`]; the reads run in the background. Never changes any answer.
+    Prefetch {
+        /// 0-based layer.
+        layer: u32,
+        /// Predicted expert ids.
+        ids: Vec<u32>,
+    },
 }
 
 /// One kept conversation in [`Response::Sessions`].
@@ -218,6 +228,12 @@ pub struct Counters {
     pub bytes_read: u64,
     /// Seconds spent reading experts.
     pub read_seconds: f64,
+    /// v3. Experts loaded by `Prefetch` requests (their bytes are in `bytes_read`).
+    pub prefetch_loads: u64,
+    /// v3. Bytes those prefetches read.
+    pub prefetch_bytes: u64,
+    /// v3. Requested experts that a prefetch had loaded (the rest of the loads were wasted).
+    pub prefetch_used: u64,
 }
 
 impl Counters {

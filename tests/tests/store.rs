@@ -897,3 +897,136 @@ fn ps_shows_a_live_jobs_tokens_seconds_per_token_and_bytes() {
     });
     assert!(gone.is_some(), "a killed job is no longer listed");
 }
+
+/// A worker run with `K3_LOOKAHEAD=<mode>` (attached to our store unless `args` has
+/// `--standalone`); asserts exit 0 and returns its report.
+fn lookahead_run(sb: &Sandbox, mode: &str, args: &[&str]) -> Value {
+    let out = sb
+        .dir
+        .join(format!("lookahead-{mode}-{}.json", std::process::id()));
+    let _ = std::fs::remove_file(&out);
+    let mut full: Vec<&str> = args.to_vec();
+    full.extend_from_slice(&["--out", path_str(&out)]);
+    if !args.contains(&"--standalone") {
+        full.extend_from_slice(&["--socket", path_str(&sb.socket)]);
+    }
+    let mut c = sb.command("k3-worker", &full);
+    c.env("K3_LOOKAHEAD", mode);
+    let r = sb.run_command(c);
+    assert_eq!(r.code, 0, "K3_LOOKAHEAD={mode} {args:?}: {r:?}");
+    serde_json::from_str(&std::fs::read_to_string(&out).expect("report")).expect("report JSON")
+}
+
+#[test]
+fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
+    let mut sb = Sandbox::new("lookahead");
+    let trunk = sb.pack_tiny_trunk();
+    let bufs = trunk_layer_bufs(&trunk);
+    let all = gb_arg(trunk_budget_pinning(&bufs, bufs.len()));
+    let prefix = gb_arg(trunk_budget_pinning(&bufs, 3));
+    let tiny_cache = cache_gb_for_slots(TOP_K + 1);
+    let ids = ids_arg(&reference_prompt());
+    let cases: Vec<(&str, Vec<&str>, bool)> = vec![
+        // (what, budget, every layer pinned: the next layer's router is always resident)
+        (
+            "all pinned, large cache",
+            vec!["--trunk-gb", &all, "--cache-gb", "0.01"],
+            true,
+        ),
+        (
+            "all pinned, top_k+1 slots",
+            vec!["--trunk-gb", &all, "--cache-gb", &tiny_cache],
+            true,
+        ),
+        (
+            "prefix pinned, top_k+1 slots",
+            vec!["--trunk-gb", &prefix, "--cache-gb", &tiny_cache],
+            false,
+        ),
+    ];
+    let reference = reference_greedy();
+    let model = tiny_model();
+    let run_args = |budget: &[&str], standalone: bool| -> Vec<String> {
+        let mut a: Vec<String> = Vec::new();
+        if standalone {
+            a.extend(["--standalone".into(), path_str(&model).into()]);
+            a.extend(["--trunk".into(), path_str(&trunk).into()]);
+            a.extend(budget.iter().map(|s| s.to_string()));
+        }
+        a.extend(["--ids".into(), ids.clone(), "--gen".into(), "20".into()]);
+        a
+    };
+    for (what, budget, all_pinned) in &cases {
+        for standalone in [true, false] {
+            if !standalone {
+                start_tiny(&mut sb, &trunk, budget);
+            }
+            let a = run_args(budget, standalone);
+            let a: Vec<&str> = a.iter().map(String::as_str).collect();
+            let where_ = if standalone { "standalone" } else { "attached" };
+            let off = lookahead_run(&sb, "off", &a);
+            assert_eq!(
+                generated(&off),
+                reference,
+                "{what} {where_}: ids with lookahead off"
+            );
+            assert_eq!(u(&off["lookahead"], "layers"), 0, "{what} {where_}: {off}");
+            assert_eq!(
+                u(&off["lookahead"], "prefetched_experts"),
+                0,
+                "{what}: {off}"
+            );
+            let modes: &[&str] = if standalone {
+                &["mlp-in", "attn-in"]
+            } else {
+                &["mlp-in"]
+            };
+            for &mode in modes {
+                let on = lookahead_run(&sb, mode, &a);
+                assert_eq!(
+                    generated(&on),
+                    reference,
+                    "{what} {where_}: ids with K3_LOOKAHEAD={mode}"
+                );
+                let la = &on["lookahead"];
+                let (used, loads) = (u(la, "used_experts"), u(la, "prefetched_experts"));
+                assert!(used <= loads, "{what} {where_} {mode}: {la}");
+                assert!(
+                    u(la, "correct_experts") <= u(la, "requested_experts"),
+                    "{what} {where_} {mode}: {la}"
+                );
+                if *all_pinned {
+                    // Every MoE layer (1..=12) is predicted from the layer before it, in each
+                    // of the 20 forward calls (the prefill and 19 decode steps).
+                    assert_eq!(u(la, "layers"), 12 * 20, "{what} {where_} {mode}: {la}");
+                    assert!(u(la, "correct_experts") > 0, "{what} {where_} {mode}: {la}");
+                    if standalone {
+                        // A fresh cache has free slots: predictions are read ahead and some
+                        // are used.
+                        assert!(loads > 0 && used > 0, "{what} {where_} {mode}: {la}");
+                        assert_eq!(
+                            u(la, "prefetched_bytes"),
+                            loads * EXPERT_BYTES,
+                            "{what} {where_} {mode}: {la}"
+                        );
+                    }
+                } else {
+                    // Layers 3.. stream: their routers are not resident (and are never read
+                    // early for a prediction), so only layers 1 and 2 are predicted.
+                    assert_eq!(u(la, "layers"), 2 * 20, "{what} {where_} {mode}: {la}");
+                }
+            }
+            if !standalone {
+                let st = stats_after_jobs(&sb, 2);
+                if *all_pinned {
+                    assert!(
+                        u(&st["lifetime"], "prefetch_loads") > 0,
+                        "{what}: the store prefetched nothing: {st}"
+                    );
+                }
+                let r = sb.stop_store().expect("store running");
+                assert_eq!(r.code, 0, "{what}: {r:?}");
+            }
+        }
+    }
+}

@@ -28,8 +28,36 @@ use super::{Backend, ConnId};
 use crate::catalog::Catalog;
 use crate::experts::{Arena, BatchError, ExpertReader, ExpertSlots, SlotState, SlotTable};
 use crate::io::{align_up, span_len, DiskFile};
+use crate::pool::IoPool;
 use crate::shmem::Segment;
 use crate::trunk::{open_shards, TrunkLayout};
+
+/// Mirror one slot's state into the shared slot table at `base + off` (diagnostics for readers).
+/// Call under the slots' lock (the borrowed `table` lives behind it), while the mapping lives.
+fn write_slot_entry(base: Base, off: usize, table: &SlotTable, slot: usize) {
+    let (state, layer, expert) = match table.state(slot) {
+        SlotState::Empty => (SlotEntry::EMPTY, 0, 0),
+        SlotState::Inflight { layer, expert } => (SlotEntry::INFLIGHT, layer, expert),
+        SlotState::Resident { layer, expert } => (SlotEntry::RESIDENT, layer, expert),
+    };
+    let entry = SlotEntry {
+        state,
+        layer,
+        expert,
+        leases: table.leases(slot),
+    };
+    let bytes = entry.as_bytes();
+    assert!(slot < table.slots(), "slot {slot} outside the slot table");
+    // SAFETY: `base` is the live mapping (the backend owns it and joins every thread that calls
+    // this before unmapping it); the slot table region, laid out by `segment_layout` for
+    // `table.slots()` entries (the arena's slots), holds `SlotEntry::table_bytes(slots)` bytes
+    // inside it, so entry `slot` starts inside it.
+    let dst = unsafe { base.0.add(off + slot * bytes.len()) };
+    // SAFETY: the entry's bytes at `dst` are inside the mapping and not referenced elsewhere
+    // in this process; entries are only written under the slots' lock (the borrowed `table`
+    // lives behind it). A byte copy needs no alignment.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
+}
 
 /// What to build.
 #[derive(Clone, Debug)]
@@ -73,6 +101,8 @@ struct Job {
     live: bool,
     counters: Counters,
     progress: k3_proto::wire::JobProgress,
+    /// Number of this connection's latest `Prefetch` (an older one still queued is dropped).
+    prefetch_seq: u64,
 }
 
 /// The workers' jobs, kept under the slots' lock.
@@ -84,10 +114,13 @@ struct Jobs {
 
 /// The daemon's backend.
 pub struct StoreBackend {
+    /// The thread `Prefetch` requests are read on. Declared first: dropped (its queued jobs
+    /// finished, its thread joined) before the segment they write into is unmapped.
+    prefetcher: IoPool,
     seg: Segment,
     base: Base,
     slot_table_off: usize,
-    experts: ExpertSlots<Jobs>,
+    experts: Arc<ExpertSlots<Jobs>>,
     dirs: (String, String),
     status: StatusReport,
     pinned: u32,
@@ -280,18 +313,22 @@ impl StoreBackend {
             clients: Vec::new(),
             uptime_seconds: 0.0,
         };
+        let experts = ExpertSlots::new(
+            cat,
+            shards,
+            arena,
+            policy,
+            opts.io_threads,
+            BUSY_TIMEOUT,
+            Jobs::default(),
+        )?;
+        let prefetcher = IoPool::new("k3-store-prefetch", 1)
+            .map_err(|e| format!("starting the prefetch thread: {e}"))?;
         Ok(StoreBackend {
+            prefetcher,
+            experts: Arc::new(experts),
             base,
             slot_table_off: lay.slot_table.0 as usize,
-            experts: ExpertSlots::new(
-                cat,
-                shards,
-                arena,
-                policy,
-                opts.io_threads,
-                BUSY_TIMEOUT,
-                Jobs::default(),
-            ),
             dirs,
             status,
             pinned: lay.layers.len() as u32,
@@ -301,27 +338,7 @@ impl StoreBackend {
 
     /// Mirror one slot's state into the shared slot table (diagnostics for readers).
     fn write_slot_entry(&self, table: &SlotTable, slot: usize) {
-        let (state, layer, expert) = match table.state(slot) {
-            SlotState::Empty => (SlotEntry::EMPTY, 0, 0),
-            SlotState::Inflight { layer, expert } => (SlotEntry::INFLIGHT, layer, expert),
-            SlotState::Resident { layer, expert } => (SlotEntry::RESIDENT, layer, expert),
-        };
-        let entry = SlotEntry {
-            state,
-            layer,
-            expert,
-            leases: table.leases(slot),
-        };
-        let bytes = entry.as_bytes();
-        assert!(slot < self.slots(), "slot {slot} outside the slot table");
-        // SAFETY: the slot table region, laid out by `segment_layout` for `self.slots()` entries,
-        // holds `SlotEntry::table_bytes(slots)` bytes inside the mapping, so entry `slot` starts
-        // inside it.
-        let dst = unsafe { self.base.0.add(self.slot_table_off + slot * bytes.len()) };
-        // SAFETY: the entry's bytes at `dst` are inside the mapping and not referenced elsewhere
-        // in this process; entries are only written under the slots' lock (the borrowed `table`
-        // lives behind it). A byte copy needs no alignment.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len()) };
+        write_slot_entry(self.base, self.slot_table_off, table, slot)
     }
 
     /// Pinned layers held in shared memory.
@@ -362,6 +379,7 @@ impl StoreBackend {
             live: true,
             counters: Counters::default(),
             progress: Default::default(),
+            prefetch_seq: 0,
         });
         let c = &mut job.counters;
         c.requests += served.outcomes.len() as u64;
@@ -370,6 +388,7 @@ impl StoreBackend {
         c.failed_loads += n_failed;
         c.bytes_read += served.bytes_read;
         c.read_seconds += served.read_seconds;
+        c.prefetch_used += served.prefetch_used;
         drop(g);
         let answers: Vec<SlotAnswer> = served
             .outcomes
@@ -395,6 +414,46 @@ impl Backend for StoreBackend {
             })
     }
 
+    fn prefetch(&self, conn: ConnId, layer: u32, ids: &[u32]) {
+        if ids.len() > MAX_IDS {
+            return;
+        }
+        let seq = {
+            let mut g = self.experts.lock();
+            match g.extra.live.get_mut(&conn) {
+                Some(job) => {
+                    job.prefetch_seq += 1;
+                    job.prefetch_seq
+                }
+                None => return,
+            }
+        };
+        let (experts, ids) = (self.experts.clone(), ids.to_vec());
+        let (base, off) = (self.base, self.slot_table_off);
+        self.prefetcher.submit(
+            move || {
+                let current = experts
+                    .lock()
+                    .extra
+                    .live
+                    .get(&conn)
+                    .is_some_and(|j| j.prefetch_seq == seq);
+                if !current {
+                    return;
+                }
+                let mirror = |t: &SlotTable, s: usize| write_slot_entry(base, off, t, s);
+                let done = experts.prefetch(layer as usize, &ids, None, &mirror);
+                if let Some(job) = experts.lock().extra.live.get_mut(&conn) {
+                    job.counters.prefetch_loads += done.loads;
+                    job.counters.prefetch_bytes += done.bytes_read;
+                    job.counters.bytes_read += done.bytes_read;
+                }
+            },
+            // A prediction is never needed: a failed prefetch only costs its reads.
+            |_| {},
+        );
+    }
+
     fn release_all(&self, conn: ConnId) {
         let mut g = self.experts.lock();
         g.table.release_holder(conn);
@@ -414,6 +473,7 @@ impl Backend for StoreBackend {
                     live: true,
                     counters: Counters::default(),
                     progress: Default::default(),
+                    prefetch_seq: 0,
                 },
             );
         }
@@ -449,6 +509,9 @@ impl Backend for StoreBackend {
             failed_loads: t.failed_loads,
             bytes_read: g.bytes_read,
             read_seconds: g.read_seconds,
+            prefetch_loads: t.prefetch_loads,
+            prefetch_bytes: g.prefetch_bytes,
+            prefetch_used: t.prefetch_used,
         };
         let to_stats = |c: &ConnId, j: &Job| JobStats {
             conn: *c,

@@ -63,6 +63,9 @@ pub trait Backend: Send + Sync + 'static {
     fn closed(&self, conn: ConnId) {
         self.release_all(conn);
     }
+    /// A worker predicts it will soon request experts `ids` of `layer`: read them ahead if
+    /// slots are free (in the background; must return at once). Default: nothing.
+    fn prefetch(&self, _conn: ConnId, _layer: u32, _ids: &[u32]) {}
     /// A worker reported its progress.
     fn progress(&self, _conn: ConnId, _p: k3_proto::wire::JobProgress) {}
     /// Lifetime and per-connection counters.
@@ -523,6 +526,7 @@ fn request_name(r: &Request) -> &'static str {
         Request::PutSession { .. } => "PutSession",
         Request::GetSession { .. } => "GetSession",
         Request::ListSessions => "ListSessions",
+        Request::Prefetch { .. } => "Prefetch",
     }
 }
 
@@ -722,6 +726,19 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             Request::ReleaseAll => {
                 shared.backend.release_all(id);
                 Response::Released
+            }
+            Request::Prefetch { layer, ids } => {
+                if kind != ClientKind::Worker {
+                    Response::Error {
+                        code: ErrorCode::NotAllowed,
+                        message: "only workers prefetch experts".into(),
+                    }
+                } else {
+                    if !shared.stop.load(Ordering::SeqCst) {
+                        shared.backend.prefetch(id, layer, &ids);
+                    }
+                    Response::Noted
+                }
             }
             Request::Progress(p) => {
                 if kind == ClientKind::Worker {

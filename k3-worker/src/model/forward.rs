@@ -15,7 +15,7 @@
 //! MoE layers the tokens are routed first and the union of their experts is requested from the
 //! source ONCE.
 
-use k3_store::source::WeightSource;
+use k3_store::source::{SourceError, WeightSource};
 
 use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
 use super::state::{LayerState, SeqState};
@@ -53,6 +53,52 @@ pub struct RunCounters {
     /// Seconds the forward pass was blocked waiting for routed experts (the part of their
     /// fetch that did not overlap the latent projection and the shared experts).
     pub expert_wait_seconds: f64,
+    /// Router lookahead: layers whose experts were predicted (and the prediction checked).
+    pub lookahead_layers: u64,
+    /// Router lookahead: distinct experts predicted for those layers.
+    pub lookahead_predicted: u64,
+    /// Router lookahead: the experts those layers then requested.
+    pub lookahead_actual: u64,
+    /// Router lookahead: requested experts that had been predicted (recall = this ÷ actual).
+    pub lookahead_correct: u64,
+}
+
+/// Router lookahead: while layer l computes, the next layer's router is applied to an early
+/// hidden state of layer l and the predicted experts are handed to
+/// [`WeightSource::prefetch_experts`]. Only the reads change; the ids never do.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Lookahead {
+    /// No prediction, no prefetch.
+    Off,
+    /// Predict from layer l's attention input (the AttnRes aggregate before the attention).
+    AttnIn,
+    /// Predict from layer l's MLP input (the AttnRes aggregate before the MLP).
+    #[default]
+    MlpIn,
+}
+
+impl Lookahead {
+    /// Parse `off`, `attn-in`, `mlp-in` (`on` = the default, `mlp-in`).
+    pub fn parse(s: &str) -> Result<Lookahead, String> {
+        match s {
+            "off" => Ok(Lookahead::Off),
+            "attn-in" => Ok(Lookahead::AttnIn),
+            "mlp-in" | "on" => Ok(Lookahead::MlpIn),
+            other => Err(format!(
+                "{}={other:?}: expected off, on, attn-in or mlp-in",
+                k3_proto::paths::env::K3_LOOKAHEAD
+            )),
+        }
+    }
+
+    /// From `K3_LOOKAHEAD` (unset: the default).
+    pub fn from_env() -> Result<Lookahead, String> {
+        match std::env::var(k3_proto::paths::env::K3_LOOKAHEAD) {
+            Ok(v) => Lookahead::parse(&v),
+            Err(std::env::VarError::NotPresent) => Ok(Lookahead::default()),
+            Err(e) => Err(format!("{}: {e}", k3_proto::paths::env::K3_LOOKAHEAD)),
+        }
+    }
 }
 
 /// Callback receiving named per-layer intermediates: `(layer, name, values [n, E])`.
@@ -75,6 +121,8 @@ pub struct Model<'s> {
     pub trace: Option<Vec<TraceRecord>>,
     /// The step number recorded in trace records (the caller advances it).
     pub step: u64,
+    /// Router lookahead mode (default: from the MLP input).
+    pub lookahead: Lookahead,
     /// Optional per-layer intermediate tap, named like `scripts/k3_reference.py --dump-trace`
     /// (`attn_in`, `attn_out`, `mlp_in`, `mlp_out` per layer; `final_in` = the output
     /// aggregator's result before the final norm, reported with layer = n_layers), for locating
@@ -114,6 +162,7 @@ impl<'s> Model<'s> {
             counters: RunCounters::default(),
             trace: None,
             step: 0,
+            lookahead: Lookahead::default(),
             tap: None,
         })
     }
@@ -157,8 +206,10 @@ impl<'s> Model<'s> {
             counters,
             trace,
             step,
+            lookahead,
             tap,
         } = self;
+        let lookahead = *lookahead;
         let (source, shapes, step) = (*source, *shapes, *step);
         let mut tap = |l: usize, name: &str, v: &[f32]| {
             if let Some(t) = tap.as_mut() {
@@ -203,7 +254,11 @@ impl<'s> Model<'s> {
             );
         }
 
-        for (l, slot) in bound.iter_mut().enumerate().take(d.n_layers) {
+        // The experts predicted for the next layer (router lookahead), checked when it routes.
+        let mut predicted: Option<(usize, Vec<u32>)> = None;
+        for l in 0..d.n_layers {
+            let (done, later) = bound.split_at_mut(l + 1);
+            let slot = &mut done[l];
             let run = source.layer(l)?;
             if run.layer != l {
                 return Err(ModelError::Config(format!(
@@ -238,6 +293,7 @@ impl<'s> Model<'s> {
                 banked += 1;
             }
             tap(l, "attn_in", &x);
+            let attn_in = (lookahead == Lookahead::AttnIn).then(|| x.clone());
             let xn = rms_norm_rows(&x, lw.input_norm, d.rms_eps);
             let journal = if st.journal.active {
                 st.journal.kda.get_mut(l)
@@ -270,11 +326,34 @@ impl<'s> Model<'s> {
             let x = lw.mlp_res.aggregate(&src, n, d.rms_eps);
             tap(l, "mlp_in", &x);
             let xn = rms_norm_rows(&x, lw.post_norm, d.rms_eps);
+            // The router lookahead's input (SPEC §6.7).
+            let early = match lookahead {
+                Lookahead::Off => None,
+                Lookahead::AttnIn => attn_in.as_deref(),
+                Lookahead::MlpIn => Some(&x[..]),
+            };
             let m = match &lw.mlp {
-                Mlp::Dense(mlp) => mlp.forward(d, &xn, n),
+                Mlp::Dense(mlp) => {
+                    // Nothing to fetch here: the disk is free for the next layer's predicted
+                    // experts at once.
+                    if let Some(h) = early {
+                        let next = later.first_mut();
+                        predicted = predict_next(d, source, shapes, next, binds, l, h, n)?;
+                    }
+                    mlp.forward(d, &xn, n)
+                }
                 Mlp::Moe(moe) => {
                     let routing = moe.route(d, &xn, n);
                     let uniq = routing.unique();
+                    if let Some((pl, p)) = predicted.take() {
+                        if pl == l {
+                            counters.lookahead_layers += 1;
+                            counters.lookahead_predicted += p.len() as u64;
+                            counters.lookahead_actual += uniq.len() as u64;
+                            counters.lookahead_correct +=
+                                uniq.iter().filter(|e| p.binary_search(e).is_ok()).count() as u64;
+                        }
+                    }
                     // A prefill's union of experts can exceed the cache: fetch it in groups the
                     // source can hold at once. Each group's slots are released (its batch
                     // dropped) before the next is requested; the output does not depend on the
@@ -291,30 +370,30 @@ impl<'s> Model<'s> {
                         }
                         counters.expert_requests += ids.len() as u64;
                     }
-                    // The first group's read overlaps the latent down-projection and the shared
-                    // experts, which do not depend on it.
-                    let (first, z, shared, waited) = std::thread::scope(|sc| {
-                        let fetch = groups
-                            .first()
-                            .map(|&ids| sc.spawn(move || source.experts(l, ids)));
-                        let z = moe.latent_in(d, &xn, n);
-                        let shared = moe.shared_out(d, &xn, n);
-                        let t_wait = std::time::Instant::now();
-                        let first = fetch.map(|h| h.join());
-                        (first, z, shared, t_wait.elapsed().as_secs_f64())
-                    });
-                    counters.expert_wait_seconds += waited;
+                    // The first group's read (on the source's long-lived fetch thread) overlaps
+                    // the latent down-projection and the shared experts, which do not depend on
+                    // it.
+                    let pending = groups.first().map(|&ids| source.request_experts(l, ids));
+                    let z = moe.latent_in(d, &xn, n);
+                    let shared = moe.shared_out(d, &xn, n);
+                    let t_wait = std::time::Instant::now();
+                    let first = pending.map(|p| p.wait());
+                    counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
                     let mut results = Vec::with_capacity(uniq.len());
+                    // The disk is free again: read ahead what the next layer's router would
+                    // choose from this layer's early hidden state, if its router is resident.
+                    if let Some(h) = early {
+                        let next = later.first_mut();
+                        predicted = predict_next(d, source, shapes, next, binds, l, h, n)?;
+                    }
                     let mut first = first;
                     for ids in &groups {
                         let batch = match first.take() {
-                            Some(Ok(b)) => b?,
-                            Some(Err(panic)) => {
-                                return Err(ModelError::FetchPanicked {
-                                    layer: l,
-                                    message: panic_message(&panic),
-                                })
+                            Some(Ok(b)) => b,
+                            Some(Err(SourceError::Panicked(message))) => {
+                                return Err(ModelError::FetchPanicked { layer: l, message })
                             }
+                            Some(Err(e)) => return Err(e.into()),
                             None => {
                                 let t_wait = std::time::Instant::now();
                                 let b = source.experts(l, ids)?;
@@ -369,10 +448,36 @@ impl<'s> Model<'s> {
     }
 }
 
-/// The text of a panic payload.
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a non-text panic".into())
+/// Router lookahead: apply layer `l + 1`'s router to `h` (`[n, E]`, an early hidden state of
+/// layer `l`) when that layer is a resident MoE layer (bound here if it was not yet), hand the
+/// predicted experts (at most one request's worth) to the source as a prefetch, and return them
+/// to be checked when layer `l + 1` routes.
+#[allow(clippy::too_many_arguments)]
+fn predict_next(
+    d: &Dims,
+    source: &dyn WeightSource,
+    shapes: Option<&dyn TensorShapes>,
+    next: Option<&mut Option<BoundLayer>>,
+    binds: &mut u64,
+    l: usize,
+    h: &[f32],
+    n: usize,
+) -> Result<Option<(usize, Vec<u32>)>, ModelError> {
+    let Some(next) = next else { return Ok(None) };
+    let Some(run) = source.resident_layer(l + 1) else {
+        return Ok(None);
+    };
+    if next.is_none() {
+        *next = Some(BoundLayer::bind(d, &run, shapes)?);
+        *binds += 1;
+    }
+    let nw = next.as_ref().expect("bound just above").weights(&run)?;
+    let Mlp::Moe(moe) = &nw.mlp else {
+        return Ok(None);
+    };
+    let hn = rms_norm_rows(h, nw.post_norm, d.rms_eps);
+    let mut p = moe.route(d, &hn, n).unique();
+    p.truncate(source.max_expert_batch().max(1));
+    source.prefetch_experts(l + 1, &p);
+    Ok(Some((l + 1, p)))
 }
