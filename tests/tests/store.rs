@@ -177,7 +177,13 @@ fn second_worker_finds_everything_resident_and_stats_add_up() {
     // The first job loaded experts; the second found every one resident.
     assert!(u(&a, "expert_bytes_read") > 0, "{a}");
     assert!(u(&a, "resident_hits") < u(&a, "expert_requests"), "{a}");
-    assert_eq!(u(&b, "expert_bytes_read"), 0, "{b}");
+    // (The router lookahead may still read ahead an expert that no request has needed yet —
+    // its prefetch in the first job can be superseded and dropped — but no request reads.)
+    assert_eq!(
+        u(&b, "expert_bytes_read") - u(&b["lookahead"], "prefetched_bytes"),
+        0,
+        "{b}"
+    );
     assert_eq!(u(&b, "resident_hits"), u(&b, "expert_requests"), "{b}");
     assert_eq!(b["true_resident_hit_rate"].as_f64(), Some(1.0), "{b}");
     assert_eq!(u(&a, "expert_requests"), u(&b, "expert_requests"));
@@ -995,10 +1001,13 @@ fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
                     u(la, "correct_experts") <= u(la, "requested_experts"),
                     "{what} {where_} {mode}: {la}"
                 );
+                // Forward calls: the prefill and every decode pass (19 without speculation;
+                // fewer when an attached job drafts from the earlier jobs' history).
+                let calls = 1 + u(&on, "forward_passes");
                 if *all_pinned {
                     // Every MoE layer (1..=12) is predicted from the layer before it, in each
-                    // of the 20 forward calls (the prefill and 19 decode steps).
-                    assert_eq!(u(la, "layers"), 12 * 20, "{what} {where_} {mode}: {la}");
+                    // forward call.
+                    assert_eq!(u(la, "layers"), 12 * calls, "{what} {where_} {mode}: {la}");
                     assert!(u(la, "correct_experts") > 0, "{what} {where_} {mode}: {la}");
                     if standalone {
                         // A fresh cache has free slots: predictions are read ahead and some
@@ -1013,7 +1022,7 @@ fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
                 } else {
                     // Layers 3.. stream: their routers are not resident (and are never read
                     // early for a prediction), so only layers 1 and 2 are predicted.
-                    assert_eq!(u(la, "layers"), 2 * 20, "{what} {where_} {mode}: {la}");
+                    assert_eq!(u(la, "layers"), 2 * calls, "{what} {where_} {mode}: {la}");
                 }
             }
             if !standalone {
