@@ -488,3 +488,50 @@ impl Drop for Sandbox {
         }
     }
 }
+
+/// Bytes of one tiny routed expert (MXFP4 w1/w2/w3 packed + scales).
+pub const TINY_EXPERT_BYTES: u64 = 6528;
+/// I/O alignment of the store.
+pub const ALIGN: u64 = 4096;
+
+/// `x` rounded up to [`ALIGN`].
+pub fn align_up(x: u64) -> u64 {
+    x.div_ceil(ALIGN) * ALIGN
+}
+
+/// Bytes between tiny expert slots in the arena (`ExpertReader::slot_stride`).
+pub fn slot_stride() -> u64 {
+    align_up(TINY_EXPERT_BYTES) + ALIGN
+}
+
+/// A byte count as a `--*-gb` argument that rounds back to exactly `bytes`.
+pub fn gb_arg(bytes: u64) -> String {
+    format!("{:.9}", bytes as f64 / 1e9)
+}
+
+/// `--cache-gb` value that buys exactly `n` tiny expert slots.
+pub fn cache_gb_for_slots(n: u64) -> String {
+    gb_arg(n * slot_stride())
+}
+
+/// A path as a command-line argument (the sandboxes' paths are UTF-8).
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// The integer `key` of a JSON report; panics naming the report when it is missing.
+pub fn json_u64(v: &serde_json::Value, key: &str) -> u64 {
+    v[key]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no integer {key:?} in {v}"))
+}
+
+/// The `generated_ids` of a worker's `--out` report.
+pub fn generated_ids(v: &serde_json::Value) -> Vec<u32> {
+    v["generated_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no generated_ids in {v}"))
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}

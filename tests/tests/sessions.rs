@@ -12,13 +12,9 @@ use std::process::Stdio;
 use std::sync::OnceLock;
 
 use k3_tests::{
-    ids_arg, reference_greedy, reference_prompt, tiny_model, workspace_root, Run, Sandbox,
+    ids_arg, path_str, reference_greedy, reference_prompt, tiny_model, workspace_root, Run, Sandbox,
 };
 use serde_json::Value;
-
-fn path_str(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 fn ids_of(v: &Value) -> Vec<u32> {
     v.as_array()

@@ -2,29 +2,11 @@
 //! checkpoint, every run checked against the fixture's reference greedy ids (computed by the
 //! float64 reference, not by this engine).
 
-use std::path::Path;
-
-use k3_tests::{ids_arg, reference_greedy, reference_prompt, tiny_model, Sandbox};
+use k3_tests::{
+    cache_gb_for_slots, generated_ids as generated, ids_arg, json_u64 as u, path_str,
+    reference_greedy, reference_prompt, tiny_model, Sandbox,
+};
 use serde_json::Value;
-
-fn u(v: &Value, key: &str) -> u64 {
-    v[key]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no integer {key:?} in {v}"))
-}
-
-fn generated(v: &Value) -> Vec<u32> {
-    v["generated_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no generated_ids in {v}"))
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
-fn path_str(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 /// A worker on the reference prompt (20 greedy ids) with `extra` flags; asserts exit 0 and the
 /// reference ids; returns the report.
@@ -124,9 +106,6 @@ fn a_store_that_keeps_no_history_gives_no_history_drafts() {
     sb.stop_store().expect("store running");
 }
 
-/// Bytes of one tiny routed expert and the store's slot stride for it (4 KiB-aligned + 4 KiB).
-const TINY_SLOT_STRIDE: u64 = 6528_u64.div_ceil(4096) * 4096 + 4096;
-
 #[test]
 fn history_drafts_give_the_reference_ids_at_every_budget() {
     let mut sb = Sandbox::new("spec-budgets");
@@ -134,7 +113,7 @@ fn history_drafts_give_the_reference_ids_at_every_budget() {
     let model = tiny_model();
     // Three tiny-model experts' slots (top-k is 2): a verify pass's union of experts exceeds the
     // cache and is fetched in groups.
-    let tiny_cache = format!("{:.9}", (3 * TINY_SLOT_STRIDE + 4096) as f64 / 1e9);
+    let tiny_cache = cache_gb_for_slots(3);
     let budgets: Vec<Vec<&str>> = vec![
         vec!["--preset", "laptop"],
         vec!["--trunk-gb", "0.001", "--cache-gb", &tiny_cache],

@@ -6,35 +6,14 @@ use std::path::Path;
 use std::time::Duration;
 
 use k3_tests::{
-    ids_arg, pid_gone, poll_until, reference_greedy, reference_prompt, tiny_model, Run, Sandbox,
+    align_up, cache_gb_for_slots, gb_arg, generated_ids as generated, ids_arg, json_u64 as u,
+    path_str, pid_gone, poll_until, reference_greedy, reference_prompt, tiny_model, Run, Sandbox,
+    ALIGN, TINY_EXPERT_BYTES as EXPERT_BYTES,
 };
 use serde_json::Value;
 
-/// Bytes of one tiny routed expert (MXFP4 w1/w2/w3 packed + scales).
-const EXPERT_BYTES: u64 = 6528;
-/// I/O alignment of the store.
-const ALIGN: u64 = 4096;
 /// Experts per token in the tiny model.
 const TOP_K: u64 = 2;
-
-fn align_up(x: u64) -> u64 {
-    x.div_ceil(ALIGN) * ALIGN
-}
-
-/// Bytes between expert slots in the arena (`ExpertReader::slot_stride`).
-fn slot_stride() -> u64 {
-    align_up(EXPERT_BYTES) + ALIGN
-}
-
-/// `--cache-gb` value that buys exactly `n` expert slots.
-fn cache_gb_for_slots(n: u64) -> String {
-    gb_arg(n * slot_stride())
-}
-
-/// A byte count as a `--*-gb` argument that rounds back to exactly `bytes`.
-fn gb_arg(bytes: u64) -> String {
-    format!("{:.9}", bytes as f64 / 1e9)
-}
 
 /// Each layer's trunk read-buffer size (the plan's unit), from the packed `trunk.json`.
 fn trunk_layer_bufs(trunk: &Path) -> Vec<u64> {
@@ -68,25 +47,6 @@ fn trunk_budget_pinning(bufs: &[u64], p: usize) -> u64 {
         );
     }
     budget
-}
-
-fn path_str(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
-
-fn u(v: &Value, key: &str) -> u64 {
-    v[key]
-        .as_u64()
-        .unwrap_or_else(|| panic!("no integer {key:?} in {v}"))
-}
-
-fn generated(v: &Value) -> Vec<u32> {
-    v["generated_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no generated_ids in {v}"))
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
 }
 
 /// The ids a worker printed on stdout (no tokenizer: space-separated ids).

@@ -8,21 +8,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use k3_tests::{
-    ids_arg, pid_gone, poll_until, reference_greedy, reference_prompt, tiny_model, workspace_root,
-    Run, Sandbox, Spawned,
+    gb_arg, ids_arg, path_str, pid_gone, poll_until, reference_greedy, reference_prompt,
+    tiny_model, workspace_root, Run, Sandbox, Spawned, ALIGN,
 };
 use serde_json::Value;
-
-const ALIGN: u64 = 4096;
-
-fn path_str(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
-
-/// A byte count as a `--*-gb` argument that rounds back to exactly `bytes`.
-fn gb_arg(bytes: u64) -> String {
-    format!("{:.9}", bytes as f64 / 1e9)
-}
 
 fn trunk_json(trunk: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap()
