@@ -753,6 +753,37 @@ fn hostile_and_confused_clients_get_errors_and_the_store_keeps_serving() {
         ClientKind::Control,
     );
     assert!(m.contains("already"), "{m}");
+    // History drafting's requests are bounded and workers-only where they write.
+    let m = bad(
+        Request::Draft {
+            context: vec![1; k3_proto::wire::MAX_DRAFT_CONTEXT + 1],
+            max: 4,
+        },
+        ClientKind::Worker,
+    );
+    assert!(m.contains("at most"), "{m}");
+    let m = bad(
+        Request::Draft {
+            context: vec![1, 2, 3],
+            max: k3_proto::wire::MAX_DRAFT_IDS + 1,
+        },
+        ClientKind::Worker,
+    );
+    assert!(m.contains("at most"), "{m}");
+    let m = bad(
+        Request::Record {
+            ids: vec![1, 2, 3, 4, 5],
+        },
+        ClientKind::Control,
+    );
+    assert!(m.contains("only workers"), "{m}");
+    let m = bad(
+        Request::Record {
+            ids: vec![1; k3_proto::wire::MAX_RECORD_IDS + 1],
+        },
+        ClientKind::Worker,
+    );
+    assert!(m.contains("at most"), "{m}");
 
     // A well-formed lease: the same expert twice is one slot, answered twice; the lease shows
     // in stats while the connection lives and is gone once it closes.
