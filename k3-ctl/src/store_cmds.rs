@@ -103,7 +103,7 @@ fn pct(c: &Counters) -> String {
 
 fn mbps(c: &Counters) -> String {
     if c.read_seconds > 0.0 {
-        format!("{:.1}", c.bytes_read as f64 / 1e6 / c.read_seconds)
+        format!("{:.1}", c.expert_bytes_read as f64 / 1e6 / c.read_seconds)
     } else {
         "-".into()
     }
@@ -127,11 +127,24 @@ pub fn render_stats(s: &StatsReport) -> String {
     );
     let _ = writeln!(
         o,
-        "          read {:.3} GB in {:.2} s ({} MB/s)",
-        l.bytes_read as f64 / 1e9,
+        "          experts read {:.3} GB in {:.2} s ({} MB/s)",
+        l.expert_bytes_read as f64 / 1e9,
         l.read_seconds,
         mbps(l)
     );
+    if l.trunk_layers_served > 0 || l.trunk_layer_reads > 0 {
+        let _ = writeln!(
+            o,
+            "trunk:    read {:.3} GB in {} layer reads  served {} layers ({} from a shared read)  \
+             waits {:.2} s  broken leases {}",
+            l.trunk_bytes_read as f64 / 1e9,
+            l.trunk_layer_reads,
+            l.trunk_layers_served,
+            l.trunk_shared_layers,
+            l.trunk_wait_seconds,
+            l.broken_leases
+        );
+    }
     if l.prefetch_loads > 0 {
         let per = l.prefetch_bytes.checked_div(l.prefetch_loads).unwrap_or(0);
         let _ = writeln!(
@@ -172,7 +185,7 @@ pub fn render_stats(s: &StatsReport) -> String {
     if !s.jobs.is_empty() {
         let _ = writeln!(
             o,
-            "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10} {:>7} {:>13}",
+            "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10} {:>10} {:>13} {:>8} {:>7} {:>13}",
             "job",
             "label",
             "live",
@@ -180,7 +193,10 @@ pub fn render_stats(s: &StatsReport) -> String {
             "hits",
             "misses",
             "TRUE hit",
-            "read MB",
+            "expert MB",
+            "trunk MB",
+            "shared/layers",
+            "wait s",
             "passes",
             "acc/drafted"
         );
@@ -189,7 +205,7 @@ pub fn render_stats(s: &StatsReport) -> String {
             let p = &j.progress;
             let _ = writeln!(
                 o,
-                "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10.1} {:>7} {:>13}",
+                "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10.1} {:>10.1} {:>13} {:>8.2} {:>7} {:>13}",
                 j.conn,
                 j.label,
                 if j.live { "yes" } else { "no" },
@@ -197,7 +213,10 @@ pub fn render_stats(s: &StatsReport) -> String {
                 c.resident_hits,
                 c.misses,
                 pct(c),
-                c.bytes_read as f64 / 1e6,
+                c.expert_bytes_read as f64 / 1e6,
+                c.trunk_bytes_read as f64 / 1e6,
+                format!("{}/{}", c.trunk_shared_layers, c.trunk_layers_served),
+                c.trunk_wait_seconds,
                 p.forward_passes,
                 format!("{}/{}", p.accepted_tokens, p.drafted_tokens)
             );
@@ -343,7 +362,7 @@ fn render_ps(s: &StatsReport) -> String {
             p.seconds_per_token()
                 .map_or("-".to_string(), |v| format!("{v:.3}")),
             p.trunk_bytes_read as f64 / 1e9,
-            j.counters.bytes_read as f64 / 1e9,
+            j.counters.expert_bytes_read as f64 / 1e9,
             100.0 * j.counters.true_resident_hit_rate()
         );
     }

@@ -1,18 +1,21 @@
 //! Attached mode: a worker's [`WeightSource`] over a running store.
 //!
 //! The worker maps the store's memfd read-only. Model-level tensors and pinned trunk layers are
-//! windows onto that mapping (no copy, no per-run reload); unpinned layers are streamed by the
-//! worker itself through its own ring with prefetch; routed experts are leased from the store one
-//! layer at a time and read in place from the arena.
+//! windows onto that mapping (no copy, no per-run reload); unpinned layers are leased from the
+//! store's trunk ring (SPEC.md §6.8: one stream shared by every worker, nothing allocated here);
+//! routed experts are leased from the store one layer at a time and read in place from the arena.
 //!
 //! Lease contract: the regions returned by [`WeightSource::experts`] stay valid until the next
-//! `experts` call on the same source (the store may reuse those slots after that). The engine
-//! finishes a layer before it routes the next, so it never holds an expert region that long.
+//! `experts` call on the same source (the store may reuse those slots after that); a streamed
+//! layer from [`WeightSource::layer`] until the next `layer` call for a streamed layer or
+//! [`WeightSource::end_pass`]. The engine finishes a layer before it asks for the next and ends
+//! every pass, so it never holds a region that long. `end_pass` fails when the store broke the
+//! lease (a worker that held it past the store's limit): the pass is discarded.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use k3_proto::names::MODEL_TENSORS;
 use k3_proto::shm::{RegionKind, ShmHeader};
@@ -26,7 +29,6 @@ use crate::source::{
     ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
     WeightSource,
 };
-use crate::stream::{StreamOptions, TrunkStream};
 use crate::trunk::{open_shards, TrunkLayout};
 
 /// Why a worker could not attach.
@@ -44,9 +46,6 @@ pub enum AttachError {
 /// How to attach.
 #[derive(Clone, Debug)]
 pub struct AttachOptions {
-    /// Bytes of the ring arena this worker streams the unpinned layers through; `None` = twice
-    /// the largest of them (the next layer is always read while one is computed).
-    pub ring_bytes: Option<u64>,
     /// The label the store shows for this worker.
     pub label: String,
 }
@@ -54,7 +53,6 @@ pub struct AttachOptions {
 impl Default for AttachOptions {
     fn default() -> Self {
         AttachOptions {
-            ring_bytes: None,
             label: format!("k3-worker pid {}", std::process::id()),
         }
     }
@@ -73,10 +71,8 @@ pub struct AttachInfo {
     pub shm_bytes: u64,
     /// Expert slots in the store's arena.
     pub slots: u32,
-    /// Bytes of the ring arena this worker allocated for the unpinned layers (0 if none).
+    /// Bytes of the store's trunk ring the unpinned layers stream through (0: all pinned).
     pub ring_bytes: u64,
-    /// The largest unpinned layer, bytes.
-    pub ring_layer_bytes: u64,
     /// Seconds from connect to ready.
     pub attach_seconds: f64,
 }
@@ -85,7 +81,14 @@ pub struct AttachInfo {
 pub struct AttachedSource {
     link: Arc<Link>,
     model: HashMap<&'static str, Region>,
-    stream: TrunkStream,
+    /// The trunk's layout (tensor locations of the streamed layers).
+    trunk: Arc<TrunkLayout>,
+    /// Runs of the pinned layers `0..pinned.len()` in the store's memory.
+    pinned: Vec<LayerRun>,
+    /// The store's trunk ring in the mapping: (offset, bytes); (0, 0) when all is pinned.
+    ring: (u64, u64),
+    /// This job's trunk figures, and whether it holds a ring lease (a pass to end).
+    trunk_stats: Mutex<TrunkFigures>,
     /// The long-lived thread [`WeightSource::request_experts`] runs on.
     fetch: IoPool,
 }
@@ -143,6 +146,21 @@ impl Link {
             Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
         }
     }
+}
+
+/// This job's streamed trunk layers, as the store's answers tell them.
+#[derive(Default)]
+struct TrunkFigures {
+    /// Bytes of the reads this job used first.
+    bytes_read: u64,
+    /// Layers handed to this job.
+    served: u64,
+    /// Of them, served from a read another hand-out had used (shared).
+    shared: u64,
+    /// Seconds spent waiting for them.
+    wait_seconds: f64,
+    /// A ring lease is held: the pass must be ended.
+    leased: bool,
 }
 
 /// The connection to the store and the arena's geometry: what an expert request needs, shared
@@ -252,30 +270,26 @@ impl AttachedSource {
             });
         }
         let pinned_layers = pinned.len();
-        let stream = TrunkStream::from_pinned(
-            trunk.clone(),
-            pinned,
-            &StreamOptions {
-                pinned: pinned_layers,
-                ring_bytes: opts
-                    .ring_bytes
-                    .unwrap_or(2 * TrunkStream::min_ring_bytes(&trunk, pinned_layers)),
-                demand_timeout: Duration::from_secs(120),
-            },
-        )
-        .map_err(|e| mismatch(e.to_string()))?;
+        let ring = match header.find(RegionKind::TrunkRing, 0) {
+            Some(r) => (r.offset, r.len),
+            None if pinned_layers < trunk.n_layers() => {
+                return Err(mismatch(format!(
+                    "the store pins {pinned_layers} of {} layers but has no trunk ring",
+                    trunk.n_layers()
+                )))
+            }
+            None => (0, 0),
+        };
         let arena = header
             .find(RegionKind::ExpertArena, 0)
             .ok_or_else(|| mismatch("the store's memory has no expert arena".into()))?;
-        let ss = stream.stats();
         let info = AttachInfo {
             model_dir,
             trunk_dir,
             pinned_layers,
             shm_bytes,
             slots: header.slot_count,
-            ring_bytes: ss.ring_bytes,
-            ring_layer_bytes: ss.largest_layer_bytes,
+            ring_bytes: ring.1,
             attach_seconds: t0.elapsed().as_secs_f64(),
         };
         let fetch = IoPool::new("k3-expert-fetch", 1)
@@ -293,11 +307,68 @@ impl AttachedSource {
                     identity: header.model_identity,
                 }),
                 model,
-                stream,
+                trunk,
+                pinned,
+                ring,
+                trunk_stats: Mutex::new(TrunkFigures::default()),
                 fetch,
             },
             info,
         ))
+    }
+
+    /// Lease streamed layer `l` from the store's ring (blocks until the store has it).
+    fn leased_layer(&self, l: usize) -> Result<LayerRun, SourceError> {
+        let plan = self
+            .trunk
+            .plan(l)
+            .ok_or_else(|| SourceError::Missing(format!("trunk layer {l}")))?;
+        let layer = u32::try_from(l).map_err(|_| SourceError::Invalid(format!("layer {l}")))?;
+        let t0 = Instant::now();
+        let resp = {
+            let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
+            c.call(&Request::TrunkLayer { layer })
+        };
+        let waited = t0.elapsed().as_secs_f64();
+        let (offset, len, fresh) = match resp {
+            Ok(Response::TrunkLayer { offset, len, fresh }) => (offset, len, fresh),
+            Ok(Response::Error { code, message }) => {
+                return Err(SourceError::Io(format!(
+                    "the store's trunk ring refused layer {l} ({code:?}): {message}"
+                )))
+            }
+            Ok(other) => {
+                return Err(SourceError::Io(format!(
+                    "unexpected answer from the store: {other:?}"
+                )))
+            }
+            Err(e) => return Err(SourceError::Io(format!("store connection lost: {e}"))),
+        };
+        let (r0, rlen) = self.ring;
+        let inside = offset >= r0 && offset.checked_add(len).is_some_and(|e| e <= r0 + rlen);
+        if len != plan.run_len || !inside {
+            return Err(SourceError::Io(format!(
+                "the store answered layer {l} at {offset}+{len}, not a {}-byte run inside its                  ring ({r0}+{rlen})",
+                plan.run_len
+            )));
+        }
+        let owner: Arc<dyn ByteOwner> = self.link.seg.clone();
+        let region = Region::new(owner, offset as usize, len as usize)
+            .ok_or_else(|| SourceError::Io(format!("layer {l}: outside the mapping")))?;
+        let mut f = self.trunk_stats.lock().unwrap_or_else(|p| p.into_inner());
+        f.leased = true;
+        f.served += 1;
+        f.wait_seconds += waited;
+        if fresh {
+            f.bytes_read += len;
+        } else {
+            f.shared += 1;
+        }
+        Ok(LayerRun {
+            layer: l,
+            region,
+            layout: plan.layout.clone(),
+        })
     }
 
     /// This job's counters as the store keeps them (TRUE resident hits, bytes read, …).
@@ -417,11 +488,30 @@ impl WeightSource for AttachedSource {
     }
 
     fn layer(&self, l: usize) -> Result<LayerRun, SourceError> {
-        self.stream.layer(l)
+        if let Some(r) = self.pinned.get(l) {
+            return Ok(r.clone());
+        }
+        self.leased_layer(l)
     }
 
-    fn prefetch_layer(&self, l: usize) {
-        self.stream.prefetch(l)
+    fn end_pass(&self) -> Result<(), SourceError> {
+        let mut f = self.trunk_stats.lock().unwrap_or_else(|p| p.into_inner());
+        if !f.leased {
+            return Ok(());
+        }
+        f.leased = false;
+        drop(f);
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
+        match c.call(&Request::EndPass) {
+            Ok(Response::Released) => Ok(()),
+            Ok(Response::Error { code, message }) => Err(SourceError::Io(format!(
+                "the store's trunk ring ({code:?}): {message}"
+            ))),
+            Ok(other) => Err(SourceError::Io(format!(
+                "unexpected answer from the store: {other:?}"
+            ))),
+            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
+        }
     }
 
     fn max_expert_batch(&self) -> usize {
@@ -444,7 +534,7 @@ impl WeightSource for AttachedSource {
     }
 
     fn resident_layer(&self, l: usize) -> Option<LayerRun> {
-        self.stream.pinned_layer(l)
+        self.pinned.get(l).cloned()
     }
 
     fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
@@ -461,7 +551,10 @@ impl WeightSource for AttachedSource {
     }
 
     fn stats(&self) -> SourceStats {
-        let s = self.stream.stats();
+        let (trunk_bytes, served, shared, trunk_wait) = {
+            let f = self.trunk_stats.lock().unwrap_or_else(|p| p.into_inner());
+            (f.bytes_read, f.served, f.shared, f.wait_seconds)
+        };
         let job = self.job_counters().unwrap_or_default();
         let wait = *self.link.wait.lock().unwrap_or_else(|p| p.into_inner());
         SourceStats {
@@ -470,12 +563,15 @@ impl WeightSource for AttachedSource {
             misses: job.misses,
             evictions: 0,
             failed_expert_loads: job.failed_loads,
-            expert_bytes_read: job.bytes_read,
+            expert_bytes_read: job.expert_bytes_read,
             expert_read_seconds: job.read_seconds,
-            trunk_bytes_read: s.bytes_read,
-            trunk_read_seconds: s.read_seconds,
-            io_wait_seconds: s.wait_seconds + wait,
-            trunk_wait_seconds: s.wait_seconds,
+            // The store reads the ring; what this job saw of it is the wait.
+            trunk_bytes_read: trunk_bytes,
+            trunk_read_seconds: 0.0,
+            io_wait_seconds: trunk_wait + wait,
+            trunk_wait_seconds: trunk_wait,
+            trunk_layers_served: served,
+            trunk_shared_layers: shared,
             prefetch_loads: job.prefetch_loads,
             prefetch_bytes: job.prefetch_bytes,
             prefetch_used: job.prefetch_used,

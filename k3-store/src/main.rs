@@ -72,6 +72,11 @@ struct StartArgs {
     #[arg(long, value_name = "N", default_value_t = k3_store::daemon::history::DEFAULT_HISTORY_TOKENS as u64,
           value_parser = clap::value_parser!(u64).range(0..=(1u64 << 28)))]
     history_ids: u64,
+    /// Seconds a worker may hold a layer of the trunk ring while other workers wait for room;
+    /// past it the lease is broken and that worker's job fails with an error (SPEC.md §6.8).
+    #[arg(long, value_name = "SECS", default_value_t = k3_store::daemon::ring::DEFAULT_LEASE_TIMEOUT.as_secs_f64(),
+          value_parser = lease_seconds)]
+    lease_timeout: f64,
     /// Internal: the readiness pipe of a detached start.
     #[arg(long, hide = true)]
     ready_fd: Option<i32>,
@@ -105,6 +110,13 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+fn lease_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && (0.1..=86_400.0).contains(&x) => Ok(x),
+        _ => Err(format!("{s}: expected seconds between 0.1 and 86400")),
+    }
 }
 
 fn session_mb(s: &str) -> Result<f64, String> {
@@ -173,6 +185,7 @@ fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
     args.push(format!("--session-mb={}", a.session_mb).into());
     args.push(format!("--max-sessions={}", a.max_sessions).into());
     args.push(format!("--history-ids={}", a.history_ids).into());
+    args.push(format!("--lease-timeout={}", a.lease_timeout).into());
     if let Some(d) = &a.state_dir {
         args.push("--state-dir".into());
         args.push(d.clone().into());
@@ -229,8 +242,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         // No packed trunk: the layers are read from the checkpoint's shards.
         None => k3_store::trunk::TrunkLayout::from_catalog(&cat, shards),
     };
-    // The plan: the store holds the resident tensors, the pinned prefix and the expert arena;
-    // the ring arena, KV caches and activations live in each worker.
+    // The plan: the store holds the resident tensors, the pinned prefix, the ring the other
+    // layers stream through and the expert arena; KV caches and activations live in each
+    // worker.
     let mut inputs = PlanInputs::from_model(&cfg, &cat, &trunk, 0);
     // The store holds the embedding in shared memory too (workers read its rows there).
     inputs.resident_bytes += inputs.mapped_bytes;
@@ -248,7 +262,13 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         (false, _) => budget,
     };
     let mut plan = MemoryPlan::compute(&inputs, &budget);
-    let shm = segment_bytes(&cat, &trunk, plan.pinned_layers, plan.expert_slots);
+    let shm = segment_bytes(
+        &cat,
+        &trunk,
+        plan.pinned_layers,
+        plan.expert_slots,
+        plan.ring_bytes,
+    );
     let mut problems = plan.problems.clone();
     if let Some(av) = available {
         if shm > av {
@@ -262,9 +282,10 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     }
     plan.available_bytes = available;
     let plan_text = format!(
-        "{plan}store shared memory: {} ({} pinned layers, {} expert slots)\nkept conversations: up to {} and {} sessions, on top of the above{}\n",
+        "{plan}store shared memory: {} ({} pinned layers, ring {}, {} expert slots)\nkept conversations: up to {} and {} sessions, on top of the above{}\n",
         fmt_gb(shm),
         plan.pinned_layers,
+        fmt_gb(plan.ring_bytes),
         plan.expert_slots,
         fmt_gb((a.session_mb * 1e6) as u64),
         a.max_sessions,
@@ -319,6 +340,11 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         cache_policy,
         preset: budget.label.clone(),
         plan_text,
+        ring_bytes: plan.ring_bytes,
+        ring: k3_store::daemon::ring::RingOptions {
+            lease_timeout: std::time::Duration::from_secs_f64(a.lease_timeout),
+            ..Default::default()
+        },
     };
     let t0 = std::time::Instant::now();
     let mut bar: Option<Progress> = None;
@@ -435,6 +461,8 @@ mod tests {
             "3",
             "--state-dir",
             "st",
+            "--lease-timeout",
+            "2.5",
         ]);
         resolve_paths(&mut a).unwrap();
         let cwd = std::env::current_dir().unwrap();
@@ -456,6 +484,7 @@ mod tests {
                 b.session_mb,
                 b.max_sessions,
                 b.history_ids,
+                b.lease_timeout,
                 &b.state_dir
             ),
             (
@@ -467,6 +496,7 @@ mod tests {
                 a.session_mb,
                 a.max_sessions,
                 a.history_ids,
+                2.5,
                 &a.state_dir
             )
         );

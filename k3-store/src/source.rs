@@ -171,6 +171,13 @@ pub struct SourceStats {
     /// Requested experts a prefetch had loaded; the rest of `prefetch_loads` was wasted.
     #[serde(default)]
     pub prefetch_used: u64,
+    /// Streamed trunk layers handed out by the store's shared ring (attached jobs; 0 standalone).
+    #[serde(default)]
+    pub trunk_layers_served: u64,
+    /// Of them, served from a read another job (or an earlier pass) had used already: a shared
+    /// read, whose bytes are not in `trunk_bytes_read`.
+    #[serde(default)]
+    pub trunk_shared_layers: u64,
 }
 
 /// Errors a source reports.
@@ -253,6 +260,12 @@ pub trait WeightSource: Send + Sync {
 
     /// Hint that layer `l` will be asked for next (a streaming source starts reading it).
     fn prefetch_layer(&self, _l: usize) {}
+    /// The forward pass is done with the trunk layers: release what it leased. `Err` when what
+    /// the pass computed cannot be trusted (an attached worker's ring lease was broken by the
+    /// store): the caller must discard the pass. Default: nothing held.
+    fn end_pass(&self) -> Result<(), SourceError> {
+        Ok(())
+    }
 
     /// The routed experts `ids` of layer `l` (one layer's top-k for a token or a batch).
     fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError>;

@@ -407,7 +407,7 @@ pub fn open_source(
                     }
                 })?;
             tracing::info!(
-                "attached to {} in {:.3} s: model {}, {} pinned layers, {:.3} GB shared, {} expert slots, ring {:.3} GB",
+                "attached to {} in {:.3} s: model {}, {} pinned layers, {:.3} GB shared, {} expert slots, store ring {:.3} GB",
                 socket.display(),
                 info.attach_seconds,
                 info.model_dir.display(),
@@ -417,8 +417,9 @@ pub fn open_source(
                 gb(info.ring_bytes)
             );
             let (cfg, dims) = config(cli, &info.model_dir)?;
-            // The store holds the weights; this process holds the sequence state, the
-            // activations of one forward call and its ring.
+            // The store holds the weights and streams the unpinned layers through its own ring
+            // (SPEC.md §6.8); this process allocates only the sequence state, the activations
+            // and logits of one forward call and the verify buffers.
             let need = dims.kda_state_bytes()
                 + dims.mla_cache_bytes(positions as u64)
                 + k3_store::plan::activation_bytes(&cfg, chunk)
@@ -432,7 +433,7 @@ pub fn open_source(
                 )));
             }
             tracing::info!(
-                "worker memory: sequence state and buffers {:.3} GB + ring {:.3} GB; may allocate {:.3} GB",
+                "worker memory: sequence state and buffers {:.3} GB (no ring: the trunk streams through the store's {:.3} GB ring); may allocate {:.3} GB",
                 gb(need),
                 gb(info.ring_bytes),
                 gb(avail)

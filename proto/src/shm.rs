@@ -21,7 +21,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 /// Magic bytes at offset 0.
 pub const SHM_MAGIC: [u8; 8] = *b"K3STORE\0";
 /// Bumped on any change to the layout.
-pub const SHM_LAYOUT_VERSION: u32 = 1;
+pub const SHM_LAYOUT_VERSION: u32 = 2;
 /// Region table capacity: 5 model tensors + up to 93 pinned layers + arena + slot table, with room.
 pub const MAX_REGIONS: usize = 256;
 /// Alignment of every region (O_DIRECT reads land in place).
@@ -39,6 +39,9 @@ pub enum RegionKind {
     ExpertArena = 3,
     /// The slot table ([`SlotEntry`] per slot); `index` = 0.
     SlotTable = 4,
+    /// The ring the store streams the unpinned trunk layers through; `index` = 0. Workers read
+    /// a layer there only under a lease (`Request::TrunkLayer`).
+    TrunkRing = 5,
 }
 
 impl RegionKind {
@@ -48,6 +51,7 @@ impl RegionKind {
             2 => RegionKind::PinnedLayer,
             3 => RegionKind::ExpertArena,
             4 => RegionKind::SlotTable,
+            5 => RegionKind::TrunkRing,
             _ => return None,
         })
     }

@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -124,6 +124,18 @@ pub enum Request {
         /// Predicted expert ids.
         ids: Vec<u32>,
     },
+    /// v4. Lease streamed (unpinned) trunk layer `layer` from the store's ring (SPEC.md §6.8):
+    /// answered with [`Response::TrunkLayer`] once the layer is in shared memory. Releases the
+    /// trunk lease this connection held before (the engine finishes a layer before it asks for
+    /// the next). Fails with [`ErrorCode::LeaseBroken`] when that earlier lease was broken.
+    TrunkLayer {
+        /// 0-based layer, at least the store's pinned count.
+        layer: u32,
+    },
+    /// v4. The forward pass is done with the streamed layers: release this connection's trunk
+    /// lease. Answered [`Response::Released`], or [`ErrorCode::LeaseBroken`] when the lease was
+    /// broken while held (the pass computed on bytes that may have been overwritten: discard it).
+    EndPass,
 }
 
 /// One kept conversation in [`Response::Sessions`].
@@ -225,15 +237,29 @@ pub struct Counters {
     /// Experts that failed to load.
     pub failed_loads: u64,
     /// Bytes read from disk for experts.
-    pub bytes_read: u64,
+    pub expert_bytes_read: u64,
     /// Seconds spent reading experts.
     pub read_seconds: f64,
-    /// v3. Experts loaded by `Prefetch` requests (their bytes are in `bytes_read`).
+    /// v3. Experts loaded by `Prefetch` requests (their bytes are in `expert_bytes_read`).
     pub prefetch_loads: u64,
     /// v3. Bytes those prefetches read.
     pub prefetch_bytes: u64,
     /// v3. Requested experts that a prefetch had loaded (the rest of the loads were wasted).
     pub prefetch_used: u64,
+    /// v4. Bytes of streamed trunk layers read into the store's ring. Per job: the reads this
+    /// job used first (a read another job used first is a shared read and is not counted again).
+    pub trunk_bytes_read: u64,
+    /// v4. Reads of streamed trunk layers into the ring (per job: the reads it used first).
+    pub trunk_layer_reads: u64,
+    /// v4. Streamed trunk layers handed out (per job: to this job).
+    pub trunk_layers_served: u64,
+    /// v4. Hand-outs of a read that an earlier hand-out had already used (a layer served to
+    /// several jobs from one read, or again to the same job from the ring).
+    pub trunk_shared_layers: u64,
+    /// v4. Seconds workers waited for streamed trunk layers, summed.
+    pub trunk_wait_seconds: f64,
+    /// v4. Trunk leases broken because their holder kept them past the lease limit.
+    pub broken_leases: u64,
 }
 
 impl Counters {
@@ -357,8 +383,9 @@ pub enum Response {
         /// Requested experts that were RESIDENT before this request.
         resident_hits: u32,
     },
-    /// v1. Answer to [`Request::Stats`].
-    Stats(StatsReport),
+    /// v1. Answer to [`Request::Stats`] (boxed: it is by far the largest answer; the encoding is
+    /// the same).
+    Stats(Box<StatsReport>),
     /// v1. Answer to [`Request::Status`].
     Status(StatusReport),
     /// v1. Answer to [`Request::Stop`]: the store is draining.
@@ -394,6 +421,17 @@ pub enum Response {
     NoSession,
     /// v3. Answer to [`Request::ListSessions`], most recently used first.
     Sessions(Vec<SessionInfo>),
+    /// v4. Answer to [`Request::TrunkLayer`]: the layer's run is at `offset..offset + len` of the
+    /// shared memory, leased to this connection until its next `TrunkLayer` or `EndPass`.
+    TrunkLayer {
+        /// Byte offset of the run in the shared-memory segment.
+        offset: u64,
+        /// Bytes of the run.
+        len: u64,
+        /// This connection is the first to use this read of the layer (its bytes count as read
+        /// for this job); `false`: another job's read served it too (a shared read).
+        fresh: bool,
+    },
 }
 
 /// The kind of a [`Response::Error`].
@@ -413,6 +451,9 @@ pub enum ErrorCode {
     TooLarge,
     /// The store failed to do something it should be able to (share memory, read experts).
     Internal,
+    /// v4. A trunk lease this connection held longer than the store's lease limit was broken
+    /// so the other workers could go on; what was computed on it must be discarded.
+    LeaseBroken,
 }
 
 impl ErrorCode {
@@ -421,9 +462,10 @@ impl ErrorCode {
     pub fn exit_code(self) -> i32 {
         match self {
             ErrorCode::NotAllowed | ErrorCode::Busy | ErrorCode::Stopping => crate::exit::NO_STORE,
-            ErrorCode::BadRequest | ErrorCode::TooLarge | ErrorCode::Internal => {
-                crate::exit::FAILURE
-            }
+            ErrorCode::BadRequest
+            | ErrorCode::TooLarge
+            | ErrorCode::Internal
+            | ErrorCode::LeaseBroken => crate::exit::FAILURE,
         }
     }
 }

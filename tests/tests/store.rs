@@ -166,15 +166,26 @@ fn second_worker_finds_everything_resident_and_stats_add_up() {
             u(c, "misses"),
             u(rep, "expert_requests") - u(rep, "resident_hits")
         );
-        assert_eq!(u(c, "bytes_read"), u(rep, "expert_bytes_read"), "{job}");
+        assert_eq!(
+            u(c, "expert_bytes_read"),
+            u(rep, "expert_bytes_read"),
+            "{job}"
+        );
+        assert_eq!(
+            u(c, "trunk_bytes_read"),
+            u(rep, "trunk_bytes_read"),
+            "{job}"
+        );
         assert_eq!(u(c, "failed_loads"), 0);
     }
     assert_eq!(u(&jobs[1]["counters"], "misses"), 0);
     let l = &s["lifetime"];
     let sum = |k: &str| jobs.iter().map(|j| u(&j["counters"], k)).sum::<u64>();
-    for k in ["requests", "resident_hits", "misses", "bytes_read"] {
+    for k in ["requests", "resident_hits", "misses", "expert_bytes_read"] {
         assert_eq!(u(l, k), sum(k), "lifetime {k} = sum of jobs: {s}");
     }
+    // A read the ring made ahead that no job used is the store's, not a job's.
+    assert!(u(l, "trunk_bytes_read") >= sum("trunk_bytes_read"), "{s}");
     assert_eq!(
         u(l, "evictions"),
         0,

@@ -20,11 +20,13 @@ use std::time::Duration;
 use k3_proto::names::MODEL_TENSORS;
 use k3_proto::shm::{RegionKind, ShmHeader, SlotEntry, FIRST_REGION_OFFSET};
 use k3_proto::wire::{
-    ClientKind, Counters, JobStats, Response, SlotAnswer, StatsReport, StatusReport,
+    ClientKind, Counters, ErrorCode, JobStats, Response, SlotAnswer, StatsReport, StatusReport,
 };
 use zerocopy::IntoBytes;
 
+use super::ring::{Grant, RingCounters, RingError, RingOptions, SharedRing};
 use super::{Backend, ConnId};
+use crate::arena::ArenaMem;
 use crate::catalog::Catalog;
 use crate::experts::{Arena, BatchError, ExpertReader, ExpertSlots, SlotState, SlotTable};
 use crate::io::{align_up, span_len, DiskFile};
@@ -78,6 +80,11 @@ pub struct BuildOptions {
     pub preset: String,
     /// The memory plan as printed, for status.
     pub plan_text: String,
+    /// Bytes of the ring the unpinned layers stream through (ignored when every layer is
+    /// pinned; at least the largest unpinned layer otherwise).
+    pub ring_bytes: u64,
+    /// Lease limits of the ring.
+    pub ring: RingOptions,
 }
 
 /// How long an expert request waits for leased slots to be released by other workers.
@@ -117,6 +124,11 @@ pub struct StoreBackend {
     /// The thread `Prefetch` requests are read on. Declared first: dropped (its queued jobs
     /// finished, its thread joined) before the segment they write into is unmapped.
     prefetcher: IoPool,
+    /// The trunk ring (`None` when every layer is pinned). Declared before the segment: its
+    /// reader thread is joined before the memory it reads into is unmapped.
+    ring: Option<SharedRing>,
+    /// Offset of the ring in the segment.
+    ring_off: u64,
     seg: Segment,
     base: Base,
     slot_table_off: usize,
@@ -127,20 +139,33 @@ pub struct StoreBackend {
 }
 
 /// Bytes of shared memory [`StoreBackend::build`] will create for these options.
-pub fn segment_bytes(cat: &Catalog, trunk: &TrunkLayout, pinned: usize, slots: usize) -> u64 {
-    segment_layout(cat, trunk, pinned, slots).total
+pub fn segment_bytes(
+    cat: &Catalog,
+    trunk: &TrunkLayout,
+    pinned: usize,
+    slots: usize,
+    ring_bytes: u64,
+) -> u64 {
+    segment_layout(cat, trunk, pinned, slots, ring_bytes).total
 }
 
 struct SegLayout {
     model: Vec<(usize, u64, u64)>, // (catalog index, region offset, region bytes)
     layers: Vec<(usize, u64, u64)>, // (layer, region offset, region bytes)
+    ring: Option<(u64, u64)>,
     arena: (u64, u64),
     slot_table: (u64, u64),
     stride: u64,
     total: u64,
 }
 
-fn segment_layout(cat: &Catalog, trunk: &TrunkLayout, pinned: usize, slots: usize) -> SegLayout {
+fn segment_layout(
+    cat: &Catalog,
+    trunk: &TrunkLayout,
+    pinned: usize,
+    slots: usize,
+    ring_bytes: u64,
+) -> SegLayout {
     let up = |x: u64| align_up(x).unwrap_or(u64::MAX);
     let mut at = FIRST_REGION_OFFSET;
     let mut model = Vec::new();
@@ -158,6 +183,11 @@ fn segment_layout(cat: &Catalog, trunk: &TrunkLayout, pinned: usize, slots: usiz
         layers.push((l, at, bytes));
         at += bytes;
     }
+    let ring = (pinned < trunk.n_layers()).then(|| {
+        let r = (at, up(ring_bytes));
+        at += r.1;
+        r
+    });
     let stride = ExpertReader::slot_stride(&cat.expert_layout()) as u64;
     let arena = (at, stride * slots as u64);
     at += arena.1;
@@ -166,6 +196,7 @@ fn segment_layout(cat: &Catalog, trunk: &TrunkLayout, pinned: usize, slots: usiz
     SegLayout {
         model,
         layers,
+        ring,
         arena,
         slot_table,
         stride,
@@ -221,7 +252,13 @@ impl StoreBackend {
         }
         let policy = crate::policy::policy_by_name(&opts.cache_policy, opts.slots)
             .ok_or_else(|| crate::policy::unknown_policy(&opts.cache_policy))?;
-        let lay = segment_layout(&cat, &trunk, opts.pinned_layers, opts.slots);
+        let lay = segment_layout(
+            &cat,
+            &trunk,
+            opts.pinned_layers,
+            opts.slots,
+            opts.ring_bytes,
+        );
         let identity = cat.identity(&opts.model_dir)?;
         let mut seg = Segment::create("k3-store", lay.total)
             .map_err(|e| format!("cannot create {} bytes of shared memory: {e}", lay.total))?;
@@ -282,6 +319,11 @@ impl StoreBackend {
         header
             .push_region(RegionKind::SlotTable, 0, lay.slot_table.0, lay.slot_table.1)
             .map_err(|e| e.to_string())?;
+        if let Some((off, len)) = lay.ring {
+            header
+                .push_region(RegionKind::TrunkRing, 0, off, len)
+                .map_err(|e| e.to_string())?;
+        }
         header.validate().map_err(|e| e.to_string())?;
         let enc = header.encode();
         seg.bytes_mut()[..enc.len()].copy_from_slice(enc);
@@ -295,6 +337,24 @@ impl StoreBackend {
                 lay.stride as usize,
                 opts.slots,
             )?
+        };
+        let ring = match lay.ring {
+            Some((off, len)) => {
+                let (r0, rlen) = (off as usize, len as usize);
+                // SAFETY: the ring region lies inside the segment, which `StoreBackend` owns and
+                // keeps mapped until the ring (declared before it) is dropped and its reader
+                // joined; nothing else touches these bytes through `bytes_mut` after this point
+                // (the slot-table mirror and the arena are disjoint regions).
+                let mem = unsafe { ArenaMem::over(&mut seg.bytes_mut()[r0..r0 + rlen]) };
+                let first = lay.layers.len();
+                Some(SharedRing::new(
+                    Arc::new(trunk),
+                    first,
+                    mem,
+                    opts.ring.clone(),
+                )?)
+            }
+            None => None,
         };
         let base = Base(seg.as_mut_ptr());
         let dirs = (
@@ -326,6 +386,8 @@ impl StoreBackend {
             .map_err(|e| format!("starting the prefetch thread: {e}"))?;
         Ok(StoreBackend {
             prefetcher,
+            ring,
+            ring_off: lay.ring.map_or(0, |r| r.0),
             experts: Arc::new(experts),
             base,
             slot_table_off: lay.slot_table.0 as usize,
@@ -386,7 +448,7 @@ impl StoreBackend {
         c.resident_hits += hits;
         c.misses += served.outcomes.len() as u64 - hits;
         c.failed_loads += n_failed;
-        c.bytes_read += served.bytes_read;
+        c.expert_bytes_read += served.bytes_read;
         c.read_seconds += served.read_seconds;
         c.prefetch_used += served.prefetch_used;
         drop(g);
@@ -446,7 +508,7 @@ impl Backend for StoreBackend {
                 if let Some(job) = experts.lock().extra.live.get_mut(&conn) {
                     job.counters.prefetch_loads += done.loads;
                     job.counters.prefetch_bytes += done.bytes_read;
-                    job.counters.bytes_read += done.bytes_read;
+                    job.counters.expert_bytes_read += done.bytes_read;
                 }
             },
             // A prediction is never needed: a failed prefetch only costs its reads.
@@ -481,14 +543,48 @@ impl Backend for StoreBackend {
 
     fn closed(&self, conn: ConnId) {
         self.release_all(conn);
+        let ring = self.ring.as_ref().map(|r| r.remove(conn));
         let mut g = self.experts.lock();
         let jobs = &mut g.extra;
         if let Some(mut job) = jobs.live.remove(&conn) {
             job.live = false;
+            if let Some(r) = ring {
+                add_ring(&mut job.counters, &r);
+            }
             jobs.finished.push_back((conn, job));
             while jobs.finished.len() > FINISHED_JOBS_KEPT {
                 jobs.finished.pop_front();
             }
+        }
+    }
+
+    fn trunk_layer(&self, conn: ConnId, layer: u32) -> Response {
+        let Some(ring) = &self.ring else {
+            return Response::Error {
+                code: ErrorCode::BadRequest,
+                message: format!("layer {layer} is pinned: every layer of this store is"),
+            };
+        };
+        match ring.acquire(conn, layer as usize) {
+            Ok(Grant { offset, len, fresh }) => Response::TrunkLayer {
+                offset: self.ring_off + offset,
+                len,
+                fresh,
+            },
+            Err(e) => ring_error(e),
+        }
+    }
+
+    fn end_pass(&self, conn: ConnId) -> Response {
+        match self.ring.as_ref().map(|r| r.end_pass(conn)) {
+            None | Some(Ok(())) => Response::Released,
+            Some(Err(e)) => ring_error(e),
+        }
+    }
+
+    fn stopping(&self) {
+        if let Some(r) = &self.ring {
+            r.shutdown();
         }
     }
 
@@ -507,17 +603,30 @@ impl Backend for StoreBackend {
             misses: t.misses,
             evictions: t.evictions,
             failed_loads: t.failed_loads,
-            bytes_read: g.bytes_read,
+            expert_bytes_read: g.bytes_read,
             read_seconds: g.read_seconds,
             prefetch_loads: t.prefetch_loads,
             prefetch_bytes: g.prefetch_bytes,
             prefetch_used: t.prefetch_used,
+            ..Counters::default()
+        };
+        let mut lifetime = lifetime;
+        if let Some(r) = &self.ring {
+            add_ring(&mut lifetime, &r.lifetime());
+        }
+        // A live job's ring counters are in the ring; a finished one's were folded in.
+        let counters = |c: &ConnId, j: &Job| {
+            let mut k = j.counters.clone();
+            if let (true, Some(r)) = (j.live, &self.ring) {
+                add_ring(&mut k, &r.job(*c));
+            }
+            k
         };
         let to_stats = |c: &ConnId, j: &Job| JobStats {
             conn: *c,
             label: j.label.clone(),
             live: j.live,
-            counters: j.counters.clone(),
+            counters: counters(c, j),
             progress: j.progress.clone(),
         };
         let mut jobs: Vec<JobStats> = (g.extra.finished.iter())
@@ -528,7 +637,7 @@ impl Backend for StoreBackend {
         StatsReport {
             lifetime,
             job: (g.extra.live.get(&conn))
-                .map(|j| j.counters.clone())
+                .map(|j| counters(&conn, j))
                 .unwrap_or_default(),
             jobs,
             pinned_layers: self.pinned,
@@ -555,6 +664,30 @@ impl Backend for StoreBackend {
     fn dirs(&self) -> (String, String) {
         self.dirs.clone()
     }
+}
+
+/// The answer for a ring failure.
+fn ring_error(e: RingError) -> Response {
+    let code = match e {
+        RingError::BadLayer(_) => ErrorCode::BadRequest,
+        RingError::Broken(_) => ErrorCode::LeaseBroken,
+        RingError::Read(_) => ErrorCode::Internal,
+        RingError::Stopping => ErrorCode::Stopping,
+    };
+    Response::Error {
+        code,
+        message: e.to_string(),
+    }
+}
+
+/// Add ring counters to a job's or the lifetime counters.
+fn add_ring(c: &mut Counters, r: &RingCounters) {
+    c.trunk_bytes_read += r.bytes_read;
+    c.trunk_layer_reads += r.layer_reads;
+    c.trunk_layers_served += r.served;
+    c.trunk_shared_layers += r.shared;
+    c.trunk_wait_seconds += r.wait_seconds;
+    c.broken_leases += r.broken;
 }
 
 /// Where a model-level tensor sits in the segment (for tests and the worker).

@@ -43,6 +43,7 @@ use crate::ipc;
 pub mod backend;
 pub mod detach;
 pub mod history;
+pub mod ring;
 pub mod sessions;
 
 use sessions::{SessionOptions, Sessions};
@@ -68,6 +69,20 @@ pub trait Backend: Send + Sync + 'static {
     fn prefetch(&self, _conn: ConnId, _layer: u32, _ids: &[u32]) {}
     /// A worker reported its progress.
     fn progress(&self, _conn: ConnId, _p: k3_proto::wire::JobProgress) {}
+    /// Lease streamed trunk layer `layer` to `conn` (blocking until it is in the ring),
+    /// releasing that connection's earlier trunk lease. Default: no ring (every layer pinned).
+    fn trunk_layer(&self, _conn: ConnId, layer: u32) -> Response {
+        Response::Error {
+            code: ErrorCode::BadRequest,
+            message: format!("layer {layer} is not streamed by this store (no trunk ring)"),
+        }
+    }
+    /// `conn` ended a forward pass: release its trunk lease.
+    fn end_pass(&self, _conn: ConnId) -> Response {
+        Response::Released
+    }
+    /// The server stopped accepting: wake requests that wait inside the backend.
+    fn stopping(&self) {}
     /// Lifetime and per-connection counters.
     fn stats(&self, conn: ConnId) -> StatsReport;
     /// Static description (model, preset, plan, memory).
@@ -335,6 +350,7 @@ impl<B: Backend> Server<B> {
         }
         // One place for every shutdown cause: stop accepting, drain, clean up.
         let _ = std::fs::remove_file(&self.socket);
+        self.shared.backend.stopping();
         let deadline = Instant::now() + self.drain_cap;
         while self.shared.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
@@ -527,6 +543,8 @@ fn request_name(r: &Request) -> &'static str {
         Request::GetSession { .. } => "GetSession",
         Request::ListSessions => "ListSessions",
         Request::Prefetch { .. } => "Prefetch",
+        Request::TrunkLayer { .. } => "TrunkLayer",
+        Request::EndPass => "EndPass",
     }
 }
 
@@ -699,7 +717,7 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                 s.history = lock(&shared.history).stats();
                 bound_jobs(&mut s.jobs, limits.max_listed_jobs);
                 s.sessions = shared.sessions.stats();
-                Response::Stats(s)
+                Response::Stats(Box::new(s))
             }
             Request::Status => {
                 let mut s = shared.backend.status();
@@ -726,6 +744,31 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             Request::ReleaseAll => {
                 shared.backend.release_all(id);
                 Response::Released
+            }
+            Request::TrunkLayer { layer } => {
+                if kind != ClientKind::Worker {
+                    Response::Error {
+                        code: ErrorCode::NotAllowed,
+                        message: "only workers lease trunk layers".into(),
+                    }
+                } else if shared.stop.load(Ordering::SeqCst) {
+                    Response::Error {
+                        code: ErrorCode::Stopping,
+                        message: "the store is stopping".into(),
+                    }
+                } else {
+                    shared.backend.trunk_layer(id, layer)
+                }
+            }
+            Request::EndPass => {
+                if kind != ClientKind::Worker {
+                    Response::Error {
+                        code: ErrorCode::NotAllowed,
+                        message: "only workers lease trunk layers".into(),
+                    }
+                } else {
+                    shared.backend.end_pass(id)
+                }
             }
             Request::Prefetch { layer, ids } => {
                 if kind != ClientKind::Worker {

@@ -11,7 +11,8 @@
 //!     pend += MLP_L(RMSNorm(x; post_attention_layernorm_L))
 //! logits = lm_head · RMSNorm(AttnRes(bank ++ [pend]; w_outres); norm)
 //! ```
-//! Per layer: `source.layer(l)`, `source.prefetch_layer(l+1)`, bind, compute, drop the run. For
+//! Per layer: `source.layer(l)`, `source.prefetch_layer(l+1)`, bind, compute, drop the run; then
+//! `source.end_pass()` (an attached worker gives its ring lease back). For
 //! MoE layers the tokens are routed first and the union of their experts is requested from the
 //! source ONCE.
 
@@ -426,6 +427,8 @@ impl<'s> Model<'s> {
             pend.iter_mut().zip(&m).for_each(|(pv, mv)| *pv += mv);
             drop(run);
         }
+        // Give back the streamed layers; a lease the store broke voids the pass.
+        source.end_pass()?;
 
         // Output aggregator → final norm → lm_head.
         let mut src: Vec<&[f32]> = scratch.bank[..banked]
