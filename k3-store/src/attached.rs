@@ -348,7 +348,7 @@ impl AttachedSource {
         let inside = offset >= r0 && offset.checked_add(len).is_some_and(|e| e <= r0 + rlen);
         if len != plan.run_len || !inside {
             return Err(SourceError::Io(format!(
-                "the store answered layer {l} at {offset}+{len}, not a {}-byte run inside its                  ring ({r0}+{rlen})",
+                "the store answered layer {l} at {offset}+{len}, not a {}-byte run inside its ring ({r0}+{rlen})",
                 plan.run_len
             )));
         }

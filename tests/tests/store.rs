@@ -6,59 +6,14 @@ use std::path::Path;
 use std::time::Duration;
 
 use k3_tests::{
-    align_up, cache_gb_for_slots, gb_arg, generated_ids as generated, ids_arg, json_u64 as u,
-    path_str, pid_gone, poll_until, reference_greedy, reference_prompt, tiny_model, Run, Sandbox,
-    ALIGN, TINY_EXPERT_BYTES as EXPERT_BYTES,
+    cache_gb_for_slots, gb_arg, generated_ids as generated, ids_arg, json_u64 as u, path_str,
+    pid_gone, poll_until, printed_ids, reference_greedy, reference_prompt, tiny_model,
+    trunk_budget_pinning, trunk_layer_bufs, Run, Sandbox, TINY_EXPERT_BYTES as EXPERT_BYTES,
 };
 use serde_json::Value;
 
 /// Experts per token in the tiny model.
 const TOP_K: u64 = 2;
-
-/// Each layer's trunk read-buffer size (the plan's unit), from the packed `trunk.json`.
-fn trunk_layer_bufs(trunk: &Path) -> Vec<u64> {
-    let j: Value =
-        serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap();
-    j["layers"]
-        .as_array()
-        .expect("trunk.json layers")
-        .iter()
-        .map(|l| {
-            let off = l["file_off"].as_u64().expect("file_off");
-            let n = l["nbytes"].as_u64().expect("nbytes");
-            align_up(off % ALIGN + n)
-        })
-        .collect()
-}
-
-/// The trunk budget that pins exactly layers `0..p` and rings the rest through a ring of the
-/// largest of them.
-fn trunk_budget_pinning(bufs: &[u64], p: usize) -> u64 {
-    let ring = bufs[p..].iter().copied().max().unwrap_or(0);
-    let budget = bufs[..p].iter().sum::<u64>() + ring;
-    // The plan pins the longest prefix that leaves a ring for the largest remaining layer: p + 1
-    // must not fit.
-    if p < bufs.len() {
-        let next_ring = bufs[p + 1..].iter().copied().max().unwrap_or(0);
-        assert!(
-            bufs[..=p].iter().sum::<u64>() + next_ring > budget,
-            "budget for {p} pinned layers would pin {}",
-            p + 1
-        );
-    }
-    budget
-}
-
-/// The ids a worker printed on stdout (no tokenizer: space-separated ids).
-fn printed_ids(r: &Run) -> Vec<u32> {
-    r.stdout
-        .split_whitespace()
-        .map(|t| {
-            t.parse()
-                .unwrap_or_else(|_| panic!("stdout {:?}", r.stdout))
-        })
-        .collect()
-}
 
 /// Attached worker on the reference prompt, 20 greedy tokens; asserts exit 0 and the reference
 /// ids (in the report and on stdout). Returns the report.

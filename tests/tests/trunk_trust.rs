@@ -8,8 +8,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use k3_tests::{
-    gb_arg, ids_arg, path_str, pid_gone, poll_until, reference_greedy, reference_prompt,
-    tiny_model, workspace_root, Run, Sandbox, Spawned, ALIGN,
+    gb_arg, ids_arg, path_str, pid_gone, poll_until, printed_ids, reference_greedy,
+    reference_prompt, tiny_model, workspace_root, Run, Sandbox, Spawned, ALIGN,
 };
 use serde_json::Value;
 
@@ -95,16 +95,6 @@ fn flip_layer_byte(trunk: &Path, l: usize) {
     let mut b = [0u8];
     f.read_exact_at(&mut b, at).unwrap();
     f.write_all_at(&[b[0] ^ 0x01], at).unwrap();
-}
-
-fn printed_ids(r: &Run) -> Vec<u32> {
-    r.stdout
-        .split_whitespace()
-        .map(|t| {
-            t.parse()
-                .unwrap_or_else(|_| panic!("stdout {:?}", r.stdout))
-        })
-        .collect()
 }
 
 /// `k3-worker --standalone MODEL --trunk TRUNK` on the reference prompt.
@@ -228,25 +218,22 @@ fn a_flipped_byte_in_a_pinned_layer_is_refused_and_in_a_streamed_layer_fails_the
     assert!(named.iter().all(|n| r.stderr.contains(n)), "{}", r.stderr);
     assert_ne!(printed_ids(&r).get(..4), Some(&reference_greedy()[..4]));
 
-    // Turning the check off is possible, and then the damage goes unnoticed (which is why it is
-    // on): the same run exits 0.
-    let ids = ids_arg(&reference_prompt());
+    // The store streams the layers and checks them (SPEC.md §6.8); the worker never sees bytes
+    // that failed. Turning the store's check off is possible, and then the damage goes unnoticed
+    // (which is why it is on): the same run exits 0.
+    let r = sb.stop_store().expect("store running");
+    assert_eq!(r.code, 0, "{r:?}");
     let sock = path_str(&sb.socket).to_string();
-    let out = Command::new(k3_tests::bin("k3-worker"))
-        .args([
-            "--ids",
-            &ids,
-            "--gen",
-            "4",
-            "--threads",
-            "1",
-            "--socket",
-            &sock,
-        ])
-        .env("K3_TRUNK_VERIFY", "off")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{out:?}");
+    let model = tiny_model();
+    let mut args = vec!["start", path_str(&model), "--trunk", path_str(&trunk)];
+    args.extend(stream.iter().map(String::as_str));
+    args.extend_from_slice(&["--socket", &sock, "--detach"]);
+    let mut c = sb.command("k3-store", &args);
+    c.env("K3_TRUNK_VERIFY", "off");
+    let r = sb.run_command(c);
+    sb.adopt_store(r);
+    let r = attached(&sb, 4);
+    assert_eq!(r.code, 0, "{r:?}");
 }
 
 #[test]

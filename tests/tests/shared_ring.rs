@@ -1,0 +1,253 @@
+//! The store's shared trunk ring with real processes (SPEC.md §6.8): concurrent attached workers
+//! compute on the same reads of the streamed layers and get the ids standalone runs of the same
+//! prompts get, at several budgets; a stopped worker cannot hold the ring for the others.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use k3_tests::{
+    gb_arg, generated_ids as generated, ids_arg, json_u64 as u, path_str, poll_until, printed_ids,
+    reference_greedy, reference_prompt, send_signal, tiny_model, trunk_budget_pinning,
+    trunk_layer_bufs, Sandbox,
+};
+use serde_json::Value;
+
+/// Three prompts of the same length (the reference prompt and two rotations of it), so jobs of
+/// the same `--gen` run the same forward passes.
+fn prompts() -> Vec<String> {
+    let p = reference_prompt();
+    (0..3)
+        .map(|k| {
+            let mut q = p.clone();
+            q.rotate_left(k * 5 % p.len());
+            ids_arg(&q)
+        })
+        .collect()
+}
+
+const GEN: &str = "20";
+
+fn job_args<'a>(ids: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec!["--ids", ids, "--gen", GEN, "--threads", "1"];
+    a.extend_from_slice(extra);
+    a
+}
+
+/// `k3-worker --standalone` on `ids` at `budget`: its ids.
+fn standalone(sb: &Sandbox, trunk: &Path, budget: &[&str], ids: &str) -> Vec<u32> {
+    let model = tiny_model();
+    let mut args = vec!["--standalone", path_str(&model), "--trunk", path_str(trunk)];
+    args.extend(job_args(ids, budget));
+    let (r, j) = sb.worker_json(&args);
+    assert_eq!(r.code, 0, "standalone worker failed: {r:?}");
+    generated(&j)
+}
+
+/// An attached job on `ids`; its report.
+fn attached(sb: &Sandbox, ids: &str, extra: &[&str]) -> Value {
+    let (r, j) = sb.worker_json(&job_args(ids, extra));
+    assert_eq!(r.code, 0, "worker failed: {r:?}");
+    assert_eq!(printed_ids(&r), generated(&j), "printed ids == report ids");
+    j
+}
+
+/// Lifetime counters once no worker is connected.
+fn idle_lifetime(sb: &Sandbox) -> Value {
+    let s = poll_until(Duration::from_secs(10), || {
+        let s = sb.stats();
+        (u(&s, "workers") == 0).then_some(s)
+    })
+    .expect("the workers disconnect");
+    s["lifetime"].clone()
+}
+
+/// Three concurrent jobs of the same length cost about one job's trunk reads, and every job
+/// gets the ids a standalone run of its prompt gets — with nothing pinned and with a pinned
+/// prefix, with speculation off (the same passes in every job) and on (each job its own).
+#[test]
+fn concurrent_jobs_share_one_trunk_stream_and_match_standalone() {
+    let mut sb = Sandbox::new("ring-share");
+    let trunk = sb.pack_tiny_trunk();
+    let bufs = trunk_layer_bufs(&trunk);
+    let prompts = prompts();
+    for pinned in [0usize, 3] {
+        let budget_gb = gb_arg(trunk_budget_pinning(&bufs, pinned));
+        let budget = ["--trunk-gb", budget_gb.as_str(), "--cache-gb", "0.05"];
+        let solo: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| standalone(&sb, &trunk, &budget, p))
+            .collect();
+        assert_eq!(solo[0], reference_greedy(), "{pinned} pinned");
+        assert_ne!(
+            solo[0], solo[1],
+            "the prompts differ in their continuations"
+        );
+
+        let model = tiny_model();
+        let mut store = vec![path_str(&model), "--trunk", path_str(&trunk)];
+        store.extend_from_slice(&budget);
+        sb.start_store(&store);
+        assert_eq!(u(&sb.stats(), "pinned_layers"), pinned as u64);
+
+        // One job alone: its trunk bytes are what one pass per token costs.
+        let l0 = idle_lifetime(&sb);
+        let alone = attached(&sb, &prompts[0], &["--spec", "off"]);
+        assert_eq!(generated(&alone), solo[0]);
+        let l1 = idle_lifetime(&sb);
+        let one = u(&l1, "trunk_bytes_read") - u(&l0, "trunk_bytes_read");
+        let streamed: u64 = bufs[pinned..].iter().sum();
+        assert!(
+            one >= streamed,
+            "{pinned} pinned: one job read {one} < {streamed}"
+        );
+        assert_eq!(u(&alone, "trunk_shared_layers"), 0, "{alone}");
+        let served = u(&alone, "trunk_layers_served");
+        assert_eq!(served % (13 - pinned as u64), 0, "whole passes: {alone}");
+
+        // Three at once.
+        let reps: Vec<Value> = std::thread::scope(|s| {
+            let hs: Vec<_> = (prompts.iter())
+                .map(|p| s.spawn(|| attached(&sb, p, &["--spec", "off"])))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("worker")).collect()
+        });
+        let l2 = idle_lifetime(&sb);
+        for (k, r) in reps.iter().enumerate() {
+            assert_eq!(
+                generated(r),
+                solo[k],
+                "{pinned} pinned, prompt {k}: concurrent == standalone"
+            );
+            assert_eq!(u(r, "trunk_layers_served"), served, "{r}");
+        }
+        let three = u(&l2, "trunk_bytes_read") - u(&l1, "trunk_bytes_read");
+        assert!(
+            three as f64 <= 1.5 * one as f64,
+            "{pinned} pinned: three concurrent jobs read {three} trunk bytes, one job {one}"
+        );
+        let shared = u(&l2, "trunk_shared_layers") - u(&l1, "trunk_shared_layers");
+        assert!(
+            shared >= served,
+            "{pinned} pinned: {shared} shared hand-outs: {l2}"
+        );
+        // What the jobs report adds up to what the store counted: each read is charged to the
+        // job that used it first (a read made ahead, before these jobs started, included), and
+        // reads nobody used are charged to nobody.
+        let charged: u64 = reps.iter().map(|r| u(r, "trunk_bytes_read")).sum();
+        let all = u(&l2, "trunk_bytes_read");
+        assert!(
+            u(&alone, "trunk_bytes_read") + charged <= all,
+            "jobs charged {} + {charged} > {all} read in all",
+            u(&alone, "trunk_bytes_read")
+        );
+        assert_eq!(u(&l2, "broken_leases"), 0, "{l2}");
+
+        // With speculation on (drafts from the store's history), the same ids.
+        let reps: Vec<Value> = std::thread::scope(|s| {
+            let hs: Vec<_> = (prompts.iter())
+                .map(|p| s.spawn(|| attached(&sb, p, &[])))
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("worker")).collect()
+        });
+        for (k, r) in reps.iter().enumerate() {
+            assert_eq!(
+                generated(r),
+                solo[k],
+                "{pinned} pinned, spec on, prompt {k}"
+            );
+        }
+        let r = sb.stop_store().expect("store running");
+        assert_eq!(r.code, 0, "{r:?}");
+    }
+}
+
+/// A worker stopped (SIGSTOP) while it holds a layer of the ring: after `--lease-timeout` the
+/// store breaks its lease, another job runs to the end with the right ids, and the stopped
+/// worker, once continued, fails with a clear error (exit 1) instead of emitting a token
+/// computed on bytes that may have been overwritten.
+#[test]
+fn a_stopped_worker_loses_its_lease_and_the_others_go_on() {
+    let mut sb = Sandbox::new("ring-lease");
+    let trunk = sb.pack_tiny_trunk();
+    let bufs = trunk_layer_bufs(&trunk);
+    let budget_gb = gb_arg(trunk_budget_pinning(&bufs, 0));
+    let model = tiny_model();
+    sb.start_store(&[
+        path_str(&model),
+        "--trunk",
+        path_str(&trunk),
+        "--trunk-gb",
+        &budget_gb,
+        "--cache-gb",
+        "0.05",
+        "--lease-timeout",
+        "1",
+    ]);
+    let ids = ids_arg(&reference_prompt());
+    // A worker between two passes holds no lease (its read-ahead is protected for at most the
+    // lease limit, and then it simply waits): stop it again until it is caught holding one.
+    for attempt in 0..5 {
+        let w = sb.spawn_worker(&[
+            "--ids",
+            &ids,
+            "--gen",
+            "4000",
+            "--full-recompute",
+            "--threads",
+            "1",
+        ]);
+        let pid = w.pid();
+        let live = poll_until(Duration::from_secs(15), || {
+            let s = sb.stats();
+            let job = s["jobs"].as_array()?.iter().find(|j| {
+                j["live"] == true
+                    && j["label"]
+                        .as_str()
+                        .is_some_and(|l| l.contains(&pid.to_string()))
+            })?;
+            (u(&job["counters"], "trunk_layers_served") > 0).then_some(())
+        });
+        assert!(
+            live.is_some(),
+            "worker {pid} never streamed: {}",
+            sb.stats()
+        );
+        send_signal(pid, "STOP");
+        let before = u(&sb.stats()["lifetime"], "broken_leases");
+
+        let t0 = Instant::now();
+        let (r, j) = sb.worker_json(&job_args(&ids, &["--spec", "off"]));
+        let took = t0.elapsed();
+        assert_eq!(r.code, 0, "the other job must not be held up: {r:?}");
+        assert_eq!(generated(&j), reference_greedy());
+        assert!(took < Duration::from_secs(30), "took {took:?}");
+        let broken = u(&sb.stats()["lifetime"], "broken_leases") - before;
+
+        send_signal(pid, "CONT");
+        if broken == 0 {
+            // Caught between two passes: nothing to break; try again.
+            let _ = w.kill9();
+            continue;
+        }
+        assert_eq!(broken, 1);
+        let wr = w.wait(Duration::from_secs(30));
+        assert_eq!(wr.code, 1, "attempt {attempt}: {wr:?}");
+        assert!(
+            wr.stderr.contains("broke its lease"),
+            "a clear message: {}",
+            wr.stderr
+        );
+        // What it printed before the break is the greedy continuation (nothing after it).
+        let printed: Vec<u32> = wr
+            .stdout
+            .split_whitespace()
+            .filter_map(|t| t.parse().ok())
+            .collect();
+        let n = printed.len().min(20);
+        assert_eq!(printed[..n], reference_greedy()[..n], "{wr:?}");
+        let r = sb.stop_store().expect("store running");
+        assert_eq!(r.code, 0, "{r:?}");
+        return;
+    }
+    panic!("never caught the worker holding a lease in 5 attempts");
+}
