@@ -255,12 +255,14 @@ pub trait WeightSource: Send + Sync {
     /// A model-level tensor (embedding, lm_head, final norm, output AttnRes vectors), resident.
     fn model_tensor(&self, name: &str) -> Result<Region, SourceError>;
 
-    /// Layer `l`'s trunk run; blocks until its bytes are in memory.
+    /// Layer `l`'s trunk run; blocks until its bytes are in memory. The caller must be done with
+    /// the experts of earlier layers (and the runs of earlier streamed layers): an attached
+    /// source's store releases their leases when a streamed layer is asked for (SPEC.md §6.8).
     fn layer(&self, l: usize) -> Result<LayerRun, SourceError>;
 
     /// Hint that layer `l` will be asked for next (a streaming source starts reading it).
     fn prefetch_layer(&self, _l: usize) {}
-    /// The forward pass is done with the trunk layers: release what it leased. `Err` when what
+    /// The forward pass is done with the trunk layers and the experts: release what it leased. `Err` when what
     /// the pass computed cannot be trusted (an attached worker's ring lease was broken by the
     /// store): the caller must discard the pass. Default: nothing held.
     fn end_pass(&self) -> Result<(), SourceError> {

@@ -6,9 +6,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use k3_tests::{
-    gb_arg, generated_ids as generated, ids_arg, json_u64 as u, path_str, poll_until, printed_ids,
-    reference_greedy, reference_prompt, send_signal, tiny_model, trunk_budget_pinning,
-    trunk_layer_bufs, Sandbox,
+    cache_gb_for_slots, gb_arg, generated_ids as generated, ids_arg, json_u64 as u, path_str,
+    poll_until, printed_ids, reference_greedy, reference_prompt, send_signal, tiny_model,
+    trunk_budget_pinning, trunk_layer_bufs, Sandbox,
 };
 use serde_json::Value;
 
@@ -70,9 +70,12 @@ fn concurrent_jobs_share_one_trunk_stream_and_match_standalone() {
     let trunk = sb.pack_tiny_trunk();
     let bufs = trunk_layer_bufs(&trunk);
     let prompts = prompts();
-    for pinned in [0usize, 3] {
+    // The last case: a ring of one layer and a cache of 3 slots (top-2): three workers contend
+    // for both — a worker waiting for the ring must not hold slots the ring's holder waits for.
+    let tiny_cache = cache_gb_for_slots(3);
+    for (pinned, cache) in [(0usize, "0.05"), (3, "0.05"), (0, tiny_cache.as_str())] {
         let budget_gb = gb_arg(trunk_budget_pinning(&bufs, pinned));
-        let budget = ["--trunk-gb", budget_gb.as_str(), "--cache-gb", "0.05"];
+        let budget = ["--trunk-gb", budget_gb.as_str(), "--cache-gb", cache];
         let solo: Vec<Vec<u32>> = prompts
             .iter()
             .map(|p| standalone(&sb, &trunk, &budget, p))

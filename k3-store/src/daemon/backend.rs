@@ -559,6 +559,10 @@ impl Backend for StoreBackend {
     }
 
     fn trunk_layer(&self, conn: ConnId, layer: u32) -> Response {
+        // The worker is done with the experts of the layers before this one: it asks for the
+        // next layer only after computing them. Holding their slots while it waits for the ring
+        // could deadlock with a worker that holds the ring's layer and waits for slots.
+        self.release_all(conn);
         let Some(ring) = &self.ring else {
             return Response::Error {
                 code: ErrorCode::BadRequest,
@@ -576,6 +580,8 @@ impl Backend for StoreBackend {
     }
 
     fn end_pass(&self, conn: ConnId) -> Response {
+        // Between passes (sampling, a chat waiting for its user) a worker holds no slots.
+        self.release_all(conn);
         match self.ring.as_ref().map(|r| r.end_pass(conn)) {
             None | Some(Ok(())) => Response::Released,
             Some(Err(e)) => ring_error(e),
