@@ -40,6 +40,11 @@ impl Drop for Store {
 }
 
 fn start_store(tag: &str, pinned: usize, slots: usize) -> Store {
+    start_store_ring(tag, pinned, slots, None)
+}
+
+/// A store whose trunk ring is `ring` bytes (default: twice the largest streamed layer).
+fn start_store_ring(tag: &str, pinned: usize, slots: usize, ring: Option<u64>) -> Store {
     let dir = tempfile::Builder::new()
         .prefix(&format!("k3-attach-{tag}-"))
         .tempdir()
@@ -58,7 +63,7 @@ fn start_store(tag: &str, pinned: usize, slots: usize) -> Store {
             cache_policy: "lru".into(),
             preset: "test".into(),
             plan_text: String::new(),
-            ring_bytes: 2 * TrunkStream::min_ring_bytes(&layout, pinned),
+            ring_bytes: ring.unwrap_or(2 * TrunkStream::min_ring_bytes(&layout, pinned)),
             ring: Default::default(),
         },
         |_, _| {},
@@ -234,4 +239,50 @@ fn bad_requests_are_refused_not_fatal() {
         .experts
         .iter()
         .all(|e| e.is_ok()));
+}
+
+/// The per-layer cost of the shared ring's synchronisation: a `TrunkLayer` request for a layer
+/// already in the ring is one socket round trip and a lock. Measured on a ring that holds every
+/// streamed layer (after one pass nothing is read again); printed with `--nocapture`, and bounded
+/// far below a layer's compute (tens of ms at `k3slice`'s real dimensions, ~0.1 s and more at
+/// full scale).
+#[test]
+fn a_ring_hand_out_costs_a_socket_round_trip() {
+    let (cat, _) = Catalog::open_dir(&tiny()).unwrap();
+    let layout = TrunkLayout::from_catalog(&cat, open_shards(&cat).unwrap());
+    // Room for every layer (each extent is at most the largest one).
+    let all = 13 * TrunkStream::min_ring_bytes(&layout, 0);
+    let store = start_store_ring("handout", 0, 32, Some(all));
+    let (att, info) = AttachedSource::attach(&store.socket, &AttachOptions::default()).unwrap();
+    assert_eq!((info.pinned_layers, info.ring_bytes >= all), (0, true));
+    for l in 0..13 {
+        att.layer(l).unwrap();
+    }
+    att.end_pass().unwrap();
+    let mut times = Vec::new();
+    for _pass in 0..20 {
+        for l in 0..13 {
+            let t0 = std::time::Instant::now();
+            let run = att.layer(l).unwrap();
+            times.push(t0.elapsed().as_secs_f64());
+            assert_eq!(run.layer, l);
+        }
+        att.end_pass().unwrap();
+    }
+    let st = att.stats();
+    assert_eq!(st.trunk_layers_served, 21 * 13);
+    assert_eq!(
+        st.trunk_shared_layers,
+        20 * 13,
+        "no layer read twice: {st:?}"
+    );
+    times.sort_by(f64::total_cmp);
+    let (median, p90) = (times[times.len() / 2], times[times.len() * 9 / 10]);
+    println!(
+        "ring hand-out of a present layer: median {:.1} us, p90 {:.1} us over {} hand-outs",
+        median * 1e6,
+        p90 * 1e6,
+        times.len()
+    );
+    assert!(median < 2e-3, "median hand-out {median} s");
 }
