@@ -639,34 +639,42 @@ def counters_delta(before: dict, after: dict) -> dict:
 
 
 def summarize_batch(n: int, wall: float, reports, delta: dict, prompts, ref_ids: dict,
-                    mem) -> dict:
-    """One batch of n concurrent attached workers: `reports` their --out JSONs, `delta` the
-    store's counters_delta over the batch, `ref_ids` prompt tuple -> standalone ids, `mem` one
-    {"rss_anon_peak_bytes", "vm_hwm_bytes"} per worker (sampled /proc)."""
-    tokens = sum(len(r["generated_ids"]) for r in reports)
+                    mem, failures=()) -> dict:
+    """One batch of n concurrent attached workers: `reports` their --out JSONs (None for a
+    worker that failed: `failures`), `delta` the store's counters_delta over the batch,
+    `ref_ids` prompt tuple -> standalone ids, `mem` one {"rss_anon_peak_bytes", "vm_hwm_bytes"}
+    per worker (sampled /proc). Tokens and throughput count the workers that finished; with a
+    failed worker whose trunk bytes only its report had, bytes per token are None (unknown)."""
+    done = [r for r in reports if r is not None]
+    tokens = sum(len(r["generated_ids"]) for r in done)
     if delta["store_counts_trunk"]:
         trunk, src = delta["trunk_bytes_read"], "store (k3-ctl stats lifetime trunk_bytes_read delta)"
     else:
-        trunk = sum(r.get("trunk_bytes_read", 0) or 0 for r in reports)
+        trunk = sum(r.get("trunk_bytes_read", 0) or 0 for r in done)
         src = "workers (sum of --out trunk_bytes_read: each streamed the trunk privately)"
+    known = delta["store_counts_trunk"] or len(done) == len(reports)
     expert = delta["expert_bytes_read"]
-    match = [r["generated_ids"] == ref_ids[tuple(p)] for r, p in zip(reports, prompts)]
-    waits = [r.get("io_wait_seconds") for r in reports]
+    match = [None if r is None else r["generated_ids"] == ref_ids[tuple(p)]
+             for r, p in zip(reports, prompts)]
+    get = lambda k: [None if r is None else r.get(k) for r in reports]  # noqa: E731
     return {
         "n": n, "wall_s": wall, "tokens": tokens,
-        "aggregate_tok_s": tokens / wall if wall > 0 else None,
-        "expert_bytes_read": expert, "trunk_bytes_read": trunk, "trunk_bytes_source": src,
-        "disk_bytes_per_token": (expert + trunk) / tokens if tokens else None,
-        "trunk_bytes_per_token": trunk / tokens if tokens else None,
+        "aggregate_tok_s": tokens / wall if wall > 0 and tokens else None,
+        "expert_bytes_read": expert, "trunk_bytes_read": trunk if known else None,
+        "trunk_bytes_source": src,
+        "disk_bytes_per_token": (expert + trunk) / tokens if tokens and known else None,
+        "trunk_bytes_per_token": trunk / tokens if tokens and known else None,
         "store_delta": delta,
-        "worker_wait_s": waits,
-        "worker_trunk_wait_s": [r.get("trunk_wait_seconds") for r in reports],
+        "worker_wait_s": get("io_wait_seconds"),
+        "worker_trunk_wait_s": get("trunk_wait_seconds"),
         "worker_private_peak_bytes": [m["rss_anon_peak_bytes"] for m in mem],
         "worker_vm_hwm_bytes": [m["vm_hwm_bytes"] for m in mem],
-        "worker_report_peak_rss_bytes": [r.get("peak_rss_bytes") for r in reports],
+        "worker_report_peak_rss_bytes": get("peak_rss_bytes"),
         "prompts": [list(p) for p in prompts],
-        "generated_ids": [r["generated_ids"] for r in reports],
-        "ids_match_per_worker": match, "ids_match": all(match),
+        "generated_ids": get("generated_ids"),
+        "ids_match_per_worker": match,
+        "ids_match": all(m is not False for m in match) and any(m for m in match),
+        "failed_workers": list(failures),
     }
 
 
@@ -686,6 +694,8 @@ def conc_row(budget: str, batches) -> dict:
             "store_peak_rss_gb": max(store) / 1e9 if store else None,
             "worker_private_peak_gb": max(priv) / 1e9 if priv else None,
             "ids_match": all(b["ids_match"] for b in batches),
+            "failed_workers": sum(len(b.get("failed_workers", ())) for b in batches),
+            "workers": sum(b["n"] for b in batches),
             "trunk_bytes_source": batches[0]["trunk_bytes_source"],
             "reps": batches}
 
@@ -714,7 +724,9 @@ def fmt_conc_table(rows) -> str:
                  f(r["disk_gb_per_token"], ".3f"), f(r["trunk_gb_per_token"], ".3f"),
                  (f"{w['median']:.2f} ({w['min']:.2f}-{w['max']:.2f})" if w else "-"),
                  f(r["store_peak_rss_gb"], ".2f"), f(r["worker_private_peak_gb"], ".2f"),
-                 "yes" if r["ids_match"] else "**NO**")
+                 ("yes" if r["ids_match"] else "**NO**")
+                 + (f" ({r['failed_workers']} of {r['workers']} workers FAILED)"
+                    if r.get("failed_workers") else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -768,12 +780,19 @@ def run_attached_batch(bins: Path, sock: Path, prompts, gen: int, chunk: int, wo
             raise SystemExit(f"bench: concurrent batch {tag} took over {timeout:.0f} s")
         time.sleep(0.05)
     wall = time.monotonic() - t0
-    bad = [(i, rc) for i, rc in enumerate(rcs) if rc != 0]
-    if bad:
-        i = bad[0][0]
-        raise SystemExit(f"bench: attached worker {i} of {tag} failed (exit {bad[0][1]}):\n"
-                         + (work / f"{tag}-w{i}.stderr").read_text()[-4000:])
-    return wall, [json.loads(o.read_text()) for o in outs], mem, ends
+    reports, failures = [], []
+    for i, (rc, o) in enumerate(zip(rcs, outs)):
+        if rc == 0:
+            reports.append(json.loads(o.read_text()))
+            continue
+        # A failed worker is a result too (e.g. an expert cache too small for N jobs at once):
+        # recorded, the batch's other workers still count.
+        err = (work / f"{tag}-w{i}.stderr").read_text(errors="replace")
+        last = [l for l in err.splitlines() if l.strip()]
+        failures.append({"worker": i, "exit": rc, "exit_s": ends[i],
+                         "error": last[-1] if last else "", "stderr_tail": err[-2000:]})
+        reports.append(None)
+    return wall, reports, mem, ends, failures
 
 
 def ctl_stats(bins: Path, sock: Path) -> dict:
@@ -830,8 +849,11 @@ def concurrent_bench(a, model: Path, trunk: Path, budgets: dict, layers, tmp: Pa
                 raise SystemExit(f"bench: {name}: the store pinned {pinned} layers, not {want_pinned}")
             print(f"== concurrent: {name} store pid {pid}, {pinned}/{len(layers)} layers pinned, "
                   f"{slots} expert slots, started in {start_s:.1f} s", flush=True)
-            w, _, _, _ = run_attached_batch(a.bins, sock, [WARM_PROMPT], gen, a.prefill_chunk,
-                                            tmp, f"conc-{name}-warm")
+            w, _, _, _, fail = run_attached_batch(a.bins, sock, [WARM_PROMPT], gen,
+                                                  a.prefill_chunk, tmp, f"conc-{name}-warm")
+            if fail:
+                raise SystemExit(f"bench: {name}: the warm-up job failed:\n"
+                                 f"{fail[0]['stderr_tail']}")
             stores[name] = {"trunk_budget_bytes": trunk_b, "cache_budget_bytes": cache_b,
                             "expert_slots": slots, "desc": desc, "pinned_layers": pinned,
                             "store_pid": pid, "store_start_s": start_s, "warm_job_s": w,
@@ -841,22 +863,28 @@ def concurrent_bench(a, model: Path, trunk: Path, budgets: dict, layers, tmp: Pa
                 batches = []
                 for rep in range(reps):
                     before = ctl_stats(a.bins, sock)
-                    wall, reports, mem, ends = run_attached_batch(
+                    load0 = os.getloadavg()
+                    wall, reports, mem, ends, fail = run_attached_batch(
                         a.bins, sock, prompts[:n], gen, a.prefill_chunk, tmp,
                         f"conc-{name}-n{n}-r{rep}")
                     after = ctl_stats(a.bins, sock)
                     b = summarize_batch(n, wall, reports, counters_delta(before, after),
-                                        prompts[:n], ref_ids, mem)
+                                        prompts[:n], ref_ids, mem, fail)
                     b["worker_exit_s"] = ends
+                    # Anything else on the 2 CPUs (a build) shows here: the batch shares them.
+                    b["load_average_before"], b["load_average_after"] = load0, os.getloadavg()
                     b["store_vm_hwm_bytes"] = (proc_status_bytes(read_proc_status(pid), "VmHWM")
                                                if pid else None)
                     b["store_vm_rss_bytes"] = (proc_status_bytes(read_proc_status(pid), "VmRSS")
                                                if pid else None)
                     batches.append(b)
-                    print(f"  {name} N={n} rep {rep}: {wall:.1f} s, "
-                          f"{b['aggregate_tok_s']:.3f} tok/s, "
+                    print(f"  {name} N={n} rep {rep}: {wall:.1f} s (load {load0[0]:.2f} -> "
+                          f"{b['load_average_after'][0]:.2f}), "
+                          f"{b['aggregate_tok_s'] or 0:.3f} tok/s, "
                           f"{(b['disk_bytes_per_token'] or 0) / 1e9:.3f} GB/token, ids "
-                          f"{'match' if b['ids_match'] else 'DIFFER'}", flush=True)
+                          f"{'match' if b['ids_match'] else 'DIFFER'}"
+                          + "".join(f"; worker {f['worker']} FAILED (exit {f['exit']}): "
+                                    f"{f['error']}" for f in fail), flush=True)
                 rows.append(conc_row(name, batches))
         finally:
             sh([a.bins / "k3-ctl", "stop", "--socket", sock], capture_output=True)
@@ -875,7 +903,10 @@ def concurrent_bench(a, model: Path, trunk: Path, budgets: dict, layers, tmp: Pa
                       "store peak RSS = the daemon's VmHWM after the batch (since the store "
                       "started; counts the shared memory it touched)",
                       "worker private peak = max RssAnon sampled every ~50 ms; VmHWM in "
-                      "worker_vm_hwm_bytes counts mapped shared pages too"]}
+                      "worker_vm_hwm_bytes counts mapped shared pages too",
+                      "a worker that exits non-zero (e.g. the store cannot lease it a layer's "
+                      "top_k expert slots because other workers hold them) is listed in "
+                      "failed_workers; tokens and tok/s count the workers that finished"]}
 
 
 # ---------------------------------------------------------------- main
@@ -1056,8 +1087,14 @@ def run_concurrent(a, model: Path, trunk: Path, budgets: dict, layers, tmp: Path
     for note in cc["notes"]:
         print(f"- {note}")
     ok = all(r["ids_match"] for r in cc["rows"])
-    print("every concurrent worker gave its prompt's standalone ids" if ok else
+    print("every concurrent worker that finished gave its prompt's standalone ids" if ok else
           "IDS DIFFER from the standalone runs (see ids_match_per_worker in the JSON)")
+    for r in cc["rows"]:
+        for b in r["reps"]:
+            for f in b["failed_workers"]:
+                print(f"FAILED: {r['budget']} N={r['n']} worker {f['worker']} exit {f['exit']} "
+                      f"after {f['exit_s']:.1f} s: {f['error']}")
+    ok = ok and not any(r["failed_workers"] for r in cc["rows"])
     if a.json:
         out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,

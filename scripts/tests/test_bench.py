@@ -324,3 +324,33 @@ def test_conc_rows_speedups_and_table():
     assert len(lines) == 5 and all(l.count("|") == 12 for l in lines)
     assert "| 1.64x |" in lines[3] and "| 2.000 | 1.000 |" in lines[3]
     assert "**NO**" in lines[4] and "| - |" in lines[4]
+
+
+def test_a_failed_worker_is_recorded_not_fatal():
+    prompts = [[1, 2], [3, 4]]
+    ref = {(1, 2): [9, 9, 9], (3, 4): [8, 8, 8]}
+    mem = [{"rss_anon_peak_bytes": 10, "vm_hwm_bytes": 20}] * 2
+    fail = [{"worker": 1, "exit": 1, "exit_s": 61.0, "error": "expert cache busy",
+             "stderr_tail": "..."}]
+    old = bench.counters_delta({"lifetime": {"bytes_read": 0}}, {"lifetime": {"bytes_read": 600}})
+    b = bench.summarize_batch(2, 6.0, [_report([9, 9, 9], 1000, 0.5), None], old, prompts, ref,
+                              mem, fail)
+    # Throughput counts the worker that finished; its ids match; the other is None, not False.
+    assert b["tokens"] == 3 and b["aggregate_tok_s"] == pytest.approx(0.5)
+    assert b["ids_match_per_worker"] == [True, None] and b["ids_match"]
+    assert b["worker_wait_s"] == [0.5, None] and b["failed_workers"] == fail
+    # The failed worker's private trunk reads are unknown: no bytes per token.
+    assert b["disk_bytes_per_token"] is None and b["trunk_bytes_read"] is None
+    # A store that counts trunk bytes itself still gives them.
+    new = bench.counters_delta({"lifetime": {"expert_bytes_read": 0, "trunk_bytes_read": 0}},
+                               {"lifetime": {"expert_bytes_read": 300, "trunk_bytes_read": 300}})
+    b2 = bench.summarize_batch(2, 6.0, [_report([9, 9, 9], 0, 0.5), None], new, prompts, ref,
+                               mem, fail)
+    assert b2["disk_bytes_per_token"] == pytest.approx(200)
+    # All failed: nothing matched, no throughput.
+    b3 = bench.summarize_batch(2, 6.0, [None, None], old, prompts, ref, mem, fail * 2)
+    assert not b3["ids_match"] and b3["aggregate_tok_s"] is None
+    b["store_vm_hwm_bytes"] = 4e9
+    row = bench.conc_row("laptop-like", [b])
+    assert row["failed_workers"] == 1 and row["workers"] == 2
+    assert "(1 of 2 workers FAILED)" in bench.fmt_conc_table([row])
