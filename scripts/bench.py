@@ -666,6 +666,11 @@ def summarize_batch(n: int, wall: float, reports, delta: dict, prompts, ref_ids:
         "trunk_bytes_per_token": trunk / tokens if tokens and known else None,
         "store_delta": delta,
         "worker_wait_s": get("io_wait_seconds"),
+        # Each worker's own view (--out): trunk bytes it streamed itself (old workers) and the
+        # expert bytes the store read for its job.
+        "worker_trunk_bytes_read": get("trunk_bytes_read"),
+        "worker_expert_bytes_read": get("expert_bytes_read"),
+        "worker_wall_s": get("wall_seconds"),
         "worker_trunk_wait_s": get("trunk_wait_seconds"),
         "worker_private_peak_bytes": [m["rss_anon_peak_bytes"] for m in mem],
         "worker_vm_hwm_bytes": [m["vm_hwm_bytes"] for m in mem],

@@ -284,6 +284,7 @@ def test_summarize_batch_old_store_sums_worker_trunk_bytes():
     assert b["disk_bytes_per_token"] == pytest.approx(3600 / 6)
     assert b["trunk_bytes_per_token"] == pytest.approx(500)
     assert b["ids_match"] and b["worker_wait_s"] == [0.5, 1.5]
+    assert b["worker_trunk_bytes_read"] == [1000, 2000]
     # A worker whose ids differ from its prompt's standalone ids fails the batch.
     b = bench.summarize_batch(2, 3.0, [_report([9, 9, 9], 0, 0), _report([9, 9, 9], 0, 0)],
                               delta, prompts, ref, mem)
