@@ -17,6 +17,14 @@ In ONE run:
    the floor ratio = median decode time / max(disk floor, memory floor). All budgets must give
    identical ids, or the run fails (exit 1).
 
+--concurrent 1,2,4 (only this table): per --concurrent-budgets (default laptop-like,pinned-2:
+exactly two trunk layers pinned) one `k3-store start`, one warm-up job, then for each N a batch
+of N `k3-worker`s attached at once, each with a different prompt (--concurrent-gen ids each):
+batch wall s, aggregate tok/s, speed-up vs N=1, disk and trunk GB per generated token (store
+`k3-ctl stats --json` deltas; trunk bytes from the workers' --out when the store does not
+count them), per-worker I/O wait, the store's VmHWM, each worker's RssAnon peak (sampled every
+~50 ms), and ids checked against a standalone run of each prompt. JSON key "concurrent".
+
 Output: a table on stdout, --json FILE, --plot FILE.png (matplotlib; skipped with a note if it
 is missing: pip install -r scripts/requirements-bench.txt).
 """
@@ -250,12 +258,13 @@ def memory_bench(out: Path, full_kernels: bool) -> dict:
 
 
 def run_worker(bins: Path, model: Path, trunk: Path, trunk_b: int, cache_b: int, gen: int,
-               out: Path, chunk: int, extra=("--spec", "off")) -> tuple[dict, str]:
-    """One standalone worker run; plain decoding unless `extra` says otherwise (the budget
-    table measures one forward pass per token; --spec measures speculation separately)."""
+               out: Path, chunk: int, extra=("--spec", "off"), ids=None) -> tuple[dict, str]:
+    """One standalone worker run (prompt `ids`, default PROMPT); plain decoding unless `extra`
+    says otherwise (the budget table measures one forward pass per token; --spec measures
+    speculation separately)."""
     cmd = [bins / "k3-worker", "--standalone", model, "--trunk", trunk,
            "--trunk-gb", f"{trunk_b / 1e9:.9f}", "--cache-gb", f"{cache_b / 1e9:.9f}",
-           "--ids", ",".join(map(str, PROMPT)), "--gen", gen, "--prefill-chunk", chunk,
+           "--ids", ",".join(map(str, ids or PROMPT)), "--gen", gen, "--prefill-chunk", chunk,
            "--out", out, *extra]
     r = sh(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -525,6 +534,386 @@ def fmt_spec_projection(sp) -> str:
     return "\n".join("  ".join(x[i].ljust(w[i]) for i in range(len(w))) for x in lines)
 
 
+# ---------------------------------------------------------------- concurrent workers on one store
+
+# The concurrent table's prompts: as long as PROMPT and all different (worker i of a batch gets
+# prompt i); WARM_PROMPT warms the store and is none of them.
+CONC_PROMPTS = [PROMPT, [5, 1000, 77, 12, 9], [300, 8, 4242, 61, 7], [91, 23, 15000, 2, 640]]
+WARM_PROMPT = [42, 99, 3, 200, 17]
+VOCAB = 163_840
+# Store counters the concurrent table reads from `k3-ctl stats --json` (lifetime). Older stores
+# call the expert bytes `bytes_read` and have no trunk counters (their workers streamed the
+# unpinned layers privately); missing counters are 0.
+STORE_COUNTERS = ("expert_bytes_read", "trunk_bytes_read", "trunk_layers_served",
+                  "trunk_shared_layers", "trunk_wait_seconds", "broken_leases")
+
+
+def int_list(s: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (each >= 1)."""
+    out = [int(x) for x in s.split(",") if x.strip()]
+    if not out or min(out) < 1:
+        raise ValueError(f"want a list of counts >= 1, got {s!r}")
+    return out
+
+
+def conc_prompts(n: int) -> list[list[int]]:
+    """n different prompts of len(PROMPT) ids: CONC_PROMPTS first, then deterministic others."""
+    out = [list(p) for p in CONC_PROMPTS[:n]]
+    k = len(out)
+    while len(out) < n:
+        k += 1
+        p = [(17 + 7919 * k + 104_729 * j) % VOCAB for j in range(len(PROMPT))]
+        if p not in out and p != WARM_PROMPT:
+            out.append(p)
+    return out
+
+
+def pinned_trunk_budget(layers, k: int) -> int:
+    """The least trunk budget (+ ALIGN of slack) whose plan pins exactly the first k layers:
+    their bytes plus a ring for the largest remaining layer (k3_store::plan::MemoryPlan::compute,
+    the rule pinned_prefix mirrors)."""
+    bufs = [b for _, b in layers]
+    n = len(bufs)
+    if not 0 <= k <= n:
+        raise ValueError(f"cannot pin {k} of {n} layers")
+    b = sum(bufs[:k]) + (max(align_up(x) for x in bufs[k:]) if k < n else 0) + ALIGN
+    if pinned_prefix(bufs, b) != k:
+        raise ValueError(f"no trunk budget pins exactly {k} of {n} layers")
+    return b
+
+
+def concurrent_budgets(names, budgets: dict, layers) -> dict:
+    """Store budgets of the concurrent table: name -> (trunk bytes, cache bytes, expert slots,
+    description, pinned layers or None). A plan_budgets name as it is; 'pinned-K' = the least
+    trunk budget that pins exactly K layers, with laptop-like's expert slots."""
+    out = {}
+    for name in names:
+        if name in budgets:
+            out[name] = (*budgets[name], None)
+        elif name.startswith("pinned-") and name[7:].isdigit():
+            k = int(name[7:])
+            _, cb, slots, _ = budgets["laptop-like"]
+            out[name] = (pinned_trunk_budget(layers, k), cb, slots,
+                         f"exactly {k} trunk layer(s) pinned (their bytes + a ring for the "
+                         f"largest remaining layer); laptop-like's {slots} expert slots", k)
+        else:
+            raise ValueError(f"unknown budget {name!r} (have {', '.join(budgets)}, pinned-K)")
+    return out
+
+
+def proc_status_bytes(text: str, key: str):
+    """`key` (e.g. VmHWM, RssAnon) of a /proc/PID/status text in bytes; None when absent."""
+    for line in (text or "").splitlines():
+        if line.startswith(key + ":"):
+            parts = line.split()
+            mult = 1024 if len(parts) > 2 and parts[2].lower() == "kb" else 1
+            return int(parts[1]) * mult
+    return None
+
+
+def parse_store_pid(text: str):
+    """The store's pid from `k3-store start --detach` ('(pid N)') or `k3-ctl status`
+    ('pid N'); None when neither says it."""
+    import re
+    m = re.search(r"\bpid (\d+)\b", text or "")
+    return int(m.group(1)) if m else None
+
+
+def store_counters(stats: dict) -> dict:
+    """The lifetime counters of a `k3-ctl stats --json` answer under both namings (missing: 0),
+    and whether the store counts trunk reads itself."""
+    lt = {**{k: stats[k] for k in STORE_COUNTERS if k in stats}, **stats.get("lifetime", {})}
+    out = {k: lt.get(k, 0) or 0 for k in STORE_COUNTERS}
+    if "expert_bytes_read" not in lt:
+        out["expert_bytes_read"] = lt.get("bytes_read", 0) or 0
+    out["store_counts_trunk"] = "trunk_bytes_read" in lt
+    return out
+
+
+def counters_delta(before: dict, after: dict) -> dict:
+    """after - before of store_counters() of two stats answers."""
+    b, a = store_counters(before), store_counters(after)
+    d = {k: a[k] - b[k] for k in STORE_COUNTERS}
+    d["store_counts_trunk"] = a["store_counts_trunk"]
+    return d
+
+
+def summarize_batch(n: int, wall: float, reports, delta: dict, prompts, ref_ids: dict,
+                    mem, failures=()) -> dict:
+    """One batch of n concurrent attached workers: `reports` their --out JSONs (None for a
+    worker that failed: `failures`), `delta` the store's counters_delta over the batch,
+    `ref_ids` prompt tuple -> standalone ids, `mem` one {"rss_anon_peak_bytes", "vm_hwm_bytes"}
+    per worker (sampled /proc). Tokens and throughput count the workers that finished; with a
+    failed worker whose trunk bytes only its report had, bytes per token are None (unknown)."""
+    done = [r for r in reports if r is not None]
+    tokens = sum(len(r["generated_ids"]) for r in done)
+    if delta["store_counts_trunk"]:
+        trunk, src = delta["trunk_bytes_read"], "store (k3-ctl stats lifetime trunk_bytes_read delta)"
+    else:
+        trunk = sum(r.get("trunk_bytes_read", 0) or 0 for r in done)
+        src = "workers (sum of --out trunk_bytes_read: each streamed the trunk privately)"
+    known = delta["store_counts_trunk"] or len(done) == len(reports)
+    expert = delta["expert_bytes_read"]
+    match = [None if r is None else r["generated_ids"] == ref_ids[tuple(p)]
+             for r, p in zip(reports, prompts)]
+    get = lambda k: [None if r is None else r.get(k) for r in reports]  # noqa: E731
+    return {
+        "n": n, "wall_s": wall, "tokens": tokens,
+        "aggregate_tok_s": tokens / wall if wall > 0 and tokens else None,
+        "expert_bytes_read": expert, "trunk_bytes_read": trunk if known else None,
+        "trunk_bytes_source": src,
+        "disk_bytes_per_token": (expert + trunk) / tokens if tokens and known else None,
+        "trunk_bytes_per_token": trunk / tokens if tokens and known else None,
+        "store_delta": delta,
+        "worker_wait_s": get("io_wait_seconds"),
+        # Each worker's own view (--out): trunk bytes it streamed itself (old workers) and the
+        # expert bytes the store read for its job.
+        "worker_trunk_bytes_read": get("trunk_bytes_read"),
+        "worker_expert_bytes_read": get("expert_bytes_read"),
+        "worker_wall_s": get("wall_seconds"),
+        "worker_trunk_wait_s": get("trunk_wait_seconds"),
+        "worker_private_peak_bytes": [m["rss_anon_peak_bytes"] for m in mem],
+        "worker_vm_hwm_bytes": [m["vm_hwm_bytes"] for m in mem],
+        "worker_report_peak_rss_bytes": get("peak_rss_bytes"),
+        "prompts": [list(p) for p in prompts],
+        "generated_ids": get("generated_ids"),
+        "ids_match_per_worker": match,
+        "ids_match": all(m is not False for m in match) and any(m for m in match),
+        "failed_workers": list(failures),
+    }
+
+
+def conc_row(budget: str, batches) -> dict:
+    """The table row of one budget and N from its repetitions (medians; peaks are maxima)."""
+    def med(key):
+        xs = [b[key] for b in batches if b[key] is not None]
+        return statistics.median(xs) if xs else None
+    waits = [w for b in batches for w in b["worker_wait_s"] if w is not None]
+    priv = [x for b in batches for x in b["worker_private_peak_bytes"] if x is not None]
+    store = [b["store_vm_hwm_bytes"] for b in batches if b.get("store_vm_hwm_bytes") is not None]
+    return {"budget": budget, "n": batches[0]["n"], "wall_s": med("wall_s"),
+            "aggregate_tok_s": med("aggregate_tok_s"),
+            "disk_gb_per_token": (d / 1e9 if (d := med("disk_bytes_per_token")) is not None else None),
+            "trunk_gb_per_token": (t / 1e9 if (t := med("trunk_bytes_per_token")) is not None else None),
+            "worker_wait_s": med_min_max(waits),
+            "store_peak_rss_gb": max(store) / 1e9 if store else None,
+            "worker_private_peak_gb": max(priv) / 1e9 if priv else None,
+            "ids_match": all(b["ids_match"] for b in batches),
+            "failed_workers": sum(len(b.get("failed_workers", ())) for b in batches),
+            "workers": sum(b["n"] for b in batches),
+            "trunk_bytes_source": batches[0]["trunk_bytes_source"],
+            "reps": batches}
+
+
+def add_speedups(rows) -> None:
+    """speedup_vs_1 = aggregate tok/s / the same budget's N=1 aggregate tok/s (None without one)."""
+    ref = {r["budget"]: r["aggregate_tok_s"] for r in rows if r["n"] == 1}
+    for r in rows:
+        base = ref.get(r["budget"])
+        r["speedup_vs_1"] = (r["aggregate_tok_s"] / base
+                             if base and r["aggregate_tok_s"] is not None else None)
+
+
+def fmt_conc_table(rows) -> str:
+    """Markdown table of the concurrent rows."""
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+    head = ("budget", "N", "wall s", "aggregate tok/s", "speed-up vs N=1", "disk GB/token",
+            "trunk GB/token", "per-worker wait s", "store peak RSS GB", "worker private peak GB",
+            "ids match")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        w = r["worker_wait_s"]
+        cells = (r["budget"], str(r["n"]), f(r["wall_s"], ".1f"), f(r["aggregate_tok_s"], ".3f"),
+                 f(r.get("speedup_vs_1"), ".2f") + ("x" if r.get("speedup_vs_1") else ""),
+                 f(r["disk_gb_per_token"], ".3f"), f(r["trunk_gb_per_token"], ".3f"),
+                 (f"{w['median']:.2f} ({w['min']:.2f}-{w['max']:.2f})" if w else "-"),
+                 f(r["store_peak_rss_gb"], ".2f"), f(r["worker_private_peak_gb"], ".2f"),
+                 ("yes" if r["ids_match"] else "**NO**")
+                 + (f" ({r['failed_workers']} of {r['workers']} workers FAILED)"
+                    if r.get("failed_workers") else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def read_proc_status(pid: int):
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+
+
+def run_attached_batch(bins: Path, sock: Path, prompts, gen: int, chunk: int, work: Path,
+                       tag: str, timeout: float = 3600.0):
+    """Start one attached worker per prompt at once, sample each one's /proc status every
+    ~50 ms while it runs (RssAnon peak, VmHWM), wait for all. Returns (wall s, --out reports,
+    memory samples, per-worker exec->exit s)."""
+    procs, outs = [], []
+    t0 = time.monotonic()
+    for i, p in enumerate(prompts):
+        out = work / f"{tag}-w{i}.json"
+        err = open(work / f"{tag}-w{i}.stderr", "w")
+        cmd = [bins / "k3-worker", "--socket", sock, "--ids", ",".join(map(str, p)),
+               "--gen", gen, "--prefill-chunk", chunk, "--out", out, "--spec", "off"]
+        procs.append(subprocess.Popen([str(c) for c in cmd], stdout=subprocess.DEVNULL,
+                                      stderr=err))
+        err.close()
+        outs.append(out)
+    print(f"+ {len(procs)} x k3-worker --socket {sock} --gen {gen} (pids "
+          f"{', '.join(str(p.pid) for p in procs)})", file=sys.stderr, flush=True)
+    mem = [{"rss_anon_peak_bytes": None, "vm_hwm_bytes": None} for _ in procs]
+    rcs, ends = [None] * len(procs), [None] * len(procs)
+    while any(rc is None for rc in rcs):
+        for i, p in enumerate(procs):
+            if rcs[i] is not None:
+                continue
+            # Read before poll(): poll reaps the process and its /proc entry goes.
+            st = read_proc_status(p.pid)
+            anon, hwm = proc_status_bytes(st, "RssAnon"), proc_status_bytes(st, "VmHWM")
+            if anon is not None:
+                m = mem[i]
+                m["rss_anon_peak_bytes"] = max(m["rss_anon_peak_bytes"] or 0, anon)
+            if hwm is not None:
+                mem[i]["vm_hwm_bytes"] = max(mem[i]["vm_hwm_bytes"] or 0, hwm)
+            rc = p.poll()
+            if rc is not None:
+                rcs[i], ends[i] = rc, time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            for i, p in enumerate(procs):
+                if rcs[i] is None:
+                    p.kill()
+            raise SystemExit(f"bench: concurrent batch {tag} took over {timeout:.0f} s")
+        time.sleep(0.05)
+    wall = time.monotonic() - t0
+    reports, failures = [], []
+    for i, (rc, o) in enumerate(zip(rcs, outs)):
+        if rc == 0:
+            reports.append(json.loads(o.read_text()))
+            continue
+        # A failed worker is a result too (e.g. an expert cache too small for N jobs at once):
+        # recorded, the batch's other workers still count.
+        err = (work / f"{tag}-w{i}.stderr").read_text(errors="replace")
+        last = [l for l in err.splitlines() if l.strip()]
+        failures.append({"worker": i, "exit": rc, "exit_s": ends[i],
+                         "error": last[-1] if last else "", "stderr_tail": err[-2000:]})
+        reports.append(None)
+    return wall, reports, mem, ends, failures
+
+
+def ctl_stats(bins: Path, sock: Path) -> dict:
+    r = subprocess.run([str(bins / "k3-ctl"), "stats", "--json", "--socket", str(sock)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"bench: k3-ctl stats failed:\n{r.stderr}")
+    return json.loads(r.stdout)
+
+
+def bin_version(bins: Path, name: str) -> str:
+    r = subprocess.run([str(bins / name), "--version"], capture_output=True, text=True)
+    return (r.stdout or r.stderr).strip()
+
+
+def concurrent_bench(a, model: Path, trunk: Path, budgets: dict, layers, tmp: Path) -> dict:
+    """Per budget: one store; one warm-up job; then for each N a batch of N attached workers at
+    once, each with a different prompt and --gen, checked against the standalone ids."""
+    ns = int_list(a.concurrent)
+    reps = a.concurrent_reps
+    gen = a.concurrent_gen
+    cb = concurrent_budgets([b for b in a.concurrent_budgets.split(",") if b], budgets, layers)
+    prompts = conc_prompts(max(ns))
+    # Reference ids: every prompt once, standalone (no store), before any store runs.
+    tb, cbytes, _, _ = budgets[a.concurrent_ref_budget]
+    ref_ids, ref_runs = {}, []
+    for i, p in enumerate(prompts):
+        run, _ = run_worker(a.bins, model, trunk, tb, cbytes, gen, tmp / f"conc-ref-{i}.json",
+                            a.prefill_chunk, ids=p)
+        ref_ids[tuple(p)] = run["generated_ids"]
+        ref_runs.append({"prompt": p, "generated_ids": run["generated_ids"],
+                         "wall_s": run["wall_seconds"]})
+        print(f"  standalone {p}: ids {run['generated_ids']} ({run['wall_seconds']:.1f} s)",
+              flush=True)
+    rows, stores = [], {}
+    for name, (trunk_b, cache_b, slots, desc, want_pinned) in cb.items():
+        sock = tmp / f"run-{name}" / "store.sock"
+        t0 = time.monotonic()
+        r = sh([a.bins / "k3-store", "start", model, "--trunk", trunk, "--trunk-gb",
+                f"{trunk_b / 1e9:.9f}", "--cache-gb", f"{cache_b / 1e9:.9f}", "--socket", sock,
+                "--detach"], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"bench: k3-store start ({name}) failed:\n{r.stderr}")
+        start_s = time.monotonic() - t0
+        try:
+            pid = parse_store_pid(r.stdout + r.stderr)
+            if pid is None:
+                st = subprocess.run([str(a.bins / "k3-ctl"), "status", "--socket", str(sock)],
+                                    capture_output=True, text=True)
+                pid = parse_store_pid(st.stdout)
+            s0 = ctl_stats(a.bins, sock)
+            pinned = s0.get("pinned_layers")
+            if want_pinned is not None and pinned != want_pinned:
+                raise SystemExit(f"bench: {name}: the store pinned {pinned} layers, not {want_pinned}")
+            print(f"== concurrent: {name} store pid {pid}, {pinned}/{len(layers)} layers pinned, "
+                  f"{slots} expert slots, started in {start_s:.1f} s", flush=True)
+            w, _, _, _, fail = run_attached_batch(a.bins, sock, [WARM_PROMPT], gen,
+                                                  a.prefill_chunk, tmp, f"conc-{name}-warm")
+            if fail:
+                raise SystemExit(f"bench: {name}: the warm-up job failed:\n"
+                                 f"{fail[0]['stderr_tail']}")
+            stores[name] = {"trunk_budget_bytes": trunk_b, "cache_budget_bytes": cache_b,
+                            "expert_slots": slots, "desc": desc, "pinned_layers": pinned,
+                            "store_pid": pid, "store_start_s": start_s, "warm_job_s": w,
+                            "store_log_tail": None}
+            print(f"  warm-up job {WARM_PROMPT}: {w:.1f} s", flush=True)
+            for n in ns:
+                batches = []
+                for rep in range(reps):
+                    before = ctl_stats(a.bins, sock)
+                    load0 = os.getloadavg()
+                    wall, reports, mem, ends, fail = run_attached_batch(
+                        a.bins, sock, prompts[:n], gen, a.prefill_chunk, tmp,
+                        f"conc-{name}-n{n}-r{rep}")
+                    after = ctl_stats(a.bins, sock)
+                    b = summarize_batch(n, wall, reports, counters_delta(before, after),
+                                        prompts[:n], ref_ids, mem, fail)
+                    b["worker_exit_s"] = ends
+                    # Anything else on the 2 CPUs (a build) shows here: the batch shares them.
+                    b["load_average_before"], b["load_average_after"] = load0, os.getloadavg()
+                    b["store_vm_hwm_bytes"] = (proc_status_bytes(read_proc_status(pid), "VmHWM")
+                                               if pid else None)
+                    b["store_vm_rss_bytes"] = (proc_status_bytes(read_proc_status(pid), "VmRSS")
+                                               if pid else None)
+                    batches.append(b)
+                    print(f"  {name} N={n} rep {rep}: {wall:.1f} s (load {load0[0]:.2f} -> "
+                          f"{b['load_average_after'][0]:.2f}), "
+                          f"{b['aggregate_tok_s'] or 0:.3f} tok/s, "
+                          f"{(b['disk_bytes_per_token'] or 0) / 1e9:.3f} GB/token, ids "
+                          f"{'match' if b['ids_match'] else 'DIFFER'}"
+                          + "".join(f"; worker {f['worker']} FAILED (exit {f['exit']}): "
+                                    f"{f['error']}" for f in fail), flush=True)
+                rows.append(conc_row(name, batches))
+        finally:
+            sh([a.bins / "k3-ctl", "stop", "--socket", sock], capture_output=True)
+            log = sock.parent / "store.log"
+            if name in stores and log.exists():
+                stores[name]["store_log_tail"] = log.read_text(errors="replace")[-3000:]
+    add_speedups(rows)
+    return {"n": ns, "gen": gen, "reps": reps, "prompts": prompts, "warm_prompt": WARM_PROMPT,
+            "worker_flags": ["--spec", "off", "--prefill-chunk", str(a.prefill_chunk)],
+            "standalone_ref_budget": a.concurrent_ref_budget, "standalone_refs": ref_runs,
+            "stores": stores, "rows": rows,
+            "trunk_bytes_source": sorted({r["trunk_bytes_source"] for r in rows}),
+            "notes": ["disk bytes = store lifetime expert bytes delta over the batch + trunk "
+                      "bytes (trunk_bytes_source); per generated token (prefill reads included)",
+                      "per-worker wait = the worker's --out io_wait_seconds (trunk + experts)",
+                      "store peak RSS = the daemon's VmHWM after the batch (since the store "
+                      "started; counts the shared memory it touched)",
+                      "worker private peak = max RssAnon sampled every ~50 ms; VmHWM in "
+                      "worker_vm_hwm_bytes counts mapped shared pages too",
+                      "a worker that exits non-zero (e.g. the store cannot lease it a layer's "
+                      "top_k expert slots because other workers hold them) is listed in "
+                      "failed_workers; tokens and tok/s count the workers that finished"]}
+
+
 # ---------------------------------------------------------------- main
 
 def spec_summary(run: dict) -> dict:
@@ -658,6 +1047,16 @@ def main(argv=None):
     ap.add_argument("--spec-acceptance", default="100,75,50,25,0",
                     help="percent of drafted ids that are right")
     ap.add_argument("--spec-reps", type=int, default=1)
+    ap.add_argument("--concurrent", metavar="N,N,...",
+                    help="only the concurrent table: per --concurrent-budgets one store, then "
+                         "batches of N attached workers at once (different prompts), e.g. 1,2,4")
+    ap.add_argument("--concurrent-budgets", default="laptop-like,pinned-2",
+                    help="store budgets: bench budget names, or pinned-K (exactly K trunk layers "
+                         "pinned, laptop-like's expert slots)")
+    ap.add_argument("--concurrent-gen", type=int, default=6, help="tokens per worker")
+    ap.add_argument("--concurrent-reps", type=int, default=1, help="batches per budget and N")
+    ap.add_argument("--concurrent-ref-budget", default="trunk-pinned",
+                    help="budget of the standalone runs that give each prompt's reference ids")
     ap.add_argument("--project", type=Path, metavar="BENCH_JSON",
                     help="only print the full-model projection from a k3slice bench JSON")
     a = ap.parse_args(argv)
@@ -683,6 +1082,39 @@ def main(argv=None):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def run_concurrent(a, model: Path, trunk: Path, budgets: dict, layers, tmp: Path) -> int:
+    print(f"== concurrent attached workers on {model} (--gen {a.concurrent_gen}, N "
+          f"{a.concurrent}, budgets {a.concurrent_budgets}, bins {a.bins})", flush=True)
+    cc = concurrent_bench(a, model, trunk, budgets, layers, tmp)
+    print()
+    print(fmt_conc_table(cc["rows"]))
+    print(f"\ntrunk bytes from: {'; '.join(cc['trunk_bytes_source'])}")
+    for note in cc["notes"]:
+        print(f"- {note}")
+    ok = all(r["ids_match"] for r in cc["rows"])
+    print("every concurrent worker that finished gave its prompt's standalone ids" if ok else
+          "IDS DIFFER from the standalone runs (see ids_match_per_worker in the JSON)")
+    for r in cc["rows"]:
+        for b in r["reps"]:
+            for f in b["failed_workers"]:
+                print(f"FAILED: {r['budget']} N={r['n']} worker {f['worker']} exit {f['exit']} "
+                      f"after {f['exit_s']:.1f} s: {f['error']}")
+    ok = ok and not any(r["failed_workers"] for r in cc["rows"])
+    if a.json:
+        out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                        capture_output=True, text=True).stdout.strip(),
+               "bins": str(a.bins.resolve()),
+               "bin_versions": {b: bin_version(a.bins, b)
+                                for b in ("k3-store", "k3-worker", "k3-ctl")},
+               "load_average": os.getloadavg(), "model": str(model), "trunk": str(trunk),
+               "prefill_chunk": a.prefill_chunk, "cpus": os.cpu_count(), "concurrent": cc}
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {a.json}")
+    return 0 if ok else 1
+
+
 def run(a, reps: int, tmp: Path) -> int:
     model = a.model
     if model is None:
@@ -703,6 +1135,8 @@ def run(a, reps: int, tmp: Path) -> int:
     layers = trunk_layers(tj)
     eb, moe_layers, n_experts, top_k = expert_bytes_from_checkpoint(model)
     budgets = plan_budgets(layers, eb, moe_layers, n_experts, top_k)
+    if a.concurrent:
+        return run_concurrent(a, model, trunk, budgets, layers, tmp)
     if a.spec:
         for b in a.spec_budgets.split(","):
             if b and b not in budgets:

@@ -180,3 +180,178 @@ def test_spec_projection_never_loses_and_gains_most_where_the_trunk_streams():
     lap = rows["laptop"]["by_acceptance"]
     assert lap[1.0]["k"] >= lap[0.75]["k"] >= lap[0.5]["k"]
     assert lap[1.0]["s_per_token"] < lap[0.5]["s_per_token"]
+
+
+# ---------------------------------------------------------------- --concurrent helpers
+
+K3SLICE_LAYERS = bench.trunk_layers({"layers": [
+    {"file_off": 0, "nbytes": 2_341_213_184},
+    {"file_off": 2_341_216_256, "nbytes": 1_255_813_376},
+    {"file_off": 3_597_029_376, "nbytes": 1_255_813_376},
+    {"file_off": 4_852_842_752, "nbytes": 832_404_736},
+    {"file_off": 5_685_247_488, "nbytes": 832_404_736},
+]})
+
+
+def test_int_list_and_prompts():
+    assert bench.int_list("1,2,4") == [1, 2, 4]
+    assert bench.int_list(" 3 ,") == [3]
+    for bad in ("", "0,1", "2,-1"):
+        with pytest.raises(ValueError):
+            bench.int_list(bad)
+    p = bench.conc_prompts(7)
+    assert p[0] == bench.PROMPT and len(p) == 7
+    assert len({tuple(x) for x in p}) == 7 and bench.WARM_PROMPT not in p
+    assert all(len(x) == len(bench.PROMPT) and all(0 <= i < bench.VOCAB for i in x) for x in p)
+    # A batch of N uses the first N: N=2 is N=1's prompt plus one.
+    assert bench.conc_prompts(2) == p[:2]
+
+
+def test_pinned_trunk_budget_pins_exactly_k_layers():
+    bufs = [b for _, b in K3SLICE_LAYERS]
+    for k in (0, 1, 2, 3, 5):
+        b = bench.pinned_trunk_budget(K3SLICE_LAYERS, k)
+        assert bench.pinned_prefix(bufs, b) == k
+    # Four of five: the ring for the last layer is as large as the layer, so the plan pins it.
+    with pytest.raises(ValueError):
+        bench.pinned_trunk_budget(K3SLICE_LAYERS, 4)
+    # Two: layers 0 and 1 pinned, a ring for layer 2 (the largest left).
+    b2 = bench.pinned_trunk_budget(K3SLICE_LAYERS, 2)
+    assert b2 == bufs[0] + bufs[1] + bench.align_up(bufs[2]) + 4096
+    with pytest.raises(ValueError):
+        bench.pinned_trunk_budget(K3SLICE_LAYERS, 6)
+    # Where the rest is tiny, pinning k means pinning k+1 too: refused, not mislabelled.
+    tiny = [(4096, 4096), (4096, 4096)]
+    with pytest.raises(ValueError):
+        bench.pinned_trunk_budget(tiny, 1)
+
+
+def test_concurrent_budgets_map_names():
+    b = bench.plan_budgets(K3SLICE_LAYERS, 17_547_264, moe_layers=4, n_experts=64, top_k=16)
+    cb = bench.concurrent_budgets(["laptop-like", "pinned-2"], b, K3SLICE_LAYERS)
+    assert cb["laptop-like"][:4] == b["laptop-like"] and cb["laptop-like"][4] is None
+    tb, cache, slots, _, k = cb["pinned-2"]
+    assert k == 2 and (cache, slots) == (b["laptop-like"][1], b["laptop-like"][2])
+    assert tb == bench.pinned_trunk_budget(K3SLICE_LAYERS, 2)
+    with pytest.raises(ValueError):
+        bench.concurrent_budgets(["server-ish"], b, K3SLICE_LAYERS)
+
+
+def test_proc_status_and_pid_parsing():
+    st = "Name:\tk3-worker\nVmHWM:\t 5873412 kB\nVmRSS:\t  812 kB\nRssAnon:\t  4096 kB\n"
+    assert bench.proc_status_bytes(st, "VmHWM") == 5873412 * 1024
+    assert bench.proc_status_bytes(st, "RssAnon") == 4096 * 1024
+    assert bench.proc_status_bytes(st, "RssShmem") is None
+    assert bench.proc_status_bytes(None, "VmHWM") is None
+    assert bench.parse_store_pid("k3-store ready: listening on /t/s.sock (pid 4242); log x") == 4242
+    assert bench.parse_store_pid("store: up, pid 77, uptime 1.0 s") == 77
+    assert bench.parse_store_pid("no such thing") is None
+
+
+def test_store_counters_accept_old_and_new_names():
+    old = {"lifetime": {"bytes_read": 100, "requests": 3}, "pinned_layers": 0}
+    c = bench.store_counters(old)
+    assert c["expert_bytes_read"] == 100 and c["trunk_bytes_read"] == 0
+    assert c["broken_leases"] == 0 and not c["store_counts_trunk"]
+    new = {"lifetime": {"expert_bytes_read": 50, "trunk_bytes_read": 7, "trunk_layers_served": 2,
+                        "trunk_shared_layers": 1, "trunk_wait_seconds": 0.5, "broken_leases": 0}}
+    c = bench.store_counters(new)
+    assert (c["expert_bytes_read"], c["trunk_bytes_read"], c["store_counts_trunk"]) == (50, 7, True)
+    after = {"lifetime": {"expert_bytes_read": 80, "trunk_bytes_read": 17, "trunk_layers_served": 5,
+                          "trunk_shared_layers": 3, "trunk_wait_seconds": 1.5, "broken_leases": 1}}
+    d = bench.counters_delta(new, after)
+    assert d["expert_bytes_read"] == 30 and d["trunk_bytes_read"] == 10
+    assert d["trunk_shared_layers"] == 2 and d["trunk_wait_seconds"] == pytest.approx(1.0)
+    assert d["broken_leases"] == 1 and d["store_counts_trunk"]
+
+
+def _report(ids, trunk, wait):
+    return {"generated_ids": ids, "trunk_bytes_read": trunk, "io_wait_seconds": wait,
+            "peak_rss_bytes": 1}
+
+
+def test_summarize_batch_old_store_sums_worker_trunk_bytes():
+    prompts = [[1, 2], [3, 4]]
+    ref = {(1, 2): [9, 9, 9], (3, 4): [8, 8, 8]}
+    delta = bench.counters_delta({"lifetime": {"bytes_read": 0}},
+                                 {"lifetime": {"bytes_read": 600}})
+    mem = [{"rss_anon_peak_bytes": 10, "vm_hwm_bytes": 20},
+           {"rss_anon_peak_bytes": 30, "vm_hwm_bytes": 40}]
+    b = bench.summarize_batch(2, 3.0, [_report([9, 9, 9], 1000, 0.5), _report([8, 8, 8], 2000, 1.5)],
+                              delta, prompts, ref, mem)
+    assert b["tokens"] == 6 and b["aggregate_tok_s"] == pytest.approx(2.0)
+    assert b["trunk_bytes_read"] == 3000 and b["trunk_bytes_source"].startswith("workers")
+    assert b["disk_bytes_per_token"] == pytest.approx(3600 / 6)
+    assert b["trunk_bytes_per_token"] == pytest.approx(500)
+    assert b["ids_match"] and b["worker_wait_s"] == [0.5, 1.5]
+    assert b["worker_trunk_bytes_read"] == [1000, 2000]
+    # A worker whose ids differ from its prompt's standalone ids fails the batch.
+    b = bench.summarize_batch(2, 3.0, [_report([9, 9, 9], 0, 0), _report([9, 9, 9], 0, 0)],
+                              delta, prompts, ref, mem)
+    assert b["ids_match_per_worker"] == [True, False] and not b["ids_match"]
+
+
+def test_summarize_batch_new_store_counts_trunk_once():
+    delta = bench.counters_delta(
+        {"lifetime": {"expert_bytes_read": 0, "trunk_bytes_read": 0}},
+        {"lifetime": {"expert_bytes_read": 400, "trunk_bytes_read": 800}})
+    mem = [{"rss_anon_peak_bytes": 1, "vm_hwm_bytes": 2}] * 2
+    b = bench.summarize_batch(2, 2.0, [_report([1], 800, 0.1), _report([2], 800, 0.2)],
+                              delta, [[1], [2]], {(1,): [1], (2,): [2]}, mem)
+    # The store's own count, not the workers' (which would count a shared read twice).
+    assert b["trunk_bytes_read"] == 800 and b["trunk_bytes_source"].startswith("store")
+    assert b["disk_bytes_per_token"] == pytest.approx(600)
+
+
+def test_conc_rows_speedups_and_table():
+    def batch(n, wall, tok, match=True):
+        return {"n": n, "wall_s": wall, "aggregate_tok_s": tok, "disk_bytes_per_token": 2e9,
+                "trunk_bytes_per_token": 1e9, "worker_wait_s": [0.5] * n,
+                "worker_private_peak_bytes": [3e9] * n, "store_vm_hwm_bytes": 4e9,
+                "ids_match": match, "trunk_bytes_source": "workers"}
+    rows = [bench.conc_row("laptop-like", [batch(1, 10.0, 0.6), batch(1, 12.0, 0.5)]),
+            bench.conc_row("laptop-like", [batch(2, 15.0, 0.9)]),
+            bench.conc_row("pinned-2", [batch(2, 5.0, 2.0, match=False)])]
+    bench.add_speedups(rows)
+    assert rows[0]["wall_s"] == pytest.approx(11.0) and rows[0]["aggregate_tok_s"] == pytest.approx(0.55)
+    assert rows[0]["speedup_vs_1"] == pytest.approx(1.0)
+    assert rows[1]["speedup_vs_1"] == pytest.approx(0.9 / 0.55)
+    assert rows[2]["speedup_vs_1"] is None  # no N=1 for that budget
+    assert rows[1]["store_peak_rss_gb"] == pytest.approx(4.0)
+    assert rows[1]["worker_private_peak_gb"] == pytest.approx(3.0)
+    t = bench.fmt_conc_table(rows)
+    lines = t.splitlines()
+    assert lines[0].startswith("| budget | N | wall s | aggregate tok/s | speed-up vs N=1")
+    assert len(lines) == 5 and all(l.count("|") == 12 for l in lines)
+    assert "| 1.64x |" in lines[3] and "| 2.000 | 1.000 |" in lines[3]
+    assert "**NO**" in lines[4] and "| - |" in lines[4]
+
+
+def test_a_failed_worker_is_recorded_not_fatal():
+    prompts = [[1, 2], [3, 4]]
+    ref = {(1, 2): [9, 9, 9], (3, 4): [8, 8, 8]}
+    mem = [{"rss_anon_peak_bytes": 10, "vm_hwm_bytes": 20}] * 2
+    fail = [{"worker": 1, "exit": 1, "exit_s": 61.0, "error": "expert cache busy",
+             "stderr_tail": "..."}]
+    old = bench.counters_delta({"lifetime": {"bytes_read": 0}}, {"lifetime": {"bytes_read": 600}})
+    b = bench.summarize_batch(2, 6.0, [_report([9, 9, 9], 1000, 0.5), None], old, prompts, ref,
+                              mem, fail)
+    # Throughput counts the worker that finished; its ids match; the other is None, not False.
+    assert b["tokens"] == 3 and b["aggregate_tok_s"] == pytest.approx(0.5)
+    assert b["ids_match_per_worker"] == [True, None] and b["ids_match"]
+    assert b["worker_wait_s"] == [0.5, None] and b["failed_workers"] == fail
+    # The failed worker's private trunk reads are unknown: no bytes per token.
+    assert b["disk_bytes_per_token"] is None and b["trunk_bytes_read"] is None
+    # A store that counts trunk bytes itself still gives them.
+    new = bench.counters_delta({"lifetime": {"expert_bytes_read": 0, "trunk_bytes_read": 0}},
+                               {"lifetime": {"expert_bytes_read": 300, "trunk_bytes_read": 300}})
+    b2 = bench.summarize_batch(2, 6.0, [_report([9, 9, 9], 0, 0.5), None], new, prompts, ref,
+                               mem, fail)
+    assert b2["disk_bytes_per_token"] == pytest.approx(200)
+    # All failed: nothing matched, no throughput.
+    b3 = bench.summarize_batch(2, 6.0, [None, None], old, prompts, ref, mem, fail * 2)
+    assert not b3["ids_match"] and b3["aggregate_tok_s"] is None
+    b["store_vm_hwm_bytes"] = 4e9
+    row = bench.conc_row("laptop-like", [b])
+    assert row["failed_workers"] == 1 and row["workers"] == 2
+    assert "(1 of 2 workers FAILED)" in bench.fmt_conc_table([row])
