@@ -254,3 +254,49 @@ fn a_stopped_worker_loses_its_lease_and_the_others_go_on() {
     }
     panic!("never caught the worker holding a lease in 5 attempts");
 }
+
+/// An attached worker allocates no ring: its up-front check counts the sequence state, the
+/// activations and logits of one forward call at its prefill chunk and the verify buffers, and
+/// refuses with exit 2 before any work when they exceed what it may allocate (here an
+/// address-space limit, `prlimit --as`); a shorter prompt under the same limit fits.
+#[test]
+fn an_attached_worker_that_cannot_fit_its_buffers_is_refused_before_any_work() {
+    let mut sb = Sandbox::new("ring-mem");
+    let trunk = sb.pack_tiny_trunk();
+    let bufs = trunk_layer_bufs(&trunk);
+    let budget_gb = gb_arg(trunk_budget_pinning(&bufs, 0));
+    let model = tiny_model();
+    sb.start_store(&[
+        path_str(&model),
+        "--trunk",
+        path_str(&trunk),
+        "--trunk-gb",
+        &budget_gb,
+        "--cache-gb",
+        "0.05",
+    ]);
+    // 8000 prompt ids in one forward call: ~0.22 GB of activations on the tiny model.
+    let ids: Vec<u32> = (0..8000u32).map(|i| i * 7 % 250 + 1).collect();
+    let sock = path_str(&sb.socket).to_string();
+    let run = |n: usize| {
+        let mut c = std::process::Command::new("prlimit");
+        c.arg("--as=300000000")
+            .arg(k3_tests::bin("k3-worker"))
+            .args(["--ids", &ids_arg(&ids[..n]), "--gen", "1", "--threads", "1"])
+            .args(["--prefill-chunk", "0", "--spec", "off", "--socket", &sock]);
+        sb.run_command(c)
+    };
+    let r = run(8000);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("REFUSING TO START"), "{}", r.stderr);
+    assert!(r.stderr.contains("may allocate only"), "{}", r.stderr);
+    let l = idle_lifetime(&sb);
+    assert_eq!(
+        (u(&l, "trunk_layers_served"), u(&l, "requests")),
+        (0, 0),
+        "no work before the refusal: {l}"
+    );
+    let r = run(200);
+    assert_eq!(r.code, 0, "200 positions fit: {r:?}");
+    assert_eq!(printed_ids(&r).len(), 1, "{r:?}");
+}
