@@ -447,6 +447,12 @@ mod tests {
                 prefetch_loads: 5,
                 prefetch_bytes: 5_000_000,
                 prefetch_used: 3,
+                trunk_bytes_read: 2_500_000_000,
+                trunk_layer_reads: 10,
+                trunk_layers_served: 30,
+                trunk_shared_layers: 20,
+                trunk_wait_seconds: 1.5,
+                broken_leases: 1,
                 ..Default::default()
             },
             jobs: vec![
@@ -457,6 +463,9 @@ mod tests {
                     counters: Counters {
                         requests: 5,
                         misses: 5,
+                        trunk_bytes_read: 2_500_000_000,
+                        trunk_layers_served: 15,
+                        trunk_shared_layers: 5,
                         ..Default::default()
                     },
                     ..Default::default()
@@ -486,5 +495,15 @@ mod tests {
         assert!(second.contains("80.0%"), "{second}");
         let first = t.lines().find(|l| l.contains("first")).unwrap();
         assert!(first.contains("0.0%"), "{first}");
+        // The shared trunk ring: lifetime reads, hand-outs, shared ones, waits, broken leases;
+        // per job its trunk MB and shared/served layers.
+        assert!(
+            t.contains("trunk:    read 2.500 GB in 10 layer reads  served 30 layers (20 from a shared read)  waits 1.50 s  broken leases 1"),
+            "{t}"
+        );
+        assert!(
+            first.contains("2500.0") && first.contains("5/15"),
+            "{first}"
+        );
     }
 }

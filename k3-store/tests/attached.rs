@@ -286,3 +286,42 @@ fn a_ring_hand_out_costs_a_socket_round_trip() {
     );
     assert!(median < 2e-3, "median hand-out {median} s");
 }
+
+/// Raw ring requests a buggy or hostile client could send: a pinned or unknown layer is an error
+/// answer and the connection goes on; a control client may not lease trunk layers; a good
+/// request is answered with a run inside the mapping's ring.
+#[test]
+fn bad_trunk_requests_are_refused_not_fatal() {
+    use k3_proto::wire::{ClientKind, ErrorCode, Request, Response};
+    use k3_store::client::Client;
+    let store = start_store("badtrunk", 2, 8);
+    let mut w = Client::connect(&store.socket, ClientKind::Worker, "raw worker").unwrap();
+    for layer in [1u32, 13, 99, u32::MAX] {
+        match w.call(&Request::TrunkLayer { layer }).unwrap() {
+            Response::Error { code, message } => {
+                assert_eq!(code, ErrorCode::BadRequest, "layer {layer}: {message}");
+                assert!(message.contains(&format!("layer {layer}")), "{message}");
+            }
+            other => panic!("layer {layer}: {other:?}"),
+        }
+    }
+    match w.call(&Request::TrunkLayer { layer: 5 }).unwrap() {
+        Response::TrunkLayer { len, fresh, .. } => assert!(len > 0 && fresh),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(w.call(&Request::EndPass).unwrap(), Response::Released);
+    // Ending a pass twice is harmless.
+    assert_eq!(w.call(&Request::EndPass).unwrap(), Response::Released);
+    let mut c = Client::connect(&store.socket, ClientKind::Control, "raw control").unwrap();
+    for req in [Request::TrunkLayer { layer: 5 }, Request::EndPass] {
+        match c.call(&req).unwrap() {
+            Response::Error { code, .. } => assert_eq!(code, ErrorCode::NotAllowed, "{req:?}"),
+            other => panic!("{req:?}: {other:?}"),
+        }
+    }
+    // The worker's connection still works.
+    match w.call(&Request::TrunkLayer { layer: 12 }).unwrap() {
+        Response::TrunkLayer { len, .. } => assert!(len > 0),
+        other => panic!("{other:?}"),
+    }
+}

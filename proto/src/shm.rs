@@ -465,10 +465,11 @@ mod tests {
         );
     }
 
-    /// The byte layout of v1, pinned: a change here is a layout change (bump
-    /// [`SHM_LAYOUT_VERSION`]) that workers of the previous build must refuse.
+    /// The byte layout, pinned: a change here is a layout change (bump [`SHM_LAYOUT_VERSION`])
+    /// that workers of the previous build must refuse. v2 kept v1's bytes and added region kind 5
+    /// (the trunk ring), which a v1 worker would not know to use.
     #[test]
-    fn layout_v1_is_pinned() {
+    fn layout_is_pinned() {
         let fields = [
             (offset_of!(ShmHeader, magic), 0),
             (offset_of!(ShmHeader, layout_version), 8),
@@ -493,7 +494,8 @@ mod tests {
         for (i, (got, want)) in fields.iter().enumerate() {
             assert_eq!(got, want, "field {i} moved");
         }
-        assert_eq!(SHM_LAYOUT_VERSION, 1);
+        assert_eq!(SHM_LAYOUT_VERSION, 2);
+        assert_eq!(RegionKind::TrunkRing as u32, 5);
         assert_eq!(HEADER_BYTES, 6208);
         let e = SlotEntry {
             state: SlotEntry::RESIDENT,
