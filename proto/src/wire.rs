@@ -362,7 +362,8 @@ pub enum Response {
         protocol_version: u32,
         /// Checkpoint directory the store serves.
         model_dir: String,
-        /// Packed trunk directory (workers stream unpinned layers from it themselves).
+        /// Packed trunk directory (the store streams the unpinned layers from it; workers read
+        /// its `trunk.json` for the layers' tensor layout and check its identity).
         trunk_dir: String,
         /// Bytes of shared memory to map (0 for control clients).
         shm_bytes: u64,
