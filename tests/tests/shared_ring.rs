@@ -51,6 +51,48 @@ fn attached(sb: &Sandbox, ids: &str, extra: &[&str]) -> Value {
     j
 }
 
+/// One attached job per prompt, all started at the same moment: each worker is spawned through a
+/// shell that stops itself (`SIGSTOP`) before it execs the worker; once all are stopped they are
+/// continued together, so how much the jobs overlap does not depend on how fast processes start
+/// on a loaded machine. Their reports, in prompt order.
+fn together(sb: &Sandbox, prompts: &[String], extra: &[&str]) -> Vec<Value> {
+    let sock = path_str(&sb.socket).to_string();
+    let jobs: Vec<(std::path::PathBuf, k3_tests::Spawned)> = (prompts.iter().enumerate())
+        .map(|(k, p)| {
+            let out = sb.dir.join(format!("together-{k}.json"));
+            let _ = std::fs::remove_file(&out);
+            let mut c = std::process::Command::new("sh");
+            c.args(["-c", "kill -STOP $$; exec \"$0\" \"$@\""])
+                .arg(k3_tests::bin("k3-worker"))
+                .args(job_args(p, extra))
+                .args(["--socket", &sock, "--out", path_str(&out)]);
+            (out, sb.spawn_command(&format!("together-{k}"), c))
+        })
+        .collect();
+    for (_, w) in &jobs {
+        let pid = w.pid();
+        let stopped = poll_until(Duration::from_secs(20), || {
+            let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // The state follows the command name's closing parenthesis.
+            let state = st.rsplit_once(") ")?.1.chars().next()?;
+            (state == 'T').then_some(())
+        });
+        assert!(stopped.is_some(), "worker shell {pid} never stopped");
+    }
+    for (_, w) in &jobs {
+        send_signal(w.pid(), "CONT");
+    }
+    jobs.into_iter()
+        .map(|(out, w)| {
+            let r = w.wait(Duration::from_secs(120));
+            assert_eq!(r.code, 0, "worker failed: {r:?}");
+            let j: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+            assert_eq!(printed_ids(&r), generated(&j), "printed ids == report ids");
+            j
+        })
+        .collect()
+}
+
 /// Lifetime counters once no worker is connected.
 fn idle_lifetime(sb: &Sandbox) -> Value {
     let s = poll_until(Duration::from_secs(10), || {
@@ -107,13 +149,8 @@ fn concurrent_jobs_share_one_trunk_stream_and_match_standalone() {
         let served = u(&alone, "trunk_layers_served");
         assert_eq!(served % (13 - pinned as u64), 0, "whole passes: {alone}");
 
-        // Three at once.
-        let reps: Vec<Value> = std::thread::scope(|s| {
-            let hs: Vec<_> = (prompts.iter())
-                .map(|p| s.spawn(|| attached(&sb, p, &["--spec", "off"])))
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("worker")).collect()
-        });
+        // Three at once, started together (see `together`).
+        let reps = together(&sb, &prompts, &["--spec", "off"]);
         let l2 = idle_lifetime(&sb);
         for (k, r) in reps.iter().enumerate() {
             assert_eq!(
@@ -146,12 +183,7 @@ fn concurrent_jobs_share_one_trunk_stream_and_match_standalone() {
         assert_eq!(u(&l2, "broken_leases"), 0, "{l2}");
 
         // With speculation on (drafts from the store's history), the same ids.
-        let reps: Vec<Value> = std::thread::scope(|s| {
-            let hs: Vec<_> = (prompts.iter())
-                .map(|p| s.spawn(|| attached(&sb, p, &[])))
-                .collect();
-            hs.into_iter().map(|h| h.join().expect("worker")).collect()
-        });
+        let reps = together(&sb, &prompts, &[]);
         for (k, r) in reps.iter().enumerate() {
             assert_eq!(
                 generated(r),
