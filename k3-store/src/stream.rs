@@ -660,7 +660,7 @@ fn next_read(sh: &Shared, st: &State) -> Option<(usize, u64)> {
 }
 
 /// `[0, len)` minus `busy` (sorted, disjoint sub-ranges `(start, len)`), as `(start, end)`.
-fn free_windows(len: u64, busy: &[(u64, u64)]) -> Vec<(u64, u64)> {
+pub(crate) fn free_windows(len: u64, busy: &[(u64, u64)]) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     let mut at = 0;
     for &(s, l) in busy {
@@ -675,22 +675,54 @@ fn free_windows(len: u64, busy: &[(u64, u64)]) -> Vec<(u64, u64)> {
     out
 }
 
-/// Read windows `(start, end)` (relative to the extent) of layer `l` into its extent at `off`.
-fn read_windows(sh: &Shared, l: usize, off: u64, windows: &[(u64, u64)]) -> Result<usize, String> {
+/// Read windows `(start, end)` (relative to the extent) of layer `l` into its extent at `off` of
+/// `mem`. Returns where the run starts in the extent.
+///
+/// # Safety
+/// Every window `[off + start, off + end)` lies inside `mem`, and while it is written no other
+/// slice of `mem` overlapping it exists (the caller owns those bytes: a claimed extent, minus
+/// whatever is still leased).
+pub(crate) unsafe fn read_windows(
+    layout: &TrunkLayout,
+    mem: &ArenaMem,
+    l: usize,
+    off: u64,
+    windows: &[(u64, u64)],
+) -> Result<usize, String> {
     let mut inner = 0;
     for &(a, b) in windows {
-        // SAFETY: the window lies inside the extent claimed for this read ([off, off+len) is in
-        // the arena) and, when it is read, overlaps no extent with a live lease: the claim
-        // dropped every non-leased extent it overlaps, the windows read first exclude the
-        // leased ones, and the rest is read only after those were released and dropped, all
-        // decided under the ring's lock, where leases are also made.
-        let dst = unsafe { sh.mem.range_mut((off + a) as usize, (b - a) as usize) };
-        inner = sh
-            .layout
+        // SAFETY: inside `mem` and not aliased while written (this function's contract).
+        let dst = unsafe { mem.range_mut((off + a) as usize, (b - a) as usize) };
+        inner = layout
             .read_layer_window(l, dst, a as usize)
             .map_err(|e| e.0)?;
     }
     Ok(inner)
+}
+
+/// Check layer `l`'s run, read into the extent `[off, off + len)` of `mem` with the run at
+/// `inner`, against its checksum; `Ok(inner)` when it matches.
+///
+/// # Safety
+/// `[off, off + len)` lies inside `mem`, its writes have returned, and no exclusive slice
+/// overlapping it exists while it is checked.
+pub(crate) unsafe fn verify_extent(
+    layout: &TrunkLayout,
+    mem: &ArenaMem,
+    l: usize,
+    (off, len): (u64, u64),
+    inner: usize,
+) -> Result<usize, String> {
+    let run_len = layout.plan(l).map(|p| p.run_len).unwrap_or(0);
+    match (inner as u64).checked_add(run_len) {
+        Some(end) if end <= len => {
+            // SAFETY: [off+inner, off+end) lies inside the extent (checked just above), which is
+            // inside `mem` and not written meanwhile (this function's contract).
+            let run = unsafe { mem.range(off as usize + inner, run_len as usize) };
+            layout.verify_run(l, run).map(|()| inner)
+        }
+        _ => Err(format!("trunk layer {l}: run outside its extent")),
+    }
 }
 
 /// The reader thread.
@@ -747,7 +779,11 @@ fn reader(sh: &Shared) {
             let dst = unsafe { sh.mem.range_mut(off as usize, len as usize) };
             sh.layout.read_layer(l, dst).map_err(|e| e.0)
         } else {
-            read_windows(sh, l, off, &free_windows(len, &busy))
+            // SAFETY: the windows lie inside the extent claimed for this read ([off, off+len) is
+            // in the arena) and exclude the extents with a live lease that it overlaps; the claim
+            // dropped every other extent it overlaps, under the ring's lock, where leases are
+            // also made.
+            unsafe { read_windows(&sh.layout, &sh.mem, l, off, &free_windows(len, &busy)) }
         };
         let mut secs = t0.elapsed().as_secs_f64();
         g = sh.lock();
@@ -779,7 +815,9 @@ fn reader(sh: &Shared) {
             drop(g);
             let windows: Vec<(u64, u64)> = busy.iter().map(|&(s, l)| (s, s + l)).collect();
             let t1 = Instant::now();
-            res = read_windows(sh, l, off, &windows);
+            // SAFETY: as above; the leased extents these windows overlapped were released and
+            // dropped under the lock before this read.
+            res = unsafe { read_windows(&sh.layout, &sh.mem, l, off, &windows) };
             secs += t1.elapsed().as_secs_f64();
             g = sh.lock();
         }
@@ -794,18 +832,10 @@ fn reader(sh: &Shared) {
                 // set), so the consumer is not held up by the hash.
                 drop(g);
                 let t1 = Instant::now();
-                let run_len = sh.layout.plan(l).map(|p| p.run_len).unwrap_or(0);
-                res = match (inner as u64).checked_add(run_len) {
-                    Some(end) if end <= len => {
-                        // SAFETY: [off+inner, off+end) lies inside this layer's extent
-                        // [off, off+len), which is in the arena; the extent is still Filling
-                        // (claimed by this thread, never leased, so no RingLease and no other
-                        // claim can point into it) and its last write (above) has returned.
-                        let run = unsafe { sh.mem.range(off as usize + inner, run_len as usize) };
-                        sh.layout.verify_run(l, run).map(|()| inner)
-                    }
-                    _ => Err(format!("trunk layer {l}: run outside its extent")),
-                };
+                // SAFETY: the extent [off, off+len) is in the arena and still Filling (claimed by
+                // this thread, never leased, so no RingLease and no other claim can point into
+                // it), and its last write (above) has returned.
+                res = unsafe { verify_extent(&sh.layout, &sh.mem, l, (off, len), inner) };
                 let dt = t1.elapsed().as_secs_f64();
                 g = sh.lock();
                 g.stats.verify_seconds += dt;

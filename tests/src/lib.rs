@@ -580,3 +580,13 @@ pub fn printed_ids(r: &Run) -> Vec<u32> {
         })
         .collect()
 }
+
+/// The live job of worker `pid` in a stats report.
+pub fn live_job(s: &serde_json::Value, pid: u32) -> Option<serde_json::Value> {
+    let label = format!("pid {pid}");
+    s["jobs"]
+        .as_array()?
+        .iter()
+        .find(|j| j["label"].as_str().is_some_and(|l| l.ends_with(&label)))
+        .cloned()
+}

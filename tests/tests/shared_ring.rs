@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use k3_tests::{
-    cache_gb_for_slots, gb_arg, generated_ids as generated, ids_arg, json_u64 as u, path_str,
-    poll_until, printed_ids, reference_greedy, reference_prompt, send_signal, tiny_model,
+    cache_gb_for_slots, gb_arg, generated_ids as generated, ids_arg, json_u64 as u, live_job,
+    path_str, poll_until, printed_ids, reference_greedy, reference_prompt, send_signal, tiny_model,
     trunk_budget_pinning, trunk_layer_bufs, Sandbox,
 };
 use serde_json::Value;
@@ -91,6 +91,18 @@ fn together(sb: &Sandbox, prompts: &[String], extra: &[&str]) -> Vec<Value> {
             j
         })
         .collect()
+}
+
+/// A store on the tiny model with nothing pinned: every layer streams through a ring of the
+/// largest one; 0.05 GB of expert cache; `extra` flags.
+fn start_streamed(sb: &mut Sandbox, extra: &[&str]) {
+    let trunk = sb.pack_tiny_trunk();
+    let budget_gb = gb_arg(trunk_budget_pinning(&trunk_layer_bufs(&trunk), 0));
+    let model = tiny_model();
+    let mut args = vec![path_str(&model), "--trunk", path_str(&trunk)];
+    args.extend_from_slice(&["--trunk-gb", &budget_gb, "--cache-gb", "0.05"]);
+    args.extend_from_slice(extra);
+    sb.start_store(&args);
 }
 
 /// Lifetime counters once no worker is connected.
@@ -203,21 +215,7 @@ fn concurrent_jobs_share_one_trunk_stream_and_match_standalone() {
 #[test]
 fn a_stopped_worker_loses_its_lease_and_the_others_go_on() {
     let mut sb = Sandbox::new("ring-lease");
-    let trunk = sb.pack_tiny_trunk();
-    let bufs = trunk_layer_bufs(&trunk);
-    let budget_gb = gb_arg(trunk_budget_pinning(&bufs, 0));
-    let model = tiny_model();
-    sb.start_store(&[
-        path_str(&model),
-        "--trunk",
-        path_str(&trunk),
-        "--trunk-gb",
-        &budget_gb,
-        "--cache-gb",
-        "0.05",
-        "--lease-timeout",
-        "1",
-    ]);
+    start_streamed(&mut sb, &["--lease-timeout", "1"]);
     let ids = ids_arg(&reference_prompt());
     // A worker between two passes holds no lease (its read-ahead is protected for at most the
     // lease limit, and then it simply waits): stop it again until it is caught holding one.
@@ -233,14 +231,8 @@ fn a_stopped_worker_loses_its_lease_and_the_others_go_on() {
         ]);
         let pid = w.pid();
         let live = poll_until(Duration::from_secs(15), || {
-            let s = sb.stats();
-            let job = s["jobs"].as_array()?.iter().find(|j| {
-                j["live"] == true
-                    && j["label"]
-                        .as_str()
-                        .is_some_and(|l| l.contains(&pid.to_string()))
-            })?;
-            (u(&job["counters"], "trunk_layers_served") > 0).then_some(())
+            let job = live_job(&sb.stats(), pid)?;
+            (job["live"] == true && u(&job["counters"], "trunk_layers_served") > 0).then_some(())
         });
         assert!(
             live.is_some(),
@@ -294,19 +286,7 @@ fn a_stopped_worker_loses_its_lease_and_the_others_go_on() {
 #[test]
 fn an_attached_worker_that_cannot_fit_its_buffers_is_refused_before_any_work() {
     let mut sb = Sandbox::new("ring-mem");
-    let trunk = sb.pack_tiny_trunk();
-    let bufs = trunk_layer_bufs(&trunk);
-    let budget_gb = gb_arg(trunk_budget_pinning(&bufs, 0));
-    let model = tiny_model();
-    sb.start_store(&[
-        path_str(&model),
-        "--trunk",
-        path_str(&trunk),
-        "--trunk-gb",
-        &budget_gb,
-        "--cache-gb",
-        "0.05",
-    ]);
+    start_streamed(&mut sb, &[]);
     // 8000 prompt ids in one forward call: ~0.22 GB of activations on the tiny model.
     let ids: Vec<u32> = (0..8000u32).map(|i| i * 7 % 250 + 1).collect();
     let sock = path_str(&sb.socket).to_string();

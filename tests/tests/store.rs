@@ -6,8 +6,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use k3_tests::{
-    cache_gb_for_slots, gb_arg, generated_ids as generated, ids_arg, json_u64 as u, path_str,
-    pid_gone, poll_until, printed_ids, reference_greedy, reference_prompt, tiny_model,
+    cache_gb_for_slots, gb_arg, generated_ids as generated, ids_arg, json_u64 as u, live_job,
+    path_str, pid_gone, poll_until, printed_ids, reference_greedy, reference_prompt, tiny_model,
     trunk_budget_pinning, trunk_layer_bufs, Run, Sandbox, TINY_EXPERT_BYTES as EXPERT_BYTES,
 };
 use serde_json::Value;
@@ -250,16 +250,6 @@ fn two_concurrent_workers_get_identical_ids() {
     assert_eq!(total, u(&a, "expert_requests") + u(&b, "expert_requests"));
     assert_eq!(u(&s["lifetime"], "requests"), total);
     assert_eq!(u(&s, "slots_leased"), 0, "{s}");
-}
-
-/// The live job of worker `pid` in a stats report.
-fn live_job(s: &Value, pid: u32) -> Option<Value> {
-    let label = format!("pid {pid}");
-    s["jobs"]
-        .as_array()?
-        .iter()
-        .find(|j| j["label"].as_str().is_some_and(|l| l.ends_with(&label)))
-        .cloned()
 }
 
 #[test]

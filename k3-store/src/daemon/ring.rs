@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use super::ConnId;
 use crate::arena::{place, place_min_overlap, ArenaMem};
 use crate::io::align_up;
-use crate::stream::VerifyMode;
+use crate::stream::{free_windows, read_windows, verify_extent, VerifyMode};
 use crate::trunk::TrunkLayout;
 
 /// How the ring bounds what a worker may hold.
@@ -305,40 +305,6 @@ fn next_read(sh: &Shared, st: &State, now: Instant) -> Option<(usize, u64)> {
     place_min_overlap(cap, len, st.cursor, &hard, &soft)
         .filter(|&(_, overlap)| overlap < len)
         .map(|(off, _)| (target, off))
-}
-
-/// `[0, len)` minus `busy` (sorted, disjoint `(start, len)` sub-ranges), as `(start, end)`.
-fn free_windows(len: u64, busy: &[(u64, u64)]) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    for &(s, l) in busy {
-        if s > at {
-            out.push((at, s));
-        }
-        at = at.max(s + l);
-    }
-    if at < len {
-        out.push((at, len));
-    }
-    out
-}
-
-/// Read windows `(start, end)` (relative to the extent at `off`) of layer `l`.
-fn read_windows(sh: &Shared, l: usize, off: u64, windows: &[(u64, u64)]) -> Result<usize, String> {
-    let mut inner = 0;
-    for &(a, b) in windows {
-        // SAFETY: the window lies inside the extent claimed for this read (inside the ring) and,
-        // when it is read, overlaps no extent that is leased or may be leased: the claim dropped
-        // every other extent it overlaps except leased ones, the first windows exclude those,
-        // and the rest is read only after they were released and dropped, all decided under the
-        // lock where leases are made. The claimed extent is Filling: never leased meanwhile.
-        let dst = unsafe { sh.mem.range_mut((off + a) as usize, (b - a) as usize) };
-        inner = sh
-            .layout
-            .read_layer_window(l, dst, a as usize)
-            .map_err(|e| e.0)?;
-    }
-    Ok(inner)
 }
 
 /// Release `c`'s lease, if any.
@@ -664,7 +630,11 @@ fn reader(sh: &Shared) {
             let dst = unsafe { sh.mem.range_mut(off as usize, len as usize) };
             sh.layout.read_layer(l, dst).map_err(|e| e.0)
         } else {
-            read_windows(sh, l, off, &free_windows(len, &busy))
+            // SAFETY: the windows lie inside the extent claimed for this read (inside the ring)
+            // and exclude the leased extents it overlaps; the claim dropped every other extent
+            // it overlaps, under the lock where leases are made, and the claimed extent is
+            // Filling: never leased meanwhile.
+            unsafe { read_windows(&sh.layout, &sh.mem, l, off, &free_windows(len, &busy)) }
         };
         if !busy.is_empty() && res.is_ok() {
             sh.lock().lifetime.partial_reads += 1;
@@ -696,7 +666,9 @@ fn reader(sh: &Shared) {
             g.extents.retain(|e| me(e) || !e.overlaps(off, len));
             drop(g);
             let windows: Vec<(u64, u64)> = busy.iter().map(|&(s, n)| (s, s + n)).collect();
-            res = read_windows(sh, l, off, &windows);
+            // SAFETY: as above; the leased extents these windows overlapped were neither leased
+            // nor on a path any more and were dropped under the lock before this read.
+            res = unsafe { read_windows(&sh.layout, &sh.mem, l, off, &windows) };
         }
         let run_len = sh.layout.plan(l).map(|p| p.run_len).unwrap_or(0);
         let check = match sh.verify {
@@ -706,15 +678,9 @@ fn reader(sh: &Shared) {
         };
         if check {
             if let Ok(inner) = res {
-                res = match (inner as u64).checked_add(run_len) {
-                    Some(end) if end <= len => {
-                        // SAFETY: inside this layer's extent, still Filling (ours alone), its
-                        // write above has returned.
-                        let run = unsafe { sh.mem.range(off as usize + inner, run_len as usize) };
-                        sh.layout.verify_run(l, run).map(|()| inner)
-                    }
-                    _ => Err(format!("trunk layer {l}: run outside its extent")),
-                };
+                // SAFETY: this layer's extent is in the ring, still Filling (ours alone), and its
+                // writes above have returned.
+                res = unsafe { verify_extent(&sh.layout, &sh.mem, l, (off, len), inner) };
             }
         }
         let secs = t0.elapsed().as_secs_f64();
