@@ -1248,6 +1248,20 @@ impl ExpertCache {
             .collect()
     }
 
+    /// Whether every expert of `ids` (layer `l`) is RESIDENT right now, so that [`get`] would
+    /// read nothing (an answer that may be stale as soon as the lock is dropped: a caller that
+    /// acts on it must stay correct when it is).
+    ///
+    /// [`get`]: ExpertCache::get
+    pub fn all_resident(&self, l: usize, ids: &[u32]) -> bool {
+        let g = self.slots.lock();
+        ids.iter().all(|&e| {
+            g.table
+                .lookup(l as u32, e)
+                .is_some_and(|s| matches!(g.table.state(s), SlotState::Resident { .. }))
+        })
+    }
+
     /// Experts `ids` of layer `l`, in request order. Each `Ok` region is the expert in canonical
     /// layout and stays valid (its slot leased) while the region or a clone lives.
     pub fn get(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
@@ -1455,6 +1469,39 @@ mod tests {
         assert_eq!(s.table.misses, 3);
         // Expert 4 was read once (by the first request), expert 1 once.
         assert_eq!(s.bytes_read, 2 * spec.layout.expert_bytes() as u64);
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
+    fn all_resident_is_true_only_when_every_expert_is_resident() {
+        let spec = spec();
+        let w = fixture::write(&spec, "allres");
+        let mut c = cache(&w, 3, 5000);
+        // Expert 6 of layer 1 is held INFLIGHT for a while by a slow read.
+        c.set_fail_hook(Box::new(|l, e| {
+            if (l, e) == (1, 6) {
+                std::thread::sleep(Duration::from_millis(400));
+            }
+            None
+        }));
+        assert!(!c.all_resident(2, &[0, 3]), "empty cache");
+        let b = c.get(2, &[0, 3]).unwrap();
+        assert!(c.all_resident(2, &[0, 3]) && c.all_resident(2, &[3]));
+        assert!(c.all_resident(2, &[]));
+        assert!(!c.all_resident(2, &[0, 3, 5]), "5 was never read");
+        assert!(!c.all_resident(1, &[0]), "same expert id, other layer");
+        drop(b);
+        std::thread::scope(|s| {
+            let h = s.spawn(|| c.get(1, &[6]).unwrap());
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(!c.all_resident(1, &[6]), "INFLIGHT is not resident");
+            check(&spec, 1, &[6], &h.join().unwrap());
+        });
+        assert!(c.all_resident(1, &[6]));
+        // Two more experts evict the two least recently used: layer 2's (LRU, 3 slots).
+        drop(c.get(3, &[1, 2]).unwrap());
+        assert!(!c.all_resident(2, &[0, 3]), "evicted");
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 

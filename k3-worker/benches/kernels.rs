@@ -6,7 +6,8 @@
 //! (`K3_BENCH_JSON=PATH` works too). Each figure is the median and min–max of `reps` (≥ 5)
 //! timed runs after one warm-up run. Every tier's output is checked against the scalar tier.
 //!
-//! Shapes: bf16 12288×7168 and 7168×12288 (one 176 MB matrix, read as either shape); MXFP4 one
+//! Shapes: bf16 12288×7168 and 7168×12288 (one 176 MB matrix, read as either shape), and the
+//! narrow-row 163840×256 (the `small` preset's lm_head) and 12288×1536; MXFP4 one
 //! expert's 3072×3584 (w1/w3) and 3584×3072 (w2), cycled over 16 distinct experts per timed run
 //! so the bytes come from memory as in decode (one expert alone would sit in the LLC); bf16
 //! matmul of 5 and 16 tokens at 12288×7168.
@@ -290,6 +291,14 @@ fn main() {
     let mut rng = Rng(42);
     let (big_r, big_c) = (12288usize, 7168usize);
     let w = bf16_bytes(&mut rng, big_r * big_c);
+    // The two wide shapes read the whole matrix; the narrow ones (the `small` preset's lm_head,
+    // K3's q_b_proj width) a prefix of it.
+    let bf16_shapes = [
+        (big_r, big_c),
+        (big_c, big_r),
+        (163_840, 256),
+        (12_288, 1536),
+    ];
     let x_wide = f32s(&mut rng, 16 * big_r.max(big_c));
     let (er, ec) = (3072usize, 3584usize);
     let experts: Vec<Expert> = (0..EXPERTS)
@@ -303,9 +312,9 @@ fn main() {
     // Reference outputs (scalar tier) for the self-check.
     let mut refs: Vec<Vec<f32>> = Vec::new();
     pools[pools.len() - 1].install(|| {
-        for (r, c) in [(big_r, big_c), (big_c, big_r)] {
+        for (r, c) in bf16_shapes {
             let mut y = vec![0.0f32; r];
-            scalar.matvec_bf16(&w, r, c, &x_wide[..c], &mut y);
+            scalar.matvec_bf16(&w[..r * c * 2], r, c, &x_wide[..c], &mut y);
             refs.push(y);
         }
         for (r, c) in [(er, ec), (ec, er)] {
@@ -325,10 +334,10 @@ fn main() {
     for k in &tiers {
         for (pool, &threads) in pools.iter().zip(&THREADS) {
             pool.install(|| {
-                for (i, (r, c)) in [(big_r, big_c), (big_c, big_r)].into_iter().enumerate() {
+                for (i, (r, c)) in bf16_shapes.into_iter().enumerate() {
                     let mut y = vec![0.0f32; r];
                     let s = time(args.reps, threads, || {
-                        k.matvec_bf16(black_box(&w), r, c, &x_wide[..c], &mut y);
+                        k.matvec_bf16(black_box(&w[..r * c * 2]), r, c, &x_wide[..c], &mut y);
                         black_box(&y);
                     });
                     if rel_diff(&y, &refs[i]) > CHECK_REL {
@@ -368,7 +377,7 @@ fn main() {
                         &x_wide[..c],
                         &mut y,
                     );
-                    if rel_diff(&y, &refs[2 + i]) > CHECK_REL {
+                    if rel_diff(&y, &refs[bf16_shapes.len() + i]) > CHECK_REL {
                         eprintln!("CHECK FAILED: {} mxfp4 {r}x{c}", k.tier());
                         checks_ok = false;
                     }

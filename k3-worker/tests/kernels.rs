@@ -514,12 +514,19 @@ fn check_matmul_equals_matvec(k: Kernels, rows: usize, cols: usize, rng: &mut Rn
 }
 
 /// bf16 alone on widths that are not whole SIMD blocks (the activations' rearranged blocks and
-/// in-order tails) and row counts around the row blocks; 37×1001 takes the parallel path.
+/// in-order tails) and row counts around the row blocks; 37×1001 with 7 or 9 tokens takes the
+/// parallel path (≥ `PAR_MIN_MACS`). A
+/// single-token product dots rows of at most `NARROW_COLS` columns one at a time and wider rows
+/// in blocks of 8; both must give the 4-row matmul blocks' bits.
 #[test]
 fn bf16_matmul_equals_matvec_bitwise_on_odd_widths() {
     let mut rng = Rng(8);
+    let (narrow, wide) = (
+        k3_worker::kernels::NARROW_COLS,
+        k3_worker::kernels::NARROW_COLS + 37,
+    );
     for k in tiers() {
-        for (rows, cols) in [(15, 37), (6, 95), (37, 1001)] {
+        for (rows, cols) in [(15, 37), (6, 95), (37, 1001), (19, narrow), (21, wide)] {
             let (w, _) = bf16_matrix(&mut rng, rows, cols);
             for n in [1usize, 2, 3, 4, 5, 7, 9] {
                 let x = random_x(&mut rng, n * cols);
@@ -554,7 +561,7 @@ fn matmul_row_t_equals_matvec_of_token_t_bitwise() {
 #[test]
 fn results_do_not_depend_on_thread_count() {
     let mut rng = Rng(6);
-    let (rows, cols, n) = (301, 544, 5); // 164k MACs per token: parallel path, 10 row chunks
+    let (rows, cols, n) = (501, 544, 5); // 272k MACs per token: parallel path, 32 row chunks
     assert!(rows * cols >= kernels::PAR_MIN_MACS);
     let (w, _) = bf16_matrix(&mut rng, rows, cols);
     let m = mxfp4_matrix(&mut rng, rows, cols);
@@ -563,7 +570,8 @@ fn results_do_not_depend_on_thread_count() {
     let a = random_x(&mut rng, 100_003);
     let b = random_x(&mut rng, 100_003);
     // bf16 at a width that is not whole SIMD blocks (rearranged blocks plus in-order tails).
-    let (odd_rows, odd_cols) = (203, 547);
+    let (odd_rows, odd_cols) = (503, 547);
+    assert!(odd_rows * odd_cols >= kernels::PAR_MIN_MACS);
     let (wo, _) = bf16_matrix(&mut rng, odd_rows, odd_cols);
     let xo = random_x(&mut rng, n * odd_cols);
     for k in tiers() {

@@ -278,7 +278,10 @@ pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: 
         unsafe { bf16_tokens::<MATMUL_ROWS, TOKEN_BLOCK>(w, cols, x, n, t, out) };
         t += TOKEN_BLOCK;
     }
-    if t < n {
+    if t < n && cols <= super::NARROW_COLS {
+        // SAFETY: as above, for the last token of narrow rows: one row at a time.
+        unsafe { bf16_tokens::<1, 1>(w, cols, x, n, t, out) };
+    } else if t < n {
         // SAFETY: as above, for the last token (all of a matvec).
         unsafe { bf16_tokens::<MATVEC_ROWS, 1>(w, cols, x, n, t, out) };
     }

@@ -9,7 +9,8 @@
 //!   accumulator; it is reduced across lanes in a fixed tree.
 //! * bf16 blocking: a single token (decode) is dotted with 8 rows at once, so each activation
 //!   vector is loaded once per 8 rows (the kernel then runs at memory bandwidth instead of being
-//!   bound by activation loads); up to `TOKEN_BLOCK` tokens are dotted with 4 rows at once.
+//!   bound by activation loads); rows of at most `NARROW_COLS` columns one at a time (see
+//!   there); up to `TOKEN_BLOCK` tokens are dotted with 4 rows at once.
 //! * MXFP4 dot: 16 packed bytes (one 32-column group) are zero-extended to 16 lanes; the low
 //!   nibble indexes a 16-entry E2M1 table with `vpermps` (which reads only index bits 0..3), the
 //!   high nibble (`>> 4`) likewise. Activations arrive per group as `[16 even | 16 odd]` columns
@@ -299,6 +300,8 @@ pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: 
         3 => unsafe { bf16_tokens::<MATMUL_ROWS, 3>(w, cols, x, n, t, out) },
         // SAFETY: as above, for the 2 remaining tokens.
         2 => unsafe { bf16_tokens::<MATMUL_ROWS, 2>(w, cols, x, n, t, out) },
+        // SAFETY: as above, for the last token of narrow rows: one row at a time.
+        _ if cols <= super::NARROW_COLS => unsafe { bf16_tokens::<1, 1>(w, cols, x, n, t, out) },
         // SAFETY: as above, for the last token (all of a matvec).
         _ => unsafe { bf16_tokens::<MATVEC_ROWS, 1>(w, cols, x, n, t, out) },
     }

@@ -51,8 +51,25 @@ use rayon::prelude::*;
 /// 8-row bf16 decode blocks.
 pub const ROW_CHUNK: usize = 16;
 
+/// bf16 rows of at most this many columns are dotted with a single token one row at a time by
+/// the SIMD tiers, not in blocks of 8 rows. Eight short rows lie in the same few 4 KB pages, and
+/// loading them in step (line 0 of each row, then line 1 of each, ...) jumps back and forth
+/// through those pages: the hardware prefetcher does not follow, and the kernel waits on memory
+/// at half the bandwidth (the `small` model's 163840×256 lm_head: 6.5 GB/s at 1 thread in
+/// blocks of 8, 13 GB/s one row at a time). One row at a time is a sequential scan, and its
+/// activations (≤ 8 KB) stay in L1, so reloading them per row costs nothing. Measured with
+/// `cargo bench -p k3-worker --bench kernels`: at 2048 columns both ways run at the same rate;
+/// from 3072 the 8-row blocks are faster. Only the loop nesting changes, not any
+/// accumulator's operation sequence, so the results are the same bits.
+pub const NARROW_COLS: usize = 2048;
+
 /// Below this many multiply-adds (`rows·cols·n`) a matrix kernel runs on the calling thread.
-pub const PAR_MIN_MACS: usize = 32 * 1024;
+/// Handing work to the pool and waking a sleeping worker costs ~10–20 µs on a 2-vCPU VM, about
+/// what one thread needs for 256 Ki bf16 multiply-adds (512 KB of weights at ~15 GB/s): smaller
+/// products are faster alone. On the `small` model (hidden 256, most products 64–128 Ki) the
+/// former 32 Ki threshold cost ~1 ms per token; every product of the real model (≥ 3.7 Mi) is
+/// far above either threshold.
+pub const PAR_MIN_MACS: usize = 256 * 1024;
 
 /// Build a rayon pool with `threads` workers (the engine builds one from `--threads` and runs
 /// the forward pass inside `pool.install(..)`; every kernel then uses that pool).

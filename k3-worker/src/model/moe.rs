@@ -6,7 +6,7 @@
 //! forward call (the two meet in `forward.rs`).
 
 use k3_proto::expert::{ExpertLayout, ExpertPart};
-use k3_store::source::ExpertBatch;
+use k3_store::source::{ExpertBatch, Region};
 use rayon::prelude::*;
 
 use super::{linear, Dims};
@@ -164,66 +164,73 @@ impl MoeWeights<'_> {
             latent: lat,
         };
         // Per unique expert: its (token, slot) users, the gathered latent rows, the result.
-        let results: Vec<Result<ExpertRows, String>> = ids
-            .par_iter()
-            .zip(batch.experts.par_iter())
-            .map(|(&id, got)| {
-                let region = got.as_ref().map_err(|e| e.clone())?;
-                let bytes = region.bytes();
-                if bytes.len() != layout.expert_bytes() {
-                    return Err(format!(
-                        "expert region of {} bytes, expected {}",
-                        bytes.len(),
-                        layout.expert_bytes()
-                    ));
-                }
-                let part = |p: ExpertPart| {
-                    let o = layout.part_offset(p);
-                    &bytes[o..o + layout.part_bytes(p)]
-                };
-                let users: Vec<usize> = (0..n * k).filter(|&i| routing.sel[i] == id).collect();
-                let m = users.len();
-                let mut zin = Vec::with_capacity(m * lat);
-                for &i in &users {
-                    let t = i / k;
-                    zin.extend_from_slice(&z[t * lat..(t + 1) * lat]);
-                }
-                let inter = d.moe_inter;
-                let mut g = vec![0.0f32; m * inter];
-                let mut u = vec![0.0f32; m * inter];
-                kernels::matmul_mxfp4(
-                    part(ExpertPart::W1Packed),
-                    part(ExpertPart::W1Scale),
-                    inter,
-                    lat,
-                    &zin,
-                    m,
-                    &mut g,
-                );
-                kernels::matmul_mxfp4(
-                    part(ExpertPart::W3Packed),
-                    part(ExpertPart::W3Scale),
-                    inter,
-                    lat,
-                    &zin,
-                    m,
-                    &mut u,
-                );
-                let mut a = vec![0.0f32; m * inter];
-                kernels::situ_glu(&g, &u, d.situ_beta, d.situ_linear_beta, &mut a);
-                let mut y = vec![0.0f32; m * lat];
-                kernels::matmul_mxfp4(
-                    part(ExpertPart::W2Packed),
-                    part(ExpertPart::W2Scale),
-                    lat,
-                    inter,
-                    &a,
-                    m,
-                    &mut y,
-                );
-                Ok((users, y))
-            })
-            .collect();
+        let one = |(&id, got): (&u32, &Result<Region, String>)| {
+            let region = got.as_ref().map_err(|e| e.clone())?;
+            let bytes = region.bytes();
+            if bytes.len() != layout.expert_bytes() {
+                return Err(format!(
+                    "expert region of {} bytes, expected {}",
+                    bytes.len(),
+                    layout.expert_bytes()
+                ));
+            }
+            let part = |p: ExpertPart| {
+                let o = layout.part_offset(p);
+                &bytes[o..o + layout.part_bytes(p)]
+            };
+            let users: Vec<usize> = (0..n * k).filter(|&i| routing.sel[i] == id).collect();
+            let m = users.len();
+            let mut zin = Vec::with_capacity(m * lat);
+            for &i in &users {
+                let t = i / k;
+                zin.extend_from_slice(&z[t * lat..(t + 1) * lat]);
+            }
+            let inter = d.moe_inter;
+            let mut g = vec![0.0f32; m * inter];
+            let mut u = vec![0.0f32; m * inter];
+            kernels::matmul_mxfp4(
+                part(ExpertPart::W1Packed),
+                part(ExpertPart::W1Scale),
+                inter,
+                lat,
+                &zin,
+                m,
+                &mut g,
+            );
+            kernels::matmul_mxfp4(
+                part(ExpertPart::W3Packed),
+                part(ExpertPart::W3Scale),
+                inter,
+                lat,
+                &zin,
+                m,
+                &mut u,
+            );
+            let mut a = vec![0.0f32; m * inter];
+            kernels::situ_glu(&g, &u, d.situ_beta, d.situ_linear_beta, &mut a);
+            let mut y = vec![0.0f32; m * lat];
+            kernels::matmul_mxfp4(
+                part(ExpertPart::W2Packed),
+                part(ExpertPart::W2Scale),
+                lat,
+                inter,
+                &a,
+                m,
+                &mut y,
+            );
+            Ok((users, y))
+        };
+        // Experts in parallel only when one expert's products are worth a hand-off to the pool
+        // (`kernels::PAR_MIN_MACS`); each expert's result is the same either way.
+        let per_expert = 3 * d.moe_inter * lat * n * k / ids.len().max(1);
+        let results: Vec<Result<ExpertRows, String>> = if per_expert < kernels::PAR_MIN_MACS {
+            ids.iter().zip(&batch.experts).map(one).collect()
+        } else {
+            ids.par_iter()
+                .zip(batch.experts.par_iter())
+                .map(one)
+                .collect()
+        };
         ids.iter().copied().zip(results).collect()
     }
 
