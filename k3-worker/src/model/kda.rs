@@ -118,6 +118,7 @@ impl KdaWeights<'_> {
         let q_scale = 1.0 / (dh as f32).sqrt();
         let per_head: Vec<Vec<f32>> =
             st.s.par_chunks_mut(dh * dh)
+                .with_min_len(heads_per_task(n, dh))
                 .enumerate()
                 .map(|(h, s_live)| {
                     // A journaled pass runs the recurrence on a copy: the live state stays at
@@ -165,6 +166,17 @@ impl KdaWeights<'_> {
 }
 
 /// `dst` becomes a copy of `src`, reusing its allocation.
+/// Heads per parallel task of the recurrence over `n` positions: enough that a task is worth a
+/// hand-off to the pool (~4·dh² multiply-adds per head and position against
+/// `kernels::PAR_MIN_MACS`). K3's 96 heads of 128² run in tasks of 4 heads per decoded token; a
+/// model with a few small heads (`small`: 4 of 64²) runs them on the calling thread. Each head
+/// is computed by the same code either way, so the bits do not change.
+fn heads_per_task(n: usize, dh: usize) -> usize {
+    kernels::PAR_MIN_MACS
+        .div_ceil((4 * n * dh * dh).max(1))
+        .max(1)
+}
+
 fn copy_into(dst: &mut Vec<f32>, src: &[f32]) {
     dst.clear();
     dst.extend_from_slice(src);
@@ -190,24 +202,27 @@ pub fn replay(st: &mut KdaState, j: &KdaJournal, keep: usize) -> Result<(), Mode
     if dh * dh * h_n != st.s.len() || [&j.k, &j.v, &j.alpha].iter().any(|a| a.len() != n * p) {
         return Err(bad("inconsistent sizes"));
     }
-    st.s.par_chunks_mut(dh * dh).enumerate().for_each(|(h, s)| {
-        let (mut kh, mut u) = (vec![0.0f32; dh], vec![0.0f32; dh]);
-        for t in 0..keep {
-            let base = t * p + h * dh;
-            kh.copy_from_slice(&j.k[base..base + dh]);
-            kernels::l2_norm_inplace(&mut kh, L2_EPS);
-            let b = j.beta[t * h_n + h];
-            state_update(
-                s,
-                dh,
-                &j.alpha[base..base + dh],
-                &kh,
-                &j.v[base..base + dh],
-                b,
-                &mut u,
-            );
-        }
-    });
+    st.s.par_chunks_mut(dh * dh)
+        .with_min_len(heads_per_task(keep.max(1), dh))
+        .enumerate()
+        .for_each(|(h, s)| {
+            let (mut kh, mut u) = (vec![0.0f32; dh], vec![0.0f32; dh]);
+            for t in 0..keep {
+                let base = t * p + h * dh;
+                kh.copy_from_slice(&j.k[base..base + dh]);
+                kernels::l2_norm_inplace(&mut kh, L2_EPS);
+                let b = j.beta[t * h_n + h];
+                state_update(
+                    s,
+                    dh,
+                    &j.alpha[base..base + dh],
+                    &kh,
+                    &j.v[base..base + dh],
+                    b,
+                    &mut u,
+                );
+            }
+        });
     for i in 0..3 {
         let (hist, h0, raw) = (&mut st.conv[i], &j.conv0[i], &j.raw[i]);
         if h0.len() != hist.len() || raw.len() != n * p {
