@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Interleaved A/B of engine builds: the same standalone jobs with two or more sets of binaries.
+
+    scripts/ab.py --model DIR --trunk PACKED --bins OLD_BIN_DIR,NEW_BIN_DIR \
+        --budgets all-resident,trunk-pinned --reps 3 --gen 41 --json out.json
+
+Budgets are `scripts/bench.py`'s (`plan_budgets`, at this checkpoint's scale). Every repetition
+runs every budget with every set of binaries in turn (A, B, A, B, ...), so a slow minute of a
+shared machine hits both sides. Per (budget, binaries): decode s/token = median of each run's
+steps >= 1, then median and min-max over the runs; I/O wait (trunk and experts) per step; the
+ids. The script exits 1 if two sets of binaries (or two runs) give different ids: a speed-up
+that changes an id is a bug, not a result. bench.py measures floors and writes the budget tables; this only
+compares builds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One (budget, binaries) cell from its runs' `--out` JSON."""
+    per_run = []
+    waits = []
+    ids = set()
+    for d in runs:
+        steps = [s["seconds"] for s in d["steps"]][1:]
+        if not steps:
+            raise SystemExit("ab: a run without decode steps (use --gen >= 2)")
+        per_run.append(statistics.median(steps))
+        # Trunk and expert waits together (the engine blocked on I/O).
+        waits.append(d["io_wait_seconds"] / len(d["steps"]))
+        ids.add(bench.ids_hash(d["generated_ids"]))
+    return {
+        "decode_s": bench.med_min_max(per_run),
+        "decode_s_per_run": per_run,
+        "io_wait_per_step_s": statistics.median(waits),
+        "ids_hashes": sorted(ids),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--trunk", required=True, type=Path, help="packed trunk dir")
+    ap.add_argument("--bins", required=True,
+                    help="comma-separated directories holding k3-worker (2 or more)")
+    ap.add_argument("--budgets", default="all-resident,trunk-pinned,laptop-like")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--gen", type=int, default=41)
+    ap.add_argument("--prefill-chunk", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    bins = [Path(b) for b in a.bins.split(",") if b]
+    if len(bins) < 2:
+        ap.error("--bins needs at least two directories")
+    for b in bins:
+        if not (b / "k3-worker").is_file():
+            ap.error(f"{b}: no k3-worker there")
+    if a.reps < 1 or a.gen < 2:
+        ap.error("--reps >= 1 and --gen >= 2")
+    tj = json.loads((a.trunk / "trunk.json").read_text())
+    eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
+    budgets = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)
+    names = [n for n in a.budgets.split(",") if n]
+    for n in names:
+        if n not in budgets:
+            ap.error(f"unknown budget {n!r}: one of {', '.join(budgets)}")
+    raw: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="k3-ab.") as tmp:
+        out = Path(tmp) / "out.json"
+        for rep in range(a.reps):
+            for n in names:
+                tb, cb = budgets[n][0], budgets[n][1]
+                for b in bins:
+                    d, _ = bench.run_worker(b, a.model, a.trunk, tb, cb, a.gen, out,
+                                            a.prefill_chunk)
+                    raw.setdefault((n, str(b)), []).append(d)
+                    st = [s["seconds"] for s in d["steps"]][1:]
+                    print(f"rep {rep} {n:13} {b}: {statistics.median(st) * 1e3:.2f} ms/token",
+                          flush=True)
+    cells = [{"budget": n, "bins": b, **summarize(runs)} for (n, b), runs in raw.items()]
+    print()
+    for c in cells:
+        d = c["decode_s"]
+        print(f"{c['budget']:13} {c['bins']:30} {d['median'] * 1e3:8.2f} ms "
+              f"({d['min'] * 1e3:.2f}-{d['max'] * 1e3:.2f})  I/O wait "
+              f"{c['io_wait_per_step_s'] * 1e3:.2f} ms/step  ids {','.join(c['ids_hashes'])}")
+    hashes = {h for c in cells for h in c["ids_hashes"]}
+    same = len(hashes) == 1
+    print("ids identical across builds and runs" if same else f"IDS DIFFER: {sorted(hashes)}")
+    if a.json:
+        a.json.write_text(json.dumps({
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "load_average": list(__import__("os").getloadavg()),
+            "model": str(a.model), "gen": a.gen, "reps": a.reps,
+            "prefill_chunk": a.prefill_chunk, "prompt": bench.PROMPT,
+            "bins": [str(b) for b in bins], "cells": cells, "ids_identical": same,
+        }, indent=1))
+        print(f"wrote {a.json}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
