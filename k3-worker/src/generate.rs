@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use crate::model::{Logits, Model, ModelError, SeqState};
+use crate::model::{Logits, Model, ModelError, PhaseSeconds, SeqState};
 use crate::spec::{Controller, Drafter, SpecMode, SpecTotals};
 
 /// The two end-of-turn ids (SPEC.md §5.4, I34): `[EOS]` and `<|end_of_msg|>`.
@@ -202,6 +202,9 @@ pub struct StepReport {
     pub prefetch_bytes: u64,
     /// Requested experts this step that a prefetch had loaded (a verify pass: on its first id).
     pub prefetch_used: u64,
+    /// Where this step's forward pass spent its time (a verify pass's phases are shared
+    /// equally among its ids, like its seconds).
+    pub phases: PhaseSeconds,
 }
 
 /// What a generation produced.
@@ -231,6 +234,24 @@ impl GenReport {
     pub fn seconds_per_token(&self) -> Option<f64> {
         let rest = &self.steps[1.min(self.steps.len())..];
         (!rest.is_empty()).then(|| rest.iter().map(|s| s.seconds).sum::<f64>() / rest.len() as f64)
+    }
+
+    /// Mean seconds per decoded token (steps ≥ 1) by phase, and the rest of the step outside
+    /// the phases (embedding, sampling, bookkeeping); `None` without decode steps.
+    pub fn time_per_token(&self) -> Option<(PhaseSeconds, f64)> {
+        let rest = &self.steps[1.min(self.steps.len())..];
+        if rest.is_empty() {
+            return None;
+        }
+        let n = rest.len() as f64;
+        let mut sum = PhaseSeconds::default();
+        let mut seconds = 0.0;
+        for s in rest {
+            sum = sum.plus(&s.phases);
+            seconds += s.seconds;
+        }
+        let mean = sum.scaled(1.0 / n);
+        Some((mean, (seconds / n - mean.total()).max(0.0)))
     }
 }
 
@@ -400,6 +421,7 @@ impl Session {
         'passes: while report.generated_ids.len() < opts.max_new {
             let before = source.stats();
             let expert_wait0 = model.counters.expert_wait_seconds;
+            let phases0 = model.counters.phases;
             let t0 = Instant::now();
             model.step = report.generated_ids.len() as u64;
             // The pass: the prompt (pass 0), or the last id plus any drafts.
@@ -476,6 +498,7 @@ impl Session {
                 .max(0.0);
             let prefetch_bytes = after.prefetch_bytes.saturating_sub(before.prefetch_bytes);
             let prefetch_used = after.prefetch_used.saturating_sub(before.prefetch_used);
+            let phases = model.counters.phases.since(&phases0).scaled(share);
             let accepted = produced - 1;
             if pass > 0 {
                 // Drafts checked: every accepted one, plus the one that was refused (if any).
@@ -502,6 +525,7 @@ impl Session {
                     accepted: if i == 0 { accepted } else { 0 },
                     prefetch_bytes: if i == 0 { prefetch_bytes } else { 0 },
                     prefetch_used: if i == 0 { prefetch_used } else { 0 },
+                    phases,
                 };
                 let flow = on_step(&r);
                 report.steps.push(r);

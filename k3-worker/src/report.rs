@@ -94,6 +94,23 @@ pub fn wasted_prefetch_bytes(st: &SourceStats) -> u64 {
     st.prefetch_loads.saturating_sub(st.prefetch_used) * per
 }
 
+/// `time_breakdown` of `--out`: mean seconds per decoded token (steps ≥ 1) by phase of the
+/// forward pass, and `other` (the rest of the step: embedding, sampling, bookkeeping); `null`
+/// without decode steps.
+pub fn time_breakdown_json(r: &GenReport) -> serde_json::Value {
+    match r.time_per_token() {
+        None => serde_json::Value::Null,
+        Some((p, other)) => serde_json::json!({
+            "layer_wait_s": p.layer_wait,
+            "attention_s": p.attention,
+            "mlp_s": p.mlp,
+            "expert_wait_s": p.expert_wait,
+            "lm_head_s": p.lm_head,
+            "other_s": other,
+        }),
+    }
+}
+
 /// Totals of a finished one-shot run.
 #[derive(Debug)]
 pub struct RunSummary {
@@ -152,6 +169,19 @@ impl RunSummary {
             st.evictions,
             self.counters.failed_expert_loads
         );
+        if let Some((p, other)) = gen.time_per_token() {
+            let ms = |v: f64| v * 1e3;
+            eprintln!(
+                "per decoded token: attention {:.2} ms, mlp {:.2} ms, lm_head {:.2} ms, \
+                 expert wait {:.2} ms, layer wait {:.2} ms, other {:.2} ms",
+                ms(p.attention),
+                ms(p.mlp),
+                ms(p.lm_head),
+                ms(p.expert_wait),
+                ms(p.layer_wait),
+                ms(other)
+            );
+        }
         eprintln!("TRUE resident hit rate: {:.1}%", 100.0 * self.true_hit);
         if gen.spec.drafted_tokens > 0 {
             eprintln!(
@@ -259,6 +289,7 @@ impl RunSummary {
             "bytes_per_token": (!r.generated_ids.is_empty())
                 .then(|| (st.trunk_bytes_read + st.expert_bytes_read) as f64 / r.generated_ids.len() as f64),
             "lookahead": self.lookahead_json(),
+            "time_breakdown": time_breakdown_json(r),
         })
     }
 }

@@ -118,11 +118,38 @@ fn greedy_run_matches_the_reference_and_writes_every_artifact() {
         );
         assert!((0.0..=t).contains(&w) && r >= 0.0, "{st}");
         waited += w;
+        // The phases of the step's forward pass are parts of the step; its expert wait is part
+        // of its I/O wait.
+        let ph = &st["phases"];
+        let part = |k: &str| ph[k].as_f64().unwrap_or_else(|| panic!("{k}: {st}"));
+        let parts = ["layer_wait", "attention", "mlp", "expert_wait", "lm_head"].map(part);
+        assert!(parts.iter().all(|&v| v >= 0.0), "{st}");
+        assert!(parts.iter().sum::<f64>() <= t + 1e-6, "{st}");
+        assert!(part("expert_wait") <= w + 1e-6, "{st}");
+        assert!(part("attention") > 0.0 && part("lm_head") > 0.0, "{st}");
     }
     assert!(
         waited <= j["io_wait_seconds"].as_f64().unwrap() + 1e-6,
         "{j}"
     );
+    // time_breakdown: the decode steps' mean phases plus `other` make up s/token.
+    let tb = &j["time_breakdown"];
+    let keys = [
+        "layer_wait_s",
+        "attention_s",
+        "mlp_s",
+        "expert_wait_s",
+        "lm_head_s",
+        "other_s",
+    ];
+    let sum: f64 = keys
+        .iter()
+        .map(|k| tb[*k].as_f64().unwrap_or_else(|| panic!("{k}: {tb}")))
+        .sum();
+    let spt = j["seconds_per_token"].as_f64().unwrap();
+    assert!((sum - spt).abs() <= 1e-6 * spt.max(1.0), "{tb} vs {spt}");
+    assert!(tb["attention_s"].as_f64().unwrap() > 0.0, "{tb}");
+    assert!(err.contains("per decoded token: attention"), "{err}");
 
     let got: Vec<f32> = std::fs::read(&logits)
         .unwrap()

@@ -16,6 +16,8 @@
 //! MoE layers the tokens are routed first and the union of their experts is requested from the
 //! source ONCE.
 
+use std::time::Instant;
+
 use k3_store::source::{SourceError, WeightSource};
 
 use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
@@ -62,6 +64,60 @@ pub struct RunCounters {
     pub lookahead_actual: u64,
     /// Router lookahead: requested experts that had been predicted (recall = this ÷ actual).
     pub lookahead_correct: u64,
+    /// Where the forward passes' time went.
+    pub phases: PhaseSeconds,
+}
+
+/// Wall seconds of the forward passes by phase (`k3-worker --out`: per step, and per decoded
+/// token in `time_breakdown`). The phases do not overlap; what a step spends outside them
+/// (the embedding, sampling, speculation's bookkeeping) is the step's remainder.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct PhaseSeconds {
+    /// Waiting for `WeightSource::layer`: a trunk layer not yet read (or the store's answer).
+    pub layer_wait: f64,
+    /// The attention side of every layer: its input aggregate, norm and attention (KDA or MLA).
+    pub attention: f64,
+    /// The MLP side of every layer (aggregate, norm, router, shared and routed experts,
+    /// combine), without the expert wait.
+    pub mlp: f64,
+    /// Waiting for routed experts not yet arrived (the part of their fetch that the latent
+    /// projection and the shared experts did not cover).
+    pub expert_wait: f64,
+    /// The output aggregate, the final norm and the lm_head product.
+    pub lm_head: f64,
+}
+
+impl PhaseSeconds {
+    /// Phase by phase: `f(self.phase, other.phase)`.
+    fn zip(&self, o: &PhaseSeconds, f: impl Fn(f64, f64) -> f64) -> PhaseSeconds {
+        PhaseSeconds {
+            layer_wait: f(self.layer_wait, o.layer_wait),
+            attention: f(self.attention, o.attention),
+            mlp: f(self.mlp, o.mlp),
+            expert_wait: f(self.expert_wait, o.expert_wait),
+            lm_head: f(self.lm_head, o.lm_head),
+        }
+    }
+
+    /// `self − earlier`, phase by phase (a step's share of running totals).
+    pub fn since(&self, earlier: &PhaseSeconds) -> PhaseSeconds {
+        self.zip(earlier, |a, b| a - b)
+    }
+
+    /// `self + other`, phase by phase.
+    pub fn plus(&self, other: &PhaseSeconds) -> PhaseSeconds {
+        self.zip(other, |a, b| a + b)
+    }
+
+    /// Every phase × `f`.
+    pub fn scaled(&self, f: f64) -> PhaseSeconds {
+        self.zip(self, |a, _| a * f)
+    }
+
+    /// The sum of the phases.
+    pub fn total(&self) -> f64 {
+        self.layer_wait + self.attention + self.mlp + self.expert_wait + self.lm_head
+    }
 }
 
 /// Router lookahead: while layer l computes, the next layer's router is applied to an early
@@ -260,7 +316,9 @@ impl<'s> Model<'s> {
         for l in 0..d.n_layers {
             let (done, later) = bound.split_at_mut(l + 1);
             let slot = &mut done[l];
+            let t_layer = Instant::now();
             let run = source.layer(l)?;
+            counters.phases.layer_wait += t_layer.elapsed().as_secs_f64();
             if run.layer != l {
                 return Err(ModelError::Config(format!(
                     "source returned layer {} for layer {l}",
@@ -277,6 +335,7 @@ impl<'s> Model<'s> {
             let lw = slot.as_ref().expect("bound just above").weights(&run)?;
 
             // Attention side.
+            let t_attn = Instant::now();
             let x = if banked == 0 {
                 pend.clone()
             } else {
@@ -310,6 +369,7 @@ impl<'s> Model<'s> {
                     )))
                 }
             };
+            counters.phases.attention += t_attn.elapsed().as_secs_f64();
             tap(l, "attn_out", &a);
             if carried {
                 pend.iter_mut().zip(&a).for_each(|(pv, av)| *pv += av);
@@ -319,6 +379,8 @@ impl<'s> Model<'s> {
             }
 
             // MLP side (bank is non-empty: layer 0 is a boundary).
+            let t_mlp = Instant::now();
+            let expert_wait0 = counters.expert_wait_seconds;
             let mut src: Vec<&[f32]> = scratch.bank[..banked]
                 .iter()
                 .map(|b| b.as_slice())
@@ -377,7 +439,7 @@ impl<'s> Model<'s> {
                     let pending = groups.first().map(|&ids| source.request_experts(l, ids));
                     let z = moe.latent_in(d, &xn, n);
                     let shared = moe.shared_out(d, &xn, n);
-                    let t_wait = std::time::Instant::now();
+                    let t_wait = Instant::now();
                     let first = pending.map(|p| p.wait());
                     counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
                     let mut results = Vec::with_capacity(uniq.len());
@@ -396,7 +458,7 @@ impl<'s> Model<'s> {
                             }
                             Some(Err(e)) => return Err(e.into()),
                             None => {
-                                let t_wait = std::time::Instant::now();
+                                let t_wait = Instant::now();
                                 let b = source.experts(l, ids)?;
                                 counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
                                 b
@@ -423,6 +485,9 @@ impl<'s> Model<'s> {
                     out
                 }
             };
+            let waited = counters.expert_wait_seconds - expert_wait0;
+            counters.phases.expert_wait += waited;
+            counters.phases.mlp += (t_mlp.elapsed().as_secs_f64() - waited).max(0.0);
             tap(l, "mlp_out", &m);
             pend.iter_mut().zip(&m).for_each(|(pv, mv)| *pv += mv);
             drop(run);
@@ -431,6 +496,7 @@ impl<'s> Model<'s> {
         source.end_pass()?;
 
         // Output aggregator → final norm → lm_head.
+        let t_head = Instant::now();
         let mut src: Vec<&[f32]> = scratch.bank[..banked]
             .iter()
             .map(|b| b.as_slice())
@@ -446,6 +512,7 @@ impl<'s> Model<'s> {
         };
         let xn = rms_norm_rows(&x[first * e..], &globals.final_norm, d.rms_eps);
         let logits = linear(globals.lm_head.bytes(), d.vocab, e, &xn, rows);
+        counters.phases.lm_head += t_head.elapsed().as_secs_f64();
         st.pos += n;
         Ok(logits)
     }

@@ -24,7 +24,7 @@ pub mod snapshot;
 pub mod state;
 
 pub use bind::{BoundLayer, TensorShapes};
-pub use forward::{Logits, Model, RunCounters, TraceRecord};
+pub use forward::{Logits, Model, PhaseSeconds, RunCounters, TraceRecord};
 pub use state::SeqState;
 
 use k3_proto::config::{LayerKind, ModelConfig};
