@@ -186,7 +186,38 @@ def summarize_run(run: dict, trunk_per_step: int):
         "trunk_bytes_read": run["trunk_bytes_read"],
         "expert_bytes_read": run["expert_bytes_read"],
         "steps": n,
+        # Where a decoded token's time went (workers since the phase report; None before).
+        "time_breakdown": run.get("time_breakdown"),
     }
+
+
+PHASES = ("attention_s", "mlp_s", "lm_head_s", "expert_wait_s", "layer_wait_s", "other_s")
+
+
+def time_breakdown(runs: list[dict]):
+    """Median over runs of each phase's seconds per decoded token (None if any run lacks it)."""
+    tbs = [r.get("time_breakdown") for r in runs]
+    if not tbs or any(not tb for tb in tbs):
+        return None
+    return {k: statistics.median(tb[k] for tb in tbs) for k in PHASES}
+
+
+def fmt_breakdown(rows) -> str:
+    """Where a decoded token's time goes, per budget (ms), and the phases' share of it."""
+    head = ("budget", "attention", "mlp", "lm_head", "expert wait", "layer wait", "other",
+            "sum ms/token")
+    lines = [head]
+    for r in rows:
+        tb = r.get("time_breakdown")
+        if not tb:
+            continue
+        total = sum(tb[k] for k in PHASES)
+        lines.append((r["budget"], *(f"{1e3 * tb[k]:.2f} ({100 * tb[k] / total:.0f}%)"
+                                     for k in PHASES), f"{1e3 * total:.2f}"))
+    if len(lines) == 1:
+        return ""
+    w = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(x[i]).ljust(w[i]) for i in range(len(head))) for x in lines)
 
 
 def fmt_table(rows) -> str:
@@ -1256,10 +1287,16 @@ def run(a, reps: int, tmp: Path) -> int:
             "floor_ratio_per_run": ({"median": statistics.median(per_run), "min": min(per_run),
                                      "max": max(per_run)} if per_run else None),
             "ids_hash": ids_hash(rs[0]["generated_ids"]),
+            "time_breakdown": time_breakdown(rs),
             "runs": rs,
         })
     print()
     print(fmt_table(rows))
+    bd = fmt_breakdown(rows)
+    if bd:
+        print("\nwhere a decoded token's time goes (ms, median over runs; worker --out "
+              "time_breakdown):")
+        print(bd)
     print(f"\nfloor = max(trunk bytes/token / sequential O_DIRECT {seq:.0f} MB/s + expert bytes/token"
           f" / random QD{ENGINE_EXPERT_READERS} O_DIRECT {rnd:.0f} MB/s (the engine's"
           f" {ENGINE_EXPERT_READERS} expert readers), {touched / 1e9:.3f} GB touched/token /"

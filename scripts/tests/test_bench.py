@@ -355,3 +355,17 @@ def test_a_failed_worker_is_recorded_not_fatal():
     row = bench.conc_row("laptop-like", [b])
     assert row["failed_workers"] == 1 and row["workers"] == 2
     assert "(1 of 2 workers FAILED)" in bench.fmt_conc_table([row])
+
+
+def test_time_breakdown_is_the_median_per_phase_and_needs_every_run():
+    tb = {k: 0.001 for k in bench.PHASES}
+    a = dict(tb, lm_head_s=0.003)
+    b = dict(tb, lm_head_s=0.005)
+    c = dict(tb, lm_head_s=0.004)
+    got = bench.time_breakdown([{"time_breakdown": x} for x in (a, b, c)])
+    assert got["lm_head_s"] == 0.004 and got["mlp_s"] == 0.001
+    # A run from an older worker has no breakdown: no median of a partial set.
+    assert bench.time_breakdown([{"time_breakdown": a}, {"time_breakdown": None}]) is None
+    table = bench.fmt_breakdown([{"budget": "all-resident", "time_breakdown": got}])
+    assert "all-resident" in table and "4.00 (" in table
+    assert bench.fmt_breakdown([{"budget": "x", "time_breakdown": None}]) == ""
