@@ -186,38 +186,17 @@ impl MoeWeights<'_> {
                 zin.extend_from_slice(&z[t * lat..(t + 1) * lat]);
             }
             let inter = d.moe_inter;
-            let mut g = vec![0.0f32; m * inter];
-            let mut u = vec![0.0f32; m * inter];
-            kernels::matmul_mxfp4(
-                part(ExpertPart::W1Packed),
-                part(ExpertPart::W1Scale),
-                inter,
-                lat,
-                &zin,
-                m,
-                &mut g,
-            );
-            kernels::matmul_mxfp4(
-                part(ExpertPart::W3Packed),
-                part(ExpertPart::W3Scale),
-                inter,
-                lat,
-                &zin,
-                m,
-                &mut u,
-            );
+            // `[m, rows]` = the expert's (packed, scales) part × `x [m, cols]`.
+            let product = |packed, scales, rows: usize, cols: usize, x: &[f32]| {
+                let mut y = vec![0.0f32; m * rows];
+                kernels::matmul_mxfp4(part(packed), part(scales), rows, cols, x, m, &mut y);
+                y
+            };
+            let g = product(ExpertPart::W1Packed, ExpertPart::W1Scale, inter, lat, &zin);
+            let u = product(ExpertPart::W3Packed, ExpertPart::W3Scale, inter, lat, &zin);
             let mut a = vec![0.0f32; m * inter];
             kernels::situ_glu(&g, &u, d.situ_beta, d.situ_linear_beta, &mut a);
-            let mut y = vec![0.0f32; m * lat];
-            kernels::matmul_mxfp4(
-                part(ExpertPart::W2Packed),
-                part(ExpertPart::W2Scale),
-                lat,
-                inter,
-                &a,
-                m,
-                &mut y,
-            );
+            let y = product(ExpertPart::W2Packed, ExpertPart::W2Scale, lat, inter, &a);
             Ok((users, y))
         };
         // Experts in parallel only when one expert's products are worth a hand-off to the pool
