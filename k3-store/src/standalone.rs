@@ -342,8 +342,8 @@ impl WeightSource for StandaloneSource {
     fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
         // All hits: answer here. A hand-off to the fetch thread and back costs two thread
         // wake-ups per MoE layer, far more than the lookups, and with nothing to read there is
-        // nothing to overlap. If an expert is evicted
-        // between the check and `get` (by a prefetch), `get` reads it here: slower, same answer.
+        // nothing to overlap. If an expert is evicted between the check and `get` (by a
+        // prefetch), `get` reads it here: slower, same answer.
         if self.experts.all_resident(l, ids) {
             return PendingExperts::ready(self.experts.get(l, ids));
         }

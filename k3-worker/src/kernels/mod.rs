@@ -55,20 +55,22 @@ pub const ROW_CHUNK: usize = 16;
 /// the SIMD tiers, not in blocks of 8 rows. Eight short rows lie in the same few 4 KB pages, and
 /// loading them in step (line 0 of each row, then line 1 of each, ...) jumps back and forth
 /// through those pages: the hardware prefetcher does not follow, and the kernel waits on memory
-/// at half the bandwidth (the `small` model's 163840×256 lm_head: 6.5 GB/s at 1 thread in
-/// blocks of 8, 13 GB/s one row at a time). One row at a time is a sequential scan, and its
-/// activations (≤ 8 KB) stay in L1, so reloading them per row costs nothing. Measured with
-/// `cargo bench -p k3-worker --bench kernels`: at 2048 columns both ways run at the same rate;
-/// from 3072 the 8-row blocks are faster. Only the loop nesting changes, not any
-/// accumulator's operation sequence, so the results are the same bits.
+/// (the `small` model's 163840×256 lm_head, AVX-512, `cargo bench -p k3-worker --bench
+/// kernels`: 8.9 GB/s at 1 thread and 12.3 at 2 in blocks of 8; 21.1 and 28.3 one row at a
+/// time). One row at a time is a sequential scan, and its activations (≤ 8 KB) stay in L1, so
+/// reloading them per row costs nothing. A sweep over widths (84 MB matrices, 1 and 2 threads)
+/// found both ways equal at 2048 columns and the 8-row blocks faster from 3072. K3's narrow
+/// matrices: `f_b_proj` (128 columns), `kv_b_proj` (512), `q_b_proj` (1536). Only the loop
+/// nesting changes, not any accumulator's operation sequence, so the results are the same
+/// bits.
 pub const NARROW_COLS: usize = 2048;
 
 /// Below this many multiply-adds (`rows·cols·n`) a matrix kernel runs on the calling thread.
 /// Handing work to the pool and waking a sleeping worker costs ~10–20 µs on a 2-vCPU VM, about
 /// what one thread needs for 256 Ki bf16 multiply-adds (512 KB of weights at ~15 GB/s): smaller
 /// products are faster alone. On the `small` model (hidden 256, most products 64–128 Ki) the
-/// former 32 Ki threshold cost ~1 ms per token; every product of the real model (≥ 3.7 Mi) is
-/// far above either threshold.
+/// former 32 Ki threshold cost ~1 ms per token; every product of the real model (from 0.69 Mi,
+/// the KDA β projection 96×7168) is above either threshold.
 pub const PAR_MIN_MACS: usize = 256 * 1024;
 
 /// Build a rayon pool with `threads` workers (the engine builds one from `--threads` and runs

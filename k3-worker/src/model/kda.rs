@@ -165,7 +165,6 @@ impl KdaWeights<'_> {
     }
 }
 
-/// `dst` becomes a copy of `src`, reusing its allocation.
 /// Heads per parallel task of the recurrence over `n` positions: enough that a task is worth a
 /// hand-off to the pool (~4·dh² multiply-adds per head and position against
 /// `kernels::PAR_MIN_MACS`). K3's 96 heads of 128² run in tasks of 4 heads per decoded token; a
@@ -177,6 +176,7 @@ fn heads_per_task(n: usize, dh: usize) -> usize {
         .max(1)
 }
 
+/// `dst` becomes a copy of `src`, reusing its allocation.
 fn copy_into(dst: &mut Vec<f32>, src: &[f32]) {
     dst.clear();
     dst.extend_from_slice(src);
