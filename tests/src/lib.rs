@@ -334,6 +334,21 @@ impl Sandbox {
         self.spawn("k3-worker", &full)
     }
 
+    /// An attached worker that runs far longer than any test waits: the reference prompt, up to
+    /// 4000 ids by O(T²) full recompute on one thread. Tests stop or kill it mid-generation.
+    pub fn spawn_long_worker(&self) -> Spawned {
+        let ids = ids_arg(&reference_prompt());
+        self.spawn_worker(&[
+            "--ids",
+            &ids,
+            "--gen",
+            "4000",
+            "--full-recompute",
+            "--threads",
+            "1",
+        ])
+    }
+
     /// Pack the tiny fixture's trunk into `<sandbox>/trunk` (`k3-ctl pack-trunk`); returns it.
     pub fn pack_tiny_trunk(&self) -> PathBuf {
         self.pack_trunk(&tiny_model(), "trunk")

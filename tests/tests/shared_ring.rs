@@ -220,15 +220,7 @@ fn a_stopped_worker_loses_its_lease_and_the_others_go_on() {
     // A worker between two passes holds no lease (its read-ahead is protected for at most the
     // lease limit, and then it simply waits): stop it again until it is caught holding one.
     for attempt in 0..5 {
-        let w = sb.spawn_worker(&[
-            "--ids",
-            &ids,
-            "--gen",
-            "4000",
-            "--full-recompute",
-            "--threads",
-            "1",
-        ]);
+        let w = sb.spawn_long_worker();
         let pid = w.pid();
         let live = poll_until(Duration::from_secs(15), || {
             let job = live_job(&sb.stats(), pid)?;

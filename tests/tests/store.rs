@@ -265,18 +265,8 @@ fn workers_killed_mid_generation_release_their_leases() {
         &trunk,
         &["--trunk-gb", &none_budget, "--cache-gb", &cache],
     );
-    let ids = ids_arg(&reference_prompt());
     for round in 0..4 {
-        // O(T²) recompute of up to 4000 tokens: runs far longer than this test waits.
-        let w = sb.spawn_worker(&[
-            "--ids",
-            &ids,
-            "--gen",
-            "4000",
-            "--full-recompute",
-            "--threads",
-            "1",
-        ]);
+        let w = sb.spawn_long_worker();
         let pid = w.pid();
         // Wait until it is mid-generation and holding leases.
         let seen = poll_until(Duration::from_secs(15), || {
@@ -577,16 +567,7 @@ fn start_tiny_on(sb: &mut Sandbox, model: &Path, trunk: &Path) {
 /// Start a long worker on `sb`'s store and wait until it is mid-generation (has made expert
 /// requests). Returns it.
 fn long_worker_mid_generation(sb: &Sandbox) -> k3_tests::Spawned {
-    let ids = ids_arg(&reference_prompt());
-    let w = sb.spawn_worker(&[
-        "--ids",
-        &ids,
-        "--gen",
-        "4000",
-        "--full-recompute",
-        "--threads",
-        "1",
-    ]);
+    let w = sb.spawn_long_worker();
     let pid = w.pid();
     let seen = poll_until(Duration::from_secs(15), || {
         let s = sb.stats();
