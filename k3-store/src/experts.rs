@@ -504,6 +504,17 @@ impl SlotTable {
         }
     }
 
+    /// One lease on the slot holding (`layer`, `expert`) if it is RESIDENT now, else `None`.
+    /// Touches no counter and no eviction order: a draft model uses what is in memory without
+    /// being counted as a request of the job.
+    pub fn lease_resident(&mut self, layer: u32, expert: u32) -> Option<usize> {
+        let s = self.lookup(layer, expert)?;
+        matches!(self.states[s], SlotState::Resident { .. }).then(|| {
+            self.leases[s] += 1;
+            s
+        })
+    }
+
     /// Drop one lease on `slot`.
     pub fn release(&mut self, slot: usize) {
         self.leases[slot] = self.leases[slot].saturating_sub(1);
@@ -1260,6 +1271,34 @@ impl ExpertCache {
                 .lookup(l as u32, e)
                 .is_some_and(|s| matches!(g.table.state(s), SlotState::Resident { .. }))
         })
+    }
+
+    /// The experts of `ids` (layer `l`) that are RESIDENT now, leased like [`get`]'s; the others
+    /// are `Err`. Never reads, waits, counts a request or changes the eviction order (the draft
+    /// model's experts, [`crate::source::WeightSource::resident_experts`]).
+    ///
+    /// [`get`]: ExpertCache::get
+    pub fn resident(&self, l: usize, ids: &[u32]) -> ExpertBatch {
+        let len = self.slots.reader().expert_bytes();
+        let mut g = self.slots.lock();
+        let experts = ids
+            .iter()
+            .map(|&e| {
+                match u32::try_from(l)
+                    .ok()
+                    .and_then(|l| g.table.lease_resident(l, e))
+                {
+                    Some(slot) => Ok(Region::whole(Arc::new(ExpertLease {
+                        slots: self.slots.clone(),
+                        slot,
+                        len,
+                    }))),
+                    None => Err(format!("expert {e} of layer {l} is not resident")),
+                }
+            })
+            .collect();
+        drop(g);
+        ExpertBatch { experts }
     }
 
     /// Experts `ids` of layer `l`, in request order. Each `Ok` region is the expert in canonical

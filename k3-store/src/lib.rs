@@ -10,6 +10,7 @@ pub mod catalog;
 pub mod cli;
 pub mod client;
 pub mod daemon;
+pub mod draft;
 pub mod exit_codes;
 pub mod experts;
 pub mod io;

@@ -286,6 +286,23 @@ pub trait WeightSource: Send + Sync {
     /// any request answers. Default: nothing.
     fn prefetch_experts(&self, _l: usize, _ids: &[u32]) {}
 
+    /// The experts of `ids` (layer `l`) that are resident in memory now, leased as
+    /// [`WeightSource::experts`] leases them; the others are `Err`. Never reads, never waits
+    /// for a read, and is not counted in [`WeightSource::stats`]: a draft model uses it to run
+    /// the routed experts it can have for free. Default: none resident.
+    fn resident_experts(&self, l: usize, ids: &[u32]) -> ExpertBatch {
+        ExpertBatch {
+            experts: ids
+                .iter()
+                .map(|e| {
+                    Err(format!(
+                        "expert {e} of layer {l}: this source shares no resident experts"
+                    ))
+                })
+                .collect(),
+        }
+    }
+
     /// Layer `l`'s trunk run if it is already resident (pinned): never reads and never blocks.
     /// Lets the engine look at a later layer's router early. Default: `None`.
     fn resident_layer(&self, _l: usize) -> Option<LayerRun> {

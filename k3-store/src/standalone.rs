@@ -339,6 +339,10 @@ impl WeightSource for StandaloneSource {
         self.stream.pinned_layer(l)
     }
 
+    fn resident_experts(&self, l: usize, ids: &[u32]) -> ExpertBatch {
+        self.experts.resident(l, ids)
+    }
+
     fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {
         // All hits: answer here. A hand-off to the fetch thread and back costs two thread
         // wake-ups per MoE layer, far more than the lookups, and with nothing to read there is

@@ -194,7 +194,7 @@ pub fn run_checksum(run: &[u8]) -> u64 {
 }
 
 /// A non-zero hash of exactly `digits` hex digits.
-fn parse_hash(s: &str, digits: usize) -> Option<u128> {
+pub(crate) fn parse_hash(s: &str, digits: usize) -> Option<u128> {
     if s.len() != digits || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
@@ -202,7 +202,7 @@ fn parse_hash(s: &str, digits: usize) -> Option<u128> {
 }
 
 /// Where the checkpoint of `cat` lives (for messages): its first shard's directory.
-fn model_dir_of(cat: &Catalog) -> String {
+pub(crate) fn model_dir_of(cat: &Catalog) -> String {
     cat.shard_paths()
         .first()
         .and_then(|p| p.parent())
@@ -289,13 +289,107 @@ pub fn pack_trunk(
     }
     let bytes_total: u64 = runs.iter().map(|r| r.2).sum();
     let id = checkpoint_id(cat)?;
+    let mut files: Vec<Option<DiskFile>> = (0..cat.shard_paths().len()).map(|_| None).collect();
+    let mut buf = AlignedBuf::zeroed(PACK_CHUNK as usize + 2 * ALIGN).map_err(TrunkError::Io)?;
+    let mut pos = 0u64;
+    let mut largest = 0u64;
+    write_packed(out_dir, TRUNK_BIN, TRUNK_JSON, &mut |out, werr| {
+        let mut layers = Vec::with_capacity(n);
+        let mut done = 0u64;
+        for (l, &(shard, start, len)) in runs.iter().enumerate() {
+            let f = match &mut files[shard as usize] {
+                Some(f) => f,
+                slot => slot.insert(DiskFile::open(&cat.shard_paths()[shard as usize])?),
+            };
+            let mut copied = 0u64;
+            let mut sum = twox_hash::XxHash3_64::new();
+            while copied < len {
+                let take = (len - copied).min(PACK_CHUNK);
+                let inner = f.read_span(start + copied, take, buf.as_mut_slice())?;
+                let chunk = &buf.as_slice()[inner..inner + take as usize];
+                std::hash::Hasher::write(&mut sum, chunk);
+                write_sparse(out, pos + copied, chunk).map_err(werr)?;
+                copied += take;
+            }
+            // The padding up to the next 4 KiB boundary is left as a hole (reads as zeros).
+            let padded =
+                align_up(len).ok_or_else(|| TrunkError::Refused("run too large".into()))?;
+            let tensors = cat
+                .trunk(l)
+                .iter()
+                .map(|t| {
+                    (
+                        t.name.clone(),
+                        JsonTensor {
+                            off: t.off - start,
+                            nbytes: t.nbytes,
+                            dtype: t.dtype,
+                        },
+                    )
+                })
+                .collect();
+            layers.push(JsonLayer {
+                file_off: pos,
+                nbytes: len,
+                xxh3: format!("{:016x}", std::hash::Hasher::finish(&sum)),
+                tensors,
+            });
+            pos += padded;
+            done += len;
+            largest = largest.max(len);
+            progress(&PackProgress {
+                layers_done: l + 1,
+                layers_total: n,
+                bytes_done: done,
+                bytes_total,
+            });
+        }
+        let json = TrunkJson {
+            format: TRUNK_FORMAT,
+            align: ALIGN as u64,
+            model: Some(JsonModel {
+                n_layers: n,
+                trunk_bytes: bytes_total,
+                checkpoint_id: format!("{id:032x}"),
+            }),
+            layers,
+        };
+        let text = serde_json::to_string_pretty(&json)
+            .map_err(|e| TrunkError::Io(format!("serialising trunk.json: {e}")))?;
+        Ok((pos, text))
+    })?;
+    Ok(PackSummary {
+        layers: n,
+        bytes: bytes_total,
+        file_bytes: pos,
+        largest_run: largest,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Write a packed pair (`bin_name` + `json_name`) into `out_dir`: `fill` writes the data file
+/// (given it open and an error mapper naming it) and returns its final length and the JSON text.
+/// Both are written under temporary names and renamed into place, the data file first (an old
+/// JSON is removed just before, so a JSON never describes another data file); nothing temporary
+/// is left behind on failure; an existing pair is never rewritten in place (a process with the
+/// old data file open keeps its bytes).
+#[allow(clippy::type_complexity)]
+pub(crate) fn write_packed(
+    out_dir: &Path,
+    bin_name: &str,
+    json_name: &str,
+    fill: &mut dyn FnMut(
+        &std::fs::File,
+        &dyn Fn(std::io::Error) -> TrunkError,
+    ) -> Result<(u64, String), TrunkError>,
+) -> Result<(), TrunkError> {
     std::fs::create_dir_all(out_dir)
         .map_err(|e| TrunkError::Io(format!("cannot create {}: {e}", out_dir.display())))?;
-    let json_path = out_dir.join(TRUNK_JSON);
-    let bin_path = out_dir.join(TRUNK_BIN);
+    let json_path = out_dir.join(json_name);
+    let bin_path = out_dir.join(bin_name);
     let tag = std::process::id();
-    let bin_tmp = out_dir.join(format!(".{TRUNK_BIN}.{tag}.tmp"));
-    let json_tmp = out_dir.join(format!(".{TRUNK_JSON}.{tag}.tmp"));
+    let bin_tmp = out_dir.join(format!(".{bin_name}.{tag}.tmp"));
+    let json_tmp = out_dir.join(format!(".{json_name}.{tag}.tmp"));
     let werr = |e: std::io::Error| TrunkError::Io(format!("writing {}: {e}", bin_tmp.display()));
     let out = std::fs::OpenOptions::new()
         .write(true)
@@ -312,75 +406,11 @@ pub fn pack_trunk(
         }
     }
     let _cleanup = Cleanup(&[bin_tmp.as_path(), json_tmp.as_path()]);
-    let mut files: Vec<Option<DiskFile>> = (0..cat.shard_paths().len()).map(|_| None).collect();
-    let mut buf = AlignedBuf::zeroed(PACK_CHUNK as usize + 2 * ALIGN).map_err(TrunkError::Io)?;
-    let mut layers = Vec::with_capacity(n);
-    let mut pos = 0u64;
-    let mut done = 0u64;
-    let mut largest = 0u64;
-    for (l, &(shard, start, len)) in runs.iter().enumerate() {
-        let f = match &mut files[shard as usize] {
-            Some(f) => f,
-            slot => slot.insert(DiskFile::open(&cat.shard_paths()[shard as usize])?),
-        };
-        let mut copied = 0u64;
-        let mut sum = twox_hash::XxHash3_64::new();
-        while copied < len {
-            let take = (len - copied).min(PACK_CHUNK);
-            let inner = f.read_span(start + copied, take, buf.as_mut_slice())?;
-            let chunk = &buf.as_slice()[inner..inner + take as usize];
-            std::hash::Hasher::write(&mut sum, chunk);
-            write_sparse(&out, pos + copied, chunk).map_err(werr)?;
-            copied += take;
-        }
-        // The padding up to the next 4 KiB boundary is left as a hole (reads as zeros).
-        let padded = align_up(len).ok_or_else(|| TrunkError::Refused("run too large".into()))?;
-        let tensors = cat
-            .trunk(l)
-            .iter()
-            .map(|t| {
-                (
-                    t.name.clone(),
-                    JsonTensor {
-                        off: t.off - start,
-                        nbytes: t.nbytes,
-                        dtype: t.dtype,
-                    },
-                )
-            })
-            .collect();
-        layers.push(JsonLayer {
-            file_off: pos,
-            nbytes: len,
-            xxh3: format!("{:016x}", std::hash::Hasher::finish(&sum)),
-            tensors,
-        });
-        pos += padded;
-        done += len;
-        largest = largest.max(len);
-        progress(&PackProgress {
-            layers_done: l + 1,
-            layers_total: n,
-            bytes_done: done,
-            bytes_total,
-        });
-    }
+    let (len, text) = fill(&out, &werr)?;
     // Holes at the end (an all-zero last block, padding) still count toward the length.
-    out.set_len(pos).map_err(werr)?;
+    out.set_len(len).map_err(werr)?;
     out.sync_all().map_err(werr)?;
     drop(out);
-    let json = TrunkJson {
-        format: TRUNK_FORMAT,
-        align: ALIGN as u64,
-        model: Some(JsonModel {
-            n_layers: n,
-            trunk_bytes: bytes_total,
-            checkpoint_id: format!("{id:032x}"),
-        }),
-        layers,
-    };
-    let text = serde_json::to_string_pretty(&json)
-        .map_err(|e| TrunkError::Io(format!("serialising trunk.json: {e}")))?;
     let jerr = |e: std::io::Error| TrunkError::Io(format!("writing {}: {e}", json_path.display()));
     {
         use std::io::Write;
@@ -405,19 +435,13 @@ pub fn pack_trunk(
     if let Ok(d) = std::fs::File::open(out_dir) {
         let _ = d.sync_all();
     }
-    Ok(PackSummary {
-        layers: n,
-        bytes: bytes_total,
-        file_bytes: pos,
-        largest_run: largest,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+    Ok(())
 }
 
 /// Write `data` at `off`, leaving every all-zero 4 KiB block (aligned to the file) as a hole: a
 /// sparse checkpoint (or a real one with zero pages) packs into a sparse `trunk.bin` with the
 /// same bytes. The caller sets the final file length.
-fn write_sparse(out: &std::fs::File, off: u64, data: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_sparse(out: &std::fs::File, off: u64, data: &[u8]) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     let mut i = 0usize;
     while i < data.len() {

@@ -422,6 +422,60 @@ fn main() {
         }
     }
 
+    // --- draft-trunk matrices (int8 / int4, the active tier's build) at K3's widest shape --------
+    {
+        use k3_proto::quant::{quantize_row, QuantKind};
+        let (r, c) = (big_r, big_c);
+        let wf: Vec<f32> = w
+            .chunks_exact(2)
+            .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+            .collect();
+        for kind in [QuantKind::Int8, QuantKind::Int4] {
+            let (qb, sb) = kind.sizes(1, c);
+            let (mut q, mut sc) = (vec![0u8; qb * r], vec![0u8; sb * r]);
+            for i in 0..r {
+                quantize_row(
+                    kind,
+                    &wf[i * c..(i + 1) * c],
+                    &mut q[i * qb..(i + 1) * qb],
+                    &mut sc[i * sb..(i + 1) * sb],
+                );
+            }
+            for (pool, &threads) in pools.iter().zip(&THREADS) {
+                let mut y = vec![0.0f32; r];
+                let s = time(args.reps, threads, || {
+                    pool.install(|| {
+                        k3_worker::kernels::quant::matmul_quant(
+                            kind,
+                            black_box(&q),
+                            &sc,
+                            r,
+                            c,
+                            &x_wide[..c],
+                            1,
+                            &mut y,
+                        )
+                    });
+                    black_box(&y);
+                });
+                // Quantization moves the result; it must stay close to the bf16 product.
+                if rel_diff(&y, &refs[0]) > 0.05 {
+                    eprintln!("CHECK FAILED: {} matvec {r}x{c}", kind.name());
+                    checks_ok = false;
+                }
+                rows.push(Row {
+                    kernel: format!("{} matvec {r}x{c}", kind.name()),
+                    tier: k3_worker::kernels::active_tier(),
+                    threads,
+                    stat: s,
+                    bytes: (q.len() + sc.len()) as f64,
+                    macs: (r * c) as f64,
+                    mem_gbs: mem_at(threads),
+                });
+            }
+        }
+    }
+
     // --- table -------------------------------------------------------------------------------
     println!();
     println!(

@@ -57,6 +57,9 @@ pub enum DraftArg {
     Ngram,
     /// A given continuation with injected misses (--draft-replay).
     Replay,
+    /// A quantized draft of the model held in this process's memory (--draft-trunk DIR,
+    /// written by `k3-ctl pack-trunk --draft int8|int4`).
+    Model,
 }
 
 /// Run the Kimi K3 model on one prompt, or chat.
@@ -138,7 +141,8 @@ pub struct Cli {
     )]
     pub spec: crate::spec::SpecMode,
     /// Drafters, tried in order: `history` (the store's earlier jobs; attached only), `ngram`
-    /// (the job's own ids), `replay` (benchmarks: --draft-replay).
+    /// (the job's own ids), `model` (a quantized draft model: --draft-trunk), `replay`
+    /// (benchmarks: --draft-replay).
     #[arg(
         long,
         value_name = "LIST",
@@ -146,6 +150,15 @@ pub struct Cli {
         default_value = "history,ngram"
     )]
     pub draft: Vec<DraftArg>,
+    /// The draft trunk the `model` drafter runs (a directory written by `k3-ctl pack-trunk
+    /// --draft int8|int4 MODEL_DIR DIR`); it is loaded into this process's memory, which the
+    /// memory plan counts.
+    #[arg(long, value_name = "DIR")]
+    pub draft_trunk: Option<PathBuf>,
+    /// The routed experts the draft model runs: `resident` (those the job's expert cache holds
+    /// at that moment; never a read) or `shared` (the shared experts alone).
+    #[arg(long, value_name = "resident|shared", default_value = "resident")]
+    pub draft_experts: crate::spec::DraftExperts,
     /// The continuation the replay drafter proposes: a file of ids (JSON list or separated by
     /// commas/whitespace), e.g. an earlier run's generated ids.
     #[arg(long, value_name = "FILE")]

@@ -20,8 +20,12 @@ use crate::generate::{positions_needed, Flow, GenOptions, Sampler, Session, END_
 use crate::model::bind::ShapeTable;
 use crate::model::{Dims, Model, ModelError, TensorShapes};
 use crate::report::{self, gb, HiddenDump};
-use crate::spec::{Drafter, FirstOf, HistoryDrafter, NgramDrafter, ReplayDrafter, SpecMode};
+use crate::spec::{
+    Drafter, FirstOf, HistoryDrafter, ModelDrafter, NgramDrafter, ReplayDrafter, SpecMode,
+};
 use crate::tokenizer::Tokenizer;
+use k3_store::draft::DraftSource;
+use k3_store::trunk::TrunkError;
 
 /// Why a job stopped, with its exit code ([`k3_proto::exit::ExitStatus`]).
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +68,9 @@ pub enum JobError {
     /// Binding or running the model failed (exit 1).
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// The draft trunk could not be read (exit 1).
+    #[error("draft trunk: {0}")]
+    DraftIo(String),
 }
 
 impl k3_proto::exit::ExitStatus for JobError {
@@ -79,7 +86,7 @@ impl k3_proto::exit::ExitStatus for JobError {
             }
             JobError::Attach { .. } => exit::NO_STORE,
             JobError::Open(e) => e.exit_code(),
-            JobError::Model(_) => exit::FAILURE,
+            JobError::Model(_) | JobError::DraftIo(_) => exit::FAILURE,
         }
     }
 }
@@ -176,6 +183,11 @@ fn draft_replay(cli: &Cli) -> Result<Option<Vec<u32>>, JobError> {
             cli.draft_miss_rate
         )));
     }
+    match (cli.draft.contains(&DraftArg::Model), &cli.draft_trunk) {
+        (true, None) => return Err(refuse("--draft model needs --draft-trunk DIR")),
+        (false, Some(_)) => return Err(refuse("--draft-trunk needs model in --draft")),
+        _ => {}
+    }
     let wants = cli.draft.contains(&DraftArg::Replay);
     let Some(path) = &cli.draft_replay else {
         if wants {
@@ -206,27 +218,103 @@ fn draft_replay(cli: &Cli) -> Result<Option<Vec<u32>>, JobError> {
 }
 
 /// The drafters `--draft` names, in order (None with `--spec off`).
-fn drafter(cli: &Cli, replay: Option<&[u32]>, prompt_len: usize) -> Option<Box<dyn Drafter>> {
+fn drafter(
+    cli: &Cli,
+    replay: Option<&[u32]>,
+    prompt_len: usize,
+    mut model: Option<ModelDrafter>,
+) -> Option<Box<dyn Drafter>> {
     if cli.spec == SpecMode::Off || cli.full_recompute {
         return None;
     }
-    let list: Vec<Box<dyn Drafter>> = cli
-        .draft
-        .iter()
-        .map(|d| -> Box<dyn Drafter> {
-            match d {
-                DraftArg::History => Box::new(HistoryDrafter::default()),
-                DraftArg::Ngram => Box::new(NgramDrafter),
-                DraftArg::Replay => Box::new(ReplayDrafter {
-                    continuation: replay.unwrap_or_default().to_vec(),
-                    prompt_len,
-                    miss_rate: cli.draft_miss_rate,
-                    seed: cli.draft_seed,
-                }),
+    let mut list: Vec<Box<dyn Drafter>> = Vec::new();
+    for d in &cli.draft {
+        match d {
+            DraftArg::History => list.push(Box::new(HistoryDrafter::default())),
+            DraftArg::Ngram => list.push(Box::new(NgramDrafter)),
+            DraftArg::Replay => list.push(Box::new(ReplayDrafter {
+                continuation: replay.unwrap_or_default().to_vec(),
+                prompt_len,
+                miss_rate: cli.draft_miss_rate,
+                seed: cli.draft_seed,
+            })),
+            DraftArg::Model => {
+                if let Some(m) = model.take() {
+                    list.push(Box::new(m));
+                }
             }
-        })
-        .collect();
+        }
+    }
     Some(Box::new(FirstOf(list)))
+}
+
+/// True when this job runs a draft model (`--draft model`, speculation on).
+fn wants_draft_model(cli: &Cli) -> bool {
+    cli.spec != SpecMode::Off && !cli.full_recompute && cli.draft.contains(&DraftArg::Model)
+}
+
+/// Bytes the draft model will hold (its trunk and its sequence state) for a job of `positions`,
+/// read from `draft.json` before anything is loaded; 0 without a draft model.
+fn draft_model_bytes(cli: &Cli, dims: &Dims, positions: usize) -> Result<u64, JobError> {
+    let Some(dir) = cli
+        .draft_trunk
+        .as_deref()
+        .filter(|_| wants_draft_model(cli))
+    else {
+        return Ok(0);
+    };
+    let (kind, bytes) =
+        DraftSource::probe(dir, dims.n_layers).map_err(|e| refuse(e.to_string()))?;
+    let state = ModelDrafter::state_bytes(dims, positions + spec_drafts(cli));
+    tracing::info!(
+        "draft model: {} trunk {:.3} GB + its sequence state {:.3} GB, held in this process",
+        kind.name(),
+        gb(bytes),
+        gb(state)
+    );
+    Ok(bytes + state)
+}
+
+/// Load the draft model (`--draft model --draft-trunk DIR`) made from the checkpoint in
+/// `model_dir`, with the target's model-level tensors.
+fn load_draft_model(
+    cli: &Cli,
+    opened: &Opened,
+    source: &dyn WeightSource,
+) -> Result<Option<ModelDrafter>, JobError> {
+    let Some(dir) = cli
+        .draft_trunk
+        .as_deref()
+        .filter(|_| wants_draft_model(cli))
+    else {
+        return Ok(None);
+    };
+    let t0 = Instant::now();
+    let (cat, _) = k3_store::catalog::Catalog::open_dir(&opened.model_dir)
+        .map_err(|e| refuse(e.to_string()))?;
+    let src = DraftSource::open(dir, &cat, opened.dims.n_layers, &|n| source.model_tensor(n))
+        .map_err(|e| match e {
+            TrunkError::Refused(m) => refuse(m),
+            TrunkError::Io(m) => JobError::DraftIo(m),
+        })?;
+    tracing::info!(
+        "draft model: {} trunk {:.3} GB loaded and checked in {:.2} s",
+        src.kind().name(),
+        gb(src.bytes()),
+        t0.elapsed().as_secs_f64()
+    );
+    let capacity = opened.positions + spec_drafts(cli);
+    let chunk = match cli.prefill_chunk {
+        0 => opened.positions,
+        c => c.min(opened.positions),
+    };
+    Ok(Some(ModelDrafter::new(
+        src,
+        opened.dims.clone(),
+        capacity,
+        chunk,
+        cli.draft_experts,
+    )?))
 }
 
 fn check_writable_file(path: &Path) -> Result<(), JobError> {
@@ -422,6 +510,7 @@ pub fn open_source(
             // and logits of one forward call and the verify buffers.
             let need = dims.kda_state_bytes()
                 + dims.mla_cache_bytes(positions as u64)
+                + draft_model_bytes(cli, &dims, positions)?
                 + k3_store::plan::activation_bytes(&cfg, chunk)
                 + k3_store::plan::verify_bytes(&cfg, spec_drafts(cli), chunk);
             let avail = k3_store::plan::allocatable().map_err(refuse)?;
@@ -451,7 +540,8 @@ pub fn open_source(
             let opts = StandaloneOptions {
                 context_len: positions,
                 prefill_tokens: chunk,
-                extra_buffer_bytes: k3_store::plan::verify_bytes(&cfg, spec_drafts(cli), chunk),
+                extra_buffer_bytes: k3_store::plan::verify_bytes(&cfg, spec_drafts(cli), chunk)
+                    + draft_model_bytes(cli, &dims, positions)?,
                 cache_policy: cli.budget.policy(),
                 ..StandaloneOptions::default()
             };
@@ -522,6 +612,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
         ));
     }
     model.lookahead = crate::model::forward::Lookahead::from_env().map_err(refuse)?;
+    let draft_model = load_draft_model(cli, &opened, source)?;
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());
     }
@@ -547,7 +638,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
                 *thinking,
                 pre.sampler.clone(),
                 opened.positions,
-                drafter(cli, None, 0),
+                drafter(cli, None, 0, draft_model),
                 reporter,
             )
         }
@@ -560,7 +651,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
             &hidden,
             wall,
             reporter,
-            drafter(cli, pre.replay.as_deref(), prompt.len()),
+            drafter(cli, pre.replay.as_deref(), prompt.len(), draft_model),
         ),
     }
 }

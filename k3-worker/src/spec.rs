@@ -11,7 +11,12 @@
 //! 0 unless that beats plain decoding by [`MIN_GAIN`]; with K = 0 a one-draft probe runs every
 //! [`PROBE_EVERY`] passes so a drafter that starts agreeing is noticed.
 
+use k3_store::draft::{DraftSource, ResidentExperts};
 use k3_store::source::WeightSource;
+
+use crate::model::forward::{Bound, Logits, Model};
+use crate::model::state::{KdaState, LayerState, SeqState};
+use crate::model::{Dims, ModelError};
 
 /// How many ids to draft per pass.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +118,179 @@ impl Drafter for HistoryDrafter {
                     tracing::warn!("history drafting off for this job: {e}");
                     self.warned = true;
                 }
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// Which routed experts a draft model runs (`--draft-experts`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DraftExperts {
+    /// The routed experts the job's cache holds right now (no read, no wait), and the shared
+    /// experts.
+    Resident,
+    /// The shared experts alone.
+    Shared,
+}
+
+/// Drafts with a quantized copy of the model held in memory (`--draft model`, a draft trunk
+/// from `k3-ctl pack-trunk --draft`): greedy steps of a draft [`Model`] that reads no disk: its
+/// MoE layers run the shared experts and, with [`DraftExperts::Resident`], the routed experts the
+/// target's cache holds at that moment ([`ResidentExperts`]; the others are left out).
+///
+/// The draft model keeps its own sequence state over the ids the target has consumed (all of
+/// the context but its last id): each call first runs the ids added since the last call (one
+/// batched pass), saves the KDA states, runs `k` one-id steps from the context's last id, and
+/// then puts the state back (KDA states restored, MLA caches truncated), so the draft model's
+/// state never holds a drafted id. A failure turns the drafter off for the job (reported once):
+/// drafting is never worth failing a job.
+pub struct ModelDrafter {
+    source: DraftSource,
+    dims: Dims,
+    bound: Option<Bound>,
+    state: SeqState,
+    saved: Vec<KdaState>,
+    /// The ids `state` has consumed.
+    fed: Vec<u32>,
+    /// Most ids per catch-up pass (the job's prefill chunk).
+    chunk: usize,
+    experts: DraftExperts,
+    off: bool,
+    /// Draft-model forward calls and their seconds.
+    pub calls: u64,
+    /// See [`ModelDrafter::calls`].
+    pub seconds: f64,
+}
+
+impl std::fmt::Debug for ModelDrafter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelDrafter")
+            .field("source", &self.source)
+            .field("fed", &self.fed.len())
+            .finish()
+    }
+}
+
+impl ModelDrafter {
+    /// A drafter over `source` (the draft trunk) for sequences of at most `capacity` positions
+    /// (the job's, plus the most ids one call drafts), catching up at most `chunk` ids per pass.
+    pub fn new(
+        source: DraftSource,
+        dims: Dims,
+        capacity: usize,
+        chunk: usize,
+        experts: DraftExperts,
+    ) -> Result<ModelDrafter, ModelError> {
+        let bound = Model::draft(dims.clone(), &source, None, false)?.into_bound();
+        let state = SeqState::new(&dims, capacity);
+        Ok(ModelDrafter {
+            source,
+            dims,
+            bound: Some(bound),
+            state,
+            saved: Vec::new(),
+            fed: Vec::new(),
+            chunk: chunk.max(1),
+            experts,
+            off: false,
+            calls: 0,
+            seconds: 0.0,
+        })
+    }
+
+    /// Bytes the drafter holds besides its draft trunk: its sequence state for `capacity`
+    /// positions and the saved KDA states.
+    pub fn state_bytes(d: &Dims, capacity: usize) -> u64 {
+        2 * d.kda_state_bytes() + d.mla_cache_bytes(capacity as u64)
+    }
+
+    fn try_draft(
+        &mut self,
+        target: &dyn WeightSource,
+        context: &[u32],
+        k: usize,
+    ) -> Result<Vec<u32>, ModelError> {
+        let Some((&last, done)) = context.split_last() else {
+            return Ok(Vec::new());
+        };
+        if !done.starts_with(&self.fed) {
+            // Another sequence (a new chat turn after a reset): start over.
+            self.state = SeqState::new(&self.dims, self.state.capacity);
+            self.fed.clear();
+        }
+        let bound = self
+            .bound
+            .take()
+            .expect("bound is put back after every call");
+        let view = ResidentExperts {
+            draft: &self.source,
+            target,
+        };
+        let (src, routed): (&dyn WeightSource, bool) = match self.experts {
+            DraftExperts::Resident => (&view, true),
+            DraftExperts::Shared => (&self.source, false),
+        };
+        let mut model = Model::draft(self.dims.clone(), src, Some(bound), routed)?;
+        let t0 = std::time::Instant::now();
+        let r = (|| {
+            for new in done[self.fed.len()..].chunks(self.chunk) {
+                model.forward(new, &mut self.state, Logits::Last)?;
+                self.calls += 1;
+                self.fed.extend_from_slice(new);
+            }
+            // Save what the drafted steps change.
+            let pos0 = self.state.pos;
+            let kda = self.state.layers.iter().filter_map(|l| match l {
+                LayerState::Kda(s) => Some(s),
+                LayerState::Mla(_) => None,
+            });
+            self.saved.resize_with(kda.clone().count(), || KdaState {
+                s: Vec::new(),
+                conv: Default::default(),
+            });
+            for (dst, src) in self.saved.iter_mut().zip(kda) {
+                dst.clone_from(src);
+            }
+            let mut out = Vec::with_capacity(k);
+            let mut id = last;
+            let room = self.state.capacity - self.state.pos;
+            for _ in 0..k.min(room) {
+                let logits = model.forward(&[id], &mut self.state, Logits::Last)?;
+                self.calls += 1;
+                id = crate::generate::argmax(&logits);
+                out.push(id);
+            }
+            // Put the state back to `pos0`.
+            let mut saved = self.saved.iter();
+            for l in &mut self.state.layers {
+                match l {
+                    LayerState::Kda(s) => s.clone_from(saved.next().expect("one per KDA layer")),
+                    LayerState::Mla(c) => c.rows.truncate(pos0 * c.width),
+                }
+            }
+            self.state.pos = pos0;
+            Ok(out)
+        })();
+        self.seconds += t0.elapsed().as_secs_f64();
+        self.bound = Some(model.into_bound());
+        r
+    }
+}
+
+impl Drafter for ModelDrafter {
+    fn name(&self) -> &'static str {
+        "model"
+    }
+    fn draft(&mut self, target: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32> {
+        if self.off || k == 0 {
+            return Vec::new();
+        }
+        match self.try_draft(target, context, k) {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!("the draft model is off for this job: {e}");
+                self.off = true;
                 Vec::new()
             }
         }

@@ -217,7 +217,7 @@ fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
     src.set_meta(&alog, k3_proto::Dtype::F32, vec![2]);
     let d = tiny_dims();
     let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
-    let bound = BoundLayer::bind(&d, &run, Some(&src as &dyn TensorShapes)).unwrap();
+    let bound = BoundLayer::bind(&d, &run, Some(&src as &dyn TensorShapes), false).unwrap();
     let lw = bound.weights(&run).unwrap();
     let Mlp::Moe(moe) = &lw.mlp else { panic!() };
     assert_eq!(moe.bias, vals);
@@ -227,7 +227,9 @@ fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
     src.set_loc(&alog, k3_proto::Dtype::F32, 12);
     src.set_meta(&alog, k3_proto::Dtype::F32, vec![3]);
     let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
-    let e = BoundLayer::bind(&d, &run, None).unwrap_err().to_string();
+    let e = BoundLayer::bind(&d, &run, None, false)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("A_log") && e.contains("[8]") && e.contains("[2]"),
         "{e}"

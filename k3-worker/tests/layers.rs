@@ -141,7 +141,7 @@ fn latent_mla_equals_expanded_mla_with_causal_mask_across_calls() {
     let d = &src.dims;
     let l = 3;
     let run = src.layer(l).unwrap();
-    let bound = BoundLayer::bind(d, &run, Some(&src as &dyn TensorShapes)).unwrap();
+    let bound = BoundLayer::bind(d, &run, Some(&src as &dyn TensorShapes), false).unwrap();
     let lw = bound.weights(&run).unwrap();
     let Attn::Mla(w) = &lw.attn else {
         panic!("layer 3 is MLA")
@@ -276,7 +276,7 @@ fn kda_matches_the_sequential_reference_over_several_tokens_and_calls() {
     let src = MemSource::random(&tiny_dims(), 22);
     let d = &src.dims;
     let (run, mut st) = kda_layer(&src, 2);
-    let bound = BoundLayer::bind(d, &run, None).unwrap();
+    let bound = BoundLayer::bind(d, &run, None, false).unwrap();
     let lw = bound.weights(&run).unwrap();
     let Attn::Kda(w) = &lw.attn else {
         panic!("layer 2 is KDA")
@@ -298,7 +298,7 @@ fn kda_single_token_from_zero_state_is_beta_qk_v_over_sqrt_d() {
     let (e, h, dh, k) = (d.hidden, d.kda_heads, d.kda_dim, d.conv_k);
     let p = h * dh;
     let (run, mut st) = kda_layer(&src, 1);
-    let bound = BoundLayer::bind(d, &run, None).unwrap();
+    let bound = BoundLayer::bind(d, &run, None, false).unwrap();
     let lw = bound.weights(&run).unwrap();
     let Attn::Kda(w) = &lw.attn else { panic!() };
     let x = rand_x(1, e, 7);
@@ -355,7 +355,7 @@ fn router_bias_steers_selection_only() {
     d.top_k = 3;
     let src = MemSource::random(&d, 24);
     let run = src.layer(1).unwrap();
-    let bound = BoundLayer::bind(&d, &run, None).unwrap();
+    let bound = BoundLayer::bind(&d, &run, None, false).unwrap();
     let lw = bound.weights(&run).unwrap();
     let Mlp::Moe(mut moe) = lw.mlp else {
         panic!("layer 1 is MoE")
@@ -367,7 +367,7 @@ fn router_bias_steers_selection_only() {
     for (i, &v) in logits.iter().enumerate() {
         gate[i * e * 2..i * e * 2 + 2].copy_from_slice(&common::bf16_bits(v));
     }
-    moe.router = &gate;
+    moe.router = k3_worker::model::Mat::Bf16(&gate);
     // Bias lifts experts 6 and 5 to the top; 3 and 7 tie on biased score (0.5+σ … see below).
     let bias = [0.0, 0.0, 0.0, 0.0, 0.0, 4.0, 5.0, 0.0];
     moe.bias = &bias;
@@ -460,7 +460,7 @@ fn routed_norm_applies_once_to_the_weighted_aggregate() {
         .for_each(|s| *s += 8);
     src.set_expert(1, 5, big);
     let run = src.layer(1).unwrap();
-    let bound = BoundLayer::bind(&d, &run, None).unwrap();
+    let bound = BoundLayer::bind(&d, &run, None, false).unwrap();
     let lw = bound.weights(&run).unwrap();
     let Mlp::Moe(moe) = &lw.mlp else { panic!() };
     let x = rand_x(1, d.hidden, 8);
@@ -528,7 +528,7 @@ fn shared_experts_are_added_unweighted_on_the_full_width_input() {
         &vec![0.0; d.hidden * d.latent],
     );
     let run = src.layer(1).unwrap();
-    let bound = BoundLayer::bind(&d, &run, None).unwrap();
+    let bound = BoundLayer::bind(&d, &run, None, false).unwrap();
     let lw = bound.weights(&run).unwrap();
     let Mlp::Moe(moe) = &lw.mlp else { panic!() };
     let x = rand_x(2, d.hidden, 9);

@@ -11,6 +11,7 @@ pub mod exit;
 pub mod expert;
 pub mod names;
 pub mod paths;
+pub mod quant;
 pub mod safetensors;
 pub mod shm;
 pub mod wire;

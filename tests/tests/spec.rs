@@ -205,3 +205,163 @@ fn bad_speculation_flags_are_refused_with_exit_2() {
         assert!(!r.stderr.contains("panicked"), "{extra:?}: {r:?}");
     }
 }
+
+/// Pack the tiny model's draft trunk of `kind` into the sandbox (`k3-ctl pack-trunk --draft`).
+fn pack_draft(sb: &Sandbox, kind: &str) -> String {
+    let out = sb.dir.join(format!("draft-{kind}"));
+    let r = sb.run(
+        "k3-ctl",
+        &[
+            "pack-trunk",
+            "--draft",
+            kind,
+            path_str(&tiny_model()),
+            path_str(&out),
+        ],
+    );
+    assert_eq!(r.code, 0, "pack-trunk --draft {kind}: {r:?}");
+    path_str(&out).to_string()
+}
+
+#[test]
+fn a_draft_model_gives_the_reference_ids_standalone_and_attached() {
+    let mut sb = Sandbox::new("spec-draft");
+    let model = tiny_model();
+    let m = path_str(&model);
+    let int8 = pack_draft(&sb, "int8");
+    let int4 = pack_draft(&sb, "int4");
+    // The draft runs the experts the cache holds (all of them with the default budget) or the
+    // shared experts alone; fixed K and auto. Every run must give the reference
+    // ids; with every expert resident, the int8 draft of this model agrees with it often enough
+    // that some drafts are accepted (a broken draft model — wrong bytes, a wrong kernel, a state
+    // that is not put back — agrees with it about 1 time in 256, the vocabulary).
+    let mut accepted = 0;
+    for (draft, experts, spec) in [
+        (&int8, "resident", "4"),
+        (&int8, "resident", "auto"),
+        (&int8, "shared", "2"),
+        (&int4, "resident", "8"),
+        (&int4, "shared", "auto"),
+    ] {
+        let j = run(
+            &sb,
+            &[
+                "--standalone",
+                m,
+                "--draft",
+                "model",
+                "--draft-trunk",
+                draft,
+                "--draft-experts",
+                experts,
+                "--spec",
+                spec,
+            ],
+        );
+        assert_eq!(
+            u(&j, "forward_passes") + u(&j, "accepted_tokens"),
+            reference_greedy().len() as u64 - 1,
+            "{j}"
+        );
+        if spec != "auto" {
+            assert!(u(&j, "drafted_tokens") > 0, "{draft} {experts}: {j}");
+        }
+        if draft == &int8 && experts == "resident" && spec == "4" {
+            accepted = u(&j, "accepted_tokens");
+        }
+    }
+    assert!(
+        accepted >= 3,
+        "int8 draft with every expert accepted {accepted}"
+    );
+    // Attached: the worker loads the draft itself; the store shares no experts with it, so it
+    // drafts on the shared experts.
+    let trunk = sb.pack_tiny_trunk();
+    sb.start_store(&[
+        m,
+        "--trunk",
+        path_str(&trunk),
+        "--trunk-gb",
+        "0.001",
+        "--cache-gb",
+        "0.01",
+    ]);
+    for spec in ["off", "4"] {
+        run(
+            &sb,
+            &["--draft", "model", "--draft-trunk", &int8, "--spec", spec],
+        );
+    }
+    sb.stop_store().expect("store running");
+}
+
+#[test]
+fn a_foreign_or_damaged_draft_trunk_is_refused_with_exit_2() {
+    let sb = Sandbox::new("spec-draft-bad");
+    let model = tiny_model();
+    let m = path_str(&model);
+    let good = pack_draft(&sb, "int8");
+    let worker = |draft: &str| {
+        sb.run(
+            "k3-worker",
+            &[
+                "--standalone",
+                m,
+                "--ids",
+                "1,2,3",
+                "--gen",
+                "4",
+                "--spec",
+                "2",
+                "--draft",
+                "model",
+                "--draft-trunk",
+                draft,
+            ],
+        )
+    };
+    // Flags without their partner.
+    for extra in [
+        vec!["--draft", "model"],
+        vec!["--draft-trunk", good.as_str()],
+    ] {
+        let mut args = vec!["--standalone", m, "--ids", "1,2,3", "--gen", "2"];
+        args.extend_from_slice(&extra);
+        let r = sb.run("k3-worker", &args);
+        assert_eq!(r.code, 2, "{extra:?}: {r:?}");
+    }
+    // Not a draft trunk at all.
+    let r = worker("/nonexistent/draft");
+    assert_eq!(r.code, 2, "{r:?}");
+    // One flipped byte in a run: the layer's checksum refuses it.
+    let copy = |name: &str| {
+        let dir = sb.dir.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["draft.bin", "draft.json"] {
+            std::fs::copy(std::path::Path::new(&good).join(f), dir.join(f)).unwrap();
+        }
+        dir
+    };
+    let damaged = copy("damaged");
+    let mut bin = std::fs::read(damaged.join("draft.bin")).unwrap();
+    bin[300] ^= 0x40;
+    std::fs::write(damaged.join("draft.bin"), bin).unwrap();
+    let r = worker(path_str(&damaged));
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("checksum"), "{r:?}");
+    // Another checkpoint's draft (its identity differs).
+    let foreign = copy("foreign");
+    let json = std::fs::read_to_string(foreign.join("draft.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let id = v["model"]["checkpoint_id"].as_str().unwrap().to_string();
+    let other = format!(
+        "{}{}",
+        if id.starts_with('1') { "2" } else { "1" },
+        &id[1..]
+    );
+    std::fs::write(foreign.join("draft.json"), json.replace(&id, &other)).unwrap();
+    let r = worker(path_str(&foreign));
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains(&id) && r.stderr.contains(&other), "{r:?}");
+    assert!(!r.stderr.contains("panicked"), "{r:?}");
+}

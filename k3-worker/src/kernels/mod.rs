@@ -31,6 +31,7 @@
 //! see [`build_pool`]). Problems under [`PAR_MIN_MACS`] multiply-adds run on the calling thread.
 //! A row is always computed by the same code, so the thread count never changes a result.
 
+pub mod quant;
 pub mod scalar;
 
 #[cfg(target_arch = "x86_64")]

@@ -15,8 +15,9 @@ use super::attn_res::AttnResQuery;
 use super::kda::KdaWeights;
 use super::mla::MlaWeights;
 use super::moe::{MoeWeights, SituMlp};
-use super::{Dims, ModelError};
+use super::{Dims, Mat, ModelError};
 use crate::kernels::{bf16_bytes_to_f32, f32_bytes_to_f32};
+use k3_proto::quant::{QuantKind, GROUP, SCALE_SUFFIX};
 
 /// Full stored metadata of checkpoint tensors, when a source knows it (the checkpoint index).
 pub trait TensorShapes: Send + Sync {
@@ -99,11 +100,34 @@ impl Span {
     }
 }
 
+/// Where one weight matrix sits inside its layer run: a bf16 tensor, or a draft trunk's
+/// quantized codes and their scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum MatSpan {
+    Bf16(Span),
+    Quant { kind: QuantKind, q: Span, s: Span },
+}
+
+impl MatSpan {
+    fn of<'r>(&self, bytes: &'r [u8]) -> Mat<'r> {
+        match *self {
+            MatSpan::Bf16(sp) => Mat::Bf16(sp.of(bytes)),
+            MatSpan::Quant { kind, q, s } => Mat::Quant {
+                kind,
+                q: q.of(bytes),
+                s: s.of(bytes),
+            },
+        }
+    }
+}
+
 /// Checked access to one layer run's tensors (used once per layer, at bind).
 struct LayerView<'r> {
     l: usize,
     run: &'r LayerRun,
     shapes: Option<&'r dyn TensorShapes>,
+    /// Accept a draft trunk's quantized matrices (a draft model only).
+    quant: bool,
 }
 
 impl<'r> LayerView<'r> {
@@ -169,8 +193,54 @@ impl<'r> LayerView<'r> {
     }
 
     /// A bf16 matrix `[rows, cols]`.
-    fn mat(&self, suffix: &str, rows: usize, cols: usize) -> Result<Span, ModelError> {
+    fn mat_bf16(&self, suffix: &str, rows: usize, cols: usize) -> Result<Span, ModelError> {
         Ok(self.get(suffix, &[&[rows, cols]], &[Dtype::BF16])?.0)
+    }
+
+    /// A weight matrix `[rows, cols]`: bf16, or — in a draft model — int8 codes `I8 [rows,
+    /// cols]` or int4 codes `U8 [rows, cols/2]` with their scales under the name +
+    /// [`SCALE_SUFFIX`] (`k3_proto::quant`).
+    fn mat(&self, suffix: &str, rows: usize, cols: usize) -> Result<MatSpan, ModelError> {
+        if !self.quant {
+            return Ok(MatSpan::Bf16(self.mat_bf16(suffix, rows, cols)?));
+        }
+        let half = cols / 2;
+        let (span, dt, which) = self.get(
+            suffix,
+            &[&[rows, cols], &[rows, half]],
+            &[Dtype::BF16, Dtype::I8, Dtype::U8],
+        )?;
+        let name = names::layer(self.l, suffix);
+        let kind = match dt {
+            Dtype::BF16 if which == 0 => return Ok(MatSpan::Bf16(span)),
+            Dtype::BF16 => {
+                return Err(bind_err(
+                    &name,
+                    format!("expected [{rows}, {cols}] BF16, found {} bytes", span.len),
+                ))
+            }
+            Dtype::I8 => QuantKind::Int8,
+            _ => QuantKind::Int4,
+        };
+        let (code_bytes, scale_bytes) = kind.sizes(rows, cols);
+        if !cols.is_multiple_of(GROUP) || span.len != code_bytes {
+            return Err(bind_err(
+                &name,
+                format!(
+                    "{} codes of {} bytes do not describe [{rows}, {cols}] (columns a multiple of {GROUP})",
+                    kind.name(),
+                    span.len
+                ),
+            ));
+        }
+        let s_suffix = format!("{suffix}{SCALE_SUFFIX}");
+        let scale_shape: &[usize] = match kind {
+            QuantKind::Int8 => &[rows],
+            QuantKind::Int4 => &[rows, cols / GROUP],
+        };
+        let (s, _, _) = self.get(&s_suffix, &[scale_shape], &[Dtype::F32])?;
+        debug_assert_eq!(s.len, scale_bytes);
+        Ok(MatSpan::Quant { kind, q: span, s })
     }
 
     /// A small vector of `shape` widened to f32, stored as BF16 or F32 (SPEC.md §2: the release
@@ -246,14 +316,14 @@ pub struct LayerWeights<'a> {
 /// A KDA layer's places and vectors.
 #[derive(Debug)]
 struct KdaBound {
-    q: Span,
-    k: Span,
-    v: Span,
-    f_a: Span,
-    f_b: Span,
-    b: Span,
-    g: Span,
-    o: Span,
+    q: MatSpan,
+    k: MatSpan,
+    v: MatSpan,
+    f_a: MatSpan,
+    f_b: MatSpan,
+    b: MatSpan,
+    g: MatSpan,
+    o: MatSpan,
     conv: [Vec<f32>; 3],
     a_log: Vec<f32>,
     dt_bias: Vec<f32>,
@@ -263,12 +333,12 @@ struct KdaBound {
 /// An MLA layer's places and vectors.
 #[derive(Debug)]
 struct MlaBound {
-    q_a: Span,
-    q_b: Span,
-    kv_a: Span,
+    q_a: MatSpan,
+    q_b: MatSpan,
+    kv_a: MatSpan,
     kv_b: Span,
-    o: Span,
-    g: Option<Span>,
+    o: MatSpan,
+    g: Option<MatSpan>,
     q_a_norm: Vec<f32>,
     kv_a_norm: Vec<f32>,
 }
@@ -276,9 +346,9 @@ struct MlaBound {
 /// A SiTU MLP's places.
 #[derive(Clone, Copy, Debug)]
 struct SituBound {
-    gate: Span,
-    up: Span,
-    down: Span,
+    gate: MatSpan,
+    up: MatSpan,
+    down: MatSpan,
     width: usize,
 }
 
@@ -296,9 +366,9 @@ impl SituBound {
 /// A MoE layer's places and vectors.
 #[derive(Debug)]
 struct MoeBound {
-    router: Span,
-    down: Span,
-    up: Span,
+    router: MatSpan,
+    down: MatSpan,
+    up: MatSpan,
     bias: Vec<f32>,
     norm: Option<Vec<f32>>,
     shared: Option<SituBound>,
@@ -343,6 +413,7 @@ impl BoundLayer {
         d: &Dims,
         run: &LayerRun,
         shapes: Option<&dyn TensorShapes>,
+        quant: bool,
     ) -> Result<BoundLayer, ModelError> {
         let l = run.layer;
         if l >= d.n_layers {
@@ -351,7 +422,12 @@ impl BoundLayer {
                 d.n_layers
             )));
         }
-        let v = LayerView { l, run, shapes };
+        let v = LayerView {
+            l,
+            run,
+            shapes,
+            quant,
+        };
         let e = d.hidden;
         let attn = if d.is_mla(l) {
             AttnBound::Mla(bind_mla(d, &v)?)
@@ -512,7 +588,8 @@ fn bind_mla(d: &Dims, v: &LayerView<'_>) -> Result<MlaBound, ModelError> {
         q_b: v.mat("self_attn.q_b_proj.weight", h * (d.nope + d.rope), d.q_lora)?,
         kv_a: v.mat("self_attn.kv_a_proj_with_mqa.weight", d.kv_lora + d.rope, e)?,
         kv_a_norm: v.vec("self_attn.kv_a_layernorm.weight", &[d.kv_lora])?,
-        kv_b: v.mat(
+        // Always bf16: MLA applies W_UKᵀ straight from its rows (SPEC.md §3.5).
+        kv_b: v.mat_bf16(
             "self_attn.kv_b_proj.weight",
             h * (d.nope + d.v_head),
             d.kv_lora,

@@ -22,7 +22,7 @@ use k3_store::source::{SourceError, WeightSource};
 
 use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
 use super::state::{LayerState, SeqState};
-use super::{linear, rms_norm_rows, Dims, ModelError};
+use super::{linear, rms_norm_rows, Dims, Mat, ModelError};
 
 /// Which positions to compute logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -185,6 +185,21 @@ pub struct Model<'s> {
     /// aggregator's result before the final norm, reported with layer = n_layers), for locating
     /// divergences from the reference.
     pub tap: Option<Tap<'s>>,
+    /// Bind a draft trunk's quantized matrices (a draft model, [`Model::draft`]).
+    quant: bool,
+    /// Run the routed experts. A draft model may run its MoE layers on the shared experts
+    /// alone (`false`): it then never asks its source for an expert.
+    pub routed_experts: bool,
+}
+
+/// What a model binds once and keeps: the model-level tensors and every layer bound so far.
+/// [`Model::into_bound`] and [`Model::from_bound`] move it between models over sources that
+/// live for different spans (a drafter's model is rebuilt around each call's source).
+#[derive(Debug)]
+pub struct Bound {
+    globals: Globals,
+    bound: Vec<Option<BoundLayer>>,
+    binds: u64,
 }
 
 impl std::fmt::Debug for Model<'_> {
@@ -209,19 +224,69 @@ impl<'s> Model<'s> {
         dims.validate()?;
         let globals = Globals::bind(&dims, source, shapes)?;
         let bound = (0..dims.n_layers).map(|_| None).collect();
-        Ok(Model {
+        Ok(Model::from_bound(
             dims,
             source,
             shapes,
-            globals,
-            bound,
-            binds: 0,
+            Bound {
+                globals,
+                bound,
+                binds: 0,
+            },
+        ))
+    }
+
+    /// A model over what an earlier model bound (same dims; see [`Bound`]).
+    pub fn from_bound(
+        dims: Dims,
+        source: &'s dyn WeightSource,
+        shapes: Option<&'s dyn TensorShapes>,
+        b: Bound,
+    ) -> Model<'s> {
+        Model {
+            dims,
+            source,
+            shapes,
+            globals: b.globals,
+            bound: b.bound,
+            binds: b.binds,
             counters: RunCounters::default(),
             trace: None,
             step: 0,
             lookahead: Lookahead::default(),
             tap: None,
-        })
+            quant: false,
+            routed_experts: true,
+        }
+    }
+
+    /// A draft model (over what an earlier one bound, when given): binds a draft trunk's
+    /// quantized matrices (`k3_proto::quant`) as well as bf16 ones, runs no router lookahead and
+    /// runs the routed experts only when `routed_experts` (those its source cannot give are
+    /// skipped, their weight left out of the mix).
+    pub fn draft(
+        dims: Dims,
+        source: &'s dyn WeightSource,
+        bound: Option<Bound>,
+        routed_experts: bool,
+    ) -> Result<Model<'s>, ModelError> {
+        let mut m = match bound {
+            Some(b) => Model::from_bound(dims, source, None, b),
+            None => Model::new(dims, source, None)?,
+        };
+        m.quant = true;
+        m.routed_experts = routed_experts;
+        m.lookahead = Lookahead::Off;
+        Ok(m)
+    }
+
+    /// What this model bound, to build the next one with [`Model::from_bound`].
+    pub fn into_bound(self) -> Bound {
+        Bound {
+            globals: self.globals,
+            bound: self.bound,
+            binds: self.binds,
+        }
     }
 
     /// Fresh per-sequence state for at most `capacity` positions.
@@ -265,7 +330,10 @@ impl<'s> Model<'s> {
             step,
             lookahead,
             tap,
+            quant,
+            routed_experts,
         } = self;
+        let (quant, routed_experts) = (*quant, *routed_experts);
         let lookahead = *lookahead;
         let (source, shapes, step) = (*source, *shapes, *step);
         let mut tap = |l: usize, name: &str, v: &[f32]| {
@@ -329,7 +397,7 @@ impl<'s> Model<'s> {
                 source.prefetch_layer(l + 1);
             }
             if slot.is_none() {
-                *slot = Some(BoundLayer::bind(d, &run, shapes)?);
+                *slot = Some(BoundLayer::bind(d, &run, shapes, quant)?);
                 *binds += 1;
             }
             let lw = slot.as_ref().expect("bound just above").weights(&run)?;
@@ -405,6 +473,9 @@ impl<'s> Model<'s> {
                     }
                     mlp.forward(d, &xn, n)
                 }
+                Mlp::Moe(moe) if !routed_experts => moe
+                    .shared_out(d, &xn, n)
+                    .unwrap_or_else(|| vec![0.0; n * e]),
                 Mlp::Moe(moe) => {
                     let routing = moe.route(d, &xn, n);
                     let uniq = routing.unique();
@@ -511,7 +582,7 @@ impl<'s> Model<'s> {
             Logits::Last => (n - 1, 1),
         };
         let xn = rms_norm_rows(&x[first * e..], &globals.final_norm, d.rms_eps);
-        let logits = linear(globals.lm_head.bytes(), d.vocab, e, &xn, rows);
+        let logits = linear(Mat::Bf16(globals.lm_head.bytes()), d.vocab, e, &xn, rows);
         counters.phases.lm_head += t_head.elapsed().as_secs_f64();
         st.pos += n;
         Ok(logits)
@@ -538,7 +609,7 @@ fn predict_next(
         return Ok(None);
     };
     if next.is_none() {
-        *next = Some(BoundLayer::bind(d, &run, shapes)?);
+        *next = Some(BoundLayer::bind(d, &run, shapes, false)?);
         *binds += 1;
     }
     let nw = next.as_ref().expect("bound just above").weights(&run)?;

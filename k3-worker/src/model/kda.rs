@@ -17,7 +17,7 @@
 use rayon::prelude::*;
 
 use super::state::{KdaJournal, KdaState};
-use super::{linear, Dims, ModelError};
+use super::{linear, Dims, Mat, ModelError};
 use crate::kernels;
 
 /// L2-norm eps for q and k (fla `l2norm`).
@@ -27,29 +27,29 @@ const L2_EPS: f32 = 1e-6;
 #[derive(Debug)]
 pub struct KdaWeights<'a> {
     /// `q_proj` `[P, E]`.
-    pub q_proj: &'a [u8],
+    pub q_proj: Mat<'a>,
     /// `k_proj` `[P, E]`.
-    pub k_proj: &'a [u8],
+    pub k_proj: Mat<'a>,
     /// `v_proj` `[P, E]`.
-    pub v_proj: &'a [u8],
+    pub v_proj: Mat<'a>,
     /// Conv kernels for q, k, v: `[P, K]` (tap K-1 multiplies the current token).
     pub conv: [&'a [f32]; 3],
     /// `f_a_proj` `[D, E]` (decay bottleneck, rank D).
-    pub f_a: &'a [u8],
+    pub f_a: Mat<'a>,
     /// `f_b_proj` `[P, D]`.
-    pub f_b: &'a [u8],
+    pub f_b: Mat<'a>,
     /// `A_log[0..H]` (per head).
     pub a_log: &'a [f32],
     /// `dt_bias` `[P]`, index `h·D + d`.
     pub dt_bias: &'a [f32],
     /// `b_proj` `[H, E]`.
-    pub b_proj: &'a [u8],
+    pub b_proj: Mat<'a>,
     /// `g_proj` `[P, E]`.
-    pub g_proj: &'a [u8],
+    pub g_proj: Mat<'a>,
     /// `o_norm` `[D]`, shared by all heads.
     pub o_norm: &'a [f32],
     /// `o_proj` `[E, P]`.
-    pub o_proj: &'a [u8],
+    pub o_proj: Mat<'a>,
 }
 
 impl KdaWeights<'_> {

@@ -15,28 +15,28 @@
 use rayon::prelude::*;
 
 use super::state::MlaCache;
-use super::{linear, rms_norm_rows, Dims};
+use super::{linear, rms_norm_rows, Dims, Mat};
 use crate::kernels;
 
 /// One MLA layer's weights.
 #[derive(Debug)]
 pub struct MlaWeights<'a> {
     /// `q_a_proj` `[q_lora, E]`.
-    pub q_a: &'a [u8],
+    pub q_a: Mat<'a>,
     /// `q_a_layernorm` `[q_lora]`.
     pub q_a_norm: &'a [f32],
     /// `q_b_proj` `[H·(nope+rope), q_lora]`, per head `[nope | rope]`.
-    pub q_b: &'a [u8],
+    pub q_b: Mat<'a>,
     /// `kv_a_proj_with_mqa` `[kv_lora + rope, E]`.
-    pub kv_a: &'a [u8],
+    pub kv_a: Mat<'a>,
     /// `kv_a_layernorm` `[kv_lora]`.
     pub kv_a_norm: &'a [f32],
     /// `kv_b_proj` `[H·(nope+v), kv_lora]`, per head `[k_nope | v]`.
     pub kv_b: &'a [u8],
     /// `o_proj` `[E, H·v]`.
-    pub o_proj: &'a [u8],
+    pub o_proj: Mat<'a>,
     /// `g_proj` `[H·v, E]` (absent when `mla_use_output_gate` is false).
-    pub g_proj: Option<&'a [u8]>,
+    pub g_proj: Option<Mat<'a>>,
 }
 
 impl MlaWeights<'_> {
@@ -106,7 +106,13 @@ impl MlaWeights<'_> {
                     }
                 }
                 let wuv_off = (h * (nope + vh) + nope) * kl * 2;
-                linear(&self.kv_b[wuv_off..wuv_off + vh * kl * 2], vh, kl, &chat, n)
+                linear(
+                    Mat::Bf16(&self.kv_b[wuv_off..wuv_off + vh * kl * 2]),
+                    vh,
+                    kl,
+                    &chat,
+                    n,
+                )
             })
             .collect();
 

@@ -301,10 +301,32 @@ pub enum ModelError {
     },
 }
 
-/// `y [n, rows] = x [n, cols] · Wᵀ` for a bf16 weight (a thin wrapper over the kernel).
-pub(crate) fn linear(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
+/// A weight matrix as stored: bf16 (a checkpoint), or the quantized codes and scales of a draft
+/// trunk (`k3_proto::quant`; only a draft model binds these).
+#[derive(Clone, Copy, Debug)]
+pub enum Mat<'a> {
+    /// Little-endian bf16 `[rows, cols]`.
+    Bf16(&'a [u8]),
+    /// Quantized codes and little-endian f32 scales.
+    Quant {
+        /// int8 or int4.
+        kind: k3_proto::quant::QuantKind,
+        /// The codes.
+        q: &'a [u8],
+        /// The scales.
+        s: &'a [u8],
+    },
+}
+
+/// `y [n, rows] = x [n, cols] · Wᵀ` (a thin wrapper over the kernels).
+pub(crate) fn linear(w: Mat<'_>, rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
     let mut y = vec![0.0f32; n * rows];
-    crate::kernels::matmul_bf16(w, rows, cols, x, n, &mut y);
+    match w {
+        Mat::Bf16(w) => crate::kernels::matmul_bf16(w, rows, cols, x, n, &mut y),
+        Mat::Quant { kind, q, s } => {
+            crate::kernels::quant::matmul_quant(kind, q, s, rows, cols, x, n, &mut y)
+        }
+    }
     y
 }
 

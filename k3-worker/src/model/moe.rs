@@ -9,18 +9,18 @@ use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_store::source::{ExpertBatch, Region};
 use rayon::prelude::*;
 
-use super::{linear, Dims};
+use super::{linear, Dims, Mat};
 use crate::kernels;
 
 /// A SiTU-GLU MLP: `out = W_down · SiTU([W_gate x | W_up x])`.
 #[derive(Debug)]
 pub struct SituMlp<'a> {
     /// `gate_proj` `[width, E]`.
-    pub gate: &'a [u8],
+    pub gate: Mat<'a>,
     /// `up_proj` `[width, E]`.
-    pub up: &'a [u8],
+    pub up: Mat<'a>,
     /// `down_proj` `[E, width]`.
-    pub down: &'a [u8],
+    pub down: Mat<'a>,
     /// Intermediate width.
     pub width: usize,
 }
@@ -65,15 +65,15 @@ pub type ExpertRows = (Vec<usize>, Vec<f32>);
 #[derive(Debug)]
 pub struct MoeWeights<'a> {
     /// Router `gate.weight` `[N, E]` (bf16).
-    pub router: &'a [u8],
+    pub router: Mat<'a>,
     /// `gate.e_score_correction_bias` `[N]` (selection only).
     pub bias: &'a [f32],
     /// `routed_expert_down_proj` `[latent, E]`.
-    pub down: &'a [u8],
+    pub down: Mat<'a>,
     /// `routed_expert_norm` `[latent]` (None when `latent_moe_use_norm` is false).
     pub norm: Option<&'a [f32]>,
     /// `routed_expert_up_proj` `[E, latent]`.
-    pub up: &'a [u8],
+    pub up: Mat<'a>,
     /// Shared experts (None when `num_shared_experts` is 0).
     pub shared: Option<SituMlp<'a>>,
 }

@@ -1,0 +1,473 @@
+//! The draft trunk (`draft.bin` + `draft.json`, SPEC.md §6.10): a quantized copy of every
+//! layer's trunk that a worker holds in RAM to draft ids for speculative decoding.
+//!
+//! **Packing** ([`pack_draft`], `k3-ctl pack-trunk --draft int8|int4`): each layer's trunk run
+//! is read, and every BF16 matrix `[rows, cols]` with `rows > 1` and `cols` a multiple of 32 is
+//! quantized
+//! (`k3_proto::quant`): its codes keep the tensor's name (`I8` or `U8`), its scales are added as
+//! name + `.qscale` (`F32`). `kv_b_proj` stays BF16 (MLA applies `W_UKᵀ` from its rows), and so do
+//! the small vectors (norms, biases, conv kernels), copied verbatim. Tensors are laid out in name
+//! order at 64-byte offsets; each run starts at a 4096-byte offset of `draft.bin`.
+//!
+//! **Identity and integrity** (draft format [`DRAFT_FORMAT`]): `draft.json` records its `kind`,
+//! the checkpoint identity it was packed from (`model.checkpoint_id`, the packed trunk's
+//! [`checkpoint_id`]) and each run's XXH3-64. [`DraftSource::open`] refuses (exit 2) another
+//! format, another checkpoint (both identities named), fewer layers than the run needs, a run or
+//! tensor outside its file or run, and a run whose checksum does not match: every run is checked
+//! when it is loaded. A draft model is lossy by design, but it must be the draft of THIS model.
+//!
+//! **Serving** ([`DraftSource`]): the whole file is read once into memory; layers are served
+//! from it, the model-level tensors (embedding, lm_head, final norm, output AttnRes) are the
+//! target source's own regions. A draft source reads no routed expert: a draft model runs its
+//! MoE layers either on the shared experts alone, or also on the routed experts the target's
+//! cache holds right now ([`ResidentExperts`], [`WeightSource::resident_experts`]).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use k3_proto::quant::{quantize_row, QuantKind, GROUP, SCALE_SUFFIX};
+use k3_proto::Dtype;
+use serde::{Deserialize, Serialize};
+
+use crate::catalog::Catalog;
+use crate::io::{align_up, AlignedBuf, DiskFile, ALIGN};
+use crate::source::{
+    ExpertBatch, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc, WeightSource,
+};
+use crate::trunk::{
+    checkpoint_id, model_dir_of, open_shards, parse_hash, run_checksum, write_packed, write_sparse,
+    JsonLayer, JsonModel, JsonTensor, PackProgress, PackSummary, TrunkError, TrunkLayout,
+};
+
+/// File names inside a draft-trunk directory.
+pub const DRAFT_BIN: &str = "draft.bin";
+/// See [`DRAFT_BIN`].
+pub const DRAFT_JSON: &str = "draft.json";
+/// The draft format this code writes and accepts.
+pub const DRAFT_FORMAT: u32 = 1;
+/// Largest `draft.json` parsed.
+const MAX_JSON_BYTES: u64 = 64 << 20;
+/// Tensor alignment inside a run.
+const TENSOR_ALIGN: u64 = 64;
+
+/// The whole `draft.json`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DraftJson {
+    /// [`DRAFT_FORMAT`].
+    pub format: u32,
+    /// int8 or int4.
+    pub kind: QuantKind,
+    /// Run alignment in `draft.bin` (4096).
+    pub align: u64,
+    /// The checkpoint the draft was made from (`trunk_bytes` = the draft's run bytes).
+    pub model: JsonModel,
+    /// One entry per layer.
+    pub layers: Vec<JsonLayer>,
+}
+
+/// Whether a trunk tensor of `shape` is quantized in a draft.
+fn quantized(name: &str, dtype: Dtype, shape: &[u64]) -> bool {
+    dtype == Dtype::BF16
+        && shape.len() == 2
+        // A [1, E] tensor is a vector (the AttnRes queries), read widened, never quantized.
+        && shape[0] > 1
+        && shape[1] > 0
+        && shape[1].is_multiple_of(GROUP as u64)
+        && !name.ends_with("kv_b_proj.weight")
+}
+
+/// One layer's draft run: the bytes and where each tensor sits.
+fn draft_run(
+    kind: QuantKind,
+    index: &k3_proto::safetensors::CheckpointIndex,
+    layout: &LayerLayout,
+    run: &[u8],
+) -> Result<(Vec<u8>, BTreeMap<String, JsonTensor>), TrunkError> {
+    let mut out = Vec::new();
+    let mut tensors = BTreeMap::new();
+    let mut put = |name: String, dtype: Dtype, bytes: &[u8], out: &mut Vec<u8>| {
+        let off = align_to(out.len() as u64, TENSOR_ALIGN);
+        out.resize(off as usize, 0);
+        out.extend_from_slice(bytes);
+        tensors.insert(
+            name,
+            JsonTensor {
+                off,
+                nbytes: bytes.len() as u64,
+                dtype,
+            },
+        );
+    };
+    for t in layout.tensors() {
+        let bytes = usize::try_from(t.off)
+            .ok()
+            .zip(usize::try_from(t.nbytes).ok())
+            .and_then(|(o, n)| run.get(o..o.checked_add(n)?))
+            .ok_or_else(|| TrunkError::Refused(format!("{} lies outside its layer run", t.name)))?;
+        let info = index
+            .get(&t.name)
+            .ok_or_else(|| TrunkError::Refused(format!("{} is not in the index", t.name)))?;
+        let shape = info.shape();
+        if !quantized(&t.name, t.dtype, shape) {
+            put(t.name.clone(), t.dtype, bytes, &mut out);
+            continue;
+        }
+        let (rows, cols) = (shape[0] as usize, shape[1] as usize);
+        if bytes.len() != rows * cols * 2 {
+            return Err(TrunkError::Refused(format!(
+                "{}: {} bytes for BF16 {shape:?}",
+                t.name,
+                bytes.len()
+            )));
+        }
+        let (qb, sb) = kind.sizes(1, cols);
+        let (mut codes, mut scales) = (vec![0u8; qb * rows], vec![0u8; sb * rows]);
+        let mut row = vec![0.0f32; cols];
+        for r in 0..rows {
+            for (v, b) in row
+                .iter_mut()
+                .zip(bytes[r * cols * 2..(r + 1) * cols * 2].chunks_exact(2))
+            {
+                *v = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+            }
+            quantize_row(
+                kind,
+                &row,
+                &mut codes[r * qb..(r + 1) * qb],
+                &mut scales[r * sb..(r + 1) * sb],
+            );
+        }
+        let dt = match kind {
+            QuantKind::Int8 => Dtype::I8,
+            QuantKind::Int4 => Dtype::U8,
+        };
+        put(t.name.clone(), dt, &codes, &mut out);
+        put(
+            format!("{}{SCALE_SUFFIX}", t.name),
+            Dtype::F32,
+            &scales,
+            &mut out,
+        );
+    }
+    Ok((out, tensors))
+}
+
+fn align_to(v: u64, a: u64) -> u64 {
+    v.div_ceil(a) * a
+}
+
+/// Pack the draft trunk of the checkpoint in `model_dir` into `out_dir/draft.bin` +
+/// `draft.json` (written under temporary names and renamed into place, like a packed trunk).
+pub fn pack_draft(
+    model_dir: &Path,
+    out_dir: &Path,
+    kind: QuantKind,
+    progress: &mut dyn FnMut(&PackProgress),
+) -> Result<PackSummary, TrunkError> {
+    let t0 = Instant::now();
+    let cfg = k3_proto::config::ModelConfig::load(&model_dir.join("config.json"))
+        .map_err(|e| TrunkError::Refused(format!("{}: {e}", model_dir.display())))?;
+    let index = k3_proto::safetensors::CheckpointIndex::open(model_dir).map_err(|e| {
+        TrunkError::Refused(format!("checkpoint index {}: {e}", model_dir.display()))
+    })?;
+    let cat = Catalog::from_index(&index, &cfg).map_err(|e| TrunkError::Refused(e.to_string()))?;
+    let id = checkpoint_id(&cat)?;
+    let layout = TrunkLayout::from_catalog(&cat, open_shards(&cat)?);
+    let n = cat.n_layers();
+    let bytes_total: u64 = (0..n).map(|l| cat.trunk_bytes(l)).sum();
+    let (mut pos, mut largest, mut written) = (0u64, 0u64, 0u64);
+    write_packed(out_dir, DRAFT_BIN, DRAFT_JSON, &mut |out, werr| {
+        let mut layers = Vec::with_capacity(n);
+        let mut done = 0u64;
+        for l in 0..n {
+            let plan = layout
+                .plan(l)
+                .ok_or_else(|| TrunkError::Refused(format!("layer {l} has no trunk tensors")))?;
+            let len = usize::try_from(layout.buf_len(l))
+                .map_err(|_| TrunkError::Refused(format!("layer {l} is too large")))?;
+            let mut buf = AlignedBuf::zeroed(len).map_err(TrunkError::Io)?;
+            let at = layout.read_layer(l, buf.as_mut_slice())?;
+            let run = &buf.as_slice()[at..at + plan.run_len as usize];
+            if let Some(want) = plan.xxh3 {
+                if run_checksum(run) != want {
+                    return Err(TrunkError::Refused(format!("layer {l}: checksum mismatch")));
+                }
+            }
+            let (bytes, tensors) = draft_run(kind, &index, &plan.layout, run)?;
+            write_sparse(out, pos, &bytes).map_err(werr)?;
+            layers.push(JsonLayer {
+                file_off: pos,
+                nbytes: bytes.len() as u64,
+                xxh3: format!("{:016x}", run_checksum(&bytes)),
+                tensors,
+            });
+            let padded = align_up(bytes.len() as u64)
+                .ok_or_else(|| TrunkError::Refused("run too large".into()))?;
+            pos += padded;
+            written += bytes.len() as u64;
+            largest = largest.max(bytes.len() as u64);
+            done += plan.run_len;
+            progress(&PackProgress {
+                layers_done: l + 1,
+                layers_total: n,
+                bytes_done: done,
+                bytes_total,
+            });
+        }
+        let json = DraftJson {
+            format: DRAFT_FORMAT,
+            kind,
+            align: ALIGN as u64,
+            model: JsonModel {
+                n_layers: n,
+                trunk_bytes: written,
+                checkpoint_id: format!("{id:032x}"),
+            },
+            layers,
+        };
+        let text = serde_json::to_string_pretty(&json)
+            .map_err(|e| TrunkError::Io(format!("serialising draft.json: {e}")))?;
+        Ok((pos, text))
+    })?;
+    Ok(PackSummary {
+        layers: n,
+        bytes: written,
+        file_bytes: pos,
+        largest_run: largest,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// The bytes of `draft.bin` and the runs in it, as listed by `draft.json`.
+fn read_json(dir: &Path) -> Result<DraftJson, TrunkError> {
+    let jp = dir.join(DRAFT_JSON);
+    let refuse = |m: String| TrunkError::Refused(format!("{}: {m}", jp.display()));
+    let meta = std::fs::metadata(&jp)
+        .map_err(|e| TrunkError::Refused(format!("cannot read {}: {e}", jp.display())))?;
+    if meta.len() > MAX_JSON_BYTES {
+        return Err(refuse(format!("{} bytes is implausibly large", meta.len())));
+    }
+    let text = std::fs::read_to_string(&jp)
+        .map_err(|e| TrunkError::Refused(format!("cannot read {}: {e}", jp.display())))?;
+    let json: DraftJson =
+        serde_json::from_str(&text).map_err(|e| refuse(format!("not a draft.json: {e}")))?;
+    if json.format != DRAFT_FORMAT {
+        return Err(refuse(format!(
+            "draft format {} (this k3 reads {DRAFT_FORMAT}): re-run `k3-ctl pack-trunk --draft`",
+            json.format
+        )));
+    }
+    if json.model.n_layers != json.layers.len() {
+        return Err(refuse(format!(
+            "model.n_layers {} but {} layer entries",
+            json.model.n_layers,
+            json.layers.len()
+        )));
+    }
+    Ok(json)
+}
+
+/// A draft trunk held in memory, serving a draft model (see the module doc).
+pub struct DraftSource {
+    kind: QuantKind,
+    runs: Vec<LayerRun>,
+    model: Vec<(String, Region)>,
+    bytes: u64,
+}
+
+impl std::fmt::Debug for DraftSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DraftSource")
+            .field("kind", &self.kind)
+            .field("layers", &self.runs.len())
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl DraftSource {
+    /// What `dir/draft.json` says: the kind and the bytes [`DraftSource::open`] would hold for
+    /// `n_layers` layers (for the memory plan, before anything is read).
+    pub fn probe(dir: &Path, n_layers: usize) -> Result<(QuantKind, u64), TrunkError> {
+        let json = read_json(dir)?;
+        Ok((json.kind, resident_bytes(&json, n_layers)))
+    }
+
+    /// Load the first `n_layers` runs of the draft trunk in `dir`, made from the checkpoint
+    /// `cat` describes (its identity is checked, and every run's checksum), with the target's
+    /// model-level tensors from `model_tensor`.
+    pub fn open(
+        dir: &Path,
+        cat: &Catalog,
+        n_layers: usize,
+        model_tensor: &dyn Fn(&str) -> Result<Region, SourceError>,
+    ) -> Result<DraftSource, TrunkError> {
+        let json = read_json(dir)?;
+        let jp = dir.join(DRAFT_JSON);
+        let refuse = |m: String| TrunkError::Refused(format!("{}: {m}", jp.display()));
+        let Some(packed) = parse_hash(&json.model.checkpoint_id, 32) else {
+            return Err(refuse(format!(
+                "model.checkpoint_id {:?} is missing, zero or not 32 hex digits",
+                json.model.checkpoint_id
+            )));
+        };
+        let id = checkpoint_id(cat)?;
+        if packed != id {
+            return Err(refuse(format!(
+                "made from checkpoint {packed:032x}, but {} is {id:032x}: re-run `k3-ctl pack-trunk --draft {} {} {}`",
+                model_dir_of(cat),
+                json.kind.name(),
+                model_dir_of(cat),
+                dir.display()
+            )));
+        }
+        if json.layers.len() < n_layers {
+            return Err(refuse(format!(
+                "{} layers, the model runs {n_layers}",
+                json.layers.len()
+            )));
+        }
+        let layers = &json.layers[..n_layers];
+        let end = layers
+            .iter()
+            .map(|l| l.file_off.checked_add(l.nbytes))
+            .try_fold(0u64, |m, e| e.map(|e| m.max(e)))
+            .ok_or_else(|| refuse("a run's end overflows".into()))?;
+        let bin_path = dir.join(DRAFT_BIN);
+        let bin = DiskFile::open(&bin_path).map_err(|e| TrunkError::Refused(e.0))?;
+        if end > bin.len() {
+            return Err(refuse(format!(
+                "runs end at byte {end}, {} has {} bytes",
+                bin_path.display(),
+                bin.len()
+            )));
+        }
+        let (buf, at) = bin.read_region(0, end)?;
+        let owner: Arc<dyn crate::source::ByteOwner> = Arc::new(buf);
+        let mut runs = Vec::with_capacity(n_layers);
+        for (l, jl) in layers.iter().enumerate() {
+            let region = Region::new(owner.clone(), at + jl.file_off as usize, jl.nbytes as usize)
+                .ok_or_else(|| refuse(format!("layer {l}: run outside draft.bin")))?;
+            let want = parse_hash(&jl.xxh3, 16)
+                .ok_or_else(|| refuse(format!("layer {l}: no checksum")))?;
+            if run_checksum(region.bytes()) as u128 != want {
+                return Err(refuse(format!(
+                    "layer {l}: the run's checksum does not match (a damaged draft.bin): re-pack it"
+                )));
+            }
+            let mut tensors = Vec::with_capacity(jl.tensors.len());
+            for (name, t) in &jl.tensors {
+                if t.off.checked_add(t.nbytes).is_none_or(|e| e > jl.nbytes) {
+                    return Err(refuse(format!("{name} lies outside layer {l}'s run")));
+                }
+                tensors.push(TensorLoc {
+                    name: name.clone(),
+                    off: t.off,
+                    nbytes: t.nbytes,
+                    dtype: t.dtype,
+                });
+            }
+            runs.push(LayerRun {
+                layer: l,
+                region,
+                layout: Arc::new(LayerLayout::new(tensors)),
+            });
+        }
+        use k3_proto::names::{EMBED, FINAL_NORM, LM_HEAD, OUT_RES_NORM, OUT_RES_PROJ};
+        let mut model = Vec::new();
+        for name in [EMBED, LM_HEAD, FINAL_NORM, OUT_RES_NORM, OUT_RES_PROJ] {
+            let r = model_tensor(name).map_err(|e| TrunkError::Refused(e.to_string()))?;
+            model.push((name.to_string(), r));
+        }
+        Ok(DraftSource {
+            kind: json.kind,
+            runs,
+            model,
+            bytes: resident_bytes(&json, n_layers),
+        })
+    }
+
+    /// int8 or int4.
+    pub fn kind(&self) -> QuantKind {
+        self.kind
+    }
+
+    /// Bytes held in memory (the runs the model needs).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+fn resident_bytes(json: &DraftJson, n_layers: usize) -> u64 {
+    json.layers
+        .iter()
+        .take(n_layers)
+        .map(|l| l.file_off.saturating_add(l.nbytes))
+        .max()
+        .unwrap_or(0)
+}
+
+impl WeightSource for DraftSource {
+    fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
+        self.model
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, r)| r.clone())
+            .ok_or_else(|| SourceError::Missing(name.to_string()))
+    }
+
+    fn layer(&self, l: usize) -> Result<LayerRun, SourceError> {
+        self.runs
+            .get(l)
+            .cloned()
+            .ok_or_else(|| SourceError::Invalid(format!("layer {l} is not in the draft trunk")))
+    }
+
+    fn experts(&self, l: usize, _ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        Err(SourceError::Invalid(format!(
+            "a draft source reads no routed expert (layer {l}): see ResidentExperts"
+        )))
+    }
+
+    fn resident_layer(&self, l: usize) -> Option<LayerRun> {
+        self.runs.get(l).cloned()
+    }
+
+    fn stats(&self) -> SourceStats {
+        SourceStats::default()
+    }
+}
+
+/// A draft source whose routed experts are those the TARGET source holds in memory now
+/// ([`WeightSource::resident_experts`]): never a read, never a wait, not counted in the target's
+/// statistics; an expert that is not resident is an `Err` (the draft model skips it).
+pub struct ResidentExperts<'a> {
+    /// The draft trunk.
+    pub draft: &'a DraftSource,
+    /// The job's own source.
+    pub target: &'a dyn WeightSource,
+}
+
+impl WeightSource for ResidentExperts<'_> {
+    fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
+        self.draft.model_tensor(name)
+    }
+
+    fn layer(&self, l: usize) -> Result<LayerRun, SourceError> {
+        self.draft.layer(l)
+    }
+
+    fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        Ok(self.target.resident_experts(l, ids))
+    }
+
+    fn resident_layer(&self, l: usize) -> Option<LayerRun> {
+        self.draft.resident_layer(l)
+    }
+
+    fn stats(&self) -> SourceStats {
+        SourceStats::default()
+    }
+}
