@@ -23,13 +23,14 @@ use k3_proto::wire::{ClientKind, Counters, Request, Response, SlotAnswer};
 
 use crate::catalog::Catalog;
 use crate::client::{Client, ClientError};
+use crate::draft::{DraftFile, DraftSource};
 use crate::pool::IoPool;
 use crate::shmem::ReadOnlySegment;
 use crate::source::{
     ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
     WeightSource,
 };
-use crate::trunk::{open_shards, TrunkLayout};
+use crate::trunk::{open_shards, TrunkError, TrunkLayout};
 
 /// Why a worker could not attach.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +76,8 @@ pub struct AttachInfo {
     pub ring_bytes: u64,
     /// Seconds from connect to ready.
     pub attach_seconds: f64,
+    /// The draft trunk the store holds in shared memory: its directory and bytes.
+    pub draft: Option<(PathBuf, u64)>,
 }
 
 /// A worker's view of a running store.
@@ -91,6 +94,8 @@ pub struct AttachedSource {
     trunk_stats: Mutex<TrunkFigures>,
     /// The long-lived thread [`WeightSource::request_experts`] runs on.
     fetch: IoPool,
+    /// The draft trunk in the store's memory: its directory and one run per layer.
+    draft: Option<(PathBuf, Vec<Region>)>,
 }
 
 impl Link {
@@ -106,6 +111,30 @@ impl Link {
             })
         };
         *self.wait.lock().unwrap_or_else(|p| p.into_inner()) += t0.elapsed().as_secs_f64();
+        self.batch(l, ids, resp)
+    }
+
+    /// Lease, of experts `ids` of layer `l`, those resident in the store now (no read, not
+    /// counted; the draft model's experts).
+    fn resident(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        let layer = u32::try_from(l).map_err(|_| SourceError::Invalid(format!("layer {l}")))?;
+        let resp = {
+            let mut c = self.client.lock().unwrap_or_else(|p| p.into_inner());
+            c.call(&Request::ResidentExperts {
+                layer,
+                ids: ids.to_vec(),
+            })
+        };
+        self.batch(l, ids, resp)
+    }
+
+    /// The regions of the slots an `Experts` answer leased.
+    fn batch(
+        &self,
+        l: usize,
+        ids: &[u32],
+        resp: Result<Response, ClientError>,
+    ) -> Result<ExpertBatch, SourceError> {
         match resp {
             Ok(Response::Experts { answers, .. }) => {
                 if answers.len() != ids.len() {
@@ -193,6 +222,7 @@ impl AttachedSource {
             model_dir,
             trunk_dir,
             shm_bytes,
+            draft_dir,
             ..
         } = client.welcome.clone()
         else {
@@ -283,6 +313,28 @@ impl AttachedSource {
         let arena = header
             .find(RegionKind::ExpertArena, 0)
             .ok_or_else(|| mismatch("the store's memory has no expert arena".into()))?;
+        // The store's draft trunk: its runs are regions of the mapping; its draft.json is read
+        // (and checked against the checkpoint) only by a job that drafts with it.
+        let draft = if draft_dir.is_empty() {
+            None
+        } else {
+            let dir = PathBuf::from(&draft_dir);
+            if !dir.is_absolute() {
+                return Err(mismatch(format!(
+                    "the store sent a relative path {draft_dir}; refusing to resolve it here"
+                )));
+            }
+            let mut runs = Vec::new();
+            while let Some(r) = header.find(RegionKind::DraftLayer, runs.len() as u32) {
+                let l = runs.len();
+                runs.push(
+                    Region::new(owner.clone(), r.offset as usize, r.len as usize).ok_or_else(
+                        || mismatch(format!("draft layer {l}: region outside the mapping")),
+                    )?,
+                );
+            }
+            Some((dir, runs))
+        };
         let info = AttachInfo {
             model_dir,
             trunk_dir,
@@ -291,6 +343,9 @@ impl AttachedSource {
             slots: header.slot_count,
             ring_bytes: ring.1,
             attach_seconds: t0.elapsed().as_secs_f64(),
+            draft: draft
+                .as_ref()
+                .map(|(d, runs)| (d.clone(), runs.iter().map(|r| r.len() as u64).sum())),
         };
         let fetch = IoPool::new("k3-expert-fetch", 1)
             .map_err(|e| AttachError::NoStore(format!("starting the expert fetch thread: {e}")))?;
@@ -312,9 +367,33 @@ impl AttachedSource {
                 ring,
                 trunk_stats: Mutex::new(TrunkFigures::default()),
                 fetch,
+                draft,
             },
             info,
         ))
+    }
+
+    /// A draft source over the store's draft trunk for the first `n_layers` layers of the
+    /// checkpoint `cat` describes (`None` when the store holds none): its `draft.json` is checked
+    /// against the checkpoint and the runs in the store's memory; the model-level tensors are
+    /// this job's.
+    pub fn draft_source(
+        &self,
+        cat: &Catalog,
+        n_layers: usize,
+    ) -> Option<Result<DraftSource, TrunkError>> {
+        let (dir, runs) = self.draft.as_ref()?;
+        Some((|| {
+            let file = DraftFile::open(dir, cat, n_layers)?;
+            if runs.len() < n_layers || (0..n_layers).any(|l| runs[l].len() as u64 != file.run(l).1)
+            {
+                return Err(TrunkError::Refused(format!(
+                    "the store's draft runs do not match {}",
+                    dir.display()
+                )));
+            }
+            file.source(runs[..n_layers].to_vec(), &|name| self.model_tensor(name))
+        })())
     }
 
     /// Lease streamed layer `l` from the store's ring (blocks until the store has it).
@@ -548,6 +627,12 @@ impl WeightSource for AttachedSource {
 
     fn record_history(&self, ids: &[u32]) -> Result<(), SourceError> {
         self.store_record_history(ids)
+    }
+
+    fn resident_experts(&self, l: usize, ids: &[u32]) -> ExpertBatch {
+        self.link.resident(l, ids).unwrap_or_else(|e| ExpertBatch {
+            experts: ids.iter().map(|_| Err(e.to_string())).collect(),
+        })
     }
 
     fn stats(&self) -> SourceStats {

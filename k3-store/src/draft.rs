@@ -23,7 +23,7 @@
 //! cache holds right now ([`ResidentExperts`], [`WeightSource::resident_experts`]).
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -269,6 +269,173 @@ fn read_json(dir: &Path) -> Result<DraftJson, TrunkError> {
     Ok(json)
 }
 
+/// A checked `draft.json` of the checkpoint a worker or the store runs: where each layer's run
+/// lies in `draft.bin`, its checksum and its tensors.
+#[derive(Debug)]
+pub struct DraftFile {
+    dir: PathBuf,
+    json: DraftJson,
+    layouts: Vec<Arc<LayerLayout>>,
+    sums: Vec<u64>,
+}
+
+impl DraftFile {
+    /// Read `dir/draft.json` and check it against the checkpoint `cat` describes for the first
+    /// `n_layers` layers: format, identity, layer count, every tensor inside its run, a
+    /// checksum per run (refusals, exit 2). The runs themselves are checked when read.
+    pub fn open(dir: &Path, cat: &Catalog, n_layers: usize) -> Result<DraftFile, TrunkError> {
+        let mut json = read_json(dir)?;
+        let jp = dir.join(DRAFT_JSON);
+        let refuse = |m: String| TrunkError::Refused(format!("{}: {m}", jp.display()));
+        let Some(packed) = parse_hash(&json.model.checkpoint_id, 32) else {
+            return Err(refuse(format!(
+                "model.checkpoint_id {:?} is missing, zero or not 32 hex digits",
+                json.model.checkpoint_id
+            )));
+        };
+        let id = checkpoint_id(cat)?;
+        if packed != id {
+            return Err(refuse(format!(
+                "made from checkpoint {packed:032x}, but {} is {id:032x}: re-run `k3-ctl pack-trunk --draft {} {} {}`",
+                model_dir_of(cat),
+                json.kind.name(),
+                model_dir_of(cat),
+                dir.display()
+            )));
+        }
+        if json.layers.len() < n_layers {
+            return Err(refuse(format!(
+                "{} layers, the model runs {n_layers}",
+                json.layers.len()
+            )));
+        }
+        json.layers.truncate(n_layers);
+        let mut layouts = Vec::with_capacity(n_layers);
+        let mut sums = Vec::with_capacity(n_layers);
+        for (l, jl) in json.layers.iter().enumerate() {
+            if jl.file_off.checked_add(jl.nbytes).is_none() {
+                return Err(refuse(format!("layer {l}: the run's end overflows")));
+            }
+            sums.push(
+                parse_hash(&jl.xxh3, 16).ok_or_else(|| refuse(format!("layer {l}: no checksum")))?
+                    as u64,
+            );
+            let mut tensors = Vec::with_capacity(jl.tensors.len());
+            for (name, t) in &jl.tensors {
+                if t.off.checked_add(t.nbytes).is_none_or(|e| e > jl.nbytes) {
+                    return Err(refuse(format!("{name} lies outside layer {l}'s run")));
+                }
+                tensors.push(TensorLoc {
+                    name: name.clone(),
+                    off: t.off,
+                    nbytes: t.nbytes,
+                    dtype: t.dtype,
+                });
+            }
+            layouts.push(Arc::new(LayerLayout::new(tensors)));
+        }
+        Ok(DraftFile {
+            dir: dir.to_path_buf(),
+            json,
+            layouts,
+            sums,
+        })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// int8 or int4.
+    pub fn kind(&self) -> QuantKind {
+        self.json.kind
+    }
+
+    /// Layers described.
+    pub fn n_layers(&self) -> usize {
+        self.json.layers.len()
+    }
+
+    /// Layer `l`'s run: `(offset in draft.bin, bytes)`.
+    pub fn run(&self, l: usize) -> (u64, u64) {
+        let jl = &self.json.layers[l];
+        (jl.file_off, jl.nbytes)
+    }
+
+    /// Bytes of the runs.
+    pub fn run_bytes(&self) -> u64 {
+        self.json.layers.iter().map(|l| l.nbytes).sum()
+    }
+
+    /// Open `draft.bin` (a refusal if it is missing or shorter than the runs).
+    pub fn open_bin(&self) -> Result<DiskFile, TrunkError> {
+        let path = self.dir.join(DRAFT_BIN);
+        let bin = DiskFile::open(&path).map_err(|e| TrunkError::Refused(e.0))?;
+        let end = (0..self.n_layers())
+            .map(|l| self.run(l).0 + self.run(l).1)
+            .max()
+            .unwrap_or(0);
+        if end > bin.len() {
+            return Err(TrunkError::Refused(format!(
+                "{}: runs end at byte {end}, the file has {} bytes",
+                path.display(),
+                bin.len()
+            )));
+        }
+        Ok(bin)
+    }
+
+    /// Check layer `l`'s run bytes against its checksum (a refusal naming a damaged file).
+    pub fn verify(&self, l: usize, run: &[u8]) -> Result<(), TrunkError> {
+        if run.len() as u64 != self.run(l).1 || run_checksum(run) != self.sums[l] {
+            return Err(TrunkError::Refused(format!(
+                "{}: layer {l}: the run's checksum does not match (a damaged draft.bin): re-pack it",
+                self.dir.join(DRAFT_BIN).display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// A draft source over `runs` (the runs of layers `0..runs.len()`, already checked) with the
+    /// target's model-level tensors from `model_tensor`.
+    pub fn source(
+        &self,
+        runs: Vec<Region>,
+        model_tensor: &dyn Fn(&str) -> Result<Region, SourceError>,
+    ) -> Result<DraftSource, TrunkError> {
+        if runs.len() > self.n_layers() {
+            return Err(TrunkError::Refused(format!(
+                "{} draft runs for {} layers",
+                runs.len(),
+                self.n_layers()
+            )));
+        }
+        let runs = runs
+            .into_iter()
+            .zip(&self.layouts)
+            .enumerate()
+            .map(|(layer, (region, layout))| LayerRun {
+                layer,
+                region,
+                layout: layout.clone(),
+            })
+            .collect();
+        use k3_proto::names::{EMBED, FINAL_NORM, LM_HEAD, OUT_RES_NORM, OUT_RES_PROJ};
+        let mut model = Vec::new();
+        for name in [EMBED, LM_HEAD, FINAL_NORM, OUT_RES_NORM, OUT_RES_PROJ] {
+            let r = model_tensor(name).map_err(|e| TrunkError::Refused(e.to_string()))?;
+            model.push((name.to_string(), r));
+        }
+        Ok(DraftSource {
+            kind: self.kind(),
+            runs,
+            model,
+            bytes: self.run_bytes(),
+        })
+    }
+}
+
 /// A draft trunk held in memory, serving a draft model (see the module doc).
 pub struct DraftSource {
     kind: QuantKind,
@@ -295,98 +462,32 @@ impl DraftSource {
         Ok((json.kind, resident_bytes(&json, n_layers)))
     }
 
-    /// Load the first `n_layers` runs of the draft trunk in `dir`, made from the checkpoint
-    /// `cat` describes (its identity is checked, and every run's checksum), with the target's
-    /// model-level tensors from `model_tensor`.
+    /// Load the first `n_layers` runs of the draft trunk in `dir` into this process's memory
+    /// ([`DraftFile::open`]'s checks, then every run's checksum), with the target's model-level
+    /// tensors from `model_tensor`.
     pub fn open(
         dir: &Path,
         cat: &Catalog,
         n_layers: usize,
         model_tensor: &dyn Fn(&str) -> Result<Region, SourceError>,
     ) -> Result<DraftSource, TrunkError> {
-        let json = read_json(dir)?;
-        let jp = dir.join(DRAFT_JSON);
-        let refuse = |m: String| TrunkError::Refused(format!("{}: {m}", jp.display()));
-        let Some(packed) = parse_hash(&json.model.checkpoint_id, 32) else {
-            return Err(refuse(format!(
-                "model.checkpoint_id {:?} is missing, zero or not 32 hex digits",
-                json.model.checkpoint_id
-            )));
-        };
-        let id = checkpoint_id(cat)?;
-        if packed != id {
-            return Err(refuse(format!(
-                "made from checkpoint {packed:032x}, but {} is {id:032x}: re-run `k3-ctl pack-trunk --draft {} {} {}`",
-                model_dir_of(cat),
-                json.kind.name(),
-                model_dir_of(cat),
-                dir.display()
-            )));
-        }
-        if json.layers.len() < n_layers {
-            return Err(refuse(format!(
-                "{} layers, the model runs {n_layers}",
-                json.layers.len()
-            )));
-        }
-        let layers = &json.layers[..n_layers];
-        let end = layers
-            .iter()
-            .map(|l| l.file_off.checked_add(l.nbytes))
-            .try_fold(0u64, |m, e| e.map(|e| m.max(e)))
-            .ok_or_else(|| refuse("a run's end overflows".into()))?;
-        let bin_path = dir.join(DRAFT_BIN);
-        let bin = DiskFile::open(&bin_path).map_err(|e| TrunkError::Refused(e.0))?;
-        if end > bin.len() {
-            return Err(refuse(format!(
-                "runs end at byte {end}, {} has {} bytes",
-                bin_path.display(),
-                bin.len()
-            )));
-        }
+        let file = DraftFile::open(dir, cat, n_layers)?;
+        let bin = file.open_bin()?;
+        let end = (0..n_layers)
+            .map(|l| file.run(l).0 + file.run(l).1)
+            .max()
+            .unwrap_or(0);
         let (buf, at) = bin.read_region(0, end)?;
         let owner: Arc<dyn crate::source::ByteOwner> = Arc::new(buf);
         let mut runs = Vec::with_capacity(n_layers);
-        for (l, jl) in layers.iter().enumerate() {
-            let region = Region::new(owner.clone(), at + jl.file_off as usize, jl.nbytes as usize)
-                .ok_or_else(|| refuse(format!("layer {l}: run outside draft.bin")))?;
-            let want = parse_hash(&jl.xxh3, 16)
-                .ok_or_else(|| refuse(format!("layer {l}: no checksum")))?;
-            if run_checksum(region.bytes()) as u128 != want {
-                return Err(refuse(format!(
-                    "layer {l}: the run's checksum does not match (a damaged draft.bin): re-pack it"
-                )));
-            }
-            let mut tensors = Vec::with_capacity(jl.tensors.len());
-            for (name, t) in &jl.tensors {
-                if t.off.checked_add(t.nbytes).is_none_or(|e| e > jl.nbytes) {
-                    return Err(refuse(format!("{name} lies outside layer {l}'s run")));
-                }
-                tensors.push(TensorLoc {
-                    name: name.clone(),
-                    off: t.off,
-                    nbytes: t.nbytes,
-                    dtype: t.dtype,
-                });
-            }
-            runs.push(LayerRun {
-                layer: l,
-                region,
-                layout: Arc::new(LayerLayout::new(tensors)),
-            });
+        for l in 0..n_layers {
+            let (off, len) = file.run(l);
+            let region = Region::new(owner.clone(), at + off as usize, len as usize)
+                .ok_or_else(|| TrunkError::Refused(format!("layer {l}: run outside draft.bin")))?;
+            file.verify(l, region.bytes())?;
+            runs.push(region);
         }
-        use k3_proto::names::{EMBED, FINAL_NORM, LM_HEAD, OUT_RES_NORM, OUT_RES_PROJ};
-        let mut model = Vec::new();
-        for name in [EMBED, LM_HEAD, FINAL_NORM, OUT_RES_NORM, OUT_RES_PROJ] {
-            let r = model_tensor(name).map_err(|e| TrunkError::Refused(e.to_string()))?;
-            model.push((name.to_string(), r));
-        }
-        Ok(DraftSource {
-            kind: json.kind,
-            runs,
-            model,
-            bytes: resident_bytes(&json, n_layers),
-        })
+        file.source(runs, model_tensor)
     }
 
     /// int8 or int4.
@@ -394,7 +495,7 @@ impl DraftSource {
         self.kind
     }
 
-    /// Bytes held in memory (the runs the model needs).
+    /// Bytes of the runs it serves.
     pub fn bytes(&self) -> u64 {
         self.bytes
     }

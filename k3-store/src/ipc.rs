@@ -348,6 +348,7 @@ mod tests {
             model_dir: "/m".into(),
             trunk_dir: "/t".into(),
             shm_bytes: 4096,
+            draft_dir: String::new(),
         };
         send_frame(&mut a, &msg, Some(ro.as_fd())).unwrap();
         send_frame(&mut a, &Request::Stats, None).unwrap();

@@ -67,6 +67,10 @@ struct StartArgs {
     /// reloaded and checked at start).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
+    /// Hold this draft trunk (`k3-ctl pack-trunk --draft int8|int4 MODEL DIR`) in shared memory
+    /// for the workers' draft model (`k3-worker --draft model`); counted in the memory plan.
+    #[arg(long, value_name = "DIR")]
+    draft_trunk: Option<PathBuf>,
     /// Token ids of earlier jobs kept for speculative drafting (oldest streams dropped first;
     /// 0: keep none, and workers draft only from their own ids). 4 bytes each.
     #[arg(long, value_name = "N", default_value_t = k3_store::daemon::history::DEFAULT_HISTORY_TOKENS as u64,
@@ -149,6 +153,9 @@ fn resolve_paths(a: &mut StartArgs) -> Result<(), String> {
     if let Some(d) = &a.state_dir {
         a.state_dir = Some(k3_proto::paths::resolve_file(d)?);
     }
+    if let Some(d) = &a.draft_trunk {
+        a.draft_trunk = Some(k3_proto::paths::resolve(d)?);
+    }
     Ok(())
 }
 
@@ -189,6 +196,10 @@ fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
     args.push(format!("--lease-timeout={}", a.lease_timeout).into());
     if let Some(d) = &a.state_dir {
         args.push("--state-dir".into());
+        args.push(d.clone().into());
+    }
+    if let Some(d) = &a.draft_trunk {
+        args.push("--draft-trunk".into());
         args.push(d.clone().into());
     }
     args
@@ -262,6 +273,13 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         }
         (false, _) => budget,
     };
+    let draft = match &a.draft_trunk {
+        Some(dir) => match k3_store::draft::DraftFile::open(dir, &cat, cat.n_layers()) {
+            Ok(d) => Some(d),
+            Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
+        },
+        None => None,
+    };
     let mut plan = MemoryPlan::compute(&inputs, &budget);
     let shm = segment_bytes(
         &cat,
@@ -269,6 +287,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         plan.pinned_layers,
         plan.expert_slots,
         plan.ring_bytes,
+        draft.as_ref(),
     );
     let mut problems = plan.problems.clone();
     if let Some(av) = available {
@@ -282,8 +301,15 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         }
     }
     plan.available_bytes = available;
+    let draft_note = draft.as_ref().map_or(String::new(), |d| {
+        format!(
+            ", {} draft trunk {}",
+            d.kind().name(),
+            fmt_gb(d.run_bytes())
+        )
+    });
     let plan_text = format!(
-        "{plan}store shared memory: {} ({} pinned layers, ring {}, {} expert slots)\nkept conversations: up to {} and {} sessions, on top of the above{}\n",
+        "{plan}store shared memory: {} ({} pinned layers, ring {}, {} expert slots{draft_note})\nkept conversations: up to {} and {} sessions, on top of the above{}\n",
         fmt_gb(shm),
         plan.pinned_layers,
         fmt_gb(plan.ring_bytes),
@@ -335,6 +361,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     let opts = BuildOptions {
         model_dir: a.model_dir.clone(),
         trunk_dir: a.budget.trunk.clone(),
+        draft: draft.map(Arc::new),
         pinned_layers: plan.pinned_layers,
         slots: plan.expert_slots,
         io_threads: a.io_threads as usize,

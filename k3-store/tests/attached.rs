@@ -57,6 +57,7 @@ fn start_store_ring(tag: &str, pinned: usize, slots: usize, ring: Option<u64>) -
         &BuildOptions {
             model_dir: tiny(),
             trunk_dir: Some(trunk),
+            draft: None,
             pinned_layers: pinned,
             slots,
             io_threads: 2,

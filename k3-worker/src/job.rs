@@ -184,7 +184,9 @@ fn draft_replay(cli: &Cli) -> Result<Option<Vec<u32>>, JobError> {
         )));
     }
     match (cli.draft.contains(&DraftArg::Model), &cli.draft_trunk) {
-        (true, None) => return Err(refuse("--draft model needs --draft-trunk DIR")),
+        (true, None) if cli.standalone.is_some() => {
+            return Err(refuse("--draft model needs --draft-trunk DIR"))
+        }
         (false, Some(_)) => return Err(refuse("--draft-trunk needs model in --draft")),
         _ => {}
     }
@@ -253,19 +255,23 @@ fn wants_draft_model(cli: &Cli) -> bool {
     cli.spec != SpecMode::Off && !cli.full_recompute && cli.draft.contains(&DraftArg::Model)
 }
 
-/// Bytes the draft model will hold (its trunk and its sequence state) for a job of `positions`,
-/// read from `draft.json` before anything is loaded; 0 without a draft model.
+/// Bytes the draft model will hold in this process (its trunk, unless the store holds it, and
+/// its sequence state) for a job of `positions`, read from `draft.json` before anything is
+/// loaded; 0 without a draft model.
 fn draft_model_bytes(cli: &Cli, dims: &Dims, positions: usize) -> Result<u64, JobError> {
-    let Some(dir) = cli
-        .draft_trunk
-        .as_deref()
-        .filter(|_| wants_draft_model(cli))
-    else {
+    if !wants_draft_model(cli) {
         return Ok(0);
+    }
+    let state = ModelDrafter::state_bytes(dims, positions + spec_drafts(cli));
+    let Some(dir) = cli.draft_trunk.as_deref() else {
+        tracing::info!(
+            "draft model: the store's draft trunk + its sequence state {:.3} GB in this process",
+            gb(state)
+        );
+        return Ok(state);
     };
     let (kind, bytes) =
         DraftSource::probe(dir, dims.n_layers).map_err(|e| refuse(e.to_string()))?;
-    let state = ModelDrafter::state_bytes(dims, positions + spec_drafts(cli));
     tracing::info!(
         "draft model: {} trunk {:.3} GB + its sequence state {:.3} GB, held in this process",
         kind.name(),
@@ -282,21 +288,29 @@ fn load_draft_model(
     opened: &Opened,
     source: &dyn WeightSource,
 ) -> Result<Option<ModelDrafter>, JobError> {
-    let Some(dir) = cli
-        .draft_trunk
-        .as_deref()
-        .filter(|_| wants_draft_model(cli))
-    else {
+    if !wants_draft_model(cli) {
         return Ok(None);
-    };
+    }
     let t0 = Instant::now();
     let (cat, _) = k3_store::catalog::Catalog::open_dir(&opened.model_dir)
         .map_err(|e| refuse(e.to_string()))?;
-    let src = DraftSource::open(dir, &cat, opened.dims.n_layers, &|n| source.model_tensor(n))
-        .map_err(|e| match e {
-            TrunkError::Refused(m) => refuse(m),
-            TrunkError::Io(m) => JobError::DraftIo(m),
-        })?;
+    let n = opened.dims.n_layers;
+    let src = match (&cli.draft_trunk, &opened.source) {
+        (Some(dir), _) => DraftSource::open(dir, &cat, n, &|t| source.model_tensor(t)),
+        (None, Source::Attached(store)) => store.draft_source(&cat, n).ok_or_else(|| {
+            refuse(
+                "--draft model: the store holds no draft trunk (start it with --draft-trunk DIR, \
+                 or give this job --draft-trunk DIR)",
+            )
+        })?,
+        (None, Source::Standalone(_)) => {
+            return Err(refuse("--draft model needs --draft-trunk DIR"))
+        }
+    }
+    .map_err(|e| match e {
+        TrunkError::Refused(m) => refuse(m),
+        TrunkError::Io(m) => JobError::DraftIo(m),
+    })?;
     tracing::info!(
         "draft model: {} trunk {:.3} GB loaded and checked in {:.2} s",
         src.kind().name(),

@@ -42,6 +42,8 @@ pub enum RegionKind {
     /// The ring the store streams the unpinned trunk layers through; `index` = 0. Workers read
     /// a layer there only under a lease (`Request::TrunkLayer`).
     TrunkRing = 5,
+    /// A draft-trunk layer run (SPEC.md §6.10); `index` = 0-based layer.
+    DraftLayer = 6,
 }
 
 impl RegionKind {
@@ -52,6 +54,7 @@ impl RegionKind {
             3 => RegionKind::ExpertArena,
             4 => RegionKind::SlotTable,
             5 => RegionKind::TrunkRing,
+            6 => RegionKind::DraftLayer,
             _ => return None,
         })
     }

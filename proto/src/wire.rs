@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -136,6 +136,16 @@ pub enum Request {
     /// lease. Answered [`Response::Released`], or [`ErrorCode::LeaseBroken`] when the lease was
     /// broken while held (the pass computed on bytes that may have been overwritten: discard it).
     EndPass,
+    /// v5. Lease, of experts `ids` of `layer`, those RESIDENT now (answered `Leased`; the
+    /// others `Failed`): no read, no wait, no counter, no change to the eviction order. A
+    /// worker's draft model runs the routed experts it can have for free this way. Like
+    /// `Experts`, it releases this connection's earlier expert leases.
+    ResidentExperts {
+        /// 0-based layer.
+        layer: u32,
+        /// Expert ids, in the order the worker wants the answers.
+        ids: Vec<u32>,
+    },
 }
 
 /// One kept conversation in [`Response::Sessions`].
@@ -367,6 +377,9 @@ pub enum Response {
         trunk_dir: String,
         /// Bytes of shared memory to map (0 for control clients).
         shm_bytes: u64,
+        /// v5. The draft trunk the store holds in shared memory (SPEC.md §6.10; its runs are
+        /// the `DraftLayer` regions; workers read its `draft.json` for their layout), or empty.
+        draft_dir: String,
     },
     /// v1. Handshake refused.
     Refused {

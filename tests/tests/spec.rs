@@ -274,23 +274,53 @@ fn a_draft_model_gives_the_reference_ids_standalone_and_attached() {
         accepted >= 3,
         "int8 draft with every expert accepted {accepted}"
     );
-    // Attached: the worker loads the draft itself; the store shares no experts with it, so it
-    // drafts on the shared experts.
+    // Attached: a draft the worker loads itself, and the store's own (its runs in shared
+    // memory: this worker allocates no trunk for it). The draft leases the experts resident in
+    // the store (`ResidentExperts`).
     let trunk = sb.pack_tiny_trunk();
-    sb.start_store(&[
-        m,
-        "--trunk",
-        path_str(&trunk),
-        "--trunk-gb",
-        "0.001",
-        "--cache-gb",
-        "0.01",
-    ]);
+    let t = path_str(&trunk);
+    let budget = ["--trunk-gb", "0.001", "--cache-gb", "0.01"];
+    let mut args = vec![m, "--trunk", t];
+    args.extend_from_slice(&budget);
+    sb.start_store(&args);
     for spec in ["off", "4"] {
         run(
             &sb,
             &["--draft", "model", "--draft-trunk", &int8, "--spec", spec],
         );
+    }
+    // Without --draft-trunk the job needs the store's, and this store holds none.
+    let ids = ids_arg(&reference_prompt());
+    let r = sb.worker(&[
+        "--ids", &ids, "--gen", "3", "--draft", "model", "--spec", "2",
+    ]);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("holds no draft trunk"), "{r:?}");
+    sb.stop_store().expect("store running");
+    args.extend_from_slice(&["--draft-trunk", &int8]);
+    sb.start_store(&args);
+    let status = sb.ctl(&["status"]);
+    assert!(status.stdout.contains("int8 draft trunk"), "{status:?}");
+    // The first job fills the cache; then the draft runs every routed expert from it, and
+    // its leases are not requests: the store counts only the job's own.
+    run(&sb, &["--spec", "off"]);
+    let requests = |sb: &Sandbox| {
+        let s = sb.stats();
+        (u(&s["lifetime"], "requests"), u(&s["lifetime"], "misses"))
+    };
+    for spec in ["4", "auto"] {
+        let before = requests(&sb);
+        let j = run(&sb, &["--draft", "model", "--spec", spec]);
+        let after = requests(&sb);
+        assert_eq!(after.0 - before.0, u(&j, "expert_requests"), "{j}");
+        assert_eq!(
+            after.1 - before.1,
+            u(&j, "expert_requests") - u(&j, "resident_hits")
+        );
+        if spec == "4" {
+            // As standalone with every expert resident (above).
+            assert!(u(&j, "accepted_tokens") >= 3, "{j}");
+        }
     }
     sb.stop_store().expect("store running");
 }

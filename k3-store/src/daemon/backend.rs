@@ -28,6 +28,7 @@ use super::ring::{Grant, RingCounters, RingError, RingOptions, SharedRing};
 use super::{Backend, ConnId};
 use crate::arena::ArenaMem;
 use crate::catalog::Catalog;
+use crate::draft::DraftFile;
 use crate::experts::{Arena, BatchError, ExpertReader, ExpertSlots, SlotState, SlotTable};
 use crate::io::{align_up, span_len, DiskFile};
 use crate::pool::IoPool;
@@ -68,6 +69,8 @@ pub struct BuildOptions {
     pub model_dir: PathBuf,
     /// Packed trunk directory.
     pub trunk_dir: Option<PathBuf>,
+    /// The draft trunk to hold in shared memory (already checked against the checkpoint).
+    pub draft: Option<Arc<DraftFile>>,
     /// Pin layers `0..pinned_layers` in shared memory.
     pub pinned_layers: usize,
     /// Whole-expert slots in the arena.
@@ -134,6 +137,7 @@ pub struct StoreBackend {
     slot_table_off: usize,
     experts: Arc<ExpertSlots<Jobs>>,
     dirs: (String, String),
+    draft_dir: String,
     status: StatusReport,
     pinned: u32,
 }
@@ -145,13 +149,15 @@ pub fn segment_bytes(
     pinned: usize,
     slots: usize,
     ring_bytes: u64,
+    draft: Option<&DraftFile>,
 ) -> u64 {
-    segment_layout(cat, trunk, pinned, slots, ring_bytes).total
+    segment_layout(cat, trunk, pinned, slots, ring_bytes, draft).total
 }
 
 struct SegLayout {
     model: Vec<(usize, u64, u64)>, // (catalog index, region offset, region bytes)
     layers: Vec<(usize, u64, u64)>, // (layer, region offset, region bytes)
+    draft: Vec<(usize, u64, u64)>, // (layer, region offset, region bytes)
     ring: Option<(u64, u64)>,
     arena: (u64, u64),
     slot_table: (u64, u64),
@@ -165,6 +171,7 @@ fn segment_layout(
     pinned: usize,
     slots: usize,
     ring_bytes: u64,
+    draft_file: Option<&DraftFile>,
 ) -> SegLayout {
     let up = |x: u64| align_up(x).unwrap_or(u64::MAX);
     let mut at = FIRST_REGION_OFFSET;
@@ -183,6 +190,13 @@ fn segment_layout(
         layers.push((l, at, bytes));
         at += bytes;
     }
+    let mut draft = Vec::new();
+    for l in 0..draft_file.map_or(0, |d| d.n_layers()) {
+        let (off, len) = draft_file.expect("n_layers is 0 without a draft").run(l);
+        let bytes = up(span_len(off, len).unwrap_or(u64::MAX));
+        draft.push((l, at, bytes));
+        at += bytes;
+    }
     let ring = (pinned < trunk.n_layers()).then(|| {
         let r = (at, up(ring_bytes));
         at += r.1;
@@ -196,6 +210,7 @@ fn segment_layout(
     SegLayout {
         model,
         layers,
+        draft,
         ring,
         arena,
         slot_table,
@@ -258,13 +273,15 @@ impl StoreBackend {
             opts.pinned_layers,
             opts.slots,
             opts.ring_bytes,
+            opts.draft.as_deref(),
         );
         let identity = cat.identity(&opts.model_dir)?;
         let mut seg = Segment::create("k3-store", lay.total)
             .map_err(|e| format!("cannot create {} bytes of shared memory: {e}", lay.total))?;
         let mut header = ShmHeader::new(lay.total, identity);
         let total_load: u64 = lay.model.iter().map(|m| m.2).sum::<u64>()
-            + lay.layers.iter().map(|l| l.2).sum::<u64>();
+            + lay.layers.iter().map(|l| l.2).sum::<u64>()
+            + lay.draft.iter().map(|l| l.2).sum::<u64>();
         let mut done = 0u64;
         progress(0, total_load);
         for &(i, off, bytes) in &lay.model {
@@ -309,6 +326,31 @@ impl StoreBackend {
                 .map_err(|e| e.to_string())?;
             done += bytes;
             progress(done, total_load);
+        }
+        if let Some(d) = &opts.draft {
+            let bin = d.open_bin().map_err(|e| BuildError {
+                code: k3_proto::exit::REFUSED,
+                message: e.to_string(),
+            })?;
+            for &(l, off, bytes) in &lay.draft {
+                let (file_off, run) = d.run(l);
+                let dst = &mut seg.bytes_mut()[off as usize..(off + bytes) as usize];
+                let inner = bin
+                    .read_span(file_off, run, dst)
+                    .map_err(|e| format!("draft layer {l}: {}", e.0))?;
+                if inner != 0 {
+                    dst.copy_within(inner..inner + run as usize, 0);
+                }
+                d.verify(l, &dst[..run as usize]).map_err(|e| BuildError {
+                    code: k3_proto::exit::REFUSED,
+                    message: e.to_string(),
+                })?;
+                header
+                    .push_region(RegionKind::DraftLayer, l as u32, off, run)
+                    .map_err(|e| e.to_string())?;
+                done += bytes;
+                progress(done, total_load);
+            }
         }
         header.slot_count = opts.slots as u32;
         header.slot_stride = lay.stride;
@@ -363,6 +405,10 @@ impl StoreBackend {
                 .as_ref()
                 .map_or(String::new(), |d| d.display().to_string()),
         );
+        let draft_dir = opts
+            .draft
+            .as_ref()
+            .map_or(String::new(), |d| d.dir().display().to_string());
         let status = StatusReport {
             model_dir: dirs.0.clone(),
             trunk_dir: dirs.1.clone(),
@@ -392,6 +438,7 @@ impl StoreBackend {
             base,
             slot_table_off: lay.slot_table.0 as usize,
             dirs,
+            draft_dir,
             status,
             pinned: lay.layers.len() as u32,
             seg,
@@ -474,6 +521,37 @@ impl Backend for StoreBackend {
                 code: k3_proto::wire::ErrorCode::BadRequest,
                 message,
             })
+    }
+
+    fn resident_experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response {
+        if ids.len() > MAX_IDS {
+            return Response::Error {
+                code: k3_proto::wire::ErrorCode::BadRequest,
+                message: format!("{} ids in one request (max {MAX_IDS})", ids.len()),
+            };
+        }
+        let mut g = self.experts.lock();
+        // As for `Experts`: this connection's earlier leases go first.
+        g.table.release_holder(conn);
+        let mut slots = Vec::new();
+        let answers = ids
+            .iter()
+            .map(|&e| match g.table.lease_resident(layer, e) {
+                Some(s) => {
+                    slots.push(s);
+                    self.write_slot_entry(&g.table, s);
+                    SlotAnswer::Leased { slot: s as u32 }
+                }
+                None => SlotAnswer::Failed {
+                    reason: format!("expert {e} of layer {layer} is not resident"),
+                },
+            })
+            .collect();
+        g.table.hold(conn, layer, slots);
+        Response::Experts {
+            answers,
+            resident_hits: 0,
+        }
     }
 
     fn prefetch(&self, conn: ConnId, layer: u32, ids: &[u32]) {
@@ -669,6 +747,10 @@ impl Backend for StoreBackend {
 
     fn dirs(&self) -> (String, String) {
         self.dirs.clone()
+    }
+
+    fn draft_dir(&self) -> String {
+        self.draft_dir.clone()
     }
 }
 

@@ -35,7 +35,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use k3_proto::wire::{
-    self, ClientKind, ErrorCode, Request, Response, StatsReport, StatusReport, WireError,
+    self, ClientKind, ErrorCode, Request, Response, SlotAnswer, StatsReport, StatusReport,
+    WireError,
 };
 
 use crate::ipc;
@@ -64,6 +65,19 @@ pub trait Backend: Send + Sync + 'static {
     fn closed(&self, conn: ConnId) {
         self.release_all(conn);
     }
+    /// Lease, of experts `ids` of `layer`, those resident now (`Request::ResidentExperts`).
+    /// Default: none is.
+    fn resident_experts(&self, _conn: ConnId, layer: u32, ids: &[u32]) -> Response {
+        Response::Experts {
+            answers: ids
+                .iter()
+                .map(|e| SlotAnswer::Failed {
+                    reason: format!("expert {e} of layer {layer} is not resident"),
+                })
+                .collect(),
+            resident_hits: 0,
+        }
+    }
     /// A worker predicts it will soon request experts `ids` of `layer`: read them ahead if
     /// slots are free (in the background; must return at once). Default: nothing.
     fn prefetch(&self, _conn: ConnId, _layer: u32, _ids: &[u32]) {}
@@ -91,6 +105,10 @@ pub trait Backend: Send + Sync + 'static {
     fn worker_fd(&self) -> std::io::Result<(OwnedFd, u64)>;
     /// Checkpoint and packed-trunk directories (sent in `Welcome`).
     fn dirs(&self) -> (String, String);
+    /// The draft-trunk directory whose runs are in shared memory (sent in `Welcome`), or empty.
+    fn draft_dir(&self) -> String {
+        String::new()
+    }
 }
 
 /// The limits the server enforces on its clients (README, "k3-store start").
@@ -532,6 +550,7 @@ fn request_name(r: &Request) -> &'static str {
     match r {
         Request::Hello { .. } => "Hello",
         Request::Experts { .. } => "Experts",
+        Request::ResidentExperts { .. } => "ResidentExperts",
         Request::Stats => "Stats",
         Request::Status => "Status",
         Request::Stop => "Stop",
@@ -636,11 +655,13 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
     };
     shared.handshaken(id);
     let (model_dir, trunk_dir) = shared.backend.dirs();
+    let draft_dir = shared.backend.draft_dir();
     let welcome = |shm_bytes| Response::Welcome {
         protocol_version: wire::PROTOCOL_VERSION,
         model_dir: model_dir.clone(),
         trunk_dir: trunk_dir.clone(),
         shm_bytes,
+        draft_dir: draft_dir.clone(),
     };
     let sent = match kind {
         ClientKind::Worker => match shared.backend.worker_fd() {
@@ -709,6 +730,16 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                     }
                 } else {
                     shared.backend.experts(id, layer, &ids)
+                }
+            }
+            Request::ResidentExperts { layer, ids } => {
+                if kind != ClientKind::Worker {
+                    Response::Error {
+                        code: ErrorCode::NotAllowed,
+                        message: "only workers lease experts".into(),
+                    }
+                } else {
+                    shared.backend.resident_experts(id, layer, &ids)
                 }
             }
             Request::Stats => {

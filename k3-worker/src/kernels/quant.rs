@@ -1,22 +1,26 @@
 //! Products with the quantized matrices of a draft trunk (int8 per row, int4 per 32 columns;
 //! the formats are `k3_proto::quant`).
 //!
-//! One portable source, compiled twice: as is, and with AVX2 enabled (chosen when the active tier
-//! is a SIMD tier). Rust never contracts a multiply and an add into an FMA nor reorders float
-//! additions, so both builds of the same source give the same bits; the thread count never
-//! changes a result either (rows are split as in the bf16 kernels). Each row's sum runs in 16
-//! lanes in column order and is reduced by a fixed pairwise tree, then multiplied by its scale
-//! (int8) or each 32-column group's partial sum is scaled into the lanes (int4).
+//! A portable reference and an AVX2 version (used when the active tier is a SIMD tier) that does
+//! the same float operations lane for lane — every multiply and add kept apart (Rust never
+//! contracts them into an FMA), the lanes summed in the same fixed order — so both give the same
+//! bits (tested); the thread count never changes a result either (rows are split as in the bf16
+//! kernels). int8: column `c` adds into lane `c mod 32`, the sum is multiplied by the row's
+//! scale; int4: each 32-column group adds its scaled partial sums into 16 lanes.
 
 use k3_proto::quant::{QuantKind, GROUP};
 
 use super::{by_rows, split_even_odd_rows, Kernels, Tier};
 
+/// Lanes of an int4 row's sum (a 32-column group: 16 even and 16 odd columns).
 const LANES: usize = 16;
+/// Lanes of an int8 row's sum (column `c` adds into lane `c mod 32`).
+const LANES8: usize = 32;
 
+/// Sum `a`'s lanes by halving: lane `i` adds lane `i + len/2`, then again, down to one lane.
 #[inline(always)]
-fn reduce(mut a: [f32; LANES]) -> f32 {
-    let mut w = LANES / 2;
+fn reduce(a: &mut [f32]) -> f32 {
+    let mut w = a.len() / 2;
     while w > 0 {
         for i in 0..w {
             a[i] += a[i + w];
@@ -32,8 +36,8 @@ fn scale_at(s: &[u8], i: usize) -> f32 {
 }
 
 /// Rows `out.len() / n` of an int8 matrix (`q` and `s` start at the first of them) times `n`
-/// tokens; `out` is `[k, n]`.
-#[inline(always)]
+/// tokens; `out` is `[k, n]`. The reference order: lane `c mod 32` adds `q·x` (a multiply, then
+/// an add) in column order, the lanes are [`reduce`]d, the sum is multiplied by the row's scale.
 fn q8_rows(q: &[u8], s: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
     for (r, (qr, o)) in q
         .chunks_exact(cols)
@@ -43,19 +47,19 @@ fn q8_rows(q: &[u8], s: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]
         let sc = scale_at(s, r);
         for (t, ot) in o.iter_mut().enumerate() {
             let xt = &x[t * cols..(t + 1) * cols];
-            let mut acc = [0.0f32; LANES];
-            for (qc, xc) in qr.chunks_exact(LANES).zip(xt.chunks_exact(LANES)) {
-                for i in 0..LANES {
+            let mut acc = [0.0f32; LANES8];
+            for (qc, xc) in qr.chunks_exact(LANES8).zip(xt.chunks_exact(LANES8)) {
+                for i in 0..LANES8 {
                     acc[i] += (qc[i] as i8) as f32 * xc[i];
                 }
             }
-            *ot = reduce(acc) * sc;
+            *ot = reduce(&mut acc) * sc;
         }
     }
 }
 
-/// As [`q8_rows`] for int4 codes; `x` is split per 32 columns into `[16 even | 16 odd]`.
-#[inline(always)]
+/// As [`q8_rows`] for int4 codes; `x` is split per 32 columns into `[16 even | 16 odd]`. Lane
+/// `i` of a group adds `(lo·x_even + hi·x_odd)·scale`; the 16 lanes are [`reduce`]d.
 fn q4_rows(q: &[u8], s: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
     let groups = cols / GROUP;
     for (r, (qr, o)) in q
@@ -80,7 +84,7 @@ fn q4_rows(q: &[u8], s: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]
                     acc[i] += (lo as f32 * xe[i] + hi as f32 * xo[i]) * sc;
                 }
             }
-            *ot = reduce(acc);
+            *ot = reduce(&mut acc);
         }
     }
 }
@@ -100,7 +104,51 @@ fn rows_portable(
     }
 }
 
-/// The same source compiled with AVX2.
+/// AVX2 loads and stores from slices (each one unsafe operation, bounds asserted).
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// 8 signed bytes widened to 8 f32.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub fn i8x8(b: &[u8]) -> __m256 {
+        assert!(b.len() >= 8);
+        // SAFETY: 8 readable bytes (asserted); unaligned 64-bit load.
+        let v = unsafe { _mm_loadl_epi64(b.as_ptr().cast()) };
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+    }
+
+    /// 16 bytes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub fn u8x16(b: &[u8]) -> __m128i {
+        assert!(b.len() >= 16);
+        // SAFETY: 16 readable bytes (asserted); unaligned load.
+        unsafe { _mm_loadu_si128(b.as_ptr().cast()) }
+    }
+
+    /// 8 f32.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub fn f32x8(x: &[f32]) -> __m256 {
+        assert!(x.len() >= 8);
+        // SAFETY: 8 readable floats (asserted); unaligned load.
+        unsafe { _mm256_loadu_ps(x.as_ptr()) }
+    }
+
+    /// Store 8 f32.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub fn store(dst: &mut [f32], v: __m256) {
+        assert!(dst.len() >= 8);
+        // SAFETY: 8 writable floats (asserted); unaligned store.
+        unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), v) }
+    }
+}
+
+/// The same operations as [`rows_portable`], lane for lane, in AVX2 registers (multiplies and
+/// adds kept apart, as the portable code does; the final lane sums in the same [`reduce`] order).
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -115,9 +163,68 @@ unsafe fn rows_avx2(
     n: usize,
     o: &mut [f32],
 ) {
+    use std::arch::x86_64::*;
     match kind {
-        QuantKind::Int8 => q8_rows(q, s, c, x, n, o),
-        QuantKind::Int4 => q4_rows(q, s, c, x, n, o),
+        QuantKind::Int8 => {
+            for (r, (qr, or)) in q.chunks_exact(c).zip(o.chunks_exact_mut(n)).enumerate() {
+                let sc = scale_at(s, r);
+                for (t, ot) in or.iter_mut().enumerate() {
+                    let xt = &x[t * c..(t + 1) * c];
+                    let mut acc = [_mm256_setzero_ps(); 4];
+                    for (qc, xc) in qr.chunks_exact(LANES8).zip(xt.chunks_exact(LANES8)) {
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            let w = simd::i8x8(&qc[8 * j..]);
+                            let xv = simd::f32x8(&xc[8 * j..]);
+                            *a = _mm256_add_ps(*a, _mm256_mul_ps(w, xv));
+                        }
+                    }
+                    let mut lanes = [0.0f32; LANES8];
+                    for (j, a) in acc.iter().enumerate() {
+                        simd::store(&mut lanes[8 * j..], *a);
+                    }
+                    *ot = reduce(&mut lanes) * sc;
+                }
+            }
+        }
+        QuantKind::Int4 => {
+            let groups = c / GROUP;
+            let (mask, eight) = (_mm_set1_epi8(15), _mm_set1_epi8(8));
+            for (r, (qr, or)) in q.chunks_exact(c / 2).zip(o.chunks_exact_mut(n)).enumerate() {
+                let sr = &s[r * groups * 4..(r + 1) * groups * 4];
+                for (t, ot) in or.iter_mut().enumerate() {
+                    let xt = &x[t * c..(t + 1) * c];
+                    let mut acc = [_mm256_setzero_ps(); 2];
+                    for (g, (qb, xg)) in qr
+                        .chunks_exact(GROUP / 2)
+                        .zip(xt.chunks_exact(GROUP))
+                        .enumerate()
+                    {
+                        let sc = _mm256_set1_ps(scale_at(sr, g));
+                        let bytes = simd::u8x16(qb);
+                        let lo = _mm_sub_epi8(_mm_and_si128(bytes, mask), eight);
+                        let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), eight);
+                        for (j, a) in acc.iter_mut().enumerate() {
+                            let (l, h) = if j == 0 {
+                                (lo, hi)
+                            } else {
+                                (_mm_srli_si128(lo, 8), _mm_srli_si128(hi, 8))
+                            };
+                            let lf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(l));
+                            let hf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h));
+                            let xe = simd::f32x8(&xg[8 * j..]);
+                            let xo = simd::f32x8(&xg[LANES + 8 * j..]);
+                            let p = _mm256_add_ps(_mm256_mul_ps(lf, xe), _mm256_mul_ps(hf, xo));
+                            *a = _mm256_add_ps(*a, _mm256_mul_ps(p, sc));
+                        }
+                    }
+                    let mut lanes = [0.0f32; LANES];
+                    for (j, a) in acc.iter().enumerate() {
+                        simd::store(&mut lanes[8 * j..], *a);
+                    }
+                    *ot = reduce(&mut lanes);
+                }
+            }
+        }
     }
 }
 
