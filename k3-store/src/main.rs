@@ -262,8 +262,17 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     inputs.resident_bytes += inputs.mapped_bytes;
     inputs.mapped_bytes = 0;
     let available = allocatable().ok();
+    // The draft trunk (if any) is held in full: `--preset auto` fits the rest around it.
+    let draft = match &a.draft_trunk {
+        Some(dir) => match k3_store::draft::DraftFile::open(dir, &cat, cat.n_layers()) {
+            Ok(d) => Some(d),
+            Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
+        },
+        None => None,
+    };
+    let draft_bytes = draft.as_ref().map_or(0, |d| d.run_bytes());
     let budget = match (budget.auto, available) {
-        (true, Some(av)) => Budget::fit(&inputs, av),
+        (true, Some(av)) => Budget::fit(&inputs, av.saturating_sub(draft_bytes)),
         (true, None) => {
             return fail(
                 &mut notify,
@@ -272,13 +281,6 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
             )
         }
         (false, _) => budget,
-    };
-    let draft = match &a.draft_trunk {
-        Some(dir) => match k3_store::draft::DraftFile::open(dir, &cat, cat.n_layers()) {
-            Ok(d) => Some(d),
-            Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-        },
-        None => None,
     };
     let mut plan = MemoryPlan::compute(&inputs, &budget);
     let shm = segment_bytes(
