@@ -76,6 +76,9 @@ fn quantized(name: &str, dtype: Dtype, shape: &[u64]) -> bool {
         && shape[1] > 0
         && shape[1].is_multiple_of(GROUP as u64)
         && !name.ends_with("kv_b_proj.weight")
+        // The router stays exact: a top-k choice flips on small perturbations, and a flipped
+        // choice changes the layer's output far more than quantizing the experts' inputs does.
+        && !name.ends_with("block_sparse_moe.gate.weight")
 }
 
 /// One layer's draft run: the bytes and where each tensor sits.

@@ -68,6 +68,9 @@ pub const MIN_GAIN: f64 = 1.03;
 /// Auto mode at K = 0 probes with one draft after this many plain passes.
 pub const PROBE_EVERY: u32 = 16;
 
+/// The longest gap between probes of a costly drafter (each failed probe doubles it).
+pub const MAX_PROBE_EVERY: u32 = 1024;
+
 impl std::fmt::Debug for dyn Drafter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Drafter({})", self.name())
@@ -79,6 +82,12 @@ impl std::fmt::Debug for dyn Drafter {
 pub trait Drafter: Send {
     /// Short name for reports (`ngram`, `history`, `replay`, ...).
     fn name(&self) -> &'static str;
+    /// True when drafting costs time per id of the sequence (a draft model runs every id it
+    /// has not seen yet before it drafts): auto mode then probes ever more rarely once drafts
+    /// have stopped paying ([`Controller::costly_drafter`]).
+    fn costly(&self) -> bool {
+        false
+    }
     /// Up to `k` ids to follow `context` (every id so far; the last one is not yet run).
     fn draft(&mut self, source: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32>;
 }
@@ -124,6 +133,10 @@ impl Drafter for HistoryDrafter {
     }
 }
 
+/// The most ids a draft model runs to catch up before it drafts; further behind (auto mode
+/// after a long plain stretch), it restarts on the last this many ids.
+pub const MAX_CATCH_UP: usize = 64;
+
 /// Which routed experts a draft model runs (`--draft-experts`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DraftExperts {
@@ -151,7 +164,8 @@ pub struct ModelDrafter {
     bound: Option<Bound>,
     state: SeqState,
     saved: Vec<KdaState>,
-    /// The ids `state` has consumed.
+    /// The ids `state` stands for (after a restart it has run only the last [`MAX_CATCH_UP`]
+    /// of them).
     fed: Vec<u32>,
     /// Most ids per catch-up pass (the job's prefill chunk).
     chunk: usize,
@@ -214,10 +228,19 @@ impl ModelDrafter {
         let Some((&last, done)) = context.split_last() else {
             return Ok(Vec::new());
         };
-        if !done.starts_with(&self.fed) {
-            // Another sequence (a new chat turn after a reset): start over.
+        if !done.starts_with(&self.fed) || done.len() - self.fed.len() > MAX_CATCH_UP {
+            // Another sequence (a new chat turn after a reset), or too far behind: start over
+            // on the last MAX_CATCH_UP ids only (lossy: the draft then sees a shorter context
+            // at other positions, which costs acceptance, never an emitted id).
+            tracing::debug!(
+                "draft model: restarting on the last {} of {} ids",
+                MAX_CATCH_UP.min(done.len()),
+                done.len()
+            );
             self.state = SeqState::new(&self.dims, self.state.capacity);
             self.fed.clear();
+            self.fed
+                .extend_from_slice(&done[..done.len().saturating_sub(MAX_CATCH_UP)]);
         }
         let bound = self
             .bound
@@ -234,7 +257,8 @@ impl ModelDrafter {
         let mut model = Model::draft(self.dims.clone(), src, Some(bound), routed)?;
         let t0 = std::time::Instant::now();
         let r = (|| {
-            for new in done[self.fed.len()..].chunks(self.chunk) {
+            let start = self.fed.len();
+            for new in done[start..].chunks(self.chunk) {
                 model.forward(new, &mut self.state, Logits::Last)?;
                 self.calls += 1;
                 self.fed.extend_from_slice(new);
@@ -282,6 +306,9 @@ impl Drafter for ModelDrafter {
     fn name(&self) -> &'static str {
         "model"
     }
+    fn costly(&self) -> bool {
+        true
+    }
     fn draft(&mut self, target: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32> {
         if self.off || k == 0 {
             return Vec::new();
@@ -303,6 +330,9 @@ pub struct FirstOf(pub Vec<Box<dyn Drafter>>);
 impl Drafter for FirstOf {
     fn name(&self) -> &'static str {
         "first-of"
+    }
+    fn costly(&self) -> bool {
+        self.0.iter().any(|d| d.costly())
     }
     fn draft(&mut self, source: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32> {
         for d in &mut self.0 {
@@ -395,7 +425,23 @@ pub struct Controller {
     /// Extra seconds per drafted position.
     c1: Option<f64>,
     plain_since_probe: u32,
+    /// Plain passes between probes: [`PROBE_EVERY`], doubled after each probe that does not
+    /// bring drafting back when the drafter is costly ([`Drafter::costly`]), up to
+    /// [`MAX_PROBE_EVERY`].
+    probe_every: u32,
+    /// The drafter costs time per id of the sequence.
+    pub costly_drafter: bool,
+    /// Consecutive drafted passes after which even a perfect draft would not beat plain
+    /// decoding (their extra seconds per drafted id, unsmoothed); at [`HOPELESS_PASSES`] auto
+    /// mode stops drafting for the job.
+    hopeless: u32,
 }
+
+/// Auto mode stops drafting after this many consecutive drafted passes in which even a
+/// perfect draft would not have paid (a drafter whose own cost per drafted id exceeds what a
+/// pass saves: a draft model on a machine where its steps cost about what a pass costs). Two,
+/// not one, so one pass slowed by the disk does not end speculation.
+pub const HOPELESS_PASSES: u32 = 2;
 
 /// Weight of history in the running estimates (per pass): about the last ten passes count.
 const DECAY: f64 = 0.9;
@@ -410,6 +456,9 @@ impl Controller {
             t1: None,
             c1: None,
             plain_since_probe: 0,
+            probe_every: PROBE_EVERY,
+            costly_drafter: false,
+            hopeless: 0,
         }
     }
 
@@ -433,6 +482,9 @@ impl Controller {
             SpecMode::Off => 0,
             SpecMode::Fixed(k) => k.min(k_max),
             SpecMode::Auto => {
+                if self.hopeless >= HOPELESS_PASSES {
+                    return 0;
+                }
                 let Some(t1) = self.t1 else {
                     return 0; // measure a plain pass first
                 };
@@ -440,10 +492,16 @@ impl Controller {
                     return 1; // then one draft, to measure what a position costs
                 };
                 let k = best_k(self.acceptance(), t1, c1, k_max);
+                if k > 0 {
+                    self.probe_every = PROBE_EVERY;
+                }
                 if k == 0 {
                     self.plain_since_probe += 1;
-                    if self.plain_since_probe >= PROBE_EVERY {
+                    if self.plain_since_probe >= self.probe_every {
                         self.plain_since_probe = 0;
+                        if self.costly_drafter {
+                            self.probe_every = (2 * self.probe_every).min(MAX_PROBE_EVERY);
+                        }
                         return 1;
                     }
                 }
@@ -464,6 +522,16 @@ impl Controller {
         if let Some(t1) = self.t1 {
             let extra = ((seconds - t1) / drafted as f64).max(0.0);
             self.c1 = ewma(self.c1, extra);
+            if best_k(1.0, t1, extra, AUTO_MAX_K) == 0 {
+                self.hopeless += 1;
+                if self.hopeless == HOPELESS_PASSES && self.mode == SpecMode::Auto {
+                    tracing::info!(
+                        "speculation off for this job: a drafted id costs {extra:.3} s, a plain pass {t1:.3} s; even drafts always right would be slower"
+                    );
+                }
+            } else {
+                self.hopeless = 0;
+            }
         }
         self.tested = DECAY * self.tested + tested as f64;
         self.accepted = DECAY * self.accepted + accepted as f64;
@@ -539,6 +607,61 @@ mod tests {
         assert!(c.choose(8) >= 4, "acceptance {}", c.acceptance());
         assert_eq!(Controller::new(SpecMode::Off).choose(8), 0);
         assert_eq!(Controller::new(SpecMode::Fixed(4)).choose(2), 2);
+    }
+
+    #[test]
+    fn auto_stops_drafting_when_even_perfect_drafts_cannot_pay() {
+        // A drafter whose drafted id costs more than a plain pass (a draft model catching up
+        // on the ids since its last call): two such passes in a row end drafting for the job.
+        let mut c = Controller::new(SpecMode::Auto);
+        c.observe(0, 0, 0, 1.0);
+        assert_eq!(c.choose(8), 1);
+        c.observe(1, 1, 1, 5.0);
+        for _ in 0..PROBE_EVERY {
+            let k = c.choose(8);
+            c.observe(k, k, k, 1.0 + 4.0 * k as f64);
+        }
+        assert!((0..100).all(|_| c.choose(8) == 0), "drafting must stay off");
+        // One slow pass (a disk hiccup) between cheap ones does not end it.
+        let mut c = Controller::new(SpecMode::Auto);
+        c.observe(0, 0, 0, 1.0);
+        assert_eq!(c.choose(8), 1);
+        c.observe(1, 1, 1, 5.0);
+        let mut drafted = 0;
+        for _ in 0..3 * PROBE_EVERY {
+            let k = c.choose(8);
+            drafted += k;
+            c.observe(k, k, k, 1.0 + 0.05 * k as f64);
+        }
+        assert!(drafted > 0, "cheap, right drafts must still be used");
+    }
+
+    #[test]
+    fn auto_probes_a_costly_drafter_ever_more_rarely() {
+        let probes = |costly: bool| {
+            let mut c = Controller::new(SpecMode::Auto);
+            c.costly_drafter = costly;
+            let mut at = Vec::new();
+            for pass in 0..600 {
+                let k = c.choose(8);
+                if k > 0 {
+                    at.push(pass);
+                }
+                // Every draft is refused; a drafted id costs a little.
+                c.observe(k, k.min(1), 0, 1.0 + 0.1 * k as f64);
+            }
+            at
+        };
+        let cheap = probes(false);
+        let costly = probes(true);
+        assert!(cheap.len() > 30, "{cheap:?}");
+        let gaps: Vec<usize> = costly.windows(2).map(|w| w[1] - w[0]).collect();
+        // A few drafted passes while the acceptance estimate falls, then probes 16, 32, 64, …
+        // passes apart.
+        assert!(costly.len() <= 10, "{costly:?}");
+        let tail = &gaps[gaps.len() - 4..];
+        assert!(tail.windows(2).all(|g| g[1] == 2 * g[0]), "{gaps:?}");
+        assert_eq!(tail[0], 2 * PROBE_EVERY as usize, "{gaps:?}");
     }
 
     use k3_store::source::{ExpertBatch, LayerRun, Region, SourceError, SourceStats};

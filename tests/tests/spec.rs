@@ -395,3 +395,27 @@ fn a_foreign_or_damaged_draft_trunk_is_refused_with_exit_2() {
     assert!(r.stderr.contains(&id) && r.stderr.contains(&other), "{r:?}");
     assert!(!r.stderr.contains("panicked"), "{r:?}");
 }
+
+#[test]
+fn a_long_auto_run_with_a_draft_model_gives_the_plain_ids() {
+    // 300 ids: auto mode probes the (costly) draft model ever more rarely, so it falls more
+    // than MAX_CATCH_UP ids behind and restarts on the last ones. Whatever the draft does, the
+    // ids are those of plain decoding.
+    let sb = Sandbox::new("spec-draft-long");
+    let model = tiny_model();
+    let m = path_str(&model);
+    let int8 = pack_draft(&sb, "int8");
+    let ids = ids_arg(&reference_prompt());
+    let job = |extra: &[&str]| {
+        let mut args = vec!["--standalone", m, "--ids", ids.as_str(), "--gen", "300"];
+        args.extend_from_slice(extra);
+        let (r, j) = sb.worker_json(&args);
+        assert_eq!(r.code, 0, "{r:?}");
+        j
+    };
+    let plain = job(&["--spec", "off"]);
+    let spec = job(&["--spec", "auto", "--draft", "model", "--draft-trunk", &int8]);
+    assert_eq!(generated(&spec), generated(&plain));
+    assert_eq!(generated(&plain).len(), 300);
+    assert!(u(&spec, "drafted_tokens") > 0, "{spec}");
+}

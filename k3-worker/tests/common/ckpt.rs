@@ -127,6 +127,13 @@ impl WeightSource for CkptSource {
         })
     }
 
+    /// Every expert is in memory here.
+    fn resident_experts(&self, l: usize, ids: &[u32]) -> ExpertBatch {
+        self.experts(l, ids).unwrap_or_else(|e| ExpertBatch {
+            experts: ids.iter().map(|_| Err(e.to_string())).collect(),
+        })
+    }
+
     fn stats(&self) -> SourceStats {
         SourceStats::default()
     }
