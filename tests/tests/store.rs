@@ -592,14 +592,20 @@ fn store_going_away_mid_generation_ends_the_worker_promptly() {
     let budget: Vec<&str> = budget.iter().map(String::as_str).collect();
 
     // `k3-ctl stop` while a worker runs: the store drains and exits; the worker's next request
-    // is refused and it fails with a clear message instead of hanging.
+    // is refused ("the store is stopping") or, when it comes after the drain (the store had
+    // nothing in flight and is gone; seen on a loaded CI machine), finds the socket closed —
+    // either way it fails with a clear message instead of hanging.
     start_tiny(&mut sb, &trunk, &budget);
     let w = long_worker_mid_generation(&sb);
     let r = sb.stop_store().expect("running");
     assert_eq!(r.code, 0, "{r:?}");
     let wr = w.wait(Duration::from_secs(20));
     assert_eq!(wr.code, 1, "{wr:?}");
-    assert!(wr.stderr.contains("the store is stopping"), "{}", wr.stderr);
+    assert!(
+        wr.stderr.contains("the store is stopping") || wr.stderr.contains("store connection lost"),
+        "{}",
+        wr.stderr
+    );
 
     // The store is SIGKILLed under a running worker: the worker notices the closed socket.
     start_tiny(&mut sb, &trunk, &budget);
