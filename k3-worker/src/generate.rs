@@ -297,6 +297,11 @@ impl Session {
         }
     }
 
+    /// The drafter set with [`Session::set_drafter`].
+    pub fn drafter(&self) -> Option<&dyn Drafter> {
+        self.drafter.as_deref()
+    }
+
     /// Draft with `drafter` in the decode passes of later [`Session::generate`] calls whose
     /// options enable speculation.
     pub fn set_drafter(&mut self, drafter: Box<dyn Drafter>) {

@@ -741,6 +741,10 @@ fn run_prompt(
     }
     let summary = report::RunSummary::collect(model, wall.elapsed().as_secs_f64());
     summary.print_totals(&gen);
+    let draft_cost = seq.drafter().and_then(|d| d.model_cost());
+    if let Some((calls, seconds)) = draft_cost {
+        eprintln!("draft model: {calls} forward calls, {seconds:.3} s (inside the decode seconds)");
+    }
     let written = |r: Result<(), (PathBuf, std::io::Error)>| {
         r.map_err(|(path, source)| JobError::Output {
             path,
@@ -764,6 +768,9 @@ fn run_prompt(
         session_name.map(|(name, src)| keep_session(src, name, &seq, &[], &mut std::io::stderr()));
     if let Some(path) = &cli.out {
         let mut v = summary.json(&gen);
+        if let Some((calls, seconds)) = draft_cost {
+            v["draft_model"] = serde_json::json!({"forward_calls": calls, "seconds": seconds});
+        }
         if let Some((name, _)) = session_name {
             v["session"] = serde_json::json!({
                 "name": name,

@@ -88,6 +88,10 @@ pub trait Drafter: Send {
     fn costly(&self) -> bool {
         false
     }
+    /// A draft model's forward calls and seconds so far (`None` for other drafters).
+    fn model_cost(&self) -> Option<(u64, f64)> {
+        None
+    }
     /// Up to `k` ids to follow `context` (every id so far; the last one is not yet run).
     fn draft(&mut self, source: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32>;
 }
@@ -171,10 +175,9 @@ pub struct ModelDrafter {
     chunk: usize,
     experts: DraftExperts,
     off: bool,
-    /// Draft-model forward calls and their seconds.
-    pub calls: u64,
-    /// See [`ModelDrafter::calls`].
-    pub seconds: f64,
+    /// Draft-model forward calls and their seconds ([`Drafter::model_cost`]).
+    calls: u64,
+    seconds: f64,
 }
 
 impl std::fmt::Debug for ModelDrafter {
@@ -309,6 +312,9 @@ impl Drafter for ModelDrafter {
     fn costly(&self) -> bool {
         true
     }
+    fn model_cost(&self) -> Option<(u64, f64)> {
+        Some((self.calls, self.seconds))
+    }
     fn draft(&mut self, target: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32> {
         if self.off || k == 0 {
             return Vec::new();
@@ -333,6 +339,9 @@ impl Drafter for FirstOf {
     }
     fn costly(&self) -> bool {
         self.0.iter().any(|d| d.costly())
+    }
+    fn model_cost(&self) -> Option<(u64, f64)> {
+        self.0.iter().find_map(|d| d.model_cost())
     }
     fn draft(&mut self, source: &dyn WeightSource, context: &[u32], k: usize) -> Vec<u32> {
         for d in &mut self.0 {

@@ -265,6 +265,9 @@ fn a_draft_model_gives_the_reference_ids_standalone_and_attached() {
         );
         if spec != "auto" {
             assert!(u(&j, "drafted_tokens") > 0, "{draft} {experts}: {j}");
+            // Its cost is reported: at least one forward call per drafted id.
+            let calls = u(&j["draft_model"], "forward_calls");
+            assert!(calls >= u(&j, "drafted_tokens"), "{j}");
         }
         if draft == &int8 && experts == "resident" && spec == "4" {
             accepted = u(&j, "accepted_tokens");
