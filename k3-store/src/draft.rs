@@ -371,14 +371,16 @@ impl DraftFile {
         self.json.layers.iter().map(|l| l.nbytes).sum()
     }
 
+    /// Where the last described run ends in `draft.bin`.
+    pub fn end(&self) -> u64 {
+        resident_bytes(&self.json, self.n_layers())
+    }
+
     /// Open `draft.bin` (a refusal if it is missing or shorter than the runs).
     pub fn open_bin(&self) -> Result<DiskFile, TrunkError> {
         let path = self.dir.join(DRAFT_BIN);
         let bin = DiskFile::open(&path).map_err(|e| TrunkError::Refused(e.0))?;
-        let end = (0..self.n_layers())
-            .map(|l| self.run(l).0 + self.run(l).1)
-            .max()
-            .unwrap_or(0);
+        let end = self.end();
         if end > bin.len() {
             return Err(TrunkError::Refused(format!(
                 "{}: runs end at byte {end}, the file has {} bytes",
@@ -476,11 +478,7 @@ impl DraftSource {
     ) -> Result<DraftSource, TrunkError> {
         let file = DraftFile::open(dir, cat, n_layers)?;
         let bin = file.open_bin()?;
-        let end = (0..n_layers)
-            .map(|l| file.run(l).0 + file.run(l).1)
-            .max()
-            .unwrap_or(0);
-        let (buf, at) = bin.read_region(0, end)?;
+        let (buf, at) = bin.read_region(0, file.end())?;
         let owner: Arc<dyn crate::source::ByteOwner> = Arc::new(buf);
         let mut runs = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
@@ -504,6 +502,7 @@ impl DraftSource {
     }
 }
 
+/// Where the last of the first `n_layers` runs ends in `draft.bin`: the bytes a worker reads.
 fn resident_bytes(json: &DraftJson, n_layers: usize) -> u64 {
     json.layers
         .iter()

@@ -412,7 +412,10 @@ impl Session {
             Some(c) if c.mode() == mode => c,
             _ => Controller::new(mode),
         };
-        control.costly_drafter = self.drafter.as_ref().is_some_and(|d| d.costly());
+        control.costly_drafter = self
+            .drafter
+            .as_ref()
+            .is_some_and(|d| d.model_cost().is_some());
         let mut report = GenReport {
             prompt_ids: new.to_vec(),
             generated_ids: Vec::new(),

@@ -281,23 +281,23 @@ fn draft_model_bytes(cli: &Cli, dims: &Dims, positions: usize) -> Result<u64, Jo
     Ok(bytes + state)
 }
 
-/// Load the draft model (`--draft model --draft-trunk DIR`) made from the checkpoint in
-/// `model_dir`, with the target's model-level tensors.
+/// Load the draft model (`--draft model`: its own `--draft-trunk DIR`, or the store's) made from
+/// the checkpoint `catalog` describes (given exactly when the job runs one), with the target's
+/// model-level tensors.
 fn load_draft_model(
     cli: &Cli,
     opened: &Opened,
     source: &dyn WeightSource,
+    catalog: Option<&k3_store::catalog::Catalog>,
 ) -> Result<Option<ModelDrafter>, JobError> {
-    if !wants_draft_model(cli) {
+    let Some(cat) = catalog.filter(|_| wants_draft_model(cli)) else {
         return Ok(None);
-    }
+    };
     let t0 = Instant::now();
-    let (cat, _) = k3_store::catalog::Catalog::open_dir(&opened.model_dir)
-        .map_err(|e| refuse(e.to_string()))?;
     let n = opened.dims.n_layers;
     let src = match (&cli.draft_trunk, &opened.source) {
-        (Some(dir), _) => DraftSource::open(dir, &cat, n, &|t| source.model_tensor(t)),
-        (None, Source::Attached(store)) => store.draft_source(&cat, n).ok_or_else(|| {
+        (Some(dir), _) => DraftSource::open(dir, cat, n, &|t| source.model_tensor(t)),
+        (None, Source::Attached(store)) => store.draft_source(cat, n).ok_or_else(|| {
             refuse(
                 "--draft model: the store holds no draft trunk (start it with --draft-trunk DIR, \
                  or give this job --draft-trunk DIR)",
@@ -609,10 +609,23 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
         opened.dims.n_mla(),
         gb(opened.dims.kda_state_bytes())
     );
-    let shapes = {
+    // One read of the checkpoint index serves the shape checks and, with a draft model, the
+    // catalog its identity check needs.
+    let (shapes, draft_catalog) = {
         let index = k3_proto::safetensors::CheckpointIndex::open(&opened.model_dir)
             .map_err(|e| refuse(format!("{}: {e}", opened.model_dir.display())))?;
-        ShapeTable::from_index(&index, opened.dims.n_layers)
+        let catalog = if wants_draft_model(cli) {
+            let path = opened.model_dir.join("config.json");
+            let cfg =
+                ModelConfig::load(&path).map_err(|e| refuse(format!("{}: {e}", path.display())))?;
+            Some(k3_store::catalog::Catalog::from_index(&index, &cfg).map_err(|e| refuse(e.0))?)
+        } else {
+            None
+        };
+        (
+            ShapeTable::from_index(&index, opened.dims.n_layers),
+            catalog,
+        )
     };
     let source = opened.source.weights();
     let mut model = Model::new(
@@ -626,7 +639,8 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
         ));
     }
     model.lookahead = crate::model::forward::Lookahead::from_env().map_err(refuse)?;
-    let draft_model = load_draft_model(cli, &opened, source)?;
+    let draft_model = load_draft_model(cli, &opened, source, draft_catalog.as_ref())?;
+    drop(draft_catalog);
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());
     }

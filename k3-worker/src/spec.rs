@@ -82,13 +82,10 @@ impl std::fmt::Debug for dyn Drafter {
 pub trait Drafter: Send {
     /// Short name for reports (`ngram`, `history`, `replay`, ...).
     fn name(&self) -> &'static str;
-    /// True when drafting costs time per id of the sequence (a draft model runs every id it
-    /// has not seen yet before it drafts): auto mode then probes ever more rarely once drafts
-    /// have stopped paying ([`Controller::costly_drafter`]).
-    fn costly(&self) -> bool {
-        false
-    }
-    /// A draft model's forward calls and seconds so far (`None` for other drafters).
+    /// A draft model's forward calls and seconds so far (`None` for other drafters). A drafter
+    /// that has one costs time per id of the sequence (it runs every id it has not seen before
+    /// it drafts): auto mode then probes ever more rarely once drafts have stopped paying
+    /// ([`Controller::costly_drafter`]).
     fn model_cost(&self) -> Option<(u64, f64)> {
         None
     }
@@ -309,9 +306,6 @@ impl Drafter for ModelDrafter {
     fn name(&self) -> &'static str {
         "model"
     }
-    fn costly(&self) -> bool {
-        true
-    }
     fn model_cost(&self) -> Option<(u64, f64)> {
         Some((self.calls, self.seconds))
     }
@@ -336,9 +330,6 @@ pub struct FirstOf(pub Vec<Box<dyn Drafter>>);
 impl Drafter for FirstOf {
     fn name(&self) -> &'static str {
         "first-of"
-    }
-    fn costly(&self) -> bool {
-        self.0.iter().any(|d| d.costly())
     }
     fn model_cost(&self) -> Option<(u64, f64)> {
         self.0.iter().find_map(|d| d.model_cost())
@@ -435,7 +426,7 @@ pub struct Controller {
     c1: Option<f64>,
     plain_since_probe: u32,
     /// Plain passes between probes: [`PROBE_EVERY`], doubled after each probe that does not
-    /// bring drafting back when the drafter is costly ([`Drafter::costly`]), up to
+    /// bring drafting back when the drafter is costly ([`Drafter::model_cost`]), up to
     /// [`MAX_PROBE_EVERY`].
     probe_every: u32,
     /// The drafter costs time per id of the sequence.
