@@ -397,6 +397,28 @@ fn a_foreign_or_damaged_draft_trunk_is_refused_with_exit_2() {
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains(&id) && r.stderr.contains(&other), "{r:?}");
     assert!(!r.stderr.contains("panicked"), "{r:?}");
+    // The store refuses the same drafts at start (exit 2), before it serves anything.
+    let socket = sb.dir.join("refuse.sock");
+    for (draft, says) in [
+        (path_str(&damaged), "checksum"),
+        (path_str(&foreign), id.as_str()),
+        ("/nonexistent/draft", "draft.json"),
+    ] {
+        let r = sb.run(
+            "k3-store",
+            &[
+                "start",
+                m,
+                "--draft-trunk",
+                draft,
+                "--socket",
+                path_str(&socket),
+            ],
+        );
+        assert_eq!(r.code, 2, "{draft}: {r:?}");
+        assert!(r.stderr.contains(says), "{draft}: {r:?}");
+        assert!(!socket.exists(), "{draft}: the socket was left behind");
+    }
 }
 
 #[test]
