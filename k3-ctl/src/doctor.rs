@@ -306,11 +306,37 @@ fn sequential_reads(
     round: Duration,
     before: &dyn Fn(),
 ) -> Result<Vec<f64>, String> {
+    let chunk = seq_chunk(file, chunk)?;
+    let mut buf = AlignedBuf::zeroed(chunk as usize + ALIGN)?;
+    sequential_reads_into(file, chunk, round, before, buf.as_mut_slice())
+}
+
+/// The sequential read size for `file`: `chunk`, or the whole file (in [`ALIGN`] units) if it is
+/// smaller.
+fn seq_chunk(file: &DiskFile, chunk: u64) -> Result<u64, String> {
     let chunk = chunk.min(file.len() / ALIGN as u64 * ALIGN as u64);
     if chunk == 0 {
         return Err(format!("{}: empty file", file.path().display()));
     }
-    let mut buf = AlignedBuf::zeroed(chunk as usize + ALIGN)?;
+    Ok(chunk)
+}
+
+/// [`sequential_reads`] into the store's kind of memory: a memfd segment
+/// ([`k3_store::shmem::Segment`], which asks for huge pages where the kernel allows them).
+fn sequential_reads_shm(file: &DiskFile, chunk: u64, round: Duration) -> Result<Vec<f64>, String> {
+    let chunk = seq_chunk(file, chunk)?;
+    let mut seg = k3_store::shmem::Segment::create("k3-doctor", chunk + ALIGN as u64)
+        .map_err(|e| format!("shared memory for the store-destination reads: {e}"))?;
+    sequential_reads_into(file, chunk, round, &|| {}, seg.bytes_mut())
+}
+
+fn sequential_reads_into(
+    file: &DiskFile,
+    chunk: u64,
+    round: Duration,
+    before: &dyn Fn(),
+    buf: &mut [u8],
+) -> Result<Vec<f64>, String> {
     let mut out = Vec::with_capacity(ROUNDS);
     let mut off = 0u64;
     for _ in 0..ROUNDS {
@@ -321,8 +347,7 @@ fn sequential_reads(
             if off + chunk > file.len() {
                 off = 0;
             }
-            file.read_span(off, chunk, buf.as_mut_slice())
-                .map_err(|e| e.0)?;
+            file.read_span(off, chunk, buf).map_err(|e| e.0)?;
             off += chunk;
             bytes += chunk;
         }
@@ -357,8 +382,8 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         drop_cache(&plain);
     };
     let mut ms = Vec::new();
-    // Six measurements of --seconds each: a bar on a terminal, log lines otherwise.
-    let mut bar = k3_store::progress::Progress::new("measuring the disk", 6, false);
+    // Seven measurements of --seconds each: a bar on a terminal, log lines otherwise.
+    let mut bar = k3_store::progress::Progress::new("measuring the disk", 7, false);
     let mode = if is_direct {
         "O_DIRECT"
     } else {
@@ -392,6 +417,18 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         name: "sequential_direct",
         what: format!("{} MiB sequential reads, 1 reader, {mode}", SEQ_CHUNK >> 20),
         mbps: sequential_reads(&direct, SEQ_CHUNK, round, &|| {})?,
+        direct: is_direct,
+    });
+    bar.set(ms.len() as u64);
+    ms.push(Measure {
+        name: "sequential_direct_shm",
+        what: format!(
+            "{} MiB sequential reads into shared memory (a memfd, as the store reads; huge pages \
+             only where shmem_enabled allows: now {}), 1 reader, {mode}",
+            SEQ_CHUNK >> 20,
+            k3_store::shmem::shmem_huge_pages().unwrap_or_else(|| "unknown".into())
+        ),
+        mbps: sequential_reads_shm(&direct, SEQ_CHUNK, round)?,
         direct: is_direct,
     });
     bar.set(ms.len() as u64);
@@ -467,7 +504,8 @@ pub fn run(a: Args) -> i32 {
                       "k3_build": if cfg!(debug_assertions) { "debug" } else { "release" }},
         "memory": {"total_bytes": total, "available_bytes": avail,
                    "preset_plan_totals_bytes": needs.iter().map(|(n, b)| json!({"preset": n, "bytes": b})).collect::<Vec<_>>(),
-                   "recommended_preset": rec},
+                   "recommended_preset": rec,
+                   "shmem_enabled": k3_store::shmem::shmem_huge_pages()},
     });
     if !a.json {
         print_head(&doc);
@@ -590,6 +628,37 @@ fn print_disk(d: &Value) {
             m["what"].as_str().unwrap_or("")
         );
     }
+    if let Some(note) = shm_note(d) {
+        println!("  note: {note}");
+    }
+}
+
+/// When reads into shared memory (the store's destination) run clearly slower than into private
+/// huge pages and the kernel gives shared memory no huge pages: the fix.
+fn shm_note(d: &Value) -> Option<String> {
+    shm_note_under(d, &k3_store::shmem::shmem_huge_pages()?)
+}
+
+/// [`shm_note`] under the `shmem_enabled` mode `mode`.
+fn shm_note_under(d: &Value, mode: &str) -> Option<String> {
+    let med = |name: &str| {
+        d["measurements"]
+            .as_array()?
+            .iter()
+            .find(|m| m["name"] == name)?["mb_per_s"]["median"]
+            .as_f64()
+    };
+    let (private, shm) = (med("sequential_direct")?, med("sequential_direct_shm")?);
+    if k3_store::shmem::shmem_mode_gives_huge_pages(mode) || shm >= 0.8 * private {
+        return None;
+    }
+    Some(format!(
+        "reads into shared memory run at {:.0}% of reads into huge pages here \
+         (/sys/kernel/mm/transparent_hugepage/shmem_enabled is {mode}); a store reads every \
+         weight into shared memory: as root, `echo advise > \
+         /sys/kernel/mm/transparent_hugepage/shmem_enabled` lets it ask for huge pages",
+        100.0 * shm / private
+    ))
 }
 
 #[cfg(test)]
@@ -629,6 +698,26 @@ mod tests {
     }
 
     #[test]
+    fn slow_shared_memory_reads_get_the_fix_only_when_the_kernel_withholds_huge_pages() {
+        let d = |private: f64, shm: f64| {
+            json!({"measurements": [
+                {"name": "sequential_direct", "mb_per_s": {"median": private}},
+                {"name": "sequential_direct_shm", "mb_per_s": {"median": shm}},
+            ]})
+        };
+        let note = shm_note_under(&d(2610.0, 873.0), "never").unwrap();
+        assert!(
+            note.contains("33%") && note.contains("echo advise"),
+            "{note}"
+        );
+        // Huge pages already allowed, or shared memory as fast: nothing to say.
+        assert_eq!(shm_note_under(&d(2610.0, 873.0), "advise"), None);
+        assert_eq!(shm_note_under(&d(2610.0, 2500.0), "never"), None);
+        // A document without the measurement (an older doctor's JSON): nothing either.
+        assert_eq!(shm_note_under(&json!({"measurements": []}), "never"), None);
+    }
+
+    #[test]
     fn disk_measurement_on_a_small_scratch_file() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
@@ -649,6 +738,7 @@ mod tests {
                 "random_qd8",
                 "random_qd16",
                 "sequential_direct",
+                "sequential_direct_shm",
                 "sequential_buffered",
                 "random_buffered_qd1"
             ]

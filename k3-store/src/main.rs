@@ -333,6 +333,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         return fail(&mut notify, exit::REFUSED, msg);
     }
     tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
+    log_shared_memory_pages();
     drop(trunk);
     let identity = match cat.identity(&a.model_dir) {
         Ok(i) => i,
@@ -449,6 +450,25 @@ fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
             tracing::error!("cannot start in the background: {e}");
             exit::FAILURE
         }
+    }
+}
+
+/// Say whether the segment can get huge pages ([`k3_store::shmem::shmem_huge_pages`]): with 4 KiB
+/// pages every `O_DIRECT` read into it runs slower (about half the rate on the benchmark VM), so
+/// the store says so once, with the fix.
+fn log_shared_memory_pages() {
+    use k3_store::shmem::{shmem_huge_pages, shmem_mode_gives_huge_pages};
+    const KNOB: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+    match shmem_huge_pages() {
+        Some(m) if shmem_mode_gives_huge_pages(&m) => {
+            tracing::info!("shared memory: huge pages ({KNOB} is {m})")
+        }
+        Some(m) => tracing::warn!(
+            "shared memory: 4 KiB pages ({KNOB} is {m}): O_DIRECT reads into the store run \
+             slower than into huge pages (`k3-ctl doctor` measures both); as root, \
+             `echo advise > {KNOB}` lets the store ask for huge pages"
+        ),
+        None => tracing::info!("shared memory: huge-page mode unknown ({KNOB} unreadable)"),
     }
 }
 
