@@ -315,6 +315,16 @@ pub trait WeightSource: Send + Sync {
         usize::MAX
     }
 
+    /// True when the caller may hold one answered batch of at most half of
+    /// [`WeightSource::max_expert_batch`] experts while a request for another such batch runs.
+    /// A pass whose union of experts exceeds the cache (a prefill chunk, a speculative verify
+    /// pass) then reads group i+1 while it computes group i, instead of reading and computing in
+    /// turn. Default: false. The store's cache answers false: its slots are shared with other
+    /// workers, whose held batches could leave none for the second request.
+    fn overlap_expert_groups(&self) -> bool {
+        false
+    }
+
     /// Counters so far.
     fn stats(&self) -> SourceStats;
 

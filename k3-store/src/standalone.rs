@@ -294,6 +294,12 @@ impl WeightSource for StandaloneSource {
         self.plan.expert_slots.max(1)
     }
 
+    fn overlap_expert_groups(&self) -> bool {
+        // One job owns every slot: with a batch of at most half of them held, the other half
+        // (minus reads in flight, which finish) is free for the next group.
+        true
+    }
+
     fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
         let name = k3_proto::names::canonical(name);
         self.model

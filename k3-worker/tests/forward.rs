@@ -3,7 +3,13 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
 use common::{layer_name, tiny_dims, MemSource};
+use k3_store::source::{
+    ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
+};
 use k3_worker::model::{Logits, Model, ModelError, TensorShapes};
 
 const PROMPT: [u32; 7] = [5, 17, 3, 88, 42, 42, 9];
@@ -233,5 +239,148 @@ fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
     assert!(
         e.contains("A_log") && e.contains("[8]") && e.contains("[2]"),
         "{e}"
+    );
+}
+
+/// A source over [`MemSource`] with a cache of `cap` experts: it counts the expert regions alive
+/// (held by the engine) and records, for every request, its layer, its size and how many were
+/// alive when it was made.
+struct Capped<'a> {
+    inner: &'a MemSource,
+    cap: usize,
+    overlap: bool,
+    live: Arc<AtomicUsize>,
+    log: Mutex<Vec<(usize, usize, usize)>>,
+}
+
+struct Counted {
+    bytes: Vec<u8>,
+    live: Arc<AtomicUsize>,
+}
+
+impl ByteOwner for Counted {
+    fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl WeightSource for Capped<'_> {
+    fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
+        self.inner.model_tensor(name)
+    }
+    fn layer(&self, l: usize) -> Result<LayerRun, SourceError> {
+        self.inner.layer(l)
+    }
+    fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        let live = self.live.load(Ordering::SeqCst);
+        self.log.lock().unwrap().push((l, ids.len(), live));
+        assert!(ids.len() <= self.cap, "a request larger than the cache");
+        let b = self.inner.experts(l, ids)?;
+        let experts = b
+            .experts
+            .into_iter()
+            .map(|r| {
+                r.map(|region| {
+                    self.live.fetch_add(1, Ordering::SeqCst);
+                    let owner = Counted {
+                        bytes: region.bytes().to_vec(),
+                        live: self.live.clone(),
+                    };
+                    Region::whole(Arc::new(owner))
+                })
+            })
+            .collect();
+        Ok(ExpertBatch { experts })
+    }
+    fn max_expert_batch(&self) -> usize {
+        self.cap
+    }
+    fn overlap_expert_groups(&self) -> bool {
+        self.overlap
+    }
+    fn stats(&self) -> SourceStats {
+        self.inner.stats()
+    }
+}
+
+#[test]
+fn expert_groups_overlap_within_the_cache_and_leave_the_logits_bitwise_unchanged() {
+    let src = MemSource::random(&tiny_dims(), 5);
+    let shapes = Some(&src as &dyn TensorShapes);
+    let reference = {
+        let mut m = model(&src);
+        let mut st = m.new_state(16);
+        m.forward(&PROMPT, &mut st, Logits::All).unwrap()
+    };
+    // (source allows overlap, the engine's switch) -> the request log.
+    let run = |overlap: bool, engine: bool| {
+        let cap = 4;
+        let s = Capped {
+            inner: &src,
+            cap,
+            overlap,
+            live: Arc::new(AtomicUsize::new(0)),
+            log: Mutex::new(Vec::new()),
+        };
+        let mut m = Model::new(src.dims.clone(), &s, shapes).unwrap();
+        m.overlap_groups = engine;
+        let mut st = m.new_state(16);
+        let logits = m.forward(&PROMPT, &mut st, Logits::All).unwrap();
+        assert_eq!(
+            bits(&logits),
+            bits(&reference),
+            "grouping changed the logits (overlap {overlap}, engine {engine})"
+        );
+        drop(m);
+        assert_eq!(s.live.load(Ordering::SeqCst), 0, "an expert region leaked");
+        s.log.into_inner().unwrap()
+    };
+    // The 7-token prefill routes more than 4 distinct experts in some layers.
+    let sequential = run(false, true);
+    assert!(
+        sequential.windows(2).any(|w| w[0].0 == w[1].0),
+        "no layer needed two groups"
+    );
+    // Without overlap a group is requested only once the previous one is dropped.
+    assert!(
+        sequential.iter().all(|&(_, n, live)| n <= 4 && live == 0),
+        "{sequential:?}"
+    );
+    assert_eq!(
+        run(true, false),
+        sequential,
+        "K3_EXPERT_OVERLAP=off must not overlap"
+    );
+    // With overlap: a layer whose union exceeds the cache takes it in half-cache groups, the
+    // next requested while the current one is held; never more alive than the cache holds.
+    let overlapped = run(true, true);
+    let split = |l: usize| overlapped.iter().filter(|r| r.0 == l).count() > 1;
+    assert!(
+        overlapped
+            .iter()
+            .all(|&(l, n, live)| live + n <= 4 && (!split(l) || n <= 2)),
+        "{overlapped:?}"
+    );
+    assert!(
+        overlapped.iter().any(|&(_, _, live)| live > 0),
+        "{overlapped:?}"
+    );
+    let per_layer = |log: &[(usize, usize, usize)]| {
+        let mut m = std::collections::BTreeMap::new();
+        for &(l, n, _) in log {
+            *m.entry(l).or_insert(0) += n;
+        }
+        m
+    };
+    assert_eq!(
+        per_layer(&overlapped),
+        per_layer(&sequential),
+        "the same experts per layer"
     );
 }

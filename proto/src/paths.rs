@@ -13,6 +13,9 @@ pub mod env {
     /// Router lookahead prefetch of the worker: `off`, `on` (= `mlp-in`, the default),
     /// `attn-in`, `mlp-in` (which hidden state predicts the next layer's experts).
     pub const K3_LOOKAHEAD: &str = "K3_LOOKAHEAD";
+    /// Read a pass's next group of experts while the current group computes, when the union
+    /// exceeds the cache (standalone): `on` (the default) or `off` (for A/B runs).
+    pub const K3_EXPERT_OVERLAP: &str = "K3_EXPERT_OVERLAP";
     /// Log level filter of the three binaries (`tracing_subscriber::EnvFilter` syntax).
     pub const RUST_LOG: &str = "RUST_LOG";
 }

@@ -973,3 +973,85 @@ fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
         }
     }
 }
+
+#[test]
+fn overlapped_expert_groups_never_change_the_ids_prefill_or_verify() {
+    // Standalone, where a pass's union of experts exceeds the cache (the whole prompt in one
+    // prefill chunk; verify passes of K = 4 replayed drafts): with K3_EXPERT_OVERLAP on (the
+    // default) the next group is read while the current one computes. Same ids as the
+    // reference, on and off; a bad value is refused.
+    let sb = Sandbox::new("overlap");
+    let trunk = sb.pack_tiny_trunk();
+    let bufs = trunk_layer_bufs(&trunk);
+    let prefix = gb_arg(trunk_budget_pinning(&bufs, 3));
+    let reference = reference_greedy();
+    let replay = sb.dir.join("overlap-replay.json");
+    std::fs::write(&replay, serde_json::to_string(&reference).unwrap()).unwrap();
+    let model = tiny_model();
+    let ids = ids_arg(&reference_prompt());
+    for slots in [TOP_K + 1, 2 * TOP_K + 1] {
+        let cache = cache_gb_for_slots(slots);
+        for spec in [
+            vec!["--spec", "off"],
+            vec![
+                "--spec",
+                "4",
+                "--draft",
+                "replay",
+                "--draft-replay",
+                path_str(&replay),
+                "--draft-miss-rate",
+                "0.3",
+            ],
+        ] {
+            for mode in ["on", "off"] {
+                let out = sb.dir.join(format!("overlap-{mode}.json"));
+                let mut a = vec![
+                    "--standalone",
+                    path_str(&model),
+                    "--trunk",
+                    path_str(&trunk),
+                    "--trunk-gb",
+                    &prefix,
+                    "--cache-gb",
+                    &cache,
+                    "--ids",
+                    &ids,
+                    "--gen",
+                    "20",
+                    "--prefill-chunk",
+                    "0",
+                    "--out",
+                    path_str(&out),
+                ];
+                a.extend_from_slice(&spec);
+                let mut c = sb.command("k3-worker", &a);
+                c.env("K3_EXPERT_OVERLAP", mode);
+                let r = sb.run_command(c);
+                assert_eq!(r.code, 0, "{slots} slots {spec:?} overlap {mode}: {r:?}");
+                let v: Value =
+                    serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+                assert_eq!(
+                    generated(&v),
+                    reference,
+                    "{slots} slots {spec:?}: ids with K3_EXPERT_OVERLAP={mode}"
+                );
+            }
+        }
+    }
+    let mut c = sb.command(
+        "k3-worker",
+        &[
+            "--standalone",
+            path_str(&model),
+            "--ids",
+            &ids,
+            "--gen",
+            "2",
+        ],
+    );
+    c.env("K3_EXPERT_OVERLAP", "sometimes");
+    let r = sb.run_command(c);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("K3_EXPERT_OVERLAP"), "{}", r.stderr);
+}

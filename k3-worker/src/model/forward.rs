@@ -18,7 +18,7 @@
 
 use std::time::Instant;
 
-use k3_store::source::{SourceError, WeightSource};
+use k3_store::source::{PendingExperts, SourceError, WeightSource};
 
 use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
 use super::state::{LayerState, SeqState};
@@ -158,6 +158,18 @@ impl Lookahead {
     }
 }
 
+/// `K3_EXPERT_OVERLAP`: `on` (or unset) or `off` ([`Model::overlap_groups`]).
+pub fn overlap_groups_from_env() -> Result<bool, String> {
+    let name = k3_proto::paths::env::K3_EXPERT_OVERLAP;
+    match std::env::var(name) {
+        Ok(v) if v == "on" => Ok(true),
+        Ok(v) if v == "off" => Ok(false),
+        Ok(v) => Err(format!("{name}={v:?}: expected on or off")),
+        Err(std::env::VarError::NotPresent) => Ok(true),
+        Err(e) => Err(format!("{name}: {e}")),
+    }
+}
+
 /// Callback receiving named per-layer intermediates: `(layer, name, values [n, E])`.
 pub type Tap<'s> = Box<dyn FnMut(usize, &str, &[f32]) + 's>;
 
@@ -180,6 +192,10 @@ pub struct Model<'s> {
     pub step: u64,
     /// Router lookahead mode (default: from the MLP input).
     pub lookahead: Lookahead,
+    /// Read the next group of a pass's experts while computing the current one, where the
+    /// source allows it ([`WeightSource::overlap_expert_groups`]); default on, `K3_EXPERT_OVERLAP=off`
+    /// turns it off (for A/B runs). Only what is read when changes, never the output.
+    pub overlap_groups: bool,
     /// Optional per-layer intermediate tap, named like `scripts/k3_reference.py --dump-trace`
     /// (`attn_in`, `attn_out`, `mlp_in`, `mlp_out` per layer; `final_in` = the output
     /// aggregator's result before the final norm, reported with layer = n_layers), for locating
@@ -254,6 +270,7 @@ impl<'s> Model<'s> {
             trace: None,
             step: 0,
             lookahead: Lookahead::default(),
+            overlap_groups: true,
             tap: None,
             quant: false,
             routed_experts: true,
@@ -329,11 +346,13 @@ impl<'s> Model<'s> {
             trace,
             step,
             lookahead,
+            overlap_groups,
             tap,
             quant,
             routed_experts,
         } = self;
         let (quant, routed_experts) = (*quant, *routed_experts);
+        let overlap_groups = *overlap_groups && source.overlap_expert_groups();
         let lookahead = *lookahead;
         let (source, shapes, step) = (*source, *shapes, *step);
         let mut tap = |l: usize, name: &str, v: &[f32]| {
@@ -488,11 +507,15 @@ impl<'s> Model<'s> {
                                 uniq.iter().filter(|e| p.binary_search(e).is_ok()).count() as u64;
                         }
                     }
-                    // A prefill's union of experts can exceed the cache: fetch it in groups the
-                    // source can hold at once. Each group's slots are released (its batch
-                    // dropped) before the next is requested; the output does not depend on the
-                    // grouping.
-                    let group = source.max_expert_batch().max(1);
+                    // A prefill's or a verify pass's union of experts can exceed the cache:
+                    // fetch it in groups the source can hold at once. Where the source allows
+                    // it, groups are half the cache and group i+1 is requested before group i is
+                    // computed (its read runs under that compute); otherwise each group's slots
+                    // are released (its batch dropped) before the next is requested. The output
+                    // does not depend on the grouping.
+                    let cap = source.max_expert_batch().max(1);
+                    let ahead = overlap_groups && uniq.len() > cap && cap >= 2;
+                    let group = if ahead { cap / 2 } else { cap };
                     let groups: Vec<&[u32]> = uniq.chunks(group).collect();
                     for ids in &groups {
                         if let Some(t) = trace.as_mut() {
@@ -521,8 +544,20 @@ impl<'s> Model<'s> {
                         predicted = predict_next(d, source, shapes, next, binds, l, h, n)?;
                     }
                     let mut first = first;
-                    for ids in &groups {
-                        let batch = match first.take() {
+                    // The next group's request, made before this group is computed.
+                    let mut next: Option<PendingExperts> = None;
+                    for (gi, ids) in groups.iter().enumerate() {
+                        let answer = match (first.take(), next.take()) {
+                            (Some(a), _) => Some(a),
+                            (None, Some(p)) => {
+                                let t_wait = Instant::now();
+                                let a = p.wait();
+                                counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
+                                Some(a)
+                            }
+                            (None, None) => None,
+                        };
+                        let batch = match answer {
                             Some(Ok(b)) => b,
                             Some(Err(SourceError::Panicked(message))) => {
                                 return Err(ModelError::FetchPanicked { layer: l, message })
@@ -535,6 +570,11 @@ impl<'s> Model<'s> {
                                 b
                             }
                         };
+                        if ahead {
+                            next = groups
+                                .get(gi + 1)
+                                .map(|&ids| source.request_experts(l, ids));
+                        }
                         if batch.experts.len() != ids.len() {
                             return Err(ModelError::Config(format!(
                                 "source answered {} experts for a request of {} (layer {l})",
