@@ -84,11 +84,11 @@ impl Segment {
 /// (`/sys/kernel/mm/transparent_hugepage/shmem_enabled`, the bracketed word), or `None` where it
 /// cannot be read.
 ///
-/// It decides whether the store's segment can get huge pages: `always`, `within_size` and
-/// `advise` (the segment asks) give them, `never` and `deny` do not. It matters for speed: the
-/// store reads weights into the segment with `O_DIRECT`, and on a virtual disk a read into 4 KiB
-/// pages costs one scatter-gather segment per page. Measured on the benchmark VM (64 MiB reads
-/// of one file into a memfd): 1.3–1.4 GB/s with 4 KiB pages, 2.6–2.9 GB/s with huge pages
+/// It decides whether the store's segment can get huge pages: `always`, `within_size`, `force`
+/// and `advise` (the segment asks) give them, `never` and `deny` do not. It matters for speed:
+/// the store reads weights into the segment with `O_DIRECT`, and on a virtual disk a read into
+/// 4 KiB pages costs one scatter-gather segment per page. Measured on the benchmark VM (64 MiB
+/// reads of one file into a memfd): 0.9–1.5 GB/s with 4 KiB pages, 2.6–2.9 GB/s with huge pages
 /// (`k3-ctl doctor` measures both on the machine at hand).
 pub fn shmem_huge_pages() -> Option<String> {
     let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()?;
