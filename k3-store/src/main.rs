@@ -440,6 +440,10 @@ fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
                 "k3-store ready: listening on {socket} (pid {pid}); log {}",
                 log.display()
             );
+            // The store's own warning went to its log: repeat it where the user is looking.
+            if let (true, line) = shared_memory_pages() {
+                tracing::warn!("{line}");
+            }
             exit::OK
         }
         Ok(Readiness::Failed { code, message }) => {
@@ -453,22 +457,37 @@ fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
     }
 }
 
-/// Say whether the segment can get huge pages ([`k3_store::shmem::shmem_huge_pages`]): with 4 KiB
-/// pages every `O_DIRECT` read into it runs slower (about half the rate on the benchmark VM), so
-/// the store says so once, with the fix.
-fn log_shared_memory_pages() {
+/// Whether the segment can get huge pages ([`k3_store::shmem::shmem_huge_pages`]), as a log
+/// line, and whether that line is a warning: with 4 KiB pages every `O_DIRECT` read into the
+/// segment runs slower (a third of the rate on the benchmark VM), so the store says so, with the
+/// fix.
+fn shared_memory_pages() -> (bool, String) {
     use k3_store::shmem::{shmem_huge_pages, shmem_mode_gives_huge_pages};
     const KNOB: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
     match shmem_huge_pages() {
         Some(m) if shmem_mode_gives_huge_pages(&m) => {
-            tracing::info!("shared memory: huge pages ({KNOB} is {m})")
+            (false, format!("shared memory: huge pages ({KNOB} is {m})"))
         }
-        Some(m) => tracing::warn!(
-            "shared memory: 4 KiB pages ({KNOB} is {m}): O_DIRECT reads into the store run \
-             slower than into huge pages (`k3-ctl doctor` measures both); as root, \
-             `echo advise > {KNOB}` lets the store ask for huge pages"
+        Some(m) => (
+            true,
+            format!(
+                "shared memory: 4 KiB pages ({KNOB} is {m}): O_DIRECT reads into the store run \
+                 slower than into huge pages (`k3-ctl doctor` measures both); as root, \
+                 `echo advise > {KNOB}` lets the store ask for huge pages"
+            ),
         ),
-        None => tracing::info!("shared memory: huge-page mode unknown ({KNOB} unreadable)"),
+        None => (
+            false,
+            format!("shared memory: huge-page mode unknown ({KNOB} unreadable)"),
+        ),
+    }
+}
+
+/// Log [`shared_memory_pages`] once, at its level.
+fn log_shared_memory_pages() {
+    match shared_memory_pages() {
+        (true, line) => tracing::warn!("{line}"),
+        (false, line) => tracing::info!("{line}"),
     }
 }
 
