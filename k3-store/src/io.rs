@@ -157,8 +157,10 @@ impl AlignedBuf {
                 std::io::Error::last_os_error()
             ));
         }
-        let head = (raw as usize).next_multiple_of(HUGE) - raw as usize;
-        let head = if pad == 0 { 0 } else { head };
+        let head = match pad {
+            0 => 0,
+            _ => (raw as usize).next_multiple_of(HUGE) - raw as usize,
+        };
         let base = raw.cast::<u8>().wrapping_add(head);
         let tail = map_len - head - cap;
         if head > 0 {

@@ -543,33 +543,21 @@ impl<'s> Model<'s> {
                         let next = later.first_mut();
                         predicted = predict_next(d, source, shapes, next, binds, l, h, n)?;
                     }
-                    let mut first = first;
-                    // The next group's request, made before this group is computed.
-                    let mut next: Option<PendingExperts> = None;
+                    // The answer for the group about to be computed: the first group's (waited
+                    // for above), then, with overlap, the request made before the previous group
+                    // was computed; without, a request made now.
+                    let mut next: Option<PendingExperts> = first.map(PendingExperts::ready);
                     for (gi, ids) in groups.iter().enumerate() {
-                        let answer = match (first.take(), next.take()) {
-                            (Some(a), _) => Some(a),
-                            (None, Some(p)) => {
-                                let t_wait = Instant::now();
-                                let a = p.wait();
-                                counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
-                                Some(a)
-                            }
-                            (None, None) => None,
-                        };
-                        let batch = match answer {
+                        let t_wait = Instant::now();
+                        let batch = match next.take().map(PendingExperts::wait) {
                             Some(Ok(b)) => b,
                             Some(Err(SourceError::Panicked(message))) => {
                                 return Err(ModelError::FetchPanicked { layer: l, message })
                             }
                             Some(Err(e)) => return Err(e.into()),
-                            None => {
-                                let t_wait = Instant::now();
-                                let b = source.experts(l, ids)?;
-                                counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
-                                b
-                            }
+                            None => source.experts(l, ids)?,
                         };
+                        counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
                         if ahead {
                             next = groups
                                 .get(gi + 1)
