@@ -103,7 +103,7 @@ pub enum ForPrompt {
     /// The session's ids (this many) are not a strict prefix of the prompt.
     NotPrefix(usize),
     /// Restored; it holds the prompt's first `held.len()` ids.
-    Restored(Restored),
+    Restored(Box<Restored>),
 }
 
 /// Fetch session `name` for a one-shot `prompt`: restored only when the ids it holds are a
@@ -123,7 +123,8 @@ pub fn fetch_for_prompt(
     if reusable(&held, prompt).is_none() {
         return Ok(ForPrompt::NotPrefix(held.len()));
     }
-    decode(blob.bytes(), src.model_identity(), dims, capacity).map(ForPrompt::Restored)
+    decode(blob.bytes(), src.model_identity(), dims, capacity)
+        .map(|r| ForPrompt::Restored(Box::new(r)))
 }
 
 /// What [`keep`] did.

@@ -43,6 +43,9 @@ mod tier;
 
 pub use tier::{active_tier, choose_tier, select_tier, Tier, TierError, SIMD_ENV};
 
+use std::cell::Cell;
+use std::thread::LocalKey;
+
 use rayon::prelude::*;
 
 /// Output rows per task (run in parallel, or in order on the calling thread). Fixed, so the work
@@ -139,18 +142,21 @@ pub fn matmul_t_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y:
     assert_eq!(x.len(), n * rows, "activations [{n}, {rows}]");
     assert_eq!(y.len(), n * cols, "output [{n}, {cols}]");
     y.iter_mut().for_each(|v| *v = 0.0);
-    let mut row = vec![0.0f32; cols];
-    for (r, wr) in w.chunks_exact(cols * 2).enumerate() {
-        for (dst, b) in row.iter_mut().zip(wr.chunks_exact(2)) {
-            *dst = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-        }
-        for t in 0..n {
-            let xr = x[t * rows + r];
-            for (yv, &wv) in y[t * cols..(t + 1) * cols].iter_mut().zip(&row) {
-                *yv += xr * wv;
+    with_buffer(&ROW, |row| {
+        row.clear();
+        row.resize(cols, 0.0);
+        for (r, wr) in w.chunks_exact(cols * 2).enumerate() {
+            for (dst, b) in row.iter_mut().zip(wr.chunks_exact(2)) {
+                *dst = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            }
+            for t in 0..n {
+                let xr = x[t * rows + r];
+                for (yv, &wv) in y[t * cols..(t + 1) * cols].iter_mut().zip(row.iter()) {
+                    *yv += xr * wv;
+                }
             }
         }
-    }
+    });
 }
 
 /// `y[r] = Σ_c W[r,c]·x[c]` for an MXFP4 matrix with E8M0 group scales.
@@ -285,12 +291,13 @@ impl Kernels {
             y.fill(0.0);
             return;
         }
-        let xs = self.split_activations(x, cols);
         let row_bytes = cols * 2;
-        by_rows(rows, cols, n, y, |r0, out| {
-            let k = out.len() / n;
-            let wr = &w[r0 * row_bytes..(r0 + k) * row_bytes];
-            by_tier!(self, bf16_rows(wr, cols, &xs, n, out))
+        self.with_split(x, cols, |xs| {
+            by_rows(rows, cols, n, y, |r0, out| {
+                let k = out.len() / n;
+                let wr = &w[r0 * row_bytes..(r0 + k) * row_bytes];
+                by_tier!(self, bf16_rows(wr, cols, xs, n, out))
+            })
         });
     }
 
@@ -339,29 +346,34 @@ impl Kernels {
             y.fill(0.0);
             return;
         }
-        let xs = self.split_activations(x, cols);
         let (pw, sw) = (cols / 2, cols / 32);
-        by_rows(rows, cols, n, y, |r0, out| {
-            let k = out.len() / n;
-            let (p, s) = (
-                &packed[r0 * pw..(r0 + k) * pw],
-                &scales[r0 * sw..(r0 + k) * sw],
-            );
-            by_tier!(self, mxfp4_rows(p, s, cols, &xs, n, out))
+        self.with_split(x, cols, |xs| {
+            by_rows(rows, cols, n, y, |r0, out| {
+                let k = out.len() / n;
+                let (p, s) = (
+                    &packed[r0 * pw..(r0 + k) * pw],
+                    &scales[r0 * sw..(r0 + k) * sw],
+                );
+                by_tier!(self, mxfp4_rows(p, s, cols, xs, n, out))
+            })
         });
     }
 
-    /// `x [n, cols]` in the layout this tier's bf16 and MXFP4 kernels read: unchanged for the
-    /// scalar tier; for the SIMD tiers, [`split_even_odd_rows`] with the tier's f32 lane count
-    /// (so one 32-bit lane holding two bf16, or one byte holding two E2M1 nibbles, feeds the
-    /// same lane of an even-column and an odd-column vector). Once per call: `O(n·cols)`.
-    fn split_activations(self, x: &[f32], cols: usize) -> std::borrow::Cow<'_, [f32]> {
+    /// Runs `f` on `x [n, cols]` in the layout this tier's bf16 and MXFP4 kernels read:
+    /// unchanged for the scalar tier; for the SIMD tiers, [`split_even_odd_rows`] with the
+    /// tier's f32 lane count (so one 32-bit lane holding two bf16, or one byte holding two E2M1
+    /// nibbles, feeds the same lane of an even-column and an odd-column vector), in this
+    /// thread's reused buffer. Once per call: `O(n·cols)`.
+    fn with_split<R>(self, x: &[f32], cols: usize, f: impl FnOnce(&[f32]) -> R) -> R {
         let lanes = match self.tier {
-            Tier::Scalar => return std::borrow::Cow::Borrowed(x),
+            Tier::Scalar => return f(x),
             Tier::Avx2 => 8,
             Tier::Avx512 => 16,
         };
-        std::borrow::Cow::Owned(split_even_odd_rows(x, cols, lanes))
+        with_buffer(&SPLIT, |buf| {
+            split_even_odd_rows_into(x, cols, lanes, buf);
+            f(buf)
+        })
     }
 
     /// [`dot_f32`] on this tier.
@@ -400,24 +412,59 @@ where
         run(y);
     } else {
         // Rows-major scratch so each task owns a contiguous slice, then transpose to [n, rows].
-        let mut t = vec![0.0f32; rows * n];
-        run(&mut t);
-        for (r, vals) in t.chunks_exact(n).enumerate() {
-            for (tok, &v) in vals.iter().enumerate() {
-                y[tok * rows + r] = v;
+        with_buffer(&ROWS_MAJOR, |t| {
+            t.clear();
+            t.resize(rows * n, 0.0);
+            run(t);
+            for (r, vals) in t.chunks_exact(n).enumerate() {
+                for (tok, &v) in vals.iter().enumerate() {
+                    y[tok * rows + r] = v;
+                }
             }
-        }
+        });
     }
+}
+
+thread_local! {
+    /// The split activations of the matrix kernel running on this thread.
+    pub(super) static SPLIT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    /// [`by_rows`]'s rows-major output for several tokens.
+    static ROWS_MAJOR: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    /// [`matmul_t_bf16`]'s widened weight row.
+    static ROW: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's buffer `key`, whose allocation is kept for the next call (a
+/// kernel allocates its temporaries once per thread, not once per call). The buffer is taken
+/// out while `f` runs: a kernel started on this thread meanwhile (a pool thread takes other
+/// work while it waits) finds it empty and uses a buffer of its own, so nothing is shared.
+pub(super) fn with_buffer<R>(
+    key: &'static LocalKey<Cell<Vec<f32>>>,
+    f: impl FnOnce(&mut Vec<f32>) -> R,
+) -> R {
+    let mut buf = key.take();
+    let r = f(&mut buf);
+    key.set(buf);
+    r
 }
 
 /// Rearranges each `cols`-float row of `x` (one token) in blocks of `2·lanes` columns as
 /// `[lanes even columns | lanes odd columns]`; the last `cols mod 2·lanes` columns of each row
 /// stay in order. This is the order in which the SIMD tiers consume bf16 pairs (the two halves of
 /// a 32-bit lane) and MXFP4 nibbles (byte `i` of a block holds columns `2i` and `2i+1`).
+#[cfg(test)]
 fn split_even_odd_rows(x: &[f32], cols: usize, lanes: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    split_even_odd_rows_into(x, cols, lanes, &mut out);
+    out
+}
+
+/// [`split_even_odd_rows`] into `out` (its allocation reused).
+pub(super) fn split_even_odd_rows_into(x: &[f32], cols: usize, lanes: usize, out: &mut Vec<f32>) {
     assert!(cols > 0 && lanes > 0 && x.len().is_multiple_of(cols));
     let block = 2 * lanes;
-    let mut out = x.to_vec();
+    out.clear();
+    out.extend_from_slice(x);
     for (src, dst) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
         for (s, d) in src.chunks_exact(block).zip(dst.chunks_exact_mut(block)) {
             let (ev, od) = d.split_at_mut(lanes);
@@ -427,7 +474,6 @@ fn split_even_odd_rows(x: &[f32], cols: usize, lanes: usize) -> Vec<f32> {
             }
         }
     }
-    out
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 
 use k3_proto::quant::{QuantKind, GROUP};
 
-use super::{by_rows, split_even_odd_rows, Kernels, Tier};
+use super::{by_rows, split_even_odd_rows_into, with_buffer, Kernels, Tier, SPLIT};
 
 /// Lanes of an int4 row's sum (a 32-column group: 16 even and 16 odd columns).
 const LANES: usize = 16;
@@ -256,26 +256,31 @@ pub fn matmul_quant(
         y.fill(0.0);
         return;
     }
-    let x = match kind {
-        QuantKind::Int8 => std::borrow::Cow::Borrowed(x),
-        QuantKind::Int4 => std::borrow::Cow::Owned(split_even_odd_rows(x, cols, LANES)),
-    };
     let (row_q, row_s) = kind.sizes(1, cols);
     let simd = Kernels::active().tier() != Tier::Scalar && avx2_detected();
-    by_rows(rows, cols, n, y, |r0, out| {
-        let k = out.len() / n;
-        let (q, s) = (
-            &q[r0 * row_q..(r0 + k) * row_q],
-            &s[r0 * row_s..(r0 + k) * row_s],
-        );
-        #[cfg(target_arch = "x86_64")]
-        if simd {
-            // SAFETY: `simd` is true only when the CPU reported AVX2 (`avx2_detected`).
-            unsafe { rows_avx2(kind, q, s, cols, &x, n, out) };
-            return;
-        }
-        rows_portable(kind, q, s, cols, &x, n, out)
-    });
+    let mut run = |x: &[f32]| {
+        by_rows(rows, cols, n, y, |r0, out| {
+            let k = out.len() / n;
+            let (q, s) = (
+                &q[r0 * row_q..(r0 + k) * row_q],
+                &s[r0 * row_s..(r0 + k) * row_s],
+            );
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: `simd` is true only when the CPU reported AVX2 (`avx2_detected`).
+                unsafe { rows_avx2(kind, q, s, cols, x, n, out) };
+                return;
+            }
+            rows_portable(kind, q, s, cols, x, n, out)
+        })
+    };
+    match kind {
+        QuantKind::Int8 => run(x),
+        QuantKind::Int4 => with_buffer(&SPLIT, |buf| {
+            split_even_odd_rows_into(x, cols, LANES, buf);
+            run(buf)
+        }),
+    }
 }
 
 fn avx2_detected() -> bool {
@@ -388,7 +393,7 @@ mod tests {
             // The portable build and the AVX2 build give the same bits.
             let xs = match kind {
                 QuantKind::Int8 => x.clone(),
-                QuantKind::Int4 => split_even_odd_rows(&x, cols, LANES),
+                QuantKind::Int4 => super::super::split_even_odd_rows(&x, cols, LANES),
             };
             let mut a = vec![0.0f32; rows * n];
             rows_portable(kind, &q, &s, cols, &xs, n, &mut a);

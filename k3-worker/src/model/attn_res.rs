@@ -7,6 +7,7 @@
 //! ```
 //! `w = norm.weight ⊙ proj.weight`, folded once at bind. Nothing crosses token positions.
 
+use super::zeroed;
 use crate::kernels;
 
 /// One AttnRes site: the folded query `norm.weight ⊙ proj.weight` (`[E]`, f32).
@@ -16,33 +17,49 @@ pub struct AttnResQuery {
     pub w: Vec<f32>,
 }
 
+/// AttnRes temporaries, reused by every call.
+#[derive(Clone, Debug, Default)]
+pub struct ResBufs {
+    key: Vec<f32>,
+    p: Vec<f32>,
+}
+
 impl AttnResQuery {
-    /// Aggregate `sources` (each `[T, E]`, token-major) into `[T, E]`.
+    /// Aggregate the sources `bank ++ [last]` (each `[T, E]`, token-major) into `out`
+    /// (`[T, E]`; allocations reused).
     ///
     /// Per token: keys are the RMS-normalised sources (eps = `rms_norm_eps`), scored against the
     /// folded query, softmax over sources, and the output is the probability-weighted sum of the
     /// raw sources, accumulated in source order.
-    pub fn aggregate(&self, sources: &[&[f32]], n_tok: usize, eps: f32) -> Vec<f32> {
+    pub fn aggregate<B: AsRef<[f32]>>(
+        &self,
+        bank: &[B],
+        last: &[f32],
+        n_tok: usize,
+        eps: f32,
+        b: &mut ResBufs,
+        out: &mut Vec<f32>,
+    ) {
         let e = self.w.len();
-        let mut out = vec![0.0f32; n_tok * e];
-        let mut key = vec![0.0f32; e];
-        let mut p = vec![0.0f32; sources.len()];
+        let sources = || bank.iter().map(|s| s.as_ref()).chain(std::iter::once(last));
+        let out = zeroed(out, n_tok * e);
+        let key = zeroed(&mut b.key, e);
+        let p = zeroed(&mut b.p, bank.len() + 1);
         for t in 0..n_tok {
-            for (i, s) in sources.iter().enumerate() {
+            for (i, s) in sources().enumerate() {
                 let row = &s[t * e..(t + 1) * e];
                 // key ⊙ w in one pass: rms_norm computes w[d]·(x[d]·inv_rms).
-                kernels::rms_norm(row, &self.w, eps, &mut key);
+                kernels::rms_norm(row, &self.w, eps, key);
                 p[i] = key.iter().map(|&v| v as f64).sum::<f64>() as f32;
             }
-            kernels::softmax_inplace(&mut p);
+            kernels::softmax_inplace(p);
             let o = &mut out[t * e..(t + 1) * e];
-            for (i, s) in sources.iter().enumerate() {
+            for (i, s) in sources().enumerate() {
                 let row = &s[t * e..(t + 1) * e];
                 for d in 0..e {
                     o[d] += p[i] * row[d];
                 }
             }
         }
-        out
     }
 }

@@ -21,8 +21,8 @@ use std::time::Instant;
 use k3_store::source::{PendingExperts, SourceError, WeightSource};
 
 use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
-use super::state::{LayerState, SeqState};
-use super::{linear, rms_norm_rows, Dims, Mat, ModelError};
+use super::state::{LayerState, Predict, SeqState};
+use super::{linear, rms_norm_rows_into, zeroed, Dims, Mat, ModelError};
 
 /// Which positions to compute logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -398,8 +398,10 @@ impl<'s> Model<'s> {
             );
         }
 
-        // The experts predicted for the next layer (router lookahead), checked when it routes.
-        let mut predicted: Option<(usize, Vec<u32>)> = None;
+        // The layer whose experts were predicted (router lookahead; the ids are in
+        // `w.predict`), checked when it routes.
+        let mut predicted: Option<usize> = None;
+        let w = &mut scratch.work;
         for l in 0..d.n_layers {
             let (done, later) = bound.split_at_mut(l + 1);
             let slot = &mut done[l];
@@ -423,89 +425,94 @@ impl<'s> Model<'s> {
 
             // Attention side.
             let t_attn = Instant::now();
-            let x = if banked == 0 {
-                pend.clone()
+            if banked == 0 {
+                w.x.clear();
+                w.x.extend_from_slice(&pend);
             } else {
-                let mut src: Vec<&[f32]> = scratch.bank[..banked]
-                    .iter()
-                    .map(|b| b.as_slice())
-                    .collect();
-                src.push(&pend);
-                lw.self_res.aggregate(&src, n, d.rms_eps)
-            };
+                let bank = &scratch.bank[..banked];
+                lw.self_res
+                    .aggregate(bank, &pend, n, d.rms_eps, &mut w.res, &mut w.x);
+            }
             let carried = l % d.block != 0;
             if !carried {
                 // Boundary: the pending sum becomes a bank entry (its buffer is reused).
                 std::mem::swap(&mut scratch.bank[banked], &mut pend);
                 banked += 1;
             }
-            tap(l, "attn_in", &x);
-            let attn_in = (lookahead == Lookahead::AttnIn).then(|| x.clone());
-            let xn = rms_norm_rows(&x, lw.input_norm, d.rms_eps);
+            tap(l, "attn_in", &w.x);
+            if lookahead == Lookahead::AttnIn {
+                w.attn_in.clear();
+                w.attn_in.extend_from_slice(&w.x);
+            }
+            rms_norm_rows_into(&w.x, lw.input_norm, d.rms_eps, &mut w.xn);
             let journal = if st.journal.active {
                 st.journal.kda.get_mut(l)
             } else {
                 None
             };
-            let a = match (&lw.attn, &mut st.layers[l]) {
-                (Attn::Kda(w), LayerState::Kda(s)) => w.forward(d, &xn, n, s, journal),
-                (Attn::Mla(w), LayerState::Mla(c)) => w.forward(d, &xn, n, c),
+            match (&lw.attn, &mut st.layers[l]) {
+                (Attn::Kda(a), LayerState::Kda(s)) => {
+                    a.forward_into(d, &w.xn, n, s, journal, &mut w.kda, &mut w.a)
+                }
+                (Attn::Mla(a), LayerState::Mla(c)) => {
+                    a.forward_into(d, &w.xn, n, c, &mut w.mla, &mut w.a)
+                }
                 _ => {
                     return Err(ModelError::Input(format!(
                         "state of layer {l} does not match its kind"
                     )))
                 }
-            };
+            }
             counters.phases.attention += t_attn.elapsed().as_secs_f64();
-            tap(l, "attn_out", &a);
+            tap(l, "attn_out", &w.a);
             if carried {
-                pend.iter_mut().zip(&a).for_each(|(pv, av)| *pv += av);
+                pend.iter_mut().zip(&w.a).for_each(|(pv, av)| *pv += av);
             } else {
                 pend.clear();
-                pend.extend_from_slice(&a);
+                pend.extend_from_slice(&w.a);
             }
 
             // MLP side (bank is non-empty: layer 0 is a boundary).
             let t_mlp = Instant::now();
             let expert_wait0 = counters.expert_wait_seconds;
-            let mut src: Vec<&[f32]> = scratch.bank[..banked]
-                .iter()
-                .map(|b| b.as_slice())
-                .collect();
-            src.push(&pend);
-            let x = lw.mlp_res.aggregate(&src, n, d.rms_eps);
-            tap(l, "mlp_in", &x);
-            let xn = rms_norm_rows(&x, lw.post_norm, d.rms_eps);
+            let bank = &scratch.bank[..banked];
+            lw.mlp_res
+                .aggregate(bank, &pend, n, d.rms_eps, &mut w.res, &mut w.x);
+            tap(l, "mlp_in", &w.x);
+            rms_norm_rows_into(&w.x, lw.post_norm, d.rms_eps, &mut w.xn);
             // The router lookahead's input (SPEC §6.7).
             let early = match lookahead {
                 Lookahead::Off => None,
-                Lookahead::AttnIn => attn_in.as_deref(),
-                Lookahead::MlpIn => Some(&x[..]),
+                Lookahead::AttnIn => Some(&w.attn_in[..]),
+                Lookahead::MlpIn => Some(&w.x[..]),
             };
-            let m = match &lw.mlp {
+            match &lw.mlp {
                 Mlp::Dense(mlp) => {
                     // Nothing to fetch here: the disk is free for the next layer's predicted
                     // experts at once.
                     if let Some(h) = early {
                         let next = later.first_mut();
-                        predicted = predict_next(d, source, shapes, next, binds, l, h, n)?;
+                        predicted =
+                            predict_next(d, source, shapes, next, binds, l, h, n, &mut w.predict)?;
                     }
-                    mlp.forward(d, &xn, n)
+                    mlp.forward(d, &w.xn, n, &mut w.mlp, &mut w.m);
                 }
-                Mlp::Moe(moe) if !routed_experts => moe
-                    .shared_out(d, &xn, n)
-                    .unwrap_or_else(|| vec![0.0; n * e]),
+                Mlp::Moe(moe) if !routed_experts => {
+                    if !moe.shared_out(d, &w.xn, n, &mut w.mlp, &mut w.m) {
+                        zeroed(&mut w.m, n * e);
+                    }
+                }
                 Mlp::Moe(moe) => {
-                    let routing = moe.route(d, &xn, n);
-                    let uniq = routing.unique();
-                    if let Some((pl, p)) = predicted.take() {
-                        if pl == l {
-                            counters.lookahead_layers += 1;
-                            counters.lookahead_predicted += p.len() as u64;
-                            counters.lookahead_actual += uniq.len() as u64;
-                            counters.lookahead_correct +=
-                                uniq.iter().filter(|e| p.binary_search(e).is_ok()).count() as u64;
-                        }
+                    moe.route_into(d, &w.xn, n, &mut w.route, &mut w.routing);
+                    w.routing.unique_into(&mut w.uniq);
+                    let uniq = &w.uniq;
+                    if predicted.take() == Some(l) {
+                        let p = &w.predict.ids;
+                        counters.lookahead_layers += 1;
+                        counters.lookahead_predicted += p.len() as u64;
+                        counters.lookahead_actual += uniq.len() as u64;
+                        counters.lookahead_correct +=
+                            uniq.iter().filter(|e| p.binary_search(e).is_ok()).count() as u64;
                     }
                     // A prefill's or a verify pass's union of experts can exceed the cache:
                     // fetch it in groups the source can hold at once. Where the source allows
@@ -516,8 +523,7 @@ impl<'s> Model<'s> {
                     let cap = source.max_expert_batch().max(1);
                     let ahead = overlap_groups && uniq.len() > cap && cap >= 2;
                     let group = if ahead { cap / 2 } else { cap };
-                    let groups: Vec<&[u32]> = uniq.chunks(group).collect();
-                    for ids in &groups {
+                    for ids in uniq.chunks(group) {
                         if let Some(t) = trace.as_mut() {
                             t.push(TraceRecord {
                                 step,
@@ -530,24 +536,28 @@ impl<'s> Model<'s> {
                     // The first group's read (on the source's long-lived fetch thread) overlaps
                     // the latent down-projection and the shared experts, which do not depend on
                     // it.
-                    let pending = groups.first().map(|&ids| source.request_experts(l, ids));
-                    let z = moe.latent_in(d, &xn, n);
-                    let shared = moe.shared_out(d, &xn, n);
+                    let pending = uniq
+                        .chunks(group)
+                        .next()
+                        .map(|ids| source.request_experts(l, ids));
+                    moe.latent_in(d, &w.xn, n, &mut w.z);
+                    let has_shared = moe.shared_out(d, &w.xn, n, &mut w.mlp, &mut w.shared);
                     let t_wait = Instant::now();
                     let first = pending.map(|p| p.wait());
                     counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
-                    let mut results = Vec::with_capacity(uniq.len());
+                    w.slots.reset(w.routing.sel.len(), d.latent);
                     // The disk is free again: read ahead what the next layer's router would
                     // choose from this layer's early hidden state, if its router is resident.
                     if let Some(h) = early {
                         let next = later.first_mut();
-                        predicted = predict_next(d, source, shapes, next, binds, l, h, n)?;
+                        predicted =
+                            predict_next(d, source, shapes, next, binds, l, h, n, &mut w.predict)?;
                     }
                     // The answer for the group about to be computed: the first group's (waited
                     // for above), then, with overlap, the request made before the previous group
                     // was computed; without, a request made now.
                     let mut next: Option<PendingExperts> = first.map(PendingExperts::ready);
-                    for (gi, ids) in groups.iter().enumerate() {
+                    for (gi, ids) in uniq.chunks(group).enumerate() {
                         let t_wait = Instant::now();
                         let batch = match next.take().map(PendingExperts::wait) {
                             Some(Ok(b)) => b,
@@ -559,9 +569,10 @@ impl<'s> Model<'s> {
                         };
                         counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
                         if ahead {
-                            next = groups
-                                .get(gi + 1)
-                                .map(|&ids| source.request_experts(l, ids));
+                            next = uniq
+                                .chunks(group)
+                                .nth(gi + 1)
+                                .map(|ids| source.request_experts(l, ids));
                         }
                         if batch.experts.len() != ids.len() {
                             return Err(ModelError::Config(format!(
@@ -570,25 +581,33 @@ impl<'s> Model<'s> {
                                 ids.len()
                             )));
                         }
-                        results.extend(moe.run_experts(d, &z, n, &routing, ids, &batch));
-                    }
-                    let (out, failed) = moe.combine(d, n, &routing, &results, shared.as_deref());
-                    for (id, why) in failed {
-                        counters.failed_expert_loads += 1;
-                        if counters.failure_messages.len() < MAX_FAILURE_MESSAGES {
-                            counters
-                                .failure_messages
-                                .push(format!("layer {l} expert {id}: {why}"));
+                        let failed = moe.run_experts(
+                            d,
+                            &w.z,
+                            &w.routing,
+                            ids,
+                            &batch,
+                            &mut w.experts,
+                            &mut w.slots,
+                        );
+                        for (id, why) in failed {
+                            counters.failed_expert_loads += 1;
+                            if counters.failure_messages.len() < MAX_FAILURE_MESSAGES {
+                                counters
+                                    .failure_messages
+                                    .push(format!("layer {l} expert {id}: {why}"));
+                            }
                         }
                     }
-                    out
+                    let shared = has_shared.then_some(&w.shared[..]);
+                    moe.combine(d, n, &w.routing, &w.slots, shared, &mut w.combine, &mut w.m);
                 }
-            };
+            }
             let waited = counters.expert_wait_seconds - expert_wait0;
             counters.phases.expert_wait += waited;
             counters.phases.mlp += (t_mlp.elapsed().as_secs_f64() - waited).max(0.0);
-            tap(l, "mlp_out", &m);
-            pend.iter_mut().zip(&m).for_each(|(pv, mv)| *pv += mv);
+            tap(l, "mlp_out", &w.m);
+            pend.iter_mut().zip(&w.m).for_each(|(pv, mv)| *pv += mv);
             drop(run);
         }
         // Give back the streamed layers; a lease the store broke voids the pass.
@@ -596,21 +615,18 @@ impl<'s> Model<'s> {
 
         // Output aggregator → final norm → lm_head.
         let t_head = Instant::now();
-        let mut src: Vec<&[f32]> = scratch.bank[..banked]
-            .iter()
-            .map(|b| b.as_slice())
-            .collect();
-        src.push(&pend);
-        let x = globals.out_res.aggregate(&src, n, d.rms_eps);
-        drop(src);
+        let bank = &scratch.bank[..banked];
+        globals
+            .out_res
+            .aggregate(bank, &pend, n, d.rms_eps, &mut w.res, &mut w.x);
         scratch.pend = pend;
-        tap(d.n_layers, "final_in", &x);
+        tap(d.n_layers, "final_in", &w.x);
         let (first, rows) = match which {
             Logits::All => (0, n),
             Logits::Last => (n - 1, 1),
         };
-        let xn = rms_norm_rows(&x[first * e..], &globals.final_norm, d.rms_eps);
-        let logits = linear(Mat::Bf16(globals.lm_head.bytes()), d.vocab, e, &xn, rows);
+        rms_norm_rows_into(&w.x[first * e..], &globals.final_norm, d.rms_eps, &mut w.xn);
+        let logits = linear(Mat::Bf16(globals.lm_head.bytes()), d.vocab, e, &w.xn, rows);
         counters.phases.lm_head += t_head.elapsed().as_secs_f64();
         st.pos += n;
         Ok(logits)
@@ -631,7 +647,8 @@ fn predict_next(
     l: usize,
     h: &[f32],
     n: usize,
-) -> Result<Option<(usize, Vec<u32>)>, ModelError> {
+    p: &mut Predict,
+) -> Result<Option<usize>, ModelError> {
     let Some(next) = next else { return Ok(None) };
     let Some(run) = source.resident_layer(l + 1) else {
         return Ok(None);
@@ -644,9 +661,10 @@ fn predict_next(
     let Mlp::Moe(moe) = &nw.mlp else {
         return Ok(None);
     };
-    let hn = rms_norm_rows(h, nw.post_norm, d.rms_eps);
-    let mut p = moe.route(d, &hn, n).unique();
-    p.truncate(source.max_expert_batch().max(1));
-    source.prefetch_experts(l + 1, &p);
-    Ok(Some((l + 1, p)))
+    rms_norm_rows_into(h, nw.post_norm, d.rms_eps, &mut p.hn);
+    moe.route_into(d, &p.hn, n, &mut p.route, &mut p.routing);
+    p.routing.unique_into(&mut p.ids);
+    p.ids.truncate(source.max_expert_batch().max(1));
+    source.prefetch_experts(l + 1, &p.ids);
+    Ok(Some(l + 1))
 }

@@ -17,7 +17,7 @@
 use rayon::prelude::*;
 
 use super::state::{KdaJournal, KdaState};
-use super::{linear, Dims, Mat, ModelError};
+use super::{linear_into, zeroed, Dims, Mat, ModelError};
 use crate::kernels;
 
 /// L2-norm eps for q and k (fla `l2norm`).
@@ -52,6 +52,21 @@ pub struct KdaWeights<'a> {
     pub o_proj: Mat<'a>,
 }
 
+/// A KDA layer's activation buffers, reused by every forward call (see [`super::zeroed`]).
+#[derive(Clone, Debug, Default)]
+pub struct KdaBufs {
+    qkv: [Vec<f32>; 3],
+    beta: Vec<f32>,
+    za: Vec<f32>,
+    alpha: Vec<f32>,
+    gate: Vec<f32>,
+    /// Per head `[n, D]` outputs, head-major `[H, n, D]`.
+    heads: Vec<f32>,
+    /// Per head: q, k, u, o (`4·D`), then a journaled pass's copy of the state (`D·D`).
+    tmp: Vec<f32>,
+    y: Vec<f32>,
+}
+
 impl KdaWeights<'_> {
     /// Run `n` tokens (`x [n, E]`, already normalised) through the layer, advancing `st`. With
     /// a `journal`, also keep what [`replay`] needs to roll the state back to any of the `n`
@@ -62,40 +77,59 @@ impl KdaWeights<'_> {
         x: &[f32],
         n: usize,
         st: &mut KdaState,
-        mut journal: Option<&mut KdaJournal>,
+        journal: Option<&mut KdaJournal>,
     ) -> Vec<f32> {
+        let mut out = Vec::new();
+        self.forward_into(d, x, n, st, journal, &mut KdaBufs::default(), &mut out);
+        out
+    }
+
+    /// [`KdaWeights::forward`] into `out`, with the layer's temporaries in `b` (no allocation
+    /// once the buffers have grown to the pass's size).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_into(
+        &self,
+        d: &Dims,
+        x: &[f32],
+        n: usize,
+        st: &mut KdaState,
+        mut journal: Option<&mut KdaJournal>,
+        b: &mut KdaBufs,
+        out: &mut Vec<f32>,
+    ) {
         let (e, h_n, dh) = (d.hidden, d.kda_heads, d.kda_dim);
         let p = h_n * dh;
         let k = d.conv_k;
 
         // 1–2. projections, causal conv + SiLU with carried raw history.
-        let mut qkv = [
-            linear(self.q_proj, p, e, x, n),
-            linear(self.k_proj, p, e, x, n),
-            linear(self.v_proj, p, e, x, n),
-        ];
+        let [bq, bk, bv] = &mut b.qkv;
+        linear_into(self.q_proj, p, e, x, n, bq);
+        linear_into(self.k_proj, p, e, x, n, bk);
+        linear_into(self.v_proj, p, e, x, n, bv);
         let deferred = journal.is_some();
         if let Some(j) = journal.as_deref_mut() {
             j.n = n;
             for ((c0, raw), (hist, proj)) in
-                (j.conv0.iter_mut().zip(j.raw.iter_mut())).zip(st.conv.iter().zip(&qkv))
+                (j.conv0.iter_mut().zip(j.raw.iter_mut())).zip(st.conv.iter().zip(&b.qkv))
             {
                 copy_into(c0, hist);
                 copy_into(raw, proj);
             }
         }
-        for ((raw, w), hist) in qkv.iter_mut().zip(&self.conv).zip(st.conv.iter_mut()) {
+        for ((raw, w), hist) in b.qkv.iter_mut().zip(&self.conv).zip(st.conv.iter_mut()) {
             short_conv_silu(raw, w, hist, p, k, n);
         }
-        let [q, kk, v] = qkv;
+        let [q, kk, v] = &b.qkv;
 
         // 4. β per head.
-        let mut beta = linear(self.b_proj, h_n, e, x, n);
-        beta.iter_mut().for_each(|b| *b = kernels::sigmoid(*b));
+        linear_into(self.b_proj, h_n, e, x, n, &mut b.beta);
+        b.beta.iter_mut().for_each(|b| *b = kernels::sigmoid(*b));
+        let beta = &b.beta;
 
         // 5. decay α = exp(lb·σ(exp(A_log[h])·(z + dt_bias))).
-        let za = linear(self.f_a, dh, e, x, n);
-        let mut alpha = linear(self.f_b, p, dh, &za, n);
+        linear_into(self.f_a, dh, e, x, n, &mut b.za);
+        linear_into(self.f_b, p, dh, &b.za, n, &mut b.alpha);
+        let alpha = &mut b.alpha;
         for t in 0..n {
             for c in 0..p {
                 let a = self.a_log[c / dh].exp();
@@ -103,65 +137,69 @@ impl KdaWeights<'_> {
                 alpha[t * p + c] = (d.gate_lb * kernels::sigmoid(a * z)).exp();
             }
         }
+        let alpha = &b.alpha;
 
         if let Some(j) = journal {
-            copy_into(&mut j.k, &kk);
-            copy_into(&mut j.v, &v);
-            copy_into(&mut j.alpha, &alpha);
-            copy_into(&mut j.beta, &beta);
+            copy_into(&mut j.k, kk);
+            copy_into(&mut j.v, v);
+            copy_into(&mut j.alpha, alpha);
+            copy_into(&mut j.beta, beta);
         }
 
-        let mut gate = linear(self.g_proj, p, e, x, n);
-        gate.iter_mut().for_each(|g| *g = kernels::sigmoid(*g));
+        linear_into(self.g_proj, p, e, x, n, &mut b.gate);
+        b.gate.iter_mut().for_each(|g| *g = kernels::sigmoid(*g));
+        let gate = &b.gate;
 
         // 3, 6, 7 per head (heads are independent; tokens sequential inside a head).
         let q_scale = 1.0 / (dh as f32).sqrt();
-        let per_head: Vec<Vec<f32>> =
-            st.s.par_chunks_mut(dh * dh)
-                .with_min_len(heads_per_task(n, dh))
-                .enumerate()
-                .map(|(h, s_live)| {
-                    // A journaled pass runs the recurrence on a copy: the live state stays at
-                    // the pass's start until `replay` advances it by the kept positions.
-                    let mut copy;
-                    let s: &mut [f32] = if deferred {
-                        copy = s_live.to_vec();
-                        &mut copy
-                    } else {
-                        s_live
-                    };
-                    let mut out = vec![0.0f32; n * dh];
-                    let (mut qh, mut kh, mut u, mut o) =
-                        (vec![0.0; dh], vec![0.0; dh], vec![0.0; dh], vec![0.0; dh]);
-                    for t in 0..n {
-                        let base = t * p + h * dh;
-                        qh.copy_from_slice(&q[base..base + dh]);
-                        kh.copy_from_slice(&kk[base..base + dh]);
-                        kernels::l2_norm_inplace(&mut qh, L2_EPS);
-                        kernels::l2_norm_inplace(&mut kh, L2_EPS);
-                        qh.iter_mut().for_each(|v| *v *= q_scale);
-                        let vh = &v[base..base + dh];
-                        let al = &alpha[base..base + dh];
-                        let b = beta[t * h_n + h];
-                        recurrence_step(s, dh, al, &kh, vh, b, &qh, &mut u, &mut o);
-                        let y = &mut out[t * dh..(t + 1) * dh];
-                        kernels::rms_norm(&o, self.o_norm, d.rms_eps, y);
-                        for (yv, g) in y.iter_mut().zip(&gate[base..base + dh]) {
-                            *yv *= g;
-                        }
+        let tmp_len = 4 * dh + if deferred { dh * dh } else { 0 };
+        let heads = zeroed(&mut b.heads, h_n * n * dh);
+        let tmp = zeroed(&mut b.tmp, h_n * tmp_len);
+        st.s.par_chunks_mut(dh * dh)
+            .zip(heads.par_chunks_mut(n * dh))
+            .zip(tmp.par_chunks_mut(tmp_len))
+            .with_min_len(heads_per_task(n, dh))
+            .enumerate()
+            .for_each(|(h, ((s_live, out), tmp))| {
+                let (qkuo, copy) = tmp.split_at_mut(4 * dh);
+                let (qh, rest) = qkuo.split_at_mut(dh);
+                let (kh, rest) = rest.split_at_mut(dh);
+                let (u, o) = rest.split_at_mut(dh);
+                // A journaled pass runs the recurrence on a copy: the live state stays at the
+                // pass's start until `replay` advances it by the kept positions.
+                let s: &mut [f32] = if deferred {
+                    copy.copy_from_slice(s_live);
+                    copy
+                } else {
+                    s_live
+                };
+                for t in 0..n {
+                    let base = t * p + h * dh;
+                    qh.copy_from_slice(&q[base..base + dh]);
+                    kh.copy_from_slice(&kk[base..base + dh]);
+                    kernels::l2_norm_inplace(qh, L2_EPS);
+                    kernels::l2_norm_inplace(kh, L2_EPS);
+                    qh.iter_mut().for_each(|v| *v *= q_scale);
+                    let vh = &v[base..base + dh];
+                    let al = &alpha[base..base + dh];
+                    let b = beta[t * h_n + h];
+                    recurrence_step(s, dh, al, kh, vh, b, qh, u, o);
+                    let y = &mut out[t * dh..(t + 1) * dh];
+                    kernels::rms_norm(o, self.o_norm, d.rms_eps, y);
+                    for (yv, g) in y.iter_mut().zip(&gate[base..base + dh]) {
+                        *yv *= g;
                     }
-                    out
-                })
-                .collect();
-        let mut y = vec![0.0f32; n * p];
-        for (h, oh) in per_head.iter().enumerate() {
+                }
+            });
+        let y = zeroed(&mut b.y, n * p);
+        for (h, oh) in b.heads.chunks_exact(n * dh).enumerate() {
             for t in 0..n {
                 y[t * p + h * dh..t * p + (h + 1) * dh].copy_from_slice(&oh[t * dh..(t + 1) * dh]);
             }
         }
 
         // 8.
-        linear(self.o_proj, e, p, &y, n)
+        linear_into(self.o_proj, e, p, &b.y, n, out);
     }
 }
 
@@ -187,7 +225,14 @@ fn copy_into(dst: &mut Vec<f32>, src: &[f32]) {
 /// update runs, from the journaled inputs, through the same functions the forward pass uses —
 /// so the result is bit for bit what a pass of only those positions leaves. The conv histories
 /// become the last `K-1` raw projections of (history before the pass ++ the kept positions).
-pub fn replay(st: &mut KdaState, j: &KdaJournal, keep: usize) -> Result<(), ModelError> {
+///
+/// `tmp` holds the per-head temporaries (its allocation is reused).
+pub fn replay(
+    st: &mut KdaState,
+    j: &KdaJournal,
+    keep: usize,
+    tmp: &mut Vec<f32>,
+) -> Result<(), ModelError> {
     let n = j.n;
     let bad = |what: &str| ModelError::Input(format!("KDA rollback journal: {what}"));
     if keep > n || n == 0 {
@@ -202,24 +247,26 @@ pub fn replay(st: &mut KdaState, j: &KdaJournal, keep: usize) -> Result<(), Mode
     if dh * dh * h_n != st.s.len() || [&j.k, &j.v, &j.alpha].iter().any(|a| a.len() != n * p) {
         return Err(bad("inconsistent sizes"));
     }
+    let tmp = zeroed(tmp, h_n * 2 * dh);
     st.s.par_chunks_mut(dh * dh)
+        .zip(tmp.par_chunks_mut(2 * dh))
         .with_min_len(heads_per_task(keep.max(1), dh))
         .enumerate()
-        .for_each(|(h, s)| {
-            let (mut kh, mut u) = (vec![0.0f32; dh], vec![0.0f32; dh]);
+        .for_each(|(h, (s, tmp))| {
+            let (kh, u) = tmp.split_at_mut(dh);
             for t in 0..keep {
                 let base = t * p + h * dh;
                 kh.copy_from_slice(&j.k[base..base + dh]);
-                kernels::l2_norm_inplace(&mut kh, L2_EPS);
+                kernels::l2_norm_inplace(kh, L2_EPS);
                 let b = j.beta[t * h_n + h];
                 state_update(
                     s,
                     dh,
                     &j.alpha[base..base + dh],
-                    &kh,
+                    kh,
                     &j.v[base..base + dh],
                     b,
-                    &mut u,
+                    u,
                 );
             }
         });

@@ -15,7 +15,7 @@
 use rayon::prelude::*;
 
 use super::state::MlaCache;
-use super::{linear, rms_norm_rows, Dims, Mat};
+use super::{linear_into, rms_norm_rows_into, zeroed, Dims, Mat};
 use crate::kernels;
 
 /// One MLA layer's weights.
@@ -39,65 +39,113 @@ pub struct MlaWeights<'a> {
     pub g_proj: Option<Mat<'a>>,
 }
 
+/// An MLA layer's activation buffers, reused by every forward call (see [`super::zeroed`]).
+#[derive(Clone, Debug, Default)]
+pub struct MlaBufs {
+    qa: Vec<f32>,
+    qa_n: Vec<f32>,
+    q: Vec<f32>,
+    ckv: Vec<f32>,
+    /// Per head `[n, v_head]` outputs, head-major.
+    heads: Vec<f32>,
+    /// Per head: q_nope `[n, nope]`, q̃ `[n, kv_lora]`, the query row, ĉ `[n, kv_lora]`, the
+    /// scores over the cache.
+    tmp: Vec<f32>,
+    o: Vec<f32>,
+    g: Vec<f32>,
+}
+
 impl MlaWeights<'_> {
     /// Run `n` tokens (`x [n, E]`, normalised) through the layer, appending them to `cache`.
     pub fn forward(&self, d: &Dims, x: &[f32], n: usize, cache: &mut MlaCache) -> Vec<f32> {
+        let mut out = Vec::new();
+        self.forward_into(d, x, n, cache, &mut MlaBufs::default(), &mut out);
+        out
+    }
+
+    /// [`MlaWeights::forward`] into `out`, with the layer's temporaries in `b` (no allocation
+    /// once the buffers have grown: the scores are sized for the cache's planned capacity).
+    pub fn forward_into(
+        &self,
+        d: &Dims,
+        x: &[f32],
+        n: usize,
+        cache: &mut MlaCache,
+        b: &mut MlaBufs,
+        out: &mut Vec<f32>,
+    ) {
         let (e, hn, nope, rope, vh, kl) =
             (d.hidden, d.mla_heads, d.nope, d.rope, d.v_head, d.kv_lora);
         let qw = nope + rope;
         let lw = d.latent_width();
 
         // Queries.
-        let qa = linear(self.q_a, d.q_lora, e, x, n);
-        let qa = rms_norm_rows(&qa, self.q_a_norm, d.mla_norm_eps);
-        let q = linear(self.q_b, hn * qw, d.q_lora, &qa, n);
+        linear_into(self.q_a, d.q_lora, e, x, n, &mut b.qa);
+        rms_norm_rows_into(&b.qa, self.q_a_norm, d.mla_norm_eps, &mut b.qa_n);
+        linear_into(self.q_b, hn * qw, d.q_lora, &b.qa_n, n, &mut b.q);
+        let q = &b.q;
 
-        // Keys/values: append [c | kr] of the new positions to the latent cache.
-        let ckv = linear(self.kv_a, lw, e, x, n);
+        // Keys/values: append [c | kr] of the new positions to the latent cache (the norm
+        // writes straight into the cache row).
+        linear_into(self.kv_a, lw, e, x, n, &mut b.ckv);
         let past = cache.len();
-        let mut c = vec![0.0f32; kl];
         for t in 0..n {
-            let row = &ckv[t * lw..(t + 1) * lw];
-            kernels::rms_norm(&row[..kl], self.kv_a_norm, d.mla_norm_eps, &mut c);
-            cache.rows.extend_from_slice(&c);
+            let row = &b.ckv[t * lw..(t + 1) * lw];
+            let at = cache.rows.len();
+            cache.rows.resize(at + kl, 0.0);
+            kernels::rms_norm(
+                &row[..kl],
+                self.kv_a_norm,
+                d.mla_norm_eps,
+                &mut cache.rows[at..],
+            );
             cache.rows.extend_from_slice(&row[kl..]);
         }
         let rows = &cache.rows;
 
         // Per head: absorbed query, causal softmax over the cache, latent sum, V expansion.
         let scale = 1.0 / ((nope + rope) as f32).sqrt();
-        let per_head: Vec<Vec<f32>> = (0..hn)
-            .into_par_iter()
-            .map(|h| {
-                let mut qn = vec![0.0f32; n * nope];
+        let fixed = n * nope + 2 * n * kl + lw;
+        let per = fixed + past + n;
+        // Room for the scores of every position the cache was planned for, once.
+        let planned = (cache.rows.capacity() / lw).max(past + n);
+        b.tmp.clear();
+        b.tmp.reserve(hn * (fixed + planned));
+        let tmp = zeroed(&mut b.tmp, hn * per);
+        let heads = zeroed(&mut b.heads, hn * n * vh);
+        heads
+            .par_chunks_mut(n * vh)
+            .zip(tmp.par_chunks_mut(per))
+            .enumerate()
+            .for_each(|(h, (oh, tmp))| {
+                let (qn, rest) = tmp.split_at_mut(n * nope);
+                let (qt, rest) = rest.split_at_mut(n * kl);
+                let (query, rest) = rest.split_at_mut(lw);
+                let (chat, p) = rest.split_at_mut(n * kl);
                 for t in 0..n {
                     let src = &q[t * hn * qw + h * qw..t * hn * qw + h * qw + nope];
                     qn[t * nope..(t + 1) * nope].copy_from_slice(src);
                 }
                 // q̃ = W_UK[h]ᵀ q_nope [n, kv_lora], straight from kv_b's rows (no copy).
                 let uk_off = h * (nope + vh) * kl * 2;
-                let mut qt = vec![0.0f32; n * kl];
                 kernels::matmul_t_bf16(
                     &self.kv_b[uk_off..uk_off + nope * kl * 2],
                     nope,
                     kl,
-                    &qn,
+                    qn,
                     n,
-                    &mut qt,
+                    qt,
                 );
-                let mut query = vec![0.0f32; lw];
-                let mut chat = vec![0.0f32; n * kl];
-                let mut p = Vec::with_capacity(past + n);
                 for t in 0..n {
                     query[..kl].copy_from_slice(&qt[t * kl..(t + 1) * kl]);
                     let qr = t * hn * qw + h * qw + nope;
                     query[kl..].copy_from_slice(&q[qr..qr + rope]);
                     let upto = past + t + 1; // causal: positions 0..=past+t
-                    p.clear();
-                    for s in 0..upto {
-                        p.push(kernels::dot_f32(&query, &rows[s * lw..(s + 1) * lw]) * scale);
+                    let p = &mut p[..upto];
+                    for (s, ps) in p.iter_mut().enumerate() {
+                        *ps = kernels::dot_f32(query, &rows[s * lw..(s + 1) * lw]) * scale;
                     }
-                    kernels::softmax_inplace(&mut p);
+                    kernels::softmax_inplace(p);
                     let ch = &mut chat[t * kl..(t + 1) * kl];
                     for (s, &ps) in p.iter().enumerate() {
                         for (a, &cv) in ch.iter_mut().zip(&rows[s * lw..s * lw + kl]) {
@@ -106,30 +154,30 @@ impl MlaWeights<'_> {
                     }
                 }
                 let wuv_off = (h * (nope + vh) + nope) * kl * 2;
-                linear(
-                    Mat::Bf16(&self.kv_b[wuv_off..wuv_off + vh * kl * 2]),
+                kernels::matmul_bf16(
+                    &self.kv_b[wuv_off..wuv_off + vh * kl * 2],
                     vh,
                     kl,
-                    &chat,
+                    chat,
                     n,
-                )
-            })
-            .collect();
+                    oh,
+                );
+            });
 
         let hv = hn * vh;
-        let mut o = vec![0.0f32; n * hv];
-        for (h, oh) in per_head.iter().enumerate() {
+        let o = zeroed(&mut b.o, n * hv);
+        for (h, oh) in b.heads.chunks_exact(n * vh).enumerate() {
             for t in 0..n {
                 o[t * hv + h * vh..t * hv + (h + 1) * vh]
                     .copy_from_slice(&oh[t * vh..(t + 1) * vh]);
             }
         }
         if let Some(g_proj) = self.g_proj {
-            let g = linear(g_proj, hv, e, x, n);
-            for (ov, gv) in o.iter_mut().zip(&g) {
+            linear_into(g_proj, hv, e, x, n, &mut b.g);
+            for (ov, gv) in o.iter_mut().zip(&b.g) {
                 *ov *= kernels::sigmoid(*gv);
             }
         }
-        linear(self.o_proj, e, hv, &o, n)
+        linear_into(self.o_proj, e, hv, &b.o, n, out);
     }
 }

@@ -320,21 +320,42 @@ pub enum Mat<'a> {
 
 /// `y [n, rows] = x [n, cols] · Wᵀ` (a thin wrapper over the kernels).
 pub(crate) fn linear(w: Mat<'_>, rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
-    let mut y = vec![0.0f32; n * rows];
-    match w {
-        Mat::Bf16(w) => crate::kernels::matmul_bf16(w, rows, cols, x, n, &mut y),
-        Mat::Quant { kind, q, s } => {
-            crate::kernels::quant::matmul_quant(kind, q, s, rows, cols, x, n, &mut y)
-        }
-    }
+    let mut y = Vec::new();
+    linear_into(w, rows, cols, x, n, &mut y);
     y
 }
 
-/// RMSNorm of each of the `x.len() / w.len()` rows of `x`.
-pub(crate) fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
-    let mut y = vec![0.0f32; x.len()];
+/// [`linear`] into `y`, whose allocation is reused (resized to `[n, rows]`).
+pub(crate) fn linear_into(
+    w: Mat<'_>,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    y: &mut Vec<f32>,
+) {
+    let y = zeroed(y, n * rows);
+    match w {
+        Mat::Bf16(w) => crate::kernels::matmul_bf16(w, rows, cols, x, n, y),
+        Mat::Quant { kind, q, s } => {
+            crate::kernels::quant::matmul_quant(kind, q, s, rows, cols, x, n, y)
+        }
+    }
+}
+
+/// RMSNorm of each of the `x.len() / w.len()` rows of `x`, into `y` (its allocation reused).
+pub(crate) fn rms_norm_rows_into(x: &[f32], w: &[f32], eps: f32, y: &mut Vec<f32>) {
+    let y = zeroed(y, x.len());
     for (xr, yr) in x.chunks_exact(w.len()).zip(y.chunks_exact_mut(w.len())) {
         crate::kernels::rms_norm(xr, w, eps, yr);
     }
-    y
+}
+
+/// `v` as `len` zeros, reusing its allocation: a forward pass's buffers live in the sequence's
+/// [`state::Work`] and grow to the largest pass once, so a decode step allocates nothing per
+/// layer (SPEC.md §6.7).
+pub(crate) fn zeroed(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(len, 0.0);
+    v
 }

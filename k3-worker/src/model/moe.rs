@@ -5,12 +5,10 @@
 //! [`ExpertBatch`] that the caller fetched with ONE `WeightSource::experts` call per layer per
 //! forward call (the two meet in `forward.rs`).
 
-use k3_proto::expert::{ExpertLayout, ExpertPart};
-use k3_store::source::{ExpertBatch, Region};
-use rayon::prelude::*;
-
-use super::{linear, Dims, Mat};
+use super::{linear_into, rms_norm_rows_into, zeroed, Dims, Mat};
 use crate::kernels;
+use k3_proto::expert::{ExpertLayout, ExpertPart};
+use k3_store::source::ExpertBatch;
 
 /// A SiTU-GLU MLP: `out = W_down · SiTU([W_gate x | W_up x])`.
 #[derive(Debug)]
@@ -25,19 +23,27 @@ pub struct SituMlp<'a> {
     pub width: usize,
 }
 
+/// A SiTU-GLU MLP's temporaries, reused by every call.
+#[derive(Clone, Debug, Default)]
+pub struct MlpBufs {
+    g: Vec<f32>,
+    u: Vec<f32>,
+    a: Vec<f32>,
+}
+
 impl SituMlp<'_> {
-    /// `x [n, E]` → `[n, E]`.
-    pub fn forward(&self, d: &Dims, x: &[f32], n: usize) -> Vec<f32> {
-        let g = linear(self.gate, self.width, d.hidden, x, n);
-        let u = linear(self.up, self.width, d.hidden, x, n);
-        let mut a = vec![0.0f32; n * self.width];
-        kernels::situ_glu(&g, &u, d.situ_beta, d.situ_linear_beta, &mut a);
-        linear(self.down, d.hidden, self.width, &a, n)
+    /// `x [n, E]` → `out [n, E]` (allocations reused).
+    pub fn forward(&self, d: &Dims, x: &[f32], n: usize, b: &mut MlpBufs, out: &mut Vec<f32>) {
+        linear_into(self.gate, self.width, d.hidden, x, n, &mut b.g);
+        linear_into(self.up, self.width, d.hidden, x, n, &mut b.u);
+        let a = zeroed(&mut b.a, n * self.width);
+        kernels::situ_glu(&b.g, &b.u, d.situ_beta, d.situ_linear_beta, a);
+        linear_into(self.down, d.hidden, self.width, &b.a, n, out);
     }
 }
 
 /// The routing decision for a batch of tokens.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Routing {
     /// `[n, top_k]` selected expert ids per token, in selection order.
     pub sel: Vec<u32>,
@@ -50,16 +56,19 @@ pub struct Routing {
 impl Routing {
     /// Distinct selected experts, ascending: the one request made to the weight source.
     pub fn unique(&self) -> Vec<u32> {
-        let mut u = self.sel.clone();
-        u.sort_unstable();
-        u.dedup();
+        let mut u = Vec::new();
+        self.unique_into(&mut u);
         u
     }
-}
 
-/// One expert's users (flat `token·k + slot` indices) and its output rows `[users, latent]`.
-/// One expert's users (indices into the `[n, k]` selection) and its latent outputs `[users, latent]`.
-pub type ExpertRows = (Vec<usize>, Vec<f32>);
+    /// [`Routing::unique`] into `u` (its allocation reused).
+    pub fn unique_into(&self, u: &mut Vec<u32>) {
+        u.clear();
+        u.extend_from_slice(&self.sel);
+        u.sort_unstable();
+        u.dedup();
+    }
+}
 
 /// One MoE layer's resident weights.
 #[derive(Debug)]
@@ -81,36 +90,111 @@ pub struct MoeWeights<'a> {
 /// Top-k by `score + bias`; ties: higher biased score first, then lower index. Selection order =
 /// that ranking.
 pub fn select_top_k(scores: &[f32], bias: &[f32], k: usize) -> Vec<u32> {
-    let mut idx: Vec<u32> = (0..scores.len() as u32).collect();
-    let key = |i: u32| scores[i as usize] + bias[i as usize];
-    idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
-    idx.truncate(k);
+    let mut idx = Vec::new();
+    select_top_k_into(scores, bias, k, &mut idx);
     idx
+}
+
+/// [`select_top_k`] into `idx` (its allocation reused). The ranking is a strict total order
+/// (the index breaks every tie), so a selection followed by an in-place sort of the chosen `k`
+/// gives exactly the full sort's first `k`.
+pub fn select_top_k_into(scores: &[f32], bias: &[f32], k: usize, idx: &mut Vec<u32>) {
+    idx.clear();
+    idx.extend(0..scores.len() as u32);
+    let key = |i: u32| scores[i as usize] + bias[i as usize];
+    let rank = |a: &u32, b: &u32| key(*b).total_cmp(&key(*a)).then(a.cmp(b));
+    if k == 0 {
+        idx.clear();
+        return;
+    }
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, rank);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(rank);
+}
+
+/// The router's temporaries.
+#[derive(Clone, Debug, Default)]
+pub struct RouteBufs {
+    logits: Vec<f32>,
+    idx: Vec<u32>,
+}
+
+/// The routed experts' temporaries for one request: users grouped by expert, their gathered
+/// latent rows, the intermediate activations and outputs.
+#[derive(Clone, Debug, Default)]
+pub struct ExpertBufs {
+    /// Flat `token·k + slot` indices, grouped by expert (request order), ascending inside.
+    order: Vec<usize>,
+    /// Expert `j`'s users are `order[starts[j]..starts[j + 1]]`.
+    starts: Vec<usize>,
+    /// The answer for expert `j` is usable.
+    valid: Vec<bool>,
+    /// `[users, latent]` gathered inputs.
+    zin: Vec<f32>,
+    /// `[users, 3·inter]`: gate, up and activation rows per expert.
+    work: Vec<f32>,
+    /// `[users, latent]` outputs.
+    y: Vec<f32>,
+}
+
+/// Every (token, slot)'s routed-expert output, filled request by request and combined once.
+#[derive(Clone, Debug, Default)]
+pub struct Slots {
+    /// `[n·k, latent]`.
+    y: Vec<f32>,
+    /// Slot `i` was computed (false: its expert failed to load, or was not run).
+    ok: Vec<bool>,
+}
+
+impl Slots {
+    /// Empty slots for `n·k` selections of `latent`-float outputs.
+    pub fn reset(&mut self, nk: usize, latent: usize) {
+        zeroed(&mut self.y, nk * latent);
+        self.ok.clear();
+        self.ok.resize(nk, false);
+    }
+}
+
+/// The combine step's temporaries.
+#[derive(Clone, Debug, Default)]
+pub struct CombineBufs {
+    acc: Vec<f32>,
+    acc_n: Vec<f32>,
 }
 
 impl MoeWeights<'_> {
     /// Route `n` tokens (`x [n, E]`, normalised): sigmoid scores in f32 from the bf16 gate,
     /// bias-steered selection, weights from the unbiased scores.
     pub fn route(&self, d: &Dims, x: &[f32], n: usize) -> Routing {
+        let mut r = Routing::default();
+        self.route_into(d, x, n, &mut RouteBufs::default(), &mut r);
+        r
+    }
+
+    /// [`MoeWeights::route`] into `r` (allocations reused).
+    pub fn route_into(&self, d: &Dims, x: &[f32], n: usize, b: &mut RouteBufs, r: &mut Routing) {
         let ne = d.n_experts;
-        let mut logits = linear(self.router, ne, d.hidden, x, n);
-        logits.iter_mut().for_each(|z| *z = kernels::sigmoid(*z));
+        linear_into(self.router, ne, d.hidden, x, n, &mut b.logits);
+        b.logits.iter_mut().for_each(|z| *z = kernels::sigmoid(*z));
         let k = d.top_k;
-        let mut sel = Vec::with_capacity(n * k);
-        let mut w = Vec::with_capacity(n * k);
+        r.k = k;
+        r.sel.clear();
+        r.w.clear();
         for t in 0..n {
-            let s = &logits[t * ne..(t + 1) * ne];
-            let chosen = select_top_k(s, self.bias, k);
-            let mut ws: Vec<f32> = chosen.iter().map(|&i| s[i as usize]).collect();
+            let s = &b.logits[t * ne..(t + 1) * ne];
+            select_top_k_into(s, self.bias, k, &mut b.idx);
+            let w0 = r.w.len();
+            r.w.extend(b.idx.iter().map(|&i| s[i as usize]));
+            let ws = &mut r.w[w0..];
             if d.renormalize {
                 let sum: f32 = ws.iter().sum::<f32>() + 1e-20;
                 ws.iter_mut().for_each(|v| *v /= sum);
             }
             ws.iter_mut().for_each(|v| *v *= d.routed_scale);
-            sel.extend_from_slice(&chosen);
-            w.extend_from_slice(&ws);
+            r.sel.extend_from_slice(&b.idx);
         }
-        Routing { sel, w, k }
     }
 
     /// The MoE output for `x [n, E]` given the routing and the fetched experts (`batch` answers
@@ -128,140 +212,236 @@ impl MoeWeights<'_> {
         ids: &[u32],
         batch: &ExpertBatch,
     ) -> (Vec<f32>, Vec<(u32, String)>) {
-        let z = self.latent_in(d, x, n);
-        let results = self.run_experts(d, &z, n, routing, ids, batch);
-        let shared = self.shared_out(d, x, n);
-        self.combine(d, n, routing, &results, shared.as_deref())
+        let (mut z, mut shared, mut out) = (Vec::new(), Vec::new(), Vec::new());
+        let mut slots = Slots::default();
+        self.latent_in(d, x, n, &mut z);
+        slots.reset(n * routing.k, d.latent);
+        let failed = self.run_experts(
+            d,
+            &z,
+            routing,
+            ids,
+            batch,
+            &mut ExpertBufs::default(),
+            &mut slots,
+        );
+        let has_shared = self.shared_out(d, x, n, &mut MlpBufs::default(), &mut shared);
+        self.combine(
+            d,
+            n,
+            routing,
+            &slots,
+            has_shared.then_some(&shared[..]),
+            &mut CombineBufs::default(),
+            &mut out,
+        );
+        (out, failed)
     }
 
-    /// The shared experts' output `[n, E]` on the full-width input (`None` without shared
-    /// experts). Independent of the routed experts, so it can run while they are fetched.
-    pub fn shared_out(&self, d: &Dims, x: &[f32], n: usize) -> Option<Vec<f32>> {
-        self.shared.as_ref().map(|sh| sh.forward(d, x, n))
+    /// The shared experts' output `[n, E]` on the full-width input into `out`; false (and
+    /// `out` untouched) without shared experts. Independent of the routed experts, so it can run
+    /// while they are fetched.
+    pub fn shared_out(
+        &self,
+        d: &Dims,
+        x: &[f32],
+        n: usize,
+        b: &mut MlpBufs,
+        out: &mut Vec<f32>,
+    ) -> bool {
+        match &self.shared {
+            Some(sh) => {
+                sh.forward(d, x, n, b, out);
+                true
+            }
+            None => false,
+        }
     }
 
     /// The latent down-projection `z = W_down x` (`[n, latent]`) that every routed expert reads.
-    pub fn latent_in(&self, d: &Dims, x: &[f32], n: usize) -> Vec<f32> {
-        linear(self.down, d.latent, d.hidden, x, n)
+    pub fn latent_in(&self, d: &Dims, x: &[f32], n: usize, z: &mut Vec<f32>) {
+        linear_into(self.down, d.latent, d.hidden, x, n, z)
     }
 
-    /// Run the experts `ids` (answered by `batch`, in that order) over the latent rows of the
-    /// tokens routed to them. The result does not depend on how a layer's experts are split
-    /// into requests: each expert always runs over all of its users at once.
+    /// Run the experts `ids` (answered by `batch`, in that order) over the latent rows `z` of
+    /// the tokens routed to them, writing each (token, slot)'s output into `slots`. The result
+    /// does not depend on how a layer's experts are split into requests: each expert always
+    /// runs over all of its users at once. Returns the ids whose answer is unusable (their
+    /// slots stay empty).
+    #[allow(clippy::too_many_arguments)]
     pub fn run_experts(
         &self,
         d: &Dims,
         z: &[f32],
-        n: usize,
         routing: &Routing,
         ids: &[u32],
         batch: &ExpertBatch,
-    ) -> Vec<(u32, Result<ExpertRows, String>)> {
-        let lat = d.latent;
+        b: &mut ExpertBufs,
+        slots: &mut Slots,
+    ) -> Vec<(u32, String)> {
+        let (lat, inter) = (d.latent, d.moe_inter);
         let k = routing.k;
-        let layout = ExpertLayout {
-            inter: d.moe_inter,
-            latent: lat,
-        };
-        // Per unique expert: its (token, slot) users, the gathered latent rows, the result.
-        let one = |(&id, got): (&u32, &Result<Region, String>)| {
-            let region = got.as_ref().map_err(|e| e.clone())?;
-            let bytes = region.bytes();
-            if bytes.len() != layout.expert_bytes() {
-                return Err(format!(
+        let layout = ExpertLayout { inter, latent: lat };
+        // Check every answer first: the compute below only runs usable ones.
+        let mut failed = Vec::new();
+        b.valid.clear();
+        for (&id, got) in ids.iter().zip(&batch.experts) {
+            let why = match got {
+                Err(e) => Some(e.clone()),
+                Ok(r) if r.bytes().len() != layout.expert_bytes() => Some(format!(
                     "expert region of {} bytes, expected {}",
-                    bytes.len(),
+                    r.bytes().len(),
                     layout.expert_bytes()
-                ));
+                )),
+                Ok(_) => None,
+            };
+            b.valid.push(why.is_none());
+            if let Some(why) = why {
+                failed.push((id, why));
             }
+        }
+        // Users grouped by expert, in request order, and their latent rows gathered.
+        b.order.clear();
+        b.starts.clear();
+        b.starts.push(0);
+        for &id in ids {
+            b.order
+                .extend((0..routing.sel.len()).filter(|&i| routing.sel[i] == id));
+            b.starts.push(b.order.len());
+        }
+        let users = b.order.len();
+        let zin = zeroed(&mut b.zin, users * lat);
+        for (row, &i) in zin.chunks_exact_mut(lat).zip(&b.order) {
+            let t = i / k;
+            row.copy_from_slice(&z[t * lat..(t + 1) * lat]);
+        }
+        let work = zeroed(&mut b.work, users * 3 * inter);
+        let y = zeroed(&mut b.y, users * lat);
+        let (zin, valid, starts) = (&b.zin, &b.valid, &b.starts);
+        let one = |j: usize, work: &mut [f32], y: &mut [f32]| {
+            let Some(Ok(region)) = batch.experts.get(j) else {
+                return;
+            };
+            if !valid[j] {
+                return;
+            }
+            let bytes = region.bytes();
             let part = |p: ExpertPart| {
                 let o = layout.part_offset(p);
                 &bytes[o..o + layout.part_bytes(p)]
             };
-            let users: Vec<usize> = (0..n * k).filter(|&i| routing.sel[i] == id).collect();
-            let m = users.len();
-            let mut zin = Vec::with_capacity(m * lat);
-            for &i in &users {
-                let t = i / k;
-                zin.extend_from_slice(&z[t * lat..(t + 1) * lat]);
-            }
-            let inter = d.moe_inter;
+            let m = starts[j + 1] - starts[j];
+            let x = &zin[starts[j] * lat..starts[j + 1] * lat];
+            let (g, rest) = work.split_at_mut(m * inter);
+            let (u, a) = rest.split_at_mut(m * inter);
             // `[m, rows]` = the expert's (packed, scales) part × `x [m, cols]`.
-            let product = |packed, scales, rows: usize, cols: usize, x: &[f32]| {
-                let mut y = vec![0.0f32; m * rows];
-                kernels::matmul_mxfp4(part(packed), part(scales), rows, cols, x, m, &mut y);
-                y
+            let product = |packed, scales, rows: usize, cols: usize, x: &[f32], y: &mut [f32]| {
+                kernels::matmul_mxfp4(part(packed), part(scales), rows, cols, x, m, y)
             };
-            let g = product(ExpertPart::W1Packed, ExpertPart::W1Scale, inter, lat, &zin);
-            let u = product(ExpertPart::W3Packed, ExpertPart::W3Scale, inter, lat, &zin);
-            let mut a = vec![0.0f32; m * inter];
-            kernels::situ_glu(&g, &u, d.situ_beta, d.situ_linear_beta, &mut a);
-            let y = product(ExpertPart::W2Packed, ExpertPart::W2Scale, lat, inter, &a);
-            Ok((users, y))
+            product(ExpertPart::W1Packed, ExpertPart::W1Scale, inter, lat, x, g);
+            product(ExpertPart::W3Packed, ExpertPart::W3Scale, inter, lat, x, u);
+            kernels::situ_glu(g, u, d.situ_beta, d.situ_linear_beta, a);
+            product(ExpertPart::W2Packed, ExpertPart::W2Scale, lat, inter, a, y);
         };
         // Experts in parallel only when one expert's products are worth a hand-off to the pool
         // (`kernels::PAR_MIN_MACS`); each expert's result is the same either way.
-        let per_expert = 3 * d.moe_inter * lat * n * k / ids.len().max(1);
-        let results: Vec<Result<ExpertRows, String>> = if per_expert < kernels::PAR_MIN_MACS {
-            ids.iter().zip(&batch.experts).map(one).collect()
-        } else {
-            ids.par_iter()
-                .zip(batch.experts.par_iter())
-                .map(one)
-                .collect()
-        };
-        ids.iter().copied().zip(results).collect()
+        let per_expert = 3 * inter * lat * users / ids.len().max(1);
+        let par = per_expert >= kernels::PAR_MIN_MACS;
+        each_expert(0, starts, work, 3 * inter, y, lat, par, &one);
+        // Scatter each computed row to its (token, slot).
+        for (j, w) in b.starts.windows(2).enumerate() {
+            if !b.valid[j] {
+                continue;
+            }
+            for r in w[0]..w[1] {
+                let i = b.order[r];
+                slots.y[i * lat..(i + 1) * lat].copy_from_slice(&b.y[r * lat..(r + 1) * lat]);
+                slots.ok[i] = true;
+            }
+        }
+        failed
     }
 
     /// Aggregate the experts' outputs per token in selection order, normalise the aggregate,
-    /// project it up and add the shared experts' output (from [`MoeWeights::shared_out`]).
-    /// Returns the output `[n, E]` and the ids whose load failed (their contribution is
-    /// skipped).
+    /// project it up and add the shared experts' output (from [`MoeWeights::shared_out`]) into
+    /// `out` `[n, E]`. Slots left empty (a failed expert) are skipped.
+    #[allow(clippy::too_many_arguments)]
     pub fn combine(
         &self,
         d: &Dims,
         n: usize,
         routing: &Routing,
-        results: &[(u32, Result<ExpertRows, String>)],
+        slots: &Slots,
         shared: Option<&[f32]>,
-    ) -> (Vec<f32>, Vec<(u32, String)>) {
+        b: &mut CombineBufs,
+        out: &mut Vec<f32>,
+    ) {
         let lat = d.latent;
         let k = routing.k;
-        // Scatter to (token, slot) and aggregate per token in selection order.
-        let mut slot_out: Vec<Option<&[f32]>> = vec![None; n * k];
-        let mut failed = Vec::new();
-        for (id, r) in results {
-            let id = *id;
-            match r {
-                Ok((users, y)) => {
-                    for (j, &i) in users.iter().enumerate() {
-                        slot_out[i] = Some(&y[j * lat..(j + 1) * lat]);
-                    }
-                }
-                Err(e) => failed.push((id, e.clone())),
-            }
-        }
-        let mut acc = vec![0.0f32; n * lat];
+        let acc = zeroed(&mut b.acc, n * lat);
         for t in 0..n {
             let a = &mut acc[t * lat..(t + 1) * lat];
             for j in 0..k {
-                if let Some(y) = slot_out[t * k + j] {
-                    let w = routing.w[t * k + j];
-                    for (av, &yv) in a.iter_mut().zip(y) {
+                let i = t * k + j;
+                if slots.ok[i] {
+                    let w = routing.w[i];
+                    for (av, &yv) in a.iter_mut().zip(&slots.y[i * lat..(i + 1) * lat]) {
                         *av += w * yv;
                     }
                 }
             }
         }
-        if let Some(norm) = &self.norm {
-            acc = super::rms_norm_rows(&acc, norm, d.rms_eps);
-        }
-        let mut out = linear(self.up, d.hidden, lat, &acc, n);
+        let acc = match &self.norm {
+            Some(norm) => {
+                rms_norm_rows_into(&b.acc, norm, d.rms_eps, &mut b.acc_n);
+                &b.acc_n
+            }
+            None => &b.acc,
+        };
+        linear_into(self.up, d.hidden, lat, acc, n, out);
         if let Some(s) = shared {
             for (o, sv) in out.iter_mut().zip(s) {
                 *o += sv;
             }
         }
-        (out, failed)
+    }
+}
+
+/// Runs `f(j, work_j, y_j)` for the experts `j0..` whose rows are `starts[j]..starts[j + 1]`
+/// (relative to `starts[0]`) of `work` (`ws` floats a row) and `y` (`ys` a row): one after the
+/// other, or, with `par`, in halves on the pool (each expert owns its rows, so nothing is
+/// shared and nothing allocated).
+#[allow(clippy::too_many_arguments)]
+fn each_expert<F>(
+    j0: usize,
+    starts: &[usize],
+    work: &mut [f32],
+    ws: usize,
+    y: &mut [f32],
+    ys: usize,
+    par: bool,
+    f: &F,
+) where
+    F: Fn(usize, &mut [f32], &mut [f32]) + Sync,
+{
+    let m = starts.len().saturating_sub(1);
+    if par && m > 1 {
+        let mid = m / 2;
+        let rows = starts[mid] - starts[0];
+        let (wa, wb) = work.split_at_mut(rows * ws);
+        let (ya, yb) = y.split_at_mut(rows * ys);
+        rayon::join(
+            || each_expert(j0, &starts[..=mid], wa, ws, ya, ys, par, f),
+            || each_expert(j0 + mid, &starts[mid..], wb, ws, yb, ys, par, f),
+        );
+        return;
+    }
+    let (mut work, mut y) = (work, y);
+    for (j, w) in starts.windows(2).enumerate() {
+        let rows = w[1] - w[0];
+        let (wj, wr) = std::mem::take(&mut work).split_at_mut(rows * ws);
+        let (yj, yr) = std::mem::take(&mut y).split_at_mut(rows * ys);
+        f(j0 + j, wj, yj);
+        (work, y) = (wr, yr);
     }
 }

@@ -2,6 +2,10 @@
 //! and conv histories per KDA layer, the MLA latent cache per MLA layer. Nothing else — no
 //! positions, no AttnRes state.
 
+use super::attn_res::ResBufs;
+use super::kda::KdaBufs;
+use super::mla::MlaBufs;
+use super::moe::{CombineBufs, ExpertBufs, MlpBufs, RouteBufs, Routing, Slots};
 use super::{Dims, ModelError};
 
 /// One KDA layer's carried state.
@@ -51,6 +55,50 @@ pub struct Scratch {
     pub bank: Vec<Vec<f32>>,
     /// The pending partial sum `[n, E]`.
     pub pend: Vec<f32>,
+    /// Every other temporary of a forward pass.
+    pub work: Box<Work>,
+}
+
+/// The temporaries of a forward pass, by stage. Each buffer grows to the largest pass it has
+/// served and is then reused, so a decode step allocates nothing per layer (SPEC.md §6.7).
+#[derive(Clone, Debug, Default)]
+pub struct Work {
+    /// A layer's aggregated input `[n, E]` (attention side, then MLP side).
+    pub(crate) x: Vec<f32>,
+    /// `x` normalised.
+    pub(crate) xn: Vec<f32>,
+    /// The attention input, kept for the router lookahead from it.
+    pub(crate) attn_in: Vec<f32>,
+    /// The attention output `[n, E]`.
+    pub(crate) a: Vec<f32>,
+    /// The MLP output `[n, E]`.
+    pub(crate) m: Vec<f32>,
+    pub(crate) res: ResBufs,
+    pub(crate) kda: KdaBufs,
+    pub(crate) mla: MlaBufs,
+    pub(crate) mlp: MlpBufs,
+    pub(crate) route: RouteBufs,
+    pub(crate) routing: Routing,
+    /// The layer's distinct experts.
+    pub(crate) uniq: Vec<u32>,
+    /// The latent input of the routed experts.
+    pub(crate) z: Vec<f32>,
+    /// The shared experts' output.
+    pub(crate) shared: Vec<f32>,
+    pub(crate) experts: ExpertBufs,
+    pub(crate) slots: Slots,
+    pub(crate) combine: CombineBufs,
+    pub(crate) predict: Predict,
+}
+
+/// The router lookahead's temporaries and its prediction for the next layer.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Predict {
+    pub(crate) hn: Vec<f32>,
+    pub(crate) route: RouteBufs,
+    pub(crate) routing: Routing,
+    /// The predicted experts, ascending.
+    pub(crate) ids: Vec<u32>,
 }
 
 impl PartialEq for Scratch {
@@ -94,6 +142,8 @@ pub struct Journal {
     pub pos0: usize,
     /// One entry per layer (MLA layers leave theirs empty: truncating the cache is enough).
     pub kda: Vec<KdaJournal>,
+    /// The rollback's per-head temporaries.
+    pub tmp: Vec<f32>,
 }
 
 impl PartialEq for Journal {
@@ -193,7 +243,7 @@ impl SeqState {
         for (layer, jl) in self.layers.iter_mut().zip(&j.kda) {
             match layer {
                 LayerState::Mla(c) => c.rows.truncate(end * c.width),
-                LayerState::Kda(s) => super::kda::replay(s, jl, keep)?,
+                LayerState::Kda(s) => super::kda::replay(s, jl, keep, &mut j.tmp)?,
             }
         }
         self.pos = end;
