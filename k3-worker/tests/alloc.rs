@@ -1,7 +1,7 @@
 //! Binding happens once per layer, not once per pass, and a forward pass allocates nothing per
 //! layer: every temporary lives in the sequence's buffers, which grow to the largest pass once
-//! (SPEC.md §6.7). Allocations are counted by a global allocator; those a weight source makes
-//! to answer a call (its own bookkeeping, not the engine's) are counted apart.
+//! (ARCHITECTURE.md, "Run state"). Allocations are counted by a global allocator; those a weight
+//! source makes to answer a call (its own bookkeeping, not the engine's) are counted apart.
 
 mod common;
 

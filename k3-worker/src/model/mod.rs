@@ -353,7 +353,7 @@ pub(crate) fn rms_norm_rows_into(x: &[f32], w: &[f32], eps: f32, y: &mut Vec<f32
 
 /// `v` as `len` zeros, reusing its allocation: a forward pass's buffers live in the sequence's
 /// [`state::Work`] and grow to the largest pass once, so a decode step allocates nothing per
-/// layer (SPEC.md §6.7).
+/// layer (ARCHITECTURE.md, "Run state").
 pub(crate) fn zeroed(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
     v.clear();
     v.resize(len, 0.0);

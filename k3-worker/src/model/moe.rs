@@ -445,3 +445,43 @@ fn each_expert<F>(
         (work, y) = (wr, yr);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::each_expert;
+
+    /// Every expert gets exactly its own rows of both buffers, once, whether the experts run one
+    /// after the other or in halves on the pool (uneven row counts, an expert with none).
+    #[test]
+    fn each_expert_hands_every_expert_exactly_its_rows() {
+        let starts = [0usize, 3, 4, 4, 9, 10, 12, 17];
+        let (ws, ys) = (5, 2);
+        let rows = *starts.last().unwrap();
+        for par in [false, true] {
+            let mut work = vec![0.0f32; rows * ws];
+            let mut y = vec![0.0f32; rows * ys];
+            let f = |j: usize, w: &mut [f32], y: &mut [f32]| {
+                let m = starts[j + 1] - starts[j];
+                assert_eq!((w.len(), y.len()), (m * ws, m * ys), "expert {j}");
+                w.iter_mut().for_each(|v| *v += (j + 1) as f32);
+                y.iter_mut().for_each(|v| *v += (j + 1) as f32);
+            };
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .build()
+                .unwrap();
+            pool.install(|| each_expert(0, &starts, &mut work, ws, &mut y, ys, par, &f));
+            for (j, s) in starts.windows(2).enumerate() {
+                let want = (j + 1) as f32;
+                assert!(
+                    work[s[0] * ws..s[1] * ws].iter().all(|&v| v == want),
+                    "par {par}"
+                );
+                assert!(
+                    y[s[0] * ys..s[1] * ys].iter().all(|&v| v == want),
+                    "par {par}"
+                );
+            }
+        }
+    }
+}

@@ -60,7 +60,8 @@ pub struct Scratch {
 }
 
 /// The temporaries of a forward pass, by stage. Each buffer grows to the largest pass it has
-/// served and is then reused, so a decode step allocates nothing per layer (SPEC.md §6.7).
+/// served and is then reused, so a decode step allocates nothing per layer (ARCHITECTURE.md,
+/// "Run state").
 #[derive(Clone, Debug, Default)]
 pub struct Work {
     /// A layer's aggregated input `[n, E]` (attention side, then MLP side).
