@@ -432,19 +432,40 @@ thread_local! {
     static ROWS_MAJOR: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     /// [`matmul_t_bf16`]'s widened weight row.
     static ROW: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    /// [`with_scratch`]'s buffer.
+    static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
+/// Runs `f` on `len` zeros in this thread's scratch buffer (kept for the next call like the
+/// kernels' own; see [`with_buffer`]): temporaries of a per-head task sized by the context, such
+/// as MLA's attention scores, exist once per thread rather than once per head.
+pub fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    with_buffer(&SCRATCH, |buf| {
+        buf.clear();
+        buf.resize(len, 0.0);
+        f(buf)
+    })
+}
+
+/// The largest per-thread kernel buffer kept between calls (4 MiB of f32): enough for a decode
+/// step and a verify pass at K3's widths (17 positions × 33,792 columns), while a prefill chunk's
+/// buffers are freed after the call instead of being held for the rest of the run.
+const KEEP_MAX_FLOATS: usize = 1 << 20;
+
 /// Runs `f` with this thread's buffer `key`, whose allocation is kept for the next call (a
-/// kernel allocates its temporaries once per thread, not once per call). The buffer is taken
-/// out while `f` runs: a kernel started on this thread meanwhile (a pool thread takes other
-/// work while it waits) finds it empty and uses a buffer of its own, so nothing is shared.
+/// kernel allocates its temporaries once per thread, not once per call) unless it grew past
+/// [`KEEP_MAX_FLOATS`]. The buffer is taken out while `f` runs: a kernel started on this
+/// thread meanwhile (a pool thread takes other work while it waits) finds it empty and uses a
+/// buffer of its own, so nothing is shared.
 pub(super) fn with_buffer<R>(
     key: &'static LocalKey<Cell<Vec<f32>>>,
     f: impl FnOnce(&mut Vec<f32>) -> R,
 ) -> R {
     let mut buf = key.take();
     let r = f(&mut buf);
-    key.set(buf);
+    if buf.capacity() <= KEEP_MAX_FLOATS {
+        key.set(buf);
+    }
     r
 }
 

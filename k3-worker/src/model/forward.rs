@@ -463,6 +463,7 @@ impl<'s> Model<'s> {
                     )))
                 }
             }
+            w.attention_done(n);
             counters.phases.attention += t_attn.elapsed().as_secs_f64();
             tap(l, "attn_out", &w.a);
             if carried {
@@ -606,6 +607,7 @@ impl<'s> Model<'s> {
             let waited = counters.expert_wait_seconds - expert_wait0;
             counters.phases.expert_wait += waited;
             counters.phases.mlp += (t_mlp.elapsed().as_secs_f64() - waited).max(0.0);
+            w.mlp_done(n);
             tap(l, "mlp_out", &w.m);
             pend.iter_mut().zip(&w.m).for_each(|(pv, mv)| *pv += mv);
             drop(run);
@@ -627,6 +629,7 @@ impl<'s> Model<'s> {
         };
         rms_norm_rows_into(&w.x[first * e..], &globals.final_norm, d.rms_eps, &mut w.xn);
         let logits = linear(Mat::Bf16(globals.lm_head.bytes()), d.vocab, e, &w.xn, rows);
+        w.pass_done(n);
         counters.phases.lm_head += t_head.elapsed().as_secs_f64();
         st.pos += n;
         Ok(logits)
@@ -635,8 +638,8 @@ impl<'s> Model<'s> {
 
 /// Router lookahead: apply layer `l + 1`'s router to `h` (`[n, E]`, an early hidden state of
 /// layer `l`) when that layer is a resident MoE layer (bound here if it was not yet), hand the
-/// predicted experts (at most one request's worth) to the source as a prefetch, and return them
-/// to be checked when layer `l + 1` routes.
+/// predicted experts (at most one request's worth) to the source as a prefetch, and keep them in
+/// `p.ids` to be checked when layer `l + 1` routes. Returns `Some(l + 1)` when it predicted.
 #[allow(clippy::too_many_arguments)]
 fn predict_next(
     d: &Dims,

@@ -48,8 +48,8 @@ pub struct MlaBufs {
     ckv: Vec<f32>,
     /// Per head `[n, v_head]` outputs, head-major.
     heads: Vec<f32>,
-    /// Per head: q_nope `[n, nope]`, q̃ `[n, kv_lora]`, the query row, ĉ `[n, kv_lora]`, the
-    /// scores over the cache.
+    /// Per head: q_nope `[n, nope]`, q̃ `[n, kv_lora]`, the query row, ĉ `[n, kv_lora]` (the
+    /// scores over the cache are per thread: `kernels::with_scratch`).
     tmp: Vec<f32>,
     o: Vec<f32>,
     g: Vec<f32>,
@@ -64,7 +64,7 @@ impl MlaWeights<'_> {
     }
 
     /// [`MlaWeights::forward`] into `out`, with the layer's temporaries in `b` (no allocation
-    /// once the buffers have grown: the scores are sized for the cache's planned capacity).
+    /// once the buffers have grown).
     pub fn forward_into(
         &self,
         d: &Dims,
@@ -105,12 +105,7 @@ impl MlaWeights<'_> {
 
         // Per head: absorbed query, causal softmax over the cache, latent sum, V expansion.
         let scale = 1.0 / ((nope + rope) as f32).sqrt();
-        let fixed = n * nope + 2 * n * kl + lw;
-        let per = fixed + past + n;
-        // Room for the scores of every position the cache was planned for, once.
-        let planned = (cache.rows.capacity() / lw).max(past + n);
-        b.tmp.clear();
-        b.tmp.reserve(hn * (fixed + planned));
+        let per = n * nope + 2 * n * kl + lw;
         let tmp = zeroed(&mut b.tmp, hn * per);
         let heads = zeroed(&mut b.heads, hn * n * vh);
         heads
@@ -120,8 +115,7 @@ impl MlaWeights<'_> {
             .for_each(|(h, (oh, tmp))| {
                 let (qn, rest) = tmp.split_at_mut(n * nope);
                 let (qt, rest) = rest.split_at_mut(n * kl);
-                let (query, rest) = rest.split_at_mut(lw);
-                let (chat, p) = rest.split_at_mut(n * kl);
+                let (query, chat) = rest.split_at_mut(lw);
                 for t in 0..n {
                     let src = &q[t * hn * qw + h * qw..t * hn * qw + h * qw + nope];
                     qn[t * nope..(t + 1) * nope].copy_from_slice(src);
@@ -136,23 +130,25 @@ impl MlaWeights<'_> {
                     n,
                     qt,
                 );
-                for t in 0..n {
-                    query[..kl].copy_from_slice(&qt[t * kl..(t + 1) * kl]);
-                    let qr = t * hn * qw + h * qw + nope;
-                    query[kl..].copy_from_slice(&q[qr..qr + rope]);
-                    let upto = past + t + 1; // causal: positions 0..=past+t
-                    let p = &mut p[..upto];
-                    for (s, ps) in p.iter_mut().enumerate() {
-                        *ps = kernels::dot_f32(query, &rows[s * lw..(s + 1) * lw]) * scale;
-                    }
-                    kernels::softmax_inplace(p);
-                    let ch = &mut chat[t * kl..(t + 1) * kl];
-                    for (s, &ps) in p.iter().enumerate() {
-                        for (a, &cv) in ch.iter_mut().zip(&rows[s * lw..s * lw + kl]) {
-                            *a += ps * cv;
+                kernels::with_scratch(past + n, |p| {
+                    for t in 0..n {
+                        query[..kl].copy_from_slice(&qt[t * kl..(t + 1) * kl]);
+                        let qr = t * hn * qw + h * qw + nope;
+                        query[kl..].copy_from_slice(&q[qr..qr + rope]);
+                        let upto = past + t + 1; // causal: positions 0..=past+t
+                        let p = &mut p[..upto];
+                        for (s, ps) in p.iter_mut().enumerate() {
+                            *ps = kernels::dot_f32(query, &rows[s * lw..(s + 1) * lw]) * scale;
+                        }
+                        kernels::softmax_inplace(p);
+                        let ch = &mut chat[t * kl..(t + 1) * kl];
+                        for (s, &ps) in p.iter().enumerate() {
+                            for (a, &cv) in ch.iter_mut().zip(&rows[s * lw..s * lw + kl]) {
+                                *a += ps * cv;
+                            }
                         }
                     }
-                }
+                });
                 let wuv_off = (h * (nope + vh) + nope) * kl * 2;
                 kernels::matmul_bf16(
                     &self.kv_b[wuv_off..wuv_off + vh * kl * 2],

@@ -92,6 +92,45 @@ pub struct Work {
     pub(crate) predict: Predict,
 }
 
+/// Passes of at most this many positions (a decode step, a verify pass of up to `MAX_K` drafts)
+/// keep their buffers for the next pass. A larger pass (a prefill chunk) frees each stage's
+/// buffers when the stage is done and the rest when the pass ends, so its peak is one stage's
+/// temporaries at the chunk's size, as `k3_store::plan::activation_bytes` budgets, and the run
+/// does not keep a chunk's worth of buffers through its decode.
+pub const KEEP_BUFFERS_MAX_POSITIONS: usize = crate::spec::MAX_K + 1;
+
+impl Work {
+    /// After the attention of a pass of `n` positions: free its buffers if the pass is large.
+    pub(crate) fn attention_done(&mut self, n: usize) {
+        if n > KEEP_BUFFERS_MAX_POSITIONS {
+            self.kda = KdaBufs::default();
+            self.mla = MlaBufs::default();
+        }
+    }
+
+    /// After the MLP of a pass of `n` positions: free its buffers if the pass is large.
+    pub(crate) fn mlp_done(&mut self, n: usize) {
+        if n > KEEP_BUFFERS_MAX_POSITIONS {
+            self.mlp = MlpBufs::default();
+            self.route = RouteBufs::default();
+            self.routing = Routing::default();
+            self.uniq = Vec::new();
+            self.z = Vec::new();
+            self.shared = Vec::new();
+            self.experts = ExpertBufs::default();
+            self.slots = Slots::default();
+            self.combine = CombineBufs::default();
+        }
+    }
+
+    /// At the end of a pass of `n` positions: free everything if the pass was large.
+    pub(crate) fn pass_done(&mut self, n: usize) {
+        if n > KEEP_BUFFERS_MAX_POSITIONS {
+            *self = Work::default();
+        }
+    }
+}
+
 /// The router lookahead's temporaries and its prediction for the next layer.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Predict {
