@@ -43,6 +43,18 @@ static A: Counting = Counting;
 /// The counters are global: the tests take turns.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Runs `f` on a pool of one thread: every kernel and every parallel loop then runs on it, so
+/// the buffers each thread keeps (`kernels::with_buffer`) are grown once, not once per thread a
+/// task happens to land on, and the counts are exact. The buffers are the same ones a pool of
+/// several threads uses.
+fn on_one_thread<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a pool of one thread")
+        .install(f)
+}
+
 /// `f`'s allocations are the source's, not the engine's.
 fn source<T>(f: impl FnOnce() -> T) -> T {
     let c0 = CALLS.load(Ordering::Relaxed);
@@ -96,80 +108,119 @@ impl WeightSource for Counted<'_> {
 #[test]
 fn layers_are_bound_once_and_a_decode_step_allocates_nothing_per_layer() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let d = tiny_dims();
-    let mem = MemSource::random(&d, 11);
-    let src = Counted(&mem);
-    for lookahead in [Lookahead::Off, Lookahead::MlpIn, Lookahead::AttnIn] {
-        let mut m = Model::new(d.clone(), &src, Some(&mem as &dyn TensorShapes)).unwrap();
-        m.lookahead = lookahead;
-        let opts = GenOptions {
-            max_new: 8,
-            full_recompute: false,
-            sampler: Sampler::Greedy,
-            stop_ids: vec![],
-            keep_step0_logits: false,
-            prefill_chunk: 0,
-            spec: k3_worker::spec::SpecMode::Off,
-        };
-        let mut per_step: Vec<(u64, u64)> = Vec::new();
-        let mut last = (0u64, 0u64);
-        let mut steps = 0;
-        generate(&mut m, &[3, 14, 15, 92, 65], &opts, &mut |_| {
-            let now = (engine_calls(), BYTES.load(Ordering::Relaxed));
-            // Step 0 is the prefill; step 1 is the first decode step, whose buffers are sized
-            // for one position (the prefill's were sized for five, and are reused).
-            if steps >= 1 {
-                per_step.push((now.0 - last.0, now.1 - last.1));
-            }
-            steps += 1;
-            last = (engine_calls(), BYTES.load(Ordering::Relaxed));
-        })
-        .unwrap();
-        assert_eq!(m.bound_layers(), d.n_layers);
-        assert_eq!(
-            m.bind_count(),
-            d.n_layers as u64,
-            "8 passes must bind each layer once, not once per pass"
-        );
-        assert!(
-            m.counters.lookahead_layers > 0 || lookahead == Lookahead::Off,
-            "the lookahead must have run"
-        );
-        eprintln!("{lookahead:?}: engine allocations per decode step (calls, bytes): {per_step:?}");
-        // Fewer allocations per step than the model has layers (13), and no growth: a step
-        // allocates its logits and the generation loop's bookkeeping, never per layer.
-        for &(calls, _) in &per_step {
-            assert!(
-                calls <= 6,
-                "{lookahead:?}: a decode step allocated {calls} times: {per_step:?}"
+    on_one_thread(|| {
+        let d = tiny_dims();
+        let mem = MemSource::random(&d, 11);
+        let src = Counted(&mem);
+        for lookahead in [Lookahead::Off, Lookahead::MlpIn, Lookahead::AttnIn] {
+            let mut m = Model::new(d.clone(), &src, Some(&mem as &dyn TensorShapes)).unwrap();
+            m.lookahead = lookahead;
+            let opts = GenOptions {
+                max_new: 8,
+                full_recompute: false,
+                sampler: Sampler::Greedy,
+                stop_ids: vec![],
+                keep_step0_logits: false,
+                prefill_chunk: 0,
+                spec: k3_worker::spec::SpecMode::Off,
+            };
+            let mut per_step: Vec<(u64, u64)> = Vec::new();
+            let mut last = (0u64, 0u64);
+            let mut steps = 0;
+            generate(&mut m, &[3, 14, 15, 92, 65], &opts, &mut |_| {
+                let now = (engine_calls(), BYTES.load(Ordering::Relaxed));
+                // Step 0 is the prefill; step 1 is the first decode step, whose buffers are sized
+                // for one position (the prefill's were sized for five, and are reused).
+                if steps >= 1 {
+                    per_step.push((now.0 - last.0, now.1 - last.1));
+                }
+                steps += 1;
+                last = (engine_calls(), BYTES.load(Ordering::Relaxed));
+            })
+            .unwrap();
+            assert_eq!(m.bound_layers(), d.n_layers);
+            assert_eq!(
+                m.bind_count(),
+                d.n_layers as u64,
+                "8 passes must bind each layer once, not once per pass"
             );
+            assert!(
+                m.counters.lookahead_layers > 0 || lookahead == Lookahead::Off,
+                "the lookahead must have run"
+            );
+            eprintln!(
+                "{lookahead:?}: engine allocations per decode step (calls, bytes): {per_step:?}"
+            );
+            // Fewer allocations per step than the model has layers (13), and no growth: a step
+            // allocates its logits and the generation loop's bookkeeping, never per layer.
+            for &(calls, _) in &per_step {
+                assert!(
+                    calls <= 6,
+                    "{lookahead:?}: a decode step allocated {calls} times: {per_step:?}"
+                );
+            }
         }
-    }
+    });
 }
 
 #[test]
 fn a_verify_pass_allocates_nothing_per_layer_once_its_buffers_have_grown() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let d = tiny_dims();
-    let mem = MemSource::random(&d, 12);
-    let src = Counted(&mem);
-    let mut m = Model::new(d.clone(), &src, Some(&mem as &dyn TensorShapes)).unwrap();
-    let mut st = m.new_state(64);
-    m.forward(&[5, 6, 7], &mut st, Logits::Last).unwrap();
-    let mut per_pass = Vec::new();
-    for pass in 0..4 {
-        let c0 = engine_calls();
-        st.begin_journal();
-        // Five positions at once with logits for all of them, as a K = 4 verify pass runs, then
-        // keep two: the rollback replays the KDA recurrence from the journal.
-        let logits = m.forward(&[1, 2, 3, 4, 5], &mut st, Logits::All).unwrap();
-        assert_eq!(logits.len(), 5 * d.vocab);
-        st.rollback(2).unwrap();
-        drop(logits);
-        if pass > 0 {
-            per_pass.push(engine_calls() - c0);
+    on_one_thread(|| {
+        let d = tiny_dims();
+        let mem = MemSource::random(&d, 12);
+        let src = Counted(&mem);
+        let mut m = Model::new(d.clone(), &src, Some(&mem as &dyn TensorShapes)).unwrap();
+        let mut st = m.new_state(64);
+        m.forward(&[5, 6, 7], &mut st, Logits::Last).unwrap();
+        let mut per_pass = Vec::new();
+        for pass in 0..4 {
+            let c0 = engine_calls();
+            st.begin_journal();
+            // Five positions at once with logits for all of them, as a K = 4 verify pass runs, then
+            // keep two: the rollback replays the KDA recurrence from the journal.
+            let logits = m.forward(&[1, 2, 3, 4, 5], &mut st, Logits::All).unwrap();
+            assert_eq!(logits.len(), 5 * d.vocab);
+            st.rollback(2).unwrap();
+            drop(logits);
+            if pass > 0 {
+                per_pass.push(engine_calls() - c0);
+            }
         }
-    }
-    eprintln!("engine allocations per verify pass + rollback: {per_pass:?}");
-    assert!(per_pass.iter().all(|&c| c <= 2), "{per_pass:?}");
+        eprintln!("engine allocations per verify pass + rollback: {per_pass:?}");
+        assert!(per_pass.iter().all(|&c| c <= 2), "{per_pass:?}");
+    });
+}
+
+#[test]
+fn a_pass_larger_than_a_verify_pass_does_not_keep_its_buffers() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    on_one_thread(|| {
+        let d = tiny_dims();
+        let mem = MemSource::random(&d, 13);
+        let src = Counted(&mem);
+        let m_new = || Model::new(d.clone(), &src, Some(&mem as &dyn TensorShapes)).unwrap();
+        let decode_after = |prefill: usize| {
+            let mut m = m_new();
+            let mut st = m.new_state(64);
+            let ids: Vec<u32> = (0..prefill as u32).map(|i| 1 + i % 90).collect();
+            m.forward(&ids, &mut st, Logits::Last).unwrap();
+            let c0 = engine_calls();
+            m.forward(&[7], &mut st, Logits::Last).unwrap();
+            engine_calls() - c0
+        };
+        // A prefill of 5 positions leaves buffers the decode step reuses: its logits, and the
+        // attention scores' per-thread buffer growing by a position.
+        let small = decode_after(5);
+        assert!(small <= 4, "{small}");
+        // A chunk of 40 (more than KEEP_BUFFERS_MAX_POSITIONS = MAX_K + 1) freed its buffers, so the
+        // decode step allocates its own again, once per stage buffer.
+        let large = decode_after(40);
+        eprintln!("decode step allocations after a 5-position pass: {small}, after 40: {large}");
+        assert!(
+            large >= small + 10,
+            "a 40-position pass kept its buffers: the next step allocated {large} times ({small} after \
+             a 5-position pass)"
+        );
+    });
 }

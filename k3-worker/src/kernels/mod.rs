@@ -438,10 +438,18 @@ thread_local! {
 
 /// Runs `f` on `len` zeros in this thread's scratch buffer (kept for the next call like the
 /// kernels' own; see [`with_buffer`]): temporaries of a per-head task sized by the context, such
-/// as MLA's attention scores, exist once per thread rather than once per head.
-pub fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+/// as MLA's attention scores, exist once per thread rather than once per head. The buffer is
+/// first sized for `planned` floats (when that is kept at all), so a context growing by a
+/// position a step does not grow it again and again.
+pub fn with_scratch<R>(len: usize, planned: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     with_buffer(&SCRATCH, |buf| {
         buf.clear();
+        let want = if planned <= KEEP_MAX_FLOATS {
+            planned.max(len)
+        } else {
+            len
+        };
+        buf.reserve(want);
         buf.resize(len, 0.0);
         f(buf)
     })

@@ -106,6 +106,8 @@ impl MlaWeights<'_> {
         // Per head: absorbed query, causal softmax over the cache, latent sum, V expansion.
         let scale = 1.0 / ((nope + rope) as f32).sqrt();
         let per = n * nope + 2 * n * kl + lw;
+        // The positions the cache was planned for: the scores' buffer is sized for them once.
+        let planned = (cache.rows.capacity() / lw).max(past + n);
         let tmp = zeroed(&mut b.tmp, hn * per);
         let heads = zeroed(&mut b.heads, hn * n * vh);
         heads
@@ -130,7 +132,7 @@ impl MlaWeights<'_> {
                     n,
                     qt,
                 );
-                kernels::with_scratch(past + n, |p| {
+                kernels::with_scratch(past + n, planned, |p| {
                     for t in 0..n {
                         query[..kl].copy_from_slice(&qt[t * kl..(t + 1) * kl]);
                         let qr = t * hn * qw + h * qw + nope;
