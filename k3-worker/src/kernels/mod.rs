@@ -143,8 +143,7 @@ pub fn matmul_t_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y:
     assert_eq!(y.len(), n * cols, "output [{n}, {cols}]");
     y.iter_mut().for_each(|v| *v = 0.0);
     with_buffer(&ROW, |row| {
-        row.clear();
-        row.resize(cols, 0.0);
+        let row = zeroed(row, cols);
         for (r, wr) in w.chunks_exact(cols * 2).enumerate() {
             for (dst, b) in row.iter_mut().zip(wr.chunks_exact(2)) {
                 *dst = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
@@ -413,8 +412,7 @@ where
     } else {
         // Rows-major scratch so each task owns a contiguous slice, then transpose to [n, rows].
         with_buffer(&ROWS_MAJOR, |t| {
-            t.clear();
-            t.resize(rows * n, 0.0);
+            let t = zeroed(t, rows * n);
             run(t);
             for (r, vals) in t.chunks_exact(n).enumerate() {
                 for (tok, &v) in vals.iter().enumerate() {
@@ -436,6 +434,14 @@ thread_local! {
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
+/// `v` as `len` zeros, reusing its allocation (the engine's buffers, and the kernels' own per
+/// thread, grow once and are then reused).
+pub(crate) fn zeroed(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    v.clear();
+    v.resize(len, 0.0);
+    v
+}
+
 /// Runs `f` on `len` zeros in this thread's scratch buffer (kept for the next call like the
 /// kernels' own; see [`with_buffer`]): temporaries of a per-head task sized by the context, such
 /// as MLA's attention scores, exist once per thread rather than once per head. The buffer is
@@ -450,8 +456,7 @@ pub fn with_scratch<R>(len: usize, planned: usize, f: impl FnOnce(&mut [f32]) ->
             len
         };
         buf.reserve(want);
-        buf.resize(len, 0.0);
-        f(buf)
+        f(zeroed(buf, len))
     })
 }
 

@@ -22,7 +22,7 @@ use k3_store::source::{PendingExperts, SourceError, WeightSource};
 
 use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
 use super::state::{LayerState, Predict, SeqState};
-use super::{linear, rms_norm_rows_into, zeroed, Dims, Mat, ModelError};
+use super::{copy_into, linear, rms_norm_rows_into, zeroed, Dims, Mat, ModelError};
 
 /// Which positions to compute logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -426,8 +426,7 @@ impl<'s> Model<'s> {
             // Attention side.
             let t_attn = Instant::now();
             if banked == 0 {
-                w.x.clear();
-                w.x.extend_from_slice(&pend);
+                copy_into(&mut w.x, &pend);
             } else {
                 let bank = &scratch.bank[..banked];
                 lw.self_res
@@ -441,8 +440,7 @@ impl<'s> Model<'s> {
             }
             tap(l, "attn_in", &w.x);
             if lookahead == Lookahead::AttnIn {
-                w.attn_in.clear();
-                w.attn_in.extend_from_slice(&w.x);
+                copy_into(&mut w.attn_in, &w.x);
             }
             rms_norm_rows_into(&w.x, lw.input_norm, d.rms_eps, &mut w.xn);
             let journal = if st.journal.active {
@@ -452,10 +450,10 @@ impl<'s> Model<'s> {
             };
             match (&lw.attn, &mut st.layers[l]) {
                 (Attn::Kda(a), LayerState::Kda(s)) => {
-                    a.forward_into(d, &w.xn, n, s, journal, &mut w.kda, &mut w.a)
+                    a.forward_into(d, &w.xn, n, s, journal, &mut w.attn.kda, &mut w.a)
                 }
                 (Attn::Mla(a), LayerState::Mla(c)) => {
-                    a.forward_into(d, &w.xn, n, c, &mut w.mla, &mut w.a)
+                    a.forward_into(d, &w.xn, n, c, &mut w.attn.mla, &mut w.a)
                 }
                 _ => {
                     return Err(ModelError::Input(format!(
@@ -496,17 +494,17 @@ impl<'s> Model<'s> {
                         predicted =
                             predict_next(d, source, shapes, next, binds, l, h, n, &mut w.predict)?;
                     }
-                    mlp.forward(d, &w.xn, n, &mut w.mlp, &mut w.m);
+                    mlp.forward(d, &w.xn, n, &mut w.ffn.mlp, &mut w.m);
                 }
                 Mlp::Moe(moe) if !routed_experts => {
-                    if !moe.shared_out(d, &w.xn, n, &mut w.mlp, &mut w.m) {
+                    if !moe.shared_out(d, &w.xn, n, &mut w.ffn.mlp, &mut w.m) {
                         zeroed(&mut w.m, n * e);
                     }
                 }
                 Mlp::Moe(moe) => {
-                    moe.route_into(d, &w.xn, n, &mut w.route, &mut w.routing);
-                    w.routing.unique_into(&mut w.uniq);
-                    let uniq = &w.uniq;
+                    moe.route_into(d, &w.xn, n, &mut w.ffn.route, &mut w.ffn.routing);
+                    w.ffn.routing.unique_into(&mut w.ffn.uniq);
+                    let uniq = &w.ffn.uniq;
                     if predicted.take() == Some(l) {
                         let p = &w.predict.ids;
                         counters.lookahead_layers += 1;
@@ -541,12 +539,12 @@ impl<'s> Model<'s> {
                         .chunks(group)
                         .next()
                         .map(|ids| source.request_experts(l, ids));
-                    moe.latent_in(d, &w.xn, n, &mut w.z);
-                    let has_shared = moe.shared_out(d, &w.xn, n, &mut w.mlp, &mut w.shared);
+                    moe.latent_in(d, &w.xn, n, &mut w.ffn.z);
+                    let has_shared = moe.shared_out(d, &w.xn, n, &mut w.ffn.mlp, &mut w.ffn.shared);
                     let t_wait = Instant::now();
                     let first = pending.map(|p| p.wait());
                     counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
-                    w.slots.reset(w.routing.sel.len(), d.latent);
+                    w.ffn.slots.reset(w.ffn.routing.sel.len(), d.latent);
                     // The disk is free again: read ahead what the next layer's router would
                     // choose from this layer's early hidden state, if its router is resident.
                     if let Some(h) = early {
@@ -584,12 +582,12 @@ impl<'s> Model<'s> {
                         }
                         let failed = moe.run_experts(
                             d,
-                            &w.z,
-                            &w.routing,
+                            &w.ffn.z,
+                            &w.ffn.routing,
                             ids,
                             &batch,
-                            &mut w.experts,
-                            &mut w.slots,
+                            &mut w.ffn.experts,
+                            &mut w.ffn.slots,
                         );
                         for (id, why) in failed {
                             counters.failed_expert_loads += 1;
@@ -600,8 +598,16 @@ impl<'s> Model<'s> {
                             }
                         }
                     }
-                    let shared = has_shared.then_some(&w.shared[..]);
-                    moe.combine(d, n, &w.routing, &w.slots, shared, &mut w.combine, &mut w.m);
+                    let shared = has_shared.then_some(&w.ffn.shared[..]);
+                    moe.combine(
+                        d,
+                        n,
+                        &w.ffn.routing,
+                        &w.ffn.slots,
+                        shared,
+                        &mut w.ffn.combine,
+                        &mut w.m,
+                    );
                 }
             }
             let waited = counters.expert_wait_seconds - expert_wait0;

@@ -17,7 +17,7 @@
 use rayon::prelude::*;
 
 use super::state::{KdaJournal, KdaState};
-use super::{linear_into, zeroed, Dims, Mat, ModelError};
+use super::{copy_into, linear_into, zeroed, Dims, Mat, ModelError};
 use crate::kernels;
 
 /// L2-norm eps for q and k (fla `l2norm`).
@@ -212,12 +212,6 @@ fn heads_per_task(n: usize, dh: usize) -> usize {
     kernels::PAR_MIN_MACS
         .div_ceil((4 * n * dh * dh).max(1))
         .max(1)
-}
-
-/// `dst` becomes a copy of `src`, reusing its allocation.
-fn copy_into(dst: &mut Vec<f32>, src: &[f32]) {
-    dst.clear();
-    dst.extend_from_slice(src);
 }
 
 /// Advance a KDA layer's state by the first `keep` positions of the journaled pass `j` (whose

@@ -353,9 +353,11 @@ pub(crate) fn rms_norm_rows_into(x: &[f32], w: &[f32], eps: f32, y: &mut Vec<f32
 
 /// `v` as `len` zeros, reusing its allocation: a forward pass's buffers live in the sequence's
 /// [`state::Work`] and grow to the largest pass once, so a decode step allocates nothing per
-/// layer (ARCHITECTURE.md, "Run state").
-pub(crate) fn zeroed(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    v.clear();
-    v.resize(len, 0.0);
-    v
+/// layer (ARCHITECTURE.md, "Run state"). The kernels' per-thread buffers use it too.
+pub(crate) use crate::kernels::zeroed;
+
+/// `dst` becomes a copy of `src`, reusing its allocation.
+pub(crate) fn copy_into(dst: &mut Vec<f32>, src: &[f32]) {
+    dst.clear();
+    dst.extend_from_slice(src);
 }

@@ -75,8 +75,23 @@ pub struct Work {
     /// The MLP output `[n, E]`.
     pub(crate) m: Vec<f32>,
     pub(crate) res: ResBufs,
+    /// The attention's temporaries.
+    pub(crate) attn: AttnBufs,
+    /// The MLP side's temporaries.
+    pub(crate) ffn: FfnBufs,
+    pub(crate) predict: Predict,
+}
+
+/// The attention's temporaries (a layer is KDA or MLA).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct AttnBufs {
     pub(crate) kda: KdaBufs,
     pub(crate) mla: MlaBufs,
+}
+
+/// The MLP side's temporaries: the dense or shared experts, the router, the routed experts.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct FfnBufs {
     pub(crate) mlp: MlpBufs,
     pub(crate) route: RouteBufs,
     pub(crate) routing: Routing,
@@ -89,7 +104,6 @@ pub struct Work {
     pub(crate) experts: ExpertBufs,
     pub(crate) slots: Slots,
     pub(crate) combine: CombineBufs,
-    pub(crate) predict: Predict,
 }
 
 /// Passes of at most this many positions (a decode step, a verify pass of up to `MAX_K` drafts)
@@ -103,23 +117,14 @@ impl Work {
     /// After the attention of a pass of `n` positions: free its buffers if the pass is large.
     pub(crate) fn attention_done(&mut self, n: usize) {
         if n > KEEP_BUFFERS_MAX_POSITIONS {
-            self.kda = KdaBufs::default();
-            self.mla = MlaBufs::default();
+            self.attn = AttnBufs::default();
         }
     }
 
     /// After the MLP of a pass of `n` positions: free its buffers if the pass is large.
     pub(crate) fn mlp_done(&mut self, n: usize) {
         if n > KEEP_BUFFERS_MAX_POSITIONS {
-            self.mlp = MlpBufs::default();
-            self.route = RouteBufs::default();
-            self.routing = Routing::default();
-            self.uniq = Vec::new();
-            self.z = Vec::new();
-            self.shared = Vec::new();
-            self.experts = ExpertBufs::default();
-            self.slots = Slots::default();
-            self.combine = CombineBufs::default();
+            self.ffn = FfnBufs::default();
         }
     }
 
