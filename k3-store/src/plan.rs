@@ -347,8 +347,9 @@ impl PlanInputs {
 /// Activation buffers, logits and I/O bounce buffers of one forward call of `tokens` tokens (a
 /// prefill chunk; 1 in decode), an upper estimate: per token the AttnRes bank and ~32
 /// hidden-width vectors, 4 of the widest intermediates, MLA's per-head latent query and sum,
-/// the routed experts' latent rows and the router scores; once the logits and two 8 MiB bounce
-/// buffers.
+/// the routed experts' latent rows and the router scores; once the logits, two 8 MiB bounce
+/// buffers and the copy of one MoE layer's up-projection and latent norm that a streamed layer
+/// keeps while its run goes back to the ring before the expert wait (51 MB for K3).
 pub fn activation_bytes(cfg: &k3_proto::config::ModelConfig, tokens: usize) -> u64 {
     let f = 4u64;
     let hidden = cfg.hidden_size as u64;
@@ -367,7 +368,11 @@ pub fn activation_bytes(cfg: &k3_proto::config::ModelConfig, tokens: usize) -> u
         * (cfg.routed_expert_hidden_size + 2 * cfg.moe_intermediate_size)
         + cfg.num_experts) as u64;
     let per_token = (32 + blocks) * hidden + 4 * widest + mla + moe;
-    f * (cfg.vocab_size as u64 + (tokens.max(1) as u64).saturating_mul(per_token)) + 2 * (8 << 20)
+    let latent = cfg.routed_expert_hidden_size as u64;
+    let up_copy = 2 * hidden * latent + f * latent;
+    f * (cfg.vocab_size as u64 + (tokens.max(1) as u64).saturating_mul(per_token))
+        + 2 * (8 << 20)
+        + up_copy
 }
 
 /// What a speculative verify pass of `drafts` drafted ids needs beyond a decode pass whose

@@ -303,6 +303,15 @@ pub trait WeightSource: Send + Sync {
         }
     }
 
+    /// True when dropping layer `l`'s run before the pass ends lets this source reuse its
+    /// memory at once (a layer streamed through this process's ring). The forward pass then
+    /// gives the run back before it waits for the layer's routed experts, keeping a copy of the
+    /// little it reads afterwards, so the next layer is read meanwhile. False (the default) where
+    /// an early drop frees nothing.
+    fn frees_layer_on_drop(&self, _l: usize) -> bool {
+        false
+    }
+
     /// Layer `l`'s trunk run if it is already resident (pinned): never reads and never blocks.
     /// Lets the engine look at a later layer's router early. Default: `None`.
     fn resident_layer(&self, _l: usize) -> Option<LayerRun> {

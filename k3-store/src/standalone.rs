@@ -345,6 +345,10 @@ impl WeightSource for StandaloneSource {
         self.stream.pinned_layer(l)
     }
 
+    fn frees_layer_on_drop(&self, l: usize) -> bool {
+        self.stream.streams(l)
+    }
+
     fn resident_experts(&self, l: usize, ids: &[u32]) -> ExpertBatch {
         self.experts.resident(l, ids)
     }

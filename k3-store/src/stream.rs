@@ -452,6 +452,12 @@ impl TrunkStream {
         self.shared.layout.n_layers()
     }
 
+    /// True when layer `l` goes through the ring: dropping its run lets the reader reuse its
+    /// extent.
+    pub fn streams(&self, l: usize) -> bool {
+        l >= self.pinned.len() && l < self.n_layers() && self.thread.is_some()
+    }
+
     /// Layer `l`'s run if it is pinned (never reads, never blocks).
     pub fn pinned_layer(&self, l: usize) -> Option<LayerRun> {
         self.pinned.get(l).cloned()

@@ -68,8 +68,8 @@ fn engine_calls() -> u64 {
     CALLS.load(Ordering::Relaxed) - SOURCE_CALLS.load(Ordering::Relaxed)
 }
 
-/// A `MemSource` whose every layer is also "resident" (so the router lookahead runs), with its
-/// allocations set apart.
+/// A `MemSource` whose every layer is also "resident" (so the router lookahead runs) and is
+/// given back before each expert wait, with its allocations set apart.
 struct Counted<'a>(&'a MemSource);
 
 impl WeightSource for Counted<'_> {
@@ -96,6 +96,11 @@ impl WeightSource for Counted<'_> {
     }
     fn resident_layer(&self, l: usize) -> Option<LayerRun> {
         source(|| self.0.layer(l).ok())
+    }
+    /// As a streaming source says of its ring layers: the engine's copy of what a MoE layer
+    /// reads after its expert wait is counted too.
+    fn frees_layer_on_drop(&self, _l: usize) -> bool {
+        true
     }
     fn max_expert_batch(&self) -> usize {
         self.0.max_expert_batch()

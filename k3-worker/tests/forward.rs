@@ -384,3 +384,122 @@ fn expert_groups_overlap_within_the_cache_and_leave_the_logits_bitwise_unchanged
         "the same experts per layer"
     );
 }
+
+/// A source that streams: each layer run is a copy whose drop is logged, the experts answer in
+/// groups of at most `cap`, and `frees_layer_on_drop` says what the test asks.
+struct Streamed<'a> {
+    inner: &'a MemSource,
+    frees: bool,
+    cap: usize,
+    /// ("run", layer) when a run is dropped; ("experts", layer) when experts are asked for.
+    log: Arc<Mutex<Vec<(&'static str, usize)>>>,
+}
+
+struct LoggedRun {
+    bytes: Vec<u8>,
+    layer: usize,
+    log: Arc<Mutex<Vec<(&'static str, usize)>>>,
+}
+
+impl ByteOwner for LoggedRun {
+    fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Drop for LoggedRun {
+    fn drop(&mut self) {
+        self.log.lock().unwrap().push(("run", self.layer));
+    }
+}
+
+impl WeightSource for Streamed<'_> {
+    fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
+        self.inner.model_tensor(name)
+    }
+    fn layer(&self, l: usize) -> Result<LayerRun, SourceError> {
+        let run = self.inner.layer(l)?;
+        let owner = LoggedRun {
+            bytes: run.region.bytes().to_vec(),
+            layer: l,
+            log: self.log.clone(),
+        };
+        Ok(LayerRun {
+            layer: l,
+            region: Region::whole(Arc::new(owner)),
+            layout: run.layout,
+        })
+    }
+    fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
+        self.log.lock().unwrap().push(("experts", l));
+        self.inner.experts(l, ids)
+    }
+    fn max_expert_batch(&self) -> usize {
+        self.cap
+    }
+    fn frees_layer_on_drop(&self, _l: usize) -> bool {
+        self.frees
+    }
+    fn stats(&self) -> SourceStats {
+        self.inner.stats()
+    }
+}
+
+#[test]
+fn a_streamed_moe_layer_gives_its_run_back_before_the_expert_wait_with_the_same_logits() {
+    let src = MemSource::random(&tiny_dims(), 5);
+    let shapes = Some(&src as &dyn TensorShapes);
+    let run = |frees: bool| {
+        let s = Streamed {
+            inner: &src,
+            frees,
+            cap: 4,
+            log: Arc::new(Mutex::new(Vec::new())),
+        };
+        let mut m = Model::new(src.dims.clone(), &s, shapes).unwrap();
+        m.overlap_groups = false;
+        let mut st = m.new_state(16);
+        let prefill = m.forward(&PROMPT, &mut st, Logits::All).unwrap();
+        // The prefill's events: every run is dropped by the end of its pass.
+        let log = std::mem::take(&mut *s.log.lock().unwrap());
+        let decode = m.forward(&[7], &mut st, Logits::Last).unwrap();
+        (bits(&prefill), bits(&decode), log)
+    };
+    let (p_keep, d_keep, keep) = run(false);
+    let (p_free, d_free, free) = run(true);
+    assert_eq!(
+        p_free, p_keep,
+        "giving the run back early changed the prefill"
+    );
+    assert_eq!(
+        d_free, d_keep,
+        "giving the run back early changed the decode step"
+    );
+    // Where a layer's experts come in two groups or more, the later groups are asked for after
+    // the first group's wait: the run is gone by then when the source frees it on drop, and
+    // still held when it does not.
+    let dropped_before_second_group = |log: &[(&str, usize)], l: usize| {
+        let asks: Vec<usize> = (0..log.len())
+            .filter(|&i| log[i] == ("experts", l))
+            .collect();
+        let gone = log.iter().position(|&e| e == ("run", l));
+        (asks.len() >= 2).then(|| gone.is_some_and(|g| g < asks[1]))
+    };
+    let layers = src.dims.n_layers;
+    let split: Vec<usize> = (0..layers)
+        .filter(|&l| dropped_before_second_group(&free, l).is_some())
+        .collect();
+    assert!(!split.is_empty(), "no layer needed two groups: {free:?}");
+    for &l in &split {
+        assert_eq!(
+            dropped_before_second_group(&free, l),
+            Some(true),
+            "layer {l}: {free:?}"
+        );
+        assert_eq!(
+            dropped_before_second_group(&keep, l),
+            Some(false),
+            "layer {l}: {keep:?}"
+        );
+    }
+}

@@ -21,7 +21,8 @@ use std::time::Instant;
 use k3_store::source::{PendingExperts, SourceError, WeightSource};
 
 use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
-use super::state::{LayerState, Predict, SeqState};
+use super::moe::{MoeWeights, UpSide};
+use super::state::{LayerState, Predict, SeqState, Work};
 use super::{copy_into, linear, rms_norm_rows_into, zeroed, Dims, Mat, ModelError};
 
 /// Which positions to compute logits for.
@@ -406,22 +407,23 @@ impl<'s> Model<'s> {
             let (done, later) = bound.split_at_mut(l + 1);
             let slot = &mut done[l];
             let t_layer = Instant::now();
-            let run = source.layer(l)?;
+            let mut run = Some(source.layer(l)?);
+            let run_ref = run.as_ref().expect("just set");
             counters.phases.layer_wait += t_layer.elapsed().as_secs_f64();
-            if run.layer != l {
+            if run_ref.layer != l {
                 return Err(ModelError::Config(format!(
                     "source returned layer {} for layer {l}",
-                    run.layer
+                    run_ref.layer
                 )));
             }
             if l + 1 < d.n_layers {
                 source.prefetch_layer(l + 1);
             }
             if slot.is_none() {
-                *slot = Some(BoundLayer::bind(d, &run, shapes, quant)?);
+                *slot = Some(BoundLayer::bind(d, run_ref, shapes, quant)?);
                 *binds += 1;
             }
-            let lw = slot.as_ref().expect("bound just above").weights(&run)?;
+            let lw = slot.as_ref().expect("bound just above").weights(run_ref)?;
 
             // Attention side.
             let t_attn = Instant::now();
@@ -485,6 +487,10 @@ impl<'s> Model<'s> {
                 Lookahead::AttnIn => Some(&w.attn_in[..]),
                 Lookahead::MlpIn => Some(&w.x[..]),
             };
+            // A streamed MoE layer gives its run back before the expert wait (the source's
+            // ring reads the next layer meanwhile); the rest of the layer reads a copy.
+            let early_release = source.frees_layer_on_drop(l);
+            let mut tail: Option<MoeTail> = None;
             match &lw.mlp {
                 Mlp::Dense(mlp) => {
                     // Nothing to fetch here: the disk is free for the next layer's predicted
@@ -541,74 +547,51 @@ impl<'s> Model<'s> {
                         .map(|ids| source.request_experts(l, ids));
                     moe.latent_in(d, &w.xn, n, &mut w.ffn.z);
                     let has_shared = moe.shared_out(d, &w.xn, n, &mut w.ffn.mlp, &mut w.ffn.shared);
-                    let t_wait = Instant::now();
-                    let first = pending.map(|p| p.wait());
-                    counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
-                    w.ffn.slots.reset(w.ffn.routing.sel.len(), d.latent);
-                    // The disk is free again: read ahead what the next layer's router would
-                    // choose from this layer's early hidden state, if its router is resident.
-                    if let Some(h) = early {
+                    let t = MoeTail {
+                        pending,
+                        has_shared,
+                        group,
+                        ahead,
+                    };
+                    if early_release {
+                        // Only the up-projection and the latent norm are read after the wait:
+                        // hold a copy and give the run back below, before waiting.
+                        w.ffn.up.hold(&moe.up_side());
+                        tail = Some(t);
+                    } else {
                         let next = later.first_mut();
-                        predicted =
-                            predict_next(d, source, shapes, next, binds, l, h, n, &mut w.predict)?;
-                    }
-                    // The answer for the group about to be computed: the first group's (waited
-                    // for above), then, with overlap, the request made before the previous group
-                    // was computed; without, a request made now.
-                    let mut next: Option<PendingExperts> = first.map(PendingExperts::ready);
-                    for (gi, ids) in uniq.chunks(group).enumerate() {
-                        let t_wait = Instant::now();
-                        let batch = match next.take().map(PendingExperts::wait) {
-                            Some(Ok(b)) => b,
-                            Some(Err(SourceError::Panicked(message))) => {
-                                return Err(ModelError::FetchPanicked { layer: l, message })
-                            }
-                            Some(Err(e)) => return Err(e.into()),
-                            None => source.experts(l, ids)?,
-                        };
-                        counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
-                        if ahead {
-                            next = uniq
-                                .chunks(group)
-                                .nth(gi + 1)
-                                .map(|ids| source.request_experts(l, ids));
-                        }
-                        if batch.experts.len() != ids.len() {
-                            return Err(ModelError::Config(format!(
-                                "source answered {} experts for a request of {} (layer {l})",
-                                batch.experts.len(),
-                                ids.len()
-                            )));
-                        }
-                        let failed = moe.run_experts(
+                        let mut c = TailCtx {
                             d,
-                            &w.ffn.z,
-                            &w.ffn.routing,
-                            ids,
-                            &batch,
-                            &mut w.ffn.experts,
-                            &mut w.ffn.slots,
-                        );
-                        for (id, why) in failed {
-                            counters.failed_expert_loads += 1;
-                            if counters.failure_messages.len() < MAX_FAILURE_MESSAGES {
-                                counters
-                                    .failure_messages
-                                    .push(format!("layer {l} expert {id}: {why}"));
-                            }
-                        }
+                            source,
+                            shapes,
+                            binds,
+                            counters,
+                            lookahead,
+                            predicted: &mut predicted,
+                        };
+                        c.finish_moe(l, n, next, moe.up_side(), t, w)?;
                     }
-                    let shared = has_shared.then_some(&w.ffn.shared[..]);
-                    moe.combine(
-                        d,
-                        n,
-                        &w.ffn.routing,
-                        &w.ffn.slots,
-                        shared,
-                        &mut w.ffn.combine,
-                        &mut w.m,
-                    );
                 }
+            }
+            if let Some(t) = tail {
+                // The run goes back to the source first (nothing borrows it any more): a
+                // streaming ring reads the next layer into its extent while this layer waits
+                // for its experts.
+                drop(run.take());
+                let up = std::mem::take(&mut w.ffn.up);
+                let next = later.first_mut();
+                let mut c = TailCtx {
+                    d,
+                    source,
+                    shapes,
+                    binds,
+                    counters,
+                    lookahead,
+                    predicted: &mut predicted,
+                };
+                let done = c.finish_moe(l, n, next, up.side(), t, w);
+                w.ffn.up = up;
+                done?;
             }
             let waited = counters.expert_wait_seconds - expert_wait0;
             counters.phases.expert_wait += waited;
@@ -639,6 +622,128 @@ impl<'s> Model<'s> {
         counters.phases.lm_head += t_head.elapsed().as_secs_f64();
         st.pos += n;
         Ok(logits)
+    }
+}
+
+/// A MoE layer's state between requesting its first group of experts and waiting for it.
+struct MoeTail {
+    /// The first group's request (`None`: the layer routed to no expert).
+    pending: Option<PendingExperts>,
+    /// The shared experts' output is in `FfnBufs::shared`.
+    has_shared: bool,
+    /// Experts per request.
+    group: usize,
+    /// Group `i + 1` is requested before group `i` is computed.
+    ahead: bool,
+}
+
+/// What the end of a MoE layer needs from the forward pass besides the work buffers.
+struct TailCtx<'c, 'm> {
+    d: &'c Dims,
+    source: &'m dyn WeightSource,
+    shapes: Option<&'m dyn TensorShapes>,
+    binds: &'c mut u64,
+    counters: &'c mut RunCounters,
+    lookahead: Lookahead,
+    predicted: &'c mut Option<usize>,
+}
+
+impl TailCtx<'_, '_> {
+    /// Wait for layer `l`'s routed experts, predict the next layer's from this layer's early
+    /// hidden state (the disk is free again), run the experts group by group and combine them
+    /// with `up` into `w.m`. The same whether `up` is the layer's run or a copy of it.
+    fn finish_moe(
+        &mut self,
+        l: usize,
+        n: usize,
+        next_layer: Option<&mut Option<BoundLayer>>,
+        up: UpSide<'_>,
+        t: MoeTail,
+        w: &mut Work,
+    ) -> Result<(), ModelError> {
+        let (d, source, counters) = (self.d, self.source, &mut *self.counters);
+        let t_wait = Instant::now();
+        let first = t.pending.map(|p| p.wait());
+        counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
+        w.ffn.slots.reset(w.ffn.routing.sel.len(), d.latent);
+        // The disk is free again: read ahead what the next layer's router would choose from
+        // this layer's early hidden state, if its router is resident.
+        let early = match self.lookahead {
+            Lookahead::Off => None,
+            Lookahead::AttnIn => Some(&w.attn_in[..]),
+            Lookahead::MlpIn => Some(&w.x[..]),
+        };
+        if let Some(h) = early {
+            *self.predicted = predict_next(
+                d,
+                source,
+                self.shapes,
+                next_layer,
+                self.binds,
+                l,
+                h,
+                n,
+                &mut w.predict,
+            )?;
+        }
+        // The answer for the group about to be computed: the first group's (waited for above),
+        // then, with overlap, the request made before the previous group was computed; without,
+        // a request made now.
+        let uniq = &w.ffn.uniq;
+        let mut next: Option<PendingExperts> = first.map(PendingExperts::ready);
+        for (gi, ids) in uniq.chunks(t.group).enumerate() {
+            let t_wait = Instant::now();
+            let batch = match next.take().map(PendingExperts::wait) {
+                Some(Ok(b)) => b,
+                Some(Err(SourceError::Panicked(message))) => {
+                    return Err(ModelError::FetchPanicked { layer: l, message })
+                }
+                Some(Err(e)) => return Err(e.into()),
+                None => source.experts(l, ids)?,
+            };
+            counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
+            if t.ahead {
+                next = uniq
+                    .chunks(t.group)
+                    .nth(gi + 1)
+                    .map(|ids| source.request_experts(l, ids));
+            }
+            if batch.experts.len() != ids.len() {
+                return Err(ModelError::Config(format!(
+                    "source answered {} experts for a request of {} (layer {l})",
+                    batch.experts.len(),
+                    ids.len()
+                )));
+            }
+            let failed = MoeWeights::run_experts(
+                d,
+                &w.ffn.z,
+                &w.ffn.routing,
+                ids,
+                &batch,
+                &mut w.ffn.experts,
+                &mut w.ffn.slots,
+            );
+            for (id, why) in failed {
+                counters.failed_expert_loads += 1;
+                if counters.failure_messages.len() < MAX_FAILURE_MESSAGES {
+                    counters
+                        .failure_messages
+                        .push(format!("layer {l} expert {id}: {why}"));
+                }
+            }
+        }
+        let shared = t.has_shared.then_some(&w.ffn.shared[..]);
+        up.combine(
+            d,
+            n,
+            &w.ffn.routing,
+            &w.ffn.slots,
+            shared,
+            &mut w.ffn.combine,
+            &mut w.m,
+        );
+        Ok(())
     }
 }
 

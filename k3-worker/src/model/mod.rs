@@ -357,7 +357,7 @@ pub(crate) fn rms_norm_rows_into(x: &[f32], w: &[f32], eps: f32, y: &mut Vec<f32
 pub(crate) use crate::kernels::zeroed;
 
 /// `dst` becomes a copy of `src`, reusing its allocation.
-pub(crate) fn copy_into(dst: &mut Vec<f32>, src: &[f32]) {
+pub(crate) fn copy_into<T: Copy>(dst: &mut Vec<T>, src: &[T]) {
     dst.clear();
     dst.extend_from_slice(src);
 }

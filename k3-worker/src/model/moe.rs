@@ -216,7 +216,7 @@ impl MoeWeights<'_> {
         let mut slots = Slots::default();
         self.latent_in(d, x, n, &mut z);
         slots.reset(n * routing.k, d.latent);
-        let failed = self.run_experts(
+        let failed = MoeWeights::run_experts(
             d,
             &z,
             routing,
@@ -226,7 +226,7 @@ impl MoeWeights<'_> {
             &mut slots,
         );
         let has_shared = self.shared_out(d, x, n, &mut MlpBufs::default(), &mut shared);
-        self.combine(
+        self.up_side().combine(
             d,
             n,
             routing,
@@ -270,7 +270,6 @@ impl MoeWeights<'_> {
     /// slots stay empty).
     #[allow(clippy::too_many_arguments)]
     pub fn run_experts(
-        &self,
         d: &Dims,
         z: &[f32],
         routing: &Routing,
@@ -361,7 +360,30 @@ impl MoeWeights<'_> {
         }
         failed
     }
+}
 
+/// What a MoE layer reads after its routed experts arrive: the up-projection and the latent
+/// norm. Borrowed from the layer's run ([`MoeWeights::up_side`]), or from a copy held while
+/// the run is given back early ([`crate::model::state::UpCopy`]).
+#[derive(Clone, Copy, Debug)]
+pub struct UpSide<'a> {
+    /// `routed_expert_up_proj` `[E, latent]`.
+    pub up: Mat<'a>,
+    /// `routed_expert_norm` `[latent]` (None when `latent_moe_use_norm` is false).
+    pub norm: Option<&'a [f32]>,
+}
+
+impl<'a> MoeWeights<'a> {
+    /// The weights [`UpSide::combine`] reads.
+    pub fn up_side(&self) -> UpSide<'a> {
+        UpSide {
+            up: self.up,
+            norm: self.norm,
+        }
+    }
+}
+
+impl UpSide<'_> {
     /// Aggregate the experts' outputs per token in selection order, normalise the aggregate,
     /// project it up and add the shared experts' output (from [`MoeWeights::shared_out`]) into
     /// `out` `[n, E]`. Slots left empty (a failed expert) are skipped.

@@ -5,8 +5,8 @@
 use super::attn_res::ResBufs;
 use super::kda::KdaBufs;
 use super::mla::MlaBufs;
-use super::moe::{CombineBufs, ExpertBufs, MlpBufs, RouteBufs, Routing, Slots};
-use super::{Dims, ModelError};
+use super::moe::{CombineBufs, ExpertBufs, MlpBufs, RouteBufs, Routing, Slots, UpSide};
+use super::{Dims, Mat, ModelError};
 
 /// One KDA layer's carried state.
 #[derive(Clone, Debug, PartialEq)]
@@ -104,6 +104,58 @@ pub(crate) struct FfnBufs {
     pub(crate) experts: ExpertBufs,
     pub(crate) slots: Slots,
     pub(crate) combine: CombineBufs,
+    /// The layer's up-projection and latent norm, held while its streamed run is given back
+    /// before the expert wait.
+    pub(crate) up: UpCopy,
+}
+
+/// A copy of a MoE layer's [`UpSide`]: the bytes its run held, so the run can be given back to
+/// a streaming source before the routed experts arrive and the ring can read the next layer into
+/// it meanwhile (ARCHITECTURE.md, "Run state"). The copy is bit for bit, so the output is the
+/// same as reading the run. Its allocations are reused like every stage buffer's.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct UpCopy {
+    /// The up-projection's bf16 bytes, or a draft's quantized codes.
+    bytes: Vec<u8>,
+    /// A draft's quantized scales (empty for bf16).
+    scales: Vec<u8>,
+    /// `None` for bf16.
+    kind: Option<k3_proto::quant::QuantKind>,
+    /// The latent norm, when the layer has one.
+    norm: Option<Vec<f32>>,
+}
+
+impl UpCopy {
+    /// Copy `side` in, reusing the allocations.
+    pub(crate) fn hold(&mut self, side: &UpSide<'_>) {
+        let (bytes, scales, kind) = match side.up {
+            Mat::Bf16(b) => (b, &[][..], None),
+            Mat::Quant { kind, q, s } => (q, s, Some(kind)),
+        };
+        super::copy_into(&mut self.bytes, bytes);
+        super::copy_into(&mut self.scales, scales);
+        self.kind = kind;
+        match (side.norm, &mut self.norm) {
+            (Some(n), Some(v)) => super::copy_into(v, n),
+            (Some(n), none) => *none = Some(n.to_vec()),
+            (None, v) => *v = None,
+        }
+    }
+
+    /// The held weights.
+    pub(crate) fn side(&self) -> UpSide<'_> {
+        UpSide {
+            up: match self.kind {
+                None => Mat::Bf16(&self.bytes),
+                Some(kind) => Mat::Quant {
+                    kind,
+                    q: &self.bytes,
+                    s: &self.scales,
+                },
+            },
+            norm: self.norm.as_deref(),
+        }
+    }
 }
 
 /// Passes of at most this many positions (a decode step, a verify pass of up to `MAX_K` drafts)
