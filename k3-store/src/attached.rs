@@ -188,8 +188,11 @@ struct TrunkFigures {
     shared: u64,
     /// Seconds spent waiting for them.
     wait_seconds: f64,
-    /// A ring lease is held: the pass must be ended.
+    /// A ring lease was taken in this pass: the pass must be ended (`EndPass` also gives back
+    /// the expert leases, as between passes a worker holds none).
     leased: bool,
+    /// The last ring lease is still held (not given back early with `ReleaseTrunk`).
+    holding: bool,
 }
 
 /// The connection to the store and the arena's geometry: what an expert request needs, shared
@@ -397,6 +400,22 @@ impl AttachedSource {
     }
 
     /// Lease streamed layer `l` from the store's ring (blocks until the store has it).
+    /// Give the trunk lease back (`EndPass` or `ReleaseTrunk`); `Err` when the store broke it
+    /// while it was held (the pass computed on bytes that may have been overwritten).
+    fn trunk_call(&self, req: &Request) -> Result<(), SourceError> {
+        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
+        match c.call(req) {
+            Ok(Response::Released) => Ok(()),
+            Ok(Response::Error { code, message }) => Err(SourceError::Io(format!(
+                "the store's trunk ring ({code:?}): {message}"
+            ))),
+            Ok(other) => Err(SourceError::Io(format!(
+                "unexpected answer from the store: {other:?}"
+            ))),
+            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
+        }
+    }
+
     fn leased_layer(&self, l: usize) -> Result<LayerRun, SourceError> {
         let plan = self
             .trunk
@@ -436,6 +455,7 @@ impl AttachedSource {
             .ok_or_else(|| SourceError::Io(format!("layer {l}: outside the mapping")))?;
         let mut f = self.trunk_stats.lock().unwrap_or_else(|p| p.into_inner());
         f.leased = true;
+        f.holding = true;
         f.served += 1;
         f.wait_seconds += waited;
         if fresh {
@@ -579,18 +599,9 @@ impl WeightSource for AttachedSource {
             return Ok(());
         }
         f.leased = false;
+        f.holding = false;
         drop(f);
-        let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
-        match c.call(&Request::EndPass) {
-            Ok(Response::Released) => Ok(()),
-            Ok(Response::Error { code, message }) => Err(SourceError::Io(format!(
-                "the store's trunk ring ({code:?}): {message}"
-            ))),
-            Ok(other) => Err(SourceError::Io(format!(
-                "unexpected answer from the store: {other:?}"
-            ))),
-            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
-        }
+        self.trunk_call(&Request::EndPass)
     }
 
     fn max_expert_batch(&self) -> usize {
@@ -614,6 +625,23 @@ impl WeightSource for AttachedSource {
 
     fn resident_layer(&self, l: usize) -> Option<LayerRun> {
         self.pinned.get(l).cloned()
+    }
+
+    fn releases_layers_early(&self, l: usize) -> bool {
+        l >= self.pinned.len()
+    }
+
+    fn release_layer(&self, run: LayerRun) -> Result<(), SourceError> {
+        // The run's bytes are the store's ring: nothing may read them once the lease is given
+        // back, so the region goes first.
+        drop(run);
+        let mut f = self.trunk_stats.lock().unwrap_or_else(|p| p.into_inner());
+        if !f.holding {
+            return Ok(());
+        }
+        f.holding = false;
+        drop(f);
+        self.trunk_call(&Request::ReleaseTrunk)
     }
 
     fn request_experts(&self, l: usize, ids: &[u32]) -> PendingExperts {

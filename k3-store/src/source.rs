@@ -303,13 +303,22 @@ pub trait WeightSource: Send + Sync {
         }
     }
 
-    /// True when dropping layer `l`'s run before the pass ends lets this source reuse its
-    /// memory at once (a layer streamed through this process's ring). The forward pass then
-    /// gives the run back before it waits for the layer's routed experts, keeping a copy of the
-    /// little it reads afterwards, so the next layer is read meanwhile. False (the default) where
-    /// an early drop frees nothing.
-    fn frees_layer_on_drop(&self, _l: usize) -> bool {
+    /// True when giving layer `l`'s run back before the pass ends
+    /// ([`WeightSource::release_layer`]) lets this source reuse its memory at once (a layer
+    /// streamed through a ring). The forward pass then gives a MoE layer's run back before it
+    /// waits for the layer's routed experts, keeping a copy of the little it reads afterwards, so
+    /// the ring reads the next layer meanwhile. False (the default) where it would free nothing.
+    fn releases_layers_early(&self, _l: usize) -> bool {
         false
+    }
+
+    /// Give back the run of a layer the pass is done with, before the pass ends. The default
+    /// drops it (an in-process ring sees its lease end); an attached worker also tells the
+    /// store, whose answer says whether the lease held to the end: `Err` voids the pass, like
+    /// [`WeightSource::end_pass`].
+    fn release_layer(&self, run: LayerRun) -> Result<(), SourceError> {
+        drop(run);
+        Ok(())
     }
 
     /// Layer `l`'s trunk run if it is already resident (pinned): never reads and never blocks.

@@ -345,7 +345,7 @@ impl WeightSource for StandaloneSource {
         self.stream.pinned_layer(l)
     }
 
-    fn frees_layer_on_drop(&self, l: usize) -> bool {
+    fn releases_layers_early(&self, l: usize) -> bool {
         self.stream.streams(l)
     }
 

@@ -310,11 +310,41 @@ fn bad_trunk_requests_are_refused_not_fatal() {
         Response::TrunkLayer { len, fresh, .. } => assert!(len > 0 && fresh),
         other => panic!("{other:?}"),
     }
+    // ReleaseTrunk (v6) gives the trunk lease back mid-pass and keeps the expert leases; EndPass
+    // gives both back.
+    let leased = |w: &mut Client| match w.call(&Request::Stats).unwrap() {
+        Response::Stats(s) => s.slots_leased,
+        other => panic!("{other:?}"),
+    };
+    match w
+        .call(&Request::Experts {
+            layer: 5,
+            ids: vec![0, 1],
+        })
+        .unwrap()
+    {
+        Response::Experts { answers, .. } => assert_eq!(answers.len(), 2),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(leased(&mut w), 2);
+    assert_eq!(w.call(&Request::ReleaseTrunk).unwrap(), Response::Released);
+    assert_eq!(
+        leased(&mut w),
+        2,
+        "ReleaseTrunk gave the expert leases back"
+    );
+    // Twice is harmless.
+    assert_eq!(w.call(&Request::ReleaseTrunk).unwrap(), Response::Released);
     assert_eq!(w.call(&Request::EndPass).unwrap(), Response::Released);
+    assert_eq!(leased(&mut w), 0, "EndPass kept expert leases");
     // Ending a pass twice is harmless.
     assert_eq!(w.call(&Request::EndPass).unwrap(), Response::Released);
     let mut c = Client::connect(&store.socket, ClientKind::Control, "raw control").unwrap();
-    for req in [Request::TrunkLayer { layer: 5 }, Request::EndPass] {
+    for req in [
+        Request::TrunkLayer { layer: 5 },
+        Request::EndPass,
+        Request::ReleaseTrunk,
+    ] {
         match c.call(&req).unwrap() {
             Response::Error { code, .. } => assert_eq!(code, ErrorCode::NotAllowed, "{req:?}"),
             other => panic!("{req:?}: {other:?}"),

@@ -99,7 +99,7 @@ impl WeightSource for Counted<'_> {
     }
     /// As a streaming source says of its ring layers: the engine's copy of what a MoE layer
     /// reads after its expert wait is counted too.
-    fn frees_layer_on_drop(&self, _l: usize) -> bool {
+    fn releases_layers_early(&self, _l: usize) -> bool {
         true
     }
     fn max_expert_batch(&self) -> usize {

@@ -386,7 +386,7 @@ fn expert_groups_overlap_within_the_cache_and_leave_the_logits_bitwise_unchanged
 }
 
 /// A source that streams: each layer run is a copy whose drop is logged, the experts answer in
-/// groups of at most `cap`, and `frees_layer_on_drop` says what the test asks.
+/// groups of at most `cap`, and `releases_layers_early` says what the test asks.
 struct Streamed<'a> {
     inner: &'a MemSource,
     frees: bool,
@@ -437,7 +437,7 @@ impl WeightSource for Streamed<'_> {
     fn max_expert_batch(&self) -> usize {
         self.cap
     }
-    fn frees_layer_on_drop(&self, _l: usize) -> bool {
+    fn releases_layers_early(&self, _l: usize) -> bool {
         self.frees
     }
     fn stats(&self) -> SourceStats {

@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -146,6 +146,12 @@ pub enum Request {
         /// Expert ids, in the order the worker wants the answers.
         ids: Vec<u32>,
     },
+    /// v6. The worker is done with the streamed trunk layer it leased last (it copied what it
+    /// still reads): release that lease only, mid-pass, so the ring can read the next layer into
+    /// it while the worker waits for the layer's experts. Its expert leases stay. Answered
+    /// [`Response::Released`], or [`ErrorCode::LeaseBroken`] when the lease was broken while
+    /// held (discard the pass, as for `EndPass`).
+    ReleaseTrunk,
 }
 
 /// One kept conversation in [`Response::Sessions`].

@@ -666,6 +666,13 @@ impl Backend for StoreBackend {
         }
     }
 
+    fn release_trunk(&self, conn: ConnId) -> Response {
+        match self.ring.as_ref().map(|r| r.release_lease(conn)) {
+            None | Some(Ok(())) => Response::Released,
+            Some(Err(e)) => ring_error(e),
+        }
+    }
+
     fn stopping(&self) {
         if let Some(r) = &self.ring {
             r.shutdown();

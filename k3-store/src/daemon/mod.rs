@@ -95,6 +95,11 @@ pub trait Backend: Send + Sync + 'static {
     fn end_pass(&self, _conn: ConnId) -> Response {
         Response::Released
     }
+    /// `conn` is done with its trunk lease mid-pass: release it, and nothing else (its expert
+    /// leases stay).
+    fn release_trunk(&self, _conn: ConnId) -> Response {
+        Response::Released
+    }
     /// The server stopped accepting: wake requests that wait inside the backend.
     fn stopping(&self) {}
     /// Lifetime and per-connection counters.
@@ -564,6 +569,7 @@ fn request_name(r: &Request) -> &'static str {
         Request::Prefetch { .. } => "Prefetch",
         Request::TrunkLayer { .. } => "TrunkLayer",
         Request::EndPass => "EndPass",
+        Request::ReleaseTrunk => "ReleaseTrunk",
     }
 }
 
@@ -799,6 +805,16 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                     }
                 } else {
                     shared.backend.end_pass(id)
+                }
+            }
+            Request::ReleaseTrunk => {
+                if kind != ClientKind::Worker {
+                    Response::Error {
+                        code: ErrorCode::NotAllowed,
+                        message: "only workers lease trunk layers".into(),
+                    }
+                } else {
+                    shared.backend.release_trunk(id)
                 }
             }
             Request::Prefetch { layer, ids } => {

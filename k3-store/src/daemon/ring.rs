@@ -527,6 +527,19 @@ impl SharedRing {
         broken.map_or(Ok(()), |m| Err(RingError::Broken(m)))
     }
 
+    /// `conn` gives its lease back mid-pass (it copied what it still reads, `ReleaseTrunk`): the
+    /// extent may be overwritten at once; its path stays protected as while it computes. `Err`
+    /// when the lease was broken while held.
+    pub fn release_lease(&self, conn: ConnId) -> Result<(), RingError> {
+        let sh = &self.sh;
+        let mut g = sh.lock();
+        release(&mut g, conn);
+        let broken = g.consumers.get_mut(&conn).and_then(|c| c.broken.take());
+        drop(g);
+        sh.cv.notify_all();
+        broken.map_or(Ok(()), |m| Err(RingError::Broken(m)))
+    }
+
     /// `conn` is gone: release its lease and forget it; its counters.
     pub fn remove(&self, conn: ConnId) -> RingCounters {
         let mut g = self.sh.lock();
@@ -889,6 +902,33 @@ mod tests {
         let g = r.acquire(1, 2).unwrap();
         check(&spec, &r, 2, g);
         assert!(matches!(r.acquire(1, 7), Err(RingError::BadLayer(_))));
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    /// `release_lease` (`ReleaseTrunk`) frees the extent mid-pass: in a ring of one layer,
+    /// another worker's layer is read at once instead of waiting for the holder's lease to
+    /// time out, and the holder's next request is not a broken lease.
+    #[test]
+    fn a_lease_given_back_mid_pass_frees_the_extent_at_once() {
+        let spec = Spec::small(3, 2);
+        let w = fixture::write(&spec, "ring-release");
+        let lay = layout(&w);
+        let largest = (0..3).map(|l| ext(&lay, l)).max().unwrap();
+        // Room for one layer, and a lease limit far beyond the test's patience.
+        let r = ring(lay.clone(), 0, largest, 60_000);
+        let g = r.acquire(1, 0).unwrap();
+        check(&spec, &r, 0, g);
+        r.release_lease(1).unwrap();
+        let t0 = Instant::now();
+        let g2 = r.acquire(2, 1).unwrap();
+        check(&spec, &r, 1, g2);
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+        assert_eq!(r.lifetime().broken, 0);
+        r.end_pass(2).unwrap();
+        // The holder goes on with its pass.
+        let g = r.acquire(1, 1).unwrap();
+        check(&spec, &r, 1, g);
+        r.end_pass(1).unwrap();
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 

@@ -489,7 +489,7 @@ impl<'s> Model<'s> {
             };
             // A streamed MoE layer gives its run back before the expert wait (the source's
             // ring reads the next layer meanwhile); the rest of the layer reads a copy.
-            let early_release = source.frees_layer_on_drop(l);
+            let early_release = source.releases_layers_early(l);
             let mut tail: Option<MoeTail> = None;
             match &lw.mlp {
                 Mlp::Dense(mlp) => {
@@ -577,7 +577,9 @@ impl<'s> Model<'s> {
                 // The run goes back to the source first (nothing borrows it any more): a
                 // streaming ring reads the next layer into its extent while this layer waits
                 // for its experts.
-                drop(run.take());
+                if let Some(r) = run.take() {
+                    source.release_layer(r)?;
+                }
                 let up = std::mem::take(&mut w.ffn.up);
                 let next = later.first_mut();
                 let mut c = TailCtx {
