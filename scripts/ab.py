@@ -4,6 +4,10 @@
     scripts/ab.py --model DIR --trunk PACKED --bins OLD_BIN_DIR,NEW_BIN_DIR \
         --budgets all-resident,trunk-pinned --reps 3 --gen 41 --json out.json
 
+With --attached each run is a store and one attached worker of the same binaries instead:
+`k3-store start --detach` at the budget, the worker on its socket, `k3-ctl stop` (a fresh, cold
+store each time, so the two builds' stores never meet).
+
 Budgets are `scripts/bench.py`'s (`plan_budgets`, at this checkpoint's scale). Every repetition
 runs every budget with every set of binaries in turn (A, B, A, B, ...), so a slow minute of a
 shared machine hits both sides. Per (budget, binaries): decode s/token = median of each run's
@@ -47,6 +51,30 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
+def run_attached(bins: Path, model: Path, trunk: Path, trunk_b: int, cache_b: int, gen: int,
+                 out: Path, chunk: int, tmp: Path) -> dict:
+    """One cold store at the budget and one attached worker (plain decoding); the store is
+    stopped before returning, whatever happened."""
+    sockdir = Path(tempfile.mkdtemp(dir=tmp))  # mode 700, as the store requires
+    sock = sockdir / "store.sock"
+    start = [bins / "k3-store", "start", model, "--trunk", trunk,
+             "--trunk-gb", f"{trunk_b / 1e9:.9f}", "--cache-gb", f"{cache_b / 1e9:.9f}",
+             "--socket", sock, "--detach", "--log", sockdir / "store.log"]
+    r = bench.sh(start, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"ab: store failed to start (exit {r.returncode}):\n{r.stderr}")
+    try:
+        w = bench.sh([bins / "k3-worker", "--socket", sock,
+                      "--ids", ",".join(map(str, bench.PROMPT)), "--gen", gen,
+                      "--prefill-chunk", chunk, "--spec", "off", "--out", out],
+                     capture_output=True, text=True)
+        if w.returncode != 0:
+            raise SystemExit(f"ab: attached worker failed (exit {w.returncode}):\n{w.stderr}")
+        return json.loads(out.read_text())
+    finally:
+        bench.sh([bins / "k3-ctl", "stop", "--socket", sock], capture_output=True, text=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gen", type=int, default=41)
     ap.add_argument("--prefill-chunk", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--attached", action="store_true",
+                    help="a store and one attached worker per run, not --standalone")
     a = ap.parse_args(argv)
     bins = [Path(b) for b in a.bins.split(",") if b]
     if len(bins) < 2:
@@ -82,8 +112,12 @@ def main(argv=None) -> int:
             for n in names:
                 tb, cb = budgets[n][0], budgets[n][1]
                 for b in bins:
-                    d, _ = bench.run_worker(b, a.model, a.trunk, tb, cb, a.gen, out,
-                                            a.prefill_chunk)
+                    if a.attached:
+                        d = run_attached(b, a.model, a.trunk, tb, cb, a.gen, out,
+                                         a.prefill_chunk, Path(tmp))
+                    else:
+                        d, _ = bench.run_worker(b, a.model, a.trunk, tb, cb, a.gen, out,
+                                                a.prefill_chunk)
                     raw.setdefault((n, str(b)), []).append(d)
                     st = [s["seconds"] for s in d["steps"]][1:]
                     print(f"rep {rep} {n:13} {b}: {statistics.median(st) * 1e3:.2f} ms/token",
@@ -104,6 +138,7 @@ def main(argv=None) -> int:
             "load_average": list(__import__("os").getloadavg()),
             "model": str(a.model), "gen": a.gen, "reps": a.reps,
             "prefill_chunk": a.prefill_chunk, "prompt": bench.PROMPT,
+            "mode": "attached" if a.attached else "standalone",
             "bins": [str(b) for b in bins], "cells": cells, "ids_identical": same,
         }, indent=1))
         print(f"wrote {a.json}")

@@ -32,3 +32,42 @@ def test_a_run_without_decode_steps_is_refused():
 def test_needs_two_builds(tmp_path):
     with pytest.raises(SystemExit):
         ab.main(["--model", str(tmp_path), "--trunk", str(tmp_path), "--bins", str(tmp_path)])
+
+
+def fake_bins(tmp_path, worker_exit):
+    """k3-store / k3-worker / k3-ctl stand-ins that log their arguments."""
+    log = tmp_path / "log"
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    for name, body in [
+        ("k3-store", "echo store \"$@\" >> {log}"),
+        ("k3-worker", "echo worker \"$@\" >> {log}\n"
+                      "out=''; while [ $# -gt 0 ]; do [ \"$1\" = --out ] && out=$2; shift; done\n"
+                      "echo '{{\"steps\": [], \"generated_ids\": []}}' > \"$out\"\n"
+                      f"exit {worker_exit}"),
+        ("k3-ctl", "echo ctl \"$@\" >> {log}"),
+    ]:
+        p = bins / name
+        p.write_text("#!/bin/sh\n" + body.format(log=log) + "\n")
+        p.chmod(0o755)
+    return bins, log
+
+
+def test_attached_run_starts_a_store_runs_the_worker_on_its_socket_and_stops_it(tmp_path):
+    bins, log = fake_bins(tmp_path, 0)
+    d = ab.run_attached(bins, tmp_path / "m", tmp_path / "t", 2_000_000, 300_000, 5,
+                        tmp_path / "out.json", 1, tmp_path)
+    assert d == {"steps": [], "generated_ids": []}
+    store, worker, ctl = log.read_text().splitlines()
+    sock = store.split("--socket ")[1].split()[0]
+    assert "--trunk-gb 0.002000000 --cache-gb 0.000300000" in store and "--detach" in store
+    assert f"--socket {sock}" in worker and "--standalone" not in worker
+    assert ctl == f"ctl stop --socket {sock}"
+
+
+def test_attached_run_stops_the_store_when_the_worker_fails(tmp_path):
+    bins, log = fake_bins(tmp_path, 3)
+    with pytest.raises(SystemExit):
+        ab.run_attached(bins, tmp_path / "m", tmp_path / "t", 2_000_000, 300_000, 5,
+                        tmp_path / "out.json", 1, tmp_path)
+    assert log.read_text().splitlines()[-1].startswith("ctl stop --socket ")
