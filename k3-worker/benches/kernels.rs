@@ -397,6 +397,55 @@ fn main() {
                         mem_gbs: mem_at(threads),
                     });
                 }
+                // The prefill product of the expert shape: n tokens through every expert,
+                // weights read once per call; token 0's row checked against the matvec's
+                // reference (matmul row t equals matvec of token t, bit for bit per tier).
+                for n in [5usize, 16] {
+                    let (r, c) = (er, ec);
+                    let mut y = vec![0.0f32; n * r];
+                    let s = time(args.reps, threads, || {
+                        for e in &experts {
+                            k.matmul_mxfp4(
+                                black_box(&e.packed),
+                                &e.scales,
+                                r,
+                                c,
+                                &x_wide[..n * c],
+                                n,
+                                &mut y,
+                            );
+                            black_box(&y);
+                        }
+                    });
+                    k.matmul_mxfp4(
+                        &experts[0].packed,
+                        &experts[0].scales,
+                        r,
+                        c,
+                        &x_wide[..n * c],
+                        n,
+                        &mut y,
+                    );
+                    if rel_diff(&y[..r], &refs[bf16_shapes.len()]) > CHECK_REL {
+                        eprintln!("CHECK FAILED: {} mxfp4 matmul n={n}", k.tier());
+                        checks_ok = false;
+                    }
+                    let per = |v: f64| v / EXPERTS as f64;
+                    rows.push(Row {
+                        kernel: format!("mxfp4 matmul {r}x{c} n={n}"),
+                        tier: k.tier(),
+                        threads,
+                        stat: Stat {
+                            median: per(s.median),
+                            min: per(s.min),
+                            max: per(s.max),
+                            cpu_share: s.cpu_share,
+                        },
+                        bytes: (r * c / 2 + r * c / 32) as f64,
+                        macs: (r * c * n) as f64,
+                        mem_gbs: mem_at(threads),
+                    });
+                }
                 for n in [5usize, 16] {
                     let (r, c) = (big_r, big_c);
                     let mut y = vec![0.0f32; n * r];

@@ -6,6 +6,7 @@
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::{tiny_dims, MemSource};
@@ -23,11 +24,19 @@ static CALLS: AtomicU64 = AtomicU64::new(0);
 /// Allocations made inside weight-source calls.
 static SOURCE_CALLS: AtomicU64 = AtomicU64::new(0);
 
+thread_local! {
+    /// Set on the one thread the engine runs on ([`on_one_thread`]): only its allocations are
+    /// counted, not the test harness's (which reports other tests while this one runs).
+    static COUNTED: Cell<bool> = const { Cell::new(false) };
+}
+
 // SAFETY: forwards every call to the system allocator unchanged; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        BYTES.fetch_add(l.size() as u64, Ordering::Relaxed);
-        CALLS.fetch_add(1, Ordering::Relaxed);
+        if COUNTED.try_with(Cell::get).unwrap_or(false) {
+            BYTES.fetch_add(l.size() as u64, Ordering::Relaxed);
+            CALLS.fetch_add(1, Ordering::Relaxed);
+        }
         // SAFETY: the caller's contract for `alloc` is passed on unchanged.
         unsafe { System.alloc(l) }
     }
@@ -43,13 +52,14 @@ static A: Counting = Counting;
 /// The counters are global: the tests take turns.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Runs `f` on a pool of one thread: every kernel and every parallel loop then runs on it, so
-/// the buffers each thread keeps (`kernels::with_buffer`) are grown once, not once per thread a
-/// task happens to land on, and the counts are exact. The buffers are the same ones a pool of
-/// several threads uses.
+/// Runs `f` on a pool of one thread, the only thread whose allocations are counted: every
+/// kernel and every parallel loop then runs on it, so the buffers each thread keeps
+/// (`kernels::with_buffer`) are grown once, not once per thread a task happens to land on, and
+/// the counts are exact. The buffers are the same ones a pool of several threads uses.
 fn on_one_thread<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     rayon::ThreadPoolBuilder::new()
         .num_threads(1)
+        .start_handler(|_| COUNTED.with(|c| c.set(true)))
         .build()
         .expect("a pool of one thread")
         .install(f)
