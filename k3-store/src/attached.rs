@@ -399,7 +399,6 @@ impl AttachedSource {
         })())
     }
 
-    /// Lease streamed layer `l` from the store's ring (blocks until the store has it).
     /// Give the trunk lease back (`EndPass` or `ReleaseTrunk`); `Err` when the store broke it
     /// while it was held (the pass computed on bytes that may have been overwritten).
     fn trunk_call(&self, req: &Request) -> Result<(), SourceError> {
@@ -416,6 +415,7 @@ impl AttachedSource {
         }
     }
 
+    /// Lease streamed layer `l` from the store's ring (blocks until the store has it).
     fn leased_layer(&self, l: usize) -> Result<LayerRun, SourceError> {
         let plan = self
             .trunk
