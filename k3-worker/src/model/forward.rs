@@ -481,25 +481,24 @@ impl<'s> Model<'s> {
                 .aggregate(bank, &pend, n, d.rms_eps, &mut w.res, &mut w.x);
             tap(l, "mlp_in", &w.x);
             rms_norm_rows_into(&w.x, lw.post_norm, d.rms_eps, &mut w.xn);
-            // The router lookahead's input (SPEC §6.7).
-            let early = match lookahead {
-                Lookahead::Off => None,
-                Lookahead::AttnIn => Some(&w.attn_in[..]),
-                Lookahead::MlpIn => Some(&w.x[..]),
-            };
             // A streamed MoE layer gives its run back before the expert wait (the source's
             // ring reads the next layer meanwhile); the rest of the layer reads a copy.
             let early_release = source.releases_layers_early(l);
             let mut tail: Option<MoeTail> = None;
+            let mut c = MlpCtx {
+                d,
+                source,
+                shapes,
+                binds,
+                counters,
+                lookahead,
+                predicted: &mut predicted,
+            };
             match &lw.mlp {
                 Mlp::Dense(mlp) => {
                     // Nothing to fetch here: the disk is free for the next layer's predicted
                     // experts at once.
-                    if let Some(h) = early {
-                        let next = later.first_mut();
-                        predicted =
-                            predict_next(d, source, shapes, next, binds, l, h, n, &mut w.predict)?;
-                    }
+                    c.predict(l, n, later.first_mut(), w)?;
                     mlp.forward(d, &w.xn, n, &mut w.ffn.mlp, &mut w.m);
                 }
                 Mlp::Moe(moe) if !routed_experts => {
@@ -511,8 +510,9 @@ impl<'s> Model<'s> {
                     moe.route_into(d, &w.xn, n, &mut w.ffn.route, &mut w.ffn.routing);
                     w.ffn.routing.unique_into(&mut w.ffn.uniq);
                     let uniq = &w.ffn.uniq;
-                    if predicted.take() == Some(l) {
+                    if c.predicted.take() == Some(l) {
                         let p = &w.predict.ids;
+                        let counters = &mut *c.counters;
                         counters.lookahead_layers += 1;
                         counters.lookahead_predicted += p.len() as u64;
                         counters.lookahead_actual += uniq.len() as u64;
@@ -536,7 +536,7 @@ impl<'s> Model<'s> {
                                 experts: ids.to_vec(),
                             });
                         }
-                        counters.expert_requests += ids.len() as u64;
+                        c.counters.expert_requests += ids.len() as u64;
                     }
                     // The first group's read (on the source's long-lived fetch thread) overlaps
                     // the latent down-projection and the shared experts, which do not depend on
@@ -559,17 +559,7 @@ impl<'s> Model<'s> {
                         w.ffn.up.hold(&moe.up_side());
                         tail = Some(t);
                     } else {
-                        let next = later.first_mut();
-                        let mut c = TailCtx {
-                            d,
-                            source,
-                            shapes,
-                            binds,
-                            counters,
-                            lookahead,
-                            predicted: &mut predicted,
-                        };
-                        c.finish_moe(l, n, next, moe.up_side(), t, w)?;
+                        c.finish_moe(l, n, later.first_mut(), moe.up_side(), t, w)?;
                     }
                 }
             }
@@ -581,17 +571,7 @@ impl<'s> Model<'s> {
                     source.release_layer(r)?;
                 }
                 let up = std::mem::take(&mut w.ffn.up);
-                let next = later.first_mut();
-                let mut c = TailCtx {
-                    d,
-                    source,
-                    shapes,
-                    binds,
-                    counters,
-                    lookahead,
-                    predicted: &mut predicted,
-                };
-                let done = c.finish_moe(l, n, next, up.side(), t, w);
+                let done = c.finish_moe(l, n, later.first_mut(), up.side(), t, w);
                 w.ffn.up = up;
                 done?;
             }
@@ -639,8 +619,9 @@ struct MoeTail {
     ahead: bool,
 }
 
-/// What the end of a MoE layer needs from the forward pass besides the work buffers.
-struct TailCtx<'c, 'm> {
+/// What a layer's MLP side needs from the forward pass besides its weights and the work
+/// buffers: the router lookahead and the MoE layer's expert wait.
+struct MlpCtx<'c, 'm> {
     d: &'c Dims,
     source: &'m dyn WeightSource,
     shapes: Option<&'m dyn TensorShapes>,
@@ -650,7 +631,35 @@ struct TailCtx<'c, 'm> {
     predicted: &'c mut Option<usize>,
 }
 
-impl TailCtx<'_, '_> {
+impl MlpCtx<'_, '_> {
+    /// The router lookahead (SPEC §6.7): predict the next layer's experts from this layer's
+    /// early hidden state and hand them to the source as a prefetch (see [`predict_next`]).
+    fn predict(
+        &mut self,
+        l: usize,
+        n: usize,
+        next_layer: Option<&mut Option<BoundLayer>>,
+        w: &mut Work,
+    ) -> Result<(), ModelError> {
+        let early = match self.lookahead {
+            Lookahead::Off => return Ok(()),
+            Lookahead::AttnIn => &w.attn_in[..],
+            Lookahead::MlpIn => &w.x[..],
+        };
+        *self.predicted = predict_next(
+            self.d,
+            self.source,
+            self.shapes,
+            next_layer,
+            self.binds,
+            l,
+            early,
+            n,
+            &mut w.predict,
+        )?;
+        Ok(())
+    }
+
     /// Wait for layer `l`'s routed experts, predict the next layer's from this layer's early
     /// hidden state (the disk is free again), run the experts group by group and combine them
     /// with `up` into `w.m`. The same whether `up` is the layer's run or a copy of it.
@@ -663,31 +672,14 @@ impl TailCtx<'_, '_> {
         t: MoeTail,
         w: &mut Work,
     ) -> Result<(), ModelError> {
-        let (d, source, counters) = (self.d, self.source, &mut *self.counters);
         let t_wait = Instant::now();
         let first = t.pending.map(|p| p.wait());
-        counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
-        w.ffn.slots.reset(w.ffn.routing.sel.len(), d.latent);
+        self.counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
+        w.ffn.slots.reset(w.ffn.routing.sel.len(), self.d.latent);
         // The disk is free again: read ahead what the next layer's router would choose from
         // this layer's early hidden state, if its router is resident.
-        let early = match self.lookahead {
-            Lookahead::Off => None,
-            Lookahead::AttnIn => Some(&w.attn_in[..]),
-            Lookahead::MlpIn => Some(&w.x[..]),
-        };
-        if let Some(h) = early {
-            *self.predicted = predict_next(
-                d,
-                source,
-                self.shapes,
-                next_layer,
-                self.binds,
-                l,
-                h,
-                n,
-                &mut w.predict,
-            )?;
-        }
+        self.predict(l, n, next_layer, w)?;
+        let (d, source, counters) = (self.d, self.source, &mut *self.counters);
         // The answer for the group about to be computed: the first group's (waited for above),
         // then, with overlap, the request made before the previous group was computed; without,
         // a request made now.
