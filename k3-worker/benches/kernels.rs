@@ -354,85 +354,39 @@ fn main() {
                         mem_gbs: mem_at(threads),
                     });
                 }
-                for (i, (r, c)) in [(er, ec), (ec, er)].into_iter().enumerate() {
-                    let mut y = vec![0.0f32; r];
-                    let s = time(args.reps, threads, || {
-                        for e in &experts {
-                            k.matvec_mxfp4(
-                                black_box(&e.packed),
-                                &e.scales,
-                                r,
-                                c,
-                                &x_wide[..c],
-                                &mut y,
-                            );
-                            black_box(&y);
-                        }
-                    });
-                    k.matvec_mxfp4(
-                        &experts[0].packed,
-                        &experts[0].scales,
-                        r,
-                        c,
-                        &x_wide[..c],
-                        &mut y,
-                    );
-                    if rel_diff(&y, &refs[bf16_shapes.len() + i]) > CHECK_REL {
-                        eprintln!("CHECK FAILED: {} mxfp4 {r}x{c}", k.tier());
-                        checks_ok = false;
-                    }
-                    let per = |v: f64| v / EXPERTS as f64;
-                    rows.push(Row {
-                        kernel: format!("mxfp4 matvec {r}x{c}"),
-                        tier: k.tier(),
-                        threads,
-                        stat: Stat {
-                            median: per(s.median),
-                            min: per(s.min),
-                            max: per(s.max),
-                            cpu_share: s.cpu_share,
-                        },
-                        bytes: (r * c / 2 + r * c / 32) as f64,
-                        macs: (r * c) as f64,
-                        mem_gbs: mem_at(threads),
-                    });
-                }
-                // The prefill product of the expert shape: n tokens through every expert,
-                // weights read once per call; token 0's row checked against the matvec's
-                // reference (matmul row t equals matvec of token t, bit for bit per tier).
-                for n in [5usize, 16] {
-                    let (r, c) = (er, ec);
+                // One expert's matrices: the decode product at both shapes, then the prefill
+                // product (n tokens; each token block decodes a group once). Row 0 of every
+                // result is checked against the scalar matvec of that shape (matmul row t equals
+                // the matvec of token t, bit for bit per tier).
+                let mx = [
+                    (0, er, ec, 1usize),
+                    (1, ec, er, 1),
+                    (0, er, ec, 5),
+                    (0, er, ec, 16),
+                ];
+                for (i, r, c, n) in mx {
                     let mut y = vec![0.0f32; n * r];
+                    let product = |e: &Expert, y: &mut [f32]| {
+                        k.matmul_mxfp4(&e.packed, &e.scales, r, c, &x_wide[..n * c], n, y)
+                    };
                     let s = time(args.reps, threads, || {
                         for e in &experts {
-                            k.matmul_mxfp4(
-                                black_box(&e.packed),
-                                &e.scales,
-                                r,
-                                c,
-                                &x_wide[..n * c],
-                                n,
-                                &mut y,
-                            );
+                            product(black_box(e), &mut y);
                             black_box(&y);
                         }
                     });
-                    k.matmul_mxfp4(
-                        &experts[0].packed,
-                        &experts[0].scales,
-                        r,
-                        c,
-                        &x_wide[..n * c],
-                        n,
-                        &mut y,
-                    );
-                    if rel_diff(&y[..r], &refs[bf16_shapes.len()]) > CHECK_REL {
-                        eprintln!("CHECK FAILED: {} mxfp4 matmul n={n}", k.tier());
+                    product(&experts[0], &mut y);
+                    let name = match n {
+                        1 => format!("mxfp4 matvec {r}x{c}"),
+                        _ => format!("mxfp4 matmul {r}x{c} n={n}"),
+                    };
+                    if rel_diff(&y[..r], &refs[bf16_shapes.len() + i]) > CHECK_REL {
+                        eprintln!("CHECK FAILED: {} {name}", k.tier());
                         checks_ok = false;
                     }
                     let per = |v: f64| v / EXPERTS as f64;
                     rows.push(Row {
-                        kernel: format!("mxfp4 matmul {r}x{c} n={n}"),
+                        kernel: name,
                         tier: k.tier(),
                         threads,
                         stat: Stat {
