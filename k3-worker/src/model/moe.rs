@@ -364,7 +364,7 @@ impl MoeWeights<'_> {
 
 /// What a MoE layer reads after its routed experts arrive: the up-projection and the latent
 /// norm. Borrowed from the layer's run ([`MoeWeights::up_side`]), or from a copy held while
-/// the run is given back early ([`crate::model::state::UpCopy`]).
+/// the run is given back early (`state::UpCopy`).
 #[derive(Clone, Copy, Debug)]
 pub struct UpSide<'a> {
     /// `routed_expert_up_proj` `[E, latent]`.
