@@ -292,8 +292,9 @@ pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: 
 // ------------------------------------------------------------------------------------------
 // MXFP4
 
-/// Byte `k` of the high (`SHIFT = 24`) or second (`SHIFT = 16`) byte of the f32 of E2M1 code `k`:
-/// every E2M1 value is a bf16, so its f32 is these two bytes followed by two zero bytes.
+/// Entry `k` (and `k + 16`, for the second 128-bit lane) is the high (`shift` 24) or second
+/// (`shift` 16) byte of the f32 of E2M1 code `k`: every E2M1 value is a bf16, so its f32 is these
+/// two bytes followed by two zero bytes.
 const fn e2m1_byte_table(shift: u32) -> [i8; 32] {
     let mut t = [0i8; 32];
     let mut k = 0;
@@ -308,9 +309,10 @@ const E2M1_B2: [i8; 32] = e2m1_byte_table(16);
 
 /// One group's 32 weights (16 packed bytes at `p`) as the four vectors the activations'
 /// `[8 even | 8 odd]` blocks pair with: columns 0, 2, …, 14; 1, 3, …, 15; 16, …, 30;
-/// 17, …, 31. The same values as [`e2m1`] over zero-extended bytes, in the same lanes, from
-/// byte lookups: each lane's nibble is moved into place by one byte shuffle, and two 16-entry
-/// `vpshufb` tables give the two high bytes of its f32 (an E2M1 value is a bf16).
+/// 17, …, 31 (the values and lanes the former 8-lane `vpermps` lookup gave, so the products are
+/// the same bits), from byte lookups: each lane's nibble is moved into place by one byte
+/// shuffle, and two 16-entry `vpshufb` tables give the two high bytes of its f32 (an E2M1 value
+/// is a bf16).
 ///
 /// # Safety
 /// 16 bytes at `p` are readable; the CPU supports AVX2.
