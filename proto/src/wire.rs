@@ -442,7 +442,8 @@ pub enum Response {
     /// v3. Answer to [`Request::ListSessions`], most recently used first.
     Sessions(Vec<SessionInfo>),
     /// v4. Answer to [`Request::TrunkLayer`]: the layer's run is at `offset..offset + len` of the
-    /// shared memory, leased to this connection until its next `TrunkLayer` or `EndPass`.
+    /// shared memory, leased to this connection until its next `TrunkLayer`, `ReleaseTrunk` or
+    /// `EndPass`.
     TrunkLayer {
         /// Byte offset of the run in the shared-memory segment.
         offset: u64,
