@@ -16,6 +16,9 @@ pub mod env {
     /// Read a pass's next group of experts while the current group computes, when the union
     /// exceeds the cache (standalone): `on` (the default) or `off` (for A/B runs).
     pub const K3_EXPERT_OVERLAP: &str = "K3_EXPERT_OVERLAP";
+    /// Give a streamed MoE layer's trunk lease back before its expert wait: `on` (the default)
+    /// or `off` (the lease is held to the end of the layer; for A/B runs).
+    pub const K3_EARLY_RELEASE: &str = "K3_EARLY_RELEASE";
     /// Log level filter of the three binaries (`tracing_subscriber::EnvFilter` syntax).
     pub const RUST_LOG: &str = "RUST_LOG";
 }

@@ -337,8 +337,14 @@ impl Sandbox {
     /// An attached worker that runs far longer than any test waits: the reference prompt, up to
     /// 4000 ids by O(T²) full recompute on one thread. Tests stop or kill it mid-generation.
     pub fn spawn_long_worker(&self) -> Spawned {
+        self.spawn_long_worker_env(&[])
+    }
+
+    /// [`Sandbox::spawn_long_worker`] with environment variables set.
+    pub fn spawn_long_worker_env(&self, env: &[(&str, &str)]) -> Spawned {
         let ids = ids_arg(&reference_prompt());
-        self.spawn_worker(&[
+        let sock = self.socket.to_str().expect("utf-8 path").to_string();
+        let args = [
             "--ids",
             &ids,
             "--gen",
@@ -346,7 +352,12 @@ impl Sandbox {
             "--full-recompute",
             "--threads",
             "1",
-        ])
+            "--socket",
+            &sock,
+        ];
+        let mut c = self.command("k3-worker", &args);
+        c.envs(env.iter().copied());
+        self.spawn_command("k3-worker", c)
     }
 
     /// Pack the tiny fixture's trunk into `<sandbox>/trunk` (`k3-ctl pack-trunk`); returns it.

@@ -1054,4 +1054,24 @@ fn overlapped_expert_groups_never_change_the_ids_prefill_or_verify() {
     let r = sb.run_command(c);
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("K3_EXPERT_OVERLAP"), "{}", r.stderr);
+    // K3_EARLY_RELEASE likewise: `off` gives the same ids, anything else is refused.
+    let run = |v: &str| {
+        let args = [
+            "--standalone",
+            path_str(&model),
+            "--ids",
+            &ids,
+            "--gen",
+            "2",
+        ];
+        let mut c = sb.command("k3-worker", &args);
+        c.env("K3_EARLY_RELEASE", v);
+        sb.run_command(c)
+    };
+    let r = run("maybe");
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("K3_EARLY_RELEASE"), "{}", r.stderr);
+    let (on, off) = (run("on"), run("off"));
+    assert_eq!((on.code, off.code), (0, 0), "{on:?} {off:?}");
+    assert_eq!(on.stdout, off.stdout);
 }

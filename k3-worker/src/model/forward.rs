@@ -161,7 +161,16 @@ impl Lookahead {
 
 /// `K3_EXPERT_OVERLAP`: `on` (or unset) or `off` ([`Model::overlap_groups`]).
 pub fn overlap_groups_from_env() -> Result<bool, String> {
-    let name = k3_proto::paths::env::K3_EXPERT_OVERLAP;
+    on_off_from_env(k3_proto::paths::env::K3_EXPERT_OVERLAP)
+}
+
+/// `K3_EARLY_RELEASE`: `on` (or unset) or `off` ([`Model::early_release`]).
+pub fn early_release_from_env() -> Result<bool, String> {
+    on_off_from_env(k3_proto::paths::env::K3_EARLY_RELEASE)
+}
+
+/// A switch that is `on` unless the variable `name` says `off`; any other value is an error.
+fn on_off_from_env(name: &str) -> Result<bool, String> {
     match std::env::var(name) {
         Ok(v) if v == "on" => Ok(true),
         Ok(v) if v == "off" => Ok(false),
@@ -197,6 +206,10 @@ pub struct Model<'s> {
     /// source allows it ([`WeightSource::overlap_expert_groups`]); default on, `K3_EXPERT_OVERLAP=off`
     /// turns it off (for A/B runs). Only what is read when changes, never the output.
     pub overlap_groups: bool,
+    /// Give a streamed MoE layer's run back before its expert wait, where the source allows it
+    /// ([`WeightSource::releases_layers_early`]); default on, `K3_EARLY_RELEASE=off` holds it
+    /// to the end of the layer (for A/B runs). Never changes the output.
+    pub early_release: bool,
     /// Optional per-layer intermediate tap, named like `scripts/k3_reference.py --dump-trace`
     /// (`attn_in`, `attn_out`, `mlp_in`, `mlp_out` per layer; `final_in` = the output
     /// aggregator's result before the final norm, reported with layer = n_layers), for locating
@@ -272,6 +285,7 @@ impl<'s> Model<'s> {
             step: 0,
             lookahead: Lookahead::default(),
             overlap_groups: true,
+            early_release: true,
             tap: None,
             quant: false,
             routed_experts: true,
@@ -348,12 +362,14 @@ impl<'s> Model<'s> {
             step,
             lookahead,
             overlap_groups,
+            early_release,
             tap,
             quant,
             routed_experts,
         } = self;
         let (quant, routed_experts) = (*quant, *routed_experts);
         let overlap_groups = *overlap_groups && source.overlap_expert_groups();
+        let early_release = *early_release;
         let lookahead = *lookahead;
         let (source, shapes, step) = (*source, *shapes, *step);
         let mut tap = |l: usize, name: &str, v: &[f32]| {
@@ -483,7 +499,7 @@ impl<'s> Model<'s> {
             rms_norm_rows_into(&w.x, lw.post_norm, d.rms_eps, &mut w.xn);
             // A streamed MoE layer gives its run back before the expert wait (the source's
             // ring reads the next layer meanwhile); the rest of the layer reads a copy.
-            let early_release = source.releases_layers_early(l);
+            let early_release = early_release && source.releases_layers_early(l);
             let mut tail: Option<MoeTail> = None;
             let mut c = MlpCtx {
                 d,
