@@ -660,17 +660,11 @@ impl Backend for StoreBackend {
     fn end_pass(&self, conn: ConnId) -> Response {
         // Between passes (sampling, a chat waiting for its user) a worker holds no slots.
         self.release_all(conn);
-        match self.ring.as_ref().map(|r| r.end_pass(conn)) {
-            None | Some(Ok(())) => Response::Released,
-            Some(Err(e)) => ring_error(e),
-        }
+        released(self.ring.as_ref().map(|r| r.end_pass(conn)))
     }
 
     fn release_trunk(&self, conn: ConnId) -> Response {
-        match self.ring.as_ref().map(|r| r.release_lease(conn)) {
-            None | Some(Ok(())) => Response::Released,
-            Some(Err(e)) => ring_error(e),
-        }
+        released(self.ring.as_ref().map(|r| r.release_lease(conn)))
     }
 
     fn stopping(&self) {
@@ -772,6 +766,14 @@ fn ring_error(e: RingError) -> Response {
     Response::Error {
         code,
         message: e.to_string(),
+    }
+}
+
+/// The answer for a lease given back (`EndPass`, `ReleaseTrunk`): `None` when nothing streams.
+fn released(r: Option<Result<(), RingError>>) -> Response {
+    match r {
+        None | Some(Ok(())) => Response::Released,
+        Some(Err(e)) => ring_error(e),
     }
 }
 

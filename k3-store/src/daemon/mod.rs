@@ -797,22 +797,14 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                     shared.backend.trunk_layer(id, layer)
                 }
             }
-            Request::EndPass => {
+            r @ (Request::EndPass | Request::ReleaseTrunk) => {
                 if kind != ClientKind::Worker {
                     Response::Error {
                         code: ErrorCode::NotAllowed,
                         message: "only workers lease trunk layers".into(),
                     }
-                } else {
+                } else if matches!(r, Request::EndPass) {
                     shared.backend.end_pass(id)
-                }
-            }
-            Request::ReleaseTrunk => {
-                if kind != ClientKind::Worker {
-                    Response::Error {
-                        code: ErrorCode::NotAllowed,
-                        message: "only workers lease trunk layers".into(),
-                    }
                 } else {
                     shared.backend.release_trunk(id)
                 }

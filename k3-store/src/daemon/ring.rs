@@ -873,35 +873,44 @@ mod tests {
     }
 
     /// A worker that keeps its lease past the limit while another waits loses it: the other goes
-    /// on, and the holder's next request fails with `Broken`.
+    /// on, and the holder's next call fails with `Broken`, whether it is its next layer's
+    /// `acquire` or its `release_lease` (`ReleaseTrunk` after the expert wait the lease outlived).
     #[test]
     fn a_stalled_lease_is_broken_and_reported() {
         let spec = Spec::small(3, 2);
         let w = fixture::write(&spec, "ring-stall");
         let lay = layout(&w);
         let largest = (0..3).map(|l| ext(&lay, l)).max().unwrap();
-        // Room for one layer: a held lease blocks every other read.
-        let r = Arc::new(ring(lay.clone(), 0, largest, 300));
-        let g = r.acquire(1, 0).unwrap();
-        check(&spec, &r, 0, g);
-        let t0 = Instant::now();
-        let g2 = r.acquire(2, 1).unwrap();
-        check(&spec, &r, 1, g2);
-        assert!(
-            t0.elapsed() >= Duration::from_millis(250),
-            "{:?}",
-            t0.elapsed()
-        );
-        match r.acquire(1, 1) {
-            Err(RingError::Broken(m)) => assert!(m.contains("broke its lease"), "{m}"),
-            other => panic!("{other:?}"),
+        for (k, by_release) in [false, true].into_iter().enumerate() {
+            // Room for one layer: a held lease blocks every other read.
+            let r = Arc::new(ring(lay.clone(), 0, largest, 300));
+            let g = r.acquire(1, 0).unwrap();
+            check(&spec, &r, 0, g);
+            let t0 = Instant::now();
+            let g2 = r.acquire(2, 1).unwrap();
+            check(&spec, &r, 1, g2);
+            assert!(
+                t0.elapsed() >= Duration::from_millis(250),
+                "{:?}",
+                t0.elapsed()
+            );
+            let reported = if by_release {
+                r.release_lease(1)
+            } else {
+                r.acquire(1, 1).map(|_| ())
+            };
+            match reported {
+                Err(RingError::Broken(m)) => assert!(m.contains("broke its lease"), "{m}"),
+                other => panic!("release {by_release}: {other:?}"),
+            }
+            assert_eq!(r.lifetime().broken, 1, "round {k}");
+            // Reported once: the worker may start over.
+            r.end_pass(2).unwrap();
+            r.release_lease(1).unwrap();
+            let g = r.acquire(1, 2).unwrap();
+            check(&spec, &r, 2, g);
+            assert!(matches!(r.acquire(1, 7), Err(RingError::BadLayer(_))));
         }
-        assert_eq!(r.lifetime().broken, 1);
-        // Reported once: the worker may start over.
-        r.end_pass(2).unwrap();
-        let g = r.acquire(1, 2).unwrap();
-        check(&spec, &r, 2, g);
-        assert!(matches!(r.acquire(1, 7), Err(RingError::BadLayer(_))));
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 
