@@ -149,18 +149,14 @@ impl Link {
                     .into_iter()
                     .zip(ids)
                     .map(|(a, e)| match a {
-                        SlotAnswer::Leased { slot } if slot < self.slots => Region::new(
-                            owner.clone(),
-                            self.arena_off + slot as usize * self.stride,
-                            self.expert_bytes,
-                        )
-                        .ok_or_else(|| {
-                            format!("layer {l} expert {e}: slot {slot} outside the arena")
-                        }),
-                        SlotAnswer::Leased { slot } => Err(format!(
-                            "layer {l} expert {e}: slot {slot} out of range ({} slots)",
-                            self.slots
-                        )),
+                        SlotAnswer::Leased { slot, at } => self
+                            .arena
+                            .expert_offset(slot, at)
+                            .and_then(|off| {
+                                Region::new(owner.clone(), off, self.arena.expert_bytes)
+                                    .ok_or_else(|| format!("slot {slot} outside the mapping"))
+                            })
+                            .map_err(|m| format!("layer {l} expert {e}: {m}")),
                         SlotAnswer::Failed { reason } => Err(reason),
                     })
                     .collect();
@@ -200,12 +196,36 @@ struct TrunkFigures {
 struct Link {
     client: Mutex<Client>,
     seg: Arc<ReadOnlySegment>,
-    arena_off: usize,
+    arena: ArenaGeometry,
+    wait: Mutex<f64>,
+    identity: u64,
+}
+
+/// Where the store's expert arena lies in its memory, as its header says.
+#[derive(Clone, Copy, Debug)]
+struct ArenaGeometry {
+    offset: usize,
     stride: usize,
     expert_bytes: usize,
     slots: u32,
-    wait: Mutex<f64>,
-    identity: u64,
+}
+
+impl ArenaGeometry {
+    /// The mapping offset of the expert a `Leased { slot, at }` answer names; `Err` when the
+    /// slot is out of range or the expert would end past its slot (a store this worker cannot
+    /// trust: the bytes would belong to another slot).
+    fn expert_offset(&self, slot: u32, at: u32) -> Result<usize, String> {
+        if slot >= self.slots {
+            return Err(format!("slot {slot} out of range ({} slots)", self.slots));
+        }
+        if at as usize + self.expert_bytes > self.stride {
+            return Err(format!(
+                "{} bytes at {at} overrun slot {slot} of {} bytes",
+                self.expert_bytes, self.stride
+            ));
+        }
+        Ok(self.offset + slot as usize * self.stride + at as usize)
+    }
 }
 
 fn no_store(e: ClientError) -> AttachError {
@@ -357,10 +377,12 @@ impl AttachedSource {
                 link: Arc::new(Link {
                     client: Mutex::new(client),
                     seg,
-                    arena_off: arena.offset as usize,
-                    stride: header.slot_stride as usize,
-                    expert_bytes: header.expert_bytes as usize,
-                    slots: header.slot_count,
+                    arena: ArenaGeometry {
+                        offset: arena.offset as usize,
+                        stride: header.slot_stride as usize,
+                        expert_bytes: header.expert_bytes as usize,
+                        slots: header.slot_count,
+                    },
                     wait: Mutex::new(0.0),
                     identity: header.model_identity,
                 }),
@@ -605,7 +627,7 @@ impl WeightSource for AttachedSource {
     }
 
     fn max_expert_batch(&self) -> usize {
-        (self.link.slots as usize).max(1)
+        (self.link.arena.slots as usize).max(1)
     }
 
     fn experts(&self, l: usize, ids: &[u32]) -> Result<ExpertBatch, SourceError> {
@@ -689,5 +711,35 @@ impl WeightSource for AttachedSource {
             prefetch_bytes: job.prefetch_bytes,
             prefetch_used: job.prefetch_used,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ArenaGeometry;
+
+    /// A `Leased` answer is placed inside its slot or refused: the slot must exist and the
+    /// expert must end within the slot's stride, whatever `at` the store sent.
+    #[test]
+    fn a_leased_answer_stays_inside_its_slot() {
+        let g = ArenaGeometry {
+            offset: 8192,
+            stride: 3 * 4096,
+            expert_bytes: 2 * 4096 + 100,
+            slots: 4,
+        };
+        assert_eq!(g.expert_offset(0, 0), Ok(8192));
+        assert_eq!(g.expert_offset(2, 1840), Ok(8192 + 2 * 3 * 4096 + 1840));
+        // The last byte of the expert is the last byte of the slot.
+        let last = (g.stride - g.expert_bytes) as u32;
+        assert_eq!(
+            g.expert_offset(3, last),
+            Ok(8192 + 9 * 4096 + last as usize)
+        );
+        let m = g.expert_offset(3, last + 1).unwrap_err();
+        assert!(m.contains("overrun slot 3"), "{m}");
+        assert!(g.expert_offset(0, u32::MAX).is_err());
+        let m = g.expert_offset(4, 0).unwrap_err();
+        assert!(m.contains("slot 4 out of range (4 slots)"), "{m}");
     }
 }

@@ -550,7 +550,8 @@ impl SlotTable {
     }
 }
 
-/// Reads one expert from the shards into a slot, canonical layout at the slot's first byte.
+/// Reads one expert from the shards into a slot, in canonical layout from
+/// [`ExpertReader::offset_in_slot`].
 #[derive(Debug)]
 pub struct ExpertReader {
     files: Vec<Arc<DiskFile>>,
@@ -563,8 +564,8 @@ impl ExpertReader {
         ExpertReader { files, layout }
     }
 
-    /// Bytes between slots: room for an aligned span of one expert (so the coalesced read lands
-    /// in place and is then moved to the slot start), a multiple of 4096.
+    /// Bytes between slots: room for the aligned span of one expert (the coalesced read lands in
+    /// place and the expert stays at its in-page offset), a multiple of 4096.
     pub fn slot_stride(layout: &ExpertLayout) -> usize {
         let e = layout.expert_bytes() as u64;
         (align_up(e).unwrap_or(e) as usize) + ALIGN
@@ -580,8 +581,18 @@ impl ExpertReader {
         self.layout.expert_bytes()
     }
 
+    /// Where the expert `ext` starts in its slot: when its six parts are one run on disk (they
+    /// are in canonical order in the real checkpoint) it is read with one aligned span and stays
+    /// where that span puts it, at the run's offset within its 4096-byte page, so no byte is
+    /// moved after the read; otherwise its parts are read to their canonical offsets from 0.
+    pub fn offset_in_slot(ext: &ExpertExtents) -> usize {
+        ext.coalesced()
+            .map_or(0, |(_, off)| (off % ALIGN as u64) as usize)
+    }
+
     /// Read the expert `ext` into `dst` (4096-aligned, at least [`ExpertReader::slot_stride`]
-    /// bytes); on success `dst[..expert_bytes]` is the expert in canonical layout.
+    /// bytes); on success `dst[at..at + expert_bytes]` is the expert in canonical layout, `at`
+    /// being [`ExpertReader::offset_in_slot`].
     pub fn read(&self, what: &str, ext: &ExpertExtents, dst: &mut [u8]) -> Result<(), ReadError> {
         let eb = self.layout.expert_bytes();
         if dst.len() < Self::slot_stride(&self.layout) {
@@ -599,9 +610,7 @@ impl ExpertReader {
             let inner = file(shard)?
                 .read_span(off, eb as u64, dst)
                 .map_err(|e| ReadError::msg(format!("{what}: {}", e.0)))?;
-            if inner != 0 {
-                dst.copy_within(inner..inner + eb, 0);
-            }
+            debug_assert_eq!(inner, Self::offset_in_slot(ext));
             return Ok(());
         }
         for (i, p) in ExpertPart::ALL.iter().enumerate() {
@@ -721,6 +730,8 @@ pub struct Outcome {
     /// The slot holding the expert, with one lease for the caller; or why it could not be
     /// loaded (no lease).
     pub slot: Result<usize, String>,
+    /// Where in its slot the expert's first byte is ([`ExpertReader::offset_in_slot`]).
+    pub at: usize,
 }
 
 /// A served batch.
@@ -827,6 +838,12 @@ impl<X: Send> ExpertSlots<X> {
     /// The expert reader.
     pub fn reader(&self) -> &ExpertReader {
         &self.io.reader
+    }
+
+    /// Where expert `e` of `layer` starts in the slot that holds it
+    /// ([`ExpertReader::offset_in_slot`]; 0 for an expert the checkpoint lacks, never served).
+    pub fn offset_in_slot(&self, layer: usize, e: u32) -> usize {
+        (self.catalog.expert(layer, e as usize)).map_or(0, |x| ExpertReader::offset_in_slot(&x))
     }
 
     /// Serve experts `ids` of `layer` in the three phases of the module docs. Every `Ok` slot
@@ -947,10 +964,12 @@ impl<X: Send> ExpertSlots<X> {
         for (r, &e) in plan.iter().zip(&uniq) {
             let slot = r.slot();
             let hit = matches!(r, Reserved::Hit { .. });
+            let at = self.offset_in_slot(layer, e);
             if let Some(m) = failed.get(&slot) {
                 outcomes.push(Outcome {
                     hit,
                     slot: Err(m.clone()),
+                    at,
                 });
                 continue;
             }
@@ -975,13 +994,18 @@ impl<X: Send> ExpertSlots<X> {
                         .map(|m| format!("{m} (read by a concurrent request)"))
                         .unwrap_or_else(|| format!("layer {layer} expert {e}: load failed"));
                     g.table.release(slot);
-                    outcomes.push(Outcome { hit, slot: Err(m) });
+                    outcomes.push(Outcome {
+                        hit,
+                        slot: Err(m),
+                        at,
+                    });
                     continue;
                 }
             }
             outcomes.push(Outcome {
                 hit,
                 slot: Ok(slot),
+                at,
             });
         }
         if let Some(h) = holder {
@@ -1136,10 +1160,12 @@ pub struct CacheStats {
 /// The standalone cache's slots; the lock's own state is the seconds callers waited.
 type Slots = ExpertSlots<f64>;
 
-/// One lease on one slot, held by the regions handed out for it.
+/// One lease on one slot, held by the regions handed out for it: the expert is the slot's
+/// bytes `[at, at + len)`.
 struct ExpertLease {
     slots: Arc<Slots>,
     slot: usize,
+    at: usize,
     len: usize,
 }
 
@@ -1148,7 +1174,7 @@ impl ByteOwner for ExpertLease {
         // SAFETY: this value holds a lease on `slot`, taken when it was RESIDENT and released
         // only in `drop`, and the returned borrow cannot outlive `self`.
         let bytes = unsafe { self.slots.arena().slot(self.slot) };
-        &bytes[..self.len]
+        &bytes[self.at..self.at + self.len]
     }
 }
 
@@ -1291,6 +1317,7 @@ impl ExpertCache {
                     Some(slot) => Ok(Region::whole(Arc::new(ExpertLease {
                         slots: self.slots.clone(),
                         slot,
+                        at: self.slots.offset_in_slot(l, e),
                         len,
                     }))),
                     None => Err(format!("expert {e} of layer {l} is not resident")),
@@ -1329,7 +1356,13 @@ impl ExpertCache {
                 let slot = o.slot.clone()?;
                 // The lease's bytes are exactly the expert, so `whole` is the expert.
                 let slots = self.slots.clone();
-                Ok(Region::whole(Arc::new(ExpertLease { slots, slot, len })))
+                let at = o.at;
+                Ok(Region::whole(Arc::new(ExpertLease {
+                    slots,
+                    slot,
+                    at,
+                    len,
+                })))
             })
             .collect();
         Ok(ExpertBatch {
@@ -1694,6 +1727,8 @@ mod tests {
         };
         let mut rng = Rng(0x5eed);
         let (mut hits, mut failures) = (0, 0);
+        // The experts' offsets in their slots: the fixture puts them off page boundaries.
+        let mut offsets = std::collections::BTreeSet::new();
         for _ in 0..200 {
             let l = 1 + rng.below(3) as usize;
             let mut ids = random_ids(&mut rng, 8, 3);
@@ -1717,7 +1752,8 @@ mod tests {
                         // SAFETY: holder 7 keeps its lease on `s` until its next batch.
                         let got = unsafe { d.arena().slot(*s) };
                         let want = fixture::expert_bytes(&spec, l, *e as usize);
-                        assert!(x.bytes() == &want[..] && got[..want.len()] == want[..]);
+                        assert!(x.bytes() == &want[..] && got[y.at..y.at + want.len()] == want[..]);
+                        offsets.insert(y.at);
                         let m = mirrored.lock().unwrap()[s];
                         assert_eq!(
                             m.0,
@@ -1739,6 +1775,7 @@ mod tests {
         }
         assert!(hits > 0 && failures > 0, "{hits} hits, {failures} failures");
         assert!(c.stats().table.evictions > 0);
+        assert!(offsets.len() > 1, "every expert at offset {offsets:?}");
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 

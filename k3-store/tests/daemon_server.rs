@@ -33,7 +33,10 @@ impl Backend for Fake {
         Response::Experts {
             answers: ids
                 .iter()
-                .map(|&e| SlotAnswer::Leased { slot: e * 10 })
+                .map(|&e| SlotAnswer::Leased {
+                    slot: e * 10,
+                    at: 0,
+                })
                 .collect(),
             resident_hits: 0,
         }
@@ -111,8 +114,8 @@ fn worker_handshake_gets_memory_and_leases() {
         Response::Experts { answers, .. } => assert_eq!(
             answers,
             vec![
-                SlotAnswer::Leased { slot: 50 },
-                SlotAnswer::Leased { slot: 10 }
+                SlotAnswer::Leased { slot: 50, at: 0 },
+                SlotAnswer::Leased { slot: 10, at: 0 }
             ]
         ),
         other => panic!("{other:?}"),

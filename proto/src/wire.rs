@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -231,6 +231,10 @@ pub enum SlotAnswer {
     Leased {
         /// Slot index into the arena.
         slot: u32,
+        /// v7. Where in the slot the expert's first byte is: its offset within its disk page,
+        /// where its one aligned read put it (SPEC.md §6.3); 0 when its parts were read one by
+        /// one. The worker refuses an answer whose expert would end past the slot.
+        at: u32,
     },
     /// The expert could not be loaded; the worker must count it and exit 4.
     Failed {

@@ -743,7 +743,7 @@ fn hostile_and_confused_clients_get_errors_and_the_store_keeps_serving() {
                 let slots: Vec<u32> = answers
                     .iter()
                     .map(|a| match a {
-                        SlotAnswer::Leased { slot } => *slot,
+                        SlotAnswer::Leased { slot, .. } => *slot,
                         other => panic!("{other:?}"),
                     })
                     .collect();

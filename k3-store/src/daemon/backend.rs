@@ -503,7 +503,10 @@ impl StoreBackend {
             .outcomes
             .iter()
             .map(|o| match &o.slot {
-                Ok(s) => SlotAnswer::Leased { slot: *s as u32 },
+                Ok(s) => SlotAnswer::Leased {
+                    slot: *s as u32,
+                    at: o.at as u32,
+                },
                 Err(m) => SlotAnswer::Failed { reason: m.clone() },
             })
             .collect();
@@ -540,7 +543,10 @@ impl Backend for StoreBackend {
                 Some(s) => {
                     slots.push(s);
                     self.write_slot_entry(&g.table, s);
-                    SlotAnswer::Leased { slot: s as u32 }
+                    SlotAnswer::Leased {
+                        slot: s as u32,
+                        at: self.experts.offset_in_slot(layer as usize, e) as u32,
+                    }
                 }
                 None => SlotAnswer::Failed {
                     reason: format!("expert {e} of layer {layer} is not resident"),
