@@ -205,6 +205,10 @@ pub struct TableCounters {
     /// Predicted experts a prefetch did not load: no free slot, or only slots whose expert is
     /// more likely to be reused than a prediction is to be right.
     pub prefetch_declined: u64,
+    /// Predicted experts a prefetch did not read because the layer's own request came first
+    /// and only an eviction could have made room: from then on the disk serves that request,
+    /// and its misses are read as such.
+    pub prefetch_dropped: u64,
 }
 
 /// Identity of an explicit lease holder (a daemon connection).
@@ -224,6 +228,9 @@ pub struct SlotTable {
     /// Requested experts RESIDENT before the request that no prefetch put there: the cache's
     /// own reuse, the rate a prefetch's eviction is weighed against.
     reuse_hits: u64,
+    /// Per layer, how many requests ([`SlotTable::reserve`] calls) it has had: a prefetch for
+    /// a layer stops when this moves ([`SlotTable::demands`]).
+    demands: Vec<u64>,
     counters: TableCounters,
 }
 
@@ -252,6 +259,7 @@ impl SlotTable {
             held: HashMap::new(),
             prefetched: vec![false; slots],
             reuse_hits: 0,
+            demands: Vec::new(),
             counters: TableCounters::default(),
         }
     }
@@ -294,6 +302,11 @@ impl SlotTable {
         &self.counters
     }
 
+    /// How many requests for `layer` have reserved so far (whatever their outcome).
+    pub fn demands(&self, layer: u32) -> u64 {
+        self.demands.get(layer as usize).copied().unwrap_or(0)
+    }
+
     /// The slot holding (layer, expert) RESIDENT or INFLIGHT.
     pub fn lookup(&self, layer: u32, expert: u32) -> Option<usize> {
         self.map.get(&(layer, expert)).copied()
@@ -304,6 +317,11 @@ impl SlotTable {
     /// returned entry carries one lease for the caller. On error nothing changes (no lease, no
     /// counter).
     pub fn reserve(&mut self, layer: u32, ids: &[u32]) -> Result<Vec<Reserved>, ReserveError> {
+        let l = layer as usize;
+        if self.demands.len() <= l {
+            self.demands.resize(l + 1, 0);
+        }
+        self.demands[l] += 1;
         let n = self.states.len();
         let mut distinct = ids.to_vec();
         distinct.sort_unstable();
@@ -415,9 +433,12 @@ impl SlotTable {
     /// slot or — only while predictions have proven more likely to be used
     /// (`(used + 1) ÷ (loaded + 2)`) than a RESIDENT expert is to be hit again (the cache's own
     /// reuse rate) — the policy's victim among unleased RESIDENT slots that are not an unused
-    /// prefetch of `layer` itself. The returned `(slot, expert)` pairs are INFLIGHT; load each
-    /// and [`SlotTable::publish`] it (a waiting request is woken by the publish as usual).
-    pub fn reserve_prefetch(&mut self, layer: u32, ids: &[u32]) -> Vec<(usize, u32)> {
+    /// prefetch of `layer` itself. Once `layer`'s request has come (`late`) only EMPTY slots
+    /// are taken, and an expert that would need an eviction is dropped
+    /// ([`TableCounters::prefetch_dropped`]). The returned `(slot, expert)` pairs are INFLIGHT;
+    /// load each and [`SlotTable::publish`] it (a waiting request is woken by the publish as
+    /// usual).
+    pub fn reserve_prefetch(&mut self, layer: u32, ids: &[u32], late: bool) -> Vec<(usize, u32)> {
         let c = &self.counters;
         let right = (c.prefetch_used as f64 + 1.0) / (c.prefetch_loads as f64 + 2.0);
         let reuse = if c.requests == 0 {
@@ -436,6 +457,10 @@ impl SlotTable {
                 .iter()
                 .rposition(|&s| self.leases[s] == 0 && self.states[s] == SlotState::Empty)
                 .map(|pos| self.free.swap_remove(pos));
+            if free.is_none() && late {
+                self.counters.prefetch_dropped += 1;
+                continue;
+            }
             let slot = free.or_else(|| {
                 if !may_evict {
                     return None;
@@ -1066,11 +1091,18 @@ impl<X: Send> ExpertSlots<X> {
             .collect()
     }
 
-    /// Prefetch the predicted experts `ids` of `layer` into slots no lease or pending request
-    /// needs ([`SlotTable::reserve_prefetch`]), read them and publish them, without leasing.
-    /// Experts already RESIDENT or INFLIGHT, and those without a slot that may be taken, are
-    /// skipped. Ids out of range are ignored (a prediction is never an error). `mirror` is told
-    /// of every slot whose state changed.
+    /// Prefetch the predicted experts `ids` of `layer` (most likely first) into slots no lease
+    /// or pending request needs ([`SlotTable::reserve_prefetch`]), read them and publish them,
+    /// without leasing. Experts already RESIDENT or INFLIGHT, and those without a slot that may
+    /// be taken, are skipped. Ids out of range are ignored (a prediction is never an error).
+    /// `mirror` is told of every slot whose state changed.
+    ///
+    /// The predictions are reserved and read a few at a time (one per reader thread), in the
+    /// given order. Once a request for `layer` has come, a prediction is read only into an
+    /// EMPTY slot: one that would evict is dropped. Such a read would compete with the
+    /// request's own misses, which include the right predictions not read yet, for an expert
+    /// that is likely wrong, and it would push out an expert a later token may use. So the
+    /// likelier predictions are read first, and evictions only while the disk is otherwise free.
     pub fn prefetch(
         &self,
         layer: usize,
@@ -1088,43 +1120,50 @@ impl<X: Send> ExpertSlots<X> {
             .filter(|&e| (e as usize) < cat.n_experts())
             .collect();
         let l = layer as u32;
-        let mut g = self.lock();
-        let plan = g.table.reserve_prefetch(l, &ids);
-        if plan.is_empty() {
-            return Prefetched::default();
-        }
-        let mut jobs = Vec::with_capacity(plan.len());
-        for &(slot, e) in &plan {
-            mirror(&g.table, slot);
-            let ext = cat.expert(layer, e as usize);
-            let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
-            jobs.push((key, slot, e, ext));
-        }
-        drop(g);
-        jobs.sort_by_key(|j| j.0);
-        let jobs: Vec<ReadJob> = jobs
-            .into_iter()
-            .map(|(_, slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
-            .collect();
-        let t_read = Instant::now();
-        let results = self.read_into_slots(layer, jobs);
-        let read_seconds = t_read.elapsed().as_secs_f64();
-        let eb = self.io.reader.expert_bytes() as u64;
-        let mut g = self.lock();
         let mut done = Prefetched::default();
-        for (slot, res) in results {
-            if res.is_ok() {
-                done.loads += 1;
-                done.bytes_read += eb;
+        let demands = self.lock().table.demands(l);
+        let chunk = self.pool.threads().max(1);
+        for part in ids.chunks(chunk) {
+            let mut g = self.lock();
+            let late = g.table.demands(l) != demands;
+            let plan = g.table.reserve_prefetch(l, part, late);
+            if plan.is_empty() {
+                continue;
             }
-            g.table.publish(slot, res);
-            mirror(&g.table, slot);
+            let mut jobs = Vec::with_capacity(plan.len());
+            for &(slot, e) in &plan {
+                mirror(&g.table, slot);
+                let ext = cat.expert(layer, e as usize);
+                let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
+                jobs.push((key, slot, e, ext));
+            }
+            drop(g);
+            jobs.sort_by_key(|j| j.0);
+            let jobs: Vec<ReadJob> = jobs
+                .into_iter()
+                .map(|(_, slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
+                .collect();
+            let t_read = Instant::now();
+            let results = self.read_into_slots(layer, jobs);
+            let read_seconds = t_read.elapsed().as_secs_f64();
+            let eb = self.io.reader.expert_bytes() as u64;
+            let mut g = self.lock();
+            let mut bytes = 0;
+            for (slot, res) in results {
+                if res.is_ok() {
+                    done.loads += 1;
+                    bytes += eb;
+                }
+                g.table.publish(slot, res);
+                mirror(&g.table, slot);
+            }
+            done.bytes_read += bytes;
+            g.bytes_read += bytes;
+            g.prefetch_bytes += bytes;
+            g.read_seconds += read_seconds;
+            drop(g);
+            self.cv.notify_all();
         }
-        g.bytes_read += done.bytes_read;
-        g.prefetch_bytes += done.bytes_read;
-        g.read_seconds += read_seconds;
-        drop(g);
-        self.cv.notify_all();
         done
     }
 }
@@ -1779,6 +1818,85 @@ mod tests {
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 
+    /// A prefetch reads its predictions in the given order, one per reader thread at a time.
+    /// Once a request for its layer has come, it still reads into EMPTY slots but no longer
+    /// evicts: a prediction that would is dropped (counted, not reserved, never read).
+    #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
+    fn a_prefetch_reads_the_likeliest_first_and_stops_evicting_once_its_layer_is_requested() {
+        use std::sync::mpsc;
+        let spec = Spec::small(3, 12);
+        let w = fixture::write(&spec, "prefetch-stop");
+        let predicted = [9u32, 2, 7, 0];
+        // A prefetch of layer 1 into `slots` slots, the first four holding RESIDENT experts of
+        // layer 2 (unleased), with a request of `layer` served while its first pair of reads is
+        // being prepared (none: no request). Returns (loads, counters' loads, dropped, which
+        // predictions are in the cache).
+        let run = |slots: usize, layer: Option<usize>| {
+            let stride = ExpertReader::slot_stride(&spec.layout);
+            let d = ExpertSlots::new(
+                Arc::new(w.catalog.clone()),
+                open_shards(&w.catalog).unwrap(),
+                Arena::heap(stride, slots).unwrap(),
+                Box::new(Lru::new(slots)),
+                2,
+                Duration::from_millis(1000),
+                (),
+            )
+            .unwrap();
+            let (mut g, served) = d
+                .serve_batch(2, &[0, 1, 2, 3], None, None, &|_, _| {})
+                .unwrap();
+            for o in &served.outcomes {
+                g.table.release(o.slot.clone().unwrap());
+            }
+            drop(g);
+            let (started, wait_started) = mpsc::channel::<()>();
+            let (go, wait_go) = mpsc::channel::<()>();
+            let (started, wait_go) = (Mutex::new(started), Mutex::new(wait_go));
+            let hook: FailHook = Box::new(move |_, _| {
+                if started.lock().unwrap().send(()).is_ok() {
+                    let _ = wait_go.lock().unwrap().recv();
+                }
+                None
+            });
+            let done = std::thread::scope(|s| {
+                let t = s.spawn(|| d.prefetch(1, &predicted, Some(&hook), &|_, _| {}));
+                wait_started.recv().unwrap();
+                drop(wait_started);
+                if let Some(l) = layer {
+                    // An expert no prediction named.
+                    let (mut g, served) = d.serve_batch(l, &[4], None, None, &|_, _| {}).unwrap();
+                    g.table.release(served.outcomes[0].slot.clone().unwrap());
+                }
+                go.send(()).unwrap();
+                t.join().unwrap()
+            });
+            let g = d.lock();
+            let c = g.table.counters().clone();
+            let read: Vec<bool> = (predicted.iter())
+                .map(|&e| {
+                    (g.table.lookup(1, e)).is_some_and(|s| g.table.state(s) != SlotState::Empty)
+                })
+                .collect();
+            (done.loads, c.prefetch_loads, c.prefetch_dropped, read)
+        };
+        // No request, one of another layer, or the layer's own with EMPTY slots left: every
+        // prediction is read (evicting layer 2's experts where it must, in the first two).
+        for (slots, layer) in [(4, None), (4, Some(2)), (9, Some(1))] {
+            let got = run(slots, layer);
+            assert_eq!(
+                got,
+                (4, 4, 0, vec![true; 4]),
+                "{slots} slots, request of {layer:?}"
+            );
+        }
+        // The layer's own request, with every slot taken: the first pair (the two likeliest)
+        // was read; the other two would have evicted, and were dropped.
+        assert_eq!(run(4, Some(1)), (2, 2, 2, vec![true, true, false, false]));
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
     /// The slot views of a heap and of a borrowed arena: each slot is its own `stride` bytes,
     /// writing one through `slot_mut` shows in `slot` of that slot only, the borrowed arena
     /// stays inside the memory it was given, and a too-small memory is refused. No I/O, so it
@@ -1898,7 +2016,7 @@ mod tests {
         let held: Vec<usize> = r.iter().map(|x| x.slot()).collect();
         // Layer 1 predicted 5, 6, 7 (and 5 again): two free slots, nothing else may be taken
         // (the other two are leased), so 7 is declined.
-        let p = t.reserve_prefetch(1, &[5, 6, 7, 5]);
+        let p = t.reserve_prefetch(1, &[5, 6, 7, 5], false);
         assert_eq!(p.iter().map(|x| x.1).collect::<Vec<_>>(), vec![5, 6]);
         assert!(
             p.iter().all(|x| !held.contains(&x.0)),
@@ -1917,7 +2035,7 @@ mod tests {
             assert_eq!(t.leases(s), 0, "a prefetch leases nothing");
         }
         // A prediction already INFLIGHT or RESIDENT is not read twice.
-        assert!(t.reserve_prefetch(1, &[5, 6]).is_empty());
+        assert!(t.reserve_prefetch(1, &[5, 6], false).is_empty());
         // A request arriving while the prefetch reads waits for it instead of reading again.
         let w = t.reserve(1, &[6]).unwrap();
         assert_eq!(w, vec![Reserved::Wait { slot: p[1].0 }]);
@@ -1952,7 +2070,7 @@ mod tests {
             t.publish(x.slot(), Ok(()));
             t.release(x.slot());
         }
-        let q = t.reserve_prefetch(2, &[3]);
+        let q = t.reserve_prefetch(2, &[3], false);
         assert_eq!(q.len(), 1);
         t.publish(q[0].0, Err("EIO".into()));
         assert_eq!(t.counters().failed_loads, 0);
@@ -1975,7 +2093,7 @@ mod tests {
             }
         }
         // No free slot and a prediction is (so far) a coin toss: nothing is evicted.
-        assert!(t.reserve_prefetch(1, &[4]).is_empty());
+        assert!(t.reserve_prefetch(1, &[4], false).is_empty());
         assert_eq!(t.counters().prefetch_declined, 1);
         assert_eq!(t.counters().evictions, 0);
         assert!(t.lookup(0, 0).is_some() && t.lookup(0, 1).is_some());
@@ -1987,7 +2105,7 @@ mod tests {
             t.publish(r[0].slot(), Ok(()));
             t.release(r[0].slot());
         }
-        let p = t.reserve_prefetch(2, &[7]);
+        let p = t.reserve_prefetch(2, &[7], false);
         assert_eq!(p.len(), 1);
         assert_eq!(t.lookup(0, 0), None, "the LRU expert (layer 0) was evicted");
         assert_eq!(t.counters().evictions, 1);

@@ -533,7 +533,7 @@ impl<'s> Model<'s> {
                         counters.lookahead_predicted += p.len() as u64;
                         counters.lookahead_actual += uniq.len() as u64;
                         counters.lookahead_correct +=
-                            uniq.iter().filter(|e| p.binary_search(e).is_ok()).count() as u64;
+                            uniq.iter().filter(|e| p.contains(e)).count() as u64;
                     }
                     // A prefill's or a verify pass's union of experts can exceed the cache:
                     // fetch it in groups the source can hold at once. Where the source allows
@@ -786,8 +786,8 @@ fn predict_next(
         return Ok(None);
     };
     rms_norm_rows_into(h, nw.post_norm, d.rms_eps, &mut p.hn);
-    moe.route_into(d, &p.hn, n, &mut p.route, &mut p.routing);
-    p.routing.unique_into(&mut p.ids);
+    moe.predict_into(d, &p.hn, n, &mut p.route, &mut p.ids);
+    p.ids.truncate(source.max_expert_batch().max(1));
     p.ids.truncate(source.max_expert_batch().max(1));
     source.prefetch_experts(l + 1, &p.ids);
     Ok(Some(l + 1))

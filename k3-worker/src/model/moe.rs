@@ -70,6 +70,22 @@ impl Routing {
     }
 }
 
+/// `ranked` holds `n` tokens' `k` selections each, in rank order: the distinct experts, every
+/// token's first choice first, then every token's second, …, into `ids`. `seen` is scratch.
+pub fn by_rank_into(ranked: &[u32], n: usize, k: usize, seen: &mut Vec<bool>, ids: &mut Vec<u32>) {
+    seen.clear();
+    seen.resize(ranked.iter().max().map_or(0, |&m| m as usize + 1), false);
+    ids.clear();
+    for r in 0..k {
+        for t in 0..n {
+            let e = ranked[t * k + r];
+            if !std::mem::replace(&mut seen[e as usize], true) {
+                ids.push(e);
+            }
+        }
+    }
+}
+
 /// One MoE layer's resident weights.
 #[derive(Debug)]
 pub struct MoeWeights<'a> {
@@ -119,6 +135,10 @@ pub fn select_top_k_into(scores: &[f32], bias: &[f32], k: usize, idx: &mut Vec<u
 pub struct RouteBufs {
     logits: Vec<f32>,
     idx: Vec<u32>,
+    /// The lookahead's per-token selections, `[n, top_k]` in rank order.
+    ranked: Vec<u32>,
+    /// The lookahead's experts taken so far, `[N]`.
+    seen: Vec<bool>,
 }
 
 /// The routed experts' temporaries for one request: users grouped by expert, their gathered
@@ -195,6 +215,29 @@ impl MoeWeights<'_> {
             ws.iter_mut().for_each(|v| *v *= d.routed_scale);
             r.sel.extend_from_slice(&b.idx);
         }
+    }
+
+    /// The router lookahead's prediction from `x [n, E]`: each token's top-k experts, most
+    /// likely first (every token's first choice, then every token's second, …; each expert
+    /// once), so that a prefetch that runs out of time has read the likeliest ones.
+    pub fn predict_into(
+        &self,
+        d: &Dims,
+        x: &[f32],
+        n: usize,
+        b: &mut RouteBufs,
+        ids: &mut Vec<u32>,
+    ) {
+        let (ne, k) = (d.n_experts, d.top_k.min(d.n_experts));
+        linear_into(self.router, ne, d.hidden, x, n, &mut b.logits);
+        b.logits.iter_mut().for_each(|z| *z = kernels::sigmoid(*z));
+        b.ranked.clear();
+        for t in 0..n {
+            let s = &b.logits[t * ne..(t + 1) * ne];
+            select_top_k_into(s, self.bias, k, &mut b.idx);
+            b.ranked.extend_from_slice(&b.idx);
+        }
+        by_rank_into(&b.ranked, n, k, &mut b.seen, ids);
     }
 
     /// The MoE output for `x [n, E]` given the routing and the fetched experts (`batch` answers
@@ -470,7 +513,23 @@ fn each_expert<F>(
 
 #[cfg(test)]
 mod tests {
-    use super::each_expert;
+    use super::{by_rank_into, each_expert};
+
+    /// The lookahead's order: every token's first choice, then every second, …, each expert
+    /// once (a later token's first choice comes before an earlier token's second), and the
+    /// scratch is reused without leaking the previous call's experts.
+    #[test]
+    fn predictions_come_by_rank_across_tokens_each_once() {
+        let (mut seen, mut ids) = (Vec::new(), Vec::new());
+        // Three tokens, top-3 each.
+        let ranked = [5, 1, 9, /**/ 2, 5, 1, /**/ 5, 7, 0];
+        by_rank_into(&ranked, 3, 3, &mut seen, &mut ids);
+        assert_eq!(ids, [5, 2, 1, 7, 9, 0]);
+        by_rank_into(&[3, 5, 1], 1, 3, &mut seen, &mut ids);
+        assert_eq!(ids, [3, 5, 1]);
+        by_rank_into(&[], 0, 3, &mut seen, &mut ids);
+        assert!(ids.is_empty());
+    }
 
     /// Every expert gets exactly its own rows of both buffers, once, whether the experts run one
     /// after the other or in halves on the pool (uneven row counts, an expert with none).
