@@ -149,11 +149,13 @@ pub fn render_stats(s: &StatsReport) -> String {
         let per = l.prefetch_bytes.checked_div(l.prefetch_loads).unwrap_or(0);
         let _ = writeln!(
             o,
-            "prefetch: {} experts ({:.3} GB) read ahead by router lookahead, {} used, {:.3} GB wasted",
+            "prefetch: {} experts ({:.3} GB) read ahead by router lookahead, {} used, {:.3} GB \
+             wasted, {} dropped unread (the layer asked before they were read)",
             l.prefetch_loads,
             l.prefetch_bytes as f64 / 1e9,
             l.prefetch_used,
-            (l.prefetch_loads.saturating_sub(l.prefetch_used) * per) as f64 / 1e9
+            (l.prefetch_loads.saturating_sub(l.prefetch_used) * per) as f64 / 1e9,
+            l.prefetch_dropped
         );
     }
     let _ = writeln!(
@@ -447,6 +449,7 @@ mod tests {
                 prefetch_loads: 5,
                 prefetch_bytes: 5_000_000,
                 prefetch_used: 3,
+                prefetch_dropped: 4,
                 trunk_bytes_read: 2_500_000_000,
                 trunk_layer_reads: 10,
                 trunk_layers_served: 30,
@@ -488,7 +491,10 @@ mod tests {
         let t = render_stats(&s);
         assert!(t.contains("TRUE resident hits 4 (40.0%)"), "{t}");
         assert!(
-            t.contains("prefetch: 5 experts (0.005 GB) read ahead by router lookahead, 3 used, 0.002 GB wasted"),
+            t.contains(
+                "prefetch: 5 experts (0.005 GB) read ahead by router lookahead, 3 used, 0.002 GB \
+                 wasted, 4 dropped unread"
+            ),
             "{t}"
         );
         let second = t.lines().find(|l| l.contains("second")).unwrap();

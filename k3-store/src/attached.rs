@@ -710,6 +710,7 @@ impl WeightSource for AttachedSource {
             prefetch_loads: job.prefetch_loads,
             prefetch_bytes: job.prefetch_bytes,
             prefetch_used: job.prefetch_used,
+            prefetch_dropped: job.prefetch_dropped,
         }
     }
 }

@@ -1058,6 +1058,8 @@ pub struct Prefetched {
     pub loads: u64,
     /// Bytes it read.
     pub bytes_read: u64,
+    /// Predictions it dropped unread ([`TableCounters::prefetch_dropped`]).
+    pub dropped: u64,
 }
 
 impl<X: Send> ExpertSlots<X> {
@@ -1126,7 +1128,9 @@ impl<X: Send> ExpertSlots<X> {
         for part in ids.chunks(chunk) {
             let mut g = self.lock();
             let late = g.table.demands(l) != demands;
+            let dropped = g.table.counters().prefetch_dropped;
             let plan = g.table.reserve_prefetch(l, part, late);
+            done.dropped += g.table.counters().prefetch_dropped - dropped;
             if plan.is_empty() {
                 continue;
             }

@@ -171,6 +171,9 @@ pub struct SourceStats {
     /// Requested experts a prefetch had loaded; the rest of `prefetch_loads` was wasted.
     #[serde(default)]
     pub prefetch_used: u64,
+    /// Predicted experts a prefetch dropped unread (their layer's request had come and only an
+    /// eviction could have made room).
+    pub prefetch_dropped: u64,
     /// Streamed trunk layers handed out by the store's shared ring (attached jobs; 0 standalone).
     #[serde(default)]
     pub trunk_layers_served: u64,

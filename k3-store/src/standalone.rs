@@ -383,6 +383,7 @@ impl WeightSource for StandaloneSource {
             prefetch_loads: c.table.prefetch_loads,
             prefetch_bytes: c.prefetch_bytes,
             prefetch_used: c.table.prefetch_used,
+            prefetch_dropped: c.table.prefetch_dropped,
             // Counted by the store's shared ring; a private stream has no hand-outs to share.
             trunk_layers_served: 0,
             trunk_shared_layers: 0,

@@ -204,7 +204,7 @@ impl RunSummary {
         if c.lookahead_layers > 0 || st.prefetch_loads > 0 {
             eprintln!(
                 "lookahead: recall {} ({} of {} requested experts predicted over {} layers); \
-                 prefetched {:.3} GB ({} experts), used {}, wasted {:.3} GB",
+                 prefetched {:.3} GB ({} experts), used {}, wasted {:.3} GB, dropped unread {}",
                 lookahead_recall(c).map_or("-".into(), |r| format!("{:.1}%", 100.0 * r)),
                 c.lookahead_correct,
                 c.lookahead_actual,
@@ -212,7 +212,8 @@ impl RunSummary {
                 gb(st.prefetch_bytes),
                 st.prefetch_loads,
                 st.prefetch_used,
-                gb(wasted_prefetch_bytes(st))
+                gb(wasted_prefetch_bytes(st)),
+                st.prefetch_dropped
             );
         }
         if let Some(h) = io_hidden_fraction(st) {
@@ -248,6 +249,7 @@ impl RunSummary {
             "used_experts": st.prefetch_used,
             "used_bytes": st.prefetch_used * per,
             "wasted_bytes": wasted_prefetch_bytes(st),
+            "dropped_experts": st.prefetch_dropped,
         })
     }
 

@@ -266,6 +266,9 @@ pub struct Counters {
     pub prefetch_bytes: u64,
     /// v3. Requested experts that a prefetch had loaded (the rest of the loads were wasted).
     pub prefetch_used: u64,
+    /// v7. Predicted experts a prefetch dropped unread: their layer's request had come and
+    /// only an eviction could have made room (SPEC.md §6.7).
+    pub prefetch_dropped: u64,
     /// v4. Bytes of streamed trunk layers read into the store's ring. Per job: the reads this
     /// job used first (a read another job used first is a shared read and is not counted again).
     pub trunk_bytes_read: u64,

@@ -911,11 +911,9 @@ fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
                 "{what} {where_}: ids with lookahead off"
             );
             assert_eq!(u(&off["lookahead"], "layers"), 0, "{what} {where_}: {off}");
-            assert_eq!(
-                u(&off["lookahead"], "prefetched_experts"),
-                0,
-                "{what}: {off}"
-            );
+            for key in ["prefetched_experts", "dropped_experts"] {
+                assert_eq!(u(&off["lookahead"], key), 0, "{what} {key}: {off}");
+            }
             let modes: &[&str] = if standalone {
                 &["mlp-in", "attn-in"]
             } else {
@@ -931,6 +929,12 @@ fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
                 let la = &on["lookahead"];
                 let (used, loads) = (u(la, "used_experts"), u(la, "prefetched_experts"));
                 assert!(used <= loads, "{what} {where_} {mode}: {la}");
+                // A dropped prediction was never loaded: at most what was predicted, less what
+                // was loaded.
+                assert!(
+                    u(la, "dropped_experts") + loads <= u(la, "predicted_experts"),
+                    "{what} {where_} {mode}: {la}"
+                );
                 assert!(
                     u(la, "correct_experts") <= u(la, "requested_experts"),
                     "{what} {where_} {mode}: {la}"

@@ -591,6 +591,7 @@ impl Backend for StoreBackend {
                 let done = experts.prefetch(layer as usize, &ids, None, &mirror);
                 if let Some(job) = experts.lock().extra.live.get_mut(&conn) {
                     job.counters.prefetch_loads += done.loads;
+                    job.counters.prefetch_dropped += done.dropped;
                     job.counters.prefetch_bytes += done.bytes_read;
                     job.counters.expert_bytes_read += done.bytes_read;
                 }
@@ -699,6 +700,7 @@ impl Backend for StoreBackend {
             prefetch_loads: t.prefetch_loads,
             prefetch_bytes: g.prefetch_bytes,
             prefetch_used: t.prefetch_used,
+            prefetch_dropped: t.prefetch_dropped,
             ..Counters::default()
         };
         let mut lifetime = lifetime;
