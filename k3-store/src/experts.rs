@@ -860,6 +860,11 @@ impl<X: Send> ExpertSlots<X> {
         &self.io.arena
     }
 
+    /// How many requests `layer` has had ([`SlotTable::demands`]): a prefetch's `since`.
+    pub fn demands(&self, layer: usize) -> u64 {
+        u32::try_from(layer).map_or(0, |l| self.lock().table.demands(l))
+    }
+
     /// The expert reader.
     pub fn reader(&self) -> &ExpertReader {
         &self.io.reader
@@ -1100,8 +1105,9 @@ impl<X: Send> ExpertSlots<X> {
     /// `mirror` is told of every slot whose state changed.
     ///
     /// The predictions are reserved and read a few at a time (one per reader thread), in the
-    /// given order. Once a request for `layer` has come, a prediction is read only into an
-    /// EMPTY slot: one that would evict is dropped. Such a read would compete with the
+    /// given order. Once a request for `layer` has come since the prediction was made (`since`:
+    /// [`ExpertSlots::demands`] then, so a prefetch that starts late knows), a prediction is
+    /// read only into an EMPTY slot: one that would evict is dropped. Such a read would compete with the
     /// request's own misses, which include the right predictions not read yet, for an expert
     /// that is likely wrong, and it would push out an expert a later token may use. So the
     /// likelier predictions are read first, and evictions only while the disk is otherwise free.
@@ -1109,6 +1115,7 @@ impl<X: Send> ExpertSlots<X> {
         &self,
         layer: usize,
         ids: &[u32],
+        since: u64,
         fail: Option<&FailHook>,
         mirror: &dyn Fn(&SlotTable, usize),
     ) -> Prefetched {
@@ -1123,11 +1130,10 @@ impl<X: Send> ExpertSlots<X> {
             .collect();
         let l = layer as u32;
         let mut done = Prefetched::default();
-        let demands = self.lock().table.demands(l);
         let chunk = self.pool.threads().max(1);
         for part in ids.chunks(chunk) {
             let mut g = self.lock();
-            let late = g.table.demands(l) != demands;
+            let late = g.table.demands(l) != since;
             let dropped = g.table.counters().prefetch_dropped;
             let plan = g.table.reserve_prefetch(l, part, late);
             done.dropped += g.table.counters().prefetch_dropped - dropped;
@@ -1301,10 +1307,16 @@ impl ExpertCache {
         )
     }
 
+    /// How many requests layer `l` has had: the `since` of a prefetch predicted now.
+    pub fn demands(&self, l: usize) -> u64 {
+        self.slots.demands(l)
+    }
+
     /// Prefetch the predicted experts `ids` of layer `l` without leasing them
-    /// ([`ExpertSlots::prefetch`]).
-    pub fn prefetch(&self, l: usize, ids: &[u32]) -> Prefetched {
-        self.slots.prefetch(l, ids, self.fail.as_ref(), &|_, _| {})
+    /// ([`ExpertSlots::prefetch`]; `since` = [`ExpertCache::demands`] when they were predicted).
+    pub fn prefetch(&self, l: usize, ids: &[u32], since: u64) -> Prefetched {
+        self.slots
+            .prefetch(l, ids, since, self.fail.as_ref(), &|_, _| {})
     }
 
     /// Counters so far.
@@ -1823,8 +1835,9 @@ mod tests {
     }
 
     /// A prefetch reads its predictions in the given order, one per reader thread at a time.
-    /// Once a request for its layer has come, it still reads into EMPTY slots but no longer
-    /// evicts: a prediction that would is dropped (counted, not reserved, never read).
+    /// Once a request for its layer has come since the prediction (while it reads, or before it
+    /// started), it still reads into EMPTY slots but no longer evicts: a prediction that would
+    /// is dropped (counted, not reserved, never read).
     #[test]
     #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
     fn a_prefetch_reads_the_likeliest_first_and_stops_evicting_once_its_layer_is_requested() {
@@ -1834,9 +1847,10 @@ mod tests {
         let predicted = [9u32, 2, 7, 0];
         // A prefetch of layer 1 into `slots` slots, the first four holding RESIDENT experts of
         // layer 2 (unleased), with a request of `layer` served while its first pair of reads is
-        // being prepared (none: no request). Returns (loads, counters' loads, dropped, which
-        // predictions are in the cache).
-        let run = |slots: usize, layer: Option<usize>| {
+        // being prepared (none: no request; `early`: after the prediction, before the prefetch
+        // starts). Returns (loads, counters' loads, dropped, which predictions are in the
+        // cache).
+        let run = |slots: usize, layer: Option<usize>, early: bool| {
             let stride = ExpertReader::slot_stride(&spec.layout);
             let d = ExpertSlots::new(
                 Arc::new(w.catalog.clone()),
@@ -1855,6 +1869,12 @@ mod tests {
                 g.table.release(o.slot.clone().unwrap());
             }
             drop(g);
+            // An expert no prediction named.
+            let request = |l| {
+                let (mut g, served) = d.serve_batch(l, &[4], None, None, &|_, _| {}).unwrap();
+                g.table.release(served.outcomes[0].slot.clone().unwrap());
+            };
+            let since = d.demands(1);
             let (started, wait_started) = mpsc::channel::<()>();
             let (go, wait_go) = mpsc::channel::<()>();
             let (started, wait_go) = (Mutex::new(started), Mutex::new(wait_go));
@@ -1864,18 +1884,19 @@ mod tests {
                 }
                 None
             });
-            let done = std::thread::scope(|s| {
-                let t = s.spawn(|| d.prefetch(1, &predicted, Some(&hook), &|_, _| {}));
-                wait_started.recv().unwrap();
-                drop(wait_started);
-                if let Some(l) = layer {
-                    // An expert no prediction named.
-                    let (mut g, served) = d.serve_batch(l, &[4], None, None, &|_, _| {}).unwrap();
-                    g.table.release(served.outcomes[0].slot.clone().unwrap());
-                }
-                go.send(()).unwrap();
-                t.join().unwrap()
-            });
+            let done = if early {
+                layer.into_iter().for_each(request);
+                d.prefetch(1, &predicted, since, None, &|_, _| {})
+            } else {
+                std::thread::scope(|s| {
+                    let t = s.spawn(|| d.prefetch(1, &predicted, since, Some(&hook), &|_, _| {}));
+                    wait_started.recv().unwrap();
+                    drop(wait_started);
+                    layer.into_iter().for_each(request);
+                    go.send(()).unwrap();
+                    t.join().unwrap()
+                })
+            };
             let g = d.lock();
             let c = g.table.counters().clone();
             let read: Vec<bool> = (predicted.iter())
@@ -1887,17 +1908,21 @@ mod tests {
         };
         // No request, one of another layer, or the layer's own with EMPTY slots left: every
         // prediction is read (evicting layer 2's experts where it must, in the first two).
-        for (slots, layer) in [(4, None), (4, Some(2)), (9, Some(1))] {
-            let got = run(slots, layer);
-            assert_eq!(
-                got,
-                (4, 4, 0, vec![true; 4]),
-                "{slots} slots, request of {layer:?}"
-            );
+        for early in [false, true] {
+            for (slots, layer) in [(4, None), (4, Some(2)), (9, Some(1))] {
+                let got = run(slots, layer, early);
+                let what = format!("{slots} slots, request of {layer:?}, early {early}");
+                assert_eq!(got, (4, 4, 0, vec![true; 4]), "{what}");
+            }
         }
         // The layer's own request, with every slot taken: the first pair (the two likeliest)
         // was read; the other two would have evicted, and were dropped.
-        assert_eq!(run(4, Some(1)), (2, 2, 2, vec![true, true, false, false]));
+        assert_eq!(
+            run(4, Some(1), false),
+            (2, 2, 2, vec![true, true, false, false])
+        );
+        // The request came before the prefetch started: nothing was evicted for it.
+        assert_eq!(run(4, Some(1), true), (0, 0, 4, vec![false; 4]));
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 

@@ -328,12 +328,14 @@ impl WeightSource for StandaloneSource {
 
     fn prefetch_experts(&self, l: usize, ids: &[u32]) {
         let (cache, ids) = (self.experts.clone(), ids.to_vec());
+        // A request of layer l from now on makes the prefetch late, even before it starts.
+        let since = cache.demands(l);
         let latest = self.latest_prefetch.clone();
         let me = latest.fetch_add(1, Ordering::SeqCst) + 1;
         self.prefetcher.submit(
             move || {
                 if latest.load(Ordering::SeqCst) == me {
-                    cache.prefetch(l, &ids);
+                    cache.prefetch(l, &ids, since);
                 }
             },
             // A prediction is never needed: a failed prefetch only costs its reads.

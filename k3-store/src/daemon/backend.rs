@@ -575,6 +575,9 @@ impl Backend for StoreBackend {
             }
         };
         let (experts, ids) = (self.experts.clone(), ids.to_vec());
+        // This connection's request of `layer` comes after this message: from then on the
+        // prefetch is late, even if it has not started.
+        let since = experts.demands(layer as usize);
         let (base, off) = (self.base, self.slot_table_off);
         self.prefetcher.submit(
             move || {
@@ -588,7 +591,7 @@ impl Backend for StoreBackend {
                     return;
                 }
                 let mirror = |t: &SlotTable, s: usize| write_slot_entry(base, off, t, s);
-                let done = experts.prefetch(layer as usize, &ids, None, &mirror);
+                let done = experts.prefetch(layer as usize, &ids, since, None, &mirror);
                 if let Some(job) = experts.lock().extra.live.get_mut(&conn) {
                     job.counters.prefetch_loads += done.loads;
                     job.counters.prefetch_dropped += done.dropped;
