@@ -205,9 +205,9 @@ pub struct TableCounters {
     /// Predicted experts a prefetch did not load: no free slot, or only slots whose expert is
     /// more likely to be reused than a prediction is to be right.
     pub prefetch_declined: u64,
-    /// Predicted experts a prefetch did not read because the layer's own request came first
-    /// and only an eviction could have made room: from then on the disk serves that request,
-    /// and its misses are read as such.
+    /// Predicted experts a prefetch did not read because the layer's own request had come
+    /// since the prediction and only an eviction could have made room: from then on the disk
+    /// serves that request, and its misses are read as such.
     pub prefetch_dropped: u64,
 }
 
@@ -229,7 +229,7 @@ pub struct SlotTable {
     /// own reuse, the rate a prefetch's eviction is weighed against.
     reuse_hits: u64,
     /// Per layer, how many requests ([`SlotTable::reserve`] calls) it has had: a prefetch for
-    /// a layer stops when this moves ([`SlotTable::demands`]).
+    /// a layer stops evicting once this has moved since its prediction ([`SlotTable::demands`]).
     demands: Vec<u64>,
     counters: TableCounters,
 }
@@ -1107,10 +1107,10 @@ impl<X: Send> ExpertSlots<X> {
     /// The predictions are reserved and read a few at a time (one per reader thread), in the
     /// given order. Once a request for `layer` has come since the prediction was made (`since`:
     /// [`ExpertSlots::demands`] then, so a prefetch that starts late knows), a prediction is
-    /// read only into an EMPTY slot: one that would evict is dropped. Such a read would compete with the
-    /// request's own misses, which include the right predictions not read yet, for an expert
-    /// that is likely wrong, and it would push out an expert a later token may use. So the
-    /// likelier predictions are read first, and evictions only while the disk is otherwise free.
+    /// read only into an EMPTY slot: one that would evict is dropped. Such a read would compete
+    /// with the request's own misses (which include the right predictions not read yet) for an
+    /// expert that is likely wrong, and it would push out an expert a later token may use. So
+    /// the likelier predictions are read first, and evictions happen only before the layer asks.
     pub fn prefetch(
         &self,
         layer: usize,
