@@ -286,8 +286,8 @@ pub trait WeightSource: Send + Sync {
     /// A PREDICTION that layer `l` will request experts `ids` (most likely first) soon: a
     /// caching source may read them ahead, in that order, into slots that no lease or pending
     /// request needs, without leasing them and without evicting anything more likely to be
-    /// reused, and stops once layer `l`'s request has come. Returns at once; never changes what
-    /// any request answers. Default: nothing.
+    /// reused, and evicts nothing for them once layer `l`'s request has come. Returns at once;
+    /// never changes what any request answers. Default: nothing.
     fn prefetch_experts(&self, _l: usize, _ids: &[u32]) {}
 
     /// The experts of `ids` (layer `l`) that are resident in memory now, leased as
