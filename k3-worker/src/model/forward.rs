@@ -786,8 +786,7 @@ fn predict_next(
         return Ok(None);
     };
     rms_norm_rows_into(h, nw.post_norm, d.rms_eps, &mut p.hn);
-    moe.predict_into(d, &p.hn, n, &mut p.route, &mut p.ids);
-    p.ids.truncate(source.max_expert_batch().max(1));
+    moe.predict_into(d, &p.hn, n, &mut p.route, &mut p.routing, &mut p.ids);
     p.ids.truncate(source.max_expert_batch().max(1));
     source.prefetch_experts(l + 1, &p.ids);
     Ok(Some(l + 1))

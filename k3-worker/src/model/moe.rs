@@ -135,8 +135,6 @@ pub fn select_top_k_into(scores: &[f32], bias: &[f32], k: usize, idx: &mut Vec<u
 pub struct RouteBufs {
     logits: Vec<f32>,
     idx: Vec<u32>,
-    /// The lookahead's per-token selections, `[n, top_k]` in rank order.
-    ranked: Vec<u32>,
     /// The lookahead's experts taken so far, `[N]`.
     seen: Vec<bool>,
 }
@@ -217,27 +215,22 @@ impl MoeWeights<'_> {
         }
     }
 
-    /// The router lookahead's prediction from `x [n, E]`: each token's top-k experts, most
-    /// likely first (every token's first choice, then every token's second, …; each expert
-    /// once), so that a prefetch that runs out of time has read the likeliest ones.
+    /// The router lookahead's prediction from `x [n, E]`: the routing of
+    /// [`MoeWeights::route_into`] (into `r`), its experts most likely first (every token's first
+    /// choice, then every token's second, …; each expert once), so that a prefetch that runs
+    /// out of time has read the likeliest ones.
     pub fn predict_into(
         &self,
         d: &Dims,
         x: &[f32],
         n: usize,
         b: &mut RouteBufs,
+        r: &mut Routing,
         ids: &mut Vec<u32>,
     ) {
-        let (ne, k) = (d.n_experts, d.top_k.min(d.n_experts));
-        linear_into(self.router, ne, d.hidden, x, n, &mut b.logits);
-        b.logits.iter_mut().for_each(|z| *z = kernels::sigmoid(*z));
-        b.ranked.clear();
-        for t in 0..n {
-            let s = &b.logits[t * ne..(t + 1) * ne];
-            select_top_k_into(s, self.bias, k, &mut b.idx);
-            b.ranked.extend_from_slice(&b.idx);
-        }
-        by_rank_into(&b.ranked, n, k, &mut b.seen, ids);
+        self.route_into(d, x, n, b, r);
+        let k = r.sel.len().checked_div(n).unwrap_or(0);
+        by_rank_into(&r.sel, n, k, &mut b.seen, ids);
     }
 
     /// The MoE output for `x [n, E]` given the routing and the fetched experts (`batch` answers

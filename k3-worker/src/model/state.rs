@@ -193,6 +193,7 @@ impl Work {
 pub(crate) struct Predict {
     pub(crate) hn: Vec<f32>,
     pub(crate) route: RouteBufs,
+    pub(crate) routing: Routing,
     /// The predicted experts, most likely first ([`crate::model::moe::MoeWeights::predict_into`]).
     pub(crate) ids: Vec<u32>,
 }
