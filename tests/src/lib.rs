@@ -328,10 +328,17 @@ impl Sandbox {
 
     /// `k3-worker <args> --socket <ours>` in the background.
     pub fn spawn_worker(&self, args: &[&str]) -> Spawned {
+        self.spawn_worker_env(args, &[])
+    }
+
+    /// [`Sandbox::spawn_worker`] with environment variables set.
+    pub fn spawn_worker_env(&self, args: &[&str], env: &[(&str, &str)]) -> Spawned {
         let sock = self.socket.to_str().expect("utf-8 path").to_string();
         let mut full = args.to_vec();
         full.extend_from_slice(&["--socket", &sock]);
-        self.spawn("k3-worker", &full)
+        let mut c = self.command("k3-worker", &full);
+        c.envs(env.iter().copied());
+        self.spawn_command("k3-worker", c)
     }
 
     /// An attached worker that runs far longer than any test waits: the reference prompt, up to
@@ -343,7 +350,6 @@ impl Sandbox {
     /// [`Sandbox::spawn_long_worker`] with environment variables set.
     pub fn spawn_long_worker_env(&self, env: &[(&str, &str)]) -> Spawned {
         let ids = ids_arg(&reference_prompt());
-        let sock = self.socket.to_str().expect("utf-8 path").to_string();
         let args = [
             "--ids",
             &ids,
@@ -352,12 +358,8 @@ impl Sandbox {
             "--full-recompute",
             "--threads",
             "1",
-            "--socket",
-            &sock,
         ];
-        let mut c = self.command("k3-worker", &args);
-        c.envs(env.iter().copied());
-        self.spawn_command("k3-worker", c)
+        self.spawn_worker_env(&args, env)
     }
 
     /// Pack the tiny fixture's trunk into `<sandbox>/trunk` (`k3-ctl pack-trunk`); returns it.
