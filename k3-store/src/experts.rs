@@ -940,26 +940,20 @@ impl<X: Send> ExpertSlots<X> {
             }
         };
         let prefetch_used = g.table.counters().prefetch_used - used0;
-        let mut jobs = Vec::new();
+        let mut loads = Vec::new();
         for (r, &e) in plan.iter().zip(&uniq) {
             mirror(&g.table, r.slot());
             if let Reserved::Load { slot, .. } = *r {
-                let ext = cat.expert(layer, e as usize);
-                let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
-                jobs.push((key, slot, e, ext));
+                loads.push((slot, e));
             }
         }
         drop(g);
 
         // Phase 2: read the misses in parallel on the reader threads, in disk-offset order,
-        // straight into their slots. Injected failures are decided here, before the reads.
-        jobs.sort_by_key(|j| j.0);
+        // straight into their slots.
+        let jobs = self.read_jobs(layer, loads, fail);
         let t_read = Instant::now();
         let n_jobs = jobs.len();
-        let jobs: Vec<ReadJob> = jobs
-            .into_iter()
-            .map(|(_, slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
-            .collect();
         let results = self.read_into_slots(layer, jobs);
         let read_seconds = if n_jobs > 0 {
             t_read.elapsed().as_secs_f64()
@@ -1068,6 +1062,25 @@ pub struct Prefetched {
 }
 
 impl<X: Send> ExpertSlots<X> {
+    /// Phase 2's jobs for the reserved `(slot, expert)` pairs of `layer`: in disk-offset order,
+    /// each with its extents and its injected failure, decided here before any read (call it
+    /// without the lock: a hook may wait on another request).
+    fn read_jobs(
+        &self,
+        layer: usize,
+        picks: Vec<(usize, u32)>,
+        fail: Option<&FailHook>,
+    ) -> Vec<ReadJob> {
+        let mut jobs: Vec<(usize, u32, Option<ExpertExtents>)> = (picks.into_iter())
+            .map(|(slot, e)| (slot, e, self.catalog.expert(layer, e as usize)))
+            .collect();
+        jobs.sort_by_key(|j| j.2.map_or((u16::MAX, u64::MAX), |x| x.disk_key()));
+        let l = layer as u32;
+        (jobs.into_iter())
+            .map(|(slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
+            .collect()
+    }
+
     /// Phase 2: read each job's expert into its slot (INFLIGHT, reserved by the caller) on the
     /// reader threads; results per slot, in job order.
     fn read_into_slots(
@@ -1140,19 +1153,11 @@ impl<X: Send> ExpertSlots<X> {
             if plan.is_empty() {
                 continue;
             }
-            let mut jobs = Vec::with_capacity(plan.len());
-            for &(slot, e) in &plan {
+            for &(slot, _) in &plan {
                 mirror(&g.table, slot);
-                let ext = cat.expert(layer, e as usize);
-                let key = ext.map(|x| x.disk_key()).unwrap_or((u16::MAX, u64::MAX));
-                jobs.push((key, slot, e, ext));
             }
             drop(g);
-            jobs.sort_by_key(|j| j.0);
-            let jobs: Vec<ReadJob> = jobs
-                .into_iter()
-                .map(|(_, slot, e, ext)| (slot, e, ext, fail.and_then(|f| f(l, e))))
-                .collect();
+            let jobs = self.read_jobs(layer, plan, fail);
             let t_read = Instant::now();
             let results = self.read_into_slots(layer, jobs);
             let read_seconds = t_read.elapsed().as_secs_f64();
