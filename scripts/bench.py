@@ -6,8 +6,9 @@
     scripts/bench.py --model M --warm-start           # + warm/cold store and standalone start-up
 
 In ONE run:
-1. floors: disk via `k3-ctl doctor --json` on the checkpoint's filesystem (O_DIRECT random
-   17,547,264-byte reads at QD 1/8/16, sequential direct, buffered); memory read bandwidth via
+1. floors: disk via `k3-ctl doctor --json` on the checkpoint's filesystem (O_DIRECT random reads
+   of one of the checkpoint's experts at QD 1/8/16 — 17,547,264 bytes on k3slice and the full
+   model, 52 KB on `small` — sequential direct, buffered); memory read bandwidth via
    the kernels bench (`--memory-only`, or the full kernel table with --kernels);
 2. `k3-worker --standalone` at named budgets that mirror the presets at the checkpoint's scale
    (all-resident, trunk-pinned, laptop-like), each for --gen steps (default 7: 6 decode steps),
@@ -257,21 +258,26 @@ def build(bins: Path):
         raise SystemExit("bench: release build failed")
 
 
-def doctor(bins: Path, target_dir: Path, seconds: float, size_mib: int) -> dict:
+def doctor(bins: Path, target_dir: Path, seconds: float, size_mib: int, read_bytes: int) -> dict:
+    """`k3-ctl doctor --json`, its random reads `read_bytes` long: the checkpoint's expert, so
+    that the floor of a checkpoint with small experts prices their reads at what the disk gives
+    for reads that small (latency-bound), not at a full-size expert's rate."""
     r = sh([bins / "k3-ctl", "doctor", "--json", "--dir", target_dir, "--seconds", seconds,
-            "--size-mib", size_mib], capture_output=True, text=True)
+            "--size-mib", size_mib, "--read-bytes", read_bytes], capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"bench: k3-ctl doctor failed:\n{r.stderr}")
     return json.loads(r.stdout)
 
 
-def direct_rates(bins: Path, trunk_bin: Path, shard: Path, seconds: float):
+def direct_rates(bins: Path, trunk_bin: Path, shard: Path, seconds: float, read_bytes: int):
     """The disk right now, on the checkpoint's own files (what the engine reads; this VM's disk
     speed depends on what the host has cached): `k3-ctl doctor` reading in place, sequential
-    O_DIRECT over trunk.bin and random expert-sized O_DIRECT reads at QD8 over a shard.
+    O_DIRECT over trunk.bin and random O_DIRECT reads of `read_bytes` (one expert) at QD8 over a
+    shard.
     Returns (sequential MB/s, random MB/s)."""
     def rate(target: Path, name: str) -> float:
-        m = {x["name"]: x for x in doctor(bins, target, seconds, 0)["disk"]["measurements"]}
+        m = {x["name"]: x
+             for x in doctor(bins, target, seconds, 0, read_bytes)["disk"]["measurements"]}
         return m[name]["mb_per_s"]["median"]
     return (rate(trunk_bin, "sequential_direct"),
             rate(shard, f"random_qd{ENGINE_EXPERT_READERS}"))
@@ -1199,7 +1205,7 @@ def run(a, reps: int, tmp: Path) -> int:
     print(f"== floors (load {os.getloadavg()[0]:.2f})", flush=True)
     ddir = a.doctor_dir or model.resolve().parent  # the checkpoint's filesystem
     secs = a.doctor_seconds or (0.5 if a.quick else 2.0)
-    doc = doctor(a.bins, ddir, secs, 512 if a.quick else 2048)
+    doc = doctor(a.bins, ddir, secs, 512 if a.quick else 2048, eb)
     disk = {m["name"]: m for m in doc["disk"]["measurements"]}
     seq = disk["sequential_direct"]["mb_per_s"]["median"]
     rnd_name = f"random_qd{ENGINE_EXPERT_READERS}"
@@ -1238,7 +1244,7 @@ def run(a, reps: int, tmp: Path) -> int:
             if rep_disk:
                 # The disk right after this run (so the engine never profits from the check).
                 s["disk_after_mb_s"] = direct_rates(a.bins, trunk / "trunk.bin", shard_files[0],
-                                                    rep_disk)
+                                                    rep_disk, eb)
             print(f"  {b:<13} rep {rep}: prefill {s['prefill_s']:.2f} s, decode "
                   f"{statistics.median(s['decode_s']):.3f} s/token, ids {ids_hash(s['generated_ids'])}",
                   flush=True)

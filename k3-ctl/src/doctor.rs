@@ -53,7 +53,16 @@ pub struct Args {
     /// Skip the disk measurements.
     #[arg(long)]
     no_disk: bool,
+    /// Bytes of each expert-sized read (the random and the buffered measurements; rounded up to
+    /// whole 4096-byte pages): default one routed expert of the full model. A checkpoint with
+    /// other experts is read at its own size (`scripts/bench.py` passes it): small reads cost the
+    /// disk's latency, not its bandwidth.
+    #[arg(long, value_name = "BYTES", default_value_t = EXPERT_BYTES)]
+    read_bytes: u64,
 }
+
+/// Largest `--read-bytes`.
+const MAX_READ_BYTES: u64 = 1 << 30;
 
 /// (preset name, full-scale plan total bytes), smallest first.
 pub fn preset_needs() -> Vec<(&'static str, u64)> {
@@ -389,27 +398,29 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
     } else {
         "buffered (O_DIRECT refused)"
     };
+    // Whole pages, as the engine's O_DIRECT span of an expert is.
+    let rb = a.read_bytes.next_multiple_of(ALIGN as u64);
     ms.push(Measure {
         name: "random_qd1",
-        what: format!("{EXPERT_BYTES}-byte random reads, 1 reader, {mode}"),
-        mbps: random_reads(&direct, EXPERT_BYTES, 1, round, None)?,
+        what: format!("{rb}-byte random reads, 1 reader, {mode}"),
+        mbps: random_reads(&direct, rb, 1, round, None)?,
         direct: is_direct,
     });
     bar.set(ms.len() as u64);
     ms.push(Measure {
         name: "random_qd8",
         what: format!(
-            "{EXPERT_BYTES}-byte random reads, {QD_ENGINE} reader threads (the standalone expert \
-             cache's readers), {mode}"
+            "{rb}-byte random reads, {QD_ENGINE} reader threads (the standalone expert cache's \
+             readers), {mode}"
         ),
-        mbps: random_reads(&direct, EXPERT_BYTES, QD_ENGINE, round, None)?,
+        mbps: random_reads(&direct, rb, QD_ENGINE, round, None)?,
         direct: is_direct,
     });
     bar.set(ms.len() as u64);
     ms.push(Measure {
         name: "random_qd16",
-        what: format!("{EXPERT_BYTES}-byte random reads, {QD_HIGH} reader threads, {mode}"),
-        mbps: random_reads(&direct, EXPERT_BYTES, QD_HIGH, round, None)?,
+        what: format!("{rb}-byte random reads, {QD_HIGH} reader threads, {mode}"),
+        mbps: random_reads(&direct, rb, QD_HIGH, round, None)?,
         direct: is_direct,
     });
     bar.set(ms.len() as u64);
@@ -435,10 +446,10 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
     ms.push(Measure {
         name: "sequential_buffered",
         what: format!(
-            "{EXPERT_BYTES}-byte sequential buffered reads, 1 reader, page cache dropped \
+            "{rb}-byte sequential buffered reads, 1 reader, page cache dropped \
              (posix_fadvise DONTNEED) before each round"
         ),
-        mbps: sequential_reads(&buffered, EXPERT_BYTES, round, &dropper)?,
+        mbps: sequential_reads(&buffered, rb, round, &dropper)?,
         direct: false,
     });
     bar.set(ms.len() as u64);
@@ -446,10 +457,10 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
     ms.push(Measure {
         name: "random_buffered_qd1",
         what: format!(
-            "{EXPERT_BYTES}-byte random buffered reads, 1 reader, each range dropped from the \
-             page cache after its read"
+            "{rb}-byte random buffered reads, 1 reader, each range dropped from the page cache \
+             after its read"
         ),
-        mbps: random_reads(&buffered, EXPERT_BYTES, 1, round, Some(&plain))?,
+        mbps: random_reads(&buffered, rb, 1, round, Some(&plain))?,
         direct: false,
     });
     bar.set(ms.len() as u64);
@@ -462,6 +473,7 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         "filesystem": mount.as_ref().map(|(src, mp, ty)| json!({"source": src, "mount": mp, "type": ty})),
         "device": std::fs::metadata(&file_path).ok().map(|m| format!("{}:{}", libc::major(m.dev()), libc::minor(m.dev()))),
         "seconds_per_measurement": a.seconds,
+        "read_bytes": a.read_bytes,
         "rounds": ROUNDS,
         "measurements": ms.iter().map(Measure::to_json).collect::<Vec<_>>(),
     }))
@@ -481,6 +493,10 @@ pub fn run(a: Args) -> i32 {
     }
     if a.size_mib > (1 << 20) {
         eprintln!("k3-ctl doctor: --size-mib at most 1048576");
+        return k3_proto::exit::REFUSED;
+    }
+    if !(1..=MAX_READ_BYTES).contains(&a.read_bytes) {
+        eprintln!("k3-ctl doctor: --read-bytes must be in [1, {MAX_READ_BYTES}]");
         return k3_proto::exit::REFUSED;
     }
     let tiers: Vec<Value> = k3_worker::kernels::Tier::ALL
@@ -718,6 +734,24 @@ mod tests {
     }
 
     #[test]
+    fn a_read_size_of_zero_or_over_a_gib_is_refused_before_any_measurement() {
+        let tmp = tempfile::tempdir().unwrap();
+        for read_bytes in [0, MAX_READ_BYTES + 1] {
+            let a = Args {
+                dir: tmp.path().to_path_buf(),
+                json: true,
+                seconds: 0.25,
+                size_mib: 64,
+                no_disk: false,
+                read_bytes,
+            };
+            assert_eq!(run(a), k3_proto::exit::REFUSED, "--read-bytes {read_bytes}");
+        }
+        // Refused before the scratch file was made.
+        assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+    }
+
+    #[test]
     fn disk_measurement_on_a_small_scratch_file() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
@@ -727,8 +761,11 @@ mod tests {
             seconds: 0.25,
             size_mib: 64,
             no_disk: false,
+            // A small checkpoint's expert (`small`: 52,224 bytes, read as 13 pages).
+            read_bytes: 52_224,
         };
         let d = measure_disk(&a).unwrap();
+        assert_eq!(d["read_bytes"], 52_224);
         let ms = d["measurements"].as_array().unwrap();
         let names: Vec<_> = ms.iter().map(|m| m["name"].as_str().unwrap()).collect();
         assert_eq!(
@@ -746,6 +783,10 @@ mod tests {
         for m in ms {
             assert!(m["mb_per_s"]["median"].as_f64().unwrap() > 0.0, "{m}");
             assert_eq!(m["rounds"].as_array().unwrap().len(), ROUNDS);
+            let what = m["what"].as_str().unwrap();
+            if !what.contains("MiB sequential") {
+                assert!(what.starts_with("53248-byte "), "{what}");
+            }
         }
         // The scratch file is gone.
         assert_eq!(std::fs::read_dir(dir).unwrap().count(), 0);

@@ -1,6 +1,7 @@
 """Smoke tests of scripts/bench.py's parsing and arithmetic on synthetic inputs (no timing)."""
 import json
 import struct
+import subprocess
 
 import pytest
 
@@ -369,3 +370,26 @@ def test_time_breakdown_is_the_median_per_phase_and_needs_every_run():
     table = bench.fmt_breakdown([{"budget": "all-resident", "time_breakdown": got}])
     assert "all-resident" in table and "4.00 (" in table
     assert bench.fmt_breakdown([{"budget": "x", "time_breakdown": None}]) == ""
+
+
+def test_the_disk_floor_is_measured_at_the_checkpoints_expert_size(monkeypatch, tmp_path):
+    # small's experts are 52 KB: a 17.5 MB read's rate would price them at the disk's bandwidth,
+    # while reads that small cost its latency. Both the start-of-run floors and each run's
+    # recheck must ask the doctor for reads of the checkpoint's own expert size.
+    calls = []
+
+    def fake_sh(cmd, **kw):
+        calls.append([str(c) for c in cmd])
+        doc = {"disk": {"measurements": [
+            {"name": "sequential_direct", "mb_per_s": {"median": 3000.0}},
+            {"name": f"random_qd{bench.ENGINE_EXPERT_READERS}", "mb_per_s": {"median": 900.0}},
+        ]}}
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(doc), stderr="")
+
+    monkeypatch.setattr(bench, "sh", fake_sh)
+    bench.doctor(tmp_path, tmp_path, 0.5, 512, 52_224)
+    assert calls[-1][calls[-1].index("--read-bytes") + 1] == "52224"
+    seq, rnd = bench.direct_rates(tmp_path, tmp_path / "trunk.bin", tmp_path / "s.safetensors",
+                                  0.5, 52_224)
+    assert (seq, rnd) == (3000.0, 900.0)
+    assert all(c[c.index("--read-bytes") + 1] == "52224" for c in calls)
