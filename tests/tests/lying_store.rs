@@ -120,6 +120,14 @@ fn run_through(tag: &str, lie: fn(&mut Response)) -> k3_tests::Run {
     r
 }
 
+/// The worker refused the lie: exit 4, the reason in its message, the ids called unsound.
+fn assert_refused(r: &k3_tests::Run, why: &str) {
+    assert_eq!(r.code, exit::EXPERT_LOAD_FAILED, "{r:?}");
+    assert!(r.stderr.contains(why), "{}", r.stderr);
+    let unsound = "the generated ids are unsound";
+    assert!(r.stderr.contains(unsound), "{}", r.stderr);
+}
+
 #[test]
 fn an_expert_said_to_run_past_its_slot_is_an_expert_load_failure() {
     // One slot further on: the next slot's expert, inside the store's memory the worker mapped
@@ -127,13 +135,7 @@ fn an_expert_said_to_run_past_its_slot_is_an_expert_load_failure() {
     let r = run_through("lie-at", |m| {
         each_leased(m, |_, at| *at += slot_stride() as u32);
     });
-    assert_eq!(r.code, exit::EXPERT_LOAD_FAILED, "{r:?}");
-    assert!(r.stderr.contains("overrun slot"), "{}", r.stderr);
-    assert!(
-        r.stderr.contains("the generated ids are unsound"),
-        "{}",
-        r.stderr
-    );
+    assert_refused(&r, "overrun slot");
 }
 
 #[test]
@@ -141,11 +143,5 @@ fn a_slot_outside_the_arena_is_an_expert_load_failure() {
     let r = run_through("lie-slot", |m| {
         each_leased(m, |slot, _| *slot = u32::MAX);
     });
-    assert_eq!(r.code, exit::EXPERT_LOAD_FAILED, "{r:?}");
-    assert!(r.stderr.contains("out of range"), "{}", r.stderr);
-    assert!(
-        r.stderr.contains("the generated ids are unsound"),
-        "{}",
-        r.stderr
-    );
+    assert_refused(&r, "out of range");
 }
