@@ -473,7 +473,7 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         "filesystem": mount.as_ref().map(|(src, mp, ty)| json!({"source": src, "mount": mp, "type": ty})),
         "device": std::fs::metadata(&file_path).ok().map(|m| format!("{}:{}", libc::major(m.dev()), libc::minor(m.dev()))),
         "seconds_per_measurement": a.seconds,
-        "read_bytes": a.read_bytes,
+        "read_bytes": rb,
         "rounds": ROUNDS,
         "measurements": ms.iter().map(Measure::to_json).collect::<Vec<_>>(),
     }))
@@ -765,7 +765,7 @@ mod tests {
             read_bytes: 52_224,
         };
         let d = measure_disk(&a).unwrap();
-        assert_eq!(d["read_bytes"], 52_224);
+        assert_eq!(d["read_bytes"], 53_248);
         let ms = d["measurements"].as_array().unwrap();
         let names: Vec<_> = ms.iter().map(|m| m["name"].as_str().unwrap()).collect();
         assert_eq!(
