@@ -64,6 +64,11 @@ pub struct Args {
 /// Largest `--read-bytes`.
 const MAX_READ_BYTES: u64 = 1 << 30;
 
+/// Bytes of the scratch file for `--size-mib` (at least 64 MiB).
+fn scratch_bytes(size_mib: u64) -> u64 {
+    size_mib.max(64) << 20
+}
+
 /// (preset name, full-scale plan total bytes), smallest first.
 pub fn preset_needs() -> Vec<(&'static str, u64)> {
     let inputs = k3_store::plan::full_scale_inputs(4096);
@@ -369,7 +374,7 @@ fn sequential_reads_into(
 fn measure_disk(a: &Args) -> Result<Value, String> {
     let meta = std::fs::metadata(&a.dir).map_err(|e| format!("{}: {e}", a.dir.display()))?;
     let (_scratch, file_path, scratch_note) = if meta.is_dir() {
-        let size = a.size_mib.max(64) << 20;
+        let size = scratch_bytes(a.size_mib);
         let t0 = Instant::now();
         let s = make_scratch(&a.dir, size)?;
         let p = s.0.clone();
@@ -497,6 +502,16 @@ pub fn run(a: Args) -> i32 {
     }
     if !(1..=MAX_READ_BYTES).contains(&a.read_bytes) {
         eprintln!("k3-ctl doctor: --read-bytes must be in [1, {MAX_READ_BYTES}]");
+        return k3_proto::exit::REFUSED;
+    }
+    if !a.no_disk && a.dir.is_dir() && a.read_bytes > scratch_bytes(a.size_mib) / 2 {
+        eprintln!(
+            "k3-ctl doctor: --read-bytes {} needs a scratch file of at least twice that; \
+             --size-mib {} gives {} bytes",
+            a.read_bytes,
+            a.size_mib,
+            scratch_bytes(a.size_mib)
+        );
         return k3_proto::exit::REFUSED;
     }
     let tiers: Vec<Value> = k3_worker::kernels::Tier::ALL
@@ -734,7 +749,7 @@ mod tests {
     }
 
     #[test]
-    fn a_read_size_of_zero_or_over_a_gib_is_refused_before_any_measurement() {
+    fn a_read_size_of_zero_over_a_gib_or_over_half_the_scratch_file_is_refused_up_front() {
         let tmp = tempfile::tempdir().unwrap();
         for read_bytes in [0, MAX_READ_BYTES + 1] {
             let a = Args {
@@ -747,6 +762,16 @@ mod tests {
             };
             assert_eq!(run(a), k3_proto::exit::REFUSED, "--read-bytes {read_bytes}");
         }
+        // A read of more than half the scratch file would leave no room to read at random.
+        let a = Args {
+            dir: tmp.path().to_path_buf(),
+            json: true,
+            seconds: 0.25,
+            size_mib: 64,
+            no_disk: false,
+            read_bytes: (32 << 20) + 1,
+        };
+        assert_eq!(run(a), k3_proto::exit::REFUSED);
         // Refused before the scratch file was made.
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
     }
