@@ -10,7 +10,8 @@ position). For every MoE layer L this script applies L's own router — RMSNorm 
 `post_attention_layernorm`, sigmoid scores, the selection bias, top-k, as the float64 reference
 (`k3ref.moe`) does — to:
 
-- L's own MLP input: the true choice (it must equal what the engine routed: `--check-trace`);
+- L's own MLP input: the true choice (`--check-trace` compares it with what the engine routed;
+  a near-tie between this float64 router and the engine's float32 one may differ);
 - the MLP and attention inputs of the layers before it, up to `--depth` layers back: the
   candidates a lookahead could predict from while those layers compute.
 
