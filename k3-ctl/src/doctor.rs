@@ -748,30 +748,26 @@ mod tests {
         assert_eq!(shm_note_under(&json!({"measurements": []}), "never"), None);
     }
 
-    #[test]
-    fn a_read_size_of_zero_over_a_gib_or_over_half_the_scratch_file_is_refused_up_front() {
-        let tmp = tempfile::tempdir().unwrap();
-        for read_bytes in [0, MAX_READ_BYTES + 1] {
-            let a = Args {
-                dir: tmp.path().to_path_buf(),
-                json: true,
-                seconds: 0.25,
-                size_mib: 64,
-                no_disk: false,
-                read_bytes,
-            };
-            assert_eq!(run(a), k3_proto::exit::REFUSED, "--read-bytes {read_bytes}");
-        }
-        // A read of more than half the scratch file would leave no room to read at random.
-        let a = Args {
-            dir: tmp.path().to_path_buf(),
+    /// `k3-ctl doctor --json --dir DIR --seconds 0.25 --size-mib 64 --read-bytes READ_BYTES`.
+    fn small_args(dir: &std::path::Path, read_bytes: u64) -> Args {
+        Args {
+            dir: dir.to_path_buf(),
             json: true,
             seconds: 0.25,
             size_mib: 64,
             no_disk: false,
-            read_bytes: (32 << 20) + 1,
-        };
-        assert_eq!(run(a), k3_proto::exit::REFUSED);
+            read_bytes,
+        }
+    }
+
+    #[test]
+    fn a_read_size_of_zero_over_a_gib_or_over_half_the_scratch_file_is_refused_up_front() {
+        let tmp = tempfile::tempdir().unwrap();
+        // Over half the 64 MiB scratch file would leave no room to read at random.
+        for read_bytes in [0, MAX_READ_BYTES + 1, (32 << 20) + 1] {
+            let a = small_args(tmp.path(), read_bytes);
+            assert_eq!(run(a), k3_proto::exit::REFUSED, "--read-bytes {read_bytes}");
+        }
         // Refused before the scratch file was made.
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
     }
@@ -780,15 +776,8 @@ mod tests {
     fn disk_measurement_on_a_small_scratch_file() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
-        let a = Args {
-            dir: dir.to_path_buf(),
-            json: true,
-            seconds: 0.25,
-            size_mib: 64,
-            no_disk: false,
-            // A small checkpoint's expert (`small`: 52,224 bytes, read as 13 pages).
-            read_bytes: 52_224,
-        };
+        // A small checkpoint's expert (`small`: 52,224 bytes, read as 13 pages).
+        let a = small_args(dir, 52_224);
         let d = measure_disk(&a).unwrap();
         assert_eq!(d["read_bytes"], 53_248);
         let ms = d["measurements"].as_array().unwrap();
