@@ -63,3 +63,11 @@ def test_a_wrong_trace_fails_the_check(tmp_path):
     lie = tmp_path / "trace.jsonl"
     lie.write_text(json.dumps({"step": 0, "layer": layer, "experts": [0]}) + "\n")
     assert lookahead_recall.main([str(TINY), str(out), "--check-trace", str(lie)]) == 1
+
+
+def test_unreadable_inputs_exit_2(tmp_path, capsys):
+    # No checkpoint there; then a checkpoint but a directory without any MoE layer's mlp_in.
+    assert lookahead_recall.main([str(tmp_path / "missing"), str(tmp_path)]) == 2
+    assert lookahead_recall.main([str(TINY), str(tmp_path)]) == 2
+    assert lookahead_recall.main([str(TINY), str(tmp_path), "--depth", "0"]) == 2
+    assert "lookahead_recall:" in capsys.readouterr().err
