@@ -1143,6 +1143,7 @@ impl<X: Send> ExpertSlots<X> {
             .collect();
         let l = layer as u32;
         let mut done = Prefetched::default();
+        let eb = self.io.reader.expert_bytes() as u64;
         let chunk = self.pool.threads().max(1);
         for part in ids.chunks(chunk) {
             let mut g = self.lock();
@@ -1161,7 +1162,6 @@ impl<X: Send> ExpertSlots<X> {
             let t_read = Instant::now();
             let results = self.read_into_slots(layer, jobs);
             let read_seconds = t_read.elapsed().as_secs_f64();
-            let eb = self.io.reader.expert_bytes() as u64;
             let mut g = self.lock();
             let mut bytes = 0;
             for (slot, res) in results {

@@ -173,6 +173,7 @@ pub struct SourceStats {
     pub prefetch_used: u64,
     /// Predicted experts a prefetch dropped unread (their layer's request had come and only an
     /// eviction could have made room).
+    #[serde(default)]
     pub prefetch_dropped: u64,
     /// Streamed trunk layers handed out by the store's shared ring (attached jobs; 0 standalone).
     #[serde(default)]
@@ -359,5 +360,43 @@ pub trait WeightSource: Send + Sync {
     /// Keep this job's token stream for later jobs' history drafting (a no-op without a store).
     fn record_history(&self, _ids: &[u32]) -> Result<(), SourceError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SourceStats;
+
+    /// A document written before the later counters existed reads with them at 0 (every field
+    /// added after the first has `#[serde(default)]`).
+    #[test]
+    fn stats_from_before_the_prefetch_and_ring_counters_read_with_them_at_zero() {
+        let mut v = serde_json::to_value(SourceStats {
+            expert_requests: 7,
+            prefetch_loads: 3,
+            prefetch_dropped: 2,
+            trunk_layers_served: 5,
+            ..SourceStats::default()
+        })
+        .unwrap();
+        let o = v.as_object_mut().unwrap();
+        for later in [
+            "prefetch_loads",
+            "prefetch_bytes",
+            "prefetch_used",
+            "prefetch_dropped",
+            "trunk_layers_served",
+            "trunk_shared_layers",
+        ] {
+            assert!(o.remove(later).is_some(), "{later}");
+        }
+        let old: SourceStats = serde_json::from_value(v).unwrap();
+        assert_eq!(
+            old,
+            SourceStats {
+                expert_requests: 7,
+                ..SourceStats::default()
+            }
+        );
     }
 }
