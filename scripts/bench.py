@@ -184,6 +184,10 @@ def summarize_run(run: dict, trunk_per_step: int):
         "generated_ids": run["generated_ids"],
         "wall_s": run["wall_seconds"],
         "startup_s": run["wall_seconds"] - sum(s["seconds"] for s in steps),
+        # The expert cache filled before the first token (`--preload`; part of startup_s; 0 for
+        # workers from before it).
+        "preload_s": (run.get("preload") or {}).get("seconds", 0.0),
+        "preload_bytes": (run.get("preload") or {}).get("bytes", 0),
         "trunk_bytes_read": run["trunk_bytes_read"],
         "expert_bytes_read": run["expert_bytes_read"],
         "steps": n,
@@ -221,15 +225,26 @@ def fmt_breakdown(rows) -> str:
     return "\n".join("  ".join(str(x[i]).ljust(w[i]) for i in range(len(head))) for x in lines)
 
 
+def fmt_startup(row) -> str:
+    """Median seconds from exec to the first forward call, with the expert preload's share."""
+    st, pre = row.get("startup_s"), row.get("preload_s")
+    if not st:
+        return "-"
+    if pre and pre["median"] > 0:
+        return f"{st['median']:.2f} ({pre['median']:.2f})"
+    return f"{st['median']:.2f}"
+
+
 def fmt_table(rows) -> str:
-    head = ("budget", "pinned", "prefill s", "decode s/tok (min-max)", "GB/tok trunk+exp",
+    head = ("budget", "pinned", "start s (preload)", "prefill s", "decode s/tok (min-max)",
+            "GB/tok trunk+exp",
             "I/O share", "I/O hidden", "TRUE hit", "peak RSS GB", "floor s", "floor ratio",
             "per-run ratio", "ids hash")
     lines = [head]
     for r in rows:
         d = r["decode_s"]
         lines.append((
-            r["budget"], r["pinned"], f"{r['prefill_s']['median']:.2f}",
+            r["budget"], r["pinned"], fmt_startup(r), f"{r['prefill_s']['median']:.2f}",
             f"{d['median']:.3f} ({d['min']:.3f}-{d['max']:.3f})" if d else "-",
             f"{r['trunk_gb_per_token']:.3f}+{r['expert_gb_per_token']:.3f}",
             f"{100 * r['io_share']:.0f}%",
@@ -1288,6 +1303,8 @@ def run(a, reps: int, tmp: Path) -> int:
             "true_resident_hit_rate": statistics.median(s["true_resident_hit_rate"] for s in rs),
             "peak_rss_gb": max(s["peak_rss_bytes"] for s in rs) / 1e9,
             "startup_s": med_min_max([s["startup_s"] for s in rs]),
+            "preload_s": med_min_max([s["preload_s"] for s in rs]),
+            "preload_gb": statistics.median(s["preload_bytes"] for s in rs) / 1e9,
             "floor": fl,
             "floor_ratio": d["median"] / fl["floor_s"] if d and fl["floor_s"] > 0 else None,
             "floor_ratio_per_run": ({"median": statistics.median(per_run), "min": min(per_run),

@@ -145,6 +145,15 @@ pub fn render_stats(s: &StatsReport) -> String {
             l.broken_leases
         );
     }
+    if l.preloaded_experts > 0 {
+        let _ = writeln!(
+            o,
+            "preload:  {} experts ({:.3} GB) read at start-up in {:.2} s (not in the figures above)",
+            l.preloaded_experts,
+            l.preload_bytes as f64 / 1e9,
+            l.preload_seconds
+        );
+    }
     if l.prefetch_loads > 0 {
         let per = l.prefetch_bytes.checked_div(l.prefetch_loads).unwrap_or(0);
         let _ = writeln!(
@@ -456,6 +465,9 @@ mod tests {
                 trunk_shared_layers: 20,
                 trunk_wait_seconds: 1.5,
                 broken_leases: 1,
+                preloaded_experts: 64,
+                preload_bytes: 1_123_024_896,
+                preload_seconds: 0.4,
                 ..Default::default()
             },
             jobs: vec![
@@ -497,6 +509,11 @@ mod tests {
             ),
             "{t}"
         );
+        assert!(
+            t.contains("preload:  64 experts (1.123 GB) read at start-up in 0.40 s"),
+            "{t}"
+        );
+        assert!(!render_stats(&StatsReport::default()).contains("preload:"));
         let second = t.lines().find(|l| l.contains("second")).unwrap();
         assert!(second.contains("80.0%"), "{second}");
         let first = t.lines().find(|l| l.contains("first")).unwrap();

@@ -711,6 +711,8 @@ impl WeightSource for AttachedSource {
             prefetch_bytes: job.prefetch_bytes,
             prefetch_used: job.prefetch_used,
             prefetch_dropped: job.prefetch_dropped,
+            // The store's preload happened before this job: `k3-ctl stats` reports it.
+            ..SourceStats::default()
         }
     }
 }

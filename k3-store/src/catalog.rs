@@ -270,6 +270,15 @@ impl Catalog {
         Some(ExpertExtents { parts: out })
     }
 
+    /// Every routed expert the checkpoint holds, as `(layer, expert)` in layer order.
+    pub fn routed_experts(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
+        (0..self.n_layers()).flat_map(move |l| {
+            (0..self.n_experts())
+                .filter(move |&e| self.expert(l, e).is_some())
+                .map(move |e| (l, e as u32))
+        })
+    }
+
     /// Sum of trunk bytes of layer `l`.
     pub fn trunk_bytes(&self, l: usize) -> u64 {
         self.trunk(l).iter().map(|t| t.nbytes).sum()

@@ -76,11 +76,51 @@ pub struct BudgetArgs {
     /// layer-age (see docs/CACHE_POLICY.md).
     #[arg(long, value_name = "NAME", value_parser = policy)]
     pub cache_policy: Option<String>,
+    /// Read every routed expert into the cache before the first token: `auto` (the default)
+    /// when the cache holds them all, `on` to insist (refused when it cannot hold them all),
+    /// `off` to read each on first use.
+    #[arg(long, value_name = "WHEN", value_enum, default_value_t = Preload::Auto)]
+    pub preload: Preload,
+}
+
+/// When the routed-expert cache is filled at start-up (`--preload`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Preload {
+    /// When the cache holds every routed expert.
+    #[default]
+    Auto,
+    /// Always; a cache that cannot hold every routed expert is refused.
+    On,
+    /// Never: each expert is read on first use.
+    Off,
+}
+
+impl Preload {
+    /// Whether to preload a cache of `slots` slots for a checkpoint of `experts` routed
+    /// experts; `Err` (a refusal, exit 2) for `on` when they do not all fit.
+    pub fn wanted(self, slots: usize, experts: usize) -> Result<bool, String> {
+        match self {
+            Preload::Off => Ok(false),
+            Preload::Auto => Ok(slots >= experts),
+            Preload::On if slots >= experts => Ok(true),
+            Preload::On => Err(format!(
+                "--preload on: the expert cache holds {slots} experts, the checkpoint has \
+                 {experts} routed experts (raise --cache-gb, or use --preload auto)"
+            )),
+        }
+    }
 }
 
 impl BudgetArgs {
     /// Ids of the flags in this group (for `requires`/`conflicts_with` in a binary).
-    pub const IDS: [&'static str; 5] = ["trunk", "preset", "trunk_gb", "cache_gb", "cache_policy"];
+    pub const IDS: [&'static str; 6] = [
+        "trunk",
+        "preset",
+        "trunk_gb",
+        "cache_gb",
+        "cache_policy",
+        "preload",
+    ];
 
     /// True when any memory flag (preset or GB) was given.
     pub fn any_budget(&self) -> bool {
@@ -154,5 +194,23 @@ mod tests {
         let (t, _) = parse(&["--cache-policy", "layer-lfu"]).unwrap();
         assert_eq!(t.budget.policy(), "layer-lfu");
         assert!(t.socket.path().ends_with("store.sock"));
+    }
+
+    #[test]
+    fn preload_auto_when_every_expert_fits_on_insists_off_never() {
+        let (t, _) = parse(&[]).unwrap();
+        assert_eq!(t.budget.preload, Preload::Auto);
+        assert!(parse(&["--preload", "always"]).is_err());
+        assert_eq!(Preload::Auto.wanted(96, 96), Ok(true));
+        assert_eq!(Preload::Auto.wanted(95, 96), Ok(false));
+        assert_eq!(Preload::On.wanted(100, 96), Ok(true));
+        let e = Preload::On.wanted(3, 96).unwrap_err();
+        assert!(
+            e.contains("holds 3 experts") && e.contains("96 routed experts"),
+            "{e}"
+        );
+        assert_eq!(Preload::Off.wanted(96, 96), Ok(false));
+        let (t, _) = parse(&["--preload", "off"]).unwrap();
+        assert_eq!(t.budget.preload, Preload::Off);
     }
 }

@@ -209,6 +209,9 @@ pub struct TableCounters {
     /// since the prediction and only an eviction could have made room: from then on the disk
     /// serves that request, and its misses are read as such.
     pub prefetch_dropped: u64,
+    /// Experts a preload ([`SlotTable::reserve_preload`]) loaded before any request: not
+    /// predictions, so a request for one is a resident hit like any other.
+    pub preloaded: u64,
 }
 
 /// Identity of an explicit lease holder (a daemon connection).
@@ -489,6 +492,33 @@ impl SlotTable {
         out
     }
 
+    /// Reserve EMPTY slots for the experts `ids` of `layer` that are not mapped yet, in order,
+    /// for a preload: the cache filled before any request (every expert fits, so nothing is
+    /// ever evicted for it). Stops at the first expert without an EMPTY slot. The returned
+    /// `(slot, expert)` pairs are INFLIGHT, not marked as predictions; load each and
+    /// [`SlotTable::publish`] it.
+    pub fn reserve_preload(&mut self, layer: u32, ids: &[u32]) -> Vec<(usize, u32)> {
+        let mut out = Vec::new();
+        for (i, &e) in ids.iter().enumerate() {
+            if ids[..i].contains(&e) || self.map.contains_key(&(layer, e)) {
+                continue;
+            }
+            let Some(pos) = (self.free.iter())
+                .rposition(|&s| self.leases[s] == 0 && self.states[s] == SlotState::Empty)
+            else {
+                break;
+            };
+            let s = self.free.swap_remove(pos);
+            self.states[s] = SlotState::Inflight { layer, expert: e };
+            self.errors[s] = None;
+            self.prefetched[s] = false;
+            self.map.insert((layer, e), s);
+            self.counters.preloaded += 1;
+            out.push((s, e));
+        }
+        out
+    }
+
     fn take_victim(&mut self) -> Option<usize> {
         if let Some(pos) = self
             .free
@@ -742,6 +772,11 @@ pub struct Locked<X> {
     pub read_seconds: f64,
     /// Bytes of experts read by prefetches (included in `bytes_read`).
     pub prefetch_bytes: u64,
+    /// Bytes of experts a preload read at start-up (not in `bytes_read`, which counts what
+    /// requests and their predictions cost).
+    pub preload_bytes: u64,
+    /// Wall seconds of the preload (not in `read_seconds`).
+    pub preload_seconds: f64,
     /// The caller's own state.
     pub extra: X,
 }
@@ -832,6 +867,8 @@ impl<X: Send> ExpertSlots<X> {
                 bytes_read: 0,
                 read_seconds: 0.0,
                 prefetch_bytes: 0,
+                preload_bytes: 0,
+                preload_seconds: 0.0,
                 extra,
             }),
             cv: Condvar::new(),
@@ -1183,6 +1220,92 @@ impl<X: Send> ExpertSlots<X> {
     }
 }
 
+impl<X: Send> ExpertSlots<X> {
+    /// Fill EMPTY slots with every routed expert the checkpoint holds, layer by layer (each
+    /// batch in disk-offset order on the reader threads), before any request: what a cache that
+    /// holds every expert does at start-up, so that no token waits for a first read. Stops
+    /// quietly when the slots run out; never evicts. Calls `progress(bytes done, bytes in
+    /// all)`. A failed read fails the preload (the checkpoint is damaged or unreadable): the
+    /// other experts of its batch are published, the failed one stays EMPTY.
+    pub fn preload(
+        &self,
+        fail: Option<&FailHook>,
+        mirror: &dyn Fn(&SlotTable, usize),
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Preloaded, String> {
+        let cat = &self.catalog;
+        let eb = self.io.reader.expert_bytes() as u64;
+        let slots = self.arena().slots() as u64;
+        let total = eb * cat.routed_experts().count().min(slots as usize) as u64;
+        let chunk = 4 * self.pool.threads().max(1);
+        let mut done = Preloaded::default();
+        progress(0, total);
+        for layer in 0..cat.n_layers() {
+            let ids: Vec<u32> = (0..cat.n_experts())
+                .filter(|&e| cat.expert(layer, e).is_some())
+                .map(|e| e as u32)
+                .collect();
+            for part in ids.chunks(chunk) {
+                let mut g = self.lock();
+                let plan = g.table.reserve_preload(layer as u32, part);
+                for &(slot, _) in &plan {
+                    mirror(&g.table, slot);
+                }
+                let full = g.table.used() == g.table.slots();
+                drop(g);
+                if plan.is_empty() {
+                    if full {
+                        return Ok(done);
+                    }
+                    continue;
+                }
+                let jobs = self.read_jobs(layer, plan, fail);
+                let t_read = Instant::now();
+                let results = self.read_into_slots(layer, jobs);
+                let seconds = t_read.elapsed().as_secs_f64();
+                let mut g = self.lock();
+                let mut failed = None;
+                let mut bytes = 0;
+                for (slot, res) in results {
+                    match &res {
+                        Ok(()) => {
+                            done.experts += 1;
+                            bytes += eb;
+                        }
+                        Err(m) => {
+                            failed.get_or_insert_with(|| m.clone());
+                        }
+                    }
+                    g.table.publish(slot, res);
+                    mirror(&g.table, slot);
+                }
+                g.preload_bytes += bytes;
+                g.preload_seconds += seconds;
+                drop(g);
+                self.cv.notify_all();
+                done.bytes += bytes;
+                done.seconds += seconds;
+                if let Some(m) = failed {
+                    return Err(format!("preloading the expert cache: {m}"));
+                }
+                progress(done.bytes, total);
+            }
+        }
+        Ok(done)
+    }
+}
+
+/// What an [`ExpertSlots::preload`] loaded.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Preloaded {
+    /// Experts now RESIDENT.
+    pub experts: u64,
+    /// Bytes read.
+    pub bytes: u64,
+    /// Wall seconds of its reads.
+    pub seconds: f64,
+}
+
 /// Options of the standalone cache.
 #[derive(Clone, Debug)]
 pub struct CacheOptions {
@@ -1209,6 +1332,10 @@ pub struct CacheStats {
     pub slots_used: usize,
     /// Bytes read by prefetches (included in `bytes_read`).
     pub prefetch_bytes: u64,
+    /// Bytes the preload read at start-up (not in `bytes_read`).
+    pub preload_bytes: u64,
+    /// Wall seconds of the preload's reads (not in `read_seconds`).
+    pub preload_seconds: f64,
 }
 
 /// The standalone cache's slots; the lock's own state is the seconds callers waited.
@@ -1324,6 +1451,14 @@ impl ExpertCache {
             .prefetch(l, ids, since, self.fail.as_ref(), &|_, _| {})
     }
 
+    /// Read every routed expert into the cache now ([`ExpertSlots::preload`]), calling
+    /// `progress(bytes done, bytes in all)`.
+    pub fn preload(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<Preloaded, SourceError> {
+        (self.slots)
+            .preload(self.fail.as_ref(), &|_, _| {}, progress)
+            .map_err(SourceError::Io)
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> CacheStats {
         let g = self.slots.lock();
@@ -1334,6 +1469,8 @@ impl ExpertCache {
             wait_seconds: g.extra,
             slots_used: g.table.used(),
             prefetch_bytes: g.prefetch_bytes,
+            preload_bytes: g.preload_bytes,
+            preload_seconds: g.preload_seconds,
         }
     }
 
@@ -2037,6 +2174,83 @@ mod tests {
         );
         assert_eq!(r[1], Reserved::Wait { slot: 0 });
         assert_eq!(t.leases(0), 2);
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
+    fn preload_reads_every_expert_into_empty_slots_and_every_request_then_hits() {
+        let spec = spec();
+        let w = fixture::write(&spec, "preload");
+        // Layer 0 is dense: layers 1–3 hold 8 experts each.
+        let routed = w.catalog.routed_experts().count();
+        assert_eq!(routed, 3 * 8);
+        let c = cache(&w, routed + 2, 2000);
+        let mut calls = Vec::new();
+        let p = c.preload(&mut |d, t| calls.push((d, t))).unwrap();
+        let eb = spec.layout.expert_bytes() as u64;
+        assert_eq!((p.experts, p.bytes), (routed as u64, routed as u64 * eb));
+        assert_eq!(calls.first(), Some(&(0, p.bytes)));
+        assert_eq!(calls.last(), Some(&(p.bytes, p.bytes)));
+        let s = c.stats();
+        assert_eq!(s.table.preloaded, routed as u64);
+        assert_eq!((s.preload_bytes, s.slots_used), (p.bytes, routed));
+        // Start-up reads are neither requests, nor request reads, nor predictions.
+        let t = &s.table;
+        assert_eq!(
+            (s.bytes_read, t.requests, t.prefetch_loads, t.evictions),
+            (0, 0, 0, 0)
+        );
+        let ids: Vec<u32> = (0..8).collect();
+        for l in 1..4 {
+            // Every expert's bytes, the two stored in reverse part order included.
+            check(&spec, l, &ids, &c.get(l, &ids).unwrap());
+        }
+        let s = c.stats();
+        assert_eq!(s.table.requests, 24);
+        assert_eq!(s.table.resident_hits, 24, "TRUE hits: {s:?}");
+        assert_eq!((s.bytes_read, s.table.prefetch_used), (0, 0));
+        // Nothing is left to preload: a second one reads nothing.
+        assert_eq!(c.preload(&mut |_, _| {}).unwrap(), Preloaded::default());
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
+    fn preload_stops_when_the_slots_run_out_and_never_evicts() {
+        let spec = spec();
+        let w = fixture::write(&spec, "preload-few");
+        let c = cache(&w, 5, 2000);
+        let p = c.preload(&mut |_, _| {}).unwrap();
+        assert_eq!(p.experts, 5);
+        let s = c.stats();
+        assert_eq!((s.table.evictions, s.slots_used), (0, 5));
+        // In layer order: the first five experts of layer 1.
+        assert!(c.all_resident(1, &[0, 1, 2, 3, 4]));
+        assert!(!c.all_resident(1, &[5]) && !c.all_resident(2, &[0]));
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
+    fn a_failed_preload_read_fails_the_preload_and_names_the_expert() {
+        let spec = spec();
+        let w = fixture::write(&spec, "preload-fail");
+        let mut c = cache(&w, 30, 2000);
+        c.set_fail_hook(Box::new(|l, e| {
+            ((l, e) == (2, 4)).then(|| "EIO".to_string())
+        }));
+        let e = c.preload(&mut |_, _| {}).unwrap_err().to_string();
+        assert!(e.contains("layer 2 expert 4") && e.contains("EIO"), "{e}");
+        // Its batch's other experts arrived; the failed one stays out of the cache.
+        assert!(c.all_resident(1, &(0..8).collect::<Vec<_>>()));
+        assert!(c.all_resident(2, &[3, 5]) && !c.all_resident(2, &[4]));
+        let s = c.stats();
+        assert_eq!(s.table.failed_loads, 1);
+        assert!(c
+            .slot_states()
+            .iter()
+            .all(|(st, _)| !matches!(st, SlotState::Inflight { .. })));
+        std::fs::remove_dir_all(&w.dir).unwrap();
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use k3_proto::exit::{self, ExitStatus};
 use k3_store::cli::{BudgetArgs, SocketArgs};
 use k3_store::daemon::backend::{segment_bytes, BuildOptions, StoreBackend};
@@ -190,6 +190,9 @@ fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
     if let Some(p) = &a.budget.cache_policy {
         args.push(format!("--cache-policy={p}").into());
     }
+    if let Some(p) = a.budget.preload.to_possible_value() {
+        args.push(format!("--preload={}", p.get_name()).into());
+    }
     args.push(format!("--session-mb={}", a.session_mb).into());
     args.push(format!("--max-sessions={}", a.max_sessions).into());
     args.push(format!("--history-ids={}", a.history_ids).into());
@@ -332,6 +335,10 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         );
         return fail(&mut notify, exit::REFUSED, msg);
     }
+    let preload = match (a.budget.preload).wanted(plan.expert_slots, cat.routed_experts().count()) {
+        Ok(p) => p,
+        Err(e) => return fail(&mut notify, exit::REFUSED, e),
+    };
     tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
     log_shared_memory_pages();
     drop(trunk);
@@ -372,6 +379,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         preset: budget.label.clone(),
         plan_text,
         ring_bytes: plan.ring_bytes,
+        preload,
         ring: {
             use k3_store::daemon::ring::{RingOptions, DEFAULT_IDLE_PROTECT};
             let lease_timeout = std::time::Duration::from_secs_f64(a.lease_timeout);
@@ -529,6 +537,8 @@ mod tests {
             "3",
             "--cache-policy",
             "lfu",
+            "--preload",
+            "off",
             "--session-mb",
             "0.5",
             "--max-sessions",
@@ -555,6 +565,7 @@ mod tests {
                 &b.socket.socket,
                 b.io_threads,
                 &b.budget.cache_policy,
+                b.budget.preload,
                 b.session_mb,
                 b.max_sessions,
                 b.history_ids,
@@ -567,6 +578,7 @@ mod tests {
                 &a.socket.socket,
                 a.io_threads,
                 &a.budget.cache_policy,
+                a.budget.preload,
                 a.session_mb,
                 a.max_sessions,
                 a.history_ids,

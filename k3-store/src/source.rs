@@ -182,6 +182,17 @@ pub struct SourceStats {
     /// read, whose bytes are not in `trunk_bytes_read`.
     #[serde(default)]
     pub trunk_shared_layers: u64,
+    /// Experts read into the cache before the first token (`--preload`; standalone only: an
+    /// attached job's store preloaded before it served, `k3-ctl stats`). Not in
+    /// `expert_bytes_read`, which counts what the job's requests and predictions cost.
+    #[serde(default)]
+    pub preloaded_experts: u64,
+    /// Bytes of that preload.
+    #[serde(default)]
+    pub preload_bytes: u64,
+    /// Wall seconds of its reads.
+    #[serde(default)]
+    pub preload_seconds: f64,
 }
 
 /// Errors a source reports.
@@ -376,6 +387,9 @@ mod tests {
             prefetch_loads: 3,
             prefetch_dropped: 2,
             trunk_layers_served: 5,
+            preloaded_experts: 4,
+            preload_bytes: 9,
+            preload_seconds: 0.5,
             ..SourceStats::default()
         })
         .unwrap();
@@ -387,6 +401,9 @@ mod tests {
             "prefetch_dropped",
             "trunk_layers_served",
             "trunk_shared_layers",
+            "preloaded_experts",
+            "preload_bytes",
+            "preload_seconds",
         ] {
             assert!(o.remove(later).is_some(), "{later}");
         }

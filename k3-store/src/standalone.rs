@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::catalog::Catalog;
+use crate::cli::Preload;
 use crate::experts::{CacheOptions, CacheStats, ExpertCache};
 use crate::io::{DiskFile, MappedRange};
 use crate::plan::{allocatable, Budget, MemoryPlan, PlanInputs};
@@ -42,6 +43,8 @@ pub struct StandaloneOptions {
     /// Bytes the job needs beyond the sequence state and one forward call's buffers (e.g. a
     /// speculative verify pass: `crate::plan::verify_bytes`), counted in the plan's buffers.
     pub extra_buffer_bytes: u64,
+    /// Whether every routed expert is read into the cache before the first token.
+    pub preload: Preload,
 }
 
 impl Default for StandaloneOptions {
@@ -54,6 +57,7 @@ impl Default for StandaloneOptions {
             wait_timeout: Duration::from_secs(60),
             cache_policy: "lru".into(),
             extra_buffer_bytes: 0,
+            preload: Preload::Auto,
         }
     }
 }
@@ -193,6 +197,9 @@ impl StandaloneSource {
         let mut plan = MemoryPlan::compute(&plan_inputs, &budget);
         let avail = if opts.check_memory { avail } else { None };
         plan.check(avail).map_err(OpenError::Refused)?;
+        let preload = (opts.preload)
+            .wanted(plan.expert_slots, cat.routed_experts().count())
+            .map_err(OpenError::Refused)?;
 
         let model = load_model_tensors(&cat, &shards, progress)?;
         let stream = TrunkStream::new(
@@ -221,6 +228,9 @@ impl StandaloneSource {
             },
             policy,
         )?;
+        if preload {
+            experts.preload(&mut |d, t| progress("expert cache", d as usize, t as usize))?;
+        }
         let fetch = IoPool::new("k3-expert-fetch", 1)
             .map_err(|e| OpenError::Io(format!("starting the expert fetch thread: {e}")))?;
         let prefetcher = IoPool::new("k3-expert-prefetch", 1)
@@ -389,6 +399,9 @@ impl WeightSource for StandaloneSource {
             // Counted by the store's shared ring; a private stream has no hand-outs to share.
             trunk_layers_served: 0,
             trunk_shared_layers: 0,
+            preloaded_experts: c.table.preloaded,
+            preload_bytes: c.preload_bytes,
+            preload_seconds: c.preload_seconds,
         }
     }
 }

@@ -277,6 +277,13 @@ mod tests {
             parse(&["--ids", "1", "--preset", "laptop"]).is_err(),
             "budget needs --standalone"
         );
+        // The preload is the store's (`k3-store start --preload`) for an attached worker.
+        assert!(parse(&["--ids", "1", "--preload", "on"]).is_err());
+        assert!(
+            parse(&["--ids", "1"]).is_ok(),
+            "the default --preload needs nothing"
+        );
+        assert!(parse(&["--ids", "1", "--standalone", "m", "--preload", "off"]).is_ok());
         assert!(parse(&["--ids", "1", "--standalone", "m", "--socket", "s"]).is_err());
         assert!(parse(&["--ids", "1", "--socket", "s", "--cache-gb", "1"]).is_err());
         assert!(parse(&["--ids", "1", "--standalone", "m", "--preset", "laptop"]).is_ok());

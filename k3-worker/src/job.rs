@@ -557,6 +557,7 @@ pub fn open_source(
                 extra_buffer_bytes: k3_store::plan::verify_bytes(&cfg, spec_drafts(cli), chunk)
                     + draft_model_bytes(cli, &dims, positions)?,
                 cache_policy: cli.budget.policy(),
+                preload: cli.budget.preload,
                 ..StandaloneOptions::default()
             };
             let mut steps = k3_store::progress::Steps::default();

@@ -200,6 +200,15 @@ impl RunSummary {
             gb(st.expert_bytes_read),
             100.0 * st.io_wait_seconds / self.wall.max(1e-9)
         );
+        if st.preloaded_experts > 0 {
+            eprintln!(
+                "preloaded before the first token: {} experts, {:.3} GB in {:.2} s (not in the \
+                 bytes read above)",
+                st.preloaded_experts,
+                gb(st.preload_bytes),
+                st.preload_seconds
+            );
+        }
         let c = &self.counters;
         if c.lookahead_layers > 0 || st.prefetch_loads > 0 {
             eprintln!(
@@ -291,6 +300,11 @@ impl RunSummary {
             "bytes_per_token": (!r.generated_ids.is_empty())
                 .then(|| (st.trunk_bytes_read + st.expert_bytes_read) as f64 / r.generated_ids.len() as f64),
             "lookahead": self.lookahead_json(),
+            "preload": {
+                "experts": st.preloaded_experts,
+                "bytes": st.preload_bytes,
+                "seconds": st.preload_seconds,
+            },
             "time_breakdown": time_breakdown_json(r),
         })
     }

@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -283,6 +283,13 @@ pub struct Counters {
     pub trunk_wait_seconds: f64,
     /// v4. Trunk leases broken because their holder kept them past the lease limit.
     pub broken_leases: u64,
+    /// v8. Experts the store read into the arena at start-up, before serving (`--preload`;
+    /// lifetime only). Not in `expert_bytes_read` or `read_seconds`.
+    pub preloaded_experts: u64,
+    /// v8. Bytes of that preload.
+    pub preload_bytes: u64,
+    /// v8. Wall seconds of its reads.
+    pub preload_seconds: f64,
 }
 
 impl Counters {

@@ -83,6 +83,12 @@ def test_summarize_run_splits_trunk_and_experts():
     # io wait 5 s apportioned by bytes: a decode step read 3 of 16 GB.
     assert s["io_wait_per_decode_token_s"] == pytest.approx(5.0 * 3 / 16)
     assert s["startup_s"] == pytest.approx(3.0)
+    # A worker from before --preload reports none; one that preloaded reports its seconds.
+    assert (s["preload_s"], s["preload_bytes"]) == (0.0, 0)
+    p = bench.summarize_run(_run([(4.0, 10e9), (1.0, 0)],
+                                 preload={"experts": 2, "bytes": 35e6, "seconds": 1.5}),
+                            trunk_per_step=0)
+    assert (p["preload_s"], p["preload_bytes"]) == (1.5, 35e6)
     # All resident: no bytes per decode step, so no trunk or expert bytes either.
     z = bench.summarize_run(_run([(4.0, 10e9), (1.0, 0), (1.0, 0)]), trunk_per_step=2_000_000_000)
     assert z["trunk_bytes_per_token"] == 0 and z["expert_bytes_per_token"] == 0
@@ -98,6 +104,13 @@ def test_table_formats_every_budget():
     t = bench.fmt_table([row])
     assert "laptop-like" in t and "3.100 (3.000-3.400)" in t and "1.24" in t
     assert "6.500+1.120" in t and "67%" in t and "2.500 (disk)" in t
+    assert "start s (preload)" in t and " - " in t, "no start-up figures: -"
+    row["startup_s"] = {"median": 6.4, "min": 6.0, "max": 7.0}
+    row["preload_s"] = {"median": 3.69, "min": 3.5, "max": 4.0}
+    assert "6.40 (3.69)" in bench.fmt_table([row])
+    row["preload_s"] = {"median": 0.0, "min": 0.0, "max": 0.0}
+    t = bench.fmt_table([row])
+    assert "6.40 " in t and "(0.00)" not in t
 
 
 def test_pinned_count_from_the_plan_line():

@@ -74,7 +74,9 @@ fn start_tiny(sb: &mut Sandbox, trunk: &Path, budget: &[&str]) -> Run {
 fn second_worker_finds_everything_resident_and_stats_add_up() {
     let mut sb = Sandbox::new("seq");
     let trunk = sb.pack_tiny_trunk();
-    start_tiny(&mut sb, &trunk, &["--preset", "laptop"]);
+    // Without a preload the first job reads its experts and leaves them for the second
+    // (`a_store_whose_arena_holds_every_expert_reads_them_before_serving` has the preload).
+    start_tiny(&mut sb, &trunk, &["--preset", "laptop", "--preload", "off"]);
     let s0 = sb.stats();
     assert_eq!(
         u(&s0, "pinned_layers"),
@@ -154,6 +156,97 @@ fn second_worker_finds_everything_resident_and_stats_add_up() {
     assert_eq!(u(&s, "workers"), 0);
     let r = sb.stop_store().expect("store was running");
     assert_eq!(r.code, 0, "{r:?}");
+}
+
+/// Routed experts of the tiny model: 12 MoE layers (layer 0 is dense) of 8.
+const TINY_ROUTED: u64 = 12 * 8;
+
+#[test]
+fn a_store_whose_arena_holds_every_expert_reads_them_before_serving() {
+    let mut sb = Sandbox::new("preload");
+    let trunk = sb.pack_tiny_trunk();
+    // The laptop preset's cache holds every tiny expert: `--preload auto` (the default) reads
+    // them all before the store is ready.
+    start_tiny(&mut sb, &trunk, &["--preset", "laptop"]);
+    let s0 = sb.stats();
+    let l0 = &s0["lifetime"];
+    assert_eq!(u(l0, "preloaded_experts"), TINY_ROUTED, "{s0}");
+    assert_eq!(u(l0, "preload_bytes"), TINY_ROUTED * EXPERT_BYTES, "{s0}");
+    assert_eq!(u(&s0, "slots_used"), TINY_ROUTED, "{s0}");
+    // Start-up reads are not requests: nothing requested, nothing read for a request yet.
+    for k in ["requests", "misses", "expert_bytes_read", "prefetch_loads"] {
+        assert_eq!(u(l0, k), 0, "{k}: {s0}");
+    }
+    let text = sb.ctl(&["stats"]);
+    assert!(
+        text.stdout.contains("preload:  96 experts"),
+        "k3-ctl stats shows the preload: {text:?}"
+    );
+
+    // The first job already finds every expert resident, with the reference ids.
+    let a = reference_run(&sb, &["--spec", "off"]);
+    assert_eq!(u(&a, "expert_bytes_read"), 0, "{a}");
+    assert!(u(&a, "expert_requests") > 0, "{a}");
+    assert_eq!(u(&a, "resident_hits"), u(&a, "expert_requests"), "{a}");
+    assert_eq!(u(&a["lookahead"], "prefetched_experts"), 0, "{a}");
+    let s = stats_after_jobs(&sb, 1);
+    assert_eq!(u(&s["lifetime"], "evictions"), 0, "{s}");
+    assert_eq!(
+        u(&s["lifetime"], "resident_hits"),
+        u(&s["lifetime"], "requests"),
+        "TRUE hits are every request: {s}"
+    );
+    let r = sb.stop_store().expect("store was running");
+    assert_eq!(r.code, 0, "{r:?}");
+
+    // Standalone: the same ids with the preload on and off; only the preloaded run reads
+    // nothing while generating.
+    let (ids_auto, auto) = standalone_ids(&sb, &trunk, &["--preset", "laptop"]);
+    let (ids_off, off) = standalone_ids(&sb, &trunk, &["--preset", "laptop", "--preload", "off"]);
+    assert_eq!(ids_auto, reference_greedy());
+    assert_eq!(ids_off, reference_greedy());
+    assert_eq!(u(&auto["preload"], "experts"), TINY_ROUTED, "{auto}");
+    assert_eq!(u(&auto, "expert_bytes_read"), 0, "{auto}");
+    assert_eq!(auto["true_resident_hit_rate"].as_f64(), Some(1.0), "{auto}");
+    assert_eq!(u(&off["preload"], "experts"), 0, "{off}");
+    assert!(u(&off, "expert_bytes_read") > 0, "{off}");
+
+    // `--preload on` with a cache that cannot hold every expert is refused before any work,
+    // by the store and by a standalone worker; `auto` then reads on demand as before.
+    let small = cache_gb_for_slots(TOP_K + 1);
+    let budget = ["--preset", "laptop", "--cache-gb", small.as_str()];
+    let model = tiny_model();
+    let mut args = vec!["start", path_str(&model), "--trunk", path_str(&trunk)];
+    args.extend_from_slice(&budget);
+    args.extend_from_slice(&[
+        "--preload",
+        "on",
+        "--socket",
+        path_str(&sb.socket),
+        "--detach",
+    ]);
+    let r = sb.run("k3-store", &args);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(
+        r.stderr.contains("--preload on") && r.stderr.contains("96 routed experts"),
+        "{r:?}"
+    );
+    assert!(!sb.socket.exists(), "a refused start leaves no socket");
+    let ids = ids_arg(&reference_prompt());
+    let mut w = vec![
+        "--standalone",
+        path_str(&model),
+        "--trunk",
+        path_str(&trunk),
+    ];
+    w.extend_from_slice(&budget);
+    w.extend_from_slice(&["--ids", &ids, "--gen", "2", "--preload", "on"]);
+    let (r, _) = sb.worker_json(&w);
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("--preload on"), "{r:?}");
+    let (ids_small, small_run) = standalone_ids(&sb, &trunk, &budget);
+    assert_eq!(ids_small, reference_greedy());
+    assert_eq!(u(&small_run["preload"], "experts"), 0, "{small_run}");
 }
 
 #[test]
@@ -561,6 +654,9 @@ fn start_tiny_on(sb: &mut Sandbox, model: &Path, trunk: &Path) {
         path_str(trunk),
         "--preset",
         "laptop",
+        // The experts are read on demand, after the test damages the shard.
+        "--preload",
+        "off",
     ]);
 }
 
@@ -869,8 +965,9 @@ fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
     let cases: Vec<(&str, Vec<&str>, bool)> = vec![
         // (what, budget, every layer pinned: the next layer's router is always resident)
         (
+            // Not preloaded: a cache that holds every expert would leave nothing to predict.
             "all pinned, large cache",
-            vec!["--trunk-gb", &all, "--cache-gb", "0.01"],
+            vec!["--trunk-gb", &all, "--cache-gb", "0.01", "--preload", "off"],
             true,
         ),
         (

@@ -86,6 +86,9 @@ pub struct BuildOptions {
     /// Bytes of the ring the unpinned layers stream through (ignored when every layer is
     /// pinned; at least the largest unpinned layer otherwise).
     pub ring_bytes: u64,
+    /// Read every routed expert into the arena before serving (`--preload`, decided by the
+    /// caller: the arena has a slot for each).
+    pub preload: bool,
     /// Lease limits of the ring.
     pub ring: RingOptions,
 }
@@ -279,9 +282,16 @@ impl StoreBackend {
         let mut seg = Segment::create("k3-store", lay.total)
             .map_err(|e| format!("cannot create {} bytes of shared memory: {e}", lay.total))?;
         let mut header = ShmHeader::new(lay.total, identity);
+        let preload_bytes = if opts.preload {
+            let n = cat.routed_experts().count().min(opts.slots) as u64;
+            n * cat.expert_layout().expert_bytes() as u64
+        } else {
+            0
+        };
         let total_load: u64 = lay.model.iter().map(|m| m.2).sum::<u64>()
             + lay.layers.iter().map(|l| l.2).sum::<u64>()
-            + lay.draft.iter().map(|l| l.2).sum::<u64>();
+            + lay.draft.iter().map(|l| l.2).sum::<u64>()
+            + preload_bytes;
         let mut done = 0u64;
         progress(0, total_load);
         for &(i, off, bytes) in &lay.model {
@@ -428,6 +438,12 @@ impl StoreBackend {
             BUSY_TIMEOUT,
             Jobs::default(),
         )?;
+        if opts.preload {
+            let off = lay.slot_table.0 as usize;
+            let mirror = |t: &SlotTable, slot: usize| write_slot_entry(base, off, t, slot);
+            let at = done;
+            experts.preload(None, &mirror, &mut |d, _| progress(at + d, total_load))?;
+        }
         let prefetcher = IoPool::new("k3-store-prefetch", 1)
             .map_err(|e| format!("starting the prefetch thread: {e}"))?;
         Ok(StoreBackend {
@@ -704,6 +720,9 @@ impl Backend for StoreBackend {
             prefetch_bytes: g.prefetch_bytes,
             prefetch_used: t.prefetch_used,
             prefetch_dropped: t.prefetch_dropped,
+            preloaded_experts: t.preloaded,
+            preload_bytes: g.preload_bytes,
+            preload_seconds: g.preload_seconds,
             ..Counters::default()
         };
         let mut lifetime = lifetime;
