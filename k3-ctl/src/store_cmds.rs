@@ -62,11 +62,34 @@ pub fn run_status(a: SocketArg) -> i32 {
     }
 }
 
-/// `k3-ctl stop`.
+/// The process `pid` as `/proc/PID/stat` tells it: `Some(start time)` while it runs, `None` once
+/// it is gone or a zombie (its memory, the store's shared memory included, is then released).
+fn live_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces and parentheses): state is the
+    // first, the start time the 20th.
+    let rest: Vec<&str> = stat.rsplit_once(") ")?.1.split_whitespace().collect();
+    if matches!(rest.first(), Some(&"Z") | Some(&"X") | None) {
+        return None;
+    }
+    rest.get(19)?.parse().ok()
+}
+
+/// `k3-ctl stop`: asks the store to stop, then returns once its process has exited (so its
+/// memory is free for the next `k3-store start`), at most 30 s later.
 pub fn run_stop(a: SocketArg) -> i32 {
     let path = a.path();
     let mut c = match connect(&a) {
         Ok(c) => c,
+        Err(code) => return code,
+    };
+    // Which process to wait for; its start time tells it from a later process given its pid.
+    let store = match call(&mut c, &Request::Status) {
+        Ok(Response::Status(s)) => live_start_time(s.pid).map(|t| (s.pid, t)),
+        Ok(other) => {
+            eprintln!("k3-ctl: unexpected answer {other:?}");
+            return exit::FAILURE;
+        }
         Err(code) => return code,
     };
     match call(&mut c, &Request::Stop) {
@@ -78,18 +101,26 @@ pub fn run_stop(a: SocketArg) -> i32 {
         Err(code) => return code,
     }
     drop(c);
-    // The store removes its socket once it has drained; wait for that (capped).
-    for _ in 0..300 {
-        if !path.exists() {
+    // The store removes its socket once it has drained, then exits and its memory is released;
+    // wait for both (capped). A store in another pid namespace cannot be watched: the socket
+    // is then all there is to wait for.
+    let running = || store.is_some_and(|(pid, t)| live_start_time(pid) == Some(t));
+    for _ in 0..1500 {
+        if !path.exists() && !running() {
             println!("store stopped");
             return exit::OK;
         }
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(20));
     }
-    eprintln!(
-        "k3-ctl: the store acknowledged the stop but {} still exists after 30 s",
-        path.display()
-    );
+    let what = if path.exists() {
+        format!("{} still exists", path.display())
+    } else {
+        format!(
+            "its process (pid {}) is still running",
+            store.map_or(0, |s| s.0)
+        )
+    };
+    eprintln!("k3-ctl: the store acknowledged the stop but {what} after 30 s");
     exit::FAILURE
 }
 

@@ -477,6 +477,11 @@ impl Sandbox {
     pub fn stop_store(&mut self) -> Option<Run> {
         let pid = self.store_pid.take()?;
         let r = self.ctl(&["stop"]);
+        // `k3-ctl stop` returns once the store has exited (its memory is free for a next start).
+        assert!(
+            r.code != 0 || pid_gone(pid),
+            "k3-ctl stop returned while store pid {pid} still ran: {r:?}"
+        );
         let gone = (0..300).any(|_| {
             let dead = !std::path::Path::new(&format!("/proc/{pid}")).exists()
                 || std::fs::read_to_string(format!("/proc/{pid}/stat"))
