@@ -35,7 +35,11 @@ echo "== packing the trunk (each layer's non-expert tensors as one 4 KiB-aligned
 
 echo
 echo "== starting the store (laptop preset: every layer of this tiny model fits in the trunk budget)"
-"$BIN/k3-store" start "$MODEL" --trunk "$WORK/trunk" --preset laptop --socket "$SOCK" --detach
+# The laptop arena holds every expert of this tiny model, so by default (--preload auto) the
+# store would read them all before serving and the first worker would already hit every one.
+# --preload off shows the cache filling up from the jobs' own requests instead.
+"$BIN/k3-store" start "$MODEL" --trunk "$WORK/trunk" --preset laptop --preload off \
+  --socket "$SOCK" --detach
 "$BIN/k3-ctl" status --socket "$SOCK" | sed -n '1,8p'
 
 run_worker() { # run_worker N
