@@ -406,10 +406,8 @@ impl SlotTable {
                 .take_victim()
                 .expect("the dry run counted enough eligible slots");
             let evicted = self.evict(s);
-            self.states[s] = SlotState::Inflight { layer, expert: e };
-            self.errors[s] = None;
+            self.begin_load(s, layer, e, false);
             self.leases[s] = 1;
-            self.map.insert((layer, e), s);
             out[i] = Some(Reserved::Load { slot: s, evicted });
         }
         Ok(out.into_iter().flatten().collect())
@@ -455,11 +453,7 @@ impl SlotTable {
             if ids[..i].contains(&e) || self.map.contains_key(&(layer, e)) {
                 continue;
             }
-            let free = self
-                .free
-                .iter()
-                .rposition(|&s| self.leases[s] == 0 && self.states[s] == SlotState::Empty)
-                .map(|pos| self.free.swap_remove(pos));
+            let free = self.take_empty();
             if free.is_none() && late {
                 self.counters.prefetch_dropped += 1;
                 continue;
@@ -482,10 +476,7 @@ impl SlotTable {
                 continue;
             };
             self.evict(s);
-            self.states[s] = SlotState::Inflight { layer, expert: e };
-            self.errors[s] = None;
-            self.prefetched[s] = true;
-            self.map.insert((layer, e), s);
+            self.begin_load(s, layer, e, true);
             self.counters.prefetch_loads += 1;
             out.push((s, e));
         }
@@ -503,29 +494,33 @@ impl SlotTable {
             if ids[..i].contains(&e) || self.map.contains_key(&(layer, e)) {
                 continue;
             }
-            let Some(pos) = (self.free.iter())
-                .rposition(|&s| self.leases[s] == 0 && self.states[s] == SlotState::Empty)
-            else {
-                break;
-            };
-            let s = self.free.swap_remove(pos);
-            self.states[s] = SlotState::Inflight { layer, expert: e };
-            self.errors[s] = None;
-            self.prefetched[s] = false;
-            self.map.insert((layer, e), s);
+            let Some(s) = self.take_empty() else { break };
+            self.begin_load(s, layer, e, false);
             self.counters.preloaded += 1;
             out.push((s, e));
         }
         out
     }
 
+    /// An EMPTY slot nobody leases, taken off the free list.
+    fn take_empty(&mut self) -> Option<usize> {
+        let pos = (self.free.iter())
+            .rposition(|&s| self.leases[s] == 0 && self.states[s] == SlotState::Empty)?;
+        Some(self.free.swap_remove(pos))
+    }
+
+    /// Start loading (`layer`, `e`) into slot `s` (EMPTY, or just evicted): INFLIGHT, no error,
+    /// mapped; `predicted` marks a prefetch's load (a request that uses it counts as used).
+    fn begin_load(&mut self, s: usize, layer: u32, e: u32, predicted: bool) {
+        self.states[s] = SlotState::Inflight { layer, expert: e };
+        self.errors[s] = None;
+        self.prefetched[s] = predicted;
+        self.map.insert((layer, e), s);
+    }
+
     fn take_victim(&mut self) -> Option<usize> {
-        if let Some(pos) = self
-            .free
-            .iter()
-            .rposition(|&s| self.leases[s] == 0 && self.states[s] == SlotState::Empty)
-        {
-            return Some(self.free.swap_remove(pos));
+        if let Some(s) = self.take_empty() {
+            return Some(s);
         }
         let (states, leases) = (&self.states, &self.leases);
         self.policy
