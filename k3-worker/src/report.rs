@@ -85,6 +85,11 @@ pub fn lookahead_recall(c: &RunCounters) -> Option<f64> {
     (c.lookahead_actual > 0).then(|| c.lookahead_correct as f64 / c.lookahead_actual as f64)
 }
 
+/// The same for the prediction each forward call makes of the next call's first MoE layer.
+pub fn next_pass_recall(c: &RunCounters) -> Option<f64> {
+    (c.next_pass_actual > 0).then(|| c.next_pass_correct as f64 / c.next_pass_actual as f64)
+}
+
 /// Bytes read by prefetches whose expert no request used (so far).
 pub fn wasted_prefetch_bytes(st: &SourceStats) -> u64 {
     let per = st
@@ -225,6 +230,16 @@ impl RunSummary {
                 st.prefetch_dropped
             );
         }
+        if c.next_pass_layers > 0 {
+            eprintln!(
+                "lookahead across passes: recall {} ({} of {} requested experts of the first MoE \
+                 layer predicted over {} passes, read during the previous lm_head)",
+                next_pass_recall(c).map_or("-".into(), |r| format!("{:.1}%", 100.0 * r)),
+                c.next_pass_correct,
+                c.next_pass_actual,
+                c.next_pass_layers
+            );
+        }
         if let Some(h) = io_hidden_fraction(st) {
             eprintln!(
                 "I/O hidden behind compute: {:.1}% ({:.3} s reading, {:.3} s waited for)",
@@ -259,6 +274,13 @@ impl RunSummary {
             "used_bytes": st.prefetch_used * per,
             "wasted_bytes": wasted_prefetch_bytes(st),
             "dropped_experts": st.prefetch_dropped,
+            "next_pass": {
+                "layers": c.next_pass_layers,
+                "predicted_experts": c.next_pass_predicted,
+                "requested_experts": c.next_pass_actual,
+                "correct_experts": c.next_pass_correct,
+                "recall": next_pass_recall(c),
+            },
         })
     }
 

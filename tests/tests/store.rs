@@ -1008,6 +1008,11 @@ fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
                 "{what} {where_}: ids with lookahead off"
             );
             assert_eq!(u(&off["lookahead"], "layers"), 0, "{what} {where_}: {off}");
+            assert_eq!(
+                u(&off["lookahead"]["next_pass"], "layers"),
+                0,
+                "{what} {where_}: {off}"
+            );
             for key in ["prefetched_experts", "dropped_experts"] {
                 assert_eq!(u(&off["lookahead"], key), 0, "{what} {key}: {off}");
             }
@@ -1026,10 +1031,12 @@ fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
                 let la = &on["lookahead"];
                 let (used, loads) = (u(la, "used_experts"), u(la, "prefetched_experts"));
                 assert!(used <= loads, "{what} {where_} {mode}: {la}");
-                // A dropped prediction was never loaded: at most what was predicted, less what
-                // was loaded.
+                // A dropped prediction was never loaded: at most what was predicted (for the
+                // next layer, and for the next call's first MoE layer), less what was loaded.
+                let np = &la["next_pass"];
                 assert!(
-                    u(la, "dropped_experts") + loads <= u(la, "predicted_experts"),
+                    u(la, "dropped_experts") + loads
+                        <= u(la, "predicted_experts") + u(np, "predicted_experts") + TOP_K,
                     "{what} {where_} {mode}: {la}"
                 );
                 assert!(
@@ -1039,6 +1046,14 @@ fn lookahead_prefetch_never_changes_the_ids_standalone_or_attached() {
                 // Forward calls: the prefill and every decode pass (19 without speculation;
                 // fewer when an attached job drafts from the earlier jobs' history).
                 let calls = 1 + u(&on, "forward_passes");
+                // Each call predicts the next one's first MoE layer (its last position's
+                // choices, top_k of them), checked by every call but the first.
+                assert_eq!(u(np, "layers"), calls - 1, "{what} {where_} {mode}: {la}");
+                assert_eq!(u(np, "predicted_experts"), TOP_K * (calls - 1), "{la}");
+                assert!(
+                    u(np, "correct_experts") <= u(np, "requested_experts"),
+                    "{la}"
+                );
                 if *all_pinned {
                     // Every MoE layer (1..=12) is predicted from the layer before it, in each
                     // forward call.

@@ -65,6 +65,15 @@ pub struct RunCounters {
     pub lookahead_actual: u64,
     /// Router lookahead: requested experts that had been predicted (recall = this ÷ actual).
     pub lookahead_correct: u64,
+    /// Router lookahead across calls: first MoE layers whose experts the previous call
+    /// predicted (its last position's choices there, read during its lm_head) and checked.
+    pub next_pass_layers: u64,
+    /// Experts those predictions named.
+    pub next_pass_predicted: u64,
+    /// The experts those layers then requested.
+    pub next_pass_actual: u64,
+    /// Requested experts that had been predicted.
+    pub next_pass_correct: u64,
     /// Where the forward passes' time went.
     pub phases: PhaseSeconds,
 }
@@ -418,6 +427,9 @@ impl<'s> Model<'s> {
         // The layer whose experts were predicted (router lookahead; the ids are in
         // `w.predict`), checked when it routes.
         let mut predicted: Option<usize> = None;
+        // The first MoE layer this pass routed (its last position's choices are kept in
+        // `w.predict.next_pass`).
+        let mut first_moe: Option<usize> = None;
         let w = &mut scratch.work;
         for l in 0..d.n_layers {
             let (done, later) = bound.split_at_mut(l + 1);
@@ -526,6 +538,21 @@ impl<'s> Model<'s> {
                     moe.route_into(d, &w.xn, n, &mut w.ffn.route, &mut w.ffn.routing);
                     w.ffn.routing.unique_into(&mut w.ffn.uniq);
                     let uniq = &w.ffn.uniq;
+                    if lookahead != Lookahead::Off && first_moe.is_none() {
+                        first_moe = Some(l);
+                        let np = &mut scratch.next_pass;
+                        if np.layer.take() == Some(l) {
+                            let counters = &mut *c.counters;
+                            counters.next_pass_layers += 1;
+                            counters.next_pass_predicted += np.ids.len() as u64;
+                            counters.next_pass_actual += uniq.len() as u64;
+                            counters.next_pass_correct +=
+                                uniq.iter().filter(|e| np.ids.contains(e)).count() as u64;
+                        }
+                        let r = &w.ffn.routing;
+                        np.ids.clear();
+                        np.ids.extend_from_slice(&r.sel[(n - 1) * r.k..n * r.k]);
+                    }
                     if c.predicted.take() == Some(l) {
                         let p = &w.predict.ids;
                         let counters = &mut *c.counters;
@@ -601,6 +628,15 @@ impl<'s> Model<'s> {
         }
         // Give back the streamed layers; a lease the store broke voids the pass.
         source.end_pass()?;
+        // The next pass's first MoE layer is predicted by this pass's last position's choices
+        // there, and read while the lm_head runs (the disk would otherwise idle until the next
+        // pass's first MoE layer routes; SPEC §6.7).
+        if let Some(l) = first_moe {
+            let np = &mut scratch.next_pass;
+            np.ids.truncate(source.max_expert_batch().max(1));
+            source.prefetch_experts(l, &np.ids);
+            np.layer = Some(l);
+        }
 
         // Output aggregator → final norm → lm_head.
         let t_head = Instant::now();

@@ -48,7 +48,8 @@ pub enum LayerState {
 }
 
 /// Activation buffers of the top-level loop, owned by the sequence and reused by every forward
-/// call (their contents never carry meaning from one call to the next).
+/// call (their contents never carry meaning from one call to the next, except the next pass's
+/// prediction, which only counts how right it was).
 #[derive(Clone, Debug, Default)]
 pub struct Scratch {
     /// The AttnRes bank: one `[n, E]` entry per block boundary passed in this call.
@@ -57,6 +58,18 @@ pub struct Scratch {
     pub pend: Vec<f32>,
     /// Every other temporary of a forward pass.
     pub work: Box<Work>,
+    /// The prediction of the next call's first MoE layer, read ahead during this call's lm_head.
+    pub(crate) next_pass: NextPass,
+}
+
+/// The router lookahead's prediction for the next forward call (SPEC §6.7): the first MoE
+/// layer's choices at this call's last position.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct NextPass {
+    /// The layer they were handed to the source for (`None`: no prediction pending).
+    pub(crate) layer: Option<usize>,
+    /// The experts, in selection order.
+    pub(crate) ids: Vec<u32>,
 }
 
 /// The temporaries of a forward pass, by stage. Each buffer grows to the largest pass it has
