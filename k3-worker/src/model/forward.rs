@@ -428,7 +428,7 @@ impl<'s> Model<'s> {
         // `w.predict`), checked when it routes.
         let mut predicted: Option<usize> = None;
         // The first MoE layer this pass routed (its last position's choices are kept in
-        // `w.predict.next_pass`).
+        // `scratch.next_pass`, the next pass's prediction for it).
         let mut first_moe: Option<usize> = None;
         let w = &mut scratch.work;
         for l in 0..d.n_layers {
