@@ -1175,7 +1175,6 @@ impl<X: Send> ExpertSlots<X> {
             .collect();
         let l = layer as u32;
         let mut done = Prefetched::default();
-        let eb = self.io.reader.expert_bytes() as u64;
         let chunk = self.pool.threads().max(1);
         for part in ids.chunks(chunk) {
             let mut g = self.lock();
@@ -1190,29 +1189,64 @@ impl<X: Send> ExpertSlots<X> {
                 mirror(&g.table, slot);
             }
             drop(g);
-            let jobs = self.read_jobs(layer, plan, fail);
-            let t_read = Instant::now();
-            let results = self.read_into_slots(layer, jobs);
-            let read_seconds = t_read.elapsed().as_secs_f64();
-            let mut g = self.lock();
-            let mut bytes = 0;
-            for (slot, res) in results {
-                if res.is_ok() {
-                    done.loads += 1;
-                    bytes += eb;
-                }
-                g.table.publish(slot, res);
-                mirror(&g.table, slot);
-            }
-            done.bytes_read += bytes;
-            g.bytes_read += bytes;
-            g.prefetch_bytes += bytes;
-            g.read_seconds += read_seconds;
-            drop(g);
-            self.cv.notify_all();
+            let (mut g, r) = self.read_reserved(layer, plan, fail, mirror);
+            done.loads += r.experts;
+            done.bytes_read += r.bytes;
+            g.bytes_read += r.bytes;
+            g.prefetch_bytes += r.bytes;
+            g.read_seconds += r.seconds;
         }
         done
     }
+
+    /// Phases 2 and 3 for slots the caller reserved (INFLIGHT, no lease) and mirrored: read
+    /// `plan`'s experts of `layer`, publish each result (mirrored), wake the waiters. Returns
+    /// the lock, for the caller to count what was read, and what was read.
+    fn read_reserved(
+        &self,
+        layer: usize,
+        plan: Vec<(usize, u32)>,
+        fail: Option<&FailHook>,
+        mirror: &dyn Fn(&SlotTable, usize),
+    ) -> (MutexGuard<'_, Locked<X>>, ReadReserved) {
+        let eb = self.io.reader.expert_bytes() as u64;
+        let jobs = self.read_jobs(layer, plan, fail);
+        let t_read = Instant::now();
+        let results = self.read_into_slots(layer, jobs);
+        let mut r = ReadReserved {
+            seconds: t_read.elapsed().as_secs_f64(),
+            ..ReadReserved::default()
+        };
+        let mut g = self.lock();
+        for (slot, res) in results {
+            match &res {
+                Ok(()) => {
+                    r.experts += 1;
+                    r.bytes += eb;
+                }
+                Err(m) => {
+                    r.failed.get_or_insert_with(|| m.clone());
+                }
+            }
+            g.table.publish(slot, res);
+            mirror(&g.table, slot);
+        }
+        self.cv.notify_all();
+        (g, r)
+    }
+}
+
+/// What [`ExpertSlots::read_reserved`] read.
+#[derive(Default)]
+struct ReadReserved {
+    /// Experts now RESIDENT.
+    experts: u64,
+    /// Their bytes.
+    bytes: u64,
+    /// Wall seconds of the reads.
+    seconds: f64,
+    /// The first failed read's message (its slot is EMPTY again).
+    failed: Option<String>,
 }
 
 impl<X: Send> ExpertSlots<X> {
@@ -1228,18 +1262,15 @@ impl<X: Send> ExpertSlots<X> {
         mirror: &dyn Fn(&SlotTable, usize),
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Preloaded, String> {
-        let cat = &self.catalog;
         let eb = self.io.reader.expert_bytes() as u64;
-        let slots = self.arena().slots() as u64;
-        let total = eb * cat.routed_experts().count().min(slots as usize) as u64;
+        let all: Vec<(usize, u32)> = self.catalog.routed_experts().collect();
+        let total = eb * all.len().min(self.arena().slots()) as u64;
         let chunk = 4 * self.pool.threads().max(1);
         let mut done = Preloaded::default();
         progress(0, total);
-        for layer in 0..cat.n_layers() {
-            let ids: Vec<u32> = (0..cat.n_experts())
-                .filter(|&e| cat.expert(layer, e).is_some())
-                .map(|e| e as u32)
-                .collect();
+        for of_layer in all.chunk_by(|a, b| a.0 == b.0) {
+            let layer = of_layer[0].0;
+            let ids: Vec<u32> = of_layer.iter().map(|&(_, e)| e).collect();
             for part in ids.chunks(chunk) {
                 let mut g = self.lock();
                 let plan = g.table.reserve_preload(layer as u32, part);
@@ -1254,33 +1285,14 @@ impl<X: Send> ExpertSlots<X> {
                     }
                     continue;
                 }
-                let jobs = self.read_jobs(layer, plan, fail);
-                let t_read = Instant::now();
-                let results = self.read_into_slots(layer, jobs);
-                let seconds = t_read.elapsed().as_secs_f64();
-                let mut g = self.lock();
-                let mut failed = None;
-                let mut bytes = 0;
-                for (slot, res) in results {
-                    match &res {
-                        Ok(()) => {
-                            done.experts += 1;
-                            bytes += eb;
-                        }
-                        Err(m) => {
-                            failed.get_or_insert_with(|| m.clone());
-                        }
-                    }
-                    g.table.publish(slot, res);
-                    mirror(&g.table, slot);
-                }
-                g.preload_bytes += bytes;
-                g.preload_seconds += seconds;
+                let (mut g, r) = self.read_reserved(layer, plan, fail, mirror);
+                g.preload_bytes += r.bytes;
+                g.preload_seconds += r.seconds;
                 drop(g);
-                self.cv.notify_all();
-                done.bytes += bytes;
-                done.seconds += seconds;
-                if let Some(m) = failed {
+                done.experts += r.experts;
+                done.bytes += r.bytes;
+                done.seconds += r.seconds;
+                if let Some(m) = r.failed {
                     return Err(format!("preloading the expert cache: {m}"));
                 }
                 progress(done.bytes, total);
