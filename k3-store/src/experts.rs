@@ -767,6 +767,9 @@ pub struct Locked<X> {
     pub read_seconds: f64,
     /// Bytes of experts read by prefetches (included in `bytes_read`).
     pub prefetch_bytes: u64,
+    /// Experts those prefetches loaded, counted with their bytes once the read is done (the
+    /// table's `prefetch_loads` counts them when reserved, so it includes reads in flight).
+    pub prefetch_loads: u64,
     /// Bytes of experts a preload read at start-up (not in `bytes_read`, which counts what
     /// requests and their predictions cost).
     pub preload_bytes: u64,
@@ -862,6 +865,7 @@ impl<X: Send> ExpertSlots<X> {
                 bytes_read: 0,
                 read_seconds: 0.0,
                 prefetch_bytes: 0,
+                prefetch_loads: 0,
                 preload_bytes: 0,
                 preload_seconds: 0.0,
                 extra,
@@ -1194,6 +1198,7 @@ impl<X: Send> ExpertSlots<X> {
             done.bytes_read += r.bytes;
             g.bytes_read += r.bytes;
             g.prefetch_bytes += r.bytes;
+            g.prefetch_loads += r.experts;
             g.read_seconds += r.seconds;
         }
         done
@@ -1339,6 +1344,9 @@ pub struct CacheStats {
     pub slots_used: usize,
     /// Bytes read by prefetches (included in `bytes_read`).
     pub prefetch_bytes: u64,
+    /// Experts prefetches loaded, reads done ([`Locked::prefetch_loads`]): the count that
+    /// goes with `prefetch_bytes`.
+    pub prefetch_loads: u64,
     /// Bytes the preload read at start-up (not in `bytes_read`).
     pub preload_bytes: u64,
     /// Wall seconds of the preload's reads (not in `read_seconds`).
@@ -1476,6 +1484,7 @@ impl ExpertCache {
             wait_seconds: g.extra,
             slots_used: g.table.used(),
             prefetch_bytes: g.prefetch_bytes,
+            prefetch_loads: g.prefetch_loads,
             preload_bytes: g.preload_bytes,
             preload_seconds: g.preload_seconds,
         }

@@ -392,7 +392,9 @@ impl WeightSource for StandaloneSource {
             trunk_read_seconds: s.read_seconds,
             io_wait_seconds: s.wait_seconds + c.wait_seconds,
             trunk_wait_seconds: s.wait_seconds,
-            prefetch_loads: c.table.prefetch_loads,
+            // Loads whose reads are done, like their bytes: a prefetch still reading when the
+            // report is taken (the last pass's prediction of a next pass) is in neither.
+            prefetch_loads: c.prefetch_loads,
             prefetch_bytes: c.prefetch_bytes,
             prefetch_used: c.table.prefetch_used,
             prefetch_dropped: c.table.prefetch_dropped,

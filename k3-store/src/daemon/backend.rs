@@ -716,7 +716,7 @@ impl Backend for StoreBackend {
             failed_loads: t.failed_loads,
             expert_bytes_read: g.bytes_read,
             read_seconds: g.read_seconds,
-            prefetch_loads: t.prefetch_loads,
+            prefetch_loads: g.prefetch_loads,
             prefetch_bytes: g.prefetch_bytes,
             prefetch_used: t.prefetch_used,
             prefetch_dropped: t.prefetch_dropped,
