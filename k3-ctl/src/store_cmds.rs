@@ -39,7 +39,22 @@ pub fn run_status(a: SocketArg) -> i32 {
         Ok(c) => c,
         Err(code) => return code,
     };
-    match call(&mut c, &Request::Status) {
+    match c.call(&Request::Status) {
+        // Not serving yet: say how far the load is, on stdout, and end as "no store" (3).
+        Err(ClientError::Loading(l)) => {
+            let pct = l.percent().map_or(String::new(), |p| format!(" ({p:.0}%)"));
+            println!("store: loading, pid {}, {:.1} s so far", l.pid, l.seconds);
+            println!("socket: {}", a.path().display());
+            println!("model: {}", l.model_dir);
+            println!("preset: {}", l.preset);
+            println!(
+                "loaded: {:.3} of {:.3} GB{pct}",
+                l.done_bytes as f64 / 1e9,
+                l.total_bytes as f64 / 1e9
+            );
+            exit::NO_STORE
+        }
+        Err(e) => exit::report::<ClientError>("k3-ctl", Err(e)),
         Ok(Response::Status(s)) => {
             println!("store: up, pid {}, uptime {:.1} s", s.pid, s.uptime_seconds);
             println!("socket: {}", a.path().display());
@@ -58,7 +73,6 @@ pub fn run_status(a: SocketArg) -> i32 {
             eprintln!("k3-ctl: unexpected answer {other:?}");
             exit::FAILURE
         }
-        Err(code) => code,
     }
 }
 
@@ -84,13 +98,15 @@ pub fn run_stop(a: SocketArg) -> i32 {
         Err(code) => return code,
     };
     // Which process to wait for; its start time tells it from a later process given its pid.
-    let store = match call(&mut c, &Request::Status) {
+    // A store still loading says so, with its pid, and honours the stop all the same.
+    let store = match c.call(&Request::Status) {
         Ok(Response::Status(s)) => live_start_time(s.pid).map(|t| (s.pid, t)),
+        Err(ClientError::Loading(l)) => live_start_time(l.pid).map(|t| (l.pid, t)),
+        Err(e) => return exit::report::<ClientError>("k3-ctl", Err(e)),
         Ok(other) => {
             eprintln!("k3-ctl: unexpected answer {other:?}");
             return exit::FAILURE;
         }
-        Err(code) => return code,
     };
     match call(&mut c, &Request::Stop) {
         Ok(Response::Stopping) => {}

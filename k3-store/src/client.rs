@@ -10,7 +10,9 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use k3_proto::wire::{self, ClientKind, Request, Response, WireError, PROTOCOL_VERSION};
+use k3_proto::wire::{
+    self, ClientKind, LoadingReport, Request, Response, WireError, PROTOCOL_VERSION,
+};
 
 use crate::ipc;
 
@@ -57,6 +59,10 @@ pub enum ClientError {
         /// Why.
         message: String,
     },
+    /// The store is still loading its shared memory (exit 3): nothing is served before it is
+    /// ready.
+    #[error("{}; retry once it is ready (`k3-ctl status` answers then)", .0.line())]
+    Loading(LoadingReport),
     /// A protocol error.
     #[error("store protocol: {0}")]
     Wire(#[from] WireError),
@@ -152,11 +158,13 @@ impl Client {
             }),
             Response::Refused { reason, .. } => Err(ClientError::Refused(reason)),
             Response::Error { code, message } => Err(ClientError::Store { code, message }),
+            Response::Loading(r) => Err(ClientError::Loading(r)),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
         }
     }
 
-    /// Send a request and wait for its response.
+    /// Send a request and wait for its response. A store still loading answers
+    /// [`ClientError::Loading`].
     pub fn call(&mut self, req: &Request) -> Result<Response, ClientError> {
         Ok(self.call_with_fd(req, None)?.0)
     }
@@ -169,6 +177,9 @@ impl Client {
         fd: Option<std::os::fd::BorrowedFd<'_>>,
     ) -> Result<(Response, Option<OwnedFd>), ClientError> {
         ipc::send_frame(&mut self.stream, req, fd)?;
-        Ok(ipc::recv_frame::<Response>(&mut self.stream)?)
+        match ipc::recv_frame::<Response>(&mut self.stream)? {
+            (Response::Loading(r), _) => Err(ClientError::Loading(r)),
+            answer => Ok(answer),
+        }
     }
 }

@@ -5,7 +5,7 @@
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
@@ -13,6 +13,7 @@ use k3_proto::exit::{self, ExitStatus};
 use k3_store::cli::{BudgetArgs, SocketArgs};
 use k3_store::daemon::backend::{segment_bytes, BuildOptions, StoreBackend};
 use k3_store::daemon::detach::{self, Notifier, Readiness};
+use k3_store::daemon::loading::{load_behind_gate, LoadState, Loaded};
 use k3_store::daemon::sessions::{
     SessionOptions, Sessions, DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_MB, MAX_SESSIONS_LIMIT,
 };
@@ -391,16 +392,56 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         },
     };
     let t0 = std::time::Instant::now();
+    // Until the load is done the socket answers "loading" and honours a stop (SPEC.md §6.5).
+    let load = LoadState::new(&opts.model_dir.display().to_string(), &budget.label);
+    let dirs = (
+        opts.model_dir.display().to_string(),
+        (opts.trunk_dir.as_ref()).map_or(String::new(), |d| d.display().to_string()),
+    );
     let mut bar: Option<Progress> = None;
-    let progress = |done: u64, total: u64| {
-        bar.get_or_insert_with(|| Progress::new("loading shared memory", total, true))
-            .set(done)
+    let progress = {
+        let load = load.clone();
+        move |done: u64, total: u64| {
+            bar.get_or_insert_with(|| Progress::new("loading shared memory", total, true))
+                .set(done);
+            load.set(done, total);
+        }
     };
-    let backend = match StoreBackend::build(&opts, progress) {
-        Ok(b) => b,
-        Err(e) => {
+    let built = load_behind_gate(listener, load.clone(), stop.clone(), dirs, move || {
+        StoreBackend::build(&opts, progress)
+    });
+    let (backend, listener) = match built {
+        Ok((Loaded::Done(Ok(b)), l)) if !stop.load(Ordering::SeqCst) => (b, l),
+        Ok((Loaded::Done(Ok(_)) | Loaded::Stopped, _)) => {
+            // Asked to stop (a signal or `k3-ctl stop`) and stopping: not a failure of the
+            // store, but a `start --detach` waiting for readiness gets no store.
+            let _ = std::fs::remove_file(&socket);
+            let r = load.report();
+            let msg = format!(
+                "stopped during the load, after {:.2} of {:.2} GB in {:.1} s",
+                r.done_bytes as f64 / 1e9,
+                r.total_bytes as f64 / 1e9,
+                r.seconds
+            );
+            tracing::info!("{msg}");
+            notify.failed(exit::FAILURE, &format!("{msg}; the store was not started"));
+            return exit::OK;
+        }
+        Ok((Loaded::Done(Err(e)), _)) => {
             let _ = std::fs::remove_file(&socket);
             return fail(&mut notify, e.code, e.message);
+        }
+        Ok((Loaded::Panicked(m), _)) => {
+            let _ = std::fs::remove_file(&socket);
+            return fail(&mut notify, exit::FAILURE, format!("the load failed: {m}"));
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&socket);
+            return fail(
+                &mut notify,
+                exit::FAILURE,
+                format!("starting the load: {e}"),
+            );
         }
     };
     tracing::info!(

@@ -198,3 +198,84 @@ fn first_message_must_be_hello() {
     stop.store(true, Ordering::SeqCst);
     h.join().unwrap();
 }
+
+/// While the store loads, its socket answers: a worker is told how far the load is (exit 3, not
+/// a 30 s silence), a control client's requests get the same, a version mismatch is still
+/// refused, `Stop` sets the stop flag; once the gate closes, the same listener serves normally.
+#[test]
+fn a_loading_store_answers_and_stops_then_hands_its_socket_to_the_server() {
+    use k3_store::daemon::loading::{LoadState, LoadingGate};
+    use k3_store::daemon::Limits;
+    let dir = tempfile::Builder::new()
+        .prefix("k3-srv-loading-")
+        .tempdir()
+        .unwrap();
+    let sock = dir.path().join("run").join("store.sock");
+    let listener = k3_store::ipc::bind(&sock).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = LoadState::new("/model", "server");
+    load.set(1_500_000_000, 6_000_000_000);
+    let gate = LoadingGate::open(
+        listener,
+        load.clone(),
+        stop.clone(),
+        Limits::default(),
+        ("/model".into(), "/trunk".into()),
+    )
+    .unwrap();
+    let t0 = std::time::Instant::now();
+    match Client::connect(&sock, ClientKind::Worker, "early worker") {
+        Err(ClientError::Loading(r)) => {
+            assert_eq!(r.pid, std::process::id());
+            assert_eq!(
+                (r.done_bytes, r.total_bytes),
+                (1_500_000_000, 6_000_000_000)
+            );
+            assert_eq!(r.preset, "server");
+            let e = ClientError::Loading(r);
+            assert_eq!(k3_proto::exit::ExitStatus::exit_code(&e), 3);
+            let msg = e.to_string();
+            assert!(
+                msg.contains("still loading") && msg.contains("(25%)"),
+                "{msg}"
+            );
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a loading store welcomed a worker"),
+    }
+    assert!(t0.elapsed() < std::time::Duration::from_secs(2));
+    let refused = Client::connect_with_version(&sock, ClientKind::Control, "old", 1);
+    assert!(matches!(refused, Err(ClientError::Refused(_))));
+    let mut c = Client::connect(&sock, ClientKind::Control, "k3-ctl").unwrap();
+    assert!(c.shm_fd.is_none());
+    load.set(3_000_000_000, 6_000_000_000);
+    for req in [Request::Status, Request::Stats, Request::ListSessions] {
+        match c.call(&req) {
+            Err(ClientError::Loading(r)) => assert_eq!(r.done_bytes, 3_000_000_000),
+            other => panic!("{req:?}: {:?}", other.map(|_| ())),
+        }
+    }
+    assert!(!stop.load(Ordering::SeqCst));
+    assert_eq!(c.call(&Request::Stop).unwrap(), Response::Stopping);
+    assert!(
+        stop.load(Ordering::SeqCst),
+        "Stop during the load sets the stop flag"
+    );
+    drop(c);
+    // The load finished after all (the flag is the caller's to act on): the server takes over.
+    let listener = gate.close();
+    let log = Arc::new(Mutex::new(Log::default()));
+    let seg = Segment::create("k3-srv-loading", 4096).unwrap();
+    let stop2 = Arc::new(AtomicBool::new(false));
+    let server = Server::new(listener, sock.clone(), Fake { log, seg }, stop2.clone());
+    let h = std::thread::spawn(move || server.run());
+    let c = Client::connect(&sock, ClientKind::Worker, "worker").unwrap();
+    assert!(
+        c.shm_fd.is_some(),
+        "served by the server once the gate is closed"
+    );
+    drop(c);
+    stop2.store(true, Ordering::SeqCst);
+    assert_eq!(h.join().unwrap(), 0);
+    assert!(!sock.exists());
+}

@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -383,6 +383,47 @@ pub struct StatusReport {
     pub uptime_seconds: f64,
 }
 
+/// What a store that is still loading its shared memory says ([`Response::Loading`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadingReport {
+    /// Store process id (what `k3-ctl stop` waits for).
+    pub pid: u32,
+    /// Checkpoint directory.
+    pub model_dir: String,
+    /// Preset name or "custom".
+    pub preset: String,
+    /// Bytes loaded so far.
+    pub done_bytes: u64,
+    /// Bytes the load reads in all (0 until it is known).
+    pub total_bytes: u64,
+    /// Seconds since the load began.
+    pub seconds: f64,
+}
+
+impl LoadingReport {
+    /// Percent loaded, once the total is known.
+    pub fn percent(&self) -> Option<f64> {
+        (self.total_bytes > 0).then(|| 100.0 * self.done_bytes as f64 / self.total_bytes as f64)
+    }
+
+    /// One line for people: "the store (pid 7, preset server) is still loading: 2.10 of 6.52 GB
+    /// (32%) in 12.0 s".
+    pub fn line(&self) -> String {
+        let pct = self
+            .percent()
+            .map_or(String::new(), |p| format!(" ({p:.0}%)"));
+        format!(
+            "the store (pid {}, preset {}) is still loading its shared memory: {:.2} of {:.2} GB{pct} \
+             in {:.1} s",
+            self.pid,
+            self.preset,
+            self.done_bytes as f64 / 1e9,
+            self.total_bytes as f64 / 1e9,
+            self.seconds
+        )
+    }
+}
+
 /// Responses, store → client.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Response {
@@ -467,6 +508,10 @@ pub enum Response {
         /// for this job); `false`: another job's read served it too (a shared read).
         fresh: bool,
     },
+    /// v9. The store has claimed its socket but is still loading its shared memory: the answer
+    /// to a worker's `Hello` and to every control request but `Stop` (which is honoured: the
+    /// load is abandoned). A client reports it and ends (exit 3); nothing is served yet.
+    Loading(LoadingReport),
 }
 
 /// The kind of a [`Response::Error`].

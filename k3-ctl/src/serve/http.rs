@@ -157,7 +157,12 @@ async fn store_up(st: &Shared) -> Result<(), ApiError> {
         Ok(joined) => joined.map_err(|e| ApiError::internal(e.to_string()))?,
         Err(_) => Err(format!("no answer within {STORE_TIMEOUT:?}")),
     };
-    r.map_err(|m| ApiError::unavailable("store_unavailable", format!("the store is down: {m}")))
+    r.map_err(|m| {
+        ApiError::unavailable(
+            "store_unavailable",
+            format!("the store is not serving: {m}"),
+        )
+    })
 }
 
 fn model_object(st: &AppState) -> Value {

@@ -44,6 +44,7 @@ use crate::ipc;
 pub mod backend;
 pub mod detach;
 pub mod history;
+pub mod loading;
 pub mod ring;
 pub mod sessions;
 
@@ -588,11 +589,15 @@ fn bound_jobs(jobs: &mut Vec<k3_proto::wire::JobStats>, max: usize) {
     }
 }
 
-fn serve_connection<B: Backend>(mut conn: Conn<B>) {
-    let shared = conn.shared.clone();
-    let id = conn.id;
-    let limits = shared.limits.clone();
-    let stream = &mut conn.stream;
+/// The first exchange on a connection accepted at `accepted`: the peer must run as our uid and
+/// say `Hello` with our protocol version within the handshake timeout. Answers a failure itself
+/// (refusal, error) and returns `None`; else the client's kind and (bounded) label, with the
+/// write timeout set.
+fn handshake(
+    stream: &mut UnixStream,
+    accepted: Instant,
+    limits: &Limits,
+) -> Option<(ClientKind, String)> {
     let me = nix::unistd::getuid().as_raw();
     let _ = stream.set_write_timeout(Some(limits.write_timeout));
     match ipc::peer_uid(stream) {
@@ -606,17 +611,17 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                 },
                 None,
             );
-            return;
+            return None;
         }
-        Err(_) => return,
+        Err(_) => return None,
     }
     // Handshake first, complete within the handshake timeout.
     let hello = read_request(
         stream,
-        Some(conn.accepted + limits.handshake_timeout),
+        Some(accepted + limits.handshake_timeout),
         limits.frame_timeout,
     );
-    let (kind, label) = match hello.map(|(r, _fd)| r) {
+    match hello.map(|(r, _fd)| r) {
         Ok(Request::Hello {
             protocol_version,
             kind,
@@ -624,9 +629,9 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
         }) => {
             if let Some(refusal) = wire::check_version(protocol_version) {
                 reply(stream, &refusal, None);
-                return;
+                return None;
             }
-            (kind, wire::bounded_label(&label).to_string())
+            Some((kind, wire::bounded_label(&label).to_string()))
         }
         Ok(other) => {
             reply(
@@ -640,7 +645,7 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                 },
                 None,
             );
-            return;
+            None
         }
         Err(e @ (WireError::TooLong { .. } | WireError::Malformed(_))) => {
             reply(
@@ -655,9 +660,19 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                 },
                 None,
             );
-            return;
+            None
         }
-        Err(_) => return,
+        Err(_) => None,
+    }
+}
+
+fn serve_connection<B: Backend>(mut conn: Conn<B>) {
+    let shared = conn.shared.clone();
+    let id = conn.id;
+    let limits = shared.limits.clone();
+    let stream = &mut conn.stream;
+    let Some((kind, label)) = handshake(stream, conn.accepted, &limits) else {
+        return;
     };
     shared.handshaken(id);
     let (model_dir, trunk_dir) = shared.backend.dirs();
