@@ -157,6 +157,7 @@ pub fn spawn_and_wait(args: &[OsString], logf: File, log: &Path) -> std::io::Res
         .process_group(0);
     let child = cmd.spawn()?;
     drop(wr); // only the child holds the write end now: EOF means it is gone
+    wait_readable(&rd, child.id())?;
     let mut line = String::new();
     BufReader::new(File::from(rd)).read_line(&mut line)?;
     Ok(parse_line(&line, child.id()).unwrap_or(Readiness::Failed {
@@ -166,6 +167,51 @@ pub fn spawn_and_wait(args: &[OsString], logf: File, log: &Path) -> std::io::Res
             log.display()
         ),
     }))
+}
+
+/// Wait until the child's readiness pipe has something (its line, or EOF). SIGINT and SIGTERM
+/// meanwhile are passed on to the child as SIGTERM: it is in its own process group, so a Ctrl-C
+/// at the terminal would otherwise end only this parent and leave the store loading unwatched.
+/// The child then abandons its load and reports that on the pipe. A second signal ends this
+/// parent at once (status 1).
+fn wait_readable(rd: &OwnedFd, child: u32) -> std::io::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    use std::os::fd::AsFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let asked = Arc::new(AtomicBool::new(false));
+    let mut ids = Vec::new();
+    for sig in [SIGINT, SIGTERM] {
+        // Order matters: the conditional shutdown fires only if `asked` is already set.
+        ids.push(signal_hook::flag::register_conditional_shutdown(
+            sig,
+            1,
+            asked.clone(),
+        )?);
+        ids.push(signal_hook::flag::register(sig, asked.clone())?);
+    }
+    let mut passed_on = false;
+    let r = loop {
+        if asked.load(Ordering::SeqCst) && !passed_on {
+            passed_on = true;
+            eprintln!("interrupted: stopping the store being started (pid {child})");
+            let pid = nix::unistd::Pid::from_raw(child as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        }
+        let mut fds = [nix::poll::PollFd::new(
+            rd.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)) {
+            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
+            Ok(_) => break Ok(()),
+            Err(e) => break Err(e.into()),
+        }
+    };
+    for id in ids {
+        signal_hook::low_level::unregister(id);
+    }
+    r
 }
 
 #[cfg(test)]
