@@ -265,4 +265,44 @@ mod tests {
         assert_eq!(parse_line("", 9), None);
         assert_eq!(parse_line("FAILED x y", 9), None);
     }
+
+    /// Ctrl-C while `start --detach` waits reaches the store it started (as SIGTERM), whose
+    /// readiness line then ends the wait; the child is not left running. (A child that gets no
+    /// SIGTERM exits after ~5 s without a line: the test then fails, it does not hang.)
+    #[test]
+    fn an_interrupt_while_waiting_is_passed_on_to_the_child() {
+        use std::os::fd::AsRawFd;
+        let (rd, wr): (OwnedFd, OwnedFd) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        nix::fcntl::fcntl(
+            &wr,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
+        )
+        .unwrap();
+        let script = format!(
+            "trap 'echo \"FAILED 1 stopped by SIGTERM\" > /dev/fd/{}; exit 0' TERM; \
+             i=0; while [ $i -lt 100 ]; do sleep 0.05; i=$((i+1)); done",
+            wr.as_raw_fd()
+        );
+        let mut child = Command::new("sh").arg("-c").arg(script).spawn().unwrap();
+        drop(wr);
+        let interrupt = std::thread::spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            nix::sys::signal::raise(nix::sys::signal::Signal::SIGINT).unwrap();
+        });
+        let t0 = std::time::Instant::now();
+        wait_readable(&rd, child.id()).unwrap();
+        interrupt.join().unwrap();
+        let mut line = String::new();
+        BufReader::new(File::from(rd)).read_line(&mut line).unwrap();
+        assert_eq!(
+            parse_line(&line, child.id()),
+            Some(Readiness::Failed {
+                code: 1,
+                message: "stopped by SIGTERM".into()
+            })
+        );
+        assert!(child.wait().unwrap().success());
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10));
+    }
 }
