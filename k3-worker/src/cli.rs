@@ -62,6 +62,9 @@ pub enum DraftArg {
     Model,
 }
 
+/// The inputs other than `--chat`: the chat-only flags conflict with them.
+const NOT_CHAT: [&str; 3] = ["ids", "prompt", "prompt_file"];
+
 /// Run the Kimi K3 model on one prompt, or chat.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "k3-worker", version = k3_proto::VERSION, about, long_about = None)]
@@ -183,21 +186,25 @@ pub struct Cli {
     /// end of a one-shot run.
     #[arg(long, value_name = "NAME", value_parser = session_name, conflicts_with_all = ["standalone", "full_recompute"])]
     pub session: Option<String>,
+    // The chat-only flags conflict with the other inputs rather than `requires = "chat"`: clap
+    // lets any member of a group satisfy a `requires` on another (clap-rs/clap#4707), so
+    // `--ids 1 --tok T --ctx 9` passed and the flag was silently ignored. The `input` group
+    // is required, so "none of the others" is "--chat".
     /// Chat without the think channel (no thinking-effort system message; thinking is on by
     /// default).
-    #[arg(long, requires = "chat")]
+    #[arg(long, conflicts_with_all = NOT_CHAT)]
     pub no_think: bool,
     /// Thinking effort of the chat.
     #[arg(
         long,
         value_name = "LEVEL",
         value_enum,
-        requires = "chat",
+        conflicts_with_all = NOT_CHAT,
         conflicts_with = "no_think"
     )]
     pub effort: Option<EffortArg>,
     /// Chat context in positions (the whole conversation plus one reply must fit).
-    #[arg(long, value_name = "N", requires = "chat", default_value_t = DEFAULT_CTX as u64,
+    #[arg(long, value_name = "N", conflicts_with_all = NOT_CHAT, default_value_t = DEFAULT_CTX as u64,
           value_parser = clap::value_parser!(u64).range(1..=MAX_CTX))]
     pub ctx: u64,
 }
@@ -262,6 +269,23 @@ mod tests {
             "--ctx needs --chat"
         );
         assert!(parse(&["--ids", "1", "--effort", "high"]).is_err());
+        // With --tok present too (clap-rs/clap#4707 let these through, the flag then ignored).
+        for flag in [&["--ctx", "9"][..], &["--effort", "high"], &["--no-think"]] {
+            for input in [
+                &["--ids", "1"][..],
+                &["--prompt", "x"],
+                &["--prompt-file", "p"],
+            ] {
+                let mut args = input.to_vec();
+                args.extend_from_slice(&["--tok", "t"]);
+                args.extend_from_slice(flag);
+                assert!(parse(&args).is_err(), "{args:?} needs --chat");
+            }
+            let mut args = vec!["--chat", "--tok", "t"];
+            args.extend_from_slice(flag);
+            assert!(parse(&args).is_ok(), "{args:?}");
+        }
+        assert_eq!(parse(&["--ids", "1"]).unwrap().ctx, DEFAULT_CTX as u64);
         assert!(parse(&["--chat", "--tok", "t", "--effort", "low", "--no-think"]).is_err());
         let c = parse(&["--chat", "--tok", "t", "--effort", "medium"]).unwrap();
         assert_eq!(c.effort, Some(EffortArg::Medium));

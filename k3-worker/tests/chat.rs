@@ -442,6 +442,15 @@ fn chat_flags_are_refused_before_any_work() {
         ),
         (&["--no-think", "--ids", "1"], "--chat"),
         (&["--ctx", "64", "--ids", "1"], "--chat"),
+        // With --tok too: clap-rs/clap#4707 let these through, and the flag was ignored.
+        (
+            &["--ctx", "64", "--ids", "1", "--tok", tokdir],
+            "cannot be used with",
+        ),
+        (
+            &["--effort", "low", "--ids", "1", "--tok", tokdir],
+            "cannot be used with",
+        ),
     ];
     for (extra, want) in cases {
         let args: Vec<&str> = base.iter().chain(extra.iter()).copied().collect();
