@@ -412,36 +412,34 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     });
     let (backend, listener) = match built {
         Ok((Loaded::Done(Ok(b)), l)) if !stop.load(Ordering::SeqCst) => (b, l),
-        Ok((Loaded::Done(Ok(_)) | Loaded::Stopped, _)) => {
-            // Asked to stop (a signal or `k3-ctl stop`) and stopping: not a failure of the
-            // store, but a `start --detach` waiting for readiness gets no store.
+        ended => {
+            // Every other end: no store serves at this socket.
             let _ = std::fs::remove_file(&socket);
-            let r = load.report();
-            let msg = format!(
-                "stopped during the load, after {:.2} of {:.2} GB in {:.1} s",
-                r.done_bytes as f64 / 1e9,
-                r.total_bytes as f64 / 1e9,
-                r.seconds
-            );
-            tracing::info!("{msg}");
-            notify.failed(exit::FAILURE, &format!("{msg}; the store was not started"));
-            return exit::OK;
-        }
-        Ok((Loaded::Done(Err(e)), _)) => {
-            let _ = std::fs::remove_file(&socket);
-            return fail(&mut notify, e.code, e.message);
-        }
-        Ok((Loaded::Panicked(m), _)) => {
-            let _ = std::fs::remove_file(&socket);
-            return fail(&mut notify, exit::FAILURE, format!("the load failed: {m}"));
-        }
-        Err(e) => {
-            let _ = std::fs::remove_file(&socket);
-            return fail(
-                &mut notify,
-                exit::FAILURE,
-                format!("starting the load: {e}"),
-            );
+            return match ended {
+                Ok((Loaded::Done(Ok(_)) | Loaded::Stopped, _)) => {
+                    // Asked to stop (a signal or `k3-ctl stop`) and stopping: not a failure of
+                    // the store, but a `start --detach` waiting for readiness gets no store.
+                    let r = load.report();
+                    let msg = format!(
+                        "stopped during the load, after {:.2} of {:.2} GB in {:.1} s",
+                        r.done_bytes as f64 / 1e9,
+                        r.total_bytes as f64 / 1e9,
+                        r.seconds
+                    );
+                    tracing::info!("{msg}");
+                    notify.failed(exit::FAILURE, &format!("{msg}; the store was not started"));
+                    exit::OK
+                }
+                Ok((Loaded::Done(Err(e)), _)) => fail(&mut notify, e.code, e.message),
+                Ok((Loaded::Panicked(m), _)) => {
+                    fail(&mut notify, exit::FAILURE, format!("the load failed: {m}"))
+                }
+                Err(e) => fail(
+                    &mut notify,
+                    exit::FAILURE,
+                    format!("starting the load: {e}"),
+                ),
+            };
         }
     };
     tracing::info!(

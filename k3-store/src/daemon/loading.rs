@@ -5,8 +5,9 @@
 //! hands the listener to the [`super::Server`], the gate answers on it, with the server's own
 //! handshake (same uid, `Hello` with our protocol version, the same timeouts):
 //! - a worker's `Hello` gets [`Response::Loading`] (how far the load is): it reports it and ends;
-//! - a control client is welcomed (no memory); `Stop` sets the stop flag — the load is abandoned
-//!   at its next step — and is answered `Stopping`; every other request gets `Loading`.
+//! - a control client is welcomed (no memory); `Stop` sets the stop flag — the store then ends
+//!   without waiting for the load — and is answered `Stopping`; every other request gets
+//!   `Loading`.
 //!
 //! Without the gate a client would sit in the listen backlog, unanswered, until its handshake
 //! timeout, and `k3-ctl stop` could not stop a loading store.
@@ -16,7 +17,6 @@
 //! seconds; reading it in smaller pieces to check for a stop between them made the whole load
 //! ~30% slower on this machine's disk).
 
-use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use k3_proto::wire::{self, ClientKind, ErrorCode, LoadingReport, Request, Response};
 
-use super::{handshake, read_request, reply, request_name, AcceptBackoff, Limits};
+use super::{accept_one, handshake, read_request, reply, request_name, AcceptBackoff, Limits};
 
 /// How far the load is, shared between the loader (which [`LoadState::set`]s it) and the gate.
 pub struct LoadState {
@@ -140,28 +140,9 @@ impl Drop for LoadingGate {
 fn accept_loop(listener: UnixListener, gate: &Arc<Gate>, quit: &AtomicBool) -> UnixListener {
     let mut backoff = AcceptBackoff::new();
     while !quit.load(Ordering::SeqCst) && !gate.stop.load(Ordering::SeqCst) {
-        let mut fds = [nix::poll::PollFd::new(
-            listener.as_fd(),
-            nix::poll::PollFlags::POLLIN,
-        )];
-        match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)) {
-            Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
-            Ok(_) => {}
-            Err(e) => {
-                std::thread::sleep(backoff.failed(&format!("poll failed while loading: {e}")));
-                continue;
-            }
-        }
-        match listener.accept() {
-            Ok((stream, _)) => {
-                backoff.succeeded();
-                admit(stream, gate);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                std::thread::sleep(backoff.failed(&format!("accept failed while loading: {e}")));
-            }
+        // Nothing to evict out of descriptors: a gate's connections end within seconds.
+        if let Some(stream) = accept_one(&listener, &mut backoff, " while loading", &|| false) {
+            admit(stream, gate);
         }
     }
     listener

@@ -335,41 +335,9 @@ impl<B: Backend> Server<B> {
                 );
             }
             // Wait for a connection, waking at least every 100 ms to notice a stop request.
-            let mut fds = [nix::poll::PollFd::new(
-                self.listener.as_fd(),
-                nix::poll::PollFlags::POLLIN,
-            )];
-            match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)) {
-                Ok(0) => continue,
-                Ok(_) => {}
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(e) => {
-                    let wait = backoff.failed(&format!("poll failed: {e}"));
-                    std::thread::sleep(wait);
-                    continue;
-                }
-            }
-            match self.listener.accept() {
-                Ok((stream, _)) => {
-                    backoff.succeeded();
-                    self.admit(stream);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    let out_of_fds = matches!(
-                        e.raw_os_error(),
-                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-                    );
-                    // Out of descriptors: make room by closing the oldest connection that has
-                    // not said Hello (a well-behaved client says it at once), then retry soon.
-                    if out_of_fds && self.shared.evict_oldest_pending() {
-                        std::thread::sleep(Duration::from_millis(2));
-                        continue;
-                    }
-                    let wait = backoff.failed(&format!("accept failed: {e}"));
-                    std::thread::sleep(wait);
-                }
+            let make_room = || self.shared.evict_oldest_pending();
+            if let Some(stream) = accept_one(&self.listener, &mut backoff, "", &make_room) {
+                self.admit(stream);
             }
         }
         // One place for every shutdown cause: stop accepting, drain, clean up.
@@ -416,6 +384,52 @@ impl<B: Backend> Server<B> {
             .spawn(move || serve_connection(conn))
         {
             tracing::error!("cannot start a connection thread: {e}");
+        }
+    }
+}
+
+/// Wait up to 100 ms for a connection on the non-blocking `listener` and accept it. A failure
+/// backs off (`backoff`; `during` is appended to its log line). Out of descriptors, `make_room`
+/// may close a connection to make room (it says whether it did): then the accept is retried
+/// soon, without backing off.
+fn accept_one(
+    listener: &UnixListener,
+    backoff: &mut AcceptBackoff,
+    during: &str,
+    make_room: &dyn Fn() -> bool,
+) -> Option<UnixStream> {
+    let mut fds = [nix::poll::PollFd::new(
+        listener.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    match nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u16)) {
+        Ok(0) | Err(nix::errno::Errno::EINTR) => return None,
+        Ok(_) => {}
+        Err(e) => {
+            std::thread::sleep(backoff.failed(&format!("poll failed{during}: {e}")));
+            return None;
+        }
+    }
+    match listener.accept() {
+        Ok((stream, _)) => {
+            backoff.succeeded();
+            Some(stream)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => None,
+        Err(e) => {
+            let out_of_fds = matches!(
+                e.raw_os_error(),
+                Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+            );
+            // Out of descriptors: make room by closing the oldest connection that has not said
+            // Hello (a well-behaved client says it at once), then retry soon.
+            if out_of_fds && make_room() {
+                std::thread::sleep(Duration::from_millis(2));
+            } else {
+                std::thread::sleep(backoff.failed(&format!("accept failed{during}: {e}")));
+            }
+            None
         }
     }
 }
