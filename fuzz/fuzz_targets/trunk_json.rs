@@ -1,4 +1,4 @@
-//! `trunk.json` (k3-store/src/trunk.rs, `TrunkLayout::from_packed`), checked against the
+//! `trunk.json` (k3-store/src/runtime/trunk.rs, `TrunkLayout::from_packed`), checked against the
 //! catalog of `fixtures/tiny/model` with a 16 MiB `trunk.bin` of zeros: any input gives a read
 //! plan or an error; an accepted plan's layers fit their buffers and `trunk.bin`.
 #![no_main]
@@ -6,9 +6,9 @@
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
-use k3_store::catalog::Catalog;
-use k3_store::io::DiskFile;
-use k3_store::trunk::{open_shards, TrunkLayout, TRUNK_BIN, TRUNK_JSON};
+use k3_store::runtime::catalog::Catalog;
+use k3_store::runtime::io::DiskFile;
+use k3_store::runtime::trunk::{open_shards, TrunkLayout, TRUNK_BIN, TRUNK_JSON};
 use libfuzzer_sys::fuzz_target;
 
 const BIN_LEN: u64 = 16 << 20;

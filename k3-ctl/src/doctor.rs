@@ -3,9 +3,9 @@
 //! - CPU model, logical cores, the SIMD tiers the kernels can use here (and the one `K3_SIMD` /
 //!   auto-detection picks).
 //! - RAM: `MemTotal` / `MemAvailable` and the recommended preset: the largest whose full-scale
-//!   memory plan ([`k3_store::plan::MemoryPlan`]) fits `MemAvailable`.
+//!   memory plan ([`k3_store::runtime::plan::MemoryPlan`]) fits `MemAvailable`.
 //! - Disk bandwidth measured the way the engine reads: `O_DIRECT` random reads of one expert
-//!   (17,547,264 bytes) through [`k3_store::io::DiskFile`] at queue depth 1 and 16 (16 reader
+//!   (17,547,264 bytes) through [`k3_store::runtime::io::DiskFile`] at queue depth 1 and 16 (16 reader
 //!   threads; also 8, the standalone expert cache's reader count), sequential large `O_DIRECT` reads, and buffered reads of expert-sized chunks
 //!   after `posix_fadvise(DONTNEED)`; each as MB/s median and min–max over rounds.
 //!
@@ -19,8 +19,8 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use k3_store::io::{AlignedBuf, DiskFile, ALIGN};
-use k3_store::plan::{Budget, BudgetFlag, MemoryPlan, PRESETS};
+use k3_store::runtime::io::{AlignedBuf, DiskFile, ALIGN};
+use k3_store::runtime::plan::{Budget, BudgetFlag, MemoryPlan, PRESETS};
 use serde_json::{json, Value};
 
 /// Bytes of one routed expert at full scale (MXFP4 w1/w2/w3 + scales): one engine read.
@@ -71,7 +71,7 @@ fn scratch_bytes(size_mib: u64) -> u64 {
 
 /// (preset name, full-scale plan total bytes), smallest first.
 pub fn preset_needs() -> Vec<(&'static str, u64)> {
-    let inputs = k3_store::plan::full_scale_inputs(4096);
+    let inputs = k3_store::runtime::plan::full_scale_inputs(4096);
     PRESETS
         .iter()
         .filter_map(|p| {

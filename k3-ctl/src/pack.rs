@@ -8,10 +8,10 @@ use std::path::PathBuf;
 
 use k3_proto::exit;
 use k3_proto::quant::QuantKind;
-use k3_store::catalog::Catalog;
-use k3_store::draft::pack_draft;
-use k3_store::plan::fmt_bytes;
-use k3_store::trunk::{pack_trunk, TrunkError};
+use k3_store::runtime::catalog::Catalog;
+use k3_store::runtime::draft::pack_draft;
+use k3_store::runtime::plan::fmt_bytes;
+use k3_store::runtime::trunk::{pack_trunk, TrunkError};
 
 /// Arguments of `k3-ctl pack-trunk`.
 #[derive(clap::Args, Debug)]

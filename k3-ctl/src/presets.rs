@@ -6,6 +6,6 @@ pub struct Args {}
 
 /// Print the preset table to stdout.
 pub fn run(_a: Args) -> i32 {
-    print!("{}", k3_store::plan::presets_table());
+    print!("{}", k3_store::runtime::plan::presets_table());
     k3_proto::exit::OK
 }

@@ -1,10 +1,10 @@
 //! `k3-ctl replay-trace`: TRUE resident hit rate of each eviction policy at several cache
-//! capacities, against Belady, by replaying expert traces (see `k3_store::policy`).
+//! capacities, against Belady, by replaying expert traces (see `k3_store::runtime::policy`).
 
 use std::path::PathBuf;
 
 use k3_proto::exit;
-use k3_store::policy::{self, Row, Trace, POLICY_NAMES};
+use k3_store::runtime::policy::{self, Row, Trace, POLICY_NAMES};
 
 /// Most slots a replay may simulate (bounds the allocation).
 const MAX_CAPACITY: usize = 10_000_000;

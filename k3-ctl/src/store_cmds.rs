@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use k3_proto::exit;
 use k3_proto::wire::{ClientKind, Counters, Request, Response, StatsReport};
-use k3_store::client::{Client, ClientError};
+use k3_store::attach::client::{Client, ClientError};
 
 /// Where the store listens: the flag group every binary shares.
 pub use k3_store::cli::SocketArgs as SocketArg;

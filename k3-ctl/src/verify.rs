@@ -10,10 +10,10 @@
 use std::path::{Path, PathBuf};
 
 use k3_proto::exit;
-use k3_store::catalog::Catalog;
-use k3_store::io::{AlignedBuf, DiskFile};
-use k3_store::plan::fmt_bytes;
-use k3_store::trunk::{open_shards, TrunkLayout};
+use k3_store::runtime::catalog::Catalog;
+use k3_store::runtime::io::{AlignedBuf, DiskFile};
+use k3_store::runtime::plan::fmt_bytes;
+use k3_store::runtime::trunk::{open_shards, TrunkLayout};
 use serde_json::{json, Value};
 
 /// Arguments of `k3-ctl verify`.
@@ -141,7 +141,7 @@ pub fn run(a: Args) -> i32 {
     );
 
     // 1. The shards, end to end.
-    let mut buf = match AlignedBuf::zeroed(CHUNK as usize + 2 * k3_store::io::ALIGN) {
+    let mut buf = match AlignedBuf::zeroed(CHUNK as usize + 2 * k3_store::runtime::io::ALIGN) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("k3-ctl verify: {e}");
@@ -284,8 +284,9 @@ fn verify_trunk(
             all = false;
             say(format!("  layer {l}: BAD: {}", problems.join("; ")));
         }
-        let hex =
-            |r: &Result<u64, k3_store::io::ReadError>| r.as_ref().ok().map(|h| format!("{h:016x}"));
+        let hex = |r: &Result<u64, k3_store::runtime::io::ReadError>| {
+            r.as_ref().ok().map(|h| format!("{h:016x}"))
+        };
         layers.push(json!({
             "layer": l,
             "ok": problems.is_empty(),

@@ -8,7 +8,7 @@ mod fixture;
 use std::process::Command;
 
 use fixture::Spec;
-use k3_store::trunk::{open_shards, TrunkLayout};
+use k3_store::runtime::trunk::{open_shards, TrunkLayout};
 
 fn ctl(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_k3-ctl"))

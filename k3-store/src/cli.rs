@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::builder::PossibleValuesParser;
 
-use crate::plan::{Budget, PRESETS};
+use crate::runtime::plan::{Budget, PRESETS};
 
 /// `--socket PATH`: where the store listens.
 #[derive(clap::Args, Clone, Debug, Default)]
@@ -41,12 +41,12 @@ fn gb(s: &str) -> Result<f64, String> {
 }
 
 fn policy(s: &str) -> Result<String, String> {
-    crate::policy::policy_by_name(s, 1)
+    crate::runtime::policy::policy_by_name(s, 1)
         .map(|_| s.to_string())
         .ok_or_else(|| {
             format!(
                 "unknown cache policy {s:?} (one of {}, some take :PARAM; see docs/CACHE_POLICY.md)",
-                crate::policy::POLICY_NAMES.join(", ")
+                crate::runtime::policy::POLICY_NAMES.join(", ")
             )
         })
 }

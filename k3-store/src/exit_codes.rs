@@ -4,13 +4,13 @@
 
 use k3_proto::exit::{ExitStatus, FAILURE, NO_STORE, REFUSED};
 
-use crate::attached::AttachError;
-use crate::catalog::CatalogError;
-use crate::client::ClientError;
-use crate::io::ReadError;
+use crate::attach::client::ClientError;
+use crate::attach::AttachError;
 use crate::ipc::BindError;
-use crate::standalone::OpenError;
-use crate::trunk::TrunkError;
+use crate::runtime::catalog::CatalogError;
+use crate::runtime::io::ReadError;
+use crate::runtime::standalone::OpenError;
+use crate::runtime::trunk::TrunkError;
 
 impl ExitStatus for ClientError {
     /// The store is unreachable, untrusted or refused us: 3; a typed error answer: its code's.

@@ -18,8 +18,8 @@ use k3_store::daemon::sessions::{
     SessionOptions, Sessions, DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_MB, MAX_SESSIONS_LIMIT,
 };
 use k3_store::daemon::{install_signal_handlers, Server};
-use k3_store::plan::{allocatable, fmt_gb, Budget, MemoryPlan, PlanInputs};
 use k3_store::progress::Progress;
+use k3_store::runtime::plan::{allocatable, fmt_gb, Budget, MemoryPlan, PlanInputs};
 
 /// k3 store daemon.
 #[derive(Parser, Debug)]
@@ -242,21 +242,21 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     };
     let cache_policy = a.budget.policy();
     // Open the checkpoint and the packed trunk; anything unreadable is a refusal.
-    let (cat, cfg) = match k3_store::catalog::Catalog::open_dir(&a.model_dir) {
+    let (cat, cfg) = match k3_store::runtime::catalog::Catalog::open_dir(&a.model_dir) {
         Ok(x) => x,
         Err(e) => return fail(&mut notify, e.exit_code(), e.0),
     };
-    let shards = match k3_store::trunk::open_shards(&cat) {
+    let shards = match k3_store::runtime::trunk::open_shards(&cat) {
         Ok(s) => s,
         Err(e) => return fail(&mut notify, e.exit_code(), e.0),
     };
     let trunk = match &a.budget.trunk {
-        Some(dir) => match k3_store::trunk::TrunkLayout::from_packed(&cat, shards, dir) {
+        Some(dir) => match k3_store::runtime::trunk::TrunkLayout::from_packed(&cat, shards, dir) {
             Ok(t) => t,
             Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
         },
         // No packed trunk: the layers are read from the checkpoint's shards.
-        None => k3_store::trunk::TrunkLayout::from_catalog(&cat, shards),
+        None => k3_store::runtime::trunk::TrunkLayout::from_catalog(&cat, shards),
     };
     // The plan: the store holds the resident tensors, the pinned prefix, the ring the other
     // layers stream through and the expert arena; KV caches and activations live in each
@@ -268,7 +268,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     let available = allocatable().ok();
     // The draft trunk (if any) is held in full: `--preset auto` fits the rest around it.
     let draft = match &a.draft_trunk {
-        Some(dir) => match k3_store::draft::DraftFile::open(dir, &cat, cat.n_layers()) {
+        Some(dir) => match k3_store::runtime::draft::DraftFile::open(dir, &cat, cat.n_layers()) {
             Ok(d) => Some(d),
             Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
         },

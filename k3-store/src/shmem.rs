@@ -11,7 +11,7 @@ use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 
 use memmap2::{Mmap, MmapMut};
 
-use crate::source::ByteOwner;
+use crate::runtime::source::ByteOwner;
 
 /// The store's read-write view of the segment.
 pub struct Segment {

@@ -8,15 +8,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use k3_proto::names::MODEL_TENSORS;
-use k3_store::attached::{AttachOptions, AttachedSource};
-use k3_store::catalog::Catalog;
+use k3_store::attach::{AttachOptions, AttachedSource};
 use k3_store::daemon::backend::{BuildOptions, StoreBackend};
 use k3_store::daemon::Server;
-use k3_store::plan::{Budget, BudgetFlag};
-use k3_store::source::WeightSource;
-use k3_store::standalone::{StandaloneOptions, StandaloneSource};
-use k3_store::stream::TrunkStream;
-use k3_store::trunk::{open_shards, TrunkLayout};
+use k3_store::runtime::catalog::Catalog;
+use k3_store::runtime::plan::{Budget, BudgetFlag};
+use k3_store::runtime::source::WeightSource;
+use k3_store::runtime::standalone::{StandaloneOptions, StandaloneSource};
+use k3_store::runtime::stream::TrunkStream;
+use k3_store::runtime::trunk::{open_shards, TrunkLayout};
 
 fn tiny() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/model")
@@ -51,7 +51,7 @@ fn start_store_ring(tag: &str, pinned: usize, slots: usize, ring: Option<u64>) -
         .unwrap();
     let trunk = dir.path().join("trunk");
     let (cat, _) = Catalog::open_dir(&tiny()).unwrap();
-    k3_store::trunk::pack_trunk(&cat, &trunk, &mut |_| {}).unwrap();
+    k3_store::runtime::trunk::pack_trunk(&cat, &trunk, &mut |_| {}).unwrap();
     let layout = TrunkLayout::from_packed(&cat, open_shards(&cat).unwrap(), &trunk).unwrap();
     let backend = StoreBackend::build(
         &BuildOptions {
@@ -295,7 +295,7 @@ fn a_ring_hand_out_costs_a_socket_round_trip() {
 #[test]
 fn bad_trunk_requests_are_refused_not_fatal() {
     use k3_proto::wire::{ClientKind, ErrorCode, Request, Response};
-    use k3_store::client::Client;
+    use k3_store::attach::client::Client;
     let store = start_store("badtrunk", 2, 8);
     let mut w = Client::connect(&store.socket, ClientKind::Worker, "raw worker").unwrap();
     for layer in [1u32, 13, 99, u32::MAX] {

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use common::fixture::{self, Spec};
 use k3_proto::expert::ExpertLayout;
-use k3_store::experts::{CacheOptions, ExpertCache};
-use k3_store::trunk::{open_shards, pack_trunk};
+use k3_store::runtime::experts::{CacheOptions, ExpertCache};
+use k3_store::runtime::trunk::{open_shards, pack_trunk};
 
 #[test]
 #[ignore]

@@ -6,11 +6,11 @@ mod common;
 use std::sync::Arc;
 
 use common::fixture::{self, Spec};
-use k3_store::catalog::Catalog;
-use k3_store::plan::{Budget, BudgetFlag};
-use k3_store::source::WeightSource;
-use k3_store::standalone::{StandaloneOptions, StandaloneSource};
-use k3_store::trunk::{open_shards, pack_trunk, TrunkLayout};
+use k3_store::runtime::catalog::Catalog;
+use k3_store::runtime::plan::{Budget, BudgetFlag};
+use k3_store::runtime::source::WeightSource;
+use k3_store::runtime::standalone::{StandaloneOptions, StandaloneSource};
+use k3_store::runtime::trunk::{open_shards, pack_trunk, TrunkLayout};
 
 fn spec() -> Spec {
     let mut s = Spec::small(5, 6);

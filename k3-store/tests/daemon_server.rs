@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use k3_proto::wire::{
     ClientKind, Request, Response, SlotAnswer, StatsReport, StatusReport, PROTOCOL_VERSION,
 };
-use k3_store::client::{Client, ClientError};
+use k3_store::attach::client::{Client, ClientError};
 use k3_store::daemon::{Backend, ConnId, Server};
 use k3_store::shmem::Segment;
 

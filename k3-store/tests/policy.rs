@@ -1,7 +1,7 @@
-//! Eviction policies and trace replay (`k3_store::policy`).
+//! Eviction policies and trace replay (`k3_store::runtime::policy`).
 
-use k3_store::experts::Lru;
-use k3_store::policy::{
+use k3_store::runtime::experts::Lru;
+use k3_store::runtime::policy::{
     policy_by_name, replay_offline, replay_store, Counts, Offline, ReplayError, Trace, TraceBatch,
     MAX_LINE, POLICY_NAMES,
 };
@@ -231,7 +231,7 @@ fn capacity_below_the_batch_size_is_an_error() {
     assert!(replay_offline(&t, 3, Offline::Belady).is_ok());
 }
 
-fn parse(text: &[u8]) -> Result<Trace, k3_store::policy::TraceError> {
+fn parse(text: &[u8]) -> Result<Trace, k3_store::runtime::policy::TraceError> {
     let mut t = Trace::default();
     t.push_job("t.jsonl", text)?;
     Ok(t)

@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use k3_proto::config::ModelConfig;
 use k3_proto::exit;
-use k3_store::attached::{AttachError, AttachOptions, AttachedSource};
-use k3_store::source::WeightSource;
-use k3_store::standalone::{OpenError, StandaloneOptions, StandaloneSource};
+use k3_store::attach::{AttachError, AttachOptions, AttachedSource};
+use k3_store::runtime::source::WeightSource;
+use k3_store::runtime::standalone::{OpenError, StandaloneOptions, StandaloneSource};
 
 use crate::chat::Effort;
 use crate::cli::DraftArg;
@@ -24,8 +24,8 @@ use crate::spec::{
     Drafter, FirstOf, HistoryDrafter, ModelDrafter, NgramDrafter, ReplayDrafter, SpecMode,
 };
 use crate::tokenizer::Tokenizer;
-use k3_store::draft::DraftSource;
-use k3_store::trunk::TrunkError;
+use k3_store::runtime::draft::DraftSource;
+use k3_store::runtime::trunk::TrunkError;
 
 /// Why a job stopped, with its exit code ([`k3_proto::exit::ExitStatus`]).
 #[derive(Debug, thiserror::Error)]
@@ -288,7 +288,7 @@ fn load_draft_model(
     cli: &Cli,
     opened: &Opened,
     source: &dyn WeightSource,
-    catalog: Option<&k3_store::catalog::Catalog>,
+    catalog: Option<&k3_store::runtime::catalog::Catalog>,
 ) -> Result<Option<ModelDrafter>, JobError> {
     let Some(cat) = catalog.filter(|_| wants_draft_model(cli)) else {
         return Ok(None);
@@ -525,9 +525,9 @@ pub fn open_source(
             let need = dims.kda_state_bytes()
                 + dims.mla_cache_bytes(positions as u64)
                 + draft_model_bytes(cli, &dims, positions)?
-                + k3_store::plan::activation_bytes(&cfg, chunk)
-                + k3_store::plan::verify_bytes(&cfg, spec_drafts(cli), chunk);
-            let avail = k3_store::plan::allocatable().map_err(refuse)?;
+                + k3_store::runtime::plan::activation_bytes(&cfg, chunk)
+                + k3_store::runtime::plan::verify_bytes(&cfg, spec_drafts(cli), chunk);
+            let avail = k3_store::runtime::plan::allocatable().map_err(refuse)?;
             if need > avail {
                 return Err(refuse(format!(
                     "REFUSING TO START: the sequence state and buffers need {:.3} GB but this process may allocate only {:.3} GB",
@@ -554,8 +554,11 @@ pub fn open_source(
             let opts = StandaloneOptions {
                 context_len: positions,
                 prefill_tokens: chunk,
-                extra_buffer_bytes: k3_store::plan::verify_bytes(&cfg, spec_drafts(cli), chunk)
-                    + draft_model_bytes(cli, &dims, positions)?,
+                extra_buffer_bytes: k3_store::runtime::plan::verify_bytes(
+                    &cfg,
+                    spec_drafts(cli),
+                    chunk,
+                ) + draft_model_bytes(cli, &dims, positions)?,
                 cache_policy: cli.budget.policy(),
                 preload: cli.budget.preload,
                 ..StandaloneOptions::default()
@@ -619,7 +622,10 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
             let path = opened.model_dir.join("config.json");
             let cfg =
                 ModelConfig::load(&path).map_err(|e| refuse(format!("{}: {e}", path.display())))?;
-            Some(k3_store::catalog::Catalog::from_index(&index, &cfg).map_err(|e| refuse(e.0))?)
+            Some(
+                k3_store::runtime::catalog::Catalog::from_index(&index, &cfg)
+                    .map_err(|e| refuse(e.0))?,
+            )
         } else {
             None
         };

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
-use k3_store::source::SourceStats;
+use k3_store::runtime::source::SourceStats;
 
 use crate::generate::{GenReport, StepReport};
 use crate::model::{Model, RunCounters, TraceRecord};

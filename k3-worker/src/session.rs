@@ -7,7 +7,7 @@
 //! dims ([`crate::model::snapshot`]). A session that fails any check is not used: the run starts
 //! afresh and says why on stderr.
 
-use k3_store::attached::AttachedSource;
+use k3_store::attach::AttachedSource;
 use k3_store::session::{self as container, Blob, SessionWriter};
 
 use crate::chat::Message;

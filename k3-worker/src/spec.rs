@@ -11,8 +11,8 @@
 //! 0 unless that beats plain decoding by [`MIN_GAIN`]; with K = 0 a one-draft probe runs every
 //! [`PROBE_EVERY`] passes so a drafter that starts agreeing is noticed.
 
-use k3_store::draft::{DraftSource, ResidentExperts};
-use k3_store::source::WeightSource;
+use k3_store::runtime::draft::{DraftSource, ResidentExperts};
+use k3_store::runtime::source::WeightSource;
 
 use crate::model::forward::{Bound, Logits, Model};
 use crate::model::state::{KdaState, LayerState, SeqState};
@@ -664,7 +664,7 @@ mod tests {
         assert_eq!(tail[0], 2 * PROBE_EVERY as usize, "{gaps:?}");
     }
 
-    use k3_store::source::{ExpertBatch, LayerRun, Region, SourceError, SourceStats};
+    use k3_store::runtime::source::{ExpertBatch, LayerRun, Region, SourceError, SourceStats};
 
     /// A source with no weights: the drafters here never read any.
     struct NoWeights;

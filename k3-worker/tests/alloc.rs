@@ -10,7 +10,7 @@ use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use common::{tiny_dims, MemSource};
-use k3_store::source::{
+use k3_store::runtime::source::{
     ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats, WeightSource,
 };
 use k3_worker::generate::{generate, GenOptions, Sampler};

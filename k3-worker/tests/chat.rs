@@ -469,8 +469,8 @@ fn small_checkpoint() -> Option<PathBuf> {
 #[test]
 #[ignore = "needs the generated small checkpoint (see the module doc)"]
 fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
-    use k3_store::plan::{Budget, BudgetFlag};
-    use k3_store::standalone::{StandaloneOptions, StandaloneSource};
+    use k3_store::runtime::plan::{Budget, BudgetFlag};
+    use k3_store::runtime::standalone::{StandaloneOptions, StandaloneSource};
     use k3_worker::chat::{Session, TurnOptions};
     use k3_worker::generate::Sampler;
     use k3_worker::model::bind::ShapeTable;

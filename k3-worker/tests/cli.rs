@@ -680,7 +680,7 @@ fn every_cache_policy_gives_the_reference_ids_and_unknown_ones_are_refused() {
         ])
     };
     let mut hits = Vec::new();
-    for policy in k3_store::policy::POLICY_NAMES {
+    for policy in k3_store::runtime::policy::POLICY_NAMES {
         let out = sb.path(&format!("{policy}.json"));
         let o = run(policy, &out);
         let err = String::from_utf8_lossy(&o.stderr);

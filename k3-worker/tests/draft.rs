@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 
 use ckpt::CkptSource;
 use k3_proto::quant::QuantKind;
-use k3_store::catalog::Catalog;
-use k3_store::draft::{pack_draft, DraftSource, ResidentExperts};
-use k3_store::source::WeightSource;
+use k3_store::runtime::catalog::Catalog;
+use k3_store::runtime::draft::{pack_draft, DraftSource, ResidentExperts};
+use k3_store::runtime::source::WeightSource;
 use k3_worker::model::{Dims, Logits, Model, TensorShapes};
 use k3_worker::spec::{DraftExperts, Drafter, ModelDrafter, MAX_CATCH_UP};
 

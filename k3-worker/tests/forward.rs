@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::{layer_name, tiny_dims, MemSource};
-use k3_store::source::{
+use k3_store::runtime::source::{
     ByteOwner, ExpertBatch, LayerRun, Region, SourceError, SourceStats, WeightSource,
 };
 use k3_worker::model::{Logits, Model, ModelError, TensorShapes};
@@ -222,7 +222,7 @@ fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
     src.set_loc(&alog, k3_proto::Dtype::F32, 8);
     src.set_meta(&alog, k3_proto::Dtype::F32, vec![2]);
     let d = tiny_dims();
-    let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
+    let run = k3_store::runtime::source::WeightSource::layer(&src, 1).unwrap();
     let bound = BoundLayer::bind(&d, &run, Some(&src as &dyn TensorShapes), false).unwrap();
     let lw = bound.weights(&run).unwrap();
     let Mlp::Moe(moe) = &lw.mlp else { panic!() };
@@ -232,7 +232,7 @@ fn documented_variants_bind_bf16_router_bias_and_a_log_per_head() {
     // A third A_log length is still refused.
     src.set_loc(&alog, k3_proto::Dtype::F32, 12);
     src.set_meta(&alog, k3_proto::Dtype::F32, vec![3]);
-    let run = k3_store::source::WeightSource::layer(&src, 1).unwrap();
+    let run = k3_store::runtime::source::WeightSource::layer(&src, 1).unwrap();
     let e = BoundLayer::bind(&d, &run, None, false)
         .unwrap_err()
         .to_string();

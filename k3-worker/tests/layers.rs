@@ -8,7 +8,7 @@
 mod common;
 
 use common::{layer_name, tiny_dims, MemSource, Rng};
-use k3_store::source::WeightSource;
+use k3_store::runtime::source::WeightSource;
 use k3_worker::kernels;
 use k3_worker::model::bind::{Attn, BoundLayer, Mlp};
 use k3_worker::model::moe::{select_top_k, Routing};
@@ -261,7 +261,7 @@ fn kda_reference(src: &MemSource, l: usize, x: &[f32], n: usize) -> Vec<f64> {
     out
 }
 
-fn kda_layer(src: &MemSource, l: usize) -> (k3_store::source::LayerRun, KdaState) {
+fn kda_layer(src: &MemSource, l: usize) -> (k3_store::runtime::source::LayerRun, KdaState) {
     let d = &src.dims;
     let p = d.kda_heads * d.kda_dim;
     let st = KdaState {

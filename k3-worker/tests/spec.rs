@@ -278,7 +278,12 @@ impl Drafter for Const {
     fn name(&self) -> &'static str {
         "const"
     }
-    fn draft(&mut self, _: &dyn k3_store::source::WeightSource, _: &[u32], k: usize) -> Vec<u32> {
+    fn draft(
+        &mut self,
+        _: &dyn k3_store::runtime::source::WeightSource,
+        _: &[u32],
+        k: usize,
+    ) -> Vec<u32> {
         vec![self.0; k]
     }
 }

@@ -82,7 +82,7 @@ pub enum Request {
     Progress(JobProgress),
     /// v3. Draft ids for speculative decoding from the store's history of earlier jobs' token
     /// streams: the continuation of the longest suffix of `context` found there
-    /// (`crate::draft::lookup`). Answered with [`Response::Draft`] (empty when nothing
+    /// (`crate::runtime::draft::lookup`). Answered with [`Response::Draft`] (empty when nothing
     /// matches). `context` holds at most [`MAX_DRAFT_CONTEXT`] ids, `max` at most
     /// [`MAX_DRAFT_IDS`].
     Draft {
@@ -188,7 +188,7 @@ pub struct SessionStats {
 }
 
 /// Most context ids a [`Request::Draft`] may carry (the lookup matches at most
-/// `crate::draft::MAX_MATCH` of them).
+/// `crate::runtime::draft::MAX_MATCH` of them).
 pub const MAX_DRAFT_CONTEXT: usize = 64;
 
 /// Most ids a [`Request::Draft`] may ask for.

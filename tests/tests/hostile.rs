@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use k3_proto::wire::{self, ClientKind, Request, Response, PROTOCOL_VERSION};
-use k3_store::client::Client;
+use k3_store::attach::client::Client;
 use k3_tests::{
     ids_arg, is_root, pid_gone, poll_until, reference_greedy, reference_prompt, rss_bytes,
     send_signal, tiny_model, Run, Sandbox,

@@ -476,7 +476,7 @@ fn stale_socket_of_a_killed_store_is_replaced() {
 #[test]
 fn protocol_version_mismatch_and_unreachable_store() {
     use k3_proto::wire::{ClientKind, PROTOCOL_VERSION};
-    use k3_store::client::{Client, ClientError};
+    use k3_store::attach::client::{Client, ClientError};
     let mut sb = Sandbox::new("proto");
     let trunk = sb.pack_tiny_trunk();
     let ids = ids_arg(&reference_prompt());
@@ -718,7 +718,7 @@ fn store_going_away_mid_generation_ends_the_worker_promptly() {
 #[test]
 fn hostile_and_confused_clients_get_errors_and_the_store_keeps_serving() {
     use k3_proto::wire::{ClientKind, Request, Response, SlotAnswer, PROTOCOL_VERSION};
-    use k3_store::client::Client;
+    use k3_store::attach::client::Client;
     use std::io::{Read, Write};
     let mut sb = Sandbox::new("hostile");
     let trunk = sb.pack_tiny_trunk();

@@ -115,8 +115,9 @@ const STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 async fn pick_session(st: &Shared, prompt: &[u32]) -> (String, usize) {
     let socket = st.socket.clone();
     let ask = tokio::task::spawn_blocking(move || {
-        let mut c = k3_store::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
-            .map_err(|e| e.to_string())?;
+        let mut c =
+            k3_store::attach::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
+                .map_err(|e| e.to_string())?;
         match c.call(&StoreRequest::ListSessions) {
             Ok(StoreResponse::Sessions(list)) => Ok(list),
             Ok(other) => Err(format!("unexpected answer {other:?}")),
@@ -145,8 +146,9 @@ async fn pick_session(st: &Shared, prompt: &[u32]) -> (String, usize) {
 async fn store_up(st: &Shared) -> Result<(), ApiError> {
     let socket = st.socket.clone();
     let ask = tokio::task::spawn_blocking(move || {
-        let mut c = k3_store::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
-            .map_err(|e| e.to_string())?;
+        let mut c =
+            k3_store::attach::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
+                .map_err(|e| e.to_string())?;
         match c.call(&StoreRequest::Status) {
             Ok(StoreResponse::Status(_)) => Ok(()),
             Ok(other) => Err(format!("unexpected answer {other:?}")),

@@ -133,9 +133,10 @@ pub fn run(a: Args) -> i32 {
         ));
     }
     let socket = a.socket.path();
-    let status = k3_store::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
-        .map_err(|e| e.to_string())
-        .and_then(|mut c| c.call(&Request::Status).map_err(|e| e.to_string()));
+    let status =
+        k3_store::attach::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
+            .map_err(|e| e.to_string())
+            .and_then(|mut c| c.call(&Request::Status).map_err(|e| e.to_string()));
     let model_dir = match status {
         Ok(Response::Status(s)) => PathBuf::from(s.model_dir),
         Ok(other) => {

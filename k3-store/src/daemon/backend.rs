@@ -26,14 +26,14 @@ use zerocopy::IntoBytes;
 
 use super::ring::{Grant, RingCounters, RingError, RingOptions, SharedRing};
 use super::{Backend, ConnId};
-use crate::arena::ArenaMem;
-use crate::catalog::Catalog;
-use crate::draft::DraftFile;
-use crate::experts::{Arena, BatchError, ExpertReader, ExpertSlots, SlotState, SlotTable};
-use crate::io::{align_up, span_len, DiskFile};
-use crate::pool::IoPool;
+use crate::runtime::arena::ArenaMem;
+use crate::runtime::catalog::Catalog;
+use crate::runtime::draft::DraftFile;
+use crate::runtime::experts::{Arena, BatchError, ExpertReader, ExpertSlots, SlotState, SlotTable};
+use crate::runtime::io::{align_up, span_len, DiskFile};
+use crate::runtime::pool::IoPool;
+use crate::runtime::trunk::{open_shards, TrunkLayout};
 use crate::shmem::Segment;
-use crate::trunk::{open_shards, TrunkLayout};
 
 /// Mirror one slot's state into the shared slot table at `base + off` (diagnostics for readers).
 /// Call under the slots' lock (the borrowed `table` lives behind it), while the mapping lives.
@@ -77,7 +77,7 @@ pub struct BuildOptions {
     pub slots: usize,
     /// Parallel expert reads per batch.
     pub io_threads: usize,
-    /// Expert-cache eviction policy (a name from `crate::policy::POLICY_NAMES`).
+    /// Expert-cache eviction policy (a name from `crate::runtime::policy::POLICY_NAMES`).
     pub cache_policy: String,
     /// Preset name (or "custom") for status.
     pub preset: String,
@@ -268,8 +268,8 @@ impl StoreBackend {
         if opts.slots < 1 {
             return Err(String::from("the expert arena needs at least one slot").into());
         }
-        let policy = crate::policy::policy_by_name(&opts.cache_policy, opts.slots)
-            .ok_or_else(|| crate::policy::unknown_policy(&opts.cache_policy))?;
+        let policy = crate::runtime::policy::policy_by_name(&opts.cache_policy, opts.slots)
+            .ok_or_else(|| crate::runtime::policy::unknown_policy(&opts.cache_policy))?;
         let lay = segment_layout(
             &cat,
             &trunk,

@@ -41,10 +41,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::ConnId;
-use crate::arena::{place, place_min_overlap, ArenaMem};
-use crate::io::align_up;
-use crate::stream::{free_windows, read_windows, verify_extent, VerifyMode};
-use crate::trunk::TrunkLayout;
+use crate::runtime::arena::{place, place_min_overlap, ArenaMem};
+use crate::runtime::io::align_up;
+use crate::runtime::stream::{free_windows, read_windows, verify_extent, VerifyMode};
+use crate::runtime::trunk::TrunkLayout;
 
 /// How the ring bounds what a worker may hold.
 #[derive(Clone, Debug)]
@@ -732,7 +732,7 @@ fn reader(sh: &Shared) {
 mod tests {
     use super::*;
     use crate::fixture::{self, Rng, Spec};
-    use crate::trunk::open_shards;
+    use crate::runtime::trunk::open_shards;
 
     fn layout(w: &fixture::Written) -> Arc<TrunkLayout> {
         Arc::new(TrunkLayout::from_catalog(

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_proto::Dtype;
 
-use k3_store::catalog::{Catalog, PartExtent, TensorExtent};
+use k3_store::runtime::catalog::{Catalog, PartExtent, TensorExtent};
 
 /// Shape of a synthetic checkpoint.
 #[derive(Clone, Debug)]

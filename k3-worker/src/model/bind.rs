@@ -9,7 +9,7 @@
 use k3_proto::Dtype;
 use std::sync::Arc;
 
-use k3_store::source::{LayerLayout, LayerRun, Region, WeightSource};
+use k3_store::runtime::source::{LayerLayout, LayerRun, Region, WeightSource};
 
 use super::attn_res::AttnResQuery;
 use super::kda::KdaWeights;

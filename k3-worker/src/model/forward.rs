@@ -18,7 +18,7 @@
 
 use std::time::Instant;
 
-use k3_store::source::{PendingExperts, SourceError, WeightSource};
+use k3_store::runtime::source::{PendingExperts, SourceError, WeightSource};
 
 use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
 use super::moe::{MoeWeights, UpSide};

@@ -28,7 +28,7 @@ pub use forward::{Logits, Model, PhaseSeconds, RunCounters, TraceRecord};
 pub use state::SeqState;
 
 use k3_proto::config::{LayerKind, ModelConfig};
-use k3_store::source::SourceError;
+use k3_store::runtime::source::SourceError;
 
 /// Every dimension and constant the forward pass needs, derived once from the model config.
 ///

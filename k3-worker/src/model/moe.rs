@@ -8,7 +8,7 @@
 use super::{linear_into, rms_norm_rows_into, zeroed, Dims, Mat};
 use crate::kernels;
 use k3_proto::expert::{ExpertLayout, ExpertPart};
-use k3_store::source::ExpertBatch;
+use k3_store::runtime::source::ExpertBatch;
 
 /// A SiTU-GLU MLP: `out = W_down · SiTU([W_gate x | W_up x])`.
 #[derive(Debug)]

@@ -174,7 +174,7 @@ impl UpCopy {
 /// Passes of at most this many positions (a decode step, a verify pass of up to `MAX_K` drafts)
 /// keep their buffers for the next pass. A larger pass (a prefill chunk) frees each stage's
 /// buffers when the stage is done and the rest when the pass ends, so its peak is one stage's
-/// temporaries at the chunk's size, as `k3_store::plan::activation_bytes` budgets, and the run
+/// temporaries at the chunk's size, as `k3_store::runtime::plan::activation_bytes` budgets, and the run
 /// does not keep a chunk's worth of buffers through its decode.
 pub const KEEP_BUFFERS_MAX_POSITIONS: usize = crate::spec::MAX_K + 1;
 

@@ -10,7 +10,7 @@ use k3_proto::config::ModelConfig;
 use k3_proto::expert::ExpertLayout;
 use k3_proto::names::{classify, TensorClass};
 use k3_proto::safetensors::CheckpointIndex;
-use k3_store::source::{
+use k3_store::runtime::source::{
     ExpertBatch, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc, WeightSource,
 };
 

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_proto::Dtype;
-use k3_store::source::{
+use k3_store::runtime::source::{
     ByteOwner, ExpertBatch, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc,
     WeightSource,
 };

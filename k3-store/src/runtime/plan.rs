@@ -9,7 +9,7 @@
 //! Trunk budget accounting: pinned layers + the ring arena. The model-level tensors (embedding,
 //! lm_head, final norms) are their own line and are not charged to the trunk budget.
 
-use crate::io::{align_down, align_up, ALIGN};
+use crate::runtime::io::{align_down, align_up, ALIGN};
 
 /// Bytes per GB (decimal).
 pub const GB: f64 = 1e9;
@@ -306,8 +306,8 @@ impl PlanInputs {
     /// From the config, the checkpoint catalog and the trunk read plan.
     pub fn from_model(
         cfg: &k3_proto::config::ModelConfig,
-        cat: &crate::catalog::Catalog,
-        trunk: &crate::trunk::TrunkLayout,
+        cat: &crate::runtime::catalog::Catalog,
+        trunk: &crate::runtime::trunk::TrunkLayout,
         context_len: usize,
     ) -> PlanInputs {
         let f = 4u64; // f32
@@ -324,8 +324,9 @@ impl PlanInputs {
             mapped_bytes: embed.iter().map(|t| t.nbytes).sum(),
             layer_bytes: (0..trunk.n_layers()).map(|l| trunk.buf_len(l)).collect(),
             expert_bytes: cfg.expert_layout().expert_bytes() as u64,
-            expert_slot_bytes: crate::experts::ExpertReader::slot_stride(&cfg.expert_layout())
-                as u64,
+            expert_slot_bytes: crate::runtime::experts::ExpertReader::slot_stride(
+                &cfg.expert_layout(),
+            ) as u64,
             top_k: cfg.num_experts_per_token,
             total_experts: (0..cat.n_layers())
                 .map(|l| {

@@ -19,7 +19,7 @@
 //! leasing: [`SlotTable::reserve_prefetch`] gives each predicted expert an EMPTY slot, or an
 //! unleased RESIDENT one only while predictions prove likelier to be used than the cache's own
 //! reuse; a request that finds it INFLIGHT waits for that read. Phase 2 runs on a fixed set of
-//! long-lived reader threads ([`crate::pool::IoPool`]), never on threads started per batch.
+//! long-lived reader threads ([`crate::runtime::pool::IoPool`]), never on threads started per batch.
 //!
 //! [`SlotTable`] is the memory-agnostic state machine; [`ExpertSlots::serve_batch`] runs the three
 //! phases over one [`Arena`] of slot memory and is the only implementation of them. Its two
@@ -35,11 +35,11 @@ use std::time::{Duration, Instant};
 
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 
-use crate::arena::ArenaMem;
-use crate::catalog::{Catalog, ExpertExtents};
-use crate::io::{align_up, DiskFile, ReadError, ALIGN};
-use crate::pool::IoPool;
-use crate::source::{ByteOwner, ExpertBatch, Region, SourceError};
+use crate::runtime::arena::ArenaMem;
+use crate::runtime::catalog::{Catalog, ExpertExtents};
+use crate::runtime::io::{align_up, DiskFile, ReadError, ALIGN};
+use crate::runtime::pool::IoPool;
+use crate::runtime::source::{ByteOwner, ExpertBatch, Region, SourceError};
 
 /// State of one slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1444,8 +1444,8 @@ impl ExpertCache {
         format!(
             "expert cache: {} slots x {} ({}), {policy}, {}",
             self.opts.slots,
-            crate::plan::fmt_mb(stride),
-            crate::plan::fmt_bytes(stride * self.opts.slots as u64),
+            crate::runtime::plan::fmt_mb(stride),
+            crate::runtime::plan::fmt_bytes(stride * self.opts.slots as u64),
             if self.slots.reader().is_direct() {
                 "O_DIRECT"
             } else {
@@ -1514,7 +1514,7 @@ impl ExpertCache {
 
     /// The experts of `ids` (layer `l`) that are RESIDENT now, leased like [`get`]'s; the others
     /// are `Err`. Never reads, waits, counts a request or changes the eviction order (the draft
-    /// model's experts, [`crate::source::WeightSource::resident_experts`]).
+    /// model's experts, [`crate::runtime::source::WeightSource::resident_experts`]).
     ///
     /// [`get`]: ExpertCache::get
     pub fn resident(&self, l: usize, ids: &[u32]) -> ExpertBatch {
@@ -1588,7 +1588,7 @@ impl ExpertCache {
 mod tests {
     use super::*;
     use crate::fixture::{self, Rng, Spec};
-    use crate::trunk::open_shards;
+    use crate::runtime::trunk::open_shards;
     use std::sync::atomic::{AtomicBool, Ordering};
 
     fn cache(w: &fixture::Written, slots: usize, timeout_ms: u64) -> ExpertCache {
@@ -1918,7 +1918,7 @@ mod tests {
         c.set_fail_hook(Box::new(fails));
         let fail: FailHook = Box::new(fails);
         let stride = ExpertReader::slot_stride(&spec.layout);
-        let mut mem = crate::io::AlignedBuf::zeroed(6 * stride).unwrap();
+        let mut mem = crate::runtime::io::AlignedBuf::zeroed(6 * stride).unwrap();
         // SAFETY: `mem` outlives `d` (declared before it) and is not touched again.
         let arena = unsafe { Arena::over(&mut mem.as_mut_slice()[stride..], stride, 5) }.unwrap();
         let d = ExpertSlots::new(

@@ -3,7 +3,7 @@
 //! Layers `0..pinned` are read once at start and never evicted (the forward pass scans layers
 //! cyclically, which defeats LRU, so a fixed prefix is the right policy). The other layers go
 //! through one **ring arena** of `ring_bytes` (at least the largest streamed layer): each layer
-//! read lands in a contiguous extent placed by [`crate::arena::place`], so small layers share the
+//! read lands in a contiguous extent placed by [`crate::runtime::arena::place`], so small layers share the
 //! arena and the next layer is read while the current one is computed — a 3 GB laptop arena holds
 //! layer 0 (2.34 GB) alone but two KDA layers (1.27 GB) or an MLA and a KDA layer at once.
 //!
@@ -18,7 +18,7 @@
 //!
 //! **Partial read-ahead.** When the very next layer does not fit beside the layer in use (layer 1
 //! after the 2.34 GB layer 0 in a 3 GB arena), it is placed where it overlaps that layer least
-//! ([`crate::arena::place_min_overlap`]); the free part of its extent is read at once, page-
+//! ([`crate::runtime::arena::place_min_overlap`]); the free part of its extent is read at once, page-
 //! aligned windows of the same span ([`TrunkLayout::read_layer_window`]), and the rest as soon as
 //! the layer in use is released. While it waits the reader serves nothing else, so a consumer
 //! that keeps the layer and asks for another gets the "layers in use" error after the timeout.
@@ -42,10 +42,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::arena::{place, place_min_overlap, ArenaMem};
-use crate::io::{align_up, run_parallel, AlignedBuf};
-use crate::source::{ByteOwner, LayerRun, Region, SourceError};
-use crate::trunk::TrunkLayout;
+use crate::runtime::arena::{place, place_min_overlap, ArenaMem};
+use crate::runtime::io::{align_up, run_parallel, AlignedBuf};
+use crate::runtime::source::{ByteOwner, LayerRun, Region, SourceError};
+use crate::runtime::trunk::TrunkLayout;
 
 /// Parallel readers while loading the pinned prefix.
 const PIN_READERS: usize = 4;
@@ -425,15 +425,15 @@ impl TrunkStream {
         } else {
             format!(
                 "ring {} (largest streamed layer {}), reading ahead",
-                crate::plan::fmt_bytes(st.ring_bytes),
-                crate::plan::fmt_bytes(st.largest_layer_bytes)
+                crate::runtime::plan::fmt_bytes(st.ring_bytes),
+                crate::runtime::plan::fmt_bytes(st.largest_layer_bytes)
             )
         };
         format!(
             "trunk stream: {from}, {}/{} layers PINNED ({}), {ring}, {}",
             st.pinned_layers,
             layout.n_layers(),
-            crate::plan::fmt_bytes(st.pinned_bytes),
+            crate::runtime::plan::fmt_bytes(st.pinned_bytes),
             if layout.is_direct() {
                 "O_DIRECT"
             } else {
@@ -897,7 +897,7 @@ impl TrunkStream {
 mod tests {
     use super::*;
     use crate::fixture::{self, Rng, Spec};
-    use crate::trunk::{open_shards, pack_trunk};
+    use crate::runtime::trunk::{open_shards, pack_trunk};
 
     fn verify(spec: &Spec, run: &LayerRun) {
         let want = fixture::trunk_tensors(spec, run.layer);
@@ -1200,7 +1200,7 @@ mod tests {
         let spec = Spec::small(3, 2);
         let w = fixture::write(&spec, "sflip");
         let layout = packed_layout(&w);
-        let json: crate::trunk::TrunkJson = serde_json::from_str(
+        let json: crate::runtime::trunk::TrunkJson = serde_json::from_str(
             &std::fs::read_to_string(w.dir.join("packed").join("trunk.json")).unwrap(),
         )
         .unwrap();
@@ -1209,7 +1209,7 @@ mod tests {
             use std::os::unix::fs::FileExt;
             let f = std::fs::OpenOptions::new()
                 .write(true)
-                .open(w.dir.join("packed").join(crate::trunk::TRUNK_BIN))
+                .open(w.dir.join("packed").join(crate::runtime::trunk::TRUNK_BIN))
                 .unwrap();
             f.write_all_at(&[0xa5, 0x5a, 0xa5], at).unwrap();
         }
@@ -1247,8 +1247,8 @@ mod tests {
                 .unwrap(),
         );
         // Truncate trunk.bin inside layer 2's run.
-        let bin = packed_dir.join(crate::trunk::TRUNK_BIN);
-        let json: crate::trunk::TrunkJson =
+        let bin = packed_dir.join(crate::runtime::trunk::TRUNK_BIN);
+        let json: crate::runtime::trunk::TrunkJson =
             serde_json::from_str(&std::fs::read_to_string(packed_dir.join("trunk.json")).unwrap())
                 .unwrap();
         let cut = json.layers[2].file_off + 10;

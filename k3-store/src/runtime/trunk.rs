@@ -22,7 +22,7 @@
 //! missing or zero checksum or identity, and runs that overlap, are unaligned or lie outside
 //! `trunk.bin`. Layer bytes are checked against their checksum with
 //! [`TrunkLayout::verify_run`]: pinned layers always when loaded, streamed layers on their first
-//! read in a process by default (`K3_TRUNK_VERIFY=first|every|off`, see `crate::stream`), every
+//! read in a process by default (`K3_TRUNK_VERIFY=first|every|off`, see `crate::runtime::stream`), every
 //! layer by `k3-ctl verify`.
 //!
 //! **Checkpoint identity** ([`checkpoint_id`]): XXH3-128 over, for every shard in file-name order,
@@ -45,9 +45,9 @@ use std::time::Instant;
 use k3_proto::Dtype;
 use serde::{Deserialize, Serialize};
 
-use crate::catalog::{Catalog, TensorExtent};
-use crate::io::{align_down, align_up, span_len, AlignedBuf, DiskFile, ReadError, ALIGN};
-use crate::source::{LayerLayout, TensorLoc};
+use crate::runtime::catalog::{Catalog, TensorExtent};
+use crate::runtime::io::{align_down, align_up, span_len, AlignedBuf, DiskFile, ReadError, ALIGN};
+use crate::runtime::source::{LayerLayout, TensorLoc};
 
 /// File names inside a packed-trunk directory.
 pub const TRUNK_BIN: &str = "trunk.bin";
@@ -891,7 +891,7 @@ impl TrunkLayout {
     }
 
     /// The part `[at, at + window.len())` of what [`TrunkLayout::read_layer`] writes into its
-    /// buffer, written into `window` (`at` a multiple of [`crate::io::ALIGN`], `window` aligned;
+    /// buffer, written into `window` (`at` a multiple of [`crate::runtime::io::ALIGN`], `window` aligned;
     /// see [`DiskFile::read_span_window`]). Returns the run's offset in the whole buffer, like
     /// `read_layer`. Only for [`TrunkLayout::windowed`] layers.
     pub fn read_layer_window(

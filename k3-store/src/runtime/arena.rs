@@ -1,15 +1,15 @@
 //! One block of memory carved into variable-size extents, and where the next extent goes.
 //!
-//! The trunk ring ([`crate::stream`]) keeps every streamed layer it holds in one arena instead of
+//! The trunk ring ([`crate::runtime::stream`]) keeps every streamed layer it holds in one arena instead of
 //! fixed slots of the largest layer's size: a 3 GB arena holds layer 0 (2.34 GB) alone but two
 //! KDA layers (1.27 GB each) at once, so the next layer is read while the current one is
 //! computed. [`ArenaMem`] is the memory (the only `unsafe` of the ring); [`place`] is the
 //! allocation rule, a pure function.
 
-use crate::io::{AlignedBuf, ALIGN};
+use crate::runtime::io::{AlignedBuf, ALIGN};
 
 /// Memory handed out as raw sub-slices: the trunk ring's arena and the routed-expert slots
-/// ([`crate::experts::Arena`]). Who may touch which range when is the owner's state machine (see
+/// ([`crate::runtime::experts::Arena`]). Who may touch which range when is the owner's state machine (see
 /// the safety contracts of [`ArenaMem::range`] and [`ArenaMem::range_mut`]).
 pub struct ArenaMem {
     /// Owns the allocation when the arena made it; never borrowed after construction (all access

@@ -36,7 +36,7 @@ use std::fmt;
 use std::io::{BufRead, Read};
 use std::path::Path;
 
-use crate::experts::{EvictionPolicy, Lru, Reserved, SlotTable};
+use crate::runtime::experts::{EvictionPolicy, Lru, Reserved, SlotTable};
 
 /// Longest accepted trace line, bytes.
 pub const MAX_LINE: usize = 1 << 20;

@@ -206,7 +206,7 @@ pub enum SourceError {
     Io(String),
     /// A read that failed, with the operating system's error kind when there was one.
     #[error("I/O: {0}")]
-    Read(#[from] crate::io::ReadError),
+    Read(#[from] crate::runtime::io::ReadError),
     /// The request itself is invalid (layer out of range, expert id too large, …).
     #[error("invalid request: {0}")]
     Invalid(String),
@@ -236,7 +236,7 @@ impl PendingExperts {
     /// Run `fetch` on `pool` (one of the source's long-lived threads); a panic in it is answered
     /// as [`SourceError::Panicked`].
     pub fn on_pool(
-        pool: &crate::pool::IoPool,
+        pool: &crate::runtime::pool::IoPool,
         fetch: impl FnOnce() -> Result<ExpertBatch, SourceError> + Send + 'static,
     ) -> PendingExperts {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);

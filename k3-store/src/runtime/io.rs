@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use crate::source::ByteOwner;
+use crate::runtime::source::ByteOwner;
 
 /// Alignment of every `O_DIRECT` offset, length and buffer address.
 pub const ALIGN: usize = 4096;
@@ -787,8 +787,10 @@ mod tests {
         let e = DiskFile::open(&dir.path().join("absent")).unwrap_err();
         assert_eq!(e.kind(), Some(std::io::ErrorKind::NotFound), "{e}");
         assert!(e.to_string().contains("absent"), "{e}");
-        let s: crate::source::SourceError = e.clone().into();
-        assert!(matches!(s, crate::source::SourceError::Read(ref r) if r.kind() == e.kind()));
+        let s: crate::runtime::source::SourceError = e.clone().into();
+        assert!(
+            matches!(s, crate::runtime::source::SourceError::Read(ref r) if r.kind() == e.kind())
+        );
         let bounds = ReadError::msg("outside the file");
         assert_eq!(bounds.kind(), None);
     }

@@ -1,8 +1,8 @@
 //! The in-process weight source (`k3-worker --standalone`): the store's logic without a daemon.
 //!
 //! Model-level tensors are read once into aligned buffers; the trunk streams through
-//! [`crate::stream::TrunkStream`] (pinned prefix + ring); routed experts come from
-//! [`crate::experts::ExpertCache`]. The memory plan is computed and checked against
+//! [`crate::runtime::stream::TrunkStream`] (pinned prefix + ring); routed experts come from
+//! [`crate::runtime::experts::ExpertCache`]. The memory plan is computed and checked against
 //! `MemAvailable` before anything large is allocated.
 
 use std::collections::HashMap;
@@ -11,18 +11,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::catalog::Catalog;
 use crate::cli::Preload;
-use crate::experts::{CacheOptions, CacheStats, ExpertCache};
-use crate::io::{DiskFile, MappedRange};
-use crate::plan::{allocatable, Budget, MemoryPlan, PlanInputs};
-use crate::pool::IoPool;
-use crate::source::{
+use crate::runtime::catalog::Catalog;
+use crate::runtime::experts::{CacheOptions, CacheStats, ExpertCache};
+use crate::runtime::io::{DiskFile, MappedRange};
+use crate::runtime::plan::{allocatable, Budget, MemoryPlan, PlanInputs};
+use crate::runtime::pool::IoPool;
+use crate::runtime::source::{
     ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
     WeightSource,
 };
-use crate::stream::{StreamOptions, StreamStats, TrunkStream};
-use crate::trunk::{open_shards, TrunkError, TrunkLayout};
+use crate::runtime::stream::{StreamOptions, StreamStats, TrunkStream};
+use crate::runtime::trunk::{open_shards, TrunkError, TrunkLayout};
 
 /// Options of [`StandaloneSource`].
 #[derive(Clone, Debug)]
@@ -38,10 +38,10 @@ pub struct StandaloneOptions {
     pub check_memory: bool,
     /// How long a request waits for leased slots (experts) or ring space (trunk).
     pub wait_timeout: Duration,
-    /// Expert-cache eviction policy (a name from `k3_store::policy::POLICY_NAMES`).
+    /// Expert-cache eviction policy (a name from `k3_store::runtime::policy::POLICY_NAMES`).
     pub cache_policy: String,
     /// Bytes the job needs beyond the sequence state and one forward call's buffers (e.g. a
-    /// speculative verify pass: `crate::plan::verify_bytes`), counted in the plan's buffers.
+    /// speculative verify pass: `crate::runtime::plan::verify_bytes`), counted in the plan's buffers.
     pub extra_buffer_bytes: u64,
     /// Whether every routed expert is read into the cache before the first token.
     pub preload: Preload,
@@ -153,7 +153,8 @@ impl StandaloneSource {
             budget,
             opts,
             &|cat, trunk| PlanInputs {
-                buffer_bytes: crate::plan::activation_bytes(&cfg, chunk) + opts.extra_buffer_bytes,
+                buffer_bytes: crate::runtime::plan::activation_bytes(&cfg, chunk)
+                    + opts.extra_buffer_bytes,
                 ..PlanInputs::from_model(&cfg, cat, trunk, ctx)
             },
             progress,
@@ -216,8 +217,10 @@ impl StandaloneSource {
             SourceError::Invalid(m) => OpenError::Refused(m),
             e => e.into(),
         })?;
-        let policy = crate::policy::policy_by_name(&opts.cache_policy, plan.expert_slots)
-            .ok_or_else(|| OpenError::Refused(crate::policy::unknown_policy(&opts.cache_policy)))?;
+        let policy = crate::runtime::policy::policy_by_name(&opts.cache_policy, plan.expert_slots)
+            .ok_or_else(|| {
+                OpenError::Refused(crate::runtime::policy::unknown_policy(&opts.cache_policy))
+            })?;
         let experts = ExpertCache::with_policy(
             cat,
             shards,
@@ -412,7 +415,7 @@ impl WeightSource for StandaloneSource {
 mod tests {
     use super::*;
     use crate::fixture::{self, Spec};
-    use crate::plan::BudgetFlag;
+    use crate::runtime::plan::BudgetFlag;
 
     fn inputs(spec: &Spec) -> impl Fn(&Catalog, &TrunkLayout) -> PlanInputs + '_ {
         move |cat, trunk| PlanInputs {
@@ -420,7 +423,8 @@ mod tests {
             mapped_bytes: 0,
             layer_bytes: (0..trunk.n_layers()).map(|l| trunk.buf_len(l)).collect(),
             expert_bytes: spec.layout.expert_bytes() as u64,
-            expert_slot_bytes: crate::experts::ExpertReader::slot_stride(&spec.layout) as u64,
+            expert_slot_bytes: crate::runtime::experts::ExpertReader::slot_stride(&spec.layout)
+                as u64,
             top_k: 2,
             total_experts: usize::MAX,
             kda_layers: 3,
@@ -437,7 +441,7 @@ mod tests {
         let spec = Spec::small(4, 6);
         let w = fixture::write(&spec, "standalone");
         let cat = Arc::new(w.catalog.clone());
-        let stride = crate::experts::ExpertReader::slot_stride(&spec.layout) as f64;
+        let stride = crate::runtime::experts::ExpertReader::slot_stride(&spec.layout) as f64;
         // Trunk budget: layer 0 pinned + a ring of the largest other layer; cache: 3 slots.
         let t = TrunkLayout::from_catalog(&w.catalog, open_shards(&w.catalog).unwrap());
         let trunk = t.buf_len(0) + (1..4).map(|l| t.buf_len(l)).max().unwrap();

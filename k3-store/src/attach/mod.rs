@@ -11,6 +11,10 @@
 //! [`WeightSource::end_pass`]. The engine finishes a layer before it asks for the next and ends
 //! every pass, so it never holds a region that long. `end_pass` fails when the store broke the
 //! lease (a worker that held it past the store's limit): the pass is discarded.
+//!
+//! [`client`] is the connection itself (handshake, typed requests, descriptors received).
+
+pub mod client;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -21,16 +25,16 @@ use k3_proto::names::MODEL_TENSORS;
 use k3_proto::shm::{RegionKind, ShmHeader};
 use k3_proto::wire::{ClientKind, Counters, Request, Response, SlotAnswer};
 
-use crate::catalog::Catalog;
-use crate::client::{Client, ClientError};
-use crate::draft::{DraftFile, DraftSource};
-use crate::pool::IoPool;
-use crate::shmem::ReadOnlySegment;
-use crate::source::{
+use crate::attach::client::{Client, ClientError};
+use crate::runtime::catalog::Catalog;
+use crate::runtime::draft::{DraftFile, DraftSource};
+use crate::runtime::pool::IoPool;
+use crate::runtime::source::{
     ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
     WeightSource,
 };
-use crate::trunk::{open_shards, TrunkError, TrunkLayout};
+use crate::runtime::trunk::{open_shards, TrunkError, TrunkLayout};
+use crate::shmem::ReadOnlySegment;
 
 /// Why a worker could not attach.
 #[derive(Debug, thiserror::Error)]

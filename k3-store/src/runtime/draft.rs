@@ -31,12 +31,12 @@ use k3_proto::quant::{quantize_row, QuantKind, GROUP, SCALE_SUFFIX};
 use k3_proto::Dtype;
 use serde::{Deserialize, Serialize};
 
-use crate::catalog::Catalog;
-use crate::io::{align_up, AlignedBuf, DiskFile, ALIGN};
-use crate::source::{
+use crate::runtime::catalog::Catalog;
+use crate::runtime::io::{align_up, AlignedBuf, DiskFile, ALIGN};
+use crate::runtime::source::{
     ExpertBatch, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc, WeightSource,
 };
-use crate::trunk::{
+use crate::runtime::trunk::{
     checkpoint_id, model_dir_of, open_shards, parse_hash, run_checksum, write_packed, write_sparse,
     JsonLayer, JsonModel, JsonTensor, PackProgress, PackSummary, TrunkError, TrunkLayout,
 };
@@ -479,7 +479,7 @@ impl DraftSource {
         let file = DraftFile::open(dir, cat, n_layers)?;
         let bin = file.open_bin()?;
         let (buf, at) = bin.read_region(0, file.end())?;
-        let owner: Arc<dyn crate::source::ByteOwner> = Arc::new(buf);
+        let owner: Arc<dyn crate::runtime::source::ByteOwner> = Arc::new(buf);
         let mut runs = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
             let (off, len) = file.run(l);
