@@ -63,12 +63,29 @@ pub enum DraftArg {
 }
 
 /// The inputs other than `--chat`: the chat-only flags conflict with them.
-const NOT_CHAT: [&str; 3] = ["ids", "prompt", "prompt_file"];
+const NOT_CHAT: [&str; 4] = ["ids", "prompt", "prompt_file", "serve_channel"];
+
+/// What the job message of `--serve-channel` gives (the flags conflict with it).
+const FROM_THE_JOB: [&str; 13] = [
+    "gen",
+    "temperature",
+    "top_p",
+    "seed",
+    "session",
+    "tok",
+    "out",
+    "dump_logits",
+    "dump_hidden",
+    "dump_cache_trace",
+    "standalone",
+    "full_recompute",
+    "draft_replay",
+];
 
 /// Run the Kimi K3 model on one prompt, or chat.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "k3-worker", version = k3_proto::VERSION, about, long_about = None)]
-#[command(group(ArgGroup::new("input").required(true).args(["ids", "prompt", "prompt_file", "chat"])))]
+#[command(group(ArgGroup::new("input").required(true).args(["ids", "prompt", "prompt_file", "chat", "serve_channel"])))]
 pub struct Cli {
     /// Run the store logic in-process on this checkpoint directory (config.json + shards).
     /// Without it the worker attaches to a running `k3-store` (see --socket).
@@ -203,6 +220,12 @@ pub struct Cli {
         conflicts_with = "no_think"
     )]
     pub effort: Option<EffortArg>,
+    /// Take one job from `k3-ctl serve` over the Unix socket that is this process's standard
+    /// input (the job protocol, docs/SPEC.md §6.11): prompt ids, sampling and the session
+    /// arrive as a message, ids and the end go back as messages, and a cancel stops the job at
+    /// its next step boundary. serve builds this command line ([`serve_channel_args`]).
+    #[arg(long, conflicts_with_all = FROM_THE_JOB)]
+    pub serve_channel: bool,
     /// Chat context in positions (the whole conversation plus one reply must fit).
     #[arg(long, value_name = "N", conflicts_with_all = NOT_CHAT, default_value_t = DEFAULT_CTX as u64,
           value_parser = clap::value_parser!(u64).range(1..=MAX_CTX))]
@@ -241,9 +264,52 @@ impl Cli {
     }
 }
 
+/// The command line of a worker that takes its job from `k3-ctl serve` (`--serve-channel`):
+/// the one place its flags are spelled for serve, checked against [`Cli`] by a test.
+pub fn serve_channel_args(
+    socket: &std::path::Path,
+    threads: Option<usize>,
+) -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = vec![
+        "--serve-channel".into(),
+        "--socket".into(),
+        socket.as_os_str().to_owned(),
+    ];
+    if let Some(t) = threads {
+        args.push("--threads".into());
+        args.push(t.to_string().into());
+    }
+    args
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn serve_channel_args_parse_back_into_the_cli() {
+        let args = serve_channel_args(std::path::Path::new("/run/k3/store.sock"), Some(3));
+        let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
+            .unwrap()
+            .0;
+        assert!(c.serve_channel);
+        assert_eq!(
+            c.socket.socket.as_deref(),
+            Some(std::path::Path::new("/run/k3/store.sock"))
+        );
+        assert_eq!(c.threads, Some(3));
+        let args = serve_channel_args(std::path::Path::new("/s"), None);
+        let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
+            .unwrap()
+            .0;
+        assert_eq!(c.threads, None);
+        // The job message gives the prompt, sampling and session: the flags are refused.
+        for extra in [&["--ids", "1"][..], &["--gen", "3"], &["--session", "s"], &["--ctx", "9"]] {
+            let mut a = vec!["k3-worker", "--serve-channel"];
+            a.extend_from_slice(extra);
+            assert!(Cli::try_parse_with_matches(a.clone()).is_err(), "{a:?}");
+        }
+    }
 
     fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
         Cli::try_parse_with_matches(std::iter::once("k3-worker").chain(args.iter().copied()))

@@ -569,6 +569,27 @@ impl Session {
         Ok(report)
     }
 
+    /// Run `ids` through the state in forward calls of at most `chunk` ids (0 = one call),
+    /// recording them as held, without picking: the part of a prompt before its last id, so
+    /// that the state can be kept (and a retry resumed) before the first pick.
+    pub fn prefill(
+        &mut self,
+        model: &mut Model<'_>,
+        ids: &[u32],
+        chunk: usize,
+    ) -> Result<(), ModelError> {
+        if !self.is_valid() {
+            return Err(ModelError::Input(
+                "the sequence state is unusable after a failed forward; reset it first".into(),
+            ));
+        }
+        self.state.reserve(ids.len())?;
+        if !ids.is_empty() {
+            self.feed(model, ids, chunk)?;
+        }
+        Ok(())
+    }
+
     /// Run `ids` through the state in chunks, recording them as held; the last chunk's logits.
     fn feed(
         &mut self,

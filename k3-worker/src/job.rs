@@ -20,6 +20,7 @@ use crate::generate::{positions_needed, Flow, GenOptions, Sampler, Session, END_
 use crate::model::bind::ShapeTable;
 use crate::model::{Dims, Model, ModelError, TensorShapes};
 use crate::report::{self, gb, HiddenDump};
+use crate::sink::{Sink, Stdout};
 use crate::spec::{
     Drafter, FirstOf, HistoryDrafter, ModelDrafter, NgramDrafter, ReplayDrafter, SpecMode,
 };
@@ -594,6 +595,15 @@ fn spec_drafts(cli: &Cli) -> usize {
 
 /// The job's whole run; returns the exit code (0, or 4 when an expert failed to load).
 pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
+    run_with(cli, matches, None)
+}
+
+/// [`run`], a one-shot run's ids going to `sink` (default: standard output, [`Stdout`]).
+pub fn run_with(
+    cli: &Cli,
+    matches: &clap::ArgMatches,
+    sink: Option<&mut dyn Sink>,
+) -> Result<i32, JobError> {
     let wall = Instant::now();
     let pre = preflight(cli)?;
     let opened = open_source(cli, matches, &pre)?;
@@ -679,17 +689,26 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
                 reporter,
             )
         }
-        Input::Prompt(prompt) => run_prompt(
-            cli,
-            &mut model,
-            pre.tok.as_ref(),
-            prompt,
-            &pre.sampler,
-            &hidden,
-            wall,
-            reporter,
-            drafter(cli, pre.replay.as_deref(), prompt.len(), draft_model),
-        ),
+        Input::Prompt(prompt) => {
+            let mut stdout = Stdout {
+                tok: pre.tok.as_ref(),
+            };
+            let sink: &mut dyn Sink = match sink {
+                Some(s) => s,
+                None => &mut stdout,
+            };
+            run_prompt(
+                cli,
+                &mut model,
+                sink,
+                prompt,
+                &pre.sampler,
+                &hidden,
+                wall,
+                reporter,
+                drafter(cli, pre.replay.as_deref(), prompt.len(), draft_model),
+            )
+        }
     }
 }
 
@@ -697,7 +716,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
 fn run_prompt(
     cli: &Cli,
     model: &mut Model<'_>,
-    tok: Option<&Tokenizer>,
+    sink: &mut dyn Sink,
     prompt: &[u32],
     sampler: &Sampler,
     hidden: &HiddenDump,
@@ -715,7 +734,6 @@ fn run_prompt(
         spec: cli.spec,
     };
     eprintln!("{}", report::STEP_HEADER);
-    let stdout = std::io::stdout();
     let mut progress = k3_proto::wire::JobProgress::default();
     let capacity = positions_needed(prompt.len(), gen_opts.max_new);
     let session_name = cli.session.as_deref().zip(reporter);
@@ -723,12 +741,30 @@ fn run_prompt(
     if let Some(d) = drafter {
         seq.set_drafter(d);
     }
-    let mut gen = seq.generate(model, &prompt[reused..], &gen_opts, &mut |s| {
+    // For serve: the prompt but its last id first, in chunks between which a cancel is
+    // noticed, and that state kept under the session before the first pick, so that a retry of
+    // the same request (the client gave up) resumes it instead of prefilling again. The ids
+    // are the same: a prompt's positions are computed alike in whatever calls they arrive.
+    let (fed, kept_after_prefill, prefill_seconds) =
+        prefill_and_keep(cli, model, sink, &mut seq, prompt, reused, session_name)?;
+    if sink.cancelled() {
+        sink.prefilled(reused, fed, kept_after_prefill);
+        let summary = report::RunSummary::collect(model, wall.elapsed().as_secs_f64());
+        let timings = job_timings(&summary, prefill_seconds, None, kept_after_prefill);
+        let usage = job_usage(prompt.len(), reused, 0);
+        sink.done(k3_proto::serve::Finish::Cancelled, usage, timings);
+        return Ok(summary.exit_code());
+    }
+    let mut emitted = 0usize;
+    let mut gen = seq.generate(model, &prompt[fed..], &gen_opts, &mut |s| {
         eprintln!("{}", report::step_line(s));
+        if s.step == 0 {
+            sink.prefilled(reused, fed, kept_after_prefill);
+        }
         if let Some(src) = reporter {
             progress.tokens += 1;
             if s.step == 0 {
-                progress.prefill_seconds = s.seconds;
+                progress.prefill_seconds = prefill_seconds + s.seconds;
             } else {
                 progress.decode_seconds += s.seconds;
                 if s.pass as u64 > progress.forward_passes {
@@ -743,17 +779,14 @@ fn run_prompt(
                 tracing::debug!("progress not reported: {e}");
             }
         }
-        let mut out = stdout.lock();
-        let text = tok.and_then(|t| t.decode(&[s.token]).ok());
-        let _ = match text {
-            Some(bytes) => out.write_all(&bytes),
-            None => write!(out, "{} ", s.token),
-        };
-        let _ = out.flush();
-        Flow::Continue
+        let flow = sink.token(s);
+        if flow == Flow::Continue {
+            emitted += 1;
+        }
+        flow
     })?;
     gen.prompt_ids = prompt.to_vec();
-    println!();
+    let cancelled = gen.stopped_on.is_none() && emitted < gen_opts.max_new;
     if let Some(src) = reporter {
         // The job's stream, for later jobs' history drafting (SPEC.md §3.12).
         let mut stream = prompt.to_vec();
@@ -787,8 +820,13 @@ fn run_prompt(
     if let Some(dir) = &cli.dump_hidden {
         written(hidden.write(dir, model.dims.hidden))?;
     }
-    let kept =
-        session_name.map(|(name, src)| keep_session(src, name, &seq, &[], &mut std::io::stderr()));
+    // A cancelled run keeps what it kept after the prefill (its retry resumes from there); the
+    // state of a run that ended is kept for the conversation's next turn.
+    let kept = if cancelled && sink.keeps_prefill() {
+        Some(kept_after_prefill)
+    } else {
+        session_name.map(|(name, src)| keep_session(src, name, &seq, &[], &mut std::io::stderr()))
+    };
     if let Some(path) = &cli.out {
         let mut v = summary.json(&gen);
         if let Some((calls, seconds)) = draft_cost {
@@ -804,7 +842,85 @@ fn run_prompt(
         }
         written(report::write_json(path, &v))?;
     }
+    let finish = match gen.stopped_on {
+        Some(id) => k3_proto::serve::Finish::EndId(id),
+        None if cancelled => k3_proto::serve::Finish::Cancelled,
+        None => k3_proto::serve::Finish::Length,
+    };
+    let timings = job_timings(
+        &summary,
+        prefill_seconds + gen.prefill_seconds(),
+        Some(&gen),
+        kept.flatten(),
+    );
+    sink.done(finish, job_usage(prompt.len(), reused, emitted), timings);
     Ok(summary.exit_code())
+}
+
+/// With a sink that keeps the prefill ([`Sink::keeps_prefill`]) and a session: run the prompt
+/// after the `reused` ids a session held, but its last id, in chunks (stopping early when the
+/// sink is cancelled), and keep that state under the session. Returns the prompt ids the state
+/// holds, the bytes kept and the seconds it took.
+fn prefill_and_keep(
+    cli: &Cli,
+    model: &mut Model<'_>,
+    sink: &dyn Sink,
+    seq: &mut Session,
+    prompt: &[u32],
+    reused: usize,
+    session: Option<(&str, &AttachedSource)>,
+) -> Result<(usize, Option<u64>, f64), JobError> {
+    let Some((name, src)) = session.filter(|_| sink.keeps_prefill()) else {
+        return Ok((reused, None, 0.0));
+    };
+    let t0 = Instant::now();
+    let body = &prompt[reused..prompt.len() - 1];
+    let chunk = match cli.prefill_chunk {
+        0 => body.len().max(1),
+        c => c,
+    };
+    let mut fed = reused;
+    for part in body.chunks(chunk) {
+        if sink.cancelled() {
+            break;
+        }
+        seq.prefill(model, part, 0)?;
+        fed += part.len();
+    }
+    let kept = if fed > reused {
+        keep_session(src, name, seq, &[], &mut std::io::stderr())
+    } else {
+        None
+    };
+    Ok((fed, kept, t0.elapsed().as_secs_f64()))
+}
+
+/// A job's counts for its sink.
+fn job_usage(prompt: usize, cached: usize, generated: usize) -> k3_proto::serve::Usage {
+    let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    k3_proto::serve::Usage {
+        prompt_ids: n(prompt),
+        cached_ids: n(cached),
+        generated: n(generated),
+    }
+}
+
+/// A job's time and bytes for its sink.
+fn job_timings(
+    summary: &report::RunSummary,
+    prefill_seconds: f64,
+    gen: Option<&crate::generate::GenReport>,
+    kept_session_bytes: Option<u64>,
+) -> k3_proto::serve::Timings {
+    let st = &summary.stats;
+    k3_proto::serve::Timings {
+        prefill_seconds,
+        decode_seconds: gen.map_or(0.0, |g| g.steps.iter().skip(1).map(|s| s.seconds).sum()),
+        bytes_read: st.trunk_bytes_read + st.expert_bytes_read,
+        expert_requests: st.expert_requests,
+        resident_hits: st.resident_hits,
+        kept_session_bytes,
+    }
 }
 
 /// The sequence a one-shot run starts from: the kept session `name` when the ids it holds are a

@@ -9,6 +9,8 @@ pub mod job;
 pub mod kernels;
 pub mod model;
 pub mod report;
+pub mod serve_channel;
 pub mod session;
+pub mod sink;
 pub mod spec;
 pub mod tokenizer;

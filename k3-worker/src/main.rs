@@ -8,6 +8,10 @@
 fn main() {
     k3_store::progress::init_logging();
     let (cli, matches) = k3_worker::cli::Cli::parse_with_matches();
+    if cli.serve_channel {
+        // The job arrives from k3-ctl serve; the result goes back as a typed message.
+        std::process::exit(k3_worker::serve_channel::run(&cli, &matches));
+    }
     let result = k3_worker::job::run(&cli, &matches);
     std::process::exit(k3_proto::exit::report("k3-worker", result));
 }

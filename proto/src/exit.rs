@@ -25,20 +25,25 @@ pub fn report<E: ExitStatus>(prog: &str, result: Result<i32, E>) -> i32 {
     match result {
         Ok(code) => code,
         Err(e) => {
-            let mut msg = e.to_string();
-            let mut src = e.source();
-            while let Some(s) = src {
-                let s_txt = s.to_string();
-                if !msg.contains(&s_txt) {
-                    msg.push_str(": ");
-                    msg.push_str(&s_txt);
-                }
-                src = s.source();
-            }
-            eprintln!("{prog}: {msg}");
+            eprintln!("{prog}: {}", message(&e));
             e.exit_code()
         }
     }
+}
+
+/// An error and its whole source chain as one line (`error: cause: cause…`), each cause once.
+pub fn message(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        let s_txt = s.to_string();
+        if !msg.contains(&s_txt) {
+            msg.push_str(": ");
+            msg.push_str(&s_txt);
+        }
+        src = s.source();
+    }
+    msg
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ pub mod names;
 pub mod paths;
 pub mod quant;
 pub mod safetensors;
+pub mod serve;
 pub mod shm;
 pub mod wire;
 

@@ -1,0 +1,361 @@
+//! The `k3-ctl serve` protocols (docs/SPEC.md §6.11): serve ⇄ worker (one generation job over a
+//! socket pair) and `k3-ctl ps` ⇄ serve (the requests a server holds, queued or running).
+//!
+//! Framing is the wire protocol's ([`crate::wire::encode`], [`crate::wire::read_frame_limited`]):
+//! a u32 little-endian length and a postcard-encoded message, at most [`MAX_JOB_FRAME`] bytes.
+//!
+//! **serve ⇄ worker.** serve starts `k3-worker --serve-channel` with one end of a Unix socket
+//! pair as its standard input (the worker's command line is built by
+//! `k3_worker::cli::serve_channel_args`, the one definition of its flags). The worker speaks
+//! first: [`FromWorker::Hello`] with its [`JOB_PROTOCOL_VERSION`]; serve answers with
+//! [`ToWorker::Start`] (a job: prompt ids, sampling, the kept session to run under) or closes
+//! the channel when the versions differ. The worker then sends [`FromWorker::Prefilled`] once
+//! the prompt is in its state, one [`FromWorker::Token`] per generated id, and ends every job
+//! with exactly one [`FromWorker::Done`] or [`FromWorker::Error`] (an error is a kind and the
+//! exit code the worker ends with, not a line of text). [`ToWorker::Cancel`] asks the worker to
+//! stop the job at its next step boundary (between two prefill chunks, or after an id): it
+//! answers `Done` with [`Finish::Cancelled`] and exits 0, keeping what it prefilled as a session
+//! so that the same request, retried, resumes. serve kills a worker that has not ended a
+//! cancelled job within its grace. The end of the channel (serve gone) counts as a cancel.
+//!
+//! Every message names its request (`req_id`): today a worker carries one job, but the messages
+//! already allow several on one channel (a worker that batches requests joining and leaving
+//! between steps), so that change adds behaviour, not a new protocol.
+//!
+//! **`k3-ctl ps` ⇄ serve.** serve listens on `serve-PID.sock` in the store's socket directory
+//! (private to the user, docs/SPEC.md §6.5); `k3-ctl ps` asks each such socket
+//! [`ServeQuery::List`] and prints the [`ServeListing`].
+//!
+//! Versioning: [`JOB_PROTOCOL_VERSION`] is bumped on any change to these types; variants are
+//! only appended.
+
+use serde::{Deserialize, Serialize};
+
+/// The version of the serve protocols this build speaks.
+pub const JOB_PROTOCOL_VERSION: u32 = 1;
+
+/// Largest frame on these channels (a `Start` with 32,768 ids is at most 160 KiB).
+pub const MAX_JOB_FRAME: u32 = crate::wire::MAX_FRAME;
+
+/// serve's id for one HTTP request (unique within one serve process).
+pub type ReqId = u64;
+
+/// How ids are picked.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Sampling {
+    /// 0 = greedy argmax.
+    pub temperature: f32,
+    /// Nucleus mass, in (0, 1].
+    pub top_p: f32,
+    /// The generator's seed.
+    pub seed: u64,
+}
+
+/// One generation job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Start {
+    /// The request.
+    pub req_id: ReqId,
+    /// Prompt ids (rendered and tokenized by serve).
+    pub ids: Vec<u32>,
+    /// Most ids to generate (≥ 1).
+    pub max_new: u32,
+    /// Sampling.
+    pub sampling: Sampling,
+    /// Run under this kept session (docs/SPEC.md §6.6): resume it when the ids it holds are a
+    /// strict prefix of `ids`, keep the state after the prefill under it, and the final state
+    /// at the end.
+    pub session: Option<String>,
+}
+
+/// serve → worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ToWorker {
+    /// v1. Run a job.
+    Start(Start),
+    /// v1. Stop the job at its next step boundary (answered by `Done` with
+    /// [`Finish::Cancelled`]).
+    Cancel {
+        /// The request.
+        req_id: ReqId,
+    },
+}
+
+/// Why a job ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Finish {
+    /// `max_new` ids were generated.
+    Length,
+    /// The model generated this end id (the last id sent).
+    EndId(u32),
+    /// serve cancelled it (or the channel closed).
+    Cancelled,
+}
+
+/// The job's counts.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt ids.
+    pub prompt_ids: u32,
+    /// Prompt ids a kept session already held (not prefilled again).
+    pub cached_ids: u32,
+    /// Ids generated (those sent as `Token`).
+    pub generated: u32,
+}
+
+/// Where the job's time went, and what it read.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timings {
+    /// Seconds of the prefill (including the first pick).
+    pub prefill_seconds: f64,
+    /// Seconds of the decode steps (after the first id).
+    pub decode_seconds: f64,
+    /// Weight bytes read for this job (trunk and experts).
+    pub bytes_read: u64,
+    /// Routed experts requested.
+    pub expert_requests: u64,
+    /// Of those, already resident (TRUE resident hits).
+    pub resident_hits: u64,
+    /// Bytes of the session kept at the end (`None`: none kept).
+    pub kept_session_bytes: Option<u64>,
+}
+
+/// What kind of failure ended a job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    /// Refused before any work: a bad job, a state that does not fit in memory (exit 2).
+    Refused,
+    /// Cannot attach to the store (exit 3).
+    NoStore,
+    /// The forward pass, a bind or an I/O failed after work started (exit 1).
+    Failed,
+    /// A routed expert failed to load: the ids sent are unsound (exit 4).
+    ExpertLoad,
+    /// The channel broke its protocol (an undecodable frame, another version; exit 2).
+    Protocol,
+}
+
+impl ErrorKind {
+    /// The kind of a failure that ends a process with exit code `code` (`crate::exit`).
+    pub fn of_exit_code(code: i32) -> ErrorKind {
+        match code {
+            crate::exit::REFUSED => ErrorKind::Refused,
+            crate::exit::NO_STORE => ErrorKind::NoStore,
+            crate::exit::EXPERT_LOAD_FAILED => ErrorKind::ExpertLoad,
+            _ => ErrorKind::Failed,
+        }
+    }
+}
+
+/// worker → serve.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum FromWorker {
+    /// v1. The first message: the worker's protocol version and process id.
+    Hello {
+        /// [`JOB_PROTOCOL_VERSION`] of the worker.
+        protocol_version: u32,
+        /// Its process id.
+        pid: u32,
+    },
+    /// v1. The prompt is in the state (sent before the first `Token`, or before `Done` when
+    /// the job was cancelled during the prefill).
+    Prefilled {
+        /// The request.
+        req_id: ReqId,
+        /// Prompt ids a kept session already held.
+        cached_ids: u32,
+        /// Prompt ids the state holds now (all but the last one when the state was kept for a
+        /// retry: the last is run with the first pick).
+        held_ids: u32,
+        /// Bytes of the session kept after the prefill (`None`: not kept).
+        kept_bytes: Option<u64>,
+    },
+    /// v1. One generated id.
+    Token {
+        /// The request.
+        req_id: ReqId,
+        /// The id.
+        id: u32,
+    },
+    /// v1. The job ended normally (or was cancelled).
+    Done {
+        /// The request.
+        req_id: ReqId,
+        /// Why.
+        finish: Finish,
+        /// Counts.
+        usage: Usage,
+        /// Time and bytes.
+        timings: Timings,
+    },
+    /// v1. The job failed; the worker exits with `exit_class`.
+    Error {
+        /// The request (`None`: before any job started).
+        req_id: Option<ReqId>,
+        /// What kind of failure.
+        kind: ErrorKind,
+        /// The worker's exit code (`k3_proto::exit`).
+        exit_class: i32,
+        /// For people.
+        message: String,
+    },
+}
+
+/// `k3-ctl ps` → serve.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ServeQuery {
+    /// v1. The requests serve holds: answered [`ServeAnswer::List`].
+    List {
+        /// The asker's [`JOB_PROTOCOL_VERSION`].
+        protocol_version: u32,
+    },
+}
+
+/// Where a request is.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RequestState {
+    /// Waiting for a job slot; 1 = next.
+    Queued {
+        /// Place in the queue.
+        position: u32,
+    },
+    /// A worker runs it.
+    Running {
+        /// The worker's process id (0 while it starts).
+        worker_pid: u32,
+    },
+}
+
+/// One request serve holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RequestInfo {
+    /// The request id (the `X-Request-Id` header).
+    pub request_id: String,
+    /// The route (`/v1/chat/completions`, …).
+    pub route: String,
+    /// Queued or running.
+    pub state: RequestState,
+    /// Prompt ids.
+    pub prompt_ids: u32,
+    /// Most ids to generate.
+    pub max_new: u32,
+    /// Ids generated so far.
+    pub generated: u32,
+    /// Seconds since the request arrived.
+    pub age_seconds: f64,
+}
+
+/// A server and its requests.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ServeListing {
+    /// serve's process id.
+    pub pid: u32,
+    /// The HTTP address it listens on.
+    pub listen: String,
+    /// Jobs that run at once (`--max-jobs`).
+    pub max_jobs: u32,
+    /// Queue places (`--queue`).
+    pub queue: u32,
+    /// Its requests, running first, then queued in order.
+    pub requests: Vec<RequestInfo>,
+}
+
+/// serve → `k3-ctl ps`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ServeAnswer {
+    /// v1. The listing.
+    List(ServeListing),
+    /// v1. The asker speaks another version.
+    Refused {
+        /// serve's version.
+        serve_version: u32,
+        /// The reason, naming both versions.
+        reason: String,
+    },
+}
+
+/// The file name of serve `pid`'s listing socket in the store's socket directory.
+pub fn listing_socket_name(pid: u32) -> String {
+    format!("serve-{pid}.sock")
+}
+
+/// True for a file name [`listing_socket_name`] makes.
+pub fn is_listing_socket_name(name: &str) -> bool {
+    name.strip_prefix("serve-")
+        .and_then(|r| r.strip_suffix(".sock"))
+        .is_some_and(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{encode, read_frame_limited};
+
+    #[test]
+    fn job_messages_round_trip_in_frames() {
+        let to = vec![
+            ToWorker::Start(Start {
+                req_id: 7,
+                ids: (0..32_768).map(|i| 163_000 + i % 800).collect(),
+                max_new: 4096,
+                sampling: Sampling {
+                    temperature: 0.6,
+                    top_p: 0.95,
+                    seed: u64::MAX,
+                },
+                session: Some("http-00".into()),
+            }),
+            ToWorker::Cancel { req_id: 7 },
+        ];
+        let from = vec![
+            FromWorker::Hello {
+                protocol_version: JOB_PROTOCOL_VERSION,
+                pid: 9,
+            },
+            FromWorker::Token { req_id: 7, id: 5 },
+            FromWorker::Done {
+                req_id: 7,
+                finish: Finish::EndId(163_586),
+                usage: Usage {
+                    prompt_ids: 3,
+                    cached_ids: 2,
+                    generated: 1,
+                },
+                timings: Timings::default(),
+            },
+            FromWorker::Error {
+                req_id: None,
+                kind: ErrorKind::NoStore,
+                exit_class: crate::exit::NO_STORE,
+                message: "no store".into(),
+            },
+        ];
+        let mut buf = Vec::new();
+        for m in &to {
+            let f = encode(m).unwrap();
+            assert!(f.len() < MAX_JOB_FRAME as usize);
+            buf.extend(f);
+        }
+        let mut r = &buf[..];
+        for m in &to {
+            assert_eq!(&read_frame_limited::<ToWorker, _>(&mut r, MAX_JOB_FRAME).unwrap(), m);
+        }
+        let mut buf = Vec::new();
+        for m in &from {
+            buf.extend(encode(m).unwrap());
+        }
+        let mut r = &buf[..];
+        for m in &from {
+            assert_eq!(&read_frame_limited::<FromWorker, _>(&mut r, MAX_JOB_FRAME).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn listing_socket_names() {
+        assert_eq!(listing_socket_name(42), "serve-42.sock");
+        assert!(is_listing_socket_name("serve-42.sock"));
+        for bad in ["serve-.sock", "serve-4x.sock", "store.sock", "serve-42.sock.tmp"] {
+            assert!(!is_listing_socket_name(bad), "{bad}");
+        }
+    }
+}
