@@ -523,11 +523,8 @@ pub fn open_source(
             // The store holds the weights and streams the unpinned layers through its own ring
             // (SPEC.md §6.8); this process allocates only the sequence state, the activations
             // and logits of one forward call and the verify buffers.
-            let need = dims.kda_state_bytes()
-                + dims.mla_cache_bytes(positions as u64)
-                + draft_model_bytes(cli, &dims, positions)?
-                + k3_store::runtime::plan::activation_bytes(&cfg, chunk)
-                + k3_store::runtime::plan::verify_bytes(&cfg, spec_drafts(cli), chunk);
+            let need = attached_job_bytes(&cfg, &dims, positions, chunk, spec_drafts(cli))
+                + draft_model_bytes(cli, &dims, positions)?;
             let avail = k3_store::runtime::plan::allocatable().map_err(refuse)?;
             if need > avail {
                 return Err(refuse(format!(
@@ -582,6 +579,23 @@ pub fn open_source(
             })
         }
     }
+}
+
+/// Bytes an attached worker allocates for a job of `positions` in prefill calls of `chunk` ids
+/// with verify passes of up to `drafts` drafted ids (without a draft model): the sequence state,
+/// the activations and logits of one forward call, and the verify buffers. `k3-ctl serve`
+/// sizes its default `--max-jobs` with it.
+pub fn attached_job_bytes(
+    cfg: &ModelConfig,
+    dims: &Dims,
+    positions: usize,
+    chunk: usize,
+    drafts: usize,
+) -> u64 {
+    dims.kda_state_bytes()
+        + dims.mla_cache_bytes(positions as u64)
+        + k3_store::runtime::plan::activation_bytes(cfg, chunk)
+        + k3_store::runtime::plan::verify_bytes(cfg, drafts, chunk)
 }
 
 /// The most ids a verify pass may draft in this job (its memory is planned up front).

@@ -17,10 +17,35 @@ use k3_worker::chat::{Effort, Message};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-/// Most ids one request may generate (the worker's limit).
-pub const MAX_GEN: usize = 4096;
+/// Most ids one request may generate (the worker's limit, defined once in its command line).
+pub const MAX_GEN: usize = k3_worker::cli::MAX_GEN as usize;
 /// Longest prompt in ids (the worker's limit).
-pub const MAX_PROMPT: usize = 32_768;
+pub const MAX_PROMPT: usize = k3_worker::cli::MAX_PROMPT;
+/// `max_tokens` of a chat request when not given: what this model answers in well under an
+/// hour at the `server` preset's projected 8–13 s/token (docs/BENCHMARKS.md), rather than the
+/// days 4,096 ids would take.
+pub const DEFAULT_CHAT_TOKENS: usize = 256;
+/// Thinking effort of a chat request that does not choose one: `low`, so that a reply's
+/// thinking leaves room for its answer within [`DEFAULT_CHAT_TOKENS`].
+pub const DEFAULT_EFFORT: Effort = Effort::Low;
+
+/// The chat defaults a server applies.
+#[derive(Clone, Copy, Debug)]
+pub struct Defaults {
+    /// `max_tokens` when not given.
+    pub chat_max_tokens: usize,
+    /// Thinking effort when thinking is on and none is chosen.
+    pub effort: Effort,
+}
+
+impl Default for Defaults {
+    fn default() -> Defaults {
+        Defaults {
+            chat_max_tokens: DEFAULT_CHAT_TOKENS,
+            effort: DEFAULT_EFFORT,
+        }
+    }
+}
 /// Most stop strings (OpenAI's limit).
 pub const MAX_STOPS: usize = 4;
 /// `max_tokens` of a completion when not given (OpenAI's default).
@@ -41,6 +66,8 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// `Retry-After` seconds (429/503).
     pub retry_after: Option<u64>,
+    /// Close the connection after this answer (`Connection: close`).
+    pub close: bool,
 }
 
 impl ApiError {
@@ -52,6 +79,7 @@ impl ApiError {
             param: None,
             code: None,
             retry_after: None,
+            close: false,
         }
     }
 
@@ -123,6 +151,10 @@ impl IntoResponse for ApiError {
         if let Some(s) = self.retry_after {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if self.close {
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         r
     }
@@ -411,8 +443,8 @@ pub fn settings(
 }
 
 /// Thinking on (with its effort) or off, from `thinking` and `reasoning_effort`. Default: on,
-/// effort `max` (as `k3-worker --chat`).
-pub fn thinking(r: &ChatRequest) -> Result<Option<Effort>, ApiError> {
+/// with effort `default_effort`.
+pub fn thinking(r: &ChatRequest, default_effort: Effort) -> Result<Option<Effort>, ApiError> {
     let enabled = match r.thinking.as_ref().map(|t| t.kind.as_str()) {
         None => None,
         Some("enabled") => Some(true),
@@ -446,7 +478,7 @@ pub fn thinking(r: &ChatRequest) -> Result<Option<Effort>, ApiError> {
             "reasoning_effort needs thinking on (thinking.type is \"disabled\")",
         )),
         (Some(false), None) => Ok(None),
-        (_, e) => Ok(Some(e.unwrap_or(Effort::Max))),
+        (_, e) => Ok(Some(e.unwrap_or(default_effort))),
     }
 }
 
@@ -594,12 +626,14 @@ pub fn check_prompt_len(n: usize) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `usage`.
-pub fn usage(prompt: usize, completion: usize) -> Value {
+/// `usage`, with the prompt ids a kept session held as `prompt_tokens_details.cached_tokens`
+/// (OpenAI's field for prompt caching).
+pub fn usage(prompt: usize, cached: usize, completion: usize) -> Value {
     json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     })
 }
 
@@ -619,9 +653,9 @@ mod tests {
             for (k, v) in extra.as_object().unwrap() {
                 b[k] = v.clone();
             }
-            thinking(&chat(b))
+            thinking(&chat(b), DEFAULT_EFFORT)
         };
-        assert_eq!(with(json!({})).unwrap(), Some(Effort::Max));
+        assert_eq!(with(json!({})).unwrap(), Some(Effort::Low));
         assert_eq!(
             with(json!({"thinking": {"type": "disabled"}})).unwrap(),
             None

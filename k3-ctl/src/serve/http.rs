@@ -1,38 +1,41 @@
 //! Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
-//! `POST /v1/completions`, `GET /health`; anything else is a 404 (405 for a known path with
-//! another method), always in the OpenAI error shape.
+//! `POST /v1/completions`, `GET /health`, `GET /metrics`; anything else is a 404 (405 for a known
+//! path with another method), always in the OpenAI error shape.
 //!
 //! A generation request takes a place in the queue (429 when none is free), waits for a job slot,
-//! then runs one `k3-worker` attached to the store. A streamed request sends its headers once the
-//! first id has arrived, so a worker that fails before generating (store down, refused) still
-//! gets a proper status; after that, a failure is sent as a last `data: {"error": …}` event.
-//! When the client goes away (the connection closes), hyper drops the response future or body,
-//! which drops the [`Job`]: the worker is killed and reaped.
+//! then runs one `k3-worker` attached to the store ([`Job`]). A whole answer is sent when the job
+//! ends; a streamed one sends its headers at once (after the queue and the store said yes), then
+//! SSE comments while it waits (`: queued, position N`) and keep-alive comments between ids, and
+//! a failure after that as a last `data: {"error": …}` event. When the client goes away (see
+//! [`super::conn`]), the request's future or body is dropped, which drops its [`Place`] and
+//! [`Job`]: the queue place is freed and the worker cancelled.
 
-use std::convert::Infallible;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
-use axum::response::sse::{Event, Sse};
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use futures_util::stream::{self, Stream, StreamExt};
-use k3_proto::exit;
-use k3_proto::wire::{ClientKind, Request as StoreRequest, Response as StoreResponse};
+use axum::{Extension, Json, Router};
+use futures_util::stream;
+use http_body_util::BodyExt;
+use k3_proto::serve::{ErrorKind, Finish, Sampling, Start, Timings, Usage};
+use k3_proto::wire::{ClientKind, Request as StoreRequest, Response as StoreResponse, StatsReport};
 use k3_worker::chat::{ChatFormat, Markers};
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tracing::Instrument;
 
+use super::access::Ctx;
 use super::api::{self, ApiError, Settings};
-use super::job::{GenParams, Job, JobError, WorkerSpec};
-use super::queue::{Admission, Place};
+use super::job::{Event, Job, JobError, WorkerSpec};
+use super::metrics::Metrics;
+use super::queue::{Admission, Meta, Place};
 use super::reply::{Delta, ReplyText};
 
 /// What every handler shares.
@@ -53,24 +56,34 @@ pub struct AppState {
     /// When the server started (unix seconds; the model's `created`).
     pub started: u64,
     /// The store's socket.
-    pub socket: PathBuf,
-    /// Keep conversations in the store (`--session` for every worker).
+    pub socket: std::path::PathBuf,
+    /// Keep conversations in the store (a session for every worker).
     pub sessions: bool,
+    /// Largest request body.
+    pub max_body: usize,
+    /// Time to send a request body.
+    pub body_timeout: Duration,
+    /// The metrics.
+    pub metrics: Metrics,
+    /// Chat defaults.
+    pub defaults: api::Defaults,
+    /// The API key and the CORS origins.
+    pub policy: super::access::Policy,
 }
 
 type Shared = Arc<AppState>;
 
-/// The router.
-pub fn router(state: Shared, max_body: usize) -> Router {
+/// The routes (the access layers are added by [`super::access::layers`]).
+pub fn routes(state: Shared) -> Router {
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::extract::DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
 
@@ -95,71 +108,65 @@ fn unix_now() -> u64 {
 
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// A unique response id and a seed for requests that give none.
-fn fresh(prefix: &str) -> (String, u64) {
+/// A unique response id, a job id and a seed for requests that give none.
+fn fresh(prefix: &str) -> (String, u64, u64) {
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let nanos = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     let seed = nanos ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ u64::from(std::process::id());
-    (format!("{prefix}-{nanos:x}{n:x}"), seed)
+    (format!("{prefix}-{nanos:x}{n:x}"), n, seed)
 }
 
-/// How long a status question to the store may take.
-const STORE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long a question to the store may take.
+const STORE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest silence of a streamed answer (an SSE comment is sent after it).
+const KEEP_ALIVE: Duration = Duration::from_secs(2);
+/// How long a streamed answer's next event may wait for the client to take the one before.
+const SEND_DEADLINE: Duration = Duration::from_secs(60);
 
-/// The session a request runs under (see [`super::sessions`]): the store's list, asked off the
-/// async threads. If the store does not answer, the request runs under a new name (its worker
-/// will report the store's state itself).
-async fn pick_session(st: &Shared, prompt: &[u32]) -> (String, usize) {
+/// Ask the store one control request, off the async threads, within [`STORE_TIMEOUT`].
+async fn ask_store(st: &Shared, req: StoreRequest) -> Result<StoreResponse, String> {
     let socket = st.socket.clone();
     let ask = tokio::task::spawn_blocking(move || {
         let mut c =
             k3_store::attach::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
                 .map_err(|e| e.to_string())?;
-        match c.call(&StoreRequest::ListSessions) {
-            Ok(StoreResponse::Sessions(list)) => Ok(list),
-            Ok(other) => Err(format!("unexpected answer {other:?}")),
-            Err(e) => Err(e.to_string()),
-        }
+        c.call(&req).map_err(|e| e.to_string())
     });
-    let list = match tokio::time::timeout(STORE_TIMEOUT, ask).await {
-        Ok(Ok(Ok(list))) => list,
-        Ok(Ok(Err(e))) => {
-            tracing::warn!("cannot list the store's sessions: {e}");
+    match tokio::time::timeout(STORE_TIMEOUT, ask).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {STORE_TIMEOUT:?}")),
+    }
+}
+
+/// The session a request runs under (see [`super::sessions`]): the store's list. If the store
+/// does not answer, the request runs under a new name (its worker reports the store's state).
+async fn pick_session(st: &Shared, prompt: &[u32]) -> (String, usize) {
+    let list = match ask_store(st, StoreRequest::ListSessions).await {
+        Ok(StoreResponse::Sessions(list)) => list,
+        Ok(other) => {
+            tracing::warn!("cannot list the store's sessions: unexpected answer {other:?}");
             Vec::new()
         }
-        Ok(Err(e)) => {
+        Err(e) => {
             tracing::warn!("cannot list the store's sessions: {e}");
-            Vec::new()
-        }
-        Err(_) => {
-            tracing::warn!("the store did not list its sessions within {STORE_TIMEOUT:?}");
             Vec::new()
         }
     };
     super::sessions::choose(&list, prompt)
 }
 
-/// Is the store up? (A control connection and a status request, off the async threads.)
+/// Is the store up?
 async fn store_up(st: &Shared) -> Result<(), ApiError> {
-    let socket = st.socket.clone();
-    let ask = tokio::task::spawn_blocking(move || {
-        let mut c =
-            k3_store::attach::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
-                .map_err(|e| e.to_string())?;
-        match c.call(&StoreRequest::Status) {
-            Ok(StoreResponse::Status(_)) => Ok(()),
-            Ok(other) => Err(format!("unexpected answer {other:?}")),
-            Err(e) => Err(e.to_string()),
-        }
-    });
-    let r = match tokio::time::timeout(STORE_TIMEOUT, ask).await {
-        Ok(joined) => joined.map_err(|e| ApiError::internal(e.to_string()))?,
-        Err(_) => Err(format!("no answer within {STORE_TIMEOUT:?}")),
-    };
-    r.map_err(|m| {
+    match ask_store(st, StoreRequest::Status).await {
+        Ok(StoreResponse::Status(_)) => Ok(()),
+        Ok(other) => Err(format!("unexpected answer {other:?}")),
+        Err(e) => Err(e),
+    }
+    .map_err(|m| {
         ApiError::unavailable(
             "store_unavailable",
             format!("the store is not serving: {m}"),
@@ -173,8 +180,33 @@ fn model_object(st: &AppState) -> Value {
 
 async fn health(State(st): State<Shared>) -> Response {
     match store_up(&st).await {
-        Ok(()) => Json(json!({"status": "ok", "jobs": st.admission.inside()})).into_response(),
+        Ok(()) => {
+            let (running, queued) = st.admission.counts();
+            Json(json!({"status": "ok", "jobs": running + queued, "running": running, "queued": queued}))
+                .into_response()
+        }
         Err(e) => e.into_response(),
+    }
+}
+
+async fn metrics(State(st): State<Shared>) -> Response {
+    let stats: Option<StatsReport> = match ask_store(&st, StoreRequest::Stats).await {
+        Ok(StoreResponse::Stats(s)) => Some(*s),
+        _ => None,
+    };
+    let (running, queued) = st.admission.counts();
+    st.metrics.running.set(i64::try_from(running).unwrap_or(i64::MAX));
+    st.metrics.queued.set(i64::try_from(queued).unwrap_or(i64::MAX));
+    match st.metrics.render(stats) {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => ApiError::internal(format!("metrics: {e}")).into_response(),
     }
 }
 
@@ -192,23 +224,53 @@ async fn model(State(st): State<Shared>, Path(id): Path<String>) -> Response {
     }
 }
 
-/// The body as JSON of type `T`: 413 past the limit, 400 for anything malformed.
-fn parse<T: serde::de::DeserializeOwned>(
-    body: Result<Bytes, BytesRejection>,
-) -> Result<T, ApiError> {
-    let bytes = body.map_err(|r| {
-        let status = r.status();
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::status(
-                status,
-                "request_too_large",
-                format!("the request body is too large: {}", r.body_text()),
-            )
-        } else {
-            ApiError::status(status, "bad_body", r.body_text())
+/// The body, at most `max_body` bytes within the body deadline: 413 past the limit, 408 when
+/// too slow (the connection then closes), 400 when it breaks off. The connection is marked busy
+/// once the body is in.
+async fn read_body(st: &AppState, ctx: &Ctx, body: Body) -> Result<Bytes, ApiError> {
+    let limited = http_body_util::Limited::new(body, st.max_body);
+    let collected = tokio::time::timeout(st.body_timeout, limited.collect()).await;
+    let bytes = match collected {
+        Err(_) => {
+            let mut e = ApiError::status(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                format!(
+                    "the request body did not arrive within {} s",
+                    st.body_timeout.as_secs()
+                ),
+            );
+            e.close = true;
+            return Err(e);
         }
-    })?;
-    serde_json::from_slice(&bytes).map_err(|e| {
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            return Err(ApiError::status(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request_too_large",
+                format!(
+                    "the request body is too large: more than {} bytes",
+                    st.max_body
+                ),
+            ))
+        }
+        Ok(Err(e)) => {
+            return Err(ApiError::status(
+                StatusCode::BAD_REQUEST,
+                "bad_body",
+                format!("reading the request body: {e}"),
+            ))
+        }
+        Ok(Ok(c)) => c.to_bytes(),
+    };
+    if let Some(c) = &ctx.conn {
+        c.body_read();
+    }
+    Ok(bytes)
+}
+
+/// The body as JSON of type `T`: 400 for anything malformed.
+fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| {
         ApiError::bad(
             None,
             format!("the request body is not valid JSON for this endpoint: {e}"),
@@ -227,35 +289,52 @@ enum Kind {
 struct Gen {
     kind: Kind,
     id: String,
+    job_id: u64,
     created: u64,
     model: String,
     prompt: Vec<u32>,
     settings: Settings,
     reply: ReplyText,
+    /// Prompt ids a kept session held (the worker's count).
+    cached: usize,
 }
 
-async fn chat(State(st): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
-    match prepare_chat(&st, body) {
-        Ok(g) => run(st, g).await,
+async fn chat(State(st): State<Shared>, Extension(ctx): Extension<Ctx>, req: Request) -> Response {
+    let r = async {
+        let body = read_body(&st, &ctx, req.into_body()).await?;
+        prepare_chat(&st, &body)
+    }
+    .await;
+    match r {
+        Ok(g) => run(st, ctx, g).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn completions(State(st): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
-    match prepare_completion(&st, body) {
-        Ok(g) => run(st, g).await,
+async fn completions(
+    State(st): State<Shared>,
+    Extension(ctx): Extension<Ctx>,
+    req: Request,
+) -> Response {
+    let r = async {
+        let body = read_body(&st, &ctx, req.into_body()).await?;
+        prepare_completion(&st, &body)
+    }
+    .await;
+    match r {
+        Ok(g) => run(st, ctx, g).await,
         Err(e) => e.into_response(),
     }
 }
 
-fn prepare_chat(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Gen, ApiError> {
+fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let r: api::ChatRequest = parse(body)?;
     api::check_model(&r.common.model, &st.model_id)?;
     api::check_chat_extras(&r)?;
-    let (id, seed) = fresh("chatcmpl");
+    let (id, job_id, seed) = fresh("chatcmpl");
     let max = r.max_completion_tokens.or(r.common.max_tokens);
-    let settings = api::settings(&r.common, max, api::MAX_GEN, seed)?;
-    let thinking = api::thinking(&r)?;
+    let settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
+    let thinking = api::thinking(&r, st.defaults.effort)?;
     let history = api::messages(&r)?;
     let fmt = ChatFormat::new(&st.tok, thinking).map_err(ApiError::internal)?;
     let prompt = fmt.render(&history, true);
@@ -270,19 +349,21 @@ fn prepare_chat(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Ge
     Ok(Gen {
         kind: Kind::Chat,
         id,
+        job_id,
         created: unix_now(),
         model: st.model_id.clone(),
         prompt,
         settings,
         reply,
+        cached: 0,
     })
 }
 
-fn prepare_completion(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Gen, ApiError> {
+fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let r: api::CompletionRequest = parse(body)?;
     api::check_model(&r.common.model, &st.model_id)?;
     api::check_completion_extras(&r)?;
-    let (id, seed) = fresh("cmpl");
+    let (id, job_id, seed) = fresh("cmpl");
     let settings = api::settings(
         &r.common,
         r.common.max_tokens,
@@ -299,61 +380,73 @@ fn prepare_completion(st: &AppState, body: Result<Bytes, BytesRejection>) -> Res
     Ok(Gen {
         kind: Kind::Completion,
         id,
+        job_id,
         created: unix_now(),
         model: st.model_id.clone(),
         prompt,
         settings,
         reply,
+        cached: 0,
     })
 }
 
 /// A worker failure as an HTTP error.
 fn job_error(e: JobError) -> ApiError {
-    match e.code {
-        Some(exit::NO_STORE) => ApiError::unavailable("store_unavailable", e.message),
-        Some(exit::REFUSED) => ApiError::unavailable("worker_refused", e.message),
-        Some(exit::EXPERT_LOAD_FAILED) => ApiError::internal(format!(
+    match e.kind {
+        ErrorKind::NoStore => ApiError::unavailable("store_unavailable", e.message),
+        ErrorKind::Refused => ApiError::unavailable("worker_refused", e.message),
+        ErrorKind::ExpertLoad => ApiError::internal(format!(
             "a routed expert failed to load, the generated ids are unsound: {}",
             e.message
         )),
-        _ => ApiError::internal(e.message),
+        ErrorKind::Failed | ErrorKind::Protocol => ApiError::internal(e.message),
     }
 }
 
-async fn run(st: Shared, g: Gen) -> Response {
-    match start(&st, g).await {
-        Ok((place, job, first, g)) => {
-            if g.settings.stream {
-                stream_response(place, job, first, g).into_response()
-            } else {
-                whole_response(place, job, first, g).await
-            }
+async fn run(st: Shared, ctx: Ctx, g: Gen) -> Response {
+    let meta = Meta {
+        request_id: ctx.id.clone(),
+        route: ctx.route.clone(),
+        prompt_ids: g.prompt.len(),
+        max_new: g.settings.max_new,
+    };
+    let place = match st.admission.enter(meta) {
+        Ok(p) => p,
+        Err(f) => return ApiError::queue_full(f.retry_after).into_response(),
+    };
+    if g.settings.stream {
+        // The headers go out now; a store that is down is still a status.
+        if let Err(e) = store_up(&st).await {
+            return e.into_response();
         }
-        Err(e) => e.into_response(),
+        stream_response(st, place, g).into_response()
+    } else {
+        whole_response(st, place, g).await
     }
 }
 
-/// Queue, wait for a slot, start the worker and wait for its first id (or its failure).
-async fn start(st: &Shared, g: Gen) -> Result<(Place, Job, Option<u32>, Gen), ApiError> {
-    let mut place = st
-        .admission
-        .enter()
-        .map_err(|f| ApiError::queue_full(f.retry_after))?;
+/// Wait for a slot, then start the worker.
+async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError> {
     place.run().await;
     let session = if st.sessions {
         Some(pick_session(st, &g.prompt).await)
     } else {
         None
     };
-    let params = GenParams {
+    let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    let job = Start {
+        req_id: g.job_id,
         ids: g.prompt.clone(),
-        max_new: g.settings.max_new,
-        temperature: g.settings.temperature,
-        top_p: g.settings.top_p,
-        seed: g.settings.seed,
+        max_new: n(g.settings.max_new),
+        sampling: Sampling {
+            temperature: g.settings.temperature,
+            top_p: g.settings.top_p,
+            seed: g.settings.seed,
+        },
         session: session.as_ref().map(|s| s.0.clone()),
     };
-    let mut job = Job::spawn(&st.worker, &params).map_err(|e| ApiError::internal(e.message))?;
+    let job = Job::spawn(&st.worker, job).await.map_err(job_error)?;
+    place.set_worker(job.pid());
     tracing::info!(
         "{} started worker pid {} ({} prompt ids, up to {} new){}",
         g.id,
@@ -366,59 +459,117 @@ async fn start(st: &Shared, g: Gen) -> Result<(Place, Job, Option<u32>, Gen), Ap
             None => String::new(),
         }
     );
-    let first = job.next().await.map_err(job_error)?;
-    Ok((place, job, first, g))
+    Ok(job)
 }
 
-/// Feed one id (or the end of the worker's output); returns the text released and whether the
-/// reply is complete. Errors when the worker's output disagrees with the request.
-fn feed(g: &mut Gen, next: Option<u32>) -> Result<(Delta, bool), ApiError> {
-    match next {
-        Some(_) if g.reply.finish().is_some() => Err(ApiError::internal(
-            "the worker generated past the end of the reply",
-        )),
-        Some(id) => {
-            let d = g.reply.push(id);
-            // A stop string ends the reply at once; otherwise wait for the worker's exit.
-            Ok((d, g.reply.stopped_by_text()))
+/// What the next event of a job gave the reply.
+enum Step {
+    /// Text released by an id (possibly none).
+    Text(Delta),
+    /// The reply is complete: the job's counts (None when a stop string ended it and the job
+    /// was cancelled).
+    End(Option<(Usage, Timings)>),
+}
+
+/// Take the job's next event into the reply. Errors when the worker's output disagrees with
+/// the request.
+async fn next_step(st: &AppState, g: &mut Gen, job: &mut Job, place: &Place) -> Result<Step, ApiError> {
+    loop {
+        match job.next().await.map_err(job_error)? {
+            Event::Prefilled { cached } => {
+                g.cached = cached as usize;
+                tracing::info!(
+                    "{} prefilled ({cached} of {} prompt ids from the kept session)",
+                    g.id,
+                    g.prompt.len()
+                );
+            }
+            Event::Token(_) if g.reply.finish().is_some() => {
+                return Err(ApiError::internal(
+                    "the worker generated past the end of the reply",
+                ))
+            }
+            Event::Token(id) => {
+                let d = g.reply.push(id);
+                place.set_generated(g.reply.generated());
+                // A stop string ends the reply at once: the caller cancels the job.
+                if g.reply.stopped_by_text() {
+                    st.metrics.cancel("stop_string");
+                }
+                return Ok(Step::Text(d));
+            }
+            Event::Done {
+                finish,
+                usage,
+                timings,
+            } => {
+                st.metrics.job(&usage, &timings);
+                g.cached = usage.cached_ids as usize;
+                if finish == Finish::Cancelled || g.reply.finish().is_none() {
+                    return Err(ApiError::internal(format!(
+                        "the worker stopped after {} of {} ids without an end id ({finish:?})",
+                        g.reply.generated(),
+                        g.settings.max_new
+                    )));
+                }
+                return Ok(Step::End(Some((usage, timings))));
+            }
         }
-        None if g.reply.finish().is_none() => Err(ApiError::internal(format!(
-            "the worker stopped after {} of {} ids without an end id",
-            g.reply.generated(),
-            g.settings.max_new
-        ))),
-        None => Ok((Delta::default(), true)),
     }
 }
 
-async fn whole_response(place: Place, mut job: Job, first: Option<u32>, mut g: Gen) -> Response {
+/// Counts a whole answer's request as cancelled (the client went away) unless it ended.
+struct Unfinished(Option<Shared>);
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        if let Some(st) = self.0.take() {
+            st.metrics.cancel("client_gone");
+            tracing::info!("the client went away: request cancelled");
+        }
+    }
+}
+
+async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
+    let mut unfinished = Unfinished(Some(st.clone()));
+    let mut job = match start(&st, &mut place, &g).await {
+        Ok(j) => j,
+        Err(e) => {
+            unfinished.0 = None;
+            return e.into_response();
+        }
+    };
     let mut all = Delta::default();
-    let mut next = first;
+    let mut counts = None;
     loop {
-        match feed(&mut g, next) {
-            Ok((d, done)) => {
+        match next_step(&st, &mut g, &mut job, &place).await {
+            Ok(Step::Text(d)) => {
                 all.reasoning.push_str(&d.reasoning);
                 all.content.push_str(&d.content);
-                if done {
+                if g.reply.stopped_by_text() {
                     break;
                 }
             }
-            Err(e) => return e.into_response(),
+            Ok(Step::End(c)) => {
+                counts = c;
+                break;
+            }
+            Err(e) => {
+                unfinished.0 = None;
+                return e.into_response();
+            }
         }
-        next = match job.next().await {
-            Ok(n) => n,
-            Err(e) => return job_error(e).into_response(),
-        };
     }
-    drop(job); // a stop string: the worker is still running and is killed here
+    unfinished.0 = None;
+    drop(job); // after a stop string the worker is still running: it is cancelled here
     drop(place);
     let finish = g.reply.finish().map(|f| f.as_str());
-    g.log_done(finish);
-    let usage = api::usage(g.prompt.len(), g.reply.generated());
+    g.log_done(finish, counts.as_ref());
+    let usage = g.usage();
     let body = match g.kind {
         Kind::Chat => {
             let mut message = json!({"role": "assistant", "content": all.content});
-            if g.reply_has_reasoning() {
+            if g.reply.thinking() {
                 message["reasoning_content"] = Value::String(all.reasoning);
             }
             json!({
@@ -437,18 +588,31 @@ async fn whole_response(place: Place, mut job: Job, first: Option<u32>, mut g: G
 }
 
 impl Gen {
-    fn log_done(&self, finish: Option<&str>) {
+    fn log_done(&self, finish: Option<&str>, counts: Option<&(Usage, Timings)>) {
+        let timing = counts.map_or(String::new(), |(u, t)| {
+            let decoded = u.generated.saturating_sub(1);
+            format!(
+                "; prefill {:.3} s, decode {}",
+                t.prefill_seconds,
+                if decoded > 0 {
+                    format!("{:.3} s/token", t.decode_seconds / f64::from(decoded))
+                } else {
+                    "-".into()
+                }
+            )
+        });
         tracing::info!(
-            "{} done: {} prompt + {} generated ids, finish_reason {}",
+            "{} done: {} prompt ({} cached) + {} generated ids, finish_reason {}{timing}",
             self.id,
             self.prompt.len(),
+            self.cached,
             self.reply.generated(),
             finish.unwrap_or("-")
         );
     }
 
-    fn reply_has_reasoning(&self) -> bool {
-        self.reply.thinking()
+    fn usage(&self) -> Value {
+        api::usage(self.prompt.len(), self.cached, self.reply.generated())
     }
 
     fn chunk(&self, d: &Delta, finish: Option<&str>, first: bool) -> Value {
@@ -485,86 +649,137 @@ impl Gen {
         };
         json!({
             "id": self.id, "object": object, "created": self.created, "model": self.model,
-            "choices": [], "usage": api::usage(self.prompt.len(), self.reply.generated()),
+            "choices": [], "usage": self.usage(),
         })
     }
 }
 
-/// The state of a streamed answer between two events.
-struct Streaming {
-    place: Option<Place>,
-    job: Option<Job>,
-    pending: Option<Option<u32>>,
-    g: Gen,
-    first: bool,
-    over: bool,
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
 }
 
-fn data(v: &Value) -> Event {
-    Event::default().data(v.to_string())
+/// Send one event to the client's stream; `false` when it is gone or did not take the event
+/// within [`SEND_DEADLINE`].
+async fn send(tx: &mpsc::Sender<SseEvent>, e: SseEvent) -> bool {
+    matches!(
+        tokio::time::timeout(SEND_DEADLINE, tx.send(e)).await,
+        Ok(Ok(()))
+    )
 }
 
-/// Produce the next events: one chunk per id that released text, then the finish chunk, the
-/// usage chunk when asked, and `[DONE]`.
-async fn step(mut s: Streaming) -> Option<(Vec<Event>, Streaming)> {
-    if s.over {
-        return None;
-    }
-    let next = match s.pending.take() {
-        Some(n) => Ok(n),
-        None => match s.job.as_mut() {
-            Some(job) => job.next().await.map_err(job_error),
-            None => Ok(None),
-        },
-    };
-    let mut events = Vec::new();
-    let fed = next.and_then(|n| feed(&mut s.g, n));
-    match fed {
-        Ok((d, done)) => {
-            if !d.is_empty() || (s.first && s.g.kind == Kind::Chat) {
-                events.push(data(&s.g.chunk(&d, None, s.first)));
-                s.first = false;
-            }
-            if done {
-                s.job.take(); // killed if a stop string ended the reply early
-                s.place.take();
-                let finish = s.g.reply.finish().map(|f| f.as_str());
-                s.g.log_done(finish);
-                events.push(data(&s.g.chunk(&Delta::default(), finish, s.first)));
-                if s.g.settings.include_usage {
-                    events.push(data(&s.g.usage_chunk()));
-                }
-                events.push(Event::default().data("[DONE]"));
-                s.over = true;
+/// A streamed answer: queue comments, one chunk per id that released text, then the finish
+/// chunk, the usage chunk when asked, and `[DONE]`; a failure as a last error event.
+async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<SseEvent>) {
+    // Waiting for a slot: say where the request is, whenever that changes.
+    let adm = place.admission().clone();
+    let mut told = None;
+    loop {
+        let pos = place.position();
+        if pos.is_some() && pos != told {
+            told = pos;
+            let (_, queued) = adm.counts();
+            let text = format!("queued, position {} of {queued}", pos.unwrap_or(0));
+            if !send(tx, SseEvent::default().comment(text)).await {
+                return;
             }
         }
+        if pos.is_none() {
+            break;
+        }
+        let wait = place.run();
+        if tokio::time::timeout(Duration::from_secs(1), wait).await.is_ok() {
+            break;
+        }
+    }
+    let mut job = match start(&st, &mut place, &g).await {
+        Ok(j) => j,
         Err(e) => {
-            tracing::warn!("{} failed mid-stream: {}", s.g.id, e.message);
-            s.job.take();
-            s.place.take();
-            events.push(data(&e.body()));
-            events.push(Event::default().data("[DONE]"));
-            s.over = true;
+            tracing::warn!("{} failed before its first id: {}", g.id, e.message);
+            let _ = send(tx, data(&e.body())).await;
+            let _ = send(tx, SseEvent::default().data("[DONE]")).await;
+            return;
+        }
+    };
+    let mut first = true;
+    loop {
+        match next_step(&st, &mut g, &mut job, &place).await {
+            Ok(Step::Text(d)) => {
+                if !d.is_empty() || (first && g.kind == Kind::Chat) {
+                    if !send(tx, data(&g.chunk(&d, None, first))).await {
+                        return;
+                    }
+                    first = false;
+                }
+                if g.reply.stopped_by_text() {
+                    drop(job); // the worker is still running: it is cancelled here
+                    finish_stream(&g, None, first, tx).await;
+                    return;
+                }
+            }
+            Ok(Step::End(counts)) => {
+                drop(job);
+                finish_stream(&g, counts.as_ref(), first, tx).await;
+                return;
+            }
+            Err(e) => {
+                tracing::warn!("{} failed mid-stream: {}", g.id, e.message);
+                let _ = send(tx, data(&e.body())).await;
+                let _ = send(tx, SseEvent::default().data("[DONE]")).await;
+                return;
+            }
         }
     }
-    Some((events, s))
 }
 
-fn stream_response(
-    place: Place,
-    job: Job,
-    first: Option<u32>,
-    g: Gen,
-) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    let s = Streaming {
-        place: Some(place),
-        job: Some(job),
-        pending: Some(first),
-        g,
-        first: true,
-        over: false,
-    };
-    let events = stream::unfold(s, step)
-        .flat_map(|batch| stream::iter(batch.into_iter().map(Ok::<Event, Infallible>)));
-    Sse::new(events)
+async fn finish_stream(
+    g: &Gen,
+    counts: Option<&(Usage, Timings)>,
+    first: bool,
+    tx: &mpsc::Sender<SseEvent>,
+) {
+    let finish = g.reply.finish().map(|f| f.as_str());
+    g.log_done(finish, counts);
+    let mut events = vec![data(&g.chunk(&Delta::default(), finish, first))];
+    if g.settings.include_usage {
+        events.push(data(&g.usage_chunk()));
+    }
+    events.push(SseEvent::default().data("[DONE]"));
+    for e in events {
+        if !send(tx, e).await {
+            return;
+        }
+    }
+}
+
+/// The streamed response: its events come from a task that runs the request; when the client
+/// goes away the response body (the receiver) is dropped, the task sees its channel closed and
+/// drops the job (cancelled).
+fn stream_response(st: Shared, place: Place, g: Gen) -> Response {
+    let (tx, rx) = mpsc::channel::<SseEvent>(64);
+    let span = tracing::Span::current();
+    let metrics_st = st.clone();
+    tokio::spawn(
+        async move {
+            tokio::select! {
+                _ = tx.closed() => {
+                    metrics_st.metrics.cancel("client_gone");
+                    tracing::info!("the client went away: request cancelled");
+                }
+                _ = stream_job(st, place, g, &tx) => {}
+            }
+        }
+        .instrument(span),
+    );
+    let events = stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|e| (Ok::<SseEvent, std::convert::Infallible>(e), rx))
+    });
+    let mut r = Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
+        .into_response();
+    // Proxies (nginx) must pass the events on as they come.
+    r.headers_mut()
+        .insert("x-accel-buffering", HeaderValue::from_static("no"));
+    r
 }

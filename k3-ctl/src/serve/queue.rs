@@ -1,10 +1,14 @@
 //! Admission: at most `max_jobs` workers run at once and at most `queue` more requests wait for
-//! a turn; a request beyond that is answered at once (429 with `Retry-After`).
+//! a turn, in arrival order; a request beyond that is answered at once (429 with `Retry-After`).
+//! Every request inside is listed (for `k3-ctl ps` and a streamed request's queue comments):
+//! queued with its position, or running with its worker.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use k3_proto::serve::{RequestInfo, RequestState};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Shared admission state.
@@ -16,12 +20,37 @@ pub struct Admission {
     inside: AtomicUsize,
     /// Mean seconds of recent jobs (exponentially weighted), for `Retry-After`.
     mean_job_seconds: Mutex<Option<f64>>,
+    /// The requests inside, by arrival (the semaphore lets them run in that order).
+    table: Mutex<(u64, BTreeMap<u64, Entry>)>,
+}
+
+/// What a request is, for the listing.
+#[derive(Clone, Debug, Default)]
+pub struct Meta {
+    /// The request id.
+    pub request_id: String,
+    /// The route.
+    pub route: String,
+    /// Prompt ids.
+    pub prompt_ids: usize,
+    /// Most ids to generate.
+    pub max_new: usize,
+}
+
+#[derive(Debug)]
+struct Entry {
+    meta: Meta,
+    arrived: Instant,
+    running: bool,
+    worker_pid: u32,
+    generated: u32,
 }
 
 /// A request that was let in: waiting for a turn, then running. Dropping it frees its place.
 #[derive(Debug)]
 pub struct Place {
     adm: Arc<Admission>,
+    ticket: u64,
     permit: Option<OwnedSemaphorePermit>,
     started: Option<Instant>,
 }
@@ -42,31 +71,107 @@ impl Admission {
             capacity: max_jobs + queue,
             inside: AtomicUsize::new(0),
             mean_job_seconds: Mutex::new(None),
+            table: Mutex::new((0, BTreeMap::new())),
         })
     }
 
     /// Take a place (running or waiting), or refuse at once when none is free.
-    pub fn enter(self: &Arc<Self>) -> Result<Place, Full> {
+    pub fn enter(self: &Arc<Self>, meta: Meta) -> Result<Place, Full> {
         let taken = self
             .inside
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < self.capacity).then_some(n + 1)
             });
-        match taken {
-            Ok(_) => Ok(Place {
-                adm: self.clone(),
-                permit: None,
-                started: None,
-            }),
-            Err(_) => Err(Full {
+        if taken.is_err() {
+            return Err(Full {
                 retry_after: self.retry_after(),
-            }),
+            });
         }
+        let ticket = match self.table.lock() {
+            Ok(mut t) => {
+                t.0 += 1;
+                let ticket = t.0;
+                t.1.insert(
+                    ticket,
+                    Entry {
+                        meta,
+                        arrived: Instant::now(),
+                        running: false,
+                        worker_pid: 0,
+                        generated: 0,
+                    },
+                );
+                ticket
+            }
+            Err(_) => 0,
+        };
+        Ok(Place {
+            adm: self.clone(),
+            ticket,
+            permit: None,
+            started: None,
+        })
     }
 
     /// Requests running or waiting.
+    #[cfg(test)]
     pub fn inside(&self) -> usize {
         self.inside.load(Ordering::Acquire)
+    }
+
+    /// (running, queued).
+    pub fn counts(&self) -> (usize, usize) {
+        self.table.lock().map_or((0, 0), |t| {
+            let running = t.1.values().filter(|e| e.running).count();
+            (running, t.1.len() - running)
+        })
+    }
+
+    /// The place in the queue of `ticket` (1 = next), `None` once it runs.
+    fn position(&self, ticket: u64) -> Option<usize> {
+        let t = self.table.lock().ok()?;
+        let e = t.1.get(&ticket)?;
+        if e.running {
+            return None;
+        }
+        Some(t.1.range(..ticket).filter(|(_, e)| !e.running).count() + 1)
+    }
+
+    /// Every request inside: running first, then queued in order.
+    pub fn listing(&self) -> Vec<RequestInfo> {
+        let Ok(t) = self.table.lock() else {
+            return Vec::new();
+        };
+        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        let mut position = 0;
+        let mut queued = Vec::new();
+        let mut out = Vec::new();
+        for e in t.1.values() {
+            let state = if e.running {
+                RequestState::Running {
+                    worker_pid: e.worker_pid,
+                }
+            } else {
+                position += 1;
+                RequestState::Queued { position }
+            };
+            let info = RequestInfo {
+                request_id: e.meta.request_id.clone(),
+                route: e.meta.route.clone(),
+                state,
+                prompt_ids: n(e.meta.prompt_ids),
+                max_new: n(e.meta.max_new),
+                generated: e.generated,
+                age_seconds: e.arrived.elapsed().as_secs_f64(),
+            };
+            if e.running {
+                out.push(info);
+            } else {
+                queued.push(info);
+            }
+        }
+        out.extend(queued);
+        out
     }
 
     /// About when a place frees: a mean job's seconds over the jobs running at once.
@@ -87,10 +192,18 @@ impl Admission {
             });
         }
     }
+
+    fn update(&self, ticket: u64, f: impl FnOnce(&mut Entry)) {
+        if let Ok(mut t) = self.table.lock() {
+            if let Some(e) = t.1.get_mut(&ticket) {
+                f(e);
+            }
+        }
+    }
 }
 
 impl Place {
-    /// Wait for a turn to run (at most `max_jobs` places run at once).
+    /// Wait for a turn to run (at most `max_jobs` places run at once, in arrival order).
     pub async fn run(&mut self) {
         if self.permit.is_some() {
             return;
@@ -99,7 +212,29 @@ impl Place {
         if let Ok(p) = self.adm.running.clone().acquire_owned().await {
             self.permit = Some(p);
             self.started = Some(Instant::now());
+            self.adm.update(self.ticket, |e| e.running = true);
         }
+    }
+
+    /// The place in the queue (1 = next), `None` once running.
+    pub fn position(&self) -> Option<usize> {
+        self.adm.position(self.ticket)
+    }
+
+    /// The admission this place belongs to.
+    pub fn admission(&self) -> &Arc<Admission> {
+        &self.adm
+    }
+
+    /// The worker that runs the request.
+    pub fn set_worker(&self, pid: u32) {
+        self.adm.update(self.ticket, |e| e.worker_pid = pid);
+    }
+
+    /// Ids generated so far.
+    pub fn set_generated(&self, n: usize) {
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        self.adm.update(self.ticket, |e| e.generated = n);
     }
 }
 
@@ -107,6 +242,9 @@ impl Drop for Place {
     fn drop(&mut self) {
         if let Some(t) = self.started {
             self.adm.record(t.elapsed().as_secs_f64());
+        }
+        if let Ok(mut t) = self.adm.table.lock() {
+            t.1.remove(&self.ticket);
         }
         self.permit.take();
         self.adm.inside.fetch_sub(1, Ordering::AcqRel);
@@ -117,13 +255,31 @@ impl Drop for Place {
 mod tests {
     use super::*;
 
+    fn meta(id: &str) -> Meta {
+        Meta {
+            request_id: id.into(),
+            route: "/v1/completions".into(),
+            prompt_ids: 3,
+            max_new: 5,
+        }
+    }
+
     #[tokio::test]
-    async fn places_are_bounded_and_freed_on_drop() {
-        let adm = Admission::new(1, 1);
-        let mut a = adm.enter().unwrap();
+    async fn places_are_bounded_listed_and_freed_on_drop() {
+        let adm = Admission::new(1, 2);
+        let mut a = adm.enter(meta("a")).unwrap();
         a.run().await;
-        let mut b = adm.enter().unwrap();
-        assert_eq!(adm.enter().unwrap_err(), Full { retry_after: 1 });
+        a.set_worker(42);
+        let mut b = adm.enter(meta("b")).unwrap();
+        let c = adm.enter(meta("c")).unwrap();
+        assert_eq!(adm.enter(meta("d")).unwrap_err(), Full { retry_after: 1 });
+        assert_eq!((a.position(), b.position(), c.position()), (None, Some(1), Some(2)));
+        let l = adm.listing();
+        let ids: Vec<&str> = l.iter().map(|r| r.request_id.as_str()).collect();
+        assert_eq!(ids, ["a", "b", "c"]);
+        assert_eq!(l[0].state, RequestState::Running { worker_pid: 42 });
+        assert_eq!(l[2].state, RequestState::Queued { position: 2 });
+        assert_eq!(adm.counts(), (1, 2));
         // b waits while a runs.
         let waited = tokio::time::timeout(std::time::Duration::from_millis(50), b.run()).await;
         assert!(waited.is_err(), "b ran while a held the only slot");
@@ -131,10 +287,11 @@ mod tests {
         tokio::time::timeout(std::time::Duration::from_secs(5), b.run())
             .await
             .expect("b runs once a is gone");
-        let c = adm.enter().unwrap();
+        assert_eq!(c.position(), Some(1));
         assert_eq!(adm.inside(), 2);
         drop((b, c));
         assert_eq!(adm.inside(), 0);
+        assert!(adm.listing().is_empty());
     }
 
     #[test]

@@ -1,0 +1,249 @@
+//! What wraps every request: its id (`X-Request-Id`, accepted from the client when sane, else
+//! made here; on every log line of the request through a `tracing` span and on the answer),
+//! CORS (off unless `--cors-origin`; a preflight `OPTIONS` from an allowed origin is answered
+//! 204), the API key (`Authorization: Bearer KEY`, compared in constant time; 401 otherwise;
+//! `GET /health` and preflights need none), the access log line and the request counter.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use subtle::ConstantTimeEq;
+use tracing::Instrument;
+
+use super::api::ApiError;
+use super::conn::Conn;
+use super::http::AppState;
+use super::metrics::RouteStatus;
+
+/// Longest client-given request id kept.
+const MAX_ID: usize = 64;
+
+/// Who may call.
+#[derive(Debug, Default)]
+pub struct Policy {
+    /// The API key (`None`: no key asked).
+    pub api_key: Option<Vec<u8>>,
+    /// Origins a browser may call from (`--cors-origin`; empty: CORS off).
+    pub cors_origins: Vec<String>,
+}
+
+/// What a handler knows of its request.
+#[derive(Clone, Debug)]
+pub struct Ctx {
+    /// The request id.
+    pub id: String,
+    /// The route (a known path, or `other`).
+    pub route: String,
+    /// The connection it arrived on.
+    pub conn: Option<Arc<Conn>>,
+}
+
+/// A client's `X-Request-Id` when it is 1–64 characters of `[A-Za-z0-9._:-]`.
+fn sane_id(h: &HeaderMap) -> Option<String> {
+    let v = h.get("x-request-id")?.to_str().ok()?;
+    let ok = !v.is_empty()
+        && v.len() <= MAX_ID
+        && v
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
+    ok.then(|| v.to_string())
+}
+
+fn new_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0);
+    format!("req-{:x}-{:x}{n:x}", std::process::id(), t & 0xff_ffff_ffff)
+}
+
+/// The route label of a path.
+fn route_of(path: &str) -> &'static str {
+    match path {
+        "/v1/chat/completions" => "/v1/chat/completions",
+        "/v1/completions" => "/v1/completions",
+        "/v1/models" => "/v1/models",
+        p if p.starts_with("/v1/models/") => "/v1/models/{id}",
+        "/health" => "/health",
+        "/metrics" => "/metrics",
+        _ => "other",
+    }
+}
+
+/// The key in `Authorization: Bearer KEY` equals `key` (constant time in the key's bytes).
+fn authorized(h: &HeaderMap, key: &[u8]) -> bool {
+    let Some(given) = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    given.as_bytes().ct_eq(key).into()
+}
+
+fn allowed_origin<'a>(p: &'a Policy, h: &HeaderMap) -> Option<&'a str> {
+    let origin = h.get(header::ORIGIN)?.to_str().ok()?;
+    p.cors_origins
+        .iter()
+        .find(|o| o.as_str() == origin || o.as_str() == "*")
+        .map(|o| if o == "*" { "*" } else { o.as_str() })
+}
+
+fn cors_headers(r: &mut Response, origin: &str) {
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(origin) {
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, v);
+    }
+    h.insert(header::VARY, HeaderValue::from_static("Origin"));
+    h.insert(
+        header::ACCESS_CONTROL_EXPOSE_HEADERS,
+        HeaderValue::from_static("x-request-id, retry-after"),
+    );
+}
+
+/// The preflight's answer: 204 with what may be sent, or 403 for an origin not allowed.
+fn preflight(p: &Policy, h: &HeaderMap) -> Response {
+    let Some(origin) = allowed_origin(p, h) else {
+        return ApiError::status(
+            StatusCode::FORBIDDEN,
+            "cors_origin_not_allowed",
+            "this origin may not call this server (k3-ctl serve --cors-origin ORIGIN)",
+        )
+        .into_response();
+    };
+    let mut r = StatusCode::NO_CONTENT.into_response();
+    cors_headers(&mut r, origin);
+    let hs = r.headers_mut();
+    hs.insert(
+        header::ACCESS_CONTROL_ALLOW_METHODS,
+        HeaderValue::from_static("GET, POST, OPTIONS"),
+    );
+    hs.insert(
+        header::ACCESS_CONTROL_ALLOW_HEADERS,
+        HeaderValue::from_static("authorization, content-type, x-request-id"),
+    );
+    hs.insert(
+        header::ACCESS_CONTROL_MAX_AGE,
+        HeaderValue::from_static("600"),
+    );
+    r
+}
+
+/// `routes` wrapped in the middleware.
+pub fn layers(routes: axum::Router, st: Arc<AppState>) -> axum::Router {
+    routes.layer(axum::middleware::from_fn_with_state(st, layer))
+}
+
+/// The middleware (see the module doc).
+pub async fn layer(State(st): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    let id = sane_id(req.headers()).unwrap_or_else(new_id);
+    let route = route_of(req.uri().path());
+    let span = tracing::info_span!("request", id = %id);
+    let t0 = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let origin = allowed_origin(&st.policy, req.headers()).map(str::to_string);
+    async move {
+        let policy = &st.policy;
+        let mut r = if method == Method::OPTIONS
+            && req.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD)
+        {
+            preflight(policy, req.headers())
+        } else if policy
+            .api_key
+            .as_deref()
+            .is_some_and(|k| route != "/health" && !authorized(req.headers(), k))
+        {
+            let mut r = ApiError::status(
+                StatusCode::UNAUTHORIZED,
+                "invalid_api_key",
+                "a valid API key is required: Authorization: Bearer KEY",
+            )
+            .into_response();
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            r
+        } else {
+            let conn = req.extensions().get::<Arc<Conn>>().cloned();
+            req.extensions_mut().insert(Ctx {
+                id: id.clone(),
+                route: route.to_string(),
+                conn,
+            });
+            next.run(req).await
+        };
+        if let Some(o) = &origin {
+            cors_headers(&mut r, o);
+        }
+        if let Ok(v) = HeaderValue::from_str(&id) {
+            r.headers_mut().insert("x-request-id", v);
+        }
+        let status = r.status().as_u16();
+        st.metrics
+            .requests
+            .get_or_create(&RouteStatus {
+                route: route.to_string(),
+                status,
+            })
+            .inc();
+        tracing::info!(
+            "{method} {path} -> {status} in {:.3} s",
+            t0.elapsed().as_secs_f64()
+        );
+        r
+    }
+    .instrument(span)
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn request_ids_are_kept_when_sane() {
+        assert_eq!(
+            sane_id(&headers(&[("x-request-id", "abc-1.2:3_x")])).as_deref(),
+            Some("abc-1.2:3_x")
+        );
+        assert_eq!(sane_id(&headers(&[("x-request-id", "a b")])), None);
+        assert_eq!(sane_id(&headers(&[("x-request-id", &"x".repeat(65))])), None);
+        assert_ne!(new_id(), new_id());
+    }
+
+    #[test]
+    fn bearer_keys_and_origins() {
+        let k = b"s3cret".as_slice();
+        assert!(authorized(&headers(&[("authorization", "Bearer s3cret")]), k));
+        for bad in ["Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret"] {
+            assert!(!authorized(&headers(&[("authorization", bad)]), k), "{bad}");
+        }
+        assert!(!authorized(&HeaderMap::new(), k));
+        let p = Policy {
+            api_key: None,
+            cors_origins: vec!["https://app.example".into()],
+        };
+        assert_eq!(
+            allowed_origin(&p, &headers(&[("origin", "https://app.example")])),
+            Some("https://app.example")
+        );
+        assert_eq!(allowed_origin(&p, &headers(&[("origin", "https://evil.example")])), None);
+        assert_eq!(allowed_origin(&Policy::default(), &headers(&[("origin", "https://app.example")])), None);
+    }
+}

@@ -1,0 +1,447 @@
+//! Connections: how many, from whom, for how long, and whether their client is still there.
+//!
+//! - **Caps with room kept.** At most [`Limits::total`] connections and [`Limits::per_addr`]
+//!   from one client address. A connection that would pass a cap takes the place of the oldest
+//!   one that is not busy (idle between requests, or still sending its request), from the same
+//!   address first: a client that opens connections and trickles (or stops sending) cannot keep
+//!   a fresh request out. Only when every connection is busy with a request is a new one
+//!   answered 503 at once.
+//! - **Deadlines.** A request head must arrive within [`Limits::head`] (hyper's timer), a body
+//!   within [`Limits::body`] (408, `parse` in `http`); a connection idle between requests is
+//!   closed after [`Limits::idle`].
+//! - **Disconnects noticed on every path.** While a request is busy, a watcher looks at the
+//!   socket every [`WATCH_EVERY`] without reading it (`MSG_PEEK`). The end of the client's
+//!   sending side alone is not a departure (a half-closed client still reads its answer), so when
+//!   it is seen before the answer has started, the watcher writes `HTTP/1.1 100 Continue` (an
+//!   interim response every HTTP/1.1 client skips): a client that has closed its socket answers
+//!   it with a reset. A reset (or any socket error) ends the connection at once, which drops the
+//!   request's future: its queue place is freed and its job cancelled. After the answer has
+//!   started, the answer's own bytes (a streamed answer's keep-alive comments included) draw
+//!   the reset.
+
+use std::collections::HashMap;
+use std::io;
+use std::mem::MaybeUninit;
+use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+/// How often a connection's watcher looks at its socket.
+pub const WATCH_EVERY: Duration = Duration::from_millis(200);
+
+/// The interim response that draws a reset from a client that has closed its socket.
+const PROBE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// Connection limits.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Most connections.
+    pub total: usize,
+    /// Most connections from one client address.
+    pub per_addr: usize,
+    /// Time to send a request head.
+    pub head: Duration,
+    /// Time to send a request body.
+    pub body: Duration,
+    /// Time a connection may stay idle between requests.
+    pub idle: Duration,
+}
+
+const IDLE: u8 = 0;
+/// A request head arrived; its body is still coming.
+const READING: u8 = 1;
+/// A whole request is being answered.
+const BUSY: u8 = 2;
+
+/// One connection's state, shared by its socket, its requests and its watcher.
+#[derive(Debug)]
+pub struct Conn {
+    phase: AtomicU8,
+    since: Mutex<Instant>,
+    /// Answer bytes written since the current request's body ended (the answer has started).
+    wrote: AtomicBool,
+    /// Interim-response bytes still to write, under the write lock.
+    probe: Mutex<ProbeState>,
+    close: Notify,
+    /// The client's address.
+    pub peer: SocketAddr,
+}
+
+#[derive(Debug, Default)]
+struct ProbeState {
+    pending: Vec<u8>,
+    sent: bool,
+}
+
+impl Conn {
+    fn new(peer: SocketAddr) -> Conn {
+        Conn {
+            phase: AtomicU8::new(IDLE),
+            since: Mutex::new(Instant::now()),
+            wrote: AtomicBool::new(false),
+            probe: Mutex::new(ProbeState::default()),
+            close: Notify::new(),
+            peer,
+        }
+    }
+
+    fn set(&self, phase: u8) {
+        self.phase.store(phase, Ordering::Release);
+        if let Ok(mut t) = self.since.lock() {
+            *t = Instant::now();
+        }
+    }
+
+    fn phase(&self) -> (u8, Duration) {
+        let since = self.since.lock().map(|t| t.elapsed()).unwrap_or_default();
+        (self.phase.load(Ordering::Acquire), since)
+    }
+
+    /// A request head arrived (`has_body`: a body follows).
+    pub fn request(&self, has_body: bool) {
+        if let Ok(mut p) = self.probe.lock() {
+            *p = ProbeState::default();
+        }
+        self.set(if has_body { READING } else { BUSY });
+        if !has_body {
+            self.wrote.store(false, Ordering::Release);
+        }
+    }
+
+    /// The request's body has been read: the request is busy until its answer ends.
+    pub fn body_read(&self) {
+        // hyper may have written a `100 Continue` for an `Expect` header before the body: the
+        // answer starts after this.
+        self.wrote.store(false, Ordering::Release);
+        self.set(BUSY);
+    }
+
+    /// The answer has ended (its body was sent or dropped).
+    pub fn answered(&self) {
+        self.set(IDLE);
+    }
+
+    /// Close the connection (drops its in-flight request).
+    pub fn close(&self) {
+        self.close.notify_one();
+    }
+
+    /// Resolves when the connection must close.
+    pub async fn closed(&self) {
+        self.close.notified().await
+    }
+
+    fn evictable(&self) -> bool {
+        self.phase.load(Ordering::Acquire) != BUSY
+    }
+}
+
+/// Marks the answer's end when dropped (kept by the response body).
+#[derive(Debug)]
+pub struct AnswerGuard(pub Arc<Conn>);
+
+impl Drop for AnswerGuard {
+    fn drop(&mut self) {
+        self.0.answered();
+    }
+}
+
+/// The connections open now.
+#[derive(Debug)]
+pub struct Registry {
+    limits: Limits,
+    open: Mutex<(u64, HashMap<u64, Arc<Conn>>)>,
+}
+
+/// A place in the registry; dropping it frees the place.
+#[derive(Debug)]
+pub struct Slot {
+    reg: Arc<Registry>,
+    id: u64,
+    /// The connection.
+    pub conn: Arc<Conn>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Ok(mut o) = self.reg.open.lock() {
+            o.1.remove(&self.id);
+        }
+    }
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new(limits: Limits) -> Arc<Registry> {
+        Arc::new(Registry {
+            limits,
+            open: Mutex::new((0, HashMap::new())),
+        })
+    }
+
+    /// The limits.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Connections open now.
+    pub fn open(&self) -> usize {
+        self.open.lock().map(|o| o.1.len()).unwrap_or(0)
+    }
+
+    /// Admit a connection from `peer`, closing the oldest non-busy connection (of the same
+    /// address first) when a cap is reached; `None` when every candidate is busy.
+    pub fn admit(self: &Arc<Self>, peer: SocketAddr) -> Option<Slot> {
+        let mut o = self.open.lock().ok()?;
+        let ip = peer.ip();
+        let oldest = |map: &HashMap<u64, Arc<Conn>>, same: Option<IpAddr>| {
+            map.iter()
+                .filter(|(_, c)| same.is_none_or(|a| c.peer.ip() == a) && c.evictable())
+                .max_by_key(|(_, c)| c.phase().1)
+                .map(|(id, _)| *id)
+        };
+        let from_peer = o.1.values().filter(|c| c.peer.ip() == ip).count();
+        if from_peer >= self.limits.per_addr {
+            let id = oldest(&o.1, Some(ip))?;
+            let c = o.1.remove(&id)?;
+            tracing::info!("closing connection from {} to make room ({} from that address)", c.peer, from_peer);
+            c.close();
+        }
+        if o.1.len() >= self.limits.total {
+            let id = oldest(&o.1, Some(ip)).or_else(|| oldest(&o.1, None))?;
+            let c = o.1.remove(&id)?;
+            tracing::info!("closing connection from {} to make room ({} open)", c.peer, o.1.len() + 1);
+            c.close();
+        }
+        o.0 += 1;
+        let id = o.0;
+        let conn = Arc::new(Conn::new(peer));
+        o.1.insert(id, conn.clone());
+        Some(Slot {
+            reg: self.clone(),
+            id,
+            conn,
+        })
+    }
+}
+
+/// The TCP stream hyper reads and writes, shared with the connection's watcher (which peeks and
+/// writes the interim probe between hyper's writes, under the same lock).
+#[derive(Debug)]
+pub struct Stream {
+    tcp: Arc<TcpStream>,
+    conn: Arc<Conn>,
+}
+
+impl Stream {
+    /// Wrap `tcp` for `conn`; returns the stream and the handle the watcher uses.
+    pub fn new(tcp: TcpStream, conn: Arc<Conn>) -> (Stream, Arc<TcpStream>) {
+        let tcp = Arc::new(tcp);
+        (
+            Stream {
+                tcp: tcp.clone(),
+                conn,
+            },
+            tcp,
+        )
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            ready!(self.tcp.poll_read_ready(cx))?;
+            match self.tcp.try_read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        loop {
+            ready!(self.tcp.poll_write_ready(cx))?;
+            let mut probe = match self.conn.probe.lock() {
+                Ok(p) => p,
+                Err(_) => return Poll::Ready(Err(io::Error::other("connection state poisoned"))),
+            };
+            // A probe the watcher could not finish goes out first, whole.
+            while !probe.pending.is_empty() {
+                match self.tcp.try_write(&probe.pending) {
+                    Ok(n) => {
+                        probe.pending.drain(..n);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Poll::Ready(Err(e)),
+                }
+            }
+            if !probe.pending.is_empty() {
+                continue;
+            }
+            self.conn.wrote.store(true, Ordering::Release);
+            match self.tcp.try_write(buf) {
+                Ok(n) => return Poll::Ready(Ok(n)),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(socket2::SockRef::from(&*self.tcp).shutdown(std::net::Shutdown::Write))
+    }
+}
+
+/// What a look at the socket found.
+#[derive(Debug, PartialEq, Eq)]
+enum Peek {
+    /// Bytes wait to be read (or nothing happened).
+    Nothing,
+    /// The client has ended its sending side.
+    Eof,
+    /// The socket failed (a reset: the client is gone).
+    Gone,
+}
+
+fn peek(tcp: &TcpStream) -> Peek {
+    let mut b = [MaybeUninit::<u8>::uninit(); 1];
+    // The socket is non-blocking (tokio's), so this never waits.
+    match socket2::SockRef::from(tcp).peek(&mut b) {
+        Ok(0) => Peek::Eof,
+        Ok(_) => Peek::Nothing,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+            Peek::Nothing
+        }
+        Err(_) => Peek::Gone,
+    }
+}
+
+/// Watch `conn` until it closes: close it when its client is gone, when it stayed idle too
+/// long, or when a request body takes too long.
+pub async fn watch(conn: Arc<Conn>, tcp: Arc<TcpStream>, limits: Limits) {
+    loop {
+        tokio::time::sleep(WATCH_EVERY).await;
+        let (phase, since) = conn.phase();
+        let why = match phase {
+            IDLE if since > limits.idle => Some("idle"),
+            READING if since > limits.body + Duration::from_secs(5) => Some("body too slow"),
+            BUSY => match peek(&tcp) {
+                Peek::Gone => Some("client gone"),
+                Peek::Eof => {
+                    probe(&conn, &tcp);
+                    None
+                }
+                Peek::Nothing => None,
+            },
+            _ => None,
+        };
+        if let Some(why) = why {
+            tracing::debug!("closing the connection from {}: {why}", conn.peer);
+            conn.close();
+            return;
+        }
+    }
+}
+
+/// After the client's end of sending, before the answer: write the interim response once (a
+/// client that closed its socket answers it with a reset).
+fn probe(conn: &Conn, tcp: &TcpStream) {
+    let Ok(mut p) = conn.probe.lock() else {
+        return;
+    };
+    if p.sent || conn.wrote.load(Ordering::Acquire) {
+        return;
+    }
+    p.sent = true;
+    let n = match tcp.try_write(PROBE) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(_) => {
+            conn.close();
+            return;
+        }
+    };
+    p.pending = PROBE[n..].to_vec();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(total: usize, per_addr: usize) -> Limits {
+        Limits {
+            total,
+            per_addr,
+            head: Duration::from_secs(1),
+            body: Duration::from_secs(1),
+            idle: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn caps_close_the_oldest_non_busy_connection_from_the_same_address_first() {
+        let reg = Registry::new(limits(3, 2));
+        let a: SocketAddr = "127.0.0.2:1".parse().unwrap();
+        let b: SocketAddr = "127.0.0.3:1".parse().unwrap();
+        let a1 = reg.admit(a).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        let a2 = reg.admit(a).unwrap();
+        a2.conn.request(false); // busy
+        // A third from `a` replaces a1 (a2 is busy).
+        let a3 = reg.admit(a).unwrap();
+        assert_eq!(reg.open(), 2);
+        assert!(tokio_test_notified(&a1.conn));
+        // The total cap: b's connection takes the oldest non-busy one (a3).
+        let b1 = reg.admit(b).unwrap();
+        assert_eq!(reg.open(), 3);
+        let b2 = reg.admit(b).unwrap();
+        assert!(tokio_test_notified(&a3.conn));
+        assert_eq!(reg.open(), 3);
+        // Every connection busy: refused.
+        for s in [&a2, &b1, &b2] {
+            s.conn.request(false);
+        }
+        assert!(reg.admit(b).is_none());
+        drop((a1, a3));
+        b1.conn.answered();
+        assert!(reg.admit(a).is_some(), "b1 is idle again");
+    }
+
+    /// True when `close` was called (the permit is stored).
+    fn tokio_test_notified(c: &Conn) -> bool {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            tokio::time::timeout(Duration::from_millis(10), c.closed())
+                .await
+                .is_ok()
+        })
+    }
+}
