@@ -18,7 +18,7 @@ pub struct StatsArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
-    /// Print again every second until interrupted.
+    /// Print again every second until interrupted, redrawn in place on a terminal.
     #[arg(long)]
     pub watch: bool,
 }
@@ -289,6 +289,9 @@ pub fn run_stats(a: StatsArgs) -> i32 {
         Ok(c) => c,
         Err(code) => return code,
     };
+    use std::io::{IsTerminal, Write};
+    // On a terminal the table is redrawn in place: cursor home, the frame, clear the rest.
+    let redraw = a.watch && !a.json && std::io::stdout().is_terminal();
     loop {
         match call(&mut c, &Request::Stats) {
             Ok(Response::Stats(s)) => {
@@ -300,6 +303,10 @@ pub fn run_stats(a: StatsArgs) -> i32 {
                             return exit::FAILURE;
                         }
                     }
+                } else if redraw {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(in_place(&render_stats(&s)).as_bytes());
+                    let _ = out.flush();
                 } else {
                     print!("{}", render_stats(&s));
                 }
@@ -314,8 +321,22 @@ pub fn run_stats(a: StatsArgs) -> i32 {
             return exit::OK;
         }
         std::thread::sleep(Duration::from_secs(1));
-        println!();
+        if !redraw {
+            println!();
+        }
     }
+}
+
+/// A frame drawn over the previous one: cursor home, each line cleared to its end, the rest of
+/// the screen cleared.
+fn in_place(frame: &str) -> String {
+    let mut o = String::from("\x1b[H");
+    for line in frame.lines() {
+        o.push_str(line);
+        o.push_str("\x1b[K\n");
+    }
+    o.push_str("\x1b[J");
+    o
 }
 
 /// Arguments of `k3-ctl sessions`.
@@ -394,9 +415,110 @@ pub struct PsArgs {
     /// Store socket.
     #[command(flatten)]
     pub socket: SocketArg,
-    /// Print JSON (one object per live job) instead of a table.
+    /// Print JSON (`{"jobs": [live jobs], "servers": [each k3-ctl serve and its requests]}`)
+    /// instead of tables.
     #[arg(long)]
     pub json: bool,
+}
+
+/// How long one `k3-ctl serve` has to answer.
+const SERVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Ask the `k3-ctl serve` listening on `path` for its requests.
+fn ask_serve(path: &std::path::Path) -> Result<k3_proto::serve::ServeListing, String> {
+    use k3_proto::serve::{ServeAnswer, ServeQuery, JOB_PROTOCOL_VERSION, MAX_JOB_FRAME};
+    let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| e.to_string())?;
+    let _ = s.set_read_timeout(Some(SERVE_TIMEOUT));
+    let _ = s.set_write_timeout(Some(SERVE_TIMEOUT));
+    k3_proto::wire::write_frame(
+        &mut s,
+        &ServeQuery::List {
+            protocol_version: JOB_PROTOCOL_VERSION,
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    match k3_proto::wire::read_frame_limited::<ServeAnswer, _>(&mut s, MAX_JOB_FRAME) {
+        Ok(ServeAnswer::List(l)) => Ok(l),
+        Ok(ServeAnswer::Refused { reason, .. }) => Err(reason),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Every `k3-ctl serve` of this store (their listing sockets beside its socket), by pid.
+fn servers(socket: &std::path::Path) -> Vec<k3_proto::serve::ServeListing> {
+    let Some(dir) = socket.parent() else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<_> = entries
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(k3_proto::serve::is_listing_socket_name)
+        })
+        .filter_map(|e| match ask_serve(&e.path()) {
+            Ok(l) => Some(l),
+            Err(err) => {
+                // A server that is gone leaves nothing to list.
+                tracing::debug!("{}: {err}", e.path().display());
+                None
+            }
+        })
+        .collect();
+    out.sort_by_key(|l| l.pid);
+    out
+}
+
+/// Each server's requests as a table: running (with the worker) and queued (with the place).
+fn render_servers(list: &[k3_proto::serve::ServeListing]) -> String {
+    use k3_proto::serve::RequestState;
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    for l in list {
+        let running = l
+            .requests
+            .iter()
+            .filter(|r| matches!(r.state, RequestState::Running { .. }))
+            .count();
+        let _ = writeln!(
+            out,
+            "k3-ctl serve pid {} on {}: {running} running of {}, {} queued of {}",
+            l.pid,
+            l.listen,
+            l.max_jobs,
+            l.requests.len() - running,
+            l.queue
+        );
+        let _ = writeln!(
+            out,
+            "  {:<28} {:<22} {:<18} {:>7} {:>9} {:>8}",
+            "REQUEST", "ROUTE", "STATE", "PROMPT", "GEN/MAX", "AGE s"
+        );
+        for r in &l.requests {
+            let state = match r.state {
+                RequestState::Queued { position } => format!("queued #{position}"),
+                RequestState::Running { worker_pid } => format!("running pid {worker_pid}"),
+            };
+            let id: String = r.request_id.chars().take(28).collect();
+            let _ = writeln!(
+                out,
+                "  {:<28} {:<22} {:<18} {:>7} {:>9} {:>8.1}",
+                id,
+                r.route,
+                state,
+                r.prompt_ids,
+                format!("{}/{}", r.generated, r.max_new),
+                r.age_seconds
+            );
+        }
+        if l.requests.is_empty() {
+            out.push_str("  (no requests)\n");
+        }
+    }
+    out
 }
 
 /// The live jobs as a table: tokens so far, seconds per token, bytes read.
@@ -438,17 +560,14 @@ pub fn run_ps(a: PsArgs) -> i32 {
     };
     match call(&mut c, &Request::Stats) {
         Ok(Response::Stats(s)) => {
+            let servers = servers(&a.socket.path());
             if a.json {
                 let live: Vec<_> = s.jobs.iter().filter(|j| j.live).collect();
-                match serde_json::to_string(&live) {
-                    Ok(j) => println!("{j}"),
-                    Err(e) => {
-                        eprintln!("k3-ctl: {e}");
-                        return exit::FAILURE;
-                    }
-                }
+                let v = serde_json::json!({"jobs": live, "servers": servers});
+                println!("{v}");
             } else {
                 print!("{}", render_ps(&s));
+                print!("{}", render_servers(&servers));
             }
             exit::OK
         }
@@ -493,6 +612,41 @@ mod tests {
         let row3 = t.lines().find(|l| l.contains("pid 3")).unwrap();
         assert!(row3.contains(" - "), "one token: no s/token yet:\n{t}");
         assert!(render_ps(&StatsReport::default()).contains("no live jobs"));
+    }
+
+    #[test]
+    fn ps_lists_each_servers_running_and_queued_requests() {
+        use k3_proto::serve::{RequestInfo, RequestState, ServeListing};
+        let req = |id: &str, state| RequestInfo {
+            request_id: id.into(),
+            route: "/v1/completions".into(),
+            state,
+            prompt_ids: 12,
+            max_new: 16,
+            generated: 3,
+            age_seconds: 1.5,
+        };
+        let t = render_servers(&[ServeListing {
+            pid: 77,
+            listen: "127.0.0.1:8080".into(),
+            max_jobs: 1,
+            queue: 8,
+            requests: vec![
+                req("req-a", RequestState::Running { worker_pid: 900 }),
+                req("req-b", RequestState::Queued { position: 1 }),
+            ],
+        }]);
+        assert!(t.contains("pid 77 on 127.0.0.1:8080: 1 running of 1, 1 queued of 8"), "{t}");
+        let b = t.lines().find(|l| l.contains("req-b")).unwrap();
+        assert!(b.contains("queued #1") && b.contains("3/16"), "{t}");
+        assert!(t.lines().any(|l| l.contains("req-a") && l.contains("running pid 900")), "{t}");
+    }
+
+    #[test]
+    fn watch_frames_redraw_in_place() {
+        let f = in_place("a\nbb\n");
+        assert_eq!(f, "\x1b[Ha\x1b[K\nbb\x1b[K\n\x1b[J");
+        assert!(!f.contains("\x1b[2J"), "no full clear: it flickers");
     }
 
     #[test]

@@ -294,7 +294,7 @@ def test_multi_turn_chat_renders_like_the_xtml_template(world):
 def test_chat_with_thinking(world):
     c = world["main"].client()
     msgs = [{"role": "user", "content": "Hi"}]
-    for extra, effort in (({}, "max"), ({"reasoning_effort": "low"}, "low"),
+    for extra, effort in (({}, "low"), ({"reasoning_effort": "max"}, "max"),
                           ({"thinking": {"type": "enabled"}, "reasoning_effort": "high"}, "high")):
         prompt_ids = tokenize(xtml_prompt([("user", "Hi")], effort=effort), special=True)
         kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0, extra_body=extra)

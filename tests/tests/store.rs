@@ -910,8 +910,8 @@ fn ps_shows_a_live_jobs_tokens_seconds_per_token_and_bytes() {
     let row = poll_until(Duration::from_secs(20), || {
         let r = sb.ctl(&["ps", "--json"]);
         assert_eq!(r.code, 0, "{r:?}");
-        let rows: Vec<Value> = serde_json::from_str(r.stdout.trim()).ok()?;
-        rows.into_iter().find(|j| {
+        let v: Value = serde_json::from_str(r.stdout.trim()).ok()?;
+        v["jobs"].as_array()?.iter().cloned().find(|j| {
             j["label"]
                 .as_str()
                 .is_some_and(|l| l.ends_with(&pid.to_string()))
@@ -929,7 +929,8 @@ fn ps_shows_a_live_jobs_tokens_seconds_per_token_and_bytes() {
     w.kill9();
     let gone = poll_until(Duration::from_secs(10), || {
         let r = sb.ctl(&["ps", "--json"]);
-        (r.stdout.trim() == "[]").then_some(())
+        let v: Value = serde_json::from_str(r.stdout.trim()).ok()?;
+        (v["jobs"].as_array()?.is_empty() && v["servers"].as_array()?.is_empty()).then_some(())
     });
     assert!(gone.is_some(), "a killed job is no longer listed");
 }

@@ -14,7 +14,9 @@
 //!   sending side alone is not a departure (a half-closed client still reads its answer), so when
 //!   it is seen before the answer has started, the watcher writes `HTTP/1.1 100 Continue` (an
 //!   interim response every HTTP/1.1 client skips): a client that has closed its socket answers
-//!   it with a reset. A reset (or any socket error) ends the connection at once, which drops the
+//!   it with a reset (seen through `SO_ERROR`: after the client's end of sending, Linux reads the
+//!   socket as ended even once a reset has come). A reset (or any socket error) ends the
+//!   connection at once, which drops the
 //!   request's future: its queue place is freed and its job cancelled. After the answer has
 //!   started, the answer's own bytes (a streamed answer's keep-alive comments included) draw
 //!   the reset.
@@ -70,6 +72,8 @@ pub struct Conn {
     /// Interim-response bytes still to write, under the write lock.
     probe: Mutex<ProbeState>,
     close: Notify,
+    /// A read or write on the socket failed (a reset): the client is gone.
+    failed: AtomicBool,
     /// The client's address.
     pub peer: SocketAddr,
 }
@@ -88,6 +92,7 @@ impl Conn {
             wrote: AtomicBool::new(false),
             probe: Mutex::new(ProbeState::default()),
             close: Notify::new(),
+            failed: AtomicBool::new(false),
             peer,
         }
     }
@@ -268,9 +273,18 @@ impl AsyncRead for Stream {
                     return Poll::Ready(Ok(()));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
+                Err(e) => return Poll::Ready(Err(self.failed(e))),
             }
         }
+    }
+}
+
+impl Stream {
+    /// Note a socket failure for the watcher (hyper may keep a request going after a failed
+    /// read of a half-closed connection).
+    fn failed(&self, e: io::Error) -> io::Error {
+        self.conn.failed.store(true, Ordering::Release);
+        e
     }
 }
 
@@ -293,7 +307,7 @@ impl AsyncWrite for Stream {
                         probe.pending.drain(..n);
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) => return Poll::Ready(Err(e)),
+                    Err(e) => return Poll::Ready(Err(self.failed(e))),
                 }
             }
             if !probe.pending.is_empty() {
@@ -303,7 +317,7 @@ impl AsyncWrite for Stream {
             match self.tcp.try_write(buf) {
                 Ok(n) => return Poll::Ready(Ok(n)),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
+                Err(e) => return Poll::Ready(Err(self.failed(e))),
             }
         }
     }
@@ -348,10 +362,14 @@ pub async fn watch(conn: Arc<Conn>, tcp: Arc<TcpStream>, limits: Limits) {
         tokio::time::sleep(WATCH_EVERY).await;
         let (phase, since) = conn.phase();
         let why = match phase {
+            _ if conn.failed.load(Ordering::Acquire) => Some("client gone (socket failed)"),
             IDLE if since > limits.idle => Some("idle"),
             READING if since > limits.body + Duration::from_secs(5) => Some("body too slow"),
             BUSY => match peek(&tcp) {
                 Peek::Gone => Some("client gone"),
+                // After the client's end of sending the socket reads as ended even once a reset
+                // has come (Linux reports the reset's error only through SO_ERROR then).
+                Peek::Eof if matches!(tcp.take_error(), Ok(Some(_))) => Some("client gone (reset)"),
                 Peek::Eof => {
                     probe(&conn, &tcp);
                     None
@@ -416,20 +434,23 @@ mod tests {
         let a3 = reg.admit(a).unwrap();
         assert_eq!(reg.open(), 2);
         assert!(tokio_test_notified(&a1.conn));
-        // The total cap: b's connection takes the oldest non-busy one (a3).
+        // The total cap: b's first connection fits; its second takes the place of b's first
+        // (the same address first), not a3's.
         let b1 = reg.admit(b).unwrap();
         assert_eq!(reg.open(), 3);
+        assert!(!tokio_test_notified(&a3.conn));
         let b2 = reg.admit(b).unwrap();
-        assert!(tokio_test_notified(&a3.conn));
+        assert!(tokio_test_notified(&b1.conn));
         assert_eq!(reg.open(), 3);
         // Every connection busy: refused.
-        for s in [&a2, &b1, &b2] {
+        for s in [&a2, &a3, &b2] {
             s.conn.request(false);
         }
         assert!(reg.admit(b).is_none());
-        drop((a1, a3));
-        b1.conn.answered();
-        assert!(reg.admit(a).is_some(), "b1 is idle again");
+        drop((a1, b1));
+        a3.conn.answered();
+        assert!(reg.admit(a).is_some(), "a3 is idle again");
+        assert!(tokio_test_notified(&a3.conn));
     }
 
     /// True when `close` was called (the permit is stored).

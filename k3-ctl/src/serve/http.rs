@@ -672,23 +672,30 @@ async fn send(tx: &mpsc::Sender<SseEvent>, e: SseEvent) -> bool {
 async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<SseEvent>) {
     // Waiting for a slot: say where the request is, whenever that changes.
     let adm = place.admission().clone();
-    let mut told = None;
-    loop {
-        let pos = place.position();
-        if pos.is_some() && pos != told {
-            told = pos;
-            let (_, queued) = adm.counts();
-            let text = format!("queued, position {} of {queued}", pos.unwrap_or(0));
-            if !send(tx, SseEvent::default().comment(text)).await {
-                return;
+    let ticket = place.ticket();
+    // A request behind others may not overtake them: only one that arrives to an empty queue
+    // takes a free slot at once.
+    if adm.counts().1 > 1 || !place.try_run() {
+        let mut told = None;
+        let run = place.run();
+        tokio::pin!(run);
+        loop {
+            let pos = adm.position(ticket);
+            if pos.is_none() {
+                break;
             }
-        }
-        if pos.is_none() {
-            break;
-        }
-        let wait = place.run();
-        if tokio::time::timeout(Duration::from_secs(1), wait).await.is_ok() {
-            break;
+            if pos != told {
+                told = pos;
+                let (_, queued) = adm.counts();
+                let text = format!("queued, position {} of {queued}", pos.unwrap_or(0));
+                if !send(tx, SseEvent::default().comment(text)).await {
+                    return;
+                }
+            }
+            tokio::select! {
+                _ = &mut run => break,
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            }
         }
     }
     let mut job = match start(&st, &mut place, &g).await {

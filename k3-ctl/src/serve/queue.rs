@@ -128,7 +128,7 @@ impl Admission {
     }
 
     /// The place in the queue of `ticket` (1 = next), `None` once it runs.
-    fn position(&self, ticket: u64) -> Option<usize> {
+    pub fn position(&self, ticket: u64) -> Option<usize> {
         let t = self.table.lock().ok()?;
         let e = t.1.get(&ticket)?;
         if e.running {
@@ -216,9 +216,31 @@ impl Place {
         }
     }
 
+    /// Take a turn at once if a slot is free; false when the request must wait.
+    pub fn try_run(&mut self) -> bool {
+        if self.permit.is_some() {
+            return true;
+        }
+        match self.adm.running.clone().try_acquire_owned() {
+            Ok(p) => {
+                self.permit = Some(p);
+                self.started = Some(Instant::now());
+                self.adm.update(self.ticket, |e| e.running = true);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
     /// The place in the queue (1 = next), `None` once running.
+    #[cfg(test)]
     pub fn position(&self) -> Option<usize> {
         self.adm.position(self.ticket)
+    }
+
+    /// Its ticket (for [`Admission::position`]).
+    pub fn ticket(&self) -> u64 {
+        self.ticket
     }
 
     /// The admission this place belongs to.
