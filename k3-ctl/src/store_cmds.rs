@@ -636,10 +636,17 @@ mod tests {
                 req("req-b", RequestState::Queued { position: 1 }),
             ],
         }]);
-        assert!(t.contains("pid 77 on 127.0.0.1:8080: 1 running of 1, 1 queued of 8"), "{t}");
+        assert!(
+            t.contains("pid 77 on 127.0.0.1:8080: 1 running of 1, 1 queued of 8"),
+            "{t}"
+        );
         let b = t.lines().find(|l| l.contains("req-b")).unwrap();
         assert!(b.contains("queued #1") && b.contains("3/16"), "{t}");
-        assert!(t.lines().any(|l| l.contains("req-a") && l.contains("running pid 900")), "{t}");
+        assert!(
+            t.lines()
+                .any(|l| l.contains("req-a") && l.contains("running pid 900")),
+            "{t}"
+        );
     }
 
     #[test]

@@ -338,7 +338,10 @@ mod tests {
         }
         let mut r = &buf[..];
         for m in &to {
-            assert_eq!(&read_frame_limited::<ToWorker, _>(&mut r, MAX_JOB_FRAME).unwrap(), m);
+            assert_eq!(
+                &read_frame_limited::<ToWorker, _>(&mut r, MAX_JOB_FRAME).unwrap(),
+                m
+            );
         }
         let mut buf = Vec::new();
         for m in &from {
@@ -346,7 +349,10 @@ mod tests {
         }
         let mut r = &buf[..];
         for m in &from {
-            assert_eq!(&read_frame_limited::<FromWorker, _>(&mut r, MAX_JOB_FRAME).unwrap(), m);
+            assert_eq!(
+                &read_frame_limited::<FromWorker, _>(&mut r, MAX_JOB_FRAME).unwrap(),
+                m
+            );
         }
     }
 
@@ -354,7 +360,12 @@ mod tests {
     fn listing_socket_names() {
         assert_eq!(listing_socket_name(42), "serve-42.sock");
         assert!(is_listing_socket_name("serve-42.sock"));
-        for bad in ["serve-.sock", "serve-4x.sock", "store.sock", "serve-42.sock.tmp"] {
+        for bad in [
+            "serve-.sock",
+            "serve-4x.sock",
+            "store.sock",
+            "serve-42.sock.tmp",
+        ] {
             assert!(!is_listing_socket_name(bad), "{bad}");
         }
     }

@@ -47,8 +47,7 @@ fn sane_id(h: &HeaderMap) -> Option<String> {
     let v = h.get("x-request-id")?.to_str().ok()?;
     let ok = !v.is_empty()
         && v.len() <= MAX_ID
-        && v
-            .bytes()
+        && v.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
     ok.then(|| v.to_string())
 }
@@ -154,7 +153,9 @@ pub async fn layer(State(st): State<Arc<AppState>>, mut req: Request, next: Next
     async move {
         let policy = &st.policy;
         let mut r = if method == Method::OPTIONS
-            && req.headers().contains_key(header::ACCESS_CONTROL_REQUEST_METHOD)
+            && req
+                .headers()
+                .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD)
         {
             preflight(policy, req.headers())
         } else if policy
@@ -223,14 +224,20 @@ mod tests {
             Some("abc-1.2:3_x")
         );
         assert_eq!(sane_id(&headers(&[("x-request-id", "a b")])), None);
-        assert_eq!(sane_id(&headers(&[("x-request-id", &"x".repeat(65))])), None);
+        assert_eq!(
+            sane_id(&headers(&[("x-request-id", &"x".repeat(65))])),
+            None
+        );
         assert_ne!(new_id(), new_id());
     }
 
     #[test]
     fn bearer_keys_and_origins() {
         let k = b"s3cret".as_slice();
-        assert!(authorized(&headers(&[("authorization", "Bearer s3cret")]), k));
+        assert!(authorized(
+            &headers(&[("authorization", "Bearer s3cret")]),
+            k
+        ));
         for bad in ["Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret"] {
             assert!(!authorized(&headers(&[("authorization", bad)]), k), "{bad}");
         }
@@ -243,7 +250,16 @@ mod tests {
             allowed_origin(&p, &headers(&[("origin", "https://app.example")])),
             Some("https://app.example")
         );
-        assert_eq!(allowed_origin(&p, &headers(&[("origin", "https://evil.example")])), None);
-        assert_eq!(allowed_origin(&Policy::default(), &headers(&[("origin", "https://app.example")])), None);
+        assert_eq!(
+            allowed_origin(&p, &headers(&[("origin", "https://evil.example")])),
+            None
+        );
+        assert_eq!(
+            allowed_origin(
+                &Policy::default(),
+                &headers(&[("origin", "https://app.example")])
+            ),
+            None
+        );
     }
 }

@@ -216,13 +216,21 @@ impl Registry {
         if from_peer >= self.limits.per_addr {
             let id = oldest(&o.1, Some(ip))?;
             let c = o.1.remove(&id)?;
-            tracing::info!("closing connection from {} to make room ({} from that address)", c.peer, from_peer);
+            tracing::info!(
+                "closing connection from {} to make room ({} from that address)",
+                c.peer,
+                from_peer
+            );
             c.close();
         }
         if o.1.len() >= self.limits.total {
             let id = oldest(&o.1, Some(ip)).or_else(|| oldest(&o.1, None))?;
             let c = o.1.remove(&id)?;
-            tracing::info!("closing connection from {} to make room ({} open)", c.peer, o.1.len() + 1);
+            tracing::info!(
+                "closing connection from {} to make room ({} open)",
+                c.peer,
+                o.1.len() + 1
+            );
             c.close();
         }
         o.0 += 1;
@@ -348,7 +356,9 @@ fn peek(tcp: &TcpStream) -> Peek {
     match socket2::SockRef::from(tcp).peek(&mut b) {
         Ok(0) => Peek::Eof,
         Ok(_) => Peek::Nothing,
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted => {
+        Err(e)
+            if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::Interrupted =>
+        {
             Peek::Nothing
         }
         Err(_) => Peek::Gone,
@@ -430,7 +440,7 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         let a2 = reg.admit(a).unwrap();
         a2.conn.request(false); // busy
-        // A third from `a` replaces a1 (a2 is busy).
+                                // A third from `a` replaces a1 (a2 is busy).
         let a3 = reg.admit(a).unwrap();
         assert_eq!(reg.open(), 2);
         assert!(tokio_test_notified(&a1.conn));

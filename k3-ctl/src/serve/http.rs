@@ -195,8 +195,12 @@ async fn metrics(State(st): State<Shared>) -> Response {
         _ => None,
     };
     let (running, queued) = st.admission.counts();
-    st.metrics.running.set(i64::try_from(running).unwrap_or(i64::MAX));
-    st.metrics.queued.set(i64::try_from(queued).unwrap_or(i64::MAX));
+    st.metrics
+        .running
+        .set(i64::try_from(running).unwrap_or(i64::MAX));
+    st.metrics
+        .queued
+        .set(i64::try_from(queued).unwrap_or(i64::MAX));
     match st.metrics.render(stats) {
         Ok(text) => (
             [(
@@ -473,7 +477,12 @@ enum Step {
 
 /// Take the job's next event into the reply. Errors when the worker's output disagrees with
 /// the request.
-async fn next_step(st: &AppState, g: &mut Gen, job: &mut Job, place: &Place) -> Result<Step, ApiError> {
+async fn next_step(
+    st: &AppState,
+    g: &mut Gen,
+    job: &mut Job,
+    place: &Place,
+) -> Result<Step, ApiError> {
     loop {
         match job.next().await.map_err(job_error)? {
             Event::Prefilled { cached } => {

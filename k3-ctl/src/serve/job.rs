@@ -142,7 +142,10 @@ impl Job {
             .map_err(|e| cant("socket pair", &e))?;
         let chan = UnixStream::from_std(ours).map_err(|e| cant("socket pair", &e))?;
         let mut child = Command::new(&spec.exe)
-            .args(k3_worker::cli::serve_channel_args(&spec.socket, spec.threads))
+            .args(k3_worker::cli::serve_channel_args(
+                &spec.socket,
+                spec.threads,
+            ))
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

@@ -340,7 +340,10 @@ mod tests {
             },
         );
         let text = m.render(None).unwrap();
-        assert!(text.contains("k3_serve_requests_total{route=\"/v1/completions\",status=\"200\"} 1"), "{text}");
+        assert!(
+            text.contains("k3_serve_requests_total{route=\"/v1/completions\",status=\"200\"} 1"),
+            "{text}"
+        );
         assert!(text.contains("k3_serve_cached_tokens_total 4"), "{text}");
         assert!(text.contains("k3_serve_tokens_per_second 2.0"), "{text}");
         assert!(text.contains("k3_store_up 0"), "{text}");
@@ -350,7 +353,10 @@ mod tests {
         s.lifetime.resident_hits = 3;
         s.sessions.count = 2;
         let text = m.render(Some(s)).unwrap();
-        assert!(text.contains("k3_store_true_resident_hit_rate 0.75"), "{text}");
+        assert!(
+            text.contains("k3_store_true_resident_hit_rate 0.75"),
+            "{text}"
+        );
         assert!(text.contains("k3_store_sessions 2"), "{text}");
         assert!(text.contains("k3_store_expert_requests_total 4"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");

@@ -196,7 +196,10 @@ pub fn run(a: Args) -> i32 {
         Ok(k) => k,
         Err(e) => return refuse(format!("API key: {e}")),
     };
-    if a.cors_origin.iter().any(|o| axum::http::HeaderValue::from_str(o).is_err() || o.is_empty()) {
+    if a.cors_origin
+        .iter()
+        .any(|o| axum::http::HeaderValue::from_str(o).is_err() || o.is_empty())
+    {
         return refuse("--cors-origin: an origin is a scheme, host and port (or *)");
     }
     let exe = std::env::current_exe().ok();
@@ -253,7 +256,11 @@ pub fn run(a: Args) -> i32 {
         Some(n) => (n, "--max-jobs".to_string()),
         None => match sized_max_jobs(&model_dir) {
             Ok((n, why)) => (n, format!("sized from the plan: {why}")),
-            Err(e) => return refuse(format!("cannot size --max-jobs from the plan ({e}): pass --max-jobs N")),
+            Err(e) => {
+                return refuse(format!(
+                    "cannot size --max-jobs from the plan ({e}): pass --max-jobs N"
+                ))
+            }
         },
     };
     let limits = conn::Limits {
@@ -389,7 +396,10 @@ async fn serve(
             let _ = tcp.try_write(FULL);
             continue;
         };
-        state.metrics.connections.set(i64::try_from(registry.open()).unwrap_or(i64::MAX));
+        state
+            .metrics
+            .connections
+            .set(i64::try_from(registry.open()).unwrap_or(i64::MAX));
         // A client that vanishes without closing (a cable, a crashed host) is noticed by TCP
         // keepalive within a minute.
         let ka = socket2::TcpKeepalive::new()
@@ -401,28 +411,29 @@ async fn serve(
         let (stream, tcp) = conn::Stream::new(tcp, c.clone());
         let app = app.clone();
         let svc_conn = c.clone();
-        let svc = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
-            let c = svc_conn.clone();
-            let has_body = req.headers().contains_key(hyper::header::TRANSFER_ENCODING)
-                || req
-                    .headers()
-                    .get(hyper::header::CONTENT_LENGTH)
-                    .and_then(|v| v.to_str().ok())
-                    .is_some_and(|v| v.trim() != "0");
-            c.request(has_body);
-            req.extensions_mut().insert(c.clone());
-            let fut = app.clone().oneshot(req.map(Body::new));
-            async move {
-                let r = fut.await?;
-                let guard = conn::AnswerGuard(c);
-                Ok::<_, std::convert::Infallible>(r.map(move |b| {
-                    Body::new(b.map_frame(move |f| {
-                        let _keep = &guard;
-                        f
+        let svc =
+            hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                let c = svc_conn.clone();
+                let has_body = req.headers().contains_key(hyper::header::TRANSFER_ENCODING)
+                    || req
+                        .headers()
+                        .get(hyper::header::CONTENT_LENGTH)
+                        .and_then(|v| v.to_str().ok())
+                        .is_some_and(|v| v.trim() != "0");
+                c.request(has_body);
+                req.extensions_mut().insert(c.clone());
+                let fut = app.clone().oneshot(req.map(Body::new));
+                async move {
+                    let r = fut.await?;
+                    let guard = conn::AnswerGuard(c);
+                    Ok::<_, std::convert::Infallible>(r.map(move |b| {
+                        Body::new(b.map_frame(move |f| {
+                            let _keep = &guard;
+                            f
+                        }))
                     }))
-                }))
-            }
-        });
+                }
+            });
         let served = http.serve_connection(TokioIo::new(stream), svc);
         let reg = registry.clone();
         let st = state.clone();
@@ -434,7 +445,9 @@ async fn serve(
             }
             watcher.abort();
             drop(slot);
-            st.metrics.connections.set(i64::try_from(reg.open()).unwrap_or(i64::MAX));
+            st.metrics
+                .connections
+                .set(i64::try_from(reg.open()).unwrap_or(i64::MAX));
         });
     }
     tracing::info!("stopping (in-flight jobs are cancelled)");

@@ -295,7 +295,10 @@ mod tests {
         let mut b = adm.enter(meta("b")).unwrap();
         let c = adm.enter(meta("c")).unwrap();
         assert_eq!(adm.enter(meta("d")).unwrap_err(), Full { retry_after: 1 });
-        assert_eq!((a.position(), b.position(), c.position()), (None, Some(1), Some(2)));
+        assert_eq!(
+            (a.position(), b.position(), c.position()),
+            (None, Some(1), Some(2))
+        );
         let l = adm.listing();
         let ids: Vec<&str> = l.iter().map(|r| r.request_id.as_str()).collect();
         assert_eq!(ids, ["a", "b", "c"]);
