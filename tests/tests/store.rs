@@ -911,12 +911,16 @@ fn ps_shows_a_live_jobs_tokens_seconds_per_token_and_bytes() {
         let r = sb.ctl(&["ps", "--json"]);
         assert_eq!(r.code, 0, "{r:?}");
         let v: Value = serde_json::from_str(r.stdout.trim()).ok()?;
-        v["jobs"].as_array()?.iter().cloned().find(|j| {
-            j["label"]
-                .as_str()
-                .is_some_and(|l| l.ends_with(&pid.to_string()))
-                && u(&j["progress"], "tokens") >= 3
-        })
+        v["jobs"]
+            .as_array()?
+            .iter()
+            .find(|j| {
+                j["label"]
+                    .as_str()
+                    .is_some_and(|l| l.ends_with(&pid.to_string()))
+                    && u(&j["progress"], "tokens") >= 3
+            })
+            .cloned()
     })
     .unwrap_or_else(|| panic!("ps never showed worker {pid} with 3 tokens: {}", sb.stats()));
     let p = &row["progress"];

@@ -245,49 +245,47 @@ impl Job {
         if self.ended {
             return Err(JobError::protocol("the job has ended"));
         }
-        loop {
-            let m = read_frame(&mut self.chan)
-                .await
-                .map_err(JobError::protocol)?;
-            let Some(m) = m else {
-                return Err(self.died().await);
-            };
-            let mine = |r: u64| r == self.req_id;
-            return match m {
-                FromWorker::Prefilled {
-                    req_id, cached_ids, ..
-                } if mine(req_id) => Ok(Event::Prefilled { cached: cached_ids }),
-                FromWorker::Token { req_id, id } if mine(req_id) => Ok(Event::Token(id)),
-                FromWorker::Done {
-                    req_id,
+        let m = read_frame(&mut self.chan)
+            .await
+            .map_err(JobError::protocol)?;
+        let Some(m) = m else {
+            return Err(self.died().await);
+        };
+        let mine = |r: u64| r == self.req_id;
+        match m {
+            FromWorker::Prefilled {
+                req_id, cached_ids, ..
+            } if mine(req_id) => Ok(Event::Prefilled { cached: cached_ids }),
+            FromWorker::Token { req_id, id } if mine(req_id) => Ok(Event::Token(id)),
+            FromWorker::Done {
+                req_id,
+                finish,
+                usage,
+                timings,
+            } if mine(req_id) => {
+                self.ended = true;
+                Ok(Event::Done {
                     finish,
                     usage,
                     timings,
-                } if mine(req_id) => {
-                    self.ended = true;
-                    Ok(Event::Done {
-                        finish,
-                        usage,
-                        timings,
-                    })
-                }
-                FromWorker::Error {
+                })
+            }
+            FromWorker::Error {
+                kind,
+                exit_class,
+                message,
+                ..
+            } => {
+                self.ended = true;
+                Err(JobError {
                     kind,
-                    exit_class,
+                    exit_class: Some(exit_class),
                     message,
-                    ..
-                } => {
-                    self.ended = true;
-                    Err(JobError {
-                        kind,
-                        exit_class: Some(exit_class),
-                        message,
-                    })
-                }
-                other => Err(JobError::protocol(format!(
-                    "unexpected message from the worker: {other:?}"
-                ))),
-            };
+                })
+            }
+            other => Err(JobError::protocol(format!(
+                "unexpected message from the worker: {other:?}"
+            ))),
         }
     }
 
