@@ -304,15 +304,7 @@ struct Gen {
 }
 
 async fn chat(State(st): State<Shared>, Extension(ctx): Extension<Ctx>, req: Request) -> Response {
-    let r = async {
-        let body = read_body(&st, &ctx, req.into_body()).await?;
-        prepare_chat(&st, &body)
-    }
-    .await;
-    match r {
-        Ok(g) => run(st, ctx, g).await,
-        Err(e) => e.into_response(),
-    }
+    generation(st, ctx, req, prepare_chat).await
 }
 
 async fn completions(
@@ -320,11 +312,20 @@ async fn completions(
     Extension(ctx): Extension<Ctx>,
     req: Request,
 ) -> Response {
-    let r = async {
-        let body = read_body(&st, &ctx, req.into_body()).await?;
-        prepare_completion(&st, &body)
-    }
-    .await;
+    generation(st, ctx, req, prepare_completion).await
+}
+
+/// Read the body, validate it with `prepare`, and run the generation.
+async fn generation(
+    st: Shared,
+    ctx: Ctx,
+    req: Request,
+    prepare: fn(&AppState, &[u8]) -> Result<Gen, ApiError>,
+) -> Response {
+    let r = match read_body(&st, &ctx, req.into_body()).await {
+        Ok(body) => prepare(&st, &body),
+        Err(e) => Err(e),
+    };
     match r {
         Ok(g) => run(st, ctx, g).await,
         Err(e) => e.into_response(),

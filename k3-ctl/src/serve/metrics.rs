@@ -143,54 +143,26 @@ impl Metrics {
     /// The registry with every metric.
     pub fn new(max_jobs: usize, queue: usize) -> Metrics {
         let mut r = Registry::default();
-        let requests = Family::<RouteStatus, Counter>::default();
-        r.register(
-            "k3_serve_requests",
-            "HTTP requests answered, by route and status",
-            requests.clone(),
-        );
-        let queued = Gauge::default();
-        r.register(
-            "k3_serve_queued",
-            "Requests waiting for a job slot",
-            queued.clone(),
-        );
-        let running = Gauge::default();
-        r.register("k3_serve_running", "Jobs running", running.clone());
-        let connections = Gauge::default();
-        r.register(
-            "k3_serve_connections",
-            "HTTP connections open",
-            connections.clone(),
-        );
-        let cap = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        /// Register a fresh metric of type `M` and return a handle to it.
+        fn add<M: Default + Clone + prometheus_client::registry::Metric>(
+            r: &mut Registry,
+            name: &str,
+            help: &str,
+        ) -> M {
+            let m = M::default();
+            r.register(name, help, m.clone());
+            m
+        }
+        let cap = |v: usize| ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX));
         r.register(
             "k3_serve_max_jobs",
             "Jobs that run at once (--max-jobs)",
-            ConstGauge::new(cap(max_jobs)),
+            cap(max_jobs),
         );
         r.register(
             "k3_serve_queue_capacity",
             "Requests that may wait for a slot (--queue)",
-            ConstGauge::new(cap(queue)),
-        );
-        let prompt_tokens = Counter::default();
-        r.register(
-            "k3_serve_prompt_tokens",
-            "Prompt ids of finished jobs",
-            prompt_tokens.clone(),
-        );
-        let cached_tokens = Counter::default();
-        r.register(
-            "k3_serve_cached_tokens",
-            "Prompt ids a kept session already held (not prefilled again)",
-            cached_tokens.clone(),
-        );
-        let completion_tokens = Counter::default();
-        r.register(
-            "k3_serve_completion_tokens",
-            "Ids generated",
-            completion_tokens.clone(),
+            cap(queue),
         );
         let prefill_seconds = Histogram::new(exponential_buckets(0.01, 4.0, 12));
         r.register(
@@ -198,68 +170,68 @@ impl Metrics {
             "Seconds of each job's prefill (with its first pick)",
             prefill_seconds.clone(),
         );
-        let decode_seconds = Counter::<f64, AtomicU64>::default();
-        r.register(
-            "k3_serve_decode_seconds",
-            "Seconds of decode steps (after the first id)",
-            decode_seconds.clone(),
-        );
         let seconds_per_token = Histogram::new(exponential_buckets(0.001, 3.0, 14));
         r.register(
             "k3_serve_seconds_per_token",
             "Mean seconds per decoded id, one observation per job",
             seconds_per_token.clone(),
         );
-        let tokens_per_second = Gauge::<f64, AtomicU64>::default();
-        r.register(
-            "k3_serve_tokens_per_second",
-            "Decoded ids per second of the last job that decoded",
-            tokens_per_second.clone(),
-        );
-        let bytes_read = Counter::default();
-        r.register(
-            "k3_serve_bytes_read",
-            "Weight bytes read for serve's jobs (trunk and experts)",
-            bytes_read.clone(),
-        );
-        let expert_requests = Counter::default();
-        r.register(
-            "k3_serve_expert_requests",
-            "Routed experts serve's jobs requested",
-            expert_requests.clone(),
-        );
-        let resident_hits = Counter::default();
-        r.register(
-            "k3_serve_resident_hits",
-            "Of those, already resident (TRUE resident hits)",
-            resident_hits.clone(),
-        );
-        let cancelled = Family::<Reason, Counter>::default();
-        r.register(
-            "k3_serve_cancelled",
-            "Jobs cancelled before their end, by reason",
-            cancelled.clone(),
-        );
         let store = Arc::new(StoreSnapshot::default());
         r.register_collector(Box::new(SharedCollector(store.clone())));
         Metrics {
-            registry: r,
-            requests,
-            queued,
-            running,
-            connections,
-            prompt_tokens,
-            cached_tokens,
-            completion_tokens,
+            requests: add(
+                &mut r,
+                "k3_serve_requests",
+                "HTTP requests answered, by route and status",
+            ),
+            queued: add(&mut r, "k3_serve_queued", "Requests waiting for a job slot"),
+            running: add(&mut r, "k3_serve_running", "Jobs running"),
+            connections: add(&mut r, "k3_serve_connections", "HTTP connections open"),
+            prompt_tokens: add(
+                &mut r,
+                "k3_serve_prompt_tokens",
+                "Prompt ids of finished jobs",
+            ),
+            cached_tokens: add(
+                &mut r,
+                "k3_serve_cached_tokens",
+                "Prompt ids a kept session already held (not prefilled again)",
+            ),
+            completion_tokens: add(&mut r, "k3_serve_completion_tokens", "Ids generated"),
+            decode_seconds: add(
+                &mut r,
+                "k3_serve_decode_seconds",
+                "Seconds of decode steps (after the first id)",
+            ),
+            tokens_per_second: add(
+                &mut r,
+                "k3_serve_tokens_per_second",
+                "Decoded ids per second of the last job that decoded",
+            ),
+            bytes_read: add(
+                &mut r,
+                "k3_serve_bytes_read",
+                "Weight bytes read for serve's jobs (trunk and experts)",
+            ),
+            expert_requests: add(
+                &mut r,
+                "k3_serve_expert_requests",
+                "Routed experts serve's jobs requested",
+            ),
+            resident_hits: add(
+                &mut r,
+                "k3_serve_resident_hits",
+                "Of those, already resident (TRUE resident hits)",
+            ),
+            cancelled: add(
+                &mut r,
+                "k3_serve_cancelled",
+                "Jobs cancelled before their end, by reason",
+            ),
             prefill_seconds,
-            decode_seconds,
             seconds_per_token,
-            tokens_per_second,
-            bytes_read,
-            expert_requests,
-            resident_hits,
-            cancelled,
             store,
+            registry: r,
         }
     }
 
