@@ -809,11 +809,14 @@ def test_api_key_from_the_environment_and_a_warning_beyond_loopback(world):
     finally:
         srv.stop()
     # Beyond loopback without a key: a warning (0.0.0.0 is every address, loopback included).
-    p = subprocess.Popen([str(binary("k3-ctl")), "serve", "--socket", str(world["sock"]), "--listen", "0.0.0.0:0",
-                          "--max-jobs", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    # Without --max-jobs the default is sized from the worker's memory plan, at most one per CPU.
+    p = subprocess.Popen([str(binary("k3-ctl")), "serve", "--socket", str(world["sock"]), "--listen", "0.0.0.0:0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
         line = p.stdout.readline().decode()
-        assert "listening on" in line, line
+        m = re.search(r"(\d+) job\(s\) at once \(sized from the plan: ([0-9.]+) GB per job", line)
+        assert m, line
+        assert 1 <= int(m.group(1)) <= os.cpu_count() and float(m.group(2)) > 0, line
     finally:
         p.terminate()
         _, err = p.communicate(timeout=30)
