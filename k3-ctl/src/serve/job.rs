@@ -24,6 +24,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 /// Stderr lines kept for the message of a worker that died without an `Error`.
 const KEEP_LINES: usize = 16;
@@ -155,28 +156,33 @@ impl Job {
             .spawn()
             .map_err(|e| cant("spawn", &e))?;
         let pid = child.id().unwrap_or(0);
+        // The worker's lines are logged under the request's span (its id on every line).
+        let span = tracing::Span::current();
         let stderr = child.stderr.take().map(|stderr| {
-            tokio::spawn(async move {
-                let mut lines = BufReader::new(stderr);
-                let mut kept = VecDeque::with_capacity(KEEP_LINES);
-                let mut line = Vec::new();
-                loop {
-                    line.clear();
-                    // A line longer than 4 KiB is cut (read in pieces); the worker's are short.
-                    match (&mut lines).take(4096).read_until(b'\n', &mut line).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(_) => {
-                            let l = String::from_utf8_lossy(&line).trim_end().to_string();
-                            tracing::debug!("worker {pid}: {l}");
-                            if kept.len() == KEEP_LINES {
-                                kept.pop_front();
+            tokio::spawn(
+                async move {
+                    let mut lines = BufReader::new(stderr);
+                    let mut kept = VecDeque::with_capacity(KEEP_LINES);
+                    let mut line = Vec::new();
+                    loop {
+                        line.clear();
+                        // A line longer than 4 KiB is cut (read in pieces); the worker's are short.
+                        match (&mut lines).take(4096).read_until(b'\n', &mut line).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(_) => {
+                                let l = String::from_utf8_lossy(&line).trim_end().to_string();
+                                tracing::debug!("worker {pid}: {l}");
+                                if kept.len() == KEEP_LINES {
+                                    kept.pop_front();
+                                }
+                                kept.push_back(l);
                             }
-                            kept.push_back(l);
                         }
                     }
+                    kept
                 }
-                kept
-            })
+                .instrument(span),
+            )
         });
         let mut job = Job {
             child: Some(child),
@@ -331,26 +337,30 @@ impl Drop for Job {
         let stderr = self.stderr.take();
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
-                rt.spawn(async move {
-                    match tokio::time::timeout(grace, child.wait()).await {
-                        Ok(_) if ended => {}
-                        Ok(status) => tracing::info!(
-                            "worker pid {pid} ended its cancelled job ({})",
-                            status.map_or_else(|e| e.to_string(), |s| s.to_string())
-                        ),
-                        Err(_) => {
-                            let _ = child.start_kill();
-                            let _ = child.wait().await;
-                            tracing::warn!(
-                                "worker pid {pid} did not end within {grace:?} of its cancel: \
+                let span = tracing::Span::current();
+                rt.spawn(
+                    async move {
+                        match tokio::time::timeout(grace, child.wait()).await {
+                            Ok(_) if ended => {}
+                            Ok(status) => tracing::info!(
+                                "worker pid {pid} ended its cancelled job ({})",
+                                status.map_or_else(|e| e.to_string(), |s| s.to_string())
+                            ),
+                            Err(_) => {
+                                let _ = child.start_kill();
+                                let _ = child.wait().await;
+                                tracing::warn!(
+                                    "worker pid {pid} did not end within {grace:?} of its cancel: \
                                  killed and reaped"
-                            );
+                                );
+                            }
+                        }
+                        if let Some(h) = stderr {
+                            let _ = h.await;
                         }
                     }
-                    if let Some(h) = stderr {
-                        let _ = h.await;
-                    }
-                });
+                    .instrument(span),
+                );
             }
             Err(_) => {
                 // No runtime (shutdown): kill it; tokio reaps orphans when it can.

@@ -345,8 +345,22 @@ pub fn run(a: Args) -> i32 {
     code
 }
 
-/// The 503 a connection gets when every place is busy with a request.
-const FULL: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: 135\r\n\r\n{\"error\": {\"message\": \"every connection is busy with a request; retry later\", \"type\": \"server_error\", \"param\": null, \"code\": \"busy\"}}";
+/// The 503 a connection gets when every place is busy with a request (written as is: the
+/// connection is not served).
+fn busy_response() -> Vec<u8> {
+    let body = api::ApiError::unavailable(
+        "busy",
+        "every connection is busy with a request; retry later",
+    )
+    .body()
+    .to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\nRetry-After: 5\r\nContent-Type: application/json\r\n\
+         Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
 
 /// Accept connections until SIGINT or SIGTERM.
 async fn serve(
@@ -393,7 +407,7 @@ async fn serve(
             _ = term.recv() => break,
         };
         let Some(slot) = registry.admit(peer) else {
-            let _ = tcp.try_write(FULL);
+            let _ = tcp.try_write(&busy_response());
             continue;
         };
         state
@@ -452,4 +466,23 @@ async fn serve(
     }
     tracing::info!("stopping (in-flight jobs are cancelled)");
     exit::OK
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_busy_answer_is_well_formed() {
+        let r = String::from_utf8(super::busy_response()).unwrap();
+        let (head, body) = r.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 503 "));
+        let len: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("Content-Length: "))
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(len, body.len());
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["code"], "busy");
+    }
 }
