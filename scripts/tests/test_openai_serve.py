@@ -100,7 +100,10 @@ def world():
              "--socket", sock, "--detach"], env=env)
         servers = []
         try:
-            main = Server(sock, d / "serve-main.log", "--max-jobs", "1", "--queue", "4", "--threads", "1")
+            # A generous grace: on a loaded machine one 512-id prefill chunk can take half a minute,
+            # and the tests check that a cancelled worker ends by itself, not by the kill.
+            main = Server(sock, d / "serve-main.log", "--max-jobs", "1", "--queue", "4", "--threads", "1",
+                          "--cancel-grace", "120")
             servers.append(main)
             cramped = Server(sock, d / "serve-cramped.log", "--max-jobs", "1", "--queue", "0",
                              "--max-body", "4096", "--threads", "1")
