@@ -121,7 +121,6 @@ fn a_job_over_the_channel_gives_the_reference_ids_and_a_cancel_ends_it() {
     hello(&mut c);
     send(&mut c, &start(reference_prompt(), 4096));
     let mut n = 0;
-    let mut cancelled = false;
     loop {
         match recv(&mut c) {
             FromWorker::Prefilled { .. } => {}
@@ -134,13 +133,12 @@ fn a_job_over_the_channel_gives_the_reference_ids_and_a_cancel_ends_it() {
             FromWorker::Done { finish, usage, .. } => {
                 assert_eq!(finish, Finish::Cancelled);
                 assert_eq!(usage.generated, n);
-                cancelled = true;
                 break;
             }
             other => panic!("unexpected {other:?}"),
         }
     }
-    assert!(cancelled && n < 4096, "{n} ids after the cancel");
+    assert!(n < 4096, "{n} ids after the cancel");
     assert_eq!(exit_code(child), 0);
 }
 
