@@ -645,9 +645,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
             "--session keeps the conversation in a store: it needs attached mode",
         ));
     }
-    model.lookahead = crate::model::forward::Lookahead::from_env().map_err(refuse)?;
-    model.overlap_groups = crate::model::forward::overlap_groups_from_env().map_err(refuse)?;
-    model.early_release = crate::model::forward::early_release_from_env().map_err(refuse)?;
+    model.options = crate::model::feed::FeedOptions::from_env().map_err(refuse)?;
     let draft_model = load_draft_model(cli, &opened, source, draft_catalog.as_ref())?;
     drop(draft_catalog);
     if cli.dump_cache_trace.is_some() {

@@ -14,7 +14,7 @@ use k3_store::runtime::source::{
     ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats, WeightSource,
 };
 use k3_worker::generate::{generate, GenOptions, Sampler};
-use k3_worker::model::forward::Lookahead;
+use k3_worker::model::Lookahead;
 use k3_worker::model::{Logits, Model, TensorShapes};
 
 struct Counting;
@@ -129,7 +129,7 @@ fn layers_are_bound_once_and_a_decode_step_allocates_nothing_per_layer() {
         let src = Counted(&mem);
         for lookahead in [Lookahead::Off, Lookahead::MlpIn, Lookahead::AttnIn] {
             let mut m = Model::new(d.clone(), &src, Some(&mem as &dyn TensorShapes)).unwrap();
-            m.lookahead = lookahead;
+            m.options.lookahead = lookahead;
             let opts = GenOptions {
                 max_new: 8,
                 full_recompute: false,

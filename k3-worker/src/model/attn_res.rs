@@ -7,7 +7,7 @@
 //! ```
 //! `w = norm.weight ⊙ proj.weight`, folded once at bind. Nothing crosses token positions.
 
-use super::zeroed;
+use super::mats::zeroed;
 use crate::kernels;
 
 /// One AttnRes site: the folded query `norm.weight ⊙ proj.weight` (`[E]`, f32).

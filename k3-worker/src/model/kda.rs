@@ -16,9 +16,41 @@
 
 use rayon::prelude::*;
 
-use super::state::{KdaJournal, KdaState};
-use super::{copy_into, linear_into, zeroed, Dims, Mat, ModelError};
+use super::dims::{Dims, ModelError};
+use super::mats::{copy_into, linear_into, zeroed, Mat};
 use crate::kernels;
+
+/// One KDA layer's carried state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KdaState {
+    /// `S_h` for every head, `[h][k][v]` (`H·D·D` floats).
+    pub s: Vec<f32>,
+    /// Raw (pre-conv) projection history for q, k, v: `[P][K-1]`, oldest first.
+    pub conv: [Vec<f32>; 3],
+}
+
+/// What one KDA layer keeps during a journaled pass (a speculative verify pass) so that its state
+/// can be advanced by any prefix of the pass afterwards without running the layer again: the
+/// conv histories before the pass and the per-position inputs of the recurrence. The recurrence
+/// itself runs on a copy during the pass, so no snapshot of the (large) state is needed
+/// (SPEC.md §3.12).
+#[derive(Clone, Debug, Default)]
+pub struct KdaJournal {
+    /// Positions the pass ran.
+    pub n: usize,
+    /// The conv histories before the pass (`[P][K-1]` each).
+    pub conv0: [Vec<f32>; 3],
+    /// The pass's raw (pre-conv) q, k, v projections, `[n, P]` each.
+    pub raw: [Vec<f32>; 3],
+    /// k after conv + SiLU, before its l2 norm, `[n, P]`.
+    pub k: Vec<f32>,
+    /// v after conv + SiLU, `[n, P]`.
+    pub v: Vec<f32>,
+    /// Decay α, `[n, P]`.
+    pub alpha: Vec<f32>,
+    /// β, `[n, H]`.
+    pub beta: Vec<f32>,
+}
 
 /// L2-norm eps for q and k (fla `l2norm`).
 const L2_EPS: f32 = 1e-6;
@@ -52,7 +84,7 @@ pub struct KdaWeights<'a> {
     pub o_proj: Mat<'a>,
 }
 
-/// A KDA layer's activation buffers, reused by every forward call (see [`super::zeroed`]).
+/// A KDA layer's activation buffers, reused by every forward call (see [`super::mats::zeroed`]).
 #[derive(Clone, Debug, Default)]
 pub struct KdaBufs {
     qkv: [Vec<f32>; 3],

@@ -14,9 +14,30 @@
 
 use rayon::prelude::*;
 
-use super::state::MlaCache;
-use super::{linear_into, rms_norm_rows_into, zeroed, Dims, Mat};
+use super::dims::Dims;
+use super::mats::{linear_into, rms_norm_rows_into, zeroed, Mat};
 use crate::kernels;
+
+/// One MLA layer's latent cache: `[c (kv_lora, post-norm) | kr (rope)]` per position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaCache {
+    /// Rows of `width` floats, one per cached position.
+    pub rows: Vec<f32>,
+    /// Floats per position (`kv_lora + rope`).
+    pub width: usize,
+}
+
+impl MlaCache {
+    /// Cached positions.
+    pub fn len(&self) -> usize {
+        self.rows.len() / self.width
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+}
 
 /// One MLA layer's weights.
 #[derive(Debug)]
@@ -39,7 +60,7 @@ pub struct MlaWeights<'a> {
     pub g_proj: Option<Mat<'a>>,
 }
 
-/// An MLA layer's activation buffers, reused by every forward call (see [`super::zeroed`]).
+/// An MLA layer's activation buffers, reused by every forward call (see [`super::mats::zeroed`]).
 #[derive(Clone, Debug, Default)]
 pub struct MlaBufs {
     qa: Vec<f32>,

@@ -3,40 +3,13 @@
 //! positions, no AttnRes state.
 
 use super::attn_res::ResBufs;
+use super::dims::{Dims, ModelError};
 use super::kda::KdaBufs;
+pub use super::kda::{KdaJournal, KdaState};
+use super::mats::{copy_into, Mat};
 use super::mla::MlaBufs;
+pub use super::mla::MlaCache;
 use super::moe::{CombineBufs, ExpertBufs, MlpBufs, RouteBufs, Routing, Slots, UpSide};
-use super::{Dims, Mat, ModelError};
-
-/// One KDA layer's carried state.
-#[derive(Clone, Debug, PartialEq)]
-pub struct KdaState {
-    /// `S_h` for every head, `[h][k][v]` (`H·D·D` floats).
-    pub s: Vec<f32>,
-    /// Raw (pre-conv) projection history for q, k, v: `[P][K-1]`, oldest first.
-    pub conv: [Vec<f32>; 3],
-}
-
-/// One MLA layer's latent cache: `[c (kv_lora, post-norm) | kr (rope)]` per position.
-#[derive(Clone, Debug, PartialEq)]
-pub struct MlaCache {
-    /// Rows of `width` floats, one per cached position.
-    pub rows: Vec<f32>,
-    /// Floats per position (`kv_lora + rope`).
-    pub width: usize,
-}
-
-impl MlaCache {
-    /// Cached positions.
-    pub fn len(&self) -> usize {
-        self.rows.len() / self.width
-    }
-
-    /// True when nothing is cached.
-    pub fn is_empty(&self) -> bool {
-        self.rows.is_empty()
-    }
-}
 
 /// Per-layer state.
 #[derive(Clone, Debug, PartialEq)]
@@ -48,8 +21,7 @@ pub enum LayerState {
 }
 
 /// Activation buffers of the top-level loop, owned by the sequence and reused by every forward
-/// call (their contents never carry meaning from one call to the next, except the next pass's
-/// prediction, which only counts how right it was).
+/// call (their contents never carry meaning from one call to the next).
 #[derive(Clone, Debug, Default)]
 pub struct Scratch {
     /// The AttnRes bank: one `[n, E]` entry per block boundary passed in this call.
@@ -58,18 +30,6 @@ pub struct Scratch {
     pub pend: Vec<f32>,
     /// Every other temporary of a forward pass.
     pub work: Box<Work>,
-    /// The prediction of the next call's first MoE layer, read ahead during this call's lm_head.
-    pub(crate) next_pass: NextPass,
-}
-
-/// The router lookahead's prediction for the next forward call (SPEC §6.7): the first MoE
-/// layer's choices at this call's last position.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct NextPass {
-    /// The layer they were handed to the source for (`None`: no prediction pending).
-    pub(crate) layer: Option<usize>,
-    /// The experts, in selection order.
-    pub(crate) ids: Vec<u32>,
 }
 
 /// The temporaries of a forward pass, by stage. Each buffer grows to the largest pass it has
@@ -81,8 +41,6 @@ pub struct Work {
     pub(crate) x: Vec<f32>,
     /// `x` normalised.
     pub(crate) xn: Vec<f32>,
-    /// The attention input, kept for the router lookahead from it.
-    pub(crate) attn_in: Vec<f32>,
     /// The attention output `[n, E]`.
     pub(crate) a: Vec<f32>,
     /// The MLP output `[n, E]`.
@@ -92,7 +50,6 @@ pub struct Work {
     pub(crate) attn: AttnBufs,
     /// The MLP side's temporaries.
     pub(crate) ffn: FfnBufs,
-    pub(crate) predict: Predict,
 }
 
 /// The attention's temporaries (a layer is KDA or MLA).
@@ -145,11 +102,11 @@ impl UpCopy {
             Mat::Bf16(b) => (b, &[][..], None),
             Mat::Quant { kind, q, s } => (q, s, Some(kind)),
         };
-        super::copy_into(&mut self.bytes, bytes);
-        super::copy_into(&mut self.scales, scales);
+        copy_into(&mut self.bytes, bytes);
+        copy_into(&mut self.scales, scales);
         self.kind = kind;
         match (side.norm, &mut self.norm) {
-            (Some(n), Some(v)) => super::copy_into(v, n),
+            (Some(n), Some(v)) => copy_into(v, n),
             (Some(n), none) => *none = Some(n.to_vec()),
             (None, v) => *v = None,
         }
@@ -201,45 +158,12 @@ impl Work {
     }
 }
 
-/// The router lookahead's temporaries and its prediction for the next layer.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Predict {
-    pub(crate) hn: Vec<f32>,
-    pub(crate) route: RouteBufs,
-    pub(crate) routing: Routing,
-    /// The predicted experts, most likely first ([`crate::model::moe::MoeWeights::predict_into`]).
-    pub(crate) ids: Vec<u32>,
-}
-
 impl PartialEq for Scratch {
     /// Buffers are not state: two sequences in the same state compare equal whatever their
     /// scratch holds.
     fn eq(&self, _: &Scratch) -> bool {
         true
     }
-}
-
-/// What one KDA layer keeps during a journaled pass (a speculative verify pass) so that its state
-/// can be advanced by any prefix of the pass afterwards without running the layer again: the
-/// conv histories before the pass and the per-position inputs of the recurrence. The recurrence
-/// itself runs on a copy during the pass, so no snapshot of the (large) state is needed
-/// (SPEC.md §3.12).
-#[derive(Clone, Debug, Default)]
-pub struct KdaJournal {
-    /// Positions the pass ran.
-    pub n: usize,
-    /// The conv histories before the pass (`[P][K-1]` each).
-    pub conv0: [Vec<f32>; 3],
-    /// The pass's raw (pre-conv) q, k, v projections, `[n, P]` each.
-    pub raw: [Vec<f32>; 3],
-    /// k after conv + SiLU, before its l2 norm, `[n, P]`.
-    pub k: Vec<f32>,
-    /// v after conv + SiLU, `[n, P]`.
-    pub v: Vec<f32>,
-    /// Decay α, `[n, P]`.
-    pub alpha: Vec<f32>,
-    /// β, `[n, H]`.
-    pub beta: Vec<f32>,
 }
 
 /// The journal of a speculative verify pass: where it started and, per KDA layer, what rolling
@@ -254,6 +178,17 @@ pub struct Journal {
     pub kda: Vec<KdaJournal>,
     /// The rollback's per-head temporaries.
     pub tmp: Vec<f32>,
+}
+
+impl Journal {
+    /// The journal entry layer `l`'s forward must fill, when a journaled pass is running.
+    pub fn layer(&mut self, l: usize) -> Option<&mut KdaJournal> {
+        if self.active {
+            self.kda.get_mut(l)
+        } else {
+            None
+        }
+    }
 }
 
 impl PartialEq for Journal {
@@ -319,15 +254,6 @@ impl SeqState {
         self.journal
             .kda
             .resize_with(self.layers.len(), KdaJournal::default);
-    }
-
-    /// The journal entry layer `l`'s forward must fill, when a journaled pass is running.
-    pub fn journal_for(&mut self, l: usize) -> Option<&mut KdaJournal> {
-        if self.journal.active {
-            self.journal.kda.get_mut(l)
-        } else {
-            None
-        }
     }
 
     /// End a journaled pass keeping only its first `keep` positions: the MLA caches are
