@@ -128,12 +128,13 @@ impl UpCopy {
     }
 }
 
-/// Passes of at most this many positions (a decode step, a verify pass of up to `MAX_K` drafts)
+/// Passes of at most this many positions (a decode step, a verify pass of up to `spec::MAX_K`
+/// drafts: spec.rs checks at compile time that they fit)
 /// keep their buffers for the next pass. A larger pass (a prefill chunk) frees each stage's
 /// buffers when the stage is done and the rest when the pass ends, so its peak is one stage's
 /// temporaries at the chunk's size, as `k3_store::runtime::plan::activation_bytes` budgets, and the run
 /// does not keep a chunk's worth of buffers through its decode.
-pub const KEEP_BUFFERS_MAX_POSITIONS: usize = crate::spec::MAX_K + 1;
+pub const KEEP_BUFFERS_MAX_POSITIONS: usize = 17;
 
 impl Work {
     /// After the attention of a pass of `n` positions: free its buffers if the pass is large.
