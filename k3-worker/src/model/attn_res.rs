@@ -24,6 +24,13 @@ pub struct ResBufs {
     p: Vec<f32>,
 }
 
+impl ResBufs {
+    /// Bytes over a bank of `banked` entries: one key row and the sources' probabilities.
+    pub fn bytes_for(d: &super::dims::Dims, banked: usize) -> u64 {
+        4 * (d.hidden + banked + 1) as u64
+    }
+}
+
 impl AttnResQuery {
     /// Aggregate the sources `bank ++ [last]` (each `[T, E]`, token-major) into `out`
     /// (`[T, E]`; allocations reused).

@@ -278,6 +278,16 @@ pub(crate) struct FeedStore {
 }
 
 impl FeedStore {
+    /// Bytes the lookahead's buffers reach in a pass of `rows` positions: the attention input's
+    /// copy and the norm of the early hidden state (`[rows, E]` each), the router's buffers and
+    /// routing ([`RouteBufs::bytes_for`], [`Routing::bytes_for`]) and the predicted experts.
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        8 * (rows * d.hidden) as u64
+            + RouteBufs::bytes_for(d, rows)
+            + Routing::bytes_for(d, rows)
+            + 4 * d.n_experts as u64
+    }
+
     /// Over layers an earlier model bound.
     pub(crate) fn from_bound(bound: Vec<Option<Arc<BoundLayer>>>, binds: u64) -> FeedStore {
         FeedStore {

@@ -99,7 +99,27 @@ pub struct KdaBufs {
     y: Vec<f32>,
 }
 
+impl KdaJournal {
+    /// Bytes one KDA layer's journal holds for a verify pass of `rows` positions: the conv
+    /// histories before it, and per position the raw q, k, v, then k, v, α (`6·P`) and β (`H`).
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        let (h, p) = (d.kda_heads as u64, (d.kda_heads * d.kda_dim) as u64);
+        let hist = d.conv_k.saturating_sub(1) as u64;
+        4 * (3 * p * hist + rows as u64 * (6 * p + h))
+    }
+}
+
 impl KdaWeights<'_> {
+    /// Bytes [`KdaBufs`] reach in a pass of `rows` positions (`journaled`: a verify pass, whose
+    /// recurrence runs on a per-head copy of the state): q, k, v, α, the gate, the heads' outputs
+    /// and their concatenation (`7·rows·P`), β and the decay bottleneck, the per-head temporaries.
+    pub fn bufs_bytes_for(d: &Dims, rows: usize, journaled: bool) -> u64 {
+        let (h, dh) = (d.kda_heads as u64, d.kda_dim as u64);
+        let (p, n) = (h * dh, rows as u64);
+        let per_head = 4 * dh + if journaled { dh * dh } else { 0 };
+        4 * (7 * n * p + n * h + n * dh + h * per_head)
+    }
+
     /// Run `n` tokens (`x [n, E]`, already normalised) through the layer, advancing `st`. With
     /// a `journal`, also keep what [`replay`] needs to roll the state back to any of the `n`
     /// positions.

@@ -63,7 +63,7 @@ pub(crate) use crate::kernels::zeroed;
 
 /// `dst` becomes a copy of `src`, reusing its allocation.
 pub(crate) fn copy_into<T: Copy>(dst: &mut Vec<T>, src: &[T]) {
-    dst.clear();
+    crate::kernels::grow_exact(dst, src.len());
     dst.extend_from_slice(src);
 }
 

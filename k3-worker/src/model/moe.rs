@@ -32,6 +32,14 @@ pub struct MlpBufs {
     a: Vec<f32>,
 }
 
+impl MlpBufs {
+    /// Bytes a SiTU MLP of intermediate `width` reaches over `rows` positions: gate, up and the
+    /// activation, `[rows, width]` each.
+    pub fn bytes_for(rows: usize, width: usize) -> u64 {
+        4 * 3 * rows as u64 * width as u64
+    }
+}
+
 impl SituMlp<'_> {
     /// `x [n, E]` → `out [n, E]` (allocations reused).
     pub fn forward(&self, d: &Dims, x: &[f32], n: usize, b: &mut MlpBufs, out: &mut Vec<f32>) {
@@ -55,6 +63,11 @@ pub struct Routing {
 }
 
 impl Routing {
+    /// Bytes of the routing of `rows` positions (`top_k` ids and weights each).
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        8 * (rows * d.top_k) as u64
+    }
+
     /// Distinct selected experts, ascending: the one request made to the weight source.
     pub fn unique(&self) -> Vec<u32> {
         let mut u = Vec::new();
@@ -167,7 +180,34 @@ pub struct Slots {
     ok: Vec<bool>,
 }
 
+impl RouteBufs {
+    /// Bytes the router reaches over `rows` positions: the scores `[rows, N]`, the ranking and
+    /// the lookahead's seen-set (`[N]` each).
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        let ne = d.n_experts as u64;
+        4 * rows as u64 * ne + 4 * ne + ne
+    }
+}
+
+impl ExpertBufs {
+    /// Bytes the routed experts of `rows` positions reach (at most `rows · top_k` users over all
+    /// of a layer's requests, each buffer reserved for that many once): the users' indices,
+    /// their gathered latent rows, gate/up/activation rows and outputs, and the per-expert
+    /// starts and validity.
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        let users = (rows * d.top_k) as u64;
+        let (lat, inter, ne) = (d.latent as u64, d.moe_inter as u64, d.n_experts as u64);
+        8 * users + 4 * users * (2 * lat + 3 * inter) + 9 * (ne + 1)
+    }
+}
+
 impl Slots {
+    /// Bytes of the (token, slot) outputs of `rows` positions.
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        let nk = (rows * d.top_k) as u64;
+        4 * nk * d.latent as u64 + nk
+    }
+
     /// Empty slots for `n·k` selections of `latent`-float outputs.
     pub fn reset(&mut self, nk: usize, latent: usize) {
         zeroed(&mut self.y, nk * latent);
@@ -181,6 +221,13 @@ impl Slots {
 pub struct CombineBufs {
     acc: Vec<f32>,
     acc_n: Vec<f32>,
+}
+
+impl CombineBufs {
+    /// Bytes over `rows` positions: the aggregate and its norm, `[rows, latent]` each.
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        8 * (rows * d.latent) as u64
+    }
 }
 
 impl MoeWeights<'_> {
@@ -331,6 +378,15 @@ impl MoeWeights<'_> {
                 failed.push((id, why));
             }
         }
+        // A layer's requests together have at most `sel.len()` users: reserve for that many once,
+        // so a pass's buffers never grow past what `ExpertBufs::bytes_for` states.
+        let most = routing.sel.len();
+        for (v, w) in [(&mut b.zin, lat), (&mut b.work, 3 * inter), (&mut b.y, lat)] {
+            if v.capacity() < most * w {
+                crate::kernels::grow_exact(v, most * w);
+            }
+        }
+        crate::kernels::grow_exact(&mut b.order, most);
         // Users grouped by expert, in request order, and their latent rows gathered.
         b.order.clear();
         b.starts.clear();

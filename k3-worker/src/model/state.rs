@@ -96,6 +96,12 @@ pub(crate) struct UpCopy {
 }
 
 impl UpCopy {
+    /// Bytes of a copy of a MoE layer's up side: the bf16 up-projection `[E, latent]` and the
+    /// latent norm.
+    pub(crate) fn bytes_for(d: &Dims) -> u64 {
+        2 * (d.hidden * d.latent) as u64 + 4 * d.latent as u64
+    }
+
     /// Copy `side` in, reusing the allocations.
     pub(crate) fn hold(&mut self, side: &UpSide<'_>) {
         let (bytes, scales, kind) = match side.up {
@@ -128,6 +134,86 @@ impl UpCopy {
     }
 }
 
+/// The kernels' buffers in a pass (`kernels::with_buffer`): the largest call's transients per
+/// stage (its rearranged activations and, over several positions, its rows-major output; the
+/// routed experts' calls together over at most `rows · top_k` users) and what every thread keeps
+/// between calls.
+struct KernelCalls {
+    attention: u64,
+    mlp: u64,
+    head: u64,
+    kept: u64,
+}
+
+impl KernelCalls {
+    fn of(d: &Dims, p: &PassShape) -> KernelCalls {
+        let n = p.rows;
+        let many = n > 1;
+        // `(rows, cols)` of every product a stage runs over the pass's positions.
+        let e = d.hidden;
+        let (pk, h, dh) = (d.kda_heads * d.kda_dim, d.kda_heads, d.kda_dim);
+        let (qw, hv, lw) = (d.nope + d.rope, d.mla_heads * d.v_head, d.latent_width());
+        let mut attn = vec![];
+        if d.n_kda() > 0 {
+            attn.extend([(pk, e), (h, e), (dh, e), (pk, dh), (e, pk)]);
+        }
+        if d.n_mla() > 0 {
+            attn.extend([
+                (d.q_lora, e),
+                (d.mla_heads * qw, d.q_lora),
+                (lw, e),
+                (hv, e),
+                (e, hv),
+                (d.v_head, d.kv_lora),
+            ]);
+        }
+        let shared = d.n_shared * d.moe_inter;
+        let mut mlp = vec![
+            (d.n_experts, e),
+            (d.latent, e),
+            (e, d.latent),
+            (shared, e),
+            (e, shared),
+        ];
+        if d.first_k_dense > 0 {
+            mlp.extend([(d.dense_inter, e), (e, d.dense_inter)]);
+        }
+        // What a call needs beyond the buffers each thread keeps (those are `kept` below).
+        let keep = crate::kernels::KEEP_MAX_FLOATS;
+        let call = |(rows, cols): (usize, usize), n: usize| -> usize {
+            let rows_major = if n > 1 { n * rows } else { 0 };
+            (n * cols).saturating_sub(keep) + rows_major.saturating_sub(keep)
+        };
+        let most = |calls: &[(usize, usize)]| calls.iter().map(|&c| call(c, n)).max().unwrap_or(0);
+        let users = n * d.top_k;
+        let experts = (users * (d.latent + d.moe_inter) * 2).saturating_sub(keep);
+        let head = call((d.vocab, e), p.logits_rows);
+        let all = attn.iter().chain(&mlp);
+        let split = all
+            .clone()
+            .map(|&(_, c)| n * c)
+            .max()
+            .unwrap_or(0)
+            .max(users * d.moe_inter);
+        let rows_major = if many {
+            all.map(|&(r, _)| n * r)
+                .max()
+                .unwrap_or(0)
+                .max(d.vocab * p.logits_rows)
+        } else {
+            0
+        };
+        let per_thread =
+            crate::kernels::kept_bytes_for(split, rows_major, d.kv_lora.max(e), p.context);
+        KernelCalls {
+            attention: 4 * most(&attn) as u64,
+            mlp: 4 * most(&mlp).max(experts) as u64,
+            head: 4 * head as u64,
+            kept: (p.threads as u64 + 1) * per_thread,
+        }
+    }
+}
+
 /// Passes of at most this many positions (a decode step, a verify pass of up to `spec::MAX_K`
 /// drafts: spec.rs checks at compile time that they fit)
 /// keep their buffers for the next pass. A larger pass (a prefill chunk) frees each stage's
@@ -136,7 +222,81 @@ impl UpCopy {
 /// does not keep a chunk's worth of buffers through its decode.
 pub const KEEP_BUFFERS_MAX_POSITIONS: usize = 17;
 
+/// The shape of a forward pass, for the memory its buffers reach ([`Work::bytes_for`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PassShape {
+    /// Positions the pass runs (the prefill chunk; 1 in decode; 1 + K in a verify pass).
+    pub rows: usize,
+    /// Logits rows it returns (1, or `rows` for a verify pass).
+    pub logits_rows: usize,
+    /// Positions the sequence's MLA caches are planned for.
+    pub context: usize,
+    /// A journaled (verify) pass: each KDA head runs on a copy of its state.
+    pub journaled: bool,
+    /// Compute threads (the pool's, besides the calling thread).
+    pub threads: usize,
+}
+
 impl Work {
+    /// The most bytes a forward pass of shape `p` holds in its temporaries at once: the layer
+    /// input, its norm, the attention and MLP outputs, the residual bank and pending sum
+    /// (`Scratch`), then the larger of the attention stage, the MLP stage and the lm_head
+    /// (each with the largest kernel call's transient buffers), the router lookahead's buffers
+    /// and every thread's kept kernel buffers. Each term is stated by the buffer's owner; a
+    /// pass of more than [`KEEP_BUFFERS_MAX_POSITIONS`] positions frees each stage's buffers
+    /// when the stage is done, a smaller one keeps them all (both attention kinds, the dense
+    /// and the MoE side), and the plan counts what each keeps.
+    pub fn bytes_for(d: &Dims, p: &PassShape) -> u64 {
+        let (n, e) = (p.rows as u64, d.hidden as u64);
+        let nb = d.n_layers.div_ceil(d.block) as u64;
+        let bank = nb * (4 * n * e + size_of::<Vec<f32>>() as u64);
+        let base = 4 * (5 * n * e) + bank + ResBufs::bytes_for(d, nb as usize);
+        let kept = p.rows <= KEEP_BUFFERS_MAX_POSITIONS;
+        let combine = |a: u64, b: u64| if kept { a + b } else { a.max(b) };
+        let combine = &combine;
+        let (kda, mla) = (d.n_kda() > 0, d.n_mla() > 0);
+        let attention = combine(
+            if kda {
+                super::kda::KdaWeights::bufs_bytes_for(d, p.rows, p.journaled)
+            } else {
+                0
+            },
+            if mla {
+                super::mla::MlaWeights::bufs_bytes_for(d, p.rows)
+            } else {
+                0
+            },
+        );
+        let (dense, moe) = (d.first_k_dense > 0, d.n_layers > d.first_k_dense);
+        let shared = d.n_shared * d.moe_inter;
+        let moe_bytes = RouteBufs::bytes_for(d, p.rows)
+            + Routing::bytes_for(d, p.rows)
+            + 4 * (p.rows * d.top_k).min(d.n_experts) as u64
+            + 4 * n * (d.latent as u64 + e)
+            + ExpertBufs::bytes_for(d, p.rows)
+            + Slots::bytes_for(d, p.rows)
+            + CombineBufs::bytes_for(d, p.rows)
+            + UpCopy::bytes_for(d);
+        let mlp_width = match (dense, moe) {
+            (true, true) if kept => d.dense_inter.max(shared),
+            (true, _) => d.dense_inter,
+            _ => shared,
+        };
+        let mlp = MlpBufs::bytes_for(p.rows, mlp_width) + if moe { moe_bytes } else { 0 };
+        let head = 4 * (p.logits_rows * d.vocab) as u64;
+        let k = KernelCalls::of(d, p);
+        let stage = if kept {
+            // Every stage's buffers stay; one kernel call's transients at a time.
+            attention + mlp + k.attention.max(k.mlp).max(head + k.head)
+        } else {
+            // Each stage's buffers go when it is done.
+            (attention + k.attention)
+                .max(mlp + k.mlp)
+                .max(head + k.head)
+        };
+        base + stage + k.kept + super::feed::FeedStore::bytes_for(d, p.rows)
+    }
+
     /// After the attention of a pass of `n` positions: free its buffers if the pass is large.
     pub(crate) fn attention_done(&mut self, n: usize) {
         if n > KEEP_BUFFERS_MAX_POSITIONS {
@@ -189,6 +349,16 @@ impl Journal {
         } else {
             None
         }
+    }
+}
+
+impl Journal {
+    /// Bytes the journal of a verify pass of `rows` positions holds: every KDA layer's entry and
+    /// the rollback's per-head temporaries.
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        d.n_kda() as u64 * KdaJournal::bytes_for(d, rows)
+            + (d.n_layers * size_of::<KdaJournal>()) as u64
+            + 4 * 2 * (d.kda_heads * d.kda_dim) as u64
     }
 }
 
@@ -246,6 +416,13 @@ impl SeqState {
             scratch: Scratch::default(),
             journal: Journal::default(),
         }
+    }
+
+    /// Bytes of the state of a sequence planned for `capacity` positions: every KDA layer's
+    /// recurrent state and conv histories, every MLA layer's latent cache (reserved in full).
+    pub fn bytes_for(d: &Dims, capacity: usize) -> u64 {
+        let structs = size_of::<Work>() + d.n_layers * size_of::<LayerState>();
+        d.kda_state_bytes() + d.mla_cache_bytes(capacity as u64) + structs as u64
     }
 
     /// Journal the next forward call so that [`SeqState::rollback`] can keep any prefix of it.
