@@ -194,6 +194,8 @@ pub struct StepReport {
     pub prefetch_bytes: u64,
     /// Requested experts this step that a prefetch had loaded (a verify pass: on its first id).
     pub prefetch_used: u64,
+    /// Of `bytes_read`, the trunk's (reported on the first id of a pass).
+    pub trunk_bytes_read: u64,
     /// Where this step's forward pass spent its time (a verify pass's phases are shared
     /// equally among its ids, like its seconds).
     pub phases: PhaseSeconds,
@@ -419,8 +421,11 @@ impl Session {
         let source = model.source();
         let mut pass = 0usize;
         let mut context: Vec<u32> = Vec::new();
+        // The source's counters once per pass: a pass's `after` is the next one's `before` (an
+        // attached source asks the store for them).
+        let mut after = source.stats();
         'passes: while report.generated_ids.len() < opts.max_new {
-            let before = source.stats();
+            let before = std::mem::take(&mut after);
             let expert_wait0 = model.counters.expert_wait_seconds;
             let phases0 = model.counters.phases;
             let t0 = Instant::now();
@@ -484,7 +489,7 @@ impl Session {
                 report.step0_logits = Some(logits);
             }
             let seconds = t0.elapsed().as_secs_f64();
-            let after = source.stats();
+            after = source.stats();
             let produced = picks.len();
             let share = 1.0 / produced as f64;
             let reqs = after.expert_requests.saturating_sub(before.expert_requests);
@@ -499,6 +504,9 @@ impl Session {
                 .max(0.0);
             let prefetch_bytes = after.prefetch_bytes.saturating_sub(before.prefetch_bytes);
             let prefetch_used = after.prefetch_used.saturating_sub(before.prefetch_used);
+            let trunk_bytes = after
+                .trunk_bytes_read
+                .saturating_sub(before.trunk_bytes_read);
             let phases = model.counters.phases.since(&phases0).scaled(share);
             let accepted = produced - 1;
             if pass > 0 {
@@ -526,6 +534,7 @@ impl Session {
                     accepted: if i == 0 { accepted } else { 0 },
                     prefetch_bytes: if i == 0 { prefetch_bytes } else { 0 },
                     prefetch_used: if i == 0 { prefetch_used } else { 0 },
+                    trunk_bytes_read: if i == 0 { trunk_bytes } else { 0 },
                     phases,
                 };
                 let flow = on_step(&r);

@@ -275,14 +275,18 @@ pub(crate) struct FeedStore {
     predict: Predict,
     /// The prediction of the next call's first MoE layer, read ahead during this call's lm_head.
     next_pass: NextPass,
+    /// The pass's embedding rows as the source gave them (bf16).
+    rows: Vec<u8>,
 }
 
 impl FeedStore {
-    /// Bytes the lookahead's buffers reach in a pass of `rows` positions: the attention input's
-    /// copy and the norm of the early hidden state (`[rows, E]` each), the router's buffers and
+    /// Bytes the feed's buffers reach in a pass of `rows` positions: the embedding rows (bf16),
+    /// the attention input's copy and the norm of the early hidden state (`[rows, E]` each), the
+    /// router's buffers and
     /// routing ([`RouteBufs::bytes_for`], [`Routing::bytes_for`]) and the predicted experts.
     pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
         8 * (rows * d.hidden) as u64
+            + 2 * (rows * d.hidden) as u64
             + RouteBufs::bytes_for(d, rows)
             + Routing::bytes_for(d, rows)
             + 4 * d.n_experts as u64
@@ -295,6 +299,7 @@ impl FeedStore {
             binds,
             predict: Predict::default(),
             next_pass: NextPass::default(),
+            rows: Vec::new(),
         }
     }
 }
@@ -439,6 +444,16 @@ impl<'p, 's> Feed<'p, 's> {
         let s = now.duration_since(self.mark).as_secs_f64();
         self.mark = now;
         s
+    }
+
+    /// The embedding rows of `ids` (bf16 `[n, E]`), as the source reads them.
+    pub(crate) fn embed(&mut self, ids: &[u32]) -> Result<&[u8], ModelError> {
+        let row = 2 * self.d.hidden;
+        let rows = &mut self.store.rows;
+        crate::kernels::grow_exact(rows, ids.len() * row);
+        self.source
+            .tensor_rows(k3_proto::names::EMBED, row, ids, rows)?;
+        Ok(rows)
     }
 
     /// Layer `l`'s weights: waits for its bytes (timed as the layer wait), hints the next layer's

@@ -213,7 +213,8 @@ impl<'s> Model<'s> {
             ..
         } = st;
         let w = &mut *scratch.work;
-        let mut res = Residuals::embed(d, globals, ids, &mut scratch.bank, &mut scratch.pend);
+        let rows = feed.embed(ids)?;
+        let mut res = Residuals::embed(d, rows, &mut scratch.bank, &mut scratch.pend);
         for (l, state) in layers.iter_mut().enumerate() {
             let layer = feed.layer(l)?;
             let lw = layer.weights()?;
@@ -274,26 +275,20 @@ struct Residuals<'b> {
 }
 
 impl<'b> Residuals<'b> {
-    /// The embedding of `ids`, unscaled, as the pending sum.
+    /// The embedding rows `rows` (bf16 `[n, E]`), unscaled, as the pending sum.
     fn embed(
         d: &Dims,
-        globals: &Globals,
-        ids: &[u32],
+        rows: &[u8],
         bank: &'b mut Vec<Vec<f32>>,
         pend: &'b mut Vec<f32>,
     ) -> Residuals<'b> {
-        let e = d.hidden;
         bank.resize_with(d.n_layers.div_ceil(d.block), Vec::new);
-        pend.clear();
-        let emb = globals.embed.bytes();
-        for &id in ids {
-            let o = id as usize * e * 2;
-            pend.extend(
-                emb[o..o + e * 2]
-                    .chunks_exact(2)
-                    .map(|b| crate::kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
-            );
-        }
+        crate::kernels::grow_exact(pend, rows.len() / 2);
+        pend.extend(
+            rows.chunks_exact(2)
+                .map(|b| crate::kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+        );
+        let n = rows.len() / (2 * d.hidden);
         Residuals {
             bank,
             banked: 0,
@@ -301,7 +296,7 @@ impl<'b> Residuals<'b> {
             fresh: false,
             block: d.block,
             eps: d.rms_eps,
-            n: ids.len(),
+            n,
         }
     }
 
