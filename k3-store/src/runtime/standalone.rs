@@ -107,9 +107,9 @@ pub struct StandaloneSource {
     prefetcher: IoPool,
     latest_prefetch: Arc<AtomicU64>,
     plan: MemoryPlan,
-    /// The embedding's shard, offset and length: its rows are read from the file
-    /// ([`WeightSource::tensor_rows`]), not through the mapping.
-    embed: Option<(Arc<DiskFile>, u64, u64)>,
+    /// The embedding's shard (opened buffered: a row is a page-cache read), offset and length:
+    /// its rows are read from the file ([`WeightSource::tensor_rows`]), not through the mapping.
+    embed: Option<(std::fs::File, u64, u64)>,
 }
 
 impl std::fmt::Debug for StandaloneSource {
@@ -205,7 +205,15 @@ impl StandaloneSource {
             .model_tensors()
             .iter()
             .find(|t| t.name == k3_proto::names::EMBED)
-            .and_then(|t| Some((shards.get(t.shard as usize)?.clone(), t.off, t.nbytes)));
+            .map(|t| {
+                let f = shards.get(t.shard as usize).ok_or_else(|| {
+                    OpenError::Io(format!("{}: shard {} not open", t.name, t.shard))
+                })?;
+                let file = std::fs::File::open(f.path())
+                    .map_err(|e| OpenError::Io(format!("{}: {e}", f.path().display())))?;
+                Ok::<_, OpenError>((file, t.off, t.nbytes))
+            })
+            .transpose()?;
         let stream = TrunkStream::new(
             Arc::new(layout),
             &StreamOptions {
@@ -344,7 +352,8 @@ impl WeightSource for StandaloneSource {
                 .checked_mul(row_bytes as u64)
                 .filter(|o| o + row_bytes as u64 <= *nbytes)
                 .ok_or_else(|| SourceError::Invalid(format!("row {id} of {name}: outside it")))?;
-            file.read_exact_at(off + at, dst)?;
+            std::os::unix::fs::FileExt::read_exact_at(file, dst, off + at)
+                .map_err(|e| SourceError::Io(format!("row {id} of {name}: {e}")))?;
         }
         Ok(())
     }
