@@ -596,7 +596,7 @@ pub fn open_source(
             // and the pages of the store's shared memory it reads count in its resident memory.
             let plan = AttachedPlan {
                 process: plan::resident_now(),
-                shared: info.shm_bytes,
+                shared: shared_read_bytes(&dims, info.shm_bytes, positions),
                 state: SeqState::bytes_for(&dims, positions),
                 buffers: buffer_bytes(cli, &dims, positions, chunk)?,
             };
@@ -649,9 +649,22 @@ pub fn open_source(
     }
 }
 
+/// Of the store's shared memory (`shm` bytes), what an attached worker's reads make resident in
+/// it: all of it but the embedding, of which only the rows of the `positions` ids are read. A
+/// read fault on shared memory maps the 64 KiB window around the page (the kernel's
+/// fault-around, `fault_around_bytes`), so a row costs the windows it spans, one more when it
+/// straddles a window's end.
+fn shared_read_bytes(dims: &Dims, shm: u64, positions: usize) -> u64 {
+    const FAULT_AROUND: u64 = 64 << 10;
+    let row = 2 * dims.hidden as u64;
+    let embed = row * dims.vocab as u64;
+    let rows = positions as u64 * (row.div_ceil(FAULT_AROUND) + 1) * FAULT_AROUND;
+    shm.saturating_sub(embed) + rows.min(embed)
+}
+
 /// An attached worker's memory plan: what the process held before it, the store's shared memory
-/// (its pages count in this process's resident memory as it reads them; at most all of it), the
-/// sequence state and the job's buffers.
+/// its reads make resident in it ([`shared_read_bytes`]), the sequence state and the job's
+/// buffers.
 struct AttachedPlan {
     process: u64,
     shared: u64,

@@ -308,7 +308,7 @@ impl<'b> Residuals<'b> {
         } else {
             self.aggregate(q, w);
         }
-        if l % self.block == 0 {
+        if l.is_multiple_of(self.block) {
             std::mem::swap(&mut self.bank[self.banked], self.pend);
             self.banked += 1;
             self.fresh = true;
