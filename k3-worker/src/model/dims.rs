@@ -244,6 +244,14 @@ impl Dims {
     }
 }
 
+/// Passes of at most this many positions (a decode step, a verify pass of up to `spec::MAX_K`
+/// drafts: spec.rs checks at compile time that they fit)
+/// keep their buffers for the next pass. A larger pass (a prefill chunk) frees each stage's
+/// buffers when the stage is done and the rest when the pass ends, so its peak is one stage's
+/// temporaries at the chunk's size, as `state::Work::bytes_for` states, and the run
+/// does not keep a chunk's worth of buffers through its decode.
+pub const KEEP_BUFFERS_MAX_POSITIONS: usize = 17;
+
 /// What can go wrong in binding or running the model.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

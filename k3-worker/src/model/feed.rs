@@ -729,10 +729,10 @@ impl<'p, 's> Feed<'p, 's> {
     }
 
     /// The logits are computed: the lm_head phase ends. A pass of more than
-    /// [`super::state::KEEP_BUFFERS_MAX_POSITIONS`] rows gives the lookahead's buffers back.
+    /// [`super::dims::KEEP_BUFFERS_MAX_POSITIONS`] rows gives the lookahead's buffers back.
     pub(crate) fn head_done(&mut self, rows: usize) {
         self.counters.phases.lm_head += self.lap();
-        if rows > super::state::KEEP_BUFFERS_MAX_POSITIONS {
+        if rows > super::dims::KEEP_BUFFERS_MAX_POSITIONS {
             self.store.predict = Predict::default();
         }
     }

@@ -3,6 +3,7 @@
 //! positions, no AttnRes state.
 
 use super::attn_res::ResBufs;
+pub use super::dims::KEEP_BUFFERS_MAX_POSITIONS;
 use super::dims::{Dims, ModelError};
 use super::kda::KdaBufs;
 pub use super::kda::{KdaJournal, KdaState};
@@ -213,14 +214,6 @@ impl KernelCalls {
         }
     }
 }
-
-/// Passes of at most this many positions (a decode step, a verify pass of up to `spec::MAX_K`
-/// drafts: spec.rs checks at compile time that they fit)
-/// keep their buffers for the next pass. A larger pass (a prefill chunk) frees each stage's
-/// buffers when the stage is done and the rest when the pass ends, so its peak is one stage's
-/// temporaries at the chunk's size, as `k3_store::runtime::plan::activation_bytes` budgets, and the run
-/// does not keep a chunk's worth of buffers through its decode.
-pub const KEEP_BUFFERS_MAX_POSITIONS: usize = 17;
 
 /// The shape of a forward pass, for the memory its buffers reach ([`Work::bytes_for`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
