@@ -256,10 +256,10 @@ fn a_pass_larger_than_a_verify_pass_does_not_keep_its_buffers() {
 /// What a pass's buffers' owners state is what the pass holds at its peak: for a decode step, a
 /// verify pass (journaled, every position's logits), passes that keep their buffers and prefill
 /// chunks that free each stage's, the peak of the live bytes (the sequence's state, every
-/// temporary, the kernels' per-thread buffers, the logits) is at most the statement (plus
-/// [`RAYON_ALLOWANCE`]), and the statement at most 15% above it.
+/// temporary, the kernels' per-thread buffers, the logits) is at most the statement, and the
+/// statement at most 15% above it, each within [`RAYON_ALLOWANCE`].
 /// What the pool's own job queues allocate on its thread during a pass, varying from run to run
-/// with how its deques grow (not a buffer of the pass; measured up to ~40 KB here).
+/// with how its deques grow (not a buffer of the pass; the same pass measured 132–152 KB).
 const RAYON_ALLOWANCE: u64 = 64 << 10;
 
 #[test]
@@ -313,7 +313,8 @@ fn a_pass_peaks_at_what_its_buffers_owners_state() {
         });
         let ratio = stated as f64 / peak as f64;
         eprintln!("rows {rows} verify {verify}: peak {peak} B, stated {stated} B ({ratio:.3})");
-        if peak > stated + RAYON_ALLOWANCE || ratio > 1.15 {
+        if peak > stated + RAYON_ALLOWANCE || stated as f64 > 1.15 * (peak + RAYON_ALLOWANCE) as f64
+        {
             wrong.push(format!(
                 "rows {rows} verify {verify}: peak {peak} B, stated {stated} B"
             ));
