@@ -692,9 +692,9 @@ impl AttachedPlan {
                 plan::fmt_gb(need - avail)
             ));
         }
-        problems.extend(plan::address_space_problem(
-            need + plan::ADDRESS_SPACE_RESERVE,
-        ));
+        // Its threads: the compute pool's, the main one and the expert fetch thread.
+        let reserve = plan::address_space_reserve(rayon::current_num_threads() + 2);
+        problems.extend(plan::address_space_problem(need + reserve));
         if problems.is_empty() {
             return Ok(());
         }

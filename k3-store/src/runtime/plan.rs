@@ -374,6 +374,13 @@ pub fn io_bounce_bytes(threads: usize, largest: u64) -> u64 {
 /// Only checked against an address-space limit (`RLIMIT_AS`), never against memory.
 pub const ADDRESS_SPACE_RESERVE: u64 = 256 << 20;
 
+/// [`ADDRESS_SPACE_RESERVE`] for a process that starts only `threads` threads and reads no
+/// checkpoint (an attached worker): their 2 MiB stacks, the allocator's second arena (64 MiB)
+/// and 32 MiB for the runtime's own mappings.
+pub fn address_space_reserve(threads: usize) -> u64 {
+    threads as u64 * (2 << 20) + (64 << 20) + (32 << 20)
+}
+
 /// Allow the allocator two arenas (the main one and one for every other thread). glibc reserves
 /// 64 MiB of address space per arena, up to 8 per core, as threads first allocate; an
 /// address-space limit (`ulimit -v`) that the plan judged sufficient would otherwise be
