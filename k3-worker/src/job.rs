@@ -695,16 +695,7 @@ impl AttachedPlan {
         // Its threads: the compute pool's, the main one and the expert fetch thread.
         let reserve = plan::address_space_reserve(rayon::current_num_threads() + 2);
         problems.extend(plan::address_space_problem(need + reserve));
-        if problems.is_empty() {
-            return Ok(());
-        }
-        Err(format!(
-            "REFUSING TO START: the memory plan does not fit\n{self}{}",
-            problems
-                .iter()
-                .map(|p| format!("  problem: {p}\n"))
-                .collect::<String>()
-        ))
+        plan::refusal(self, &problems)
     }
 }
 

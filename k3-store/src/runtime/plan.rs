@@ -633,17 +633,22 @@ impl MemoryPlan {
             }
             problems.extend(address_space_problem(self.address_space_bytes()));
         }
-        if problems.is_empty() {
-            return Ok(());
-        }
-        Err(format!(
-            "REFUSING TO START: the memory plan does not fit\n{self}{}",
-            problems
-                .iter()
-                .map(|p| format!("  problem: {p}\n"))
-                .collect::<String>()
-        ))
+        refusal(self, &problems)
     }
+}
+
+/// `Ok` without problems, else the refusal: `plan` followed by every problem.
+pub fn refusal(plan: &dyn std::fmt::Display, problems: &[String]) -> Result<(), String> {
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "REFUSING TO START: the memory plan does not fit\n{plan}{}",
+        problems
+            .iter()
+            .map(|p| format!("  problem: {p}\n"))
+            .collect::<String>()
+    ))
 }
 
 /// The problem, if `need` bytes of address space exceed what `RLIMIT_AS` leaves this process
