@@ -224,6 +224,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     if let Err(e) = resolve_paths(&mut a) {
         return fail(&mut notify, exit::REFUSED, e);
     }
+    // Before any thread: the allocator's arenas are bounded, so the address space the plan
+    // checks below is what the store will take (k3_store::runtime::plan::ADDRESS_SPACE_RESERVE).
+    k3_store::runtime::plan::limit_allocator_arenas();
     let socket = socket_path(&a);
     // The socket's directory is created (0700) or checked before anything is opened there.
     if let Err(e) = k3_store::ipc::prepare_socket_dir(&socket) {
@@ -306,6 +309,12 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
             ));
         }
     }
+    // Under an address-space limit the store is refused here, not aborted by a failed mapping
+    // or allocation later: the shared memory, the reader's buffers, threads and allocator arenas.
+    let address_space = shm + inputs.buffer_bytes + k3_store::runtime::plan::ADDRESS_SPACE_RESERVE;
+    problems.extend(k3_store::runtime::plan::address_space_problem(
+        address_space,
+    ));
     plan.available_bytes = available;
     let draft_note = draft.as_ref().map_or(String::new(), |d| {
         format!(

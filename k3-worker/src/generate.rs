@@ -50,15 +50,7 @@ impl Pcg32 {
     }
 }
 
-/// Greedy argmax; the first index wins ties. NaN never wins (all NaN: 0).
-///
-/// Two passes, the largest value (`f32::max` skips NaN) and then its first position, so that
-/// both loops vectorise: over a 163,840-entry vocabulary this is ~4× faster than one pass that
-/// compares against the best so far.
-pub fn argmax(logits: &[f32]) -> u32 {
-    let top = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    logits.iter().position(|&v| v == top).unwrap_or(0) as u32
-}
+pub use crate::kernels::argmax;
 
 /// How the next token is chosen.
 #[derive(Clone, Debug)]
@@ -202,6 +194,8 @@ pub struct StepReport {
     pub prefetch_bytes: u64,
     /// Requested experts this step that a prefetch had loaded (a verify pass: on its first id).
     pub prefetch_used: u64,
+    /// Of `bytes_read`, the trunk's (reported on the first id of a pass).
+    pub trunk_bytes_read: u64,
     /// Where this step's forward pass spent its time (a verify pass's phases are shared
     /// equally among its ids, like its seconds).
     pub phases: PhaseSeconds,
@@ -427,8 +421,11 @@ impl Session {
         let source = model.source();
         let mut pass = 0usize;
         let mut context: Vec<u32> = Vec::new();
+        // The source's counters once per pass: a pass's `after` is the next one's `before` (an
+        // attached source asks the store for them).
+        let mut after = source.stats();
         'passes: while report.generated_ids.len() < opts.max_new {
-            let before = source.stats();
+            let before = std::mem::take(&mut after);
             let expert_wait0 = model.counters.expert_wait_seconds;
             let phases0 = model.counters.phases;
             let t0 = Instant::now();
@@ -492,7 +489,7 @@ impl Session {
                 report.step0_logits = Some(logits);
             }
             let seconds = t0.elapsed().as_secs_f64();
-            let after = source.stats();
+            after = source.stats();
             let produced = picks.len();
             let share = 1.0 / produced as f64;
             let reqs = after.expert_requests.saturating_sub(before.expert_requests);
@@ -507,6 +504,9 @@ impl Session {
                 .max(0.0);
             let prefetch_bytes = after.prefetch_bytes.saturating_sub(before.prefetch_bytes);
             let prefetch_used = after.prefetch_used.saturating_sub(before.prefetch_used);
+            let trunk_bytes = after
+                .trunk_bytes_read
+                .saturating_sub(before.trunk_bytes_read);
             let phases = model.counters.phases.since(&phases0).scaled(share);
             let accepted = produced - 1;
             if pass > 0 {
@@ -534,6 +534,7 @@ impl Session {
                     accepted: if i == 0 { accepted } else { 0 },
                     prefetch_bytes: if i == 0 { prefetch_bytes } else { 0 },
                     prefetch_used: if i == 0 { prefetch_used } else { 0 },
+                    trunk_bytes_read: if i == 0 { trunk_bytes } else { 0 },
                     phases,
                 };
                 let flow = on_step(&r);

@@ -18,6 +18,7 @@ use crate::cli::DraftArg;
 use crate::cli::{Cli, MAX_PROMPT, MAX_PROMPT_FILE};
 use crate::generate::{positions_needed, Flow, GenOptions, Sampler, Session, END_IDS};
 use crate::model::bind::ShapeTable;
+use crate::model::state::{Journal, PassShape, SeqState, Work};
 use crate::model::{Dims, Model, ModelError, TensorShapes};
 use crate::report::{self, gb, HiddenDump};
 use crate::sink::{Sink, Stdout};
@@ -25,8 +26,11 @@ use crate::spec::{
     Drafter, FirstOf, HistoryDrafter, ModelDrafter, NgramDrafter, ReplayDrafter, SpecMode,
 };
 use crate::tokenizer::Tokenizer;
+use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::draft::DraftSource;
+use k3_store::runtime::plan::{self, PlanInputs};
 use k3_store::runtime::trunk::TrunkError;
+use std::sync::Arc;
 
 /// Why a job stopped, with its exit code ([`k3_proto::exit::ExitStatus`]).
 #[derive(Debug, thiserror::Error)]
@@ -121,6 +125,9 @@ pub struct Preflight {
 /// Checks and set-up that need neither the store nor the checkpoint: SIMD tier, sampler, thread
 /// pool (bounded by the CPUs), tokenizer, the input, and that every output path is writable.
 pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
+    // Before any thread: the allocator's arenas are bounded, so the address space the memory
+    // plan checks is what the job will take (k3_store::runtime::plan::ADDRESS_SPACE_RESERVE).
+    plan::limit_allocator_arenas();
     // The SIMD tier is chosen once, here: a forced tier (K3_SIMD) that is unknown or that this
     // CPU lacks is a refusal, never a crash or a silent fallback.
     let tier = crate::kernels::select_tier().map_err(|e| refuse(e.to_string()))?;
@@ -431,7 +438,8 @@ impl Source {
     }
 }
 
-/// The opened source, its checkpoint's config and dims, and the positions the state holds.
+/// The opened source, its checkpoint's config and dims, what its index says, and the positions
+/// the state holds.
 #[derive(Debug)]
 pub struct Opened {
     /// The source.
@@ -442,6 +450,13 @@ pub struct Opened {
     pub dims: Dims,
     /// Positions the sequence state is sized for.
     pub positions: usize,
+    /// The stored dtype and shape of every tensor the model binds (from the one read of the
+    /// checkpoint index).
+    pub shapes: ShapeTable,
+    /// The checkpoint's catalog, when a draft model needs it (the standalone source's own).
+    pub catalog: Option<Arc<Catalog>>,
+    /// The memory this job plans to hold at its peak (its resident memory then), bytes.
+    pub plan_bytes: u64,
 }
 
 /// Read the config of `model_dir` (truncated to `--layers`) and its dims.
@@ -478,9 +493,77 @@ fn config(cli: &Cli, model_dir: &Path) -> Result<(ModelConfig, Dims), JobError> 
     Ok((cfg, dims))
 }
 
-/// Attach to the store, or open the checkpoint in-process with the memory plan (which counts
-/// the sequence state and the activation buffers at the prefill chunk, and refuses with exit 2
-/// when the total does not fit what the process may allocate).
+/// The config and the index of `model_dir`, each read once: the dims (truncated by `--layers`),
+/// the shape table the binder checks, and the catalog (built when `catalog`).
+fn read_checkpoint(
+    cli: &Cli,
+    model_dir: &Path,
+    catalog: bool,
+) -> Result<(ModelConfig, Dims, ShapeTable, Option<Catalog>), JobError> {
+    let (cfg, dims) = config(cli, model_dir)?;
+    let index = k3_proto::safetensors::CheckpointIndex::open(model_dir)
+        .map_err(|e| refuse(format!("{}: {e}", model_dir.display())))?;
+    let cat = if catalog {
+        Some(Catalog::from_index(&index, &cfg).map_err(|e| refuse(e.0))?)
+    } else {
+        None
+    };
+    let shapes = ShapeTable::from_index(&index, dims.n_layers);
+    Ok((cfg, dims, shapes, cat))
+}
+
+/// What this job's own buffers take at their peak, as their owners state them from the shapes
+/// (`model::state`): the larger of a prefill chunk's pass and a verify pass of the most drafts,
+/// the verify journal (kept from pass to pass), the step-0 logits `--dump-logits` keeps and the
+/// draft model.
+fn buffer_bytes(cli: &Cli, dims: &Dims, positions: usize, chunk: usize) -> Result<u64, JobError> {
+    let kept_logits = if cli.dump_logits.is_some() {
+        4 * dims.vocab as u64
+    } else {
+        0
+    };
+    Ok(pass_bytes(dims, positions, chunk, spec_drafts(cli))
+        + kept_logits
+        + draft_model_bytes(cli, dims, positions)?)
+}
+
+/// The buffers of a job's forward calls: the larger of a prefill chunk of `chunk` ids and a
+/// verify pass of `drafts` + 1 rows, and the verify journal.
+fn pass_bytes(dims: &Dims, positions: usize, chunk: usize, drafts: usize) -> u64 {
+    let threads = rayon::current_num_threads();
+    let pass = |rows: usize, logits_rows: usize, journaled: bool| {
+        Work::bytes_for(
+            dims,
+            &PassShape {
+                rows,
+                logits_rows,
+                context: positions + drafts,
+                journaled,
+                threads,
+            },
+        )
+    };
+    let (verify, journal) = if drafts > 0 {
+        let rows = drafts + 1;
+        (pass(rows, rows, true), Journal::bytes_for(dims, rows))
+    } else {
+        (0, 0)
+    };
+    pass(chunk, 1, false).max(verify) + journal
+}
+
+/// Bytes an attached worker allocates for a job of `positions` in prefill calls of `chunk` ids
+/// with verify passes of up to `drafts` drafted ids (without a draft model): the sequence state
+/// and the buffers of its forward calls, stated by their owners. `k3-ctl serve` sizes its
+/// default `--max-jobs` with it.
+pub fn attached_job_bytes(dims: &Dims, positions: usize, chunk: usize, drafts: usize) -> u64 {
+    SeqState::bytes_for(dims, positions) + pass_bytes(dims, positions, chunk, drafts)
+}
+
+/// Attach to the store, or open the checkpoint in-process with the memory plan; either way the
+/// config and the index are read once, and the plan counts what this process held before it,
+/// the sequence state and the job's buffers as their owners state them, and refuses (exit 2)
+/// when that does not fit the memory or the address space the process may still take.
 pub fn open_source(
     cli: &Cli,
     matches: &clap::ArgMatches,
@@ -519,55 +602,50 @@ pub fn open_source(
                 info.slots,
                 gb(info.ring_bytes)
             );
-            let (cfg, dims) = config(cli, &info.model_dir)?;
+            let (_, dims, shapes, cat) =
+                read_checkpoint(cli, &info.model_dir, wants_draft_model(cli))?;
             // The store holds the weights and streams the unpinned layers through its own ring
-            // (SPEC.md §6.8); this process allocates only the sequence state, the activations
-            // and logits of one forward call and the verify buffers.
-            let need = attached_job_bytes(&cfg, &dims, positions, chunk, spec_drafts(cli))
-                + draft_model_bytes(cli, &dims, positions)?;
-            let avail = k3_store::runtime::plan::allocatable().map_err(refuse)?;
-            if need > avail {
-                return Err(refuse(format!(
-                    "REFUSING TO START: the sequence state and buffers need {:.3} GB but this process may allocate only {:.3} GB",
-                    gb(need),
-                    gb(avail)
-                )));
-            }
-            tracing::info!(
-                "worker memory: sequence state and buffers {:.3} GB (no ring: the trunk streams through the store's {:.3} GB ring); may allocate {:.3} GB",
-                gb(need),
-                gb(info.ring_bytes),
-                gb(avail)
-            );
+            // (SPEC.md §6.8); this process allocates only the sequence state and its buffers,
+            // and the pages of the store's shared memory it reads count in its resident memory.
+            let plan = AttachedPlan {
+                process: plan::resident_now(),
+                shared: shared_read_bytes(&dims, info.shm_bytes, positions),
+                state: SeqState::bytes_for(&dims, positions),
+                buffers: buffer_bytes(cli, &dims, positions, chunk)?,
+            };
+            plan.check().map_err(refuse)?;
+            tracing::info!("memory plan:\n{plan}");
             Ok(Opened {
                 source: Source::Attached(Box::new(src)),
                 model_dir: info.model_dir.clone(),
                 dims,
                 positions,
+                shapes,
+                catalog: cat.map(Arc::new),
+                plan_bytes: plan.total(),
             })
         }
         Some(model_dir) => {
-            let (cfg, dims) = config(cli, model_dir)?;
+            let (cfg, dims, shapes, cat) = read_checkpoint(cli, model_dir, true)?;
+            let cat = Arc::new(cat.expect("read with its catalog"));
             let budget = cli.budget.budget(matches).map_err(refuse)?;
             let opts = StandaloneOptions {
                 context_len: positions,
-                prefill_tokens: chunk,
-                extra_buffer_bytes: k3_store::runtime::plan::verify_bytes(
-                    &cfg,
-                    spec_drafts(cli),
-                    chunk,
-                ) + draft_model_bytes(cli, &dims, positions)?,
+                extra_buffer_bytes: buffer_bytes(cli, &dims, positions, chunk)?,
                 cache_policy: cli.budget.policy(),
                 preload: cli.budget.preload,
                 ..StandaloneOptions::default()
             };
             let mut steps = k3_store::progress::Steps::default();
-            let (src, plan) = StandaloneSource::open(
-                model_dir,
+            let (src, plan) = StandaloneSource::build(
+                cat.clone(),
                 cli.budget.trunk.as_deref(),
                 &budget,
-                cli.layers.map(|n| n as usize),
                 &opts,
+                &|cat, trunk| {
+                    PlanInputs::from_model(&cfg, cat, trunk, positions)
+                        .plus_buffers(opts.extra_buffer_bytes)
+                },
                 &mut |what, done, total| steps.update(what, done, total),
             )?;
             tracing::info!("memory plan:\n{plan}");
@@ -576,26 +654,86 @@ pub fn open_source(
                 model_dir: model_dir.clone(),
                 dims,
                 positions,
+                shapes,
+                catalog: Some(cat),
+                plan_bytes: plan.total_bytes(),
             })
         }
     }
 }
 
-/// Bytes an attached worker allocates for a job of `positions` in prefill calls of `chunk` ids
-/// with verify passes of up to `drafts` drafted ids (without a draft model): the sequence state,
-/// the activations and logits of one forward call, and the verify buffers. `k3-ctl serve`
-/// sizes its default `--max-jobs` with it.
-pub fn attached_job_bytes(
-    cfg: &ModelConfig,
-    dims: &Dims,
-    positions: usize,
-    chunk: usize,
-    drafts: usize,
-) -> u64 {
-    dims.kda_state_bytes()
-        + dims.mla_cache_bytes(positions as u64)
-        + k3_store::runtime::plan::activation_bytes(cfg, chunk)
-        + k3_store::runtime::plan::verify_bytes(cfg, drafts, chunk)
+/// Of the store's shared memory (`shm` bytes), what an attached worker's reads make resident in
+/// it: all of it but the embedding, of which only the rows of the `positions` ids are read. A
+/// read fault on shared memory maps the 64 KiB window around the page (the kernel's
+/// fault-around, `fault_around_bytes`), so a row costs the windows it spans, one more when it
+/// straddles a window's end.
+fn shared_read_bytes(dims: &Dims, shm: u64, positions: usize) -> u64 {
+    const FAULT_AROUND: u64 = 64 << 10;
+    let row = 2 * dims.hidden as u64;
+    let embed = row * dims.vocab as u64;
+    let rows = positions as u64 * (row.div_ceil(FAULT_AROUND) + 1) * FAULT_AROUND;
+    shm.saturating_sub(embed) + rows.min(embed)
+}
+
+/// An attached worker's memory plan: what the process held before it, the store's shared memory
+/// its reads make resident in it ([`shared_read_bytes`]), the sequence state and the job's
+/// buffers.
+struct AttachedPlan {
+    process: u64,
+    shared: u64,
+    state: u64,
+    buffers: u64,
+}
+
+impl AttachedPlan {
+    /// The resident memory at the peak.
+    fn total(&self) -> u64 {
+        self.process + self.shared + self.state + self.buffers
+    }
+
+    /// Refuse when the state and buffers do not fit the memory or the address space left (the
+    /// shared memory is mapped already: the store allocated it).
+    fn check(&self) -> Result<(), String> {
+        let need = self.state + self.buffers;
+        let avail = plan::allocatable()?;
+        let mut problems = Vec::new();
+        if need > avail {
+            problems.push(format!(
+                "the sequence state and buffers need {} but this process may allocate only {}: shortfall {}",
+                plan::fmt_gb(need),
+                plan::fmt_gb(avail),
+                plan::fmt_gb(need - avail)
+            ));
+        }
+        // Its threads: the compute pool's, the main one and the expert fetch thread.
+        let reserve = plan::address_space_reserve(rayon::current_num_threads() + 2);
+        problems.extend(plan::address_space_problem(need + reserve));
+        plan::refusal(self, &problems)
+    }
+}
+
+impl std::fmt::Display for AttachedPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "memory plan (attached):")?;
+        for (name, b, note) in [
+            (
+                "store memory",
+                self.shared,
+                "the store's shared memory, read in place",
+            ),
+            ("state", self.state, "KDA state + MLA latent cache"),
+            (
+                "buffers",
+                self.buffers,
+                "activations, logits, verify journal, draft model",
+            ),
+            ("process", self.process, "resident before the plan"),
+            ("TOTAL", self.total(), ""),
+        ] {
+            writeln!(f, "  {name:<16}{:>12}   {note}", plan::fmt_gb(b))?;
+        }
+        Ok(())
+    }
 }
 
 /// The most ids a verify pass may draft in this job (its memory is planned up front).
@@ -637,43 +775,19 @@ pub fn run_with(
         opened.dims.n_mla(),
         gb(opened.dims.kda_state_bytes())
     );
-    // One read of the checkpoint index serves the shape checks and, with a draft model, the
-    // catalog its identity check needs.
-    let (shapes, draft_catalog) = {
-        let index = k3_proto::safetensors::CheckpointIndex::open(&opened.model_dir)
-            .map_err(|e| refuse(format!("{}: {e}", opened.model_dir.display())))?;
-        let catalog = if wants_draft_model(cli) {
-            let path = opened.model_dir.join("config.json");
-            let cfg =
-                ModelConfig::load(&path).map_err(|e| refuse(format!("{}: {e}", path.display())))?;
-            Some(
-                k3_store::runtime::catalog::Catalog::from_index(&index, &cfg)
-                    .map_err(|e| refuse(e.0))?,
-            )
-        } else {
-            None
-        };
-        (
-            ShapeTable::from_index(&index, opened.dims.n_layers),
-            catalog,
-        )
-    };
     let source = opened.source.weights();
     let mut model = Model::new(
         opened.dims.clone(),
         source,
-        Some(&shapes as &dyn TensorShapes),
+        Some(&opened.shapes as &dyn TensorShapes),
     )?;
     if cli.session.is_some() && !matches!(opened.source, Source::Attached(_)) {
         return Err(refuse(
             "--session keeps the conversation in a store: it needs attached mode",
         ));
     }
-    model.lookahead = crate::model::forward::Lookahead::from_env().map_err(refuse)?;
-    model.overlap_groups = crate::model::forward::overlap_groups_from_env().map_err(refuse)?;
-    model.early_release = crate::model::forward::early_release_from_env().map_err(refuse)?;
-    let draft_model = load_draft_model(cli, &opened, source, draft_catalog.as_ref())?;
-    drop(draft_catalog);
+    model.options = crate::model::feed::FeedOptions::from_env().map_err(refuse)?;
+    let draft_model = load_draft_model(cli, &opened, source, opened.catalog.as_deref())?;
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());
     }
@@ -695,6 +809,7 @@ pub fn run_with(
             run_chat(
                 cli,
                 &mut model,
+                opened.plan_bytes,
                 tok,
                 *thinking,
                 pre.sampler.clone(),
@@ -714,6 +829,7 @@ pub fn run_with(
             run_prompt(
                 cli,
                 &mut model,
+                opened.plan_bytes,
                 sink,
                 prompt,
                 &pre.sampler,
@@ -730,6 +846,7 @@ pub fn run_with(
 fn run_prompt(
     cli: &Cli,
     model: &mut Model<'_>,
+    plan_bytes: u64,
     sink: &mut dyn Sink,
     prompt: &[u32],
     sampler: &Sampler,
@@ -787,7 +904,8 @@ fn run_prompt(
                 progress.drafted_tokens += s.drafted as u64;
                 progress.accepted_tokens += s.accepted as u64;
             }
-            progress.trunk_bytes_read = src.stats().trunk_bytes_read;
+            // Summed from the steps: no extra round trip to the store per token.
+            progress.trunk_bytes_read += s.trunk_bytes_read;
             // Progress is for people watching; a lost connection fails the next expert request.
             if let Err(e) = src.report_progress(progress.clone()) {
                 tracing::debug!("progress not reported: {e}");
@@ -843,6 +961,7 @@ fn run_prompt(
     };
     if let Some(path) = &cli.out {
         let mut v = summary.json(&gen);
+        v["memory_plan_bytes"] = plan_bytes.into();
         if let Some((calls, seconds)) = draft_cost {
             v["draft_model"] = serde_json::json!({"forward_calls": calls, "seconds": seconds});
         }
@@ -1028,6 +1147,7 @@ fn keep_session(
 fn run_chat(
     cli: &Cli,
     model: &mut Model<'_>,
+    plan_bytes: u64,
     tok: &Tokenizer,
     thinking: Option<Effort>,
     sampler: Sampler,
@@ -1112,6 +1232,7 @@ fn run_chat(
             "turns": summary.records,
             "refused": summary.refused,
             "peak_rss_bytes": report::peak_rss_bytes(),
+            "memory_plan_bytes": plan_bytes,
         });
         report::write_json(path, &v).map_err(|(path, source)| JobError::Output {
             path,

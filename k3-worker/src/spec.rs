@@ -47,6 +47,10 @@ impl std::str::FromStr for SpecMode {
 /// the mode's largest K ([`SpecMode::max_drafts`]).
 pub const MAX_K: usize = 16;
 
+// A verify pass keeps its buffers for the next one, like a decode step (the model frees the
+// buffers of larger passes, prefill chunks, after each stage).
+const _: () = assert!(MAX_K < crate::model::state::KEEP_BUFFERS_MAX_POSITIONS);
+
 /// Largest K auto mode drafts: at 75% acceptance the 9th position adds under 0.08 expected ids,
 /// and each position costs journal memory (~0.3 MB per KDA layer at full scale).
 pub const AUTO_MAX_K: usize = 8;
@@ -282,7 +286,7 @@ impl ModelDrafter {
             for _ in 0..k.min(room) {
                 let logits = model.forward(&[id], &mut self.state, Logits::Last)?;
                 self.calls += 1;
-                id = crate::generate::argmax(&logits);
+                id = crate::kernels::argmax(&logits);
                 out.push(id);
             }
             // Put the state back to `pos0`.

@@ -1,25 +1,32 @@
 //! Binding happens once per layer, not once per pass, and a forward pass allocates nothing per
 //! layer: every temporary lives in the sequence's buffers, which grow to the largest pass once
 //! (ARCHITECTURE.md, "Run state"). Allocations are counted by a global allocator; those a weight
-//! source makes to answer a call (its own bookkeeping, not the engine's) are counted apart.
+//! source makes to answer a call (its own bookkeeping, not the engine's) are counted apart. The
+//! same allocator follows the live bytes: a pass's peak is what its buffers' owners state
+//! (`Work::bytes_for`, `SeqState::bytes_for`, `Journal::bytes_for`), the memory plan's number.
 
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use common::{tiny_dims, MemSource};
 use k3_store::runtime::source::{
     ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats, WeightSource,
 };
 use k3_worker::generate::{generate, GenOptions, Sampler};
-use k3_worker::model::forward::Lookahead;
+use k3_worker::model::state::{Journal, PassShape, SeqState, Work};
+use k3_worker::model::Lookahead;
 use k3_worker::model::{Logits, Model, TensorShapes};
 
 struct Counting;
 
 static BYTES: AtomicU64 = AtomicU64::new(0);
+/// Bytes allocated and not yet freed (counted threads only), and the most there were.
+/// (Signed: a thread also frees what it allocated before it was counted.)
+static LIVE: AtomicI64 = AtomicI64::new(0);
+static PEAK: AtomicI64 = AtomicI64::new(0);
 static CALLS: AtomicU64 = AtomicU64::new(0);
 /// Allocations made inside weight-source calls.
 static SOURCE_CALLS: AtomicU64 = AtomicU64::new(0);
@@ -36,11 +43,17 @@ unsafe impl GlobalAlloc for Counting {
         if COUNTED.try_with(Cell::get).unwrap_or(false) {
             BYTES.fetch_add(l.size() as u64, Ordering::Relaxed);
             CALLS.fetch_add(1, Ordering::Relaxed);
+            let size = l.size() as i64;
+            let live = LIVE.fetch_add(size, Ordering::Relaxed).wrapping_add(size);
+            PEAK.fetch_max(live, Ordering::Relaxed);
         }
         // SAFETY: the caller's contract for `alloc` is passed on unchanged.
         unsafe { System.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        if COUNTED.try_with(Cell::get).unwrap_or(false) {
+            LIVE.fetch_sub(l.size() as i64, Ordering::Relaxed);
+        }
         // SAFETY: `p` came from `System.alloc` with the same layout.
         unsafe { System.dealloc(p, l) }
     }
@@ -129,7 +142,7 @@ fn layers_are_bound_once_and_a_decode_step_allocates_nothing_per_layer() {
         let src = Counted(&mem);
         for lookahead in [Lookahead::Off, Lookahead::MlpIn, Lookahead::AttnIn] {
             let mut m = Model::new(d.clone(), &src, Some(&mem as &dyn TensorShapes)).unwrap();
-            m.lookahead = lookahead;
+            m.options.lookahead = lookahead;
             let opts = GenOptions {
                 max_new: 8,
                 full_recompute: false,
@@ -238,4 +251,77 @@ fn a_pass_larger_than_a_verify_pass_does_not_keep_its_buffers() {
              a 5-position pass)"
         );
     });
+}
+
+/// What a pass's buffers' owners state is what the pass holds at its peak: for a decode step, a
+/// verify pass (journaled, every position's logits), passes that keep their buffers and prefill
+/// chunks that free each stage's, the peak of the live bytes (the sequence's state, every
+/// temporary, the kernels' per-thread buffers, the logits) is at most the statement, and the
+/// statement at most 15% above it, each within [`RAYON_ALLOWANCE`].
+/// What the pool's own job queues allocate on its thread during a pass, varying from run to run
+/// with how its deques grow (not a buffer of the pass; the same pass measured 132–152 KB).
+const RAYON_ALLOWANCE: u64 = 64 << 10;
+
+#[test]
+fn a_pass_peaks_at_what_its_buffers_owners_state() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let d = tiny_dims();
+    let mem = MemSource::random(&d, 11);
+    let src = Counted(&mem);
+    let mut wrong = Vec::new();
+    let prompt: Vec<u32> = (0..200).map(|i| (i * 7 + 3) % d.vocab as u32).collect();
+    for (rows, verify) in [
+        (1, false),
+        (5, true),
+        (17, false),
+        (17, true),
+        (18, false),
+        (64, false),
+        (200, false),
+    ] {
+        // A fresh thread: its kernel buffers start empty, as a worker's do, but for those of
+        // the one-position pass that binds every layer first (the bound layers are the
+        // model's, not the pass's).
+        let (peak, stated) = on_one_thread(|| {
+            let mut m = Model::new(d.clone(), &src, Some(&mem as &dyn TensorShapes)).unwrap();
+            m.forward(&[1], &mut m.new_state(1), Logits::Last).unwrap();
+            let capacity = rows + 3;
+            let live0 = LIVE.load(Ordering::Relaxed);
+            PEAK.store(live0, Ordering::Relaxed);
+            let mut st = m.new_state(capacity);
+            let which = if verify {
+                st.begin_journal();
+                Logits::All
+            } else {
+                Logits::Last
+            };
+            let logits = m.forward(&prompt[..rows], &mut st, which).unwrap();
+            drop(logits);
+            let peak = (PEAK.load(Ordering::Relaxed) - live0) as u64;
+            let shape = PassShape {
+                rows,
+                logits_rows: if verify { rows } else { 1 },
+                context: capacity,
+                journaled: verify,
+                threads: 0,
+            };
+            let mut stated = SeqState::bytes_for(&d, capacity) + Work::bytes_for(&d, &shape);
+            if verify {
+                stated += Journal::bytes_for(&d, rows);
+            }
+            (peak, stated)
+        });
+        let ratio = stated as f64 / peak as f64;
+        eprintln!("rows {rows} verify {verify}: peak {peak} B, stated {stated} B ({ratio:.3})");
+        if peak > stated + RAYON_ALLOWANCE || stated as f64 > 1.15 * (peak + RAYON_ALLOWANCE) as f64
+        {
+            wrong.push(format!(
+                "rows {rows} verify {verify}: peak {peak} B, stated {stated} B"
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "stated outside [peak, 1.15 peak]: {wrong:#?}"
+    );
 }

@@ -329,7 +329,7 @@ fn expert_groups_overlap_within_the_cache_and_leave_the_logits_bitwise_unchanged
             log: Mutex::new(Vec::new()),
         };
         let mut m = Model::new(src.dims.clone(), &s, shapes).unwrap();
-        m.overlap_groups = engine;
+        m.options.overlap_groups = engine;
         let mut st = m.new_state(16);
         let logits = m.forward(&PROMPT, &mut st, Logits::All).unwrap();
         assert_eq!(
@@ -457,7 +457,7 @@ fn a_streamed_moe_layer_gives_its_run_back_before_the_expert_wait_with_the_same_
             log: Arc::new(Mutex::new(Vec::new())),
         };
         let mut m = Model::new(src.dims.clone(), &s, shapes).unwrap();
-        m.overlap_groups = false;
+        m.options.overlap_groups = false;
         let mut st = m.new_state(16);
         let prefill = m.forward(&PROMPT, &mut st, Logits::All).unwrap();
         // The prefill's events: every run is dropped by the end of its pass.

@@ -74,6 +74,30 @@ fn build_binaries() -> Result<BTreeMap<String, PathBuf>, String> {
     Ok(built)
 }
 
+/// The `small` checkpoint (real vocabulary), generated once per test binary.
+pub fn small_model() -> &'static Path {
+    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    &DIR.get_or_init(|| {
+        let tmp = tempfile::Builder::new()
+            .prefix("k3-e2e-small-")
+            .tempdir()
+            .unwrap();
+        let out = tmp.path().join("small");
+        let st = std::process::Command::new("python3")
+            .arg(workspace_root().join("scripts/make-checkpoint.py"))
+            .args(["--preset", "small", "--seed", "1", path_str(&out)])
+            .output()
+            .expect("run python3 scripts/make-checkpoint.py");
+        assert!(
+            st.status.success(),
+            "make-checkpoint.py: {}",
+            String::from_utf8_lossy(&st.stderr)
+        );
+        (tmp, out)
+    })
+    .1
+}
+
 /// The bundled tiny checkpoint.
 pub fn tiny_model() -> PathBuf {
     fixture("tiny/model")

@@ -9,10 +9,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::OnceLock;
 
 use k3_tests::{
-    ids_arg, path_str, reference_greedy, reference_prompt, tiny_model, workspace_root, Run, Sandbox,
+    ids_arg, path_str, reference_greedy, reference_prompt, small_model, tiny_model, workspace_root,
+    Run, Sandbox,
 };
 use serde_json::Value;
 
@@ -233,30 +233,6 @@ fn the_state_dir_survives_a_restart_and_refuses_damaged_or_foreign_sessions() {
     assert!(names(&sb).is_empty());
     // The refused files are left alone.
     assert!(file.is_file() && dir.join("damaged.k3session").is_file());
-}
-
-/// The `small` checkpoint (real vocabulary), generated once per test binary.
-fn small_model() -> &'static Path {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &DIR.get_or_init(|| {
-        let tmp = tempfile::Builder::new()
-            .prefix("k3-e2e-small-")
-            .tempdir()
-            .unwrap();
-        let out = tmp.path().join("small");
-        let st = std::process::Command::new("python3")
-            .arg(workspace_root().join("scripts/make-checkpoint.py"))
-            .args(["--preset", "small", "--seed", "1", path_str(&out)])
-            .output()
-            .expect("run python3 scripts/make-checkpoint.py");
-        assert!(
-            st.status.success(),
-            "make-checkpoint.py: {}",
-            String::from_utf8_lossy(&st.stderr)
-        );
-        (tmp, out)
-    })
-    .1
 }
 
 /// `k3-worker --chat` attached, fed `input` on stdin; its run and `--out` report.

@@ -305,7 +305,7 @@ pub struct DiskFile {
 }
 
 /// Chunk size of the bounce buffer used to read into unaligned destinations.
-const BOUNCE: usize = 8 << 20;
+pub const BOUNCE: usize = 8 << 20;
 
 impl DiskFile {
     /// Open `path` for reading; tries `O_DIRECT` too and silently keeps only the buffered handle

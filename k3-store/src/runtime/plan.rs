@@ -298,11 +298,20 @@ pub struct PlanInputs {
     pub mla_bytes_per_position: u64,
     /// Context length the KV cache is sized for.
     pub context_len: usize,
-    /// Activation scratch, logits and I/O bounce buffers (an estimate).
+    /// Activation scratch, logits and I/O bounce buffers, as the process that allocates them
+    /// states them from its shapes, with the readers' bounce buffers ([`io_bounce_bytes`]).
     pub buffer_bytes: u64,
+    /// What this process holds before the plan ([`resident_now`]).
+    pub process_bytes: u64,
 }
 
 impl PlanInputs {
+    /// These inputs with `bytes` more buffers (a worker's, as it states them).
+    pub fn plus_buffers(mut self, bytes: u64) -> PlanInputs {
+        self.buffer_bytes += bytes;
+        self
+    }
+
     /// From the config, the checkpoint catalog and the trunk read plan.
     pub fn from_model(
         cfg: &k3_proto::config::ModelConfig,
@@ -340,60 +349,83 @@ impl PlanInputs {
             mla_layers: cfg.n_mla(),
             mla_bytes_per_position: f * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) as u64,
             context_len,
-            buffer_bytes: activation_bytes(cfg, 1),
+            buffer_bytes: io_bounce_bytes(IO_THREADS, cfg.expert_layout().expert_bytes() as u64),
+            process_bytes: resident_now(),
         }
     }
 }
 
-/// Activation buffers, logits and I/O bounce buffers of one forward call of `tokens` tokens (a
-/// prefill chunk; 1 in decode), an upper estimate: per token the AttnRes bank and ~32
-/// hidden-width vectors, 4 of the widest intermediates, MLA's per-head latent query and sum,
-/// the routed experts' latent rows and the router scores; once the logits, two 8 MiB bounce
-/// buffers and the copy of one MoE layer's up-projection and latent norm that a streamed layer
-/// keeps while its run goes back to the ring before the expert wait (51 MB for K3).
-pub fn activation_bytes(cfg: &k3_proto::config::ModelConfig, tokens: usize) -> u64 {
-    let f = 4u64;
-    let hidden = cfg.hidden_size as u64;
-    let widest = [
-        cfg.intermediate_size,
-        cfg.num_shared_experts * cfg.moe_intermediate_size,
-        cfg.kda_num_heads * cfg.kda_head_dim * 2,
-        cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
-    ]
-    .into_iter()
-    .max()
-    .unwrap_or(0) as u64;
-    let blocks = (cfg.num_hidden_layers / cfg.attn_res_block_size.max(1)) as u64 + 2;
-    let mla = (cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.v_head_dim)) as u64;
-    let moe = (cfg.num_experts_per_token
-        * (cfg.routed_expert_hidden_size + 2 * cfg.moe_intermediate_size)
-        + cfg.num_experts) as u64;
-    let per_token = (32 + blocks) * hidden + 4 * widest + mla + moe;
-    let latent = cfg.routed_expert_hidden_size as u64;
-    let up_copy = 2 * hidden * latent + f * latent;
-    f * (cfg.vocab_size as u64 + (tokens.max(1) as u64).saturating_mul(per_token))
-        + 2 * (8 << 20)
-        + up_copy
+/// The reader threads a source reads the checkpoint with (`StandaloneOptions::io_threads`).
+pub const IO_THREADS: usize = 8;
+
+/// The bounce buffers `threads` readers hold at once when each reads at most `largest` bytes
+/// into a destination that is not aligned for `O_DIRECT` (an expert's part from the
+/// checkpoint's shards): a span of the read, at most [`crate::runtime::io::BOUNCE`], each. A
+/// worker's own buffers are stated by the worker from its shapes and added in
+/// [`PlanInputs::buffer_bytes`].
+pub fn io_bounce_bytes(threads: usize, largest: u64) -> u64 {
+    let span = (largest + 2 * ALIGN as u64).min(crate::runtime::io::BOUNCE as u64);
+    threads as u64 * span
 }
 
-/// What a speculative verify pass of `drafts` drafted ids needs beyond a decode pass whose
-/// forward calls run `chunk` positions (SPEC.md §3.12): the rollback journal of every KDA layer
-/// (conv histories before the pass and, per position, the raw q/k/v, k, v and α rows and β),
-/// `drafts` more logits rows, and the activations of `drafts + 1` positions where they exceed
-/// those of `chunk`. 0 without drafts.
-pub fn verify_bytes(cfg: &k3_proto::config::ModelConfig, drafts: usize, chunk: usize) -> u64 {
-    if drafts == 0 {
-        return 0;
+/// Address space a process takes beyond what the plan allocates and maps: thread stacks (2 MiB
+/// each for the I/O, fetch, prefetch, reader and compute threads), the allocator's second arena
+/// (64 MiB reserved; [`limit_allocator_arenas`] allows no more) and the runtime's own mappings.
+/// Only checked against an address-space limit (`RLIMIT_AS`), never against memory.
+pub const ADDRESS_SPACE_RESERVE: u64 = 256 << 20;
+
+/// [`ADDRESS_SPACE_RESERVE`] for a process that starts only `threads` threads and reads no
+/// checkpoint (an attached worker): their 2 MiB stacks, the allocator's second arena (64 MiB)
+/// and 32 MiB for the runtime's own mappings.
+pub fn address_space_reserve(threads: usize) -> u64 {
+    threads as u64 * (2 << 20) + (64 << 20) + (32 << 20)
+}
+
+/// Allow the allocator two arenas (the main one and one for every other thread). glibc reserves
+/// 64 MiB of address space per arena, up to 8 per core, as threads first allocate; an
+/// address-space limit (`ulimit -v`) that the plan judged sufficient would otherwise be
+/// exhausted by arenas alone, and a failed allocation aborts the process. Call before starting
+/// threads.
+pub fn limit_allocator_arenas() {
+    // SAFETY: mallopt only sets an allocator parameter; M_ARENA_MAX is a valid parameter and
+    // any positive value is accepted.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
     }
-    let f = 4u64;
-    let n = drafts as u64 + 1;
-    let h = cfg.kda_num_heads as u64;
-    let p = h * cfg.kda_head_dim as u64;
-    let hist = cfg.short_conv_kernel_size.saturating_sub(1) as u64;
-    let journal = f * (3 * p * hist + n * (6 * p + h));
-    let logits = f * drafts as u64 * cfg.vocab_size as u64;
-    let acts = activation_bytes(cfg, drafts + 1).saturating_sub(activation_bytes(cfg, chunk));
-    journal * cfg.n_kda() as u64 + logits + acts
+}
+
+/// The address space this process may still map under `RLIMIT_AS` (the limit less what is
+/// mapped now), or `None` without a limit.
+pub fn address_space_left() -> Option<u64> {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `rl` is a valid, writable rlimit; RLIMIT_AS is a valid resource.
+    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } != 0
+        || rl.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    let mapped = status_field("VmSize:").unwrap_or(0);
+    Some(rl.rlim_cur.saturating_sub(mapped))
+}
+
+/// What the threads a process starts after its plan make resident besides the buffers the plan
+/// counts: their stacks' touched pages and their allocator heaps (16 threads: the readers, the
+/// fetch, prefetch and ring threads, the compute pool), 256 KiB each.
+pub const THREADS_ALLOWANCE: u64 = 16 * (256 << 10);
+
+/// This process's resident memory now (`VmRSS`: the program, its runtime and what it has read
+/// so far, config, index, tokenizer) and [`THREADS_ALLOWANCE`]: the baseline every plan adds
+/// its allocations to.
+pub fn resident_now() -> u64 {
+    status_field("VmRSS:").unwrap_or(0) + THREADS_ALLOWANCE
+}
+
+fn status_field(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    status_kb(&s, key)
 }
 
 /// Bytes this process may still allocate: the least of `MemAvailable`, the address-space limit
@@ -401,20 +433,8 @@ pub fn verify_bytes(cfg: &k3_proto::config::ModelConfig, drafts: usize, chunk: u
 /// `memory.current` (cgroup v2), whichever are set.
 pub fn allocatable() -> Result<u64, String> {
     let mut avail = mem_available()?;
-    // SAFETY: getrlimit writes one rlimit into the valid struct we pass.
-    let mut rl = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `rl` is a valid, writable rlimit; RLIMIT_AS is a valid resource.
-    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0
-        && rl.rlim_cur != libc::RLIM_INFINITY
-    {
-        let mapped = std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|s| status_kb(&s, "VmSize:"))
-            .unwrap_or(0);
-        avail = avail.min(rl.rlim_cur.saturating_sub(mapped));
+    if let Some(left) = address_space_left() {
+        avail = avail.min(left);
     }
     let read = |p: &str| std::fs::read_to_string(p).ok();
     if let (Some(max), Some(cur)) = (
@@ -472,6 +492,8 @@ pub struct MemoryPlan {
     pub context_len: usize,
     /// Scratch buffers.
     pub buffer_bytes: u64,
+    /// What the process held before the plan (program, runtime, what it parsed).
+    pub process_bytes: u64,
     /// `MemAvailable` when known.
     pub available_bytes: Option<u64>,
     /// Why this plan cannot run (empty when it can).
@@ -555,6 +577,7 @@ impl MemoryPlan {
             mla_layers: inputs.mla_layers,
             context_len: inputs.context_len,
             buffer_bytes: inputs.buffer_bytes,
+            process_bytes: inputs.process_bytes,
             available_bytes: None,
             problems,
         }
@@ -570,8 +593,15 @@ impl MemoryPlan {
         self.expert_slots as u64 * self.expert_slot_bytes
     }
 
-    /// Everything the plan will allocate.
+    /// The process's resident memory at its peak: what it held before the plan and everything
+    /// the plan allocates (the mapped embedding is not touched: its rows are read from the file,
+    /// `WeightSource::tensor_rows`).
     pub fn total_bytes(&self) -> u64 {
+        self.process_bytes + self.to_allocate()
+    }
+
+    /// What the plan adds to the process.
+    pub fn to_allocate(&self) -> u64 {
         self.trunk_bytes()
             + self.resident_bytes
             + self.cache_bytes()
@@ -580,33 +610,59 @@ impl MemoryPlan {
             + self.buffer_bytes
     }
 
+    /// The address space the plan adds: its allocations, the whole of every mapping and
+    /// [`ADDRESS_SPACE_RESERVE`].
+    pub fn address_space_bytes(&self) -> u64 {
+        self.to_allocate() + self.mapped_bytes + ADDRESS_SPACE_RESERVE
+    }
+
     /// Refuse when the plan has a problem or does not fit `available` bytes. The error text is
     /// the whole plan followed by the problems and the shortfall.
     pub fn check(&mut self, available: Option<u64>) -> Result<(), String> {
         self.available_bytes = available;
         let mut problems = self.problems.clone();
         if let Some(a) = available {
-            let total = self.total_bytes();
-            if total > a {
+            let need = self.to_allocate();
+            if need > a {
                 problems.push(format!(
-                    "the plan needs {} but only {} is available: shortfall {}",
-                    fmt_gb(total),
+                    "the plan needs {} more but only {} is available: shortfall {}",
+                    fmt_gb(need),
                     fmt_gb(a),
-                    fmt_gb(total - a)
+                    fmt_gb(need - a)
                 ));
             }
+            problems.extend(address_space_problem(self.address_space_bytes()));
         }
-        if problems.is_empty() {
-            return Ok(());
-        }
-        Err(format!(
-            "REFUSING TO START: the memory plan does not fit\n{self}{}",
-            problems
-                .iter()
-                .map(|p| format!("  problem: {p}\n"))
-                .collect::<String>()
-        ))
+        refusal(self, &problems)
     }
+}
+
+/// `Ok` without problems, else the refusal: `plan` followed by every problem.
+pub fn refusal(plan: &dyn std::fmt::Display, problems: &[String]) -> Result<(), String> {
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(format!(
+        "REFUSING TO START: the memory plan does not fit\n{plan}{}",
+        problems
+            .iter()
+            .map(|p| format!("  problem: {p}\n"))
+            .collect::<String>()
+    ))
+}
+
+/// The problem, if `need` bytes of address space exceed what `RLIMIT_AS` leaves this process
+/// ([`address_space_left`]).
+pub fn address_space_problem(need: u64) -> Option<String> {
+    let left = address_space_left()?;
+    (need > left).then(|| {
+        format!(
+            "the plan maps {} of address space but the limit (ulimit -v) leaves {}: shortfall {}",
+            fmt_gb(need),
+            fmt_gb(left),
+            fmt_gb(need - left)
+        )
+    })
 }
 
 /// `12.34 GB`.
@@ -669,7 +725,7 @@ impl std::fmt::Display for MemoryPlan {
                 "embedding",
                 0,
                 format!(
-                    "{} mapped from the checkpoint; only the rows of used tokens are paged in",
+                    "{} mapped from the checkpoint; the rows of used tokens are read from the file",
                     fmt_gb(self.mapped_bytes)
                 ),
             )?;
@@ -711,8 +767,16 @@ impl std::fmt::Display for MemoryPlan {
             f,
             "buffers",
             self.buffer_bytes,
-            "activations, logits, I/O (estimate)".into(),
+            "activations, logits, I/O, as their owners state them".into(),
         )?;
+        if self.process_bytes > 0 {
+            row(
+                f,
+                "process",
+                self.process_bytes,
+                "resident before the plan (program, runtime, what it parsed) + its threads".into(),
+            )?;
+        }
         row(f, "TOTAL", self.total_bytes(), String::new())?;
         match self.available_bytes {
             Some(a) => row(f, "available", a, "MemAvailable".into()),
@@ -779,6 +843,7 @@ pub fn full_scale_inputs(context_len: usize) -> PlanInputs {
         mla_bytes_per_position: 4 * 576,
         context_len,
         buffer_bytes: 100 << 20,
+        process_bytes: 0,
     }
 }
 
@@ -961,36 +1026,5 @@ mod tests {
         assert!(parse_meminfo("MemAvailable: lots kB\n").is_err());
         assert!(mem_available().unwrap() > 0);
         assert!(presets_table().contains("workstation"));
-    }
-}
-
-#[cfg(test)]
-mod verify_tests {
-    use super::*;
-
-    fn tiny() -> k3_proto::config::ModelConfig {
-        let p = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../fixtures/tiny/model/config.json"
-        );
-        k3_proto::config::ModelConfig::load(std::path::Path::new(p)).unwrap()
-    }
-
-    #[test]
-    fn verify_pass_memory_is_the_journal_logits_and_extra_activations() {
-        let c = tiny();
-        assert_eq!(verify_bytes(&c, 0, 1), 0, "no drafts, nothing extra");
-        let p = (c.kda_num_heads * c.kda_head_dim) as u64;
-        let hist = (c.short_conv_kernel_size - 1) as u64;
-        let journal = |n: u64| 4 * (3 * p * hist + n * (6 * p + c.kda_num_heads as u64));
-        // With a prefill chunk at least as large as the pass, only the journal and the extra
-        // logits rows count.
-        let k = 4;
-        let want = journal(k + 1) * c.n_kda() as u64 + 4 * k * c.vocab_size as u64;
-        assert_eq!(verify_bytes(&c, k as usize, 512), want);
-        // A chunk of 1 also counts the activations of the pass's 5 positions beyond 1.
-        let extra = activation_bytes(&c, 5) - activation_bytes(&c, 1);
-        assert_eq!(verify_bytes(&c, 4, 1), want + extra);
-        assert!(verify_bytes(&c, 8, 512) > verify_bytes(&c, 4, 512));
     }
 }

@@ -265,10 +265,48 @@ impl PendingExperts {
     }
 }
 
+/// Rows `ids` (each `row_bytes` long) of the tensor `name` held in `t`, into `out` (cleared
+/// first): [`WeightSource::tensor_rows`] of a tensor in memory.
+pub fn copy_rows(
+    t: &Region,
+    name: &str,
+    row_bytes: usize,
+    ids: &[u32],
+    out: &mut Vec<u8>,
+) -> Result<(), SourceError> {
+    let b = t.bytes();
+    out.clear();
+    for &id in ids {
+        let row = (id as usize)
+            .checked_mul(row_bytes)
+            .and_then(|o| b.get(o..o.checked_add(row_bytes)?))
+            .ok_or_else(|| {
+                SourceError::Invalid(format!("row {id} of {name}: outside the tensor"))
+            })?;
+        out.extend_from_slice(row);
+    }
+    Ok(())
+}
+
 /// Where the engine gets weight bytes.
 pub trait WeightSource: Send + Sync {
     /// A model-level tensor (embedding, lm_head, final norm, output AttnRes vectors), resident.
     fn model_tensor(&self, name: &str) -> Result<Region, SourceError>;
+
+    /// Rows `ids` of the model-level tensor `name` (the embedding), each `row_bytes` long, into
+    /// `out` in that order (`out` is cleared first). The default copies them out of
+    /// [`WeightSource::model_tensor`]; a source that maps the tensor from the checkpoint reads
+    /// them from the file instead, so that a row does not make a whole page-cache folio (up to
+    /// 2 MiB) resident in the process.
+    fn tensor_rows(
+        &self,
+        name: &str,
+        row_bytes: usize,
+        ids: &[u32],
+        out: &mut Vec<u8>,
+    ) -> Result<(), SourceError> {
+        copy_rows(&self.model_tensor(name)?, name, row_bytes, ids, out)
+    }
 
     /// Layer `l`'s trunk run; blocks until its bytes are in memory. The caller must be done with
     /// the experts of earlier layers (and the runs of earlier streamed layers): an attached

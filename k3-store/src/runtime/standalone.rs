@@ -29,9 +29,6 @@ use crate::runtime::trunk::{open_shards, TrunkError, TrunkLayout};
 pub struct StandaloneOptions {
     /// Positions the KV cache is planned for.
     pub context_len: usize,
-    /// Most tokens in one forward call (the prefill chunk): sizes the activation buffers the
-    /// plan counts.
-    pub prefill_tokens: usize,
     /// Parallel expert readers.
     pub io_threads: usize,
     /// Compare the plan with `MemAvailable` and refuse when it does not fit.
@@ -40,8 +37,9 @@ pub struct StandaloneOptions {
     pub wait_timeout: Duration,
     /// Expert-cache eviction policy (a name from `k3_store::runtime::policy::POLICY_NAMES`).
     pub cache_policy: String,
-    /// Bytes the job needs beyond the sequence state and one forward call's buffers (e.g. a
-    /// speculative verify pass: `crate::runtime::plan::verify_bytes`), counted in the plan's buffers.
+    /// The caller's buffers beyond the sequence state, as it states them from its shapes (a
+    /// worker: its forward passes' activations and logits, a verify pass's journal, a draft
+    /// model), counted in the plan's buffers with the readers' bounce buffers.
     pub extra_buffer_bytes: u64,
     /// Whether every routed expert is read into the cache before the first token.
     pub preload: Preload,
@@ -51,8 +49,7 @@ impl Default for StandaloneOptions {
     fn default() -> Self {
         StandaloneOptions {
             context_len: 4096,
-            prefill_tokens: 1,
-            io_threads: 8,
+            io_threads: crate::runtime::plan::IO_THREADS,
             check_memory: true,
             wait_timeout: Duration::from_secs(60),
             cache_policy: "lru".into(),
@@ -110,6 +107,9 @@ pub struct StandaloneSource {
     prefetcher: IoPool,
     latest_prefetch: Arc<AtomicU64>,
     plan: MemoryPlan,
+    /// The embedding's shard (opened buffered: a row is a page-cache read), offset and length:
+    /// its rows are read from the file ([`WeightSource::tensor_rows`]), not through the mapping.
+    embed: Option<(std::fs::File, u64, u64)>,
 }
 
 impl std::fmt::Debug for StandaloneSource {
@@ -146,16 +146,14 @@ impl StandaloneSource {
             .map_err(|e| OpenError::Refused(format!("{}: {e}", model_dir.display())))?;
         let cat = Catalog::from_index(&index, &cfg).map_err(|e| OpenError::Refused(e.0))?;
         drop(index);
-        let (ctx, chunk) = (opts.context_len, opts.prefill_tokens);
+        let ctx = opts.context_len;
         Self::build(
             Arc::new(cat),
             trunk_dir,
             budget,
             opts,
-            &|cat, trunk| PlanInputs {
-                buffer_bytes: crate::runtime::plan::activation_bytes(&cfg, chunk)
-                    + opts.extra_buffer_bytes,
-                ..PlanInputs::from_model(&cfg, cat, trunk, ctx)
+            &|cat, trunk| {
+                PlanInputs::from_model(&cfg, cat, trunk, ctx).plus_buffers(opts.extra_buffer_bytes)
             },
             progress,
         )
@@ -203,6 +201,19 @@ impl StandaloneSource {
             .map_err(OpenError::Refused)?;
 
         let model = load_model_tensors(&cat, &shards, progress)?;
+        let embed = cat
+            .model_tensors()
+            .iter()
+            .find(|t| t.name == k3_proto::names::EMBED)
+            .map(|t| {
+                let f = shards.get(t.shard as usize).ok_or_else(|| {
+                    OpenError::Io(format!("{}: shard {} not open", t.name, t.shard))
+                })?;
+                let file = std::fs::File::open(f.path())
+                    .map_err(|e| OpenError::Io(format!("{}: {e}", f.path().display())))?;
+                Ok::<_, OpenError>((file, t.off, t.nbytes))
+            })
+            .transpose()?;
         let stream = TrunkStream::new(
             Arc::new(layout),
             &StreamOptions {
@@ -246,6 +257,7 @@ impl StandaloneSource {
             prefetcher,
             latest_prefetch: Arc::new(AtomicU64::new(0)),
             plan: plan.clone(),
+            embed,
         };
         Ok((src, plan))
     }
@@ -311,6 +323,39 @@ impl WeightSource for StandaloneSource {
         // One job owns every slot: with a batch of at most half of them held, the other half
         // (minus reads in flight, which finish) is free for the next group.
         true
+    }
+
+    fn tensor_rows(
+        &self,
+        name: &str,
+        row_bytes: usize,
+        ids: &[u32],
+        out: &mut Vec<u8>,
+    ) -> Result<(), SourceError> {
+        let Some((file, off, nbytes)) = self
+            .embed
+            .as_ref()
+            .filter(|_| k3_proto::names::canonical(name) == k3_proto::names::EMBED)
+        else {
+            return crate::runtime::source::copy_rows(
+                &self.model_tensor(name)?,
+                name,
+                row_bytes,
+                ids,
+                out,
+            );
+        };
+        out.clear();
+        out.resize(ids.len() * row_bytes, 0);
+        for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(row_bytes.max(1))) {
+            let at = (id as u64)
+                .checked_mul(row_bytes as u64)
+                .filter(|o| o + row_bytes as u64 <= *nbytes)
+                .ok_or_else(|| SourceError::Invalid(format!("row {id} of {name}: outside it")))?;
+            std::os::unix::fs::FileExt::read_exact_at(file, dst, off + at)
+                .map_err(|e| SourceError::Io(format!("row {id} of {name}: {e}")))?;
+        }
+        Ok(())
     }
 
     fn model_tensor(&self, name: &str) -> Result<Region, SourceError> {
@@ -433,6 +478,7 @@ mod tests {
             mla_bytes_per_position: 64,
             context_len: 16,
             buffer_bytes: 4096,
+            process_bytes: 0,
         }
     }
 

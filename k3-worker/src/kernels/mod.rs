@@ -434,12 +434,36 @@ thread_local! {
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
+/// Greedy argmax; the first index wins ties. NaN never wins (all NaN: 0).
+///
+/// Two passes, the largest value (`f32::max` skips NaN) and then its first position, so that
+/// both loops vectorise: over a 163,840-entry vocabulary this is ~4× faster than one pass that
+/// compares against the best so far.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let top = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    logits.iter().position(|&v| v == top).unwrap_or(0) as u32
+}
+
 /// `v` as `len` zeros, reusing its allocation (the engine's buffers, and the kernels' own per
 /// thread, grow once and are then reused).
+///
+/// A buffer that must grow is freed first and then allocated at exactly `len` (no amortised
+/// doubling, no moment with both the old and the new allocation): its size is the one its
+/// owner states for the memory plan (`model::state::Work::bytes_for`).
 pub(crate) fn zeroed(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    v.clear();
+    grow_exact(v, len);
     v.resize(len, 0.0);
     v
+}
+
+/// `v` emptied, with room for exactly `len` elements if it had less (the old allocation is
+/// freed before the new one is made).
+pub(crate) fn grow_exact<T>(v: &mut Vec<T>, len: usize) {
+    v.clear();
+    if v.capacity() < len {
+        *v = Vec::new();
+        v.reserve_exact(len);
+    }
 }
 
 /// Runs `f` on `len` zeros in this thread's scratch buffer (kept for the next call like the
@@ -463,7 +487,18 @@ pub fn with_scratch<R>(len: usize, planned: usize, f: impl FnOnce(&mut [f32]) ->
 /// The largest per-thread kernel buffer kept between calls (4 MiB of f32): enough for a decode
 /// step and a verify pass at K3's widths (17 positions × 33,792 columns), while a prefill chunk's
 /// buffers are freed after the call instead of being held for the rest of the run.
-const KEEP_MAX_FLOATS: usize = 1 << 20;
+pub const KEEP_MAX_FLOATS: usize = 1 << 20;
+
+/// Bytes one thread's kernel buffers keep between calls at most when the largest call it ran
+/// needed `split` floats of rearranged activations, `rows_major` floats of rows-major output,
+/// `row` floats of a widened weight row and `scratch` floats of per-task scratch (each buffer
+/// is kept only up to [`KEEP_MAX_FLOATS`]; a larger one lives for its call only).
+pub fn kept_bytes_for(split: usize, rows_major: usize, row: usize, scratch: usize) -> u64 {
+    [split, rows_major, row, scratch]
+        .into_iter()
+        .map(|f| 4 * f.min(KEEP_MAX_FLOATS) as u64)
+        .sum()
+}
 
 /// Runs `f` with this thread's buffer `key`, whose allocation is kept for the next call (a
 /// kernel allocates its temporaries once per thread, not once per call) unless it grew past

@@ -7,7 +7,7 @@
 //! ```
 //! `w = norm.weight ⊙ proj.weight`, folded once at bind. Nothing crosses token positions.
 
-use super::zeroed;
+use super::mats::zeroed;
 use crate::kernels;
 
 /// One AttnRes site: the folded query `norm.weight ⊙ proj.weight` (`[E]`, f32).
@@ -22,6 +22,13 @@ pub struct AttnResQuery {
 pub struct ResBufs {
     key: Vec<f32>,
     p: Vec<f32>,
+}
+
+impl ResBufs {
+    /// Bytes over a bank of `banked` entries: one key row and the sources' probabilities.
+    pub fn bytes_for(d: &super::dims::Dims, banked: usize) -> u64 {
+        4 * (d.hidden + banked + 1) as u64
+    }
 }
 
 impl AttnResQuery {

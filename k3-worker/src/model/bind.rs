@@ -12,10 +12,11 @@ use std::sync::Arc;
 use k3_store::runtime::source::{LayerLayout, LayerRun, Region, WeightSource};
 
 use super::attn_res::AttnResQuery;
+use super::dims::{Dims, ModelError};
 use super::kda::KdaWeights;
+use super::mats::Mat;
 use super::mla::MlaWeights;
 use super::moe::{MoeWeights, SituMlp};
-use super::{Dims, Mat, ModelError};
 use crate::kernels::{bf16_bytes_to_f32, f32_bytes_to_f32};
 use k3_proto::quant::{QuantKind, GROUP, SCALE_SUFFIX};
 

@@ -1,5 +1,6 @@
 //! The top-level loop with Block Attention Residuals (SPEC.md §3.3), one code path for prefill
-//! (n prompt tokens as matrix products) and decode (n = 1).
+//! (n prompt tokens as matrix products), decode (n = 1) and a speculative verify pass (n = 1 + K,
+//! journaled).
 //!
 //! ```text
 //! bank = []; pend = embed[id]
@@ -11,19 +12,21 @@
 //!     pend += MLP_L(RMSNorm(x; post_attention_layernorm_L))
 //! logits = lm_head · RMSNorm(AttnRes(bank ++ [pend]; w_outres); norm)
 //! ```
-//! Per layer: `source.layer(l)`, `source.prefetch_layer(l+1)`, bind, compute, drop the run; then
-//! `source.end_pass()` (an attached worker gives its ring lease back). For
-//! MoE layers the tokens are routed first and the union of their experts is requested from the
-//! source ONCE.
+//! The weights come from the weights feed (`feed.rs`): a layer's typed weights, a layer's
+//! experts group by group; when and how they are read is the feed's business, never this file's.
+//! The rows (`n` positions) are an explicit dimension of every buffer and call.
 
-use std::time::Instant;
+use k3_store::runtime::source::WeightSource;
 
-use k3_store::runtime::source::{PendingExperts, SourceError, WeightSource};
-
-use super::bind::{Attn, BoundLayer, Globals, Mlp, TensorShapes};
+use super::attn_res::AttnResQuery;
+use super::bind::{Attn, BoundLayer, Globals, LayerWeights, Mlp, TensorShapes};
+use super::dims::{Dims, ModelError};
+pub use super::feed::Tap;
+use super::feed::TraceRecord;
+use super::feed::{ExpertStream, Feed, FeedOptions, FeedStore, Layer, Point, RunCounters};
+use super::mats::{copy_into, linear, rms_norm_rows_into, zeroed, Mat};
 use super::moe::{MoeWeights, UpSide};
-use super::state::{LayerState, Predict, SeqState, Work};
-use super::{copy_into, linear, rms_norm_rows_into, zeroed, Dims, Mat, ModelError};
+use super::state::{Journal, LayerState, SeqState, Work};
 
 /// Which positions to compute logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,164 +37,6 @@ pub enum Logits {
     All,
 }
 
-/// One expert request made to the weight source.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct TraceRecord {
-    /// Generation step (0 = prefill).
-    pub step: u64,
-    /// Layer.
-    pub layer: u32,
-    /// Expert ids requested, in request order (ascending, unique).
-    pub experts: Vec<u32>,
-}
-
-/// Counters the engine keeps itself.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct RunCounters {
-    /// Routed experts whose load failed (their contribution was skipped).
-    pub failed_expert_loads: u64,
-    /// The first few failures, `layer L expert E: reason`.
-    pub failure_messages: Vec<String>,
-    /// Expert ids requested from the source.
-    pub expert_requests: u64,
-    /// Seconds the forward pass was blocked waiting for routed experts (the part of their
-    /// fetch that did not overlap the latent projection and the shared experts).
-    pub expert_wait_seconds: f64,
-    /// Router lookahead: layers whose experts were predicted (and the prediction checked).
-    pub lookahead_layers: u64,
-    /// Router lookahead: distinct experts predicted for those layers.
-    pub lookahead_predicted: u64,
-    /// Router lookahead: the experts those layers then requested.
-    pub lookahead_actual: u64,
-    /// Router lookahead: requested experts that had been predicted (recall = this ÷ actual).
-    pub lookahead_correct: u64,
-    /// Router lookahead across calls: first MoE layers whose experts the previous call
-    /// predicted (its last position's choices there, read during its lm_head) and checked.
-    pub next_pass_layers: u64,
-    /// Experts those predictions named.
-    pub next_pass_predicted: u64,
-    /// The experts those layers then requested.
-    pub next_pass_actual: u64,
-    /// Requested experts that had been predicted.
-    pub next_pass_correct: u64,
-    /// Where the forward passes' time went.
-    pub phases: PhaseSeconds,
-}
-
-/// Wall seconds of the forward passes by phase (`k3-worker --out`: per step, and per decoded
-/// token in `time_breakdown`). The phases do not overlap; what a step spends outside them
-/// (the embedding, sampling, speculation's bookkeeping) is the step's remainder.
-#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
-pub struct PhaseSeconds {
-    /// Waiting for `WeightSource::layer`: a trunk layer not yet read (or the store's answer).
-    pub layer_wait: f64,
-    /// The attention side of every layer: its input aggregate, norm and attention (KDA or MLA).
-    pub attention: f64,
-    /// The MLP side of every layer (aggregate, norm, router, shared and routed experts,
-    /// combine), without the expert wait.
-    pub mlp: f64,
-    /// Waiting for routed experts not yet arrived (the part of their fetch that the latent
-    /// projection and the shared experts did not cover).
-    pub expert_wait: f64,
-    /// The output aggregate, the final norm and the lm_head product.
-    pub lm_head: f64,
-}
-
-impl PhaseSeconds {
-    /// Phase by phase: `f(self.phase, other.phase)`.
-    fn zip(&self, o: &PhaseSeconds, f: impl Fn(f64, f64) -> f64) -> PhaseSeconds {
-        PhaseSeconds {
-            layer_wait: f(self.layer_wait, o.layer_wait),
-            attention: f(self.attention, o.attention),
-            mlp: f(self.mlp, o.mlp),
-            expert_wait: f(self.expert_wait, o.expert_wait),
-            lm_head: f(self.lm_head, o.lm_head),
-        }
-    }
-
-    /// `self − earlier`, phase by phase (a step's share of running totals).
-    pub fn since(&self, earlier: &PhaseSeconds) -> PhaseSeconds {
-        self.zip(earlier, |a, b| a - b)
-    }
-
-    /// `self + other`, phase by phase.
-    pub fn plus(&self, other: &PhaseSeconds) -> PhaseSeconds {
-        self.zip(other, |a, b| a + b)
-    }
-
-    /// Every phase × `f`.
-    pub fn scaled(&self, f: f64) -> PhaseSeconds {
-        self.zip(self, |a, _| a * f)
-    }
-
-    /// The sum of the phases.
-    pub fn total(&self) -> f64 {
-        self.layer_wait + self.attention + self.mlp + self.expert_wait + self.lm_head
-    }
-}
-
-/// Router lookahead: while layer l computes, the next layer's router is applied to an early
-/// hidden state of layer l and the predicted experts are handed to
-/// [`WeightSource::prefetch_experts`]. Only the reads change; the ids never do.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Lookahead {
-    /// No prediction, no prefetch.
-    Off,
-    /// Predict from layer l's attention input (the AttnRes aggregate before the attention).
-    AttnIn,
-    /// Predict from layer l's MLP input (the AttnRes aggregate before the MLP).
-    #[default]
-    MlpIn,
-}
-
-impl Lookahead {
-    /// Parse `off`, `attn-in`, `mlp-in` (`on` = the default, `mlp-in`).
-    pub fn parse(s: &str) -> Result<Lookahead, String> {
-        match s {
-            "off" => Ok(Lookahead::Off),
-            "attn-in" => Ok(Lookahead::AttnIn),
-            "mlp-in" | "on" => Ok(Lookahead::MlpIn),
-            other => Err(format!(
-                "{}={other:?}: expected off, on, attn-in or mlp-in",
-                k3_proto::paths::env::K3_LOOKAHEAD
-            )),
-        }
-    }
-
-    /// From `K3_LOOKAHEAD` (unset: the default).
-    pub fn from_env() -> Result<Lookahead, String> {
-        match std::env::var(k3_proto::paths::env::K3_LOOKAHEAD) {
-            Ok(v) => Lookahead::parse(&v),
-            Err(std::env::VarError::NotPresent) => Ok(Lookahead::default()),
-            Err(e) => Err(format!("{}: {e}", k3_proto::paths::env::K3_LOOKAHEAD)),
-        }
-    }
-}
-
-/// `K3_EXPERT_OVERLAP`: `on` (or unset) or `off` ([`Model::overlap_groups`]).
-pub fn overlap_groups_from_env() -> Result<bool, String> {
-    on_off_from_env(k3_proto::paths::env::K3_EXPERT_OVERLAP)
-}
-
-/// `K3_EARLY_RELEASE`: `on` (or unset) or `off` ([`Model::early_release`]).
-pub fn early_release_from_env() -> Result<bool, String> {
-    on_off_from_env(k3_proto::paths::env::K3_EARLY_RELEASE)
-}
-
-/// A switch that is `on` unless the variable `name` says `off`; any other value is an error.
-fn on_off_from_env(name: &str) -> Result<bool, String> {
-    match std::env::var(name) {
-        Ok(v) if v == "on" => Ok(true),
-        Ok(v) if v == "off" => Ok(false),
-        Ok(v) => Err(format!("{name}={v:?}: expected on or off")),
-        Err(std::env::VarError::NotPresent) => Ok(true),
-        Err(e) => Err(format!("{name}: {e}")),
-    }
-}
-
-/// Callback receiving named per-layer intermediates: `(layer, name, values [n, E])`.
-pub type Tap<'s> = Box<dyn FnMut(usize, &str, &[f32]) + 's>;
-
 /// The model: dimensions, the weight source, the resident model-level tensors.
 pub struct Model<'s> {
     /// Dimensions.
@@ -199,26 +44,17 @@ pub struct Model<'s> {
     source: &'s dyn WeightSource,
     shapes: Option<&'s dyn TensorShapes>,
     globals: Globals,
-    /// Each layer bound once, at its first pass (names, shapes and places checked, vectors
-    /// widened); later passes only slice the run's bytes.
-    bound: Vec<Option<BoundLayer>>,
-    binds: u64,
+    /// What the weights feed keeps across passes (the bound layers, the lookahead's buffers).
+    store: FeedStore,
     /// Failure/request counters.
     pub counters: RunCounters,
     /// When `Some`, every expert request is appended here.
     pub trace: Option<Vec<TraceRecord>>,
     /// The step number recorded in trace records (the caller advances it).
     pub step: u64,
-    /// Router lookahead mode (default: from the MLP input).
-    pub lookahead: Lookahead,
-    /// Read the next group of a pass's experts while computing the current one, where the
-    /// source allows it ([`WeightSource::overlap_expert_groups`]); default on, `K3_EXPERT_OVERLAP=off`
-    /// turns it off (for A/B runs). Only what is read when changes, never the output.
-    pub overlap_groups: bool,
-    /// Give a streamed MoE layer's run back before its expert wait, where the source allows it
-    /// ([`WeightSource::releases_layers_early`]); default on, `K3_EARLY_RELEASE=off` holds it
-    /// to the end of the layer (for A/B runs). Never changes the output.
-    pub early_release: bool,
+    /// How the feed reads ahead (router lookahead, overlapped expert groups, early release);
+    /// never changes the output.
+    pub options: FeedOptions,
     /// Optional per-layer intermediate tap, named like `scripts/k3_reference.py --dump-trace`
     /// (`attn_in`, `attn_out`, `mlp_in`, `mlp_out` per layer; `final_in` = the output
     /// aggregator's result before the final norm, reported with layer = n_layers), for locating
@@ -237,7 +73,7 @@ pub struct Model<'s> {
 #[derive(Debug)]
 pub struct Bound {
     globals: Globals,
-    bound: Vec<Option<BoundLayer>>,
+    bound: Vec<Option<std::sync::Arc<BoundLayer>>>,
     binds: u64,
 }
 
@@ -250,9 +86,6 @@ impl std::fmt::Debug for Model<'_> {
     }
 }
 
-/// Keep at most this many failure messages.
-const MAX_FAILURE_MESSAGES: usize = 16;
-
 impl<'s> Model<'s> {
     /// Validate `dims` and bind the model-level tensors. Layers are bound at their first pass.
     pub fn new(
@@ -263,16 +96,12 @@ impl<'s> Model<'s> {
         dims.validate()?;
         let globals = Globals::bind(&dims, source, shapes)?;
         let bound = (0..dims.n_layers).map(|_| None).collect();
-        Ok(Model::from_bound(
-            dims,
-            source,
-            shapes,
-            Bound {
-                globals,
-                bound,
-                binds: 0,
-            },
-        ))
+        let b = Bound {
+            globals,
+            bound,
+            binds: 0,
+        };
+        Ok(Model::from_bound(dims, source, shapes, b))
     }
 
     /// A model over what an earlier model bound (same dims; see [`Bound`]).
@@ -287,14 +116,11 @@ impl<'s> Model<'s> {
             source,
             shapes,
             globals: b.globals,
-            bound: b.bound,
-            binds: b.binds,
+            store: FeedStore::from_bound(b.bound, b.binds),
             counters: RunCounters::default(),
             trace: None,
             step: 0,
-            lookahead: Lookahead::default(),
-            overlap_groups: true,
-            early_release: true,
+            options: FeedOptions::default(),
             tap: None,
             quant: false,
             routed_experts: true,
@@ -317,7 +143,7 @@ impl<'s> Model<'s> {
         };
         m.quant = true;
         m.routed_experts = routed_experts;
-        m.lookahead = Lookahead::Off;
+        m.options.lookahead = super::feed::Lookahead::Off;
         Ok(m)
     }
 
@@ -325,8 +151,8 @@ impl<'s> Model<'s> {
     pub fn into_bound(self) -> Bound {
         Bound {
             globals: self.globals,
-            bound: self.bound,
-            binds: self.binds,
+            bound: self.store.bound,
+            binds: self.store.binds,
         }
     }
 
@@ -342,13 +168,30 @@ impl<'s> Model<'s> {
 
     /// Layers bound so far (each is bound once, at its first pass).
     pub fn bound_layers(&self) -> usize {
-        self.bound.iter().filter(|b| b.is_some()).count()
+        self.store.bound.iter().filter(|b| b.is_some()).count()
     }
 
     /// Times a layer was bound over this engine's life (= the layers run, if binding happens
     /// once per layer as it must).
     pub fn bind_count(&self) -> u64 {
-        self.binds
+        self.store.binds
+    }
+
+    /// The dims, the model-level tensors and the feed of one pass (split borrows of `self`).
+    fn parts(&mut self) -> (&Dims, &Globals, Feed<'_, 's>) {
+        let feed = Feed::new(
+            &self.dims,
+            self.source,
+            self.shapes,
+            self.quant,
+            self.options,
+            &mut self.store,
+            &mut self.counters,
+            self.trace.as_mut(),
+            self.step,
+            self.tap.as_mut(),
+        );
+        (&self.dims, &self.globals, feed)
     }
 
     /// Run `ids` (appended after the `st.pos` tokens already consumed) and return logits
@@ -359,471 +202,269 @@ impl<'s> Model<'s> {
         st: &mut SeqState,
         which: Logits,
     ) -> Result<Vec<f32>, ModelError> {
-        let Model {
-            dims: d,
-            source,
-            shapes,
-            globals,
-            bound,
-            binds,
-            counters,
-            trace,
-            step,
-            lookahead,
-            overlap_groups,
-            early_release,
-            tap,
-            quant,
-            routed_experts,
-        } = self;
-        let (quant, routed_experts) = (*quant, *routed_experts);
-        let overlap_groups = *overlap_groups && source.overlap_expert_groups();
-        let early_release = *early_release;
-        let lookahead = *lookahead;
-        let (source, shapes, step) = (*source, *shapes, *step);
-        let mut tap = |l: usize, name: &str, v: &[f32]| {
-            if let Some(t) = tap.as_mut() {
-                t(l, name, v);
-            }
-        };
-        let (n, e) = (ids.len(), d.hidden);
-        if n == 0 {
-            return Err(ModelError::Input("no tokens to run".into()));
+        check_input(&self.dims, ids, st)?;
+        let routed_experts = self.routed_experts;
+        let (d, globals, mut feed) = self.parts();
+        let n = ids.len();
+        let SeqState {
+            layers,
+            journal,
+            scratch,
+            ..
+        } = st;
+        let w = &mut *scratch.work;
+        let rows = feed.embed(ids)?;
+        let mut res = Residuals::embed(d, rows, &mut scratch.bank, &mut scratch.pend);
+        for (l, state) in layers.iter_mut().enumerate() {
+            let layer = feed.layer(l)?;
+            let lw = layer.weights()?;
+            res.aggregate_before_attention(l, lw.self_res, w);
+            feed.seen(l, Point::AttnIn, &w.x);
+            attention(d, l, &lw, state, journal, w)?;
+            feed.seen(l, Point::AttnOut, &w.a);
+            res.add(&w.a);
+            res.aggregate(lw.mlp_res, w);
+            feed.seen(l, Point::MlpIn, &w.x);
+            mlp(d, l, layer, routed_experts, &mut feed, w)?;
+            feed.seen(l, Point::MlpOut, &w.m);
+            res.add(&w.m);
         }
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= d.vocab) {
-            return Err(ModelError::Input(format!(
-                "token id {bad} outside the vocabulary of {}",
-                d.vocab
-            )));
-        }
-        if st.layers.len() != d.n_layers {
-            return Err(ModelError::Input(format!(
-                "state for {} layers, model has {}",
-                st.layers.len(),
-                d.n_layers
-            )));
-        }
-        st.reserve(n)?;
-
-        // The residual bank and the pending sum live in the state's buffers, reused every pass.
-        let scratch = &mut st.scratch;
-        let n_blocks = d.n_layers.div_ceil(d.block);
-        scratch.bank.resize_with(n_blocks, Vec::new);
-        let mut banked = 0usize;
-
-        // Embedding, unscaled.
-        let mut pend = std::mem::take(&mut scratch.pend);
-        pend.clear();
-        let emb = globals.embed.bytes();
-        for &id in ids {
-            let o = id as usize * e * 2;
-            pend.extend(
-                emb[o..o + e * 2]
-                    .chunks_exact(2)
-                    .map(|b| crate::kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
-            );
-        }
-
-        // The layer whose experts were predicted (router lookahead; the ids are in
-        // `w.predict`), checked when it routes.
-        let mut predicted: Option<usize> = None;
-        // The first MoE layer this pass routed (its last position's choices are kept in
-        // `scratch.next_pass`, the next pass's prediction for it).
-        let mut first_moe: Option<usize> = None;
-        let w = &mut scratch.work;
-        for l in 0..d.n_layers {
-            let (done, later) = bound.split_at_mut(l + 1);
-            let slot = &mut done[l];
-            let t_layer = Instant::now();
-            let mut run = Some(source.layer(l)?);
-            let run_ref = run.as_ref().expect("just set");
-            counters.phases.layer_wait += t_layer.elapsed().as_secs_f64();
-            if run_ref.layer != l {
-                return Err(ModelError::Config(format!(
-                    "source returned layer {} for layer {l}",
-                    run_ref.layer
-                )));
-            }
-            if l + 1 < d.n_layers {
-                source.prefetch_layer(l + 1);
-            }
-            if slot.is_none() {
-                *slot = Some(BoundLayer::bind(d, run_ref, shapes, quant)?);
-                *binds += 1;
-            }
-            let lw = slot.as_ref().expect("bound just above").weights(run_ref)?;
-
-            // Attention side.
-            let t_attn = Instant::now();
-            if banked == 0 {
-                copy_into(&mut w.x, &pend);
-            } else {
-                let bank = &scratch.bank[..banked];
-                lw.self_res
-                    .aggregate(bank, &pend, n, d.rms_eps, &mut w.res, &mut w.x);
-            }
-            let carried = l % d.block != 0;
-            if !carried {
-                // Boundary: the pending sum becomes a bank entry (its buffer is reused).
-                std::mem::swap(&mut scratch.bank[banked], &mut pend);
-                banked += 1;
-            }
-            tap(l, "attn_in", &w.x);
-            if lookahead == Lookahead::AttnIn {
-                copy_into(&mut w.attn_in, &w.x);
-            }
-            rms_norm_rows_into(&w.x, lw.input_norm, d.rms_eps, &mut w.xn);
-            let journal = if st.journal.active {
-                st.journal.kda.get_mut(l)
-            } else {
-                None
-            };
-            match (&lw.attn, &mut st.layers[l]) {
-                (Attn::Kda(a), LayerState::Kda(s)) => {
-                    a.forward_into(d, &w.xn, n, s, journal, &mut w.attn.kda, &mut w.a)
-                }
-                (Attn::Mla(a), LayerState::Mla(c)) => {
-                    a.forward_into(d, &w.xn, n, c, &mut w.attn.mla, &mut w.a)
-                }
-                _ => {
-                    return Err(ModelError::Input(format!(
-                        "state of layer {l} does not match its kind"
-                    )))
-                }
-            }
-            w.attention_done(n);
-            counters.phases.attention += t_attn.elapsed().as_secs_f64();
-            tap(l, "attn_out", &w.a);
-            if carried {
-                pend.iter_mut().zip(&w.a).for_each(|(pv, av)| *pv += av);
-            } else {
-                pend.clear();
-                pend.extend_from_slice(&w.a);
-            }
-
-            // MLP side (bank is non-empty: layer 0 is a boundary).
-            let t_mlp = Instant::now();
-            let expert_wait0 = counters.expert_wait_seconds;
-            let bank = &scratch.bank[..banked];
-            lw.mlp_res
-                .aggregate(bank, &pend, n, d.rms_eps, &mut w.res, &mut w.x);
-            tap(l, "mlp_in", &w.x);
-            rms_norm_rows_into(&w.x, lw.post_norm, d.rms_eps, &mut w.xn);
-            // A streamed MoE layer gives its run back before the expert wait (the source's
-            // ring reads the next layer meanwhile); the rest of the layer reads a copy.
-            let early_release = early_release && source.releases_layers_early(l);
-            let mut tail: Option<MoeTail> = None;
-            let mut c = MlpCtx {
-                d,
-                source,
-                shapes,
-                binds,
-                counters,
-                lookahead,
-                predicted: &mut predicted,
-            };
-            match &lw.mlp {
-                Mlp::Dense(mlp) => {
-                    // Nothing to fetch here: the disk is free for the next layer's predicted
-                    // experts at once.
-                    c.predict(l, n, later.first_mut(), w)?;
-                    mlp.forward(d, &w.xn, n, &mut w.ffn.mlp, &mut w.m);
-                }
-                Mlp::Moe(moe) if !routed_experts => {
-                    if !moe.shared_out(d, &w.xn, n, &mut w.ffn.mlp, &mut w.m) {
-                        zeroed(&mut w.m, n * e);
-                    }
-                }
-                Mlp::Moe(moe) => {
-                    moe.route_into(d, &w.xn, n, &mut w.ffn.route, &mut w.ffn.routing);
-                    w.ffn.routing.unique_into(&mut w.ffn.uniq);
-                    let uniq = &w.ffn.uniq;
-                    if lookahead != Lookahead::Off && first_moe.is_none() {
-                        first_moe = Some(l);
-                        let np = &mut scratch.next_pass;
-                        if np.layer.take() == Some(l) {
-                            let counters = &mut *c.counters;
-                            counters.next_pass_layers += 1;
-                            counters.next_pass_predicted += np.ids.len() as u64;
-                            counters.next_pass_actual += uniq.len() as u64;
-                            counters.next_pass_correct +=
-                                uniq.iter().filter(|e| np.ids.contains(e)).count() as u64;
-                        }
-                        let r = &w.ffn.routing;
-                        np.ids.clear();
-                        np.ids.extend_from_slice(&r.sel[(n - 1) * r.k..n * r.k]);
-                    }
-                    if c.predicted.take() == Some(l) {
-                        let p = &w.predict.ids;
-                        let counters = &mut *c.counters;
-                        counters.lookahead_layers += 1;
-                        counters.lookahead_predicted += p.len() as u64;
-                        counters.lookahead_actual += uniq.len() as u64;
-                        counters.lookahead_correct +=
-                            uniq.iter().filter(|e| p.contains(e)).count() as u64;
-                    }
-                    // A prefill's or a verify pass's union of experts can exceed the cache:
-                    // fetch it in groups the source can hold at once. Where the source allows
-                    // it, groups are half the cache and group i+1 is requested before group i is
-                    // computed (its read runs under that compute); otherwise each group's slots
-                    // are released (its batch dropped) before the next is requested. The output
-                    // does not depend on the grouping.
-                    let cap = source.max_expert_batch().max(1);
-                    let ahead = overlap_groups && uniq.len() > cap && cap >= 2;
-                    let group = if ahead { cap / 2 } else { cap };
-                    for ids in uniq.chunks(group) {
-                        if let Some(t) = trace.as_mut() {
-                            t.push(TraceRecord {
-                                step,
-                                layer: l as u32,
-                                experts: ids.to_vec(),
-                            });
-                        }
-                        c.counters.expert_requests += ids.len() as u64;
-                    }
-                    // The first group's read (on the source's long-lived fetch thread) overlaps
-                    // the latent down-projection and the shared experts, which do not depend on
-                    // it.
-                    let pending = uniq
-                        .chunks(group)
-                        .next()
-                        .map(|ids| source.request_experts(l, ids));
-                    moe.latent_in(d, &w.xn, n, &mut w.ffn.z);
-                    let has_shared = moe.shared_out(d, &w.xn, n, &mut w.ffn.mlp, &mut w.ffn.shared);
-                    let t = MoeTail {
-                        pending,
-                        has_shared,
-                        group,
-                        ahead,
-                    };
-                    if early_release {
-                        // Only the up-projection and the latent norm are read after the wait:
-                        // hold a copy and give the run back below, before waiting.
-                        w.ffn.up.hold(&moe.up_side());
-                        tail = Some(t);
-                    } else {
-                        c.finish_moe(l, n, later.first_mut(), moe.up_side(), t, w)?;
-                    }
-                }
-            }
-            if let Some(t) = tail {
-                // The run goes back to the source first (nothing borrows it any more): a
-                // streaming ring reads the next layer into its extent while this layer waits
-                // for its experts.
-                if let Some(r) = run.take() {
-                    source.release_layer(r)?;
-                }
-                let up = std::mem::take(&mut w.ffn.up);
-                let done = c.finish_moe(l, n, later.first_mut(), up.side(), t, w);
-                w.ffn.up = up;
-                done?;
-            }
-            let waited = counters.expert_wait_seconds - expert_wait0;
-            counters.phases.expert_wait += waited;
-            counters.phases.mlp += (t_mlp.elapsed().as_secs_f64() - waited).max(0.0);
-            w.mlp_done(n);
-            tap(l, "mlp_out", &w.m);
-            pend.iter_mut().zip(&w.m).for_each(|(pv, mv)| *pv += mv);
-            drop(run);
-        }
-        // Give back the streamed layers; a lease the store broke voids the pass.
-        source.end_pass()?;
-        // The next pass's first MoE layer is predicted by this pass's last position's choices
-        // there, and read while the lm_head runs (the disk would otherwise idle until the next
-        // pass's first MoE layer routes; SPEC §6.7).
-        if let Some(l) = first_moe {
-            let np = &mut scratch.next_pass;
-            np.ids.truncate(source.max_expert_batch().max(1));
-            source.prefetch_experts(l, &np.ids);
-            np.layer = Some(l);
-        }
-
-        // Output aggregator → final norm → lm_head.
-        let t_head = Instant::now();
-        let bank = &scratch.bank[..banked];
-        globals
-            .out_res
-            .aggregate(bank, &pend, n, d.rms_eps, &mut w.res, &mut w.x);
-        scratch.pend = pend;
-        tap(d.n_layers, "final_in", &w.x);
-        let (first, rows) = match which {
-            Logits::All => (0, n),
-            Logits::Last => (n - 1, 1),
-        };
-        rms_norm_rows_into(&w.x[first * e..], &globals.final_norm, d.rms_eps, &mut w.xn);
-        let logits = linear(Mat::Bf16(globals.lm_head.bytes()), d.vocab, e, &w.xn, rows);
-        w.pass_done(n);
-        counters.phases.lm_head += t_head.elapsed().as_secs_f64();
+        feed.end_pass()?;
+        res.aggregate(&globals.out_res, w);
+        feed.seen(d.n_layers, Point::FinalIn, &w.x);
+        let logits = lm_head(d, globals, which, n, w);
+        feed.head_done(n);
         st.pos += n;
         Ok(logits)
     }
 }
 
-/// A MoE layer's state between requesting its first group of experts and waiting for it.
-struct MoeTail {
-    /// The first group's request (`None`: the layer routed to no expert).
-    pending: Option<PendingExperts>,
-    /// The shared experts' output is in `FfnBufs::shared`.
-    has_shared: bool,
-    /// Experts per request.
-    group: usize,
-    /// Group `i + 1` is requested before group `i` is computed.
-    ahead: bool,
+/// The pass's ids against the vocabulary, the state against the model and its capacity.
+fn check_input(d: &Dims, ids: &[u32], st: &SeqState) -> Result<(), ModelError> {
+    if ids.is_empty() {
+        return Err(ModelError::Input("no tokens to run".into()));
+    }
+    if let Some(&bad) = ids.iter().find(|&&id| id as usize >= d.vocab) {
+        return Err(ModelError::Input(format!(
+            "token id {bad} outside the vocabulary of {}",
+            d.vocab
+        )));
+    }
+    if st.layers.len() != d.n_layers {
+        return Err(ModelError::Input(format!(
+            "state for {} layers, model has {}",
+            st.layers.len(),
+            d.n_layers
+        )));
+    }
+    st.reserve(ids.len())
 }
 
-/// What a layer's MLP side needs from the forward pass besides its weights and the work
-/// buffers: the router lookahead and the MoE layer's expert wait.
-struct MlpCtx<'c, 'm> {
-    d: &'c Dims,
-    source: &'m dyn WeightSource,
-    shapes: Option<&'m dyn TensorShapes>,
-    binds: &'c mut u64,
-    counters: &'c mut RunCounters,
-    lookahead: Lookahead,
-    predicted: &'c mut Option<usize>,
+/// Block Attention Residuals across one pass (SPEC.md §3.3): the bank of block snapshots and
+/// the pending sum, in the sequence's buffers (reused every pass).
+struct Residuals<'b> {
+    bank: &'b mut Vec<Vec<f32>>,
+    /// Entries of `bank` filled in this pass.
+    banked: usize,
+    pend: &'b mut Vec<f32>,
+    /// The pending sum was just banked: the next output replaces it instead of adding to it.
+    fresh: bool,
+    block: usize,
+    eps: f32,
+    n: usize,
 }
 
-impl MlpCtx<'_, '_> {
-    /// The router lookahead (SPEC §6.7): predict the next layer's experts from this layer's
-    /// early hidden state and hand them to the source as a prefetch (see [`predict_next`]).
-    fn predict(
-        &mut self,
-        l: usize,
-        n: usize,
-        next_layer: Option<&mut Option<BoundLayer>>,
-        w: &mut Work,
-    ) -> Result<(), ModelError> {
-        let early = match self.lookahead {
-            Lookahead::Off => return Ok(()),
-            Lookahead::AttnIn => &w.attn_in[..],
-            Lookahead::MlpIn => &w.x[..],
-        };
-        *self.predicted = predict_next(
-            self.d,
-            self.source,
-            self.shapes,
-            next_layer,
-            self.binds,
-            l,
-            early,
+impl<'b> Residuals<'b> {
+    /// The embedding rows `rows` (bf16 `[n, E]`), unscaled, as the pending sum.
+    fn embed(
+        d: &Dims,
+        rows: &[u8],
+        bank: &'b mut Vec<Vec<f32>>,
+        pend: &'b mut Vec<f32>,
+    ) -> Residuals<'b> {
+        bank.resize_with(d.n_layers.div_ceil(d.block), Vec::new);
+        crate::kernels::grow_exact(pend, rows.len() / 2);
+        pend.extend(
+            rows.chunks_exact(2)
+                .map(|b| crate::kernels::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+        );
+        let n = rows.len() / (2 * d.hidden);
+        Residuals {
+            bank,
+            banked: 0,
+            pend,
+            fresh: false,
+            block: d.block,
+            eps: d.rms_eps,
             n,
-            &mut w.predict,
-        )?;
-        Ok(())
+        }
     }
 
-    /// Wait for layer `l`'s routed experts, predict the next layer's from this layer's early
-    /// hidden state (the disk is free again), run the experts group by group and combine them
-    /// with `up` into `w.m`. The same whether `up` is the layer's run or a copy of it.
-    fn finish_moe(
-        &mut self,
-        l: usize,
-        n: usize,
-        next_layer: Option<&mut Option<BoundLayer>>,
-        up: UpSide<'_>,
-        t: MoeTail,
-        w: &mut Work,
-    ) -> Result<(), ModelError> {
-        let t_wait = Instant::now();
-        let first = t.pending.map(|p| p.wait());
-        self.counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
-        w.ffn.slots.reset(w.ffn.routing.sel.len(), self.d.latent);
-        // The disk is free again: read ahead what the next layer's router would choose from
-        // this layer's early hidden state, if its router is resident.
-        self.predict(l, n, next_layer, w)?;
-        let (d, source, counters) = (self.d, self.source, &mut *self.counters);
-        // The answer for the group about to be computed: the first group's (waited for above),
-        // then, with overlap, the request made before the previous group was computed; without,
-        // a request made now.
-        let uniq = &w.ffn.uniq;
-        let mut next: Option<PendingExperts> = first.map(PendingExperts::ready);
-        for (gi, ids) in uniq.chunks(t.group).enumerate() {
-            let t_wait = Instant::now();
-            let batch = match next.take().map(PendingExperts::wait) {
-                Some(Ok(b)) => b,
-                Some(Err(SourceError::Panicked(message))) => {
-                    return Err(ModelError::FetchPanicked { layer: l, message })
-                }
-                Some(Err(e)) => return Err(e.into()),
-                None => source.experts(l, ids)?,
-            };
-            counters.expert_wait_seconds += t_wait.elapsed().as_secs_f64();
-            if t.ahead {
-                next = uniq
-                    .chunks(t.group)
-                    .nth(gi + 1)
-                    .map(|ids| source.request_experts(l, ids));
+    /// Layer `l`'s attention input into `w.x` (the pending sum itself before the first block
+    /// boundary); at a boundary the pending sum then becomes a bank entry.
+    fn aggregate_before_attention(&mut self, l: usize, q: &AttnResQuery, w: &mut Work) {
+        if self.banked == 0 {
+            copy_into(&mut w.x, self.pend);
+        } else {
+            self.aggregate(q, w);
+        }
+        if l.is_multiple_of(self.block) {
+            std::mem::swap(&mut self.bank[self.banked], self.pend);
+            self.banked += 1;
+            self.fresh = true;
+        }
+    }
+
+    /// `AttnRes(bank ++ [pend]; q)` into `w.x`.
+    fn aggregate(&self, q: &AttnResQuery, w: &mut Work) {
+        let bank = &self.bank[..self.banked];
+        q.aggregate(bank, self.pend, self.n, self.eps, &mut w.res, &mut w.x);
+    }
+
+    /// A sub-layer's output `v` joins the pending sum.
+    fn add(&mut self, v: &[f32]) {
+        if std::mem::take(&mut self.fresh) {
+            copy_into(self.pend, v);
+        } else {
+            self.pend.iter_mut().zip(v).for_each(|(p, x)| *p += x);
+        }
+    }
+}
+
+/// Layer `l`'s attention (KDA, SPEC.md §3.4, or MLA, §3.5) on its input `w.x` into `w.a`,
+/// advancing the layer's state (journaled in a verify pass).
+fn attention(
+    d: &Dims,
+    l: usize,
+    lw: &LayerWeights<'_>,
+    state: &mut LayerState,
+    journal: &mut Journal,
+    w: &mut Work,
+) -> Result<(), ModelError> {
+    let n = w.x.len() / d.hidden;
+    rms_norm_rows_into(&w.x, lw.input_norm, d.rms_eps, &mut w.xn);
+    match (&lw.attn, state) {
+        (Attn::Kda(a), LayerState::Kda(s)) => {
+            let j = journal.layer(l);
+            a.forward_into(d, &w.xn, n, s, j, &mut w.attn.kda, &mut w.a)
+        }
+        (Attn::Mla(a), LayerState::Mla(c)) => {
+            a.forward_into(d, &w.xn, n, c, &mut w.attn.mla, &mut w.a)
+        }
+        _ => {
+            return Err(ModelError::Input(format!(
+                "state of layer {l} does not match its kind"
+            )))
+        }
+    }
+    w.attention_done(n);
+    Ok(())
+}
+
+/// Layer `l`'s MLP side (SPEC.md §3.7, §3.8) on its input `w.x` into `w.m`: the dense SiTU MLP,
+/// the MoE, or (a draft model without routed experts) the shared experts alone.
+fn mlp(
+    d: &Dims,
+    l: usize,
+    layer: Layer,
+    routed_experts: bool,
+    feed: &mut Feed<'_, '_>,
+    w: &mut Work,
+) -> Result<(), ModelError> {
+    let n = w.x.len() / d.hidden;
+    if d.is_moe(l) && routed_experts {
+        moe(d, l, layer, feed, w)?;
+    } else {
+        let lw = layer.weights()?;
+        rms_norm_rows_into(&w.x, lw.post_norm, d.rms_eps, &mut w.xn);
+        match &lw.mlp {
+            Mlp::Dense(mlp) => {
+                feed.no_experts(l, &w.x)?;
+                mlp.forward(d, &w.xn, n, &mut w.ffn.mlp, &mut w.m);
             }
-            if batch.experts.len() != ids.len() {
-                return Err(ModelError::Config(format!(
-                    "source answered {} experts for a request of {} (layer {l})",
-                    batch.experts.len(),
-                    ids.len()
-                )));
-            }
-            let failed = MoeWeights::run_experts(
-                d,
-                &w.ffn.z,
-                &w.ffn.routing,
-                ids,
-                &batch,
-                &mut w.ffn.experts,
-                &mut w.ffn.slots,
-            );
-            for (id, why) in failed {
-                counters.failed_expert_loads += 1;
-                if counters.failure_messages.len() < MAX_FAILURE_MESSAGES {
-                    counters
-                        .failure_messages
-                        .push(format!("layer {l} expert {id}: {why}"));
+            Mlp::Moe(moe) => {
+                if !moe.shared_out(d, &w.xn, n, &mut w.ffn.mlp, &mut w.m) {
+                    zeroed(&mut w.m, n * d.hidden);
                 }
             }
         }
-        let shared = t.has_shared.then_some(&w.ffn.shared[..]);
-        up.combine(
-            d,
-            n,
-            &w.ffn.routing,
-            &w.ffn.slots,
-            shared,
-            &mut w.ffn.combine,
-            &mut w.m,
-        );
-        Ok(())
+    }
+    w.mlp_done(n);
+    Ok(())
+}
+
+/// Stable LatentMoE (SPEC.md §3.7): route the rows, request the union of their experts, compute
+/// the latent input and the shared experts while the first group is read, then run the routed
+/// experts group by group and combine. A layer the source streams goes back to it before the
+/// expert wait; what the layer reads afterwards (the up side) is copied first.
+fn moe(
+    d: &Dims,
+    l: usize,
+    layer: Layer,
+    feed: &mut Feed<'_, '_>,
+    w: &mut Work,
+) -> Result<(), ModelError> {
+    let n = w.x.len() / d.hidden;
+    let lw = layer.weights()?;
+    let Mlp::Moe(moe) = &lw.mlp else {
+        return Err(ModelError::Config(format!("layer {l} is not a MoE layer")));
+    };
+    rms_norm_rows_into(&w.x, lw.post_norm, d.rms_eps, &mut w.xn);
+    let f = &mut w.ffn;
+    moe.route_into(d, &w.xn, n, &mut f.route, &mut f.routing);
+    f.routing.unique_into(&mut f.uniq);
+    let stream = feed.request_experts(l, &f.routing, &f.uniq);
+    moe.latent_in(d, &w.xn, n, &mut f.z);
+    let shared = moe.shared_out(d, &w.xn, n, &mut f.mlp, &mut f.shared);
+    f.slots.reset(f.routing.sel.len(), d.latent);
+    if feed.releases_early(l) {
+        f.up.hold(&moe.up_side());
+        feed.release(layer)?;
+        let up = std::mem::take(&mut w.ffn.up);
+        let done = routed_experts(d, l, up.side(), shared, stream, feed, w);
+        w.ffn.up = up;
+        done
+    } else {
+        routed_experts(d, l, moe.up_side(), shared, stream, feed, w)
     }
 }
 
-/// Router lookahead: apply layer `l + 1`'s router to `h` (`[n, E]`, an early hidden state of
-/// layer `l`) when that layer is a resident MoE layer (bound here if it was not yet), hand the
-/// predicted experts (at most one request's worth) to the source as a prefetch, and keep them in
-/// `p.ids` to be checked when layer `l + 1` routes. Returns `Some(l + 1)` when it predicted.
-#[allow(clippy::too_many_arguments)]
-fn predict_next(
+/// Layer `l`'s routed experts, group by group as the feed hands them over, over the latent rows
+/// of the tokens routed to each; then their outputs are combined in selection order, normalised,
+/// projected up by `up` and added to the shared experts' output (when `shared`) into `w.m`.
+fn routed_experts(
     d: &Dims,
-    source: &dyn WeightSource,
-    shapes: Option<&dyn TensorShapes>,
-    next: Option<&mut Option<BoundLayer>>,
-    binds: &mut u64,
     l: usize,
-    h: &[f32],
-    n: usize,
-    p: &mut Predict,
-) -> Result<Option<usize>, ModelError> {
-    let Some(next) = next else { return Ok(None) };
-    let Some(run) = source.resident_layer(l + 1) else {
-        return Ok(None);
-    };
-    if next.is_none() {
-        *next = Some(BoundLayer::bind(d, &run, shapes, false)?);
-        *binds += 1;
+    up: UpSide<'_>,
+    shared: bool,
+    mut stream: ExpertStream,
+    feed: &mut Feed<'_, '_>,
+    w: &mut Work,
+) -> Result<(), ModelError> {
+    let n = w.x.len() / d.hidden;
+    let f = &mut w.ffn;
+    while let Some(g) = feed.next_experts(&mut stream, &f.uniq, &w.x)? {
+        let ids = &f.uniq[g.range.clone()];
+        let (z, routing) = (&f.z, &f.routing);
+        let experts = g.experts();
+        let failed =
+            MoeWeights::run_experts(d, z, routing, ids, &experts, &mut f.experts, &mut f.slots);
+        feed.failed(l, failed);
     }
-    let nw = next.as_ref().expect("bound just above").weights(&run)?;
-    let Mlp::Moe(moe) = &nw.mlp else {
-        return Ok(None);
+    let shared = shared.then_some(&f.shared[..]);
+    up.combine(d, n, &f.routing, &f.slots, shared, &mut f.combine, &mut w.m);
+    Ok(())
+}
+
+/// The logits of the rows `which` chooses: final norm of the output aggregate `w.x`, lm_head.
+fn lm_head(d: &Dims, globals: &Globals, which: Logits, n: usize, w: &mut Work) -> Vec<f32> {
+    let e = d.hidden;
+    let (first, rows) = match which {
+        Logits::All => (0, n),
+        Logits::Last => (n - 1, 1),
     };
-    rms_norm_rows_into(h, nw.post_norm, d.rms_eps, &mut p.hn);
-    moe.predict_into(d, &p.hn, n, &mut p.route, &mut p.routing, &mut p.ids);
-    p.ids.truncate(source.max_expert_batch().max(1));
-    source.prefetch_experts(l + 1, &p.ids);
-    Ok(Some(l + 1))
+    rms_norm_rows_into(&w.x[first * e..], &globals.final_norm, d.rms_eps, &mut w.xn);
+    let logits = linear(Mat::Bf16(globals.lm_head.bytes()), d.vocab, e, &w.xn, rows);
+    w.pass_done(n);
+    logits
 }

@@ -16,9 +16,41 @@
 
 use rayon::prelude::*;
 
-use super::state::{KdaJournal, KdaState};
-use super::{copy_into, linear_into, zeroed, Dims, Mat, ModelError};
+use super::dims::{Dims, ModelError};
+use super::mats::{copy_into, linear_into, zeroed, Mat};
 use crate::kernels;
+
+/// One KDA layer's carried state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KdaState {
+    /// `S_h` for every head, `[h][k][v]` (`H·D·D` floats).
+    pub s: Vec<f32>,
+    /// Raw (pre-conv) projection history for q, k, v: `[P][K-1]`, oldest first.
+    pub conv: [Vec<f32>; 3],
+}
+
+/// What one KDA layer keeps during a journaled pass (a speculative verify pass) so that its state
+/// can be advanced by any prefix of the pass afterwards without running the layer again: the
+/// conv histories before the pass and the per-position inputs of the recurrence. The recurrence
+/// itself runs on a copy during the pass, so no snapshot of the (large) state is needed
+/// (SPEC.md §3.12).
+#[derive(Clone, Debug, Default)]
+pub struct KdaJournal {
+    /// Positions the pass ran.
+    pub n: usize,
+    /// The conv histories before the pass (`[P][K-1]` each).
+    pub conv0: [Vec<f32>; 3],
+    /// The pass's raw (pre-conv) q, k, v projections, `[n, P]` each.
+    pub raw: [Vec<f32>; 3],
+    /// k after conv + SiLU, before its l2 norm, `[n, P]`.
+    pub k: Vec<f32>,
+    /// v after conv + SiLU, `[n, P]`.
+    pub v: Vec<f32>,
+    /// Decay α, `[n, P]`.
+    pub alpha: Vec<f32>,
+    /// β, `[n, H]`.
+    pub beta: Vec<f32>,
+}
 
 /// L2-norm eps for q and k (fla `l2norm`).
 const L2_EPS: f32 = 1e-6;
@@ -52,7 +84,7 @@ pub struct KdaWeights<'a> {
     pub o_proj: Mat<'a>,
 }
 
-/// A KDA layer's activation buffers, reused by every forward call (see [`super::zeroed`]).
+/// A KDA layer's activation buffers, reused by every forward call (see [`super::mats::zeroed`]).
 #[derive(Clone, Debug, Default)]
 pub struct KdaBufs {
     qkv: [Vec<f32>; 3],
@@ -67,7 +99,27 @@ pub struct KdaBufs {
     y: Vec<f32>,
 }
 
+impl KdaJournal {
+    /// Bytes one KDA layer's journal holds for a verify pass of `rows` positions: the conv
+    /// histories before it, and per position the raw q, k, v, then k, v, α (`6·P`) and β (`H`).
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        let (h, p) = (d.kda_heads as u64, (d.kda_heads * d.kda_dim) as u64);
+        let hist = d.conv_k.saturating_sub(1) as u64;
+        4 * (3 * p * hist + rows as u64 * (6 * p + h))
+    }
+}
+
 impl KdaWeights<'_> {
+    /// Bytes [`KdaBufs`] reach in a pass of `rows` positions (`journaled`: a verify pass, whose
+    /// recurrence runs on a per-head copy of the state): q, k, v, α, the gate, the heads' outputs
+    /// and their concatenation (`7·rows·P`), β and the decay bottleneck, the per-head temporaries.
+    pub fn bufs_bytes_for(d: &Dims, rows: usize, journaled: bool) -> u64 {
+        let (h, dh) = (d.kda_heads as u64, d.kda_dim as u64);
+        let (p, n) = (h * dh, rows as u64);
+        let per_head = 4 * dh + if journaled { dh * dh } else { 0 };
+        4 * (7 * n * p + n * h + n * dh + h * per_head)
+    }
+
     /// Run `n` tokens (`x [n, E]`, already normalised) through the layer, advancing `st`. With
     /// a `journal`, also keep what [`replay`] needs to roll the state back to any of the `n`
     /// positions.

@@ -14,9 +14,30 @@
 
 use rayon::prelude::*;
 
-use super::state::MlaCache;
-use super::{linear_into, rms_norm_rows_into, zeroed, Dims, Mat};
+use super::dims::Dims;
+use super::mats::{linear_into, rms_norm_rows_into, zeroed, Mat};
 use crate::kernels;
+
+/// One MLA layer's latent cache: `[c (kv_lora, post-norm) | kr (rope)]` per position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaCache {
+    /// Rows of `width` floats, one per cached position.
+    pub rows: Vec<f32>,
+    /// Floats per position (`kv_lora + rope`).
+    pub width: usize,
+}
+
+impl MlaCache {
+    /// Cached positions.
+    pub fn len(&self) -> usize {
+        self.rows.len() / self.width
+    }
+
+    /// True when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+}
 
 /// One MLA layer's weights.
 #[derive(Debug)]
@@ -39,7 +60,7 @@ pub struct MlaWeights<'a> {
     pub g_proj: Option<Mat<'a>>,
 }
 
-/// An MLA layer's activation buffers, reused by every forward call (see [`super::zeroed`]).
+/// An MLA layer's activation buffers, reused by every forward call (see [`super::mats::zeroed`]).
 #[derive(Clone, Debug, Default)]
 pub struct MlaBufs {
     qa: Vec<f32>,
@@ -56,6 +77,34 @@ pub struct MlaBufs {
 }
 
 impl MlaWeights<'_> {
+    /// Bytes [`MlaBufs`] reach in a pass of `rows` positions: the query path (`q_a`, its norm,
+    /// `q`), the new latent rows, the per-head temporaries (q_nope, q̃, the query row, ĉ), the
+    /// heads' outputs, their concatenation and the gate. The attention scores over the cache are
+    /// per thread ([`MlaWeights::scores_bytes_for`]).
+    pub fn bufs_bytes_for(d: &Dims, rows: usize) -> u64 {
+        let n = rows as u64;
+        let (h, nope, rope, vh, kl) = (
+            d.mla_heads as u64,
+            d.nope as u64,
+            d.rope as u64,
+            d.v_head as u64,
+            d.kv_lora as u64,
+        );
+        let lw = d.latent_width() as u64;
+        let per_head = n * nope + 2 * n * kl + lw;
+        4 * (2 * n * d.q_lora as u64
+            + n * h * (nope + rope)
+            + n * lw
+            + h * per_head
+            + 3 * n * h * vh)
+    }
+
+    /// Bytes of one thread's attention scores over a cache planned for `context` positions
+    /// (`kernels::with_scratch`; kept between passes).
+    pub fn scores_bytes_for(context: usize) -> u64 {
+        4 * context as u64
+    }
+
     /// Run `n` tokens (`x [n, E]`, normalised) through the layer, appending them to `cache`.
     pub fn forward(&self, d: &Dims, x: &[f32], n: usize, cache: &mut MlaCache) -> Vec<f32> {
         let mut out = Vec::new();

@@ -1,13 +1,14 @@
 //! The MLP side: SiTU-GLU MLPs (layer-0 dense MLP, shared experts), the router, and Stable
 //! LatentMoE with MXFP4 routed experts (SPEC.md §3.2, §3.7, §3.8).
 //!
-//! The router is maths and lives here; expert bytes are storage and arrive as an
-//! [`ExpertBatch`] that the caller fetched with ONE `WeightSource::experts` call per layer per
-//! forward call (the two meet in `forward.rs`).
+//! The router is maths and lives here; routed experts arrive as typed matrices
+//! ([`Experts`]: the weights feed's answer for a layer's experts, `feed.rs`), never as bytes
+//! this file interprets.
 
-use super::{linear_into, rms_norm_rows_into, zeroed, Dims, Mat};
+use super::dims::Dims;
+use super::mats::{linear_into, rms_norm_rows_into, zeroed, Experts, Mat};
 use crate::kernels;
-use k3_proto::expert::{ExpertLayout, ExpertPart};
+use k3_proto::expert::ExpertLayout;
 use k3_store::runtime::source::ExpertBatch;
 
 /// A SiTU-GLU MLP: `out = W_down · SiTU([W_gate x | W_up x])`.
@@ -29,6 +30,14 @@ pub struct MlpBufs {
     g: Vec<f32>,
     u: Vec<f32>,
     a: Vec<f32>,
+}
+
+impl MlpBufs {
+    /// Bytes a SiTU MLP of intermediate `width` reaches over `rows` positions: gate, up and the
+    /// activation, `[rows, width]` each.
+    pub fn bytes_for(rows: usize, width: usize) -> u64 {
+        4 * 3 * rows as u64 * width as u64
+    }
 }
 
 impl SituMlp<'_> {
@@ -54,6 +63,11 @@ pub struct Routing {
 }
 
 impl Routing {
+    /// Bytes of the routing of `rows` positions (`top_k` ids and weights each).
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        8 * (rows * d.top_k) as u64
+    }
+
     /// Distinct selected experts, ascending: the one request made to the weight source.
     pub fn unique(&self) -> Vec<u32> {
         let mut u = Vec::new();
@@ -166,7 +180,34 @@ pub struct Slots {
     ok: Vec<bool>,
 }
 
+impl RouteBufs {
+    /// Bytes the router reaches over `rows` positions: the scores `[rows, N]`, the ranking and
+    /// the lookahead's seen-set (`[N]` each).
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        let ne = d.n_experts as u64;
+        4 * rows as u64 * ne + 4 * ne + ne
+    }
+}
+
+impl ExpertBufs {
+    /// Bytes the routed experts of `rows` positions reach (at most `rows · top_k` users over all
+    /// of a layer's requests, each buffer reserved for that many once): the users' indices,
+    /// their gathered latent rows, gate/up/activation rows and outputs, and the per-expert
+    /// starts and validity.
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        let users = (rows * d.top_k) as u64;
+        let (lat, inter, ne) = (d.latent as u64, d.moe_inter as u64, d.n_experts as u64);
+        8 * users + 4 * users * (2 * lat + 3 * inter) + 9 * (ne + 1)
+    }
+}
+
 impl Slots {
+    /// Bytes of the (token, slot) outputs of `rows` positions.
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        let nk = (rows * d.top_k) as u64;
+        4 * nk * d.latent as u64 + nk
+    }
+
     /// Empty slots for `n·k` selections of `latent`-float outputs.
     pub fn reset(&mut self, nk: usize, latent: usize) {
         zeroed(&mut self.y, nk * latent);
@@ -180,6 +221,13 @@ impl Slots {
 pub struct CombineBufs {
     acc: Vec<f32>,
     acc_n: Vec<f32>,
+}
+
+impl CombineBufs {
+    /// Bytes over `rows` positions: the aggregate and its norm, `[rows, latent]` each.
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        8 * (rows * d.latent) as u64
+    }
 }
 
 impl MoeWeights<'_> {
@@ -252,12 +300,16 @@ impl MoeWeights<'_> {
         let mut slots = Slots::default();
         self.latent_in(d, x, n, &mut z);
         slots.reset(n * routing.k, d.latent);
+        let layout = ExpertLayout {
+            inter: d.moe_inter,
+            latent: d.latent,
+        };
         let failed = MoeWeights::run_experts(
             d,
             &z,
             routing,
             ids,
-            batch,
+            &Experts::new(batch, layout),
             &mut ExpertBufs::default(),
             &mut slots,
         );
@@ -299,7 +351,7 @@ impl MoeWeights<'_> {
         linear_into(self.down, d.latent, d.hidden, x, n, z)
     }
 
-    /// Run the experts `ids` (answered by `batch`, in that order) over the latent rows `z` of
+    /// Run the experts `ids` (answered by `experts`, in that order) over the latent rows `z` of
     /// the tokens routed to them, writing each (token, slot)'s output into `slots`. The result
     /// does not depend on how a layer's experts are split into requests: each expert always
     /// runs over all of its users at once. Returns the ids whose answer is unusable (their
@@ -310,31 +362,31 @@ impl MoeWeights<'_> {
         z: &[f32],
         routing: &Routing,
         ids: &[u32],
-        batch: &ExpertBatch,
+        experts: &Experts<'_>,
         b: &mut ExpertBufs,
         slots: &mut Slots,
     ) -> Vec<(u32, String)> {
         let (lat, inter) = (d.latent, d.moe_inter);
         let k = routing.k;
-        let layout = ExpertLayout { inter, latent: lat };
         // Check every answer first: the compute below only runs usable ones.
         let mut failed = Vec::new();
         b.valid.clear();
-        for (&id, got) in ids.iter().zip(&batch.experts) {
-            let why = match got {
-                Err(e) => Some(e.clone()),
-                Ok(r) if r.bytes().len() != layout.expert_bytes() => Some(format!(
-                    "expert region of {} bytes, expected {}",
-                    r.bytes().len(),
-                    layout.expert_bytes()
-                )),
-                Ok(_) => None,
-            };
+        for (j, &id) in ids.iter().enumerate().take(experts.len()) {
+            let why = experts.get(j).err();
             b.valid.push(why.is_none());
             if let Some(why) = why {
                 failed.push((id, why));
             }
         }
+        // A layer's requests together have at most `sel.len()` users: reserve for that many once,
+        // so a pass's buffers never grow past what `ExpertBufs::bytes_for` states.
+        let most = routing.sel.len();
+        for (v, w) in [(&mut b.zin, lat), (&mut b.work, 3 * inter), (&mut b.y, lat)] {
+            if v.capacity() < most * w {
+                crate::kernels::grow_exact(v, most * w);
+            }
+        }
+        crate::kernels::grow_exact(&mut b.order, most);
         // Users grouped by expert, in request order, and their latent rows gathered.
         b.order.clear();
         b.starts.clear();
@@ -354,29 +406,18 @@ impl MoeWeights<'_> {
         let y = zeroed(&mut b.y, users * lat);
         let (zin, valid, starts) = (&b.zin, &b.valid, &b.starts);
         let one = |j: usize, work: &mut [f32], y: &mut [f32]| {
-            let Some(Ok(region)) = batch.experts.get(j) else {
-                return;
-            };
-            if !valid[j] {
+            if !valid.get(j).copied().unwrap_or(false) {
                 return;
             }
-            let bytes = region.bytes();
-            let part = |p: ExpertPart| {
-                let o = layout.part_offset(p);
-                &bytes[o..o + layout.part_bytes(p)]
-            };
+            let Ok(w) = experts.get(j) else { return };
             let m = starts[j + 1] - starts[j];
             let x = &zin[starts[j] * lat..starts[j + 1] * lat];
             let (g, rest) = work.split_at_mut(m * inter);
             let (u, a) = rest.split_at_mut(m * inter);
-            // `[m, rows]` = the expert's (packed, scales) part × `x [m, cols]`.
-            let product = |packed, scales, rows: usize, cols: usize, x: &[f32], y: &mut [f32]| {
-                kernels::matmul_mxfp4(part(packed), part(scales), rows, cols, x, m, y)
-            };
-            product(ExpertPart::W1Packed, ExpertPart::W1Scale, inter, lat, x, g);
-            product(ExpertPart::W3Packed, ExpertPart::W3Scale, inter, lat, x, u);
+            w.w1.matmul(inter, lat, x, m, g);
+            w.w3.matmul(inter, lat, x, m, u);
             kernels::situ_glu(g, u, d.situ_beta, d.situ_linear_beta, a);
-            product(ExpertPart::W2Packed, ExpertPart::W2Scale, lat, inter, a, y);
+            w.w2.matmul(lat, inter, a, m, y);
         };
         // Experts in parallel only when one expert's products are worth a hand-off to the pool
         // (`kernels::PAR_MIN_MACS`); each expert's result is the same either way.
@@ -385,7 +426,7 @@ impl MoeWeights<'_> {
         each_expert(0, starts, work, 3 * inter, y, lat, par, &one);
         // Scatter each computed row to its (token, slot).
         for (j, w) in b.starts.windows(2).enumerate() {
-            if !b.valid[j] {
+            if !b.valid.get(j).copied().unwrap_or(false) {
                 continue;
             }
             for r in w[0]..w[1] {

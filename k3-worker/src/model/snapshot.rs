@@ -14,8 +14,10 @@
 
 use std::io::Write;
 
-use super::state::{KdaState, LayerState, MlaCache, Scratch, SeqState};
-use super::Dims;
+use super::dims::Dims;
+use super::kda::KdaState;
+use super::mla::MlaCache;
+use super::state::{LayerState, Scratch, SeqState};
 
 const KDA: u32 = 0;
 const MLA: u32 = 1;

@@ -3,40 +3,14 @@
 //! positions, no AttnRes state.
 
 use super::attn_res::ResBufs;
+pub use super::dims::KEEP_BUFFERS_MAX_POSITIONS;
+use super::dims::{Dims, ModelError};
 use super::kda::KdaBufs;
+pub use super::kda::{KdaJournal, KdaState};
+use super::mats::{copy_into, Mat};
 use super::mla::MlaBufs;
+pub use super::mla::MlaCache;
 use super::moe::{CombineBufs, ExpertBufs, MlpBufs, RouteBufs, Routing, Slots, UpSide};
-use super::{Dims, Mat, ModelError};
-
-/// One KDA layer's carried state.
-#[derive(Clone, Debug, PartialEq)]
-pub struct KdaState {
-    /// `S_h` for every head, `[h][k][v]` (`H·D·D` floats).
-    pub s: Vec<f32>,
-    /// Raw (pre-conv) projection history for q, k, v: `[P][K-1]`, oldest first.
-    pub conv: [Vec<f32>; 3],
-}
-
-/// One MLA layer's latent cache: `[c (kv_lora, post-norm) | kr (rope)]` per position.
-#[derive(Clone, Debug, PartialEq)]
-pub struct MlaCache {
-    /// Rows of `width` floats, one per cached position.
-    pub rows: Vec<f32>,
-    /// Floats per position (`kv_lora + rope`).
-    pub width: usize,
-}
-
-impl MlaCache {
-    /// Cached positions.
-    pub fn len(&self) -> usize {
-        self.rows.len() / self.width
-    }
-
-    /// True when nothing is cached.
-    pub fn is_empty(&self) -> bool {
-        self.rows.is_empty()
-    }
-}
 
 /// Per-layer state.
 #[derive(Clone, Debug, PartialEq)]
@@ -48,8 +22,7 @@ pub enum LayerState {
 }
 
 /// Activation buffers of the top-level loop, owned by the sequence and reused by every forward
-/// call (their contents never carry meaning from one call to the next, except the next pass's
-/// prediction, which only counts how right it was).
+/// call (their contents never carry meaning from one call to the next).
 #[derive(Clone, Debug, Default)]
 pub struct Scratch {
     /// The AttnRes bank: one `[n, E]` entry per block boundary passed in this call.
@@ -58,18 +31,6 @@ pub struct Scratch {
     pub pend: Vec<f32>,
     /// Every other temporary of a forward pass.
     pub work: Box<Work>,
-    /// The prediction of the next call's first MoE layer, read ahead during this call's lm_head.
-    pub(crate) next_pass: NextPass,
-}
-
-/// The router lookahead's prediction for the next forward call (SPEC §6.7): the first MoE
-/// layer's choices at this call's last position.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct NextPass {
-    /// The layer they were handed to the source for (`None`: no prediction pending).
-    pub(crate) layer: Option<usize>,
-    /// The experts, in selection order.
-    pub(crate) ids: Vec<u32>,
 }
 
 /// The temporaries of a forward pass, by stage. Each buffer grows to the largest pass it has
@@ -81,8 +42,6 @@ pub struct Work {
     pub(crate) x: Vec<f32>,
     /// `x` normalised.
     pub(crate) xn: Vec<f32>,
-    /// The attention input, kept for the router lookahead from it.
-    pub(crate) attn_in: Vec<f32>,
     /// The attention output `[n, E]`.
     pub(crate) a: Vec<f32>,
     /// The MLP output `[n, E]`.
@@ -92,7 +51,6 @@ pub struct Work {
     pub(crate) attn: AttnBufs,
     /// The MLP side's temporaries.
     pub(crate) ffn: FfnBufs,
-    pub(crate) predict: Predict,
 }
 
 /// The attention's temporaries (a layer is KDA or MLA).
@@ -139,17 +97,23 @@ pub(crate) struct UpCopy {
 }
 
 impl UpCopy {
+    /// Bytes of a copy of a MoE layer's up side: the bf16 up-projection `[E, latent]` and the
+    /// latent norm.
+    pub(crate) fn bytes_for(d: &Dims) -> u64 {
+        2 * (d.hidden * d.latent) as u64 + 4 * d.latent as u64
+    }
+
     /// Copy `side` in, reusing the allocations.
     pub(crate) fn hold(&mut self, side: &UpSide<'_>) {
         let (bytes, scales, kind) = match side.up {
             Mat::Bf16(b) => (b, &[][..], None),
             Mat::Quant { kind, q, s } => (q, s, Some(kind)),
         };
-        super::copy_into(&mut self.bytes, bytes);
-        super::copy_into(&mut self.scales, scales);
+        copy_into(&mut self.bytes, bytes);
+        copy_into(&mut self.scales, scales);
         self.kind = kind;
         match (side.norm, &mut self.norm) {
-            (Some(n), Some(v)) => super::copy_into(v, n),
+            (Some(n), Some(v)) => copy_into(v, n),
             (Some(n), none) => *none = Some(n.to_vec()),
             (None, v) => *v = None,
         }
@@ -171,14 +135,161 @@ impl UpCopy {
     }
 }
 
-/// Passes of at most this many positions (a decode step, a verify pass of up to `MAX_K` drafts)
-/// keep their buffers for the next pass. A larger pass (a prefill chunk) frees each stage's
-/// buffers when the stage is done and the rest when the pass ends, so its peak is one stage's
-/// temporaries at the chunk's size, as `k3_store::runtime::plan::activation_bytes` budgets, and the run
-/// does not keep a chunk's worth of buffers through its decode.
-pub const KEEP_BUFFERS_MAX_POSITIONS: usize = crate::spec::MAX_K + 1;
+/// The kernels' buffers in a pass (`kernels::with_buffer`): the largest call's transients per
+/// stage (its rearranged activations and, over several positions, its rows-major output; the
+/// routed experts' calls together over at most `rows · top_k` users) and what every thread keeps
+/// between calls.
+struct KernelCalls {
+    attention: u64,
+    mlp: u64,
+    head: u64,
+    kept: u64,
+}
+
+impl KernelCalls {
+    fn of(d: &Dims, p: &PassShape) -> KernelCalls {
+        let n = p.rows;
+        let many = n > 1;
+        // `(rows, cols)` of every product a stage runs over the pass's positions.
+        let e = d.hidden;
+        let (pk, h, dh) = (d.kda_heads * d.kda_dim, d.kda_heads, d.kda_dim);
+        let (qw, hv, lw) = (d.nope + d.rope, d.mla_heads * d.v_head, d.latent_width());
+        let mut attn = vec![];
+        if d.n_kda() > 0 {
+            attn.extend([(pk, e), (h, e), (dh, e), (pk, dh), (e, pk)]);
+        }
+        if d.n_mla() > 0 {
+            attn.extend([
+                (d.q_lora, e),
+                (d.mla_heads * qw, d.q_lora),
+                (lw, e),
+                (hv, e),
+                (e, hv),
+                (d.v_head, d.kv_lora),
+            ]);
+        }
+        let shared = d.n_shared * d.moe_inter;
+        let mut mlp = vec![
+            (d.n_experts, e),
+            (d.latent, e),
+            (e, d.latent),
+            (shared, e),
+            (e, shared),
+        ];
+        if d.first_k_dense > 0 {
+            mlp.extend([(d.dense_inter, e), (e, d.dense_inter)]);
+        }
+        // What a call needs beyond the buffers each thread keeps (those are `kept` below).
+        let keep = crate::kernels::KEEP_MAX_FLOATS;
+        let call = |(rows, cols): (usize, usize), n: usize| -> usize {
+            let rows_major = if n > 1 { n * rows } else { 0 };
+            (n * cols).saturating_sub(keep) + rows_major.saturating_sub(keep)
+        };
+        let most = |calls: &[(usize, usize)]| calls.iter().map(|&c| call(c, n)).max().unwrap_or(0);
+        let users = n * d.top_k;
+        let experts = (users * (d.latent + d.moe_inter) * 2).saturating_sub(keep);
+        let head = call((d.vocab, e), p.logits_rows);
+        let all = attn.iter().chain(&mlp);
+        let split = all
+            .clone()
+            .map(|&(_, c)| n * c)
+            .max()
+            .unwrap_or(0)
+            .max(users * d.moe_inter);
+        let rows_major = if many {
+            all.map(|&(r, _)| n * r)
+                .max()
+                .unwrap_or(0)
+                .max(d.vocab * p.logits_rows)
+        } else {
+            0
+        };
+        let per_thread =
+            crate::kernels::kept_bytes_for(split, rows_major, d.kv_lora.max(e), p.context);
+        KernelCalls {
+            attention: 4 * most(&attn) as u64,
+            mlp: 4 * most(&mlp).max(experts) as u64,
+            head: 4 * head as u64,
+            kept: (p.threads as u64 + 1) * per_thread,
+        }
+    }
+}
+
+/// The shape of a forward pass, for the memory its buffers reach ([`Work::bytes_for`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PassShape {
+    /// Positions the pass runs (the prefill chunk; 1 in decode; 1 + K in a verify pass).
+    pub rows: usize,
+    /// Logits rows it returns (1, or `rows` for a verify pass).
+    pub logits_rows: usize,
+    /// Positions the sequence's MLA caches are planned for.
+    pub context: usize,
+    /// A journaled (verify) pass: each KDA head runs on a copy of its state.
+    pub journaled: bool,
+    /// Compute threads (the pool's, besides the calling thread).
+    pub threads: usize,
+}
 
 impl Work {
+    /// The most bytes a forward pass of shape `p` holds in its temporaries at once: the layer
+    /// input, its norm, the attention and MLP outputs, the residual bank and pending sum
+    /// (`Scratch`), then the larger of the attention stage, the MLP stage and the lm_head
+    /// (each with the largest kernel call's transient buffers), the router lookahead's buffers
+    /// and every thread's kept kernel buffers. Each term is stated by the buffer's owner; a
+    /// pass of more than [`KEEP_BUFFERS_MAX_POSITIONS`] positions frees each stage's buffers
+    /// when the stage is done, a smaller one keeps them all (both attention kinds, the dense
+    /// and the MoE side), and the plan counts what each keeps.
+    pub fn bytes_for(d: &Dims, p: &PassShape) -> u64 {
+        let (n, e) = (p.rows as u64, d.hidden as u64);
+        let nb = d.n_layers.div_ceil(d.block) as u64;
+        let bank = nb * (4 * n * e + size_of::<Vec<f32>>() as u64);
+        let base = 4 * (5 * n * e) + bank + ResBufs::bytes_for(d, nb as usize);
+        let kept = p.rows <= KEEP_BUFFERS_MAX_POSITIONS;
+        let combine = |a: u64, b: u64| if kept { a + b } else { a.max(b) };
+        let combine = &combine;
+        let (kda, mla) = (d.n_kda() > 0, d.n_mla() > 0);
+        let attention = combine(
+            if kda {
+                super::kda::KdaWeights::bufs_bytes_for(d, p.rows, p.journaled)
+            } else {
+                0
+            },
+            if mla {
+                super::mla::MlaWeights::bufs_bytes_for(d, p.rows)
+            } else {
+                0
+            },
+        );
+        let (dense, moe) = (d.first_k_dense > 0, d.n_layers > d.first_k_dense);
+        let shared = d.n_shared * d.moe_inter;
+        let moe_bytes = RouteBufs::bytes_for(d, p.rows)
+            + Routing::bytes_for(d, p.rows)
+            + 4 * (p.rows * d.top_k).min(d.n_experts) as u64
+            + 4 * n * (d.latent as u64 + e)
+            + ExpertBufs::bytes_for(d, p.rows)
+            + Slots::bytes_for(d, p.rows)
+            + CombineBufs::bytes_for(d, p.rows)
+            + UpCopy::bytes_for(d);
+        let mlp_width = match (dense, moe) {
+            (true, true) if kept => d.dense_inter.max(shared),
+            (true, _) => d.dense_inter,
+            _ => shared,
+        };
+        let mlp = MlpBufs::bytes_for(p.rows, mlp_width) + if moe { moe_bytes } else { 0 };
+        let head = 4 * (p.logits_rows * d.vocab) as u64;
+        let k = KernelCalls::of(d, p);
+        let stage = if kept {
+            // Every stage's buffers stay; one kernel call's transients at a time.
+            attention + mlp + k.attention.max(k.mlp).max(head + k.head)
+        } else {
+            // Each stage's buffers go when it is done.
+            (attention + k.attention)
+                .max(mlp + k.mlp)
+                .max(head + k.head)
+        };
+        base + stage + k.kept + super::feed::FeedStore::bytes_for(d, p.rows)
+    }
+
     /// After the attention of a pass of `n` positions: free its buffers if the pass is large.
     pub(crate) fn attention_done(&mut self, n: usize) {
         if n > KEEP_BUFFERS_MAX_POSITIONS {
@@ -201,45 +312,12 @@ impl Work {
     }
 }
 
-/// The router lookahead's temporaries and its prediction for the next layer.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Predict {
-    pub(crate) hn: Vec<f32>,
-    pub(crate) route: RouteBufs,
-    pub(crate) routing: Routing,
-    /// The predicted experts, most likely first ([`crate::model::moe::MoeWeights::predict_into`]).
-    pub(crate) ids: Vec<u32>,
-}
-
 impl PartialEq for Scratch {
     /// Buffers are not state: two sequences in the same state compare equal whatever their
     /// scratch holds.
     fn eq(&self, _: &Scratch) -> bool {
         true
     }
-}
-
-/// What one KDA layer keeps during a journaled pass (a speculative verify pass) so that its state
-/// can be advanced by any prefix of the pass afterwards without running the layer again: the
-/// conv histories before the pass and the per-position inputs of the recurrence. The recurrence
-/// itself runs on a copy during the pass, so no snapshot of the (large) state is needed
-/// (SPEC.md §3.12).
-#[derive(Clone, Debug, Default)]
-pub struct KdaJournal {
-    /// Positions the pass ran.
-    pub n: usize,
-    /// The conv histories before the pass (`[P][K-1]` each).
-    pub conv0: [Vec<f32>; 3],
-    /// The pass's raw (pre-conv) q, k, v projections, `[n, P]` each.
-    pub raw: [Vec<f32>; 3],
-    /// k after conv + SiLU, before its l2 norm, `[n, P]`.
-    pub k: Vec<f32>,
-    /// v after conv + SiLU, `[n, P]`.
-    pub v: Vec<f32>,
-    /// Decay α, `[n, P]`.
-    pub alpha: Vec<f32>,
-    /// β, `[n, H]`.
-    pub beta: Vec<f32>,
 }
 
 /// The journal of a speculative verify pass: where it started and, per KDA layer, what rolling
@@ -254,6 +332,27 @@ pub struct Journal {
     pub kda: Vec<KdaJournal>,
     /// The rollback's per-head temporaries.
     pub tmp: Vec<f32>,
+}
+
+impl Journal {
+    /// The journal entry layer `l`'s forward must fill, when a journaled pass is running.
+    pub fn layer(&mut self, l: usize) -> Option<&mut KdaJournal> {
+        if self.active {
+            self.kda.get_mut(l)
+        } else {
+            None
+        }
+    }
+}
+
+impl Journal {
+    /// Bytes the journal of a verify pass of `rows` positions holds: every KDA layer's entry and
+    /// the rollback's per-head temporaries.
+    pub fn bytes_for(d: &Dims, rows: usize) -> u64 {
+        d.n_kda() as u64 * KdaJournal::bytes_for(d, rows)
+            + (d.n_layers * size_of::<KdaJournal>()) as u64
+            + 4 * 2 * (d.kda_heads * d.kda_dim) as u64
+    }
 }
 
 impl PartialEq for Journal {
@@ -312,6 +411,13 @@ impl SeqState {
         }
     }
 
+    /// Bytes of the state of a sequence planned for `capacity` positions: every KDA layer's
+    /// recurrent state and conv histories, every MLA layer's latent cache (reserved in full).
+    pub fn bytes_for(d: &Dims, capacity: usize) -> u64 {
+        let structs = size_of::<Work>() + d.n_layers * size_of::<LayerState>();
+        d.kda_state_bytes() + d.mla_cache_bytes(capacity as u64) + structs as u64
+    }
+
     /// Journal the next forward call so that [`SeqState::rollback`] can keep any prefix of it.
     pub fn begin_journal(&mut self) {
         self.journal.active = true;
@@ -319,15 +425,6 @@ impl SeqState {
         self.journal
             .kda
             .resize_with(self.layers.len(), KdaJournal::default);
-    }
-
-    /// The journal entry layer `l`'s forward must fill, when a journaled pass is running.
-    pub fn journal_for(&mut self, l: usize) -> Option<&mut KdaJournal> {
-        if self.journal.active {
-            self.journal.kda.get_mut(l)
-        } else {
-            None
-        }
     }
 
     /// End a journaled pass keeping only its first `keep` positions: the MLA caches are

@@ -1,0 +1,247 @@
+//! The memory plan is what a run holds at its peak: the real worker on the `small` checkpoint
+//! (real vocabulary, so the logits and the lm_head are full size) at several prompt lengths,
+//! prefill chunks and modes — standalone, attached, speculative (verify passes of replayed
+//! drafts), chat with a scripted stdin — reports its plan and its peak RSS in `--out`, and
+//! peak ≤ plan ≤ 1.15 × peak (the plan counts what the process held before it, every buffer as
+//! its owner states it from the shapes, and the store's shared memory an attached worker reads).
+//! Under an address-space limit (`ulimit -v`) below the plan, the worker and `k3-store start`
+//! are refused with exit 2, the plan and the shortfall printed, before they allocate — never
+//! aborted by a failed allocation.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use k3_tests::{bin, path_str, small_model, workspace_root, Run, Sandbox};
+use serde_json::Value;
+
+/// `n` prompt ids spread over the vocabulary.
+fn ids(n: usize) -> String {
+    (0..n)
+        .map(|i| ((i * 7919) % 160_000 + 10).to_string())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Peak and plan of a run's `--out` report, checked: peak ≤ plan ≤ 1.15 × peak.
+fn check(what: &str, r: &Run, v: &Value, wrong: &mut Vec<String>) {
+    assert_eq!(r.code, 0, "{what}: {r:?}");
+    let peak = v["peak_rss_bytes"].as_u64().expect("peak_rss_bytes");
+    let plan = v["memory_plan_bytes"].as_u64().expect("memory_plan_bytes");
+    let ratio = plan as f64 / peak as f64;
+    eprintln!("{what}: peak {peak} B, plan {plan} B, plan/peak {ratio:.3}");
+    if !(1.0..=1.15).contains(&ratio) {
+        wrong.push(format!("{what}: peak {peak} B, plan {plan} B ({ratio:.3})"));
+    }
+}
+
+/// `k3-worker --chat` (`extra` gives the source) fed `input`; its run and `--out` report.
+fn chat(sb: &Sandbox, input: &str, extra: &[&str]) -> (Run, Value) {
+    let out = sb.dir.join("chat.json");
+    let tok = workspace_root().join("fixtures/tokenizer");
+    let mut args = vec![
+        "--chat",
+        "--tok",
+        path_str(&tok),
+        "--gen",
+        "6",
+        "--ctx",
+        "128",
+        "--out",
+        path_str(&out),
+    ];
+    args.extend_from_slice(extra);
+    let mut child = sb
+        .command("k3-worker", &args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn k3-worker");
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(input.as_bytes()).unwrap();
+    drop(stdin);
+    let o = child.wait_with_output().unwrap();
+    let r = Run {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    };
+    let v: Value = std::fs::read_to_string(&out)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(Value::Null);
+    assert_eq!(v["refused"], 0, "a chat turn did not fit: {v}");
+    (r, v)
+}
+
+#[test]
+fn a_runs_peak_resident_memory_is_its_plan() {
+    let model = path_str(small_model());
+    let mut sb = Sandbox::new("mem-plan");
+    let mut wrong = Vec::new();
+    let standalone = |len: usize, args: &[&str]| {
+        let prompt = ids(len);
+        let mut a = vec!["--standalone", model, "--ids", &prompt];
+        a.extend_from_slice(args);
+        sb.worker_json(&a)
+    };
+    // Prompt lengths and prefill chunks: one pass of the whole prompt, several chunks, one
+    // position at a time.
+    for (len, chunk) in [(5, "512"), (200, "512"), (200, "32"), (40, "1")] {
+        let (r, v) = standalone(
+            len,
+            &["--gen", "4", "--prefill-chunk", chunk, "--spec", "off"],
+        );
+        check(
+            &format!("standalone {len} ids, chunk {chunk}"),
+            &r,
+            &v,
+            &mut wrong,
+        );
+    }
+    // Speculative: the greedy continuation replayed as drafts, so verify passes run.
+    let (r, plain) = standalone(20, &["--gen", "16", "--spec", "off"]);
+    assert_eq!(r.code, 0, "{r:?}");
+    let cont: Vec<String> = plain["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    let replay = sb.dir.join("replay.txt");
+    std::fs::write(&replay, cont.join(",")).unwrap();
+    let (r, v) = standalone(
+        20,
+        &[
+            "--gen",
+            "16",
+            "--spec",
+            "4",
+            "--draft",
+            "replay",
+            "--draft-replay",
+            path_str(&replay),
+        ],
+    );
+    assert!(
+        v["drafted_tokens"].as_u64().unwrap_or(0) > 0,
+        "no verify pass: {v}"
+    );
+    assert_eq!(v["generated_ids"], plain["generated_ids"]);
+    check("standalone, speculative", &r, &v, &mut wrong);
+    // Chat, standalone (plain decoding: a plan for verify passes that never run is not tight).
+    let (r, v) = chat(
+        &sb,
+        "Hello there, who are you?\n",
+        &["--standalone", model, "--spec", "off"],
+    );
+    check("chat, standalone", &r, &v, &mut wrong);
+    // Attached: the store's cache holds what the run reads (the worker's resident memory counts
+    // the store's shared pages it reads).
+    sb.start_store(&[model, "--trunk-gb", "1", "--cache-gb", "0.02"]);
+    for (len, chunk) in [(5, "512"), (100, "64")] {
+        let prompt = ids(len);
+        let (r, v) = sb.worker_json(&[
+            "--ids",
+            &prompt,
+            "--gen",
+            "4",
+            "--prefill-chunk",
+            chunk,
+            "--spec",
+            "off",
+        ]);
+        check(
+            &format!("attached {len} ids, chunk {chunk}"),
+            &r,
+            &v,
+            &mut wrong,
+        );
+    }
+    let sock = path_str(&sb.socket).to_string();
+    let (r, v) = chat(
+        &sb,
+        "Hello there, who are you?\n",
+        &["--socket", &sock, "--spec", "off"],
+    );
+    // Only peak ≤ plan here: an attached chat's plan counts the embedding rows of all `--ctx`
+    // positions at the fault-around worst case (two 64 KiB windows each, 16 MB at 128), while a
+    // one-turn chat reads ~70 rows of common, nearby ids (measured: plan/peak 1.19).
+    let (peak, plan) = (
+        v["peak_rss_bytes"].as_u64(),
+        v["memory_plan_bytes"].as_u64(),
+    );
+    assert_eq!(r.code, 0, "chat, attached: {r:?}");
+    assert!(
+        peak <= plan && peak.is_some(),
+        "chat, attached: peak {peak:?} > plan {plan:?}"
+    );
+    sb.stop_store();
+    assert!(
+        wrong.is_empty(),
+        "plan outside [peak, 1.15 peak]: {wrong:#?}"
+    );
+}
+
+/// `bin_name args` under `ulimit -v kb`.
+fn limited(sb: &Sandbox, kb: u64, bin_name: &str, args: &[&str]) -> Run {
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg(format!("ulimit -v {kb} && exec \"$0\" \"$@\""))
+        .arg(bin(bin_name))
+        .args(args)
+        .env("XDG_RUNTIME_DIR", sb.xdg_dir());
+    sb.run_command(c)
+}
+
+/// A refusal of the memory plan: exit 2, the plan and the address-space shortfall printed.
+fn refused(what: &str, r: &Run) {
+    let text = format!("{}{}", r.stdout, r.stderr);
+    assert_eq!(r.code, 2, "{what}: {r:?}");
+    assert!(
+        text.contains("REFUSING TO START: the memory plan does not fit")
+            && text.contains("TOTAL")
+            && text.contains("ulimit -v")
+            && text.contains("shortfall"),
+        "{what}: {text}"
+    );
+}
+
+#[test]
+fn an_address_space_limit_below_the_plan_is_refused_not_aborted() {
+    let model = path_str(small_model());
+    let sb = Sandbox::new("mem-limit");
+    let prompt = ids(64);
+    let args = [
+        "--standalone",
+        model,
+        "--ids",
+        &prompt,
+        "--gen",
+        "3",
+        "--spec",
+        "off",
+    ];
+    let (r, v) = sb.worker_json(&args);
+    assert_eq!(r.code, 0, "{r:?}");
+    let plan_kb = v["memory_plan_bytes"].as_u64().unwrap() / 1024;
+    // Below the plan (down to what the program itself needs to start): refused, every time.
+    for share in [0.5, 0.8, 1.0] {
+        let kb = (plan_kb as f64 * share) as u64;
+        refused(
+            &format!("worker under {kb} kB"),
+            &limited(&sb, kb, "k3-worker", &args),
+        );
+    }
+    // Far above it: the run completes under the limit.
+    let r = limited(&sb, plan_kb * 8, "k3-worker", &args);
+    assert_eq!(r.code, 0, "worker under 8 x its plan: {r:?}");
+    // The store: refused below its plan, before it maps its shared memory.
+    let sock = sb.dir.join("run").join("store.sock");
+    let store = ["start", model, "--socket", path_str(&sock), "--detach"];
+    refused(
+        "store under the worker's plan",
+        &limited(&sb, plan_kb, "k3-store", &store),
+    );
+    assert!(!sock.exists(), "a refused store left its socket");
+}
