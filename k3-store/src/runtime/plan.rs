@@ -10,9 +10,9 @@
 //! lm_head, final norms) are their own line and are not charged to the trunk budget.
 
 use crate::runtime::io::{align_down, align_up, ALIGN};
-
-/// Bytes per GB (decimal).
-pub const GB: f64 = 1e9;
+// The byte formats live apart (the expert cache prints them too, and the plan reads the cache's
+// slot size); they are re-exported here, where callers have always found them.
+pub use crate::runtime::units::{fmt_bytes, fmt_gb, fmt_mb, GB};
 
 /// A named memory preset (README "Presets").
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -400,21 +400,16 @@ pub fn verify_bytes(cfg: &k3_proto::config::ModelConfig, drafts: usize, chunk: u
 /// (`RLIMIT_AS`) less the address space already mapped, and the cgroup's `memory.max` less its
 /// `memory.current` (cgroup v2), whichever are set.
 pub fn allocatable() -> Result<u64, String> {
+    use nix::sys::resource::{getrlimit, Resource, RLIM_INFINITY};
     let mut avail = mem_available()?;
-    // SAFETY: getrlimit writes one rlimit into the valid struct we pass.
-    let mut rl = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `rl` is a valid, writable rlimit; RLIMIT_AS is a valid resource.
-    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } == 0
-        && rl.rlim_cur != libc::RLIM_INFINITY
-    {
-        let mapped = std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|s| status_kb(&s, "VmSize:"))
-            .unwrap_or(0);
-        avail = avail.min(rl.rlim_cur.saturating_sub(mapped));
+    if let Ok((soft, _)) = getrlimit(Resource::RLIMIT_AS) {
+        if soft != RLIM_INFINITY {
+            let mapped = std::fs::read_to_string("/proc/self/status")
+                .ok()
+                .and_then(|s| status_kb(&s, "VmSize:"))
+                .unwrap_or(0);
+            avail = avail.min(soft.saturating_sub(mapped));
+        }
     }
     let read = |p: &str| std::fs::read_to_string(p).ok();
     if let (Some(max), Some(cur)) = (
@@ -607,25 +602,6 @@ impl MemoryPlan {
                 .collect::<String>()
         ))
     }
-}
-
-/// `12.34 GB`.
-pub fn fmt_gb(b: u64) -> String {
-    format!("{:.2} GB", b as f64 / GB)
-}
-
-/// `12.34 GB` from 1 GB up, else `17.55 MB`.
-pub fn fmt_bytes(b: u64) -> String {
-    if b as f64 >= GB {
-        fmt_gb(b)
-    } else {
-        fmt_mb(b)
-    }
-}
-
-/// `17.55 MB`.
-pub fn fmt_mb(b: u64) -> String {
-    format!("{:.2} MB", b as f64 / 1e6)
 }
 
 impl std::fmt::Display for MemoryPlan {
