@@ -22,7 +22,7 @@ impl SocketArgs {
     /// The socket given, or this user's default.
     pub fn path(&self) -> PathBuf {
         (self.socket.clone())
-            .unwrap_or_else(|| k3_proto::paths::default_socket(nix::unistd::getuid().as_raw()))
+            .unwrap_or_else(|| k3_proto::paths::default_socket(crate::ipc::current_uid()))
     }
 }
 

@@ -63,7 +63,7 @@ mod state;
 #[cfg(test)]
 mod tests;
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -71,8 +71,10 @@ use crate::runtime::arena::{ArenaMem, ArenaRead};
 use crate::runtime::source::ByteOwner;
 use reader::Shared;
 pub use runs::{extent_bytes, Runs, VerifyMode, VERIFY_ENV};
-use state::{ExtState, Geometry, HandOut, Protect, State};
-pub use state::{ReaderId, RingCounters, RingOptions, DEFAULT_IDLE_PROTECT, DEFAULT_LEASE_TIMEOUT};
+use state::{Geometry, HandOut, Protect, State};
+pub use state::{
+    ReaderId, RingCounters, RingError, RingOptions, DEFAULT_IDLE_PROTECT, DEFAULT_LEASE_TIMEOUT,
+};
 
 /// A layer leased to a reader: its run at `offset..offset + len` of the ring.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,29 +85,6 @@ pub struct Grant {
     pub len: u64,
     /// First use of this read.
     pub fresh: bool,
-}
-
-/// Why a layer could not be handed out.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum RingError {
-    /// The ring cannot be made (too small, no streamed layer, a bad environment setting).
-    #[error("{0}")]
-    Setup(String),
-    /// Not a streamed layer.
-    #[error("{0}")]
-    BadLayer(String),
-    /// The reader's earlier lease was broken.
-    #[error("{0}")]
-    Broken(String),
-    /// The layer's read failed (I/O error or checksum mismatch).
-    #[error("{0}")]
-    Read(String),
-    /// Pinned layers leave no room for the layer asked for.
-    #[error("{0}")]
-    Stuck(String),
-    /// The ring is stopping.
-    #[error("the store is stopping")]
-    Stopping,
 }
 
 /// How a hand-out holds its extent.
@@ -217,11 +196,6 @@ impl Ring {
         self.sh.geo.first
     }
 
-    /// Number of layers (streamed or not).
-    pub fn n_layers(&self) -> usize {
-        self.sh.geo.n
-    }
-
     /// Bytes of the ring.
     pub fn len(&self) -> usize {
         self.sh.mem.len()
@@ -280,79 +254,17 @@ impl Ring {
                 sh.geo.first, sh.geo.n
             )));
         }
-        let run_len = sh.runs.run_len(l);
         let t0 = Instant::now();
         let timeout = sh.opts.demand_timeout;
         let mut deadline = t0.checked_add(timeout);
         let mut g = sh.lock();
-        if hold == Hold::Lease {
-            g.release(id);
-        }
-        let c = g.consumers.entry(id).or_default();
-        if let Some(m) = c.broken.take() {
-            return Err(RingError::Broken(m));
-        }
-        c.pos = Some(l);
-        c.waiting = true;
-        c.error = None;
+        g.ask(id, l, hold == Hold::Lease)?;
         sh.cv.notify_all();
         let mut asked = false;
         loop {
-            if g.shutdown {
-                g.consumer(id).waiting = false;
-                return Err(RingError::Stopping);
-            }
-            if let Some(m) = g.dead.clone().or_else(|| g.consumer(id).error.take()) {
-                g.consumer(id).waiting = false;
-                return Err(RingError::Read(m));
-            }
-            if let Some(i) = g.extents.iter().position(|e| e.layer == l) {
-                match g.extents[i].state.clone() {
-                    ExtState::Ready { inner } => {
-                        let at = g.extents[i].off as usize + inner;
-                        // The guard is taken under the lock, where claims are made: no claim
-                        // overlaps a Ready extent that is about to be pinned.
-                        let bytes = match hold {
-                            Hold::Pin => match sh.mem.read(at, run_len as usize) {
-                                Ok(b) => Some(b),
-                                Err(e) => {
-                                    g.consumer(id).waiting = false;
-                                    return Err(RingError::Read(format!("trunk layer {l}: {e}")));
-                                }
-                            },
-                            Hold::Lease => None,
-                        };
-                        let h = HandOut {
-                            pin: hold == Hold::Pin,
-                            protect: Protect::after(Instant::now(), sh.opts.lease_timeout),
-                            ready: !asked,
-                            waited: t0.elapsed().as_secs_f64(),
-                            run_len,
-                        };
-                        let fresh = g.hand(id, i, h, &sh.geo);
-                        let pin = bytes.map(|b| RingPin {
-                            sh: sh.clone(),
-                            extent: g.extents[i].id,
-                            bytes: Some(b),
-                        });
-                        drop(g);
-                        sh.cv.notify_all();
-                        let grant = Grant {
-                            offset: at as u64,
-                            len: run_len,
-                            fresh,
-                        };
-                        return Ok((grant, pin));
-                    }
-                    ExtState::Failed(m) => {
-                        g.extents.remove(i);
-                        g.consumer(id).waiting = false;
-                        drop(g);
-                        sh.cv.notify_all();
-                        return Err(RingError::Read(m));
-                    }
-                    ExtState::Filling => {}
-                }
+            if let Some(answer) = g.answer(id, l) {
+                let (i, inner) = answer.inspect_err(|_| sh.cv.notify_all())?;
+                return self.give(g, id, (i, inner), hold, t0, !asked);
             }
             asked = true;
             let now = Instant::now();
@@ -372,6 +284,55 @@ impl Ring {
             let left = deadline.map_or(Duration::MAX, |d| d.saturating_duration_since(now));
             g = sh.wait(g, left.min(Duration::from_millis(500)));
         }
+    }
+
+    /// Hand the Ready extent `i` (its run at `inner`) to reader `id`, held as `hold`.
+    fn give(
+        &self,
+        mut g: MutexGuard<'_, State>,
+        id: ReaderId,
+        (i, inner): (usize, usize),
+        hold: Hold,
+        t0: Instant,
+        ready: bool,
+    ) -> Result<(Grant, Option<RingPin>), RingError> {
+        let sh = &self.sh;
+        let (l, ext) = (g.extents[i].layer, g.extents[i].id);
+        let run_len = sh.runs.run_len(l);
+        let at = g.extents[i].off as usize + inner;
+        // The guard is taken under the lock, where claims are made: no claim overlaps a Ready
+        // extent that is about to be pinned.
+        let bytes = match hold {
+            Hold::Pin => match sh.mem.read(at, run_len as usize) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    g.consumer(id).waiting = false;
+                    return Err(RingError::Read(format!("trunk layer {l}: {e}")));
+                }
+            },
+            Hold::Lease => None,
+        };
+        let h = HandOut {
+            pin: hold == Hold::Pin,
+            protect: Protect::after(Instant::now(), sh.opts.lease_timeout),
+            ready,
+            waited: t0.elapsed().as_secs_f64(),
+            run_len,
+        };
+        let fresh = g.hand(id, i, h, &sh.geo);
+        drop(g);
+        sh.cv.notify_all();
+        let pin = bytes.map(|b| RingPin {
+            sh: sh.clone(),
+            extent: ext,
+            bytes: Some(b),
+        });
+        let grant = Grant {
+            offset: at as u64,
+            len: run_len,
+            fresh,
+        };
+        Ok((grant, pin))
     }
 
     /// Reader `id` is done with the streamed layers of this pass: release its lease. `Err` when

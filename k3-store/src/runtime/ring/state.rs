@@ -55,6 +55,29 @@ impl RingOptions {
     }
 }
 
+/// Why a layer could not be handed out.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RingError {
+    /// The ring cannot be made (too small, no streamed layer, a bad environment setting).
+    #[error("{0}")]
+    Setup(String),
+    /// Not a streamed layer.
+    #[error("{0}")]
+    BadLayer(String),
+    /// The reader's earlier lease was broken.
+    #[error("{0}")]
+    Broken(String),
+    /// The layer's read failed (I/O error or checksum mismatch).
+    #[error("{0}")]
+    Read(String),
+    /// Pinned layers leave no room for the layer asked for.
+    #[error("{0}")]
+    Stuck(String),
+    /// The ring is stopping.
+    #[error("the store is stopping")]
+    Stopping,
+}
+
 /// Ring counters, for the ring's lifetime or one reader.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RingCounters {
@@ -304,6 +327,46 @@ impl State {
 
     fn extent_mut(&mut self, id: u64) -> Option<&mut Extent> {
         self.extents.iter_mut().find(|e| e.id == id)
+    }
+
+    /// Reader `id` asks for layer `l` and waits for it: its earlier lease goes first (`lease`:
+    /// a worker process holds one at a time); `Err` reports a lease broken since its last call.
+    pub fn ask(&mut self, id: ReaderId, l: usize, lease: bool) -> Result<(), RingError> {
+        if lease {
+            self.release(id);
+        }
+        let c = self.consumer(id);
+        if let Some(m) = c.broken.take() {
+            return Err(RingError::Broken(m));
+        }
+        c.pos = Some(l);
+        c.waiting = true;
+        c.error = None;
+        Ok(())
+    }
+
+    /// What reader `id`, waiting for layer `l`, gets now: the Ready extent's index and where its
+    /// run starts in it, an error (it stops waiting), or `None` to wait on.
+    pub fn answer(&mut self, id: ReaderId, l: usize) -> Option<Result<(usize, usize), RingError>> {
+        let failed = if self.shutdown {
+            Some(RingError::Stopping)
+        } else if let Some(m) = self.dead.clone().or_else(|| self.consumer(id).error.take()) {
+            Some(RingError::Read(m))
+        } else {
+            let i = self.extents.iter().position(|e| e.layer == l)?;
+            match &self.extents[i].state {
+                ExtState::Ready { inner } => return Some(Ok((i, *inner))),
+                ExtState::Filling => return None,
+                // The error of a read-ahead: this reader is told, the next ask reads again.
+                ExtState::Failed(m) => {
+                    let m = m.clone();
+                    self.extents.remove(i);
+                    Some(RingError::Read(m))
+                }
+            }
+        };
+        self.consumer(id).waiting = false;
+        failed.map(Err)
     }
 
     /// Hand extent `i` to reader `id`; true when this is the first use of its read.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::fixture::{self, Rng, Spec};
-use crate::runtime::trunk::{open_shards, pack_trunk, TrunkLayout};
+use crate::runtime::trunk::{open_shards, pack_trunk, TrunkJson, TrunkLayout, TRUNK_BIN};
 
 /// The trunk read straight from the shards.
 fn catalog_layout(w: &fixture::Written) -> Arc<TrunkLayout> {
@@ -14,6 +14,14 @@ fn catalog_layout(w: &fixture::Written) -> Arc<TrunkLayout> {
         &w.catalog,
         open_shards(&w.catalog).unwrap(),
     ))
+}
+
+/// A synthetic checkpoint of `n` layers and its trunk read from the shards.
+fn small(n: usize, tag: &str) -> (Spec, fixture::Written, Arc<TrunkLayout>) {
+    let spec = Spec::small(n, 2);
+    let w = fixture::write(&spec, tag);
+    let layout = catalog_layout(&w);
+    (spec, w, layout)
 }
 
 /// The trunk packed into `w.dir/packed` and read from there.
@@ -26,6 +34,23 @@ fn packed_layout(w: &fixture::Written) -> Arc<TrunkLayout> {
         TrunkLayout::from_packed(&w.catalog, open_shards(&w.catalog).unwrap(), &packed_dir)
             .unwrap(),
     )
+}
+
+/// A packed trunk of three layers whose `trunk.bin` `damage` changes after it was opened.
+fn damaged(
+    tag: &str,
+    damage: impl FnOnce(&std::fs::File, &TrunkJson),
+) -> (Spec, fixture::Written, Arc<TrunkLayout>) {
+    let spec = Spec::small(3, 2);
+    let w = fixture::write(&spec, tag);
+    let layout = packed_layout(&w);
+    let packed = w.dir.join("packed");
+    let json = std::fs::read_to_string(packed.join("trunk.json")).unwrap();
+    let f = (std::fs::OpenOptions::new().write(true))
+        .open(packed.join(TRUNK_BIN))
+        .unwrap();
+    damage(&f, &serde_json::from_str(&json).unwrap());
+    (spec, w, layout)
 }
 
 /// Arena bytes of layer `l`.
@@ -151,9 +176,7 @@ fn read_ahead_never_overwrites_the_layer_in_use() {
 /// asked, and the layer handed out next is then already in memory.
 #[test]
 fn the_next_layers_are_read_while_the_current_one_is_in_use() {
-    let spec = Spec::small(6, 2);
-    let w = fixture::write(&spec, "ahead");
-    let layout = catalog_layout(&w);
+    let (spec, w, layout) = small(6, "ahead");
     let n = 6;
     let exts: Vec<u64> = (0..n).map(|l| ext(&layout, l)).collect();
     // Arena: layer 1 plus the two after it, exactly (layer 0 is not streamed).
@@ -245,9 +268,7 @@ fn a_partial_read_ahead_fills_around_the_layer_in_use() {
 /// A layer asked out of scan order is read at once, over read-ahead nobody used if need be.
 #[test]
 fn an_out_of_order_demand_takes_the_space_of_unused_read_ahead() {
-    let spec = Spec::small(5, 2);
-    let w = fixture::write(&spec, "order");
-    let layout = catalog_layout(&w);
+    let (spec, w, layout) = small(5, "order");
     let min = Ring::min_bytes(&*layout, 0);
     let r = private(layout.clone(), 0, min, 10_000);
     r.quiesce();
@@ -267,9 +288,7 @@ fn an_out_of_order_demand_takes_the_space_of_unused_read_ahead() {
 
 #[test]
 fn holding_a_layer_that_leaves_no_room_errors_instead_of_hanging() {
-    let spec = Spec::small(3, 2);
-    let w = fixture::write(&spec, "hold");
-    let layout = catalog_layout(&w);
+    let (spec, w, layout) = small(3, "hold");
     let min = Ring::min_bytes(&*layout, 0);
     assert!(ext(&layout, 0) + ext(&layout, 1) > min);
     let r = private(layout.clone(), 0, min, 200);
@@ -291,22 +310,11 @@ fn holding_a_layer_that_leaves_no_room_errors_instead_of_hanging() {
 /// time it is asked for), the other layers are served.
 #[test]
 fn a_damaged_layer_fails_its_reads() {
-    let spec = Spec::small(3, 2);
-    let w = fixture::write(&spec, "sflip");
-    let layout = packed_layout(&w);
-    let json: crate::runtime::trunk::TrunkJson = serde_json::from_str(
-        &std::fs::read_to_string(w.dir.join("packed").join("trunk.json")).unwrap(),
-    )
-    .unwrap();
-    let at = json.layers[1].file_off + 7;
-    {
+    let (spec, w, layout) = damaged("sflip", |f, json| {
         use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(w.dir.join("packed").join(crate::runtime::trunk::TRUNK_BIN))
-            .unwrap();
+        let at = json.layers[1].file_off + 7;
         f.write_all_at(&[0xa5, 0x5a, 0xa5], at).unwrap();
-    }
+    });
     let min = Ring::min_bytes(&*layout, 0);
     for bytes in [min, 3 * min] {
         let r = private(layout.clone(), 0, bytes, 5000);
@@ -333,20 +341,10 @@ fn a_damaged_layer_fails_its_reads() {
 
 #[test]
 fn read_failure_is_reported_for_that_layer() {
-    let spec = Spec::small(3, 2);
-    let w = fixture::write(&spec, "sfail");
-    let layout = packed_layout(&w);
-    let packed_dir = w.dir.join("packed");
     // Truncate trunk.bin inside layer 2's run.
-    let bin = packed_dir.join(crate::runtime::trunk::TRUNK_BIN);
-    let json: crate::runtime::trunk::TrunkJson =
-        serde_json::from_str(&std::fs::read_to_string(packed_dir.join("trunk.json")).unwrap())
-            .unwrap();
-    let cut = json.layers[2].file_off + 10;
-    (std::fs::OpenOptions::new().write(true).open(&bin))
-        .unwrap()
-        .set_len(cut)
-        .unwrap();
+    let (spec, w, layout) = damaged("sfail", |f, json| {
+        f.set_len(json.layers[2].file_off + 10).unwrap();
+    });
     let min = Ring::min_bytes(&*layout, 0);
     for bytes in [min, 3 * min] {
         let r = private(layout.clone(), 0, bytes, 5000);
@@ -371,9 +369,7 @@ fn read_failure_is_reported_for_that_layer() {
 /// that run together share reads.
 #[test]
 fn concurrent_workers_get_their_layers_and_share_reads() {
-    let spec = Spec::small(5, 2);
-    let w = fixture::write(&spec, "ring-conc");
-    let lay = catalog_layout(&w);
+    let (spec, w, lay) = small(5, "ring-conc");
     let first = 1;
     let largest = (first..5).map(|l| ext(&lay, l)).max().unwrap();
     // Ring sizes: one layer; a layer and a quarter (partial claims beside a leased layer); two;
@@ -432,11 +428,9 @@ fn concurrent_workers_get_their_layers_and_share_reads() {
 /// begins beside the held one (a partial claim) and its bytes are right.
 #[test]
 fn one_worker_reads_each_layer_once_per_pass() {
-    let spec = Spec::small(4, 2);
-    let w = fixture::write(&spec, "ring-one");
-    let lay = catalog_layout(&w);
+    let (spec, w, lay) = small(4, "ring-one");
     let all: u64 = (0..4).map(|l| ext(&lay, l)).sum();
-    let largest = (0..4).map(|l| ext(&lay, l)).max().unwrap();
+    let largest = Ring::min_bytes(&*lay, 0);
     assert!((0..4).all(|l| lay.windowed(l)), "contiguous runs");
     let quarter = crate::runtime::io::align_up(largest / 4).unwrap();
     // (ring, reads in all, some reads begin beside the leased layer: must, must not, may)
@@ -473,10 +467,8 @@ fn one_worker_reads_each_layer_once_per_pass() {
 /// its `release_lease` (`ReleaseTrunk` after the expert wait the lease outlived).
 #[test]
 fn a_stalled_lease_is_broken_and_reported() {
-    let spec = Spec::small(3, 2);
-    let w = fixture::write(&spec, "ring-stall");
-    let lay = catalog_layout(&w);
-    let largest = (0..3).map(|l| ext(&lay, l)).max().unwrap();
+    let (spec, w, lay) = small(3, "ring-stall");
+    let largest = Ring::min_bytes(&*lay, 0);
     for (k, by_release) in [false, true].into_iter().enumerate() {
         // Room for one layer: a held lease blocks every other read.
         let r = Arc::new(shared(lay.clone(), 0, largest, 300));
@@ -514,10 +506,8 @@ fn a_stalled_lease_is_broken_and_reported() {
 /// however short the lease limit.
 #[test]
 fn a_pin_is_never_broken() {
-    let spec = Spec::small(3, 2);
-    let w = fixture::write(&spec, "ring-pin");
-    let lay = catalog_layout(&w);
-    let largest = (0..3).map(|l| ext(&lay, l)).max().unwrap();
+    let (spec, w, lay) = small(3, "ring-pin");
+    let largest = Ring::min_bytes(&*lay, 0);
     let opts = RingOptions {
         lease_timeout: Duration::from_millis(100),
         idle_protect: Duration::from_millis(100),
@@ -543,10 +533,8 @@ fn a_pin_is_never_broken() {
 /// holder's next request is not a broken lease.
 #[test]
 fn a_lease_given_back_mid_pass_frees_the_extent_at_once() {
-    let spec = Spec::small(3, 2);
-    let w = fixture::write(&spec, "ring-release");
-    let lay = catalog_layout(&w);
-    let largest = (0..3).map(|l| ext(&lay, l)).max().unwrap();
+    let (spec, w, lay) = small(3, "ring-release");
+    let largest = Ring::min_bytes(&*lay, 0);
     // Room for one layer, and a lease limit far beyond the test's patience.
     let r = shared(lay.clone(), 0, largest, 60_000);
     let g = r.acquire(1, 0).unwrap();
@@ -569,10 +557,8 @@ fn a_lease_given_back_mid_pass_frees_the_extent_at_once() {
 /// that every layer is read once for both.
 #[test]
 fn a_late_worker_joins_the_convoy() {
-    let spec = Spec::small(6, 2);
-    let w = fixture::write(&spec, "ring-join");
-    let lay = catalog_layout(&w);
-    let largest = (0..6).map(|l| ext(&lay, l)).max().unwrap();
+    let (_, w, lay) = small(6, "ring-join");
+    let largest = Ring::min_bytes(&*lay, 0);
     let r = Arc::new(shared(lay.clone(), 0, 2 * largest, 10_000));
     let passes = 8;
     std::thread::scope(|s| {
@@ -602,10 +588,8 @@ fn a_late_worker_joins_the_convoy() {
 /// A stopped ring wakes its waiters with `Stopping`.
 #[test]
 fn a_shutdown_wakes_the_waiters() {
-    let spec = Spec::small(3, 2);
-    let w = fixture::write(&spec, "ring-stop");
-    let lay = catalog_layout(&w);
-    let largest = (0..3).map(|l| ext(&lay, l)).max().unwrap();
+    let (_, w, lay) = small(3, "ring-stop");
+    let largest = Ring::min_bytes(&*lay, 0);
     let r = Arc::new(shared(lay.clone(), 0, largest, 60_000));
     let _held = r.acquire(1, 0).unwrap();
     let r2 = r.clone();
