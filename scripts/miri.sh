@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the unit tests of k3's unsafe owner types that need no system calls under Miri
 # (undefined-behaviour checker; issue 13 item 5):
-#   k3-store  arena::             ArenaMem slicing (range/range_mut) and the placement rule
+#   k3-store  arena::             ArenaMem's checked guards (read/write) and the placement rule
 #             experts::tests::slot_views_are_disjoint_and_inside_the_arena
 #                                 the routed-expert slot views (Arena::heap / Arena::over)
 #             experts::tests::table_lru_order_and_explicit_holders   the slot state machine

@@ -15,7 +15,6 @@
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -151,21 +150,17 @@ fn mount_of(path: &Path) -> Option<(String, String, String)> {
 
 /// Drop `f`'s pages from the page cache (best effort; the answer says whether it worked).
 fn drop_cache(f: &File) -> bool {
-    // SAFETY: posix_fadvise only reads its integer arguments; the fd is open for the call.
-    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0 }
+    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
+    posix_fadvise(f, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED).is_ok()
 }
 
 /// Drop `[off, off+len)` of `f` from the page cache (best effort).
 fn drop_range(f: &File, off: u64, len: u64) {
-    // SAFETY: posix_fadvise only reads its integer arguments; the fd is open for the call.
-    let _ = unsafe {
-        libc::posix_fadvise(
-            f.as_raw_fd(),
-            off as libc::off_t,
-            len as libc::off_t,
-            libc::POSIX_FADV_DONTNEED,
-        )
+    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
+    let (Ok(off), Ok(len)) = (i64::try_from(off), i64::try_from(len)) else {
+        return;
     };
+    let _ = posix_fadvise(f, off, len, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
 }
 
 /// A tiny xorshift generator (offsets and scratch contents; no statistical claims).
@@ -188,16 +183,8 @@ impl Drop for Scratch {
 }
 
 fn free_bytes(dir: &Path) -> Option<u64> {
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
-    // SAFETY: `c` is a NUL-terminated path and `st` a properly aligned statvfs to fill.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled the (already zeroed) struct.
-    let st = unsafe { st.assume_init() };
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
+    let st = nix::sys::statvfs::statvfs(dir).ok()?;
+    Some(st.blocks_available().saturating_mul(st.fragment_size()))
 }
 
 /// Write a scratch file of `size` bytes of non-constant data in `dir`, fsync it and drop it
@@ -476,7 +463,7 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         "file_bytes": direct.len(),
         "note": scratch_note,
         "filesystem": mount.as_ref().map(|(src, mp, ty)| json!({"source": src, "mount": mp, "type": ty})),
-        "device": std::fs::metadata(&file_path).ok().map(|m| format!("{}:{}", libc::major(m.dev()), libc::minor(m.dev()))),
+        "device": std::fs::metadata(&file_path).ok().map(|m| format!("{}:{}", nix::sys::stat::major(m.dev()), nix::sys::stat::minor(m.dev()))),
         "seconds_per_measurement": a.seconds,
         "read_bytes": rb,
         "rounds": ROUNDS,

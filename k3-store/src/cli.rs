@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use clap::builder::PossibleValuesParser;
 
+pub use crate::runtime::experts::Preload;
 use crate::runtime::plan::{Budget, PRESETS};
 
 /// `--socket PATH`: where the store listens.
@@ -20,10 +21,8 @@ pub struct SocketArgs {
 impl SocketArgs {
     /// The socket given, or this user's default.
     pub fn path(&self) -> PathBuf {
-        self.socket.clone().unwrap_or_else(|| {
-            // SAFETY: getuid has no preconditions and cannot fail.
-            k3_proto::paths::default_socket(unsafe { libc::getuid() })
-        })
+        (self.socket.clone())
+            .unwrap_or_else(|| k3_proto::paths::default_socket(crate::ipc::current_uid()))
     }
 }
 
@@ -83,31 +82,23 @@ pub struct BudgetArgs {
     pub preload: Preload,
 }
 
-/// When the routed-expert cache is filled at start-up (`--preload`).
-#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Preload {
-    /// When the cache holds every routed expert.
-    #[default]
-    Auto,
-    /// Always; a cache that cannot hold every routed expert is refused.
-    On,
-    /// Never: each expert is read on first use.
-    Off,
-}
+/// `--preload auto|on|off`: the runtime's [`Preload`], parsed here (the runtime knows no
+/// command line).
+impl clap::ValueEnum for Preload {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[Preload::Auto, Preload::On, Preload::Off]
+    }
 
-impl Preload {
-    /// Whether to preload a cache of `slots` slots for a checkpoint of `experts` routed
-    /// experts; `Err` (a refusal, exit 2) for `on` when they do not all fit.
-    pub fn wanted(self, slots: usize, experts: usize) -> Result<bool, String> {
-        match self {
-            Preload::Off => Ok(false),
-            Preload::Auto => Ok(slots >= experts),
-            Preload::On if slots >= experts => Ok(true),
-            Preload::On => Err(format!(
-                "--preload on: the expert cache holds {slots} experts, the checkpoint has \
-                 {experts} routed experts (raise --cache-gb, or use --preload auto)"
-            )),
-        }
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let (name, help) = match self {
+            Preload::Auto => ("auto", "When the cache holds every routed expert"),
+            Preload::On => (
+                "on",
+                "Always; a cache that cannot hold every routed expert is refused",
+            ),
+            Preload::Off => ("off", "Never: each expert is read on first use"),
+        };
+        Some(clap::builder::PossibleValue::new(name).help(help))
     }
 }
 

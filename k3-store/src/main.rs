@@ -80,7 +80,7 @@ struct StartArgs {
     /// Seconds a worker may hold a layer of the trunk ring while other workers wait for room;
     /// past it the lease is broken and that worker's job fails with an error (SPEC.md §6.8).
     /// Between two passes a worker's read-ahead is protected for at most min(10 s, this).
-    #[arg(long, value_name = "SECS", default_value_t = k3_store::daemon::ring::DEFAULT_LEASE_TIMEOUT.as_secs_f64(),
+    #[arg(long, value_name = "SECS", default_value_t = k3_store::runtime::ring::DEFAULT_LEASE_TIMEOUT.as_secs_f64(),
           value_parser = lease_seconds)]
     lease_timeout: f64,
     /// Internal: the readiness pipe of a detached start.
@@ -391,12 +391,13 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         ring_bytes: plan.ring_bytes,
         preload,
         ring: {
-            use k3_store::daemon::ring::{RingOptions, DEFAULT_IDLE_PROTECT};
+            use k3_store::runtime::ring::{RingOptions, DEFAULT_IDLE_PROTECT};
             let lease_timeout = std::time::Duration::from_secs_f64(a.lease_timeout);
             // A worker between passes protects its read-ahead no longer than a lease lasts.
             RingOptions {
                 lease_timeout,
                 idle_protect: DEFAULT_IDLE_PROTECT.min(lease_timeout),
+                demand_timeout: lease_timeout,
             }
         },
     };

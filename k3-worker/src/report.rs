@@ -17,15 +17,9 @@ pub fn gb(b: u64) -> f64 {
 
 /// Peak resident set size of this process, in bytes.
 pub fn peak_rss_bytes() -> u64 {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes one `rusage` into the valid, properly aligned buffer we pass.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
-    if rc != 0 {
-        return 0;
-    }
-    // SAFETY: getrusage returned 0, so the struct is initialised (and it was zeroed before).
-    let ru = unsafe { ru.assume_init() };
-    ru.ru_maxrss.max(0) as u64 * 1024 // kilobytes on Linux
+    use nix::sys::resource::{getrusage, UsageWho};
+    // Kilobytes on Linux.
+    getrusage(UsageWho::RUSAGE_SELF).map_or(0, |u| u.max_rss().max(0) as u64 * 1024)
 }
 
 /// The step table's header.

@@ -24,7 +24,7 @@ use k3_proto::wire::{
 };
 use zerocopy::IntoBytes;
 
-use super::ring::{Grant, RingCounters, RingError, RingOptions, SharedRing};
+use super::ring::{add_ring, released, ring_error};
 use super::{Backend, ConnId};
 use crate::runtime::arena::ArenaMem;
 use crate::runtime::catalog::Catalog;
@@ -32,6 +32,7 @@ use crate::runtime::draft::DraftFile;
 use crate::runtime::experts::{Arena, BatchError, ExpertReader, ExpertSlots, SlotState, SlotTable};
 use crate::runtime::io::{align_up, span_len, DiskFile};
 use crate::runtime::pool::IoPool;
+use crate::runtime::ring::{Grant, Ring, RingOptions};
 use crate::runtime::trunk::{open_shards, TrunkLayout};
 use crate::shmem::Segment;
 
@@ -132,7 +133,7 @@ pub struct StoreBackend {
     prefetcher: IoPool,
     /// The trunk ring (`None` when every layer is pinned). Declared before the segment: its
     /// reader thread is joined before the memory it reads into is unmapped.
-    ring: Option<SharedRing>,
+    ring: Option<Ring>,
     /// Offset of the ring in the segment.
     ring_off: u64,
     seg: Segment,
@@ -399,12 +400,8 @@ impl StoreBackend {
                 // (the slot-table mirror and the arena are disjoint regions).
                 let mem = unsafe { ArenaMem::over(&mut seg.bytes_mut()[r0..r0 + rlen]) };
                 let first = lay.layers.len();
-                Some(SharedRing::new(
-                    Arc::new(trunk),
-                    first,
-                    mem,
-                    opts.ring.clone(),
-                )?)
+                let ring = Ring::new(Arc::new(trunk), first, mem, opts.ring.clone());
+                Some(ring.map_err(|e| e.to_string())?)
             }
             None => None,
         };
@@ -783,38 +780,6 @@ impl Backend for StoreBackend {
     fn draft_dir(&self) -> String {
         self.draft_dir.clone()
     }
-}
-
-/// The answer for a ring failure.
-fn ring_error(e: RingError) -> Response {
-    let code = match e {
-        RingError::BadLayer(_) => ErrorCode::BadRequest,
-        RingError::Broken(_) => ErrorCode::LeaseBroken,
-        RingError::Read(_) => ErrorCode::Internal,
-        RingError::Stopping => ErrorCode::Stopping,
-    };
-    Response::Error {
-        code,
-        message: e.to_string(),
-    }
-}
-
-/// The answer for a lease given back (`EndPass`, `ReleaseTrunk`): `None` when nothing streams.
-fn released(r: Option<Result<(), RingError>>) -> Response {
-    match r {
-        None | Some(Ok(())) => Response::Released,
-        Some(Err(e)) => ring_error(e),
-    }
-}
-
-/// Add ring counters to a job's or the lifetime counters.
-fn add_ring(c: &mut Counters, r: &RingCounters) {
-    c.trunk_bytes_read += r.bytes_read;
-    c.trunk_layer_reads += r.layer_reads;
-    c.trunk_layers_served += r.served;
-    c.trunk_shared_layers += r.shared;
-    c.trunk_wait_seconds += r.wait_seconds;
-    c.broken_leases += r.broken;
 }
 
 /// Where a model-level tensor sits in the segment (for tests and the worker).

@@ -88,16 +88,18 @@ pub fn parse_line(line: &str, pid: u32) -> Option<Readiness> {
 /// link: a planted symlink, FIFO, another user's file or a hard link to one is refused. Call it
 /// after the directory's owner was checked ([`crate::ipc::prepare_socket_dir`]).
 pub fn open_log(path: &Path) -> Result<File, String> {
+    use nix::errno::Errno;
+    use nix::fcntl::OFlag;
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
     let f = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .mode(0o600)
         // O_NONBLOCK: a FIFO planted at the path must not block the open (it is refused below).
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .custom_flags((OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).bits())
         .open(path)
         .map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
+            if e.raw_os_error() == Some(Errno::ELOOP as i32) {
                 format!(
                     "log {} is a symbolic link; refusing to write through it",
                     path.display()

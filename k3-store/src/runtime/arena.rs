@@ -1,30 +1,89 @@
 //! One block of memory carved into variable-size extents, and where the next extent goes.
 //!
-//! The trunk ring ([`crate::runtime::stream`]) keeps every streamed layer it holds in one arena instead of
-//! fixed slots of the largest layer's size: a 3 GB arena holds layer 0 (2.34 GB) alone but two
-//! KDA layers (1.27 GB each) at once, so the next layer is read while the current one is
-//! computed. [`ArenaMem`] is the memory (the only `unsafe` of the ring); [`place`] is the
-//! allocation rule, a pure function.
+//! The trunk ring ([`crate::runtime::ring`]) keeps every streamed layer it holds in one arena
+//! instead of fixed slots of the largest layer's size: a 3 GB arena holds layer 0 (2.34 GB) alone
+//! but two KDA layers (1.27 GB each) at once, so the next layer is read while the current one is
+//! computed. [`ArenaMem`] is the memory and checks every borrow of it (the only `unsafe` of the
+//! ring and of the expert slots); [`place`] is the allocation rule, a pure function.
+
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::runtime::io::{AlignedBuf, ALIGN};
 
-/// Memory handed out as raw sub-slices: the trunk ring's arena and the routed-expert slots
-/// ([`crate::runtime::experts::Arena`]). Who may touch which range when is the owner's state machine (see
-/// the safety contracts of [`ArenaMem::range`] and [`ArenaMem::range_mut`]).
+/// Memory handed out as sub-slices through guards: the trunk ring's arena and the routed-expert
+/// slots ([`crate::runtime::experts::Arena`]).
+///
+/// Who may touch which range when is the owner's state machine (the ring's extents and leases,
+/// the slot table); the arena CHECKS it: [`ArenaMem::write`] gives a range only while no other
+/// guard overlaps it, [`ArenaMem::read`] only while no write guard does, so a mistake of the
+/// state machine is an error ([`ArenaError`]), never two aliasing slices. The check is a short
+/// lock over the live guards, taken once per guard (a ring read, a slot read, a lease), not
+/// per access.
 pub struct ArenaMem {
     /// Owns the allocation when the arena made it; never borrowed after construction (all access
     /// goes through `base`). `None` over memory someone else owns ([`ArenaMem::over`]).
-    _buf: Option<AlignedBuf>,
+    buf: Option<AlignedBuf>,
     base: *mut u8,
     len: usize,
+    live: Mutex<Live>,
 }
 
-// SAFETY: the memory is plain bytes (owned by `_buf`, or by the caller of `over` for as long as
-// the arena is used); moving the owner between threads is as safe as moving an `AlignedBuf`. Every access goes through `range`/`range_mut`, whose callers
-// guarantee that no range is written while any overlapping range is borrowed.
+/// The guards alive now.
+#[derive(Default)]
+struct Live {
+    guards: Vec<Borrow>,
+    next: u64,
+}
+
+#[derive(Clone, Copy)]
+struct Borrow {
+    id: u64,
+    off: usize,
+    len: usize,
+    write: bool,
+}
+
+impl Borrow {
+    fn overlaps(&self, off: usize, len: usize) -> bool {
+        off < self.off + self.len && self.off < off + len
+    }
+}
+
+/// A range of the arena refused to a guard.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ArenaError {
+    /// Past the end of the arena.
+    #[error("arena range {off}+{len} is outside the {cap}-byte arena")]
+    Outside {
+        /// Start of the range asked for.
+        off: usize,
+        /// Its length.
+        len: usize,
+        /// Bytes in the arena.
+        cap: usize,
+    },
+    /// Overlaps a guard that excludes it (a write and anything, or a read and a write).
+    #[error("arena range {off}+{len} ({}) overlaps bytes in use ({}): the owner's bookkeeping is wrong",
+        if *.write { "to write" } else { "to read" },
+        if *.other_write { "being written" } else { "being read" })]
+    InUse {
+        /// Start of the range asked for.
+        off: usize,
+        /// Its length.
+        len: usize,
+        /// Asked for writing.
+        write: bool,
+        /// The guard in the way writes.
+        other_write: bool,
+    },
+}
+
+// SAFETY: the memory is plain bytes (owned by `buf`, or by the caller of `over` for as long as
+// the arena is used); moving the owner between threads is as safe as moving an `AlignedBuf`.
+// Every access goes through a guard checked against the live guards under `live`'s lock.
 unsafe impl Send for ArenaMem {}
-// SAFETY: see `Send`; shared access only produces the raw-pointer slices whose exclusivity the
-// callers of `range`/`range_mut` guarantee.
+// SAFETY: see `Send`; shared access only produces guards, and the lock in `borrow` keeps a
+// writing guard's range apart from every other guard's.
 unsafe impl Sync for ArenaMem {}
 
 impl ArenaMem {
@@ -33,9 +92,10 @@ impl ArenaMem {
         let mut buf = AlignedBuf::zeroed(len)?;
         let base = buf.as_mut_ptr();
         Ok(ArenaMem {
-            _buf: Some(buf),
+            buf: Some(buf),
             base,
             len,
+            live: Mutex::default(),
         })
     }
 
@@ -46,9 +106,10 @@ impl ArenaMem {
     /// and must not be accessed in this process other than through the arena.
     pub unsafe fn over(mem: &mut [u8]) -> ArenaMem {
         ArenaMem {
-            _buf: None,
+            buf: None,
             base: mem.as_mut_ptr(),
             len: mem.len(),
+            live: Mutex::default(),
         }
     }
 
@@ -62,28 +123,130 @@ impl ArenaMem {
         self.len == 0
     }
 
-    /// `len` bytes from `off`, shared.
-    ///
-    /// # Safety
-    /// `off + len <= self.len()`, and for as long as the returned slice lives no slice from
-    /// [`ArenaMem::range_mut`] overlapping it exists.
-    pub unsafe fn range(&self, off: usize, len: usize) -> &[u8] {
-        debug_assert!(off.checked_add(len).is_some_and(|e| e <= self.len));
-        // SAFETY: in bounds of the allocation (caller's contract), initialised (zeroed at
-        // creation, then only written by reads), and not written while borrowed (contract).
-        unsafe { std::slice::from_raw_parts(self.base.wrapping_add(off), len) }
+    /// True when the arena made its memory ([`ArenaMem::new`]): a thread writing into it may
+    /// outlive its other users as long as it holds the arena.
+    pub fn owns_memory(&self) -> bool {
+        self.buf.is_some()
     }
 
-    /// `len` bytes from `off`, exclusively.
-    ///
-    /// # Safety
-    /// `off + len <= self.len()`, and for as long as the returned slice lives no other slice
-    /// (shared or exclusive) overlapping it exists.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn range_mut(&self, off: usize, len: usize) -> &mut [u8] {
-        debug_assert!(off.checked_add(len).is_some_and(|e| e <= self.len));
-        // SAFETY: in bounds (contract) and exclusive for the slice's lifetime (contract).
-        unsafe { std::slice::from_raw_parts_mut(self.base.wrapping_add(off), len) }
+    fn live(&self) -> MutexGuard<'_, Live> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Record a guard of `[off, off + len)`, or say why not.
+    fn borrow(&self, off: usize, len: usize, write: bool) -> Result<u64, ArenaError> {
+        if off.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(ArenaError::Outside {
+                off,
+                len,
+                cap: self.len,
+            });
+        }
+        let mut g = self.live();
+        if let Some(b) = (g.guards.iter()).find(|b| (write || b.write) && b.overlaps(off, len)) {
+            return Err(ArenaError::InUse {
+                off,
+                len,
+                write,
+                other_write: b.write,
+            });
+        }
+        g.next += 1;
+        let id = g.next;
+        g.guards.push(Borrow {
+            id,
+            off,
+            len,
+            write,
+        });
+        Ok(id)
+    }
+
+    fn unborrow(&self, id: u64) {
+        let mut g = self.live();
+        if let Some(i) = g.guards.iter().position(|b| b.id == id) {
+            g.guards.swap_remove(i);
+        }
+    }
+
+    /// `len` bytes from `off`, to read, for as long as the guard lives; refused while a write
+    /// guard overlaps them.
+    pub fn read(self: &Arc<Self>, off: usize, len: usize) -> Result<ArenaRead, ArenaError> {
+        let id = self.borrow(off, len, false)?;
+        Ok(ArenaRead {
+            mem: self.clone(),
+            id,
+            off,
+            len,
+        })
+    }
+
+    /// `len` bytes from `off`, to write, for as long as the guard lives; refused while any other
+    /// guard overlaps them.
+    pub fn write(&self, off: usize, len: usize) -> Result<ArenaWrite<'_>, ArenaError> {
+        let id = self.borrow(off, len, true)?;
+        Ok(ArenaWrite {
+            mem: self,
+            id,
+            off,
+            len,
+        })
+    }
+}
+
+/// Bytes of an [`ArenaMem`] being read: no write guard overlaps them while this lives.
+pub struct ArenaRead {
+    mem: Arc<ArenaMem>,
+    id: u64,
+    off: usize,
+    len: usize,
+}
+
+impl std::ops::Deref for ArenaRead {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `off + len <= mem.len()` (checked in `borrow`), the memory is valid while the
+        // arena lives (this guard holds it) and initialised (zeroed at creation, then only
+        // written through write guards); no write guard overlapping it can exist while this
+        // guard is registered (`borrow`), and the borrow cannot outlive the guard.
+        unsafe { std::slice::from_raw_parts(self.mem.base.wrapping_add(self.off), self.len) }
+    }
+}
+
+impl Drop for ArenaRead {
+    fn drop(&mut self) {
+        self.mem.unborrow(self.id);
+    }
+}
+
+/// Bytes of an [`ArenaMem`] being written: no other guard overlaps them while this lives.
+pub struct ArenaWrite<'a> {
+    mem: &'a ArenaMem,
+    id: u64,
+    off: usize,
+    len: usize,
+}
+
+impl std::ops::Deref for ArenaWrite<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: as in `deref_mut`; `&self` gives no `&mut` at the same time.
+        unsafe { std::slice::from_raw_parts(self.mem.base.wrapping_add(self.off), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for ArenaWrite<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `off + len <= mem.len()` (checked in `borrow`), valid for as long as the
+        // arena (which this guard borrows) lives; no other guard overlaps the range while this
+        // one is registered (`borrow`), and `&mut self` makes this the only slice of it.
+        unsafe { std::slice::from_raw_parts_mut(self.mem.base.wrapping_add(self.off), self.len) }
+    }
+}
+
+impl Drop for ArenaWrite<'_> {
+    fn drop(&mut self) {
+        self.mem.unborrow(self.id);
     }
 }
 
@@ -252,18 +415,69 @@ mod tests {
 
     #[test]
     fn disjoint_ranges_read_back_what_was_written() {
-        let m = ArenaMem::new(4 * ALIGN).unwrap();
+        let m = Arc::new(ArenaMem::new(4 * ALIGN).unwrap());
         assert_eq!(m.len(), 4 * ALIGN);
-        // SAFETY: in bounds; no other slice exists.
-        let a = unsafe { m.range_mut(0, ALIGN) };
-        // SAFETY: in bounds and disjoint from `a`.
-        let b = unsafe { m.range_mut(ALIGN, 2 * ALIGN) };
-        a.fill(1);
-        b.fill(2);
-        // SAFETY: the exclusive slices above are no longer used.
-        let all = unsafe { m.range(0, 4 * ALIGN) };
+        assert!(m.owns_memory());
+        {
+            let mut a = m.write(0, ALIGN).unwrap();
+            let mut b = m.write(ALIGN, 2 * ALIGN).unwrap();
+            a.fill(1);
+            b.fill(2);
+        }
+        let all = m.read(0, 4 * ALIGN).unwrap();
         assert!(all[..ALIGN].iter().all(|&x| x == 1));
         assert!(all[ALIGN..3 * ALIGN].iter().all(|&x| x == 2));
         assert!(all[3 * ALIGN..].iter().all(|&x| x == 0));
+    }
+
+    /// What a wrong state machine would do is refused: a write over bytes being read or
+    /// written, a read of bytes being written, a range past the end. Reads share; a dropped
+    /// guard frees its range.
+    #[test]
+    fn overlapping_guards_are_refused() {
+        let m = Arc::new(ArenaMem::new(4 * ALIGN).unwrap());
+        let r = m.read(ALIGN, ALIGN).unwrap();
+        let r2 = m.read(ALIGN + 8, 8).unwrap();
+        assert_eq!(r2.len(), 8);
+        let e = m.write(ALIGN + ALIGN / 2, ALIGN).err().unwrap();
+        assert!(
+            matches!(
+                e,
+                ArenaError::InUse {
+                    write: true,
+                    other_write: false,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let w = m.write(2 * ALIGN, ALIGN).unwrap();
+        assert!(m.read(2 * ALIGN + 1, 1).is_err());
+        assert!(m.write(3 * ALIGN - 1, 2).is_err());
+        // Touching ends do not overlap.
+        assert!(m.write(0, ALIGN).is_ok());
+        assert!(m.write(3 * ALIGN, ALIGN).is_ok());
+        assert!(matches!(
+            m.write(3 * ALIGN, ALIGN + 1),
+            Err(ArenaError::Outside { .. })
+        ));
+        assert!(m.read(usize::MAX, 2).is_err());
+        drop((r, r2, w));
+        assert!(m.write(0, 4 * ALIGN).is_ok());
+        // Over borrowed memory: the same checks, and the memory outside is not touched.
+        let mut mem = vec![7u8; 3 * ALIGN];
+        // SAFETY: `mem` outlives `over` (dropped below) and is not touched while it is used.
+        let over = Arc::new(unsafe { ArenaMem::over(&mut mem[ALIGN..2 * ALIGN]) });
+        assert!(!over.owns_memory());
+        over.write(0, ALIGN).unwrap().fill(9);
+        let g = over.read(0, 1).unwrap();
+        assert!(over.write(0, 1).is_err());
+        drop(g);
+        drop(over);
+        assert!(mem[..ALIGN]
+            .iter()
+            .chain(&mem[2 * ALIGN..])
+            .all(|&b| b == 7));
+        assert!(mem[ALIGN..2 * ALIGN].iter().all(|&b| b == 9));
     }
 }

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 
-use crate::runtime::arena::ArenaMem;
+use crate::runtime::arena::{ArenaMem, ArenaRead, ArenaWrite};
 use crate::runtime::catalog::{Catalog, ExpertExtents};
 use crate::runtime::io::{align_up, DiskFile, ReadError, ALIGN};
 use crate::runtime::pool::IoPool;
@@ -677,9 +677,11 @@ impl ExpertReader {
 /// The routed-expert slots' memory: `slots` slots of `stride` bytes at one base address (the
 /// standalone cache's heap arena, or the daemon's arena in shared memory). Slot bytes are only
 /// reached through `Arena::slot_mut` (by the request that holds the slot INFLIGHT) and
-/// `Arena::slot` (under a lease), so the slot protocol alone decides who may touch them.
+/// `Arena::slot` (under a lease): the slot protocol decides who may touch them, and the
+/// [`ArenaMem`] refuses a write guard over a slot being read (or written), so a mistake of the
+/// protocol is an error, never aliased bytes.
 pub struct Arena {
-    mem: ArenaMem,
+    mem: Arc<ArenaMem>,
     stride: usize,
     slots: usize,
 }
@@ -692,7 +694,7 @@ impl Arena {
             .checked_mul(slots)
             .ok_or_else(|| format!("{slots} slots of {stride} bytes overflow"))?;
         Ok(Arena {
-            mem: ArenaMem::new(len)?,
+            mem: Arc::new(ArenaMem::new(len)?),
             stride,
             slots,
         })
@@ -714,7 +716,7 @@ impl Arena {
         }
         Ok(Arena {
             // SAFETY: the caller's contract is ArenaMem::over's.
-            mem: unsafe { ArenaMem::over(mem) },
+            mem: Arc::new(unsafe { ArenaMem::over(mem) }),
             stride,
             slots,
         })
@@ -730,28 +732,26 @@ impl Arena {
         self.slots
     }
 
-    /// The bytes of `slot`, to read an expert into.
-    ///
-    /// # Safety
-    /// The caller must hold `slot` INFLIGHT from its own reservation (so no other request writes
-    /// it and nobody holds a lease on it to read it) and must not create another reference to it
-    /// while the returned slice lives.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slot_mut(&self, slot: usize) -> &mut [u8] {
-        assert!(slot < self.slots, "slot {slot} out of range");
-        // SAFETY: `slot < slots`, so the slot lies inside the arena; exclusivity is the caller's.
-        unsafe { self.mem.range_mut(slot * self.stride, self.stride) }
+    /// The bytes of `slot`, to read an expert into: for the request that holds it INFLIGHT
+    /// from its own reservation (no other request writes it, nobody holds a lease to read it).
+    fn slot_mut(&self, slot: usize) -> Result<ArenaWrite<'_>, String> {
+        self.check(slot)?;
+        (self.mem.write(slot * self.stride, self.stride)).map_err(|e| format!("slot {slot}: {e}"))
     }
 
-    /// The bytes of `slot`, to read the expert it holds.
-    ///
-    /// # Safety
-    /// The caller must hold a lease on `slot` while it is RESIDENT, for as long as the returned
-    /// slice lives (a leased slot is never chosen as a victim, so nobody writes it).
-    unsafe fn slot(&self, slot: usize) -> &[u8] {
-        assert!(slot < self.slots, "slot {slot} out of range");
-        // SAFETY: `slot < slots`, so the slot lies inside the arena; no writer by the lease.
-        unsafe { self.mem.range(slot * self.stride, self.stride) }
+    /// The bytes of `slot`, to read the expert it holds: for a holder of a lease on it while it
+    /// is RESIDENT (a leased slot is never chosen as a victim, so nobody writes it).
+    fn slot(&self, slot: usize) -> Result<ArenaRead, String> {
+        self.check(slot)?;
+        (self.mem.read(slot * self.stride, self.stride)).map_err(|e| format!("slot {slot}: {e}"))
+    }
+
+    fn check(&self, slot: usize) -> Result<(), String> {
+        if slot < self.slots {
+            Ok(())
+        } else {
+            Err(format!("slot {slot} out of range ({} slots)", self.slots))
+        }
     }
 }
 
@@ -1132,11 +1132,9 @@ impl<X: Send> ExpertSlots<X> {
                 (Some(m), _) => Err(format!("{what}: {m}")),
                 (None, None) => Err(format!("{what} is not in the checkpoint")),
                 (None, Some(ext)) => {
-                    // SAFETY: `slot` is INFLIGHT from the caller's reservation: no other request
-                    // writes it, nobody holds a lease to read it, and this job is the only
-                    // reference to it (the caller waits for every job before publishing).
-                    let dst = unsafe { io.arena.slot_mut(slot) };
-                    io.reader.read(&what, &ext, dst).map_err(|err| err.0)
+                    // `slot` is INFLIGHT from the caller's reservation: this job alone writes it.
+                    let mut dst = io.arena.slot_mut(slot)?;
+                    io.reader.read(&what, &ext, &mut dst).map_err(|err| err.0)
                 }
             }
         };
@@ -1307,6 +1305,35 @@ impl<X: Send> ExpertSlots<X> {
     }
 }
 
+/// When the routed-expert cache is filled at start-up (`--preload`, parsed by
+/// [`crate::cli`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Preload {
+    /// When the cache holds every routed expert.
+    #[default]
+    Auto,
+    /// Always; a cache that cannot hold every routed expert is refused.
+    On,
+    /// Never: each expert is read on first use.
+    Off,
+}
+
+impl Preload {
+    /// Whether to preload a cache of `slots` slots for a checkpoint of `experts` routed
+    /// experts; `Err` (a refusal, exit 2) for `on` when they do not all fit.
+    pub fn wanted(self, slots: usize, experts: usize) -> Result<bool, String> {
+        match self {
+            Preload::Off => Ok(false),
+            Preload::Auto => Ok(slots >= experts),
+            Preload::On if slots >= experts => Ok(true),
+            Preload::On => Err(format!(
+                "--preload on: the expert cache holds {slots} experts, the checkpoint has \
+                 {experts} routed experts (raise --cache-gb, or use --preload auto)"
+            )),
+        }
+    }
+}
+
 /// What an [`ExpertSlots::preload`] loaded.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Preloaded {
@@ -1363,19 +1390,43 @@ struct ExpertLease {
     slot: usize,
     at: usize,
     len: usize,
+    /// The slot's bytes; `None` only while dropping (the guard goes before the lease).
+    bytes: Option<ArenaRead>,
+}
+
+impl ExpertLease {
+    /// The region of a lease on `slot` (RESIDENT, just leased by the caller), which the region
+    /// releases when it goes. On `Err` (the arena refuses the slot's bytes: a bug of the slot
+    /// protocol) the caller still holds the lease and releases it.
+    fn region(slots: &Arc<Slots>, slot: usize, at: usize, len: usize) -> Result<Region, String> {
+        let bytes = slots.arena().slot(slot)?;
+        if at + len > bytes.len() {
+            return Err(format!(
+                "slot {slot}: expert at {at}+{len} outside the slot"
+            ));
+        }
+        Ok(Region::whole(Arc::new(ExpertLease {
+            slots: slots.clone(),
+            slot,
+            at,
+            len,
+            bytes: Some(bytes),
+        })))
+    }
 }
 
 impl ByteOwner for ExpertLease {
     fn bytes(&self) -> &[u8] {
-        // SAFETY: this value holds a lease on `slot`, taken when it was RESIDENT and released
-        // only in `drop`, and the returned borrow cannot outlive `self`.
-        let bytes = unsafe { self.slots.arena().slot(self.slot) };
-        &bytes[self.at..self.at + self.len]
+        self.bytes
+            .as_deref()
+            .map_or(&[], |b| &b[self.at..self.at + self.len])
     }
 }
 
 impl Drop for ExpertLease {
     fn drop(&mut self) {
+        // The arena guard first: once the lease is released the slot may be written.
+        drop(self.bytes.take());
         self.slots.lock().table.release(self.slot);
         self.slots.notify();
     }
@@ -1444,8 +1495,8 @@ impl ExpertCache {
         format!(
             "expert cache: {} slots x {} ({}), {policy}, {}",
             self.opts.slots,
-            crate::runtime::plan::fmt_mb(stride),
-            crate::runtime::plan::fmt_bytes(stride * self.opts.slots as u64),
+            crate::runtime::units::fmt_mb(stride),
+            crate::runtime::units::fmt_bytes(stride * self.opts.slots as u64),
             if self.slots.reader().is_direct() {
                 "O_DIRECT"
             } else {
@@ -1520,6 +1571,7 @@ impl ExpertCache {
     pub fn resident(&self, l: usize, ids: &[u32]) -> ExpertBatch {
         let len = self.slots.reader().expert_bytes();
         let mut g = self.slots.lock();
+        let mut refused = false;
         let experts = ids
             .iter()
             .map(|&e| {
@@ -1527,17 +1579,21 @@ impl ExpertCache {
                     .ok()
                     .and_then(|l| g.table.lease_resident(l, e))
                 {
-                    Some(slot) => Ok(Region::whole(Arc::new(ExpertLease {
-                        slots: self.slots.clone(),
-                        slot,
-                        at: self.slots.offset_in_slot(l, e),
-                        len,
-                    }))),
+                    Some(slot) => {
+                        let at = self.slots.offset_in_slot(l, e);
+                        ExpertLease::region(&self.slots, slot, at, len).inspect_err(|_| {
+                            g.table.release(slot);
+                            refused = true;
+                        })
+                    }
                     None => Err(format!("expert {e} of layer {l} is not resident")),
                 }
             })
             .collect();
         drop(g);
+        if refused {
+            self.slots.notify();
+        }
         ExpertBatch { experts }
     }
 
@@ -1568,14 +1624,10 @@ impl ExpertCache {
             .map(|o| {
                 let slot = o.slot.clone()?;
                 // The lease's bytes are exactly the expert, so `whole` is the expert.
-                let slots = self.slots.clone();
-                let at = o.at;
-                Ok(Region::whole(Arc::new(ExpertLease {
-                    slots,
-                    slot,
-                    at,
-                    len,
-                })))
+                ExpertLease::region(&self.slots, slot, o.at, len).inspect_err(|_| {
+                    self.slots.lock().table.release(slot);
+                    self.slots.notify();
+                })
             })
             .collect();
         Ok(ExpertBatch {
@@ -1962,8 +2014,8 @@ mod tests {
             for ((e, x), y) in ids.iter().zip(&a.experts).zip(&b) {
                 match (x, &y.slot) {
                     (Ok(x), Ok(s)) => {
-                        // SAFETY: holder 7 keeps its lease on `s` until its next batch.
-                        let got = unsafe { d.arena().slot(*s) };
+                        // Holder 7 keeps its lease on `s` until its next batch.
+                        let got = d.arena().slot(*s).unwrap();
                         let want = fixture::expert_bytes(&spec, l, *e as usize);
                         assert!(x.bytes() == &want[..] && got[y.at..y.at + want.len()] == want[..]);
                         offsets.insert(y.at);
@@ -2098,15 +2150,17 @@ mod tests {
         for a in [&heap, &over] {
             assert_eq!((a.stride(), a.slots()), (stride, slots));
             for s in 0..slots {
-                // SAFETY: one thread; no other view of slot `s` lives.
-                unsafe { a.slot_mut(s) }.fill(s as u8 + 1);
+                a.slot_mut(s).unwrap().fill(s as u8 + 1);
             }
             for s in 0..slots {
-                // SAFETY: no mutable view lives any more.
-                let v = unsafe { a.slot(s) };
+                let v = a.slot(s).unwrap();
                 assert_eq!(v.len(), stride);
                 assert!(v.iter().all(|&b| b == s as u8 + 1), "slot {s}");
+                // A slot being read is not written, its neighbours are.
+                assert!(a.slot_mut(s).is_err());
+                assert!(a.slot_mut((s + 1) % slots).is_ok());
             }
+            assert!(a.slot(slots).is_err() && a.slot_mut(slots).is_err());
         }
         drop(over);
         assert!(mem[..skip].iter().all(|&b| b == 0xee));

@@ -11,12 +11,15 @@
 
 use std::alloc::Layout;
 use std::fs::File;
+use std::num::NonZeroUsize;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use crate::runtime::source::ByteOwner;
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::sys::mman::{self, MapFlags, MmapAdvise, ProtFlags};
 
 /// Alignment of every `O_DIRECT` offset, length and buffer address.
 pub const ALIGN: usize = 4096;
@@ -139,46 +142,44 @@ impl AlignedBuf {
         let map_len = cap
             .checked_add(pad)
             .ok_or_else(|| format!("buffer of {len} bytes is too large"))?;
-        // SAFETY: an anonymous private mapping at an address of the kernel's choosing has no
-        // preconditions; the result is checked against MAP_FAILED before use.
+        let size = NonZeroUsize::new(map_len)
+            .ok_or_else(|| format!("buffer of {len} bytes: an empty mapping"))?;
+        // SAFETY: an anonymous private mapping at an address of the kernel's choosing aliases
+        // nothing; it is owned by this buffer from here on.
         let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
+            mman::mmap_anonymous(
+                None,
+                size,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
             )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(format!(
-                "out of memory mapping {len} bytes (aligned buffer): {}",
-                std::io::Error::last_os_error()
-            ));
         }
+        .map_err(|e| format!("out of memory mapping {len} bytes (aligned buffer): {e}"))?;
+        let raw = raw.cast::<u8>();
         let head = match pad {
             0 => 0,
-            _ => (raw as usize).next_multiple_of(HUGE) - raw as usize,
+            _ => (raw.as_ptr() as usize).next_multiple_of(HUGE) - raw.as_ptr() as usize,
         };
-        let base = raw.cast::<u8>().wrapping_add(head);
         let tail = map_len - head - cap;
+        // SAFETY: `head < map_len`, so `raw + head` stays inside the mapping just created.
+        let ptr = unsafe { raw.add(head) };
         if head > 0 {
             // SAFETY: `raw..raw+head` is the unaligned start of the mapping just created, owned
             // by us and never handed out.
-            let _ = unsafe { libc::munmap(raw, head) };
+            let _ = unsafe { mman::munmap(raw.cast(), head) };
         }
         if tail > 0 {
-            // SAFETY: `base+cap..base+cap+tail` is the end of the same mapping, past the buffer.
-            let _ = unsafe { libc::munmap(base.wrapping_add(cap).cast(), tail) };
+            // SAFETY: `ptr + cap` is the end of the buffer, inside the mapping (`cap + tail` bytes
+            // from `ptr` are mapped).
+            let end = unsafe { ptr.add(cap) };
+            // SAFETY: `end..end+tail` is the end of the same mapping, past the buffer.
+            let _ = unsafe { mman::munmap(end.cast(), tail) };
         }
         if cap >= HUGE {
             // Best effort: huge pages only change how the zero pages are provided.
-            // SAFETY: `base..base+cap` is inside the mapping just created and owned by us.
-            let _ = unsafe { libc::madvise(base.cast(), cap, libc::MADV_HUGEPAGE) };
+            // SAFETY: `ptr..ptr+cap` is inside the mapping just created and owned by us.
+            let _ = unsafe { mman::madvise(ptr.cast(), cap, MmapAdvise::MADV_HUGEPAGE) };
         }
-        let ptr = NonNull::new(base)
-            .ok_or_else(|| format!("mmap of {len} bytes returned a null address"))?;
         Ok(AlignedBuf {
             ptr,
             len,
@@ -228,7 +229,7 @@ impl Drop for AlignedBuf {
             Backing::Map(cap) => {
                 // SAFETY: `ptr..ptr+cap` is the mapping made in `mapped`, unmapped exactly once;
                 // no borrow of it outlives `self`.
-                let _ = unsafe { libc::munmap(self.ptr.as_ptr().cast(), cap) };
+                let _ = unsafe { mman::munmap(self.ptr.cast(), cap) };
             }
         }
     }
@@ -275,15 +276,10 @@ impl MappedRange {
     }
 }
 
-impl ByteOwner for MappedRange {
-    fn bytes(&self) -> &[u8] {
+impl MappedRange {
+    /// The bytes of the range.
+    pub fn as_slice(&self) -> &[u8] {
         &self.map[self.inner..self.inner + self.len]
-    }
-}
-
-impl ByteOwner for AlignedBuf {
-    fn bytes(&self) -> &[u8] {
-        self.as_slice()
     }
 }
 
@@ -325,7 +321,7 @@ impl DiskFile {
         let direct = if try_direct {
             std::fs::OpenOptions::new()
                 .read(true)
-                .custom_flags(libc::O_DIRECT)
+                .custom_flags(OFlag::O_DIRECT.bits())
                 .open(path)
                 .ok()
         } else {
@@ -432,7 +428,7 @@ impl DiskFile {
                 // A short direct read that is not block-aligned can only happen at EOF.
                 Ok(n) => done += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) if e.raw_os_error() == Some(libc::EINVAL) && done == 0 => {
+                Err(e) if e.raw_os_error() == Some(Errno::EINVAL as i32) && done == 0 => {
                     self.direct_ok.store(false, Ordering::Relaxed);
                     return Ok(false);
                 }

@@ -10,9 +10,9 @@
 //! lm_head, final norms) are their own line and are not charged to the trunk budget.
 
 use crate::runtime::io::{align_down, align_up, ALIGN};
-
-/// Bytes per GB (decimal).
-pub const GB: f64 = 1e9;
+// The byte formats live apart (the expert cache prints them too, and the plan reads the cache's
+// slot size); they are re-exported here, where callers have always found them.
+pub use crate::runtime::units::{fmt_bytes, fmt_gb, fmt_mb, GB};
 
 /// A named memory preset (README "Presets").
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -397,18 +397,13 @@ pub fn limit_allocator_arenas() {
 /// The address space this process may still map under `RLIMIT_AS` (the limit less what is
 /// mapped now), or `None` without a limit.
 pub fn address_space_left() -> Option<u64> {
-    let mut rl = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `rl` is a valid, writable rlimit; RLIMIT_AS is a valid resource.
-    if unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut rl) } != 0
-        || rl.rlim_cur == libc::RLIM_INFINITY
-    {
+    use nix::sys::resource::{getrlimit, Resource, RLIM_INFINITY};
+    let (soft, _) = getrlimit(Resource::RLIMIT_AS).ok()?;
+    if soft == RLIM_INFINITY {
         return None;
     }
     let mapped = status_field("VmSize:").unwrap_or(0);
-    Some(rl.rlim_cur.saturating_sub(mapped))
+    Some(soft.saturating_sub(mapped))
 }
 
 /// What the threads a process starts after its plan make resident besides the buffers the plan
@@ -663,25 +658,6 @@ pub fn address_space_problem(need: u64) -> Option<String> {
             fmt_gb(need - left)
         )
     })
-}
-
-/// `12.34 GB`.
-pub fn fmt_gb(b: u64) -> String {
-    format!("{:.2} GB", b as f64 / GB)
-}
-
-/// `12.34 GB` from 1 GB up, else `17.55 MB`.
-pub fn fmt_bytes(b: u64) -> String {
-    if b as f64 >= GB {
-        fmt_gb(b)
-    } else {
-        fmt_mb(b)
-    }
-}
-
-/// `17.55 MB`.
-pub fn fmt_mb(b: u64) -> String {
-    format!("{:.2} MB", b as f64 / 1e6)
 }
 
 impl std::fmt::Display for MemoryPlan {

@@ -10,6 +10,8 @@ use std::sync::Arc;
 
 use k3_proto::Dtype;
 
+use crate::runtime::io::{AlignedBuf, MappedRange};
+
 /// Something that owns bytes that stay put while it is alive.
 pub trait ByteOwner: Send + Sync {
     /// The owned bytes.
@@ -19,6 +21,18 @@ pub trait ByteOwner: Send + Sync {
 impl ByteOwner for Vec<u8> {
     fn bytes(&self) -> &[u8] {
         self
+    }
+}
+
+impl ByteOwner for AlignedBuf {
+    fn bytes(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+impl ByteOwner for MappedRange {
+    fn bytes(&self) -> &[u8] {
+        self.as_slice()
     }
 }
 

@@ -11,9 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::cli::Preload;
 use crate::runtime::catalog::Catalog;
-use crate::runtime::experts::{CacheOptions, CacheStats, ExpertCache};
+use crate::runtime::experts::{CacheOptions, CacheStats, ExpertCache, Preload};
 use crate::runtime::io::{DiskFile, MappedRange};
 use crate::runtime::plan::{allocatable, Budget, MemoryPlan, PlanInputs};
 use crate::runtime::pool::IoPool;
@@ -436,17 +435,17 @@ impl WeightSource for StandaloneSource {
             failed_expert_loads: c.table.failed_loads,
             expert_bytes_read: c.bytes_read,
             expert_read_seconds: c.read_seconds,
-            trunk_bytes_read: s.bytes_read,
-            trunk_read_seconds: s.read_seconds,
-            io_wait_seconds: s.wait_seconds + c.wait_seconds,
-            trunk_wait_seconds: s.wait_seconds,
+            trunk_bytes_read: s.ring.bytes_read,
+            trunk_read_seconds: s.ring.read_seconds,
+            io_wait_seconds: s.ring.wait_seconds + c.wait_seconds,
+            trunk_wait_seconds: s.ring.wait_seconds,
             // Loads whose reads are done, like their bytes: a prefetch still reading when the
             // report is taken (the last pass's prediction of a next pass) is in neither.
             prefetch_loads: c.prefetch_loads,
             prefetch_bytes: c.prefetch_bytes,
             prefetch_used: c.table.prefetch_used,
             prefetch_dropped: c.table.prefetch_dropped,
-            // Counted by the store's shared ring; a private stream has no hand-outs to share.
+            // Reported for the store's ring only (a private stream's hand-outs are its own).
             trunk_layers_served: 0,
             trunk_shared_layers: 0,
             preloaded_experts: c.table.preloaded,

@@ -22,7 +22,7 @@
 //! missing or zero checksum or identity, and runs that overlap, are unaligned or lie outside
 //! `trunk.bin`. Layer bytes are checked against their checksum with
 //! [`TrunkLayout::verify_run`]: pinned layers always when loaded, streamed layers on their first
-//! read in a process by default (`K3_TRUNK_VERIFY=first|every|off`, see `crate::runtime::stream`), every
+//! read in a process by default (`K3_TRUNK_VERIFY=first|every|off`, see `crate::runtime::ring`), every
 //! layer by `k3-ctl verify`.
 //!
 //! **Checkpoint identity** ([`checkpoint_id`]): XXH3-128 over, for every shard in file-name order,
@@ -47,6 +47,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::runtime::catalog::{Catalog, TensorExtent};
 use crate::runtime::io::{align_down, align_up, span_len, AlignedBuf, DiskFile, ReadError, ALIGN};
+use crate::runtime::ring::Runs;
 use crate::runtime::source::{LayerLayout, TensorLoc};
 
 /// File names inside a packed-trunk directory.
@@ -916,6 +917,32 @@ impl TrunkLayout {
     }
 }
 
+/// The trunk's layers as the ring streams them: a layer's run is bytes of the pack (or of the
+/// shards), whatever they encode.
+impl Runs for TrunkLayout {
+    fn count(&self) -> usize {
+        self.n_layers()
+    }
+    fn buf_len(&self, l: usize) -> u64 {
+        TrunkLayout::buf_len(self, l)
+    }
+    fn run_len(&self, l: usize) -> u64 {
+        self.plan(l).map_or(0, |p| p.run_len)
+    }
+    fn windowed(&self, l: usize) -> bool {
+        TrunkLayout::windowed(self, l)
+    }
+    fn read(&self, l: usize, dst: &mut [u8]) -> Result<usize, String> {
+        self.read_layer(l, dst).map_err(|e| e.0)
+    }
+    fn read_window(&self, l: usize, dst: &mut [u8], at: usize) -> Result<usize, String> {
+        self.read_layer_window(l, dst, at).map_err(|e| e.0)
+    }
+    fn verify(&self, l: usize, run: &[u8]) -> Result<(), String> {
+        self.verify_run(l, run)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1272,13 +1299,9 @@ mod verify_cost {
         // Thread CPU time as well as wall time: on a shared machine the wall time includes
         // the time other processes held the core.
         let cpu = || {
-            let mut ts = libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            };
-            // SAFETY: `ts` is a valid, writable timespec for the call's duration.
-            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-            ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+            use nix::time::{clock_gettime, ClockId};
+            let ts = clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID).unwrap();
+            ts.tv_sec() as f64 + ts.tv_nsec() as f64 * 1e-9
         };
         let (mut best, mut best_cpu) = (f64::MAX, f64::MAX);
         let mut sum = 0u64;

@@ -1,0 +1,67 @@
+//! What the ring streams ([`Runs`]) and which of its reads are checked ([`VerifyMode`]).
+
+use crate::runtime::io::align_up;
+
+/// What the ring streams: numbered runs of bytes (the trunk's layers), each read from disk into
+/// an aligned buffer. Whatever the bytes encode, a run is `run_len` bytes at the offset its read
+/// returns.
+pub trait Runs: Send + Sync {
+    /// Number of runs (layers).
+    fn count(&self) -> usize;
+    /// Buffer bytes a read of run `l` needs ([`Runs::read`]).
+    fn buf_len(&self, l: usize) -> u64;
+    /// Bytes of run `l`.
+    fn run_len(&self, l: usize) -> u64;
+    /// True when run `l` can be read window by window ([`Runs::read_window`]).
+    fn windowed(&self, l: usize) -> bool;
+    /// Read run `l` into `dst` (aligned, at least [`Runs::buf_len`] bytes); where the run starts
+    /// in `dst`.
+    fn read(&self, l: usize, dst: &mut [u8]) -> Result<usize, String>;
+    /// The part `[at, at + dst.len())` of what [`Runs::read`] writes, into `dst`; where the run
+    /// starts in the whole buffer.
+    fn read_window(&self, l: usize, dst: &mut [u8], at: usize) -> Result<usize, String>;
+    /// Check run `l`'s bytes against its checksum (`Ok` when it has none). The message names the
+    /// run.
+    fn verify(&self, l: usize, run: &[u8]) -> Result<(), String>;
+}
+
+/// Environment variable choosing which ring reads are checked against their checksums
+/// ([`VerifyMode`]): `first` (the default), `every`, or `0`/`off`.
+pub const VERIFY_ENV: &str = k3_proto::paths::env::K3_TRUNK_VERIFY;
+
+/// Which ring reads are checked against the run's checksum.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VerifyMode {
+    /// None (`K3_TRUNK_VERIFY=0`).
+    Off,
+    /// The first read of each layer in this process (the default): damage at rest — flipped
+    /// bits, a `trunk.bin` from another pack — is caught before the layer's bytes are first
+    /// used, at one check per layer per process. (The file is open, and packing never rewrites
+    /// a trunk in place, so later reads return the same bytes unless the disk fails them.)
+    First,
+    /// Every read (`K3_TRUNK_VERIFY=every`): also catches bytes that change while the file is
+    /// open, at a CPU cost of about a fifth of the read time (docs/RELIABILITY.md).
+    Every,
+}
+
+impl VerifyMode {
+    /// The mode [`VERIFY_ENV`] selects; `Err` names a value it does not know.
+    pub fn from_env() -> Result<VerifyMode, String> {
+        match std::env::var(VERIFY_ENV) {
+            Err(_) => Ok(VerifyMode::First),
+            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "" | "1" | "first" | "on" | "yes" => Ok(VerifyMode::First),
+                "every" | "all" => Ok(VerifyMode::Every),
+                "0" | "off" | "no" | "false" => Ok(VerifyMode::Off),
+                other => Err(format!(
+                    "{VERIFY_ENV}={other:?}: expected first (the default), every or off"
+                )),
+            },
+        }
+    }
+}
+
+/// Arena bytes run `l` of `runs` takes: its read buffer rounded up to the page.
+pub fn extent_bytes(runs: &dyn Runs, l: usize) -> u64 {
+    align_up(runs.buf_len(l)).unwrap_or(u64::MAX)
+}
