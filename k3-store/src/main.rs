@@ -246,6 +246,13 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Ok(x) => x,
         Err(e) => return fail(&mut notify, e.exit_code(), e.0),
     };
+    // The content identity sessions, saved state and the segment are bound to: from the
+    // manifest's recorded hashes when there is one (no shard is read), else sampled.
+    let identity = match k3_store::runtime::identity::ModelIdentity::of(&cat) {
+        Ok(i) => i,
+        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
+    };
+    tracing::info!("{}", identity.describe());
     let shards = match k3_store::runtime::trunk::open_shards(&cat) {
         Ok(s) => s,
         Err(e) => return fail(&mut notify, e.exit_code(), e.0),
@@ -343,17 +350,13 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
     log_shared_memory_pages();
     drop(trunk);
-    let identity = match cat.identity(&a.model_dir) {
-        Ok(i) => i,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e),
-    };
     let sessions = Arc::new(Sessions::new(
         SessionOptions {
             budget_bytes: (a.session_mb * 1e6) as u64,
             max_count: a.max_sessions,
             state_dir: a.state_dir.clone(),
         },
-        identity,
+        identity.id,
     ));
     if let Err(e) = sessions.load_state_dir() {
         return fail(&mut notify, exit::REFUSED, e);
@@ -390,6 +393,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
                 idle_protect: DEFAULT_IDLE_PROTECT.min(lease_timeout),
             }
         },
+        identity: identity.id,
     };
     let t0 = std::time::Instant::now();
     // Until the load is done the socket answers "loading" and honours a stop (SPEC.md §6.5).

@@ -28,6 +28,7 @@ use k3_proto::wire::{ClientKind, Counters, Request, Response, SlotAnswer};
 use crate::attach::client::{Client, ClientError};
 use crate::runtime::catalog::Catalog;
 use crate::runtime::draft::{DraftFile, DraftSource};
+use crate::runtime::identity::ModelIdentity;
 use crate::runtime::pool::IoPool;
 use crate::runtime::source::{
     ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
@@ -202,7 +203,7 @@ struct Link {
     seg: Arc<ReadOnlySegment>,
     arena: ArenaGeometry,
     wait: Mutex<f64>,
-    identity: u64,
+    identity: u128,
 }
 
 /// Where the store's expert arena lies in its memory, as its header says.
@@ -280,12 +281,14 @@ impl AttachedSource {
             }
         }
         let (cat, _cfg) = Catalog::open_dir(&model_dir).map_err(|e| mismatch(e.0))?;
-        let identity = cat.identity(&model_dir).map_err(mismatch)?;
-        if identity != header.model_identity {
+        let identity = ModelIdentity::of(&cat).map_err(|e| mismatch(e.to_string()))?;
+        if identity.id != header.model_identity() {
             return Err(mismatch(format!(
-                "{} changed since the store loaded it (config or shard sizes differ); restart \
+                "{} is model {identity} here, but the store serves model {:032x}: the checkpoint \
+                 (its config, manifest or shards) changed since the store loaded it; restart \
                  the store",
-                model_dir.display()
+                model_dir.display(),
+                header.model_identity()
             )));
         }
         let shards = open_shards(&cat).map_err(|e| mismatch(e.0))?;
@@ -388,7 +391,7 @@ impl AttachedSource {
                         slots: header.slot_count,
                     },
                     wait: Mutex::new(0.0),
-                    identity: header.model_identity,
+                    identity: header.model_identity(),
                 }),
                 model,
                 trunk,
@@ -509,7 +512,7 @@ impl AttachedSource {
     }
 
     /// The identity of the checkpoint the store serves (what a kept session must carry).
-    pub fn model_identity(&self) -> u64 {
+    pub fn model_identity(&self) -> u128 {
         self.link.identity
     }
 

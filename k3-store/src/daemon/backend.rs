@@ -91,6 +91,9 @@ pub struct BuildOptions {
     pub preload: bool,
     /// Lease limits of the ring.
     pub ring: RingOptions,
+    /// The checkpoint's content identity (`runtime::identity::ModelIdentity`), recorded in the
+    /// segment's header for workers to compare with their own.
+    pub identity: u128,
 }
 
 /// How long an expert request waits for leased slots to be released by other workers.
@@ -278,10 +281,9 @@ impl StoreBackend {
             opts.ring_bytes,
             opts.draft.as_deref(),
         );
-        let identity = cat.identity(&opts.model_dir)?;
         let mut seg = Segment::create("k3-store", lay.total)
             .map_err(|e| format!("cannot create {} bytes of shared memory: {e}", lay.total))?;
-        let mut header = ShmHeader::new(lay.total, identity);
+        let mut header = ShmHeader::new(lay.total, opts.identity);
         let preload_bytes = if opts.preload {
             let n = cat.routed_experts().count().min(opts.slots) as u64;
             n * cat.expert_layout().expert_bytes() as u64

@@ -76,7 +76,7 @@ struct Inner {
 /// The store's sessions.
 pub struct Sessions {
     opts: SessionOptions,
-    identity: u64,
+    identity: u128,
     inner: Mutex<Inner>,
     seq: AtomicU64,
 }
@@ -104,7 +104,7 @@ pub struct Loaded {
 
 impl Sessions {
     /// An empty table for a store serving the checkpoint of `identity`.
-    pub fn new(opts: SessionOptions, identity: u64) -> Sessions {
+    pub fn new(opts: SessionOptions, identity: u128) -> Sessions {
         Sessions {
             opts,
             identity,
@@ -405,7 +405,7 @@ mod tests {
     use crate::session::SessionWriter;
     use std::os::fd::AsFd;
 
-    fn blob(identity: u64, ids: &[u32], state: usize) -> Blob {
+    fn blob(identity: u128, ids: &[u32], state: usize) -> Blob {
         Blob::create("k3-test", |w| {
             let mut s = SessionWriter::begin(w, identity, ids, b"", state as u64)?;
             s.write_all(&vec![7u8; state])?;

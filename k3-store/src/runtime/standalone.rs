@@ -45,6 +45,10 @@ pub struct StandaloneOptions {
     pub extra_buffer_bytes: u64,
     /// Whether every routed expert is read into the cache before the first token.
     pub preload: Preload,
+    /// Hold every tensor the engine reads to the config's dtype and shape at open
+    /// ([`k3_proto::tensors::check`]; off only for the store library's own test checkpoints,
+    /// which are not a model's tensor set).
+    pub check_shapes: bool,
 }
 
 impl Default for StandaloneOptions {
@@ -58,6 +62,7 @@ impl Default for StandaloneOptions {
             cache_policy: "lru".into(),
             extra_buffer_bytes: 0,
             preload: Preload::Auto,
+            check_shapes: true,
         }
     }
 }
@@ -144,6 +149,10 @@ impl StandaloneSource {
         }
         let index = k3_proto::safetensors::CheckpointIndex::open(model_dir)
             .map_err(|e| OpenError::Refused(format!("{}: {e}", model_dir.display())))?;
+        if opts.check_shapes {
+            k3_proto::tensors::check(&cfg, &index)
+                .map_err(|e| OpenError::Refused(format!("{}: {e}", model_dir.display())))?;
+        }
         let cat = Catalog::from_index(&index, &cfg).map_err(|e| OpenError::Refused(e.0))?;
         drop(index);
         let (ctx, chunk) = (opts.context_len, opts.prefill_tokens);
