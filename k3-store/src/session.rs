@@ -152,6 +152,11 @@ impl View<'_> {
     }
 }
 
+/// The trailer's checksum of a session's bytes before it (XXH3-64).
+pub fn checksum(bytes: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(bytes)
+}
+
 /// Check `bytes` as a session: magic, version, lengths, checksum (not the identity: see
 /// [`check_identity`]).
 pub fn parse(bytes: &[u8]) -> Result<View<'_>, SessionError> {
@@ -195,7 +200,7 @@ pub fn parse(bytes: &[u8]) -> Result<View<'_>, SessionError> {
     }
     let body = bytes.len() - TRAILER_BYTES;
     let found = u64_at(bytes, body);
-    let computed = twox_hash::XxHash3_64::oneshot(&bytes[..body]);
+    let computed = checksum(&bytes[..body]);
     if found != computed {
         return Err(SessionError::Checksum { found, computed });
     }
