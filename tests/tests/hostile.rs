@@ -580,12 +580,17 @@ fn oversized_labels_keep_stats_and_status_working() {
         }
     }
     // 60 KB labels fit a frame: accepted and cut to the documented length. 80 of them: more jobs
-    // than a stats reply lists.
+    // than a stats reply lists. Each reports progress (work: a worker that does nothing after
+    // its Hello is idle, and the store keeps at most 64 idle connections per uid).
     let held: Vec<UnixStream> = (0..80)
         .map(|i| {
             let label = format!("{i:03}{}", "L".repeat(60_000));
-            let (c, w) = raw_hello(&sock, ClientKind::Worker, &label);
+            let (mut c, w) = raw_hello(&sock, ClientKind::Worker, &label);
             assert!(matches!(w, Some(Response::Welcome { .. })), "{w:?}");
+            c.write_all(&raw_frame(&Request::Progress(Default::default())))
+                .unwrap();
+            let noted = wire::read_frame::<Response, _>(&mut c);
+            assert!(matches!(noted, Ok(Response::Noted)), "{noted:?}");
             c
         })
         .collect();

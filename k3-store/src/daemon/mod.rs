@@ -69,8 +69,8 @@ pub trait Backend: Send + Sync + 'static {
     fn experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response;
     /// Release every lease `conn` holds (on `ReleaseAll`).
     fn release_all(&self, conn: ConnId);
-    /// A client finished its handshake.
-    fn opened(&self, _conn: ConnId, _kind: ClientKind, _label: &str) {}
+    /// A client finished its handshake (`pid`: its process, from `SO_PEERCRED`; 0 unknown).
+    fn opened(&self, _conn: ConnId, _kind: ClientKind, _label: &str, _pid: u32) {}
     /// A client disconnected (cleanly or killed): release everything it held.
     fn closed(&self, conn: ConnId) {
         self.release_all(conn);
@@ -164,7 +164,7 @@ impl Default for Limits {
             write_timeout: Duration::from_secs(10),
             max_listed_jobs: 64,
             history_tokens: history::DEFAULT_HISTORY_TOKENS,
-            max_idle_per_uid: 32,
+            max_idle_per_uid: 64,
             control_idle_timeout: Duration::from_secs(60),
             reserved: 8,
         }
@@ -838,7 +838,8 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
     if !sent {
         return;
     }
-    shared.backend.opened(id, kind, &label);
+    let pid = ipc::peer_cred(stream).map_or(0, |(_, pid)| pid.max(0) as u32);
+    shared.backend.opened(id, kind, &label, pid);
     lock(&shared.clients).push((id, label));
     // One request at a time per connection: it is read, served and answered before the next is
     // read (requests a client pipelines wait in the kernel's socket buffer, not in the store).

@@ -180,6 +180,16 @@ impl StandaloneSource {
         inputs: &dyn Fn(&Catalog, &TrunkLayout) -> PlanInputs,
         progress: &mut dyn FnMut(&str, usize, usize),
     ) -> Result<(StandaloneSource, MemoryPlan), OpenError> {
+        // Every descriptor this source holds, against the open-file limit (raised to the hard
+        // one): a limit too low for them is a refusal with the number, not a failed read later.
+        let needs = crate::fdlimit::Needs {
+            shards: cat.shard_paths().len() as u64,
+            trunks: u64::from(trunk_dir.is_some()),
+            ..Default::default()
+        };
+        crate::fdlimit::raise()
+            .check("k3-worker", &needs)
+            .map_err(OpenError::Refused)?;
         let shards = open_shards(&cat).map_err(|e| OpenError::Io(e.0))?;
         for (f, &want) in shards.iter().zip(cat.shard_lens()) {
             if f.len() != want {
@@ -413,6 +423,8 @@ impl WeightSource for StandaloneSource {
             // Counted by the store's shared ring; a private stream has no hand-outs to share.
             trunk_layers_served: 0,
             trunk_shared_layers: 0,
+            // Only an attached job reads around a store's stuck worker.
+            private_expert_reads: 0,
             preloaded_experts: c.table.preloaded,
             preload_bytes: c.preload_bytes,
             preload_seconds: c.preload_seconds,
