@@ -23,7 +23,7 @@
 #   list is config.json, the tokenizer files and the shards the index names, and only the size
 #   checks apply (for moonshotai/Kimi-K3 also: 96 shards, 1,560,936,091,448 bytes in total).
 # * The manifest: once every file is verified against the hub's listing, DEST/k3-manifest.json
-#   records each shard's name, size and the hub's sha256 (docs/SPEC.md §2.3). It is the model's
+#   records each shard's name, size and the hub's sha256 (docs/SPEC.md §6.11). It is the model's
 #   content identity (sessions, saved state and packed trunks are bound to it) and the reference
 #   `k3-ctl verify` checks every shard against. Without the hub's listing no manifest is written
 #   (a stale one is removed): the contents then have no reference, and `k3-ctl verify` says so.

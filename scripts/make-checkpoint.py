@@ -7,7 +7,7 @@ Presets: tiny (committed test fixture), small (~190 MB, real vocab), medium (~5.
 experts), k3slice (~16 GB, real layer dims, 5 layers), skeleton-full (the real 93-layer
 layout, 96 sparse shards with real headers and no data). Same preset + seed => identical bytes.
 Every preset but skeleton-full also writes k3-manifest.json (each shard's sha256, docs/SPEC.md
-§2.3), so the checkpoint's content identity is the strong one and `k3-ctl verify` can check it.
+§6.11), so the checkpoint's content identity is the strong one and `k3-ctl verify` can check it.
 """
 from __future__ import annotations
 

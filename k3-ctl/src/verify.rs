@@ -3,7 +3,7 @@
 //! The checkpoint: every tensor the engine reads has the dtype and shape its config says (the
 //! shared check, `k3_proto::tensors`), every shard has the size its index recorded and reads end
 //! to end, and every tensor the engine uses lies inside its shard. With a manifest
-//! (`k3-manifest.json`, SPEC.md §2.3) every shard's SHA-256 is compared with the reference it
+//! (`k3-manifest.json`, SPEC.md §6.11) every shard's SHA-256 is compared with the reference it
 //! records; without one the contents cannot be checked against anything, which the report says
 //! plainly and the exit code ([`exit::UNVERIFIED`]) tells apart from success. The packed trunk,
 //! when given: it opens (format, model identity, trunk identity, run layout: the checks of

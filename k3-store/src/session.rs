@@ -8,7 +8,7 @@
 //! 0   magic "K3SESSN\0"            8 bytes
 //! 8   format version (2)           u32 LE
 //! 12  flags (0)                    u32 LE
-//! 16  model identity               u128 LE  (the checkpoint's content identity, SPEC.md §2.3)
+//! 16  model identity               u128 LE  (the checkpoint's content identity, SPEC.md §6.11)
 //! 32  n_ids                        u64 LE   (token ids the state covers)
 //! 40  meta_len                     u64 LE   (worker metadata: the chat history, JSON)
 //! 48  state_len                    u64 LE   (the sequence state, the worker's layout)

@@ -1,4 +1,4 @@
-//! The checkpoint manifest `k3-manifest.json` (SPEC.md §2.3): the reference sha256 of every
+//! The checkpoint manifest `k3-manifest.json` (SPEC.md §6.11): the reference sha256 of every
 //! shard, written beside the model by `scripts/download-model.sh` from the hub's own listing (and
 //! by the synthetic checkpoint writer). `k3-ctl verify` hashes every shard against it; the
 //! model's content identity is computed from it without reading a shard.

@@ -117,7 +117,7 @@ pub struct ShmHeader {
     pub header_bytes: u32,
     /// Total bytes of the mapping.
     pub total_bytes: u64,
-    /// Low 64 bits of the content identity of the checkpoint the store serves (SPEC.md §2.3;
+    /// Low 64 bits of the content identity of the checkpoint the store serves (SPEC.md §6.11;
     /// [`ShmHeader::model_identity`]).
     pub model_identity_lo: u64,
     /// Entries used in `regions`.
@@ -189,7 +189,7 @@ impl ShmHeader {
         }
     }
 
-    /// The content identity of the checkpoint the store serves (SPEC.md §2.3).
+    /// The content identity of the checkpoint the store serves (SPEC.md §6.11).
     pub fn model_identity(&self) -> u128 {
         (u128::from(self.model_identity_hi) << 64) | u128::from(self.model_identity_lo)
     }

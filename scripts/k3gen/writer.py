@@ -79,7 +79,7 @@ MANIFEST = "k3-manifest.json"
 
 
 def manifest_text(source: str, shards: list[tuple[str, int, str]]) -> str:
-    """The checkpoint manifest (docs/SPEC.md §2.3): every shard's file name, size and sha256."""
+    """The checkpoint manifest (docs/SPEC.md §6.11): every shard's file name, size and sha256."""
     return json.dumps({
         "format": 1,
         "source": source,

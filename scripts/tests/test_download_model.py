@@ -14,7 +14,7 @@ an earlier run; a second run downloads nothing and does not hash again, the list
 run stands in when the hub's API is down (for that repository only), and a file changed on disk
 afterwards is caught by --verify-only; a listing that names a path outside the destination
 is refused before anything is written; once every shard is verified, `k3-manifest.json` records
-the hub's sha256 of each (the model's content identity, docs/SPEC.md §2.3), and a download
+the hub's sha256 of each (the model's content identity, docs/SPEC.md §6.11), and a download
 verified by size only leaves no manifest behind.
 """
 import hashlib

@@ -9,7 +9,7 @@
 //! - **The key** `DIR/.k3-state-key`: 32 random bytes, created with `O_EXCL|O_NOFOLLOW`, mode
 //!   0600; an existing key must be a regular file of ours, 0600, one link, 32 bytes.
 //! - **The binding** `DIR/.k3-state-model`: the content identity of the model the directory's
-//!   sessions were made for (SPEC.md §2.3). A store of another model is refused (exit 2, both
+//!   sessions were made for (SPEC.md §6.11). A store of another model is refused (exit 2, both
 //!   identities named): a state directory belongs to one model.
 //! - **Session files** `DIR/NAME.k3session` are the session's bytes followed by a 32-byte
 //!   HMAC-SHA256 under the key over the domain `k3-state/1`, the model identity, the name and

@@ -1,4 +1,4 @@
-//! The model's content identity (SPEC.md §2.3): one 128-bit value that every session, saved
+//! The model's content identity (SPEC.md §6.11): one 128-bit value that every session, saved
 //! state, packed trunk and store segment is bound to, so that state made for one checkpoint is
 //! never used with another — even one of the same shape and shard sizes.
 //!
