@@ -94,24 +94,16 @@ fn tensors_outside(cat: &Catalog, lens: &[Option<u64>]) -> (usize, Vec<String>) 
 
 /// Run the subcommand; returns the exit code.
 pub fn run(a: Args) -> i32 {
-    let (cat, _cfg) = match Catalog::open_dir(&a.model_dir) {
+    // The shapes, then the reference: the manifest's sha256 of every shard (a malformed one, or
+    // one of other shards, is a refusal, as it is at start).
+    let opened = (|| -> Result<_, String> {
+        let (cat, _cfg) = Catalog::open_dir(&a.model_dir).map_err(|e| e.to_string())?;
+        let identity = ModelIdentity::of(&cat).map_err(|e| e.to_string())?;
+        let manifest = Manifest::load(&a.model_dir).map_err(|e| e.to_string())?;
+        Ok((cat, identity, manifest))
+    })();
+    let (cat, identity, manifest) = match opened {
         Ok(x) => x,
-        Err(e) => {
-            eprintln!("k3-ctl verify: refusing: {e}");
-            return exit::REFUSED;
-        }
-    };
-    // The reference: the manifest's sha256 of every shard (a malformed one, or one of other
-    // shards, is a refusal, as it is at start).
-    let identity = match ModelIdentity::of(&cat) {
-        Ok(i) => i,
-        Err(e) => {
-            eprintln!("k3-ctl verify: refusing: {e}");
-            return exit::REFUSED;
-        }
-    };
-    let manifest = match Manifest::load(&a.model_dir) {
-        Ok(m) => m,
         Err(e) => {
             eprintln!("k3-ctl verify: refusing: {e}");
             return exit::REFUSED;

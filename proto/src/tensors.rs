@@ -179,6 +179,16 @@ pub fn expected_layer(cfg: &ModelConfig, l: usize) -> Vec<Expected> {
             }
         }
     }
+    // A SiTU MLP's three projections under `prefix`, of width `w`.
+    let situ = |out: &mut Vec<Expected>, prefix: &str, w: usize| {
+        for (p, shape) in [
+            ("gate_proj", [w, e]),
+            ("up_proj", [w, e]),
+            ("down_proj", [e, w]),
+        ] {
+            out.push(want(n(&format!("{prefix}{p}.weight")), Matrix, &[&shape]));
+        }
+    };
     if cfg.is_moe(l) {
         let (ne, lat) = (cfg.num_experts, cfg.routed_expert_hidden_size);
         let m = |s: &str| n(&format!("block_sparse_moe.{s}"));
@@ -199,27 +209,10 @@ pub fn expected_layer(cfg: &ModelConfig, l: usize) -> Vec<Expected> {
         }
         if cfg.num_shared_experts > 0 {
             let sw = cfg.num_shared_experts * cfg.moe_intermediate_size;
-            out.push(want(
-                m("shared_experts.gate_proj.weight"),
-                Matrix,
-                &[&[sw, e]],
-            ));
-            out.push(want(
-                m("shared_experts.up_proj.weight"),
-                Matrix,
-                &[&[sw, e]],
-            ));
-            out.push(want(
-                m("shared_experts.down_proj.weight"),
-                Matrix,
-                &[&[e, sw]],
-            ));
+            situ(&mut out, "block_sparse_moe.shared_experts.", sw);
         }
     } else {
-        let di = cfg.intermediate_size;
-        out.push(want(n("mlp.gate_proj.weight"), Matrix, &[&[di, e]]));
-        out.push(want(n("mlp.up_proj.weight"), Matrix, &[&[di, e]]));
-        out.push(want(n("mlp.down_proj.weight"), Matrix, &[&[e, di]]));
+        situ(&mut out, "mlp.", cfg.intermediate_size);
     }
     out
 }

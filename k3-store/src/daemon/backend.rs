@@ -37,7 +37,9 @@ use super::{Backend, ConnId};
 use crate::runtime::arena::ArenaMem;
 use crate::runtime::catalog::Catalog;
 use crate::runtime::draft::DraftFile;
-use crate::runtime::experts::{Arena, BatchError, ExpertReader, ExpertSlots, SlotState, SlotTable};
+use crate::runtime::experts::{
+    Arena, BatchError, ExpertReader, ExpertSlots, Locked, SlotState, SlotTable,
+};
 use crate::runtime::io::{align_up, span_len, DiskFile};
 use crate::runtime::pool::IoPool;
 use crate::runtime::trunk::{open_shards, TrunkLayout};
@@ -592,7 +594,6 @@ impl StoreBackend {
         busy: &crate::runtime::experts::ReserveError,
     ) -> Response {
         let mut g = self.experts.lock();
-        g.table.release_holder(conn);
         let holders = holders_of(&g.table, &g.extra, conn);
         let named: Vec<String> = holders
             .iter()
@@ -608,36 +609,18 @@ impl StoreBackend {
                 named.join(", ")
             }
         );
-        let mut slots = Vec::new();
         let mut private = 0u64;
-        let answers: Vec<SlotAnswer> = ids
-            .iter()
-            .map(|&e| match g.table.lease_resident(layer, e) {
-                Some(s) => {
-                    slots.push(s);
-                    self.write_slot_entry(&g.table, s);
-                    SlotAnswer::Leased {
-                        slot: s as u32,
-                        at: self.experts.offset_in_slot(layer as usize, e) as u32,
-                    }
-                }
-                None => {
-                    private += 1;
-                    SlotAnswer::Private {
-                        reason: reason.clone(),
-                    }
-                }
-            })
-            .collect();
-        let hits = slots.len() as u32;
-        let leased = !slots.is_empty();
-        g.table.hold(conn, layer, slots);
+        let (answers, hits) = self.lease_resident(&mut g, conn, layer, ids, |_| {
+            private += 1;
+            SlotAnswer::Private {
+                reason: reason.clone(),
+            }
+        });
         let log_due = (g.extra.private_logged).is_none_or(|t| t.elapsed() >= PRIVATE_LOG_PERIOD);
         if log_due {
             g.extra.private_logged = Some(Instant::now());
         }
         if let Some(job) = g.extra.live.get_mut(&conn) {
-            job.leased_since = leased.then(Instant::now);
             let c = &mut job.counters;
             c.requests += ids.len() as u64;
             c.resident_hits += u64::from(hits);
@@ -655,6 +638,41 @@ impl StoreBackend {
             answers,
             resident_hits: hits,
         }
+    }
+
+    /// Lease to `conn`, of experts `ids` of `layer`, those resident now (its earlier leases
+    /// released first; no read, no wait); `missing` answers the others. The answers in request
+    /// order and how many were leased.
+    fn lease_resident(
+        &self,
+        g: &mut Locked<Jobs>,
+        conn: ConnId,
+        layer: u32,
+        ids: &[u32],
+        mut missing: impl FnMut(u32) -> SlotAnswer,
+    ) -> (Vec<SlotAnswer>, u32) {
+        g.table.release_holder(conn);
+        let mut slots = Vec::new();
+        let answers = ids
+            .iter()
+            .map(|&e| match g.table.lease_resident(layer, e) {
+                Some(s) => {
+                    slots.push(s);
+                    self.write_slot_entry(&g.table, s);
+                    SlotAnswer::Leased {
+                        slot: s as u32,
+                        at: self.experts.offset_in_slot(layer as usize, e) as u32,
+                    }
+                }
+                None => missing(e),
+            })
+            .collect();
+        let leased = slots.len() as u32;
+        g.table.hold(conn, layer, slots);
+        if let Some(job) = g.extra.live.get_mut(&conn) {
+            job.leased_since = (leased > 0).then(Instant::now);
+        }
+        (answers, leased)
     }
 }
 
@@ -692,29 +710,9 @@ impl Backend for StoreBackend {
         }
         let mut g = self.experts.lock();
         // As for `Experts`: this connection's earlier leases go first.
-        g.table.release_holder(conn);
-        let mut slots = Vec::new();
-        let answers = ids
-            .iter()
-            .map(|&e| match g.table.lease_resident(layer, e) {
-                Some(s) => {
-                    slots.push(s);
-                    self.write_slot_entry(&g.table, s);
-                    SlotAnswer::Leased {
-                        slot: s as u32,
-                        at: self.experts.offset_in_slot(layer as usize, e) as u32,
-                    }
-                }
-                None => SlotAnswer::Failed {
-                    reason: format!("expert {e} of layer {layer} is not resident"),
-                },
-            })
-            .collect();
-        let leased = !slots.is_empty();
-        g.table.hold(conn, layer, slots);
-        if let Some(job) = g.extra.live.get_mut(&conn) {
-            job.leased_since = leased.then(Instant::now);
-        }
+        let (answers, _) = self.lease_resident(&mut g, conn, layer, ids, |e| SlotAnswer::Failed {
+            reason: format!("expert {e} of layer {layer} is not resident"),
+        });
         Response::Experts {
             answers,
             resident_hits: 0,
