@@ -167,9 +167,7 @@ pub fn run(a: Args) -> i32 {
     );
     say(
         &mut text,
-        format!(
-            "  tensors: OK (dtype and shape of every tensor the engine reads match the config)"
-        ),
+        "  tensors: OK (dtype and shape of every tensor the engine reads match the config)".into(),
     );
     let mut shards_json = Vec::new();
     let mut lens = Vec::new();
