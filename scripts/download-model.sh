@@ -22,6 +22,11 @@
 #   model.safetensors.index.json names is present. When the hub's listing cannot be had, the file
 #   list is config.json, the tokenizer files and the shards the index names, and only the size
 #   checks apply (for moonshotai/Kimi-K3 also: 96 shards, 1,560,936,091,448 bytes in total).
+# * The manifest: once every file is verified against the hub's listing, DEST/k3-manifest.json
+#   records each shard's name, size and the hub's sha256 (docs/SPEC.md §6.11). It is the model's
+#   content identity (sessions, saved state and packed trunks are bound to it) and the reference
+#   `k3-ctl verify` checks every shard against. Without the hub's listing no manifest is written
+#   (a stale one is removed): the contents then have no reference, and `k3-ctl verify` says so.
 # Exit codes: 0 everything verified, 1 a download or verification failure (each bad file is named
 # on stderr), 2 usage error.
 set -euo pipefail
@@ -246,9 +251,9 @@ PY
 fi
 
 set +e
-python3 - "$DEST" "$HAVE_MANIFEST" "$REPO" "$DEFAULT_REPO" <<'PY'
+python3 - "$DEST" "$HAVE_MANIFEST" "$REPO" "$DEFAULT_REPO" "$REVISION" <<'PY'
 import hashlib, json, os, struct, sys
-dest, have_manifest, repo, default_repo = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4]
+dest, have_manifest, repo, default_repo, revision = sys.argv[1], sys.argv[2] == "1", sys.argv[3], sys.argv[4], sys.argv[5]
 state = os.path.join(dest, ".k3-download")
 bad = []
 
@@ -354,9 +359,30 @@ else:
             bad.append(f"total {total} bytes, expected {want_total}")
     summary = f"verified by size only (no sha256 without the hub's listing): {len(shards)} shards, {total} bytes"
 
+manifest_path = os.path.join(dest, "k3-manifest.json")
 if bad:
     print("VERIFY FAILED:\n  " + "\n  ".join(bad), file=sys.stderr)
     sys.exit(1)
+if have_manifest:
+    # The hub's sha256 of every shard, beside the model (written only once every file checked).
+    by_path = {f["path"]: f for f in files}
+    names = shards if shards is not None else sorted(p for p in by_path if p.endswith(".safetensors") and "/" not in p)
+    missing = [s for s in names if not (by_path.get(s) or {}).get("sha256")]
+    if not names:
+        pass  # no safetensors shard in this repository: nothing to record
+    elif missing:
+        print(f"note: the hub publishes no sha256 for {', '.join(missing[:3])}: no k3-manifest.json written", file=sys.stderr)
+    else:
+        entries = [{"file": s, "size": by_path[s]["size"], "sha256": by_path[s]["sha256"]} for s in sorted(names)]
+        tmp = manifest_path + ".tmp"
+        with open(tmp, "w") as out:
+            json.dump({"format": 1, "source": f"{repo}@{revision} (the hub's sha256)", "shards": entries}, out, indent=1)
+            out.write("\n")
+        os.replace(tmp, manifest_path)
+        print(f"wrote {manifest_path}: {len(entries)} shards with the hub's sha256")
+elif os.path.exists(manifest_path):
+    os.remove(manifest_path)
+    print(f"note: removed {manifest_path}: without the hub's listing the shards have no reference hashes", file=sys.stderr)
 print(summary)
 PY
 rc=$?

@@ -6,6 +6,8 @@
 Presets: tiny (committed test fixture), small (~190 MB, real vocab), medium (~5.3 GB, 256
 experts), k3slice (~16 GB, real layer dims, 5 layers), skeleton-full (the real 93-layer
 layout, 96 sparse shards with real headers and no data). Same preset + seed => identical bytes.
+Every preset but skeleton-full also writes k3-manifest.json (each shard's sha256, docs/SPEC.md
+§6.11), so the checkpoint's content identity is the strong one and `k3-ctl verify` can check it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.force:
             ap.error(f"{args.out_dir} is not empty (stale shards would mix with new ones); use --force or an empty directory")
         for f in os.listdir(args.out_dir):
-            if f.endswith(".safetensors") or f in ("config.json", "model.safetensors.index.json"):
+            if f.endswith(".safetensors") or f in ("config.json", "model.safetensors.index.json", "k3-manifest.json"):
                 os.remove(os.path.join(args.out_dir, f))
     t0 = time.monotonic()
     plans = write_checkpoint(d, args.out_dir, args.seed, args.config_shape, args.decoy_head_dim)

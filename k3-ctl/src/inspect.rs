@@ -1,14 +1,13 @@
 //! `k3-ctl inspect <model_dir> [--json]`: config summary, layer map and tensor census of a
 //! checkpoint directory. Exits 2 with every problem listed when the config or the index cannot
-//! be read with confidence, or when the census finds the routed experts or model-level tensors
-//! incomplete or mis-shaped.
+//! be read with confidence, or when the census finds the routed experts incomplete or a tensor
+//! the engine reads of another dtype or shape than the config says (`k3_proto::tensors`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use k3_proto::config::ModelConfig;
-use k3_proto::dtype::Dtype;
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_proto::names::{self, TensorClass};
 use k3_proto::safetensors::CheckpointIndex;
@@ -139,20 +138,6 @@ pub fn census(cfg: &ModelConfig, idx: &CheckpointIndex) -> Census {
                     );
                     continue;
                 }
-                let want = layout.stored_shape(part).map(|d| d as u64);
-                if t.dtype != Dtype::U8 || t.shape() != want {
-                    note(
-                        &mut problems,
-                        &mut overflow,
-                        format!(
-                            "`{}`: {} {:?}, expected U8 {:?}",
-                            t.name,
-                            t.dtype,
-                            t.shape(),
-                            want
-                        ),
-                    );
-                }
                 *experts.entry((layer as u32, expert as u32)).or_default() |= 1 << part.index();
             }
             TensorClass::Other => {
@@ -216,41 +201,11 @@ pub fn census(cfg: &ModelConfig, idx: &CheckpointIndex) -> Census {
         }
     }
 
-    // Model-level tensors.
-    let h = cfg.hidden_size as u64;
-    let v = cfg.vocab_size as u64;
-    let mut wanted: Vec<(&str, Vec<u64>, bool)> = vec![
-        (names::EMBED, vec![v, h], true),
-        (names::FINAL_NORM, vec![h], false),
-        (names::OUT_RES_NORM, vec![h], false),
-        (names::OUT_RES_PROJ, vec![1, h], false),
-    ];
-    if !cfg.tie_word_embeddings {
-        wanted.push((names::LM_HEAD, vec![v, h], true));
-    }
-    for (name, shape, bf16_only) in wanted {
-        match idx.get(name) {
-            None => note(&mut problems, &mut overflow, format!("`{name}` is missing")),
-            Some(t) => {
-                let dtype_ok = if bf16_only {
-                    t.dtype == Dtype::BF16
-                } else {
-                    matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
-                };
-                if t.shape() != shape.as_slice() || !dtype_ok {
-                    note(
-                        &mut problems,
-                        &mut overflow,
-                        format!(
-                            "`{name}`: {} {:?}, expected {}{:?}",
-                            t.dtype,
-                            t.shape(),
-                            if bf16_only { "BF16 " } else { "" },
-                            shape
-                        ),
-                    );
-                }
-            }
+    // Every tensor the engine reads against the config's dtype and shape: the check every
+    // command that reads the headers runs (`k3_proto::tensors::check`).
+    if let Err(e) = k3_proto::tensors::check(cfg, idx) {
+        for line in e.lines() {
+            note(&mut problems, &mut overflow, line);
         }
     }
     for (l, &b) in c.layer_bytes.iter().enumerate() {

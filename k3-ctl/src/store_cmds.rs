@@ -521,12 +521,26 @@ fn render_servers(list: &[k3_proto::serve::ServeListing]) -> String {
     out
 }
 
-/// The live jobs as a table: tokens so far, seconds per token, bytes read.
+/// A live job that has held its expert leases at least this long is named as stuck by
+/// `k3-ctl ps` (a computing worker takes new leases at every MoE layer).
+const STUCK_AFTER_SECONDS: f64 = 5.0;
+
+/// The live jobs as a table: pid, tokens so far, seconds per token, bytes read, how long each
+/// has held its expert leases; then a line for each job holding them too long (stuck).
 fn render_ps(s: &StatsReport) -> String {
     use std::fmt::Write as _;
     let mut out = format!(
-        "{:>6}  {:<28} {:>7} {:>10} {:>9} {:>10} {:>10} {:>7}\n",
-        "CONN", "JOB", "TOKENS", "PREFILL s", "S/TOKEN", "TRUNK GB", "EXPERT GB", "HIT"
+        "{:>6} {:>8}  {:<28} {:>7} {:>10} {:>9} {:>10} {:>10} {:>7} {:>8}\n",
+        "CONN",
+        "PID",
+        "JOB",
+        "TOKENS",
+        "PREFILL s",
+        "S/TOKEN",
+        "TRUNK GB",
+        "EXPERT GB",
+        "HIT",
+        "LEASE s"
     );
     let live: Vec<_> = s.jobs.iter().filter(|j| j.live).collect();
     for j in &live {
@@ -534,8 +548,9 @@ fn render_ps(s: &StatsReport) -> String {
         let label: String = j.label.chars().take(28).collect();
         let _ = writeln!(
             out,
-            "{:>6}  {:<28} {:>7} {:>10.3} {:>9} {:>10.3} {:>10.3} {:>6.1}%",
+            "{:>6} {:>8}  {:<28} {:>7} {:>10.3} {:>9} {:>10.3} {:>10.3} {:>6.1}% {:>8.1}",
             j.conn,
+            j.pid,
             label,
             p.tokens,
             p.prefill_seconds,
@@ -543,11 +558,23 @@ fn render_ps(s: &StatsReport) -> String {
                 .map_or("-".to_string(), |v| format!("{v:.3}")),
             p.trunk_bytes_read as f64 / 1e9,
             j.counters.expert_bytes_read as f64 / 1e9,
-            100.0 * j.counters.true_resident_hit_rate()
+            100.0 * j.counters.true_resident_hit_rate(),
+            j.lease_age_seconds
         );
     }
     if live.is_empty() {
         out.push_str("(no live jobs)\n");
+    }
+    for j in live
+        .iter()
+        .filter(|j| j.lease_age_seconds >= STUCK_AFTER_SECONDS)
+    {
+        let _ = writeln!(
+            out,
+            "STUCK: pid {} (connection {}, {}) has held its expert leases for {:.1} s \
+             (stopped or swapped out?); other workers read around it privately",
+            j.pid, j.conn, j.label, j.lease_age_seconds
+        );
     }
     out
 }
@@ -612,6 +639,16 @@ mod tests {
         let row3 = t.lines().find(|l| l.contains("pid 3")).unwrap();
         assert!(row3.contains(" - "), "one token: no s/token yet:\n{t}");
         assert!(render_ps(&StatsReport::default()).contains("no live jobs"));
+        assert!(!t.contains("STUCK"), "{t}");
+        // A job holding its leases for a minute is named, with its pid.
+        s.jobs[2].pid = 4242;
+        s.jobs[2].lease_age_seconds = 61.0;
+        let t = render_ps(&s);
+        let stuck = t.lines().find(|l| l.starts_with("STUCK")).unwrap();
+        assert!(
+            stuck.contains("pid 4242") && stuck.contains("61.0 s"),
+            "{t}"
+        );
     }
 
     #[test]

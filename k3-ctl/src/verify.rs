@@ -1,16 +1,24 @@
 //! `k3-ctl verify MODEL [--trunk T] [--json]`: check every byte.
 //!
-//! The checkpoint: every shard has the size its index recorded and reads end to end, and every
-//! tensor the engine uses (model-level, trunk, routed experts) lies inside its shard. The packed
-//! trunk, when given: it opens (format, checkpoint identity, run layout: the checks of
-//! `TrunkLayout::from_packed`), and every layer's run in `trunk.bin` and in the checkpoint
-//! hashes (XXH3-64) to the checksum `trunk.json` records. Prints one OK/BAD line per shard and per
-//! layer (or a JSON report); exit 0 when everything is good, 2 on any mismatch or refusal.
+//! The checkpoint: every tensor the engine reads has the dtype and shape its config says (the
+//! shared check, `k3_proto::tensors`), every shard has the size its index recorded and reads end
+//! to end, and every tensor the engine uses lies inside its shard. With a manifest
+//! (`k3-manifest.json`, SPEC.md §6.11) every shard's SHA-256 is compared with the reference it
+//! records; without one the contents cannot be checked against anything, which the report says
+//! plainly and the exit code ([`exit::UNVERIFIED`]) tells apart from success. The packed trunk,
+//! when given: it opens (format, model identity, trunk identity, run layout: the checks of
+//! `TrunkLayout::from_packed`), every layer's run in `trunk.bin` and in the checkpoint hashes
+//! (XXH3-64) to the checksum `trunk.json` records, and so does every tensor of it (named when it
+//! does not). Prints one OK/BAD line per shard and per layer (or a JSON report) and progress on
+//! stderr; exit 0 when everything is good and checked against the manifest, 5 when good but
+//! without a manifest, 2 on any mismatch or refusal.
 
 use std::path::{Path, PathBuf};
 
 use k3_proto::exit;
+use k3_proto::manifest::{Manifest, MANIFEST_FILE};
 use k3_store::runtime::catalog::Catalog;
+use k3_store::runtime::identity::{sha256_disk, IdentityKind, ModelIdentity};
 use k3_store::runtime::io::{AlignedBuf, DiskFile};
 use k3_store::runtime::plan::fmt_bytes;
 use k3_store::runtime::trunk::{open_shards, TrunkLayout};
@@ -43,19 +51,6 @@ impl Progress {
         self.done += n;
         self.bar.set(self.done);
     }
-}
-
-/// Read `f` end to end; the bytes read.
-fn read_whole(f: &DiskFile, buf: &mut AlignedBuf, p: &mut Progress) -> Result<u64, String> {
-    let len = f.len();
-    let mut at = 0u64;
-    while at < len {
-        let take = (len - at).min(CHUNK);
-        f.read_span(at, take, buf.as_mut_slice()).map_err(|e| e.0)?;
-        at += take;
-        p.add(take);
-    }
-    Ok(at)
 }
 
 /// Every tensor extent of the catalog that does not lie inside its shard as it is on disk now.
@@ -99,7 +94,15 @@ fn tensors_outside(cat: &Catalog, lens: &[Option<u64>]) -> (usize, Vec<String>) 
 
 /// Run the subcommand; returns the exit code.
 pub fn run(a: Args) -> i32 {
-    let (cat, _cfg) = match Catalog::open_dir(&a.model_dir) {
+    // The shapes, then the reference: the manifest's sha256 of every shard (a malformed one, or
+    // one of other shards, is a refusal, as it is at start).
+    let opened = (|| -> Result<_, String> {
+        let (cat, _cfg) = Catalog::open_dir(&a.model_dir).map_err(|e| e.to_string())?;
+        let identity = ModelIdentity::of(&cat).map_err(|e| e.to_string())?;
+        let manifest = Manifest::load(&a.model_dir).map_err(|e| e.to_string())?;
+        Ok((cat, identity, manifest))
+    })();
+    let (cat, identity, manifest) = match opened {
         Ok(x) => x,
         Err(e) => {
             eprintln!("k3-ctl verify: refusing: {e}");
@@ -129,7 +132,7 @@ pub fn run(a: Args) -> i32 {
         bar: k3_store::progress::Progress::new("verifying", total, true),
     };
     eprintln!(
-        "verifying {} ({} shards, {}){}: reading {}",
+        "verifying {} ({} shards, {}){}: reading {}{}",
         a.model_dir.display(),
         cat.shard_paths().len(),
         fmt_bytes(shard_bytes),
@@ -137,10 +140,15 @@ pub fn run(a: Args) -> i32 {
             .as_ref()
             .map(|t| format!(" and the trunk {}", t.display()))
             .unwrap_or_default(),
-        fmt_bytes(total)
+        fmt_bytes(total),
+        if manifest.is_some() {
+            format!(", hashing every shard (sha256) against {MANIFEST_FILE}")
+        } else {
+            String::new()
+        }
     );
 
-    // 1. The shards, end to end.
+    // 1. The shards, end to end, hashed.
     let mut buf = match AlignedBuf::zeroed(CHUNK as usize + 2 * k3_store::runtime::io::ALIGN) {
         Ok(b) => b,
         Err(e) => {
@@ -151,16 +159,22 @@ pub fn run(a: Args) -> i32 {
     say(
         &mut text,
         format!(
-            "checkpoint {}: {} shards",
+            "checkpoint {}: {} shards, {}",
             a.model_dir.display(),
-            cat.shard_paths().len()
+            cat.shard_paths().len(),
+            identity.describe()
         ),
+    );
+    say(
+        &mut text,
+        "  tensors: OK (dtype and shape of every tensor the engine reads match the config)".into(),
     );
     let mut shards_json = Vec::new();
     let mut lens = Vec::new();
     for (path, &want) in cat.shard_paths().iter().zip(cat.shard_lens()) {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
         let name = name.unwrap_or_default();
+        let reference = manifest.as_ref().and_then(|m| m.shards.get(&name));
         let f = DiskFile::open(path).map_err(|e| e.0);
         lens.push(f.as_ref().ok().map(DiskFile::len));
         let r = f.and_then(|f| {
@@ -170,19 +184,38 @@ pub fn run(a: Args) -> i32 {
                     f.len()
                 ));
             }
-            read_whole(&f, &mut buf, &mut p)
+            sha256_disk(&f, &mut buf, &mut |n| p.add(n)).map_err(|e| e.0)
         });
-        match &r {
-            Ok(n) => say(&mut text, format!("  shard {name}: OK ({n} bytes read)")),
-            Err(e) => {
-                ok = false;
-                say(&mut text, format!("  shard {name}: BAD: {e}"));
-            }
-        }
+        let (good, line) = match (&r, reference) {
+            (Ok(h), Some(m)) if *h == m.sha256 => (
+                true,
+                format!("OK sha256 {h} matches {MANIFEST_FILE} ({want} bytes read)"),
+            ),
+            (Ok(h), Some(m)) => (
+                false,
+                format!(
+                    "BAD: sha256 {h}, {MANIFEST_FILE} records {} (its contents differ from the \
+                     reference: damaged, edited or another file)",
+                    m.sha256
+                ),
+            ),
+            (Ok(h), None) => (
+                true,
+                format!(
+                    "read end to end ({want} bytes, sha256 {h}); NOT checked against a \
+                     reference (no {MANIFEST_FILE})"
+                ),
+            ),
+            (Err(e), _) => (false, format!("BAD: {e}")),
+        };
+        ok &= good;
+        say(&mut text, format!("  shard {name}: {line}"));
         shards_json.push(json!({
             "shard": name,
-            "ok": r.is_ok(),
+            "ok": good,
             "bytes": want,
+            "sha256": r.as_ref().ok(),
+            "reference_sha256": reference.map(|m| m.sha256.clone()),
             "error": r.err(),
         }));
     }
@@ -199,21 +232,39 @@ pub fn run(a: Args) -> i32 {
         }
     }
 
-    // 2. The trunk, layer by layer, in trunk.bin and in the checkpoint.
+    // 2. The trunk, layer by layer and tensor by tensor, in trunk.bin and in the checkpoint.
     let trunk_json = a
         .trunk
         .as_deref()
         .map(|dir| verify_trunk(&cat, dir, &mut p, &mut ok, &mut |l| say(&mut text, l)));
 
-    if ok {
-        say(&mut text, "verify: OK".into());
-    } else {
-        say(&mut text, "verify: BAD (see the lines above)".into());
-    }
+    let checked = identity.kind == IdentityKind::Manifest;
+    let (code, verdict) = match (ok, checked) {
+        (true, true) => (
+            exit::OK,
+            format!("verify: OK (every shard matches the sha256 {MANIFEST_FILE} records)"),
+        ),
+        (true, false) => (
+            exit::UNVERIFIED,
+            format!(
+                "verify: NOT VERIFIED: every byte was read and is consistent, but the contents \
+                 were NOT checked against a reference: {} has no {MANIFEST_FILE} \
+                 (scripts/download-model.sh writes it from the hub's sha256 of every shard) \
+                 (exit {})",
+                a.model_dir.display(),
+                exit::UNVERIFIED
+            ),
+        ),
+        (false, _) => (exit::REFUSED, "verify: BAD (see the lines above)".into()),
+    };
+    say(&mut text, verdict);
     if a.json {
         let v = json!({
             "model": a.model_dir.display().to_string(),
             "ok": ok,
+            "checked_against_manifest": checked,
+            "identity": format!("{:032x}", identity.id),
+            "identity_kind": identity.kind.name(),
             "shards": shards_json,
             "tensors_checked": n_tensors,
             "tensors_outside": outside,
@@ -221,11 +272,7 @@ pub fn run(a: Args) -> i32 {
         });
         println!("{v}");
     }
-    if ok {
-        exit::OK
-    } else {
-        exit::REFUSED
-    }
+    code
 }
 
 /// Check the packed trunk in `dir` against `cat`; clears `ok` on any problem. Returns the JSON
@@ -251,41 +298,55 @@ fn verify_trunk(
         }
     };
     say(format!(
-        "trunk {}: {} layers, identity matches the checkpoint",
+        "trunk {}: {} layers, model identity matches the checkpoint, trunk identity {}",
         dir.display(),
-        packed.n_layers()
+        packed.n_layers(),
+        packed
+            .trunk_id()
+            .map_or("(none)".into(), |t| format!("{t:032x}"))
     ));
     let mut layers = Vec::new();
     let mut all = true;
     for l in 0..packed.n_layers() {
-        let Some(want) = packed.plan(l).and_then(|pl| pl.xxh3) else {
+        let Some(plan) = packed.plan(l) else { continue };
+        let (Some(want), Some(tensors)) = (plan.xxh3, plan.tensor_xxh3.clone()) else {
             continue;
         };
-        let in_trunk = packed.checksum_layer(l, &mut |n| p.add(n));
-        let in_ckpt = source.checksum_layer(l, &mut |n| p.add(n));
+        let in_trunk = packed.checksum_layer_tensors(l, &mut |n| p.add(n));
+        let in_ckpt = source.checksum_layer_tensors(l, &mut |n| p.add(n));
         let mut problems = Vec::new();
-        match &in_trunk {
-            Ok(h) if *h == want => {}
-            Ok(h) => problems.push(format!(
-                "trunk.bin hashes to {h:016x}, trunk.json records {want:016x}"
-            )),
-            Err(e) => problems.push(format!("trunk.bin: {}", e.0)),
-        }
-        match &in_ckpt {
-            Ok(h) if *h == want => {}
-            Ok(h) => problems.push(format!(
-                "the checkpoint's run hashes to {h:016x}, trunk.json records {want:016x}"
-            )),
-            Err(e) => problems.push(format!("checkpoint: {}", e.0)),
+        for (what, got) in [("trunk.bin", &in_trunk), ("the checkpoint", &in_ckpt)] {
+            match got {
+                Ok((run, sums)) => {
+                    if *run != want {
+                        problems.push(format!(
+                            "the run in {what} hashes to {run:016x}, trunk.json records {want:016x}"
+                        ));
+                    }
+                    for (name, &rec) in tensors.iter() {
+                        match sums.get(name) {
+                            Some(&h) if h == rec => {}
+                            Some(&h) => problems.push(format!(
+                                "{name} in {what} hashes to {h:016x}, trunk.json records {rec:016x}"
+                            )),
+                            None => problems.push(format!("{name} is not in {what}'s layer")),
+                        }
+                    }
+                }
+                Err(e) => problems.push(format!("{what}: {}", e.0)),
+            }
         }
         if problems.is_empty() {
-            say(format!("  layer {l}: OK xxh3 {want:016x}"));
+            say(format!(
+                "  layer {l}: OK xxh3 {want:016x} ({} tensors)",
+                tensors.len()
+            ));
         } else {
             all = false;
             say(format!("  layer {l}: BAD: {}", problems.join("; ")));
         }
-        let hex = |r: &Result<u64, k3_store::runtime::io::ReadError>| {
-            r.as_ref().ok().map(|h| format!("{h:016x}"))
+        let hex = |r: &Result<(u64, _), k3_store::runtime::io::ReadError>| {
+            r.as_ref().ok().map(|(h, _)| format!("{h:016x}"))
         };
         layers.push(json!({
             "layer": l,

@@ -556,7 +556,7 @@ fn missing_model_level_tensor_and_missing_directory() {
     let out = inspect(dir.path(), false);
     assert_eq!(out.status.code(), Some(2));
     assert!(
-        stderr(&out).contains("`language_model.lm_head.weight` is missing"),
+        stderr(&out).contains("`language_model.lm_head.weight`: missing from the checkpoint"),
         "{}",
         stderr(&out)
     );

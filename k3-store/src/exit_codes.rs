@@ -25,7 +25,10 @@ impl ExitStatus for ClientError {
 
 impl ExitStatus for AttachError {
     fn exit_code(&self) -> i32 {
-        NO_STORE
+        match self {
+            AttachError::Refused(_) => REFUSED,
+            _ => NO_STORE,
+        }
     }
 }
 

@@ -182,8 +182,13 @@ pub fn current_uid() -> u32 {
 /// The uid of the process at the other end (`SO_PEERCRED`: for a client, the process that
 /// called `listen`).
 pub fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
+    Ok(peer_cred(stream)?.0)
+}
+
+/// The peer's uid and pid (`SO_PEERCRED`, as of its `connect`).
+pub fn peer_cred(stream: &UnixStream) -> std::io::Result<(u32, i32)> {
     let cred = socket::getsockopt(stream, sockopt::PeerCredentials)?;
-    Ok(cred.uid())
+    Ok((cred.uid(), cred.pid()))
 }
 
 /// Send one frame ([`wire::encode`]), attaching `fd` (if any) to its first byte.

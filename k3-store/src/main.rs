@@ -118,6 +118,9 @@ fn main() {
     std::process::exit(code);
 }
 
+/// Fewest connections the store starts with when the open-file limit is low.
+const MIN_CONNECTIONS: u64 = 16;
+
 fn lease_seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && (0.1..=86_400.0).contains(&x) => Ok(x),
@@ -194,9 +197,16 @@ fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
     if let Some(p) = a.budget.preload.to_possible_value() {
         args.push(format!("--preload={}", p.get_name()).into());
     }
-    args.push(format!("--session-mb={}", a.session_mb).into());
+    // Only when given: a default --session-mb shrinks to what is left beside the plan, an
+    // explicit one that does not fit is refused.
+    let given = |id: &str| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+    if given("session_mb") {
+        args.push(format!("--session-mb={}", a.session_mb).into());
+    }
     args.push(format!("--max-sessions={}", a.max_sessions).into());
-    args.push(format!("--history-ids={}", a.history_ids).into());
+    if given("history_ids") {
+        args.push(format!("--history-ids={}", a.history_ids).into());
+    }
     args.push(format!("--lease-timeout={}", a.lease_timeout).into());
     if let Some(d) = &a.state_dir {
         args.push("--state-dir".into());
@@ -249,6 +259,13 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Ok(x) => x,
         Err(e) => return fail(&mut notify, e.exit_code(), e.0),
     };
+    // The content identity sessions, saved state and the segment are bound to: from the
+    // manifest's recorded hashes when there is one (no shard is read), else sampled.
+    let identity = match k3_store::runtime::identity::ModelIdentity::of(&cat) {
+        Ok(i) => i,
+        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
+    };
+    tracing::info!("{}", identity.describe());
     let shards = match k3_store::runtime::trunk::open_shards(&cat) {
         Ok(s) => s,
         Err(e) => return fail(&mut notify, e.exit_code(), e.0),
@@ -316,6 +333,46 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         address_space,
     ));
     plan.available_bytes = available;
+    // Kept conversations and the history live on top of the plan: checked against what is left
+    // beside the shared memory. An explicit --session-mb or --history-ids that cannot be held is
+    // refused; the default session budget shrinks to what is left (said in the plan).
+    let history_bytes = a.history_ids.saturating_mul(4);
+    let mut session_bytes = (a.session_mb * 1e6) as u64;
+    let mut session_note = String::new();
+    if let Some(av) = available {
+        let room = av.saturating_sub(shm);
+        let explicit =
+            |id: &str| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        if history_bytes > room && explicit("history_ids") {
+            problems.push(format!(
+                "--history-ids {}: the history takes {} beside the store's shared memory, but only \
+                 {} is left there (lower --history-ids)",
+                a.history_ids,
+                fmt_gb(history_bytes),
+                fmt_gb(room)
+            ));
+        }
+        let room = room.saturating_sub(history_bytes);
+        if session_bytes > room {
+            if explicit("session_mb") {
+                problems.push(format!(
+                    "--session-mb {}: kept conversations may take {} on top of the store's shared \
+                     memory ({}), but only {} is left beside it: shortfall {} (lower --session-mb)",
+                    a.session_mb,
+                    fmt_gb(session_bytes),
+                    fmt_gb(shm),
+                    fmt_gb(room),
+                    fmt_gb(session_bytes - room)
+                ));
+            } else {
+                session_note = format!(
+                    " (the default {} MB does not fit beside the plan)",
+                    DEFAULT_SESSION_MB
+                );
+                session_bytes = room;
+            }
+        }
+    }
     let draft_note = draft.as_ref().map_or(String::new(), |d| {
         format!(
             ", {} draft trunk {}",
@@ -324,12 +381,12 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         )
     });
     let plan_text = format!(
-        "{plan}store shared memory: {} ({} pinned layers, ring {}, {} expert slots{draft_note})\nkept conversations: up to {} and {} sessions, on top of the above{}\n",
+        "{plan}store shared memory: {} ({} pinned layers, ring {}, {} expert slots{draft_note})\nkept conversations: up to {}{session_note} and {} sessions, on top of the above{}\n",
         fmt_gb(shm),
         plan.pinned_layers,
         fmt_gb(plan.ring_bytes),
         plan.expert_slots,
-        fmt_gb((a.session_mb * 1e6) as u64),
+        fmt_gb(session_bytes),
         a.max_sessions,
         a.state_dir
             .as_ref()
@@ -345,6 +402,51 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         );
         return fail(&mut notify, exit::REFUSED, msg);
     }
+    // Open files: the soft limit raised to the hard one; the shards, trunks, sessions and
+    // connections counted. Fewer connections are served when they alone do not fit (at least
+    // MIN_CONNECTIONS); below that, a refusal with the number needed.
+    let max_connections = {
+        use k3_store::fdlimit::{connections_that_fit, raise, Needs};
+        let defaults = k3_store::daemon::Limits::default();
+        let all = (defaults.max_connections + defaults.reserved) as u64;
+        let fixed = Needs {
+            shards: cat.shard_paths().len() as u64,
+            trunks: u64::from(a.budget.trunk.is_some()) + u64::from(draft.is_some()),
+            sessions: u64::from(a.max_sessions),
+            ..Default::default()
+        };
+        let limit = raise();
+        let fit = connections_that_fit(limit.soft, &fixed, all);
+        let full = Needs {
+            connections: all,
+            ..fixed
+        };
+        if fit < MIN_CONNECTIONS + defaults.reserved as u64 {
+            let least = Needs {
+                connections: MIN_CONNECTIONS + defaults.reserved as u64,
+                ..fixed
+            };
+            let e = limit.check("k3-store", &full).err().unwrap_or_default();
+            return fail(
+                &mut notify,
+                exit::REFUSED,
+                format!(
+                    "{e} (it starts with at least {}, serving fewer connections)",
+                    least.total()
+                ),
+            );
+        }
+        tracing::info!("{}", limit.describe(&full));
+        let served = fit as usize - defaults.reserved;
+        if served < defaults.max_connections {
+            tracing::warn!(
+                "open files: serving at most {served} connections (not {}) under a limit of {}",
+                defaults.max_connections,
+                limit.soft
+            );
+        }
+        served.min(defaults.max_connections)
+    };
     let preload = match (a.budget.preload).wanted(plan.expert_slots, cat.routed_experts().count()) {
         Ok(p) => p,
         Err(e) => return fail(&mut notify, exit::REFUSED, e),
@@ -352,17 +454,13 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
     log_shared_memory_pages();
     drop(trunk);
-    let identity = match cat.identity(&a.model_dir) {
-        Ok(i) => i,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e),
-    };
     let sessions = Arc::new(Sessions::new(
         SessionOptions {
-            budget_bytes: (a.session_mb * 1e6) as u64,
+            budget_bytes: session_bytes,
             max_count: a.max_sessions,
             state_dir: a.state_dir.clone(),
         },
-        identity,
+        identity.id,
     ));
     if let Err(e) = sessions.load_state_dir() {
         return fail(&mut notify, exit::REFUSED, e);
@@ -400,6 +498,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
                 demand_timeout: lease_timeout,
             }
         },
+        identity: identity.id,
     };
     let t0 = std::time::Instant::now();
     // Until the load is done the socket answers "loading" and honours a stop (SPEC.md §6.5).
@@ -463,6 +562,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     let left = Server::new(listener, socket.clone(), backend, stop)
         .with_limits(k3_store::daemon::Limits {
             history_tokens: a.history_ids as usize,
+            max_connections,
             ..Default::default()
         })
         .with_hup(hup)

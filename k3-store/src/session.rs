@@ -6,13 +6,13 @@
 //!
 //! ```text
 //! 0   magic "K3SESSN\0"            8 bytes
-//! 8   format version (1)           u32 LE
+//! 8   format version (2)           u32 LE
 //! 12  flags (0)                    u32 LE
-//! 16  model identity               u64 LE   (the store's checkpoint identity)
-//! 24  n_ids                        u64 LE   (token ids the state covers)
-//! 32  meta_len                     u64 LE   (worker metadata: the chat history, JSON)
-//! 40  state_len                    u64 LE   (the sequence state, the worker's layout)
-//! 48  reserved (0)                 16 bytes
+//! 16  model identity               u128 LE  (the checkpoint's content identity, SPEC.md §6.11)
+//! 32  n_ids                        u64 LE   (token ids the state covers)
+//! 40  meta_len                     u64 LE   (worker metadata: the chat history, JSON)
+//! 48  state_len                    u64 LE   (the sequence state, the worker's layout)
+//! 56  reserved (0)                 8 bytes
 //! 64  ids                          n_ids × u32 LE
 //!     meta                         meta_len bytes
 //!     state                        state_len bytes
@@ -38,8 +38,9 @@ use memmap2::Mmap;
 
 /// First bytes of a session.
 pub const MAGIC: [u8; 8] = *b"K3SESSN\0";
-/// The container version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The container version this build writes and reads (2: the 128-bit content identity; 1 held
+/// a 64-bit identity of the config and shard sizes only).
+pub const FORMAT_VERSION: u32 = 2;
 /// Bytes of the fixed header.
 pub const HEADER_BYTES: usize = 64;
 /// Bytes of the checksum trailer.
@@ -70,20 +71,20 @@ pub enum SessionError {
         computed: u64,
     },
     /// Made for another checkpoint.
-    #[error("the session was made for model identity {found:016x}; this store serves {expected:016x} (another checkpoint or config)")]
+    #[error("the session was made for model identity {found:032x}; this store serves {expected:032x} (another checkpoint or config)")]
     Identity {
         /// In the session.
-        found: u64,
+        found: u128,
         /// Ours.
-        expected: u64,
+        expected: u128,
     },
 }
 
 /// The fixed header's fields.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
-    /// The checkpoint identity (`Catalog::identity`).
-    pub identity: u64,
+    /// The checkpoint's content identity (`runtime::identity::ModelIdentity`).
+    pub identity: u128,
     /// Token ids the state covers.
     pub n_ids: u64,
     /// Bytes of worker metadata.
@@ -106,10 +107,10 @@ impl Header {
         let mut h = [0u8; HEADER_BYTES];
         h[..8].copy_from_slice(&MAGIC);
         h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
-        h[16..24].copy_from_slice(&self.identity.to_le_bytes());
-        h[24..32].copy_from_slice(&self.n_ids.to_le_bytes());
-        h[32..40].copy_from_slice(&self.meta_len.to_le_bytes());
-        h[40..48].copy_from_slice(&self.state_len.to_le_bytes());
+        h[16..32].copy_from_slice(&self.identity.to_le_bytes());
+        h[32..40].copy_from_slice(&self.n_ids.to_le_bytes());
+        h[40..48].copy_from_slice(&self.meta_len.to_le_bytes());
+        h[48..56].copy_from_slice(&self.state_len.to_le_bytes());
         h
     }
 }
@@ -151,6 +152,11 @@ impl View<'_> {
     }
 }
 
+/// The trailer's checksum of a session's bytes before it (XXH3-64).
+pub fn checksum(bytes: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(bytes)
+}
+
 /// Check `bytes` as a session: magic, version, lengths, checksum (not the identity: see
 /// [`check_identity`]).
 pub fn parse(bytes: &[u8]) -> Result<View<'_>, SessionError> {
@@ -171,16 +177,16 @@ pub fn parse(bytes: &[u8]) -> Result<View<'_>, SessionError> {
         return Err(SessionError::Version(version));
     }
     let flags = u32_at(bytes, 12);
-    if flags != 0 || bytes[48..64].iter().any(|&b| b != 0) {
+    if flags != 0 || bytes[56..64].iter().any(|&b| b != 0) {
         return Err(SessionError::Length(
             "reserved header fields are not zero".into(),
         ));
     }
     let header = Header {
-        identity: u64_at(bytes, 16),
-        n_ids: u64_at(bytes, 24),
-        meta_len: u64_at(bytes, 32),
-        state_len: u64_at(bytes, 40),
+        identity: u128::from_le_bytes(bytes[16..32].try_into().expect("16 bytes")),
+        n_ids: u64_at(bytes, 32),
+        meta_len: u64_at(bytes, 40),
+        state_len: u64_at(bytes, 48),
     };
     match header.total_len() {
         Some(t) if t == bytes.len() as u64 => {}
@@ -194,7 +200,7 @@ pub fn parse(bytes: &[u8]) -> Result<View<'_>, SessionError> {
     }
     let body = bytes.len() - TRAILER_BYTES;
     let found = u64_at(bytes, body);
-    let computed = twox_hash::XxHash3_64::oneshot(&bytes[..body]);
+    let computed = checksum(&bytes[..body]);
     if found != computed {
         return Err(SessionError::Checksum { found, computed });
     }
@@ -210,7 +216,7 @@ pub fn parse(bytes: &[u8]) -> Result<View<'_>, SessionError> {
 }
 
 /// Refuse a session made for another checkpoint.
-pub fn check_identity(view: &View<'_>, expected: u64) -> Result<(), SessionError> {
+pub fn check_identity(view: &View<'_>, expected: u128) -> Result<(), SessionError> {
     if view.header.identity != expected {
         return Err(SessionError::Identity {
             found: view.header.identity,
@@ -262,7 +268,7 @@ impl<W: Write> SessionWriter<W> {
     /// Write the header, `ids` and `meta`.
     pub fn begin(
         w: W,
-        identity: u64,
+        identity: u128,
         ids: &[u32],
         meta: &[u8],
         state_len: u64,
@@ -437,7 +443,7 @@ impl Blob {
 mod tests {
     use super::*;
 
-    fn sample(identity: u64) -> Vec<u8> {
+    fn sample(identity: u128) -> Vec<u8> {
         let state: Vec<u8> = (0..100u8).collect();
         let mut w = SessionWriter::begin(Vec::new(), identity, &[1, 2, 300_000], b"{\"m\":1}", 100)
             .unwrap();
@@ -478,11 +484,16 @@ mod tests {
             Err(SessionError::Length(_))
         ));
         let mut d = b.clone();
-        d[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+        d[32..40].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(matches!(parse(&d), Err(SessionError::Length(_))));
         let mut d = b.clone();
-        d[8] = 2;
-        assert_eq!(parse(&d).unwrap_err(), SessionError::Version(2));
+        d[8] = 1;
+        assert_eq!(parse(&d).unwrap_err(), SessionError::Version(1));
+        // The identity's high half counts: two identities that differ only there.
+        let hi = sample(7 | (1 << 100));
+        let v = parse(&hi).unwrap();
+        assert_eq!(v.header.identity, 7 | (1 << 100));
+        assert!(check_identity(&v, 7).is_err());
         assert_eq!(parse(b"nonsense").unwrap_err(), SessionError::Magic);
     }
 

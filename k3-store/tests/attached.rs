@@ -67,6 +67,9 @@ fn start_store_ring(tag: &str, pinned: usize, slots: usize, ring: Option<u64>) -
             ring_bytes: ring.unwrap_or(2 * TrunkStream::min_ring_bytes(&layout, pinned)),
             preload: false,
             ring: Default::default(),
+            identity: k3_store::runtime::identity::ModelIdentity::of(&cat)
+                .unwrap()
+                .id,
         },
         |_, _| {},
     )

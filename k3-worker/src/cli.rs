@@ -221,7 +221,7 @@ pub struct Cli {
     )]
     pub effort: Option<EffortArg>,
     /// Take one job from `k3-ctl serve` over the Unix socket that is this process's standard
-    /// input (the job protocol, docs/SPEC.md §6.11): prompt ids, sampling and the session
+    /// input (the job protocol, docs/SPEC.md §6.12): prompt ids, sampling and the session
     /// arrive as a message, ids and the end go back as messages, and a cancel stops the job at
     /// its next step boundary. serve builds this command line ([`serve_channel_args`]).
     #[arg(long, conflicts_with_all = FROM_THE_JOB)]

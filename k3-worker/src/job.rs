@@ -89,7 +89,8 @@ impl k3_proto::exit::ExitStatus for JobError {
                     exit::FAILURE
                 }
             }
-            JobError::Attach { .. } => exit::NO_STORE,
+            // Cannot attach (3), or this process cannot hold what attaching needs (2).
+            JobError::Attach { source, .. } => k3_proto::exit::ExitStatus::exit_code(source),
             JobError::Open(e) => e.exit_code(),
             JobError::Model(_) | JobError::DraftIo(_) => exit::FAILURE,
         }

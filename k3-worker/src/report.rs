@@ -168,6 +168,12 @@ impl RunSummary {
             st.evictions,
             self.counters.failed_expert_loads
         );
+        if st.private_expert_reads > 0 {
+            eprintln!(
+                "experts read privately: {} (the store's slots were held by a stuck worker)",
+                st.private_expert_reads
+            );
+        }
         if let Some((p, other)) = gen.time_per_token() {
             let ms = |v: f64| v * 1e3;
             eprintln!(
@@ -310,6 +316,7 @@ impl RunSummary {
             "true_resident_hit_rate": self.true_hit,
             "peak_rss_bytes": self.peak,
             "failed_expert_loads": self.counters.failed_expert_loads,
+            "private_expert_reads": st.private_expert_reads,
             "forward_passes": r.spec.forward_passes,
             "drafted_tokens": r.spec.drafted_tokens,
             "accepted_tokens": r.spec.accepted_tokens,

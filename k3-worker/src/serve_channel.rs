@@ -1,5 +1,5 @@
 //! `k3-worker --serve-channel`: one job from `k3-ctl serve` over the Unix socket that is this
-//! process's standard input, in the job protocol of [`k3_proto::serve`] (docs/SPEC.md §6.11).
+//! process's standard input, in the job protocol of [`k3_proto::serve`] (docs/SPEC.md §6.12).
 //!
 //! The worker says `Hello`, reads its `Start`, runs the job as a one-shot run whose ids go to
 //! the channel ([`ChannelSink`]), and ends with one `Done` or `Error` (the kind and the exit code

@@ -36,7 +36,7 @@ pub struct Restored {
 }
 
 /// Pack `state` (holding `held`) and `meta` as a session for the checkpoint of `identity`.
-pub fn encode(identity: u64, held: &[u32], state: &SeqState, meta: &Meta) -> Result<Blob, String> {
+pub fn encode(identity: u128, held: &[u32], state: &SeqState, meta: &Meta) -> Result<Blob, String> {
     if state.pos != held.len() {
         return Err(format!(
             "the state is at position {} but holds {} ids",
@@ -58,7 +58,7 @@ pub fn encode(identity: u64, held: &[u32], state: &SeqState, meta: &Meta) -> Res
 /// `capacity` positions.
 pub fn decode(
     bytes: &[u8],
-    identity: u64,
+    identity: u128,
     dims: &Dims,
     capacity: usize,
 ) -> Result<Restored, String> {

@@ -11,6 +11,9 @@ pub const REFUSED: i32 = 2;
 pub const NO_STORE: i32 = 3;
 /// The run finished but at least one routed expert failed to load: the ids are unsound.
 pub const EXPERT_LOAD_FAILED: i32 = 4;
+/// `k3-ctl verify` only: every byte read and consistent, but the checkpoint has no manifest
+/// (`k3-manifest.json`), so its contents were not checked against a reference.
+pub const UNVERIFIED: i32 = 5;
 
 /// An error that knows which documented exit code it ends the process with. Every binary maps
 /// its errors through this trait and [`report`], the one place that prints and picks a code.

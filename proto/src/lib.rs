@@ -9,12 +9,14 @@ pub mod draft;
 pub mod dtype;
 pub mod exit;
 pub mod expert;
+pub mod manifest;
 pub mod names;
 pub mod paths;
 pub mod quant;
 pub mod safetensors;
 pub mod serve;
 pub mod shm;
+pub mod tensors;
 pub mod wire;
 
 pub use dtype::Dtype;

@@ -151,6 +151,8 @@ pub struct CheckpointIndex {
     shards: Vec<ShardMeta>,
     /// `TensorClass::Other` tensors left out (dtype k3 does not read, or more than 4 dims).
     skipped: Vec<String>,
+    /// The shard set came from `model.safetensors.index.json` (not from a directory scan).
+    listed: bool,
 }
 
 /// A table slot holds an 8-bit hash tag (high bits) and a 24-bit record index; all ones = empty.
@@ -254,10 +256,11 @@ impl CheckpointIndex {
         // The listed names are no longer needed: free them before the merge allocates.
         let listed_in_index_json = weight_map.is_some();
         drop(weight_map);
-        let index = merge(ok, paths)?;
+        let mut index = merge(ok, paths)?;
         if listed_in_index_json {
             index.report_weight_map(&index_path, &files, diffs)?;
         }
+        index.listed = listed_in_index_json;
         Ok(index)
     }
 
@@ -342,6 +345,12 @@ impl CheckpointIndex {
     /// Absolute offset of the data region of shard `shard` (8 + header length).
     pub fn shard_data_start(&self, shard: u16) -> u64 {
         self.shards[usize::from(shard)].data_start
+    }
+
+    /// Whether the shard set came from `model.safetensors.index.json` (false: every
+    /// `*.safetensors` file of the directory, which cannot tell a missing shard).
+    pub fn listed_in_index_json(&self) -> bool {
+        self.listed
     }
 
     /// Names of `TensorClass::Other` tensors left out of the index (dtype k3 does not read, or
@@ -1126,6 +1135,7 @@ fn merge(outs: Vec<ShardOut>, paths: Vec<PathBuf>) -> Result<CheckpointIndex, In
         table: vec![EMPTY; cap],
         shards,
         skipped,
+        listed: false,
     };
     let mask = cap - 1;
     let mut errors = Vec::new();

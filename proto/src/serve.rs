@@ -1,4 +1,4 @@
-//! The `k3-ctl serve` protocols (docs/SPEC.md §6.11): serve ⇄ worker (one generation job over a
+//! The `k3-ctl serve` protocols (docs/SPEC.md §6.12): serve ⇄ worker (one generation job over a
 //! socket pair) and `k3-ctl ps` ⇄ serve (the requests a server holds, queued or running).
 //!
 //! Framing is the wire protocol's ([`crate::wire::encode`], [`crate::wire::read_frame_limited`]):

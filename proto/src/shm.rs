@@ -21,7 +21,7 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 /// Magic bytes at offset 0.
 pub const SHM_MAGIC: [u8; 8] = *b"K3STORE\0";
 /// Bumped on any change to the layout.
-pub const SHM_LAYOUT_VERSION: u32 = 2;
+pub const SHM_LAYOUT_VERSION: u32 = 3;
 /// Region table capacity: 5 model tensors + up to 93 pinned layers + arena + slot table, with room.
 pub const MAX_REGIONS: usize = 256;
 /// Alignment of every region (O_DIRECT reads land in place).
@@ -117,8 +117,9 @@ pub struct ShmHeader {
     pub header_bytes: u32,
     /// Total bytes of the mapping.
     pub total_bytes: u64,
-    /// [`model_identity`] of the checkpoint the store serves.
-    pub model_identity: u64,
+    /// Low 64 bits of the content identity of the checkpoint the store serves (SPEC.md §6.11;
+    /// [`ShmHeader::model_identity`]).
+    pub model_identity_lo: u64,
     /// Entries used in `regions`.
     pub n_regions: u32,
     /// Slots in the expert arena.
@@ -127,8 +128,8 @@ pub struct ShmHeader {
     pub slot_stride: u64,
     /// Bytes of one expert in canonical layout.
     pub expert_bytes: u64,
-    /// Reserved, zero.
-    pub reserved: u64,
+    /// High 64 bits of the model's content identity (layout v3; reserved and zero before).
+    pub model_identity_hi: u64,
     /// The region table; entries past `n_regions` are zero.
     pub regions: [RegionEntry; MAX_REGIONS],
 }
@@ -167,18 +168,18 @@ pub enum ShmError {
 
 impl ShmHeader {
     /// An empty header for a mapping of `total_bytes`.
-    pub fn new(total_bytes: u64, model_identity: u64) -> ShmHeader {
+    pub fn new(total_bytes: u64, model_identity: u128) -> ShmHeader {
         ShmHeader {
             magic: SHM_MAGIC,
             layout_version: SHM_LAYOUT_VERSION,
             header_bytes: HEADER_BYTES as u32,
             total_bytes,
-            model_identity,
+            model_identity_lo: model_identity as u64,
             n_regions: 0,
             slot_count: 0,
             slot_stride: 0,
             expert_bytes: 0,
-            reserved: 0,
+            model_identity_hi: (model_identity >> 64) as u64,
             regions: [RegionEntry {
                 kind: 0,
                 index: 0,
@@ -186,6 +187,11 @@ impl ShmHeader {
                 len: 0,
             }; MAX_REGIONS],
         }
+    }
+
+    /// The content identity of the checkpoint the store serves (SPEC.md §6.11).
+    pub fn model_identity(&self) -> u128 {
+        (u128::from(self.model_identity_hi) << 64) | u128::from(self.model_identity_lo)
     }
 
     /// Append a region; errors when the table is full.
@@ -310,26 +316,6 @@ impl ShmHeader {
     }
 }
 
-/// A 64-bit identity of a checkpoint: FNV-1a over the config bytes and every shard's name and
-/// size. A worker refuses to attach to a store serving a different checkpoint.
-pub fn model_identity(config_bytes: &[u8], shards: &[(String, u64)]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for &b in bytes {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    };
-    eat(config_bytes);
-    let mut sorted: Vec<&(String, u64)> = shards.iter().collect();
-    sorted.sort();
-    for (name, size) in sorted {
-        eat(name.as_bytes());
-        eat(&size.to_le_bytes());
-    }
-    h
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -337,7 +323,7 @@ mod tests {
 
     fn sample() -> ShmHeader {
         let total = FIRST_REGION_OFFSET + 3 * REGION_ALIGN + 2 * 8192 + 4096;
-        let mut h = ShmHeader::new(total, 42);
+        let mut h = ShmHeader::new(total, 42 | (7 << 100));
         h.slot_count = 2;
         h.slot_stride = 8192;
         h.expert_bytes = 8000;
@@ -380,7 +366,7 @@ mod tests {
         assert_eq!(back, h);
         assert_eq!(back.regions().len(), 4);
         assert_eq!(back.slot_stride, 8192);
-        assert_eq!(back.model_identity, 42);
+        assert_eq!(back.model_identity(), 42 | (7 << 100));
 
         let refused = |offset: usize, patch: &dyn Fn(&mut Vec<u8>, usize)| {
             let mut c = b.clone();
@@ -470,7 +456,9 @@ mod tests {
 
     /// The byte layout, pinned: a change here is a layout change (bump [`SHM_LAYOUT_VERSION`])
     /// that workers of the previous build must refuse. v2 kept v1's bytes and added region kind 5
-    /// (the trunk ring), which a v1 worker would not know to use.
+    /// (the trunk ring), which a v1 worker would not know to use; v3 widened the model identity
+    /// to 128 bits (the reserved word at 56 holds its high half), which a v2 worker would compare
+    /// with a 64-bit identity of its own.
     #[test]
     fn layout_is_pinned() {
         let fields = [
@@ -478,12 +466,12 @@ mod tests {
             (offset_of!(ShmHeader, layout_version), 8),
             (offset_of!(ShmHeader, header_bytes), 12),
             (offset_of!(ShmHeader, total_bytes), 16),
-            (offset_of!(ShmHeader, model_identity), 24),
+            (offset_of!(ShmHeader, model_identity_lo), 24),
             (offset_of!(ShmHeader, n_regions), 32),
             (offset_of!(ShmHeader, slot_count), 36),
             (offset_of!(ShmHeader, slot_stride), 40),
             (offset_of!(ShmHeader, expert_bytes), 48),
-            (offset_of!(ShmHeader, reserved), 56),
+            (offset_of!(ShmHeader, model_identity_hi), 56),
             (offset_of!(ShmHeader, regions), 64),
             (offset_of!(RegionEntry, kind), 0),
             (offset_of!(RegionEntry, index), 4),
@@ -497,7 +485,7 @@ mod tests {
         for (i, (got, want)) in fields.iter().enumerate() {
             assert_eq!(got, want, "field {i} moved");
         }
-        assert_eq!(SHM_LAYOUT_VERSION, 2);
+        assert_eq!(SHM_LAYOUT_VERSION, 3);
         assert_eq!(RegionKind::TrunkRing as u32, 5);
         assert_eq!(HEADER_BYTES, 6208);
         let e = SlotEntry {
@@ -557,20 +545,5 @@ mod tests {
         let mut wrong_len = full(&h);
         wrong_len.push(0);
         assert!(ShmHeader::decode(&wrong_len).is_err());
-    }
-
-    #[test]
-    fn identity_depends_on_config_and_shards_not_order() {
-        let a = model_identity(b"{}", &[("a".into(), 1), ("b".into(), 2)]);
-        let b = model_identity(b"{}", &[("b".into(), 2), ("a".into(), 1)]);
-        assert_eq!(a, b);
-        assert_ne!(
-            a,
-            model_identity(b"{ }", &[("a".into(), 1), ("b".into(), 2)])
-        );
-        assert_ne!(
-            a,
-            model_identity(b"{}", &[("a".into(), 1), ("b".into(), 3)])
-        );
     }
 }

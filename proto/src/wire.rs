@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -241,6 +241,13 @@ pub enum SlotAnswer {
         /// Why (file, offset, error).
         reason: String,
     },
+    /// v10. No slot can be had now (every slot that could take it is leased by a worker that
+    /// has held its leases too long — stopped, swapped out): the worker reads the expert from
+    /// the checkpoint into its own memory, rather than wait for or fail on another worker.
+    Private {
+        /// Why (which slots were held, and by whom).
+        reason: String,
+    },
 }
 
 /// Counters, shared by the lifetime and per-job views.
@@ -290,6 +297,9 @@ pub struct Counters {
     pub preload_bytes: u64,
     /// v8. Wall seconds of its reads.
     pub preload_seconds: f64,
+    /// v10. Requested experts answered [`SlotAnswer::Private`]: read by the worker itself
+    /// because the slots were held by a worker that kept its leases too long.
+    pub private_reads: u64,
 }
 
 impl Counters {
@@ -316,6 +326,12 @@ pub struct JobStats {
     pub counters: Counters,
     /// What the worker last reported of its progress.
     pub progress: JobProgress,
+    /// v10. The worker's process id (`SO_PEERCRED`; 0 when unknown).
+    pub pid: u32,
+    /// v10. Seconds it has held its current expert leases (0 when it holds none): a live job
+    /// whose figure keeps growing is stuck (stopped, swapped out) and others read privately
+    /// around it.
+    pub lease_age_seconds: f64,
 }
 
 /// The answer to [`Request::Stats`].

@@ -1,6 +1,7 @@
-"""Safetensors shards + model.safetensors.index.json + config.json."""
+"""Safetensors shards + model.safetensors.index.json + config.json + k3-manifest.json."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -74,14 +75,31 @@ def plan(d: Dims) -> list[ShardPlan]:
     return plans
 
 
+MANIFEST = "k3-manifest.json"
+
+
+def manifest_text(source: str, shards: list[tuple[str, int, str]]) -> str:
+    """The checkpoint manifest (docs/SPEC.md §6.11): every shard's file name, size and sha256."""
+    return json.dumps({
+        "format": 1,
+        "source": source,
+        "shards": [{"file": f, "size": n, "sha256": h} for f, n, h in sorted(shards)],
+    }, indent=1) + "\n"
+
+
 def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nested", decoy_head_dim: bool = False) -> list[ShardPlan]:
+    """Write the shards, the index, the config and — unless the data is left as holes (the
+    skeleton has no content to vouch for) — the manifest with each shard's sha256, hashed as it
+    is written."""
     os.makedirs(out_dir, exist_ok=True)
     plans = plan(d)
     pools = FastPools(seed) if d.values == "fast" else None
     weight_map: dict[str, str] = {}
     total = 0
+    hashes: list[tuple[str, int, str]] = []
     for sp in plans:
         path = os.path.join(out_dir, sp.file)
+        sha = hashlib.sha256(sp.header)
         with open(path, "wb") as f:
             f.write(sp.header)
             if d.values == "hole":
@@ -92,10 +110,13 @@ def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nest
                     for t in u.tensors:
                         written = 0
                         for chunk in tensor_chunks(t, d.values, seed, pools):
-                            f.write(memoryview(chunk).cast("B"))
+                            b = memoryview(chunk).cast("B")
+                            f.write(b)
+                            sha.update(b)
                             written += chunk.nbytes
                         if written != t.nbytes:
                             raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.nbytes}")
+        hashes.append((sp.file, len(sp.header) + sp.data_size, sha.hexdigest()))
         for u in sp.units:
             for t in u.tensors:
                 weight_map[t.name] = sp.file
@@ -104,4 +125,7 @@ def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nest
         f.write(index_text(total, weight_map))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         f.write(config_text(d, config_shape, decoy_head_dim))
+    if d.values != "hole":
+        with open(os.path.join(out_dir, MANIFEST), "w") as f:
+            f.write(manifest_text(f"scripts/make-checkpoint.py (synthetic, seed {seed})", hashes))
     return plans

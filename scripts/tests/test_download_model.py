@@ -13,12 +13,15 @@ transfer resumes with a range request at the byte it reached, and so does a part
 an earlier run; a second run downloads nothing and does not hash again, the listing saved by an earlier
 run stands in when the hub's API is down (for that repository only), and a file changed on disk
 afterwards is caught by --verify-only; a listing that names a path outside the destination
-is refused before anything is written.
+is refused before anything is written; once every shard is verified, `k3-manifest.json` records
+the hub's sha256 of each (the model's content identity, docs/SPEC.md §6.11), and a download
+verified by size only leaves no manifest behind.
 """
 import hashlib
 import http.server
 import json
 import os
+import struct
 import subprocess
 import threading
 from pathlib import Path
@@ -261,3 +264,47 @@ def test_usage_errors_exit_2(tmp_path):
     for args in ([], ["a", "b", "c"], ["not a repo", str(tmp_path)], [str(tmp_path), "--bogus"]):
         r = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, timeout=30)
         assert r.returncode == 2, (args, r.stderr)
+
+
+def shard(name_seed, n):
+    """A valid safetensors file of one U8 tensor of n bytes."""
+    header = json.dumps({f"t{name_seed}": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + blob(name_seed, n)
+
+
+def test_the_manifest_records_the_hubs_sha256_of_every_shard_once_verified(hub, tmp_path):
+    s1, s2 = shard(1, 5000), shard(2, 7000)
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.dumps({"weight_map": {"t1": names[0], "t2": names[1]}}).encode()
+    tok = b"tokens\n"
+    files = {names[0]: s1, names[1]: s2, "config.json": CONFIG, "model.safetensors.index.json": index,
+             "tiktoken.model": tok, "tokenizer_config.json": tok}
+    entries = [lfs_entry(names[0], s1), lfs_entry(names[1], s2), plain_entry("config.json", len(CONFIG)),
+               plain_entry("model.safetensors.index.json", len(index)), plain_entry("tiktoken.model", len(tok)),
+               plain_entry("tokenizer_config.json", len(tok))]
+    h = hub(files, entries)
+    rc, out = download(h, tmp_path)
+    assert rc == 0, out
+    m = json.loads((tmp_path / "k3-manifest.json").read_text())
+    assert m["format"] == 1 and REPO in m["source"], m
+    assert m["shards"] == [
+        {"file": names[0], "size": len(s1), "sha256": hashlib.sha256(s1).hexdigest()},
+        {"file": names[1], "size": len(s2), "sha256": hashlib.sha256(s2).hexdigest()},
+    ], m
+    # A shard whose hub hash does not match: the download fails and no manifest is (re)written.
+    (tmp_path / "k3-manifest.json").unlink()
+    h.entries[1] = lfs_entry(names[1], s2, sha=hashlib.sha256(b"other").hexdigest())
+    (tmp_path / ".k3-download" / "verified").unlink()
+    rc, out = download(h, tmp_path)
+    assert rc == 1 and not (tmp_path / "k3-manifest.json").exists(), out
+    # Without the hub's listing (and none saved): sizes only, and a stale manifest is removed.
+    h.entries[1] = lfs_entry(names[1], s2)
+    assert download(h, tmp_path)[0] == 0
+    assert (tmp_path / "k3-manifest.json").exists()
+    (tmp_path / ".k3-download" / "manifest.json").unlink()
+    h.api_down = True
+    rc, out = download(h, tmp_path)
+    assert rc == 0 and "verified by size only" in out, out
+    assert not (tmp_path / "k3-manifest.json").exists(), out
+    assert "no reference hashes" in out, out

@@ -1,4 +1,4 @@
-//! `k3-worker --serve-channel`: the typed job protocol of `k3_proto::serve` (docs/SPEC.md §6.11)
+//! `k3-worker --serve-channel`: the typed job protocol of `k3_proto::serve` (docs/SPEC.md §6.12)
 //! spoken to a real worker over a socket pair on its standard input, attached to a real store on
 //! the tiny checkpoint. The ids are the float64 reference's; an error is a kind with the exit
 //! code the worker then ends with; a cancel ends the job at a step boundary with `Done

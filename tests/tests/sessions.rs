@@ -1,7 +1,8 @@
 //! Conversations kept in the store (docs/SPEC.md §6.6), end to end: real `k3-store`, real
 //! `k3-worker` jobs resuming a session in a NEW process, checked against a full re-prefill and
 //! the tiny fixture's reference ids; the store's limits (LRU by count and by bytes), its state
-//! directory (survives a restart; damaged and foreign files refused with a clear log line).
+//! directory (survives a restart; damaged files refused with a clear log line; a store of
+//! another model refused). The hostile cases of the state directory are in `state_trust.rs`.
 //!
 //! The chat test needs the real vocabulary (the XTML markers are ids ≥ 163584): it generates the
 //! `small` checkpoint (~190 MB, ~5 s) with `scripts/make-checkpoint.py` once.
@@ -208,31 +209,51 @@ fn the_state_dir_survives_a_restart_and_refuses_damaged_or_foreign_sessions() {
     assert_eq!(ids_of(&j["generated_ids"]), want[4..8]);
     sb.stop_store();
 
-    // A damaged copy is refused with a clear log line; the good one still loads.
+    // A damaged copy (0600, as the store writes) is refused with a clear log line (its MAC);
+    // the good one still loads.
     let mut bytes = std::fs::read(&file).unwrap();
     let n = bytes.len();
     bytes[n / 2] ^= 0x40;
-    std::fs::write(dir.join("damaged.k3session"), &bytes).unwrap();
+    let damaged = dir.join("damaged.k3session");
+    std::fs::write(&damaged, &bytes).unwrap();
+    std::fs::set_permissions(
+        &damaged,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
     sb.start_store(&[path_str(&model), "--state-dir", &d]);
     let log = std::fs::read_to_string(sb.store_log()).unwrap();
     assert!(
-        log.contains("damaged.k3session") && log.contains("checksum"),
+        log.contains("damaged.k3session") && log.contains("MAC mismatch"),
         "{log}"
     );
     assert_eq!(names(&sb), ["kept"]);
     sb.stop_store();
 
-    // Another checkpoint (another identity) refuses every session of this one.
+    // Another checkpoint (another identity): the state directory belongs to this one, so the
+    // start is refused (exit 2), naming both identities.
     let other = foreign_model(&sb.dir.join("other-model"));
-    sb.start_store(&[path_str(&other), "--state-dir", &d]);
-    let log = std::fs::read_to_string(sb.store_log()).unwrap();
-    assert!(
-        log.contains("kept.k3session") && log.contains("model identity"),
-        "{log}"
+    let sock = path_str(&sb.socket).to_string();
+    let r = sb.run(
+        "k3-store",
+        &[
+            "start",
+            path_str(&other),
+            "--state-dir",
+            &d,
+            "--socket",
+            &sock,
+            "--detach",
+        ],
     );
-    assert!(names(&sb).is_empty());
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(
+        r.stderr.contains("holds the sessions of model") && r.stderr.contains("this store serves"),
+        "{r:?}"
+    );
+    assert!(!sb.socket.exists());
     // The refused files are left alone.
-    assert!(file.is_file() && dir.join("damaged.k3session").is_file());
+    assert!(file.is_file() && damaged.is_file());
 }
 
 /// `k3-worker --chat` attached, fed `input` on stdin; its run and `--out` report.

@@ -386,7 +386,7 @@ fn a_foreign_or_damaged_draft_trunk_is_refused_with_exit_2() {
     let foreign = copy("foreign");
     let json = std::fs::read_to_string(foreign.join("draft.json")).unwrap();
     let v: serde_json::Value = serde_json::from_str(&json).unwrap();
-    let id = v["model"]["checkpoint_id"].as_str().unwrap().to_string();
+    let id = v["model"]["model_id"].as_str().unwrap().to_string();
     let other = format!(
         "{}{}",
         if id.starts_with('1') { "2" } else { "1" },

@@ -165,12 +165,23 @@ fn a_trunk_packed_from_another_checkpoint_of_the_same_shape_is_refused() {
         .iter()
         .zip(b["layers"].as_array().unwrap())
     {
-        assert_eq!(la["tensors"], lb["tensors"]);
+        // Same places, lengths and dtypes; other source-tensor hashes.
+        let place = |t: &Value| (t["off"].clone(), t["nbytes"].clone(), t["dtype"].clone());
+        let (ta, tb) = (
+            la["tensors"].as_object().unwrap(),
+            lb["tensors"].as_object().unwrap(),
+        );
+        assert_eq!(ta.keys().collect::<Vec<_>>(), tb.keys().collect::<Vec<_>>());
+        for (name, t) in ta {
+            assert_eq!(place(t), place(&tb[name]), "{name}");
+            assert_ne!(t["xxh3"], tb[name]["xxh3"], "{name}");
+        }
         assert_eq!(la["file_off"], lb["file_off"]);
         assert_ne!(la["xxh3"], lb["xxh3"]);
     }
-    let id_ours = a["model"]["checkpoint_id"].as_str().unwrap().to_string();
-    let id_theirs = b["model"]["checkpoint_id"].as_str().unwrap().to_string();
+    assert_ne!(a["model"]["trunk_id"], b["model"]["trunk_id"]);
+    let id_ours = a["model"]["model_id"].as_str().unwrap().to_string();
+    let id_theirs = b["model"]["model_id"].as_str().unwrap().to_string();
     assert_ne!(id_ours, id_theirs);
     let both = [id_ours.as_str(), id_theirs.as_str(), "another checkpoint"];
 
@@ -262,15 +273,28 @@ fn malformed_and_old_trunk_json_is_refused() {
     v["layers"][1]["xxh3"] = "0000000000000000".into();
     check(&v, "zero layer checksum", &["layer 1", "checksum"]);
     let mut v = good.clone();
-    v["model"]["checkpoint_id"] = "00000000000000000000000000000000".into();
-    check(&v, "zero identity", &["checkpoint_id"]);
+    v["model"]["model_id"] = "00000000000000000000000000000000".into();
+    check(&v, "zero identity", &["model_id"]);
+    // A tensor hash edited (the trunk identity no longer matches it).
+    let mut v = good.clone();
+    let t = v["layers"][2]["tensors"].as_object_mut().unwrap();
+    let first = t.keys().next().unwrap().clone();
+    t[&first]["xxh3"] = "0123456789abcdef".into();
+    check(
+        &v,
+        "edited tensor hash",
+        &["does not match its tensor hashes"],
+    );
     // A trunk.json of the previous format: re-pack.
     let mut v = good.clone();
     v.as_object_mut().unwrap().remove("format");
     for l in v["layers"].as_array_mut().unwrap() {
         l.as_object_mut().unwrap().remove("xxh3");
     }
-    v["model"].as_object_mut().unwrap().remove("checkpoint_id");
+    for k in ["model_id", "id_kind", "trunk_id"] {
+        v["model"].as_object_mut().unwrap().remove(k);
+    }
+    v["model"]["checkpoint_id"] = "0123456789abcdef0123456789abcdef".into();
     check(&v, "old format", &["re-run `k3-ctl pack-trunk"]);
     // Restored, it is accepted.
     write_trunk_json(&trunk, &good);

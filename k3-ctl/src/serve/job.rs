@@ -1,5 +1,5 @@
 //! One request's `k3-worker` child, attached to the store, spoken to in the typed job protocol
-//! ([`k3_proto::serve`], docs/SPEC.md §6.11) over a Unix socket pair that is the worker's
+//! ([`k3_proto::serve`], docs/SPEC.md §6.12) over a Unix socket pair that is the worker's
 //! standard input.
 //!
 //! serve sends the job ([`Start`]); the worker sends `Prefilled`, one `Token` per id and one

@@ -28,6 +28,9 @@ use k3_proto::wire::{ClientKind, Counters, Request, Response, SlotAnswer};
 use crate::attach::client::{Client, ClientError};
 use crate::runtime::catalog::Catalog;
 use crate::runtime::draft::{DraftFile, DraftSource};
+use crate::runtime::experts::ExpertReader;
+use crate::runtime::identity::ModelIdentity;
+use crate::runtime::io::AlignedBuf;
 use crate::runtime::pool::IoPool;
 use crate::runtime::source::{
     ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
@@ -46,6 +49,9 @@ pub enum AttachError {
     /// should be (exit 3: we cannot attach).
     #[error("cannot attach: {0}")]
     Mismatch(String),
+    /// This process cannot hold what attaching needs (its open-file limit): exit 2.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// How to attach.
@@ -162,6 +168,7 @@ impl Link {
                             })
                             .map_err(|m| format!("layer {l} expert {e}: {m}")),
                         SlotAnswer::Failed { reason } => Err(reason),
+                        SlotAnswer::Private { reason } => self.private.read(l, *e, &reason),
                     })
                     .collect();
                 Ok(ExpertBatch { experts })
@@ -202,7 +209,47 @@ struct Link {
     seg: Arc<ReadOnlySegment>,
     arena: ArenaGeometry,
     wait: Mutex<f64>,
-    identity: u64,
+    identity: u128,
+    private: PrivateReads,
+}
+
+/// Experts the store answered [`SlotAnswer::Private`] (its slots held by a stuck worker): read
+/// from the checkpoint into this worker's own memory, one aligned slot-sized buffer each, kept
+/// alive by the regions handed out (until the next request of the engine).
+struct PrivateReads {
+    cat: Arc<Catalog>,
+    reader: ExpertReader,
+    /// Experts read so far and their bytes.
+    count: std::sync::atomic::AtomicU64,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+impl PrivateReads {
+    fn read(&self, l: usize, e: u32, reason: &str) -> Result<Region, String> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let what = format!("layer {l} expert {e}");
+        let ext = (self.cat.expert(l, e as usize))
+            .ok_or_else(|| format!("{what}: not in the checkpoint"))?;
+        let layout = self.cat.expert_layout();
+        let mut buf = AlignedBuf::zeroed(ExpertReader::slot_stride(&layout))?;
+        self.reader
+            .read(&what, &ext, buf.as_mut_slice())
+            .map_err(|err| format!("{what}, read privately: {}", err.0))?;
+        if self.count.fetch_add(1, Relaxed) == 0 {
+            tracing::warn!(
+                "the store's expert slots are held by another worker: reading experts from the \
+                 checkpoint into this worker's memory ({reason})"
+            );
+        }
+        self.bytes.fetch_add(layout.expert_bytes() as u64, Relaxed);
+        let owner: Arc<dyn ByteOwner> = Arc::new(buf);
+        Region::new(
+            owner,
+            ExpertReader::offset_in_slot(&ext),
+            layout.expert_bytes(),
+        )
+        .ok_or_else(|| format!("{what}: outside its private buffer"))
+    }
 }
 
 /// Where the store's expert arena lies in its memory, as its header says.
@@ -280,15 +327,29 @@ impl AttachedSource {
             }
         }
         let (cat, _cfg) = Catalog::open_dir(&model_dir).map_err(|e| mismatch(e.0))?;
-        let identity = cat.identity(&model_dir).map_err(mismatch)?;
-        if identity != header.model_identity {
+        let identity = ModelIdentity::of(&cat).map_err(|e| mismatch(e.to_string()))?;
+        if identity.id != header.model_identity() {
             return Err(mismatch(format!(
-                "{} changed since the store loaded it (config or shard sizes differ); restart \
+                "{} is model {identity} here, but the store serves model {:032x}: the checkpoint \
+                 (its config, manifest or shards) changed since the store loaded it; restart \
                  the store",
-                model_dir.display()
+                model_dir.display(),
+                header.model_identity()
             )));
         }
+        // The shards (private expert reads, the trunk layout), the trunk, the socket, the
+        // store's memory and a session's memfd, against the open-file limit (raised).
+        let needs = crate::fdlimit::Needs {
+            shards: cat.shard_paths().len() as u64,
+            trunks: u64::from(trunk_dir.is_some()),
+            other: 3,
+            ..Default::default()
+        };
+        (crate::fdlimit::raise())
+            .check("k3-worker", &needs)
+            .map_err(AttachError::Refused)?;
         let shards = open_shards(&cat).map_err(|e| mismatch(e.0))?;
+        let reader = ExpertReader::new(shards.clone(), cat.expert_layout());
         let trunk = Arc::new(match &trunk_dir {
             Some(dir) => {
                 TrunkLayout::from_packed(&cat, shards, dir).map_err(|e| mismatch(e.to_string()))?
@@ -388,7 +449,13 @@ impl AttachedSource {
                         slots: header.slot_count,
                     },
                     wait: Mutex::new(0.0),
-                    identity: header.model_identity,
+                    identity: header.model_identity(),
+                    private: PrivateReads {
+                        cat: Arc::new(cat),
+                        reader,
+                        count: Default::default(),
+                        bytes: Default::default(),
+                    },
                 }),
                 model,
                 trunk,
@@ -509,7 +576,7 @@ impl AttachedSource {
     }
 
     /// The identity of the checkpoint the store serves (what a kept session must carry).
-    pub fn model_identity(&self) -> u64 {
+    pub fn model_identity(&self) -> u128 {
         self.link.identity
     }
 
@@ -690,6 +757,7 @@ impl WeightSource for AttachedSource {
     }
 
     fn stats(&self) -> SourceStats {
+        use std::sync::atomic::Ordering::Relaxed;
         let (trunk_bytes, served, shared, trunk_wait) = {
             let f = self.trunk_stats.lock().unwrap_or_else(|p| p.into_inner());
             (f.bytes_read, f.served, f.shared, f.wait_seconds)
@@ -702,7 +770,7 @@ impl WeightSource for AttachedSource {
             misses: job.misses,
             evictions: 0,
             failed_expert_loads: job.failed_loads,
-            expert_bytes_read: job.expert_bytes_read,
+            expert_bytes_read: job.expert_bytes_read + self.link.private.bytes.load(Relaxed),
             expert_read_seconds: job.read_seconds,
             // The store reads the ring; what this job saw of it is the wait.
             trunk_bytes_read: trunk_bytes,
@@ -715,6 +783,7 @@ impl WeightSource for AttachedSource {
             prefetch_bytes: job.prefetch_bytes,
             prefetch_used: job.prefetch_used,
             prefetch_dropped: job.prefetch_dropped,
+            private_expert_reads: self.link.private.count.load(Relaxed),
             // The store's preload happened before this job: `k3-ctl stats` reports it.
             ..SourceStats::default()
         }

@@ -10,12 +10,20 @@
 //! engine finishes a layer before it routes the next, so this includes the protocol's "until the
 //! next request for the same layer"), and a disconnect releases everything. A slot is never
 //! rewritten while leased.
+//!
+//! A worker that keeps its leases (stopped with SIGSTOP, swapped out) never fails the others: a
+//! request that finds too few slots free waits at most [`PRIVATE_AFTER`] — not at all once a
+//! holder has kept its leases longer than that — and then takes what is resident and answers
+//! the rest [`SlotAnswer::Private`]: the worker reads those experts from the checkpoint into its
+//! own memory (same bytes, same ids). The stuck holder keeps its slots (its bytes stay valid);
+//! `k3-ctl ps` shows each job's pid and how long it has held its leases, and the log names the
+//! holders once per 10 s.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k3_proto::names::MODEL_TENSORS;
 use k3_proto::shm::{RegionKind, ShmHeader, SlotEntry, FIRST_REGION_OFFSET};
@@ -29,7 +37,9 @@ use super::{Backend, ConnId};
 use crate::runtime::arena::ArenaMem;
 use crate::runtime::catalog::Catalog;
 use crate::runtime::draft::DraftFile;
-use crate::runtime::experts::{Arena, BatchError, ExpertReader, ExpertSlots, SlotState, SlotTable};
+use crate::runtime::experts::{
+    Arena, BatchError, ExpertReader, ExpertSlots, Locked, SlotState, SlotTable,
+};
 use crate::runtime::io::{align_up, span_len, DiskFile};
 use crate::runtime::pool::IoPool;
 use crate::runtime::ring::{Grant, Ring, RingOptions};
@@ -92,10 +102,19 @@ pub struct BuildOptions {
     pub preload: bool,
     /// Lease limits of the ring.
     pub ring: RingOptions,
+    /// The checkpoint's content identity (`runtime::identity::ModelIdentity`), recorded in the
+    /// segment's header for workers to compare with their own.
+    pub identity: u128,
 }
 
-/// How long an expert request waits for leased slots to be released by other workers.
+/// How long a preload waits for leased slots (none are leased at start-up).
 const BUSY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long an expert request waits for leased slots before it answers the experts it lacks
+/// [`SlotAnswer::Private`]; also the lease age past which a holder counts as stuck (then a
+/// request does not wait at all).
+pub const PRIVATE_AFTER: Duration = Duration::from_secs(1);
+/// At most one log line per this long about requests answered privately.
+const PRIVATE_LOG_PERIOD: Duration = Duration::from_secs(10);
 /// Finished jobs kept for `k3-ctl stats`.
 const FINISHED_JOBS_KEPT: usize = 16;
 /// Most expert ids one request may name.
@@ -117,6 +136,24 @@ struct Job {
     progress: k3_proto::wire::JobProgress,
     /// Number of this connection's latest `Prefetch` (an older one still queued is dropped).
     prefetch_seq: u64,
+    /// The worker's pid (`SO_PEERCRED`; 0 unknown).
+    pid: u32,
+    /// When it took the expert leases it holds now (`None`: it holds none).
+    leased_since: Option<Instant>,
+}
+
+impl Job {
+    fn new(label: String, pid: u32) -> Job {
+        Job {
+            label,
+            live: true,
+            counters: Counters::default(),
+            progress: Default::default(),
+            prefetch_seq: 0,
+            pid,
+            leased_since: None,
+        }
+    }
 }
 
 /// The workers' jobs, kept under the slots' lock.
@@ -124,6 +161,8 @@ struct Job {
 struct Jobs {
     live: BTreeMap<ConnId, Job>,
     finished: VecDeque<(ConnId, Job)>,
+    /// When requests answered privately were last logged.
+    private_logged: Option<Instant>,
 }
 
 /// The daemon's backend.
@@ -279,10 +318,9 @@ impl StoreBackend {
             opts.ring_bytes,
             opts.draft.as_deref(),
         );
-        let identity = cat.identity(&opts.model_dir)?;
         let mut seg = Segment::create("k3-store", lay.total)
             .map_err(|e| format!("cannot create {} bytes of shared memory: {e}", lay.total))?;
-        let mut header = ShmHeader::new(lay.total, identity);
+        let mut header = ShmHeader::new(lay.total, opts.identity);
         let preload_bytes = if opts.preload {
             let n = cat.routed_experts().count().min(opts.slots) as u64;
             n * cat.expert_layout().expert_bytes() as u64
@@ -483,26 +521,29 @@ impl StoreBackend {
             return Err(format!("{} ids in one request (max {MAX_IDS})", ids.len()));
         }
         let mirror = |t: &SlotTable, s: usize| self.write_slot_entry(t, s);
+        // A holder past its time: do not wait for it (it may never release).
+        let wait = if self.stuck_holders(conn).is_empty() {
+            PRIVATE_AFTER
+        } else {
+            Duration::ZERO
+        };
         // Holder `conn`: this connection's earlier leases are released before reserving.
-        let (mut g, served) = self
-            .experts
-            .serve_batch(layer as usize, ids, Some(conn), None, &mirror)
-            .map_err(|e| match e {
-                BatchError::Invalid(m) => m,
-                BatchError::Busy(e) => format!(
-                    "{e} after {} s: other workers hold the slots (raise --cache-gb)",
-                    BUSY_TIMEOUT.as_secs()
-                ),
-            })?;
+        let served =
+            self.experts
+                .serve_batch_within(layer as usize, ids, Some(conn), None, &mirror, wait);
+        let (mut g, served) = match served {
+            Ok(x) => x,
+            Err(BatchError::Invalid(m)) => return Err(m),
+            Err(BatchError::Busy(e)) => return Ok(self.serve_privately(conn, layer, ids, &e)),
+        };
         let hits = served.outcomes.iter().filter(|o| o.hit).count() as u64;
         let n_failed = served.outcomes.iter().filter(|o| o.slot.is_err()).count() as u64;
-        let job = g.extra.live.entry(conn).or_insert_with(|| Job {
-            label: format!("connection {conn}"),
-            live: true,
-            counters: Counters::default(),
-            progress: Default::default(),
-            prefetch_seq: 0,
-        });
+        let job = g
+            .extra
+            .live
+            .entry(conn)
+            .or_insert_with(|| Job::new(format!("connection {conn}"), 0));
+        job.leased_since = Some(Instant::now());
         let c = &mut job.counters;
         c.requests += served.outcomes.len() as u64;
         c.resident_hits += hits;
@@ -528,6 +569,124 @@ impl StoreBackend {
             resident_hits: hits as u32,
         })
     }
+
+    /// Other workers holding expert leases for longer than [`PRIVATE_AFTER`]: (conn, pid,
+    /// seconds, slots).
+    fn stuck_holders(&self, conn: ConnId) -> Vec<(ConnId, u32, f64, usize)> {
+        let g = self.experts.lock();
+        holders_of(&g.table, &g.extra, conn)
+            .into_iter()
+            .filter(|h| h.2 >= PRIVATE_AFTER.as_secs_f64())
+            .collect()
+    }
+
+    /// `ids` of `layer` when no slot could be reserved for the batch (`busy`): those resident
+    /// now are leased, the others answered [`SlotAnswer::Private`] (the worker reads them). The
+    /// holders are named in the reason and, once per 10 s, in the log.
+    fn serve_privately(
+        &self,
+        conn: ConnId,
+        layer: u32,
+        ids: &[u32],
+        busy: &crate::runtime::experts::ReserveError,
+    ) -> Response {
+        let mut g = self.experts.lock();
+        let holders = holders_of(&g.table, &g.extra, conn);
+        let named: Vec<String> = holders
+            .iter()
+            .map(|(c, pid, secs, n)| {
+                format!("connection {c} (pid {pid}) holds {n} slot(s) for {secs:.1} s")
+            })
+            .collect();
+        let reason = format!(
+            "{busy}: {}; read it from the checkpoint",
+            if named.is_empty() {
+                "other workers hold the slots".to_string()
+            } else {
+                named.join(", ")
+            }
+        );
+        let mut private = 0u64;
+        let (answers, hits) = self.lease_resident(&mut g, conn, layer, ids, |_| {
+            private += 1;
+            SlotAnswer::Private {
+                reason: reason.clone(),
+            }
+        });
+        let log_due = (g.extra.private_logged).is_none_or(|t| t.elapsed() >= PRIVATE_LOG_PERIOD);
+        if log_due {
+            g.extra.private_logged = Some(Instant::now());
+        }
+        if let Some(job) = g.extra.live.get_mut(&conn) {
+            let c = &mut job.counters;
+            c.requests += ids.len() as u64;
+            c.resident_hits += u64::from(hits);
+            c.misses += private;
+            c.private_reads += private;
+        }
+        drop(g);
+        if log_due {
+            tracing::warn!(
+                "layer {layer}: {private} expert(s) of connection {conn} answered private (the \
+                 worker reads them itself): {reason}"
+            );
+        }
+        Response::Experts {
+            answers,
+            resident_hits: hits,
+        }
+    }
+
+    /// Lease to `conn`, of experts `ids` of `layer`, those resident now (its earlier leases
+    /// released first; no read, no wait); `missing` answers the others. The answers in request
+    /// order and how many were leased.
+    fn lease_resident(
+        &self,
+        g: &mut Locked<Jobs>,
+        conn: ConnId,
+        layer: u32,
+        ids: &[u32],
+        mut missing: impl FnMut(u32) -> SlotAnswer,
+    ) -> (Vec<SlotAnswer>, u32) {
+        g.table.release_holder(conn);
+        let mut slots = Vec::new();
+        let answers = ids
+            .iter()
+            .map(|&e| match g.table.lease_resident(layer, e) {
+                Some(s) => {
+                    slots.push(s);
+                    self.write_slot_entry(&g.table, s);
+                    SlotAnswer::Leased {
+                        slot: s as u32,
+                        at: self.experts.offset_in_slot(layer as usize, e) as u32,
+                    }
+                }
+                None => missing(e),
+            })
+            .collect();
+        let leased = slots.len() as u32;
+        g.table.hold(conn, layer, slots);
+        if let Some(job) = g.extra.live.get_mut(&conn) {
+            job.leased_since = (leased > 0).then(Instant::now);
+        }
+        (answers, leased)
+    }
+}
+
+/// Live jobs other than `conn` that hold expert leases: (conn, pid, seconds held, slots).
+fn holders_of(table: &SlotTable, jobs: &Jobs, conn: ConnId) -> Vec<(ConnId, u32, f64, usize)> {
+    table
+        .holders()
+        .into_iter()
+        .filter(|(h, _)| *h != conn)
+        .map(|(h, n)| {
+            let job = jobs.live.get(&h);
+            let secs = job
+                .and_then(|j| j.leased_since)
+                .map_or(0.0, |t| t.elapsed().as_secs_f64());
+            (h, job.map_or(0, |j| j.pid), secs, n)
+        })
+        .collect()
 }
 
 impl Backend for StoreBackend {
@@ -548,25 +707,9 @@ impl Backend for StoreBackend {
         }
         let mut g = self.experts.lock();
         // As for `Experts`: this connection's earlier leases go first.
-        g.table.release_holder(conn);
-        let mut slots = Vec::new();
-        let answers = ids
-            .iter()
-            .map(|&e| match g.table.lease_resident(layer, e) {
-                Some(s) => {
-                    slots.push(s);
-                    self.write_slot_entry(&g.table, s);
-                    SlotAnswer::Leased {
-                        slot: s as u32,
-                        at: self.experts.offset_in_slot(layer as usize, e) as u32,
-                    }
-                }
-                None => SlotAnswer::Failed {
-                    reason: format!("expert {e} of layer {layer} is not resident"),
-                },
-            })
-            .collect();
-        g.table.hold(conn, layer, slots);
+        let (answers, _) = self.lease_resident(&mut g, conn, layer, ids, |e| SlotAnswer::Failed {
+            reason: format!("expert {e} of layer {layer} is not resident"),
+        });
         Response::Experts {
             answers,
             resident_hits: 0,
@@ -620,6 +763,9 @@ impl Backend for StoreBackend {
     fn release_all(&self, conn: ConnId) {
         let mut g = self.experts.lock();
         g.table.release_holder(conn);
+        if let Some(job) = g.extra.live.get_mut(&conn) {
+            job.leased_since = None;
+        }
         for s in 0..g.table.slots() {
             self.write_slot_entry(&g.table, s);
         }
@@ -627,18 +773,9 @@ impl Backend for StoreBackend {
         self.experts.notify();
     }
 
-    fn opened(&self, conn: ConnId, kind: ClientKind, label: &str) {
+    fn opened(&self, conn: ConnId, kind: ClientKind, label: &str, pid: u32) {
         if kind == ClientKind::Worker {
-            self.experts.lock().extra.live.insert(
-                conn,
-                Job {
-                    label: label.to_string(),
-                    live: true,
-                    counters: Counters::default(),
-                    progress: Default::default(),
-                    prefetch_seq: 0,
-                },
-            );
+            (self.experts.lock().extra.live).insert(conn, Job::new(label.to_string(), pid));
         }
     }
 
@@ -649,6 +786,7 @@ impl Backend for StoreBackend {
         let jobs = &mut g.extra;
         if let Some(mut job) = jobs.live.remove(&conn) {
             job.live = false;
+            job.leased_since = None;
             if let Some(r) = ring {
                 add_ring(&mut job.counters, &r);
             }
@@ -720,6 +858,10 @@ impl Backend for StoreBackend {
             preloaded_experts: t.preloaded,
             preload_bytes: g.preload_bytes,
             preload_seconds: g.preload_seconds,
+            private_reads: (g.extra.live.values())
+                .chain(g.extra.finished.iter().map(|(_, j)| j))
+                .map(|j| j.counters.private_reads)
+                .sum(),
             ..Counters::default()
         };
         let mut lifetime = lifetime;
@@ -740,6 +882,8 @@ impl Backend for StoreBackend {
             live: j.live,
             counters: counters(c, j),
             progress: j.progress.clone(),
+            pid: j.pid,
+            lease_age_seconds: j.leased_since.map_or(0.0, |t| t.elapsed().as_secs_f64()),
         };
         let mut jobs: Vec<JobStats> = (g.extra.finished.iter())
             .map(|(c, j)| to_stats(c, j))

@@ -13,17 +13,25 @@
 //! read with `recvmsg`, so a descriptor sent with one (a session's sealed memfd, `PutSession`)
 //! arrives with it; one sent with any other request is closed ([`sessions`]).
 //!
-//! Clients cannot stall the store ([`Limits`]): at most 256 connections (one more gets an error
-//! and is closed); a `Hello` must arrive within 5 s of the accept; a frame whose first byte has
-//! arrived must be complete within 5 s, and no request frame may exceed
-//! [`wire::MAX_REQUEST_FRAME`] (the body is buffered as it arrives, never reserved from the
-//! announced length); a reply not taken within 10 s ends the connection; one request per
-//! connection is in flight at a time. Between requests a handshaken client may stay idle
-//! indefinitely (workers hold leases while they compute, a chat waits for its user). Labels are
-//! cut at [`wire::MAX_LABEL_BYTES`], stats list at most 64 jobs, and a reply that would exceed the
-//! frame limit is replaced by an error. Accept errors back off exponentially (5 ms to 1 s) with
-//! one log line per 10 s; out of descriptors, the oldest connection that has not said `Hello` is
-//! closed to make room. SIGHUP is logged and ignored.
+//! Clients cannot stall the store ([`Limits`]): at most 256 connections; a `Hello` must arrive
+//! within 5 s of the accept; a frame whose first byte has arrived must be complete within 5 s,
+//! and no request frame may exceed [`wire::MAX_REQUEST_FRAME`] (the body is buffered as it
+//! arrives, never reserved from the announced length); a reply not taken within 10 s ends the
+//! connection; one request per connection is in flight at a time.
+//!
+//! **Idle connections.** A connection has not yet done useful work until it has said `Hello`
+//! and — a worker — made its first work request (experts, a trunk layer, a session, progress,
+//! history), or — a control client — while it waits between requests. At most
+//! [`Limits::max_idle_per_uid`] such connections per peer uid (`SO_PEERCRED`) are kept: the
+//! next one of that uid closes the oldest; a control client idle for
+//! [`Limits::control_idle_timeout`] is closed. A full store closes its oldest idle connection to
+//! admit a new one, and keeps [`Limits::reserved`] more places, beyond the cap, for control
+//! clients only, so `k3-ctl stop`/`stats` always get through. A worker that has made a work
+//! request may then stay idle indefinitely (it holds leases while it computes, a chat waits for
+//! its user). Labels are cut at [`wire::MAX_LABEL_BYTES`], stats list at most 64 jobs, and a
+//! reply that would exceed the frame limit is replaced by an error. Accept errors back off
+//! exponentially (5 ms to 1 s) with one log line per 10 s; out of descriptors, the oldest idle
+//! connection is closed to make room. SIGHUP is logged and ignored.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -47,6 +55,7 @@ pub mod history;
 pub mod loading;
 pub mod ring;
 pub mod sessions;
+pub mod statedir;
 
 use sessions::{SessionOptions, Sessions};
 
@@ -60,8 +69,8 @@ pub trait Backend: Send + Sync + 'static {
     fn experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response;
     /// Release every lease `conn` holds (on `ReleaseAll`).
     fn release_all(&self, conn: ConnId);
-    /// A client finished its handshake.
-    fn opened(&self, _conn: ConnId, _kind: ClientKind, _label: &str) {}
+    /// A client finished its handshake (`pid`: its process, from `SO_PEERCRED`; 0 unknown).
+    fn opened(&self, _conn: ConnId, _kind: ClientKind, _label: &str, _pid: u32) {}
     /// A client disconnected (cleanly or killed): release everything it held.
     fn closed(&self, conn: ConnId) {
         self.release_all(conn);
@@ -136,6 +145,14 @@ pub struct Limits {
     pub max_listed_jobs: usize,
     /// Ids of earlier jobs' token streams kept for history drafting (0 keeps none).
     pub history_tokens: usize,
+    /// Connections of one peer uid that have not yet done useful work (no `Hello` yet, a worker
+    /// before its first work request, a control client between requests); one more closes the
+    /// oldest of them.
+    pub max_idle_per_uid: usize,
+    /// A control client that sends no request for this long is closed.
+    pub control_idle_timeout: Duration,
+    /// Places beyond `max_connections` for control clients only (`k3-ctl stop`, `stats`).
+    pub reserved: usize,
 }
 
 impl Default for Limits {
@@ -147,8 +164,22 @@ impl Default for Limits {
             write_timeout: Duration::from_secs(10),
             max_listed_jobs: 64,
             history_tokens: history::DEFAULT_HISTORY_TOKENS,
+            max_idle_per_uid: 64,
+            control_idle_timeout: Duration::from_secs(60),
+            reserved: 8,
         }
     }
+}
+
+/// A connection that has not yet done useful work (see the module doc).
+#[derive(Clone, Copy, Debug)]
+struct Idle {
+    /// Its descriptor (open while the entry exists: the owner removes it before closing).
+    fd: RawFd,
+    /// Since when it is idle (accept, or its last control request).
+    since: Instant,
+    /// The peer's uid.
+    uid: u32,
 }
 
 /// Shared server state.
@@ -160,10 +191,11 @@ struct Shared<B: Backend> {
     connections: AtomicUsize,
     next_id: AtomicU64,
     clients: Mutex<Vec<(ConnId, String)>>,
-    /// Connections that have not finished their handshake: descriptor and accept time. An entry
-    /// is removed (under this lock) before its descriptor is closed, so a descriptor found here
-    /// is still open.
-    pending: Mutex<BTreeMap<ConnId, (RawFd, Instant)>>,
+    /// Connections that have not yet done useful work. An entry is removed (under this lock)
+    /// before its descriptor is closed, so a descriptor found here is still open.
+    idle: Mutex<BTreeMap<ConnId, Idle>>,
+    /// Idle connections closed to make room, and when that was last logged.
+    evicted: Mutex<(u64, Option<Instant>)>,
     started: Instant,
     /// Earlier jobs' token streams (history drafting).
     history: Mutex<history::History>,
@@ -172,24 +204,60 @@ struct Shared<B: Backend> {
 }
 
 impl<B: Backend> Shared<B> {
-    fn handshaken(&self, id: ConnId) {
-        lock(&self.pending).remove(&id);
+    /// `id` did useful work (a worker's first work request): no longer idle.
+    fn working(&self, id: ConnId) {
+        lock(&self.idle).remove(&id);
     }
 
-    /// Out of descriptors: shut down the oldest connection still in its handshake (older than
-    /// 50 ms, so a client whose `Hello` is being read is spared). True if one was.
-    fn evict_oldest_pending(&self) -> bool {
-        let mut p = lock(&self.pending);
-        let Some((&id, &(fd, at))) = p.iter().next() else {
+    /// `id` (a control client) answered a request: idle again from now.
+    fn idle_again(&self, id: ConnId) {
+        if let Some(e) = lock(&self.idle).get_mut(&id) {
+            e.since = Instant::now();
+        }
+    }
+
+    /// Shut down the idle connection idle the longest — of `uid` only, when given — if it has
+    /// been idle at least `min_age` (so a client whose `Hello` is being read is spared when
+    /// room is made for any client). True if one was.
+    fn evict_oldest_idle(&self, uid: Option<u32>, min_age: Duration) -> bool {
+        let mut idle = lock(&self.idle);
+        let oldest = idle
+            .iter()
+            .filter(|(_, e)| uid.is_none_or(|u| e.uid == u))
+            .min_by_key(|(_, e)| e.since)
+            .map(|(&id, &e)| (id, e));
+        let Some((id, e)) = oldest else {
             return false;
         };
-        if at.elapsed() < Duration::from_millis(50) {
+        if e.since.elapsed() < min_age {
             return false;
         }
         // The owner removes its entry under this lock before closing `fd`: it is still open.
-        let _ = nix::sys::socket::shutdown(fd, nix::sys::socket::Shutdown::Both);
-        p.remove(&id);
+        let _ = nix::sys::socket::shutdown(e.fd, nix::sys::socket::Shutdown::Both);
+        idle.remove(&id);
+        drop(idle);
+        let mut ev = lock(&self.evicted);
+        ev.0 += 1;
+        if ev
+            .1
+            .is_none_or(|t| t.elapsed() >= AcceptBackoff::LOG_PERIOD)
+        {
+            tracing::warn!(
+                "closed an idle connection (uid {}, idle {:.1} s) to make room; {} closed so far \
+                 (clients that connect and do nothing; at most {} idle per uid are kept)",
+                e.uid,
+                e.since.elapsed().as_secs_f64(),
+                ev.0,
+                self.limits.max_idle_per_uid
+            );
+            ev.1 = Some(Instant::now());
+        }
         true
+    }
+
+    /// Idle connections of `uid` now.
+    fn idle_of(&self, uid: u32) -> usize {
+        lock(&self.idle).values().filter(|e| e.uid == uid).count()
     }
 }
 
@@ -287,7 +355,8 @@ impl<B: Backend> Server<B> {
                 connections: AtomicUsize::new(0),
                 next_id: AtomicU64::new(1),
                 clients: Mutex::new(Vec::new()),
-                pending: Mutex::new(BTreeMap::new()),
+                idle: Mutex::new(BTreeMap::new()),
+                evicted: Mutex::new((0, None)),
                 started: Instant::now(),
                 history: Mutex::new(history::History::new(Limits::default().history_tokens)),
                 sessions: Arc::new(Sessions::new(SessionOptions::off(), 0)),
@@ -335,7 +404,7 @@ impl<B: Backend> Server<B> {
                 );
             }
             // Wait for a connection, waking at least every 100 ms to notice a stop request.
-            let make_room = || self.shared.evict_oldest_pending();
+            let make_room = || (self.shared).evict_oldest_idle(None, Duration::from_millis(50));
             if let Some(stream) = accept_one(&self.listener, &mut backoff, "", &make_room) {
                 self.admit(stream);
             }
@@ -350,32 +419,57 @@ impl<B: Backend> Server<B> {
         self.shared.in_flight.load(Ordering::SeqCst)
     }
 
-    /// A new connection: refused with an error at the connection cap, else served by a thread.
+    /// A new connection: room is made for it (the oldest idle connection of its uid past the
+    /// per-uid cap; the oldest idle one at the connection cap), a control client may take a
+    /// reserved place, else it is refused with an error; admitted, it is served by a thread.
     fn admit(&self, mut stream: UnixStream) {
         let limits = &self.shared.limits;
-        if self.shared.connections.load(Ordering::SeqCst) >= limits.max_connections {
-            // The reply fits an empty socket buffer; never wait for it.
-            let _ = stream.set_nonblocking(true);
-            let _ = wire::write_frame(
-                &mut stream,
-                &Response::Error {
-                    code: ErrorCode::Busy,
-                    message: format!(
-                        "the store already serves {} connections, its limit; try again later",
-                        limits.max_connections
-                    ),
-                },
-            );
-            return;
+        // Another uid is refused by the handshake at once; it is counted under its own uid.
+        let uid = ipc::peer_uid(&stream).unwrap_or(u32::MAX);
+        if self.shared.idle_of(uid) >= limits.max_idle_per_uid {
+            self.shared.evict_oldest_idle(Some(uid), Duration::ZERO);
+        }
+        let open = self.shared.connections.load(Ordering::SeqCst);
+        let mut reserved = false;
+        if open >= limits.max_connections
+            && !self
+                .shared
+                .evict_oldest_idle(None, Duration::from_millis(50))
+        {
+            if open >= limits.max_connections + limits.reserved {
+                // The reply fits an empty socket buffer; never wait for it.
+                let _ = stream.set_nonblocking(true);
+                let _ = wire::write_frame(
+                    &mut stream,
+                    &Response::Error {
+                        code: ErrorCode::Busy,
+                        message: format!(
+                            "the store already serves {} connections, its limit; try again later",
+                            limits.max_connections
+                        ),
+                    },
+                );
+                return;
+            }
+            reserved = true;
         }
         let _ = stream.set_nonblocking(false);
         self.shared.connections.fetch_add(1, Ordering::SeqCst);
         let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
-        lock(&self.shared.pending).insert(id, (stream.as_raw_fd(), Instant::now()));
+        let now = Instant::now();
+        lock(&self.shared.idle).insert(
+            id,
+            Idle {
+                fd: stream.as_raw_fd(),
+                since: now,
+                uid,
+            },
+        );
         let conn = Conn {
             shared: self.shared.clone(),
             id,
-            accepted: Instant::now(),
+            accepted: now,
+            reserved,
             stream,
         };
         // If the thread cannot start, the closure (and with it `conn`) is dropped: closed.
@@ -464,18 +558,20 @@ impl Drop for InFlight<'_> {
     }
 }
 
-/// One connection. Dropping it takes it off the pending list and the connection count before
-/// its descriptor is closed (fields drop after `drop` runs).
+/// One connection. Dropping it takes it off the idle list and the connection count before its
+/// descriptor is closed (fields drop after `drop` runs).
 struct Conn<B: Backend> {
     shared: Arc<Shared<B>>,
     id: ConnId,
     accepted: Instant,
+    /// Admitted beyond the connection cap: a control client only.
+    reserved: bool,
     stream: UnixStream,
 }
 
 impl<B: Backend> Drop for Conn<B> {
     fn drop(&mut self) {
-        self.shared.handshaken(self.id);
+        self.shared.working(self.id);
         self.shared.connections.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -564,6 +660,19 @@ fn reply(
         .is_ok(),
         Err(_) => false,
     }
+}
+
+/// A worker's request that is work (it leases, reads, keeps or reports something): the first
+/// one takes the connection off the idle list.
+fn is_work(r: &Request) -> bool {
+    !matches!(
+        r,
+        Request::Hello { .. }
+            | Request::Stats
+            | Request::Status
+            | Request::Stop
+            | Request::ListSessions
+    )
 }
 
 fn request_name(r: &Request) -> &'static str {
@@ -688,7 +797,21 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
     let Some((kind, label)) = handshake(stream, conn.accepted, &limits) else {
         return;
     };
-    shared.handshaken(id);
+    if conn.reserved && kind != ClientKind::Control {
+        reply(
+            stream,
+            &Response::Error {
+                code: ErrorCode::Busy,
+                message: format!(
+                    "the store already serves {} connections, its limit (the places beyond it \
+                     are kept for k3-ctl); try again later",
+                    limits.max_connections
+                ),
+            },
+            None,
+        );
+        return;
+    }
     let (model_dir, trunk_dir) = shared.backend.dirs();
     let draft_dir = shared.backend.draft_dir();
     let welcome = |shm_bytes| Response::Welcome {
@@ -715,12 +838,17 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
     if !sent {
         return;
     }
-    shared.backend.opened(id, kind, &label);
+    let pid = ipc::peer_cred(stream).map_or(0, |(_, pid)| pid.max(0) as u32);
+    shared.backend.opened(id, kind, &label, pid);
     lock(&shared.clients).push((id, label));
     // One request at a time per connection: it is read, served and answered before the next is
     // read (requests a client pipelines wait in the kernel's socket buffer, not in the store).
+    let mut working = false;
     loop {
-        let (req, fd) = match read_request(stream, None, limits.frame_timeout) {
+        // A control client's next request is due within the control idle timeout.
+        let idle_deadline =
+            (kind == ClientKind::Control).then(|| Instant::now() + limits.control_idle_timeout);
+        let (req, fd) = match read_request(stream, idle_deadline, limits.frame_timeout) {
             Ok(r) => r,
             Err(WireError::Closed) => break,
             Err(WireError::Io(_)) => break,
@@ -741,6 +869,10 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             }
         };
         let _busy = InFlight::enter(&shared.in_flight);
+        if !working && kind == ClientKind::Worker && is_work(&req) {
+            working = true;
+            shared.working(id);
+        }
         let not_worker = || Response::Error {
             code: ErrorCode::NotAllowed,
             message: "only workers store and fetch sessions".into(),
@@ -927,6 +1059,9 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
         let fd_out = blob.as_ref().map(|b| b.fd());
         if !reply(stream, &resp, fd_out) {
             break;
+        }
+        if kind == ClientKind::Control {
+            shared.idle_again(id);
         }
     }
     // Disconnect (clean, SIGKILL or cut off by a timeout): every lease goes.

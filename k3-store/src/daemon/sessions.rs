@@ -8,22 +8,23 @@
 //! session makes it the most recently used; storing one evicts the least recently used others
 //! until the total fits `--session-mb` and the count `--max-sessions`.
 //!
-//! The state directory mirrors memory: a stored session is written there (temporary file, fsync,
-//! rename, fsync of the directory), an evicted one is removed. At start every `*.k3session` file
-//! is read and checked like a stored one; a file that fails (damaged, another checkpoint, larger
-//! than the budget, a bad name) is skipped with a log line and left untouched.
+//! The state directory mirrors memory: a stored session is written there (a new 0600 temporary
+//! file, fsync, rename, fsync of the directory), an evicted one is removed. The directory is
+//! trusted only as far as [`super::statedir`] checks it (owner and modes, bound to one model, a
+//! keyed MAC on every file, no link followed). At start every `*.k3session` file is read and
+//! checked like a stored one; a file that fails (not a regular file of ours, its MAC, damaged,
+//! another checkpoint, larger than the budget, a bad name) is skipped with a log line and left
+//! untouched.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::os::fd::OwnedFd;
-use std::os::unix::fs::DirBuilderExt;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use k3_proto::wire::{ErrorCode, Response, SessionInfo, SessionStats};
 
+use super::statedir::{open_private, StateDir, TAG_BYTES};
 use crate::session::{self, Blob};
 
 /// Default `--session-mb`.
@@ -76,9 +77,10 @@ struct Inner {
 /// The store's sessions.
 pub struct Sessions {
     opts: SessionOptions,
-    identity: u64,
+    identity: u128,
     inner: Mutex<Inner>,
-    seq: AtomicU64,
+    /// The checked state directory and its key (set by [`Sessions::load_state_dir`]).
+    state: OnceLock<StateDir>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -104,17 +106,17 @@ pub struct Loaded {
 
 impl Sessions {
     /// An empty table for a store serving the checkpoint of `identity`.
-    pub fn new(opts: SessionOptions, identity: u64) -> Sessions {
+    pub fn new(opts: SessionOptions, identity: u128) -> Sessions {
         Sessions {
             opts,
             identity,
             inner: Mutex::new(Inner::default()),
-            seq: AtomicU64::new(0),
+            state: OnceLock::new(),
         }
     }
 
     fn file(&self, name: &str) -> Option<PathBuf> {
-        (self.opts.state_dir.as_ref()).map(|d| d.join(format!("{name}{FILE_SUFFIX}")))
+        (self.state.get()).map(|d| d.path().join(format!("{name}{FILE_SUFFIX}")))
     }
 
     /// Check `blob` as a session of this store; its ids' count and hash.
@@ -225,8 +227,8 @@ impl Sessions {
                 evicted.join(", ")
             );
         }
-        if let Some(path) = self.file(name) {
-            if let Err(e) = self.persist(name, &blob, &path) {
+        if let (Some(state), Some(path)) = (self.state.get(), self.file(name)) {
+            if let Err(e) = self.persist(state, name, &blob) {
                 tracing::warn!(
                     "session {name}: kept in memory but not written to {}: {e}",
                     path.display()
@@ -236,33 +238,21 @@ impl Sessions {
         Response::SessionStored { evicted }
     }
 
-    /// Write `blob` to `path` atomically, unless `name` has been replaced or evicted meanwhile.
-    fn persist(&self, name: &str, blob: &Arc<Blob>, path: &Path) -> std::io::Result<()> {
-        let dir = path.parent().unwrap_or(Path::new("."));
-        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
-        let tmp = dir.join(format!(".{name}.{}.{seq}.tmp", std::process::id()));
-        let written = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(blob.bytes())?;
-            f.sync_all()
-        })();
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
+    /// Write `blob` and its MAC to its file atomically, unless `name` has been replaced or
+    /// evicted meanwhile.
+    fn persist(&self, state: &StateDir, name: &str, blob: &Arc<Blob>) -> std::io::Result<()> {
+        let file = format!("{name}{FILE_SUFFIX}");
+        let tag = state.seal(name, blob.bytes());
+        let tmp = state.stage(&file, &[blob.bytes(), &tag])?;
         let g = lock(&self.inner);
         let current = g.map.get(name).is_some_and(|e| Arc::ptr_eq(&e.blob, blob));
         if !current {
             drop(g);
             return std::fs::remove_file(&tmp);
         }
-        let renamed = std::fs::rename(&tmp, path);
+        let installed = state.install(&tmp, &file);
         drop(g);
-        if let Err(e) = renamed {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
-        std::fs::File::open(dir)?.sync_all()
+        installed
     }
 
     /// `GetSession`: the session (now the most recently used), if kept; a bad name is refused
@@ -309,22 +299,18 @@ impl Sessions {
         }
     }
 
-    /// Create the state directory if missing (0700) and load every `*.k3session` in it, oldest
-    /// modification first (so the most recent are the most recently used); leftover temporary
-    /// files of an interrupted write are removed. Fails only when the directory cannot be
-    /// created or listed.
+    /// Check (or create, 0700) the state directory, its key and its model binding
+    /// ([`StateDir::open`]: a refusal names the path, or both models), then load every
+    /// `*.k3session` in it, oldest modification first (so the most recent are the most recently
+    /// used); leftover temporary files of an interrupted write are removed. Fails only when the
+    /// directory is refused or cannot be listed.
     pub fn load_state_dir(&self) -> Result<Loaded, String> {
         let Some(dir) = self.opts.state_dir.clone() else {
             return Ok(Loaded::default());
         };
+        let state = StateDir::open(&dir, self.identity)?;
+        let dir = state.path().to_path_buf();
         let io = |e: std::io::Error| format!("--state-dir {}: {e}", dir.display());
-        if !dir.exists() {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(&dir)
-                .map_err(io)?;
-        }
         let mut files = Vec::new();
         for entry in std::fs::read_dir(&dir).map_err(io)? {
             let entry = entry.map_err(io)?;
@@ -336,14 +322,17 @@ impl Sessions {
             let Some(name) = fname.strip_suffix(FILE_SUFFIX) else {
                 continue;
             };
+            // Not followed if a link: the file itself is checked when opened.
             let meta = entry.metadata().map_err(io)?;
             let mtime = meta.modified().ok();
-            files.push((mtime, name.to_string(), entry.path(), meta.len()));
+            files.push((mtime, name.to_string(), entry.path()));
         }
         files.sort();
+        let _ = self.state.set(state);
+        let state = self.state.get().expect("just set");
         let mut out = Loaded::default();
-        for (_, name, path, len) in files {
-            match self.load_one(&name, &path, len) {
+        for (_, name, path) in files {
+            match self.load_one(state, &name, &path) {
                 Ok(()) => out.loaded += 1,
                 Err(e) => {
                     tracing::warn!("sessions: skipping {}: {e}", path.display());
@@ -362,8 +351,10 @@ impl Sessions {
         Ok(out)
     }
 
-    fn load_one(&self, name: &str, path: &Path, len: u64) -> Result<(), String> {
+    fn load_one(&self, state: &StateDir, name: &str, path: &std::path::Path) -> Result<(), String> {
         session::check_name(name)?;
+        let (f, len) = open_private(path)?;
+        let len = len.saturating_sub(TAG_BYTES as u64);
         if len > self.opts.budget_bytes {
             return Err(format!(
                 "{} exceeds the session budget of {} (--session-mb)",
@@ -371,17 +362,17 @@ impl Sessions {
                 mb(self.opts.budget_bytes)
             ));
         }
-        let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
-        let blob = Blob::create(&format!("k3-session-{name}"), |w| {
-            let n = std::io::copy(&mut (&mut f).take(len), w)?;
-            if n != len {
-                return Err(std::io::Error::other(format!(
-                    "read {n} of {len} bytes (changed while reading)"
-                )));
-            }
-            Ok(())
-        })
-        .map_err(|e| e.to_string())?;
+        let mut file = Vec::new();
+        f.take(len + TAG_BYTES as u64 + 1)
+            .read_to_end(&mut file)
+            .map_err(|e| e.to_string())?;
+        if file.len() as u64 != len + TAG_BYTES as u64 {
+            return Err("changed while reading".into());
+        }
+        let bytes = state.open_sealed(name, &file)?;
+        let blob =
+            Blob::from_bytes(&format!("k3-session-{name}"), bytes).map_err(|e| e.to_string())?;
+        drop(file);
         let (n_ids, ids_hash) = self.check(&blob)?;
         let evicted = {
             let mut g = lock(&self.inner);
@@ -403,9 +394,10 @@ use std::io::Read as _;
 mod tests {
     use super::*;
     use crate::session::SessionWriter;
+    use std::io::Write;
     use std::os::fd::AsFd;
 
-    fn blob(identity: u64, ids: &[u32], state: usize) -> Blob {
+    fn blob(identity: u128, ids: &[u32], state: usize) -> Blob {
         Blob::create("k3-test", |w| {
             let mut s = SessionWriter::begin(w, identity, ids, b"", state as u64)?;
             s.write_all(&vec![7u8; state])?;
@@ -520,14 +512,41 @@ mod tests {
         let mut files: Vec<String> = std::fs::read_dir(&sd)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|f| !f.starts_with('.'))
             .collect();
         files.sort();
         assert_eq!(files, ["b.k3session", "c.k3session"], "a was evicted");
-        // A restart reloads both; damaged and foreign files are skipped, not loaded.
+        assert_eq!(
+            super::super::statedir::mode_of(&sd.join("b.k3session")).unwrap(),
+            0o600
+        );
+        // A restart reloads both; damaged, foreign and forged files are skipped, not loaded.
+        let write_private = |name: &str, bytes: &[u8]| {
+            use std::os::unix::fs::PermissionsExt;
+            let p = sd.join(name);
+            std::fs::write(&p, bytes).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        };
         let mut bad = std::fs::read(sd.join("b.k3session")).unwrap();
         bad[80] ^= 1;
-        std::fs::write(sd.join("bad.k3session"), &bad).unwrap();
-        std::fs::write(sd.join("foreign.k3session"), blob(9, &[1], 10).bytes()).unwrap();
+        write_private("bad.k3session", &bad);
+        write_private("foreign.k3session", blob(9, &[1], 10).bytes());
+        // Forged: another state under b's valid header, checksum recomputed; and b's own file
+        // copied under another name (the MAC covers the name).
+        let good = std::fs::read(sd.join("b.k3session")).unwrap();
+        let forged = blob(5, &[1, 2], 100);
+        let mut f = forged.bytes().to_vec();
+        let body = f.len() - 8;
+        f[body - 1] ^= 0x55;
+        let sum = twox_hash::XxHash3_64::oneshot(&f[..body]);
+        f[body..].copy_from_slice(&sum.to_le_bytes());
+        assert!(
+            session::parse(&f).is_ok(),
+            "the forgery passes the checksum"
+        );
+        f.extend_from_slice(&good[good.len() - TAG_BYTES..]);
+        write_private("forged.k3session", &f);
+        write_private("renamed.k3session", &good);
         std::fs::write(sd.join(".x.1.2.tmp"), b"partial").unwrap();
         let s2 = Sessions::new(
             SessionOptions {
@@ -540,7 +559,7 @@ mod tests {
             s2.load_state_dir().unwrap(),
             Loaded {
                 loaded: 2,
-                skipped: 2
+                skipped: 4
             }
         );
         let mut got = names(&s2);
@@ -557,6 +576,12 @@ mod tests {
         assert!(
             sd.join("bad.k3session").exists(),
             "skipped files are left alone"
+        );
+        // Another model's store is refused at the directory, naming both identities.
+        let e = Sessions::new(opts, 6).load_state_dir().unwrap_err();
+        assert!(
+            e.contains(&format!("{:032x}", 5u128)) && e.contains(&format!("{:032x}", 6u128)),
+            "{e}"
         );
     }
 }

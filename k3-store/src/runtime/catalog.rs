@@ -284,37 +284,43 @@ impl Catalog {
         self.trunk(l).iter().map(|t| t.nbytes).sum()
     }
 
-    /// The checkpoint's identity ([`k3_proto::shm::model_identity`] of `dir/config.json` and
-    /// every shard's file name and size): the store records it in shared memory and a worker
-    /// refuses to attach when its own view of the checkpoint differs.
-    pub fn identity(&self, dir: &Path) -> Result<u64, String> {
-        let cfg = dir.join("config.json");
-        let config_bytes = std::fs::read(&cfg).map_err(|e| format!("{}: {e}", cfg.display()))?;
-        let shards: Vec<(String, u64)> = self
-            .shard_paths()
-            .iter()
-            .zip(self.shard_lens())
-            .map(|(p, &n)| {
-                let name = p.file_name().map(|f| f.to_string_lossy().into_owned());
-                (name.unwrap_or_default(), n)
-            })
-            .collect();
-        Ok(k3_proto::shm::model_identity(&config_bytes, &shards))
+    /// Open the checkpoint in `dir` through the proto index and config (see `from_index`),
+    /// holding every tensor the engine reads to the config's dtype and shape
+    /// ([`k3_proto::tensors::check`]): the first command that reads the headers refuses a
+    /// transposed or wrongly typed tensor, a missing one or a missing index, naming it.
+    pub fn open_dir(dir: &Path) -> Result<(Catalog, k3_proto::config::ModelConfig), CatalogError> {
+        Catalog::open(dir, true)
     }
 
-    /// Open the checkpoint in `dir` through the proto index and config (see `from_index`).
-    pub fn open_dir(dir: &Path) -> Result<(Catalog, k3_proto::config::ModelConfig), CatalogError> {
+    /// [`Catalog::open_dir`] without the engine's shape check: for tensor sets that are not a
+    /// model's (the store library's own test checkpoints).
+    pub fn open_dir_unchecked(
+        dir: &Path,
+    ) -> Result<(Catalog, k3_proto::config::ModelConfig), CatalogError> {
+        Catalog::open(dir, false)
+    }
+
+    fn open(
+        dir: &Path,
+        check_shapes: bool,
+    ) -> Result<(Catalog, k3_proto::config::ModelConfig), CatalogError> {
         let cfg = k3_proto::config::ModelConfig::load(&dir.join("config.json")).map_err(|e| {
             CatalogError(format!("config {}: {e}", dir.join("config.json").display()))
         })?;
         let index = k3_proto::safetensors::CheckpointIndex::open(dir)
             .map_err(|e| CatalogError(format!("checkpoint index {}: {e}", dir.display())))?;
+        if check_shapes {
+            k3_proto::tensors::check(&cfg, &index)
+                .map_err(|e| CatalogError(format!("{}: {e}", dir.display())))?;
+        }
         let cat = Catalog::from_index(&index, &cfg)?;
         Ok((cat, cfg))
     }
 
     /// Build from the proto checkpoint index and config. Tensors of layers at or past
     /// `cfg.num_hidden_layers` are ignored (so a `with_layers(n)` config gives a partial view).
+    /// Any tensor set is taken (the store library serves bytes); [`Catalog::open_dir`] and the
+    /// standalone source also hold it to the engine's dtypes and shapes.
     pub fn from_index(
         index: &k3_proto::safetensors::CheckpointIndex,
         cfg: &k3_proto::config::ModelConfig,

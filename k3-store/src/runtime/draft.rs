@@ -10,8 +10,8 @@
 //! order at 64-byte offsets; each run starts at a 4096-byte offset of `draft.bin`.
 //!
 //! **Identity and integrity** (draft format [`DRAFT_FORMAT`]): `draft.json` records its `kind`,
-//! the checkpoint identity it was packed from (`model.checkpoint_id`, the packed trunk's
-//! [`checkpoint_id`]) and each run's XXH3-64. [`DraftSource::open`] refuses (exit 2) another
+//! the model identity it was packed from (`model.model_id` and `model.id_kind`, the checkpoint's
+//! content identity, [`ModelIdentity`], as the packed trunk records it) and each run's XXH3-64. [`DraftSource::open`] refuses (exit 2) another
 //! format, another checkpoint (both identities named), fewer layers than the run needs, a run or
 //! tensor outside its file or run, and a run whose checksum does not match: every run is checked
 //! when it is loaded. A draft model is lossy by design, but it must be the draft of THIS model.
@@ -32,21 +32,23 @@ use k3_proto::Dtype;
 use serde::{Deserialize, Serialize};
 
 use crate::runtime::catalog::Catalog;
+use crate::runtime::identity::{IdentityKind, ModelIdentity};
 use crate::runtime::io::{align_up, AlignedBuf, DiskFile, ALIGN};
 use crate::runtime::source::{
     ExpertBatch, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc, WeightSource,
 };
 use crate::runtime::trunk::{
-    checkpoint_id, model_dir_of, open_shards, parse_hash, run_checksum, write_packed, write_sparse,
-    JsonLayer, JsonModel, JsonTensor, PackProgress, PackSummary, TrunkError, TrunkLayout,
+    model_dir_of, open_shards, parse_hash, run_checksum, write_packed, write_sparse, JsonLayer,
+    JsonModel, JsonTensor, PackProgress, PackSummary, TrunkError, TrunkLayout,
 };
 
 /// File names inside a draft-trunk directory.
 pub const DRAFT_BIN: &str = "draft.bin";
 /// See [`DRAFT_BIN`].
 pub const DRAFT_JSON: &str = "draft.json";
-/// The draft format this code writes and accepts.
-pub const DRAFT_FORMAT: u32 = 1;
+/// The draft format this code writes and accepts (2: bound to the model's content identity,
+/// `model.model_id` + `model.id_kind`; 1 recorded the sampled `checkpoint_id`).
+pub const DRAFT_FORMAT: u32 = 2;
 /// Largest `draft.json` parsed.
 const MAX_JSON_BYTES: u64 = 64 << 20;
 /// Tensor alignment inside a run.
@@ -100,6 +102,7 @@ fn draft_run(
                 off,
                 nbytes: bytes.len() as u64,
                 dtype,
+                xxh3: String::new(),
             },
         );
     };
@@ -176,7 +179,7 @@ pub fn pack_draft(
         TrunkError::Refused(format!("checkpoint index {}: {e}", model_dir.display()))
     })?;
     let cat = Catalog::from_index(&index, &cfg).map_err(|e| TrunkError::Refused(e.to_string()))?;
-    let id = checkpoint_id(&cat)?;
+    let id = ModelIdentity::of(&cat)?;
     let layout = TrunkLayout::from_catalog(&cat, open_shards(&cat)?);
     let n = cat.n_layers();
     let bytes_total: u64 = (0..n).map(|l| cat.trunk_bytes(l)).sum();
@@ -226,7 +229,9 @@ pub fn pack_draft(
             model: JsonModel {
                 n_layers: n,
                 trunk_bytes: written,
-                checkpoint_id: format!("{id:032x}"),
+                model_id: format!("{:032x}", id.id),
+                id_kind: id.kind.name().into(),
+                trunk_id: String::new(),
             },
             layers,
         };
@@ -290,16 +295,19 @@ impl DraftFile {
         let mut json = read_json(dir)?;
         let jp = dir.join(DRAFT_JSON);
         let refuse = |m: String| TrunkError::Refused(format!("{}: {m}", jp.display()));
-        let Some(packed) = parse_hash(&json.model.checkpoint_id, 32) else {
+        let packed = parse_hash(&json.model.model_id, 32);
+        let packed_kind = IdentityKind::parse(&json.model.id_kind);
+        let (Some(packed), Some(packed_kind)) = (packed, packed_kind) else {
             return Err(refuse(format!(
-                "model.checkpoint_id {:?} is missing, zero or not 32 hex digits",
-                json.model.checkpoint_id
+                "model.model_id {:?} / model.id_kind {:?}: missing, zero or malformed",
+                json.model.model_id, json.model.id_kind
             )));
         };
-        let id = checkpoint_id(cat)?;
-        if packed != id {
+        let id = ModelIdentity::of(cat)?;
+        if (packed, packed_kind) != (id.id, id.kind) {
             return Err(refuse(format!(
-                "made from checkpoint {packed:032x}, but {} is {id:032x}: re-run `k3-ctl pack-trunk --draft {} {} {}`",
+                "made from model {packed:032x} ({}), but {} is model {id}: re-run `k3-ctl pack-trunk --draft {} {} {}`",
+                packed_kind.name(),
                 model_dir_of(cat),
                 json.kind.name(),
                 model_dir_of(cat),

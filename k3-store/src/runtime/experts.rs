@@ -29,7 +29,7 @@
 //! [`ExpertCache`], the in-process cache of standalone mode (a heap arena, leases held by the
 //! returned [`Region`]s and released when the last one drops).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -586,6 +586,16 @@ impl SlotTable {
         }
     }
 
+    /// Every holder with leases, and how many slots it holds (a slot leased twice counts
+    /// twice).
+    pub fn holders(&self) -> Vec<(HolderId, usize)> {
+        let mut by: BTreeMap<HolderId, usize> = BTreeMap::new();
+        for ((h, _), v) in &self.held {
+            *by.entry(*h).or_default() += v.len();
+        }
+        by.into_iter().filter(|(_, n)| *n > 0).collect()
+    }
+
     /// Release everything `holder` holds (disconnect).
     pub fn release_holder(&mut self, holder: HolderId) {
         let keys: Vec<(HolderId, u32)> = self
@@ -926,6 +936,20 @@ impl<X: Send> ExpertSlots<X> {
         fail: Option<&FailHook>,
         mirror: &dyn Fn(&SlotTable, usize),
     ) -> Result<(MutexGuard<'_, Locked<X>>, Served), BatchError> {
+        self.serve_batch_within(layer, ids, holder, fail, mirror, self.busy_timeout)
+    }
+
+    /// [`ExpertSlots::serve_batch`], waiting at most `wait` (instead of the busy timeout) for
+    /// leased slots to be released.
+    pub fn serve_batch_within(
+        &self,
+        layer: usize,
+        ids: &[u32],
+        holder: Option<HolderId>,
+        fail: Option<&FailHook>,
+        mirror: &dyn Fn(&SlotTable, usize),
+        wait: Duration,
+    ) -> Result<(MutexGuard<'_, Locked<X>>, Served), BatchError> {
         let cat = &self.catalog;
         if layer >= cat.n_layers() {
             return Err(BatchError::Invalid(format!(
@@ -954,7 +978,7 @@ impl<X: Send> ExpertSlots<X> {
         if let Some(h) = holder {
             g.table.release_holder(h);
         }
-        let deadline = Instant::now() + self.busy_timeout;
+        let deadline = Instant::now() + wait;
         let used0 = g.table.counters().prefetch_used;
         let plan = loop {
             match g.table.reserve(l, &uniq) {

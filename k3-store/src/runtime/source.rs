@@ -189,6 +189,10 @@ pub struct SourceStats {
     /// eviction could have made room).
     #[serde(default)]
     pub prefetch_dropped: u64,
+    /// Routed experts this attached job read from the checkpoint itself because the store's
+    /// slots were held by a stuck worker (their bytes are in `expert_bytes_read`).
+    #[serde(default)]
+    pub private_expert_reads: u64,
     /// Streamed trunk layers handed out by the store's shared ring (attached jobs; 0 standalone).
     #[serde(default)]
     pub trunk_layers_served: u64,

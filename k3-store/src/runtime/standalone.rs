@@ -42,6 +42,10 @@ pub struct StandaloneOptions {
     pub extra_buffer_bytes: u64,
     /// Whether every routed expert is read into the cache before the first token.
     pub preload: Preload,
+    /// Hold every tensor the engine reads to the config's dtype and shape at open
+    /// ([`k3_proto::tensors::check`]; off only for the store library's own test checkpoints,
+    /// which are not a model's tensor set).
+    pub check_shapes: bool,
 }
 
 impl Default for StandaloneOptions {
@@ -54,6 +58,7 @@ impl Default for StandaloneOptions {
             cache_policy: "lru".into(),
             extra_buffer_bytes: 0,
             preload: Preload::Auto,
+            check_shapes: true,
         }
     }
 }
@@ -143,6 +148,10 @@ impl StandaloneSource {
         }
         let index = k3_proto::safetensors::CheckpointIndex::open(model_dir)
             .map_err(|e| OpenError::Refused(format!("{}: {e}", model_dir.display())))?;
+        if opts.check_shapes {
+            k3_proto::tensors::check(&cfg, &index)
+                .map_err(|e| OpenError::Refused(format!("{}: {e}", model_dir.display())))?;
+        }
         let cat = Catalog::from_index(&index, &cfg).map_err(|e| OpenError::Refused(e.0))?;
         drop(index);
         let ctx = opts.context_len;
@@ -168,6 +177,16 @@ impl StandaloneSource {
         inputs: &dyn Fn(&Catalog, &TrunkLayout) -> PlanInputs,
         progress: &mut dyn FnMut(&str, usize, usize),
     ) -> Result<(StandaloneSource, MemoryPlan), OpenError> {
+        // Every descriptor this source holds, against the open-file limit (raised to the hard
+        // one): a limit too low for them is a refusal with the number, not a failed read later.
+        let needs = crate::fdlimit::Needs {
+            shards: cat.shard_paths().len() as u64,
+            trunks: u64::from(trunk_dir.is_some()),
+            ..Default::default()
+        };
+        crate::fdlimit::raise()
+            .check("k3-worker", &needs)
+            .map_err(OpenError::Refused)?;
         let shards = open_shards(&cat).map_err(|e| OpenError::Io(e.0))?;
         for (f, &want) in shards.iter().zip(cat.shard_lens()) {
             if f.len() != want {
@@ -448,6 +467,8 @@ impl WeightSource for StandaloneSource {
             // Reported for the store's ring only (a private stream's hand-outs are its own).
             trunk_layers_served: 0,
             trunk_shared_layers: 0,
+            // Only an attached job reads around a store's stuck worker.
+            private_expert_reads: 0,
             preloaded_experts: c.table.preloaded,
             preload_bytes: c.preload_bytes,
             preload_seconds: c.preload_seconds,

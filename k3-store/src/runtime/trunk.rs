@@ -14,24 +14,27 @@
 //! by this module (64-byte aligned, name order).
 //!
 //! **Identity and integrity** (trunk format [`TRUNK_FORMAT`], a k3 addition to SPEC.md §6.1).
-//! `trunk.json` records `format`, the **checkpoint identity** it was packed from
-//! (`model.checkpoint_id`, see [`checkpoint_id`]) and each layer's **content checksum**
-//! (`layers[].xxh3`, XXH3-64 of the unpadded run as written to `trunk.bin`). Opening a packed
-//! trunk ([`TrunkLayout::from_packed`]) refuses (exit 2): a file of another format (re-run
-//! `k3-ctl pack-trunk`), an identity that differs from the checkpoint opened (both are named), a
-//! missing or zero checksum or identity, and runs that overlap, are unaligned or lie outside
-//! `trunk.bin`. Layer bytes are checked against their checksum with
+//! `trunk.json` records `format`, the **model identity** it was packed from (`model.model_id`
+//! and `model.id_kind`, the checkpoint's content identity:
+//! [`crate::runtime::identity::ModelIdentity`]), the XXH3-64 of **every source tensor** it
+//! packed (`layers[].tensors[].xxh3`, hashed from the checkpoint's bytes as they were copied),
+//! the **trunk identity** (`model.trunk_id`, XXH3-128 over those tensor hashes: [`trunk_id`])
+//! and each layer's **content checksum** (`layers[].xxh3`, XXH3-64 of the unpadded run as
+//! written to `trunk.bin`). Opening a packed trunk ([`TrunkLayout::from_packed`]) refuses (exit
+//! 2): a file of another format (re-run `k3-ctl pack-trunk`), a model identity that differs from
+//! the checkpoint opened (both are named, with their kinds), a trunk identity that does not
+//! match its tensor hashes, a missing or zero checksum, hash or identity, and runs that overlap,
+//! are unaligned or lie outside `trunk.bin`. Layer bytes are checked against their checksum with
 //! [`TrunkLayout::verify_run`]: pinned layers always when loaded, streamed layers on their first
-//! read in a process by default (`K3_TRUNK_VERIFY=first|every|off`, see `crate::runtime::ring`), every
-//! layer by `k3-ctl verify`.
+//! read in a process by default (`K3_TRUNK_VERIFY=first|every|off`, see
+//! `crate::runtime::ring`), every layer — and every tensor, in `trunk.bin` and in the
+//! checkpoint — by `k3-ctl verify --trunk`.
 //!
-//! **Checkpoint identity** ([`checkpoint_id`]): XXH3-128 over, for every shard in file-name order,
-//! its file name, its length, its safetensors JSON header (the raw bytes, so every name, dtype,
-//! shape and data offset) and [`ID_SAMPLES`] blocks of up to 4 KiB sampled at evenly spaced
-//! positions of its data region. The headers alone do not tell apart two checkpoints of the same
-//! shape (another seed, another fine-tune); the sampled bytes do, at the cost of a few small
-//! reads per shard when a trunk is opened. (The shared-memory `model_identity` — config bytes,
-//! shard names and sizes — stays what the store and its workers compare.)
+//! **Sampled checkpoint id** ([`checkpoint_id`]): XXH3-128 over, for every shard in file-name
+//! order, its file name, its length, its safetensors JSON header (the raw bytes, so every name,
+//! dtype, shape and data offset) and [`ID_SAMPLES`] blocks of up to 4 KiB sampled at evenly
+//! spaced positions of its data region: the model identity of a checkpoint without a manifest
+//! rests on it (and draft trunks record it).
 //!
 //! **Writing** ([`pack_trunk`]): `trunk.bin` and `trunk.json` are written under temporary names
 //! in the output directory and renamed into place, so a trunk is never rewritten in place: a
@@ -44,8 +47,10 @@ use std::time::Instant;
 
 use k3_proto::Dtype;
 use serde::{Deserialize, Serialize};
+use std::hash::Hasher as _;
 
 use crate::runtime::catalog::{Catalog, TensorExtent};
+use crate::runtime::identity::{IdentityKind, ModelIdentity};
 use crate::runtime::io::{align_down, align_up, span_len, AlignedBuf, DiskFile, ReadError, ALIGN};
 use crate::runtime::ring::Runs;
 use crate::runtime::source::{LayerLayout, TensorLoc};
@@ -67,6 +72,10 @@ pub struct JsonTensor {
     pub nbytes: u64,
     /// Element type (`"BF16"`, `"F32"`, …).
     pub dtype: Dtype,
+    /// XXH3-64 of the tensor's bytes as read from the checkpoint when packed, 16 hex digits
+    /// (format 3; a draft trunk's quantized tensors have none).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub xxh3: String,
 }
 
 /// One layer in `trunk.json`.
@@ -83,16 +92,22 @@ pub struct JsonLayer {
     pub tensors: BTreeMap<String, JsonTensor>,
 }
 
-/// Identity of the checkpoint a trunk was packed from (k3 addition).
+/// Identity of the checkpoint a trunk was packed from, and of the trunk (k3 addition).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JsonModel {
     /// Decoder layers packed.
     pub n_layers: usize,
     /// Sum of the unpadded run lengths.
     pub trunk_bytes: u64,
-    /// [`checkpoint_id`] of the checkpoint packed, 32 hex digits.
+    /// The content identity of the checkpoint packed ([`ModelIdentity`]), 32 hex digits.
     #[serde(default)]
-    pub checkpoint_id: String,
+    pub model_id: String,
+    /// How it was computed: `"manifest"` or `"sampled"`.
+    #[serde(default)]
+    pub id_kind: String,
+    /// [`trunk_id`] of the recorded tensor hashes, 32 hex digits (a draft trunk has none).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub trunk_id: String,
 }
 
 /// The whole `trunk.json`.
@@ -128,9 +143,12 @@ impl From<ReadError> for TrunkError {
     }
 }
 
-/// The trunk format this code writes and accepts: 2 adds `format`, `model.checkpoint_id` and
-/// `layers[].xxh3` to the kimi-k3-in-c layout (format 1 / absent).
-pub const TRUNK_FORMAT: u32 = 2;
+/// The trunk format this code writes and accepts: 2 added `format`, a sampled checkpoint id
+/// and `layers[].xxh3` to the kimi-k3-in-c layout (format 1 / absent); 3 binds the trunk to the
+/// model's content identity (`model.model_id`, `model.id_kind`) and records every source
+/// tensor's hash (`layers[].tensors[].xxh3`) and the trunk identity over them
+/// (`model.trunk_id`).
+pub const TRUNK_FORMAT: u32 = 3;
 
 /// Blocks sampled from each shard's data region for [`checkpoint_id`].
 pub const ID_SAMPLES: u64 = 8;
@@ -192,6 +210,70 @@ pub fn checkpoint_id(cat: &Catalog) -> Result<u128, TrunkError> {
 /// XXH3-64 of a layer run, the checksum `trunk.json` records.
 pub fn run_checksum(run: &[u8]) -> u64 {
     twox_hash::XxHash3_64::oneshot(run)
+}
+
+/// The trunk identity: XXH3-128 over every layer's tensors (in `trunk.json` order: layer, then
+/// name) — name, length and recorded XXH3-64. Two trunks with the same identity hold the same
+/// tensor bytes (up to a hash collision).
+pub fn trunk_id(layers: &[JsonLayer]) -> Result<u128, String> {
+    let mut h = twox_hash::XxHash3_128::new();
+    h.write(b"k3-trunk-id/1\0");
+    h.write(&(layers.len() as u64).to_le_bytes());
+    for (l, jl) in layers.iter().enumerate() {
+        h.write(&(jl.tensors.len() as u64).to_le_bytes());
+        for (name, t) in &jl.tensors {
+            let sum = parse_hash(&t.xxh3, 16).ok_or_else(|| {
+                format!(
+                    "layer {l}: {name}: tensor hash xxh3 {:?} is missing, zero or not 16 hex \
+                     digits",
+                    t.xxh3
+                )
+            })?;
+            h.write(name.as_bytes());
+            h.write(&[0]);
+            h.write(&t.nbytes.to_le_bytes());
+            h.write(&(sum as u64).to_le_bytes());
+        }
+    }
+    Ok(h.finish_128())
+}
+
+/// XXH3-64 of each tensor of a run fed to it in order, chunk by chunk (a tensor may straddle
+/// chunks): what packing records and `k3-ctl verify` recomputes.
+pub struct TensorHashes {
+    /// (name, start, end) inside the run, by start, and its running hash.
+    spans: Vec<(String, u64, u64, twox_hash::XxHash3_64)>,
+}
+
+impl TensorHashes {
+    /// For tensors given as (name, offset inside the run, bytes).
+    pub fn new(tensors: impl IntoIterator<Item = (String, u64, u64)>) -> TensorHashes {
+        let mut spans: Vec<_> = tensors
+            .into_iter()
+            .map(|(n, off, len)| (n, off, off + len, twox_hash::XxHash3_64::new()))
+            .collect();
+        spans.sort_by_key(|s| s.1);
+        TensorHashes { spans }
+    }
+
+    /// Bytes `[at, at + chunk.len())` of the run.
+    pub fn feed(&mut self, at: u64, chunk: &[u8]) {
+        let end = at + chunk.len() as u64;
+        for (_, s, e, h) in &mut self.spans {
+            let (lo, hi) = ((*s).max(at), (*e).min(end));
+            if lo < hi {
+                h.write(&chunk[(lo - at) as usize..(hi - at) as usize]);
+            }
+        }
+    }
+
+    /// Each tensor's hash, by name.
+    pub fn finish(self) -> BTreeMap<String, u64> {
+        self.spans
+            .into_iter()
+            .map(|(n, _, _, h)| (n, std::hash::Hasher::finish(&h)))
+            .collect()
+    }
 }
 
 /// A non-zero hash of exactly `digits` hex digits.
@@ -289,7 +371,7 @@ pub fn pack_trunk(
         runs.push(r);
     }
     let bytes_total: u64 = runs.iter().map(|r| r.2).sum();
-    let id = checkpoint_id(cat)?;
+    let id = ModelIdentity::of(cat)?;
     let mut files: Vec<Option<DiskFile>> = (0..cat.shard_paths().len()).map(|_| None).collect();
     let mut buf = AlignedBuf::zeroed(PACK_CHUNK as usize + 2 * ALIGN).map_err(TrunkError::Io)?;
     let mut pos = 0u64;
@@ -304,17 +386,22 @@ pub fn pack_trunk(
             };
             let mut copied = 0u64;
             let mut sum = twox_hash::XxHash3_64::new();
+            let mut per_tensor = TensorHashes::new(
+                (cat.trunk(l).iter()).map(|t| (t.name.clone(), t.off - start, t.nbytes)),
+            );
             while copied < len {
                 let take = (len - copied).min(PACK_CHUNK);
                 let inner = f.read_span(start + copied, take, buf.as_mut_slice())?;
                 let chunk = &buf.as_slice()[inner..inner + take as usize];
                 std::hash::Hasher::write(&mut sum, chunk);
+                per_tensor.feed(copied, chunk);
                 write_sparse(out, pos + copied, chunk).map_err(werr)?;
                 copied += take;
             }
             // The padding up to the next 4 KiB boundary is left as a hole (reads as zeros).
             let padded =
                 align_up(len).ok_or_else(|| TrunkError::Refused("run too large".into()))?;
+            let sums = per_tensor.finish();
             let tensors = cat
                 .trunk(l)
                 .iter()
@@ -325,6 +412,7 @@ pub fn pack_trunk(
                             off: t.off - start,
                             nbytes: t.nbytes,
                             dtype: t.dtype,
+                            xxh3: format!("{:016x}", sums[&t.name]),
                         },
                     )
                 })
@@ -345,13 +433,16 @@ pub fn pack_trunk(
                 bytes_total,
             });
         }
+        let tid = trunk_id(&layers).map_err(TrunkError::Io)?;
         let json = TrunkJson {
             format: TRUNK_FORMAT,
             align: ALIGN as u64,
             model: Some(JsonModel {
                 n_layers: n,
                 trunk_bytes: bytes_total,
-                checkpoint_id: format!("{id:032x}"),
+                model_id: format!("{:032x}", id.id),
+                id_kind: id.kind.name().into(),
+                trunk_id: format!("{tid:032x}"),
             }),
             layers,
         };
@@ -487,6 +578,8 @@ pub struct LayerPlan {
     pub layout: Arc<LayerLayout>,
     /// XXH3-64 of the run recorded in `trunk.json` (`None` when read from the shards).
     pub xxh3: Option<u64>,
+    /// XXH3-64 of each tensor recorded in `trunk.json` (`None` when read from the shards).
+    pub tensor_xxh3: Option<Arc<BTreeMap<String, u64>>>,
     source: RunSource,
 }
 
@@ -497,6 +590,7 @@ pub struct TrunkLayout {
     shards: Vec<Arc<DiskFile>>,
     packed: Option<Arc<DiskFile>>,
     packed_dir: Option<PathBuf>,
+    trunk_id: Option<u128>,
 }
 
 /// Open every shard file of a catalog (shared by trunk streaming and the expert cache).
@@ -530,6 +624,7 @@ impl TrunkLayout {
                                 .collect(),
                         )),
                         xxh3: None,
+                        tensor_xxh3: None,
                         source: RunSource::Contiguous { shard, off: start },
                     },
                     Err(_) => {
@@ -557,6 +652,7 @@ impl TrunkLayout {
                             run_len: pos,
                             layout: Arc::new(LayerLayout::new(locs)),
                             xxh3: None,
+                            tensor_xxh3: None,
                             source: RunSource::Scattered { pieces },
                         }
                     }
@@ -568,11 +664,13 @@ impl TrunkLayout {
             shards,
             packed: None,
             packed_dir: None,
+            trunk_id: None,
         }
     }
 
     /// Read layers from a packed trunk in `dir`, validated against the catalog: the trunk format
-    /// must be [`TRUNK_FORMAT`] and its `model.checkpoint_id` the [`checkpoint_id`] of `cat`;
+    /// must be [`TRUNK_FORMAT`], its `model.model_id` and `model.id_kind` the
+    /// [`ModelIdentity`] of `cat`, its `model.trunk_id` the [`trunk_id`] of its tensor hashes;
     /// every layer needs a non-zero checksum and a non-empty, aligned run inside `trunk.bin`
     /// that overlaps no other run; every trunk tensor the checkpoint has for a layer must be in
     /// `trunk.json` with the same length and dtype (and nothing else), inside its run. Any
@@ -598,19 +696,39 @@ impl TrunkLayout {
         if json.format != TRUNK_FORMAT {
             return Err(refuse(format!(
                 "trunk format {} (written by an older k3-ctl or by kimi-k3-in-c, without the \
-                 checkpoint identity and layer checksums of format {TRUNK_FORMAT}): {repack}",
+                 model identity, tensor hashes and layer checksums of format {TRUNK_FORMAT}): \
+                 {repack}",
                 json.format
             )));
         }
         let Some(m) = &json.model else {
             return Err(refuse(format!("no \"model\" identity: {repack}")));
         };
-        let Some(packed_id) = parse_hash(&m.checkpoint_id, 32) else {
+        let Some(packed_id) = parse_hash(&m.model_id, 32) else {
             return Err(refuse(format!(
-                "model.checkpoint_id {:?} is missing, zero or not 32 hex digits: {repack}",
-                m.checkpoint_id
+                "model.model_id {:?} is missing, zero or not 32 hex digits: {repack}",
+                m.model_id
             )));
         };
+        let Some(packed_kind) = IdentityKind::parse(&m.id_kind) else {
+            return Err(refuse(format!(
+                "model.id_kind {:?} is neither \"manifest\" nor \"sampled\": {repack}",
+                m.id_kind
+            )));
+        };
+        let Some(recorded_tid) = parse_hash(&m.trunk_id, 32) else {
+            return Err(refuse(format!(
+                "model.trunk_id {:?} is missing, zero or not 32 hex digits: {repack}",
+                m.trunk_id
+            )));
+        };
+        let tid = trunk_id(&json.layers).map_err(refuse)?;
+        if tid != recorded_tid {
+            return Err(refuse(format!(
+                "model.trunk_id {recorded_tid:032x} does not match its tensor hashes (they give \
+                 {tid:032x}): the file was edited; {repack}"
+            )));
+        }
         if m.n_layers != json.layers.len() {
             return Err(refuse(format!(
                 "model.n_layers {} but {} layer entries",
@@ -667,13 +785,15 @@ impl TrunkLayout {
                 cat.n_layers()
             )));
         }
-        // Last, as it reads the shards: is this the checkpoint the trunk was packed from?
-        let opened_id = checkpoint_id(cat)?;
-        if opened_id != packed_id {
+        // Last, as it may read the shards: is this the checkpoint the trunk was packed from?
+        let opened = ModelIdentity::of(cat)?;
+        if opened.id != packed_id || opened.kind != packed_kind {
             return Err(refuse(format!(
-                "packed from checkpoint {packed_id:032x}, but {model_dir} is checkpoint \
-                 {opened_id:032x} (a trunk from another checkpoint, or the checkpoint changed): \
-                 {repack}"
+                "packed from model {packed_id:032x} ({}), but {model_dir} is model {opened} (a \
+                 trunk from another checkpoint, the checkpoint changed, or its {} was added or \
+                 removed since): {repack}",
+                packed_kind.name(),
+                k3_proto::manifest::MANIFEST_FILE
             )));
         }
         let mut layers = Vec::with_capacity(cat.n_layers());
@@ -704,6 +824,7 @@ impl TrunkLayout {
                 }
             }
             let mut locs = Vec::with_capacity(ts.len());
+            let mut tensor_sums = BTreeMap::new();
             for t in ts {
                 let jt = jl.tensors.get(&t.name).ok_or_else(|| {
                     refuse(format!(
@@ -732,11 +853,15 @@ impl TrunkLayout {
                     nbytes: jt.nbytes,
                     dtype: jt.dtype,
                 });
+                // Parsed by `trunk_id` above.
+                let h = parse_hash(&jt.xxh3, 16).unwrap_or_default() as u64;
+                tensor_sums.insert(t.name.clone(), h);
             }
             layers.push(Some(LayerPlan {
                 run_len: jl.nbytes,
                 layout: Arc::new(LayerLayout::new(locs)),
                 xxh3: Some(sum),
+                tensor_xxh3: Some(Arc::new(tensor_sums)),
                 source: RunSource::Packed {
                     file_off: jl.file_off,
                 },
@@ -747,6 +872,7 @@ impl TrunkLayout {
             shards,
             packed: Some(Arc::new(bin)),
             packed_dir: Some(dir.to_path_buf()),
+            trunk_id: Some(tid),
         })
     }
 
@@ -787,13 +913,35 @@ impl TrunkLayout {
         l: usize,
         on_bytes: &mut dyn FnMut(u64),
     ) -> Result<u64, ReadError> {
+        self.checksum_layer_tensors(l, on_bytes).map(|(run, _)| run)
+    }
+
+    /// [`TrunkLayout::checksum_layer`] and the XXH3-64 of each of the layer's tensors (by name),
+    /// from the same read: what `k3-ctl verify --trunk` compares with the recorded tensor
+    /// hashes, in `trunk.bin` and in the checkpoint.
+    pub fn checksum_layer_tensors(
+        &self,
+        l: usize,
+        on_bytes: &mut dyn FnMut(u64),
+    ) -> Result<(u64, BTreeMap<String, u64>), ReadError> {
+        let tensors = |p: &LayerPlan| {
+            TensorHashes::new(
+                (p.layout.tensors().iter()).map(|t| (t.name.clone(), t.off, t.nbytes)),
+            )
+        };
         let Some((f, off, len)) = self.span_file(l)? else {
             let mut buf = AlignedBuf::zeroed(self.buf_len(l) as usize).map_err(ReadError::msg)?;
             let inner = self.read_layer(l, buf.as_mut_slice())?;
-            let run_len = self.plan(l).map(|p| p.run_len).unwrap_or(0) as usize;
-            on_bytes(run_len as u64);
-            return Ok(run_checksum(&buf.as_slice()[inner..inner + run_len]));
+            let p = self
+                .plan(l)
+                .ok_or_else(|| ReadError::msg(format!("layer {l} is not in the checkpoint")))?;
+            let run = &buf.as_slice()[inner..inner + p.run_len as usize];
+            on_bytes(run.len() as u64);
+            let mut per_tensor = tensors(p);
+            per_tensor.feed(0, run);
+            return Ok((run_checksum(run), per_tensor.finish()));
         };
+        let mut per_tensor = self.plan(l).map(tensors).unwrap_or(TensorHashes::new([]));
         let chunk = len.min(PACK_CHUNK);
         let mut buf = AlignedBuf::zeroed(chunk as usize + 2 * ALIGN).map_err(ReadError::msg)?;
         let mut h = twox_hash::XxHash3_64::new();
@@ -801,11 +949,18 @@ impl TrunkLayout {
         while done < len {
             let take = (len - done).min(chunk);
             let inner = f.read_span(off + done, take, buf.as_mut_slice())?;
-            std::hash::Hasher::write(&mut h, &buf.as_slice()[inner..inner + take as usize]);
+            let bytes = &buf.as_slice()[inner..inner + take as usize];
+            std::hash::Hasher::write(&mut h, bytes);
+            per_tensor.feed(done, bytes);
             done += take;
             on_bytes(take);
         }
-        Ok(std::hash::Hasher::finish(&h))
+        Ok((std::hash::Hasher::finish(&h), per_tensor.finish()))
+    }
+
+    /// The trunk identity of a packed trunk ([`trunk_id`]; `None` when read from the shards).
+    pub fn trunk_id(&self) -> Option<u128> {
+        self.trunk_id
     }
 
     /// The packed-trunk directory, if reading from one.
@@ -1000,6 +1155,23 @@ mod tests {
         check_all_layers(&packed, &spec);
         let direct = TrunkLayout::from_catalog(&w.catalog, shards);
         check_all_layers(&direct, &spec);
+        // Every source tensor's hash is recorded, and read back the same from trunk.bin and
+        // from the shards; the trunk identity is over them.
+        for (l, jl) in json.layers.iter().enumerate() {
+            let from_bin = packed.checksum_layer_tensors(l, &mut |_| {}).unwrap();
+            let from_ckpt = direct.checksum_layer_tensors(l, &mut |_| {}).unwrap();
+            assert_eq!(from_bin, from_ckpt, "layer {l}");
+            assert_eq!(format!("{:016x}", from_bin.0), jl.xxh3);
+            for (name, t) in &jl.tensors {
+                let want = twox_hash::XxHash3_64::oneshot(&fixture::expected_tensor(&spec, name));
+                assert_eq!(t.xxh3, format!("{want:016x}"), "{name}");
+                assert_eq!(from_bin.1[name], want, "{name}");
+            }
+            let recorded = packed.plan(l).unwrap().tensor_xxh3.clone().unwrap();
+            assert_eq!(*recorded, from_bin.1);
+        }
+        let tid = trunk_id(&json.layers).unwrap();
+        assert_eq!(json.model.as_ref().unwrap().trunk_id, format!("{tid:032x}"));
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 
@@ -1031,13 +1203,23 @@ mod tests {
         let jp = out.join(TRUNK_JSON);
         let good: TrunkJson = serde_json::from_str(&std::fs::read_to_string(&jp).unwrap()).unwrap();
         let shards = open_shards(&w.catalog).unwrap();
-        let try_with = |j: &TrunkJson| {
+        // As written: the trunk identity is not updated.
+        let try_raw = |j: &TrunkJson| {
             std::fs::write(&jp, serde_json::to_string(j).unwrap()).unwrap();
             match TrunkLayout::from_packed(&w.catalog, shards.clone(), &out) {
                 Err(TrunkError::Refused(m)) => m,
                 Err(e) => panic!("expected refusal, got {e}"),
                 Ok(_) => panic!("accepted a bad trunk.json"),
             }
+        };
+        // With the trunk identity recomputed from the (edited) tensors, so that the check under
+        // test is the one that refuses.
+        let try_with = |j: &TrunkJson| {
+            let mut j = j.clone();
+            if let (Some(m), Ok(tid)) = (j.model.as_mut(), trunk_id(&j.layers)) {
+                m.trunk_id = format!("{tid:032x}");
+            }
+            try_raw(&j)
         };
         let name = layer_name_q(1);
         let mut j = good.clone();
@@ -1085,20 +1267,41 @@ mod tests {
             j.layers[1].xxh3 = bad.into();
             assert!(try_with(&j).contains("layer 1: checksum"), "{bad:?}");
             let mut j = good.clone();
-            j.model.as_mut().unwrap().checkpoint_id = bad.into();
-            assert!(try_with(&j).contains("checkpoint_id"), "{bad:?}");
+            j.model.as_mut().unwrap().model_id = bad.into();
+            assert!(try_with(&j).contains("model_id"), "{bad:?}");
+            let mut j = good.clone();
+            j.model.as_mut().unwrap().trunk_id = bad.into();
+            assert!(try_raw(&j).contains("trunk_id"), "{bad:?}");
+            let mut j = good.clone();
+            let t = j.layers[1].tensors.get_mut(&layer_name_q(1)).unwrap();
+            t.xxh3 = bad.into();
+            assert!(try_raw(&j).contains("tensor hash"), "{bad:?}");
         }
+        let mut j = good.clone();
+        j.model.as_mut().unwrap().id_kind = "guessed".into();
+        assert!(try_with(&j).contains("id_kind"));
+        // A tensor hash edited without the trunk identity: refused.
+        let mut j = good.clone();
+        let t = j.layers[1].tensors.get_mut(&layer_name_q(1)).unwrap();
+        t.xxh3 = "0123456789abcdef".into();
+        assert!(try_raw(&j).contains("does not match its tensor hashes"));
         // Another checkpoint's identity: both identities are named.
         let mut j = good.clone();
         let theirs = "0123456789abcdef0123456789abcdef";
-        j.model.as_mut().unwrap().checkpoint_id = theirs.into();
+        j.model.as_mut().unwrap().model_id = theirs.into();
         let m = try_with(&j);
-        let ours = format!("{:032x}", checkpoint_id(&w.catalog).unwrap());
+        let ours = ModelIdentity::of(&w.catalog).unwrap();
+        let ours_hex = format!("{:032x}", ours.id);
         assert!(
-            m.contains(theirs) && m.contains(&ours) && m.contains("another checkpoint"),
+            m.contains(theirs) && m.contains(&ours_hex) && m.contains("another checkpoint"),
             "{m}"
         );
-        assert_eq!(good.model.as_ref().unwrap().checkpoint_id, ours);
+        assert_eq!(good.model.as_ref().unwrap().model_id, ours_hex);
+        assert_eq!(good.model.as_ref().unwrap().id_kind, "sampled");
+        // The same value under the other kind is another identity.
+        let mut j = good.clone();
+        j.model.as_mut().unwrap().id_kind = "manifest".into();
+        assert!(try_with(&j).contains("another checkpoint"));
         // Overlapping runs (layer 2 starts inside layer 1's run) and an empty run.
         let mut j = good.clone();
         j.layers[2].file_off = j.layers[1].file_off;
@@ -1117,6 +1320,7 @@ mod tests {
                 off: 0,
                 nbytes: 2,
                 dtype: Dtype::BF16,
+                xxh3: "0123456789abcdef".into(),
             },
         );
         assert!(try_with(&j).contains("not in the checkpoint"));
