@@ -22,7 +22,10 @@ fn pack_trunk_exit_codes_and_output() {
     // A checkpoint of a real model's shapes (the bundled tiny model).
     let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/model");
     let (cat, _) = k3_store::runtime::catalog::Catalog::open_dir(&model).unwrap();
-    let tmp = tempfile::Builder::new().prefix("k3-ctl-pack").tempdir().unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("k3-ctl-pack")
+        .tempdir()
+        .unwrap();
     let out = tmp.path().join("packed");
     let o = ctl(&["pack-trunk", model.to_str().unwrap(), out.to_str().unwrap()]);
     let stdout = String::from_utf8_lossy(&o.stdout);
@@ -41,7 +44,11 @@ fn pack_trunk_exit_codes_and_output() {
     // The output directory is a file: an I/O failure, exit 1.
     let file = tmp.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
-    let o = ctl(&["pack-trunk", model.to_str().unwrap(), file.to_str().unwrap()]);
+    let o = ctl(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        file.to_str().unwrap(),
+    ]);
     assert_eq!(
         o.status.code(),
         Some(1),

@@ -8,6 +8,7 @@ use crate::attach::client::ClientError;
 use crate::attach::AttachError;
 use crate::ipc::BindError;
 use crate::runtime::catalog::CatalogError;
+use crate::runtime::identity::IdentityError;
 use crate::runtime::io::ReadError;
 use crate::runtime::standalone::OpenError;
 use crate::runtime::trunk::TrunkError;
@@ -44,6 +45,13 @@ impl ExitStatus for TrunkError {
             TrunkError::Refused(_) => REFUSED,
             TrunkError::Io(_) => FAILURE,
         }
+    }
+}
+
+impl ExitStatus for IdentityError {
+    /// A checkpoint whose identity cannot be established is refused before any work.
+    fn exit_code(&self) -> i32 {
+        REFUSED
     }
 }
 

@@ -13,7 +13,6 @@ pub mod attach;
 pub mod cli;
 pub mod daemon;
 pub mod exit_codes;
-pub mod fdlimit;
 pub mod ipc;
 pub mod progress;
 pub mod runtime;

@@ -406,7 +406,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // connections counted. Fewer connections are served when they alone do not fit (at least
     // MIN_CONNECTIONS); below that, a refusal with the number needed.
     let max_connections = {
-        use k3_store::fdlimit::{connections_that_fit, raise, Needs};
+        use k3_store::runtime::fdlimit::{connections_that_fit, raise, Needs};
         let defaults = k3_store::daemon::Limits::default();
         let all = (defaults.max_connections + defaults.reserved) as u64;
         let fixed = Needs {

@@ -505,6 +505,10 @@ fn read_checkpoint(
     let index = k3_proto::safetensors::CheckpointIndex::open(model_dir)
         .map_err(|e| refuse(format!("{}: {e}", model_dir.display())))?;
     let cat = if catalog {
+        // Standalone, this is the first read of the headers: every tensor the engine binds is
+        // held to the config's dtype and shape here (exit 2 naming it), as `k3-store start` does.
+        k3_proto::tensors::check(&cfg, &index)
+            .map_err(|e| refuse(format!("{}: {e}", model_dir.display())))?;
         Some(Catalog::from_index(&index, &cfg).map_err(|e| refuse(e.0))?)
     } else {
         None

@@ -913,9 +913,9 @@ fn a_worker_stopped_with_expert_leases_does_not_fail_the_others_and_ps_names_it(
         });
         assert!(named.is_some(), "{:?}", sb.ctl(&["ps"]));
         let ps: Value = serde_json::from_str(sb.ctl(&["ps", "--json"]).stdout.trim()).unwrap();
-        let job = ps
+        let job = ps["jobs"]
             .as_array()
-            .unwrap()
+            .unwrap_or_else(|| panic!("{ps}"))
             .iter()
             .find(|j| j["pid"] == pid)
             .cloned()

@@ -174,6 +174,11 @@ fn a_trunk_packed_from_another_checkpoint_of_the_same_shape_is_refused() {
         assert_eq!(ta.keys().collect::<Vec<_>>(), tb.keys().collect::<Vec<_>>());
         for (name, t) in ta {
             assert_eq!(place(t), place(&tb[name]), "{name}");
+            if name.ends_with("A_log") {
+                // The generator's A_log does not depend on the seed (log 1..H, then zeros).
+                assert_eq!(t["xxh3"], tb[name]["xxh3"], "{name}");
+                continue;
+            }
             assert_ne!(t["xxh3"], tb[name]["xxh3"], "{name}");
         }
         assert_eq!(la["file_off"], lb["file_off"]);

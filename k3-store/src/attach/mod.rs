@@ -339,13 +339,13 @@ impl AttachedSource {
         }
         // The shards (private expert reads, the trunk layout), the trunk, the socket, the
         // store's memory and a session's memfd, against the open-file limit (raised).
-        let needs = crate::fdlimit::Needs {
+        let needs = crate::runtime::fdlimit::Needs {
             shards: cat.shard_paths().len() as u64,
             trunks: u64::from(trunk_dir.is_some()),
             other: 3,
             ..Default::default()
         };
-        (crate::fdlimit::raise())
+        (crate::runtime::fdlimit::raise())
             .check("k3-worker", &needs)
             .map_err(AttachError::Refused)?;
         let shards = open_shards(&cat).map_err(|e| mismatch(e.0))?;

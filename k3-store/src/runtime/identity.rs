@@ -11,19 +11,18 @@
 //!   have on disk (else a refusal), and `k3-ctl verify` is what checks the bytes against the
 //!   hashes (1.56 TB are not re-read at every start).
 //! - **sampled** (weaker, no manifest): XXH3-128 over `config.json`'s bytes and the sampled
-//!   checkpoint id ([`crate::runtime::trunk::checkpoint_id`]: every shard's name, length, raw
+//!   checkpoint id ([`checkpoint_id`]: every shard's name, length, raw
 //!   header and 8 blocks of 4 KiB of its data). Two checkpoints of the same shape with other
 //!   weights differ in the sampled blocks; a change outside them is not seen.
 
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use k3_proto::manifest::{Manifest, MANIFEST_FILE};
 use sha2::Digest;
 
 use crate::runtime::catalog::Catalog;
 use crate::runtime::io::{AlignedBuf, DiskFile, ReadError, ALIGN};
-use crate::runtime::trunk::{checkpoint_id, model_dir_of, TrunkError};
 
 /// How an identity was computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,14 +70,86 @@ impl std::fmt::Display for ModelIdentity {
     }
 }
 
+/// A checkpoint whose identity cannot be computed: a manifest that does not describe it, a shard
+/// or `config.json` that cannot be read (a refusal, exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct IdentityError(pub String);
+
+/// Blocks sampled from each shard's data region for [`checkpoint_id`].
+pub const ID_SAMPLES: u64 = 8;
+/// Size of one sampled block.
+const ID_SAMPLE_BYTES: u64 = 4096;
+/// Largest safetensors header read for the identity (the index reader's own limit is lower).
+const MAX_HEADER_BYTES: u64 = 256 << 20;
+
+/// The identity of the checkpoint `cat` was built from: XXH3-128 over, for every shard in
+/// file-name order, its name, length, raw safetensors header and [`ID_SAMPLES`] evenly spaced
+/// blocks of its data (see the module doc). Reads the shard files; a shard that cannot be read
+/// is a refusal.
+pub fn checkpoint_id(cat: &Catalog) -> Result<u128, IdentityError> {
+    use std::os::unix::fs::FileExt;
+    let mut shards: Vec<&PathBuf> = cat.shard_paths().iter().collect();
+    shards.sort_by_key(|p| p.file_name().map(|f| f.to_os_string()));
+    let mut h = twox_hash::XxHash3_128::new();
+    h.write(b"k3-checkpoint-id/1\0");
+    h.write(&(shards.len() as u64).to_le_bytes());
+    for p in shards {
+        let bad = |m: String| IdentityError(format!("{}: {m}", p.display()));
+        let f = std::fs::File::open(p).map_err(|e| bad(format!("cannot open: {e}")))?;
+        let len = f
+            .metadata()
+            .map_err(|e| bad(format!("cannot stat: {e}")))?
+            .len();
+        let mut lenbuf = [0u8; 8];
+        f.read_exact_at(&mut lenbuf, 0)
+            .map_err(|e| bad(format!("cannot read the header length: {e}")))?;
+        let hlen = u64::from_le_bytes(lenbuf);
+        if hlen > len.saturating_sub(8) || hlen > MAX_HEADER_BYTES {
+            return Err(bad(format!(
+                "header length {hlen} does not fit the {len}-byte file"
+            )));
+        }
+        let mut header = vec![0u8; hlen as usize];
+        f.read_exact_at(&mut header, 8)
+            .map_err(|e| bad(format!("cannot read the header: {e}")))?;
+        let name = p.file_name().map(|n| n.as_encoded_bytes()).unwrap_or(b"");
+        h.write(name);
+        h.write(&[0]);
+        h.write(&len.to_le_bytes());
+        h.write(&hlen.to_le_bytes());
+        h.write(&header);
+        let data = 8 + hlen;
+        let data_len = len - data;
+        let blk = data_len.min(ID_SAMPLE_BYTES);
+        let mut buf = vec![0u8; blk as usize];
+        for i in 0..ID_SAMPLES {
+            let at = data + (data_len - blk) * i / (ID_SAMPLES - 1);
+            f.read_exact_at(&mut buf, at)
+                .map_err(|e| bad(format!("cannot read {blk} bytes at {at}: {e}")))?;
+            h.write(&buf);
+        }
+    }
+    Ok(h.finish_128())
+}
+
+/// Where the checkpoint of `cat` lives (for messages): its first shard's directory.
+pub fn model_dir_of(cat: &Catalog) -> String {
+    cat.shard_paths()
+        .first()
+        .and_then(|p| p.parent())
+        .map(|d| d.display().to_string())
+        .unwrap_or_else(|| "the checkpoint".into())
+}
+
 impl ModelIdentity {
     /// The identity of the checkpoint `cat` was opened from (its shards' directory holds
     /// `config.json` and, when present, the manifest). A manifest that cannot be read, or that
     /// does not describe exactly these shards at these sizes, is a refusal.
-    pub fn of(cat: &Catalog) -> Result<ModelIdentity, TrunkError> {
+    pub fn of(cat: &Catalog) -> Result<ModelIdentity, IdentityError> {
         let dir = model_dir_of(cat);
         let dir = Path::new(&dir);
-        let refuse = |m: String| TrunkError::Refused(m);
+        let refuse = |m: String| IdentityError(m);
         let cfg_path = dir.join("config.json");
         let config =
             read_small(&cfg_path).map_err(|e| refuse(format!("{}: {e}", cfg_path.display())))?;
@@ -145,7 +216,7 @@ fn read_small(p: &Path) -> std::io::Result<Vec<u8>> {
 }
 
 /// The manifest names exactly the catalog's shards, with the sizes they have.
-fn check_manifest(m: &Manifest, cat: &Catalog, dir: &Path) -> Result<(), TrunkError> {
+fn check_manifest(m: &Manifest, cat: &Catalog, dir: &Path) -> Result<(), IdentityError> {
     let mp = dir.join(MANIFEST_FILE);
     let mut problems = Vec::new();
     let mut named = std::collections::BTreeSet::new();
@@ -170,7 +241,7 @@ fn check_manifest(m: &Manifest, cat: &Catalog, dir: &Path) -> Result<(), TrunkEr
     if problems.is_empty() {
         return Ok(());
     }
-    Err(TrunkError::Refused(format!(
+    Err(IdentityError(format!(
         "{} does not describe this checkpoint's shards: {} (a manifest of another download, or \
          shards replaced; scripts/download-model.sh … --verify-only rewrites it from the hub)",
         mp.display(),

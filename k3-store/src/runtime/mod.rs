@@ -10,6 +10,7 @@ pub mod arena;
 pub mod catalog;
 pub mod draft;
 pub mod experts;
+pub mod fdlimit;
 pub mod identity;
 pub mod io;
 pub mod plan;

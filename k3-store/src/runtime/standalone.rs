@@ -179,12 +179,12 @@ impl StandaloneSource {
     ) -> Result<(StandaloneSource, MemoryPlan), OpenError> {
         // Every descriptor this source holds, against the open-file limit (raised to the hard
         // one): a limit too low for them is a refusal with the number, not a failed read later.
-        let needs = crate::fdlimit::Needs {
+        let needs = crate::runtime::fdlimit::Needs {
             shards: cat.shard_paths().len() as u64,
             trunks: u64::from(trunk_dir.is_some()),
             ..Default::default()
         };
-        crate::fdlimit::raise()
+        crate::runtime::fdlimit::raise()
             .check("k3-worker", &needs)
             .map_err(OpenError::Refused)?;
         let shards = open_shards(&cat).map_err(|e| OpenError::Io(e.0))?;

@@ -50,7 +50,8 @@ use serde::{Deserialize, Serialize};
 use std::hash::Hasher as _;
 
 use crate::runtime::catalog::{Catalog, TensorExtent};
-use crate::runtime::identity::{IdentityKind, ModelIdentity};
+pub use crate::runtime::identity::{checkpoint_id, model_dir_of, ID_SAMPLES};
+use crate::runtime::identity::{IdentityError, IdentityKind, ModelIdentity};
 use crate::runtime::io::{align_down, align_up, span_len, AlignedBuf, DiskFile, ReadError, ALIGN};
 use crate::runtime::ring::Runs;
 use crate::runtime::source::{LayerLayout, TensorLoc};
@@ -137,6 +138,12 @@ pub enum TrunkError {
     Io(String),
 }
 
+impl From<IdentityError> for TrunkError {
+    fn from(e: IdentityError) -> Self {
+        TrunkError::Refused(e.0)
+    }
+}
+
 impl From<ReadError> for TrunkError {
     fn from(e: ReadError) -> Self {
         TrunkError::Io(e.0)
@@ -149,63 +156,6 @@ impl From<ReadError> for TrunkError {
 /// tensor's hash (`layers[].tensors[].xxh3`) and the trunk identity over them
 /// (`model.trunk_id`).
 pub const TRUNK_FORMAT: u32 = 3;
-
-/// Blocks sampled from each shard's data region for [`checkpoint_id`].
-pub const ID_SAMPLES: u64 = 8;
-/// Size of one sampled block.
-const ID_SAMPLE_BYTES: u64 = 4096;
-/// Largest safetensors header read for the identity (the index reader's own limit is lower).
-const MAX_HEADER_BYTES: u64 = 256 << 20;
-
-/// The identity of the checkpoint `cat` was built from: XXH3-128 over, for every shard in
-/// file-name order, its name, length, raw safetensors header and [`ID_SAMPLES`] evenly spaced
-/// blocks of its data (see the module doc). Reads the shard files; a shard that cannot be read
-/// is a refusal.
-pub fn checkpoint_id(cat: &Catalog) -> Result<u128, TrunkError> {
-    use std::os::unix::fs::FileExt;
-    let mut shards: Vec<&PathBuf> = cat.shard_paths().iter().collect();
-    shards.sort_by_key(|p| p.file_name().map(|f| f.to_os_string()));
-    let mut h = twox_hash::XxHash3_128::new();
-    h.write(b"k3-checkpoint-id/1\0");
-    h.write(&(shards.len() as u64).to_le_bytes());
-    for p in shards {
-        let bad = |m: String| TrunkError::Refused(format!("{}: {m}", p.display()));
-        let f = std::fs::File::open(p).map_err(|e| bad(format!("cannot open: {e}")))?;
-        let len = f
-            .metadata()
-            .map_err(|e| bad(format!("cannot stat: {e}")))?
-            .len();
-        let mut lenbuf = [0u8; 8];
-        f.read_exact_at(&mut lenbuf, 0)
-            .map_err(|e| bad(format!("cannot read the header length: {e}")))?;
-        let hlen = u64::from_le_bytes(lenbuf);
-        if hlen > len.saturating_sub(8) || hlen > MAX_HEADER_BYTES {
-            return Err(bad(format!(
-                "header length {hlen} does not fit the {len}-byte file"
-            )));
-        }
-        let mut header = vec![0u8; hlen as usize];
-        f.read_exact_at(&mut header, 8)
-            .map_err(|e| bad(format!("cannot read the header: {e}")))?;
-        let name = p.file_name().map(|n| n.as_encoded_bytes()).unwrap_or(b"");
-        h.write(name);
-        h.write(&[0]);
-        h.write(&len.to_le_bytes());
-        h.write(&hlen.to_le_bytes());
-        h.write(&header);
-        let data = 8 + hlen;
-        let data_len = len - data;
-        let blk = data_len.min(ID_SAMPLE_BYTES);
-        let mut buf = vec![0u8; blk as usize];
-        for i in 0..ID_SAMPLES {
-            let at = data + (data_len - blk) * i / (ID_SAMPLES - 1);
-            f.read_exact_at(&mut buf, at)
-                .map_err(|e| bad(format!("cannot read {blk} bytes at {at}: {e}")))?;
-            h.write(&buf);
-        }
-    }
-    Ok(h.finish_128())
-}
 
 /// XXH3-64 of a layer run, the checksum `trunk.json` records.
 pub fn run_checksum(run: &[u8]) -> u64 {
@@ -282,15 +232,6 @@ pub(crate) fn parse_hash(s: &str, digits: usize) -> Option<u128> {
         return None;
     }
     u128::from_str_radix(s, 16).ok().filter(|&v| v != 0)
-}
-
-/// Where the checkpoint of `cat` lives (for messages): its first shard's directory.
-pub(crate) fn model_dir_of(cat: &Catalog) -> String {
-    cat.shard_paths()
-        .first()
-        .and_then(|p| p.parent())
-        .map(|d| d.display().to_string())
-        .unwrap_or_else(|| "the checkpoint".into())
 }
 
 /// Check a layer's trunk tensors form one contiguous run in one shard; returns (shard, start, len).
