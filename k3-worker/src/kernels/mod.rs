@@ -38,9 +38,12 @@ pub mod scalar;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod tile;
 
 mod tier;
 
+pub use k3_proto::ecbf16::CodedMatrix;
 pub use tier::{active_tier, choose_tier, select_tier, Tier, TierError, SIMD_ENV};
 
 use std::cell::Cell;
@@ -127,6 +130,46 @@ pub fn matvec_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32])
 /// token `t` bit for bit.
 pub fn matmul_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
     Kernels::active().matmul_bf16(w, rows, cols, x, n, y)
+}
+
+/// `y[r] = Σ_c W[r,c]·x[c]` for an EC-BF16 coded matrix (`k3_proto::ecbf16`): the same bits as
+/// [`matvec_bf16`] on the decoded matrix (the decode is exact and happens in registers).
+pub fn matvec_coded(m: &CodedMatrix<'_>, x: &[f32], y: &mut [f32]) {
+    Kernels::active().matmul_coded(m, x, 1, y)
+}
+
+/// [`matmul_bf16`] for an EC-BF16 coded matrix: the same bits as `matmul_bf16` on the decoded
+/// matrix, for any `n` (each coded weight is decoded once for all `n` tokens when `n` exceeds
+/// the tier's token block).
+pub fn matmul_coded(m: &CodedMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+    Kernels::active().matmul_coded(m, x, n, y)
+}
+
+/// A trunk matrix as the forward receives it: raw bf16 bytes or EC-BF16 coded. Both multiply to
+/// the same bits ([`Kernels::matmul_matrix`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Bf16Matrix<'a> {
+    /// Raw little-endian bf16 `[rows, cols]`.
+    Raw {
+        /// `rows·cols·2` bytes.
+        bytes: &'a [u8],
+        /// Output rows.
+        rows: usize,
+        /// Input columns.
+        cols: usize,
+    },
+    /// EC-BF16 (its header carries the shape).
+    Coded(CodedMatrix<'a>),
+}
+
+impl Bf16Matrix<'_> {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            Bf16Matrix::Raw { rows, cols, .. } => (*rows, *cols),
+            Bf16Matrix::Coded(m) => (m.rows(), m.cols()),
+        }
+    }
 }
 
 /// `y[t·cols + c] = Σ_r W[r,c]·x[t·rows + r]` for `n` tokens: the product with the TRANSPOSE of
@@ -238,7 +281,7 @@ macro_rules! by_tier {
             // detected (`Kernels::new` / `active_tier`); the callee checks every slice length.
             Tier::Avx2 => unsafe { avx2::$f($($arg),*) },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above, AVX-512 F/BW/VL and FMA were detected before this value existed.
+            // SAFETY: as above, AVX-512 F/BW/VL, AVX2 and FMA were detected before this value existed.
             Tier::Avx512 => unsafe { avx512::$f($($arg),*) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("SIMD tier on a non-x86_64 build"),
@@ -298,6 +341,35 @@ impl Kernels {
                 by_tier!(self, bf16_rows(wr, cols, xs, n, out))
             })
         });
+    }
+
+    /// [`matmul_coded`] on this tier.
+    pub fn matmul_coded(self, m: &CodedMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+        let (rows, cols) = (m.rows(), m.cols());
+        assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
+        assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
+        if cols == 0 {
+            y.fill(0.0);
+            return;
+        }
+        self.with_split(x, cols, |xs| {
+            by_rows(rows, cols, n, y, |r0, out| {
+                by_tier!(self, coded_rows(m, r0, xs, n, out))
+            })
+        });
+    }
+
+    /// [`matvec_coded`] on this tier.
+    pub fn matvec_coded(self, m: &CodedMatrix<'_>, x: &[f32], y: &mut [f32]) {
+        self.matmul_coded(m, x, 1, y)
+    }
+
+    /// The product with a raw or coded bf16 matrix ([`matmul_bf16`] / [`matmul_coded`]).
+    pub fn matmul_matrix(self, w: &Bf16Matrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+        match w {
+            Bf16Matrix::Raw { bytes, rows, cols } => self.matmul_bf16(bytes, *rows, *cols, x, n, y),
+            Bf16Matrix::Coded(m) => self.matmul_coded(m, x, n, y),
+        }
     }
 
     /// [`matvec_mxfp4`] on this tier.

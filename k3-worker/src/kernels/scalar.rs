@@ -129,6 +129,26 @@ pub(super) fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f
     }
 }
 
+/// Row kernel of the scalar tier for rows `r0 ..` of an EC-BF16 matrix: each row decoded
+/// (exactly) into a row buffer, then the bf16 dot: the bits of [`bf16_rows`] on the raw rows.
+pub(super) fn coded_rows(
+    m: &k3_proto::ecbf16::CodedMatrix<'_>,
+    r0: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let cols = m.cols();
+    assert_eq!(x.len(), n * cols, "coded rows input");
+    let mut row = vec![0u8; 2 * cols];
+    for (i, o) in out.chunks_exact_mut(n).enumerate() {
+        m.decode_row(r0 + i, &mut row);
+        for (t, v) in o.iter_mut().enumerate() {
+            *v = dot_bf16_row(&row, &x[t * cols..(t + 1) * cols]);
+        }
+    }
+}
+
 /// Row kernel of the scalar tier for MXFP4 (`x` in natural column order).
 pub(super) fn mxfp4_rows(
     packed: &[u8],
