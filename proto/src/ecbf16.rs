@@ -229,6 +229,31 @@ impl HighBytes {
     }
 }
 
+/// Canonical Huffman code lengths of `counts` (0 for absent symbols): by repeatedly merging the
+/// two lightest subtrees; a single symbol gets length 1.
+pub fn huffman_lengths(counts: &[u64; 256]) -> [u8; 256] {
+    let mut len = [0u8; 256];
+    // (weight, members) — at most 256 symbols, so the quadratic merge is cheap.
+    let mut nodes: Vec<(u64, Vec<u8>)> = (0..=255u8)
+        .filter(|&s| counts[s as usize] > 0)
+        .map(|s| (counts[s as usize], vec![s]))
+        .collect();
+    if nodes.len() == 1 {
+        len[nodes[0].1[0] as usize] = 1;
+        return len;
+    }
+    while nodes.len() > 1 {
+        nodes.sort_by_key(|n| std::cmp::Reverse(n.0));
+        let (wa, ma) = nodes.pop().expect("two nodes");
+        let (wb, mb) = nodes.pop().expect("two nodes");
+        for &s in ma.iter().chain(&mb) {
+            len[s as usize] += 1;
+        }
+        nodes.push((wa + wb, [ma, mb].concat()));
+    }
+    len
+}
+
 /// Bytes of a coded matrix.
 pub fn encoded_len(rows: usize, cols: usize, width: u8, escapes: usize) -> usize {
     let stride = cols.div_ceil(BLOCK) * block_bytes(width);
@@ -717,6 +742,28 @@ mod tests {
                 bits.to_le_bytes()
             })
             .collect()
+    }
+
+    #[test]
+    fn huffman_lengths_are_optimal_on_a_known_distribution() {
+        let mut c = [0u64; 256];
+        c[1] = 8;
+        c[2] = 4;
+        c[3] = 2;
+        c[4] = 2;
+        let l = huffman_lengths(&c);
+        assert_eq!((l[1], l[2], l[3], l[4]), (1, 2, 3, 3));
+        assert_eq!(l.iter().filter(|&&x| x > 0).count(), 4);
+        // Kraft equality for a full binary code.
+        let kraft: f64 = l
+            .iter()
+            .filter(|&&x| x > 0)
+            .map(|&x| 0.5f64.powi(x as i32))
+            .sum();
+        assert!((kraft - 1.0).abs() < 1e-12);
+        let mut one = [0u64; 256];
+        one[7] = 5;
+        assert_eq!(huffman_lengths(&one)[7], 1);
     }
 
     #[test]

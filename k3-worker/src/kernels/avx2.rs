@@ -908,6 +908,26 @@ impl Lanes for Avx2 {
 }
 
 // ------------------------------------------------------------------------------------------
+// FMA peak
+
+/// `iters` rounds of 16 independent FMA chains (enough to cover the FMA latency on two ports):
+/// `16·8·iters` multiply-adds; returns their sum so nothing is optimised away.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
+    let (m, a) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    let mut acc: [__m256; 16] = std::array::from_fn(|i| _mm256_set1_ps(seed + i as f32));
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = _mm256_fmadd_ps(*v, m, a);
+        }
+    }
+    acc.iter().map(|&v| hsum(v)).sum()
+}
+
+// ------------------------------------------------------------------------------------------
 // f32 dot
 
 /// `Σ a[i]·b[i]`: four accumulators over 32-element steps, 8-element steps into accumulator 0,

@@ -709,6 +709,26 @@ impl Lanes for Avx512 {
 }
 
 // ------------------------------------------------------------------------------------------
+// FMA peak
+
+/// `iters` rounds of 16 independent FMA chains (enough to cover the FMA latency on two ports):
+/// `16·16·iters` multiply-adds; returns their sum so nothing is optimised away.
+///
+/// # Safety
+/// The CPU supports AVX-512 F and FMA.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
+    let (m, a) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+    let mut acc: [__m512; 16] = std::array::from_fn(|i| _mm512_set1_ps(seed + i as f32));
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = _mm512_fmadd_ps(*v, m, a);
+        }
+    }
+    acc.iter().map(|&v| hsum(v)).sum()
+}
+
+// ------------------------------------------------------------------------------------------
 // f32 dot
 
 /// `Σ a[i]·b[i]`: four accumulators over 64-element steps, 16-element steps into accumulator 0,

@@ -447,6 +447,19 @@ impl Kernels {
         })
     }
 
+    /// Runs `iters` rounds of this tier's FMA probe (16 independent chains of vector FMAs, the
+    /// machine's multiply-add peak on one thread) and returns the multiply-adds done and a value
+    /// that depends on all of them. `k3-ctl doctor` and the kernel bench time it.
+    pub fn fma_probe(self, iters: usize) -> (u64, f32) {
+        let lanes = match self.tier {
+            Tier::Scalar => 1,
+            Tier::Avx2 => 8,
+            Tier::Avx512 => 16,
+        };
+        let v = by_tier!(self, fma_probe(iters, 1.0));
+        (16 * lanes * iters as u64, v)
+    }
+
     /// [`dot_f32`] on this tier.
     pub fn dot_f32(self, a: &[f32], b: &[f32]) -> f32 {
         assert_eq!(a.len(), b.len(), "dot_f32 lengths");

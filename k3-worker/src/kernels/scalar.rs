@@ -232,3 +232,14 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
+
+/// The scalar tier's FMA probe: 16 chains of `f32::mul_add`; `16·iters` multiply-adds.
+pub(super) fn fma_probe(iters: usize, seed: f32) -> f32 {
+    let mut acc: [f32; 16] = std::array::from_fn(|i| seed + i as f32);
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = v.mul_add(0.999_999, 1e-7);
+        }
+    }
+    acc.iter().sum()
+}
