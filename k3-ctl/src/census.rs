@@ -57,7 +57,9 @@ struct Entry {
     layer: usize,
     shape: Vec<u64>,
     raw: u64,
-    /// High-byte counts of a 2-D BF16 matrix (`None`: not a coded candidate, or not read).
+    /// A 2-D BF16 matrix (what EC-BF16 codes).
+    candidate: bool,
+    /// Its high-byte counts (`None`: not a candidate, or not read).
     hist: Option<HighBytes>,
 }
 
@@ -150,6 +152,7 @@ pub fn run(a: Args) -> i32 {
                 layer: l,
                 shape,
                 raw: t.nbytes,
+                candidate,
                 hist,
             });
         }
@@ -193,10 +196,21 @@ fn sizes(e: &Entry, max_escape: f64) -> Sizes {
         huffman: e.raw,
         ..Sizes::default()
     };
+    if !e.candidate {
+        return s;
+    }
+    let (rows, cols) = (e.shape[0] as usize, e.shape[1] as usize);
     let Some(h) = &e.hist else {
+        // Shapes only: each width's size with no escapes (a lower bound); the policies take
+        // width 4, the entropy code is unknown (raw).
+        for (i, &w) in WIDTHS.iter().enumerate() {
+            s.w[i] = encoded_len(rows, cols, w, 0) as u64;
+        }
+        s.w3_else_4 = s.w[2];
+        s.best = s.w[2];
+        s.weights = (rows * cols) as u64;
         return s;
     };
-    let (rows, cols) = (e.shape[0] as usize, e.shape[1] as usize);
     s.weights = h.total();
     for (i, &w) in WIDTHS.iter().enumerate() {
         s.escapes[i] = h.escapes(w);
@@ -273,7 +287,7 @@ fn report(a: &Args, entries: &[Entry]) -> i32 {
         if read {
             ""
         } else {
-            " — shapes only, no data read: sizes below are raw"
+            " — SHAPES ONLY, no data read: coded sizes assume no escapes (lower bounds); escapes, entropy and Huffman unknown"
         }
     );
     println!(
