@@ -116,6 +116,17 @@ fn time<F: FnMut()>(reps: usize, threads: usize, mut f: F) -> Stat {
     }
 }
 
+/// A timing of `EXPERTS` experts as the time of one.
+fn per_expert(s: Stat) -> Stat {
+    let per = |v: f64| v / EXPERTS as f64;
+    Stat {
+        median: per(s.median),
+        min: per(s.min),
+        max: per(s.max),
+        cpu_share: s.cpu_share,
+    }
+}
+
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
@@ -442,17 +453,11 @@ fn main() {
                         eprintln!("CHECK FAILED: {} {name}", k.tier());
                         checks_ok = false;
                     }
-                    let per = |v: f64| v / EXPERTS as f64;
                     rows.push(Row {
                         kernel: name,
                         tier: k.tier(),
                         threads,
-                        stat: Stat {
-                            median: per(s.median),
-                            min: per(s.min),
-                            max: per(s.max),
-                            cpu_share: s.cpu_share,
-                        },
+                        stat: per_expert(s),
                         bytes: (r * c / 2 + r * c / 32) as f64,
                         macs: (r * c * n) as f64,
                         mem_gbs: mem_at(threads),
@@ -789,17 +794,11 @@ fn sweep(
                             black_box(&y);
                         }
                     });
-                    let per = |v: f64| v / EXPERTS as f64;
                     rows.push(Row {
                         kernel: format!("mxfp4 {er}x{ec} K={n}"),
                         tier: k.tier(),
                         threads,
-                        stat: Stat {
-                            median: per(s.median),
-                            min: per(s.min),
-                            max: per(s.max),
-                            cpu_share: s.cpu_share,
-                        },
+                        stat: per_expert(s),
                         bytes: (er * ec / 2 + er * ec / 32) as f64,
                         macs: (er * ec * n) as f64,
                         mem_gbs: mem_at(threads),

@@ -113,48 +113,34 @@ pub(super) unsafe fn bf16_strips<L: Lanes, S: Bf16Blocks<L>, const R: usize, con
     let zero = unsafe { L::zero() };
     let mut acc = vec![zero; k * n];
     let mut wbuf = vec![[zero; 4]; R * sbl];
-    let mut s = 0;
-    while s < full {
-        let sb = sbl.min(full - s);
-        let mut r = 0;
-        while r < k {
-            let rr = if k - r >= R { R } else { 1 };
-            for i in 0..rr {
-                for b in 0..sb {
-                    // SAFETY: row r+i < k, block s+b < full.
-                    wbuf[i * sbl + b] = unsafe { src.widened(r + i, s + b) };
-                }
+    walk::<_, _, R, T>(
+        k,
+        n,
+        full,
+        sbl,
+        &mut wbuf,
+        &mut acc,
+        |i, b| {
+            // SAFETY: row i < k, block b < full (the walk's ranges).
+            unsafe { src.widened(i, b) }
+        },
+        |at, full_r, full_t, wbuf, acc| {
+            // The tile's rows and tokens exist (the walk's ranges); CPU support is this
+            // function's contract.
+            match (full_r, full_t) {
+                // SAFETY: as above.
+                (true, true) => unsafe { at.bf16::<L, R, T>(wbuf, acc) },
+                // SAFETY: as above.
+                (true, false) => unsafe { at.bf16::<L, R, 1>(wbuf, acc) },
+                // SAFETY: as above.
+                (false, true) => unsafe { at.bf16::<L, 1, T>(wbuf, acc) },
+                // SAFETY: as above.
+                (false, false) => unsafe { at.bf16::<L, 1, 1>(wbuf, acc) },
             }
-            let mut t = 0;
-            while t < n {
-                let tt = if n - t >= T { T } else { 1 };
-                let at = Tile {
-                    x,
-                    cols,
-                    n,
-                    r,
-                    t,
-                    s,
-                    sb,
-                    sbl,
-                };
-                // Rows r..r+rr and tokens t..t+tt exist.
-                match (rr == R, tt == T) {
-                    // SAFETY: as above.
-                    (true, true) => unsafe { at.bf16::<L, R, T>(&wbuf, &mut acc) },
-                    // SAFETY: as above.
-                    (true, false) => unsafe { at.bf16::<L, R, 1>(&wbuf, &mut acc) },
-                    // SAFETY: as above.
-                    (false, true) => unsafe { at.bf16::<L, 1, T>(&wbuf, &mut acc) },
-                    // SAFETY: as above.
-                    (false, false) => unsafe { at.bf16::<L, 1, 1>(&wbuf, &mut acc) },
-                }
-                t += tt;
-            }
-            r += rr;
-        }
-        s += sb;
-    }
+        },
+        x,
+        cols,
+    );
     for i in 0..k {
         for t in 0..n {
             // SAFETY: row i < k; token t's activations are `cols` floats.
@@ -187,16 +173,67 @@ pub(super) unsafe fn mxfp4_strips<L: Lanes, S: Mxfp4Groups<L>, const R: usize, c
     // Two accumulators per (row, token): groups of even and of odd index.
     let mut acc = vec![zero; 2 * k * n];
     let mut wbuf = vec![([zero; 4], zero); R * sbl];
+    walk::<_, _, R, T>(
+        k,
+        n,
+        groups,
+        sbl,
+        &mut wbuf,
+        &mut acc,
+        |i, g| {
+            // SAFETY: row i < k, group g < groups (the walk's ranges).
+            unsafe { src.group(i, g) }
+        },
+        |at, full_r, full_t, wbuf, acc| {
+            // The tile's rows and tokens exist (the walk's ranges); CPU support is this
+            // function's contract.
+            match (full_r, full_t) {
+                // SAFETY: as above.
+                (true, true) => unsafe { at.mxfp4::<L, R, T>(wbuf, acc) },
+                // SAFETY: as above.
+                (true, false) => unsafe { at.mxfp4::<L, R, 1>(wbuf, acc) },
+                // SAFETY: as above.
+                (false, true) => unsafe { at.mxfp4::<L, 1, T>(wbuf, acc) },
+                // SAFETY: as above.
+                (false, false) => unsafe { at.mxfp4::<L, 1, 1>(wbuf, acc) },
+            }
+        },
+        x,
+        cols,
+    );
+    for i in 0..k * n {
+        // SAFETY: CPU support is this function's contract.
+        out[i] = unsafe { L::hsum_pair(acc[2 * i], acc[2 * i + 1]) };
+    }
+}
+
+/// The strip walk shared by both kernels: for each strip of at most `sbl` of the `blocks`
+/// blocks, for each group of `R` rows (then single rows), `decode(row, block)` fills the buffer
+/// once, then `tile(at, R rows?, T tokens?, buffer, accumulators)` runs for each group of `T`
+/// tokens (then single tokens).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn walk<W: Copy, A, const R: usize, const T: usize>(
+    k: usize,
+    n: usize,
+    blocks: usize,
+    sbl: usize,
+    wbuf: &mut [W],
+    acc: &mut [A],
+    mut decode: impl FnMut(usize, usize) -> W,
+    mut tile: impl FnMut(&Tile<'_>, bool, bool, &[W], &mut [A]),
+    x: &[f32],
+    cols: usize,
+) {
     let mut s = 0;
-    while s < groups {
-        let sb = sbl.min(groups - s);
+    while s < blocks {
+        let sb = sbl.min(blocks - s);
         let mut r = 0;
         while r < k {
             let rr = if k - r >= R { R } else { 1 };
             for i in 0..rr {
                 for b in 0..sb {
-                    // SAFETY: row r+i < k, group s+b < groups.
-                    wbuf[i * sbl + b] = unsafe { src.group(r + i, s + b) };
+                    wbuf[i * sbl + b] = decode(r + i, s + b);
                 }
             }
             let mut t = 0;
@@ -212,26 +249,12 @@ pub(super) unsafe fn mxfp4_strips<L: Lanes, S: Mxfp4Groups<L>, const R: usize, c
                     sb,
                     sbl,
                 };
-                // Rows r..r+rr and tokens t..t+tt exist.
-                match (rr == R, tt == T) {
-                    // SAFETY: as above.
-                    (true, true) => unsafe { at.mxfp4::<L, R, T>(&wbuf, &mut acc) },
-                    // SAFETY: as above.
-                    (true, false) => unsafe { at.mxfp4::<L, R, 1>(&wbuf, &mut acc) },
-                    // SAFETY: as above.
-                    (false, true) => unsafe { at.mxfp4::<L, 1, T>(&wbuf, &mut acc) },
-                    // SAFETY: as above.
-                    (false, false) => unsafe { at.mxfp4::<L, 1, 1>(&wbuf, &mut acc) },
-                }
+                tile(&at, rr == R, tt == T, wbuf, acc);
                 t += tt;
             }
             r += rr;
         }
         s += sb;
-    }
-    for i in 0..k * n {
-        // SAFETY: CPU support is this function's contract.
-        out[i] = unsafe { L::hsum_pair(acc[2 * i], acc[2 * i + 1]) };
     }
 }
 
