@@ -564,6 +564,12 @@ fn write_json(
     checks_ok: bool,
 ) {
     if let Some(path) = &args.json {
+        // `cargo bench` runs in the package directory: a relative path is the workspace root's.
+        let path = if std::path::Path::new(path).is_relative() {
+            format!("{}/../{path}", env!("CARGO_MANIFEST_DIR"))
+        } else {
+            path.clone()
+        };
         let doc: Value = json!({
             "machine": {"cpu": cpu_model(),
                         "logical_cpus": std::thread::available_parallelism().map_or(0, |n| n.get())},
@@ -584,7 +590,7 @@ fn write_json(
         });
         match serde_json::to_string_pretty(&doc) {
             Ok(s) => {
-                if let Err(e) = std::fs::write(path, s) {
+                if let Err(e) = std::fs::write(&path, s) {
                     eprintln!("kernels bench: cannot write {path}: {e}");
                     std::process::exit(1);
                 }
@@ -748,6 +754,26 @@ fn sweep(
                         mem_gbs: mem_at(threads),
                         peak_gmacs: peak_at(k.tier(), threads),
                     });
+                    if n > 2 {
+                        // The same product without the strip kernels (each token block
+                        // re-decodes the weights): the before of this change, same run.
+                        let mut y = vec![0.0f32; n * r];
+                        let kb = k.without_strips();
+                        let s = time(args.reps, threads, || {
+                            kb.matmul_bf16(black_box(&raw), r, c, &x[..n * c], n, &mut y);
+                            black_box(&y);
+                        });
+                        rows.push(Row {
+                            kernel: format!("bf16 {r}x{c} K={n} no strips"),
+                            tier: k.tier(),
+                            threads,
+                            stat: s,
+                            bytes: raw.len() as f64,
+                            macs: (r * c * n) as f64,
+                            mem_gbs: mem_at(threads),
+                            peak_gmacs: peak_at(k.tier(), threads),
+                        });
+                    }
                     for (w, bytes) in &coded {
                         if *w == 3 && n > 1 {
                             continue;
@@ -779,31 +805,11 @@ fn sweep(
                             peak_gmacs: peak_at(k.tier(), threads),
                         });
                     }
-                    let mut y = vec![0.0f32; n * er];
-                    let s = time(args.reps, threads, || {
-                        for e in &experts {
-                            k.matmul_mxfp4(
-                                black_box(&e.packed),
-                                &e.scales,
-                                er,
-                                ec,
-                                &x[..n * ec],
-                                n,
-                                &mut y,
-                            );
-                            black_box(&y);
+                    for (kk, label) in [(*k, ""), (k.without_strips(), " no strips")] {
+                        if label.is_empty() || n > 2 {
+                            mxfp4_row(args, &experts, kk, threads, n, label, mem_at, peak_at, rows);
                         }
-                    });
-                    rows.push(Row {
-                        kernel: format!("mxfp4 {er}x{ec} K={n}"),
-                        tier: k.tier(),
-                        threads,
-                        stat: per_expert(s),
-                        bytes: (er * ec / 2 + er * ec / 32) as f64,
-                        macs: (er * ec * n) as f64,
-                        mem_gbs: mem_at(threads),
-                        peak_gmacs: peak_at(k.tier(), threads),
-                    });
+                    }
                 }
             });
         }
@@ -918,4 +924,38 @@ fn huffman_decode_rate(args: &Args, pools: &[rayon::ThreadPool], raw: &[u8]) {
             s.cpu_share
         );
     }
+}
+
+/// One MXFP4 sweep row: the product of `n` tokens cycled over the experts.
+#[allow(clippy::too_many_arguments)]
+fn mxfp4_row(
+    args: &Args,
+    experts: &[Expert],
+    k: Kernels,
+    threads: usize,
+    n: usize,
+    label: &str,
+    mem_at: &(dyn Fn(usize) -> f64 + Sync),
+    peak_at: &(dyn Fn(Tier, usize) -> f64 + Sync),
+    rows: &mut Vec<Row>,
+) {
+    let (er, ec) = (3072usize, 3584usize);
+    let x = vec![0.25f32; n * ec];
+    let mut y = vec![0.0f32; n * er];
+    let s = time(args.reps, threads, || {
+        for e in experts {
+            k.matmul_mxfp4(black_box(&e.packed), &e.scales, er, ec, &x, n, &mut y);
+            black_box(&y);
+        }
+    });
+    rows.push(Row {
+        kernel: format!("mxfp4 {er}x{ec} K={n}{label}"),
+        tier: k.tier(),
+        threads,
+        stat: per_expert(s),
+        bytes: (er * ec / 2 + er * ec / 32) as f64,
+        macs: (er * ec * n) as f64,
+        mem_gbs: mem_at(threads),
+        peak_gmacs: peak_at(k.tier(), threads),
+    });
 }

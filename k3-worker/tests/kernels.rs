@@ -1199,3 +1199,43 @@ fn coded_free_functions_match_kernels_of_the_active_tier() {
     kernels::matvec_coded(&mb, &x, &mut d);
     assert_ne!(bits_of(&d), bits_of(&b));
 }
+
+/// The strip kernels (each weight decoded once for all tokens) and the token-block kernels they
+/// replace give the same bits, bf16 raw and coded and MXFP4, at every token count.
+#[test]
+fn strip_kernels_equal_the_token_block_kernels_bitwise() {
+    let mut rng = Rng(41);
+    for k in tiers() {
+        let old = k.without_strips();
+        for (rows, cols) in [(7, 95), (18, 1056), (33, 64)] {
+            let (w, _) = bf16_matrix(&mut rng, rows, cols);
+            let coded = ecbf16::encode(&w, rows, cols, 4).expect("encode");
+            let m = CodedMatrix::parse(&coded).expect("parse");
+            let mc = cols / 32 * 32;
+            let mx = mxfp4_matrix(&mut rng, rows, mc);
+            for n in [3usize, 5, 8, 13, 16, 17] {
+                let x = random_x(&mut rng, n * cols);
+                let xs = small_x(&mut rng, n * mc);
+                let run = |kk: Kernels| {
+                    let mut a = vec![f32::NAN; n * rows];
+                    let mut b = vec![f32::NAN; n * rows];
+                    let mut c = vec![f32::NAN; n * rows];
+                    kk.matmul_bf16(&w, rows, cols, &x, n, &mut a);
+                    kk.matmul_coded(&m, &x, n, &mut b);
+                    kk.matmul_mxfp4(&mx.packed, &mx.scales, rows, mc, &xs, n, &mut c);
+                    (bits_of(&a), bits_of(&b), bits_of(&c))
+                };
+                let (new, before) = (run(k), run(old));
+                assert_eq!(new.0, before.0, "{} bf16 {rows}x{cols} n={n}", k.tier());
+                assert_eq!(new.1, before.1, "{} coded {rows}x{cols} n={n}", k.tier());
+                assert_eq!(new.2, before.2, "{} mxfp4 {rows}x{mc} n={n}", k.tier());
+                assert_eq!(
+                    new.0,
+                    new.1,
+                    "{} coded vs raw {rows}x{cols} n={n}",
+                    k.tier()
+                );
+            }
+        }
+    }
+}

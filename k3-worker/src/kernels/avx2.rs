@@ -199,6 +199,10 @@ pub(super) struct CodedRows<'a, const W: u8> {
     r0: usize,
     k: usize,
     table: __m256i,
+    /// Rows `r0 .. r0+k`'s blocks, `stride` bytes a row (addressed without a bounds check per
+    /// block: `Rows::block`'s contract keeps the address inside).
+    blocks: &'a [u8],
+    stride: usize,
 }
 
 impl<'a, const W: u8> CodedRows<'a, W> {
@@ -216,11 +220,14 @@ impl<'a, const W: u8> CodedRows<'a, W> {
         let t = m.table();
         // SAFETY: 16 readable bytes.
         let t = unsafe { _mm_loadu_si128(t.as_ptr() as *const __m128i) };
+        let stride = m.row_stride();
         CodedRows {
             m,
             r0,
             k,
             table: _mm256_broadcastsi128_si256(t),
+            blocks: &m.blocks()[r0 * stride..(r0 + k) * stride],
+            stride,
         }
     }
 }
@@ -326,9 +333,10 @@ impl<const W: u8> Rows for CodedRows<'_, W> {
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn block(&self, i: usize, b: usize) -> [__m256i; 2] {
-        let row = self.m.row_blocks(self.r0 + i);
-        let p = row[b * ecbf16::block_bytes(W)..].as_ptr();
-        // SAFETY: block b is whole (caller contract), so its 32 + 4W bytes are in the row.
+        let at = i * self.stride + b * ecbf16::block_bytes(W);
+        let p = self.blocks.as_ptr().wrapping_add(at);
+        // SAFETY: i < k and block b is whole (caller contract), so its 32 + 4W bytes lie in
+        // row i of `blocks`.
         let (raw, escaped) = unsafe { decode_coded_block::<W>(p, self.table) };
         if !escaped {
             return raw;
@@ -575,12 +583,12 @@ impl<S: Rows> Bf16Blocks<Avx2> for S {
 /// AVX2 + FMA. (Lengths are checked here.)
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32]) {
+unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32], strips: bool) {
     let (cols, k) = (src.cols(), src.rows());
     assert!(cols > 0 && n > 0, "empty bf16 product");
     assert_eq!(out.len(), k * n, "bf16 rows vs output");
     assert_eq!(x.len(), n * cols, "bf16 rows input");
-    if n > TOKEN_BLOCK {
+    if strips && n > TOKEN_BLOCK {
         // SAFETY: lengths checked above; CPU features are this function's contract.
         unsafe { tile::bf16_strips::<Avx2, S, MATMUL_ROWS, TOKEN_BLOCK>(src, k, x, n, out) };
         return;
@@ -608,9 +616,16 @@ unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32]) {
 /// # Safety
 /// The CPU supports AVX2 and FMA. (Lengths are checked here.)
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+pub(super) unsafe fn bf16_rows(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    strips: bool,
+) {
     // SAFETY: CPU features are this function's contract.
-    unsafe { rows_kernel(&RawRows::new(w, cols), x, n, out) }
+    unsafe { rows_kernel(&RawRows::new(w, cols), x, n, out, strips) }
 }
 
 /// Row kernel for rows `r0 .. r0 + out.len()/n` of an EC-BF16 matrix: the same bits as
@@ -625,15 +640,16 @@ pub(super) unsafe fn coded_rows(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    strips: bool,
 ) {
     let k = out.len() / n.max(1);
     match m.width() {
         // SAFETY: CPU features are this function's contract.
-        4 => unsafe { coded_kernel::<4>(m, r0, k, x, n, out) },
+        4 => unsafe { coded_kernel::<4>(m, r0, k, x, n, out, strips) },
         // SAFETY: as above.
-        3 => unsafe { coded_kernel::<3>(m, r0, k, x, n, out) },
+        3 => unsafe { coded_kernel::<3>(m, r0, k, x, n, out, strips) },
         // SAFETY: as above.
-        _ => unsafe { coded_kernel::<2>(m, r0, k, x, n, out) },
+        _ => unsafe { coded_kernel::<2>(m, r0, k, x, n, out, strips) },
     }
 }
 
@@ -650,11 +666,12 @@ unsafe fn coded_kernel<const W: u8>(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    strips: bool,
 ) {
     // SAFETY: CPU features are this function's contract.
     let src = unsafe { CodedRows::<W>::new(*m, r0, k) };
     // SAFETY: as above.
-    unsafe { rows_kernel(&src, x, n, out) }
+    unsafe { rows_kernel(&src, x, n, out, strips) }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -801,6 +818,7 @@ pub(super) unsafe fn mxfp4_rows(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    strips: bool,
 ) {
     assert!(cols > 0 && cols.is_multiple_of(32) && n > 0, "MXFP4 shape");
     let (pw, sw) = (cols / 2, cols / 32);
@@ -809,7 +827,7 @@ pub(super) unsafe fn mxfp4_rows(
     assert_eq!(scales.len(), k * sw, "MXFP4 scales vs rows");
     assert_eq!(out.len(), k * n, "MXFP4 rows vs output");
     assert_eq!(x.len(), n * cols, "MXFP4 rows input");
-    if n > TOKEN_BLOCK {
+    if strips && n > TOKEN_BLOCK {
         let src = Mxfp4Rows {
             packed,
             scales,

@@ -376,30 +376,36 @@ impl<S: Rows> Bf16Blocks<Avx512> for Wide<'_, S> {
 /// AVX-512 F/BW/VL, AVX2 + FMA. (Lengths are checked here.)
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32]) {
+unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32], strips: bool) {
     let (cols, k) = (src.cols(), src.rows());
     assert!(cols > 0 && n > 0, "empty bf16 product");
     assert_eq!(out.len(), k * n, "bf16 rows vs output");
     assert_eq!(x.len(), n * cols, "bf16 rows input");
-    if n > TOKEN_BLOCK {
+    if strips && n > TOKEN_BLOCK {
         // SAFETY: lengths checked above; CPU features are this function's contract.
         unsafe {
             tile::bf16_strips::<Avx512, _, MATMUL_ROWS, TOKEN_BLOCK>(&Wide(src), k, x, n, out)
         };
         return;
     }
-    // CPU features are this function's contract; tokens 0..n lie in x.
-    match n {
+    // Token blocks outer, rows inner: the task's rows stay in L2 while every token block passes
+    // over them. CPU features are this function's contract; tokens t.. lie in x.
+    let mut t = 0;
+    while t + TOKEN_BLOCK <= n {
         // SAFETY: as above.
-        4 => unsafe { bf16_tokens::<S, MATMUL_ROWS, 4>(src, x, n, 0, out) },
+        unsafe { bf16_tokens::<S, MATMUL_ROWS, TOKEN_BLOCK>(src, x, n, t, out) };
+        t += TOKEN_BLOCK;
+    }
+    match n - t {
+        0 => {}
         // SAFETY: as above.
-        3 => unsafe { bf16_tokens::<S, MATMUL_ROWS, 3>(src, x, n, 0, out) },
+        3 => unsafe { bf16_tokens::<S, MATMUL_ROWS, 3>(src, x, n, t, out) },
         // SAFETY: as above.
-        2 => unsafe { bf16_tokens::<S, MATMUL_ROWS, 2>(src, x, n, 0, out) },
-        // SAFETY: as above; one token: narrow rows one at a time.
-        _ if cols <= super::NARROW_COLS => unsafe { bf16_tokens::<S, 1, 1>(src, x, n, 0, out) },
-        // SAFETY: as above.
-        _ => unsafe { bf16_tokens::<S, MATVEC_ROWS, 1>(src, x, n, 0, out) },
+        2 => unsafe { bf16_tokens::<S, MATMUL_ROWS, 2>(src, x, n, t, out) },
+        // SAFETY: as above; the last token of narrow rows: one row at a time.
+        _ if cols <= super::NARROW_COLS => unsafe { bf16_tokens::<S, 1, 1>(src, x, n, t, out) },
+        // SAFETY: as above; the last token (all of a matvec).
+        _ => unsafe { bf16_tokens::<S, MATVEC_ROWS, 1>(src, x, n, t, out) },
     }
 }
 
@@ -408,9 +414,16 @@ unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32]) {
 /// # Safety
 /// The CPU supports AVX-512 F, BW, VL, AVX2 and FMA. (Lengths are checked here.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+pub(super) unsafe fn bf16_rows(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    strips: bool,
+) {
     // SAFETY: CPU features are this function's contract.
-    unsafe { rows_kernel(&RawRows::new(w, cols), x, n, out) }
+    unsafe { rows_kernel(&RawRows::new(w, cols), x, n, out, strips) }
 }
 
 /// Row kernel for rows `r0 .. r0 + out.len()/n` of an EC-BF16 matrix: the same bits as
@@ -425,15 +438,16 @@ pub(super) unsafe fn coded_rows(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    strips: bool,
 ) {
     let k = out.len() / n.max(1);
     match m.width() {
         // SAFETY: CPU features are this function's contract.
-        4 => unsafe { coded_kernel::<4>(m, r0, k, x, n, out) },
+        4 => unsafe { coded_kernel::<4>(m, r0, k, x, n, out, strips) },
         // SAFETY: as above.
-        3 => unsafe { coded_kernel::<3>(m, r0, k, x, n, out) },
+        3 => unsafe { coded_kernel::<3>(m, r0, k, x, n, out, strips) },
         // SAFETY: as above.
-        _ => unsafe { coded_kernel::<2>(m, r0, k, x, n, out) },
+        _ => unsafe { coded_kernel::<2>(m, r0, k, x, n, out, strips) },
     }
 }
 
@@ -450,11 +464,12 @@ unsafe fn coded_kernel<const W: u8>(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    strips: bool,
 ) {
     // SAFETY: CPU features are this function's contract.
     let src = unsafe { CodedRows::<W>::new(*m, r0, k) };
     // SAFETY: as above.
-    unsafe { rows_kernel(&src, x, n, out) }
+    unsafe { rows_kernel(&src, x, n, out, strips) }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -599,6 +614,7 @@ pub(super) unsafe fn mxfp4_rows(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    strips: bool,
 ) {
     assert!(cols > 0 && cols.is_multiple_of(32) && n > 0, "MXFP4 shape");
     let (pw, sw) = (cols / 2, cols / 32);
@@ -607,7 +623,7 @@ pub(super) unsafe fn mxfp4_rows(
     assert_eq!(scales.len(), k * sw, "MXFP4 scales vs rows");
     assert_eq!(out.len(), k * n, "MXFP4 rows vs output");
     assert_eq!(x.len(), n * cols, "MXFP4 rows input");
-    if n > TOKEN_BLOCK {
+    if strips && n > TOKEN_BLOCK {
         // SAFETY: E2M1 is a 16-float array.
         let table = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
         let src = Mxfp4Rows {

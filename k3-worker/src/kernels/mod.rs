@@ -268,6 +268,9 @@ pub fn silu(z: f32) -> f32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Kernels {
     tier: Tier,
+    /// Products of more than a token block take the strip kernels (`tile.rs`); off only in
+    /// [`Kernels::without_strips`] (benchmarks and tests: the same bits either way).
+    strips: bool,
 }
 
 /// Runs one tier's row kernel. `$k` is a `Kernels`; the AVX arms are sound because a `Kernels`
@@ -292,13 +295,25 @@ macro_rules! by_tier {
 impl Kernels {
     /// The kernels of `tier`, or `None` if this CPU cannot run it.
     pub fn new(tier: Tier) -> Option<Kernels> {
-        tier.is_available().then_some(Kernels { tier })
+        tier.is_available()
+            .then_some(Kernels { tier, strips: true })
     }
 
     /// The kernels of the process-wide active tier (see [`active_tier`]).
     pub fn active() -> Kernels {
         Kernels {
             tier: active_tier(),
+            strips: true,
+        }
+    }
+
+    /// These kernels with the multi-token strip kernels turned off: every token block re-decodes
+    /// the weights (the kernels before the strips). The same bits; for A/B measurements and
+    /// tests.
+    pub fn without_strips(self) -> Kernels {
+        Kernels {
+            strips: false,
+            ..self
         }
     }
 
@@ -338,7 +353,7 @@ impl Kernels {
             by_rows(rows, cols, n, y, |r0, out| {
                 let k = out.len() / n;
                 let wr = &w[r0 * row_bytes..(r0 + k) * row_bytes];
-                by_tier!(self, bf16_rows(wr, cols, xs, n, out))
+                by_tier!(self, bf16_rows(wr, cols, xs, n, out, self.strips))
             })
         });
     }
@@ -354,7 +369,7 @@ impl Kernels {
         }
         self.with_split(x, cols, |xs| {
             by_rows(rows, cols, n, y, |r0, out| {
-                by_tier!(self, coded_rows(m, r0, xs, n, out))
+                by_tier!(self, coded_rows(m, r0, xs, n, out, self.strips))
             })
         });
     }
@@ -425,7 +440,7 @@ impl Kernels {
                     &packed[r0 * pw..(r0 + k) * pw],
                     &scales[r0 * sw..(r0 + k) * sw],
                 );
-                by_tier!(self, mxfp4_rows(p, s, cols, xs, n, out))
+                by_tier!(self, mxfp4_rows(p, s, cols, xs, n, out, self.strips))
             })
         });
     }

@@ -118,7 +118,14 @@ pub fn matmul_mxfp4(
 }
 
 /// Row kernel of the scalar tier: `out [k, n]` for the `k` rows in `w` (see `Kernels`).
-pub(super) fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+pub(super) fn bf16_rows(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    _strips: bool,
+) {
     let rb = cols * 2;
     assert_eq!(w.len() * n, out.len() * rb, "bf16 rows vs output");
     assert_eq!(x.len(), n * cols, "bf16 rows input");
@@ -137,6 +144,7 @@ pub(super) fn coded_rows(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    _strips: bool,
 ) {
     let cols = m.cols();
     assert_eq!(x.len(), n * cols, "coded rows input");
@@ -157,6 +165,7 @@ pub(super) fn mxfp4_rows(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    _strips: bool,
 ) {
     let (pw, sw) = (cols / 2, cols / 32);
     assert_eq!(packed.len() * n, out.len() * pw, "MXFP4 rows vs output");
