@@ -285,16 +285,23 @@ impl Tile<'_> {
         let (n, r0, t0) = (self.n, self.r, self.t);
         let mut a: [[L::F; T]; R] =
             std::array::from_fn(|i| std::array::from_fn(|t| acc[(r0 + i) * n + t0 + t]));
-        let xs: [&[f32]; T] =
-            std::array::from_fn(|t| &self.x[(t0 + t) * self.cols..(t0 + t + 1) * self.cols]);
+        // Bounds once, then unchecked addresses in the loop: tokens t0..t0+T have `cols`
+        // floats, the strip's columns are < cols, the buffer holds R rows × sbl blocks.
+        assert!((t0 + T) * self.cols <= self.x.len() && 32 * (self.s + self.sb) <= self.cols);
+        assert!(R * self.sbl <= wbuf.len() && self.sb <= self.sbl);
+        let xp: [*const f32; T] =
+            std::array::from_fn(|t| self.x.as_ptr().wrapping_add((t0 + t) * self.cols));
+        let wp = wbuf.as_ptr();
         for b in 0..self.sb {
             let c = 32 * (self.s + b);
             for j in 0..L::V {
-                let w: [L::F; R] = std::array::from_fn(|i| wbuf[i * self.sbl + b][j]);
+                // SAFETY: i < R, b < sb <= sbl: inside the buffer (asserted above).
+                let w: [L::F; R] =
+                    std::array::from_fn(|i| unsafe { (*wp.wrapping_add(i * self.sbl + b))[j] });
                 for t in 0..T {
-                    let xj = &xs[t][c + j * L::LANES..c + (j + 1) * L::LANES];
-                    // SAFETY: `xj` is LANES floats; CPU support is the caller's contract.
-                    let xv = unsafe { L::load(xj.as_ptr()) };
+                    // SAFETY: column c + j·LANES + LANES <= cols of token t0 + t (asserted);
+                    // CPU support is the caller's contract.
+                    let xv = unsafe { L::load(xp[t].wrapping_add(c + j * L::LANES)) };
                     for i in 0..R {
                         // SAFETY: as above.
                         a[i][t] = unsafe { L::fma(w[i], xv, a[i][t]) };
@@ -362,15 +369,21 @@ impl Tile<'_> {
     ) {
         let t0 = self.t;
         let c = 32 * (self.s + b);
+        assert!((t0 + T) * self.cols <= self.x.len() && c + 32 <= self.cols);
+        assert!((R - 1) * self.sbl + b < wbuf.len());
+        let xp: [*const f32; T] =
+            std::array::from_fn(|t| self.x.as_ptr().wrapping_add((t0 + t) * self.cols + c));
+        let wp = wbuf.as_ptr();
         // SAFETY: CPU support is the caller's contract.
         let mut p: [[L::F; T]; R] = [[unsafe { L::zero() }; T]; R];
         for j in 0..L::V {
-            let w: [L::F; R] = std::array::from_fn(|i| wbuf[i * self.sbl + b].0[j]);
+            // SAFETY: i < R: entry ·sbl + b is in the buffer (asserted above).
+            let w: [L::F; R] =
+                std::array::from_fn(|i| unsafe { (*wp.wrapping_add(i * self.sbl + b)).0[j] });
             for t in 0..T {
-                let xt = &self.x[(t0 + t) * self.cols..(t0 + t + 1) * self.cols];
-                let xj = &xt[c + j * L::LANES..c + (j + 1) * L::LANES];
-                // SAFETY: `xj` is LANES floats; CPU support is the caller's contract.
-                let xv = unsafe { L::load(xj.as_ptr()) };
+                // SAFETY: the group's 32 columns are inside token t0 + t (asserted); CPU support
+                // is the caller's contract.
+                let xv = unsafe { L::load(xp[t].wrapping_add(j * L::LANES)) };
                 for i in 0..R {
                     p[i][t] = if j == 0 {
                         // SAFETY: as above.
