@@ -139,8 +139,8 @@ pub fn matvec_coded(m: &CodedMatrix<'_>, x: &[f32], y: &mut [f32]) {
 }
 
 /// [`matmul_bf16`] for an EC-BF16 coded matrix: the same bits as `matmul_bf16` on the decoded
-/// matrix, for any `n` (each coded weight is decoded once for all `n` tokens when `n` exceeds
-/// the tier's token block).
+/// matrix, for any `n` (each token block of the tier decodes the weights again; with
+/// [`Kernels::with_strips`] once for all `n` tokens).
 pub fn matmul_coded(m: &CodedMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
     Kernels::active().matmul_coded(m, x, n, y)
 }
@@ -268,8 +268,10 @@ pub fn silu(z: f32) -> f32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Kernels {
     tier: Tier,
-    /// Products of more than a token block take the strip kernels (`tile.rs`); off only in
-    /// [`Kernels::without_strips`] (benchmarks and tests: the same bits either way).
+    /// Products of more than a token block take the strip kernels (`tile.rs`, each weight
+    /// decoded once for all tokens) — only with [`Kernels::with_strips`]: measured slower than
+    /// the token-block kernels on AVX2 (docs/BENCHMARKS.md, 2026-12-03), so off by default. The
+    /// same bits either way.
     strips: bool,
 }
 
@@ -303,16 +305,16 @@ impl Kernels {
     pub fn active() -> Kernels {
         Kernels {
             tier: active_tier(),
-            strips: true,
+            strips: false,
         }
     }
 
-    /// These kernels with the multi-token strip kernels turned off: every token block re-decodes
-    /// the weights (the kernels before the strips). The same bits; for A/B measurements and
-    /// tests.
-    pub fn without_strips(self) -> Kernels {
+    /// These kernels with the multi-token strip kernels on (`tile.rs`: products of more than a
+    /// token block decode each weight once for all tokens). The same bits as without; for A/B
+    /// measurements, tests, and the tiers where they pay (not yet measured on AVX-512).
+    pub fn with_strips(self) -> Kernels {
         Kernels {
-            strips: false,
+            strips: true,
             ..self
         }
     }

@@ -1,4 +1,7 @@
-//! Multi-token products that decode each weight ONCE for all tokens (both SIMD tiers).
+//! Multi-token products that decode each weight ONCE for all tokens (both SIMD tiers), used
+//! only with `Kernels::with_strips`: on AVX2 they measured slower than the token-block kernels
+//! (buffered f32 weights move 2–4× more bytes through L1 than re-widening bf16 from L2;
+//! docs/BENCHMARKS.md, 2026-12-03), so they are off by default until they win somewhere.
 //!
 //! A task's rows (at most [`super::ROW_CHUNK`]) are walked in column STRIPS of whole 32-column
 //! blocks. For each strip, every row's blocks are decoded once into a small buffer of f32 vectors
