@@ -9,6 +9,10 @@
 //!   threads; also 8, the standalone expert cache's reader count), sequential large `O_DIRECT` reads, and buffered reads of expert-sized chunks
 //!   after `posix_fadvise(DONTNEED)`; each as MB/s median and min–max over rounds.
 //!
+//! - Kernel figures per SIMD tier this CPU has, each named with the CPU model and the tier:
+//!   the FMA peak of one thread, and bf16, EC-BF16 (width 4) and MXFP4 matvec rates on a 64 MiB
+//!   matrix at the kernels' thread count (`--no-kernels` skips them).
+//!
 //! `--dir PATH`: a directory gets a scratch file (written, fsynced, dropped from the page cache,
 //! measured, deleted); a regular file is measured in place, read-only (e.g. a checkpoint shard).
 
@@ -52,6 +56,9 @@ pub struct Args {
     /// Skip the disk measurements.
     #[arg(long)]
     no_disk: bool,
+    /// Skip the kernel measurements.
+    #[arg(long)]
+    no_kernels: bool,
     /// Bytes of each expert-sized read (the random and the buffered measurements; rounded up to
     /// whole 4096-byte pages): default one routed expert of the full model. A checkpoint with
     /// other experts is read at its own size (`scripts/bench.py` passes it): small reads cost the
@@ -528,6 +535,12 @@ pub fn run(a: Args) -> i32 {
     if !a.json {
         print_head(&doc);
     }
+    if !a.no_kernels {
+        doc["kernels"] = measure_kernels();
+        if !a.json {
+            print_kernels(&doc["kernels"]);
+        }
+    }
     let code = if a.no_disk {
         k3_proto::exit::OK
     } else {
@@ -557,6 +570,95 @@ pub fn run(a: Args) -> i32 {
         println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
     }
     code
+}
+
+/// Kernel rates per available tier on this machine (each figure names the CPU and the tier):
+/// one thread's FMA peak, and matvec rates on a 4096×8192 matrix (64 MiB as bf16) at the
+/// kernels' thread count, bf16, EC-BF16 width 4 (Gaussian-like weights: a trained matrix's few
+/// exponents) and MXFP4, best of 5 runs. The coded result is checked against the raw one.
+pub fn measure_kernels() -> Value {
+    use k3_proto::ecbf16::{encode, CodedMatrix};
+    use k3_worker::kernels::{Kernels, Tier};
+    let (rows, cols) = (4096usize, 8192usize);
+    let mut z = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        z ^= z << 13;
+        z ^= z >> 7;
+        z ^= z << 17;
+        z
+    };
+    // Exponents 117..=124 (σ ≈ 2^-5 and below), random sign and mantissa.
+    let w: Vec<u8> = (0..rows * cols)
+        .flat_map(|_| {
+            let r = next();
+            let e = 117 + (r >> 40) % 8;
+            (((r & 1) << 15 | e << 7 | (r >> 8) & 0x7F) as u16).to_le_bytes()
+        })
+        .collect();
+    let coded = encode(&w, rows, cols, 4).expect("a 4096x8192 matrix encodes");
+    let m = CodedMatrix::parse(&coded).expect("just encoded");
+    let packed: Vec<u8> = (0..rows * cols / 2).map(|_| next() as u8).collect();
+    let scales: Vec<u8> = (0..rows * cols / 32)
+        .map(|_| 118 + (next() % 8) as u8)
+        .collect();
+    let x: Vec<f32> = (0..cols).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+    let best = |f: &mut dyn FnMut()| {
+        f();
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min)
+    };
+    let cpu = cpu_model();
+    let threads = rayon::current_num_threads();
+    let mut out = Vec::new();
+    for k in Tier::ALL.into_iter().filter_map(Kernels::new) {
+        let iters = 2_000_000usize;
+        let t = best(&mut || {
+            std::hint::black_box(k.fma_probe(std::hint::black_box(iters)));
+        });
+        let fma = k.fma_probe(1).0 as f64 * iters as f64 / t / 1e9;
+        let mut y = vec![0.0f32; rows];
+        let mut yc = vec![0.0f32; rows];
+        let t_raw = best(&mut || k.matvec_bf16(&w, rows, cols, &x, &mut y));
+        let t_coded = best(&mut || k.matvec_coded(&m, &x, &mut yc));
+        let same = y.iter().zip(&yc).all(|(a, b)| a.to_bits() == b.to_bits());
+        let t_mx = best(&mut || k.matvec_mxfp4(&packed, &scales, rows, cols, &x, &mut y));
+        let weights = (rows * cols) as f64;
+        out.push(json!({
+            "cpu": cpu, "tier": k.tier().name(), "threads": threads,
+            "fma_peak_gmac_per_s_1thread": fma,
+            "bf16_matvec_gb_per_s": 2.0 * weights / t_raw / 1e9,
+            "ecbf16_w4_matvec_gb_per_s": coded.len() as f64 / t_coded / 1e9,
+            "ecbf16_w4_matvec_gweights_per_s": weights / t_coded / 1e9,
+            "bf16_matvec_gweights_per_s": weights / t_raw / 1e9,
+            "ecbf16_equals_bf16": same,
+            "mxfp4_matvec_gb_per_s": (packed.len() + scales.len()) as f64 / t_mx / 1e9,
+        }));
+    }
+    Value::Array(out)
+}
+
+fn print_kernels(k: &Value) {
+    for t in k.as_array().into_iter().flatten() {
+        let f = |key: &str| t[key].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "kernels [{} · {} · {} threads]: FMA peak {:.1} GMAC/s (1 thread) · matvec 4096x8192: bf16 {:.1} GB/s ({:.2} G weights/s), EC-BF16 w4 {:.1} GB/s ({:.2} G weights/s{}), MXFP4 {:.1} GB/s",
+            t["cpu"].as_str().unwrap_or("?"),
+            t["tier"].as_str().unwrap_or("?"),
+            t["threads"],
+            f("fma_peak_gmac_per_s_1thread"),
+            f("bf16_matvec_gb_per_s"),
+            f("bf16_matvec_gweights_per_s"),
+            f("ecbf16_w4_matvec_gb_per_s"),
+            f("ecbf16_w4_matvec_gweights_per_s"),
+            if t["ecbf16_equals_bf16"].as_bool() == Some(true) { ", same bits" } else { ", BITS DIFFER" },
+            f("mxfp4_matvec_gb_per_s"),
+        );
+    }
 }
 
 fn print_head(d: &Value) {
@@ -743,7 +845,35 @@ mod tests {
             seconds: 0.25,
             size_mib: 64,
             no_disk: false,
+            no_kernels: true,
             read_bytes,
+        }
+    }
+
+    #[test]
+    fn kernel_figures_name_cpu_and_tier_and_coded_equals_raw_on_every_tier() {
+        let k = measure_kernels();
+        let tiers = k.as_array().expect("one entry per tier");
+        let available = k3_worker::kernels::Tier::ALL
+            .iter()
+            .filter(|t| t.is_available())
+            .count();
+        assert_eq!(tiers.len(), available);
+        for t in tiers {
+            assert!(t["cpu"].as_str().is_some_and(|c| !c.is_empty()), "{t}");
+            assert!(t["tier"].as_str().is_some(), "{t}");
+            assert_eq!(t["ecbf16_equals_bf16"], json!(true), "{t}");
+            for key in [
+                "fma_peak_gmac_per_s_1thread",
+                "bf16_matvec_gb_per_s",
+                "ecbf16_w4_matvec_gb_per_s",
+                "mxfp4_matvec_gb_per_s",
+            ] {
+                assert!(
+                    t[key].as_f64().is_some_and(|v| v > 0.0 && v.is_finite()),
+                    "{key}: {t}"
+                );
+            }
         }
     }
 

@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod census;
 mod doctor;
 mod inspect;
 mod pack;
@@ -46,6 +47,9 @@ enum Cmd {
     ReplayTrace(replay::Args),
     /// CPU, SIMD tiers, RAM -> recommended preset, disk bandwidth measured the way the engine reads.
     Doctor(doctor::Args),
+    /// EC-BF16 census of a checkpoint's trunk: bits per weight, escape rate, palette per tensor
+    /// and class (nothing written).
+    Census(census::Args),
     /// Check every byte: the shards end to end, and each packed trunk layer against its checksum.
     Verify(verify::Args),
     /// OpenAI-compatible HTTP server in front of a running store (one worker per request).
@@ -80,6 +84,7 @@ fn main() {
         Cmd::ReplayTrace(a) => replay::run(a),
         Cmd::Doctor(a) => doctor::run(a),
         Cmd::Verify(a) => verify::run(a),
+        Cmd::Census(a) => census::run(a),
         Cmd::Serve(a) => serve::run(a),
     };
     std::process::exit(code);

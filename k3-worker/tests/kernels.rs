@@ -841,3 +841,401 @@ fn active_tier_is_available_and_matches_select() {
         Err(e) => eprintln!("note: {e}"),
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// Bit-exact models of the SIMD tiers' operation sequence (independent of their code)
+
+/// A SIMD tier's bf16 dot as the kernels document it, lane by lane in scalar code with
+/// `f32::mul_add` as the FMA: per block of `2·lanes` columns lane `l` adds column `2l` then
+/// `2l+1`, then one `lanes`-column step (lane `l` = column `l`), then the zero-padded tail; the
+/// lanes are summed by the tier's fixed halving tree.
+fn model_bf16(lanes: usize, w: &[u16], x: &[f32]) -> f32 {
+    let cols = x.len();
+    let wv = |c: usize| half::bf16::from_bits(w[c]).to_f32();
+    let mut acc = vec![0.0f32; lanes];
+    let mut c = 0;
+    while c + 2 * lanes <= cols {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a = wv(c + 2 * l).mul_add(x[c + 2 * l], *a);
+            *a = wv(c + 2 * l + 1).mul_add(x[c + 2 * l + 1], *a);
+        }
+        c += 2 * lanes;
+    }
+    if c + lanes <= cols {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a = wv(c + l).mul_add(x[c + l], *a);
+        }
+        c += lanes;
+    }
+    if c < cols {
+        for (l, a) in acc.iter_mut().enumerate() {
+            let (wl, xl) = if c + l < cols {
+                (wv(c + l), x[c + l])
+            } else {
+                (0.0, 0.0)
+            };
+            *a = wl.mul_add(xl, *a);
+        }
+    }
+    model_hsum(&acc)
+}
+
+/// The tiers' horizontal sum: halves added (16 → 8 → 4 lanes), then `(s0 + s2) + (s1 + s3)`.
+fn model_hsum(acc: &[f32]) -> f32 {
+    let mut v = acc.to_vec();
+    while v.len() > 4 {
+        let h = v.len() / 2;
+        v = (0..h).map(|i| v[i] + v[i + h]).collect();
+    }
+    (v[0] + v[2]) + (v[1] + v[3])
+}
+
+/// A SIMD tier's MXFP4 dot as documented: per group the partial sum in `lanes` lanes over the
+/// group's vectors in order (vector `j`, lane `i` = column `32/lanes`-block `j/2`, even
+/// (`j` even) or odd column `2i (+1)`), first a multiply then FMAs; then `acc[g mod 2] =
+/// fma(p, scale, acc)`; the row total is the halving sum of `acc0 + acc1`.
+fn model_mxfp4(lanes: usize, packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    let code = |c: usize| {
+        let b = packed[c / 2];
+        if c.is_multiple_of(2) {
+            b & 15
+        } else {
+            b >> 4
+        }
+    };
+    let mut acc = [vec![0.0f32; lanes], vec![0.0f32; lanes]];
+    for (g, &s) in scales.iter().enumerate() {
+        let sc = scalar::e8m0(s);
+        let mut p = vec![0.0f32; lanes];
+        for j in 0..32 / lanes {
+            for (i, pi) in p.iter_mut().enumerate() {
+                let c = 32 * g + 2 * lanes * (j / 2) + 2 * i + j % 2;
+                let w = scalar::E2M1[code(c) as usize];
+                *pi = if j == 0 {
+                    w * x[c]
+                } else {
+                    w.mul_add(x[c], *pi)
+                };
+            }
+        }
+        for (a, &pi) in acc[g % 2].iter_mut().zip(&p) {
+            *a = pi.mul_add(sc, *a);
+        }
+    }
+    let sum: Vec<f32> = acc[0].iter().zip(&acc[1]).map(|(a, b)| a + b).collect();
+    model_hsum(&sum)
+}
+
+fn simd_lanes(t: Tier) -> Option<usize> {
+    match t {
+        Tier::Scalar => None,
+        Tier::Avx2 => Some(8),
+        Tier::Avx512 => Some(16),
+    }
+}
+
+/// Every SIMD tier computes exactly its documented sequence, for one token and for 2–17 tokens
+/// (the multi-token kernels decode each weight once for all tokens and must not change any
+/// accumulator's order), bf16 and MXFP4, on widths with every kind of tail.
+#[test]
+fn simd_tiers_follow_their_documented_sequence_bit_for_bit() {
+    let mut rng = Rng(21);
+    let mut checked = 0;
+    for k in tiers() {
+        let Some(lanes) = simd_lanes(k.tier()) else {
+            continue;
+        };
+        for (rows, cols) in [(5, 47), (9, 95), (17, 640), (3, 1091), (33, 96)] {
+            let (w, bits) = bf16_matrix(&mut rng, rows, cols);
+            let m = mxfp4_matrix(&mut rng, rows, cols / 32 * 32);
+            let mc = cols / 32 * 32;
+            for n in [1usize, 2, 3, 4, 5, 8, 16, 17] {
+                let x = random_x(&mut rng, n * cols);
+                let xs = small_x(&mut rng, n * mc);
+                let mut y = vec![f32::NAN; n * rows];
+                k.matmul_bf16(&w, rows, cols, &x, n, &mut y);
+                let mut ym = vec![f32::NAN; n * rows];
+                k.matmul_mxfp4(&m.packed, &m.scales, rows, mc, &xs, n, &mut ym);
+                for t in 0..n {
+                    for r in 0..rows {
+                        let want = model_bf16(
+                            lanes,
+                            &bits[r * cols..(r + 1) * cols],
+                            &x[t * cols..(t + 1) * cols],
+                        );
+                        assert_eq!(
+                            y[t * rows + r].to_bits(),
+                            want.to_bits(),
+                            "{} bf16 {rows}x{cols} n={n} token {t} row {r}",
+                            k.tier()
+                        );
+                        let want = model_mxfp4(
+                            lanes,
+                            &m.packed[r * mc / 2..(r + 1) * mc / 2],
+                            &m.scales[r * mc / 32..(r + 1) * mc / 32],
+                            &xs[t * mc..(t + 1) * mc],
+                        );
+                        assert_eq!(
+                            ym[t * rows + r].to_bits(),
+                            want.to_bits(),
+                            "{} mxfp4 {rows}x{mc} n={n} token {t} row {r}",
+                            k.tier()
+                        );
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    if checked == 0 {
+        eprintln!("skipped: no SIMD tier on this CPU");
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// EC-BF16 coded matrices: coded == raw, bit for bit, per tier
+
+use k3_proto::ecbf16::{self, CodedMatrix};
+
+/// The raw product and the coded product of `bytes` at every width, for `ns` token counts, on
+/// every tier and at 1 and 2 threads: the same bits.
+fn check_coded_equals_raw(
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    palettes: &[Option<Vec<u8>>],
+    ns: &[usize],
+    rng: &mut Rng,
+    what: &str,
+) {
+    let pools = [build_pool(1).expect("pool"), build_pool(2).expect("pool")];
+    for &w in &ecbf16::WIDTHS {
+        for pal in palettes {
+            let coded = match pal {
+                None => ecbf16::encode(bytes, rows, cols, w).expect("encode"),
+                Some(p) => {
+                    let p: Vec<u8> = p
+                        .iter()
+                        .copied()
+                        .take(ecbf16::escape_code(w) as usize)
+                        .collect();
+                    ecbf16::encode_with_palette(bytes, rows, cols, w, &p).expect("encode")
+                }
+            };
+            let m = CodedMatrix::parse(&coded).expect("parse");
+            m.verify().expect("verify");
+            for &n in ns {
+                let x = random_x(rng, n * cols);
+                for k in tiers() {
+                    for pool in &pools {
+                        pool.install(|| {
+                            let mut raw = vec![f32::NAN; n * rows];
+                            k.matmul_bf16(bytes, rows, cols, &x, n, &mut raw);
+                            let mut got = vec![f32::NAN; n * rows];
+                            k.matmul_coded(&m, &x, n, &mut got);
+                            assert_eq!(
+                                bits_of(&got),
+                                bits_of(&raw),
+                                "{} {what} [{rows}, {cols}] width {w} ({} escapes) n={n} threads {}",
+                                k.tier(),
+                                m.escapes(),
+                                rayon::current_num_threads()
+                            );
+                        })
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn coded_equals_raw_on_random_rows_of_awkward_widths() {
+    let mut rng = Rng(31);
+    for (rows, cols) in [
+        (1, 1),
+        (3, 15),
+        (5, 31),
+        (7, 32),
+        (9, 33),
+        (17, 47),
+        (6, 95),
+        (19, 1091),
+        (40, 256),
+    ] {
+        let (w, _) = bf16_matrix(&mut rng, rows, cols);
+        check_coded_equals_raw(
+            &w,
+            rows,
+            cols,
+            &[None],
+            &[1, 2, 3, 5, 16],
+            &mut rng,
+            "random",
+        );
+    }
+}
+
+/// Gaussian-like weights (the commonest case): few escapes, most blocks on the fast path; the
+/// parallel path (≥ `PAR_MIN_MACS`).
+#[test]
+fn coded_equals_raw_on_gaussian_like_rows_in_parallel() {
+    let mut rng = Rng(32);
+    let (rows, cols) = (301, 1056);
+    assert!(rows * cols >= kernels::PAR_MIN_MACS);
+    let bits: Vec<u8> = (0..rows * cols)
+        .flat_map(|_| {
+            // Exponents 118..=125 mostly, a rare far one: escapes at every width.
+            let e = if rng.below(500) == 0 {
+                100 + rng.below(40)
+            } else {
+                118 + rng.below(8)
+            };
+            let b = ((rng.below(2) << 15) | (e << 7) | rng.below(128)) as u16;
+            b.to_le_bytes()
+        })
+        .collect();
+    check_coded_equals_raw(
+        &bits,
+        rows,
+        cols,
+        &[None],
+        &[1, 4, 9],
+        &mut rng,
+        "gaussian-like",
+    );
+}
+
+/// Adversarial rows: every one of the 65,536 bf16 patterns (zeros, subnormals, ±inf, NaNs, every
+/// exponent) at every lane position, coded with the matrix's own palette, with a palette that
+/// escapes almost everything, and with an empty palette (every weight escaped).
+#[test]
+fn coded_equals_raw_on_every_bf16_pattern_and_all_escaped() {
+    let mut rng = Rng(33);
+    let cols = 81;
+    let rows = 1usize << 16;
+    let mut w = vec![0u8; rows * cols * 2];
+    for r in 0..rows {
+        for c in 0..cols {
+            // Pattern r in its own column, neighbours from a shifted pattern: every block mixes.
+            let p = if c == r % cols {
+                r as u16
+            } else {
+                (r as u16).wrapping_mul(31).wrapping_add(c as u16)
+            };
+            w[2 * (r * cols + c)..2 * (r * cols + c) + 2].copy_from_slice(&p.to_le_bytes());
+        }
+    }
+    check_coded_equals_raw(
+        &w,
+        rows,
+        cols,
+        &[None, Some(vec![0x3F, 0xBF]), Some(vec![])],
+        &[1],
+        &mut rng,
+        "every pattern",
+    );
+    // Zeros only, and one row of ±inf/NaN, in a matmul.
+    let mut z = vec![0u8; 8 * 70 * 2];
+    for (i, p) in [0x7F80u16, 0xFF80, 0x7FC0, 0xFFFF, 0x0001, 0x8001]
+        .iter()
+        .enumerate()
+    {
+        z[2 * (70 + 5 * i)..2 * (70 + 5 * i) + 2].copy_from_slice(&p.to_le_bytes());
+    }
+    check_coded_equals_raw(
+        &z,
+        8,
+        70,
+        &[None, Some(vec![])],
+        &[1, 3, 7],
+        &mut rng,
+        "zeros and specials",
+    );
+}
+
+/// A coded matrix with escapes in every block: the slow path is the one taken everywhere.
+#[test]
+fn coded_escape_patch_is_exact_when_every_block_escapes() {
+    let mut rng = Rng(34);
+    let (rows, cols) = (13, 200);
+    let (w, _) = bf16_matrix(&mut rng, rows, cols);
+    let hist = ecbf16::HighBytes::of(&w);
+    // Only the single commonest high byte in the palette.
+    let top: Vec<u8> = hist.palette(2).into_iter().take(1).collect();
+    check_coded_equals_raw(
+        &w,
+        rows,
+        cols,
+        &[Some(top)],
+        &[1, 2, 6],
+        &mut rng,
+        "escapes everywhere",
+    );
+}
+
+#[test]
+fn coded_free_functions_match_kernels_of_the_active_tier() {
+    let mut rng = Rng(35);
+    let (rows, cols) = (10, 100);
+    let (w, _) = bf16_matrix(&mut rng, rows, cols);
+    let coded = ecbf16::encode(&w, rows, cols, 4).expect("encode");
+    let m = CodedMatrix::parse(&coded).expect("parse");
+    let x = random_x(&mut rng, cols);
+    let mut a = vec![0.0f32; rows];
+    let mut b = vec![0.0f32; rows];
+    kernels::matvec_coded(&m, &x, &mut a);
+    kernels::matvec_bf16(&w, rows, cols, &x, &mut b);
+    assert_eq!(bits_of(&a), bits_of(&b));
+    let mut c = vec![0.0f32; rows];
+    Kernels::active().matmul_matrix(&kernels::Bf16Matrix::Coded(m), &x, 1, &mut c);
+    assert_eq!(bits_of(&c), bits_of(&b));
+    // A wrong decode has teeth: a palette entry changed makes the results differ.
+    let mut bad = coded.clone();
+    bad[32] ^= 1;
+    let mb = CodedMatrix::parse(&bad).expect("parse");
+    assert!(mb.verify().is_err());
+    let mut d = vec![0.0f32; rows];
+    kernels::matvec_coded(&mb, &x, &mut d);
+    assert_ne!(bits_of(&d), bits_of(&b));
+}
+
+/// The strip kernels (each weight decoded once for all tokens) and the token-block kernels they
+/// replace give the same bits, bf16 raw and coded and MXFP4, at every token count.
+#[test]
+fn strip_kernels_equal_the_token_block_kernels_bitwise() {
+    let mut rng = Rng(41);
+    for k in tiers() {
+        let (old, k) = (k, k.with_strips());
+        for (rows, cols) in [(7, 95), (18, 1056), (33, 64)] {
+            let (w, _) = bf16_matrix(&mut rng, rows, cols);
+            let coded = ecbf16::encode(&w, rows, cols, 4).expect("encode");
+            let m = CodedMatrix::parse(&coded).expect("parse");
+            let mc = cols / 32 * 32;
+            let mx = mxfp4_matrix(&mut rng, rows, mc);
+            for n in [3usize, 5, 8, 13, 16, 17] {
+                let x = random_x(&mut rng, n * cols);
+                let xs = small_x(&mut rng, n * mc);
+                let run = |kk: Kernels| {
+                    let mut a = vec![f32::NAN; n * rows];
+                    let mut b = vec![f32::NAN; n * rows];
+                    let mut c = vec![f32::NAN; n * rows];
+                    kk.matmul_bf16(&w, rows, cols, &x, n, &mut a);
+                    kk.matmul_coded(&m, &x, n, &mut b);
+                    kk.matmul_mxfp4(&mx.packed, &mx.scales, rows, mc, &xs, n, &mut c);
+                    (bits_of(&a), bits_of(&b), bits_of(&c))
+                };
+                let (new, before) = (run(k), run(old));
+                assert_eq!(new.0, before.0, "{} bf16 {rows}x{cols} n={n}", k.tier());
+                assert_eq!(new.1, before.1, "{} coded {rows}x{cols} n={n}", k.tier());
+                assert_eq!(new.2, before.2, "{} mxfp4 {rows}x{mc} n={n}", k.tier());
+                assert_eq!(
+                    new.0,
+                    new.1,
+                    "{} coded vs raw {rows}x{cols} n={n}",
+                    k.tier()
+                );
+            }
+        }
+    }
+}

@@ -7,6 +7,7 @@
 pub mod config;
 pub mod draft;
 pub mod dtype;
+pub mod ecbf16;
 pub mod exit;
 pub mod expert;
 pub mod manifest;

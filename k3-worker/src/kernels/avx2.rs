@@ -24,7 +24,10 @@
 
 use std::arch::x86_64::*;
 
+use k3_proto::ecbf16::{self, CodedMatrix};
+
 use super::scalar::{E2M1, E8M0_TABLE};
+use super::tile::{self, Bf16Blocks, Lanes, Mxfp4Groups};
 
 /// Tokens dotted with one loaded weight vector at a time (matmul; MXFP4 and bf16).
 const TOKEN_BLOCK: usize = 2;
@@ -58,6 +61,20 @@ unsafe fn widen8(p: *const u8) -> __m256 {
 unsafe fn load_bytes32(p: *const u8) -> __m256i {
     // SAFETY: 32 readable bytes at p (caller contract); unaligned load.
     unsafe { _mm256_loadu_si256(p as *const __m256i) }
+}
+
+/// Loads 64 bytes at `p` as two vectors.
+///
+/// # Safety
+/// 64 bytes at `p` are readable; the CPU supports AVX.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn load_raw64(p: *const u8) -> [__m256i; 2] {
+    // SAFETY: the first 32 of the 64 readable bytes.
+    let a = unsafe { load_bytes32(p) };
+    // SAFETY: the last 32.
+    let b = unsafe { load_bytes32(p.wrapping_add(32)) };
+    [a, b]
 }
 
 /// Loads 8 f32 at `p`.
@@ -117,41 +134,332 @@ fn load_tail(v: &[f32]) -> __m256 {
 }
 
 // ------------------------------------------------------------------------------------------
-// bf16
+// bf16 rows: raw or EC-BF16 coded
 
-/// `R` bf16 rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`,
-/// with each token's activations in the `split_even_odd_rows` layout (blocks of 16).
+/// A bf16 matrix's rows as this tier reads them: whole 32-column blocks as raw bf16 vectors
+/// (decoded in registers for a coded matrix), and the bytes after the last whole block.
+pub(super) trait Rows {
+    /// Columns.
+    fn cols(&self) -> usize;
+    /// Rows.
+    fn rows(&self) -> usize;
+    /// Raw bf16 of whole block `b` of row `i`: columns `32b .. 32b+16` and `32b+16 .. 32b+32`.
+    ///
+    /// # Safety
+    /// `i < rows`, `32b + 32 <= cols`; AVX2.
+    unsafe fn block(&self, i: usize, b: usize) -> [__m256i; 2];
+    /// Raw bf16 bytes of row `i` from column `32·⌊cols/32⌋` to the end (`buf` as scratch).
+    fn rest<'s>(&'s self, i: usize, buf: &'s mut [u8; 64]) -> &'s [u8];
+}
+
+/// Raw bf16 rows (`2·cols` bytes each).
+pub(super) struct RawRows<'a> {
+    w: &'a [u8],
+    cols: usize,
+}
+
+impl<'a> RawRows<'a> {
+    pub(super) fn new(w: &'a [u8], cols: usize) -> RawRows<'a> {
+        assert!(
+            cols > 0 && w.len().is_multiple_of(2 * cols),
+            "bf16 rows: partial row"
+        );
+        RawRows { w, cols }
+    }
+
+    /// The first byte of block `b` of row `i` (not checked: `Rows::block`'s contract).
+    pub(super) fn block_ptr(&self, i: usize, b: usize) -> *const u8 {
+        self.w.as_ptr().wrapping_add(2 * (i * self.cols + 32 * b))
+    }
+}
+
+impl Rows for RawRows<'_> {
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn rows(&self) -> usize {
+        self.w.len() / (2 * self.cols)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block(&self, i: usize, b: usize) -> [__m256i; 2] {
+        let p = self.block_ptr(i, b);
+        // SAFETY: row i has 2·cols bytes and 32b + 32 <= cols (caller contract).
+        unsafe { load_raw64(p) }
+    }
+    fn rest<'s>(&'s self, i: usize, _buf: &'s mut [u8; 64]) -> &'s [u8] {
+        let rb = 2 * self.cols;
+        &self.w[i * rb + 2 * (self.cols / 32 * 32)..(i + 1) * rb]
+    }
+}
+
+/// Rows `r0 ..` of an EC-BF16 matrix with index width `W` (k3_proto::ecbf16).
+pub(super) struct CodedRows<'a, const W: u8> {
+    m: CodedMatrix<'a>,
+    r0: usize,
+    k: usize,
+    table: __m256i,
+    /// Rows `r0 .. r0+k`'s blocks, `stride` bytes a row (addressed without a bounds check per
+    /// block: `Rows::block`'s contract keeps the address inside).
+    blocks: &'a [u8],
+    stride: usize,
+}
+
+impl<'a, const W: u8> CodedRows<'a, W> {
+    /// Rows `r0 .. r0+k` of `m` (whose width must be `W`).
+    #[inline]
+    ///
+    /// # Safety
+    /// AVX2.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn new(m: CodedMatrix<'a>, r0: usize, k: usize) -> CodedRows<'a, W> {
+        assert!(
+            m.width() == W && r0 + k <= m.rows() && m.cols() > 0,
+            "coded rows"
+        );
+        let t = m.table();
+        // SAFETY: 16 readable bytes.
+        let t = unsafe { _mm_loadu_si128(t.as_ptr() as *const __m128i) };
+        let stride = m.row_stride();
+        CodedRows {
+            m,
+            r0,
+            k,
+            table: _mm256_broadcastsi128_si256(t),
+            blocks: &m.blocks()[r0 * stride..(r0 + k) * stride],
+            stride,
+        }
+    }
+}
+
+/// Per 32-bit lane `d` of a broadcast `k`-bit index section, the right shift `k·⌊d/k⌋` that
+/// brings positions `4d .. 4d+4`'s fields to the bottom of their bytes (SPEC §6.13).
+const fn section_shifts(k: i32) -> [i32; 8] {
+    let mut s = [0i32; 8];
+    let mut d = 0;
+    while d < 8 {
+        s[d] = k * (d as i32 / k);
+        d += 1;
+    }
+    s
+}
+const SHIFT4: [i32; 8] = section_shifts(4);
+const SHIFT2: [i32; 8] = section_shifts(2);
+const SHIFT1: [i32; 8] = section_shifts(1);
+
+/// The `W`-bit indices of the 32 positions of one block (index area at `p`), one per byte.
+///
+/// # Safety
+/// `4·W` bytes at `p` are readable; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn block_indices<const W: u8>(p: *const u8) -> __m256i {
+    let shifts = |s: &[i32; 8]| {
+        // SAFETY: 8 readable i32.
+        unsafe { _mm256_loadu_si256(s.as_ptr() as *const __m256i) }
+    };
+    let two_bit = |p: *const u8| {
+        // SAFETY: 8 readable bytes at p (caller contract).
+        let q = unsafe { std::ptr::read_unaligned(p as *const i64) };
+        _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi64x(q), shifts(&SHIFT2)),
+            _mm256_set1_epi8(3),
+        )
+    };
+    match W {
+        4 => {
+            // SAFETY: 16 readable bytes at p (caller contract).
+            let v = unsafe { _mm_loadu_si128(p as *const __m128i) };
+            _mm256_and_si256(
+                _mm256_srlv_epi32(_mm256_broadcastsi128_si256(v), shifts(&SHIFT4)),
+                _mm256_set1_epi8(15),
+            )
+        }
+        3 => {
+            // SAFETY: bytes 8..12 of the 12 readable ones (caller contract).
+            let d = unsafe { std::ptr::read_unaligned(p.wrapping_add(8) as *const i32) };
+            let hi = _mm256_and_si256(
+                _mm256_srlv_epi32(_mm256_set1_epi32(d), shifts(&SHIFT1)),
+                _mm256_set1_epi8(1),
+            );
+            _mm256_or_si256(two_bit(p), _mm256_slli_epi32::<2>(hi))
+        }
+        _ => two_bit(p),
+    }
+}
+
+/// Decodes one EC-BF16 block at `p` into its raw bf16 (columns 0–15, 16–31) by one palette
+/// lookup (`vpshufb`) and two byte unpacks; also returns whether any position is escaped.
+///
+/// # Safety
+/// `32 + 4·W` bytes at `p` are readable; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn decode_coded_block<const W: u8>(
+    p: *const u8,
+    table: __m256i,
+) -> ([__m256i; 2], bool) {
+    // SAFETY: 32 low bytes then 4W index bytes at p (caller contract).
+    let lows = unsafe { load_bytes32(p) };
+    // SAFETY: as above.
+    let idx = unsafe { block_indices::<W>(p.wrapping_add(32)) };
+    let hb = _mm256_shuffle_epi8(table, idx);
+    let esc = _mm256_cmpeq_epi8(idx, _mm256_set1_epi8(ecbf16::escape_code(W) as i8));
+    (
+        [
+            _mm256_unpacklo_epi8(lows, hb),
+            _mm256_unpackhi_epi8(lows, hb),
+        ],
+        _mm256_movemask_epi8(esc) != 0,
+    )
+}
+
+/// Writes the escaped high bytes of block `b` of row `r` into its decoded raw bytes.
+#[cold]
+#[inline(never)]
+pub(super) fn patch_escapes(m: &CodedMatrix<'_>, r: usize, b: usize, raw: &mut [u8; 64]) {
+    for (c, hb) in m.row_escapes(r).in_cols(32 * b, 32 * b + 32) {
+        raw[2 * (c - 32 * b) + 1] = hb;
+    }
+}
+
+impl<const W: u8> Rows for CodedRows<'_, W> {
+    fn cols(&self) -> usize {
+        self.m.cols()
+    }
+    fn rows(&self) -> usize {
+        self.k
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block(&self, i: usize, b: usize) -> [__m256i; 2] {
+        let at = i * self.stride + b * ecbf16::block_bytes(W);
+        let p = self.blocks.as_ptr().wrapping_add(at);
+        // SAFETY: i < k and block b is whole (caller contract), so its 32 + 4W bytes lie in
+        // row i of `blocks`.
+        let (raw, escaped) = unsafe { decode_coded_block::<W>(p, self.table) };
+        if !escaped {
+            return raw;
+        }
+        let mut buf = [0u8; 64];
+        // SAFETY: 64 writable bytes.
+        unsafe { _mm256_storeu_si256(buf.as_mut_ptr() as *mut __m256i, raw[0]) };
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_si256(buf[32..].as_mut_ptr() as *mut __m256i, raw[1]) };
+        patch_escapes(&self.m, self.r0 + i, b, &mut buf);
+        // SAFETY: 64 readable bytes.
+        unsafe { load_raw64(buf.as_ptr()) }
+    }
+    fn rest<'s>(&'s self, i: usize, buf: &'s mut [u8; 64]) -> &'s [u8] {
+        let (cols, full) = (self.m.cols(), self.m.cols() / 32);
+        if full * 32 == cols {
+            return &[];
+        }
+        self.m.decode_block(self.r0 + i, full, buf);
+        &buf[..2 * (cols - 32 * full)]
+    }
+}
+
+/// `R` rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`, with
+/// each token's activations in the `split_even_odd_rows` layout (blocks of 16).
 ///
 /// Every (row, token) pair has ONE accumulator vector and this sequence of FMAs into it: per
 /// 16-column block the even columns then the odd columns (lane `l` takes columns `2l` and
 /// `2l+1` of the block), then at most one 8-column step (lane `l` = column `l`), then the
 /// zero-padded last `< 8` columns; the lanes are reduced by `hsum`. The sequence does not depend
-/// on `R` or `T`, so any blocking gives the same bits (matmul == matvec); the blocking only
-/// decides how often each weight vector and each activation vector is loaded.
+/// on `R`, `T` or the row source (raw or coded rows give the same raw bf16), so any blocking
+/// gives the same bits (matmul == matvec, coded == raw); the blocking only decides how often each
+/// weight vector and each activation vector is loaded.
 ///
 /// # Safety
-/// Each `w[i]` has `2·cols` readable bytes and each `x[t]` has `cols` readable floats; the CPU
-/// supports AVX2 and FMA.
+/// The rows exist in `src`; each `x[t]` has `cols` floats; AVX2 + FMA.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_block<const R: usize, const T: usize>(
-    w: [&[u8]; R],
+unsafe fn dot_block<S: Rows, const R: usize, const T: usize>(
+    src: &S,
+    rows: [usize; R],
     x: [&[f32]; T],
-    cols: usize,
 ) -> [[f32; T]; R] {
+    let cols = src.cols();
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let odd = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
-    let mut c = 0;
-    while c + 16 <= cols {
-        // SAFETY: c + 16 <= cols: floats c .. c+8 of every token are in bounds.
-        let xe: [__m256; T] =
-            std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c)) });
-        // SAFETY: c + 16 <= cols: floats c+8 .. c+16 of every token are in bounds.
-        let xo: [__m256; T] =
-            std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c + 8)) });
+    for b in 0..cols / 32 {
+        // SAFETY: 32b + 32 <= cols: floats 32b .. 32b+32 of every token are in bounds.
+        let xv: [[__m256; 4]; T] =
+            std::array::from_fn(|t| unsafe { load32(x[t][32 * b..].as_ptr()) });
         for i in 0..R {
-            // SAFETY: c + 16 <= cols: bytes 2c .. 2c+32 of every row are in bounds.
-            let v = unsafe { load_bytes32(w[i].as_ptr().wrapping_add(2 * c)) };
+            // SAFETY: row rows[i] exists and block b is whole.
+            let v = unsafe { src.block(rows[i], b) };
+            for t in 0..T {
+                acc[i][t] = fma_raw32(v, xv[t], acc[i][t]);
+            }
+        }
+    }
+    let mut bufs = [[0u8; 64]; R];
+    let mut rest: [&[u8]; R] = [&[]; R];
+    for ((i, buf), r) in bufs.iter_mut().enumerate().zip(rest.iter_mut()) {
+        *r = src.rest(rows[i], buf);
+    }
+    let c0 = cols / 32 * 32;
+    finish(&mut acc, rest, x, c0, cols);
+    let mut out = [[0.0f32; T]; R];
+    for i in 0..R {
+        for t in 0..T {
+            out[i][t] = hsum(acc[i][t]);
+        }
+    }
+    out
+}
+
+/// The FMAs of one 32-column block into one accumulator: the two 16-column halves, each even
+/// columns then odd columns.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn fma_raw32(v: [__m256i; 2], x: [__m256; 4], acc: __m256) -> __m256 {
+    let w = widen_raw32(v);
+    let mut a = acc;
+    for j in 0..4 {
+        a = _mm256_fmadd_ps(w[j], x[j], a);
+    }
+    a
+}
+
+/// Two raw 16-column vectors widened exactly: `[even 0–15, odd 0–15, even 16–31, odd 16–31]`
+/// (`lane << 16` is the even column's f32, `lane & 0xFFFF_0000` the odd column's).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn widen_raw32(v: [__m256i; 2]) -> [__m256; 4] {
+    let odd = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    [
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v[0])),
+        _mm256_castsi256_ps(_mm256_and_si256(v[0], odd)),
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v[1])),
+        _mm256_castsi256_ps(_mm256_and_si256(v[1], odd)),
+    ]
+}
+
+/// The columns `c0 .. cols` (`c0` a multiple of 32, `rest[i]` row `i`'s raw bytes from `c0`):
+/// at most one 16-column block, one 8-column step and the zero-padded tail, as in `dot_block`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn finish<const R: usize, const T: usize>(
+    acc: &mut [[__m256; T]; R],
+    rest: [&[u8]; R],
+    x: [&[f32]; T],
+    c0: usize,
+    cols: usize,
+) {
+    let odd = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+    let mut c = c0;
+    if c + 16 <= cols {
+        // SAFETY: c + 16 <= cols: floats c .. c+16 of every token are in bounds.
+        let xe: [__m256; T] = std::array::from_fn(|t| unsafe { load8(x[t][c..c + 8].as_ptr()) });
+        // SAFETY: as above.
+        let xo: [__m256; T] =
+            std::array::from_fn(|t| unsafe { load8(x[t][c + 8..c + 16].as_ptr()) });
+        for i in 0..R {
+            let w = &rest[i][2 * (c - c0)..2 * (c - c0 + 16)];
+            // SAFETY: `w` is 32 bytes.
+            let v = unsafe { load_bytes32(w.as_ptr()) };
             let we = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v));
             let wo = _mm256_castsi256_ps(_mm256_and_si256(v, odd));
             for t in 0..T {
@@ -163,11 +471,11 @@ unsafe fn dot_block<const R: usize, const T: usize>(
     }
     if c + 8 <= cols {
         // SAFETY: c + 8 <= cols: floats c .. c+8 of every token are in bounds.
-        let xv: [__m256; T] =
-            std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c)) });
+        let xv: [__m256; T] = std::array::from_fn(|t| unsafe { load8(x[t][c..c + 8].as_ptr()) });
         for i in 0..R {
-            // SAFETY: c + 8 <= cols: bytes 2c .. 2c+16 of every row are in bounds.
-            let wv = unsafe { widen8(w[i].as_ptr().wrapping_add(2 * c)) };
+            let w = &rest[i][2 * (c - c0)..2 * (c - c0 + 8)];
+            // SAFETY: `w` is 16 bytes.
+            let wv = unsafe { widen8(w.as_ptr()) };
             for t in 0..T {
                 acc[i][t] = _mm256_fmadd_ps(wv, xv[t], acc[i][t]);
             }
@@ -177,116 +485,193 @@ unsafe fn dot_block<const R: usize, const T: usize>(
     if c < cols {
         let xv: [__m256; T] = std::array::from_fn(|t| load_tail(&x[t][c..cols]));
         for i in 0..R {
-            let wv = widen_tail(&w[i][2 * c..2 * cols]);
+            let wv = widen_tail(&rest[i][2 * (c - c0)..2 * (cols - c0)]);
             for t in 0..T {
                 acc[i][t] = _mm256_fmadd_ps(wv, xv[t], acc[i][t]);
             }
         }
     }
-    let mut out = [[0.0f32; T]; R];
-    for i in 0..R {
-        for t in 0..T {
-            out[i][t] = hsum(acc[i][t]);
-        }
-    }
-    out
 }
 
-/// Rows `r0 .. r0+R` (of `w`, `2·cols` bytes each) × tokens `t0 .. t0+T` (of `x [n, cols]`) into
-/// `out [k, n]`.
+/// Rows `r0 .. r0+R` of `src` × tokens `t0 .. t0+T` (of `x [n, cols]`) into `out [k, n]`.
 ///
 /// # Safety
-/// The rows and tokens exist (`w.len() >= (r0+R)·2·cols`, `x.len() >= (t0+T)·cols`,
-/// `out.len() >= (r0+R)·n`, `t0+T <= n`); AVX2 + FMA.
+/// AVX2 + FMA. (The slicing below checks that the rows, tokens and outputs exist.)
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn bf16_block<const R: usize, const T: usize>(
-    w: &[u8],
-    cols: usize,
+unsafe fn bf16_block<S: Rows, const R: usize, const T: usize>(
+    src: &S,
     x: &[f32],
     n: usize,
     r0: usize,
     t0: usize,
     out: &mut [f32],
 ) {
-    let rb = 2 * cols;
-    let rows: [&[u8]; R] = std::array::from_fn(|i| &w[(r0 + i) * rb..(r0 + i + 1) * rb]);
+    let cols = src.cols();
+    assert!(r0 + R <= src.rows(), "bf16 block rows");
     let toks: [&[f32]; T] = std::array::from_fn(|t| &x[(t0 + t) * cols..(t0 + t + 1) * cols]);
-    // SAFETY: every slice above has the length `dot_block` needs; CPU features are this
-    // function's contract.
-    let r = unsafe { dot_block::<R, T>(rows, toks, cols) };
+    // SAFETY: rows r0..r0+R exist (asserted); CPU features are this function's contract.
+    let r = unsafe { dot_block::<S, R, T>(src, std::array::from_fn(|i| r0 + i), toks) };
     for i in 0..R {
         out[(r0 + i) * n + t0..(r0 + i) * n + t0 + T].copy_from_slice(&r[i]);
     }
 }
 
-/// All `k` rows of `w` × tokens `t0 .. t0+T`: blocks of `R` rows, then the remaining `< R` rows in
+/// All rows of `src` × tokens `t0 .. t0+T`: blocks of `R` rows, then the remaining `< R` rows in
 /// blocks of 4, 2 and 1 (`R` is 8, 4 or 2).
 ///
 /// # Safety
-/// As [`bf16_block`] for every row of `w`; AVX2 + FMA.
+/// AVX2 + FMA.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn bf16_tokens<const R: usize, const T: usize>(
-    w: &[u8],
-    cols: usize,
+unsafe fn bf16_tokens<S: Rows, const R: usize, const T: usize>(
+    src: &S,
     x: &[f32],
     n: usize,
     t0: usize,
     out: &mut [f32],
 ) {
-    let k = w.len() / (2 * cols);
+    let k = src.rows();
     let mut r = 0;
     while r + R <= k {
-        // SAFETY: rows r .. r+R < k exist; tokens are the caller's contract.
-        unsafe { bf16_block::<R, T>(w, cols, x, n, r, t0, out) };
+        // SAFETY: CPU features are this function's contract.
+        unsafe { bf16_block::<S, R, T>(src, x, n, r, t0, out) };
         r += R;
     }
     if R > 4 && r + 4 <= k {
         // SAFETY: as above, for 4 rows.
-        unsafe { bf16_block::<4, T>(w, cols, x, n, r, t0, out) };
+        unsafe { bf16_block::<S, 4, T>(src, x, n, r, t0, out) };
         r += 4;
     }
     if R > 2 && r + 2 <= k {
         // SAFETY: as above, for 2 rows.
-        unsafe { bf16_block::<2, T>(w, cols, x, n, r, t0, out) };
+        unsafe { bf16_block::<S, 2, T>(src, x, n, r, t0, out) };
         r += 2;
     }
     if r < k {
         // SAFETY: as above, for the last row.
-        unsafe { bf16_block::<1, T>(w, cols, x, n, r, t0, out) };
+        unsafe { bf16_block::<S, 1, T>(src, x, n, r, t0, out) };
     }
 }
 
-/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]` with each
-/// token's columns in the `split_even_odd_rows` layout (blocks of 16).
+impl<S: Rows> Bf16Blocks<Avx2> for S {
+    fn cols(&self) -> usize {
+        Rows::cols(self)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn widened(&self, i: usize, b: usize) -> [__m256; 4] {
+        // SAFETY: the caller's contract is `block`'s.
+        widen_raw32(unsafe { self.block(i, b) })
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn finish(&self, i: usize, acc: __m256, x: &[f32]) -> f32 {
+        let cols = Rows::cols(self);
+        let mut buf = [0u8; 64];
+        let mut a = [[acc]];
+        finish(&mut a, [self.rest(i, &mut buf)], [x], cols / 32 * 32, cols);
+        hsum(a[0][0])
+    }
+}
+
+/// Row kernel over any row source: `out [k, n]` for its `k` rows; `x [n, cols]` with each
+/// token's columns in the `split_even_odd_rows` layout (blocks of 16). More than
+/// `TOKEN_BLOCK` tokens take the strip kernel (`tile`): each weight decoded once for all tokens.
 ///
 /// # Safety
-/// The CPU supports AVX2 and FMA. (Lengths are checked here.)
+/// AVX2 + FMA. (Lengths are checked here.)
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32], strips: bool) {
+    let (cols, k) = (src.cols(), src.rows());
     assert!(cols > 0 && n > 0, "empty bf16 product");
-    let rb = 2 * cols;
-    assert!(w.len().is_multiple_of(rb), "bf16 rows: partial row");
-    assert_eq!(out.len(), w.len() / rb * n, "bf16 rows vs output");
+    assert_eq!(out.len(), k * n, "bf16 rows vs output");
     assert_eq!(x.len(), n * cols, "bf16 rows input");
+    if strips && n > TOKEN_BLOCK {
+        // SAFETY: lengths checked above; CPU features are this function's contract.
+        unsafe { tile::bf16_strips::<Avx2, S, MATMUL_ROWS, TOKEN_BLOCK>(src, k, x, n, out) };
+        return;
+    }
     // Token blocks outer, rows inner: the task's rows stay in L2 while every token block passes
     // over them, and each token block's activations stay in L1/L2.
     let mut t = 0;
     while t + TOKEN_BLOCK <= n {
         // SAFETY: tokens t .. t+TOKEN_BLOCK lie in x (lengths checked above); CPU features are
         // this function's contract.
-        unsafe { bf16_tokens::<MATMUL_ROWS, TOKEN_BLOCK>(w, cols, x, n, t, out) };
+        unsafe { bf16_tokens::<S, MATMUL_ROWS, TOKEN_BLOCK>(src, x, n, t, out) };
         t += TOKEN_BLOCK;
     }
     if t < n && cols <= super::NARROW_COLS {
         // SAFETY: as above, for the last token of narrow rows: one row at a time.
-        unsafe { bf16_tokens::<1, 1>(w, cols, x, n, t, out) };
+        unsafe { bf16_tokens::<S, 1, 1>(src, x, n, t, out) };
     } else if t < n {
         // SAFETY: as above, for the last token (all of a matvec).
-        unsafe { bf16_tokens::<MATVEC_ROWS, 1>(w, cols, x, n, t, out) };
+        unsafe { bf16_tokens::<S, MATVEC_ROWS, 1>(src, x, n, t, out) };
     }
+}
+
+/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA. (Lengths are checked here.)
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn bf16_rows(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    strips: bool,
+) {
+    // SAFETY: CPU features are this function's contract.
+    unsafe { rows_kernel(&RawRows::new(w, cols), x, n, out, strips) }
+}
+
+/// Row kernel for rows `r0 .. r0 + out.len()/n` of an EC-BF16 matrix: the same bits as
+/// [`bf16_rows`] on the decoded matrix.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA. (Lengths are checked here.)
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn coded_rows(
+    m: &CodedMatrix<'_>,
+    r0: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    strips: bool,
+) {
+    let k = out.len() / n.max(1);
+    match m.width() {
+        // SAFETY: CPU features are this function's contract.
+        4 => unsafe { coded_kernel::<4>(m, r0, k, x, n, out, strips) },
+        // SAFETY: as above.
+        3 => unsafe { coded_kernel::<3>(m, r0, k, x, n, out, strips) },
+        // SAFETY: as above.
+        _ => unsafe { coded_kernel::<2>(m, r0, k, x, n, out, strips) },
+    }
+}
+
+/// [`coded_rows`] for width `W` (`CodedRows::new` checks the width and the row range).
+///
+/// # Safety
+/// The CPU has this tier's features.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn coded_kernel<const W: u8>(
+    m: &CodedMatrix<'_>,
+    r0: usize,
+    k: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    strips: bool,
+) {
+    // SAFETY: CPU features are this function's contract.
+    let src = unsafe { CodedRows::<W>::new(*m, r0, k) };
+    // SAFETY: as above.
+    unsafe { rows_kernel(&src, x, n, out, strips) }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -433,6 +818,7 @@ pub(super) unsafe fn mxfp4_rows(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    strips: bool,
 ) {
     assert!(cols > 0 && cols.is_multiple_of(32) && n > 0, "MXFP4 shape");
     let (pw, sw) = (cols / 2, cols / 32);
@@ -441,6 +827,18 @@ pub(super) unsafe fn mxfp4_rows(
     assert_eq!(scales.len(), k * sw, "MXFP4 scales vs rows");
     assert_eq!(out.len(), k * n, "MXFP4 rows vs output");
     assert_eq!(x.len(), n * cols, "MXFP4 rows input");
+    if strips && n > TOKEN_BLOCK {
+        let src = Mxfp4Rows {
+            packed,
+            scales,
+            cols,
+        };
+        // SAFETY: lengths checked above; CPU features are this function's contract.
+        unsafe {
+            tile::mxfp4_strips::<Avx2, _, MXFP4_TILE_ROWS, MXFP4_TILE_TOKENS>(&src, k, x, n, out)
+        };
+        return;
+    }
     // Token blocks outer, rows inner (see `bf16_rows`).
     for t in (0..n).step_by(TOKEN_BLOCK) {
         for ((pr, sr), o) in packed
@@ -460,6 +858,91 @@ pub(super) unsafe fn mxfp4_rows(
             }
         }
     }
+}
+
+/// MXFP4 strip tiles (more than `TOKEN_BLOCK` tokens): 1 row × 4 tokens of accumulator pairs,
+/// partial sums and activations fit the 16 registers.
+const MXFP4_TILE_ROWS: usize = 1;
+const MXFP4_TILE_TOKENS: usize = 4;
+
+/// An MXFP4 task's rows for the strip kernel.
+struct Mxfp4Rows<'a> {
+    packed: &'a [u8],
+    scales: &'a [u8],
+    cols: usize,
+}
+
+impl Mxfp4Groups<Avx2> for Mxfp4Rows<'_> {
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group(&self, i: usize, g: usize) -> ([__m256; 4], __m256) {
+        let at = i * self.cols / 2 + 16 * g;
+        let p = self.packed[at..at + 16].as_ptr();
+        // SAFETY: 16 readable bytes.
+        let w = unsafe { decode_group(p) };
+        (
+            w,
+            _mm256_set1_ps(E8M0_TABLE[self.scales[i * self.cols / 32 + g] as usize]),
+        )
+    }
+}
+
+/// This tier's vector for the strip kernels.
+#[derive(Clone, Copy)]
+pub(super) struct Avx2;
+
+impl Lanes for Avx2 {
+    type F = __m256;
+    const LANES: usize = 8;
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn zero() -> __m256 {
+        _mm256_setzero_ps()
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load(p: *const f32) -> __m256 {
+        // SAFETY: 8 readable floats (caller contract).
+        unsafe { load8(p) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+        _mm256_fmadd_ps(a, b, c)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        _mm256_mul_ps(a, b)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum_pair(a: __m256, b: __m256) -> f32 {
+        hsum(_mm256_add_ps(a, b))
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// FMA peak
+
+/// `iters` rounds of 16 independent FMA chains (enough to cover the FMA latency on two ports):
+/// `16·8·iters` multiply-adds; returns their sum so nothing is optimised away.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
+    let (m, a) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    let mut acc: [__m256; 16] = std::array::from_fn(|i| _mm256_set1_ps(seed + i as f32));
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = _mm256_fmadd_ps(*v, m, a);
+        }
+    }
+    acc.iter().map(|&v| hsum(v)).sum()
 }
 
 // ------------------------------------------------------------------------------------------

@@ -26,7 +26,11 @@
 
 use std::arch::x86_64::*;
 
+use k3_proto::ecbf16::CodedMatrix;
+
+use super::avx2::{self, CodedRows, RawRows};
 use super::scalar::{E2M1, E8M0_TABLE};
+use super::tile::{self, Bf16Blocks, Lanes, Mxfp4Groups};
 
 /// Tokens dotted with one loaded weight vector at a time (matmul; MXFP4 and bf16).
 const TOKEN_BLOCK: usize = 4;
@@ -129,74 +133,83 @@ fn hsum(v: __m512) -> f32 {
 }
 
 // ------------------------------------------------------------------------------------------
-// bf16
+// bf16 rows: raw or EC-BF16 coded
 
-/// `R` bf16 rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`,
-/// with each token's activations in the `split_even_odd_rows` layout (blocks of 32).
+/// A bf16 matrix's rows as this tier reads them: whole 32-column blocks as one raw bf16 vector
+/// (decoded in registers for a coded matrix), and the bytes after the last whole block. The
+/// row sources are the AVX2 tier's (this tier's CPUs have AVX2; a coded block is decoded by the
+/// AVX2 code and its two halves joined).
+pub(super) trait Rows: avx2::Rows {
+    /// Raw bf16 of whole block `b` of row `i` (columns `32b .. 32b+32`).
+    ///
+    /// # Safety
+    /// `i < rows`, `32b + 32 <= cols`; AVX-512 F/BW/VL + AVX2.
+    unsafe fn block64(&self, i: usize, b: usize) -> __m512i;
+}
+
+impl Rows for RawRows<'_> {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    unsafe fn block64(&self, i: usize, b: usize) -> __m512i {
+        let p = self.block_ptr(i, b);
+        // SAFETY: row i has 2·cols bytes and 32b + 32 <= cols (caller contract).
+        unsafe { load_bytes64(p) }
+    }
+}
+
+impl<const W: u8> Rows for CodedRows<'_, W> {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    unsafe fn block64(&self, i: usize, b: usize) -> __m512i {
+        // SAFETY: the caller's contract is `block`'s; AVX2 is part of this tier.
+        let [lo, hi] = unsafe { avx2::Rows::block(self, i, b) };
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+}
+
+/// `R` rows dotted with `T` tokens at once: `out[i][t] = Σ_c W[row i, c]·x[token t, c]`, with
+/// each token's activations in the `split_even_odd_rows` layout (blocks of 32).
 ///
 /// Every (row, token) pair has ONE accumulator vector and this sequence of FMAs into it: per
 /// 32-column block the even columns then the odd columns (lane `l` takes columns `2l` and
 /// `2l+1` of the block), then at most one 16-column step (lane `l` = column `l`), then one masked
 /// step for the last `< 16` columns; the lanes are reduced by `hsum`. The sequence does not
-/// depend on `R` or `T`, so any blocking gives the same bits (matmul == matvec); the blocking
-/// only decides how often each weight vector and each activation vector is loaded.
+/// depend on `R`, `T` or the row source (raw or coded rows give the same raw bf16), so any
+/// blocking gives the same bits (matmul == matvec, coded == raw); the blocking only decides how
+/// often each weight vector and each activation vector is loaded.
 ///
 /// # Safety
-/// Each `w[i]` has `2·cols` readable bytes and each `x[t]` has `cols` readable floats; the CPU
-/// supports AVX-512 F/BW/VL and FMA.
+/// The rows exist in `src`; each `x[t]` has `cols` floats; AVX-512 F/BW/VL, AVX2 and FMA.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn dot_block<const R: usize, const T: usize>(
-    w: [*const u8; R],
-    x: [*const f32; T],
-    cols: usize,
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn dot_block<S: Rows, const R: usize, const T: usize>(
+    src: &S,
+    rows: [usize; R],
+    x: [&[f32]; T],
 ) -> [[f32; T]; R] {
+    let cols = src.cols();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let odd = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-    let mut c = 0;
-    while c + 32 <= cols {
-        // SAFETY: c + 32 <= cols: floats c .. c+16 of every token are in bounds.
-        let xe: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t].wrapping_add(c)) });
-        // SAFETY: c + 32 <= cols: floats c+16 .. c+32 of every token are in bounds.
-        let xo: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t].wrapping_add(c + 16)) });
+    for b in 0..cols / 32 {
+        let c = 32 * b;
+        // SAFETY: c + 32 <= cols: floats c .. c+32 of every token are in bounds.
+        let xv: [[__m512; 2]; T] =
+            std::array::from_fn(|t| unsafe { load32(x[t][c..c + 32].as_ptr()) });
         for i in 0..R {
-            // SAFETY: c + 32 <= cols: bytes 2c .. 2c+64 of every row are in bounds.
-            let v = unsafe { load_bytes64(w[i].wrapping_add(2 * c)) };
-            let we = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
-            let wo = _mm512_castsi512_ps(_mm512_and_si512(v, odd));
+            // SAFETY: row rows[i] exists and block b is whole.
+            let v = unsafe { src.block64(rows[i], b) };
+            let w = widen_raw64(v);
             for t in 0..T {
-                acc[i][t] = _mm512_fmadd_ps(we, xe[t], acc[i][t]);
-                acc[i][t] = _mm512_fmadd_ps(wo, xo[t], acc[i][t]);
-            }
-        }
-        c += 32;
-    }
-    if c + 16 <= cols {
-        // SAFETY: c + 16 <= cols: floats c .. c+16 of every token are in bounds.
-        let xv: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t].wrapping_add(c)) });
-        for i in 0..R {
-            // SAFETY: c + 16 <= cols: bytes 2c .. 2c+32 of every row are in bounds.
-            let wv = unsafe { widen16(w[i].wrapping_add(2 * c)) };
-            for t in 0..T {
-                acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
-            }
-        }
-        c += 16;
-    }
-    if c < cols {
-        let m: __mmask16 = ((1u32 << (cols - c)) - 1) as u16;
-        let xv: [__m512; T] = std::array::from_fn(|t| {
-            // SAFETY: the mask selects floats c .. cols of the token, in bounds.
-            unsafe { load16_masked(x[t].wrapping_add(c), m) }
-        });
-        for i in 0..R {
-            // SAFETY: the mask selects bytes 2c .. 2·cols of the row, in bounds.
-            let wv = unsafe { widen16_masked(w[i].wrapping_add(2 * c), m) };
-            for t in 0..T {
-                acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
+                acc[i][t] = _mm512_fmadd_ps(w[0], xv[t][0], acc[i][t]);
+                acc[i][t] = _mm512_fmadd_ps(w[1], xv[t][1], acc[i][t]);
             }
         }
     }
+    let mut bufs = [[0u8; 64]; R];
+    let mut rest: [&[u8]; R] = [&[]; R];
+    for ((i, buf), r) in bufs.iter_mut().enumerate().zip(rest.iter_mut()) {
+        *r = src.rest(rows[i], buf);
+    }
+    finish(&mut acc, rest, x, cols / 32 * 32, cols);
     let mut out = [[0.0f32; T]; R];
     for i in 0..R {
         for t in 0..T {
@@ -206,105 +219,257 @@ unsafe fn dot_block<const R: usize, const T: usize>(
     out
 }
 
-/// Rows `r0 .. r0+R` (of `w`, `2·cols` bytes each) × tokens `t0 .. t0+T` (of `x [n, cols]`) into
-/// `out [k, n]`.
+/// One raw 32-column vector widened exactly: `[even columns, odd columns]` (`lane << 16` is the
+/// even column's f32, `lane & 0xFFFF_0000` the odd column's).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn widen_raw64(v: __m512i) -> [__m512; 2] {
+    let odd = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+    [
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v)),
+        _mm512_castsi512_ps(_mm512_and_si512(v, odd)),
+    ]
+}
+
+/// The columns `c0 .. cols` (`c0` a multiple of 32, `rest[i]` row `i`'s raw bytes from `c0`):
+/// at most one 16-column step and one masked step, as in `dot_block`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+fn finish<const R: usize, const T: usize>(
+    acc: &mut [[__m512; T]; R],
+    rest: [&[u8]; R],
+    x: [&[f32]; T],
+    c0: usize,
+    cols: usize,
+) {
+    let mut c = c0;
+    if c + 16 <= cols {
+        // SAFETY: c + 16 <= cols: floats c .. c+16 of every token are in bounds.
+        let xv: [__m512; T] = std::array::from_fn(|t| unsafe { load16(x[t][c..c + 16].as_ptr()) });
+        for i in 0..R {
+            let w = &rest[i][2 * (c - c0)..2 * (c - c0 + 16)];
+            // SAFETY: `w` is 32 bytes.
+            let wv = unsafe { widen16(w.as_ptr()) };
+            for t in 0..T {
+                acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
+            }
+        }
+        c += 16;
+    }
+    if c < cols {
+        let m: __mmask16 = ((1u32 << (cols - c)) - 1) as u16;
+        let xv: [__m512; T] = std::array::from_fn(|t| {
+            let xt = &x[t][c..cols];
+            // SAFETY: the mask selects the `cols - c` floats of `xt`.
+            unsafe { load16_masked(xt.as_ptr(), m) }
+        });
+        for i in 0..R {
+            let w = &rest[i][2 * (c - c0)..2 * (cols - c0)];
+            // SAFETY: the mask selects the `cols - c` bf16 of `w`.
+            let wv = unsafe { widen16_masked(w.as_ptr(), m) };
+            for t in 0..T {
+                acc[i][t] = _mm512_fmadd_ps(wv, xv[t], acc[i][t]);
+            }
+        }
+    }
+}
+
+/// Rows `r0 .. r0+R` of `src` × tokens `t0 .. t0+T` (of `x [n, cols]`) into `out [k, n]`.
 ///
 /// # Safety
-/// AVX-512 F/BW/VL + FMA. (The slicing below checks that the rows, tokens and outputs exist.)
+/// AVX-512 F/BW/VL, AVX2 + FMA. (The slicing below checks that the rows, tokens and outputs
+/// exist.)
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn bf16_block<const R: usize, const T: usize>(
-    w: &[u8],
-    cols: usize,
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn bf16_block<S: Rows, const R: usize, const T: usize>(
+    src: &S,
     x: &[f32],
     n: usize,
     r0: usize,
     t0: usize,
     out: &mut [f32],
 ) {
-    let rb = 2 * cols;
-    let rows: [*const u8; R] =
-        std::array::from_fn(|i| w[(r0 + i) * rb..(r0 + i + 1) * rb].as_ptr());
-    let toks: [*const f32; T] =
-        std::array::from_fn(|t| x[(t0 + t) * cols..(t0 + t + 1) * cols].as_ptr());
-    // SAFETY: each pointer starts a slice of the length `dot_block` needs (checked by the
-    // slicing above); CPU features are this function's contract.
-    let r = unsafe { dot_block::<R, T>(rows, toks, cols) };
+    let cols = src.cols();
+    assert!(r0 + R <= src.rows(), "bf16 block rows");
+    let toks: [&[f32]; T] = std::array::from_fn(|t| &x[(t0 + t) * cols..(t0 + t + 1) * cols]);
+    // SAFETY: rows r0..r0+R exist (asserted); CPU features are this function's contract.
+    let r = unsafe { dot_block::<S, R, T>(src, std::array::from_fn(|i| r0 + i), toks) };
     for i in 0..R {
         out[(r0 + i) * n + t0..(r0 + i) * n + t0 + T].copy_from_slice(&r[i]);
     }
 }
 
-/// All `k` rows of `w` × tokens `t0 .. t0+T`: blocks of `R` rows, then the remaining `< R` rows in
+/// All rows of `src` × tokens `t0 .. t0+T`: blocks of `R` rows, then the remaining `< R` rows in
 /// blocks of 4, 2 and 1 (`R` is 8, 4 or 2).
 ///
 /// # Safety
-/// AVX-512 F/BW/VL + FMA.
+/// AVX-512 F/BW/VL, AVX2 + FMA.
 #[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn bf16_tokens<const R: usize, const T: usize>(
-    w: &[u8],
-    cols: usize,
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn bf16_tokens<S: Rows, const R: usize, const T: usize>(
+    src: &S,
     x: &[f32],
     n: usize,
     t0: usize,
     out: &mut [f32],
 ) {
-    let k = w.len() / (2 * cols);
+    let k = src.rows();
     let mut r = 0;
     while r + R <= k {
         // SAFETY: CPU features are this function's contract.
-        unsafe { bf16_block::<R, T>(w, cols, x, n, r, t0, out) };
+        unsafe { bf16_block::<S, R, T>(src, x, n, r, t0, out) };
         r += R;
     }
     if R > 4 && r + 4 <= k {
         // SAFETY: as above, for 4 rows.
-        unsafe { bf16_block::<4, T>(w, cols, x, n, r, t0, out) };
+        unsafe { bf16_block::<S, 4, T>(src, x, n, r, t0, out) };
         r += 4;
     }
     if R > 2 && r + 2 <= k {
         // SAFETY: as above, for 2 rows.
-        unsafe { bf16_block::<2, T>(w, cols, x, n, r, t0, out) };
+        unsafe { bf16_block::<S, 2, T>(src, x, n, r, t0, out) };
         r += 2;
     }
     if r < k {
         // SAFETY: as above, for the last row.
-        unsafe { bf16_block::<1, T>(w, cols, x, n, r, t0, out) };
+        unsafe { bf16_block::<S, 1, T>(src, x, n, r, t0, out) };
     }
 }
 
-/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`; `x [n, cols]` with each
-/// token's columns in the `split_even_odd_rows` layout (blocks of 32).
+/// This tier's bf16 rows for the strip kernel (a wrapper: the AVX2 tier implements the same
+/// trait for the same row sources with its own vectors).
+struct Wide<'s, S>(&'s S);
+
+impl<S: Rows> Bf16Blocks<Avx512> for Wide<'_, S> {
+    fn cols(&self) -> usize {
+        self.0.cols()
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    unsafe fn widened(&self, i: usize, b: usize) -> [__m512; 4] {
+        // SAFETY: the caller's contract is `block64`'s.
+        let [e, o] = widen_raw64(unsafe { self.0.block64(i, b) });
+        [e, o, e, o]
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    unsafe fn finish(&self, i: usize, acc: __m512, x: &[f32]) -> f32 {
+        let cols = self.0.cols();
+        let mut buf = [0u8; 64];
+        let mut a = [[acc]];
+        finish(
+            &mut a,
+            [self.0.rest(i, &mut buf)],
+            [x],
+            cols / 32 * 32,
+            cols,
+        );
+        hsum(a[0][0])
+    }
+}
+
+/// Row kernel over any row source: `out [k, n]` for its `k` rows; `x [n, cols]` with each
+/// token's columns in the `split_even_odd_rows` layout (blocks of 32). More than `TOKEN_BLOCK`
+/// tokens take the strip kernel (`tile`): each weight decoded once for all tokens.
 ///
 /// # Safety
-/// The CPU supports AVX-512 F, BW, VL and FMA. (Lengths are checked here.)
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-pub(super) unsafe fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+/// AVX-512 F/BW/VL, AVX2 + FMA. (Lengths are checked here.)
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32], strips: bool) {
+    let (cols, k) = (src.cols(), src.rows());
     assert!(cols > 0 && n > 0, "empty bf16 product");
-    let rb = 2 * cols;
-    assert!(w.len().is_multiple_of(rb), "bf16 rows: partial row");
-    assert_eq!(out.len(), w.len() / rb * n, "bf16 rows vs output");
+    assert_eq!(out.len(), k * n, "bf16 rows vs output");
     assert_eq!(x.len(), n * cols, "bf16 rows input");
+    if strips && n > TOKEN_BLOCK {
+        // SAFETY: lengths checked above; CPU features are this function's contract.
+        unsafe {
+            tile::bf16_strips::<Avx512, _, MATMUL_ROWS, TOKEN_BLOCK>(&Wide(src), k, x, n, out)
+        };
+        return;
+    }
     // Token blocks outer, rows inner: the task's rows stay in L2 while every token block passes
-    // over them, and each token block's activations stay in L1/L2.
+    // over them. CPU features are this function's contract; tokens t.. lie in x.
     let mut t = 0;
     while t + TOKEN_BLOCK <= n {
-        // SAFETY: CPU features are this function's contract.
-        unsafe { bf16_tokens::<MATMUL_ROWS, TOKEN_BLOCK>(w, cols, x, n, t, out) };
+        // SAFETY: as above.
+        unsafe { bf16_tokens::<S, MATMUL_ROWS, TOKEN_BLOCK>(src, x, n, t, out) };
         t += TOKEN_BLOCK;
     }
     match n - t {
         0 => {}
-        // SAFETY: as above, for the 3 remaining tokens.
-        3 => unsafe { bf16_tokens::<MATMUL_ROWS, 3>(w, cols, x, n, t, out) },
-        // SAFETY: as above, for the 2 remaining tokens.
-        2 => unsafe { bf16_tokens::<MATMUL_ROWS, 2>(w, cols, x, n, t, out) },
-        // SAFETY: as above, for the last token of narrow rows: one row at a time.
-        _ if cols <= super::NARROW_COLS => unsafe { bf16_tokens::<1, 1>(w, cols, x, n, t, out) },
-        // SAFETY: as above, for the last token (all of a matvec).
-        _ => unsafe { bf16_tokens::<MATVEC_ROWS, 1>(w, cols, x, n, t, out) },
+        // SAFETY: as above.
+        3 => unsafe { bf16_tokens::<S, MATMUL_ROWS, 3>(src, x, n, t, out) },
+        // SAFETY: as above.
+        2 => unsafe { bf16_tokens::<S, MATMUL_ROWS, 2>(src, x, n, t, out) },
+        // SAFETY: as above; the last token of narrow rows: one row at a time.
+        _ if cols <= super::NARROW_COLS => unsafe { bf16_tokens::<S, 1, 1>(src, x, n, t, out) },
+        // SAFETY: as above; the last token (all of a matvec).
+        _ => unsafe { bf16_tokens::<S, MATVEC_ROWS, 1>(src, x, n, t, out) },
     }
+}
+
+/// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`.
+///
+/// # Safety
+/// The CPU supports AVX-512 F, BW, VL, AVX2 and FMA. (Lengths are checked here.)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(super) unsafe fn bf16_rows(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    strips: bool,
+) {
+    // SAFETY: CPU features are this function's contract.
+    unsafe { rows_kernel(&RawRows::new(w, cols), x, n, out, strips) }
+}
+
+/// Row kernel for rows `r0 .. r0 + out.len()/n` of an EC-BF16 matrix: the same bits as
+/// [`bf16_rows`] on the decoded matrix.
+///
+/// # Safety
+/// The CPU supports AVX-512 F, BW, VL, AVX2 and FMA. (Lengths are checked here.)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+pub(super) unsafe fn coded_rows(
+    m: &CodedMatrix<'_>,
+    r0: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    strips: bool,
+) {
+    let k = out.len() / n.max(1);
+    match m.width() {
+        // SAFETY: CPU features are this function's contract.
+        4 => unsafe { coded_kernel::<4>(m, r0, k, x, n, out, strips) },
+        // SAFETY: as above.
+        3 => unsafe { coded_kernel::<3>(m, r0, k, x, n, out, strips) },
+        // SAFETY: as above.
+        _ => unsafe { coded_kernel::<2>(m, r0, k, x, n, out, strips) },
+    }
+}
+
+/// [`coded_rows`] for width `W` (`CodedRows::new` checks the width and the row range).
+///
+/// # Safety
+/// The CPU has this tier's features.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn coded_kernel<const W: u8>(
+    m: &CodedMatrix<'_>,
+    r0: usize,
+    k: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    strips: bool,
+) {
+    // SAFETY: CPU features are this function's contract.
+    let src = unsafe { CodedRows::<W>::new(*m, r0, k) };
+    // SAFETY: as above.
+    unsafe { rows_kernel(&src, x, n, out, strips) }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -336,6 +501,23 @@ unsafe fn load32(p: *const f32) -> [__m512; 2] {
     [e, o]
 }
 
+/// One group's 32 weights (16 packed bytes at `p`) as `[even columns, odd columns]`: the bytes
+/// zero-extended to 16 lanes, the low nibble (`vpermps` reads index bits 0..3 only) and the high
+/// nibble (`>> 4`) looked up in the 16-entry E2M1 `table`.
+///
+/// # Safety
+/// 16 bytes at `p` are readable; AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn decode_group(p: *const u8, table: __m512) -> [__m512; 2] {
+    // SAFETY: 16 readable bytes at p (caller contract).
+    let b = unsafe { load_group(p) };
+    [
+        _mm512_permutexvar_ps(b, table),
+        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), table),
+    ]
+}
+
 /// Adds group `g` of one MXFP4 row, scaled, into `acc[t]` for each token.
 ///
 /// # Safety
@@ -351,10 +533,7 @@ unsafe fn mxfp4_group<const T: usize>(
     acc: &mut [__m512; T],
 ) {
     // SAFETY: group g's 16 bytes lie in `packed` (caller contract).
-    let b = unsafe { load_group(packed.as_ptr().wrapping_add(16 * g)) };
-    // vpermps reads index bits 0..3 only: the low nibble of each byte lane.
-    let we = _mm512_permutexvar_ps(b, table);
-    let wo = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), table);
+    let [we, wo] = unsafe { decode_group(packed.as_ptr().wrapping_add(16 * g), table) };
     let s = _mm512_set1_ps(E8M0_TABLE[scale as usize]);
     for t in 0..T {
         // SAFETY: group g's 32 activations of token t are in bounds (caller contract).
@@ -435,6 +614,7 @@ pub(super) unsafe fn mxfp4_rows(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    strips: bool,
 ) {
     assert!(cols > 0 && cols.is_multiple_of(32) && n > 0, "MXFP4 shape");
     let (pw, sw) = (cols / 2, cols / 32);
@@ -443,6 +623,21 @@ pub(super) unsafe fn mxfp4_rows(
     assert_eq!(scales.len(), k * sw, "MXFP4 scales vs rows");
     assert_eq!(out.len(), k * n, "MXFP4 rows vs output");
     assert_eq!(x.len(), n * cols, "MXFP4 rows input");
+    if strips && n > TOKEN_BLOCK {
+        // SAFETY: E2M1 is a 16-float array.
+        let table = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
+        let src = Mxfp4Rows {
+            packed,
+            scales,
+            cols,
+            table,
+        };
+        // SAFETY: lengths checked above; CPU features are this function's contract.
+        unsafe {
+            tile::mxfp4_strips::<Avx512, _, MXFP4_TILE_ROWS, MXFP4_TILE_TOKENS>(&src, k, x, n, out)
+        };
+        return;
+    }
     // Token blocks outer, rows inner (see `bf16_rows`).
     for t in (0..n).step_by(TOKEN_BLOCK) {
         for ((pr, sr), o) in packed
@@ -463,6 +658,90 @@ pub(super) unsafe fn mxfp4_rows(
             }
         }
     }
+}
+
+/// MXFP4 strip tiles (more than `TOKEN_BLOCK` tokens): 2 rows × 4 tokens of accumulator
+/// pairs (16), their partial sums (8) and the decoded groups fit the 32 registers.
+const MXFP4_TILE_ROWS: usize = 2;
+const MXFP4_TILE_TOKENS: usize = 4;
+
+/// An MXFP4 task's rows for the strip kernel.
+struct Mxfp4Rows<'a> {
+    packed: &'a [u8],
+    scales: &'a [u8],
+    cols: usize,
+    table: __m512,
+}
+
+impl Mxfp4Groups<Avx512> for Mxfp4Rows<'_> {
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn group(&self, i: usize, g: usize) -> ([__m512; 4], __m512) {
+        let at = i * self.cols / 2 + 16 * g;
+        let p = self.packed[at..at + 16].as_ptr();
+        // SAFETY: 16 readable bytes.
+        let [e, o] = unsafe { decode_group(p, self.table) };
+        let s = E8M0_TABLE[self.scales[i * self.cols / 32 + g] as usize];
+        ([e, o, e, o], _mm512_set1_ps(s))
+    }
+}
+
+/// This tier's vector for the strip kernels.
+#[derive(Clone, Copy)]
+pub(super) struct Avx512;
+
+impl Lanes for Avx512 {
+    type F = __m512;
+    const LANES: usize = 16;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn zero() -> __m512 {
+        _mm512_setzero_ps()
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn load(p: *const f32) -> __m512 {
+        // SAFETY: 16 readable floats (caller contract).
+        unsafe { load16(p) }
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        _mm512_fmadd_ps(a, b, c)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        _mm512_mul_ps(a, b)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    unsafe fn hsum_pair(a: __m512, b: __m512) -> f32 {
+        hsum(_mm512_add_ps(a, b))
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// FMA peak
+
+/// `iters` rounds of 16 independent FMA chains (enough to cover the FMA latency on two ports):
+/// `16·16·iters` multiply-adds; returns their sum so nothing is optimised away.
+///
+/// # Safety
+/// The CPU supports AVX-512 F and FMA.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
+    let (m, a) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+    let mut acc: [__m512; 16] = std::array::from_fn(|i| _mm512_set1_ps(seed + i as f32));
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = _mm512_fmadd_ps(*v, m, a);
+        }
+    }
+    acc.iter().map(|&v| hsum(v)).sum()
 }
 
 // ------------------------------------------------------------------------------------------

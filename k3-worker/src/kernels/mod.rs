@@ -38,9 +38,12 @@ pub mod scalar;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod tile;
 
 mod tier;
 
+pub use k3_proto::ecbf16::CodedMatrix;
 pub use tier::{active_tier, choose_tier, select_tier, Tier, TierError, SIMD_ENV};
 
 use std::cell::Cell;
@@ -127,6 +130,46 @@ pub fn matvec_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32])
 /// token `t` bit for bit.
 pub fn matmul_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
     Kernels::active().matmul_bf16(w, rows, cols, x, n, y)
+}
+
+/// `y[r] = Σ_c W[r,c]·x[c]` for an EC-BF16 coded matrix (`k3_proto::ecbf16`): the same bits as
+/// [`matvec_bf16`] on the decoded matrix (the decode is exact and happens in registers).
+pub fn matvec_coded(m: &CodedMatrix<'_>, x: &[f32], y: &mut [f32]) {
+    Kernels::active().matmul_coded(m, x, 1, y)
+}
+
+/// [`matmul_bf16`] for an EC-BF16 coded matrix: the same bits as `matmul_bf16` on the decoded
+/// matrix, for any `n` (each token block of the tier decodes the weights again; with
+/// [`Kernels::with_strips`] once for all `n` tokens).
+pub fn matmul_coded(m: &CodedMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+    Kernels::active().matmul_coded(m, x, n, y)
+}
+
+/// A trunk matrix as the forward receives it: raw bf16 bytes or EC-BF16 coded. Both multiply to
+/// the same bits ([`Kernels::matmul_matrix`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Bf16Matrix<'a> {
+    /// Raw little-endian bf16 `[rows, cols]`.
+    Raw {
+        /// `rows·cols·2` bytes.
+        bytes: &'a [u8],
+        /// Output rows.
+        rows: usize,
+        /// Input columns.
+        cols: usize,
+    },
+    /// EC-BF16 (its header carries the shape).
+    Coded(CodedMatrix<'a>),
+}
+
+impl Bf16Matrix<'_> {
+    /// `(rows, cols)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            Bf16Matrix::Raw { rows, cols, .. } => (*rows, *cols),
+            Bf16Matrix::Coded(m) => (m.rows(), m.cols()),
+        }
+    }
 }
 
 /// `y[t·cols + c] = Σ_r W[r,c]·x[t·rows + r]` for `n` tokens: the product with the TRANSPOSE of
@@ -225,6 +268,11 @@ pub fn silu(z: f32) -> f32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Kernels {
     tier: Tier,
+    /// Products of more than a token block take the strip kernels (`tile.rs`, each weight
+    /// decoded once for all tokens) — only with [`Kernels::with_strips`]: measured slower than
+    /// the token-block kernels on AVX2 (docs/BENCHMARKS.md, 2026-12-03), so off by default. The
+    /// same bits either way.
+    strips: bool,
 }
 
 /// Runs one tier's row kernel. `$k` is a `Kernels`; the AVX arms are sound because a `Kernels`
@@ -238,7 +286,7 @@ macro_rules! by_tier {
             // detected (`Kernels::new` / `active_tier`); the callee checks every slice length.
             Tier::Avx2 => unsafe { avx2::$f($($arg),*) },
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above, AVX-512 F/BW/VL and FMA were detected before this value existed.
+            // SAFETY: as above, AVX-512 F/BW/VL, AVX2 and FMA were detected before this value existed.
             Tier::Avx512 => unsafe { avx512::$f($($arg),*) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("SIMD tier on a non-x86_64 build"),
@@ -249,13 +297,25 @@ macro_rules! by_tier {
 impl Kernels {
     /// The kernels of `tier`, or `None` if this CPU cannot run it.
     pub fn new(tier: Tier) -> Option<Kernels> {
-        tier.is_available().then_some(Kernels { tier })
+        tier.is_available()
+            .then_some(Kernels { tier, strips: true })
     }
 
     /// The kernels of the process-wide active tier (see [`active_tier`]).
     pub fn active() -> Kernels {
         Kernels {
             tier: active_tier(),
+            strips: false,
+        }
+    }
+
+    /// These kernels with the multi-token strip kernels on (`tile.rs`: products of more than a
+    /// token block decode each weight once for all tokens). The same bits as without; for A/B
+    /// measurements, tests, and the tiers where they pay (not yet measured on AVX-512).
+    pub fn with_strips(self) -> Kernels {
+        Kernels {
+            strips: true,
+            ..self
         }
     }
 
@@ -295,9 +355,38 @@ impl Kernels {
             by_rows(rows, cols, n, y, |r0, out| {
                 let k = out.len() / n;
                 let wr = &w[r0 * row_bytes..(r0 + k) * row_bytes];
-                by_tier!(self, bf16_rows(wr, cols, xs, n, out))
+                by_tier!(self, bf16_rows(wr, cols, xs, n, out, self.strips))
             })
         });
+    }
+
+    /// [`matmul_coded`] on this tier.
+    pub fn matmul_coded(self, m: &CodedMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+        let (rows, cols) = (m.rows(), m.cols());
+        assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
+        assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
+        if cols == 0 {
+            y.fill(0.0);
+            return;
+        }
+        self.with_split(x, cols, |xs| {
+            by_rows(rows, cols, n, y, |r0, out| {
+                by_tier!(self, coded_rows(m, r0, xs, n, out, self.strips))
+            })
+        });
+    }
+
+    /// [`matvec_coded`] on this tier.
+    pub fn matvec_coded(self, m: &CodedMatrix<'_>, x: &[f32], y: &mut [f32]) {
+        self.matmul_coded(m, x, 1, y)
+    }
+
+    /// The product with a raw or coded bf16 matrix ([`matmul_bf16`] / [`matmul_coded`]).
+    pub fn matmul_matrix(self, w: &Bf16Matrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
+        match w {
+            Bf16Matrix::Raw { bytes, rows, cols } => self.matmul_bf16(bytes, *rows, *cols, x, n, y),
+            Bf16Matrix::Coded(m) => self.matmul_coded(m, x, n, y),
+        }
     }
 
     /// [`matvec_mxfp4`] on this tier.
@@ -353,7 +442,7 @@ impl Kernels {
                     &packed[r0 * pw..(r0 + k) * pw],
                     &scales[r0 * sw..(r0 + k) * sw],
                 );
-                by_tier!(self, mxfp4_rows(p, s, cols, xs, n, out))
+                by_tier!(self, mxfp4_rows(p, s, cols, xs, n, out, self.strips))
             })
         });
     }
@@ -373,6 +462,19 @@ impl Kernels {
             split_even_odd_rows_into(x, cols, lanes, buf);
             f(buf)
         })
+    }
+
+    /// Runs `iters` rounds of this tier's FMA probe (16 independent chains of vector FMAs, the
+    /// machine's multiply-add peak on one thread) and returns the multiply-adds done and a value
+    /// that depends on all of them. `k3-ctl doctor` and the kernel bench time it.
+    pub fn fma_probe(self, iters: usize) -> (u64, f32) {
+        let lanes = match self.tier {
+            Tier::Scalar => 1,
+            Tier::Avx2 => 8,
+            Tier::Avx512 => 16,
+        };
+        let v = by_tier!(self, fma_probe(iters, 1.0));
+        (16 * lanes * iters as u64, v)
     }
 
     /// [`dot_f32`] on this tier.

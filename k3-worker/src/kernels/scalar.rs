@@ -118,13 +118,41 @@ pub fn matmul_mxfp4(
 }
 
 /// Row kernel of the scalar tier: `out [k, n]` for the `k` rows in `w` (see `Kernels`).
-pub(super) fn bf16_rows(w: &[u8], cols: usize, x: &[f32], n: usize, out: &mut [f32]) {
+pub(super) fn bf16_rows(
+    w: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    _strips: bool,
+) {
     let rb = cols * 2;
     assert_eq!(w.len() * n, out.len() * rb, "bf16 rows vs output");
     assert_eq!(x.len(), n * cols, "bf16 rows input");
     for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
         for (t, v) in o.iter_mut().enumerate() {
             *v = dot_bf16_row(row, &x[t * cols..(t + 1) * cols]);
+        }
+    }
+}
+
+/// Row kernel of the scalar tier for rows `r0 ..` of an EC-BF16 matrix: each row decoded
+/// (exactly) into a row buffer, then the bf16 dot: the bits of [`bf16_rows`] on the raw rows.
+pub(super) fn coded_rows(
+    m: &k3_proto::ecbf16::CodedMatrix<'_>,
+    r0: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    _strips: bool,
+) {
+    let cols = m.cols();
+    assert_eq!(x.len(), n * cols, "coded rows input");
+    let mut row = vec![0u8; 2 * cols];
+    for (i, o) in out.chunks_exact_mut(n).enumerate() {
+        m.decode_row(r0 + i, &mut row);
+        for (t, v) in o.iter_mut().enumerate() {
+            *v = dot_bf16_row(&row, &x[t * cols..(t + 1) * cols]);
         }
     }
 }
@@ -137,6 +165,7 @@ pub(super) fn mxfp4_rows(
     x: &[f32],
     n: usize,
     out: &mut [f32],
+    _strips: bool,
 ) {
     let (pw, sw) = (cols / 2, cols / 32);
     assert_eq!(packed.len() * n, out.len() * pw, "MXFP4 rows vs output");
@@ -211,4 +240,15 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         tail += a[j] * b[j];
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// The scalar tier's FMA probe: 16 chains of `f32::mul_add`; `16·iters` multiply-adds.
+pub(super) fn fma_probe(iters: usize, seed: f32) -> f32 {
+    let mut acc: [f32; 16] = std::array::from_fn(|i| seed + i as f32);
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = v.mul_add(0.999_999, 1e-7);
+        }
+    }
+    acc.iter().sum()
 }

@@ -14,7 +14,8 @@ pub enum Tier {
     Scalar,
     /// AVX2 + FMA (256-bit).
     Avx2,
-    /// AVX-512 F + BW + VL, with FMA (512-bit). Never the AVX-512 BF16 dot instructions: they
+    /// AVX-512 F + BW + VL, with AVX2 and FMA (512-bit; its coded-row decode is the AVX2
+    /// tier's). Never the AVX-512 BF16 dot instructions: they
     /// would round the activations to bf16.
     Avx512,
 }
@@ -51,6 +52,7 @@ impl Tier {
                 std::arch::is_x86_feature_detected!("avx512f")
                     && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
             }
             #[cfg(not(target_arch = "x86_64"))]
