@@ -4,6 +4,7 @@ checkpoint, and give the trainer's own greedy ids / step-0 logits on the EXPORTE
 
     scripts/train_k3.py OUT [--preset k3-train] [--minutes 20] [--steps N] [--seed 1] [--force]
     scripts/train_k3.py OUT --export-from OUT_OF_A_RUN/trained_params.npz [--preset ...]
+    scripts/train_k3.py OUT --expand fixtures/trained/compact.npz      # numpy only
     scripts/train_k3.py --reference MODEL_DIR --ids 1,2,3 [--gen 8] [--out-dir DIR] [--val-windows N]
 
 Training: K3's forward in JAX on CPU (KDA with gates, decay and short convolutions, gated MLA
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="score only the first N validation windows (default: all)")
     ap.add_argument("--export-from", metavar="PARAMS_NPZ",
                     help="write OUT from a saved trained_params.npz instead of training")
+    ap.add_argument("--expand", metavar="COMPACT_NPZ",
+                    help="write OUT from a compact.npz (numpy only: no virtual environment needed)")
     ap.add_argument("--reference", metavar="MODEL_DIR", help="run the trainer's forward on a checkpoint")
     ap.add_argument("--ids", type=parse_ids)
     ap.add_argument("--gen", type=int, default=8)
@@ -93,8 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--reference needs --ids")
     if args.minutes <= 0 or (args.steps is not None and args.steps < 1) or args.seed < 0:
         ap.error("--minutes must be > 0, --steps >= 1, --seed >= 0")
-    ensure_venv()
     sys.path.insert(0, str(HERE))
+    if args.expand:
+        if args.out is None:
+            ap.error("--expand needs OUT")
+        from k3train import presets as pr, train as tr  # noqa: E402  (numpy only)
+        args.preset = args.preset or pr.DEFAULT
+        return tr.main_expand(args)
+    ensure_venv()
     from k3train import presets, train  # noqa: E402
     if args.reference is not None:
         import json

@@ -13,8 +13,6 @@ import numpy as np
 from k3gen.graph import LM, MODEL, build_units
 from k3gen.values import f32_to_bf16_bits
 
-from .model import np_mx_pack
-
 
 def full_vocab(sub: np.ndarray, kept_ids: np.ndarray, vocab: int) -> np.ndarray:
     """[V', E] sub rows (last = shared) -> [vocab, E]."""
@@ -82,6 +80,8 @@ def logical_tensors(params: dict, d, kept_ids: np.ndarray) -> dict[str, np.ndarr
 
 def encode(logical: dict[str, np.ndarray], d) -> dict[str, np.ndarray]:
     """Checkpoint bytes per tensor of the k3gen graph, in its dtype (BF16 bits, F32, MXFP4 U8)."""
+    from .model import np_mx_pack          # (JAX is imported only when exporting)
+
     out: dict[str, np.ndarray] = {}
     for unit in build_units(d):
         for t in unit.tensors:
@@ -132,3 +132,28 @@ def params_from_bound(model) -> dict:
     return {"embed": model.embed, "lm_head": model.lm_head, "final_norm": model.final_norm,
             "out_res_q_norm": model.out_res_query, "out_res_q_proj": ones(model.out_res_query),
             "layers": layers}
+
+
+EMBED = MODEL + "embed_tokens.weight"
+HEAD = LM + "lm_head.weight"
+
+
+def compact(given: dict[str, np.ndarray], kept: np.ndarray, d) -> dict[str, np.ndarray]:
+    """The exported checkpoint without its vocabulary copies: embed / lm_head keep only the kept
+    rows and the shared row (BF16 bits), every other tensor as exported. ~17 MB for k3-train
+    instead of 180 MB; ``expand`` gives back the identical checkpoint."""
+    out = {k: v for k, v in given.items() if k not in (EMBED, HEAD)}
+    for name in (EMBED, HEAD):
+        full = given[name].reshape(d.vocab, d.hidden)
+        shared = np.setdiff1d(np.arange(d.vocab), kept)[0]
+        out[name] = np.concatenate([full[kept], full[shared:shared + 1]])
+    out["__kept__"] = kept.astype(np.int64)
+    return out
+
+
+def expand(c: dict[str, np.ndarray], d) -> dict[str, np.ndarray]:
+    kept = c["__kept__"]
+    out = {k: np.asarray(v) for k, v in c.items() if k != "__kept__"}
+    for name in (EMBED, HEAD):
+        out[name] = full_vocab(out[name], kept, d.vocab).reshape(-1)
+    return out

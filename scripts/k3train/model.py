@@ -56,12 +56,13 @@ def attn_res(sources, query, eps):
 # MXFP4 (k3ref/mxfp4.py): E8M0 scale per 32 inputs, E2M1 codes
 
 def mx_exponent(w):
-    """Per-group shared exponent e (scale 2^e), OCP rule floor(log2(amax)) - 2, clamped to the
-    E8M0 range [-127, 127] (byte e + 127 never reaches 255)."""
+    """Per-group shared exponent e (scale 2^e), OCP rule floor(log2(amax)) - 2, clamped to
+    [-100, 127] (E8M0 byte e + 127 never reaches 255, and 2^e stays a normal float32: XLA on CPU
+    flushes subnormals, numpy does not)."""
     g = w.reshape(*w.shape[:-1], w.shape[-1] // MX_GROUP, MX_GROUP)
     amax = jnp.max(jnp.abs(g), axis=-1)
     e = jnp.floor(jnp.log2(jnp.maximum(amax, 2.0 ** -140))) - 2.0
-    return jnp.clip(e, -127.0, 127.0)
+    return jnp.clip(e, -100.0, 127.0)
 
 
 def mx_quantize(w):
@@ -272,7 +273,7 @@ def np_mx_pack(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     out, inp = w.shape
     g = w.reshape(out, inp // MX_GROUP, MX_GROUP).astype(np.float64)
     amax = np.abs(g).max(axis=-1)
-    e = np.clip(np.floor(np.log2(np.maximum(amax, 2.0 ** -140))) - 2.0, -127, 127)
+    e = np.clip(np.floor(np.log2(np.maximum(amax, 2.0 ** -140))) - 2.0, -100, 127)
     x = g / np.exp2(e)[..., None]
     mag = np.abs(x)
     idx = sum((mag > m).astype(np.uint8) for m in E2M1_MID).astype(np.uint8)

@@ -128,11 +128,35 @@ def export_checkpoint(out: Path, params: dict, d, kept: np.ndarray, seed: int) -
     """Write the checkpoint through k3gen; returns its size in bytes."""
     from k3gen.writer import write_checkpoint
 
-    from . import export
+    from k3ref.mxfp4 import dequantize
+
+    from . import export, model
+    # The packer must store exactly what quantization-aware training saw.
+    w = np.asarray(params["layers"][1]["mlp"]["w1"][0], dtype=np.float32)
+    packed, scale = model.np_mx_pack(w)
+    deq, nan = dequantize(packed, scale, w.shape[1])
+    if nan or not np.array_equal(deq, np.asarray(model.mx_quantize(w), dtype=np.float64)):
+        raise AssertionError("MXFP4 packer and the QAT quantizer disagree")
     given = export.encode(export.logical_tensors(params, d, kept), d)
     out.mkdir(parents=True, exist_ok=True)
     plans = write_checkpoint(d, str(out), seed, given=given)
+    np.savez(out / "compact.npz", **export.compact(given, kept, d))
     return sum(len(p.header) + p.data_size for p in plans)
+
+
+def main_expand(args) -> int:
+    """compact.npz -> the full checkpoint (numpy only, no JAX)."""
+    from k3gen.writer import write_checkpoint
+
+    from . import export
+    d = PRESETS[args.preset].dims
+    with np.load(args.expand) as z:
+        given = export.expand(dict(z), d)
+    out = Path(args.out)
+    plans = write_checkpoint(d, str(out), args.seed, given=given)
+    print(f"expanded {args.expand} -> {out} ({sum(len(p.header) + p.data_size for p in plans)} bytes)",
+          file=sys.stderr)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
