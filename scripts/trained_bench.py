@@ -66,15 +66,17 @@ def prompts() -> dict[str, list[int]]:
     return {"fresh": fresh, "quote": quote}
 
 
-def worker(bins, model, trunk, tb, cb, ids, gen, out, extra, socket=None):
+def worker(bins, model, trunk, tb, cb, ids, gen, out, extra, socket=None, chunk=1):
     if socket is None:
         cmd = [bins / "k3-worker", "--standalone", model, "--trunk", trunk,
                "--trunk-gb", f"{tb / 1e9:.9f}", "--cache-gb", f"{cb / 1e9:.9f}"]
     else:
         cmd = [bins / "k3-worker", "--socket", socket]
-    cmd += ["--ids", ",".join(map(str, ids)), "--gen", gen, "--prefill-chunk", 1, "--out", out, *extra]
+    cmd += ["--ids", ",".join(map(str, ids)), "--gen", gen, "--prefill-chunk", chunk, "--out", out, *extra]
     must(cmd)
-    return bench.spec_summary(json.loads(Path(out).read_text()))
+    run = json.loads(Path(out).read_text())
+    return {**bench.spec_summary(run), "lookahead": run.get("lookahead"),
+            "true_resident_hit_rate": run.get("true_resident_hit_rate")}
 
 
 def spec(a, model, trunk, draft8, draft4, budgets, P, work):
@@ -108,7 +110,9 @@ def spec(a, model, trunk, draft8, draft4, budgets, P, work):
                              "acceptance": rs[0]["acceptance"], "forward_passes": rs[0]["forward_passes"],
                              "decode_s_per_token": med, "x_off": med / off,
                              "reps": [r["decode_s_per_token"] for r in rs],
-                             "gb_per_token": rs[0]["decode_bytes_per_token"] / 1e9})
+                             "gb_per_token": rs[0]["decode_bytes_per_token"] / 1e9,
+                             "lookahead": rs[0]["lookahead"],
+                             "true_resident_hit_rate": rs[0]["true_resident_hit_rate"]})
                 print(f"  {b:<12} {pname:<5} {name:<10} {med:.4f} s/token ({med / off:.2f}x off) "
                       f"accepted {rs[0]['accepted']}/{rs[0]['drafted']}", flush=True)
             rows.append(history(a, model, trunk, tb, cb, b, slots, pname, ids, plain, off, work))
@@ -189,10 +193,67 @@ def lookahead(a, model, trunk, budgets, P, work):
         hid = work / f"hid-{pname}"
         hid.mkdir(exist_ok=True)
         worker(a.bins, model, trunk, tb, cb, ids, 1, work / f"hid-{pname}.json",
-               ["--spec", "off", "--dump-hidden", hid])
+               ["--spec", "off", "--dump-hidden", hid], chunk=0)   # every prompt position
         r = must([sys.executable, ROOT / "scripts" / "lookahead_recall.py", model, hid, "--json"])
         out[pname] = json.loads(r.stdout)
     return out
+
+
+def pct(x):
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def report(res: dict) -> str:
+    """Markdown tables of a result JSON (docs/BENCHMARKS.md quotes them)."""
+    out = []
+    if "spec" in res:
+        out += ["| budget | prompt | drafter | accepted / drafted | s/token (median) | × off |",
+                "|---|---|---|---|---|---|"]
+        for r in res["spec"]:
+            acc = f"{r['accepted']}/{r['drafted']}" + (f" ({pct(r['acceptance'])})" if r["drafted"] else "")
+            out.append(f"| {r['budget']} ({r['slots']} slots) | {r['prompt']} | {r['drafter']} | {acc} | "
+                       f"{r['decode_s_per_token']:.4f} | {r['x_off']:.2f}× |")
+        out += ["", "| budget | prompt | lookahead recall | prefetched | used | wasted | "
+                "next-pass recall | TRUE resident hits |", "|---|---|---|---|---|---|---|---|"]
+        for r in res["spec"]:
+            la = r.get("lookahead")
+            if r["drafter"] != "off" or not la:
+                continue
+            mb = lambda b: f"{b / 1e6:.2f} MB"  # noqa: E731
+            out.append(f"| {r['budget']} | {r['prompt']} | {pct(la['recall'])} | {mb(la['prefetched_bytes'])} | "
+                       f"{mb(la['used_bytes'])} | {mb(la['wasted_bytes'])} | {pct(la['next_pass']['recall'])} | "
+                       f"{pct(r['true_resident_hit_rate'])} |")
+    if "lookahead" in res:
+        for pname, lk in res["lookahead"].items():
+            cands = sorted({(c["layers_ahead"], c["point"]) for L in lk["layers"] for c in L["candidates"]})
+            out += ["", f"Router lookahead recall, prompt `{pname}` (mean share of the true top-{lk['top_k']}):", "",
+                    "| layer | " + " | ".join(f"{p} {d} ahead" for d, p in cands) + " |",
+                    "|---|" + "---|" * len(cands)]
+            for L in lk["layers"]:
+                got = {(c["layers_ahead"], c["point"]): c["recall"] for c in L["candidates"]}
+                out.append(f"| {L['layer']} | " + " | ".join(
+                    f"{got[k]:.2f}" if k in got else "–" for k in cands) + " |")
+    if "cache" in res:
+        for pname, c in res["cache"].items():
+            rows = c["replay"]["rows"]
+            pols = list(dict.fromkeys(r["policy"] for r in rows))
+            caps = list(dict.fromkeys(r["capacity"] for r in rows))
+            ws = c["replay"].get("working_set")
+            out += ["", f"Expert cache, prompt `{pname}`, {c['gen']} generated tokens "
+                    f"({c['replay']['requests']} requests, working set {ws}): decode-only TRUE resident hit rate "
+                    "(all steps in parentheses)", "",
+                    "| slots | " + " | ".join(pols) + " |", "|---:|" + "---:|" * len(pols)]
+            for cap in caps:
+                cells = []
+                for pol in pols:
+                    r = next(x for x in rows if x["policy"] == pol and x["capacity"] == cap)
+                    cells.append(f"{100 * r['decode_hit_rate']:.1f} ({100 * r['hit_rate']:.1f})")
+                out.append(f"| {cap} | " + " | ".join(cells) + " |")
+            sk = c["skew"]
+            out += ["", f"Routing skew (`{pname}`): mean per-layer entropy {sk['mean_entropy_bits']} bits "
+                    f"(uniform {sk['uniform_entropy_bits']:.2f}); the top eighth of experts take "
+                    f"{pct(sk['mean_top_eighth_share'])} of a layer's requests (uniform 12.5%)."]
+    return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> int:
@@ -206,7 +267,11 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-gen", type=int, default=400)
     ap.add_argument("--capacities", default="4.5%,9%,18%,36%,73%")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--report", type=Path, help="print the markdown tables of a result JSON and exit")
     a = ap.parse_args(argv)
+    if a.report:
+        print(report(json.loads(a.report.read_text())), end="")
+        return 0
     a.work.mkdir(parents=True, exist_ok=True)
     model = a.model.resolve()
     trunk = a.work / "trunk"

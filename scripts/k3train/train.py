@@ -370,7 +370,49 @@ def main_export(args) -> int:
         return 1
     size = export_checkpoint(Path(args.out), params, pre.dims, kept, args.seed)
     print(f"exported step {step} of {n_steps} -> {args.out} ({size} bytes)", file=sys.stderr)
+    _, row = sub_vocabulary(c.train, pre.dims.vocab, pre.sub_vocab)
+    ev = evaluate(params, pre, c, row, len(kept) + 1, args.val_limit)
+    ev.update({"step": step, "steps": n_steps, "preset": args.preset, "checkpoint_bytes": size})
+    (Path(args.out) / "export.json").write_text(json.dumps(ev, indent=2) + "\n")
+    print(json.dumps(ev))
     return 0
+
+
+def evaluate(params: dict, pre, c, row: np.ndarray, n_rows: int, limit: int | None) -> dict:
+    """Validation CE (nats/token, full vocabulary, float32, MXFP4 experts) of trained params,
+    and the unigram baselines on the same target positions (what ``train`` reports at its end)."""
+    import jax
+    import jax.numpy as jnp
+
+    from . import model
+    d, T, B = pre.dims, pre.seq, pre.batch
+    shared = n_rows - 1
+    log_n_shared = math.log(d.vocab - (n_rows - 1))
+    cfg = model.model_cfg(d)
+    val_rows = row[c.val]
+    n_val = (len(val_rows) - 1) // T
+    if limit is not None:
+        n_val = min(n_val, limit)
+    vx = np.stack([val_rows[i * T:(i + 1) * T] for i in range(n_val)])
+    vy = np.stack([val_rows[i * T + 1:(i + 1) * T + 1] for i in range(n_val)])
+
+    @jax.jit
+    def ce_sum(p, x, y):
+        lg, _ = model.logits(p, x, cfg, qat=True)
+        lg = lg.at[..., shared].add(log_n_shared)
+        lse = jax.nn.logsumexp(lg, axis=-1)
+        tgt = jnp.take_along_axis(lg, y[..., None], axis=-1)[..., 0]
+        return jnp.sum(lse - tgt + jnp.where(y == shared, log_n_shared, 0.0))
+
+    p = jax.tree_util.tree_map(jnp.asarray, params)
+    tot = sum(float(ce_sum(p, jnp.asarray(vx[i:i + B]), jnp.asarray(vy[i:i + B]))) for i in range(0, n_val, B))
+    counts = np.bincount(c.train, minlength=d.vocab).astype(np.float64)
+    pf = counts[counts > 0] / counts.sum()
+    smoothed = (counts + 1.0) / (counts.sum() + d.vocab)
+    vy_full = np.stack([c.val[i * T + 1:(i + 1) * T + 1] for i in range(n_val)])
+    return {"val_ce": tot / vy.size, "val_tokens_scored": int(vy.size),
+            "train_unigram_entropy": float(-(pf * np.log(pf)).sum()),
+            "val_unigram_smoothed_ce": float(-np.log(smoothed[vy_full]).mean())}
 
 
 def main_train(args) -> int:
