@@ -66,7 +66,14 @@ def prompts() -> dict[str, list[int]]:
     return {"fresh": fresh, "quote": quote}
 
 
+REUSE = False
+
+
 def worker(bins, model, trunk, tb, cb, ids, gen, out, extra, socket=None, chunk=1):
+    if REUSE and Path(out).exists() and socket is None:
+        run = json.loads(Path(out).read_text())       # --reuse: a run an interrupted bench left
+        return {**bench.spec_summary(run), "lookahead": run.get("lookahead"),
+                "true_resident_hit_rate": run.get("true_resident_hit_rate")}
     if socket is None:
         cmd = [bins / "k3-worker", "--standalone", model, "--trunk", trunk,
                "--trunk-gb", f"{tb / 1e9:.9f}", "--cache-gb", f"{cb / 1e9:.9f}"]
@@ -89,11 +96,12 @@ def spec(a, model, trunk, draft8, draft4, budgets, P, work):
         ("int8 auto", ["--spec", "auto", "--draft", "model", "--draft-trunk", draft8]),
     ]
     rows = []
+    reps_of = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in a.budget_reps.split(",") if kv}
     for b in ("laptop-like", "trunk-pinned"):
         tb, cb, slots, _ = budgets[b]
         for pname, ids in P.items():
             runs = collections.defaultdict(list)
-            for rep in range(a.reps):
+            for rep in range(reps_of.get(b, a.reps)):
                 for name, extra in configs:
                     out = work / f"spec-{b}-{pname}-{name.replace(' ', '_').replace('=', '')}-{rep}.json"
                     runs[name].append(worker(a.bins, model, trunk, tb, cb, ids, a.gen, out, extra))
@@ -122,6 +130,10 @@ def spec(a, model, trunk, draft8, draft4, budgets, P, work):
 def history(a, model, trunk, tb, cb, b, slots, pname, ids, plain, off, work):
     """The same job twice against one store; the second job's drafts come from the first's."""
     sock = work / f"store-{b}-{pname}.sock"
+    outs = [work / f"hist-{b}-{pname}-{j}.json" for j in range(2)]
+    if REUSE and all(o.exists() for o in outs):
+        res = [worker(a.bins, model, trunk, tb, cb, ids, a.gen, o, []) for o in outs]
+        return hist_row(res, b, slots, pname, plain, off)
     must([a.bins / "k3-store", "start", model, "--trunk", trunk, "--trunk-gb", f"{tb / 1e9:.9f}",
           "--cache-gb", f"{cb / 1e9:.9f}", "--socket", sock, "--detach"])
     try:
@@ -132,6 +144,10 @@ def history(a, model, trunk, tb, cb, b, slots, pname, ids, plain, off, work):
                               ["--spec", "auto", "--draft", "history"], socket=sock))
     finally:
         sh([a.bins / "k3-ctl", "stop", "--socket", sock], capture_output=True)
+    return hist_row(res, b, slots, pname, plain, off)
+
+
+def hist_row(res, b, slots, pname, plain, off):
     r = res[1]
     if r["generated_ids"] != plain or res[0]["generated_ids"] != plain:
         raise SystemExit(f"trained_bench: FAILED: history {b} {pname} ids differ from plain")
@@ -267,12 +283,17 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-gen", type=int, default=400)
     ap.add_argument("--capacities", default="4.5%,9%,18%,36%,73%")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--budget-reps", default="", help="e.g. laptop-like=2,trunk-pinned=1 (else --reps)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="take the run reports an interrupted bench left in --work instead of rerunning")
     ap.add_argument("--report", type=Path, help="print the markdown tables of a result JSON and exit")
     a = ap.parse_args(argv)
     if a.report:
         print(report(json.loads(a.report.read_text())), end="")
         return 0
     a.work.mkdir(parents=True, exist_ok=True)
+    global REUSE
+    REUSE = a.reuse
     model = a.model.resolve()
     trunk = a.work / "trunk"
     if not (trunk / "trunk.json").exists():
