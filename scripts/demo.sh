@@ -81,3 +81,19 @@ echo
 echo "== stopping the store"
 "$BIN/k3-ctl" stop --socket "$SOCK"
 test ! -e "$SOCK" && echo "socket removed; shared memory (a memfd) went with the process"
+
+# ---- the trained proxy (issue #31) ------------------------------------------------------------
+echo
+echo "== the trained proxy: K3's tensor graph trained here on Django's documentation and source"
+echo "   (fixtures/trained/compact.npz expanded to a 180 MB K3 checkpoint; scripts/train_k3.py)"
+if python3 -c "import numpy" 2>/dev/null; then
+  python3 scripts/train_k3.py "$WORK/trained" --expand fixtures/trained/compact.npz
+  for prompt in "To create a new Django project, run" "from django.db import models"; do
+    echo "-- prompt: $prompt"
+    "$BIN/k3-worker" --standalone "$WORK/trained" --tok fixtures/tokenizer --prompt "$prompt" \
+      --gen 48 2>/dev/null
+    echo
+  done
+else
+  echo "(skipped: expanding fixtures/trained/compact.npz needs python3 with numpy)"
+fi

@@ -71,7 +71,7 @@ pub struct BudgetArgs {
     /// Routed-expert cache budget in GB.
     #[arg(long, value_name = "GB", value_parser = gb)]
     pub cache_gb: Vec<f64>,
-    /// Expert-cache eviction policy: lru (default), lfu, layer, layer-lfu, lrfu, layer-lrfu,
+    /// Expert-cache eviction policy: lru, lfu, layer, layer-lfu (default), lrfu, layer-lrfu,
     /// layer-age (see docs/CACHE_POLICY.md).
     #[arg(long, value_name = "NAME", value_parser = policy)]
     pub cache_policy: Option<String>,
@@ -133,9 +133,11 @@ impl BudgetArgs {
         Budget::from_matches(matches, "preset", "trunk_gb", "cache_gb")
     }
 
-    /// The cache policy, `lru` when not given.
+    /// The cache policy, [`crate::runtime::policy::DEFAULT_POLICY`] when not given.
     pub fn policy(&self) -> String {
-        self.cache_policy.clone().unwrap_or_else(|| "lru".into())
+        self.cache_policy
+            .clone()
+            .unwrap_or_else(|| crate::runtime::policy::DEFAULT_POLICY.into())
     }
 }
 

@@ -87,11 +87,14 @@ def manifest_text(source: str, shards: list[tuple[str, int, str]]) -> str:
     }, indent=1) + "\n"
 
 
-def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nested", decoy_head_dim: bool = False) -> list[ShardPlan]:
+def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nested", decoy_head_dim: bool = False, given: dict | None = None) -> list[ShardPlan]:
     """Write the shards, the index, the config and — unless the data is left as holes (the
     skeleton has no content to vouch for) — the manifest with each shard's sha256, hashed as it
-    is written."""
+    is written. ``given`` (values "given"): name -> the tensor's bytes as a flat array already in
+    its dtype (BF16 bit patterns, little-endian F32, U8), e.g. a trained model's (scripts/k3train)."""
     os.makedirs(out_dir, exist_ok=True)
+    if (d.values == "given") != (given is not None):
+        raise ValueError(f"preset {d.name}: values {d.values!r} and given tensors go together")
     plans = plan(d)
     pools = FastPools(seed) if d.values == "fast" else None
     weight_map: dict[str, str] = {}
@@ -109,7 +112,8 @@ def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nest
                 for u in sp.units:
                     for t in u.tensors:
                         written = 0
-                        for chunk in tensor_chunks(t, d.values, seed, pools):
+                        chunks = [given[t.name]] if given is not None else tensor_chunks(t, d.values, seed, pools)
+                        for chunk in chunks:
                             b = memoryview(chunk).cast("B")
                             f.write(b)
                             sha.update(b)

@@ -49,6 +49,11 @@ pub const MAX_EXPERT: u32 = (1 << 24) - 1;
 /// Most requests over all trace files of one replay.
 pub const MAX_REQUESTS: u64 = 100_000_000;
 
+/// The policy used when none is given (`--cache-policy`): layer-aware, because the real model's
+/// recorded trace and the trained proxy's decode traces both show LRU collapsing below ~10% of
+/// the working set while `layer-lfu` does not and never fell below LRU (docs/CACHE_POLICY.md).
+pub const DEFAULT_POLICY: &str = "layer-lfu";
+
 /// Names accepted by [`policy_by_name`] (each may take `:PARAM`, see the module docs).
 pub const POLICY_NAMES: &[&str] = &[
     "lru",

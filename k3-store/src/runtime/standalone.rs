@@ -55,7 +55,7 @@ impl Default for StandaloneOptions {
             io_threads: crate::runtime::plan::IO_THREADS,
             check_memory: true,
             wait_timeout: Duration::from_secs(60),
-            cache_policy: "lru".into(),
+            cache_policy: crate::runtime::policy::DEFAULT_POLICY.into(),
             extra_buffer_bytes: 0,
             preload: Preload::Auto,
             check_shapes: true,
@@ -542,7 +542,10 @@ mod tests {
             t.contains("1/4 layers PINNED") && t.contains("ring "),
             "{t}"
         );
-        assert!(c.contains("3 slots") && c.contains("lru"), "{c}");
+        assert!(
+            c.contains("3 slots") && c.contains(crate::runtime::policy::DEFAULT_POLICY),
+            "{c}"
+        );
         assert!(seen.iter().any(|(w, d, t)| w == "model tensors" && d == t));
         for (n, _, _) in fixture::model_tensors(&spec) {
             let r = src.model_tensor(&n).unwrap();
