@@ -19,7 +19,7 @@ use k3_store::daemon::sessions::{
 };
 use k3_store::daemon::{install_signal_handlers, Server};
 use k3_store::progress::Progress;
-use k3_store::runtime::plan::{allocatable, fmt_gb, Budget, MemoryPlan, PlanInputs};
+use k3_store::runtime::plan::{allocatable, fmt_bytes, Budget, MemoryPlan, PlanInputs};
 
 /// k3 store daemon.
 #[derive(Parser, Debug)]
@@ -300,9 +300,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         if shm > av {
             problems.push(format!(
                 "shared memory needs {} but only {} is available: shortfall {}",
-                fmt_gb(shm),
-                fmt_gb(av),
-                fmt_gb(shm - av)
+                fmt_bytes(shm),
+                fmt_bytes(av),
+                fmt_bytes(shm - av)
             ));
         }
     }
@@ -311,16 +311,16 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         format!(
             ", {} draft trunk {}",
             d.kind().name(),
-            fmt_gb(d.run_bytes())
+            fmt_bytes(d.run_bytes())
         )
     });
     let plan_text = format!(
         "{plan}store shared memory: {} ({} pinned layers, ring {}, {} expert slots{draft_note})\nkept conversations: up to {} and {} sessions, on top of the above{}\n",
-        fmt_gb(shm),
+        fmt_bytes(shm),
         plan.pinned_layers,
-        fmt_gb(plan.ring_bytes),
+        fmt_bytes(plan.ring_bytes),
         plan.expert_slots,
-        fmt_gb((a.session_mb * 1e6) as u64),
+        fmt_bytes((a.session_mb * 1e6) as u64),
         a.max_sessions,
         a.state_dir
             .as_ref()
@@ -340,7 +340,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Ok(p) => p,
         Err(e) => return fail(&mut notify, exit::REFUSED, e),
     };
-    tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
+    // The plan's first line is its header (with the budget's label): printed once.
+    tracing::info!("{}", plan_text.trim_end());
+    notify.plan(&plan_text);
     log_shared_memory_pages();
     drop(trunk);
     let identity = match cat.identity(&a.model_dir) {
@@ -401,10 +403,12 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     let mut bar: Option<Progress> = None;
     let progress = {
         let load = load.clone();
+        let notify = notify.clone();
         move |done: u64, total: u64| {
             bar.get_or_insert_with(|| Progress::new("loading shared memory", total, true))
                 .set(done);
             load.set(done, total);
+            notify.loading(done, total);
         }
     };
     let built = load_behind_gate(listener, load.clone(), stop.clone(), dirs, move || {
@@ -494,7 +498,7 @@ fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
             exit::OK
         }
         Ok(Readiness::Failed { code, message }) => {
-            tracing::error!("{}", message.replace(" | ", "\n"));
+            tracing::error!("{message}");
             code
         }
         Err(e) => {

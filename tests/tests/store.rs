@@ -561,6 +561,46 @@ fn impossible_budget_refuses_detached_start_and_leaves_no_socket() {
     assert!(!sb.socket.exists(), "a refused start leaves no socket");
 }
 
+/// `start --detach` says what is happening (issue 35 item 2): the plan, once, on stdout before
+/// the readiness line; the load's progress in human units on stderr (here not a terminal: plain
+/// lines, the last at 100%); and the store's own log holds the plan's header once.
+#[test]
+fn detached_start_prints_the_plan_once_and_the_load_progress() {
+    let mut sb = Sandbox::new("detach-plan");
+    let model = tiny_model();
+    let r = sb.start_store(&[path_str(&model), "--preset", "laptop"]);
+    let plan_at = r
+        .stdout
+        .find("memory plan (laptop")
+        .unwrap_or_else(|| panic!("{r:?}"));
+    let ready_at = r
+        .stdout
+        .find("k3-store ready")
+        .unwrap_or_else(|| panic!("{r:?}"));
+    assert!(plan_at < ready_at, "the plan comes first: {r:?}");
+    assert_eq!(r.stdout.matches("memory plan").count(), 1, "{r:?}");
+    for row in ["TOTAL", "expert cache", "store shared memory:"] {
+        assert!(r.stdout.contains(row), "{row}: {r:?}");
+    }
+    // Human units (a small model's sizes in MB, not `0.00 GB`).
+    assert!(!r.stdout.contains(" 0.00 GB"), "{r:?}");
+    let last = r
+        .stderr
+        .lines()
+        .rfind(|l| l.contains("loading shared memory: "))
+        .unwrap_or_else(|| panic!("no progress line: {r:?}"));
+    assert!(
+        last.contains(" MB of ") && last.contains("(100%)") && last.contains("MB/s"),
+        "{last}"
+    );
+    assert!(
+        !r.stderr.contains('\r'),
+        "no bar frames off a terminal: {r:?}"
+    );
+    let log = std::fs::read_to_string(sb.store_log()).unwrap();
+    assert_eq!(log.matches("memory plan").count(), 1, "{log}");
+}
+
 /// Copy the tiny checkpoint into `dst`.
 fn copy_model(dst: &Path) {
     std::fs::create_dir_all(dst).unwrap();

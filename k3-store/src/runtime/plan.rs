@@ -172,9 +172,9 @@ impl Budget {
             cache_bytes: cache,
             label: format!(
                 "auto ({} trunk, {} cache of {} may allocate)",
-                fmt_gb(trunk),
-                fmt_gb(cache),
-                fmt_gb(allocatable)
+                fmt_bytes(trunk),
+                fmt_bytes(cache),
+                fmt_bytes(allocatable)
             ),
             auto: true,
         }
@@ -513,8 +513,8 @@ impl MemoryPlan {
         } else if prefix + need > budget.trunk_bytes {
             problems.push(format!(
                 "trunk budget {} cannot hold a ring for {} (the largest layer)",
-                fmt_gb(budget.trunk_bytes),
-                fmt_gb(need)
+                fmt_bytes(budget.trunk_bytes),
+                fmt_bytes(need)
             ));
             need
         } else {
@@ -529,10 +529,10 @@ impl MemoryPlan {
             problems.push(format!(
                 "expert cache budget {} holds {expert_slots} slots of {}; at least top_k = {} are \
                  needed ({} )",
-                fmt_gb(budget.cache_bytes),
+                fmt_bytes(budget.cache_bytes),
                 fmt_mb(stride),
                 inputs.top_k,
-                fmt_gb(stride * inputs.top_k as u64)
+                fmt_bytes(stride * inputs.top_k as u64)
             ));
         }
         MemoryPlan {
@@ -590,9 +590,9 @@ impl MemoryPlan {
             if total > a {
                 problems.push(format!(
                     "the plan needs {} but only {} is available: shortfall {}",
-                    fmt_gb(total),
-                    fmt_gb(a),
-                    fmt_gb(total - a)
+                    fmt_bytes(total),
+                    fmt_bytes(a),
+                    fmt_bytes(total - a)
                 ));
             }
         }
@@ -614,7 +614,8 @@ pub fn fmt_gb(b: u64) -> String {
     format!("{:.2} GB", b as f64 / GB)
 }
 
-/// `12.34 GB` from 1 GB up, else `17.55 MB`.
+/// `12.34 GB` from 1 GB up, else `17.55 MB` (decimal units: k3 prints every size this way, so
+/// a small model's plan does not read `0.00 GB`).
 pub fn fmt_bytes(b: u64) -> String {
     if b as f64 >= GB {
         fmt_gb(b)
@@ -631,15 +632,15 @@ pub fn fmt_mb(b: u64) -> String {
 impl std::fmt::Display for MemoryPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let row = |f: &mut std::fmt::Formatter<'_>, name: &str, b: u64, note: String| {
-            let line = format!("  {name:<16}{:>12}   {note}", fmt_gb(b));
+            let line = format!("  {name:<16}{:>12}   {note}", fmt_bytes(b));
             writeln!(f, "{}", line.trim_end())
         };
         writeln!(
             f,
             "memory plan ({}: trunk {}, expert cache {}):",
             self.budget.label,
-            fmt_gb(self.budget.trunk_bytes),
-            fmt_gb(self.budget.cache_bytes)
+            fmt_bytes(self.budget.trunk_bytes),
+            fmt_bytes(self.budget.cache_bytes)
         )?;
         let trunk_note = if self.ring_bytes == 0 {
             format!(
@@ -670,7 +671,7 @@ impl std::fmt::Display for MemoryPlan {
                 0,
                 format!(
                     "{} mapped from the checkpoint; only the rows of used tokens are paged in",
-                    fmt_gb(self.mapped_bytes)
+                    fmt_bytes(self.mapped_bytes)
                 ),
             )?;
         } else {
