@@ -570,7 +570,8 @@ pub fn open_source(
                 &opts,
                 &mut |what, done, total| steps.update(what, done, total),
             )?;
-            tracing::info!("memory plan:\n{plan}");
+            // The plan's first line is its header: printed once.
+            tracing::info!("{}", plan.to_string().trim_end());
             Ok(Opened {
                 source: Source::Standalone(Box::new(src)),
                 model_dir: model_dir.clone(),
@@ -707,6 +708,9 @@ pub fn run_with(
             let mut stdout = Stdout {
                 tok: pre.tok.as_ref(),
             };
+            if sink.is_none() {
+                echo_prompt(pre.tok.as_ref(), prompt);
+            }
             let sink: &mut dyn Sink = match sink {
                 Some(s) => s,
                 None => &mut stdout,
@@ -723,6 +727,23 @@ pub fn run_with(
                 drafter(cli, pre.replay.as_deref(), prompt.len(), draft_model),
             )
         }
+    }
+}
+
+/// On a terminal, stdout shows the prompt's text (dimmed) before the generated text, so the
+/// continuation reads in place; piped or redirected, stdout is the generated text alone.
+fn echo_prompt(tok: Option<&Tokenizer>, prompt: &[u32]) {
+    use std::io::IsTerminal;
+    let stdout = std::io::stdout();
+    if !stdout.is_terminal() {
+        return;
+    }
+    if let Some(text) = tok.and_then(|t| t.decode(prompt).ok()) {
+        let mut out = stdout.lock();
+        let _ = out.write_all(b"\x1b[2m");
+        let _ = out.write_all(&text);
+        let _ = out.write_all(b"\x1b[0m");
+        let _ = out.flush();
     }
 }
 
@@ -1036,6 +1057,7 @@ fn run_chat(
     src: Option<&AttachedSource>,
 ) -> Result<i32, JobError> {
     use crate::chat::{run_repl, ChatFormat, ReplOptions, Session, TurnOptions};
+    // Ctrl-C: see `ReplInput::stdin_with_ctrl_c` (stops a reply; twice at the prompt leaves).
     use std::io::IsTerminal;
     let fmt = ChatFormat::new(tok, thinking).map_err(refuse)?;
     tracing::info!(
@@ -1077,14 +1099,20 @@ fn run_chat(
             spec: cli.spec,
         },
         prompt: std::io::stdin().is_terminal(),
+        prompt_on_out: std::io::stdout().is_terminal(),
         dim_think: std::io::stderr().is_terminal(),
     };
-    let stdin = std::io::stdin();
+    let mut input =
+        crate::chat::ReplInput::stdin_with_ctrl_c().map_err(|source| JobError::Output {
+            path: PathBuf::from("<stdin>"),
+            source,
+            before_work: true,
+        })?;
     let summary = run_repl(
         model,
         &fmt,
         &mut session,
-        &mut stdin.lock(),
+        &mut input,
         &mut std::io::stdout(),
         &mut std::io::stderr(),
         &opts,
