@@ -125,6 +125,10 @@ impl Drop for Progress {
     }
 }
 
+/// The steps the loaders report in bytes (the others count items): shown as sizes.
+/// (`StandaloneSource::open` reports the expert preload as "expert cache", in bytes.)
+pub const BYTE_STEPS: &[&str] = &["expert cache"];
+
 /// A `(what, done, total)` callback (the shape the loaders report in) that keeps one
 /// [`Progress`] per step name.
 #[derive(Debug, Default)]
@@ -137,7 +141,8 @@ impl Steps {
     pub fn update(&mut self, what: &str, done: usize, total: usize) {
         let same = self.current.as_ref().is_some_and(|(w, _)| w == what);
         if !same {
-            self.current = Some((what.to_string(), Progress::new(what, total as u64, false)));
+            let bytes = BYTE_STEPS.contains(&what);
+            self.current = Some((what.to_string(), Progress::new(what, total as u64, bytes)));
         }
         if let Some((_, p)) = self.current.as_mut() {
             p.set(done as u64);

@@ -19,13 +19,14 @@ use crate::cli::{Cli, MAX_PROMPT, MAX_PROMPT_FILE};
 use crate::generate::{positions_needed, Flow, GenOptions, Sampler, Session, END_IDS};
 use crate::model::bind::ShapeTable;
 use crate::model::{Dims, Model, ModelError, TensorShapes};
-use crate::report::{self, gb, HiddenDump};
+use crate::report::{self, HiddenDump};
 use crate::sink::{Sink, Stdout};
 use crate::spec::{
     Drafter, FirstOf, HistoryDrafter, ModelDrafter, NgramDrafter, ReplayDrafter, SpecMode,
 };
 use crate::tokenizer::Tokenizer;
 use k3_store::runtime::draft::DraftSource;
+use k3_store::runtime::plan::fmt_bytes;
 use k3_store::runtime::trunk::TrunkError;
 
 /// Why a job stopped, with its exit code ([`k3_proto::exit::ExitStatus`]).
@@ -266,18 +267,18 @@ fn draft_model_bytes(cli: &Cli, dims: &Dims, positions: usize) -> Result<u64, Jo
     let state = ModelDrafter::state_bytes(dims, positions + spec_drafts(cli));
     let Some(dir) = cli.draft_trunk.as_deref() else {
         tracing::info!(
-            "draft model: the store's draft trunk + its sequence state {:.3} GB in this process",
-            gb(state)
+            "draft model: the store's draft trunk + its sequence state {} in this process",
+            fmt_bytes(state)
         );
         return Ok(state);
     };
     let (kind, bytes) =
         DraftSource::probe(dir, dims.n_layers).map_err(|e| refuse(e.to_string()))?;
     tracing::info!(
-        "draft model: {} trunk {:.3} GB + its sequence state {:.3} GB, held in this process",
+        "draft model: {} trunk {} + its sequence state {}, held in this process",
         kind.name(),
-        gb(bytes),
-        gb(state)
+        fmt_bytes(bytes),
+        fmt_bytes(state)
     );
     Ok(bytes + state)
 }
@@ -313,9 +314,9 @@ fn load_draft_model(
         TrunkError::Io(m) => JobError::DraftIo(m),
     })?;
     tracing::info!(
-        "draft model: {} trunk {:.3} GB loaded and checked in {:.2} s",
+        "draft model: {} trunk {} loaded and checked in {:.2} s",
         src.kind().name(),
-        gb(src.bytes()),
+        fmt_bytes(src.bytes()),
         t0.elapsed().as_secs_f64()
     );
     let capacity = opened.positions + spec_drafts(cli);
@@ -510,14 +511,14 @@ pub fn open_source(
                     }
                 })?;
             tracing::info!(
-                "attached to {} in {:.3} s: model {}, {} pinned layers, {:.3} GB shared, {} expert slots, store ring {:.3} GB",
+                "attached to {} in {:.3} s: model {}, {} pinned layers, {} shared, {} expert slots, store ring {}",
                 socket.display(),
                 info.attach_seconds,
                 info.model_dir.display(),
                 info.pinned_layers,
-                gb(info.shm_bytes),
+                fmt_bytes(info.shm_bytes),
                 info.slots,
-                gb(info.ring_bytes)
+                fmt_bytes(info.ring_bytes)
             );
             let (cfg, dims) = config(cli, &info.model_dir)?;
             // The store holds the weights and streams the unpinned layers through its own ring
@@ -528,16 +529,16 @@ pub fn open_source(
             let avail = k3_store::runtime::plan::allocatable().map_err(refuse)?;
             if need > avail {
                 return Err(refuse(format!(
-                    "REFUSING TO START: the sequence state and buffers need {:.3} GB but this process may allocate only {:.3} GB",
-                    gb(need),
-                    gb(avail)
+                    "REFUSING TO START: the sequence state and buffers need {} but this process may allocate only {}",
+                    fmt_bytes(need),
+                    fmt_bytes(avail)
                 )));
             }
             tracing::info!(
-                "worker memory: sequence state and buffers {:.3} GB (no ring: the trunk streams through the store's {:.3} GB ring); may allocate {:.3} GB",
-                gb(need),
-                gb(info.ring_bytes),
-                gb(avail)
+                "worker memory: sequence state and buffers {} (no ring: the trunk streams through the store's {} ring); may allocate {}",
+                fmt_bytes(need),
+                fmt_bytes(info.ring_bytes),
+                fmt_bytes(avail)
             );
             Ok(Opened {
                 source: Source::Attached(Box::new(src)),
@@ -631,12 +632,12 @@ pub fn run_with(
         }
     }
     tracing::info!(
-        "sequence state: {} positions -> MLA latent cache {:.3} GB ({} B/position over {} layers) + KDA state {:.3} GB",
+        "sequence state: {} positions -> MLA latent cache {} ({} B/position over {} layers) + KDA state {}",
         opened.positions,
-        gb(opened.dims.mla_cache_bytes(opened.positions as u64)),
+        fmt_bytes(opened.dims.mla_cache_bytes(opened.positions as u64)),
         opened.dims.mla_cache_bytes(1),
         opened.dims.n_mla(),
-        gb(opened.dims.kda_state_bytes())
+        fmt_bytes(opened.dims.kda_state_bytes())
     );
     // One read of the checkpoint index serves the shape checks and, with a draft model, the
     // catalog its identity check needs.
@@ -1127,10 +1128,10 @@ fn run_chat(
         },
     })?;
     eprintln!(
-        "chat: {} turns ({} refused); PEAK RSS for the whole run: {:.3} GB",
+        "chat: {} turns ({} refused); PEAK RSS for the whole run: {}",
         summary.turns,
         summary.refused,
-        gb(report::peak_rss_bytes())
+        fmt_bytes(report::peak_rss_bytes())
     );
     if let Some(path) = &cli.out {
         let v = serde_json::json!({

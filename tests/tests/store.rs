@@ -599,6 +599,53 @@ fn detached_start_prints_the_plan_once_and_the_load_progress() {
     );
     let log = std::fs::read_to_string(sb.store_log()).unwrap();
     assert_eq!(log.matches("memory plan").count(), 1, "{log}");
+    // `k3-ctl status` of a store without a packed trunk: no empty `trunk:` line; sizes in MB.
+    let st = sb.ctl(&["status"]);
+    assert_eq!(st.code, 0, "{st:?}");
+    assert!(
+        st.stdout
+            .lines()
+            .any(|l| l.starts_with("trunk: none packed")),
+        "{st:?}"
+    );
+    assert!(
+        st.stdout
+            .lines()
+            .any(|l| l.starts_with("shared memory: ") && l.ends_with(" MB")),
+        "{st:?}"
+    );
+}
+
+/// The standalone worker's start (issue 35 item 7): the plan's header once, the expert preload's
+/// progress and the report in human units (MB for this small model, not raw byte counts or
+/// `0.000 GB`).
+#[test]
+fn standalone_worker_prints_the_plan_header_once_and_sizes_in_human_units() {
+    let sb = Sandbox::new("standalone-units");
+    let model = tiny_model();
+    let r = sb.run(
+        "k3-worker",
+        &[
+            "--standalone",
+            path_str(&model),
+            "--ids",
+            "1,2,3",
+            "--gen",
+            "2",
+        ],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(r.stderr.matches("memory plan").count(), 1, "{}", r.stderr);
+    let preload = r
+        .stderr
+        .lines()
+        .rfind(|l| l.contains("expert cache: "))
+        .unwrap_or_else(|| panic!("{}", r.stderr));
+    assert!(
+        preload.contains(" MB of ") && preload.contains("(100%)"),
+        "{preload}"
+    );
+    assert!(!r.stderr.contains("0.000 GB"), "{}", r.stderr);
 }
 
 /// Copy the tiny checkpoint into `dst`.
