@@ -795,7 +795,7 @@ enum InputSrc<'a> {
     Thread(std::sync::mpsc::Receiver<std::io::Result<Option<Line>>>),
 }
 
-/// What [`ReplInput::next`] got.
+/// What [`ReplInput::read`] got.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Next {
     /// A line.
@@ -858,7 +858,7 @@ impl<'a> ReplInput<'a> {
     }
 
     /// The next line, end of input, or a Ctrl-C that came first.
-    pub fn next(&mut self) -> std::io::Result<Next> {
+    pub fn read(&mut self) -> std::io::Result<Next> {
         let rx = match &mut self.src {
             InputSrc::Reader(r) => {
                 return Ok(read_line_bounded(*r, MAX_LINE_BYTES)?.map_or(Next::End, Next::Line))
@@ -961,7 +961,7 @@ pub fn run_repl(
             let _ = write!(w, "> ");
             let _ = w.flush();
         }
-        let line = match input.next()? {
+        let line = match input.read()? {
             Next::End => {
                 if opts.prompt {
                     let _ = writeln!(err);
@@ -1118,9 +1118,9 @@ mod tests {
         let mut input = ReplInput::channel(rx, flag.clone());
         tx.send(Ok(Some(Line::Text(b"hi".to_vec())))).unwrap();
         flag.store(true, Ordering::SeqCst);
-        assert_eq!(input.next().unwrap(), Next::Interrupt);
+        assert_eq!(input.read().unwrap(), Next::Interrupt);
         assert_eq!(
-            input.next().unwrap(),
+            input.read().unwrap(),
             Next::Line(Line::Text(b"hi".to_vec()))
         );
         // Waiting for a line: a Ctrl-C arriving meanwhile ends the wait.
@@ -1129,18 +1129,18 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(200));
             f.store(true, Ordering::SeqCst);
         });
-        assert_eq!(input.next().unwrap(), Next::Interrupt);
+        assert_eq!(input.read().unwrap(), Next::Interrupt);
         t.join().unwrap();
         assert!(!input.take_interrupt());
         drop(tx);
-        assert_eq!(input.next().unwrap(), Next::End);
+        assert_eq!(input.read().unwrap(), Next::End);
         let mut bytes: &[u8] = b"one\n";
         let mut plain = ReplInput::reader(&mut bytes);
         assert_eq!(
-            plain.next().unwrap(),
+            plain.read().unwrap(),
             Next::Line(Line::Text(b"one".to_vec()))
         );
-        assert_eq!(plain.next().unwrap(), Next::End);
+        assert_eq!(plain.read().unwrap(), Next::End);
         assert!(!plain.take_interrupt());
     }
 }
