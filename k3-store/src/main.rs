@@ -425,9 +425,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
                     // the store, but a `start --detach` waiting for readiness gets no store.
                     let r = load.report();
                     let msg = format!(
-                        "stopped during the load, after {:.2} of {:.2} GB in {:.1} s",
-                        r.done_bytes as f64 / 1e9,
-                        r.total_bytes as f64 / 1e9,
+                        "stopped during the load, after {} of {} in {:.1} s",
+                        fmt_bytes(r.done_bytes),
+                        fmt_bytes(r.total_bytes),
                         r.seconds
                     );
                     tracing::info!("{msg}");
