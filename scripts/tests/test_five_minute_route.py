@@ -3,8 +3,8 @@ run as written with bash from the repository's root, and timed.
 
 Three things are changed so the test cannot collide with anything else on the machine, and only
 these: the port (`127.0.0.1:8080` becomes a free ephemeral port, and `k3-ctl serve` is given it
-with `--listen`), the checkpoint directory (`/tmp/k3-small` becomes one inside the test's temporary
-directory) and `XDG_RUNTIME_DIR` (so the default socket and the store's log are inside it too).
+with `--listen`), the checkpoint directory and serve's log (`/tmp/k3-small`, `/tmp/k3-serve.log` become
+paths inside the test's temporary directory) and `XDG_RUNTIME_DIR` (so the default socket and the store's log are inside it too).
 The block runs under `set -euo pipefail`: any command failing fails the test.
 
 Checked: the store printed its plan and became ready; `curl` got a chat completion with a
@@ -39,17 +39,29 @@ def free_port():
         return s.getsockname()[1]
 
 
+def serve_gone(port, wait_s=10):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < wait_s:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def test_the_readme_five_minute_route_runs_as_written():
     block = route_block()
-    for must in ("k3-store start", "k3-ctl serve &", "curl", "from openai import OpenAI", "stream=True",
+    for must in ("k3-store start", "k3-ctl serve 2> /tmp/k3-serve.log &", "curl", "from openai import OpenAI", "stream=True",
                  "k3-ctl stop", "127.0.0.1:8080", "/tmp/k3-small"):
         assert must in block, f"the route lost {must!r}"
     with tempfile.TemporaryDirectory(prefix="k3-five-") as d:
         d = Path(d)
         port = free_port()
         script = (block.replace("127.0.0.1:8080", f"127.0.0.1:{port}")
-                  .replace("k3-ctl serve &", f"k3-ctl serve --listen 127.0.0.1:{port} &")
-                  .replace("/tmp/k3-small", str(d / "k3-small")))
+                  .replace("k3-ctl serve 2>", f"k3-ctl serve --listen 127.0.0.1:{port} 2>")
+                  .replace("/tmp/k3-small", str(d / "k3-small"))
+                  .replace("/tmp/k3-serve.log", str(d / "k3-serve.log")))
         xdg = d / "xdg"
         xdg.mkdir(mode=0o700)
         env = dict(os.environ, XDG_RUNTIME_DIR=str(xdg))
@@ -74,7 +86,8 @@ def test_the_readme_five_minute_route_runs_as_written():
         streamed = lines[i + 1:]
         assert streamed and streamed[0].strip(), f"no streamed answer: {out}"
         assert "store stopped" in out, out
+        assert serve_gone(port), f"serve still listens on {port} 10 s after `kill $!`"
         assert not (xdg / "k3" / "store.sock").exists()
-        assert not (d / "k3-small").exists()
+        assert not (d / "k3-small").exists() and not (d / "k3-serve.log").exists()
         print(f"five-minute route: {took:.1f} s")
         assert took < LIMIT_S, f"the route took {took:.0f} s"
