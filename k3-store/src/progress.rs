@@ -65,8 +65,11 @@ impl Progress {
         match &self.bar {
             Some(b) => {
                 b.set_position(done);
-                if done >= self.total {
+                if done >= self.total && !b.is_finished() {
                     b.finish();
+                    // indicatif leaves the cursor at the end of the finished bar: what is
+                    // printed next starts on a line of its own.
+                    eprintln!();
                 }
             }
             None => {
@@ -120,6 +123,7 @@ impl Drop for Progress {
         if let Some(b) = &self.bar {
             if !b.is_finished() {
                 b.abandon();
+                eprintln!();
             }
         }
     }
