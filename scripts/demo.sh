@@ -2,7 +2,8 @@
 # k3 demo on the bundled tiny model (fixtures/tiny/model): pack its trunk, start a store, run two
 # workers against it, show the warm cache in `k3-ctl stats`, stop the store.
 #
-#   scripts/demo.sh            # builds (debug profile) and runs; everything lives in a temp dir
+#   scripts/demo.sh            # builds (debug profile, target/debug) and runs; everything else
+#                              # lives in a temp dir, removed at the end
 #
 # Exit status is non-zero if any step fails. The two workers must print identical ids; the second
 # one's TRUE resident hit rate is 100% because the first one's experts are still in the store.
@@ -10,8 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
-echo "== building k3 (cargo build --bins)"
-cargo build --quiet --workspace --bins
+echo "== building k3-store, k3-worker, k3-ctl into target/debug (cargo build --workspace --bins;"
+echo "   a first build compiles ~250 crates: several minutes on 2 cores, cargo shows its progress)"
+cargo build --workspace --bins
 BIN="$ROOT/target/debug"
 
 WORK=$(mktemp -d -t k3-demo.XXXXXX)

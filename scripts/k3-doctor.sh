@@ -9,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x target/release/k3-ctl ] || [ -n "$(find k3-ctl/src k3-store/src -newer target/release/k3-ctl -name '*.rs' -print -quit)" ]; then
-  cargo build --release --quiet -p k3-ctl >&2
+  echo "== building k3-ctl (release) into target/release (cargo shows its progress)" >&2
+  cargo build --release -p k3-ctl >&2
 fi
 exec target/release/k3-ctl doctor "$@"

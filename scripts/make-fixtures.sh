@@ -3,6 +3,8 @@
 # outputs for it (fixtures/tiny/reference/): a fixed 12-id prompt and 20 greedy tokens, so teacher
 # forcing covers 12 + 20 = 32 positions. Both steps are deterministic; commit both directories
 # together (scripts/tests/test_reference_invariants.py checks they still agree).
+# It replaces both directories in the working tree, and runs Python from `.venv/` (created and
+# filled from scripts/requirements.txt first if needed, see scripts/venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +16,7 @@ if [[ ! -f scripts/make-checkpoint.py ]]; then
     echo "error: scripts/make-checkpoint.py is missing (the generator has not been merged yet)" >&2
     exit 2
 fi
+. scripts/venv.sh
 
 echo "== generating fixtures/tiny/model (preset tiny, seed $SEED)"
 rm -rf fixtures/tiny/model

@@ -228,8 +228,9 @@ pub fn census(cfg: &ModelConfig, idx: &CheckpointIndex) -> Census {
     c
 }
 
+/// A size in human decimal units (GB from 1 GB up, else MB).
 fn gb(b: u64) -> String {
-    format!("{:.2} GB", b as f64 / 1e9)
+    k3_store::runtime::plan::fmt_bytes(b)
 }
 
 fn refuse(json: bool, problems: &[String]) -> i32 {

@@ -6,6 +6,7 @@ use std::time::Duration;
 use k3_proto::exit;
 use k3_proto::wire::{ClientKind, Counters, Request, Response, StatsReport};
 use k3_store::attach::client::{Client, ClientError};
+use k3_store::runtime::plan::fmt_bytes;
 
 /// Where the store listens: the flag group every binary shares.
 pub use k3_store::cli::SocketArgs as SocketArg;
@@ -59,9 +60,13 @@ pub fn run_status(a: SocketArg) -> i32 {
             println!("store: up, pid {}, uptime {:.1} s", s.pid, s.uptime_seconds);
             println!("socket: {}", a.path().display());
             println!("model: {}", s.model_dir);
-            println!("trunk: {}", s.trunk_dir);
+            if s.trunk_dir.is_empty() {
+                println!("trunk: none packed (layers read from the checkpoint's shards)");
+            } else {
+                println!("trunk: {}", s.trunk_dir);
+            }
             println!("preset: {}", s.preset);
-            println!("shared memory: {:.3} GB", s.shm_bytes as f64 / 1e9);
+            println!("shared memory: {}", fmt_bytes(s.shm_bytes));
             println!("clients ({}):", s.clients.len());
             for l in &s.clients {
                 println!("  {l}");
@@ -174,17 +179,17 @@ pub fn render_stats(s: &StatsReport) -> String {
     );
     let _ = writeln!(
         o,
-        "          experts read {:.3} GB in {:.2} s ({} MB/s)",
-        l.expert_bytes_read as f64 / 1e9,
+        "          experts read {} in {:.2} s ({} MB/s)",
+        fmt_bytes(l.expert_bytes_read),
         l.read_seconds,
         mbps(l)
     );
     if l.trunk_layers_served > 0 || l.trunk_layer_reads > 0 {
         let _ = writeln!(
             o,
-            "trunk:    read {:.3} GB in {} layer reads  served {} layers ({} from a shared read)  \
+            "trunk:    read {} in {} layer reads  served {} layers ({} from a shared read)  \
              waits {:.2} s  broken leases {}",
-            l.trunk_bytes_read as f64 / 1e9,
+            fmt_bytes(l.trunk_bytes_read),
             l.trunk_layer_reads,
             l.trunk_layers_served,
             l.trunk_shared_layers,
@@ -195,9 +200,9 @@ pub fn render_stats(s: &StatsReport) -> String {
     if l.preloaded_experts > 0 {
         let _ = writeln!(
             o,
-            "preload:  {} experts ({:.3} GB) read at start-up in {:.2} s (not in the figures above)",
+            "preload:  {} experts ({}) read at start-up in {:.2} s (not in the figures above)",
             l.preloaded_experts,
-            l.preload_bytes as f64 / 1e9,
+            fmt_bytes(l.preload_bytes),
             l.preload_seconds
         );
     }
@@ -205,12 +210,12 @@ pub fn render_stats(s: &StatsReport) -> String {
         let per = l.prefetch_bytes.checked_div(l.prefetch_loads).unwrap_or(0);
         let _ = writeln!(
             o,
-            "prefetch: {} experts ({:.3} GB) read ahead by router lookahead, {} used, {:.3} GB \
+            "prefetch: {} experts ({}) read ahead by router lookahead, {} used, {} \
              wasted, {} dropped unread (the layer asked before they were read)",
             l.prefetch_loads,
-            l.prefetch_bytes as f64 / 1e9,
+            fmt_bytes(l.prefetch_bytes),
             l.prefetch_used,
-            (l.prefetch_loads.saturating_sub(l.prefetch_used) * per) as f64 / 1e9,
+            fmt_bytes(l.prefetch_loads.saturating_sub(l.prefetch_used) * per),
             l.prefetch_dropped
         );
     }
@@ -228,11 +233,11 @@ pub fn render_stats(s: &StatsReport) -> String {
     let ss = &s.sessions;
     let _ = writeln!(
         o,
-        "sessions: {} of at most {}  {:.3} MB of {:.3} MB  evicted {}{}",
+        "sessions: {} of at most {}  {} of {}  evicted {}{}",
         ss.count,
         ss.max_count,
-        ss.bytes as f64 / 1e6,
-        ss.budget_bytes as f64 / 1e6,
+        fmt_bytes(ss.bytes),
+        fmt_bytes(ss.budget_bytes),
         ss.evicted,
         if ss.state_dir.is_empty() {
             "  (memory only)".to_string()
@@ -749,13 +754,13 @@ mod tests {
         assert!(t.contains("TRUE resident hits 4 (40.0%)"), "{t}");
         assert!(
             t.contains(
-                "prefetch: 5 experts (0.005 GB) read ahead by router lookahead, 3 used, 0.002 GB \
+                "prefetch: 5 experts (5.00 MB) read ahead by router lookahead, 3 used, 2.00 MB \
                  wasted, 4 dropped unread"
             ),
             "{t}"
         );
         assert!(
-            t.contains("preload:  64 experts (1.123 GB) read at start-up in 0.40 s"),
+            t.contains("preload:  64 experts (1.12 GB) read at start-up in 0.40 s"),
             "{t}"
         );
         assert!(!render_stats(&StatsReport::default()).contains("preload:"));
@@ -766,7 +771,7 @@ mod tests {
         // The shared trunk ring: lifetime reads, hand-outs, shared ones, waits, broken leases;
         // per job its trunk MB and shared/served layers.
         assert!(
-            t.contains("trunk:    read 2.500 GB in 10 layer reads  served 30 layers (20 from a shared read)  waits 1.50 s  broken leases 1"),
+            t.contains("trunk:    read 2.50 GB in 10 layer reads  served 30 layers (20 from a shared read)  waits 1.50 s  broken leases 1"),
             "{t}"
         );
         assert!(

@@ -19,7 +19,7 @@ use k3_store::daemon::sessions::{
 };
 use k3_store::daemon::{install_signal_handlers, Server};
 use k3_store::progress::Progress;
-use k3_store::runtime::plan::{allocatable, fmt_gb, Budget, MemoryPlan, PlanInputs};
+use k3_store::runtime::plan::{allocatable, fmt_bytes, Budget, MemoryPlan, PlanInputs};
 
 /// k3 store daemon.
 #[derive(Parser, Debug)]
@@ -320,9 +320,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         if shm > av {
             problems.push(format!(
                 "shared memory needs {} but only {} is available: shortfall {}",
-                fmt_gb(shm),
-                fmt_gb(av),
-                fmt_gb(shm - av)
+                fmt_bytes(shm),
+                fmt_bytes(av),
+                fmt_bytes(shm - av)
             ));
         }
     }
@@ -348,8 +348,8 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
                 "--history-ids {}: the history takes {} beside the store's shared memory, but only \
                  {} is left there (lower --history-ids)",
                 a.history_ids,
-                fmt_gb(history_bytes),
-                fmt_gb(room)
+                fmt_bytes(history_bytes),
+                fmt_bytes(room)
             ));
         }
         let room = room.saturating_sub(history_bytes);
@@ -359,10 +359,10 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
                     "--session-mb {}: kept conversations may take {} on top of the store's shared \
                      memory ({}), but only {} is left beside it: shortfall {} (lower --session-mb)",
                     a.session_mb,
-                    fmt_gb(session_bytes),
-                    fmt_gb(shm),
-                    fmt_gb(room),
-                    fmt_gb(session_bytes - room)
+                    fmt_bytes(session_bytes),
+                    fmt_bytes(shm),
+                    fmt_bytes(room),
+                    fmt_bytes(session_bytes - room)
                 ));
             } else {
                 session_note = format!(
@@ -377,16 +377,16 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         format!(
             ", {} draft trunk {}",
             d.kind().name(),
-            fmt_gb(d.run_bytes())
+            fmt_bytes(d.run_bytes())
         )
     });
     let plan_text = format!(
         "{plan}store shared memory: {} ({} pinned layers, ring {}, {} expert slots{draft_note})\nkept conversations: up to {}{session_note} and {} sessions, on top of the above{}\n",
-        fmt_gb(shm),
+        fmt_bytes(shm),
         plan.pinned_layers,
-        fmt_gb(plan.ring_bytes),
+        fmt_bytes(plan.ring_bytes),
         plan.expert_slots,
-        fmt_gb(session_bytes),
+        fmt_bytes(session_bytes),
         a.max_sessions,
         a.state_dir
             .as_ref()
@@ -451,7 +451,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Ok(p) => p,
         Err(e) => return fail(&mut notify, exit::REFUSED, e),
     };
-    tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
+    // The plan's first line is its header (with the budget's label): printed once.
+    tracing::info!("{}", plan_text.trim_end());
+    notify.plan(&plan_text);
     log_shared_memory_pages();
     drop(trunk);
     let sessions = Arc::new(Sessions::new(
@@ -510,10 +512,12 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     let mut bar: Option<Progress> = None;
     let progress = {
         let load = load.clone();
+        let notify = notify.clone();
         move |done: u64, total: u64| {
             bar.get_or_insert_with(|| Progress::new("loading shared memory", total, true))
                 .set(done);
             load.set(done, total);
+            notify.loading(done, total);
         }
     };
     let built = load_behind_gate(listener, load.clone(), stop.clone(), dirs, move || {
@@ -530,9 +534,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
                     // the store, but a `start --detach` waiting for readiness gets no store.
                     let r = load.report();
                     let msg = format!(
-                        "stopped during the load, after {:.2} of {:.2} GB in {:.1} s",
-                        r.done_bytes as f64 / 1e9,
-                        r.total_bytes as f64 / 1e9,
+                        "stopped during the load, after {} of {} in {:.1} s",
+                        fmt_bytes(r.done_bytes),
+                        fmt_bytes(r.total_bytes),
                         r.seconds
                     );
                     tracing::info!("{msg}");
@@ -604,7 +608,7 @@ fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
             exit::OK
         }
         Ok(Readiness::Failed { code, message }) => {
-            tracing::error!("{}", message.replace(" | ", "\n"));
+            tracing::error!("{message}");
             code
         }
         Err(e) => {

@@ -3,10 +3,10 @@
 //!
 //! On a terminal a step shows an `indicatif` bar on stderr; otherwise (a detached store's log, a
 //! pipe, CI) it logs plain `tracing` lines at every tenth and at the end, so a log file never
-//! gets `\r` frames.
+//! gets `\r` frames. Sizes are decimal (1 GB = 10^9 bytes, 1 MB = 10^6), as everywhere in k3.
 
 use std::io::IsTerminal;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -29,6 +29,8 @@ pub struct Progress {
     bar: Option<ProgressBar>,
     what: String,
     total: u64,
+    bytes: bool,
+    t0: Instant,
     last_tenth: u64,
 }
 
@@ -37,7 +39,7 @@ impl Progress {
     pub fn new(what: &str, total: u64, bytes: bool) -> Progress {
         let bar = std::io::stderr().is_terminal().then(|| {
             let tpl = if bytes {
-                "{msg:>24} [{bar:32}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}"
+                "{msg:>24} [{bar:32}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} eta {eta}"
             } else {
                 "{msg:>24} [{bar:32}] {pos}/{len} eta {eta}"
             };
@@ -52,6 +54,8 @@ impl Progress {
             bar,
             what: what.to_string(),
             total,
+            bytes,
+            t0: Instant::now(),
             last_tenth: 0,
         }
     }
@@ -61,8 +65,11 @@ impl Progress {
         match &self.bar {
             Some(b) => {
                 b.set_position(done);
-                if done >= self.total {
+                if done >= self.total && !b.is_finished() {
                     b.finish();
+                    // indicatif leaves the cursor at the end of the finished bar: what is
+                    // printed next starts on a line of its own.
+                    eprintln!();
                 }
             }
             None => {
@@ -72,10 +79,42 @@ impl Progress {
                     .unwrap_or(10);
                 if tenth > self.last_tenth || done >= self.total && self.last_tenth < 10 {
                     self.last_tenth = tenth.max(if done >= self.total { 10 } else { 0 });
-                    tracing::info!("{}: {done}/{}", self.what, self.total);
+                    tracing::info!("{}: {}", self.what, self.line(done));
                 }
             }
         }
+    }
+}
+
+impl Progress {
+    /// The plain form of `done`: `12/40` for counts; for bytes
+    /// `1.20 GB of 3.40 GB (35%), 250.00 MB/s, eta 9 s`.
+    fn line(&self, done: u64) -> String {
+        if !self.bytes {
+            return format!("{done}/{}", self.total);
+        }
+        use crate::runtime::plan::fmt_bytes;
+        let pct = if self.total > 0 {
+            done as f64 * 100.0 / self.total as f64
+        } else {
+            100.0
+        };
+        let secs = self.t0.elapsed().as_secs_f64();
+        let rate = if secs > 0.0 { done as f64 / secs } else { 0.0 };
+        let left = self.total.saturating_sub(done);
+        let eta = if left == 0 {
+            "done".to_string()
+        } else if rate > 0.0 {
+            format!("eta {:.0} s", left as f64 / rate)
+        } else {
+            "eta unknown".to_string()
+        };
+        format!(
+            "{} of {} ({pct:.0}%), {}/s, {eta}",
+            fmt_bytes(done),
+            fmt_bytes(self.total),
+            fmt_bytes(rate as u64)
+        )
     }
 }
 
@@ -84,10 +123,15 @@ impl Drop for Progress {
         if let Some(b) = &self.bar {
             if !b.is_finished() {
                 b.abandon();
+                eprintln!();
             }
         }
     }
 }
+
+/// The steps the loaders report in bytes (the others count items): shown as sizes.
+/// (`StandaloneSource::open` reports the expert preload as "expert cache", in bytes.)
+pub const BYTE_STEPS: &[&str] = &["expert cache"];
 
 /// A `(what, done, total)` callback (the shape the loaders report in) that keeps one
 /// [`Progress`] per step name.
@@ -101,7 +145,8 @@ impl Steps {
     pub fn update(&mut self, what: &str, done: usize, total: usize) {
         let same = self.current.as_ref().is_some_and(|(w, _)| w == what);
         if !same {
-            self.current = Some((what.to_string(), Progress::new(what, total as u64, false)));
+            let bytes = BYTE_STEPS.contains(&what);
+            self.current = Some((what.to_string(), Progress::new(what, total as u64, bytes)));
         }
         if let Some((_, p)) = self.current.as_mut() {
             p.set(done as u64);

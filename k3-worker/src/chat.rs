@@ -22,6 +22,8 @@
 //! it is accepted here because the effort body itself names it.
 
 use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::generate::{self, positions_needed, Flow, GenOptions, Sampler, END_IDS};
 use crate::model::{Model, ModelError};
@@ -629,14 +631,16 @@ impl Session {
     }
 
     /// One turn: append `user`, prefill what the state lacks, generate up to `max_new` ids,
-    /// append the reply to the history. `on_id` sees each generated id with its channel.
+    /// append the reply to the history. `on_id` sees each generated id with its channel;
+    /// [`Flow::Stop`] ends the reply after that id (it is kept as it is, like a reply cut by
+    /// `max_new`).
     pub fn turn(
         &mut self,
         model: &mut Model<'_>,
         fmt: &ChatFormat<'_>,
         user: &str,
         opts: &TurnOptions,
-        on_id: &mut dyn FnMut(Channel, u32),
+        on_id: &mut dyn FnMut(Channel, u32) -> Flow,
     ) -> Result<TurnReport, TurnError> {
         self.history.push(Message::user(user));
         let conversation = fmt.render(&self.history, true);
@@ -671,7 +675,7 @@ impl Session {
         fmt: &ChatFormat<'_>,
         conversation: &[u32],
         opts: &TurnOptions,
-        on_id: &mut dyn FnMut(Channel, u32),
+        on_id: &mut dyn FnMut(Channel, u32) -> Flow,
     ) -> Result<TurnReport, TurnError> {
         let plan = if self.seq.is_valid() {
             plan_prefill(self.seq.held(), conversation)
@@ -700,8 +704,8 @@ impl Session {
         };
         let report = self.seq.generate(model, new, &gen, &mut |s| {
             let channel = parser.push(tok, s.token);
-            on_id(channel, s.token);
-            if parser.done() {
+            let asked = on_id(channel, s.token);
+            if parser.done() || asked == Flow::Stop {
                 Flow::Stop
             } else {
                 Flow::Continue
@@ -775,13 +779,118 @@ pub fn read_line_bounded(input: &mut dyn BufRead, limit: usize) -> std::io::Resu
     Ok(Some(Line::Text(line)))
 }
 
+/// Where the chat loop's lines come from, and its Ctrl-C.
+///
+/// [`ReplInput::stdin_with_ctrl_c`] reads stdin on a thread of its own and catches SIGINT into a
+/// flag, so that a Ctrl-C is seen both while a reply is written (the loop stops that reply at
+/// its next token) and while the loop waits for a line (a blocking read would not return for
+/// it). [`ReplInput::reader`] reads a `BufRead` in place and knows no Ctrl-C.
+pub struct ReplInput<'a> {
+    src: InputSrc<'a>,
+    interrupted: Option<Arc<AtomicBool>>,
+}
+
+enum InputSrc<'a> {
+    Reader(&'a mut dyn BufRead),
+    Thread(std::sync::mpsc::Receiver<std::io::Result<Option<Line>>>),
+}
+
+/// What [`ReplInput::read`] got.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Next {
+    /// A line.
+    Line(Line),
+    /// End of input.
+    End,
+    /// Ctrl-C while waiting for a line.
+    Interrupt,
+}
+
+/// How often a wait for a line looks at the Ctrl-C flag.
+const INTERRUPT_POLL: std::time::Duration = std::time::Duration::from_millis(50);
+
+impl<'a> ReplInput<'a> {
+    /// Lines from `r`; no Ctrl-C handling.
+    pub fn reader(r: &'a mut dyn BufRead) -> ReplInput<'a> {
+        ReplInput {
+            src: InputSrc::Reader(r),
+            interrupted: None,
+        }
+    }
+
+    /// Lines from `rx` (sent by a reader thread) and Ctrl-C from `interrupted` (set by a
+    /// signal handler or a test).
+    pub fn channel(
+        rx: std::sync::mpsc::Receiver<std::io::Result<Option<Line>>>,
+        interrupted: Arc<AtomicBool>,
+    ) -> ReplInput<'static> {
+        ReplInput {
+            src: InputSrc::Thread(rx),
+            interrupted: Some(interrupted),
+        }
+    }
+
+    /// Stdin, read on a thread, with SIGINT caught (from now on, for the rest of the process)
+    /// as the loop's Ctrl-C.
+    pub fn stdin_with_ctrl_c() -> std::io::Result<ReplInput<'static>> {
+        let interrupted = Arc::new(AtomicBool::new(false));
+        signal_hook::flag::register(signal_hook::consts::SIGINT, interrupted.clone())?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("chat-stdin".into())
+            .spawn(move || {
+                let stdin = std::io::stdin();
+                let mut lock = stdin.lock();
+                loop {
+                    let r = read_line_bounded(&mut lock, MAX_LINE_BYTES);
+                    let more = matches!(r, Ok(Some(_)));
+                    if tx.send(r).is_err() || !more {
+                        break;
+                    }
+                }
+            })?;
+        Ok(ReplInput::channel(rx, interrupted))
+    }
+
+    /// Whether Ctrl-C was pressed since the last look (clears it).
+    pub fn take_interrupt(&self) -> bool {
+        (self.interrupted.as_ref()).is_some_and(|f| f.swap(false, Ordering::SeqCst))
+    }
+
+    /// The next line, end of input, or a Ctrl-C that came first.
+    pub fn read(&mut self) -> std::io::Result<Next> {
+        let rx = match &mut self.src {
+            InputSrc::Reader(r) => {
+                return Ok(read_line_bounded(*r, MAX_LINE_BYTES)?.map_or(Next::End, Next::Line))
+            }
+            InputSrc::Thread(rx) => rx,
+        };
+        loop {
+            if (self.interrupted.as_ref()).is_some_and(|f| f.swap(false, Ordering::SeqCst)) {
+                return Ok(Next::Interrupt);
+            }
+            match rx.recv_timeout(INTERRUPT_POLL) {
+                Ok(r) => return Ok(r?.map_or(Next::End, Next::Line)),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(Next::End),
+            }
+        }
+    }
+}
+
+/// What the chat loop prints at the first Ctrl-C at its prompt.
+pub const CTRL_C_HINT: &str = "(Ctrl-C again to leave; or type a message)";
+
 /// Settings of the line-by-line loop.
 #[derive(Clone, Debug)]
 pub struct ReplOptions {
     /// Per-turn settings.
     pub turn: TurnOptions,
-    /// Show a `> ` prompt on `err` (stdin is a terminal).
+    /// Show a `> ` prompt (stdin is a terminal): on `out`, where the replies are read, when
+    /// `prompt_on_out`, else on `err`.
     pub prompt: bool,
+    /// Write the prompt to `out` (stdout is a terminal) rather than to `err`.
+    pub prompt_on_out: bool,
     /// Dim the think text with ANSI escapes (stderr is a terminal); otherwise it is prefixed.
     pub dim_think: bool,
 }
@@ -827,13 +936,16 @@ pub enum ReplError {
 
 /// Read user turns from `input` until end of input; the response goes to `out`, the think text
 /// and the per-turn report to `err`; `after_turn` sees the session after each turn that ran (to
-/// keep it in the store). Returns on end of input, or on a forward/I/O failure.
+/// keep it in the store). Returns on end of input, on a second Ctrl-C at the prompt (the first
+/// prints [`CTRL_C_HINT`]), or on a forward/I/O failure. A Ctrl-C while a reply is written
+/// stops that reply at its next token; the partial reply stays in the conversation (as a reply
+/// cut by `--gen` does) and the loop reads the next turn.
 #[allow(clippy::too_many_arguments)]
 pub fn run_repl(
     model: &mut Model<'_>,
     fmt: &ChatFormat<'_>,
     session: &mut Session,
-    input: &mut dyn BufRead,
+    input: &mut ReplInput<'_>,
     out: &mut dyn Write,
     err: &mut dyn Write,
     opts: &ReplOptions,
@@ -841,24 +953,42 @@ pub fn run_repl(
 ) -> Result<ReplSummary, ReplError> {
     let mut summary = ReplSummary::default();
     let tok = fmt.tokenizer();
+    // A first Ctrl-C at the prompt arms this; a second one leaves; a line disarms it.
+    let mut leaving = false;
     loop {
         if opts.prompt {
-            let _ = write!(err, "> ");
-            let _ = err.flush();
+            let w: &mut dyn Write = if opts.prompt_on_out { out } else { err };
+            let _ = write!(w, "> ");
+            let _ = w.flush();
         }
-        let line = match read_line_bounded(input, MAX_LINE_BYTES)? {
-            None => {
+        let line = match input.read()? {
+            Next::End => {
                 if opts.prompt {
                     let _ = writeln!(err);
                 }
                 break;
             }
-            Some(Line::TooLong) => {
+            Next::Interrupt if leaving => {
+                let _ = writeln!(err);
+                break;
+            }
+            Next::Interrupt => {
+                leaving = true;
+                let _ = writeln!(err, "\n{CTRL_C_HINT}");
+                continue;
+            }
+            Next::Line(l) => {
+                leaving = false;
+                l
+            }
+        };
+        let line = match line {
+            Line::TooLong => {
                 let _ = writeln!(err, "turn refused: the line exceeds {MAX_LINE_BYTES} bytes");
                 summary.refused += 1;
                 continue;
             }
-            Some(Line::Text(l)) => l,
+            Line::Text(l) => l,
         };
         let text = match String::from_utf8(line) {
             Ok(t) => t,
@@ -877,6 +1007,9 @@ pub fn run_repl(
         }
         let mut last = Channel::Structure;
         let mut io_err = None;
+        // A Ctrl-C pressed before this turn (while typing it) is not for this reply.
+        input.take_interrupt();
+        let mut interrupted = false;
         let mut on_id = |ch: Channel, id: u32| {
             let bytes = tok.token_bytes(id).unwrap_or(&[]);
             let r = match ch {
@@ -903,6 +1036,12 @@ pub fn run_repl(
             if let (Err(e), None) = (r, &io_err) {
                 io_err = Some(e);
             }
+            if input.take_interrupt() {
+                interrupted = true;
+                Flow::Stop
+            } else {
+                Flow::Continue
+            }
         };
         match session.turn(model, fmt, &text, &opts.turn, &mut on_id) {
             Ok(r) => {
@@ -913,6 +1052,12 @@ pub fn run_repl(
                 let _ = out.flush();
                 if let Some(e) = io_err {
                     return Err(ReplError::Io(e));
+                }
+                if interrupted {
+                    let _ = writeln!(
+                        err,
+                        "(reply interrupted by Ctrl-C; the conversation goes on)"
+                    );
                 }
                 summary.turns += 1;
                 if r.restarted {
@@ -932,9 +1077,11 @@ pub fn run_repl(
                     n,
                     r.seconds_per_token()
                         .map_or("no decode steps".into(), |s| format!("{s:.3} s/token")),
-                    r.reply
-                        .stopped_on
-                        .map_or("token limit".into(), |id| id.to_string()),
+                    match r.reply.stopped_on {
+                        Some(id) => id.to_string(),
+                        None if interrupted => "Ctrl-C".into(),
+                        None => "token limit".into(),
+                    },
                     session.held().len(),
                     session.capacity()
                 );
@@ -956,4 +1103,44 @@ pub fn run_repl(
         }
     }
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Ctrl-C is reported before a line already queued, once (the flag is cleared), and a
+    /// closed reader is the end of input.
+    #[test]
+    fn repl_input_reports_ctrl_c_first_then_lines_then_the_end() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let flag = Arc::new(AtomicBool::new(false));
+        let mut input = ReplInput::channel(rx, flag.clone());
+        tx.send(Ok(Some(Line::Text(b"hi".to_vec())))).unwrap();
+        flag.store(true, Ordering::SeqCst);
+        assert_eq!(input.read().unwrap(), Next::Interrupt);
+        assert_eq!(
+            input.read().unwrap(),
+            Next::Line(Line::Text(b"hi".to_vec()))
+        );
+        // Waiting for a line: a Ctrl-C arriving meanwhile ends the wait.
+        let f = flag.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            f.store(true, Ordering::SeqCst);
+        });
+        assert_eq!(input.read().unwrap(), Next::Interrupt);
+        t.join().unwrap();
+        assert!(!input.take_interrupt());
+        drop(tx);
+        assert_eq!(input.read().unwrap(), Next::End);
+        let mut bytes: &[u8] = b"one\n";
+        let mut plain = ReplInput::reader(&mut bytes);
+        assert_eq!(
+            plain.read().unwrap(),
+            Next::Line(Line::Text(b"one".to_vec()))
+        );
+        assert_eq!(plain.read().unwrap(), Next::End);
+        assert!(!plain.take_interrupt());
+    }
 }

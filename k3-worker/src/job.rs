@@ -20,7 +20,7 @@ use crate::generate::{positions_needed, Flow, GenOptions, Sampler, Session, END_
 use crate::model::bind::ShapeTable;
 use crate::model::state::{Journal, PassShape, SeqState, Work};
 use crate::model::{Dims, Model, ModelError, TensorShapes};
-use crate::report::{self, gb, HiddenDump};
+use crate::report::{self, HiddenDump};
 use crate::sink::{Sink, Stdout};
 use crate::spec::{
     Drafter, FirstOf, HistoryDrafter, ModelDrafter, NgramDrafter, ReplayDrafter, SpecMode,
@@ -28,7 +28,7 @@ use crate::spec::{
 use crate::tokenizer::Tokenizer;
 use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::draft::DraftSource;
-use k3_store::runtime::plan::{self, PlanInputs};
+use k3_store::runtime::plan::{self, fmt_bytes, PlanInputs};
 use k3_store::runtime::trunk::TrunkError;
 use std::sync::Arc;
 
@@ -274,18 +274,18 @@ fn draft_model_bytes(cli: &Cli, dims: &Dims, positions: usize) -> Result<u64, Jo
     let state = ModelDrafter::state_bytes(dims, positions + spec_drafts(cli));
     let Some(dir) = cli.draft_trunk.as_deref() else {
         tracing::info!(
-            "draft model: the store's draft trunk + its sequence state {:.3} GB in this process",
-            gb(state)
+            "draft model: the store's draft trunk + its sequence state {} in this process",
+            fmt_bytes(state)
         );
         return Ok(state);
     };
     let (kind, bytes) =
         DraftSource::probe(dir, dims.n_layers).map_err(|e| refuse(e.to_string()))?;
     tracing::info!(
-        "draft model: {} trunk {:.3} GB + its sequence state {:.3} GB, held in this process",
+        "draft model: {} trunk {} + its sequence state {}, held in this process",
         kind.name(),
-        gb(bytes),
-        gb(state)
+        fmt_bytes(bytes),
+        fmt_bytes(state)
     );
     Ok(bytes + state)
 }
@@ -321,9 +321,9 @@ fn load_draft_model(
         TrunkError::Io(m) => JobError::DraftIo(m),
     })?;
     tracing::info!(
-        "draft model: {} trunk {:.3} GB loaded and checked in {:.2} s",
+        "draft model: {} trunk {} loaded and checked in {:.2} s",
         src.kind().name(),
-        gb(src.bytes()),
+        fmt_bytes(src.bytes()),
         t0.elapsed().as_secs_f64()
     );
     let capacity = opened.positions + spec_drafts(cli);
@@ -598,14 +598,14 @@ pub fn open_source(
                     }
                 })?;
             tracing::info!(
-                "attached to {} in {:.3} s: model {}, {} pinned layers, {:.3} GB shared, {} expert slots, store ring {:.3} GB",
+                "attached to {} in {:.3} s: model {}, {} pinned layers, {} shared, {} expert slots, store ring {}",
                 socket.display(),
                 info.attach_seconds,
                 info.model_dir.display(),
                 info.pinned_layers,
-                gb(info.shm_bytes),
+                fmt_bytes(info.shm_bytes),
                 info.slots,
-                gb(info.ring_bytes)
+                fmt_bytes(info.ring_bytes)
             );
             let (_, dims, shapes, cat) =
                 read_checkpoint(cli, &info.model_dir, wants_draft_model(cli))?;
@@ -653,7 +653,8 @@ pub fn open_source(
                 },
                 &mut |what, done, total| steps.update(what, done, total),
             )?;
-            tracing::info!("memory plan:\n{plan}");
+            // The plan's first line is its header: printed once.
+            tracing::info!("{}", plan.to_string().trim_end());
             Ok(Opened {
                 source: Source::Standalone(Box::new(src)),
                 model_dir: model_dir.clone(),
@@ -705,9 +706,9 @@ impl AttachedPlan {
         if need > avail {
             problems.push(format!(
                 "the sequence state and buffers need {} but this process may allocate only {}: shortfall {}",
-                plan::fmt_gb(need),
-                plan::fmt_gb(avail),
-                plan::fmt_gb(need - avail)
+                plan::fmt_bytes(need),
+                plan::fmt_bytes(avail),
+                plan::fmt_bytes(need - avail)
             ));
         }
         // Its threads: the compute pool's, the main one and the expert fetch thread.
@@ -735,7 +736,7 @@ impl std::fmt::Display for AttachedPlan {
             ("process", self.process, "resident before the plan"),
             ("TOTAL", self.total(), ""),
         ] {
-            writeln!(f, "  {name:<16}{:>12}   {note}", plan::fmt_gb(b))?;
+            writeln!(f, "  {name:<16}{:>12}   {note}", plan::fmt_bytes(b))?;
         }
         Ok(())
     }
@@ -773,12 +774,12 @@ pub fn run_with(
         }
     }
     tracing::info!(
-        "sequence state: {} positions -> MLA latent cache {:.3} GB ({} B/position over {} layers) + KDA state {:.3} GB",
+        "sequence state: {} positions -> MLA latent cache {} ({} B/position over {} layers) + KDA state {}",
         opened.positions,
-        gb(opened.dims.mla_cache_bytes(opened.positions as u64)),
+        fmt_bytes(opened.dims.mla_cache_bytes(opened.positions as u64)),
         opened.dims.mla_cache_bytes(1),
         opened.dims.n_mla(),
-        gb(opened.dims.kda_state_bytes())
+        fmt_bytes(opened.dims.kda_state_bytes())
     );
     let source = opened.source.weights();
     let mut model = Model::new(
@@ -827,6 +828,9 @@ pub fn run_with(
             let mut stdout = Stdout {
                 tok: pre.tok.as_ref(),
             };
+            if sink.is_none() {
+                echo_prompt(pre.tok.as_ref(), prompt);
+            }
             let sink: &mut dyn Sink = match sink {
                 Some(s) => s,
                 None => &mut stdout,
@@ -844,6 +848,23 @@ pub fn run_with(
                 drafter(cli, pre.replay.as_deref(), prompt.len(), draft_model),
             )
         }
+    }
+}
+
+/// On a terminal, stdout shows the prompt's text (dimmed) before the generated text, so the
+/// continuation reads in place; piped or redirected, stdout is the generated text alone.
+fn echo_prompt(tok: Option<&Tokenizer>, prompt: &[u32]) {
+    use std::io::IsTerminal;
+    let stdout = std::io::stdout();
+    if !stdout.is_terminal() {
+        return;
+    }
+    if let Some(text) = tok.and_then(|t| t.decode(prompt).ok()) {
+        let mut out = stdout.lock();
+        let _ = out.write_all(b"\x1b[2m");
+        let _ = out.write_all(&text);
+        let _ = out.write_all(b"\x1b[0m");
+        let _ = out.flush();
     }
 }
 
@@ -1161,6 +1182,7 @@ fn run_chat(
     src: Option<&AttachedSource>,
 ) -> Result<i32, JobError> {
     use crate::chat::{run_repl, ChatFormat, ReplOptions, Session, TurnOptions};
+    // Ctrl-C: see `ReplInput::stdin_with_ctrl_c` (stops a reply; twice at the prompt leaves).
     use std::io::IsTerminal;
     let fmt = ChatFormat::new(tok, thinking).map_err(refuse)?;
     tracing::info!(
@@ -1202,14 +1224,20 @@ fn run_chat(
             spec: cli.spec,
         },
         prompt: std::io::stdin().is_terminal(),
+        prompt_on_out: std::io::stdout().is_terminal(),
         dim_think: std::io::stderr().is_terminal(),
     };
-    let stdin = std::io::stdin();
+    let mut input =
+        crate::chat::ReplInput::stdin_with_ctrl_c().map_err(|source| JobError::Output {
+            path: PathBuf::from("<stdin>"),
+            source,
+            before_work: true,
+        })?;
     let summary = run_repl(
         model,
         &fmt,
         &mut session,
-        &mut stdin.lock(),
+        &mut input,
         &mut std::io::stdout(),
         &mut std::io::stderr(),
         &opts,
@@ -1224,10 +1252,10 @@ fn run_chat(
         },
     })?;
     eprintln!(
-        "chat: {} turns ({} refused); PEAK RSS for the whole run: {:.3} GB",
+        "chat: {} turns ({} refused); PEAK RSS for the whole run: {}",
         summary.turns,
         summary.refused,
-        gb(report::peak_rss_bytes())
+        fmt_bytes(report::peak_rss_bytes())
     );
     if let Some(path) = &cli.out {
         let v = serde_json::json!({

@@ -5,6 +5,7 @@ use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
+use k3_store::runtime::plan::fmt_bytes;
 use k3_store::runtime::source::SourceStats;
 
 use crate::generate::{GenReport, StepReport};
@@ -199,18 +200,18 @@ impl RunSummary {
             );
         }
         eprintln!(
-            "bytes read: {:.3} GB (trunk {:.3}, experts {:.3}); I/O share of wall clock: {:.1}%",
-            gb(st.trunk_bytes_read + st.expert_bytes_read),
-            gb(st.trunk_bytes_read),
-            gb(st.expert_bytes_read),
+            "bytes read: {} (trunk {}, experts {}); I/O share of wall clock: {:.1}%",
+            fmt_bytes(st.trunk_bytes_read + st.expert_bytes_read),
+            fmt_bytes(st.trunk_bytes_read),
+            fmt_bytes(st.expert_bytes_read),
             100.0 * st.io_wait_seconds / self.wall.max(1e-9)
         );
         if st.preloaded_experts > 0 {
             eprintln!(
-                "preloaded before the first token: {} experts, {:.3} GB in {:.2} s (not in the \
+                "preloaded before the first token: {} experts, {} in {:.2} s (not in the \
                  bytes read above)",
                 st.preloaded_experts,
-                gb(st.preload_bytes),
+                fmt_bytes(st.preload_bytes),
                 st.preload_seconds
             );
         }
@@ -218,15 +219,15 @@ impl RunSummary {
         if c.lookahead_layers > 0 || st.prefetch_loads > 0 {
             eprintln!(
                 "lookahead: recall {} ({} of {} requested experts predicted over {} layers); \
-                 prefetched {:.3} GB ({} experts), used {}, wasted {:.3} GB, dropped unread {}",
+                 prefetched {} ({} experts), used {}, wasted {}, dropped unread {}",
                 lookahead_recall(c).map_or("-".into(), |r| format!("{:.1}%", 100.0 * r)),
                 c.lookahead_correct,
                 c.lookahead_actual,
                 c.lookahead_layers,
-                gb(st.prefetch_bytes),
+                fmt_bytes(st.prefetch_bytes),
                 st.prefetch_loads,
                 st.prefetch_used,
-                gb(wasted_prefetch_bytes(st)),
+                fmt_bytes(wasted_prefetch_bytes(st)),
                 st.prefetch_dropped
             );
         }
@@ -249,8 +250,8 @@ impl RunSummary {
             );
         }
         eprintln!(
-            "PEAK RSS for the whole run: {:.3} GB   <- quote this, not the plan",
-            gb(self.peak)
+            "PEAK RSS for the whole run: {}   <- quote this, not the plan",
+            fmt_bytes(self.peak)
         );
     }
 

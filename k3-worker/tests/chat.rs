@@ -16,6 +16,7 @@ use k3_worker::chat::{
     effort_body, escape_attr, plan_prefill, read_line_bounded, tag_text, Channel, ChatFormat,
     Effort, Line, Message, Prefill, ReplyParser,
 };
+use k3_worker::generate::Flow;
 use k3_worker::tokenizer::Tokenizer;
 
 fn tok() -> &'static Tokenizer {
@@ -502,16 +503,20 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
 
     // Warm the expert cache so the timings below compare compute, not first loads.
     let mut warm = Session::new(&model, capacity, Sampler::Greedy);
-    warm.turn(&mut model, &f, "warm up", &opts, &mut |_, _| {})
+    warm.turn(&mut model, &f, "warm up", &opts, &mut |_, _| Flow::Continue)
         .unwrap();
 
     let mut s = Session::new(&model, capacity, Sampler::Greedy);
-    let t1 = s.turn(&mut model, &f, "Hi", &opts, &mut |_, _| {}).unwrap();
+    let t1 = s
+        .turn(&mut model, &f, "Hi", &opts, &mut |_, _| Flow::Continue)
+        .unwrap();
     assert_eq!((t1.reused, t1.restarted), (0, false));
     assert_eq!(t1.prefilled, t1.conversation_len);
     let after_t1 = s.history.clone();
     let t2 = s
-        .turn(&mut model, &f, "And now?", &opts, &mut |_, _| {})
+        .turn(&mut model, &f, "And now?", &opts, &mut |_, _| {
+            Flow::Continue
+        })
         .unwrap();
     assert!(
         !t2.restarted,
@@ -532,7 +537,9 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
     // The same second turn from a fresh state: a full prefill must give the same ids.
     let mut fresh = Session::with_history(&model, capacity, Sampler::Greedy, after_t1);
     let full = fresh
-        .turn(&mut model, &f, "And now?", &opts, &mut |_, _| {})
+        .turn(&mut model, &f, "And now?", &opts, &mut |_, _| {
+            Flow::Continue
+        })
         .unwrap();
     assert_eq!((full.reused, full.prefilled), (0, t2.conversation_len));
     assert_eq!(full.reply.ids, t2.reply.ids, "state reuse changed the ids");
@@ -547,13 +554,17 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
     s.history[0] = Message::user("Hello");
     let edited = s.history.clone();
     let t3 = s
-        .turn(&mut model, &f, "Once more", &opts, &mut |_, _| {})
+        .turn(&mut model, &f, "Once more", &opts, &mut |_, _| {
+            Flow::Continue
+        })
         .unwrap();
     assert!(t3.restarted);
     assert_eq!((t3.reused, t3.prefilled), (0, t3.conversation_len));
     let mut fresh = Session::with_history(&model, capacity, Sampler::Greedy, edited);
     let t3_fresh = fresh
-        .turn(&mut model, &f, "Once more", &opts, &mut |_, _| {})
+        .turn(&mut model, &f, "Once more", &opts, &mut |_, _| {
+            Flow::Continue
+        })
         .unwrap();
     assert!(!t3_fresh.restarted);
     assert_eq!(t3_fresh.reply.ids, t3.reply.ids);

@@ -817,7 +817,7 @@ def test_api_key_from_the_environment_and_a_warning_beyond_loopback(world):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
         line = p.stdout.readline().decode()
-        m = re.search(r"(\d+) job\(s\) at once \(sized from the plan: ([0-9.]+) GB per job", line)
+        m = re.search(r"(\d+) job\(s\) at once \(sized from the plan: ([0-9.]+) [GM]B per job", line)
         assert m, line
         assert 1 <= int(m.group(1)) <= os.cpu_count() and float(m.group(2)) > 0, line
     finally:

@@ -561,6 +561,93 @@ fn impossible_budget_refuses_detached_start_and_leaves_no_socket() {
     assert!(!sb.socket.exists(), "a refused start leaves no socket");
 }
 
+/// `start --detach` says what is happening (issue 35 item 2): the plan, once, on stdout before
+/// the readiness line; the load's progress in human units on stderr (here not a terminal: plain
+/// lines, the last at 100%); and the store's own log holds the plan's header once.
+#[test]
+fn detached_start_prints_the_plan_once_and_the_load_progress() {
+    let mut sb = Sandbox::new("detach-plan");
+    let model = tiny_model();
+    let r = sb.start_store(&[path_str(&model), "--preset", "laptop"]);
+    let plan_at = r
+        .stdout
+        .find("memory plan (laptop")
+        .unwrap_or_else(|| panic!("{r:?}"));
+    let ready_at = r
+        .stdout
+        .find("k3-store ready")
+        .unwrap_or_else(|| panic!("{r:?}"));
+    assert!(plan_at < ready_at, "the plan comes first: {r:?}");
+    assert_eq!(r.stdout.matches("memory plan").count(), 1, "{r:?}");
+    for row in ["TOTAL", "expert cache", "store shared memory:"] {
+        assert!(r.stdout.contains(row), "{row}: {r:?}");
+    }
+    // Human units (a small model's sizes in MB, not `0.00 GB`).
+    assert!(!r.stdout.contains(" 0.00 GB"), "{r:?}");
+    let last = r
+        .stderr
+        .lines()
+        .rfind(|l| l.contains("loading shared memory: "))
+        .unwrap_or_else(|| panic!("no progress line: {r:?}"));
+    assert!(
+        last.contains(" MB of ") && last.contains("(100%)") && last.contains("MB/s"),
+        "{last}"
+    );
+    assert!(
+        !r.stderr.contains('\r'),
+        "no bar frames off a terminal: {r:?}"
+    );
+    let log = std::fs::read_to_string(sb.store_log()).unwrap();
+    assert_eq!(log.matches("memory plan").count(), 1, "{log}");
+    // `k3-ctl status` of a store without a packed trunk: no empty `trunk:` line; sizes in MB.
+    let st = sb.ctl(&["status"]);
+    assert_eq!(st.code, 0, "{st:?}");
+    assert!(
+        st.stdout
+            .lines()
+            .any(|l| l.starts_with("trunk: none packed")),
+        "{st:?}"
+    );
+    assert!(
+        st.stdout
+            .lines()
+            .any(|l| l.starts_with("shared memory: ") && l.ends_with(" MB")),
+        "{st:?}"
+    );
+}
+
+/// The standalone worker's start (issue 35 item 7): the plan's header once, the expert preload's
+/// progress and the report in human units (MB for this small model, not raw byte counts or
+/// `0.000 GB`).
+#[test]
+fn standalone_worker_prints_the_plan_header_once_and_sizes_in_human_units() {
+    let sb = Sandbox::new("standalone-units");
+    let model = tiny_model();
+    let r = sb.run(
+        "k3-worker",
+        &[
+            "--standalone",
+            path_str(&model),
+            "--ids",
+            "1,2,3",
+            "--gen",
+            "2",
+        ],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(r.stderr.matches("memory plan").count(), 1, "{}", r.stderr);
+    let preload = r
+        .stderr
+        .lines()
+        .rfind(|l| l.contains("expert cache: "))
+        .unwrap_or_else(|| panic!("{}", r.stderr));
+    assert!(
+        preload.contains(" MB of ") && preload.contains("(100%)"),
+        "{preload}"
+    );
+    assert!(!r.stderr.contains("0.000 GB"), "{}", r.stderr);
+}
+
 /// Copy the tiny checkpoint into `dst`.
 fn copy_model(dst: &Path) {
     std::fs::create_dir_all(dst).unwrap();

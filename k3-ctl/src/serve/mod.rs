@@ -168,9 +168,9 @@ fn sized_max_jobs(model_dir: &Path) -> Result<(usize, String), String> {
     Ok((
         n,
         format!(
-            "{:.3} GB per job of {positions} positions, {:.3} GB free, {cpus} CPUs",
-            per_job as f64 / 1e9,
-            avail as f64 / 1e9
+            "{} per job of {positions} positions, {} free, {cpus} CPUs",
+            k3_store::runtime::plan::fmt_bytes(per_job),
+            k3_store::runtime::plan::fmt_bytes(avail)
         ),
     ))
 }

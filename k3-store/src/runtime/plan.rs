@@ -172,9 +172,9 @@ impl Budget {
             cache_bytes: cache,
             label: format!(
                 "auto ({} trunk, {} cache of {} may allocate)",
-                fmt_gb(trunk),
-                fmt_gb(cache),
-                fmt_gb(allocatable)
+                fmt_bytes(trunk),
+                fmt_bytes(cache),
+                fmt_bytes(allocatable)
             ),
             auto: true,
         }
@@ -530,8 +530,8 @@ impl MemoryPlan {
         } else if prefix + need > budget.trunk_bytes {
             problems.push(format!(
                 "trunk budget {} cannot hold a ring for {} (the largest layer)",
-                fmt_gb(budget.trunk_bytes),
-                fmt_gb(need)
+                fmt_bytes(budget.trunk_bytes),
+                fmt_bytes(need)
             ));
             need
         } else {
@@ -546,10 +546,10 @@ impl MemoryPlan {
             problems.push(format!(
                 "expert cache budget {} holds {expert_slots} slots of {}; at least top_k = {} are \
                  needed ({} )",
-                fmt_gb(budget.cache_bytes),
+                fmt_bytes(budget.cache_bytes),
                 fmt_mb(stride),
                 inputs.top_k,
-                fmt_gb(stride * inputs.top_k as u64)
+                fmt_bytes(stride * inputs.top_k as u64)
             ));
         }
         MemoryPlan {
@@ -621,9 +621,9 @@ impl MemoryPlan {
             if need > a {
                 problems.push(format!(
                     "the plan needs {} more but only {} is available: shortfall {}",
-                    fmt_gb(need),
-                    fmt_gb(a),
-                    fmt_gb(need - a)
+                    fmt_bytes(need),
+                    fmt_bytes(a),
+                    fmt_bytes(need - a)
                 ));
             }
             problems.extend(address_space_problem(self.address_space_bytes()));
@@ -653,9 +653,9 @@ pub fn address_space_problem(need: u64) -> Option<String> {
     (need > left).then(|| {
         format!(
             "the plan maps {} of address space but the limit (ulimit -v) leaves {}: shortfall {}",
-            fmt_gb(need),
-            fmt_gb(left),
-            fmt_gb(need - left)
+            fmt_bytes(need),
+            fmt_bytes(left),
+            fmt_bytes(need - left)
         )
     })
 }
@@ -663,15 +663,15 @@ pub fn address_space_problem(need: u64) -> Option<String> {
 impl std::fmt::Display for MemoryPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let row = |f: &mut std::fmt::Formatter<'_>, name: &str, b: u64, note: String| {
-            let line = format!("  {name:<16}{:>12}   {note}", fmt_gb(b));
+            let line = format!("  {name:<16}{:>12}   {note}", fmt_bytes(b));
             writeln!(f, "{}", line.trim_end())
         };
         writeln!(
             f,
             "memory plan ({}: trunk {}, expert cache {}):",
             self.budget.label,
-            fmt_gb(self.budget.trunk_bytes),
-            fmt_gb(self.budget.cache_bytes)
+            fmt_bytes(self.budget.trunk_bytes),
+            fmt_bytes(self.budget.cache_bytes)
         )?;
         let trunk_note = if self.ring_bytes == 0 {
             format!(
@@ -702,7 +702,7 @@ impl std::fmt::Display for MemoryPlan {
                 0,
                 format!(
                     "{} mapped from the checkpoint; the rows of used tokens are read from the file",
-                    fmt_gb(self.mapped_bytes)
+                    fmt_bytes(self.mapped_bytes)
                 ),
             )?;
         } else {
