@@ -132,6 +132,16 @@ pub fn matmul_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &
     Kernels::active().matmul_bf16(w, rows, cols, x, n, y)
 }
 
+/// [`matmul_bf16`] for a little-endian F32 matrix `W [rows, cols]` (an F32 router, SPEC.md
+/// §3.11). A row whose values are all bf16-representable (the low 16 bits of every value zero)
+/// is narrowed exactly and multiplied by this tier's bf16 kernel: the same bits as the BF16
+/// matrix of the same values. Any other row is multiplied in the scalar tier's order
+/// (`scalar::dot_f32_row`) on every tier. Each row's result depends on that row alone, so the
+/// thread count, the row split and `n` change nothing, as for the bf16 kernels.
+pub fn matmul_f32(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
+    Kernels::active().matmul_f32(w, rows, cols, x, n, y)
+}
+
 /// `y[r] = Σ_c W[r,c]·x[c]` for an EC-BF16 coded matrix (`k3_proto::ecbf16`): the same bits as
 /// [`matvec_bf16`] on the decoded matrix (the decode is exact and happens in registers).
 pub fn matvec_coded(m: &CodedMatrix<'_>, x: &[f32], y: &mut [f32]) {
@@ -360,6 +370,54 @@ impl Kernels {
         });
     }
 
+    /// [`matmul_f32`] on this tier.
+    pub fn matmul_f32(
+        self,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) {
+        assert_eq!(
+            Some(w.len()),
+            rows.checked_mul(cols).and_then(|v| v.checked_mul(4)),
+            "f32 weight bytes"
+        );
+        assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
+        assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
+        if cols == 0 {
+            y.fill(0.0);
+            return;
+        }
+        let row_bytes = cols * 4;
+        self.with_split(x, cols, |xs| {
+            by_rows(rows, cols, n, y, |r0, out| {
+                let k = out.len() / n;
+                let wr = &w[r0 * row_bytes..(r0 + k) * row_bytes];
+                with_buffer(&NARROW, |narrow| {
+                    for (row, o) in wr.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
+                        grow_exact(narrow, cols * 2);
+                        let mut exact = true;
+                        for b in row.chunks_exact(4) {
+                            let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                            exact &= bits & 0xffff == 0;
+                            narrow.extend_from_slice(&((bits >> 16) as u16).to_le_bytes());
+                        }
+                        if exact {
+                            by_tier!(self, bf16_rows(narrow, cols, xs, n, o, self.strips));
+                        } else {
+                            for (t, v) in o.iter_mut().enumerate() {
+                                *v = scalar::dot_f32_row(row, &x[t * cols..(t + 1) * cols]);
+                            }
+                        }
+                    }
+                })
+            })
+        });
+    }
+
     /// [`matmul_coded`] on this tier.
     pub fn matmul_coded(self, m: &CodedMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
         let (rows, cols) = (m.rows(), m.cols());
@@ -532,6 +590,8 @@ thread_local! {
     static ROWS_MAJOR: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     /// [`matmul_t_bf16`]'s widened weight row.
     static ROW: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    /// [`matmul_f32`]'s row narrowed to bf16 (`2·cols` bytes).
+    static NARROW: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
     /// [`with_scratch`]'s buffer.
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
@@ -593,13 +653,17 @@ pub const KEEP_MAX_FLOATS: usize = 1 << 20;
 
 /// Bytes one thread's kernel buffers keep between calls at most when the largest call it ran
 /// needed `split` floats of rearranged activations, `rows_major` floats of rows-major output,
-/// `row` floats of a widened weight row and `scratch` floats of per-task scratch (each buffer
-/// is kept only up to [`KEEP_MAX_FLOATS`]; a larger one lives for its call only).
+/// `row` floats of a widened weight row (and `row` bf16 of an F32 row narrowed by
+/// [`matmul_f32`]) and `scratch` floats of per-task scratch (each buffer is kept only up to
+/// `4·`[`KEEP_MAX_FLOATS`] bytes; a larger one lives for its call only).
 pub fn kept_bytes_for(split: usize, rows_major: usize, row: usize, scratch: usize) -> u64 {
+    let keep = 4 * KEEP_MAX_FLOATS as u64;
+    let narrow = (2 * row as u64).min(keep);
     [split, rows_major, row, scratch]
         .into_iter()
-        .map(|f| 4 * f.min(KEEP_MAX_FLOATS) as u64)
-        .sum()
+        .map(|f| (4 * f as u64).min(keep))
+        .sum::<u64>()
+        + narrow
 }
 
 /// Runs `f` with this thread's buffer `key`, whose allocation is kept for the next call (a
@@ -607,13 +671,13 @@ pub fn kept_bytes_for(split: usize, rows_major: usize, row: usize, scratch: usiz
 /// [`KEEP_MAX_FLOATS`]. The buffer is taken out while `f` runs: a kernel started on this
 /// thread meanwhile (a pool thread takes other work while it waits) finds it empty and uses a
 /// buffer of its own, so nothing is shared.
-pub(super) fn with_buffer<R>(
-    key: &'static LocalKey<Cell<Vec<f32>>>,
-    f: impl FnOnce(&mut Vec<f32>) -> R,
+pub(super) fn with_buffer<T, R>(
+    key: &'static LocalKey<Cell<Vec<T>>>,
+    f: impl FnOnce(&mut Vec<T>) -> R,
 ) -> R {
     let mut buf = key.take();
     let r = f(&mut buf);
-    if buf.capacity() <= KEEP_MAX_FLOATS {
+    if buf.capacity() * std::mem::size_of::<T>() <= KEEP_MAX_FLOATS * 4 {
         key.set(buf);
     }
     r
