@@ -113,6 +113,22 @@ fn f32_model(sb: &Sandbox, name: &str, transpose: bool) -> (PathBuf, Vec<String>
     (dir, routers)
 }
 
+/// The routers a `trunk.json` or `draft.json` lists, each checked to be F32.
+fn f32_routers_in(json: &Path) -> Vec<String> {
+    let j: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let mut found = Vec::new();
+    for l in j["layers"].as_array().unwrap() {
+        for (name, t) in l["tensors"].as_object().unwrap() {
+            if name.ends_with(ROUTER) {
+                assert_eq!(t["dtype"], "F32", "{}: {name}: {t}", json.display());
+                found.push(name.clone());
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
 #[test]
 fn f32_routers_of_bf16_values_give_the_bf16_ids_and_logits_standalone_and_from_a_packed_trunk() {
     let mut sb = Sandbox::new("f32-router");
@@ -132,23 +148,14 @@ fn f32_routers_of_bf16_values_give_the_bf16_ids_and_logits_standalone_and_from_a
     ] {
         let (ids, logits) = standalone(&sb, &model, tag, extra);
         assert_eq!(ids, want_ids, "{tag}");
-        assert!(logits == want_logits, "{tag}: step-0 logits differ in their bits");
+        assert!(
+            logits == want_logits,
+            "{tag}: step-0 logits differ in their bits"
+        );
     }
     // The packed trunk keeps each router raw, as F32, and a store serving it gives the same ids.
     let trunk = sb.pack_trunk(&model, "trunk");
-    let j: Value =
-        serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap();
-    let mut packed: Vec<String> = Vec::new();
-    for l in j["layers"].as_array().unwrap() {
-        for (name, t) in l["tensors"].as_object().unwrap() {
-            if name.ends_with(ROUTER) {
-                assert_eq!(t["dtype"], "F32", "{name}: {t}");
-                packed.push(name.clone());
-            }
-        }
-    }
-    packed.sort();
-    assert_eq!(packed, routers);
+    assert_eq!(f32_routers_in(&trunk.join("trunk.json")), routers);
     sb.start_store(&[path_str(&model), "--trunk", path_str(&trunk)]);
     let dump = sb.dir.join("logits-attached.f32");
     let ids = ids_arg(&reference_prompt());
@@ -167,6 +174,60 @@ fn f32_routers_of_bf16_values_give_the_bf16_ids_and_logits_standalone_and_from_a
         "attached: step-0 logits differ in their bits"
     );
     sb.stop_store();
+}
+
+/// An int8 draft trunk of `model` in `<sandbox>/<name>` (`k3-ctl pack-trunk --draft int8`).
+fn pack_draft(sb: &Sandbox, model: &Path, name: &str) -> PathBuf {
+    let out = sb.dir.join(name);
+    let r = sb.run(
+        "k3-ctl",
+        &[
+            "pack-trunk",
+            "--draft",
+            "int8",
+            path_str(model),
+            path_str(&out),
+        ],
+    );
+    assert_eq!(r.code, 0, "pack-trunk --draft int8: {r:?}");
+    out
+}
+
+#[test]
+fn a_draft_of_f32_routers_keeps_them_f32_and_drafts_as_the_bf16_draft_does() {
+    let sb = Sandbox::new("f32-router-draft");
+    let (model, routers) = f32_model(&sb, "f32-router", false);
+    let ids = ids_arg(&reference_prompt());
+    // (ids, drafted, accepted) of a speculative run whose draft model reads this draft trunk.
+    let spec = |model: &Path, draft: &Path| {
+        let (r, j) = sb.worker_json(&[
+            "--standalone",
+            path_str(model),
+            "--ids",
+            &ids,
+            "--gen",
+            "20",
+            "--threads",
+            "1",
+            "--draft",
+            "model",
+            "--draft-trunk",
+            path_str(draft),
+            "--spec",
+            "4",
+        ]);
+        assert_eq!(r.code, 0, "{r:?}");
+        let n = |k: &str| j[k].as_u64().unwrap_or_else(|| panic!("{k}: {j}"));
+        (printed_ids(&r), n("drafted_tokens"), n("accepted_tokens"))
+    };
+    let bf16_draft = pack_draft(&sb, &tiny_model(), "draft-bf16");
+    let f32_draft = pack_draft(&sb, &model, "draft-f32");
+    assert_eq!(f32_routers_in(&f32_draft.join("draft.json")), routers);
+    let want = spec(&tiny_model(), &bf16_draft);
+    assert_eq!(want.0, reference_greedy());
+    assert!(want.1 > 0, "no drafts: {want:?}");
+    // The same drafts, accepted as often: the draft model's router is the same function.
+    assert_eq!(spec(&model, &f32_draft), want);
 }
 
 /// Every command that reads the headers, on `model`: (what, run).
