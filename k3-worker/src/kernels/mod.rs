@@ -135,8 +135,8 @@ pub fn matmul_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &
 /// [`matmul_bf16`] for a little-endian F32 matrix `W [rows, cols]` (an F32 router, SPEC.md
 /// §3.11). A row whose values are all bf16-representable (the low 16 bits of every value zero)
 /// is narrowed exactly and multiplied by this tier's bf16 kernel: the same bits as the BF16
-/// matrix of the same values. Any other row is multiplied in the scalar tier's order
-/// (`scalar::dot_f32_row`) on every tier. Each row's result depends on that row alone, so the
+/// matrix of the same values. Any other row is multiplied by [`scalar::dot_f32`] (the scalar
+/// tier's bf16 order: 8 interleaved accumulators, the same pairwise finish) on every tier. Each row's result depends on that row alone, so the
 /// thread count, the row split and `n` change nothing, as for the bf16 kernels.
 pub fn matmul_f32(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
     Kernels::active().matmul_f32(w, rows, cols, x, n, y)
@@ -398,20 +398,29 @@ impl Kernels {
                 let wr = &w[r0 * row_bytes..(r0 + k) * row_bytes];
                 with_buffer(&NARROW, |narrow| {
                     for (row, o) in wr.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
+                        // The bf16 truncation of each value (its high half), and whether that
+                        // is the value exactly (every low half zero).
                         grow_exact(narrow, cols * 2);
-                        let mut exact = true;
-                        for b in row.chunks_exact(4) {
-                            let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                            exact &= bits & 0xffff == 0;
-                            narrow.extend_from_slice(&((bits >> 16) as u16).to_le_bytes());
+                        narrow.resize(cols * 2, 0);
+                        let mut low = 0u32;
+                        for (d, b) in narrow.chunks_exact_mut(2).zip(row.chunks_exact(4)) {
+                            let v = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                            low |= v & 0xffff;
+                            d.copy_from_slice(&((v >> 16) as u16).to_le_bytes());
                         }
-                        if exact {
+                        if low == 0 {
                             by_tier!(self, bf16_rows(narrow, cols, xs, n, o, self.strips));
-                        } else {
-                            for (t, v) in o.iter_mut().enumerate() {
-                                *v = scalar::dot_f32_row(row, &x[t * cols..(t + 1) * cols]);
-                            }
+                            continue;
                         }
+                        with_buffer(&ROW, |wide| {
+                            let wide = zeroed(wide, cols);
+                            for (d, b) in wide.iter_mut().zip(row.chunks_exact(4)) {
+                                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                            }
+                            for (t, v) in o.iter_mut().enumerate() {
+                                *v = scalar::dot_f32(wide, &x[t * cols..(t + 1) * cols]);
+                            }
+                        });
                     }
                 })
             })
@@ -588,7 +597,7 @@ thread_local! {
     pub(super) static SPLIT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     /// [`by_rows`]'s rows-major output for several tokens.
     static ROWS_MAJOR: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
-    /// [`matmul_t_bf16`]'s widened weight row.
+    /// [`matmul_t_bf16`]'s widened weight row (and [`matmul_f32`]'s row that bf16 cannot hold).
     static ROW: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     /// [`matmul_f32`]'s row narrowed to bf16 (`2·cols` bytes).
     static NARROW: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };

@@ -49,31 +49,6 @@ pub(super) fn dot_bf16_row(row: &[u8], x: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-/// [`dot_bf16_row`]'s operation sequence over a little-endian F32 row (8 interleaved
-/// accumulators, the same pairwise finish, the tail last): the product of an F32 matrix row that
-/// is not bf16-representable, on every tier (`Kernels::matmul_f32`). For a row of bf16 values it
-/// gives `dot_bf16_row`'s bits.
-#[inline]
-pub(super) fn dot_f32_row(row: &[u8], x: &[f32]) -> f32 {
-    let w =
-        |i: usize| f32::from_le_bytes([row[4 * i], row[4 * i + 1], row[4 * i + 2], row[4 * i + 3]]);
-    let mut acc = [0.0f32; 8];
-    let n = x.len();
-    let main = n - n % 8;
-    let mut c = 0;
-    while c < main {
-        for (l, a) in acc.iter_mut().enumerate() {
-            *a += w(c + l) * x[c + l];
-        }
-        c += 8;
-    }
-    let mut tail = 0.0f32;
-    for (i, &xv) in x.iter().enumerate().skip(main) {
-        tail += w(i) * xv;
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
 pub fn matvec_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], y: &mut [f32]) {
     matmul_bf16(w, rows, cols, x, 1, y)
 }
