@@ -402,13 +402,7 @@ impl Kernels {
                         // is the value exactly (every low half zero).
                         grow_exact(narrow, cols * 2);
                         narrow.resize(cols * 2, 0);
-                        let mut low = 0u32;
-                        for (d, b) in narrow.chunks_exact_mut(2).zip(row.chunks_exact(4)) {
-                            let v = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                            low |= v & 0xffff;
-                            d.copy_from_slice(&((v >> 16) as u16).to_le_bytes());
-                        }
-                        if low == 0 {
+                        if by_tier!(self, narrow_f32_row(row, narrow)) {
                             by_tier!(self, bf16_rows(narrow, cols, xs, n, o, self.strips));
                             continue;
                         }
@@ -723,6 +717,41 @@ pub(super) fn split_even_odd_rows_into(x: &[f32], cols: usize, lanes: usize, out
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every tier narrows an F32 row to the high halves of its values, in order, and calls it
+    /// exact exactly when no value has a low-half bit set, wherever that value sits (a SIMD
+    /// step's any lane, or the tail).
+    #[test]
+    fn every_tier_narrows_f32_rows_and_spots_any_value_bf16_cannot_hold() {
+        for tier in Tier::ALL {
+            let Some(k) = Kernels::new(tier) else {
+                continue;
+            };
+            for cols in [1usize, 7, 15, 16, 17, 31, 32, 33, 47, 64, 100] {
+                let bits: Vec<u32> = (0..cols as u32)
+                    .map(|i| 0x3f80_0000u32.wrapping_add(i.wrapping_mul(0x9e37_0000)) & 0xffff_0000)
+                    .collect();
+                let want: Vec<u8> = bits
+                    .iter()
+                    .flat_map(|b| ((b >> 16) as u16).to_le_bytes())
+                    .collect();
+                let narrow = |bits: &[u32]| {
+                    let row: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+                    let mut out = vec![0xAAu8; 2 * cols];
+                    let exact = by_tier!(k, narrow_f32_row(&row, &mut out));
+                    (exact, out)
+                };
+                assert_eq!(narrow(&bits), (true, want.clone()), "{tier} {cols}");
+                for j in 0..cols {
+                    for low in [1u32, 0x8000] {
+                        let mut b = bits.clone();
+                        b[j] |= low;
+                        assert_eq!(narrow(&b), (false, want.clone()), "{tier} {cols} at {j}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn split_even_odd_rows_permutes_whole_blocks_of_each_row_and_keeps_tails() {
