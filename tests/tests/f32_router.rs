@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use k3_tests::{ids_arg, path_str, printed_ids, reference_greedy, reference_prompt, tiny_model};
 use k3_tests::{Run, Sandbox};
+use k3_worker::kernels::Tier;
 use serde_json::{json, Map, Value};
 
 const ROUTER: &str = "block_sparse_moe.gate.weight";
@@ -87,8 +88,15 @@ fn with_f32_routers(dst: &Path, transpose: bool) -> Vec<String> {
 }
 
 /// The standalone worker's greedy ids of the reference prompt on `model` (`--gen 20`), and the
-/// step-0 logits it dumps (little-endian f32).
-fn standalone(sb: &Sandbox, model: &Path, tag: &str, extra: &[&str]) -> (Vec<u32>, Vec<u8>) {
+/// step-0 logits it dumps (little-endian f32), on the kernel tier `simd` (`K3_SIMD`; `None`: the
+/// best this CPU has).
+fn standalone(
+    sb: &Sandbox,
+    model: &Path,
+    tag: &str,
+    extra: &[&str],
+    simd: Option<&str>,
+) -> (Vec<u32>, Vec<u8>) {
     let dump = sb.dir.join(format!("logits-{tag}.f32"));
     let ids = ids_arg(&reference_prompt());
     let mut args = vec![
@@ -102,7 +110,11 @@ fn standalone(sb: &Sandbox, model: &Path, tag: &str, extra: &[&str]) -> (Vec<u32
         path_str(&dump),
     ];
     args.extend_from_slice(extra);
-    let r = sb.run("k3-worker", &args);
+    let mut c = sb.command("k3-worker", &args);
+    if let Some(t) = simd {
+        c.env("K3_SIMD", t);
+    }
+    let r = sb.run_command(c);
     assert_eq!(r.code, 0, "{tag}: {r:?}");
     (printed_ids(&r), std::fs::read(&dump).unwrap())
 }
@@ -138,19 +150,31 @@ fn f32_routers_of_bf16_values_give_the_bf16_ids_and_logits_standalone_and_from_a
     let r = sb.run("k3-ctl", &["inspect", path_str(&model)]);
     assert_eq!(r.code, 0, "inspect: {r:?}");
     // Standalone: the BF16 fixture's ids (the float64 reference's) and its step-0 logits, bit for
-    // bit, at the auto plan and at the laptop preset (streamed layers), on one and two threads.
-    let (want_ids, want_logits) = standalone(&sb, &tiny_model(), "bf16", &[]);
+    // bit, at the auto plan and at the laptop preset (streamed layers), on one and two threads,
+    // and on every kernel tier this CPU has (each against the BF16 run on the same tier).
+    let (want_ids, want_logits) = standalone(&sb, &tiny_model(), "bf16", &[], None);
     assert_eq!(want_ids, reference_greedy());
     for (tag, extra) in [
         ("auto", &[][..]),
         ("laptop", &["--preset", "laptop"][..]),
         ("threads-1", &["--threads", "1"][..]),
     ] {
-        let (ids, logits) = standalone(&sb, &model, tag, extra);
+        let (ids, logits) = standalone(&sb, &model, tag, extra, None);
         assert_eq!(ids, want_ids, "{tag}");
         assert!(
             logits == want_logits,
             "{tag}: step-0 logits differ in their bits"
+        );
+    }
+    for tier in Tier::ALL.into_iter().filter(|t| t.is_available()) {
+        let t = Some(tier.name());
+        let (bf16_ids, bf16_logits) = standalone(&sb, &tiny_model(), "bf16-tier", &[], t);
+        let (ids, logits) = standalone(&sb, &model, "f32-tier", &[], t);
+        assert_eq!(bf16_ids, want_ids, "{tier}");
+        assert_eq!(ids, want_ids, "{tier}");
+        assert!(
+            logits == bf16_logits,
+            "{tier}: step-0 logits differ in their bits"
         );
     }
     // The packed trunk keeps each router raw, as F32, and a store serving it gives the same ids.
