@@ -1239,3 +1239,104 @@ fn strip_kernels_equal_the_token_block_kernels_bitwise() {
         }
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// F32 matrices (an F32 router, SPEC.md §3.11)
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|f| f.to_le_bytes()).collect()
+}
+
+/// An F32 matrix holding bf16 values multiplies to the BF16 matrix's bits on every tier, at any
+/// token count (decode, the 4-token blocks, the strips beyond them), row count around the row
+/// blocks and width around the column blocks and `NARROW_COLS`, on 1 and 2 threads.
+#[test]
+fn f32_matrix_of_bf16_values_gives_the_bf16_bits_on_every_tier() {
+    let mut rng = Rng(35);
+    let pools = [build_pool(1).expect("pool"), build_pool(2).expect("pool")];
+    let wide = kernels::NARROW_COLS + 37;
+    for k in tiers() {
+        for (rows, cols) in [(1, 7), (15, 37), (6, 95), (17, 1001), (33, 64), (9, wide)] {
+            let (w, bits) = bf16_matrix(&mut rng, rows, cols);
+            let wf: Vec<f32> = bits.iter().map(|&b| kernels::bf16_to_f32(b)).collect();
+            let w32 = f32_bytes(&wf);
+            for n in [1usize, 3, 5, 9, 17] {
+                let x = random_x(&mut rng, n * cols);
+                let mut want = vec![f32::NAN; n * rows];
+                k.matmul_bf16(&w, rows, cols, &x, n, &mut want);
+                for pool in &pools {
+                    let mut got = vec![f32::NAN; n * rows];
+                    pool.install(|| k.matmul_f32(&w32, rows, cols, &x, n, &mut got));
+                    assert_eq!(
+                        bits_of(&got),
+                        bits_of(&want),
+                        "{} {rows}x{cols} n={n} threads {}",
+                        k.tier(),
+                        pool.current_num_threads()
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Rows with values bf16 cannot hold are an f32 dot in the scalar order on every tier (the same
+/// bits everywhere, within the summation bound of an f64 oracle); the bf16-valued rows of the
+/// same matrix still give the BF16 bits (a row's result depends on that row alone).
+#[test]
+fn f32_rows_beyond_bf16_are_the_same_bits_on_every_tier_and_near_the_oracle() {
+    let mut rng = Rng(36);
+    let (rows, cols) = (19, 1001);
+    let (w, bits) = bf16_matrix(&mut rng, rows, cols);
+    let mut wf: Vec<f32> = bits.iter().map(|&b| kernels::bf16_to_f32(b)).collect();
+    // Every third row gets full f32 mantissas.
+    let full = |r: usize| r % 3 == 1;
+    for r in (0..rows).filter(|&r| full(r)) {
+        for v in &mut wf[r * cols..(r + 1) * cols] {
+            *v = rng.unit() * 3.0;
+        }
+    }
+    let w32 = f32_bytes(&wf);
+    let mut first: Option<Vec<u32>> = None;
+    for k in tiers() {
+        for n in [1usize, 4, 9] {
+            let x = random_x(&mut Rng(n as u64), n * cols);
+            let mut got = vec![f32::NAN; n * rows];
+            k.matmul_f32(&w32, rows, cols, &x, n, &mut got);
+            let mut bf = vec![f32::NAN; n * rows];
+            k.matmul_bf16(&w, rows, cols, &x, n, &mut bf);
+            for t in 0..n {
+                let xt = &x[t * cols..(t + 1) * cols];
+                for r in 0..rows {
+                    let g = got[t * rows + r];
+                    if full(r) {
+                        let (s, a) = wf[r * cols..(r + 1) * cols].iter().zip(xt).fold(
+                            (0.0f64, 0.0f64),
+                            |(s, a), (&w, &x)| {
+                                let p = w as f64 * x as f64;
+                                (s + p, a + p.abs())
+                            },
+                        );
+                        assert!(
+                            within(g as f64, s, dot_error_bound(cols, a)),
+                            "{} row {r} token {t}: {g} vs {s}",
+                            k.tier()
+                        );
+                    } else {
+                        assert_eq!(g.to_bits(), bf[t * rows + r].to_bits(), "{}", k.tier());
+                    }
+                }
+            }
+            if n == 9 {
+                let full_bits: Vec<u32> = (0..n * rows)
+                    .filter(|i| full(i % rows))
+                    .map(|i| got[i].to_bits())
+                    .collect();
+                match &first {
+                    None => first = Some(full_bits),
+                    Some(f) => assert_eq!(f, &full_bits, "{} differs", k.tier()),
+                }
+            }
+        }
+    }
+}

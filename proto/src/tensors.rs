@@ -31,7 +31,8 @@ pub enum TensorKind {
     /// A weight matrix of attention, the dense MLP, the shared experts or the latent
     /// projections.
     Matrix,
-    /// The MoE router `block_sparse_moe.gate.weight` `[experts, hidden]`.
+    /// The MoE router `block_sparse_moe.gate.weight` `[experts, hidden]` (BF16 in the release;
+    /// F32 as the C engine and checkpoint writers take it, SPEC.md §2.7).
     Router,
     /// A small vector widened to f32 at bind (norm gains, AttnRes vectors, router bias,
     /// `A_log`, `dt_bias`, conv kernels, `o_norm`).
@@ -41,11 +42,12 @@ pub enum TensorKind {
 }
 
 /// The dtypes each kind of tensor may be stored in: the one place to widen what the engine
-/// accepts (e.g. an F32 router once the kernels take it: add `Dtype::F32` to its row).
+/// accepts. F32 where the C engine takes it (SPEC.md §2.9): the small vectors and the router,
+/// which it widens to f32 at load anyway; k3 multiplies an F32 router as SPEC.md §3.11 says.
 pub const DTYPE_RULES: &[(TensorKind, &[Dtype])] = &[
     (TensorKind::Embedding, &[Dtype::BF16]),
     (TensorKind::Matrix, &[Dtype::BF16]),
-    (TensorKind::Router, &[Dtype::BF16]),
+    (TensorKind::Router, &[Dtype::BF16, Dtype::F32]),
     (TensorKind::Vector, &[Dtype::BF16, Dtype::F32]),
     (TensorKind::ExpertPart, &[Dtype::U8]),
 ];
@@ -463,5 +465,22 @@ mod tests {
             mismatch(TensorKind::Vector, &[vec![8]], Dtype::F32, &[8]),
             None
         );
+    }
+
+    #[test]
+    fn the_router_takes_bf16_or_f32_of_its_shape_only_and_matrices_stay_bf16() {
+        let s = [vec![8u64, 64]];
+        for dt in [Dtype::BF16, Dtype::F32] {
+            assert_eq!(mismatch(TensorKind::Router, &s, dt, &[8, 64]), None, "{dt}");
+        }
+        let m = mismatch(TensorKind::Router, &s, Dtype::F32, &[64, 8]).unwrap();
+        assert!(
+            m.contains("(transposed)") && m.contains("BF16 or F32"),
+            "{m}"
+        );
+        let m = mismatch(TensorKind::Router, &s, Dtype::F32, &[8, 32]).unwrap();
+        assert!(m.starts_with("F32 [8, 32]"), "{m}");
+        assert!(mismatch(TensorKind::Router, &s, Dtype::F16, &[8, 64]).is_some());
+        assert!(mismatch(TensorKind::Matrix, &s, Dtype::F32, &[8, 64]).is_some());
     }
 }

@@ -946,6 +946,42 @@ pub(super) unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
 }
 
 // ------------------------------------------------------------------------------------------
+// F32 row narrowing
+
+/// Narrows a little-endian F32 row to bf16 (each value's high half, in order) into `out`, 16
+/// values a step, the rest one at a time; true when every value's low half is zero (the
+/// narrowing is exact). The same bytes and answer as `scalar::narrow_f32_row`.
+///
+/// # Safety
+/// The CPU supports AVX2. (Lengths are checked here.)
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn narrow_f32_row(row: &[u8], out: &mut [u8]) -> bool {
+    assert_eq!(row.len(), 2 * out.len(), "f32 row and its bf16 narrowing");
+    let main = row.len() / 64 * 64;
+    let low_half = _mm256_set1_epi32(0xffff);
+    let mut low = _mm256_setzero_si256();
+    for (src, dst) in row[..main].chunks_exact(64).zip(out.chunks_exact_mut(32)) {
+        // SAFETY: `src` is 64 readable bytes (chunks_exact); AVX2 is this function's contract.
+        let [a, b] = unsafe { load_raw64(src.as_ptr()) };
+        low = _mm256_or_si256(low, _mm256_and_si256(_mm256_or_si256(a, b), low_half));
+        // High halves (≤ 0xffff, so the unsigned saturation keeps them), packed per 128-bit
+        // lane as [a0-3, b0-3 | a4-7, b4-7], then put back in order.
+        let packed = _mm256_packus_epi32(_mm256_srli_epi32::<16>(a), _mm256_srli_epi32::<16>(b));
+        let ordered = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+        // SAFETY: `dst` is 32 writable bytes (chunks_exact); unaligned store.
+        unsafe { _mm256_storeu_si256(dst.as_mut_ptr() as *mut __m256i, ordered) };
+    }
+    let mut exact = _mm256_testz_si256(low, low) == 1;
+    for (d, b) in out[main / 2..]
+        .chunks_exact_mut(2)
+        .zip(row[main..].chunks_exact(4))
+    {
+        d.copy_from_slice(&b[2..4]);
+        exact &= b[0] | b[1] == 0;
+    }
+    exact
+}
+
 // f32 dot
 
 /// `Σ a[i]·b[i]`: four accumulators over 32-element steps, 8-element steps into accumulator 0,

@@ -745,6 +745,18 @@ pub(super) unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
 }
 
 // ------------------------------------------------------------------------------------------
+// F32 row narrowing
+
+/// `avx2::narrow_f32_row` (a byte shuffle: the same bytes on every tier).
+///
+/// # Safety
+/// The CPU supports AVX-512 F/BW/VL, AVX2 and FMA (this tier's contract).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn narrow_f32_row(row: &[u8], out: &mut [u8]) -> bool {
+    // SAFETY: this tier's CPUs support AVX2 (detected with AVX-512 before this tier exists).
+    unsafe { avx2::narrow_f32_row(row, out) }
+}
+
 // f32 dot
 
 /// `Σ a[i]·b[i]`: four accumulators over 64-element steps, 16-element steps into accumulator 0,

@@ -132,6 +132,16 @@ pub fn matmul_bf16(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &
     Kernels::active().matmul_bf16(w, rows, cols, x, n, y)
 }
 
+/// [`matmul_bf16`] for a little-endian F32 matrix `W [rows, cols]` (an F32 router, SPEC.md
+/// §3.11). A row whose values are all bf16-representable (the low 16 bits of every value zero)
+/// is narrowed exactly and multiplied by this tier's bf16 kernel: the same bits as the BF16
+/// matrix of the same values. Any other row is multiplied by [`scalar::dot_f32`] (the scalar
+/// tier's bf16 order: 8 interleaved accumulators, the same pairwise finish) on every tier. Each row's result depends on that row alone, so the
+/// thread count, the row split and `n` change nothing, as for the bf16 kernels.
+pub fn matmul_f32(w: &[u8], rows: usize, cols: usize, x: &[f32], n: usize, y: &mut [f32]) {
+    Kernels::active().matmul_f32(w, rows, cols, x, n, y)
+}
+
 /// `y[r] = Σ_c W[r,c]·x[c]` for an EC-BF16 coded matrix (`k3_proto::ecbf16`): the same bits as
 /// [`matvec_bf16`] on the decoded matrix (the decode is exact and happens in registers).
 pub fn matvec_coded(m: &CodedMatrix<'_>, x: &[f32], y: &mut [f32]) {
@@ -360,6 +370,57 @@ impl Kernels {
         });
     }
 
+    /// [`matmul_f32`] on this tier.
+    pub fn matmul_f32(
+        self,
+        w: &[u8],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+    ) {
+        assert_eq!(
+            Some(w.len()),
+            rows.checked_mul(cols).and_then(|v| v.checked_mul(4)),
+            "f32 weight bytes"
+        );
+        assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
+        assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
+        if cols == 0 {
+            y.fill(0.0);
+            return;
+        }
+        let row_bytes = cols * 4;
+        self.with_split(x, cols, |xs| {
+            by_rows(rows, cols, n, y, |r0, out| {
+                let k = out.len() / n;
+                let wr = &w[r0 * row_bytes..(r0 + k) * row_bytes];
+                with_buffer(&NARROW, |narrow| {
+                    for (row, o) in wr.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n)) {
+                        // The bf16 truncation of each value (its high half), and whether that
+                        // is the value exactly (every low half zero).
+                        grow_exact(narrow, cols * 2);
+                        narrow.resize(cols * 2, 0);
+                        if by_tier!(self, narrow_f32_row(row, narrow)) {
+                            by_tier!(self, bf16_rows(narrow, cols, xs, n, o, self.strips));
+                            continue;
+                        }
+                        with_buffer(&ROW, |wide| {
+                            let wide = zeroed(wide, cols);
+                            for (d, b) in wide.iter_mut().zip(row.chunks_exact(4)) {
+                                *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                            }
+                            for (t, v) in o.iter_mut().enumerate() {
+                                *v = scalar::dot_f32(wide, &x[t * cols..(t + 1) * cols]);
+                            }
+                        });
+                    }
+                })
+            })
+        });
+    }
+
     /// [`matmul_coded`] on this tier.
     pub fn matmul_coded(self, m: &CodedMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
         let (rows, cols) = (m.rows(), m.cols());
@@ -530,8 +591,10 @@ thread_local! {
     pub(super) static SPLIT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     /// [`by_rows`]'s rows-major output for several tokens.
     static ROWS_MAJOR: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
-    /// [`matmul_t_bf16`]'s widened weight row.
+    /// [`matmul_t_bf16`]'s widened weight row (and [`matmul_f32`]'s row that bf16 cannot hold).
     static ROW: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    /// [`matmul_f32`]'s row narrowed to bf16 (`2·cols` bytes).
+    static NARROW: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
     /// [`with_scratch`]'s buffer.
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
@@ -593,13 +656,17 @@ pub const KEEP_MAX_FLOATS: usize = 1 << 20;
 
 /// Bytes one thread's kernel buffers keep between calls at most when the largest call it ran
 /// needed `split` floats of rearranged activations, `rows_major` floats of rows-major output,
-/// `row` floats of a widened weight row and `scratch` floats of per-task scratch (each buffer
-/// is kept only up to [`KEEP_MAX_FLOATS`]; a larger one lives for its call only).
+/// `row` floats of a widened weight row (and `row` bf16 of an F32 row narrowed by
+/// [`matmul_f32`]) and `scratch` floats of per-task scratch (each buffer is kept only up to
+/// `4·`[`KEEP_MAX_FLOATS`] bytes; a larger one lives for its call only).
 pub fn kept_bytes_for(split: usize, rows_major: usize, row: usize, scratch: usize) -> u64 {
+    let keep = 4 * KEEP_MAX_FLOATS as u64;
+    let narrow = (2 * row as u64).min(keep);
     [split, rows_major, row, scratch]
         .into_iter()
-        .map(|f| 4 * f.min(KEEP_MAX_FLOATS) as u64)
-        .sum()
+        .map(|f| (4 * f as u64).min(keep))
+        .sum::<u64>()
+        + narrow
 }
 
 /// Runs `f` with this thread's buffer `key`, whose allocation is kept for the next call (a
@@ -607,13 +674,13 @@ pub fn kept_bytes_for(split: usize, rows_major: usize, row: usize, scratch: usiz
 /// [`KEEP_MAX_FLOATS`]. The buffer is taken out while `f` runs: a kernel started on this
 /// thread meanwhile (a pool thread takes other work while it waits) finds it empty and uses a
 /// buffer of its own, so nothing is shared.
-pub(super) fn with_buffer<R>(
-    key: &'static LocalKey<Cell<Vec<f32>>>,
-    f: impl FnOnce(&mut Vec<f32>) -> R,
+pub(super) fn with_buffer<T, R>(
+    key: &'static LocalKey<Cell<Vec<T>>>,
+    f: impl FnOnce(&mut Vec<T>) -> R,
 ) -> R {
     let mut buf = key.take();
     let r = f(&mut buf);
-    if buf.capacity() <= KEEP_MAX_FLOATS {
+    if buf.capacity() * std::mem::size_of::<T>() <= KEEP_MAX_FLOATS * 4 {
         key.set(buf);
     }
     r
@@ -650,6 +717,41 @@ pub(super) fn split_even_odd_rows_into(x: &[f32], cols: usize, lanes: usize, out
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every tier narrows an F32 row to the high halves of its values, in order, and calls it
+    /// exact exactly when no value has a low-half bit set, wherever that value sits (a SIMD
+    /// step's any lane, or the tail).
+    #[test]
+    fn every_tier_narrows_f32_rows_and_spots_any_value_bf16_cannot_hold() {
+        for tier in Tier::ALL {
+            let Some(k) = Kernels::new(tier) else {
+                continue;
+            };
+            for cols in [1usize, 7, 15, 16, 17, 31, 32, 33, 47, 64, 100] {
+                let bits: Vec<u32> = (0..cols as u32)
+                    .map(|i| 0x3f80_0000u32.wrapping_add(i.wrapping_mul(0x9e37_0000)) & 0xffff_0000)
+                    .collect();
+                let want: Vec<u8> = bits
+                    .iter()
+                    .flat_map(|b| ((b >> 16) as u16).to_le_bytes())
+                    .collect();
+                let narrow = |bits: &[u32]| {
+                    let row: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+                    let mut out = vec![0xAAu8; 2 * cols];
+                    let exact = by_tier!(k, narrow_f32_row(&row, &mut out));
+                    (exact, out)
+                };
+                assert_eq!(narrow(&bits), (true, want.clone()), "{tier} {cols}");
+                for j in 0..cols {
+                    for low in [1u32, 0x8000] {
+                        let mut b = bits.clone();
+                        b[j] |= low;
+                        assert_eq!(narrow(&b), (false, want.clone()), "{tier} {cols} at {j}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn split_even_odd_rows_permutes_whole_blocks_of_each_row_and_keeps_tails() {

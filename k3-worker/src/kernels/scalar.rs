@@ -224,6 +224,18 @@ pub fn softmax_inplace(x: &mut [f32]) {
     }
 }
 
+/// Narrows a little-endian F32 row to bf16 (each value's high half, in order) into `out`; true
+/// when every value's low half is zero (the narrowing is exact).
+pub(super) fn narrow_f32_row(row: &[u8], out: &mut [u8]) -> bool {
+    assert_eq!(row.len(), 2 * out.len(), "f32 row and its bf16 narrowing");
+    let mut low = 0u8;
+    for (d, b) in out.chunks_exact_mut(2).zip(row.chunks_exact(4)) {
+        d.copy_from_slice(&b[2..4]);
+        low |= b[0] | b[1];
+    }
+    low == 0
+}
+
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; 8];

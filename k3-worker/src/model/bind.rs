@@ -106,6 +106,7 @@ impl Span {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum MatSpan {
     Bf16(Span),
+    F32(Span),
     Quant { kind: QuantKind, q: Span, s: Span },
 }
 
@@ -113,6 +114,7 @@ impl MatSpan {
     fn of<'r>(&self, bytes: &'r [u8]) -> Mat<'r> {
         match *self {
             MatSpan::Bf16(sp) => Mat::Bf16(sp.of(bytes)),
+            MatSpan::F32(sp) => Mat::F32(sp.of(bytes)),
             MatSpan::Quant { kind, q, s } => Mat::Quant {
                 kind,
                 q: q.of(bytes),
@@ -242,6 +244,20 @@ impl<'r> LayerView<'r> {
         let (s, _, _) = self.get(&s_suffix, &[scale_shape], &[Dtype::F32])?;
         debug_assert_eq!(s.len, scale_bytes);
         Ok(MatSpan::Quant { kind, q: span, s })
+    }
+
+    /// The router `[rows, cols]`: F32 as stored (`Mat::F32`, SPEC.md §3.11), else as [`mat`]
+    /// (BF16, or a draft's quantized codes).
+    ///
+    /// [`mat`]: LayerView::mat
+    fn router(&self, suffix: &str, rows: usize, cols: usize) -> Result<MatSpan, ModelError> {
+        let name = names::layer(self.l, suffix);
+        match self.run.layout.get(&name).map(|t| t.dtype) {
+            Some(Dtype::F32) => Ok(MatSpan::F32(
+                self.get(suffix, &[&[rows, cols]], &[Dtype::F32])?.0,
+            )),
+            _ => self.mat(suffix, rows, cols),
+        }
     }
 
     /// A small vector of `shape` widened to f32, stored as BF16 or F32 (SPEC.md §2: the release
@@ -620,7 +636,7 @@ fn bind_moe(d: &Dims, v: &LayerView<'_>) -> Result<MoeBound, ModelError> {
         None
     };
     Ok(MoeBound {
-        router: v.mat(&format!("{m}.gate.weight"), ne, e)?,
+        router: v.router(&format!("{m}.gate.weight"), ne, e)?,
         // F32 in the release; BF16 accepted (SPEC.md §10 C5).
         bias: v.vec(&format!("{m}.gate.e_score_correction_bias"), &[ne])?,
         down: v.mat(&format!("{m}.routed_expert_down_proj.weight"), lat, e)?,

@@ -6,12 +6,15 @@
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_store::runtime::source::ExpertBatch;
 
-/// A weight matrix as stored: bf16 (a checkpoint), or the quantized codes and scales of a draft
-/// trunk (`k3_proto::quant`; only a draft model binds these).
+/// A weight matrix as stored: bf16 (a checkpoint), f32 (a checkpoint's F32 router), or the
+/// quantized codes and scales of a draft trunk (`k3_proto::quant`; only a draft model binds
+/// these).
 #[derive(Clone, Copy, Debug)]
 pub enum Mat<'a> {
     /// Little-endian bf16 `[rows, cols]`.
     Bf16(&'a [u8]),
+    /// Little-endian f32 `[rows, cols]` (an F32 router; `kernels::matmul_f32`).
+    F32(&'a [u8]),
     /// Quantized codes and little-endian f32 scales.
     Quant {
         /// int8 or int4.
@@ -42,6 +45,7 @@ pub(crate) fn linear_into(
     let y = zeroed(y, n * rows);
     match w {
         Mat::Bf16(w) => crate::kernels::matmul_bf16(w, rows, cols, x, n, y),
+        Mat::F32(w) => crate::kernels::matmul_f32(w, rows, cols, x, n, y),
         Mat::Quant { kind, q, s } => {
             crate::kernels::quant::matmul_quant(kind, q, s, rows, cols, x, n, y)
         }

@@ -90,8 +90,11 @@ pub(crate) struct UpCopy {
     bytes: Vec<u8>,
     /// A draft's quantized scales (empty for bf16).
     scales: Vec<u8>,
-    /// `None` for bf16.
+    /// `None` for bf16 (or f32).
     kind: Option<k3_proto::quant::QuantKind>,
+    /// The bytes are f32 (`Mat::F32`; the binder gives the up-projection as bf16 or codes, so
+    /// this only keeps the copy faithful to any [`Mat`]).
+    f32: bool,
     /// The latent norm, when the layer has one.
     norm: Option<Vec<f32>>,
 }
@@ -105,13 +108,15 @@ impl UpCopy {
 
     /// Copy `side` in, reusing the allocations.
     pub(crate) fn hold(&mut self, side: &UpSide<'_>) {
-        let (bytes, scales, kind) = match side.up {
-            Mat::Bf16(b) => (b, &[][..], None),
-            Mat::Quant { kind, q, s } => (q, s, Some(kind)),
+        let (bytes, scales, kind, f32) = match side.up {
+            Mat::Bf16(b) => (b, &[][..], None, false),
+            Mat::F32(b) => (b, &[][..], None, true),
+            Mat::Quant { kind, q, s } => (q, s, Some(kind), false),
         };
         copy_into(&mut self.bytes, bytes);
         copy_into(&mut self.scales, scales);
         self.kind = kind;
+        self.f32 = f32;
         match (side.norm, &mut self.norm) {
             (Some(n), Some(v)) => copy_into(v, n),
             (Some(n), none) => *none = Some(n.to_vec()),
@@ -123,6 +128,7 @@ impl UpCopy {
     pub(crate) fn side(&self) -> UpSide<'_> {
         UpSide {
             up: match self.kind {
+                None if self.f32 => Mat::F32(&self.bytes),
                 None => Mat::Bf16(&self.bytes),
                 Some(kind) => Mat::Quant {
                     kind,
