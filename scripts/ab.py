@@ -79,7 +79,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--trunk", required=True, type=Path, help="packed trunk dir")
+    ap.add_argument("--trunk", required=True,
+                    help="packed trunk dir, or one per --bins entry (comma-separated, same "
+                         "order) when the builds pack different trunk formats")
     ap.add_argument("--bins", required=True,
                     help="comma-separated directories holding k3-worker (2 or more)")
     ap.add_argument("--budgets", default="all-resident,trunk-pinned,laptop-like")
@@ -96,9 +98,15 @@ def main(argv=None) -> int:
     for b in bins:
         if not (b / "k3-worker").is_file():
             ap.error(f"{b}: no k3-worker there")
+    trunks = [Path(t) for t in a.trunk.split(",") if t]
+    if len(trunks) == 1:
+        trunks = trunks * len(bins)
+    if len(trunks) != len(bins):
+        ap.error("--trunk takes one directory or one per --bins entry")
+    trunk_of = {b: t for b, t in zip(bins, trunks)}
     if a.reps < 1 or a.gen < 2:
         ap.error("--reps >= 1 and --gen >= 2")
-    tj = json.loads((a.trunk / "trunk.json").read_text())
+    tj = json.loads((trunks[0] / "trunk.json").read_text())
     eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
     budgets = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)
     names = [n for n in a.budgets.split(",") if n]
@@ -113,10 +121,10 @@ def main(argv=None) -> int:
                 tb, cb = budgets[n][0], budgets[n][1]
                 for b in bins:
                     if a.attached:
-                        d = run_attached(b, a.model, a.trunk, tb, cb, a.gen, out,
+                        d = run_attached(b, a.model, trunk_of[b], tb, cb, a.gen, out,
                                          a.prefill_chunk, Path(tmp))
                     else:
-                        d, _ = bench.run_worker(b, a.model, a.trunk, tb, cb, a.gen, out,
+                        d, _ = bench.run_worker(b, a.model, trunk_of[b], tb, cb, a.gen, out,
                                                 a.prefill_chunk)
                     raw.setdefault((n, str(b)), []).append(d)
                     st = [s["seconds"] for s in d["steps"]][1:]
@@ -139,7 +147,7 @@ def main(argv=None) -> int:
             "model": str(a.model), "gen": a.gen, "reps": a.reps,
             "prefill_chunk": a.prefill_chunk, "prompt": bench.PROMPT,
             "mode": "attached" if a.attached else "standalone",
-            "bins": [str(b) for b in bins], "cells": cells, "ids_identical": same,
+            "bins": [str(b) for b in bins], "trunks": [str(t) for t in trunks], "cells": cells, "ids_identical": same,
         }, indent=1))
         print(f"wrote {a.json}")
     return 0 if same else 1
