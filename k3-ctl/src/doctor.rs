@@ -274,7 +274,8 @@ fn random_reads(
             let hs: Vec<_> = (0..threads)
                 .map(|t| {
                     s.spawn(move || -> Result<u64, String> {
-                        let mut buf = AlignedBuf::zeroed(len as usize + ALIGN)?;
+                        let mut buf =
+                            AlignedBuf::zeroed(len as usize + ALIGN).map_err(|e| e.to_string())?;
                         let mut rng = Rng(0x1234_5678 + (r * 1000 + t) as u64 * 7919);
                         let mut bytes = 0u64;
                         loop {
@@ -315,7 +316,7 @@ fn sequential_reads(
     before: &dyn Fn(),
 ) -> Result<Vec<f64>, String> {
     let chunk = seq_chunk(file, chunk)?;
-    let mut buf = AlignedBuf::zeroed(chunk as usize + ALIGN)?;
+    let mut buf = AlignedBuf::zeroed(chunk as usize + ALIGN).map_err(|e| e.to_string())?;
     sequential_reads_into(file, chunk, round, before, buf.as_mut_slice())
 }
 

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use clap::builder::PossibleValuesParser;
 
 pub use crate::runtime::experts::Preload;
-use crate::runtime::plan::{Budget, PRESETS};
+use crate::runtime::plan::{Budget, BudgetError, PRESETS};
 
 /// `--socket PATH`: where the store listens.
 #[derive(clap::Args, Clone, Debug, Default)]
@@ -120,7 +120,7 @@ impl BudgetArgs {
 
     /// The budget the flags describe, in command-line order (`matches` are the parsed matches of
     /// the command this group was flattened into).
-    pub fn budget(&self, matches: &clap::ArgMatches) -> Result<Budget, String> {
+    pub fn budget(&self, matches: &clap::ArgMatches) -> Result<Budget, BudgetError> {
         if !self.any_budget() {
             return Ok(Budget::auto());
         }
@@ -128,7 +128,7 @@ impl BudgetArgs {
             if self.preset.len() == 1 && self.trunk_gb.is_empty() && self.cache_gb.is_empty() {
                 return Ok(Budget::auto());
             }
-            return Err("--preset auto cannot be combined with other memory flags".into());
+            return Err(BudgetError::AutoCombined);
         }
         Budget::from_matches(matches, "preset", "trunk_gb", "cache_gb")
     }
@@ -195,7 +195,7 @@ mod tests {
         assert_eq!(Preload::Auto.wanted(96, 96), Ok(true));
         assert_eq!(Preload::Auto.wanted(95, 96), Ok(false));
         assert_eq!(Preload::On.wanted(100, 96), Ok(true));
-        let e = Preload::On.wanted(3, 96).unwrap_err();
+        let e = Preload::On.wanted(3, 96).unwrap_err().to_string();
         assert!(
             e.contains("holds 3 experts") && e.contains("96 routed experts"),
             "{e}"

@@ -145,7 +145,7 @@ fn socket_path(a: &StartArgs) -> PathBuf {
 /// Make every path of `a` absolute (canonical where it exists) and fill in the default socket,
 /// so that nothing depends on the directory the store was started from: the detached store runs
 /// in `/`, and workers get these paths in the handshake.
-fn resolve_paths(a: &mut StartArgs) -> Result<(), String> {
+fn resolve_paths(a: &mut StartArgs) -> Result<(), k3_proto::paths::PathError> {
     a.model_dir = k3_proto::paths::resolve(&a.model_dir)?;
     if let Some(t) = &a.budget.trunk {
         a.budget.trunk = Some(k3_proto::paths::resolve(t)?);
@@ -232,7 +232,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         code
     };
     if let Err(e) = resolve_paths(&mut a) {
-        return fail(&mut notify, exit::REFUSED, e);
+        return fail(&mut notify, exit::REFUSED, e.to_string());
     }
     // Before any thread: the allocator's arenas are bounded, so the address space the plan
     // checks below is what the store will take (k3_store::runtime::plan::ADDRESS_SPACE_RESERVE).
@@ -251,7 +251,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     }
     let budget = match a.budget.budget(m) {
         Ok(b) => b,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e),
+        Err(e) => return fail(&mut notify, exit::REFUSED, e.to_string()),
     };
     let cache_policy = a.budget.policy();
     // Open the checkpoint and the packed trunk; anything unreadable is a refusal.
@@ -426,7 +426,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
                 connections: MIN_CONNECTIONS + defaults.reserved as u64,
                 ..fixed
             };
-            let e = limit.check("k3-store", &full).err().unwrap_or_default();
+            let e = (limit.check("k3-store", &full).err()).map_or(String::new(), |e| e.to_string());
             return fail(
                 &mut notify,
                 exit::REFUSED,
@@ -449,7 +449,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     };
     let preload = match (a.budget.preload).wanted(plan.expert_slots, cat.routed_experts().count()) {
         Ok(p) => p,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e),
+        Err(e) => return fail(&mut notify, exit::REFUSED, e.to_string()),
     };
     tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
     log_shared_memory_pages();
@@ -463,7 +463,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         identity.id,
     ));
     if let Err(e) = sessions.load_state_dir() {
-        return fail(&mut notify, exit::REFUSED, e);
+        return fail(&mut notify, exit::REFUSED, e.to_string());
     }
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {

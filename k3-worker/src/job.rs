@@ -76,12 +76,25 @@ pub enum JobError {
     /// The draft trunk could not be read (exit 1).
     #[error("draft trunk: {0}")]
     DraftIo(String),
+    /// An environment variable has a value it cannot take (exit 2).
+    #[error(transparent)]
+    Env(#[from] k3_proto::paths::EnvError),
+    /// The memory flags give no budget (exit 2).
+    #[error(transparent)]
+    Budget(#[from] plan::BudgetError),
+    /// The memory plan does not fit (exit 2).
+    #[error(transparent)]
+    Plan(#[from] plan::PlanError),
 }
 
 impl k3_proto::exit::ExitStatus for JobError {
     fn exit_code(&self) -> i32 {
         match self {
-            JobError::Refused(_) | JobError::Input { .. } => exit::REFUSED,
+            JobError::Refused(_)
+            | JobError::Input { .. }
+            | JobError::Env(_)
+            | JobError::Budget(_)
+            | JobError::Plan(_) => exit::REFUSED,
             JobError::Output { before_work, .. } => {
                 if *before_work {
                     exit::REFUSED
@@ -618,7 +631,7 @@ pub fn open_source(
                 state: SeqState::bytes_for(&dims, positions),
                 buffers: buffer_bytes(cli, &dims, positions, chunk)?,
             };
-            plan.check().map_err(refuse)?;
+            plan.check()?;
             tracing::info!("memory plan:\n{plan}");
             Ok(Opened {
                 source: Source::Attached(Box::new(src)),
@@ -633,7 +646,7 @@ pub fn open_source(
         Some(model_dir) => {
             let (cfg, dims, shapes, cat) = read_checkpoint(cli, model_dir, true)?;
             let cat = Arc::new(cat.expect("read with its catalog"));
-            let budget = cli.budget.budget(matches).map_err(refuse)?;
+            let budget = cli.budget.budget(matches)?;
             let opts = StandaloneOptions {
                 context_len: positions,
                 extra_buffer_bytes: buffer_bytes(cli, &dims, positions, chunk)?,
@@ -698,7 +711,7 @@ impl AttachedPlan {
 
     /// Refuse when the state and buffers do not fit the memory or the address space left (the
     /// shared memory is mapped already: the store allocated it).
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), plan::PlanError> {
         let need = self.state + self.buffers;
         let avail = plan::allocatable()?;
         let mut problems = Vec::new();
@@ -791,7 +804,7 @@ pub fn run_with(
             "--session keeps the conversation in a store: it needs attached mode",
         ));
     }
-    model.options = crate::model::feed::FeedOptions::from_env().map_err(refuse)?;
+    model.options = crate::model::feed::FeedOptions::from_env()?;
     let draft_model = load_draft_model(cli, &opened, source, opened.catalog.as_deref())?;
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());

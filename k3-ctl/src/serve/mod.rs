@@ -161,7 +161,7 @@ fn sized_max_jobs(model_dir: &Path) -> Result<(usize, String), String> {
     let chunk = k3_worker::generate::DEFAULT_PREFILL_CHUNK;
     let drafts = k3_worker::spec::SpecMode::Auto.max_drafts();
     let per_job = k3_worker::job::attached_job_bytes(&dims, positions, chunk, drafts).max(1);
-    let avail = k3_store::runtime::plan::allocatable()?;
+    let avail = k3_store::runtime::plan::allocatable().map_err(|e| e.to_string())?;
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let fit = usize::try_from(avail / per_job).unwrap_or(usize::MAX);
     let n = fit.clamp(1, cpus);

@@ -281,6 +281,18 @@ impl From<String> for BuildError {
     }
 }
 
+impl From<crate::runtime::experts::ArenaSetupError> for BuildError {
+    fn from(e: crate::runtime::experts::ArenaSetupError) -> Self {
+        e.to_string().into()
+    }
+}
+
+impl From<crate::runtime::source::ExpertError> for BuildError {
+    fn from(e: crate::runtime::source::ExpertError) -> Self {
+        format!("preloading the expert cache: {e}").into()
+    }
+}
+
 impl std::fmt::Display for BuildError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.message)
@@ -561,7 +573,9 @@ impl StoreBackend {
                     slot: *s as u32,
                     at: o.at as u32,
                 },
-                Err(m) => SlotAnswer::Failed { reason: m.clone() },
+                Err(m) => SlotAnswer::Failed {
+                    reason: m.to_string(),
+                },
             })
             .collect();
         Ok(Response::Experts {

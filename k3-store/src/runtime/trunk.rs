@@ -144,6 +144,12 @@ impl From<IdentityError> for TrunkError {
     }
 }
 
+impl From<crate::runtime::io::AllocError> for TrunkError {
+    fn from(e: crate::runtime::io::AllocError) -> Self {
+        TrunkError::Io(e.to_string())
+    }
+}
+
 impl From<ReadError> for TrunkError {
     fn from(e: ReadError) -> Self {
         TrunkError::Io(e.0)
@@ -314,7 +320,7 @@ pub fn pack_trunk(
     let bytes_total: u64 = runs.iter().map(|r| r.2).sum();
     let id = ModelIdentity::of(cat)?;
     let mut files: Vec<Option<DiskFile>> = (0..cat.shard_paths().len()).map(|_| None).collect();
-    let mut buf = AlignedBuf::zeroed(PACK_CHUNK as usize + 2 * ALIGN).map_err(TrunkError::Io)?;
+    let mut buf = AlignedBuf::zeroed(PACK_CHUNK as usize + 2 * ALIGN)?;
     let mut pos = 0u64;
     let mut largest = 0u64;
     write_packed(out_dir, TRUNK_BIN, TRUNK_JSON, &mut |out, werr| {

@@ -169,7 +169,7 @@ impl Ring {
                 mem.len()
             )));
         }
-        let verify = VerifyMode::from_env().map_err(RingError::Setup)?;
+        let verify = VerifyMode::from_env().map_err(|e| RingError::Setup(e.to_string()))?;
         let geo = Geometry::new(&*runs, first, mem.len() as u64);
         let sh = Arc::new(Shared {
             st: Mutex::new(State::new(first, n)),

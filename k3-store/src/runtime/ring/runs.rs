@@ -46,16 +46,18 @@ pub enum VerifyMode {
 
 impl VerifyMode {
     /// The mode [`VERIFY_ENV`] selects; `Err` names a value it does not know.
-    pub fn from_env() -> Result<VerifyMode, String> {
+    pub fn from_env() -> Result<VerifyMode, k3_proto::paths::EnvError> {
         match std::env::var(VERIFY_ENV) {
             Err(_) => Ok(VerifyMode::First),
             Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
                 "" | "1" | "first" | "on" | "yes" => Ok(VerifyMode::First),
                 "every" | "all" => Ok(VerifyMode::Every),
                 "0" | "off" | "no" | "false" => Ok(VerifyMode::Off),
-                other => Err(format!(
-                    "{VERIFY_ENV}={other:?}: expected first (the default), every or off"
-                )),
+                other => Err(k3_proto::paths::EnvError::Invalid {
+                    name: VERIFY_ENV,
+                    value: other.to_string(),
+                    expected: "first (the default), every or off",
+                }),
             },
         }
     }
