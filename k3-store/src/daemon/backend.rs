@@ -378,9 +378,9 @@ impl StoreBackend {
             }
             trunk
                 .verify_run(l, &dst[..run as usize])
-                .map_err(|message| BuildError {
+                .map_err(|e| BuildError {
                     code: k3_proto::exit::REFUSED,
-                    message,
+                    message: e.to_string(),
                 })?;
             header
                 .push_region(RegionKind::PinnedLayer, l as u32, off, run)

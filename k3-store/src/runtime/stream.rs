@@ -107,7 +107,9 @@ impl TrunkStream {
                 let mut buf = AlignedBuf::zeroed(layout.buf_len(l) as usize)?;
                 let inner = layout.read_layer(l, buf.as_mut_slice())?;
                 let run = &buf.as_slice()[inner..inner + plan.run_len as usize];
-                layout.verify_run(l, run).map_err(SourceError::Invalid)?;
+                layout
+                    .verify_run(l, run)
+                    .map_err(|e| SourceError::Invalid(e.to_string()))?;
                 let owner: Arc<dyn ByteOwner> = Arc::new(buf);
                 let region = Region::new(owner, inner, plan.run_len as usize)
                     .ok_or_else(|| SourceError::Io(format!("layer {l}: run outside its buffer")))?;

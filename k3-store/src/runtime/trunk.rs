@@ -831,7 +831,11 @@ impl TrunkLayout {
     /// Check layer `l`'s run bytes (as handed to the engine) against the checksum `trunk.json`
     /// records; a layer read from the shards has none and always passes. The error names the
     /// layer, both checksums and the file.
-    pub fn verify_run(&self, l: usize, run: &[u8]) -> Result<(), String> {
+    pub fn verify_run(
+        &self,
+        l: usize,
+        run: &[u8],
+    ) -> Result<(), crate::runtime::ring::ChecksumMismatch> {
         let Some(want) = self.plan(l).and_then(|p| p.xxh3) else {
             return Ok(());
         };
@@ -844,12 +848,13 @@ impl TrunkLayout {
             .as_ref()
             .map(|f| f.path().display().to_string())
             .unwrap_or_else(|| TRUNK_BIN.into());
-        Err(format!(
-            "trunk layer {l}: checksum mismatch in {file}: its {} bytes hash to xxh3 {got:016x}, \
-             trunk.json records {want:016x} (damaged or replaced; `k3-ctl verify` checks every \
-             layer, `k3-ctl pack-trunk` rewrites the trunk)",
-            run.len()
-        ))
+        Err(crate::runtime::ring::ChecksumMismatch {
+            layer: l,
+            file,
+            bytes: run.len(),
+            got,
+            want,
+        })
     }
 
     /// XXH3-64 of layer `l`'s run as this layout reads it (from `trunk.bin`, or from the shards),
@@ -1034,13 +1039,13 @@ impl Runs for TrunkLayout {
     fn windowed(&self, l: usize) -> bool {
         TrunkLayout::windowed(self, l)
     }
-    fn read(&self, l: usize, dst: &mut [u8]) -> Result<usize, String> {
-        self.read_layer(l, dst).map_err(|e| e.0)
+    fn read(&self, l: usize, dst: &mut [u8]) -> Result<usize, ReadError> {
+        self.read_layer(l, dst)
     }
-    fn read_window(&self, l: usize, dst: &mut [u8], at: usize) -> Result<usize, String> {
-        self.read_layer_window(l, dst, at).map_err(|e| e.0)
+    fn read_window(&self, l: usize, dst: &mut [u8], at: usize) -> Result<usize, ReadError> {
+        self.read_layer_window(l, dst, at)
     }
-    fn verify(&self, l: usize, run: &[u8]) -> Result<(), String> {
+    fn verify(&self, l: usize, run: &[u8]) -> Result<(), crate::runtime::ring::ChecksumMismatch> {
         self.verify_run(l, run)
     }
 }
@@ -1314,7 +1319,7 @@ mod tests {
             let (run, _) = layer_bytes(&t, l);
             let r = t.verify_run(l, &run);
             if l == 1 {
-                let m = r.unwrap_err();
+                let m = r.unwrap_err().to_string();
                 assert!(m.contains("trunk layer 1") && m.contains("checksum"), "{m}");
             } else {
                 r.unwrap();

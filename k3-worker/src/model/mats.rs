@@ -4,7 +4,7 @@
 //! of a matrix is a new [`Mat`] variant and its arm in [`linear_into`], nothing else.
 
 use k3_proto::expert::{ExpertLayout, ExpertPart};
-use k3_store::runtime::source::{ExpertBatch, ExpertError};
+use k3_store::runtime::source::ExpertBatch;
 
 /// A weight matrix as stored: bf16 (a checkpoint), or the quantized codes and scales of a draft
 /// trunk (`k3_proto::quant`; only a draft model binds these).
@@ -123,16 +123,16 @@ impl<'b> Experts<'b> {
 
     /// The `j`-th expert's matrices, or why it is unusable (its load failed, or its region is
     /// not one expert's size).
-    pub fn get(&self, j: usize) -> Result<ExpertMats<'b>, ExpertError> {
+    pub fn get(&self, j: usize) -> Result<ExpertMats<'b>, k3_store::runtime::source::ExpertError> {
         let layout = self.layout;
         let region = match self.batch.experts.get(j) {
             Some(Ok(r)) => r,
             Some(Err(e)) => return Err(e.clone()),
-            None => return Err(ExpertError::NoAnswer { index: j }),
+            None => return Err(k3_store::runtime::source::ExpertError::NoAnswer { index: j }),
         };
         let bytes = region.bytes();
         if bytes.len() != layout.expert_bytes() {
-            return Err(ExpertError::WrongSize {
+            return Err(k3_store::runtime::source::ExpertError::WrongSize {
                 bytes: bytes.len(),
                 expected: layout.expert_bytes(),
             });
