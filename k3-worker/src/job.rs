@@ -110,8 +110,8 @@ impl k3_proto::exit::ExitStatus for JobError {
     }
 }
 
-fn refuse(msg: impl Into<String>) -> JobError {
-    JobError::Refused(msg.into())
+fn refuse(msg: impl std::fmt::Display) -> JobError {
+    JobError::Refused(msg.to_string())
 }
 
 /// What the job will run.

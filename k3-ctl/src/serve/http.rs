@@ -341,7 +341,7 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
     let thinking = api::thinking(&r, st.defaults.effort)?;
     let history = api::messages(&r)?;
-    let fmt = ChatFormat::new(&st.tok, thinking).map_err(ApiError::internal)?;
+    let fmt = ChatFormat::new(&st.tok, thinking).map_err(|e| ApiError::internal(e.to_string()))?;
     let prompt = fmt.render(&history, true);
     api::check_prompt_len(prompt.len())?;
     let reply = ReplyText::chat(
