@@ -121,21 +121,15 @@ fn main() {
 /// Fewest connections the store starts with when the open-file limit is low.
 const MIN_CONNECTIONS: u64 = 16;
 
-fn lease_seconds(s: &str) -> Result<f64, String> {
+fn lease_seconds(s: &str) -> Result<f64, k3_store::cli::ValueError> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && (0.1..=86_400.0).contains(&x) => Ok(x),
-        _ => Err(format!("{s}: expected seconds between 0.1 and 86400")),
+        _ => Err(k3_store::cli::ValueError::Seconds(s.to_string())),
     }
 }
 
-fn session_mb(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a number of MB"))?;
-    if !(v.is_finite() && (0.0..=1e9).contains(&v)) {
-        return Err(format!("{v} MB outside 0..=1e9"));
-    }
-    Ok(v)
+fn session_mb(s: &str) -> Result<f64, k3_store::cli::ValueError> {
+    k3_store::cli::bounded(s, "MB", 1e9, "0..=1e9")
 }
 
 fn socket_path(a: &StartArgs) -> PathBuf {
