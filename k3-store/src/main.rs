@@ -226,7 +226,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         code
     };
     if let Err(e) = resolve_paths(&mut a) {
-        return fail(&mut notify, exit::REFUSED, e.to_string());
+        return fail(&mut notify, e.exit_code(), e.to_string());
     }
     // Before any thread: the allocator's arenas are bounded, so the address space the plan
     // checks below is what the store will take (k3_store::runtime::plan::ADDRESS_SPACE_RESERVE).
@@ -245,7 +245,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     }
     let budget = match a.budget.budget(m) {
         Ok(b) => b,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e.to_string()),
+        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
     };
     let cache_policy = a.budget.policy();
     // Open the checkpoint and the packed trunk; anything unreadable is a refusal.
@@ -443,7 +443,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     };
     let preload = match (a.budget.preload).wanted(plan.expert_slots, cat.routed_experts().count()) {
         Ok(p) => p,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e.to_string()),
+        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
     };
     tracing::info!("memory plan ({}):\n{plan_text}", budget.label);
     log_shared_memory_pages();
@@ -457,7 +457,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         identity.id,
     ));
     if let Err(e) = sessions.load_state_dir() {
-        return fail(&mut notify, exit::REFUSED, e.to_string());
+        return fail(&mut notify, e.exit_code(), e.to_string());
     }
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {
@@ -581,7 +581,7 @@ fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
         Ok(f) => f,
         Err(e) => {
             tracing::error!("{e}");
-            return exit::REFUSED;
+            return e.exit_code();
         }
     };
     let args = child_args(a, m);

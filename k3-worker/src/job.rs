@@ -90,11 +90,10 @@ pub enum JobError {
 impl k3_proto::exit::ExitStatus for JobError {
     fn exit_code(&self) -> i32 {
         match self {
-            JobError::Refused(_)
-            | JobError::Input { .. }
-            | JobError::Env(_)
-            | JobError::Budget(_)
-            | JobError::Plan(_) => exit::REFUSED,
+            JobError::Refused(_) | JobError::Input { .. } => exit::REFUSED,
+            JobError::Env(e) => k3_proto::exit::ExitStatus::exit_code(e),
+            JobError::Budget(e) => k3_proto::exit::ExitStatus::exit_code(e),
+            JobError::Plan(e) => k3_proto::exit::ExitStatus::exit_code(e),
             JobError::Output { before_work, .. } => {
                 if *before_work {
                     exit::REFUSED
@@ -104,7 +103,7 @@ impl k3_proto::exit::ExitStatus for JobError {
             }
             // Cannot attach (3), or this process cannot hold what attaching needs (2).
             JobError::Attach { source, .. } => k3_proto::exit::ExitStatus::exit_code(source),
-            JobError::Open(e) => e.exit_code(),
+            JobError::Open(e) => k3_proto::exit::ExitStatus::exit_code(e),
             JobError::Model(_) | JobError::DraftIo(_) => exit::FAILURE,
         }
     }

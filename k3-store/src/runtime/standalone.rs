@@ -80,18 +80,6 @@ pub enum OpenError {
     Preload(#[from] crate::runtime::experts::PreloadRefused),
 }
 
-impl OpenError {
-    /// The process exit code for this error (`k3_proto::exit`).
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            OpenError::Refused(_) | OpenError::Plan(_) | OpenError::Preload(_) => {
-                k3_proto::exit::REFUSED
-            }
-            OpenError::Io(_) => k3_proto::exit::FAILURE,
-        }
-    }
-}
-
 impl From<TrunkError> for OpenError {
     fn from(e: TrunkError) -> Self {
         match e {
@@ -623,7 +611,7 @@ mod tests {
             &mut |_, _, _| {},
         )
         .unwrap_err();
-        assert_eq!(e.exit_code(), 2);
+        assert_eq!(k3_proto::exit::ExitStatus::exit_code(&e), 2);
         let m = e.to_string();
         assert!(m.contains("shortfall") && m.contains("TOTAL"), "{m}");
         // A shard that changed size since indexing is refused before any read.
