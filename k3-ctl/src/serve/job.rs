@@ -251,8 +251,7 @@ impl Job {
                 )))
             }
         }
-        let frame = k3_proto::wire::encode(&ToWorker::Start(start))
-            .map_err(JobError::protocol)?;
+        let frame = k3_proto::wire::encode(&ToWorker::Start(start)).map_err(JobError::protocol)?;
         job.chan
             .write_all(&frame)
             .await

@@ -171,6 +171,8 @@ pub fn run_checksum(run: &[u8]) -> u64 {
 /// The trunk identity: XXH3-128 over every layer's tensors (in `trunk.json` order: layer, then
 /// name) — name, length and recorded XXH3-64. Two trunks with the same identity hold the same
 /// tensor bytes (up to a hash collision).
+// String error because trunk.rs is being reworked by the coded-trunk branch: its callers wrap
+// the message in TrunkError (Refused or Io by context); typed after that merge.
 pub fn trunk_id(layers: &[JsonLayer]) -> Result<u128, String> {
     let mut h = twox_hash::XxHash3_128::new();
     h.write(b"k3-trunk-id/1\0");
@@ -241,6 +243,8 @@ pub(crate) fn parse_hash(s: &str, digits: usize) -> Option<u128> {
 }
 
 /// Check a layer's trunk tensors form one contiguous run in one shard; returns (shard, start, len).
+// String error because trunk.rs is being reworked by the coded-trunk branch: the message becomes
+// TrunkError::Refused or a layout's Missing entry; typed after that merge.
 pub fn contiguous_run(l: usize, ts: &[TensorExtent]) -> Result<(u16, u64, u64), String> {
     let mut v: Vec<&TensorExtent> = ts.iter().collect();
     v.sort_by_key(|t| (t.shard, t.off));
