@@ -257,12 +257,14 @@ impl PrivateReads {
         self.bytes.fetch_add(layout.expert_bytes() as u64, Relaxed);
         let owner: Arc<dyn ByteOwner> = Arc::new(buf);
         let at = ExpertReader::offset_in_slot(&ext);
-        Region::new(owner, at, layout.expert_bytes()).ok_or(ExpertError::Slot(
-            SlotProblem::OutsideBuffer {
+        Region::new(owner, at, layout.expert_bytes()).ok_or(ExpertError::Leased {
+            layer: l,
+            expert: e,
+            problem: SlotProblem::OutsideBuffer {
                 at,
                 len: layout.expert_bytes(),
             },
-        ))
+        })
     }
 }
 

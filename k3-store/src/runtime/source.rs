@@ -181,7 +181,8 @@ pub enum ExpertError {
     /// Its slot could not be used: a bug of the slot protocol, never aliased bytes.
     #[error(transparent)]
     Slot(#[from] SlotProblem),
-    /// The store leased a slot this process cannot trust.
+    /// The store leased a slot this process cannot trust (or a private read's buffer does not
+    /// hold the expert).
     #[error("layer {layer} expert {expert}: {problem}")]
     Leased {
         /// 0-based layer.
