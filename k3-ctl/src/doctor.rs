@@ -194,18 +194,86 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     Some(st.blocks_available().saturating_mul(st.fragment_size()))
 }
 
+/// Why the disk could not be measured (exit 1; the other sections are still reported).
+#[derive(Debug, thiserror::Error)]
+enum DiskError {
+    /// Too little free space for the scratch file.
+    #[error(
+        "{}: {:.2} GB free, the {:.2} GB scratch file needs twice that to leave room \
+         (use --size-mib)",
+        dir.display(), *free as f64 / 1e9, *size as f64 / 1e9
+    )]
+    NoRoom {
+        /// The directory.
+        dir: PathBuf,
+        /// Bytes free.
+        free: u64,
+        /// Bytes of the scratch file.
+        size: u64,
+    },
+    /// A file operation failed: what, on which path.
+    #[error("{what}{}: {source}", path.display())]
+    File {
+        /// What was being done (`"cannot create "`, `"writing "`, `"fsync "`, or nothing).
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is too small for the reads.
+    #[error("{}: {len} bytes is too small for {read}-byte random reads", path.display())]
+    TooSmall {
+        /// The file.
+        path: PathBuf,
+        /// Its bytes.
+        len: u64,
+        /// Bytes per read.
+        read: u64,
+    },
+    /// The file is empty.
+    #[error("{}: empty file", path.display())]
+    Empty {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A read failed.
+    #[error(transparent)]
+    Read(#[from] k3_store::runtime::io::ReadError),
+    /// No buffer for the reads.
+    #[error(transparent)]
+    Alloc(#[from] k3_store::runtime::io::AllocError),
+    /// No shared memory for the store-destination reads.
+    #[error("shared memory for the store-destination reads: {0}")]
+    Shm(#[source] std::io::Error),
+    /// A reader thread panicked.
+    #[error("reader panicked")]
+    Panicked,
+}
+
+impl DiskError {
+    fn file<'a>(
+        what: &'static str,
+        path: &'a Path,
+    ) -> impl FnOnce(std::io::Error) -> DiskError + 'a {
+        move |source| DiskError::File {
+            what,
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+}
+
 /// Write a scratch file of `size` bytes of non-constant data in `dir`, fsync it and drop it
 /// from the page cache.
-fn make_scratch(dir: &Path, size: u64) -> Result<Scratch, String> {
+fn make_scratch(dir: &Path, size: u64) -> Result<Scratch, DiskError> {
     if let Some(free) = free_bytes(dir) {
         if free < size.saturating_mul(2) {
-            return Err(format!(
-                "{}: {:.2} GB free, the {:.2} GB scratch file needs twice that to leave room \
-                 (use --size-mib)",
-                dir.display(),
-                free as f64 / 1e9,
-                size as f64 / 1e9
-            ));
+            return Err(DiskError::NoRoom {
+                dir: dir.to_path_buf(),
+                free,
+                size,
+            });
         }
     }
     let path = dir.join(format!(".k3-doctor-{}.tmp", std::process::id()));
@@ -214,7 +282,7 @@ fn make_scratch(dir: &Path, size: u64) -> Result<Scratch, String> {
         .write(true)
         .create_new(true)
         .open(&path)
-        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        .map_err(DiskError::file("cannot create ", &path))?;
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let chunk = 8usize << 20;
     let mut buf = vec![0u8; chunk];
@@ -225,11 +293,10 @@ fn make_scratch(dir: &Path, size: u64) -> Result<Scratch, String> {
         }
         let n = left.min(chunk as u64) as usize;
         f.write_all(&buf[..n])
-            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+            .map_err(DiskError::file("writing ", &path))?;
         left -= n as u64;
     }
-    f.sync_all()
-        .map_err(|e| format!("fsync {}: {e}", path.display()))?;
+    f.sync_all().map_err(DiskError::file("fsync ", &path))?;
     drop_cache(&f);
     Ok(scratch)
 }
@@ -258,29 +325,28 @@ fn random_reads(
     threads: usize,
     round: Duration,
     uncache: Option<&File>,
-) -> Result<Vec<f64>, String> {
+) -> Result<Vec<f64>, DiskError> {
     let span = file.len().saturating_sub(len) / ALIGN as u64;
     if span == 0 {
-        return Err(format!(
-            "{}: {} bytes is too small for {len}-byte random reads",
-            file.path().display(),
-            file.len()
-        ));
+        return Err(DiskError::TooSmall {
+            path: file.path().to_path_buf(),
+            len: file.len(),
+            read: len,
+        });
     }
     let mut out = Vec::with_capacity(ROUNDS);
     for r in 0..ROUNDS {
         let t0 = Instant::now();
-        let results: Vec<Result<u64, String>> = std::thread::scope(|s| {
+        let results: Vec<Result<u64, DiskError>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..threads)
                 .map(|t| {
-                    s.spawn(move || -> Result<u64, String> {
+                    s.spawn(move || -> Result<u64, DiskError> {
                         let mut buf = AlignedBuf::zeroed(len as usize + ALIGN)?;
                         let mut rng = Rng(0x1234_5678 + (r * 1000 + t) as u64 * 7919);
                         let mut bytes = 0u64;
                         loop {
                             let off = (rng.next() % span) * ALIGN as u64;
-                            file.read_span(off, len, buf.as_mut_slice())
-                                .map_err(|e| e.0)?;
+                            file.read_span(off, len, buf.as_mut_slice())?;
                             if let Some(f) = uncache {
                                 // A later read of the same range must come from the disk too.
                                 drop_range(f, off, len);
@@ -294,7 +360,7 @@ fn random_reads(
                 })
                 .collect();
             hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("reader panicked".into())))
+                .map(|h| h.join().unwrap_or(Err(DiskError::Panicked)))
                 .collect()
         });
         let secs = t0.elapsed().as_secs_f64();
@@ -313,7 +379,7 @@ fn sequential_reads(
     chunk: u64,
     round: Duration,
     before: &dyn Fn(),
-) -> Result<Vec<f64>, String> {
+) -> Result<Vec<f64>, DiskError> {
     let chunk = seq_chunk(file, chunk)?;
     let mut buf = AlignedBuf::zeroed(chunk as usize + ALIGN)?;
     sequential_reads_into(file, chunk, round, before, buf.as_mut_slice())
@@ -321,20 +387,26 @@ fn sequential_reads(
 
 /// The sequential read size for `file`: `chunk`, or the whole file (in [`ALIGN`] units) if it is
 /// smaller.
-fn seq_chunk(file: &DiskFile, chunk: u64) -> Result<u64, String> {
+fn seq_chunk(file: &DiskFile, chunk: u64) -> Result<u64, DiskError> {
     let chunk = chunk.min(file.len() / ALIGN as u64 * ALIGN as u64);
     if chunk == 0 {
-        return Err(format!("{}: empty file", file.path().display()));
+        return Err(DiskError::Empty {
+            path: file.path().to_path_buf(),
+        });
     }
     Ok(chunk)
 }
 
 /// [`sequential_reads`] into the store's kind of memory: a memfd segment
 /// ([`k3_store::shmem::Segment`], which asks for huge pages where the kernel allows them).
-fn sequential_reads_shm(file: &DiskFile, chunk: u64, round: Duration) -> Result<Vec<f64>, String> {
+fn sequential_reads_shm(
+    file: &DiskFile,
+    chunk: u64,
+    round: Duration,
+) -> Result<Vec<f64>, DiskError> {
     let chunk = seq_chunk(file, chunk)?;
     let mut seg = k3_store::shmem::Segment::create("k3-doctor", chunk + ALIGN as u64)
-        .map_err(|e| format!("shared memory for the store-destination reads: {e}"))?;
+        .map_err(DiskError::Shm)?;
     sequential_reads_into(file, chunk, round, &|| {}, seg.bytes_mut())
 }
 
@@ -344,7 +416,7 @@ fn sequential_reads_into(
     round: Duration,
     before: &dyn Fn(),
     buf: &mut [u8],
-) -> Result<Vec<f64>, String> {
+) -> Result<Vec<f64>, DiskError> {
     let mut out = Vec::with_capacity(ROUNDS);
     let mut off = 0u64;
     for _ in 0..ROUNDS {
@@ -355,7 +427,7 @@ fn sequential_reads_into(
             if off + chunk > file.len() {
                 off = 0;
             }
-            file.read_span(off, chunk, buf).map_err(|e| e.0)?;
+            file.read_span(off, chunk, buf)?;
             off += chunk;
             bytes += chunk;
         }
@@ -365,8 +437,8 @@ fn sequential_reads_into(
 }
 
 /// Measure the disk holding `target` (a directory gets a scratch file).
-fn measure_disk(a: &Args) -> Result<Value, String> {
-    let meta = std::fs::metadata(&a.dir).map_err(|e| format!("{}: {e}", a.dir.display()))?;
+fn measure_disk(a: &Args) -> Result<Value, DiskError> {
+    let meta = std::fs::metadata(&a.dir).map_err(DiskError::file("", &a.dir))?;
     let (_scratch, file_path, scratch_note) = if meta.is_dir() {
         let size = scratch_bytes(a.size_mib);
         let t0 = Instant::now();
@@ -382,10 +454,10 @@ fn measure_disk(a: &Args) -> Result<Value, String> {
         (None, a.dir.clone(), "existing file, read in place".into())
     };
     let round = Duration::from_secs_f64((a.seconds / ROUNDS as f64).max(0.05));
-    let direct = DiskFile::open(&file_path).map_err(|e| e.0)?;
+    let direct = DiskFile::open(&file_path)?;
     let is_direct = direct.is_direct();
-    let buffered = DiskFile::open_with(&file_path, false).map_err(|e| e.0)?;
-    let plain = File::open(&file_path).map_err(|e| format!("{}: {e}", file_path.display()))?;
+    let buffered = DiskFile::open_with(&file_path, false)?;
+    let plain = File::open(&file_path).map_err(DiskError::file("", &file_path))?;
     let dropper = || {
         drop_cache(&plain);
     };
@@ -561,7 +633,7 @@ pub fn run(a: Args) -> i32 {
             }
             Err(e) => {
                 eprintln!("k3-ctl doctor: disk: {e}");
-                doc["disk"] = json!({"error": e});
+                doc["disk"] = json!({"error": e.to_string()});
                 k3_proto::exit::FAILURE
             }
         }

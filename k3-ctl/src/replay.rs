@@ -27,31 +27,41 @@ pub struct Args {
     pub json: bool,
 }
 
+/// A `--capacity` or `--policy` value refused (exit 2).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum ArgError {
+    /// Neither `N` nor `P%`.
+    #[error("bad capacity {0:?}: expected N or P%")]
+    Capacity(String),
+    /// A percentage outside (0, 1000].
+    #[error("bad capacity {0:?}: percentage out of range")]
+    Percent(String),
+    /// A slot count outside 1..=MAX_CAPACITY.
+    #[error("bad capacity {0:?}: must be 1..={MAX_CAPACITY} slots")]
+    Slots(String),
+    /// A policy this build does not have.
+    #[error("unknown policy {0:?} (known: all, {known})", known = POLICY_NAMES.join(", "))]
+    Policy(String),
+}
+
 /// Parse `N` or `P%` (of `working_set`) into a slot count.
-fn parse_capacity(s: &str, working_set: usize) -> Result<usize, String> {
+fn parse_capacity(s: &str, working_set: usize) -> Result<usize, ArgError> {
     let n = if let Some(p) = s.strip_suffix('%') {
-        let p: f64 = p
-            .trim()
-            .parse()
-            .map_err(|_| format!("bad capacity {s:?}: expected N or P%"))?;
+        let p: f64 = (p.trim().parse()).map_err(|_| ArgError::Capacity(s.to_string()))?;
         if !(p.is_finite() && p > 0.0 && p <= 1000.0) {
-            return Err(format!("bad capacity {s:?}: percentage out of range"));
+            return Err(ArgError::Percent(s.to_string()));
         }
         ((working_set as f64) * p / 100.0).round().max(1.0) as usize
     } else {
-        s.trim()
-            .parse::<usize>()
-            .map_err(|_| format!("bad capacity {s:?}: expected N or P%"))?
+        (s.trim().parse::<usize>()).map_err(|_| ArgError::Capacity(s.to_string()))?
     };
     if n == 0 || n > MAX_CAPACITY {
-        return Err(format!(
-            "bad capacity {s:?}: must be 1..={MAX_CAPACITY} slots"
-        ));
+        return Err(ArgError::Slots(s.to_string()));
     }
     Ok(n)
 }
 
-fn policies(names: &[String]) -> Result<Vec<String>, String> {
+fn policies(names: &[String]) -> Result<Vec<String>, ArgError> {
     let mut out: Vec<String> = Vec::new();
     for n in names {
         let n = n.trim();
@@ -66,10 +76,7 @@ fn policies(names: &[String]) -> Result<Vec<String>, String> {
                 out.push(n.to_string());
             }
         } else {
-            return Err(format!(
-                "unknown policy {n:?} (known: all, {})",
-                POLICY_NAMES.join(", ")
-            ));
+            return Err(ArgError::Policy(n.to_string()));
         }
     }
     Ok(out)
@@ -209,7 +216,10 @@ mod tests {
             policies(&["lfu:2".into(), "layer".into()]).unwrap(),
             vec!["lfu:2", "layer"]
         );
-        assert!(policies(&["mru".into()]).unwrap_err().contains("mru"));
+        assert!(policies(&["mru".into()])
+            .unwrap_err()
+            .to_string()
+            .contains("mru"));
         assert!(policies(&["lfu:-1".into()]).is_err());
     }
 }

@@ -429,10 +429,24 @@ pub struct PsArgs {
 /// How long one `k3-ctl serve` has to answer.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Why a `k3-ctl serve` gave no listing (logged; the server is left out).
+#[derive(Debug, thiserror::Error)]
+enum AskServeError {
+    /// Nothing listens there.
+    #[error(transparent)]
+    Connect(#[from] std::io::Error),
+    /// The exchange failed.
+    #[error(transparent)]
+    Wire(#[from] k3_proto::wire::WireError),
+    /// The server refused (another protocol version).
+    #[error("{0}")]
+    Refused(String),
+}
+
 /// Ask the `k3-ctl serve` listening on `path` for its requests.
-fn ask_serve(path: &std::path::Path) -> Result<k3_proto::serve::ServeListing, String> {
+fn ask_serve(path: &std::path::Path) -> Result<k3_proto::serve::ServeListing, AskServeError> {
     use k3_proto::serve::{ServeAnswer, ServeQuery, JOB_PROTOCOL_VERSION, MAX_JOB_FRAME};
-    let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| e.to_string())?;
+    let mut s = std::os::unix::net::UnixStream::connect(path)?;
     let _ = s.set_read_timeout(Some(SERVE_TIMEOUT));
     let _ = s.set_write_timeout(Some(SERVE_TIMEOUT));
     k3_proto::wire::write_frame(
@@ -440,12 +454,10 @@ fn ask_serve(path: &std::path::Path) -> Result<k3_proto::serve::ServeListing, St
         &ServeQuery::List {
             protocol_version: JOB_PROTOCOL_VERSION,
         },
-    )
-    .map_err(|e| e.to_string())?;
-    match k3_proto::wire::read_frame_limited::<ServeAnswer, _>(&mut s, MAX_JOB_FRAME) {
-        Ok(ServeAnswer::List(l)) => Ok(l),
-        Ok(ServeAnswer::Refused { reason, .. }) => Err(reason),
-        Err(e) => Err(e.to_string()),
+    )?;
+    match k3_proto::wire::read_frame_limited::<ServeAnswer, _>(&mut s, MAX_JOB_FRAME)? {
+        ServeAnswer::List(l) => Ok(l),
+        ServeAnswer::Refused { reason, .. } => Err(AskServeError::Refused(reason)),
     }
 }
 

@@ -150,7 +150,28 @@ pub fn run_tokenize(a: TokenizeArgs) -> i32 {
 }
 
 /// Parses a comma-separated id list; spaces around ids are allowed, empty items are not.
-fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
+/// An id list item that is not an id (exit 2).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+enum IdError {
+    /// Not a non-negative decimal integer.
+    #[error("id #{index} {item:?} is not a non-negative decimal integer")]
+    NotDecimal {
+        /// Position in the list.
+        index: usize,
+        /// The item.
+        item: String,
+    },
+    /// Larger than a u32.
+    #[error("id #{index} {item} is too large")]
+    TooLarge {
+        /// Position in the list.
+        index: usize,
+        /// The item.
+        item: String,
+    },
+}
+
+fn parse_ids(text: &str) -> Result<Vec<u32>, IdError> {
     let text = text.trim();
     if text.is_empty() {
         return Ok(Vec::new());
@@ -160,12 +181,15 @@ fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
         .map(|(k, item)| {
             let item = item.trim();
             if item.is_empty() || !item.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(format!(
-                    "id #{k} {item:?} is not a non-negative decimal integer"
-                ));
+                return Err(IdError::NotDecimal {
+                    index: k,
+                    item: item.to_string(),
+                });
             }
-            item.parse::<u32>()
-                .map_err(|_| format!("id #{k} {item} is too large"))
+            item.parse::<u32>().map_err(|_| IdError::TooLarge {
+                index: k,
+                item: item.to_string(),
+            })
         })
         .collect()
 }
@@ -219,6 +243,6 @@ mod tests {
         for bad in ["1,,2", "1,", "-1", "0x10", "1 2", "4294967296", "a"] {
             assert!(parse_ids(bad).is_err(), "{bad:?} accepted");
         }
-        assert!(parse_ids("1,x").unwrap_err().contains("id #1"));
+        assert!(parse_ids("1,x").unwrap_err().to_string().contains("id #1"));
     }
 }

@@ -96,10 +96,11 @@ fn tensors_outside(cat: &Catalog, lens: &[Option<u64>]) -> (usize, Vec<String>) 
 pub fn run(a: Args) -> i32 {
     // The shapes, then the reference: the manifest's sha256 of every shard (a malformed one, or
     // one of other shards, is a refusal, as it is at start).
-    let opened = (|| -> Result<_, String> {
-        let (cat, _cfg) = Catalog::open_dir(&a.model_dir).map_err(|e| e.to_string())?;
-        let identity = ModelIdentity::of(&cat).map_err(|e| e.to_string())?;
-        let manifest = Manifest::load(&a.model_dir).map_err(|e| e.to_string())?;
+    // Three error types, each refused (exit 2) and only printed: one boxed error carries them.
+    let opened = (|| -> Result<_, Box<dyn std::error::Error>> {
+        let (cat, _cfg) = Catalog::open_dir(&a.model_dir)?;
+        let identity = ModelIdentity::of(&cat)?;
+        let manifest = Manifest::load(&a.model_dir)?;
         Ok((cat, identity, manifest))
     })();
     let (cat, identity, manifest) = match opened {

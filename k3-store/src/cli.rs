@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use clap::builder::PossibleValuesParser;
 
 pub use crate::runtime::experts::Preload;
-use crate::runtime::plan::{Budget, PRESETS};
+use crate::runtime::plan::{Budget, BudgetError, PRESETS};
 
 /// `--socket PATH`: where the store listens.
 #[derive(clap::Args, Clone, Debug, Default)]
@@ -29,25 +29,67 @@ impl SocketArgs {
 /// Largest budget accepted on the command line, GB.
 pub const MAX_GB: f64 = 1e6;
 
-fn gb(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a number of GB"))?;
-    if !(v.is_finite() && (0.0..=MAX_GB).contains(&v)) {
-        return Err(format!("{v} GB outside 0..={MAX_GB}"));
+/// A command-line value clap's parser refused (clap prints it as the reason; exit 2).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum ValueError {
+    /// Not a number.
+    #[error("{text:?} is not a number of {unit}")]
+    NotANumber {
+        /// The value as given.
+        text: String,
+        /// `GB`, `MB`, ….
+        unit: &'static str,
+    },
+    /// A number outside its range.
+    #[error("{value} {unit} outside {range}")]
+    OutOfRange {
+        /// The value.
+        value: f64,
+        /// `GB`, `MB`, ….
+        unit: &'static str,
+        /// The range, as the help text gives it.
+        range: &'static str,
+    },
+    /// A duration out of range, or not a number.
+    #[error("{0}: expected seconds between 0.1 and 86400")]
+    Seconds(String),
+    /// A cache policy this build does not have.
+    #[error(
+        "unknown cache policy {0:?} (one of {known}, some take :PARAM; see docs/CACHE_POLICY.md)",
+        known = crate::runtime::policy::POLICY_NAMES.join(", ")
+    )]
+    Policy(String),
+}
+
+/// A number of `unit` in `[0, max]` (`range` spells the bounds for the message).
+pub fn bounded(
+    s: &str,
+    unit: &'static str,
+    max: f64,
+    range: &'static str,
+) -> Result<f64, ValueError> {
+    let v: f64 = s.parse().map_err(|_| ValueError::NotANumber {
+        text: s.to_string(),
+        unit,
+    })?;
+    if !(v.is_finite() && (0.0..=max).contains(&v)) {
+        return Err(ValueError::OutOfRange {
+            value: v,
+            unit,
+            range,
+        });
     }
     Ok(v)
 }
 
-fn policy(s: &str) -> Result<String, String> {
+fn gb(s: &str) -> Result<f64, ValueError> {
+    bounded(s, "GB", MAX_GB, "0..=1000000")
+}
+
+fn policy(s: &str) -> Result<String, ValueError> {
     crate::runtime::policy::policy_by_name(s, 1)
         .map(|_| s.to_string())
-        .ok_or_else(|| {
-            format!(
-                "unknown cache policy {s:?} (one of {}, some take :PARAM; see docs/CACHE_POLICY.md)",
-                crate::runtime::policy::POLICY_NAMES.join(", ")
-            )
-        })
+        .ok_or_else(|| ValueError::Policy(s.to_string()))
 }
 
 fn preset_names() -> PossibleValuesParser {
@@ -120,7 +162,7 @@ impl BudgetArgs {
 
     /// The budget the flags describe, in command-line order (`matches` are the parsed matches of
     /// the command this group was flattened into).
-    pub fn budget(&self, matches: &clap::ArgMatches) -> Result<Budget, String> {
+    pub fn budget(&self, matches: &clap::ArgMatches) -> Result<Budget, BudgetError> {
         if !self.any_budget() {
             return Ok(Budget::auto());
         }
@@ -128,7 +170,7 @@ impl BudgetArgs {
             if self.preset.len() == 1 && self.trunk_gb.is_empty() && self.cache_gb.is_empty() {
                 return Ok(Budget::auto());
             }
-            return Err("--preset auto cannot be combined with other memory flags".into());
+            return Err(BudgetError::AutoCombined);
         }
         Budget::from_matches(matches, "preset", "trunk_gb", "cache_gb")
     }
@@ -197,7 +239,7 @@ mod tests {
         assert_eq!(Preload::Auto.wanted(96, 96), Ok(true));
         assert_eq!(Preload::Auto.wanted(95, 96), Ok(false));
         assert_eq!(Preload::On.wanted(100, 96), Ok(true));
-        let e = Preload::On.wanted(3, 96).unwrap_err();
+        let e = Preload::On.wanted(3, 96).unwrap_err().to_string();
         assert!(
             e.contains("holds 3 experts") && e.contains("96 routed experts"),
             "{e}"

@@ -2,7 +2,7 @@
 //! ([`k3_proto::exit::ExitStatus`]): the one mapping the three binaries share, printed and
 //! applied by [`k3_proto::exit::report`].
 
-use k3_proto::exit::{ExitStatus, FAILURE, NO_STORE, REFUSED};
+use k3_proto::exit::{ExitStatus, EXPERT_LOAD_FAILED, FAILURE, NO_STORE, REFUSED};
 
 use crate::attach::client::ClientError;
 use crate::attach::AttachError;
@@ -12,6 +12,53 @@ use crate::runtime::identity::IdentityError;
 use crate::runtime::io::ReadError;
 use crate::runtime::standalone::OpenError;
 use crate::runtime::trunk::TrunkError;
+
+/// Errors refused before any work, whatever their kind: exit 2.
+macro_rules! refused {
+    ($($t:ty),* $(,)?) => {$(
+        impl ExitStatus for $t {
+            fn exit_code(&self) -> i32 {
+                REFUSED
+            }
+        }
+    )*};
+}
+
+refused!(
+    crate::cli::ValueError,
+    crate::daemon::detach::LogError,
+    crate::daemon::statedir::StateDirError,
+    crate::runtime::experts::PreloadRefused,
+    crate::runtime::fdlimit::TooFewFiles,
+    crate::runtime::plan::BudgetError,
+    crate::runtime::plan::MemInfoError,
+    crate::runtime::plan::PlanError,
+    crate::runtime::ring::ChecksumMismatch,
+);
+
+impl ExitStatus for crate::runtime::source::ExpertError {
+    /// A routed expert that could not be had: the ids are unsound.
+    fn exit_code(&self) -> i32 {
+        EXPERT_LOAD_FAILED
+    }
+}
+
+impl ExitStatus for crate::runtime::ring::RunError {
+    /// A trunk layer that could not be read during the work (a damaged one is refused at start).
+    fn exit_code(&self) -> i32 {
+        match self {
+            crate::runtime::ring::RunError::Checksum(e) => e.exit_code(),
+            _ => FAILURE,
+        }
+    }
+}
+
+impl ExitStatus for crate::runtime::io::AllocError {
+    /// Memory that could not be had once the plan was accepted: a failure.
+    fn exit_code(&self) -> i32 {
+        FAILURE
+    }
+}
 
 impl ExitStatus for ClientError {
     /// The store is unreachable, untrusted or refused us: 3; a typed error answer: its code's.
@@ -35,7 +82,12 @@ impl ExitStatus for AttachError {
 
 impl ExitStatus for OpenError {
     fn exit_code(&self) -> i32 {
-        OpenError::exit_code(self)
+        match self {
+            OpenError::Refused(_) => REFUSED,
+            OpenError::Plan(e) => e.exit_code(),
+            OpenError::Preload(e) => e.exit_code(),
+            OpenError::Io(_) => FAILURE,
+        }
     }
 }
 
@@ -105,5 +157,34 @@ mod tests {
         assert_eq!(CatalogError("x".into()).exit_code(), REFUSED);
         assert_eq!(BindError::Live("s".into()).exit_code(), REFUSED);
         assert_eq!(AttachError::NoStore("x".into()).exit_code(), NO_STORE);
+        let plan = crate::runtime::plan::PlanError::DoesNotFit {
+            plan: String::new(),
+            problems: vec!["shortfall".into()],
+        };
+        assert_eq!(OpenError::from(plan).exit_code(), REFUSED);
+        assert_eq!(OpenError::Io("x".into()).exit_code(), FAILURE);
+        let expert = crate::runtime::source::ExpertError::NotInCheckpoint {
+            layer: 1,
+            expert: 2,
+        };
+        assert_eq!(expert.exit_code(), EXPERT_LOAD_FAILED);
+        let damaged = crate::runtime::ring::ChecksumMismatch {
+            layer: 0,
+            file: "trunk.bin".into(),
+            bytes: 1,
+            got: 1,
+            want: 2,
+        };
+        assert_eq!(damaged.exit_code(), REFUSED);
+        let read = crate::runtime::ring::RunError::Read(ReadError::msg("gone"));
+        assert_eq!(read.exit_code(), FAILURE);
+        assert_eq!(
+            crate::runtime::ring::RunError::from(damaged).exit_code(),
+            REFUSED
+        );
+        assert_eq!(
+            crate::cli::ValueError::Seconds("x".into()).exit_code(),
+            REFUSED
+        );
     }
 }

@@ -121,21 +121,15 @@ fn main() {
 /// Fewest connections the store starts with when the open-file limit is low.
 const MIN_CONNECTIONS: u64 = 16;
 
-fn lease_seconds(s: &str) -> Result<f64, String> {
+fn lease_seconds(s: &str) -> Result<f64, k3_store::cli::ValueError> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && (0.1..=86_400.0).contains(&x) => Ok(x),
-        _ => Err(format!("{s}: expected seconds between 0.1 and 86400")),
+        _ => Err(k3_store::cli::ValueError::Seconds(s.to_string())),
     }
 }
 
-fn session_mb(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a number of MB"))?;
-    if !(v.is_finite() && (0.0..=1e9).contains(&v)) {
-        return Err(format!("{v} MB outside 0..=1e9"));
-    }
-    Ok(v)
+fn session_mb(s: &str) -> Result<f64, k3_store::cli::ValueError> {
+    k3_store::cli::bounded(s, "MB", 1e9, "0..=1e9")
 }
 
 fn socket_path(a: &StartArgs) -> PathBuf {
@@ -145,7 +139,7 @@ fn socket_path(a: &StartArgs) -> PathBuf {
 /// Make every path of `a` absolute (canonical where it exists) and fill in the default socket,
 /// so that nothing depends on the directory the store was started from: the detached store runs
 /// in `/`, and workers get these paths in the handshake.
-fn resolve_paths(a: &mut StartArgs) -> Result<(), String> {
+fn resolve_paths(a: &mut StartArgs) -> Result<(), k3_proto::paths::PathError> {
     a.model_dir = k3_proto::paths::resolve(&a.model_dir)?;
     if let Some(t) = &a.budget.trunk {
         a.budget.trunk = Some(k3_proto::paths::resolve(t)?);
@@ -232,7 +226,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         code
     };
     if let Err(e) = resolve_paths(&mut a) {
-        return fail(&mut notify, exit::REFUSED, e);
+        return fail(&mut notify, e.exit_code(), e.to_string());
     }
     // Before any thread: the allocator's arenas are bounded, so the address space the plan
     // checks below is what the store will take (k3_store::runtime::plan::ADDRESS_SPACE_RESERVE).
@@ -251,7 +245,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     }
     let budget = match a.budget.budget(m) {
         Ok(b) => b,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e),
+        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
     };
     let cache_policy = a.budget.policy();
     // Open the checkpoint and the packed trunk; anything unreadable is a refusal.
@@ -426,7 +420,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
                 connections: MIN_CONNECTIONS + defaults.reserved as u64,
                 ..fixed
             };
-            let e = limit.check("k3-store", &full).err().unwrap_or_default();
+            let e = (limit.check("k3-store", &full).err()).map_or(String::new(), |e| e.to_string());
             return fail(
                 &mut notify,
                 exit::REFUSED,
@@ -449,7 +443,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     };
     let preload = match (a.budget.preload).wanted(plan.expert_slots, cat.routed_experts().count()) {
         Ok(p) => p,
-        Err(e) => return fail(&mut notify, exit::REFUSED, e),
+        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
     };
     // The plan's first line is its header (with the budget's label): printed once.
     tracing::info!("{}", plan_text.trim_end());
@@ -465,7 +459,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         identity.id,
     ));
     if let Err(e) = sessions.load_state_dir() {
-        return fail(&mut notify, exit::REFUSED, e);
+        return fail(&mut notify, e.exit_code(), e.to_string());
     }
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {
@@ -591,7 +585,7 @@ fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {
         Ok(f) => f,
         Err(e) => {
             tracing::error!("{e}");
-            return exit::REFUSED;
+            return e.exit_code();
         }
     };
     let args = child_args(a, m);

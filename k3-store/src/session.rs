@@ -51,6 +51,9 @@ pub const MAX_NAME_BYTES: usize = 64;
 /// Why a session's bytes were refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SessionError {
+    /// A name that cannot be a session's (nor a file name in `--state-dir`).
+    #[error("session name {0:?}: use 1 to {MAX_NAME_BYTES} characters from [A-Za-z0-9._-], not starting with a dot")]
+    Name(String),
     /// Not a session at all.
     #[error("not a k3 session (bad magic)")]
     Magic,
@@ -239,7 +242,7 @@ pub fn ids_hash(ids: &[u32]) -> u128 {
 
 /// Refuse a name that is empty, longer than [`MAX_NAME_BYTES`], starts with a dot, or has a
 /// byte outside `[A-Za-z0-9._-]` (names become file names in `--state-dir`).
-pub fn check_name(name: &str) -> Result<(), String> {
+pub fn check_name(name: &str) -> Result<(), SessionError> {
     let ok = !name.is_empty()
         && name.len() <= MAX_NAME_BYTES
         && !name.starts_with('.')
@@ -249,9 +252,7 @@ pub fn check_name(name: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
-            "session name {name:?}: use 1 to {MAX_NAME_BYTES} characters from [A-Za-z0-9._-], not starting with a dot"
-        ))
+        Err(SessionError::Name(name.to_string()))
     }
 }
 

@@ -57,13 +57,23 @@ impl Effort {
     }
 
     /// Parse `low|medium|high|max`.
-    pub fn parse(s: &str) -> Result<Effort, String> {
+    pub fn parse(s: &str) -> Result<Effort, UnknownEffort> {
         Effort::ALL
             .into_iter()
             .find(|e| e.as_str() == s)
-            .ok_or_else(|| format!("unknown thinking effort {s:?} (low, medium, high, max)"))
+            .ok_or_else(|| UnknownEffort(s.to_string()))
     }
 }
+
+/// A thinking effort that is not one of [`Effort::ALL`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown thinking effort {0:?} (low, medium, high, max)")]
+pub struct UnknownEffort(pub String);
+
+/// A chat marker the tokenizer does not have (a refusal before any work).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the tokenizer has no added token {0} (needed for --chat)")]
+pub struct MissingMarker(pub &'static str);
 
 /// The body of the leading thinking-effort system message, byte-exact (SPEC.md §5.5).
 pub fn effort_body(effort: Effort) -> String {
@@ -189,11 +199,8 @@ pub struct Markers {
 
 impl Markers {
     /// Look the markers up in the tokenizer's added tokens.
-    pub fn from_tokenizer(tok: &Tokenizer) -> Result<Markers, String> {
-        let get = |s: &str| {
-            tok.special_id(s)
-                .ok_or_else(|| format!("the tokenizer has no added token {s} (needed for --chat)"))
-        };
+    pub fn from_tokenizer(tok: &Tokenizer) -> Result<Markers, MissingMarker> {
+        let get = |s: &'static str| tok.special_id(s).ok_or(MissingMarker(s));
         Ok(Markers {
             open: get("<|open|>")?,
             close: get("<|close|>")?,
@@ -251,7 +258,10 @@ pub struct ChatFormat<'t> {
 
 impl<'t> ChatFormat<'t> {
     /// A renderer; fails when the tokenizer lacks a marker.
-    pub fn new(tok: &'t Tokenizer, thinking: Option<Effort>) -> Result<ChatFormat<'t>, String> {
+    pub fn new(
+        tok: &'t Tokenizer,
+        thinking: Option<Effort>,
+    ) -> Result<ChatFormat<'t>, MissingMarker> {
         Ok(ChatFormat {
             tok,
             markers: Markers::from_tokenizer(tok)?,

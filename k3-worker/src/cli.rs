@@ -20,7 +20,7 @@ pub const MAX_CTX: u64 = 1 << 18;
 /// Chat context without --ctx, in positions.
 pub const DEFAULT_CTX: usize = 4096;
 
-fn session_name(s: &str) -> Result<String, String> {
+fn session_name(s: &str) -> Result<String, k3_store::session::SessionError> {
     k3_store::session::check_name(s).map(|()| s.to_string())
 }
 

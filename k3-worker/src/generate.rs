@@ -68,14 +68,25 @@ pub enum Sampler {
     },
 }
 
+/// Sampling settings out of range (a refusal before any work).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    /// A negative or non-finite temperature.
+    #[error("--temperature {0} must be ≥ 0")]
+    Temperature(f32),
+    /// A top-p outside (0, 1].
+    #[error("--top-p {0} must be in (0, 1]")]
+    TopP(f32),
+}
+
 impl Sampler {
     /// Greedy when `temperature` is 0, else top-p sampling; rejects out-of-range values.
-    pub fn new(temperature: f32, top_p: f32, seed: u64) -> Result<Sampler, String> {
+    pub fn new(temperature: f32, top_p: f32, seed: u64) -> Result<Sampler, SamplingError> {
         if !(temperature.is_finite() && temperature >= 0.0) {
-            return Err(format!("--temperature {temperature} must be ≥ 0"));
+            return Err(SamplingError::Temperature(temperature));
         }
         if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(format!("--top-p {top_p} must be in (0, 1]"));
+            return Err(SamplingError::TopP(top_p));
         }
         Ok(if temperature == 0.0 {
             Sampler::Greedy

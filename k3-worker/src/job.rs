@@ -76,12 +76,24 @@ pub enum JobError {
     /// The draft trunk could not be read (exit 1).
     #[error("draft trunk: {0}")]
     DraftIo(String),
+    /// An environment variable has a value it cannot take (exit 2).
+    #[error(transparent)]
+    Env(#[from] k3_proto::paths::EnvError),
+    /// The memory flags give no budget (exit 2).
+    #[error(transparent)]
+    Budget(#[from] plan::BudgetError),
+    /// The memory plan does not fit (exit 2).
+    #[error(transparent)]
+    Plan(#[from] plan::PlanError),
 }
 
 impl k3_proto::exit::ExitStatus for JobError {
     fn exit_code(&self) -> i32 {
         match self {
             JobError::Refused(_) | JobError::Input { .. } => exit::REFUSED,
+            JobError::Env(e) => k3_proto::exit::ExitStatus::exit_code(e),
+            JobError::Budget(e) => k3_proto::exit::ExitStatus::exit_code(e),
+            JobError::Plan(e) => k3_proto::exit::ExitStatus::exit_code(e),
             JobError::Output { before_work, .. } => {
                 if *before_work {
                     exit::REFUSED
@@ -91,14 +103,14 @@ impl k3_proto::exit::ExitStatus for JobError {
             }
             // Cannot attach (3), or this process cannot hold what attaching needs (2).
             JobError::Attach { source, .. } => k3_proto::exit::ExitStatus::exit_code(source),
-            JobError::Open(e) => e.exit_code(),
+            JobError::Open(e) => k3_proto::exit::ExitStatus::exit_code(e),
             JobError::Model(_) | JobError::DraftIo(_) => exit::FAILURE,
         }
     }
 }
 
-fn refuse(msg: impl Into<String>) -> JobError {
-    JobError::Refused(msg.into())
+fn refuse(msg: impl std::fmt::Display) -> JobError {
+    JobError::Refused(msg.to_string())
 }
 
 /// What the job will run.
@@ -618,7 +630,7 @@ pub fn open_source(
                 state: SeqState::bytes_for(&dims, positions),
                 buffers: buffer_bytes(cli, &dims, positions, chunk)?,
             };
-            plan.check().map_err(refuse)?;
+            plan.check()?;
             tracing::info!("memory plan:\n{plan}");
             Ok(Opened {
                 source: Source::Attached(Box::new(src)),
@@ -633,7 +645,7 @@ pub fn open_source(
         Some(model_dir) => {
             let (cfg, dims, shapes, cat) = read_checkpoint(cli, model_dir, true)?;
             let cat = Arc::new(cat.expect("read with its catalog"));
-            let budget = cli.budget.budget(matches).map_err(refuse)?;
+            let budget = cli.budget.budget(matches)?;
             let opts = StandaloneOptions {
                 context_len: positions,
                 extra_buffer_bytes: buffer_bytes(cli, &dims, positions, chunk)?,
@@ -699,7 +711,7 @@ impl AttachedPlan {
 
     /// Refuse when the state and buffers do not fit the memory or the address space left (the
     /// shared memory is mapped already: the store allocated it).
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), plan::PlanError> {
         let need = self.state + self.buffers;
         let avail = plan::allocatable()?;
         let mut problems = Vec::new();
@@ -792,7 +804,7 @@ pub fn run_with(
             "--session keeps the conversation in a store: it needs attached mode",
         ));
     }
-    model.options = crate::model::feed::FeedOptions::from_env().map_err(refuse)?;
+    model.options = crate::model::feed::FeedOptions::from_env()?;
     let draft_model = load_draft_model(cli, &opened, source, opened.catalog.as_deref())?;
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());

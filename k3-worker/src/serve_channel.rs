@@ -26,17 +26,30 @@ use crate::sink::Sink;
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Standard input as the channel's socket.
-fn stdin_socket() -> Result<UnixStream, String> {
+fn stdin_socket() -> Result<UnixStream, ChannelError> {
     use std::os::fd::AsFd;
-    let fd = std::io::stdin()
-        .as_fd()
-        .try_clone_to_owned()
-        .map_err(|e| format!("standard input: {e}"))?;
+    let fd = (std::io::stdin().as_fd().try_clone_to_owned()).map_err(ChannelError::Stdin)?;
     let s = UnixStream::from(fd);
     // A file or a terminal is not a socket: its address cannot be read.
-    s.local_addr()
-        .map_err(|e| format!("standard input is not a Unix socket from k3-ctl serve ({e})"))?;
+    s.local_addr().map_err(ChannelError::NotSocket)?;
     Ok(s)
+}
+
+/// Why the channel or the job it sent is refused (exit 2).
+#[derive(Debug, thiserror::Error)]
+enum ChannelError {
+    /// Standard input cannot be duplicated.
+    #[error("standard input: {0}")]
+    Stdin(#[source] std::io::Error),
+    /// Standard input is not the socket serve hands a worker.
+    #[error("standard input is not a Unix socket from k3-ctl serve ({0})")]
+    NotSocket(#[source] std::io::Error),
+    /// A reply length outside the worker's range.
+    #[error("max_new {0} outside 1..={MAX_GEN}")]
+    MaxNew(u32),
+    /// A session name that cannot be a session's.
+    #[error("session: {0}")]
+    Session(#[source] k3_store::session::SessionError),
 }
 
 /// The writing side of the channel; a failed write (serve gone) cancels the job.
@@ -107,12 +120,12 @@ impl Sink for ChannelSink {
 }
 
 /// The job's command line: the worker's own flags with the job's prompt, sampling and session.
-fn job_cli(cli: &Cli, start: &Start) -> Result<Cli, String> {
+fn job_cli(cli: &Cli, start: &Start) -> Result<Cli, ChannelError> {
     if !(1..=MAX_GEN).contains(&u64::from(start.max_new)) {
-        return Err(format!("max_new {} outside 1..={MAX_GEN}", start.max_new));
+        return Err(ChannelError::MaxNew(start.max_new));
     }
     if let Some(name) = &start.session {
-        k3_store::session::check_name(name).map_err(|e| format!("session: {e}"))?;
+        k3_store::session::check_name(name).map_err(ChannelError::Session)?;
     }
     let mut c = cli.clone();
     c.ids = Some(start.ids.clone());
@@ -174,7 +187,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> i32 {
     let req_id = start.req_id;
     let job = match job_cli(cli, &start) {
         Ok(c) => c,
-        Err(m) => return refuse(&mut out, Some(req_id), ErrorKind::Refused, m),
+        Err(e) => return refuse(&mut out, Some(req_id), ErrorKind::Refused, e.to_string()),
     };
     drop(start);
     let _ = reader.set_read_timeout(None);

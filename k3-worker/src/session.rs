@@ -14,6 +14,46 @@ use crate::chat::Message;
 use crate::model::snapshot;
 use crate::model::{Dims, SeqState};
 
+/// Why a session was not packed, fetched or restored (never fatal: the run starts afresh, or
+/// ends without keeping it, and says why).
+#[derive(Debug, thiserror::Error)]
+pub enum KeptError {
+    /// The state and the ids disagree (a bug of the caller).
+    #[error("the state is at position {pos} but holds {held} ids")]
+    Position {
+        /// The state's position.
+        pos: usize,
+        /// Ids held.
+        held: usize,
+    },
+    /// The history does not serialise.
+    #[error("{0}")]
+    Meta(#[source] serde_json::Error),
+    /// Writing the session's memfd failed.
+    #[error("cannot pack the session: {0}")]
+    Pack(#[source] std::io::Error),
+    /// The container is not a session of this model.
+    #[error(transparent)]
+    Container(#[from] container::SessionError),
+    /// An id the vocabulary does not have.
+    #[error("id {id} outside the vocabulary of {vocab}")]
+    Vocab {
+        /// The id.
+        id: u32,
+        /// Size of the vocabulary.
+        vocab: usize,
+    },
+    /// The state does not fit this model.
+    #[error(transparent)]
+    State(#[from] snapshot::StateError),
+    /// The history does not parse.
+    #[error("the session's history: {0}")]
+    History(#[source] serde_json::Error),
+    /// The store could not be asked, or refused.
+    #[error(transparent)]
+    Store(#[from] k3_store::attach::SessionCallError),
+}
+
 /// What a session carries besides the state: the chat history (empty for a one-shot run).
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Meta {
@@ -36,22 +76,26 @@ pub struct Restored {
 }
 
 /// Pack `state` (holding `held`) and `meta` as a session for the checkpoint of `identity`.
-pub fn encode(identity: u128, held: &[u32], state: &SeqState, meta: &Meta) -> Result<Blob, String> {
+pub fn encode(
+    identity: u128,
+    held: &[u32],
+    state: &SeqState,
+    meta: &Meta,
+) -> Result<Blob, KeptError> {
     if state.pos != held.len() {
-        return Err(format!(
-            "the state is at position {} but holds {} ids",
-            state.pos,
-            held.len()
-        ));
+        return Err(KeptError::Position {
+            pos: state.pos,
+            held: held.len(),
+        });
     }
-    let meta = serde_json::to_vec(meta).map_err(|e| e.to_string())?;
+    let meta = serde_json::to_vec(meta).map_err(KeptError::Meta)?;
     Blob::create("k3-session", |w| {
         let mut s = SessionWriter::begin(w, identity, held, &meta, snapshot::state_bytes(state))?;
         snapshot::write_state(state, &mut s)?;
         s.finish()?;
         Ok(())
     })
-    .map_err(|e| format!("cannot pack the session: {e}"))
+    .map_err(KeptError::Pack)
 }
 
 /// Check and restore a session's bytes for this model (`identity`, `dims`) with room for
@@ -61,18 +105,21 @@ pub fn decode(
     identity: u128,
     dims: &Dims,
     capacity: usize,
-) -> Result<Restored, String> {
-    let view = container::parse(bytes).map_err(|e| e.to_string())?;
-    container::check_identity(&view, identity).map_err(|e| e.to_string())?;
+) -> Result<Restored, KeptError> {
+    let view = container::parse(bytes)?;
+    container::check_identity(&view, identity)?;
     let held = view.ids();
-    if let Some(&bad) = held.iter().find(|&&id| id as usize >= dims.vocab) {
-        return Err(format!("id {bad} outside the vocabulary of {}", dims.vocab));
+    if let Some(&id) = held.iter().find(|&&id| id as usize >= dims.vocab) {
+        return Err(KeptError::Vocab {
+            id,
+            vocab: dims.vocab,
+        });
     }
     let state = snapshot::read_state(dims, view.state, held.len(), capacity)?;
     let meta: Meta = if view.meta.is_empty() {
         Meta::default()
     } else {
-        serde_json::from_slice(view.meta).map_err(|e| format!("the session's history: {e}"))?
+        serde_json::from_slice(view.meta).map_err(KeptError::History)?
     };
     Ok(Restored {
         held,
@@ -88,7 +135,7 @@ pub fn fetch(
     name: &str,
     dims: &Dims,
     capacity: usize,
-) -> Result<Option<Restored>, String> {
+) -> Result<Option<Restored>, KeptError> {
     let Some(blob) = src.get_session(name)? else {
         return Ok(None);
     };
@@ -114,11 +161,11 @@ pub fn fetch_for_prompt(
     dims: &Dims,
     capacity: usize,
     prompt: &[u32],
-) -> Result<ForPrompt, String> {
+) -> Result<ForPrompt, KeptError> {
     let Some(blob) = src.get_session(name)? else {
         return Ok(ForPrompt::Missing);
     };
-    let view = container::parse(blob.bytes()).map_err(|e| e.to_string())?;
+    let view = container::parse(blob.bytes())?;
     let held = view.ids();
     if reusable(&held, prompt).is_none() {
         return Ok(ForPrompt::NotPrefix(held.len()));
@@ -145,7 +192,7 @@ pub fn keep(
     held: &[u32],
     state: &SeqState,
     meta: &Meta,
-) -> Result<Kept, String> {
+) -> Result<Kept, KeptError> {
     let t0 = std::time::Instant::now();
     let blob = encode(src.model_identity(), held, state, meta)?;
     let evicted = src.put_session(name, &blob)?;
@@ -201,12 +248,15 @@ mod tests {
         assert_eq!(r.state.layers, st.layers);
         assert_eq!((r.state.pos, r.state.capacity), (3, 10));
         assert_eq!(r.meta, meta);
-        let e = decode(blob.bytes(), 43, &d, 10).unwrap_err();
+        let e = decode(blob.bytes(), 43, &d, 10).unwrap_err().to_string();
         assert!(e.contains("model identity"), "{e}");
         let mut bad = blob.bytes().to_vec();
         let n = bad.len();
         bad[n - 20] ^= 4;
-        assert!(decode(&bad, 42, &d, 10).unwrap_err().contains("checksum"));
+        assert!(decode(&bad, 42, &d, 10)
+            .unwrap_err()
+            .to_string()
+            .contains("checksum"));
         assert!(encode(42, &[1, 2], &st, &meta).is_err(), "ids ≠ position");
     }
 

@@ -29,15 +29,20 @@ pub enum SpecMode {
     Fixed(usize),
 }
 
+/// A `--spec` value that is not a mode.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("expected auto, off or a draft length 1..={MAX_K}")]
+pub struct BadSpecMode;
+
 impl std::str::FromStr for SpecMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<SpecMode, String> {
+    type Err = BadSpecMode;
+    fn from_str(s: &str) -> Result<SpecMode, BadSpecMode> {
         match s {
             "off" | "0" => Ok(SpecMode::Off),
             "auto" => Ok(SpecMode::Auto),
             n => match n.parse::<usize>() {
                 Ok(k) if (1..=MAX_K).contains(&k) => Ok(SpecMode::Fixed(k)),
-                _ => Err(format!("expected auto, off or a draft length 1..={MAX_K}")),
+                _ => Err(BadSpecMode),
             },
         }
     }

@@ -22,6 +22,27 @@ pub trait ExitStatus: std::error::Error {
     fn exit_code(&self) -> i32;
 }
 
+impl ExitStatus for crate::paths::PathError {
+    /// A path on the command line that cannot be made absolute: refused before any work.
+    fn exit_code(&self) -> i32 {
+        REFUSED
+    }
+}
+
+impl ExitStatus for crate::paths::EnvError {
+    /// An environment variable with a value it cannot take: refused before any work.
+    fn exit_code(&self) -> i32 {
+        REFUSED
+    }
+}
+
+impl ExitStatus for crate::manifest::ManifestError {
+    /// A manifest that cannot be read or is malformed: refused before any work.
+    fn exit_code(&self) -> i32 {
+        REFUSED
+    }
+}
+
 /// The process exit code for `result`; an error is printed to stderr as `prog: error: cause:
 /// cause…` (its whole source chain, so an `io::Error` kind is never lost).
 pub fn report<E: ExitStatus>(prog: &str, result: Result<i32, E>) -> i32 {

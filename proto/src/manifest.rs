@@ -67,13 +67,44 @@ pub enum ManifestError {
         err: std::io::Error,
     },
     /// It is not a manifest this build accepts.
-    #[error("{path}: {msg}")]
+    #[error("{path}: {problem}")]
     Invalid {
         /// The file.
         path: String,
         /// What is wrong.
-        msg: String,
+        problem: ManifestProblem,
     },
+}
+
+/// What is wrong with a manifest's text.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestProblem {
+    /// Larger than [`MAX_MANIFEST_BYTES`].
+    #[error("larger than {MAX_MANIFEST_BYTES} bytes")]
+    TooLarge,
+    /// Not JSON of a manifest's fields.
+    #[error("not a manifest: {0}")]
+    Json(#[source] serde_json::Error),
+    /// Another format.
+    #[error("manifest format {0}, this build reads format {MANIFEST_FORMAT}")]
+    Format(u32),
+    /// No shard listed.
+    #[error("lists no shard")]
+    NoShard,
+    /// A shard name with a path in it.
+    #[error("{0:?} is not a plain file name")]
+    NotPlain(String),
+    /// A digest that is not SHA-256 hex.
+    #[error("{file}: sha256 {sha256:?} is not 64 lowercase hex digits")]
+    Sha256 {
+        /// The shard.
+        file: String,
+        /// The digest given.
+        sha256: String,
+    },
+    /// A shard listed twice.
+    #[error("{0} is listed twice")]
+    Twice(String),
 }
 
 fn plain_file_name(f: &str) -> bool {
@@ -107,40 +138,40 @@ impl Manifest {
         if text.len() as u64 > MAX_MANIFEST_BYTES {
             return Err(ManifestError::Invalid {
                 path: shown,
-                msg: format!("larger than {MAX_MANIFEST_BYTES} bytes"),
+                problem: ManifestProblem::TooLarge,
             });
         }
         Manifest::parse(&text)
             .map(Some)
-            .map_err(|msg| ManifestError::Invalid { path: shown, msg })
+            .map_err(|problem| ManifestError::Invalid {
+                path: shown,
+                problem,
+            })
     }
 
     /// Parse and check a manifest's text.
-    pub fn parse(text: &str) -> Result<Manifest, String> {
-        let raw: Raw = serde_json::from_str(text).map_err(|e| format!("not a manifest: {e}"))?;
+    pub fn parse(text: &str) -> Result<Manifest, ManifestProblem> {
+        let raw: Raw = serde_json::from_str(text).map_err(ManifestProblem::Json)?;
         if raw.format != MANIFEST_FORMAT {
-            return Err(format!(
-                "manifest format {}, this build reads format {MANIFEST_FORMAT}",
-                raw.format
-            ));
+            return Err(ManifestProblem::Format(raw.format));
         }
         if raw.shards.is_empty() {
-            return Err("lists no shard".into());
+            return Err(ManifestProblem::NoShard);
         }
         let mut shards = BTreeMap::new();
         for s in raw.shards {
             if !plain_file_name(&s.file) {
-                return Err(format!("{:?} is not a plain file name", s.file));
+                return Err(ManifestProblem::NotPlain(s.file));
             }
             if !is_sha256_hex(&s.sha256) {
-                return Err(format!(
-                    "{}: sha256 {:?} is not 64 lowercase hex digits",
-                    s.file, s.sha256
-                ));
+                return Err(ManifestProblem::Sha256 {
+                    file: s.file,
+                    sha256: s.sha256,
+                });
             }
             let name = s.file.clone();
             if shards.insert(name.clone(), s).is_some() {
-                return Err(format!("{name} is listed twice"));
+                return Err(ManifestProblem::Twice(name));
             }
         }
         Ok(Manifest {
@@ -181,7 +212,7 @@ mod tests {
                 "unknown field",
             ),
         ] {
-            let e = Manifest::parse(&bad).unwrap_err();
+            let e = Manifest::parse(&bad).unwrap_err().to_string();
             assert!(e.contains(why), "{bad}: {e}");
         }
     }

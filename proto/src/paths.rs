@@ -37,23 +37,71 @@ pub fn default_socket_from(xdg: Option<std::ffi::OsString>, uid: u32) -> PathBuf
     }
 }
 
+/// An environment variable set to a value it cannot take (a refusal, exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum EnvError {
+    /// A value the variable does not know.
+    #[error("{name}={value:?}: expected {expected}")]
+    Invalid {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What it takes.
+        expected: &'static str,
+    },
+    /// A value that is not Unicode.
+    #[error("{name}: {source}")]
+    Unreadable {
+        /// The variable.
+        name: &'static str,
+        /// Why.
+        source: std::env::VarError,
+    },
+}
+
 /// `p` made absolute without depending on the current directory later: canonical (symlinks
 /// and `..` resolved) when it exists, else joined to the current directory.
-pub fn resolve(p: &Path) -> Result<PathBuf, String> {
+pub fn resolve(p: &Path) -> Result<PathBuf, PathError> {
     match std::fs::canonicalize(p) {
         Ok(c) => Ok(c),
-        Err(_) => std::path::absolute(p).map_err(|e| format!("{}: {e}", p.display())),
+        Err(_) => std::path::absolute(p).map_err(|source| PathError::Absolute {
+            path: p.to_path_buf(),
+            source,
+        }),
     }
+}
+
+/// Why a path given on the command line cannot be made absolute (a refusal, exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum PathError {
+    /// The current directory is unknown (or the path is empty).
+    #[error("{}: {source}", path.display())]
+    Absolute {
+        /// The path as given.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A file path that ends in `..` or `/`.
+    #[error("{} names no file", path.display())]
+    NoFileName {
+        /// The path as given.
+        path: PathBuf,
+    },
 }
 
 /// A file path (a socket, a log) made absolute: its directory canonical when it exists, the file
 /// name kept as given (the file itself may not exist yet, and a symlink there must stay visible
 /// as one).
-pub fn resolve_file(p: &Path) -> Result<PathBuf, String> {
-    let abs = std::path::absolute(p).map_err(|e| format!("{}: {e}", p.display()))?;
-    let name = abs
-        .file_name()
-        .ok_or_else(|| format!("{} names no file", p.display()))?;
+pub fn resolve_file(p: &Path) -> Result<PathBuf, PathError> {
+    let abs = std::path::absolute(p).map_err(|source| PathError::Absolute {
+        path: p.to_path_buf(),
+        source,
+    })?;
+    let name = abs.file_name().ok_or_else(|| PathError::NoFileName {
+        path: p.to_path_buf(),
+    })?;
     let dir = abs.parent().unwrap_or(Path::new("/"));
     Ok(std::fs::canonicalize(dir)
         .unwrap_or_else(|_| dir.to_path_buf())

@@ -50,13 +50,18 @@ impl QuantKind {
     }
 }
 
+/// A quantization name that is not `int8` or `int4`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("expected int8 or int4, found {0:?}")]
+pub struct UnknownQuant(pub String);
+
 impl std::str::FromStr for QuantKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<QuantKind, String> {
+    type Err = UnknownQuant;
+    fn from_str(s: &str) -> Result<QuantKind, UnknownQuant> {
         match s {
             "int8" => Ok(QuantKind::Int8),
             "int4" => Ok(QuantKind::Int4),
-            _ => Err(format!("expected int8 or int4, found {s:?}")),
+            _ => Err(UnknownQuant(s.to_string())),
         }
     }
 }

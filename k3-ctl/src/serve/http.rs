@@ -127,19 +127,35 @@ const KEEP_ALIVE: Duration = Duration::from_secs(2);
 const SEND_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Ask the store one control request, off the async threads, within [`STORE_TIMEOUT`].
-async fn ask_store(st: &Shared, req: StoreRequest) -> Result<StoreResponse, String> {
+async fn ask_store(st: &Shared, req: StoreRequest) -> Result<StoreResponse, AskStoreError> {
     let socket = st.socket.clone();
     let ask = tokio::task::spawn_blocking(move || {
-        let mut c =
-            k3_store::attach::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
-                .map_err(|e| e.to_string())?;
-        c.call(&req).map_err(|e| e.to_string())
+        let mut c = k3_store::attach::client::Client::connect(
+            &socket,
+            ClientKind::Control,
+            "k3-ctl serve",
+        )?;
+        c.call(&req)
     });
     match tokio::time::timeout(STORE_TIMEOUT, ask).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err(format!("no answer within {STORE_TIMEOUT:?}")),
+        Ok(Ok(r)) => Ok(r?),
+        Ok(Err(e)) => Err(AskStoreError::Task(e)),
+        Err(_) => Err(AskStoreError::Timeout),
     }
+}
+
+/// Why a control request to the store got no answer.
+#[derive(Debug, thiserror::Error)]
+enum AskStoreError {
+    /// The store is unreachable or refused.
+    #[error(transparent)]
+    Client(#[from] k3_store::attach::client::ClientError),
+    /// The blocking task failed.
+    #[error(transparent)]
+    Task(tokio::task::JoinError),
+    /// No answer in time.
+    #[error("no answer within {STORE_TIMEOUT:?}")]
+    Timeout,
 }
 
 /// The session a request runs under (see [`super::sessions`]): the store's list. If the store
@@ -164,7 +180,7 @@ async fn store_up(st: &Shared) -> Result<(), ApiError> {
     match ask_store(st, StoreRequest::Status).await {
         Ok(StoreResponse::Status(_)) => Ok(()),
         Ok(other) => Err(format!("unexpected answer {other:?}")),
-        Err(e) => Err(e),
+        Err(e) => Err(e.to_string()),
     }
     .map_err(|m| {
         ApiError::unavailable(
@@ -341,7 +357,7 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
     let thinking = api::thinking(&r, st.defaults.effort)?;
     let history = api::messages(&r)?;
-    let fmt = ChatFormat::new(&st.tok, thinking).map_err(ApiError::internal)?;
+    let fmt = ChatFormat::new(&st.tok, thinking).map_err(|e| ApiError::internal(e.to_string()))?;
     let prompt = fmt.render(&history, true);
     api::check_prompt_len(prompt.len())?;
     let reply = ReplyText::chat(

@@ -58,11 +58,11 @@ pub struct JobError {
 }
 
 impl JobError {
-    fn protocol(message: impl Into<String>) -> JobError {
+    fn protocol(message: impl std::fmt::Display) -> JobError {
         JobError {
             kind: ErrorKind::Protocol,
             exit_class: None,
-            message: message.into(),
+            message: message.to_string(),
         }
     }
 }
@@ -106,27 +106,46 @@ impl std::fmt::Debug for Job {
     }
 }
 
+/// Why a frame of the job or listing protocol could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The connection failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// A frame longer than the protocol allows.
+    #[error("a frame of {len} bytes exceeds the {limit}-byte limit")]
+    TooLong {
+        /// Its announced length.
+        len: u32,
+        /// The limit.
+        limit: u32,
+    },
+    /// The connection ended inside a frame.
+    #[error("a frame cut short: {0}")]
+    Short(#[source] std::io::Error),
+    /// Not a message of the protocol.
+    #[error(transparent)]
+    Wire(#[from] k3_proto::wire::WireError),
+}
+
 /// Read one frame of the job protocol.
-async fn read_frame(chan: &mut UnixStream) -> Result<Option<FromWorker>, String> {
+async fn read_frame(chan: &mut UnixStream) -> Result<Option<FromWorker>, FrameError> {
     let mut len = [0u8; 4];
     match chan.read_exact(&mut len).await {
         Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e.to_string()),
+        Err(e) => return Err(e.into()),
     }
     let len = u32::from_le_bytes(len);
     if len > MAX_JOB_FRAME {
-        return Err(format!(
-            "a frame of {len} bytes exceeds the {MAX_JOB_FRAME}-byte limit"
-        ));
+        return Err(FrameError::TooLong {
+            len,
+            limit: MAX_JOB_FRAME,
+        });
     }
     let mut body = vec![0u8; len as usize];
-    chan.read_exact(&mut body)
-        .await
-        .map_err(|e| format!("a frame cut short: {e}"))?;
-    k3_proto::wire::decode(&body)
-        .map(Some)
-        .map_err(|e| e.to_string())
+    (chan.read_exact(&mut body).await).map_err(FrameError::Short)?;
+    Ok(Some(k3_proto::wire::decode(&body)?))
 }
 
 impl Job {
@@ -232,8 +251,7 @@ impl Job {
                 )))
             }
         }
-        let frame = k3_proto::wire::encode(&ToWorker::Start(start))
-            .map_err(|e| JobError::protocol(e.to_string()))?;
+        let frame = k3_proto::wire::encode(&ToWorker::Start(start)).map_err(JobError::protocol)?;
         job.chan
             .write_all(&frame)
             .await
@@ -253,7 +271,7 @@ impl Job {
         }
         let m = read_frame(&mut self.chan)
             .await
-            .map_err(JobError::protocol)?;
+            .map_err(|e| JobError::protocol(e.to_string()))?;
         let Some(m) = m else {
             return Err(self.died().await);
         };

@@ -34,6 +34,22 @@ impl Drop for Listing {
     }
 }
 
+/// Why the listing socket is not there (`k3-ctl ps` will not list this server; not fatal).
+#[derive(Debug, thiserror::Error)]
+pub enum ListingError {
+    /// The store's socket path has no directory.
+    #[error("{} has no directory", .0.display())]
+    NoDir(std::path::PathBuf),
+    /// The listing socket cannot be bound.
+    #[error("{}: {source}", path.display())]
+    Bind {
+        /// The listing socket.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
 /// Listen beside the store's `socket`.
 pub fn start(
     socket: &Path,
@@ -41,14 +57,15 @@ pub fn start(
     listen: SocketAddr,
     max_jobs: usize,
     queue: usize,
-) -> Result<Listing, String> {
-    let dir = socket
-        .parent()
-        .ok_or_else(|| format!("{} has no directory", socket.display()))?;
+) -> Result<Listing, ListingError> {
+    let dir = (socket.parent()).ok_or_else(|| ListingError::NoDir(socket.to_path_buf()))?;
     let path = dir.join(listing_socket_name(std::process::id()));
     // A socket of a dead process that had our pid.
     let _ = std::fs::remove_file(&path);
-    let l = UnixListener::bind(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let l = UnixListener::bind(&path).map_err(|source| ListingError::Bind {
+        path: path.clone(),
+        source,
+    })?;
     {
         use std::os::unix::fs::PermissionsExt;
         let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
@@ -95,14 +112,18 @@ pub fn start(
     Ok(Listing { path, task })
 }
 
-async fn read_query(s: &mut tokio::net::UnixStream) -> Result<ServeQuery, String> {
+async fn read_query(s: &mut tokio::net::UnixStream) -> Result<ServeQuery, super::job::FrameError> {
+    use super::job::FrameError;
     let mut len = [0u8; 4];
-    s.read_exact(&mut len).await.map_err(|e| e.to_string())?;
+    s.read_exact(&mut len).await?;
     let len = u32::from_le_bytes(len);
     if len > MAX_QUERY {
-        return Err(format!("a query of {len} bytes"));
+        return Err(FrameError::TooLong {
+            len,
+            limit: MAX_QUERY,
+        });
     }
     let mut body = vec![0u8; len as usize];
-    s.read_exact(&mut body).await.map_err(|e| e.to_string())?;
-    k3_proto::wire::decode(&body).map_err(|e| e.to_string())
+    s.read_exact(&mut body).await?;
+    Ok(k3_proto::wire::decode(&body)?)
 }

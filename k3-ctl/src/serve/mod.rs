@@ -126,15 +126,55 @@ fn refuse(msg: impl std::fmt::Display) -> i32 {
     exit::REFUSED
 }
 
+/// Why the API key was refused (exit 2).
+#[derive(Debug, thiserror::Error)]
+enum KeyError {
+    /// The key file cannot be read.
+    #[error("{}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The key file is larger than a key.
+    #[error("{}: an API key file is at most 4 KiB", .0.display())]
+    TooLarge(PathBuf),
+    /// An empty key.
+    #[error("the API key is empty")]
+    Empty,
+    /// A key with spaces or non-ASCII bytes.
+    #[error("the API key must be printable ASCII without spaces")]
+    NotPrintable,
+}
+
+/// Why `--max-jobs` could not be sized from the plan.
+#[derive(Debug, thiserror::Error)]
+enum SizingError {
+    /// The model's config.
+    #[error(transparent)]
+    Config(#[from] k3_proto::config::ConfigError),
+    /// The model's dims.
+    #[error(transparent)]
+    Dims(#[from] k3_worker::model::ModelError),
+    /// The memory available.
+    #[error(transparent)]
+    MemInfo(#[from] k3_store::runtime::plan::MemInfoError),
+}
+
 /// The API key: `--api-key-file` (one line; surrounding whitespace dropped), else K3_API_KEY.
-fn api_key(a: &Args) -> Result<Option<Vec<u8>>, String> {
+fn api_key(a: &Args) -> Result<Option<Vec<u8>>, KeyError> {
     let key = match &a.api_key_file {
         Some(p) => {
-            let meta = std::fs::metadata(p).map_err(|e| format!("{}: {e}", p.display()))?;
+            let io = |source| KeyError::Read {
+                path: p.clone(),
+                source,
+            };
+            let meta = std::fs::metadata(p).map_err(io)?;
             if meta.len() > 4096 {
-                return Err(format!("{}: an API key file is at most 4 KiB", p.display()));
+                return Err(KeyError::TooLarge(p.clone()));
             }
-            std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?
+            std::fs::read_to_string(p).map_err(io)?
         }
         None => match std::env::var(API_KEY_ENV) {
             Ok(k) => k,
@@ -143,20 +183,19 @@ fn api_key(a: &Args) -> Result<Option<Vec<u8>>, String> {
     };
     let key = key.trim();
     if key.is_empty() {
-        return Err("the API key is empty".into());
+        return Err(KeyError::Empty);
     }
     if key.bytes().any(|b| !(0x21..0x7f).contains(&b)) {
-        return Err("the API key must be printable ASCII without spaces".into());
+        return Err(KeyError::NotPrintable);
     }
     Ok(Some(key.as_bytes().to_vec()))
 }
 
 /// The default `--max-jobs`: workers whose state for a [`SIZING_PROMPT`]-id prompt and the
 /// default reply fit in the memory free now, at most one per CPU, at least one; with the sizes.
-fn sized_max_jobs(model_dir: &Path) -> Result<(usize, String), String> {
-    let cfg = k3_proto::config::ModelConfig::load(&model_dir.join("config.json"))
-        .map_err(|e| e.to_string())?;
-    let dims = k3_worker::model::Dims::from_config(&cfg).map_err(|e| e.to_string())?;
+fn sized_max_jobs(model_dir: &Path) -> Result<(usize, String), SizingError> {
+    let cfg = k3_proto::config::ModelConfig::load(&model_dir.join("config.json"))?;
+    let dims = k3_worker::model::Dims::from_config(&cfg)?;
     let positions = k3_worker::generate::positions_needed(SIZING_PROMPT, api::DEFAULT_CHAT_TOKENS);
     let chunk = k3_worker::generate::DEFAULT_PREFILL_CHUNK;
     let drafts = k3_worker::spec::SpecMode::Auto.max_drafts();

@@ -33,8 +33,8 @@ use crate::runtime::identity::ModelIdentity;
 use crate::runtime::io::AlignedBuf;
 use crate::runtime::pool::IoPool;
 use crate::runtime::source::{
-    ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
-    WeightSource,
+    ByteOwner, ExpertBatch, ExpertError, LayerRun, PendingExperts, Region, SlotProblem,
+    SourceError, SourceStats, WeightSource,
 };
 use crate::runtime::trunk::{open_shards, TrunkError, TrunkLayout};
 use crate::shmem::ReadOnlySegment;
@@ -163,11 +163,18 @@ impl Link {
                             .arena
                             .expert_offset(slot, at)
                             .and_then(|off| {
-                                Region::new(owner.clone(), off, self.arena.expert_bytes)
-                                    .ok_or_else(|| format!("slot {slot} outside the mapping"))
+                                Region::new(owner.clone(), off, self.arena.expert_bytes).ok_or(
+                                    SlotProblem::OutsideMapping {
+                                        slot: slot as usize,
+                                    },
+                                )
                             })
-                            .map_err(|m| format!("layer {l} expert {e}: {m}")),
-                        SlotAnswer::Failed { reason } => Err(reason),
+                            .map_err(|problem| ExpertError::Leased {
+                                layer: l,
+                                expert: *e,
+                                problem,
+                            }),
+                        SlotAnswer::Failed { reason } => Err(ExpertError::Store(reason)),
                         SlotAnswer::Private { reason } => self.private.read(l, *e, &reason),
                     })
                     .collect();
@@ -225,16 +232,22 @@ struct PrivateReads {
 }
 
 impl PrivateReads {
-    fn read(&self, l: usize, e: u32, reason: &str) -> Result<Region, String> {
+    fn read(&self, l: usize, e: u32, reason: &str) -> Result<Region, ExpertError> {
         use std::sync::atomic::Ordering::Relaxed;
         let what = format!("layer {l} expert {e}");
-        let ext = (self.cat.expert(l, e as usize))
-            .ok_or_else(|| format!("{what}: not in the checkpoint"))?;
+        let ext = (self.cat.expert(l, e as usize)).ok_or(ExpertError::NotInCheckpoint {
+            layer: l,
+            expert: e,
+        })?;
         let layout = self.cat.expert_layout();
         let mut buf = AlignedBuf::zeroed(ExpertReader::slot_stride(&layout))?;
         self.reader
             .read(&what, &ext, buf.as_mut_slice())
-            .map_err(|err| format!("{what}, read privately: {}", err.0))?;
+            .map_err(|source| ExpertError::Private {
+                layer: l,
+                expert: e,
+                source,
+            })?;
         if self.count.fetch_add(1, Relaxed) == 0 {
             tracing::warn!(
                 "the store's expert slots are held by another worker: reading experts from the \
@@ -243,12 +256,15 @@ impl PrivateReads {
         }
         self.bytes.fetch_add(layout.expert_bytes() as u64, Relaxed);
         let owner: Arc<dyn ByteOwner> = Arc::new(buf);
-        Region::new(
-            owner,
-            ExpertReader::offset_in_slot(&ext),
-            layout.expert_bytes(),
-        )
-        .ok_or_else(|| format!("{what}: outside its private buffer"))
+        let at = ExpertReader::offset_in_slot(&ext);
+        Region::new(owner, at, layout.expert_bytes()).ok_or(ExpertError::Leased {
+            layer: l,
+            expert: e,
+            problem: SlotProblem::OutsideBuffer {
+                at,
+                len: layout.expert_bytes(),
+            },
+        })
     }
 }
 
@@ -265,17 +281,60 @@ impl ArenaGeometry {
     /// The mapping offset of the expert a `Leased { slot, at }` answer names; `Err` when the
     /// slot is out of range or the expert would end past its slot (a store this worker cannot
     /// trust: the bytes would belong to another slot).
-    fn expert_offset(&self, slot: u32, at: u32) -> Result<usize, String> {
+    fn expert_offset(&self, slot: u32, at: u32) -> Result<usize, SlotProblem> {
         if slot >= self.slots {
-            return Err(format!("slot {slot} out of range ({} slots)", self.slots));
+            return Err(SlotProblem::OutOfRange {
+                slot: slot as usize,
+                slots: self.slots as usize,
+            });
         }
         if at as usize + self.expert_bytes > self.stride {
-            return Err(format!(
-                "{} bytes at {at} overrun slot {slot} of {} bytes",
-                self.expert_bytes, self.stride
-            ));
+            return Err(SlotProblem::Overrun {
+                slot: slot as usize,
+                at: at as usize,
+                len: self.expert_bytes,
+                stride: self.stride,
+            });
         }
         Ok(self.offset + slot as usize * self.stride + at as usize)
+    }
+}
+
+/// Why a kept session could not be fetched from or handed to the store.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionCallError {
+    /// The connection failed.
+    #[error("store connection: {0}")]
+    Connection(#[from] ClientError),
+    /// The store refused the request.
+    #[error("the store refused ({code:?}): {message}")]
+    Refused {
+        /// What kind of refusal.
+        code: k3_proto::wire::ErrorCode,
+        /// Why.
+        message: String,
+    },
+    /// An answer of another kind.
+    #[error("unexpected answer from the store: {0}")]
+    Unexpected(String),
+    /// The store answered a session without its memfd.
+    #[error("the store answered a session without its memfd")]
+    NoMemfd,
+    /// The session's memfd is not usable.
+    #[error("the store's session {name}: {source}")]
+    Memfd {
+        /// The session.
+        name: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// An answer the caller did not expect: the store's refusal, or any other answer.
+fn unexpected(r: Response) -> SessionCallError {
+    match r {
+        Response::Error { code, message } => SessionCallError::Refused { code, message },
+        other => SessionCallError::Unexpected(format!("{other:?}")),
     }
 }
 
@@ -347,7 +406,7 @@ impl AttachedSource {
         };
         (crate::runtime::fdlimit::raise())
             .check("k3-worker", &needs)
-            .map_err(AttachError::Refused)?;
+            .map_err(|e| AttachError::Refused(e.to_string()))?;
         let shards = open_shards(&cat).map_err(|e| mismatch(e.0))?;
         let reader = ExpertReader::new(shards.clone(), cat.expert_layout());
         let trunk = Arc::new(match &trunk_dir {
@@ -581,22 +640,22 @@ impl AttachedSource {
     }
 
     /// Fetch the kept session `name` (`None` when the store has none of that name).
-    pub fn get_session(&self, name: &str) -> Result<Option<crate::session::Blob>, String> {
+    pub fn get_session(
+        &self,
+        name: &str,
+    ) -> Result<Option<crate::session::Blob>, SessionCallError> {
         let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         let req = Request::GetSession { name: name.into() };
-        match c.call_with_fd(&req, None) {
-            Ok((Response::Session { bytes }, Some(fd))) => crate::session::Blob::from_fd(fd, bytes)
+        match c.call_with_fd(&req, None)? {
+            (Response::Session { bytes }, Some(fd)) => crate::session::Blob::from_fd(fd, bytes)
                 .map(Some)
-                .map_err(|e| format!("the store's session {name}: {e}")),
-            Ok((Response::Session { .. }, None)) => {
-                Err("the store answered a session without its memfd".into())
-            }
-            Ok((Response::NoSession, _)) => Ok(None),
-            Ok((Response::Error { code, message }, _)) => {
-                Err(format!("the store refused ({code:?}): {message}"))
-            }
-            Ok((other, _)) => Err(format!("unexpected answer from the store: {other:?}")),
-            Err(e) => Err(format!("store connection: {e}")),
+                .map_err(|source| SessionCallError::Memfd {
+                    name: name.to_string(),
+                    source,
+                }),
+            (Response::Session { .. }, None) => Err(SessionCallError::NoMemfd),
+            (Response::NoSession, _) => Ok(None),
+            (other, _) => Err(unexpected(other)),
         }
     }
 
@@ -605,19 +664,15 @@ impl AttachedSource {
         &self,
         name: &str,
         blob: &crate::session::Blob,
-    ) -> Result<Vec<String>, String> {
+    ) -> Result<Vec<String>, SessionCallError> {
         let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         let req = Request::PutSession {
             name: name.into(),
             bytes: blob.len(),
         };
-        match c.call_with_fd(&req, Some(blob.fd())) {
-            Ok((Response::SessionStored { evicted }, _)) => Ok(evicted),
-            Ok((Response::Error { code, message }, _)) => {
-                Err(format!("the store refused ({code:?}): {message}"))
-            }
-            Ok((other, _)) => Err(format!("unexpected answer from the store: {other:?}")),
-            Err(e) => Err(format!("store connection: {e}")),
+        match c.call_with_fd(&req, Some(blob.fd()))? {
+            (Response::SessionStored { evicted }, _) => Ok(evicted),
+            (other, _) => Err(unexpected(other)),
         }
     }
 
@@ -752,7 +807,10 @@ impl WeightSource for AttachedSource {
 
     fn resident_experts(&self, l: usize, ids: &[u32]) -> ExpertBatch {
         self.link.resident(l, ids).unwrap_or_else(|e| ExpertBatch {
-            experts: ids.iter().map(|_| Err(e.to_string())).collect(),
+            experts: ids
+                .iter()
+                .map(|_| Err(ExpertError::Request(e.to_string())))
+                .collect(),
         })
     }
 
@@ -812,10 +870,10 @@ mod tests {
             g.expert_offset(3, last),
             Ok(8192 + 9 * 4096 + last as usize)
         );
-        let m = g.expert_offset(3, last + 1).unwrap_err();
+        let m = g.expert_offset(3, last + 1).unwrap_err().to_string();
         assert!(m.contains("overrun slot 3"), "{m}");
         assert!(g.expert_offset(0, u32::MAX).is_err());
-        let m = g.expert_offset(4, 0).unwrap_err();
+        let m = g.expert_offset(4, 0).unwrap_err().to_string();
         assert!(m.contains("slot 4 out of range (4 slots)"), "{m}");
     }
 }

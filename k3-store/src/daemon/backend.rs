@@ -281,6 +281,29 @@ impl From<String> for BuildError {
     }
 }
 
+/// An expert request the store refuses (answered as `BadRequest`).
+#[derive(Debug, thiserror::Error)]
+pub enum BadRequest {
+    /// More ids than one request may carry.
+    #[error("{0} ids in one request (max {MAX_IDS})")]
+    TooMany(usize),
+    /// A layer or expert id out of range (the slot table's words).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl From<crate::runtime::experts::ArenaSetupError> for BuildError {
+    fn from(e: crate::runtime::experts::ArenaSetupError) -> Self {
+        e.to_string().into()
+    }
+}
+
+impl From<crate::runtime::source::ExpertError> for BuildError {
+    fn from(e: crate::runtime::source::ExpertError) -> Self {
+        format!("preloading the expert cache: {e}").into()
+    }
+}
+
 impl std::fmt::Display for BuildError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.message)
@@ -366,9 +389,9 @@ impl StoreBackend {
             }
             trunk
                 .verify_run(l, &dst[..run as usize])
-                .map_err(|message| BuildError {
+                .map_err(|e| BuildError {
                     code: k3_proto::exit::REFUSED,
-                    message,
+                    message: e.to_string(),
                 })?;
             header
                 .push_region(RegionKind::PinnedLayer, l as u32, off, run)
@@ -516,9 +539,9 @@ impl StoreBackend {
         self.seg.len() as u64
     }
 
-    fn serve(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Result<Response, String> {
+    fn serve(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Result<Response, BadRequest> {
         if ids.len() > MAX_IDS {
-            return Err(format!("{} ids in one request (max {MAX_IDS})", ids.len()));
+            return Err(BadRequest::TooMany(ids.len()));
         }
         let mirror = |t: &SlotTable, s: usize| self.write_slot_entry(t, s);
         // A holder past its time: do not wait for it (it may never release).
@@ -533,7 +556,7 @@ impl StoreBackend {
                 .serve_batch_within(layer as usize, ids, Some(conn), None, &mirror, wait);
         let (mut g, served) = match served {
             Ok(x) => x,
-            Err(BatchError::Invalid(m)) => return Err(m),
+            Err(BatchError::Invalid(m)) => return Err(BadRequest::Invalid(m)),
             Err(BatchError::Busy(e)) => return Ok(self.serve_privately(conn, layer, ids, &e)),
         };
         let hits = served.outcomes.iter().filter(|o| o.hit).count() as u64;
@@ -561,7 +584,9 @@ impl StoreBackend {
                     slot: *s as u32,
                     at: o.at as u32,
                 },
-                Err(m) => SlotAnswer::Failed { reason: m.clone() },
+                Err(m) => SlotAnswer::Failed {
+                    reason: m.to_string(),
+                },
             })
             .collect();
         Ok(Response::Experts {
@@ -692,9 +717,9 @@ fn holders_of(table: &SlotTable, jobs: &Jobs, conn: ConnId) -> Vec<(ConnId, u32,
 impl Backend for StoreBackend {
     fn experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response {
         self.serve(conn, layer, ids)
-            .unwrap_or_else(|message| Response::Error {
+            .unwrap_or_else(|e| Response::Error {
                 code: k3_proto::wire::ErrorCode::BadRequest,
-                message,
+                message: e.to_string(),
             })
     }
 

@@ -164,11 +164,56 @@ pub fn parse_line(line: &str) -> Option<Message> {
     serde_json::from_str(line.trim_end()).ok()
 }
 
+/// Why the detached store's log was refused (exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// A symbolic link at the path.
+    #[error("log {} is a symbolic link; refusing to write through it", .0.display())]
+    Symlink(std::path::PathBuf),
+    /// It cannot be opened.
+    #[error("cannot open the log {}: {source}", path.display())]
+    Open {
+        /// The log.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Its metadata cannot be read.
+    #[error("log {}: {source}", path.display())]
+    Stat {
+        /// The log.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A FIFO, device or directory.
+    #[error("log {} is not a regular file", .0.display())]
+    NotFile(std::path::PathBuf),
+    /// Another user's file.
+    #[error("log {} belongs to uid {uid}, not to uid {me}; refusing to write to it", path.display())]
+    Owner {
+        /// The log.
+        path: std::path::PathBuf,
+        /// Its owner.
+        uid: u32,
+        /// Ours.
+        me: u32,
+    },
+    /// A hard link to another file.
+    #[error("log {} has {links} hard links; refusing to write to it", path.display())]
+    Links {
+        /// The log.
+        path: std::path::PathBuf,
+        /// Its links.
+        links: u64,
+    },
+}
+
 /// Open (append, create 0600) the detached store's log without following a symlink
 /// (`O_NOFOLLOW`, close-on-exec), and only if what is there is a regular file of ours with one
 /// link: a planted symlink, FIFO, another user's file or a hard link to one is refused. Call it
 /// after the directory's owner was checked ([`crate::ipc::prepare_socket_dir`]).
-pub fn open_log(path: &Path) -> Result<File, String> {
+pub fn open_log(path: &Path) -> Result<File, LogError> {
     use nix::errno::Errno;
     use nix::fcntl::OFlag;
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -179,42 +224,45 @@ pub fn open_log(path: &Path) -> Result<File, String> {
         // O_NONBLOCK: a FIFO planted at the path must not block the open (it is refused below).
         .custom_flags((OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).bits())
         .open(path)
-        .map_err(|e| {
-            if e.raw_os_error() == Some(Errno::ELOOP as i32) {
-                format!(
-                    "log {} is a symbolic link; refusing to write through it",
-                    path.display()
-                )
+        .map_err(|source| {
+            if source.raw_os_error() == Some(Errno::ELOOP as i32) {
+                LogError::Symlink(path.to_path_buf())
             } else {
-                format!("cannot open the log {}: {e}", path.display())
+                LogError::Open {
+                    path: path.to_path_buf(),
+                    source,
+                }
             }
         })?;
-    let m = f
-        .metadata()
-        .map_err(|e| format!("log {}: {e}", path.display()))?;
+    let m = f.metadata().map_err(|source| LogError::Stat {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let me = crate::ipc::current_uid();
     if !m.is_file() {
-        return Err(format!("log {} is not a regular file", path.display()));
+        return Err(LogError::NotFile(path.to_path_buf()));
     }
     if m.uid() != me {
-        return Err(format!(
-            "log {} belongs to uid {}, not to uid {me}; refusing to write to it",
-            path.display(),
-            m.uid()
-        ));
+        return Err(LogError::Owner {
+            path: path.to_path_buf(),
+            uid: m.uid(),
+            me,
+        });
     }
     if m.nlink() != 1 {
-        return Err(format!(
-            "log {} has {} hard links; refusing to write to it",
-            path.display(),
-            m.nlink()
-        ));
+        return Err(LogError::Links {
+            path: path.to_path_buf(),
+            links: m.nlink(),
+        });
     }
     nix::fcntl::fcntl(
         &f,
         nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_APPEND),
     )
-    .map_err(|e| format!("log {}: {e}", path.display()))?;
+    .map_err(|e| LogError::Stat {
+        path: path.to_path_buf(),
+        source: e.into(),
+    })?;
     Ok(f)
 }
 
@@ -370,16 +418,16 @@ mod tests {
         std::fs::write(&target, b"keep").unwrap();
         let link = dir.join("link.log");
         std::os::unix::fs::symlink(&target, &link).unwrap();
-        let e = open_log(&link).unwrap_err();
+        let e = open_log(&link).unwrap_err().to_string();
         assert!(e.contains("symbolic link"), "{e}");
         assert_eq!(std::fs::read(&target).unwrap(), b"keep");
         let fifo = dir.join("fifo.log");
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
-        let e = open_log(&fifo).unwrap_err();
+        let e = open_log(&fifo).unwrap_err().to_string();
         assert!(e.contains("fifo.log"), "{e}");
         let hard = dir.join("hard.log");
         std::fs::hard_link(&target, &hard).unwrap();
-        let e = open_log(&hard).unwrap_err();
+        let e = open_log(&hard).unwrap_err().to_string();
         assert!(e.contains("hard links"), "{e}");
         let log = dir.join("store.log");
         std::fs::write(&log, b"old\n").unwrap();

@@ -1047,9 +1047,9 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
                             r
                         }
                         Ok(None) => Response::NoSession,
-                        Err(message) => Response::Error {
+                        Err(e) => Response::Error {
                             code: ErrorCode::BadRequest,
-                            message,
+                            message: e.to_string(),
                         },
                     }
                 }

@@ -24,8 +24,8 @@ use std::time::Instant;
 
 use k3_proto::wire::{ErrorCode, Response, SessionInfo, SessionStats};
 
-use super::statedir::{open_private, StateDir, TAG_BYTES};
-use crate::session::{self, Blob};
+use super::statedir::{open_private, StateDir, StateDirError, Untrusted, TAG_BYTES};
+use crate::session::{self, Blob, SessionError};
 
 /// Default `--session-mb`.
 pub const DEFAULT_SESSION_MB: f64 = 2048.0;
@@ -120,9 +120,9 @@ impl Sessions {
     }
 
     /// Check `blob` as a session of this store; its ids' count and hash.
-    fn check(&self, blob: &Blob) -> Result<(u64, u128), String> {
-        let view = session::parse(blob.bytes()).map_err(|e| e.to_string())?;
-        session::check_identity(&view, self.identity).map_err(|e| e.to_string())?;
+    fn check(&self, blob: &Blob) -> Result<(u64, u128), SessionError> {
+        let view = session::parse(blob.bytes())?;
+        session::check_identity(&view, self.identity)?;
         Ok((view.header.n_ids, view.ids_hash()))
     }
 
@@ -179,7 +179,7 @@ impl Sessions {
     /// `PutSession`: check and keep the session in `fd`.
     pub fn put(&self, name: &str, fd: Option<OwnedFd>, bytes: u64) -> Response {
         if let Err(m) = session::check_name(name) {
-            return err(ErrorCode::BadRequest, m);
+            return err(ErrorCode::BadRequest, m.to_string());
         }
         if self.opts.budget_bytes == 0 || self.opts.max_count == 0 {
             return err(
@@ -257,7 +257,7 @@ impl Sessions {
 
     /// `GetSession`: the session (now the most recently used), if kept; a bad name is refused
     /// with the reason.
-    pub fn get(&self, name: &str) -> Result<Option<Arc<Blob>>, String> {
+    pub fn get(&self, name: &str) -> Result<Option<Arc<Blob>>, SessionError> {
         session::check_name(name)?;
         let mut g = lock(&self.inner);
         g.tick += 1;
@@ -304,13 +304,16 @@ impl Sessions {
     /// `*.k3session` in it, oldest modification first (so the most recent are the most recently
     /// used); leftover temporary files of an interrupted write are removed. Fails only when the
     /// directory is refused or cannot be listed.
-    pub fn load_state_dir(&self) -> Result<Loaded, String> {
+    pub fn load_state_dir(&self) -> Result<Loaded, StateDirError> {
         let Some(dir) = self.opts.state_dir.clone() else {
             return Ok(Loaded::default());
         };
         let state = StateDir::open(&dir, self.identity)?;
         let dir = state.path().to_path_buf();
-        let io = |e: std::io::Error| format!("--state-dir {}: {e}", dir.display());
+        let io = |source: std::io::Error| StateDirError::Io {
+            path: dir.clone(),
+            source,
+        };
         let mut files = Vec::new();
         for entry in std::fs::read_dir(&dir).map_err(io)? {
             let entry = entry.map_err(io)?;
@@ -351,27 +354,30 @@ impl Sessions {
         Ok(out)
     }
 
-    fn load_one(&self, state: &StateDir, name: &str, path: &std::path::Path) -> Result<(), String> {
+    fn load_one(
+        &self,
+        state: &StateDir,
+        name: &str,
+        path: &std::path::Path,
+    ) -> Result<(), SkipError> {
         session::check_name(name)?;
         let (f, len) = open_private(path)?;
         let len = len.saturating_sub(TAG_BYTES as u64);
         if len > self.opts.budget_bytes {
-            return Err(format!(
-                "{} exceeds the session budget of {} (--session-mb)",
-                mb(len),
-                mb(self.opts.budget_bytes)
-            ));
+            return Err(SkipError::OverBudget {
+                bytes: len,
+                budget: self.opts.budget_bytes,
+            });
         }
         let mut file = Vec::new();
-        f.take(len + TAG_BYTES as u64 + 1)
+        (f.take(len + TAG_BYTES as u64 + 1))
             .read_to_end(&mut file)
-            .map_err(|e| e.to_string())?;
+            .map_err(Untrusted::Io)?;
         if file.len() as u64 != len + TAG_BYTES as u64 {
-            return Err("changed while reading".into());
+            return Err(SkipError::Changed);
         }
         let bytes = state.open_sealed(name, &file)?;
-        let blob =
-            Blob::from_bytes(&format!("k3-session-{name}"), bytes).map_err(|e| e.to_string())?;
+        let blob = Blob::from_bytes(&format!("k3-session-{name}"), bytes).map_err(Untrusted::Io)?;
         drop(file);
         let (n_ids, ids_hash) = self.check(&blob)?;
         let evicted = {
@@ -389,6 +395,28 @@ impl Sessions {
 }
 
 use std::io::Read as _;
+
+/// Why a file of the state directory was skipped at start (logged, never fatal).
+#[derive(Debug, thiserror::Error)]
+enum SkipError {
+    /// Its name is not a session name, or its contents not a session of this store.
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    /// It is not a file of ours, or its MAC does not verify.
+    #[error(transparent)]
+    Untrusted(#[from] Untrusted),
+    /// It is larger than the whole budget.
+    #[error("{} exceeds the session budget of {} (--session-mb)", mb(*.bytes), mb(*.budget))]
+    OverBudget {
+        /// Its session bytes.
+        bytes: u64,
+        /// `--session-mb`.
+        budget: u64,
+    },
+    /// Its length changed while it was read.
+    #[error("changed while reading")]
+    Changed,
+}
 
 #[cfg(test)]
 mod tests {
@@ -578,7 +606,10 @@ mod tests {
             "skipped files are left alone"
         );
         // Another model's store is refused at the directory, naming both identities.
-        let e = Sessions::new(opts, 6).load_state_dir().unwrap_err();
+        let e = Sessions::new(opts, 6)
+            .load_state_dir()
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains(&format!("{:032x}", 5u128)) && e.contains(&format!("{:032x}", 6u128)),
             "{e}"

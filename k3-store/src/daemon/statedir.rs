@@ -50,6 +50,133 @@ impl std::fmt::Debug for StateDir {
     }
 }
 
+/// Why a file or directory of the state directory is not trusted (or not readable).
+#[derive(Debug, thiserror::Error)]
+pub enum Untrusted {
+    /// Its metadata cannot be read.
+    #[error("{}: {source}", path.display())]
+    Stat {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Not a directory.
+    #[error("{} is not a directory", path.display())]
+    NotDir {
+        /// The path.
+        path: PathBuf,
+    },
+    /// A directory of another user.
+    #[error("{} belongs to uid {uid}, not to the store's uid {me}{}", path.display(),
+        if *own { "" } else { " or root" })]
+    DirOwner {
+        /// The directory.
+        path: PathBuf,
+        /// Its owner.
+        uid: u32,
+        /// The store's uid.
+        me: u32,
+        /// The state directory itself (root is not trusted there).
+        own: bool,
+    },
+    /// A directory others may write.
+    #[error("{} has mode {mode:04o}: writable by {} (other users could replace the store's \
+             sessions); chmod go-w it", path.display(),
+        if mode & 0o002 != 0 { "others" } else { "its group" })]
+    Writable {
+        /// The directory.
+        path: PathBuf,
+        /// Its mode bits.
+        mode: u32,
+    },
+    /// A symbolic link where a file was expected.
+    #[error("a symbolic link (not followed)")]
+    Symlink,
+    /// The file cannot be opened or read.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// A FIFO, device or directory.
+    #[error("not a regular file (a FIFO, device or directory is never read)")]
+    NotRegular,
+    /// A file of another user.
+    #[error("belongs to uid {0}, not to the store's")]
+    FileOwner(u32),
+    /// More than one link.
+    #[error("has {0} links (a hard link to another file?)")]
+    Links(u64),
+    /// Readable or writable by others.
+    #[error("mode {0:04o}: readable or writable by others (the store writes 0600)")]
+    Mode(u32),
+    /// A key of the wrong length.
+    #[error("{0} bytes, a key is {KEY_BYTES}")]
+    KeyLength(u64),
+    /// No random bytes for a key or a file name.
+    #[error("no random bytes: {0}")]
+    Random(getrandom::Error),
+    /// A sealed file shorter than its MAC.
+    #[error("shorter than its MAC")]
+    Short,
+    /// A sealed file whose MAC does not verify.
+    #[error(
+        "MAC mismatch: not written by this store for this model and name, or edited since \
+         (refused)"
+    )]
+    Mac,
+}
+
+/// Why the state directory was refused (exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum StateDirError {
+    /// It cannot be created or resolved.
+    #[error("--state-dir {}: {source}", path.display())]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// It (or a directory above it, or one of its own files) is not trusted.
+    #[error("--state-dir refused: {0}")]
+    Refused(Untrusted),
+    /// A directory above it is not trusted.
+    #[error("--state-dir {} refused: {problem}", dir.display())]
+    Above {
+        /// The state directory.
+        dir: PathBuf,
+        /// What is wrong above it.
+        problem: Untrusted,
+    },
+    /// One of its own files is not trusted.
+    #[error("--state-dir refused: {}: {problem}", path.display())]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: Untrusted,
+    },
+    /// The model binding cannot be read or written.
+    #[error("{}: {source}", path.display())]
+    Binding {
+        /// The binding file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// It holds another model's sessions.
+    #[error("--state-dir {} holds the sessions of model {found}, but this store serves \
+             model {ours:032x}: use another --state-dir for this model (or empty this one)",
+        dir.display())]
+    OtherModel {
+        /// The state directory.
+        dir: PathBuf,
+        /// The identity its binding names.
+        found: String,
+        /// This store's identity.
+        ours: u128,
+    },
+}
+
 fn euid() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
@@ -57,34 +184,29 @@ fn euid() -> u32 {
 /// A directory in the path to the state directory (or the directory itself, `own`) that others
 /// could change: not ours (or root's, above), or writable by group or others without the sticky
 /// bit.
-fn check_dir(p: &Path, own: bool) -> Result<(), String> {
-    let m = std::fs::metadata(p).map_err(|e| format!("{}: {e}", p.display()))?;
+fn check_dir(p: &Path, own: bool) -> Result<(), Untrusted> {
+    let path = || p.to_path_buf();
+    let m = std::fs::metadata(p).map_err(|source| Untrusted::Stat {
+        path: path(),
+        source,
+    })?;
     if !m.is_dir() {
-        return Err(format!("{} is not a directory", p.display()));
+        return Err(Untrusted::NotDir { path: path() });
     }
     let me = euid();
     let owner_ok = m.uid() == me || (!own && m.uid() == 0);
     if !owner_ok {
-        return Err(format!(
-            "{} belongs to uid {}, not to the store's uid {me}{}",
-            p.display(),
-            m.uid(),
-            if own { "" } else { " or root" }
-        ));
+        return Err(Untrusted::DirOwner {
+            path: path(),
+            uid: m.uid(),
+            me,
+            own,
+        });
     }
     let mode = m.mode() & 0o7777;
     let sticky = mode & 0o1000 != 0;
     if mode & 0o022 != 0 && (own || !sticky) {
-        return Err(format!(
-            "{} has mode {mode:04o}: writable by {} (other users could replace the store's \
-             sessions); chmod go-w it",
-            p.display(),
-            if mode & 0o002 != 0 {
-                "others"
-            } else {
-                "its group"
-            }
-        ));
+        return Err(Untrusted::Writable { path: path(), mode });
     }
     Ok(())
 }
@@ -92,33 +214,27 @@ fn check_dir(p: &Path, own: bool) -> Result<(), String> {
 /// Open `path` for reading without following a symlink or blocking on a FIFO, and only if it is
 /// a regular file of ours with one link and no group or other permission bits. Returns it and
 /// its length.
-pub fn open_private(path: &Path) -> Result<(File, u64), String> {
+pub fn open_private(path: &Path) -> Result<(File, u64), Untrusted> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => "a symbolic link (not followed)".to_string(),
-            _ => e.to_string(),
+            Some(libc::ELOOP) => Untrusted::Symlink,
+            _ => Untrusted::Io(e),
         })?;
-    let m = f.metadata().map_err(|e| e.to_string())?;
+    let m = f.metadata()?;
     if !m.file_type().is_file() {
-        return Err("not a regular file (a FIFO, device or directory is never read)".into());
+        return Err(Untrusted::NotRegular);
     }
     if m.uid() != euid() {
-        return Err(format!("belongs to uid {}, not to the store's", m.uid()));
+        return Err(Untrusted::FileOwner(m.uid()));
     }
     if m.nlink() != 1 {
-        return Err(format!(
-            "has {} links (a hard link to another file?)",
-            m.nlink()
-        ));
+        return Err(Untrusted::Links(m.nlink()));
     }
     if m.mode() & 0o077 != 0 {
-        return Err(format!(
-            "mode {:04o}: readable or writable by others (the store writes 0600)",
-            m.mode() & 0o7777
-        ));
+        return Err(Untrusted::Mode(m.mode() & 0o7777));
     }
     Ok((f, m.len()))
 }
@@ -134,9 +250,9 @@ fn create_private(path: &Path) -> std::io::Result<File> {
 }
 
 /// A name for a temporary file no other user can predict.
-fn unpredictable(prefix: &str) -> Result<String, String> {
+fn unpredictable(prefix: &str) -> Result<String, Untrusted> {
     let mut r = [0u8; 8];
-    getrandom::fill(&mut r).map_err(|e| format!("no random bytes: {e}"))?;
+    getrandom::fill(&mut r).map_err(Untrusted::Random)?;
     Ok(format!(
         ".{prefix}.{}.{:016x}.tmp",
         std::process::id(),
@@ -148,8 +264,11 @@ impl StateDir {
     /// Check (or create, 0700) `dir` and the directories above it, load or create the key, and
     /// bind the directory to the model of `identity` (refusing one bound to another). Every
     /// failure is a refusal naming the path.
-    pub fn open(dir: &Path, identity: u128) -> Result<StateDir, String> {
-        let io = |p: &Path, e: std::io::Error| format!("--state-dir {}: {e}", p.display());
+    pub fn open(dir: &Path, identity: u128) -> Result<StateDir, StateDirError> {
+        let io = |p: &Path, source: std::io::Error| StateDirError::Io {
+            path: p.to_path_buf(),
+            source,
+        };
         if !dir.exists() {
             std::fs::DirBuilder::new()
                 .recursive(true)
@@ -158,10 +277,12 @@ impl StateDir {
                 .map_err(|e| io(dir, e))?;
         }
         let dir = dir.canonicalize().map_err(|e| io(dir, e))?;
-        check_dir(&dir, true).map_err(|e| format!("--state-dir refused: {e}"))?;
+        check_dir(&dir, true).map_err(StateDirError::Refused)?;
         for up in dir.ancestors().skip(1) {
-            check_dir(up, false)
-                .map_err(|e| format!("--state-dir {} refused: {e}", dir.display()))?;
+            check_dir(up, false).map_err(|problem| StateDirError::Above {
+                dir: dir.clone(),
+                problem,
+            })?;
         }
         let key = load_or_create_key(&dir)?;
         let sd = StateDir { dir, key, identity };
@@ -175,7 +296,7 @@ impl StateDir {
     }
 
     /// Refuse a directory bound to another model; bind an unbound one to ours.
-    fn bind(&self) -> Result<(), String> {
+    fn bind(&self) -> Result<(), StateDirError> {
         let p = self.dir.join(MODEL_FILE);
         let ours = format!("{:032x}\n", self.identity);
         match open_private(&p) {
@@ -184,23 +305,23 @@ impl StateDir {
                 Read::by_ref(&mut f)
                     .take(len.min(256))
                     .read_to_string(&mut text)
-                    .map_err(|e| format!("{}: {e}", p.display()))?;
+                    .map_err(|source| StateDirError::Binding {
+                        path: p.clone(),
+                        source,
+                    })?;
                 if text != ours {
-                    return Err(format!(
-                        "--state-dir {} holds the sessions of model {}, but this store serves \
-                         model {:032x}: use another --state-dir for this model (or empty this \
-                         one)",
-                        self.dir.display(),
-                        text.trim(),
-                        self.identity
-                    ));
+                    return Err(StateDirError::OtherModel {
+                        dir: self.dir.clone(),
+                        found: text.trim().to_string(),
+                        ours: self.identity,
+                    });
                 }
                 Ok(())
             }
             Err(_) if std::fs::symlink_metadata(&p).is_err() => self
                 .write_atomic(MODEL_FILE, ours.as_bytes())
-                .map_err(|e| format!("{}: {e}", p.display())),
-            Err(e) => Err(format!("--state-dir refused: {}: {e}", p.display())),
+                .map_err(|source| StateDirError::Binding { path: p, source }),
+            Err(problem) => Err(StateDirError::File { path: p, problem }),
         }
     }
 
@@ -221,16 +342,12 @@ impl StateDir {
     }
 
     /// The session bytes of a file of session `name` (its bytes and MAC), if the MAC holds.
-    pub fn open_sealed<'a>(&self, name: &str, file: &'a [u8]) -> Result<&'a [u8], String> {
+    pub fn open_sealed<'a>(&self, name: &str, file: &'a [u8]) -> Result<&'a [u8], Untrusted> {
         if file.len() < TAG_BYTES {
-            return Err("shorter than its MAC".into());
+            return Err(Untrusted::Short);
         }
         let (bytes, tag) = file.split_at(file.len() - TAG_BYTES);
-        self.tag(name, bytes).verify_slice(tag).map_err(|_| {
-            "MAC mismatch: not written by this store for this model and name, or edited since \
-             (refused)"
-                .to_string()
-        })?;
+        (self.tag(name, bytes).verify_slice(tag)).map_err(|_| Untrusted::Mac)?;
         Ok(bytes)
     }
 
@@ -274,24 +391,26 @@ impl StateDir {
 }
 
 /// The key in `dir`, created (32 random bytes, 0600, exclusively) when missing.
-fn load_or_create_key(dir: &Path) -> Result<[u8; KEY_BYTES], String> {
+fn load_or_create_key(dir: &Path) -> Result<[u8; KEY_BYTES], StateDirError> {
     let p = dir.join(KEY_FILE);
-    let refuse = |m: String| format!("--state-dir refused: {}: {m}", p.display());
+    let refuse = |problem: Untrusted| StateDirError::File {
+        path: p.clone(),
+        problem,
+    };
+    let io = |e: std::io::Error| refuse(Untrusted::Io(e));
     if std::fs::symlink_metadata(&p).is_err() {
         let mut key = [0u8; KEY_BYTES];
-        getrandom::fill(&mut key).map_err(|e| refuse(format!("no random bytes: {e}")))?;
-        let mut f = create_private(&p).map_err(|e| refuse(e.to_string()))?;
-        f.write_all(&key)
-            .and_then(|()| f.sync_all())
-            .map_err(|e| refuse(e.to_string()))?;
+        getrandom::fill(&mut key).map_err(|e| refuse(Untrusted::Random(e)))?;
+        let mut f = create_private(&p).map_err(io)?;
+        f.write_all(&key).and_then(|()| f.sync_all()).map_err(io)?;
         return Ok(key);
     }
     let (mut f, len) = open_private(&p).map_err(refuse)?;
     if len != KEY_BYTES as u64 {
-        return Err(refuse(format!("{len} bytes, a key is {KEY_BYTES}")));
+        return Err(refuse(Untrusted::KeyLength(len)));
     }
     let mut key = [0u8; KEY_BYTES];
-    f.read_exact(&mut key).map_err(|e| refuse(e.to_string()))?;
+    f.read_exact(&mut key).map_err(io)?;
     Ok(key)
 }
 
@@ -326,11 +445,12 @@ mod tests {
         assert!(s.open_sealed("b", &file).is_err());
         let mut edited = file.clone();
         edited[0] ^= 1;
-        assert!(s.open_sealed("a", &edited).unwrap_err().contains("MAC"));
+        let e = s.open_sealed("a", &edited).unwrap_err().to_string();
+        assert!(e.contains("MAC"), "{e}");
         // Reopened: the same key (the file verifies); another model is refused naming both.
         let again = StateDir::open(&dir, 7).unwrap();
         assert_eq!(again.open_sealed("a", &file).unwrap(), b"bytes");
-        let e = StateDir::open(&dir, 8).unwrap_err();
+        let e = StateDir::open(&dir, 8).unwrap_err().to_string();
         assert!(
             e.contains(&format!("{:032x}", 7u128)) && e.contains(&format!("{:032x}", 8u128)),
             "{e}"
@@ -346,7 +466,7 @@ mod tests {
         let dir = d.path().join("state");
         std::fs::create_dir(&dir).unwrap();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let e = StateDir::open(&dir, 1).unwrap_err();
+        let e = StateDir::open(&dir, 1).unwrap_err().to_string();
         assert!(
             e.contains("0777") && e.contains(&dir.display().to_string()),
             "{e}"
@@ -356,27 +476,28 @@ mod tests {
         let target = d.path().join("elsewhere");
         std::fs::write(&target, [0u8; KEY_BYTES]).unwrap();
         std::os::unix::fs::symlink(&target, dir.join(KEY_FILE)).unwrap();
-        let e = StateDir::open(&dir, 1).unwrap_err();
+        let e = StateDir::open(&dir, 1).unwrap_err().to_string();
         assert!(e.contains("symbolic link"), "{e}");
         std::fs::remove_file(dir.join(KEY_FILE)).unwrap();
         let s = StateDir::open(&dir, 1).unwrap();
         std::fs::set_permissions(dir.join(KEY_FILE), std::fs::Permissions::from_mode(0o644))
             .unwrap();
-        assert!(StateDir::open(&dir, 1).unwrap_err().contains("0644"));
+        let e = StateDir::open(&dir, 1).unwrap_err().to_string();
+        assert!(e.contains("0644"), "{e}");
         std::fs::set_permissions(dir.join(KEY_FILE), std::fs::Permissions::from_mode(0o600))
             .unwrap();
         // A FIFO is not opened for reading (and the call does not hang).
         let fifo = dir.join("x.k3session");
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-        assert!(open_private(&fifo)
-            .unwrap_err()
-            .contains("not a regular file"));
+        let e = open_private(&fifo).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
         // A hard link to another file is not read.
         let linked = dir.join("y.k3session");
         std::fs::write(&target, b"x").unwrap();
         std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o600)).unwrap();
         std::fs::hard_link(&target, &linked).unwrap();
-        assert!(open_private(&linked).unwrap_err().contains("links"));
+        let e = open_private(&linked).unwrap_err().to_string();
+        assert!(e.contains("links"), "{e}");
         // Atomic writes are 0600 and replace a planted symlink instead of following it.
         std::os::unix::fs::symlink(&target, dir.join("z.k3session")).unwrap();
         s.write_atomic("z.k3session", b"new").unwrap();

@@ -88,7 +88,7 @@ unsafe impl Sync for ArenaMem {}
 
 impl ArenaMem {
     /// A zeroed arena of `len` bytes (page-aligned start).
-    pub fn new(len: usize) -> Result<ArenaMem, String> {
+    pub fn new(len: usize) -> Result<ArenaMem, crate::runtime::io::AllocError> {
         let mut buf = AlignedBuf::zeroed(len)?;
         let base = buf.as_mut_ptr();
         Ok(ArenaMem {

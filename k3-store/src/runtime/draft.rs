@@ -193,7 +193,7 @@ pub fn pack_draft(
                 .ok_or_else(|| TrunkError::Refused(format!("layer {l} has no trunk tensors")))?;
             let len = usize::try_from(layout.buf_len(l))
                 .map_err(|_| TrunkError::Refused(format!("layer {l} is too large")))?;
-            let mut buf = AlignedBuf::zeroed(len).map_err(TrunkError::Io)?;
+            let mut buf = AlignedBuf::zeroed(len)?;
             let at = layout.read_layer(l, buf.as_mut_slice())?;
             let run = &buf.as_slice()[at..at + plan.run_len as usize];
             if let Some(want) = plan.xxh3 {

@@ -39,7 +39,9 @@ use crate::runtime::arena::{ArenaMem, ArenaRead, ArenaWrite};
 use crate::runtime::catalog::{Catalog, ExpertExtents};
 use crate::runtime::io::{align_up, DiskFile, ReadError, ALIGN};
 use crate::runtime::pool::IoPool;
-use crate::runtime::source::{ByteOwner, ExpertBatch, Region, SourceError};
+use crate::runtime::source::{
+    ByteOwner, ExpertBatch, ExpertError, Region, SlotProblem, SourceError,
+};
 
 /// State of one slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,7 +223,7 @@ pub type HolderId = u64;
 pub struct SlotTable {
     states: Vec<SlotState>,
     leases: Vec<u32>,
-    errors: Vec<Option<String>>,
+    errors: Vec<Option<ExpertError>>,
     map: HashMap<(u32, u32), usize>,
     free: Vec<usize>,
     policy: Box<dyn EvictionPolicy>,
@@ -291,8 +293,8 @@ impl SlotTable {
     }
 
     /// The error of the last failed load into `slot`.
-    pub fn last_error(&self, slot: usize) -> Option<&str> {
-        self.errors[slot].as_deref()
+    pub fn last_error(&self, slot: usize) -> Option<&ExpertError> {
+        self.errors[slot].as_ref()
     }
 
     /// Name of the eviction policy.
@@ -530,7 +532,7 @@ impl SlotTable {
     /// Phase 3: the load into `slot` (INFLIGHT) finished. `Ok` makes it RESIDENT; `Err` makes it
     /// EMPTY, remembers the message for waiters and counts a failed load. The caller's lease is
     /// not released (release it yourself after a failure).
-    pub fn publish(&mut self, slot: usize, result: Result<(), String>) {
+    pub fn publish(&mut self, slot: usize, result: Result<(), ExpertError>) {
         let SlotState::Inflight { layer, expert } = self.states[slot] else {
             return;
         };
@@ -696,13 +698,47 @@ pub struct Arena {
     slots: usize,
 }
 
+/// Why the expert slots could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ArenaSetupError {
+    /// `slots × stride` overflows.
+    #[error("{slots} slots of {stride} bytes overflow")]
+    Overflow {
+        /// Slots asked for.
+        slots: usize,
+        /// Bytes per slot.
+        stride: usize,
+    },
+    /// The memory given is too short.
+    #[error("{slots} slots of {stride} bytes do not fit in {have} bytes")]
+    NoFit {
+        /// Slots asked for.
+        slots: usize,
+        /// Bytes per slot.
+        stride: usize,
+        /// Bytes given.
+        have: usize,
+    },
+    /// The slots' memory could not be allocated.
+    #[error("expert slots: {0}")]
+    Alloc(#[from] crate::runtime::io::AllocError),
+    /// The reader threads could not be started.
+    #[error("starting {io_threads} expert reader threads: {source}")]
+    Threads {
+        /// Threads asked for.
+        io_threads: usize,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
 impl Arena {
     /// `slots` zeroed slots of `stride` bytes on the heap (pages are committed when first
     /// written).
-    pub fn heap(stride: usize, slots: usize) -> Result<Arena, String> {
+    pub fn heap(stride: usize, slots: usize) -> Result<Arena, ArenaSetupError> {
         let len = stride
             .checked_mul(slots)
-            .ok_or_else(|| format!("{slots} slots of {stride} bytes overflow"))?;
+            .ok_or(ArenaSetupError::Overflow { slots, stride })?;
         Ok(Arena {
             mem: Arc::new(ArenaMem::new(len)?),
             stride,
@@ -716,13 +752,18 @@ impl Arena {
     /// # Safety
     /// As [`ArenaMem::over`]: `mem` must stay mapped and valid for reads and writes for as long
     /// as the arena is used, and must not be accessed in this process other than through it.
-    pub unsafe fn over(mem: &mut [u8], stride: usize, slots: usize) -> Result<Arena, String> {
+    pub unsafe fn over(
+        mem: &mut [u8],
+        stride: usize,
+        slots: usize,
+    ) -> Result<Arena, ArenaSetupError> {
         let need = stride.checked_mul(slots);
         if need.is_none_or(|n| n > mem.len()) {
-            return Err(format!(
-                "{slots} slots of {stride} bytes do not fit in {} bytes",
-                mem.len()
-            ));
+            return Err(ArenaSetupError::NoFit {
+                slots,
+                stride,
+                have: mem.len(),
+            });
         }
         Ok(Arena {
             // SAFETY: the caller's contract is ArenaMem::over's.
@@ -744,23 +785,28 @@ impl Arena {
 
     /// The bytes of `slot`, to read an expert into: for the request that holds it INFLIGHT
     /// from its own reservation (no other request writes it, nobody holds a lease to read it).
-    fn slot_mut(&self, slot: usize) -> Result<ArenaWrite<'_>, String> {
+    fn slot_mut(&self, slot: usize) -> Result<ArenaWrite<'_>, SlotProblem> {
         self.check(slot)?;
-        (self.mem.write(slot * self.stride, self.stride)).map_err(|e| format!("slot {slot}: {e}"))
+        (self.mem.write(slot * self.stride, self.stride))
+            .map_err(|source| SlotProblem::Arena { slot, source })
     }
 
     /// The bytes of `slot`, to read the expert it holds: for a holder of a lease on it while it
     /// is RESIDENT (a leased slot is never chosen as a victim, so nobody writes it).
-    fn slot(&self, slot: usize) -> Result<ArenaRead, String> {
+    fn slot(&self, slot: usize) -> Result<ArenaRead, SlotProblem> {
         self.check(slot)?;
-        (self.mem.read(slot * self.stride, self.stride)).map_err(|e| format!("slot {slot}: {e}"))
+        (self.mem.read(slot * self.stride, self.stride))
+            .map_err(|source| SlotProblem::Arena { slot, source })
     }
 
-    fn check(&self, slot: usize) -> Result<(), String> {
+    fn check(&self, slot: usize) -> Result<(), SlotProblem> {
         if slot < self.slots {
             Ok(())
         } else {
-            Err(format!("slot {slot} out of range ({} slots)", self.slots))
+            Err(SlotProblem::OutOfRange {
+                slot,
+                slots: self.slots,
+            })
         }
     }
 }
@@ -797,7 +843,7 @@ pub struct Outcome {
     pub hit: bool,
     /// The slot holding the expert, with one lease for the caller; or why it could not be
     /// loaded (no lease).
-    pub slot: Result<usize, String>,
+    pub slot: Result<usize, ExpertError>,
     /// Where in its slot the expert's first byte is ([`ExpertReader::offset_in_slot`]).
     pub at: usize,
 }
@@ -866,9 +912,9 @@ impl<X: Send> ExpertSlots<X> {
         io_threads: usize,
         busy_timeout: Duration,
         extra: X,
-    ) -> Result<ExpertSlots<X>, String> {
+    ) -> Result<ExpertSlots<X>, ArenaSetupError> {
         let pool = IoPool::new("k3-expert-io", io_threads)
-            .map_err(|e| format!("starting {io_threads} expert reader threads: {e}"))?;
+            .map_err(|source| ArenaSetupError::Threads { io_threads, source })?;
         Ok(ExpertSlots {
             state: Mutex::new(Locked {
                 table: SlotTable::new(arena.slots(), policy),
@@ -1024,7 +1070,7 @@ impl<X: Send> ExpertSlots<X> {
         // Phase 3: publish what arrived.
         let eb = self.io.reader.expert_bytes() as u64;
         let mut g = self.lock();
-        let mut failed: HashMap<usize, String> = HashMap::new();
+        let mut failed: HashMap<usize, ExpertError> = HashMap::new();
         let mut bytes_read = 0u64;
         for (slot, res) in results {
             match res {
@@ -1072,11 +1118,9 @@ impl<X: Send> ExpertSlots<X> {
                         expert: e,
                     })
                 {
-                    let m = g
-                        .table
-                        .last_error(slot)
-                        .map(|m| format!("{m} (read by a concurrent request)"))
-                        .unwrap_or_else(|| format!("layer {layer} expert {e}: load failed"));
+                    let m = (g.table.last_error(slot))
+                        .map(|m| ExpertError::Concurrent(Box::new(m.clone())))
+                        .unwrap_or(ExpertError::LoadFailed { layer, expert: e });
                     g.table.release(slot);
                     outcomes.push(Outcome {
                         hit,
@@ -1147,25 +1191,29 @@ impl<X: Send> ExpertSlots<X> {
         &self,
         layer: usize,
         jobs: Vec<ReadJob>,
-    ) -> Vec<(usize, Result<(), String>)> {
+    ) -> Vec<(usize, Result<(), ExpertError>)> {
         let slots_of: Vec<usize> = jobs.iter().map(|j| j.0).collect();
         let io = self.io.clone();
         let read = move |(slot, e, ext, injected): ReadJob| {
-            let what = format!("layer {layer} expert {e}");
             match (injected, ext) {
-                (Some(m), _) => Err(format!("{what}: {m}")),
-                (None, None) => Err(format!("{what} is not in the checkpoint")),
+                (Some(message), _) => Err(ExpertError::Injected {
+                    layer,
+                    expert: e,
+                    message,
+                }),
+                (None, None) => Err(ExpertError::NotInCheckpoint { layer, expert: e }),
                 (None, Some(ext)) => {
                     // `slot` is INFLIGHT from the caller's reservation: this job alone writes it.
                     let mut dst = io.arena.slot_mut(slot)?;
-                    io.reader.read(&what, &ext, &mut dst).map_err(|err| err.0)
+                    let what = format!("layer {layer} expert {e}");
+                    Ok(io.reader.read(&what, &ext, &mut dst)?)
                 }
             }
         };
         slots_of
             .into_iter()
             .zip(self.pool.map(jobs, Arc::new(read)))
-            .map(|(slot, r)| (slot, r.and_then(|x| x)))
+            .map(|(slot, r)| (slot, r.map_err(ExpertError::from).and_then(|x| x)))
             .collect()
     }
 
@@ -1273,7 +1321,7 @@ struct ReadReserved {
     /// Wall seconds of the reads.
     seconds: f64,
     /// The first failed read's message (its slot is EMPTY again).
-    failed: Option<String>,
+    failed: Option<ExpertError>,
 }
 
 impl<X: Send> ExpertSlots<X> {
@@ -1288,7 +1336,7 @@ impl<X: Send> ExpertSlots<X> {
         fail: Option<&FailHook>,
         mirror: &dyn Fn(&SlotTable, usize),
         progress: &mut dyn FnMut(u64, u64),
-    ) -> Result<Preloaded, String> {
+    ) -> Result<Preloaded, ExpertError> {
         let eb = self.io.reader.expert_bytes() as u64;
         let all: Vec<(usize, u32)> = self.catalog.routed_experts().collect();
         let total = eb * all.len().min(self.arena().slots()) as u64;
@@ -1319,8 +1367,8 @@ impl<X: Send> ExpertSlots<X> {
                 done.experts += r.experts;
                 done.bytes += r.bytes;
                 done.seconds += r.seconds;
-                if let Some(m) = r.failed {
-                    return Err(format!("preloading the expert cache: {m}"));
+                if let Some(e) = r.failed {
+                    return Err(e);
                 }
                 progress(done.bytes, total);
             }
@@ -1345,17 +1393,27 @@ pub enum Preload {
 impl Preload {
     /// Whether to preload a cache of `slots` slots for a checkpoint of `experts` routed
     /// experts; `Err` (a refusal, exit 2) for `on` when they do not all fit.
-    pub fn wanted(self, slots: usize, experts: usize) -> Result<bool, String> {
+    pub fn wanted(self, slots: usize, experts: usize) -> Result<bool, PreloadRefused> {
         match self {
             Preload::Off => Ok(false),
             Preload::Auto => Ok(slots >= experts),
             Preload::On if slots >= experts => Ok(true),
-            Preload::On => Err(format!(
-                "--preload on: the expert cache holds {slots} experts, the checkpoint has \
-                 {experts} routed experts (raise --cache-gb, or use --preload auto)"
-            )),
+            Preload::On => Err(PreloadRefused { slots, experts }),
         }
     }
+}
+
+/// `--preload on` with a cache that cannot hold every routed expert (a refusal, exit 2).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "--preload on: the expert cache holds {slots} experts, the checkpoint has {experts} routed \
+     experts (raise --cache-gb, or use --preload auto)"
+)]
+pub struct PreloadRefused {
+    /// Slots of the cache.
+    pub slots: usize,
+    /// Routed experts of the checkpoint.
+    pub experts: usize,
 }
 
 /// What an [`ExpertSlots::preload`] loaded.
@@ -1422,12 +1480,20 @@ impl ExpertLease {
     /// The region of a lease on `slot` (RESIDENT, just leased by the caller), which the region
     /// releases when it goes. On `Err` (the arena refuses the slot's bytes: a bug of the slot
     /// protocol) the caller still holds the lease and releases it.
-    fn region(slots: &Arc<Slots>, slot: usize, at: usize, len: usize) -> Result<Region, String> {
+    fn region(
+        slots: &Arc<Slots>,
+        slot: usize,
+        at: usize,
+        len: usize,
+    ) -> Result<Region, SlotProblem> {
         let bytes = slots.arena().slot(slot)?;
         if at + len > bytes.len() {
-            return Err(format!(
-                "slot {slot}: expert at {at}+{len} outside the slot"
-            ));
+            return Err(SlotProblem::Overrun {
+                slot,
+                at,
+                len,
+                stride: bytes.len(),
+            });
         }
         Ok(Region::whole(Arc::new(ExpertLease {
             slots: slots.clone(),
@@ -1489,7 +1555,7 @@ impl ExpertCache {
         policy: Box<dyn EvictionPolicy>,
     ) -> Result<ExpertCache, SourceError> {
         let stride = ExpertReader::slot_stride(&catalog.expert_layout());
-        let arena = Arena::heap(stride, opts.slots).map_err(SourceError::Io)?;
+        let arena = Arena::heap(stride, opts.slots).map_err(|e| SourceError::Io(e.to_string()))?;
         let slots = ExpertSlots::new(
             catalog,
             files,
@@ -1499,7 +1565,7 @@ impl ExpertCache {
             opts.busy_timeout,
             0.0,
         )
-        .map_err(SourceError::Io)?;
+        .map_err(|e| SourceError::Io(e.to_string()))?;
         Ok(ExpertCache {
             slots: Arc::new(slots),
             opts,
@@ -1546,7 +1612,7 @@ impl ExpertCache {
     pub fn preload(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<Preloaded, SourceError> {
         (self.slots)
             .preload(self.fail.as_ref(), &|_, _| {}, progress)
-            .map_err(SourceError::Io)
+            .map_err(|e| SourceError::Io(format!("preloading the expert cache: {e}")))
     }
 
     /// Counters so far.
@@ -1605,12 +1671,17 @@ impl ExpertCache {
                 {
                     Some(slot) => {
                         let at = self.slots.offset_in_slot(l, e);
-                        ExpertLease::region(&self.slots, slot, at, len).inspect_err(|_| {
-                            g.table.release(slot);
-                            refused = true;
-                        })
+                        ExpertLease::region(&self.slots, slot, at, len)
+                            .inspect_err(|_| {
+                                g.table.release(slot);
+                                refused = true;
+                            })
+                            .map_err(ExpertError::from)
                     }
-                    None => Err(format!("expert {e} of layer {l} is not resident")),
+                    None => Err(ExpertError::NotResident {
+                        layer: l,
+                        expert: e,
+                    }),
                 }
             })
             .collect();
@@ -1642,16 +1713,18 @@ impl ExpertCache {
         }
         drop(g);
         let len = self.slots.reader().expert_bytes();
-        let answers: Vec<Result<Region, String>> = served
+        let answers: Vec<Result<Region, ExpertError>> = served
             .outcomes
             .iter()
             .map(|o| {
                 let slot = o.slot.clone()?;
                 // The lease's bytes are exactly the expert, so `whole` is the expert.
-                ExpertLease::region(&self.slots, slot, o.at, len).inspect_err(|_| {
-                    self.slots.lock().table.release(slot);
-                    self.slots.notify();
-                })
+                ExpertLease::region(&self.slots, slot, o.at, len)
+                    .inspect_err(|_| {
+                        self.slots.lock().table.release(slot);
+                        self.slots.notify();
+                    })
+                    .map_err(ExpertError::from)
             })
             .collect();
         Ok(ExpertBatch {
@@ -1879,7 +1952,7 @@ mod tests {
         }));
         let b = c.get(1, &[2, 3, 4]).unwrap();
         assert!(b.experts[0].is_ok() && b.experts[2].is_ok());
-        let m = b.experts[1].as_ref().unwrap_err();
+        let m = b.experts[1].as_ref().unwrap_err().to_string();
         assert!(
             m.contains("layer 1 expert 3") && m.contains("injected"),
             "{m}"
@@ -1926,7 +1999,7 @@ mod tests {
             },
         );
         for r in &b.experts[1..] {
-            let m = r.as_ref().unwrap_err();
+            let m = r.as_ref().unwrap_err().to_string();
             assert!(m.contains("model-00001-of-000001.safetensors"), "{m}");
         }
         assert_eq!(c.stats().table.failed_loads, 2);
@@ -2054,7 +2127,7 @@ mod tests {
                     }
                     (Err(x), Err(y)) => {
                         assert_eq!(x, y);
-                        assert!(x.contains("injected EIO"), "{x}");
+                        assert!(x.to_string().contains("injected EIO"), "{x}");
                         failures += 1;
                     }
                     (x, y) => panic!("layer {l} expert {e}: {x:?} vs {y:?}"),
@@ -2414,7 +2487,7 @@ mod tests {
         }
         let q = t.reserve_prefetch(2, &[3], false);
         assert_eq!(q.len(), 1);
-        t.publish(q[0].0, Err("EIO".into()));
+        t.publish(q[0].0, Err(ExpertError::Store("EIO".into())));
         assert_eq!(t.counters().failed_loads, 0);
         assert_eq!(t.lookup(2, 3), None);
     }

@@ -107,25 +107,39 @@ pub fn raise() -> Limit {
     }
 }
 
+/// The open-file limit cannot hold what the process needs (a refusal, exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{who} needs {n} open files ({what}), but its limit is {soft} (hard limit {hard}): raise it \
+     (`ulimit -n {n}`, or LimitNOFILE= for a service){lower}",
+    n = needs.total(),
+    what = needs.describe(),
+    lower = if needs.sessions > 0 || needs.connections > 0 { ", or lower --max-sessions" } else { "" }
+)]
+pub struct TooFewFiles {
+    /// The process.
+    pub who: &'static str,
+    /// What it needs.
+    pub needs: Needs,
+    /// The soft limit.
+    pub soft: u64,
+    /// The hard limit.
+    pub hard: u64,
+}
+
 impl Limit {
     /// `Err` (a refusal) naming the number needed when `needs` does not fit the limit.
-    pub fn check(&self, who: &str, needs: &Needs) -> Result<(), String> {
+    pub fn check(&self, who: &'static str, needs: &Needs) -> Result<(), TooFewFiles> {
         let n = needs.total();
         if n <= self.soft {
             return Ok(());
         }
-        Err(format!(
-            "{who} needs {n} open files ({}), but its limit is {} (hard limit {}): raise it \
-             (`ulimit -n {n}`, or LimitNOFILE= for a service){}",
-            needs.describe(),
-            self.soft,
-            self.hard,
-            if needs.sessions > 0 || needs.connections > 0 {
-                ", or lower --max-sessions"
-            } else {
-                ""
-            }
-        ))
+        Err(TooFewFiles {
+            who,
+            needs: *needs,
+            soft: self.soft,
+            hard: self.hard,
+        })
     }
 
     /// One log line: the limit, raised or not, and what is needed.
@@ -169,7 +183,7 @@ mod tests {
             soft: 256,
             hard: 256,
         };
-        let e = l.check("k3-store", &n).unwrap_err();
+        let e = l.check("k3-store", &n).unwrap_err().to_string();
         assert!(
             e.contains(&format!("needs {}", n.total())) && e.contains("256"),
             "{e}"

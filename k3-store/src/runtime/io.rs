@@ -52,8 +52,8 @@ pub struct ReadError(pub String, pub Option<std::io::ErrorKind>);
 
 impl ReadError {
     /// A failure that is not an operating-system error (bounds, a missing layer, …).
-    pub fn msg(m: impl Into<String>) -> ReadError {
-        ReadError(m.into(), None)
+    pub fn msg(m: impl std::fmt::Display) -> ReadError {
+        ReadError(m.to_string(), None)
     }
 
     /// An operating-system error while doing `what`.
@@ -65,6 +65,40 @@ impl ReadError {
     pub fn kind(&self) -> Option<std::io::ErrorKind> {
         self.1
     }
+}
+
+/// Why an [`AlignedBuf`] could not be allocated (the process is short of memory or address
+/// space: a failure, never an abort).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AllocError {
+    /// The size overflows once rounded up to [`ALIGN`].
+    #[error("buffer of {len} bytes is too large")]
+    TooLarge {
+        /// Bytes asked for.
+        len: usize,
+    },
+    /// The allocator refused the layout.
+    #[error("buffer of {len} bytes: {source}")]
+    Layout {
+        /// Bytes asked for.
+        len: usize,
+        /// Why.
+        source: std::alloc::LayoutError,
+    },
+    /// The heap allocation returned null.
+    #[error("out of memory allocating {len} bytes (aligned buffer)")]
+    OutOfMemory {
+        /// Bytes asked for.
+        len: usize,
+    },
+    /// The anonymous mapping was refused.
+    #[error("out of memory mapping {len} bytes (aligned buffer): {source}")]
+    Map {
+        /// Bytes asked for.
+        len: usize,
+        /// The kernel's answer.
+        source: nix::errno::Errno,
+    },
 }
 
 /// A zero-initialised buffer whose address is [`ALIGN`]-aligned.
@@ -107,20 +141,19 @@ unsafe impl Sync for AlignedBuf {}
 impl AlignedBuf {
     /// A zeroed buffer of `len` bytes (the allocation is rounded up to a multiple of [`ALIGN`]).
     /// Fails cleanly (no abort) when the allocation is refused.
-    pub fn zeroed(len: usize) -> Result<AlignedBuf, String> {
+    pub fn zeroed(len: usize) -> Result<AlignedBuf, AllocError> {
         let cap = len
             .checked_add(ALIGN - 1)
             .map(|v| (v / ALIGN).max(1) * ALIGN)
-            .ok_or_else(|| format!("buffer of {len} bytes is too large"))?;
+            .ok_or(AllocError::TooLarge { len })?;
         if cap >= MAP_MIN {
             return Self::mapped(len, cap);
         }
         let layout = Layout::from_size_align(cap, ALIGN)
-            .map_err(|e| format!("buffer of {len} bytes: {e}"))?;
+            .map_err(|source| AllocError::Layout { len, source })?;
         // SAFETY: `layout` has non-zero size (cap >= ALIGN) and a valid power-of-two alignment.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw)
-            .ok_or_else(|| format!("out of memory allocating {len} bytes (aligned buffer)"))?;
+        let ptr = NonNull::new(raw).ok_or(AllocError::OutOfMemory { len })?;
         Ok(AlignedBuf {
             ptr,
             len,
@@ -136,14 +169,12 @@ impl AlignedBuf {
     /// scatter-gather segment per page (~1.0 GB/s measured on the benchmark VM), into huge pages
     /// a few segments (~2.3 GB/s, same file, same 1.7 MB and 64 MiB reads). The tail past the
     /// last whole 2 MiB keeps small pages, so the resident size stays `cap`.
-    fn mapped(len: usize, cap: usize) -> Result<AlignedBuf, String> {
+    fn mapped(len: usize, cap: usize) -> Result<AlignedBuf, AllocError> {
         // Over-map by HUGE - page when aligning, then give back the unaligned head and tail.
         let pad = if cap >= HUGE { HUGE - ALIGN } else { 0 };
-        let map_len = cap
-            .checked_add(pad)
-            .ok_or_else(|| format!("buffer of {len} bytes is too large"))?;
-        let size = NonZeroUsize::new(map_len)
-            .ok_or_else(|| format!("buffer of {len} bytes: an empty mapping"))?;
+        let map_len = cap.checked_add(pad).ok_or(AllocError::TooLarge { len })?;
+        // Never zero: `cap` is at least MAP_MIN.
+        let size = NonZeroUsize::new(map_len).ok_or(AllocError::TooLarge { len })?;
         // SAFETY: an anonymous private mapping at an address of the kernel's choosing aliases
         // nothing; it is owned by this buffer from here on.
         let raw = unsafe {
@@ -154,7 +185,7 @@ impl AlignedBuf {
                 MapFlags::MAP_PRIVATE,
             )
         }
-        .map_err(|e| format!("out of memory mapping {len} bytes (aligned buffer): {e}"))?;
+        .map_err(|source| AllocError::Map { len, source })?;
         let raw = raw.cast::<u8>();
         let head = match pad {
             0 => 0,

@@ -181,31 +181,88 @@ impl Budget {
     }
 }
 
-fn gb_bytes(what: &str, x: f64) -> Result<u64, String> {
-    if !x.is_finite() || !(0.0..=1e6).contains(&x) {
-        return Err(format!(
-            "{what} {x}: must be a number of GB between 0 and 1000000"
-        ));
+/// Why the memory flags give no budget (a refusal, exit 2).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BudgetError {
+    /// A number of GB out of range.
+    #[error("{what} {value}: must be a number of GB between 0 and 1000000")]
+    OutOfRange {
+        /// The flag (or the preset's field).
+        what: &'static str,
+        /// The value given.
+        value: f64,
+    },
+    /// A preset name that is not one of [`PRESETS`].
+    #[error("unknown preset '{0}' (known: {known})", known = PRESETS.map(|p| p.name).join(", "))]
+    UnknownPreset(String),
+    /// A budget left unset.
+    #[error(
+        "no memory budget for {0}: pass --preset NAME (see `k3-ctl presets`) or both \
+         --trunk-gb and --cache-gb"
+    )]
+    Missing(String),
+    /// `--preset auto` with other memory flags.
+    #[error("--preset auto cannot be combined with other memory flags")]
+    AutoCombined,
+}
+
+/// Why `/proc/meminfo` gave no figure.
+#[derive(Debug, thiserror::Error)]
+pub enum MemInfoError {
+    /// It cannot be read.
+    #[error("cannot read /proc/meminfo: {0}")]
+    Read(#[source] std::io::Error),
+    /// Its `MemAvailable` is not a number of kB.
+    #[error("/proc/meminfo MemAvailable '{text}': {source}")]
+    Parse {
+        /// The value as written.
+        text: String,
+        /// Why.
+        source: std::num::ParseIntError,
+    },
+    /// Its `MemAvailable` overflows 64 bits of bytes.
+    #[error("/proc/meminfo MemAvailable overflows")]
+    Overflow,
+    /// It has no `MemAvailable` line.
+    #[error("/proc/meminfo has no MemAvailable line")]
+    NoLine,
+}
+
+/// A memory plan refused before anything is allocated (exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The memory available is unknown.
+    #[error(transparent)]
+    MemInfo(#[from] MemInfoError),
+    /// The plan has problems or does not fit: the whole plan, then every problem.
+    #[error("REFUSING TO START: the memory plan does not fit\n{plan}{}",
+        problems.iter().map(|p| format!("  problem: {p}\n")).collect::<String>())]
+    DoesNotFit {
+        /// The plan, as printed.
+        plan: String,
+        /// What does not fit, one line each.
+        problems: Vec<String>,
+    },
+}
+
+fn gb_bytes(what: &'static str, value: f64) -> Result<u64, BudgetError> {
+    if !value.is_finite() || !(0.0..=1e6).contains(&value) {
+        return Err(BudgetError::OutOfRange { what, value });
     }
-    Ok((x * GB).round() as u64)
+    Ok((value * GB).round() as u64)
 }
 
 impl Budget {
     /// Apply flags in command-line order (a later flag overrides an earlier one). Both budgets
     /// must end up set: nothing is guessed.
-    pub fn from_flags(flags: &[BudgetFlag]) -> Result<Budget, String> {
+    pub fn from_flags(flags: &[BudgetFlag]) -> Result<Budget, BudgetError> {
         let mut trunk = None;
         let mut cache = None;
         let mut label: Vec<String> = Vec::new();
         for f in flags {
             match f {
                 BudgetFlag::Preset(n) => {
-                    let p = preset(n).ok_or_else(|| {
-                        format!(
-                            "unknown preset '{n}' (known: {})",
-                            PRESETS.map(|p| p.name).join(", ")
-                        )
-                    })?;
+                    let p = preset(n).ok_or_else(|| BudgetError::UnknownPreset(n.clone()))?;
                     trunk = Some(gb_bytes("preset trunk", p.trunk_gb)?);
                     cache = Some(gb_bytes("preset cache", p.cache_gb)?);
                     label = vec![p.name.to_string()];
@@ -235,11 +292,7 @@ impl Budget {
                 if c.is_none() {
                     missing.push("--cache-gb");
                 }
-                Err(format!(
-                    "no memory budget for {}: pass --preset NAME (see `k3-ctl presets`) or both \
-                     --trunk-gb and --cache-gb",
-                    missing.join(" and ")
-                ))
+                Err(BudgetError::Missing(missing.join(" and ")))
             }
         }
     }
@@ -251,7 +304,7 @@ impl Budget {
         preset: &str,
         trunk_gb: &str,
         cache_gb: &str,
-    ) -> Result<Budget, String> {
+    ) -> Result<Budget, BudgetError> {
         let mut flags: Vec<(usize, BudgetFlag)> = Vec::new();
         if let (Some(vals), Some(idx)) = (m.get_many::<String>(preset), m.indices_of(preset)) {
             flags.extend(
@@ -426,7 +479,7 @@ fn status_field(key: &str) -> Option<u64> {
 /// Bytes this process may still allocate: the least of `MemAvailable`, the address-space limit
 /// (`RLIMIT_AS`) less the address space already mapped, and the cgroup's `memory.max` less its
 /// `memory.current` (cgroup v2), whichever are set.
-pub fn allocatable() -> Result<u64, String> {
+pub fn allocatable() -> Result<u64, MemInfoError> {
     let mut avail = mem_available()?;
     if let Some(left) = address_space_left() {
         avail = avail.min(left);
@@ -613,7 +666,7 @@ impl MemoryPlan {
 
     /// Refuse when the plan has a problem or does not fit `available` bytes. The error text is
     /// the whole plan followed by the problems and the shortfall.
-    pub fn check(&mut self, available: Option<u64>) -> Result<(), String> {
+    pub fn check(&mut self, available: Option<u64>) -> Result<(), PlanError> {
         self.available_bytes = available;
         let mut problems = self.problems.clone();
         if let Some(a) = available {
@@ -633,17 +686,14 @@ impl MemoryPlan {
 }
 
 /// `Ok` without problems, else the refusal: `plan` followed by every problem.
-pub fn refusal(plan: &dyn std::fmt::Display, problems: &[String]) -> Result<(), String> {
+pub fn refusal(plan: &dyn std::fmt::Display, problems: &[String]) -> Result<(), PlanError> {
     if problems.is_empty() {
         return Ok(());
     }
-    Err(format!(
-        "REFUSING TO START: the memory plan does not fit\n{plan}{}",
-        problems
-            .iter()
-            .map(|p| format!("  problem: {p}\n"))
-            .collect::<String>()
-    ))
+    Err(PlanError::DoesNotFit {
+        plan: plan.to_string(),
+        problems: problems.to_vec(),
+    })
 }
 
 /// The problem, if `need` bytes of address space exceed what `RLIMIT_AS` leaves this process
@@ -762,27 +812,24 @@ impl std::fmt::Display for MemoryPlan {
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes.
-pub fn mem_available() -> Result<u64, String> {
-    let s = std::fs::read_to_string("/proc/meminfo")
-        .map_err(|e| format!("cannot read /proc/meminfo: {e}"))?;
+pub fn mem_available() -> Result<u64, MemInfoError> {
+    let s = std::fs::read_to_string("/proc/meminfo").map_err(MemInfoError::Read)?;
     parse_meminfo(&s)
 }
 
-fn parse_meminfo(s: &str) -> Result<u64, String> {
+fn parse_meminfo(s: &str) -> Result<u64, MemInfoError> {
     for line in s.lines() {
         if let Some(rest) = line.strip_prefix("MemAvailable:") {
-            let kb: u64 = rest
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
+            let kb: u64 = (rest.trim().trim_end_matches("kB").trim())
                 .parse()
-                .map_err(|e| format!("/proc/meminfo MemAvailable '{}': {e}", rest.trim()))?;
-            return kb
-                .checked_mul(1024)
-                .ok_or_else(|| "/proc/meminfo MemAvailable overflows".to_string());
+                .map_err(|source| MemInfoError::Parse {
+                    text: rest.trim().to_string(),
+                    source,
+                })?;
+            return kb.checked_mul(1024).ok_or(MemInfoError::Overflow);
         }
     }
-    Err("/proc/meminfo has no MemAvailable line".into())
+    Err(MemInfoError::NoLine)
 }
 
 /// The plan inputs of the full released model (SPEC.md §2.9: layer 0 KDA + dense MLP, MLA+MoE
@@ -856,10 +903,11 @@ mod tests {
             (z.trunk_bytes, z.cache_bytes),
             (5_000_000_000, 2_500_000_000)
         );
-        let e = Budget::from_flags(&[TrunkGb(5.0)]).unwrap_err();
+        let e = Budget::from_flags(&[TrunkGb(5.0)]).unwrap_err().to_string();
         assert!(e.starts_with("no memory budget for --cache-gb:"), "{e}");
         assert!(Budget::from_flags(&[Preset("huge".into())])
             .unwrap_err()
+            .to_string()
             .contains("laptop"));
         assert!(Budget::from_flags(&[Preset("laptop".into()), CacheGb(f64::NAN)]).is_err());
         assert!(Budget::from_flags(&[]).is_err());
@@ -975,12 +1023,12 @@ mod tests {
             &i,
             &b(&[BudgetFlag::TrunkGb(2.0), BudgetFlag::CacheGb(0.1)]),
         );
-        let e = tiny.check(Some(1 << 40)).unwrap_err();
+        let e = tiny.check(Some(1 << 40)).unwrap_err().to_string();
         assert!(e.contains("cannot hold a ring"), "{e}");
         assert!(e.contains("at least top_k = 16"), "{e}");
         assert!(e.contains("TOTAL"), "{e}");
         let mut max = MemoryPlan::compute(&i, &b(&[BudgetFlag::Preset("max".into())]));
-        let e = max.check(Some(8_000_000_000)).unwrap_err();
+        let e = max.check(Some(8_000_000_000)).unwrap_err().to_string();
         assert!(e.contains("shortfall") && e.contains("available"), "{e}");
         assert!(max.check(Some(1 << 42)).is_ok());
         // More cache than the checkpoint has experts: capped at the expert count.

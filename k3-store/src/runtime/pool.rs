@@ -121,7 +121,7 @@ impl IoPool {
 
     /// Run `f` over `jobs` on the pool's threads AND the calling thread (started in the order
     /// given) and wait for all of them. Results come back in the order of `jobs`; a job that
-    /// panicked gives `Err(message)`.
+    /// panicked gives [`JobError::Panicked`].
     ///
     /// The jobs wait in a queue of this call; up to `threads` helpers are queued on the pool,
     /// and each helper, like the caller, takes jobs from it until it is empty. When the caller
@@ -132,7 +132,7 @@ impl IoPool {
         &self,
         jobs: Vec<T>,
         f: Arc<dyn Fn(T) -> R + Send + Sync>,
-    ) -> Vec<Result<R, String>>
+    ) -> Vec<Result<R, JobError>>
     where
         T: Send + 'static,
         R: Send + 'static,
@@ -161,9 +161,20 @@ impl IoPool {
         }
         std::mem::take(&mut st.results)
             .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err("I/O job lost".into())))
+            .map(|r| r.unwrap_or(Err(JobError::Lost)))
             .collect()
     }
+}
+
+/// Why a job of [`IoPool::map`] has no result.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum JobError {
+    /// The job panicked (a bug); the panic's message.
+    #[error("I/O job panicked: {0}")]
+    Panicked(String),
+    /// The job never reported (a bug of the pool).
+    #[error("I/O job lost")]
+    Lost,
 }
 
 /// One `map` call's jobs, shared by the caller and its helpers.
@@ -181,7 +192,7 @@ struct MapState<T, R> {
     f: Option<MapFn<T, R>>,
     /// Jobs running on helpers (each holds a clone of `f` until it is counted out).
     running: usize,
-    results: Vec<Option<Result<R, String>>>,
+    results: Vec<Option<Result<R, JobError>>>,
     done: usize,
 }
 
@@ -204,7 +215,7 @@ impl<T, R> MapShared<T, R> {
                 (i, job, f)
             };
             let r = catch_unwind(AssertUnwindSafe(|| f(job)))
-                .map_err(|p| format!("I/O job panicked: {}", panic_message(&*p)));
+                .map_err(|p| JobError::Panicked(panic_message(&*p)));
             drop(f);
             let mut st = self.lock();
             st.results[i] = Some(r);
@@ -225,7 +236,7 @@ mod tests {
     fn map_keeps_order_reuses_its_threads_and_survives_panics() {
         let pool = IoPool::new("test-io", 3).unwrap();
         let out = pool.map((0..50u64).collect(), Arc::new(|x| x * x));
-        let want: Vec<Result<u64, String>> = (0..50u64).map(|x| Ok(x * x)).collect();
+        let want: Vec<Result<u64, JobError>> = (0..50u64).map(|x| Ok(x * x)).collect();
         assert_eq!(out, want);
         // Jobs run on the pool's own threads or the caller's, never on new ones.
         let me = std::thread::current().name().unwrap_or("").to_string();
@@ -263,7 +274,10 @@ mod tests {
             }),
         );
         assert_eq!(out[1], Ok(1));
-        assert!(matches!(&out[2], Err(m) if m.contains("boom 2")), "{out:?}");
+        assert!(
+            matches!(&out[2], Err(JobError::Panicked(m)) if m.contains("boom 2")),
+            "{out:?}"
+        );
         assert_eq!(out[5], Ok(5));
         // Three jobs that each wait for the other two finish only if all three threads live.
         let b = Arc::new(std::sync::Barrier::new(3));

@@ -147,7 +147,158 @@ pub struct LayerRun {
 #[derive(Debug)]
 pub struct ExpertBatch {
     /// One entry per requested expert id, in request order.
-    pub experts: Vec<Result<Region, String>>,
+    pub experts: Vec<Result<Region, ExpertError>>,
+}
+
+/// Why one expert of a batch could not be handed out (cloned to every request that waited on
+/// the same read). Any of them fails the run with exit 4 ([`ExpertBatch`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ExpertError {
+    /// The checkpoint has no such expert.
+    #[error("layer {layer} expert {expert} is not in the checkpoint")]
+    NotInCheckpoint {
+        /// 0-based layer.
+        layer: usize,
+        /// Expert id.
+        expert: u32,
+    },
+    /// Reading it from the checkpoint failed (the message names the file and offset).
+    #[error(transparent)]
+    Read(#[from] crate::runtime::io::ReadError),
+    /// Reading it into this process's own memory (the store's slots were held) failed.
+    #[error("layer {layer} expert {expert}, read privately: {source}")]
+    Private {
+        /// 0-based layer.
+        layer: usize,
+        /// Expert id.
+        expert: u32,
+        /// Why.
+        source: crate::runtime::io::ReadError,
+    },
+    /// No buffer for a private read.
+    #[error(transparent)]
+    Alloc(#[from] crate::runtime::io::AllocError),
+    /// Its slot could not be used: a bug of the slot protocol, never aliased bytes.
+    #[error(transparent)]
+    Slot(#[from] SlotProblem),
+    /// The store leased a slot this process cannot trust (or a private read's buffer does not
+    /// hold the expert).
+    #[error("layer {layer} expert {expert}: {problem}")]
+    Leased {
+        /// 0-based layer.
+        layer: usize,
+        /// Expert id.
+        expert: u32,
+        /// What is wrong with the lease.
+        problem: SlotProblem,
+    },
+    /// The store could not load it; its reason, as the store wrote it.
+    #[error("{0}")]
+    Store(String),
+    /// The reader thread was lost or panicked.
+    #[error(transparent)]
+    Job(#[from] crate::runtime::pool::JobError),
+    /// A failure injected by a test hook ([`crate::runtime::experts::FailHook`]).
+    #[error("layer {layer} expert {expert}: {message}")]
+    Injected {
+        /// 0-based layer.
+        layer: usize,
+        /// Expert id.
+        expert: u32,
+        /// The hook's message.
+        message: String,
+    },
+    /// Another request read it into the slot, and that read failed.
+    #[error("{0} (read by a concurrent request)")]
+    Concurrent(Box<ExpertError>),
+    /// Another request's read into the slot failed, without a recorded reason.
+    #[error("layer {layer} expert {expert}: load failed")]
+    LoadFailed {
+        /// 0-based layer.
+        layer: usize,
+        /// Expert id.
+        expert: u32,
+    },
+    /// Asked only of the resident experts, and this one is not resident.
+    #[error("expert {expert} of layer {layer} is not resident")]
+    NotResident {
+        /// 0-based layer.
+        layer: usize,
+        /// Expert id.
+        expert: u32,
+    },
+    /// The source shares no resident experts (asked of the resident experts only).
+    #[error("expert {expert} of layer {layer}: this source shares no resident experts")]
+    NoneShared {
+        /// 0-based layer.
+        layer: usize,
+        /// Expert id.
+        expert: u32,
+    },
+    /// The whole request failed (every expert of it carries the reason).
+    #[error("{0}")]
+    Request(String),
+    /// The answer has no entry for the `index`-th expert of the request.
+    #[error("no answer for expert {index} of the request")]
+    NoAnswer {
+        /// Position in the request.
+        index: usize,
+    },
+    /// The region handed out is not one expert's size.
+    #[error("expert region of {bytes} bytes, expected {expected}")]
+    WrongSize {
+        /// Bytes of the region.
+        bytes: usize,
+        /// Bytes of one expert.
+        expected: usize,
+    },
+}
+
+/// What is wrong with an expert slot a request was handed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SlotProblem {
+    /// The slot number is past the arena.
+    #[error("slot {slot} out of range ({slots} slots)")]
+    OutOfRange {
+        /// The slot.
+        slot: usize,
+        /// Slots in the arena.
+        slots: usize,
+    },
+    /// The expert would end past its slot.
+    #[error("{len} bytes at {at} overrun slot {slot} of {stride} bytes")]
+    Overrun {
+        /// The slot.
+        slot: usize,
+        /// Offset of the expert in the slot.
+        at: usize,
+        /// Bytes of the expert.
+        len: usize,
+        /// Bytes of a slot.
+        stride: usize,
+    },
+    /// The slot lies outside the memory mapped for it.
+    #[error("slot {slot} outside the mapping")]
+    OutsideMapping {
+        /// The slot.
+        slot: usize,
+    },
+    /// A private read's expert lies outside its own buffer.
+    #[error("expert at {at}+{len} outside its private buffer")]
+    OutsideBuffer {
+        /// Offset of the expert in the buffer.
+        at: usize,
+        /// Bytes of the expert.
+        len: usize,
+    },
+    /// The arena refused the slot's bytes.
+    #[error("slot {slot}: {source}")]
+    Arena {
+        /// The slot.
+        slot: usize,
+        /// Why.
+        source: crate::runtime::arena::ArenaError,
+    },
 }
 
 /// Counters a source keeps (lifetime of the source, or of one job in daemon mode).
@@ -232,6 +383,12 @@ pub enum SourceError {
     /// is the panic's.
     #[error("the request's thread panicked: {0}")]
     Panicked(String),
+}
+
+impl From<crate::runtime::io::AllocError> for SourceError {
+    fn from(e: crate::runtime::io::AllocError) -> Self {
+        SourceError::Io(e.to_string())
+    }
 }
 
 /// An expert request running beside the engine's compute ([`WeightSource::request_experts`]).
@@ -366,11 +523,7 @@ pub trait WeightSource: Send + Sync {
         ExpertBatch {
             experts: ids
                 .iter()
-                .map(|e| {
-                    Err(format!(
-                        "expert {e} of layer {l}: this source shares no resident experts"
-                    ))
-                })
+                .map(|&expert| Err(ExpertError::NoneShared { layer: l, expert }))
                 .collect(),
         }
     }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use crate::runtime::catalog::Catalog;
 use crate::runtime::experts::{CacheOptions, CacheStats, ExpertCache, Preload};
 use crate::runtime::io::{DiskFile, MappedRange};
-use crate::runtime::plan::{allocatable, Budget, MemoryPlan, PlanInputs};
+use crate::runtime::plan::{allocatable, Budget, MemoryPlan, PlanError, PlanInputs};
 use crate::runtime::pool::IoPool;
 use crate::runtime::source::{
     ByteOwner, ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats,
@@ -72,16 +72,12 @@ pub enum OpenError {
     /// An I/O failure while loading: exit 1.
     #[error("{0}")]
     Io(String),
-}
-
-impl OpenError {
-    /// The process exit code for this error (`k3_proto::exit`).
-    pub fn exit_code(&self) -> i32 {
-        match self {
-            OpenError::Refused(_) => k3_proto::exit::REFUSED,
-            OpenError::Io(_) => k3_proto::exit::FAILURE,
-        }
-    }
+    /// The memory plan does not fit, or the memory available is unknown: exit 2.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// `--preload on` with a cache too small: exit 2.
+    #[error(transparent)]
+    Preload(#[from] crate::runtime::experts::PreloadRefused),
 }
 
 impl From<TrunkError> for OpenError {
@@ -186,7 +182,7 @@ impl StandaloneSource {
         };
         crate::runtime::fdlimit::raise()
             .check("k3-worker", &needs)
-            .map_err(OpenError::Refused)?;
+            .map_err(|e| OpenError::Refused(e.to_string()))?;
         let shards = open_shards(&cat).map_err(|e| OpenError::Io(e.0))?;
         for (f, &want) in shards.iter().zip(cat.shard_lens()) {
             if f.len() != want {
@@ -202,7 +198,7 @@ impl StandaloneSource {
             None => TrunkLayout::from_catalog(&cat, shards.clone()),
         };
         let avail = if opts.check_memory || budget.auto {
-            Some(allocatable().map_err(OpenError::Refused)?)
+            Some(allocatable().map_err(PlanError::from)?)
         } else {
             None
         };
@@ -213,10 +209,8 @@ impl StandaloneSource {
         };
         let mut plan = MemoryPlan::compute(&plan_inputs, &budget);
         let avail = if opts.check_memory { avail } else { None };
-        plan.check(avail).map_err(OpenError::Refused)?;
-        let preload = (opts.preload)
-            .wanted(plan.expert_slots, cat.routed_experts().count())
-            .map_err(OpenError::Refused)?;
+        plan.check(avail)?;
+        let preload = (opts.preload).wanted(plan.expert_slots, cat.routed_experts().count())?;
 
         let model = load_model_tensors(&cat, &shards, progress)?;
         let embed = cat
@@ -620,7 +614,7 @@ mod tests {
             &mut |_, _, _| {},
         )
         .unwrap_err();
-        assert_eq!(e.exit_code(), 2);
+        assert_eq!(k3_proto::exit::ExitStatus::exit_code(&e), 2);
         let m = e.to_string();
         assert!(m.contains("shortfall") && m.contains("TOTAL"), "{m}");
         // A shard that changed size since indexing is refused before any read.

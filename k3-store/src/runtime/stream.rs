@@ -104,11 +104,12 @@ impl TrunkStream {
                 let plan = layout
                     .plan(l)
                     .ok_or_else(|| SourceError::Missing(format!("trunk layer {l}")))?;
-                let mut buf =
-                    AlignedBuf::zeroed(layout.buf_len(l) as usize).map_err(SourceError::Io)?;
+                let mut buf = AlignedBuf::zeroed(layout.buf_len(l) as usize)?;
                 let inner = layout.read_layer(l, buf.as_mut_slice())?;
                 let run = &buf.as_slice()[inner..inner + plan.run_len as usize];
-                layout.verify_run(l, run).map_err(SourceError::Invalid)?;
+                layout
+                    .verify_run(l, run)
+                    .map_err(|e| SourceError::Invalid(e.to_string()))?;
                 let owner: Arc<dyn ByteOwner> = Arc::new(buf);
                 let region = Region::new(owner, inner, plan.run_len as usize)
                     .ok_or_else(|| SourceError::Io(format!("layer {l}: run outside its buffer")))?;
@@ -171,7 +172,7 @@ impl TrunkStream {
                 .map(|l| extent_bytes(&*layout, l))
                 .fold(0u64, |a, b| a.saturating_add(b));
             let bytes = opts.ring_bytes.min(all);
-            let mem = ArenaMem::new(bytes as usize).map_err(SourceError::Io)?;
+            let mem = ArenaMem::new(bytes as usize)?;
             let ring = Ring::new(
                 layout.clone(),
                 first,

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use k3_proto::expert::ExpertLayout;
+use k3_proto::paths::EnvError;
 use k3_store::runtime::source::{ExpertBatch, LayerRun, PendingExperts, SourceError, WeightSource};
 
 use super::bind::{BoundLayer, LayerWeights, Mlp, TensorShapes};
@@ -152,46 +153,52 @@ pub enum Lookahead {
 
 impl Lookahead {
     /// Parse `off`, `attn-in`, `mlp-in` (`on` = the default, `mlp-in`).
-    pub fn parse(s: &str) -> Result<Lookahead, String> {
+    pub fn parse(s: &str) -> Result<Lookahead, EnvError> {
         match s {
             "off" => Ok(Lookahead::Off),
             "attn-in" => Ok(Lookahead::AttnIn),
             "mlp-in" | "on" => Ok(Lookahead::MlpIn),
-            other => Err(format!(
-                "{}={other:?}: expected off, on, attn-in or mlp-in",
-                k3_proto::paths::env::K3_LOOKAHEAD
-            )),
+            other => Err(EnvError::Invalid {
+                name: k3_proto::paths::env::K3_LOOKAHEAD,
+                value: other.to_string(),
+                expected: "off, on, attn-in or mlp-in",
+            }),
         }
     }
 
     /// From `K3_LOOKAHEAD` (unset: the default).
-    pub fn from_env() -> Result<Lookahead, String> {
-        match std::env::var(k3_proto::paths::env::K3_LOOKAHEAD) {
+    pub fn from_env() -> Result<Lookahead, EnvError> {
+        let name = k3_proto::paths::env::K3_LOOKAHEAD;
+        match std::env::var(name) {
             Ok(v) => Lookahead::parse(&v),
             Err(std::env::VarError::NotPresent) => Ok(Lookahead::default()),
-            Err(e) => Err(format!("{}: {e}", k3_proto::paths::env::K3_LOOKAHEAD)),
+            Err(source) => Err(EnvError::Unreadable { name, source }),
         }
     }
 }
 
 /// `K3_EXPERT_OVERLAP`: `on` (or unset) or `off` ([`FeedOptions::overlap_groups`]).
-pub fn overlap_groups_from_env() -> Result<bool, String> {
+pub fn overlap_groups_from_env() -> Result<bool, EnvError> {
     on_off_from_env(k3_proto::paths::env::K3_EXPERT_OVERLAP)
 }
 
 /// `K3_EARLY_RELEASE`: `on` (or unset) or `off` ([`FeedOptions::early_release`]).
-pub fn early_release_from_env() -> Result<bool, String> {
+pub fn early_release_from_env() -> Result<bool, EnvError> {
     on_off_from_env(k3_proto::paths::env::K3_EARLY_RELEASE)
 }
 
 /// A switch that is `on` unless the variable `name` says `off`; any other value is an error.
-fn on_off_from_env(name: &str) -> Result<bool, String> {
+fn on_off_from_env(name: &'static str) -> Result<bool, EnvError> {
     match std::env::var(name) {
         Ok(v) if v == "on" => Ok(true),
         Ok(v) if v == "off" => Ok(false),
-        Ok(v) => Err(format!("{name}={v:?}: expected on or off")),
+        Ok(value) => Err(EnvError::Invalid {
+            name,
+            value,
+            expected: "on or off",
+        }),
         Err(std::env::VarError::NotPresent) => Ok(true),
-        Err(e) => Err(format!("{name}: {e}")),
+        Err(source) => Err(EnvError::Unreadable { name, source }),
     }
 }
 
@@ -222,7 +229,7 @@ impl Default for FeedOptions {
 
 impl FeedOptions {
     /// From `K3_LOOKAHEAD`, `K3_EXPERT_OVERLAP` and `K3_EARLY_RELEASE`.
-    pub fn from_env() -> Result<FeedOptions, String> {
+    pub fn from_env() -> Result<FeedOptions, EnvError> {
         Ok(FeedOptions {
             lookahead: Lookahead::from_env()?,
             overlap_groups: overlap_groups_from_env()?,

@@ -127,20 +127,19 @@ impl<'b> Experts<'b> {
 
     /// The `j`-th expert's matrices, or why it is unusable (its load failed, or its region is
     /// not one expert's size).
-    pub fn get(&self, j: usize) -> Result<ExpertMats<'b>, String> {
+    pub fn get(&self, j: usize) -> Result<ExpertMats<'b>, k3_store::runtime::source::ExpertError> {
         let layout = self.layout;
         let region = match self.batch.experts.get(j) {
             Some(Ok(r)) => r,
             Some(Err(e)) => return Err(e.clone()),
-            None => return Err(format!("no answer for expert {j} of the request")),
+            None => return Err(k3_store::runtime::source::ExpertError::NoAnswer { index: j }),
         };
         let bytes = region.bytes();
         if bytes.len() != layout.expert_bytes() {
-            return Err(format!(
-                "expert region of {} bytes, expected {}",
-                bytes.len(),
-                layout.expert_bytes()
-            ));
+            return Err(k3_store::runtime::source::ExpertError::WrongSize {
+                bytes: bytes.len(),
+                expected: layout.expert_bytes(),
+            });
         }
         let part = |p: ExpertPart| {
             let o = layout.part_offset(p);

@@ -372,7 +372,7 @@ impl MoeWeights<'_> {
         let mut failed = Vec::new();
         b.valid.clear();
         for (j, &id) in ids.iter().enumerate().take(experts.len()) {
-            let why = experts.get(j).err();
+            let why = experts.get(j).err().map(|e| e.to_string());
             b.valid.push(why.is_none());
             if let Some(why) = why {
                 failed.push((id, why));

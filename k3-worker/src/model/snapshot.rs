@@ -22,6 +22,71 @@ use super::state::{LayerState, Scratch, SeqState};
 const KDA: u32 = 0;
 const MLA: u32 = 1;
 
+/// Why a state's bytes do not restore for this model (the session is not used).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    /// More positions than this run has room for.
+    #[error("the session holds {pos} positions, more than the {capacity} this run has room for")]
+    TooManyPositions {
+        /// Positions the session holds.
+        pos: usize,
+        /// Positions this run has room for.
+        capacity: usize,
+    },
+    /// The bytes end early.
+    #[error("the state ends inside {0}")]
+    Truncated(String),
+    /// Another layer count.
+    #[error("the state has {found} layers, this model runs {want}")]
+    Layers {
+        /// Layers in the state.
+        found: usize,
+        /// Layers of this model.
+        want: usize,
+    },
+    /// An array of another length.
+    #[error("{what} holds {found} floats, this model needs {want}")]
+    Floats {
+        /// The array.
+        what: String,
+        /// Floats in the state.
+        found: u64,
+        /// Floats this model needs.
+        want: usize,
+    },
+    /// An MLA layer of another latent width.
+    #[error("{what}: latent width {found}, this model's is {want}")]
+    Width {
+        /// The layer.
+        what: String,
+        /// Width in the state.
+        found: usize,
+        /// This model's width.
+        want: usize,
+    },
+    /// Positions × width overflows.
+    #[error("{what}: {pos} positions overflow")]
+    Overflow {
+        /// The layer.
+        what: String,
+        /// Positions.
+        pos: usize,
+    },
+    /// A layer of the other kind.
+    #[error("layer {layer} is {} in this model, the state has kind {kind}", if *.mla { "MLA" } else { "KDA" })]
+    Kind {
+        /// 0-based layer.
+        layer: usize,
+        /// The model's layer is MLA.
+        mla: bool,
+        /// The kind the state has.
+        kind: u32,
+    },
+    /// Bytes left after the last layer.
+    #[error("{0} bytes after the last layer")]
+    Trailing(usize),
+}
+
 /// Bytes [`write_state`] writes for `state`.
 pub fn state_bytes(state: &SeqState) -> u64 {
     let arr = |n: usize| 8 + 4 * n as u64;
@@ -75,26 +140,30 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
-    fn take(&mut self, n: usize, what: &str) -> Result<&[u8], String> {
+    fn take(&mut self, n: usize, what: &str) -> Result<&[u8], StateError> {
         if self.b.len() < n {
-            return Err(format!("the state ends inside {what}"));
+            return Err(StateError::Truncated(what.to_string()));
         }
         let (h, t) = self.b.split_at(n);
         self.b = t;
         Ok(h)
     }
 
-    fn u32(&mut self, what: &str) -> Result<u32, String> {
+    fn u32(&mut self, what: &str) -> Result<u32, StateError> {
         Ok(u32::from_le_bytes(
             self.take(4, what)?.try_into().expect("4"),
         ))
     }
 
     /// An array that must hold exactly `want` floats, into a vector of capacity `cap` (≥ want).
-    fn floats(&mut self, want: usize, cap: usize, what: &str) -> Result<Vec<f32>, String> {
+    fn floats(&mut self, want: usize, cap: usize, what: &str) -> Result<Vec<f32>, StateError> {
         let n = u64::from_le_bytes(self.take(8, what)?.try_into().expect("8"));
         if n != want as u64 {
-            return Err(format!("{what} holds {n} floats, this model needs {want}"));
+            return Err(StateError::Floats {
+                what: what.to_string(),
+                found: n,
+                want,
+            });
         }
         let bytes = self.take(want * 4, what)?;
         let mut v = Vec::with_capacity(cap.max(want));
@@ -109,19 +178,22 @@ impl Reader<'_> {
 
 /// Rebuild the state of a sequence of `pos` positions from `bytes`, for this model's `d`, with
 /// room for `capacity` positions (≥ `pos`; the MLA caches reserve it now, as a fresh state does).
-pub fn read_state(d: &Dims, bytes: &[u8], pos: usize, capacity: usize) -> Result<SeqState, String> {
+pub fn read_state(
+    d: &Dims,
+    bytes: &[u8],
+    pos: usize,
+    capacity: usize,
+) -> Result<SeqState, StateError> {
     if pos > capacity {
-        return Err(format!(
-            "the session holds {pos} positions, more than the {capacity} this run has room for"
-        ));
+        return Err(StateError::TooManyPositions { pos, capacity });
     }
     let mut r = Reader { b: bytes };
     let n = r.u32("the layer count")? as usize;
     if n != d.n_layers {
-        return Err(format!(
-            "the state has {n} layers, this model runs {}",
-            d.n_layers
-        ));
+        return Err(StateError::Layers {
+            found: n,
+            want: d.n_layers,
+        });
     }
     let p = d.kda_heads * d.kda_dim;
     let hist = d.conv_k.saturating_sub(1);
@@ -143,25 +215,31 @@ pub fn read_state(d: &Dims, bytes: &[u8], pos: usize, capacity: usize) -> Result
                 let what = format!("layer {l} (MLA)");
                 let w = r.u32(&what)? as usize;
                 if w != width {
-                    return Err(format!("{what}: latent width {w}, this model's is {width}"));
+                    return Err(StateError::Width {
+                        what,
+                        found: w,
+                        want: width,
+                    });
                 }
-                let want = pos
-                    .checked_mul(width)
-                    .ok_or_else(|| format!("{what}: {pos} positions overflow"))?;
+                let want = pos.checked_mul(width).ok_or(StateError::Overflow {
+                    what: what.clone(),
+                    pos,
+                })?;
                 let rows = r.floats(want, capacity * width, &what)?;
                 LayerState::Mla(MlaCache { rows, width })
             }
-            (k, mla) => {
-                return Err(format!(
-                    "layer {l} is {} in this model, the state has kind {k}",
-                    if mla { "MLA" } else { "KDA" }
-                ))
+            (kind, mla) => {
+                return Err(StateError::Kind {
+                    layer: l,
+                    mla,
+                    kind,
+                })
             }
         };
         layers.push(layer);
     }
     if !r.b.is_empty() {
-        return Err(format!("{} bytes after the last layer", r.b.len()));
+        return Err(StateError::Trailing(r.b.len()));
     }
     Ok(SeqState {
         layers,
@@ -250,20 +328,33 @@ mod tests {
         let mut b = Vec::new();
         write_state(&st, &mut b).unwrap();
         // Another position count, too little room, truncation, trailing bytes, fewer layers.
-        assert!(read_state(&d, &b, 4, 9).unwrap_err().contains("floats"));
-        assert!(read_state(&d, &b, 3, 2).unwrap_err().contains("room"));
+        assert!(read_state(&d, &b, 4, 9)
+            .unwrap_err()
+            .to_string()
+            .contains("floats"));
+        assert!(read_state(&d, &b, 3, 2)
+            .unwrap_err()
+            .to_string()
+            .contains("room"));
         assert!(read_state(&d, &b[..b.len() - 1], 3, 3).is_err());
         let mut long = b.clone();
         long.push(0);
-        assert!(read_state(&d, &long, 3, 3).unwrap_err().contains("after"));
+        assert!(read_state(&d, &long, 3, 3)
+            .unwrap_err()
+            .to_string()
+            .contains("after"));
         let mut other = d.clone();
         other.n_layers -= 1;
-        assert!(read_state(&other, &b, 3, 3).unwrap_err().contains("layers"));
+        assert!(read_state(&other, &b, 3, 3)
+            .unwrap_err()
+            .to_string()
+            .contains("layers"));
         // A kind swapped: layer 0 is KDA in this model.
         let mut swapped = b.clone();
         swapped[4..8].copy_from_slice(&MLA.to_le_bytes());
         assert!(read_state(&d, &swapped, 3, 3)
             .unwrap_err()
+            .to_string()
             .contains("layer 0"));
         // A huge announced count is refused before allocating.
         let mut huge = b.clone();

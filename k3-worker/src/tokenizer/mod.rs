@@ -59,7 +59,7 @@ pub enum TokError {
     },
     /// Internal setup failure (pattern tables).
     #[error("tokenizer setup failed: {0}")]
-    Setup(String),
+    Setup(#[source] pretok::PretokError),
 }
 
 /// One trie node: children as `(byte, node)` and the id of the token ending here.

@@ -84,21 +84,65 @@ const N_CODE_POINTS: usize = 0x11_0000;
 /// Code points per block of the two-level class table.
 const BLOCK: usize = 256;
 
+/// Why the pre-tokenizer could not be set up (a bug of the pattern tables), or its reference
+/// regex gave up.
+#[derive(Debug, thiserror::Error)]
+pub enum PretokError {
+    /// A class expression does not parse.
+    #[error("pre-tokenizer class {src:?} does not parse: {source}")]
+    Parse {
+        /// The expression.
+        src: String,
+        /// Why.
+        source: Box<regex_syntax::Error>,
+    },
+    /// A class expression is not a Unicode class.
+    #[error("pre-tokenizer class {src:?} did not resolve to a Unicode class: {kind}")]
+    NotUnicode {
+        /// The expression.
+        src: String,
+        /// What it resolved to.
+        kind: String,
+    },
+    /// A class range outside Unicode.
+    #[error("class {src:?} has an invalid range {lo:#x}..={hi:#x}")]
+    Range {
+        /// The expression.
+        src: String,
+        /// First code point.
+        lo: usize,
+        /// Last code point.
+        hi: usize,
+    },
+    /// More distinct class blocks than a `u16` numbers.
+    #[error("too many class blocks")]
+    Blocks,
+    /// Kimi's pattern does not compile.
+    #[error("Kimi pattern does not compile: {0}")]
+    Compile(#[source] Box<fancy_regex::Error>),
+    /// The regex engine gave up on a text (backtrack limit).
+    #[error("pre-tokenizer regex failed: {0}")]
+    Regex(#[source] Box<fancy_regex::Error>),
+}
+
 /// Resolves one regex class expression to its code-point ranges with `regex-syntax`.
-fn class_ranges(src: &str) -> Result<Vec<(u32, u32)>, String> {
-    let hir = regex_syntax::ParserBuilder::new()
-        .build()
-        .parse(src)
-        .map_err(|e| format!("pre-tokenizer class {src:?} does not parse: {e}"))?;
+fn class_ranges(src: &str) -> Result<Vec<(u32, u32)>, PretokError> {
+    let hir = (regex_syntax::ParserBuilder::new().build().parse(src)).map_err(|e| {
+        PretokError::Parse {
+            src: src.to_string(),
+            source: Box::new(e),
+        }
+    })?;
     match hir.kind() {
         HirKind::Class(Class::Unicode(c)) => Ok(c
             .ranges()
             .iter()
             .map(|r| (u32::from(r.start()), u32::from(r.end())))
             .collect()),
-        other => Err(format!(
-            "pre-tokenizer class {src:?} did not resolve to a Unicode class: {other:?}"
-        )),
+        other => Err(PretokError::NotUnicode {
+            src: src.to_string(),
+            kind: format!("{other:?}"),
+        }),
     }
 }
 
@@ -115,15 +159,17 @@ struct CharClasses {
 }
 
 impl CharClasses {
-    fn new() -> Result<Self, String> {
+    fn new() -> Result<Self, PretokError> {
         let mut full = vec![0u8; N_CODE_POINTS];
         for (bit, src) in CLASS_SOURCES {
             for (lo, hi) in class_ranges(src)? {
                 let (lo, hi) = (lo as usize, hi as usize);
                 if lo > hi || hi >= N_CODE_POINTS {
-                    return Err(format!(
-                        "class {src:?} has an invalid range {lo:#x}..={hi:#x}"
-                    ));
+                    return Err(PretokError::Range {
+                        src: src.to_string(),
+                        lo,
+                        hi,
+                    });
                 }
                 for v in &mut full[lo..=hi] {
                     *v |= bit;
@@ -134,8 +180,7 @@ impl CharClasses {
         let mut blocks: Vec<u8> = Vec::new();
         let mut seen: std::collections::HashMap<&[u8], u16> = std::collections::HashMap::new();
         for chunk in full.chunks(BLOCK) {
-            let next =
-                u16::try_from(seen.len()).map_err(|_| "too many class blocks".to_string())?;
+            let next = u16::try_from(seen.len()).map_err(|_| PretokError::Blocks)?;
             let id = *seen.entry(chunk).or_insert_with(|| {
                 blocks.extend_from_slice(chunk);
                 next
@@ -207,7 +252,7 @@ impl std::fmt::Debug for PreTokenizer {
 
 impl PreTokenizer {
     /// Builds the class tables from the pattern's own class expressions.
-    pub fn new() -> Result<Self, String> {
+    pub fn new() -> Result<Self, PretokError> {
         let classes = CharClasses::new()?;
         let mut folds = Vec::new();
         for letter in b"strevmld" {
@@ -431,20 +476,20 @@ pub struct RegexSplitter {
 
 impl RegexSplitter {
     /// Compiles [`kimi_pattern`].
-    pub fn new() -> Result<Self, String> {
+    pub fn new() -> Result<Self, PretokError> {
         let re = fancy_regex::Regex::new(&kimi_pattern())
-            .map_err(|e| format!("Kimi pattern does not compile: {e}"))?;
+            .map_err(|e| PretokError::Compile(Box::new(e)))?;
         Ok(RegexSplitter { re })
     }
 
     /// The pieces of `text` (`find_iter`); an error if the regex engine gives up (backtrack
     /// limit), which tiktoken would turn into a panic.
-    pub fn pieces<'a>(&self, text: &'a str) -> Result<Vec<&'a str>, String> {
+    pub fn pieces<'a>(&self, text: &'a str) -> Result<Vec<&'a str>, PretokError> {
         self.re
             .find_iter(text)
             .map(|m| {
                 m.map(|m| m.as_str())
-                    .map_err(|e| format!("pre-tokenizer regex failed: {e}"))
+                    .map_err(|e| PretokError::Regex(Box::new(e)))
             })
             .collect()
     }

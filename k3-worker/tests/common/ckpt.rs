@@ -11,7 +11,8 @@ use k3_proto::expert::ExpertLayout;
 use k3_proto::names::{classify, TensorClass};
 use k3_proto::safetensors::CheckpointIndex;
 use k3_store::runtime::source::{
-    ExpertBatch, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc, WeightSource,
+    ExpertBatch, ExpertError, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc,
+    WeightSource,
 };
 
 pub struct CkptSource {
@@ -118,10 +119,12 @@ impl WeightSource for CkptSource {
             experts: ids
                 .iter()
                 .map(|&e| {
-                    self.experts
-                        .get(&(l, e as usize))
-                        .cloned()
-                        .ok_or_else(|| format!("no expert {e} in layer {l}"))
+                    self.experts.get(&(l, e as usize)).cloned().ok_or(
+                        ExpertError::NotInCheckpoint {
+                            layer: l,
+                            expert: e,
+                        },
+                    )
                 })
                 .collect(),
         })
@@ -130,7 +133,10 @@ impl WeightSource for CkptSource {
     /// Every expert is in memory here.
     fn resident_experts(&self, l: usize, ids: &[u32]) -> ExpertBatch {
         self.experts(l, ids).unwrap_or_else(|e| ExpertBatch {
-            experts: ids.iter().map(|_| Err(e.to_string())).collect(),
+            experts: ids
+                .iter()
+                .map(|_| Err(ExpertError::Request(e.to_string())))
+                .collect(),
         })
     }
 

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_proto::Dtype;
 use k3_store::runtime::source::{
-    ByteOwner, ExpertBatch, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc,
-    WeightSource,
+    ByteOwner, ExpertBatch, ExpertError, LayerLayout, LayerRun, Region, SourceError, SourceStats,
+    TensorLoc, WeightSource,
 };
 use k3_worker::model::{Dims, TensorShapes};
 
@@ -458,7 +458,11 @@ impl WeightSource for MemSource {
             st.expert_requests += 1;
             if self.fail.contains(&(l, id)) {
                 st.failed_expert_loads += 1;
-                out.push(Err(format!("injected failure: layer {l} expert {id}")));
+                out.push(Err(ExpertError::Injected {
+                    layer: l,
+                    expert: id,
+                    message: "injected failure".into(),
+                }));
                 continue;
             }
             match self.experts.get(&(l, id)) {
@@ -466,7 +470,10 @@ impl WeightSource for MemSource {
                     st.resident_hits += 1;
                     out.push(Ok(region(b)));
                 }
-                None => out.push(Err(format!("no expert {id} in layer {l}"))),
+                None => out.push(Err(ExpertError::NotInCheckpoint {
+                    layer: l,
+                    expert: id,
+                })),
             }
         }
         Ok(ExpertBatch { experts: out })

@@ -70,7 +70,7 @@ use std::time::{Duration, Instant};
 use crate::runtime::arena::{ArenaMem, ArenaRead};
 use crate::runtime::source::ByteOwner;
 use reader::Shared;
-pub use runs::{extent_bytes, Runs, VerifyMode, VERIFY_ENV};
+pub use runs::{extent_bytes, ChecksumMismatch, RunError, Runs, VerifyMode, VERIFY_ENV};
 use state::{Geometry, HandOut, Protect, State};
 pub use state::{
     ReaderId, RingCounters, RingError, RingOptions, DEFAULT_IDLE_PROTECT, DEFAULT_LEASE_TIMEOUT,
@@ -169,7 +169,7 @@ impl Ring {
                 mem.len()
             )));
         }
-        let verify = VerifyMode::from_env().map_err(RingError::Setup)?;
+        let verify = VerifyMode::from_env().map_err(|e| RingError::Setup(e.to_string()))?;
         let geo = Geometry::new(&*runs, first, mem.len() as u64);
         let sh = Arc::new(Shared {
             st: Mutex::new(State::new(first, n)),

@@ -7,7 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::runs::{Runs, VerifyMode};
+use super::runs::{RunError, Runs, VerifyMode};
 use super::state::{Claim, Geometry, RingOptions, State};
 use crate::runtime::arena::ArenaMem;
 use crate::runtime::pool::panic_message;
@@ -83,7 +83,7 @@ fn serve(sh: &Shared) {
 }
 
 /// Read `c`'s layer into its extent and check it; `None` when the ring stopped meanwhile.
-fn read(sh: &Shared, c: &Claim) -> Option<Result<usize, String>> {
+fn read(sh: &Shared, c: &Claim) -> Option<Result<usize, RunError>> {
     let t0 = Instant::now();
     let mut res = if c.busy.is_empty() {
         read_windows(sh, c, &[(0, c.len)])
@@ -164,12 +164,15 @@ fn free_windows(len: u64, busy: &[(u64, u64)]) -> Vec<(u64, u64)> {
 
 /// Read the windows `(start, end)` (relative to `c`'s extent) of its layer; where the run starts
 /// in the extent. The whole extent `[(0, len)]` is one read of the layer.
-fn read_windows(sh: &Shared, c: &Claim, windows: &[(u64, u64)]) -> Result<usize, String> {
+fn read_windows(sh: &Shared, c: &Claim, windows: &[(u64, u64)]) -> Result<usize, RunError> {
     let mut inner = 0;
     for &(a, b) in windows {
         let mut dst = (sh.mem)
             .write((c.off + a) as usize, (b - a) as usize)
-            .map_err(|e| format!("trunk layer {}: {e}", c.layer))?;
+            .map_err(|source| RunError::Extent {
+                layer: c.layer,
+                source,
+            })?;
         inner = if (a, b) == (0, c.len) {
             sh.runs.read(c.layer, &mut dst)?
         } else {
@@ -181,16 +184,19 @@ fn read_windows(sh: &Shared, c: &Claim, windows: &[(u64, u64)]) -> Result<usize,
 
 /// Check `c`'s run, read into its extent with the run at `inner`, against its checksum;
 /// `Ok(inner)` when it matches.
-fn verify(sh: &Shared, c: &Claim, inner: usize) -> Result<usize, String> {
+fn verify(sh: &Shared, c: &Claim, inner: usize) -> Result<usize, RunError> {
     let run_len = sh.runs.run_len(c.layer);
     match (inner as u64).checked_add(run_len) {
         Some(end) if end <= c.len => {
             let run = (sh.mem)
                 .read(c.off as usize + inner, run_len as usize)
-                .map_err(|e| format!("trunk layer {}: {e}", c.layer))?;
-            sh.runs.verify(c.layer, &run).map(|()| inner)
+                .map_err(|source| RunError::Extent {
+                    layer: c.layer,
+                    source,
+                })?;
+            Ok(sh.runs.verify(c.layer, &run).map(|()| inner)?)
         }
-        _ => Err(format!("trunk layer {}: run outside its extent", c.layer)),
+        _ => Err(RunError::OutsideExtent { layer: c.layer }),
     }
 }
 

@@ -1,6 +1,52 @@
 //! What the ring streams ([`Runs`]) and which of its reads are checked ([`VerifyMode`]).
 
-use crate::runtime::io::align_up;
+use crate::runtime::io::{align_up, ReadError};
+
+/// Why a run could not be read into the ring (the ring tells the readers waiting for it).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RunError {
+    /// The read failed (the message names the file and offset).
+    #[error(transparent)]
+    Read(#[from] ReadError),
+    /// The bytes read are not the run `trunk.json` records.
+    #[error(transparent)]
+    Checksum(#[from] ChecksumMismatch),
+    /// The ring's memory refused the extent (a bug of the ring).
+    #[error("trunk layer {layer}: {source}")]
+    Extent {
+        /// The run.
+        layer: usize,
+        /// Why.
+        source: crate::runtime::arena::ArenaError,
+    },
+    /// The run would end past its extent (a bug of the layout).
+    #[error("trunk layer {layer}: run outside its extent")]
+    OutsideExtent {
+        /// The run.
+        layer: usize,
+    },
+}
+
+/// A run whose bytes do not hash to the checksum `trunk.json` records (damage or a replaced
+/// file; exit 2 before work, exit 1 during it).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "trunk layer {layer}: checksum mismatch in {file}: its {bytes} bytes hash to xxh3 \
+     {got:016x}, trunk.json records {want:016x} (damaged or replaced; `k3-ctl verify` checks \
+     every layer, `k3-ctl pack-trunk` rewrites the trunk)"
+)]
+pub struct ChecksumMismatch {
+    /// The layer.
+    pub layer: usize,
+    /// The file read.
+    pub file: String,
+    /// Bytes of the run.
+    pub bytes: usize,
+    /// What they hash to.
+    pub got: u64,
+    /// What `trunk.json` records.
+    pub want: u64,
+}
 
 /// What the ring streams: numbered runs of bytes (the trunk's layers), each read from disk into
 /// an aligned buffer. Whatever the bytes encode, a run is `run_len` bytes at the offset its read
@@ -16,13 +62,13 @@ pub trait Runs: Send + Sync {
     fn windowed(&self, l: usize) -> bool;
     /// Read run `l` into `dst` (aligned, at least [`Runs::buf_len`] bytes); where the run starts
     /// in `dst`.
-    fn read(&self, l: usize, dst: &mut [u8]) -> Result<usize, String>;
+    fn read(&self, l: usize, dst: &mut [u8]) -> Result<usize, ReadError>;
     /// The part `[at, at + dst.len())` of what [`Runs::read`] writes, into `dst`; where the run
     /// starts in the whole buffer.
-    fn read_window(&self, l: usize, dst: &mut [u8], at: usize) -> Result<usize, String>;
+    fn read_window(&self, l: usize, dst: &mut [u8], at: usize) -> Result<usize, ReadError>;
     /// Check run `l`'s bytes against its checksum (`Ok` when it has none). The message names the
     /// run.
-    fn verify(&self, l: usize, run: &[u8]) -> Result<(), String>;
+    fn verify(&self, l: usize, run: &[u8]) -> Result<(), ChecksumMismatch>;
 }
 
 /// Environment variable choosing which ring reads are checked against their checksums
@@ -46,16 +92,18 @@ pub enum VerifyMode {
 
 impl VerifyMode {
     /// The mode [`VERIFY_ENV`] selects; `Err` names a value it does not know.
-    pub fn from_env() -> Result<VerifyMode, String> {
+    pub fn from_env() -> Result<VerifyMode, k3_proto::paths::EnvError> {
         match std::env::var(VERIFY_ENV) {
             Err(_) => Ok(VerifyMode::First),
             Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
                 "" | "1" | "first" | "on" | "yes" => Ok(VerifyMode::First),
                 "every" | "all" => Ok(VerifyMode::Every),
                 "0" | "off" | "no" | "false" => Ok(VerifyMode::Off),
-                other => Err(format!(
-                    "{VERIFY_ENV}={other:?}: expected first (the default), every or off"
-                )),
+                other => Err(k3_proto::paths::EnvError::Invalid {
+                    name: VERIFY_ENV,
+                    value: other.to_string(),
+                    expected: "first (the default), every or off",
+                }),
             },
         }
     }

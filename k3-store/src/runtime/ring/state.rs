@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use super::runs::{extent_bytes, Runs};
+use super::runs::{extent_bytes, RunError, Runs};
 use crate::runtime::arena::{place, place_min_overlap};
 
 /// A reader of the ring: the standalone worker, or one connection of the store.
@@ -605,7 +605,7 @@ impl State {
 
     /// Publish claim `c`'s read: Ready, or the error for the readers waiting for it (kept for
     /// the next one to ask when none waits).
-    pub fn publish(&mut self, c: &Claim, res: Result<usize, String>, run_len: u64) {
+    pub fn publish(&mut self, c: &Claim, res: Result<usize, RunError>, run_len: u64) {
         self.reading = false;
         match res {
             Ok(inner) => {
@@ -615,8 +615,9 @@ impl State {
                 self.lifetime.layer_reads += 1;
                 self.lifetime.bytes_read += run_len;
             }
-            Err(m) => {
+            Err(e) => {
                 let l = c.layer;
+                let m = e.to_string();
                 let m = if m.starts_with(&format!("trunk layer {l}:")) {
                     m
                 } else {
