@@ -79,9 +79,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
-    ap.add_argument("--trunk", required=True, type=Path, help="packed trunk dir")
+    ap.add_argument("--trunk", required=True, type=Path,
+                    help="packed trunk dir (its layer sizes set the budgets)")
     ap.add_argument("--bins", required=True,
-                    help="comma-separated directories holding k3-worker (2 or more)")
+                    help="comma-separated directories holding k3-worker (2 or more, or 1 with "
+                         "--trunks)")
+    ap.add_argument("--trunks", default="",
+                    help="comma-separated packed trunk dirs to compare with the same binaries "
+                         "(e.g. raw and ecbf16), interleaved; budgets stay --trunk's")
     ap.add_argument("--budgets", default="all-resident,trunk-pinned,laptop-like")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gen", type=int, default=41)
@@ -91,8 +96,17 @@ def main(argv=None) -> int:
                     help="a store and one attached worker per run, not --standalone")
     a = ap.parse_args(argv)
     bins = [Path(b) for b in a.bins.split(",") if b]
-    if len(bins) < 2:
-        ap.error("--bins needs at least two directories")
+    trunks = [Path(t) for t in a.trunks.split(",") if t]
+    if len(bins) < 2 and len(trunks) < 2:
+        ap.error("--bins needs at least two directories (or --trunks two trunks)")
+    if len(trunks) >= 2 and len(bins) != 1:
+        ap.error("--trunks compares trunks with one set of binaries: give one --bins dir")
+    for t in trunks:
+        if not (t / "trunk.json").is_file():
+            ap.error(f"{t}: no trunk.json there")
+    # (binaries, trunk, label) per side.
+    sides = ([(bins[0], t, str(t)) for t in trunks] if len(trunks) >= 2
+             else [(b, a.trunk, str(b)) for b in bins])
     for b in bins:
         if not (b / "k3-worker").is_file():
             ap.error(f"{b}: no k3-worker there")
@@ -111,16 +125,16 @@ def main(argv=None) -> int:
         for rep in range(a.reps):
             for n in names:
                 tb, cb = budgets[n][0], budgets[n][1]
-                for b in bins:
+                for b, trunk, label in sides:
                     if a.attached:
-                        d = run_attached(b, a.model, a.trunk, tb, cb, a.gen, out,
+                        d = run_attached(b, a.model, trunk, tb, cb, a.gen, out,
                                          a.prefill_chunk, Path(tmp))
                     else:
-                        d, _ = bench.run_worker(b, a.model, a.trunk, tb, cb, a.gen, out,
+                        d, _ = bench.run_worker(b, a.model, trunk, tb, cb, a.gen, out,
                                                 a.prefill_chunk)
-                    raw.setdefault((n, str(b)), []).append(d)
+                    raw.setdefault((n, label), []).append(d)
                     st = [s["seconds"] for s in d["steps"]][1:]
-                    print(f"rep {rep} {n:13} {b}: {statistics.median(st) * 1e3:.2f} ms/token",
+                    print(f"rep {rep} {n:13} {label}: {statistics.median(st) * 1e3:.2f} ms/token",
                           flush=True)
     cells = [{"budget": n, "bins": b, **summarize(runs)} for (n, b), runs in raw.items()]
     print()
@@ -139,7 +153,8 @@ def main(argv=None) -> int:
             "model": str(a.model), "gen": a.gen, "reps": a.reps,
             "prefill_chunk": a.prefill_chunk, "prompt": bench.PROMPT,
             "mode": "attached" if a.attached else "standalone",
-            "bins": [str(b) for b in bins], "cells": cells, "ids_identical": same,
+            "bins": [str(b) for b in bins], "trunks": [str(t) for t in trunks] or [str(a.trunk)],
+            "cells": cells, "ids_identical": same,
         }, indent=1))
         print(f"wrote {a.json}")
     return 0 if same else 1

@@ -393,15 +393,20 @@ impl Sandbox {
 
     /// Pack `model`'s trunk into `<sandbox>/<name>`; returns that directory.
     pub fn pack_trunk(&self, model: &Path, name: &str) -> PathBuf {
+        self.pack_trunk_with(model, name, &[])
+    }
+
+    /// Pack `model`'s trunk into `<sandbox>/<name>` with more `pack-trunk` flags (e.g.
+    /// `--codec ecbf16`); returns that directory.
+    pub fn pack_trunk_with(&self, model: &Path, name: &str, flags: &[&str]) -> PathBuf {
         let out = self.dir.join(name);
-        let r = self.run(
-            "k3-ctl",
-            &[
-                "pack-trunk",
-                model.to_str().expect("utf-8 path"),
-                out.to_str().expect("utf-8 path"),
-            ],
-        );
+        let mut args = vec![
+            "pack-trunk",
+            model.to_str().expect("utf-8 path"),
+            out.to_str().expect("utf-8 path"),
+        ];
+        args.extend_from_slice(flags);
+        let r = self.run("k3-ctl", &args);
         assert_eq!(r.code, 0, "pack-trunk failed: {r:?}");
         out
     }
