@@ -260,3 +260,77 @@ fn verify_decodes_a_coded_trunk_and_names_the_layer_of_a_flipped_bit() {
         assert_eq!(verify().code, 0, "{what}: restored");
     }
 }
+
+#[test]
+fn a_draft_model_speculates_over_a_coded_trunk_with_the_reference_ids() {
+    let mut sb = Sandbox::new("coded-draft");
+    let model = tiny_model();
+    let coded = sb.pack_trunk_with(&model, "coded", &["--codec", "ecbf16"]);
+    let draft = sb.dir.join("draft-int8");
+    let r = sb.run(
+        "k3-ctl",
+        &[
+            "pack-trunk",
+            "--draft",
+            "int8",
+            path_str(&model),
+            path_str(&draft),
+        ],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    // --codec is the packed trunk's, not a draft's.
+    let r = sb.run(
+        "k3-ctl",
+        &[
+            "pack-trunk",
+            "--draft",
+            "int8",
+            "--codec",
+            "ecbf16",
+            path_str(&model),
+            path_str(&sb.dir.join("never")),
+        ],
+    );
+    assert_eq!(r.code, 2, "{r:?}");
+    let draft_args = [
+        "--draft",
+        "model",
+        "--draft-trunk",
+        path_str(&draft),
+        "--spec",
+        "4",
+    ];
+    let (ids, j) = standalone(&sb, &coded, &draft_args, "1");
+    assert_eq!(ids, reference_greedy(), "{j}");
+    assert!(u(&j, "drafted_tokens") > 0, "{j}");
+    // Attached: the store streams the coded trunk, the worker drafts with its own draft trunk.
+    sb.start_store(&[
+        path_str(&model),
+        "--trunk",
+        path_str(&coded),
+        "--trunk-gb",
+        "0.001",
+        "--cache-gb",
+        "0.01",
+    ]);
+    let p = ids_arg(&reference_prompt());
+    let mut args = vec!["--ids", p.as_str(), "--gen", "20", "--threads", "1"];
+    args.extend_from_slice(&draft_args);
+    let (r, j) = sb.worker_json(&args);
+    assert_eq!(r.code, 0, "{r:?}");
+    assert_eq!(generated(&j), reference_greedy(), "{j}");
+    assert!(u(&j, "drafted_tokens") > 0, "{j}");
+    // A bad --codec value is a usage error.
+    let r = sb.run(
+        "k3-ctl",
+        &[
+            "pack-trunk",
+            path_str(&model),
+            path_str(&sb.dir.join("x")),
+            "--codec",
+            "ecbf16:5",
+        ],
+    );
+    assert_eq!(r.code, 2, "{r:?}");
+    assert!(r.stderr.contains("not a codec"), "{r:?}");
+}
