@@ -43,7 +43,11 @@ def summarize(runs: list[dict]) -> dict:
         # Trunk and expert waits together (the engine blocked on I/O).
         waits.append(d["io_wait_seconds"] / len(d["steps"]))
         ids.add(bench.ids_hash(d["generated_ids"]))
+    dec = [s for d in runs for s in d["steps"][1:]]
     return {
+        "trunk_bytes_per_step": statistics.median(s.get("trunk_bytes_read", 0) for s in dec),
+        "bytes_per_step": statistics.median(s.get("bytes_read", 0) for s in dec),
+        "peak_rss_bytes": max(d.get("peak_rss_bytes", 0) for d in runs),
         "decode_s": bench.med_min_max(per_run),
         "decode_s_per_run": per_run,
         "io_wait_per_step_s": statistics.median(waits),
@@ -142,7 +146,9 @@ def main(argv=None) -> int:
         d = c["decode_s"]
         print(f"{c['budget']:13} {c['bins']:30} {d['median'] * 1e3:8.2f} ms "
               f"({d['min'] * 1e3:.2f}-{d['max'] * 1e3:.2f})  I/O wait "
-              f"{c['io_wait_per_step_s'] * 1e3:.2f} ms/step  ids {','.join(c['ids_hashes'])}")
+              f"{c['io_wait_per_step_s'] * 1e3:.2f} ms/step  trunk "
+              f"{c['trunk_bytes_per_step'] / 1e9:.3f} GB/step  peak RSS "
+              f"{c['peak_rss_bytes'] / 1e9:.2f} GB  ids {','.join(c['ids_hashes'])}")
     hashes = {h for c in cells for h in c["ids_hashes"]}
     same = len(hashes) == 1
     print("ids identical across builds and runs" if same else f"IDS DIFFER: {sorted(hashes)}")
