@@ -26,13 +26,14 @@ pub struct Args {
     /// `k3-worker --draft model --draft-trunk OUT_DIR`, not a packed copy.
     #[arg(long, value_name = "int8|int4")]
     pub draft: Option<QuantKind>,
-    /// How trunk matrices are stored: `raw` (the checkpoint's bytes, trunk format 3) or
-    /// `ecbf16` (every BF16 weight matrix but `kv_b_proj` exponent-coded, losslessly, at 12 bits
-    /// a weight where that is smaller than raw: trunk format 4, SPEC.md §6.1 and §6.13);
-    /// `ecbf16:W` codes with a `W`-bit index (2, 3 or 4), `ecbf16:auto` picks 3 or 4 per tensor
-    /// (the smaller whose escapes stay under --max-escape). Not with --draft.
-    #[arg(long, value_name = "raw|ecbf16[:W|:auto]", default_value = "raw", value_parser = parse_codec)]
-    pub codec: Codec,
+    /// How trunk matrices are stored: `ecbf16`, the default (every BF16 weight matrix but
+    /// `kv_b_proj` exponent-coded, losslessly, at 12 bits a weight where that is smaller than
+    /// raw: trunk format 4, SPEC.md §6.1 and §6.13; measured 0.75x the bytes and 0.52x the
+    /// laptop-like decode time on k3slice, docs/BENCHMARKS.md), `raw` (the checkpoint's bytes,
+    /// trunk format 3); `ecbf16:W` codes with a `W`-bit index (2, 3 or 4), `ecbf16:auto` picks 3
+    /// or 4 per tensor (the smaller whose escapes stay under --max-escape). Not with --draft.
+    #[arg(long, value_name = "ecbf16[:W|:auto]|raw", value_parser = parse_codec)]
+    pub codec: Option<Codec>,
     /// With `--codec ecbf16`: the largest escape rate (fraction of a matrix's weights) a width
     /// may have; a matrix over it stays raw (escapes are exact, but slow the kernels).
     #[arg(long, value_name = "RATE", default_value_t = DEFAULT_MAX_ESCAPE)]
@@ -69,10 +70,15 @@ pub struct CodecArgError(String);
 
 /// Run the subcommand; returns the exit code.
 pub fn run(a: Args) -> i32 {
-    if a.draft.is_some() && a.codec != Codec::Raw {
+    if a.draft.is_some() && a.codec.is_some() {
         eprintln!("k3-ctl pack-trunk: refusing: --codec applies to the packed trunk, not --draft");
         return exit::REFUSED;
     }
+    let codec = match (&a.draft, a.codec.clone()) {
+        (Some(_), _) => Codec::Raw,
+        (None, Some(c)) => c,
+        (None, None) => Codec::EcBf16(vec![DEFAULT_WIDTH]),
+    };
     if !(0.0..=1.0).contains(&a.max_escape) {
         eprintln!(
             "k3-ctl pack-trunk: refusing: --max-escape {} is not a fraction in 0..1",
@@ -88,7 +94,7 @@ pub fn run(a: Args) -> i32 {
         }
     };
     let total: u64 = (0..cat.n_layers()).map(|l| cat.trunk_bytes(l)).sum();
-    let what = match (a.draft, &a.codec) {
+    let what = match (a.draft, &codec) {
         (Some(k), _) => format!("an {} draft of", k.name()),
         (None, Codec::Raw) => "packing".into(),
         (None, Codec::EcBf16(w)) => format!("packing (ecbf16, index widths {w:?})"),
@@ -111,8 +117,8 @@ pub fn run(a: Args) -> i32 {
         Some(kind) => pack_draft(&a.model_dir, &a.out_dir, kind, &mut |p| {
             bar.set(p.bytes_done)
         }),
-        None if a.codec != Codec::Raw => {
-            let widths = match &a.codec {
+        None if codec != Codec::Raw => {
+            let widths = match &codec {
                 Codec::EcBf16(w) => &w[..],
                 Codec::Raw => &[],
             };
@@ -147,7 +153,7 @@ pub fn run(a: Args) -> i32 {
                 fmt_bytes(s.largest_run),
                 s.seconds
             );
-            if a.draft.is_none() && a.codec != Codec::Raw {
+            if a.draft.is_none() && codec != Codec::Raw {
                 println!(
                     "coded: {} of the checkpoint's {} trunk bytes ({:.3}x)",
                     s.bytes,
@@ -178,7 +184,7 @@ mod tests {
             model_dir: PathBuf::from("/nonexistent/k3-model"),
             out_dir: std::env::temp_dir().join("k3-pack-never-written"),
             draft: None,
-            codec: Codec::Raw,
+            codec: None,
             max_escape: DEFAULT_MAX_ESCAPE,
         });
         assert_eq!(code, exit::REFUSED);

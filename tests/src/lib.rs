@@ -391,9 +391,11 @@ impl Sandbox {
         self.pack_trunk(&tiny_model(), "trunk")
     }
 
-    /// Pack `model`'s trunk into `<sandbox>/<name>`; returns that directory.
+    /// Pack `model`'s trunk into `<sandbox>/<name>`, raw (`--codec raw`: the tests written
+    /// against format 3's layout; `tests/coded_trunk.rs` packs the default, ecbf16); returns
+    /// that directory.
     pub fn pack_trunk(&self, model: &Path, name: &str) -> PathBuf {
-        self.pack_trunk_with(model, name, &[])
+        self.pack_trunk_with(model, name, &["--codec", "raw"])
     }
 
     /// Pack `model`'s trunk into `<sandbox>/<name>` with more `pack-trunk` flags (e.g.

@@ -1061,7 +1061,10 @@ mod tests {
         for p in ["desktop", "workstation"] {
             let (r, c) = (plan(&raw, p), plan(&coded, p));
             assert!(c.pinned_layers > r.pinned_layers, "{p}: {r:?} {c:?}");
-            assert!(c.trunk_bytes() <= c.budget.trunk_bytes, "{p}: within the budget");
+            assert!(
+                c.trunk_bytes() <= c.budget.trunk_bytes,
+                "{p}: within the budget"
+            );
         }
         // Server pins the whole trunk either way, in 0.753 of the memory.
         let (r, c) = (plan(&raw, "server"), plan(&coded, "server"));
