@@ -43,7 +43,11 @@ def summarize(runs: list[dict]) -> dict:
         # Trunk and expert waits together (the engine blocked on I/O).
         waits.append(d["io_wait_seconds"] / len(d["steps"]))
         ids.add(bench.ids_hash(d["generated_ids"]))
+    dec = [s for d in runs for s in d["steps"][1:]]
     return {
+        "trunk_bytes_per_step": statistics.median(s.get("trunk_bytes_read", 0) for s in dec),
+        "bytes_per_step": statistics.median(s.get("bytes_read", 0) for s in dec),
+        "peak_rss_bytes": max(d.get("peak_rss_bytes", 0) for d in runs),
         "decode_s": bench.med_min_max(per_run),
         "decode_s_per_run": per_run,
         "io_wait_per_step_s": statistics.median(waits),
@@ -80,10 +84,15 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--trunk", required=True,
-                    help="packed trunk dir, or one per --bins entry (comma-separated, same "
-                         "order) when the builds pack different trunk formats")
+                    help="packed trunk dir (its layer sizes set the budgets), or one per --bins "
+                         "entry (comma-separated, same order) when the builds pack different "
+                         "trunk formats (the first sets the budgets)")
     ap.add_argument("--bins", required=True,
-                    help="comma-separated directories holding k3-worker (2 or more)")
+                    help="comma-separated directories holding k3-worker (2 or more, or 1 with "
+                         "--trunks)")
+    ap.add_argument("--trunks", default="",
+                    help="comma-separated packed trunk dirs to compare with the same binaries "
+                         "(e.g. raw and ecbf16), interleaved; budgets stay --trunk's")
     ap.add_argument("--budgets", default="all-resident,trunk-pinned,laptop-like")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--gen", type=int, default=41)
@@ -93,20 +102,28 @@ def main(argv=None) -> int:
                     help="a store and one attached worker per run, not --standalone")
     a = ap.parse_args(argv)
     bins = [Path(b) for b in a.bins.split(",") if b]
-    if len(bins) < 2:
-        ap.error("--bins needs at least two directories")
+    trunks = [Path(t) for t in a.trunks.split(",") if t]
+    per_bins = [Path(t) for t in a.trunk.split(",") if t]
+    if len(per_bins) not in (1, len(bins)):
+        ap.error("--trunk takes one directory or one per --bins entry")
+    a.trunk = per_bins[0]
+    trunk_of = dict(zip(bins, per_bins if len(per_bins) == len(bins) else per_bins * len(bins)))
+    if len(bins) < 2 and len(trunks) < 2:
+        ap.error("--bins needs at least two directories (or --trunks two trunks)")
+    if len(trunks) >= 2 and len(bins) != 1:
+        ap.error("--trunks compares trunks with one set of binaries: give one --bins dir")
+    for t in trunks:
+        if not (t / "trunk.json").is_file():
+            ap.error(f"{t}: no trunk.json there")
+    # (binaries, trunk, label) per side.
+    sides = ([(bins[0], t, str(t)) for t in trunks] if len(trunks) >= 2
+             else [(b, trunk_of[b], str(b)) for b in bins])
     for b in bins:
         if not (b / "k3-worker").is_file():
             ap.error(f"{b}: no k3-worker there")
-    trunks = [Path(t) for t in a.trunk.split(",") if t]
-    if len(trunks) == 1:
-        trunks = trunks * len(bins)
-    if len(trunks) != len(bins):
-        ap.error("--trunk takes one directory or one per --bins entry")
-    trunk_of = {b: t for b, t in zip(bins, trunks)}
     if a.reps < 1 or a.gen < 2:
         ap.error("--reps >= 1 and --gen >= 2")
-    tj = json.loads((trunks[0] / "trunk.json").read_text())
+    tj = json.loads((a.trunk / "trunk.json").read_text())
     eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
     budgets = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)
     names = [n for n in a.budgets.split(",") if n]
@@ -119,16 +136,16 @@ def main(argv=None) -> int:
         for rep in range(a.reps):
             for n in names:
                 tb, cb = budgets[n][0], budgets[n][1]
-                for b in bins:
+                for b, trunk, label in sides:
                     if a.attached:
-                        d = run_attached(b, a.model, trunk_of[b], tb, cb, a.gen, out,
+                        d = run_attached(b, a.model, trunk, tb, cb, a.gen, out,
                                          a.prefill_chunk, Path(tmp))
                     else:
-                        d, _ = bench.run_worker(b, a.model, trunk_of[b], tb, cb, a.gen, out,
+                        d, _ = bench.run_worker(b, a.model, trunk, tb, cb, a.gen, out,
                                                 a.prefill_chunk)
-                    raw.setdefault((n, str(b)), []).append(d)
+                    raw.setdefault((n, label), []).append(d)
                     st = [s["seconds"] for s in d["steps"]][1:]
-                    print(f"rep {rep} {n:13} {b}: {statistics.median(st) * 1e3:.2f} ms/token",
+                    print(f"rep {rep} {n:13} {label}: {statistics.median(st) * 1e3:.2f} ms/token",
                           flush=True)
     cells = [{"budget": n, "bins": b, **summarize(runs)} for (n, b), runs in raw.items()]
     print()
@@ -136,7 +153,9 @@ def main(argv=None) -> int:
         d = c["decode_s"]
         print(f"{c['budget']:13} {c['bins']:30} {d['median'] * 1e3:8.2f} ms "
               f"({d['min'] * 1e3:.2f}-{d['max'] * 1e3:.2f})  I/O wait "
-              f"{c['io_wait_per_step_s'] * 1e3:.2f} ms/step  ids {','.join(c['ids_hashes'])}")
+              f"{c['io_wait_per_step_s'] * 1e3:.2f} ms/step  trunk "
+              f"{c['trunk_bytes_per_step'] / 1e9:.3f} GB/step  peak RSS "
+              f"{c['peak_rss_bytes'] / 1e9:.2f} GB  ids {','.join(c['ids_hashes'])}")
     hashes = {h for c in cells for h in c["ids_hashes"]}
     same = len(hashes) == 1
     print("ids identical across builds and runs" if same else f"IDS DIFFER: {sorted(hashes)}")
@@ -147,7 +166,8 @@ def main(argv=None) -> int:
             "model": str(a.model), "gen": a.gen, "reps": a.reps,
             "prefill_chunk": a.prefill_chunk, "prompt": bench.PROMPT,
             "mode": "attached" if a.attached else "standalone",
-            "bins": [str(b) for b in bins], "trunks": [str(t) for t in trunks], "cells": cells, "ids_identical": same,
+            "bins": [str(b) for b in bins], "trunks": [str(t) for t in trunks] or [str(a.trunk)],
+            "cells": cells, "ids_identical": same,
         }, indent=1))
         print(f"wrote {a.json}")
     return 0 if same else 1

@@ -77,12 +77,22 @@ fn scratch_bytes(size_mib: u64) -> u64 {
 
 /// (preset name, full-scale plan total bytes), smallest first.
 pub fn preset_needs() -> Vec<(&'static str, u64)> {
-    let inputs = k3_store::runtime::plan::full_scale_inputs(4096);
+    preset_needs_of(&k3_store::runtime::plan::full_scale_inputs(4096))
+}
+
+/// [`preset_needs`] with an ecbf16-coded trunk (`pack-trunk --codec ecbf16`, its layers
+/// estimated at `plan::ECBF16_TRUNK_RATIO` of raw).
+pub fn preset_needs_coded() -> Vec<(&'static str, u64)> {
+    use k3_store::runtime::plan::{full_scale_inputs, ECBF16_TRUNK_RATIO};
+    preset_needs_of(&full_scale_inputs(4096).with_coded_trunk(ECBF16_TRUNK_RATIO))
+}
+
+fn preset_needs_of(inputs: &k3_store::runtime::plan::PlanInputs) -> Vec<(&'static str, u64)> {
     PRESETS
         .iter()
         .filter_map(|p| {
             let b = Budget::from_flags(&[BudgetFlag::Preset(p.name.into())]).ok()?;
-            Some((p.name, MemoryPlan::compute(&inputs, &b).total_bytes()))
+            Some((p.name, MemoryPlan::compute(inputs, &b).total_bytes()))
         })
         .collect()
 }
@@ -601,6 +611,8 @@ pub fn run(a: Args) -> i32 {
                       "k3_build": if cfg!(debug_assertions) { "debug" } else { "release" }},
         "memory": {"total_bytes": total, "available_bytes": avail,
                    "preset_plan_totals_bytes": needs.iter().map(|(n, b)| json!({"preset": n, "bytes": b})).collect::<Vec<_>>(),
+                   "preset_plan_totals_ecbf16_bytes": preset_needs_coded().iter().map(|(n, b)| json!({"preset": n, "bytes": b})).collect::<Vec<_>>(),
+                   "ecbf16_trunk_ratio": k3_store::runtime::plan::ECBF16_TRUNK_RATIO,
                    "recommended_preset": rec,
                    "shmem_enabled": k3_store::shmem::shmem_huge_pages()},
     });
@@ -786,6 +798,17 @@ fn print_head(d: &Value) {
             .map(|r| format!("{} {}", r["preset"].as_str().unwrap_or("?"), g(&r["bytes"])))
             .collect();
         println!("full-model plan totals (context 4096): {}", s.join(" · "));
+    }
+    if let Some(rows) = m["preset_plan_totals_ecbf16_bytes"].as_array() {
+        let s: Vec<String> = rows
+            .iter()
+            .map(|r| format!("{} {}", r["preset"].as_str().unwrap_or("?"), g(&r["bytes"])))
+            .collect();
+        println!(
+            "  with an ecbf16 trunk (layers x{}): {}",
+            m["ecbf16_trunk_ratio"],
+            s.join(" · ")
+        );
     }
     match m["recommended_preset"].as_str() {
         Some(p) => println!(

@@ -11,7 +11,9 @@ use k3_proto::quant::QuantKind;
 use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::draft::pack_draft;
 use k3_store::runtime::plan::fmt_bytes;
-use k3_store::runtime::trunk::{pack_trunk, TrunkError};
+use k3_store::runtime::trunk::{
+    pack_trunk, pack_trunk_coded, TrunkError, AUTO_WIDTHS, DEFAULT_MAX_ESCAPE, DEFAULT_WIDTH,
+};
 
 /// Arguments of `k3-ctl pack-trunk`.
 #[derive(clap::Args, Debug)]
@@ -24,10 +26,66 @@ pub struct Args {
     /// `k3-worker --draft model --draft-trunk OUT_DIR`, not a packed copy.
     #[arg(long, value_name = "int8|int4")]
     pub draft: Option<QuantKind>,
+    /// How trunk matrices are stored: `ecbf16`, the default (every BF16 weight matrix but
+    /// `kv_b_proj` exponent-coded, losslessly, at 12 bits a weight where that is smaller than
+    /// raw: trunk format 4, SPEC.md §6.1 and §6.13; measured 0.75x the bytes and 0.52x the
+    /// laptop-like decode time on k3slice, docs/BENCHMARKS.md), `raw` (the checkpoint's bytes,
+    /// trunk format 3); `ecbf16:W` codes with a `W`-bit index (2, 3 or 4), `ecbf16:auto` picks 3
+    /// or 4 per tensor (the smaller whose escapes stay under --max-escape). Not with --draft.
+    #[arg(long, value_name = "ecbf16[:W|:auto]|raw", value_parser = parse_codec)]
+    pub codec: Option<Codec>,
+    /// With `--codec ecbf16`: the largest escape rate (fraction of a matrix's weights) a width
+    /// may have; a matrix over it stays raw (escapes are exact, but slow the kernels).
+    #[arg(long, value_name = "RATE", default_value_t = DEFAULT_MAX_ESCAPE)]
+    pub max_escape: f64,
 }
+
+/// What `--codec` asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Codec {
+    /// The checkpoint's bytes.
+    Raw,
+    /// EC-BF16, the smallest of these index widths per tensor.
+    EcBf16(Vec<u8>),
+}
+
+fn parse_codec(s: &str) -> Result<Codec, CodecArgError> {
+    let widths = match s.split_once(':') {
+        None if s == "raw" => return Ok(Codec::Raw),
+        None if s == "ecbf16" => vec![DEFAULT_WIDTH],
+        Some(("ecbf16", "auto")) => AUTO_WIDTHS.to_vec(),
+        Some(("ecbf16", w)) => match w.parse::<u8>() {
+            Ok(w) if k3_proto::ecbf16::WIDTHS.contains(&w) => vec![w],
+            _ => return Err(CodecArgError(s.into())),
+        },
+        _ => return Err(CodecArgError(s.into())),
+    };
+    Ok(Codec::EcBf16(widths))
+}
+
+/// A `--codec` value that is not one.
+#[derive(Debug, thiserror::Error)]
+#[error("{0:?} is not a codec: raw, ecbf16, ecbf16:2, ecbf16:3, ecbf16:4 or ecbf16:auto")]
+pub struct CodecArgError(String);
 
 /// Run the subcommand; returns the exit code.
 pub fn run(a: Args) -> i32 {
+    if a.draft.is_some() && a.codec.is_some() {
+        eprintln!("k3-ctl pack-trunk: refusing: --codec applies to the packed trunk, not --draft");
+        return exit::REFUSED;
+    }
+    let codec = match (&a.draft, a.codec.clone()) {
+        (Some(_), _) => Codec::Raw,
+        (None, Some(c)) => c,
+        (None, None) => Codec::EcBf16(vec![DEFAULT_WIDTH]),
+    };
+    if !(0.0..=1.0).contains(&a.max_escape) {
+        eprintln!(
+            "k3-ctl pack-trunk: refusing: --max-escape {} is not a fraction in 0..1",
+            a.max_escape
+        );
+        return exit::REFUSED;
+    }
     let (cat, _cfg) = match Catalog::open_dir(&a.model_dir) {
         Ok(x) => x,
         Err(e) => {
@@ -36,9 +94,10 @@ pub fn run(a: Args) -> i32 {
         }
     };
     let total: u64 = (0..cat.n_layers()).map(|l| cat.trunk_bytes(l)).sum();
-    let what = match a.draft {
-        Some(k) => format!("an {} draft of", k.name()),
-        None => "packing".into(),
+    let what = match (a.draft, &codec) {
+        (Some(k), _) => format!("an {} draft of", k.name()),
+        (None, Codec::Raw) => "packing".into(),
+        (None, Codec::EcBf16(w)) => format!("packing (ecbf16, index widths {w:?})"),
     };
     eprintln!(
         "{what} {} layers ({}) from {} into {}",
@@ -58,6 +117,23 @@ pub fn run(a: Args) -> i32 {
         Some(kind) => pack_draft(&a.model_dir, &a.out_dir, kind, &mut |p| {
             bar.set(p.bytes_done)
         }),
+        None if codec != Codec::Raw => {
+            let widths = match &codec {
+                Codec::EcBf16(w) => &w[..],
+                Codec::Raw => &[],
+            };
+            match k3_proto::safetensors::CheckpointIndex::open(&a.model_dir) {
+                Ok(index) => {
+                    pack_trunk_coded(&cat, &index, &a.out_dir, widths, a.max_escape, &mut |p| {
+                        bar.set(p.bytes_done)
+                    })
+                }
+                Err(e) => Err(TrunkError::Refused(format!(
+                    "checkpoint index {}: {e}",
+                    a.model_dir.display()
+                ))),
+            }
+        }
         None => pack_trunk(&cat, &a.out_dir, &mut |p| bar.set(p.bytes_done)),
     };
     drop(bar);
@@ -77,6 +153,14 @@ pub fn run(a: Args) -> i32 {
                 fmt_bytes(s.largest_run),
                 s.seconds
             );
+            if a.draft.is_none() && codec != Codec::Raw {
+                println!(
+                    "coded: {} of the checkpoint's {} trunk bytes ({:.3}x)",
+                    s.bytes,
+                    total,
+                    s.bytes as f64 / total.max(1) as f64
+                );
+            }
             exit::OK
         }
         Err(TrunkError::Refused(m)) => {
@@ -100,6 +184,8 @@ mod tests {
             model_dir: PathBuf::from("/nonexistent/k3-model"),
             out_dir: std::env::temp_dir().join("k3-pack-never-written"),
             draft: None,
+            codec: None,
+            max_escape: DEFAULT_MAX_ESCAPE,
         });
         assert_eq!(code, exit::REFUSED);
         assert!(!std::env::temp_dir().join("k3-pack-never-written").exists());

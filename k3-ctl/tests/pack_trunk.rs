@@ -27,7 +27,13 @@ fn pack_trunk_exit_codes_and_output() {
         .tempdir()
         .unwrap();
     let out = tmp.path().join("packed");
-    let o = ctl(&["pack-trunk", model.to_str().unwrap(), out.to_str().unwrap()]);
+    let o = ctl(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        out.to_str().unwrap(),
+        "--codec",
+        "raw",
+    ]);
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert_eq!(
         o.status.code(),
@@ -40,6 +46,31 @@ fn pack_trunk_exit_codes_and_output() {
     let total: u64 = (0..n).map(|l| cat.trunk_bytes(l)).sum();
     assert!(stdout.contains(&format!("{total} bytes")), "{stdout}");
     TrunkLayout::from_packed(&cat, open_shards(&cat).unwrap(), &out).unwrap();
+
+    // The default is the coded trunk (format 4), smaller than raw.
+    let coded = tmp.path().join("coded");
+    let o = ctl(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        coded.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("of the checkpoint's {total} trunk bytes (0.7")),
+        "{stdout}"
+    );
+    let j = std::fs::read_to_string(coded.join("trunk.json")).unwrap();
+    assert!(
+        j.contains("\"format\": 4") && j.contains("\"ecbf16\""),
+        "{j}"
+    );
+    TrunkLayout::from_packed(&cat, open_shards(&cat).unwrap(), &coded).unwrap();
 
     // The output directory is a file: an I/O failure, exit 1.
     let file = tmp.path().join("a-file");

@@ -420,6 +420,7 @@ pub struct CodedMatrix<'a> {
     blocks: &'a [u8],
     esc_index: &'a [u8],
     esc: &'a [u8],
+    all: &'a [u8],
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -492,6 +493,7 @@ impl<'a> CodedMatrix<'a> {
             blocks,
             esc_index,
             esc,
+            all: bytes,
         };
         if escapes > 0 {
             if m.ix(0) != 0 || m.ix(rows) != escapes {
@@ -504,6 +506,12 @@ impl<'a> CodedMatrix<'a> {
             }
         }
         Ok(m)
+    }
+
+    /// The whole coded matrix as parsed (header to the last escape entry): a copy of these
+    /// bytes parses to the same matrix.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.all
     }
 
     fn ix(&self, r: usize) -> usize {

@@ -71,3 +71,27 @@ def test_attached_run_stops_the_store_when_the_worker_fails(tmp_path):
         ab.run_attached(bins, tmp_path / "m", tmp_path / "t", 2_000_000, 300_000, 5,
                         tmp_path / "out.json", 1, tmp_path)
     assert log.read_text().splitlines()[-1].startswith("ctl stop --socket ")
+
+
+def test_trunks_compare_with_one_set_of_binaries(tmp_path):
+    bins, _ = fake_bins(tmp_path, 0)
+    (tmp_path / "t1").mkdir()
+    (tmp_path / "t1" / "trunk.json").write_text("{}")
+    # Two sets of binaries and two trunks at once: which side is which is ambiguous.
+    with pytest.raises(SystemExit):
+        ab.main(["--model", str(tmp_path), "--trunk", str(tmp_path / "t1"),
+                 "--bins", f"{bins},{bins}", "--trunks", f"{tmp_path / 't1'},{tmp_path / 't1'}"])
+    # A trunk directory without trunk.json is refused before any run.
+    with pytest.raises(SystemExit):
+        ab.main(["--model", str(tmp_path), "--trunk", str(tmp_path / "t1"),
+                 "--bins", str(bins), "--trunks", f"{tmp_path / 't1'},{tmp_path / 'nope'}"])
+
+
+def test_summary_reports_trunk_bytes_and_peak_rss():
+    r = run([9.0, 1.0, 1.0], [5, 6])
+    for s, b in zip(r["steps"], [100, 40, 60]):
+        s["trunk_bytes_read"] = b
+        s["bytes_read"] = b + 1
+    r["peak_rss_bytes"] = 7
+    c = ab.summarize([r])
+    assert (c["trunk_bytes_per_step"], c["bytes_per_step"], c["peak_rss_bytes"]) == (50, 51, 7)

@@ -391,17 +391,24 @@ impl Sandbox {
         self.pack_trunk(&tiny_model(), "trunk")
     }
 
-    /// Pack `model`'s trunk into `<sandbox>/<name>`; returns that directory.
+    /// Pack `model`'s trunk into `<sandbox>/<name>`, raw (`--codec raw`: the tests written
+    /// against format 3's layout; `tests/coded_trunk.rs` packs the default, ecbf16); returns
+    /// that directory.
     pub fn pack_trunk(&self, model: &Path, name: &str) -> PathBuf {
+        self.pack_trunk_with(model, name, &["--codec", "raw"])
+    }
+
+    /// Pack `model`'s trunk into `<sandbox>/<name>` with more `pack-trunk` flags (e.g.
+    /// `--codec ecbf16`); returns that directory.
+    pub fn pack_trunk_with(&self, model: &Path, name: &str, flags: &[&str]) -> PathBuf {
         let out = self.dir.join(name);
-        let r = self.run(
-            "k3-ctl",
-            &[
-                "pack-trunk",
-                model.to_str().expect("utf-8 path"),
-                out.to_str().expect("utf-8 path"),
-            ],
-        );
+        let mut args = vec![
+            "pack-trunk",
+            model.to_str().expect("utf-8 path"),
+            out.to_str().expect("utf-8 path"),
+        ];
+        args.extend_from_slice(flags);
+        let r = self.run("k3-ctl", &args);
         assert_eq!(r.code, 0, "pack-trunk failed: {r:?}");
         out
     }

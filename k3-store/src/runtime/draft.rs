@@ -103,6 +103,8 @@ fn draft_run(
                 nbytes: bytes.len() as u64,
                 dtype,
                 xxh3: String::new(),
+                codec: None,
+                stored: None,
             },
         );
     };
@@ -341,6 +343,7 @@ impl DraftFile {
                     off: t.off,
                     nbytes: t.nbytes,
                     dtype: t.dtype,
+                    storage: Default::default(),
                 });
             }
             layouts.push(Arc::new(LayerLayout::new(tensors)));

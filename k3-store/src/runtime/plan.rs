@@ -75,13 +75,32 @@ pub fn preset(name: &str) -> Option<&'static Preset> {
 
 /// The presets as a table (what `k3-ctl presets` prints).
 pub fn presets_table() -> String {
-    let mut s = String::from("PRESET        TRUNK GB  CACHE GB  ~PEAK RSS GB  NOTE\n");
+    let mut s =
+        String::from("PRESET        TRUNK GB  CACHE GB  ~PEAK RSS GB  PINNED RAW/ECBF16  NOTE\n");
+    let raw = full_scale_inputs(4096);
+    let coded = raw.clone().with_coded_trunk(ECBF16_TRUNK_RATIO);
     for p in &PRESETS {
+        let b = Budget::from_flags(&[BudgetFlag::Preset(p.name.into())]);
+        let pinned = |i: &PlanInputs| {
+            b.as_ref()
+                .map_or(0, |b| MemoryPlan::compute(i, b).pinned_layers)
+        };
         s.push_str(&format!(
-            "{:<12} {:>9.1} {:>9.1} {:>13.1}  {}\n",
-            p.name, p.trunk_gb, p.cache_gb, p.peak_rss_gb, p.note
+            "{:<12} {:>9.1} {:>9.1} {:>13.1}  {:>8}/{:<8}  {}\n",
+            p.name,
+            p.trunk_gb,
+            p.cache_gb,
+            p.peak_rss_gb,
+            pinned(&raw),
+            pinned(&coded),
+            p.note
         ));
     }
+    s.push_str(&format!(
+        "PINNED: full-model trunk layers (of 93) the preset pins with a raw trunk and with an \
+         ecbf16 one\n(`k3-ctl pack-trunk --codec ecbf16`, estimated at {ECBF16_TRUNK_RATIO}x the \
+         raw layer bytes); the rest stream.\n"
+    ));
     s.push_str(
         "A later flag overrides an earlier one: --preset server --cache-gb 40.\n\
          Give the trunk memory before the expert cache (1.69x faster at 128 GB in kimi-k3-in-c).\n",
@@ -832,6 +851,23 @@ fn parse_meminfo(s: &str) -> Result<u64, MemInfoError> {
     Err(MemInfoError::NoLine)
 }
 
+/// Bytes of an ecbf16-coded trunk (`k3-ctl pack-trunk --codec ecbf16`, 12-bit index) per byte
+/// of the raw trunk, as measured on `k3slice` (synthetic Gaussian weights: 4,906,382,652 of
+/// 6,517,649,408 trunk bytes, docs/BENCHMARKS.md): what the full-model tables assume when no
+/// coded trunk is at hand (a plan made from a packed trunk counts its actual run sizes).
+pub const ECBF16_TRUNK_RATIO: f64 = 0.753;
+
+impl PlanInputs {
+    /// These inputs with every trunk layer `ratio` times its size (rounded up): a coded trunk's
+    /// estimate.
+    pub fn with_coded_trunk(mut self, ratio: f64) -> PlanInputs {
+        for b in &mut self.layer_bytes {
+            *b = (*b as f64 * ratio).ceil() as u64;
+        }
+        self
+    }
+}
+
 /// The plan inputs of the full released model (SPEC.md §2.9: layer 0 KDA + dense MLP, MLA+MoE
 /// at layers 3, 7, …, 87, 91, 92, KDA+MoE elsewhere; 896 experts of 17,547,264 bytes, top-16),
 /// as a standalone worker lays it out: lm_head and the small model-level vectors resident, the
@@ -1050,5 +1086,40 @@ mod tests {
         assert!(parse_meminfo("MemAvailable: lots kB\n").is_err());
         assert!(mem_available().unwrap() > 0);
         assert!(presets_table().contains("workstation"));
+    }
+
+    #[test]
+    fn a_coded_trunk_pins_more_layers_in_the_same_budget() {
+        let raw = full_scale();
+        let coded = raw.clone().with_coded_trunk(ECBF16_TRUNK_RATIO);
+        assert_eq!(
+            coded.layer_bytes[0], 1_762_933_528,
+            "layer 0 x 0.753, rounded up"
+        );
+        let plan = |i: &PlanInputs, p: &str| {
+            MemoryPlan::compute(
+                i,
+                &Budget::from_flags(&[BudgetFlag::Preset(p.into())]).unwrap(),
+            )
+        };
+        // Laptop: the raw ring must hold layer 0 (2.34 GB) and pins nothing; coded, layer 0
+        // (1.76 GB) is pinned and the rest streams through a ring of one KDA layer.
+        assert_eq!(plan(&raw, "laptop").pinned_layers, 0);
+        assert_eq!(plan(&coded, "laptop").pinned_layers, 1);
+        for p in ["desktop", "workstation"] {
+            let (r, c) = (plan(&raw, p), plan(&coded, p));
+            assert!(c.pinned_layers > r.pinned_layers, "{p}: {r:?} {c:?}");
+            assert!(
+                c.trunk_bytes() <= c.budget.trunk_bytes,
+                "{p}: within the budget"
+            );
+        }
+        // Server pins the whole trunk either way, in 0.753 of the memory.
+        let (r, c) = (plan(&raw, "server"), plan(&coded, "server"));
+        assert_eq!((r.pinned_layers, c.pinned_layers), (93, 93));
+        assert!(c.pinned_bytes as f64 <= 0.754 * r.pinned_bytes as f64);
+        let t = presets_table();
+        let laptop = t.lines().find(|l| l.starts_with("laptop")).unwrap();
+        assert!(laptop.contains(" 0/1 "), "{laptop}");
     }
 }

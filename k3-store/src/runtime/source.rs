@@ -89,6 +89,30 @@ impl Region {
     }
 }
 
+/// How a trunk tensor's bytes are stored in its layer run (SPEC.md §6.1, §6.13).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub enum Storage {
+    /// As in the checkpoint.
+    #[default]
+    #[serde(rename = "raw")]
+    Raw,
+    /// A BF16 matrix coded as EC-BF16 (`k3_proto::ecbf16`): the header carries its shape.
+    #[serde(rename = "ecbf16")]
+    EcBf16,
+}
+
+impl Storage {
+    /// The name `trunk.json` and the command line use.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Storage::Raw => "raw",
+            Storage::EcBf16 => "ecbf16",
+        }
+    }
+}
+
 /// Where one tensor sits inside a layer run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorLoc {
@@ -96,10 +120,12 @@ pub struct TensorLoc {
     pub name: String,
     /// Byte offset inside the layer run.
     pub off: u64,
-    /// Byte length.
+    /// Byte length in the run (the coded length when `storage` is not raw).
     pub nbytes: u64,
-    /// Element type.
+    /// Element type (of the checkpoint's tensor: `BF16` for a coded matrix).
     pub dtype: Dtype,
+    /// How the bytes are stored.
+    pub storage: Storage,
 }
 
 /// Where each trunk tensor of one layer sits inside that layer's run (sorted by name).

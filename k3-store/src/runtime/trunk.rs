@@ -54,7 +54,7 @@ pub use crate::runtime::identity::{checkpoint_id, model_dir_of, ID_SAMPLES};
 use crate::runtime::identity::{IdentityError, IdentityKind, ModelIdentity};
 use crate::runtime::io::{align_down, align_up, span_len, AlignedBuf, DiskFile, ReadError, ALIGN};
 use crate::runtime::ring::Runs;
-use crate::runtime::source::{LayerLayout, TensorLoc};
+use crate::runtime::source::{LayerLayout, Storage, TensorLoc};
 
 /// File names inside a packed-trunk directory.
 pub const TRUNK_BIN: &str = "trunk.bin";
@@ -77,6 +77,14 @@ pub struct JsonTensor {
     /// (format 3; a draft trunk's quantized tensors have none).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub xxh3: String,
+    /// How the tensor is stored in the run (format 4, [`TRUNK_FORMAT_CODED`], every tensor;
+    /// absent in format 3, where every tensor is raw). `off`, `nbytes`, `dtype` and `xxh3` stay
+    /// the checkpoint tensor's: the trunk identity does not depend on the codec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub codec: Option<Storage>,
+    /// Bytes the tensor takes in the run (format 4; `nbytes` when raw).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored: Option<u64>,
 }
 
 /// One layer in `trunk.json`.
@@ -163,6 +171,37 @@ impl From<ReadError> for TrunkError {
 /// (`model.trunk_id`).
 pub const TRUNK_FORMAT: u32 = 3;
 
+/// The trunk format of a trunk packed with `--codec ecbf16` ([`pack_trunk_coded`]): format 3
+/// plus, per tensor, its `codec` and `stored` size; a BF16 matrix may be EC-BF16 coded
+/// (`k3_proto::ecbf16`). A raw pack stays format 3, byte for byte the older packer's output.
+pub const TRUNK_FORMAT_CODED: u32 = 4;
+
+/// Offset alignment of a tensor inside a coded run (what the kernels' loads like; EC-BF16
+/// matrices are position-independent).
+const CODED_TENSOR_ALIGN: u64 = 64;
+
+/// Largest escape rate a width may have to be chosen by [`pack_trunk_coded`] (the census's
+/// default cap, SPEC.md §6.13).
+pub const DEFAULT_MAX_ESCAPE: f64 = 0.01;
+
+/// The index width `k3-ctl pack-trunk --codec ecbf16` codes with: 4 bits (12 bits a weight).
+pub const DEFAULT_WIDTH: u8 = 4;
+
+/// Index widths `--codec ecbf16:auto` chooses from per tensor: the smaller of 3 and 4 bits whose
+/// escapes stay under the cap.
+pub const AUTO_WIDTHS: [u8; 2] = [3, 4];
+
+/// Whether a trunk tensor is a matrix the coded packer may code: a BF16 `[rows, cols]` with more
+/// than one row (a `[1, E]` AttnRes query is a vector the binder widens) that is not `kv_b_proj`
+/// (MLA multiplies by its transpose straight from the raw rows, SPEC.md §3.6).
+pub fn codable(name: &str, dtype: Dtype, shape: &[u64]) -> bool {
+    dtype == Dtype::BF16
+        && shape.len() == 2
+        && shape[0] > 1
+        && shape[1] > 0
+        && !name.ends_with("kv_b_proj.weight")
+}
+
 /// XXH3-64 of a layer run, the checksum `trunk.json` records.
 pub fn run_checksum(run: &[u8]) -> u64 {
     twox_hash::XxHash3_64::oneshot(run)
@@ -171,8 +210,8 @@ pub fn run_checksum(run: &[u8]) -> u64 {
 /// The trunk identity: XXH3-128 over every layer's tensors (in `trunk.json` order: layer, then
 /// name) — name, length and recorded XXH3-64. Two trunks with the same identity hold the same
 /// tensor bytes (up to a hash collision).
-// String error because trunk.rs is being reworked by the coded-trunk branch: its callers wrap
-// the message in TrunkError (Refused or Io by context); typed after that merge.
+// String error because its one problem (an unparsable recorded hash) becomes a TrunkError by
+// context at each caller (Refused for a trunk.json, Io for a pack), which names the file.
 pub fn trunk_id(layers: &[JsonLayer]) -> Result<u128, String> {
     let mut h = twox_hash::XxHash3_128::new();
     h.write(b"k3-trunk-id/1\0");
@@ -243,8 +282,8 @@ pub(crate) fn parse_hash(s: &str, digits: usize) -> Option<u128> {
 }
 
 /// Check a layer's trunk tensors form one contiguous run in one shard; returns (shard, start, len).
-// String error because trunk.rs is being reworked by the coded-trunk branch: the message becomes
-// TrunkError::Refused or a layout's Missing entry; typed after that merge.
+// String error because its callers turn the message into different things by context (a
+// TrunkError::Refused at pack time, a layout's Missing entry when a source is built).
 pub fn contiguous_run(l: usize, ts: &[TensorExtent]) -> Result<(u16, u64, u64), String> {
     let mut v: Vec<&TensorExtent> = ts.iter().collect();
     v.sort_by_key(|t| (t.shard, t.off));
@@ -364,6 +403,8 @@ pub fn pack_trunk(
                             nbytes: t.nbytes,
                             dtype: t.dtype,
                             xxh3: format!("{:016x}", sums[&t.name]),
+                            codec: None,
+                            stored: None,
                         },
                     )
                 })
@@ -404,6 +445,185 @@ pub fn pack_trunk(
     Ok(PackSummary {
         layers: n,
         bytes: bytes_total,
+        file_bytes: pos,
+        largest_run: largest,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// How a `trunk.json` tensor entry says it is stored, checked against its format: format 3
+/// has no `codec` or `stored` (raw); format 4 has both, a raw tensor's `stored` is its
+/// `nbytes`, and only a BF16 tensor is EC-BF16 coded (at least a header long).
+// String error because this private check's message is wrapped at its one caller into a
+// TrunkError::Refused that names the layer, the tensor and trunk.json.
+fn stored_as(coded_format: bool, jt: &JsonTensor) -> Result<(Storage, u64), String> {
+    match (coded_format, jt.codec, jt.stored) {
+        (false, None, None) => Ok((Storage::Raw, jt.nbytes)),
+        (false, _, _) => Err(format!(
+            "\"codec\"/\"stored\" in a format {TRUNK_FORMAT} trunk (only format \
+             {TRUNK_FORMAT_CODED} has them)"
+        )),
+        (true, Some(Storage::Raw), Some(n)) if n == jt.nbytes => Ok((Storage::Raw, n)),
+        (true, Some(Storage::Raw), Some(n)) => Err(format!(
+            "stored raw in {n} bytes, but the tensor is {} bytes",
+            jt.nbytes
+        )),
+        (true, Some(Storage::EcBf16), Some(n))
+            if jt.dtype == Dtype::BF16 && n >= k3_proto::ecbf16::HEADER_BYTES as u64 =>
+        {
+            Ok((Storage::EcBf16, n))
+        }
+        (true, Some(Storage::EcBf16), Some(n)) => Err(format!(
+            "ecbf16 coded in {n} bytes from a {} tensor (only BF16 matrices are coded, each at \
+             least a {}-byte header)",
+            jt.dtype,
+            k3_proto::ecbf16::HEADER_BYTES
+        )),
+        (true, _, _) => Err(format!(
+            "no \"codec\" and \"stored\" (format {TRUNK_FORMAT_CODED} records both for every \
+             tensor)"
+        )),
+    }
+}
+
+/// Pack every layer's trunk of `cat` into `out_dir/trunk.bin` + `trunk.json`, format
+/// [`TRUNK_FORMAT_CODED`]: each BF16 matrix [`codable`] by its `index` shape is EC-BF16 coded
+/// (`k3_proto::ecbf16::choose_codec`: the smallest of `widths` whose escape rate is at most
+/// `max_escape`) when that is smaller than raw; every other tensor is copied as it is. Tensors keep their checkpoint order,
+/// each at a 64-byte offset of its run; runs are 4 KiB aligned and checksummed as in
+/// [`pack_trunk`], and `trunk.json` records each tensor's checkpoint length, dtype and XXH3-64
+/// (so the trunk identity is the raw pack's) plus its codec and stored size. Memory: about the
+/// largest tensor twice (read and coded).
+pub fn pack_trunk_coded(
+    cat: &Catalog,
+    index: &k3_proto::safetensors::CheckpointIndex,
+    out_dir: &Path,
+    widths: &[u8],
+    max_escape: f64,
+    progress: &mut dyn FnMut(&PackProgress),
+) -> Result<PackSummary, TrunkError> {
+    use k3_proto::ecbf16::{choose_codec, encode_with_palette, HighBytes, TensorCodec, WIDTHS};
+    if let Some(w) = widths.iter().find(|w| !WIDTHS.contains(w)) {
+        return Err(TrunkError::Refused(format!(
+            "EC-BF16 index width {w} (the format has {WIDTHS:?})"
+        )));
+    }
+    let t0 = Instant::now();
+    let n = cat.n_layers();
+    // Every layer is checked before anything is written (as the raw packer does).
+    for l in 0..n {
+        contiguous_run(l, cat.trunk(l)).map_err(TrunkError::Refused)?;
+    }
+    let bytes_total: u64 = (0..n).map(|l| cat.trunk_bytes(l)).sum();
+    let id = ModelIdentity::of(cat)?;
+    let mut files: Vec<Option<DiskFile>> = (0..cat.shard_paths().len()).map(|_| None).collect();
+    let mut buf = AlignedBuf::zeroed(0)?;
+    let (mut pos, mut largest, mut written) = (0u64, 0u64, 0u64);
+    write_packed(out_dir, TRUNK_BIN, TRUNK_JSON, &mut |out, werr| {
+        let mut layers = Vec::with_capacity(n);
+        let mut done = 0u64;
+        for l in 0..n {
+            let mut ts: Vec<&TensorExtent> = cat.trunk(l).iter().collect();
+            ts.sort_by_key(|t| (t.shard, t.off));
+            let mut run_sum = twox_hash::XxHash3_64::new();
+            let mut tensors = BTreeMap::new();
+            let mut at = 0u64;
+            for t in ts {
+                let f = match &mut files[t.shard as usize] {
+                    Some(f) => f,
+                    slot => slot.insert(DiskFile::open(&cat.shard_paths()[t.shard as usize])?),
+                };
+                let need = span_len(t.off, t.nbytes)
+                    .ok_or_else(|| TrunkError::Refused(format!("{}: too large", t.name)))?;
+                if (buf.as_slice().len() as u64) < need {
+                    buf = AlignedBuf::zeroed(need as usize)?;
+                }
+                let inner = f.read_span(t.off, t.nbytes, buf.as_mut_slice())?;
+                let raw = &buf.as_slice()[inner..inner + t.nbytes as usize];
+                let shape = index.get(&t.name).map(|i| i.shape().to_vec());
+                let coded = match shape {
+                    Some(s) if codable(&t.name, t.dtype, &s) => {
+                        let (rows, cols) = (s[0] as usize, s[1] as usize);
+                        let h = HighBytes::of(raw);
+                        match choose_codec(&h, rows, cols, widths, max_escape) {
+                            (TensorCodec::Coded(w), _) => Some(
+                                encode_with_palette(raw, rows, cols, w, &h.palette(w)).map_err(
+                                    |e| TrunkError::Refused(format!("layer {l}: {}: {e}", t.name)),
+                                )?,
+                            ),
+                            (TensorCodec::Raw, _) => None,
+                        }
+                    }
+                    _ => None,
+                };
+                let (storage, bytes) = match &coded {
+                    Some(c) => (Storage::EcBf16, &c[..]),
+                    None => (Storage::Raw, raw),
+                };
+                // Zeros up to the tensor's aligned offset (holes in the file), then its bytes.
+                let off = at.div_ceil(CODED_TENSOR_ALIGN) * CODED_TENSOR_ALIGN;
+                std::hash::Hasher::write(
+                    &mut run_sum,
+                    &[0u8; CODED_TENSOR_ALIGN as usize][..(off - at) as usize],
+                );
+                std::hash::Hasher::write(&mut run_sum, bytes);
+                write_sparse(out, pos + off, bytes).map_err(werr)?;
+                at = off + bytes.len() as u64;
+                tensors.insert(
+                    t.name.clone(),
+                    JsonTensor {
+                        off,
+                        nbytes: t.nbytes,
+                        dtype: t.dtype,
+                        xxh3: format!("{:016x}", twox_hash::XxHash3_64::oneshot(raw)),
+                        codec: Some(storage),
+                        stored: Some(bytes.len() as u64),
+                    },
+                );
+                done += t.nbytes;
+                progress(&PackProgress {
+                    layers_done: l,
+                    layers_total: n,
+                    bytes_done: done,
+                    bytes_total,
+                });
+            }
+            layers.push(JsonLayer {
+                file_off: pos,
+                nbytes: at,
+                xxh3: format!("{:016x}", std::hash::Hasher::finish(&run_sum)),
+                tensors,
+            });
+            pos += align_up(at).ok_or_else(|| TrunkError::Refused("run too large".into()))?;
+            written += at;
+            largest = largest.max(at);
+            progress(&PackProgress {
+                layers_done: l + 1,
+                layers_total: n,
+                bytes_done: done,
+                bytes_total,
+            });
+        }
+        let tid = trunk_id(&layers).map_err(TrunkError::Io)?;
+        let json = TrunkJson {
+            format: TRUNK_FORMAT_CODED,
+            align: ALIGN as u64,
+            model: Some(JsonModel {
+                n_layers: n,
+                trunk_bytes: written,
+                model_id: format!("{:032x}", id.id),
+                id_kind: id.kind.name().into(),
+                trunk_id: format!("{tid:032x}"),
+            }),
+            layers,
+        };
+        let text = serde_json::to_string_pretty(&json)
+            .map_err(|e| TrunkError::Io(format!("serialising trunk.json: {e}")))?;
+        Ok((pos, text))
+    })?;
+    Ok(PackSummary {
+        layers: n,
+        bytes: written,
         file_bytes: pos,
         largest_run: largest,
         seconds: t0.elapsed().as_secs_f64(),
@@ -571,6 +791,7 @@ impl TrunkLayout {
                                     off: t.off - start,
                                     nbytes: t.nbytes,
                                     dtype: t.dtype,
+                                    storage: Storage::Raw,
                                 })
                                 .collect(),
                         )),
@@ -590,6 +811,7 @@ impl TrunkLayout {
                                 off: pos,
                                 nbytes: t.nbytes,
                                 dtype: t.dtype,
+                                storage: Storage::Raw,
                             });
                             pieces.push(Piece {
                                 shard: t.shard,
@@ -644,14 +866,14 @@ impl TrunkLayout {
             serde_json::from_str(&text).map_err(|e| refuse(format!("not a trunk.json: {e}")))?;
         let model_dir = model_dir_of(cat);
         let repack = format!("re-run `k3-ctl pack-trunk {model_dir} {}`", dir.display());
-        if json.format != TRUNK_FORMAT {
+        if json.format != TRUNK_FORMAT && json.format != TRUNK_FORMAT_CODED {
             return Err(refuse(format!(
-                "trunk format {} (written by an older k3-ctl or by kimi-k3-in-c, without the \
-                 model identity, tensor hashes and layer checksums of format {TRUNK_FORMAT}): \
-                 {repack}",
+                "trunk format {} (written by another k3-ctl or by kimi-k3-in-c; this one reads \
+                 format {TRUNK_FORMAT}, and {TRUNK_FORMAT_CODED} with coded tensors): {repack}",
                 json.format
             )));
         }
+        let coded_format = json.format == TRUNK_FORMAT_CODED;
         let Some(m) = &json.model else {
             return Err(refuse(format!("no \"model\" identity: {repack}")));
         };
@@ -789,20 +1011,23 @@ impl TrunkLayout {
                         t.name, jt.dtype, jt.nbytes, t.dtype, t.nbytes
                     )));
                 }
-                match jt.off.checked_add(jt.nbytes) {
+                let (storage, stored) = stored_as(coded_format, jt)
+                    .map_err(|m| refuse(format!("layer {l}: {}: {m}", t.name)))?;
+                match jt.off.checked_add(stored) {
                     Some(end) if end <= jl.nbytes => {}
                     _ => {
                         return Err(refuse(format!(
-                            "layer {l}: {} at {}..+{} lies outside its run of {} bytes",
-                            t.name, jt.off, jt.nbytes, jl.nbytes
+                            "layer {l}: {} at {}..+{stored} lies outside its run of {} bytes",
+                            t.name, jt.off, jl.nbytes
                         )))
                     }
                 }
                 locs.push(TensorLoc {
                     name: t.name.clone(),
                     off: jt.off,
-                    nbytes: jt.nbytes,
+                    nbytes: stored,
                     dtype: jt.dtype,
+                    storage,
                 });
                 // Parsed by `trunk_id` above.
                 let h = parse_hash(&jt.xxh3, 16).unwrap_or_default() as u64;
@@ -912,6 +1137,50 @@ impl TrunkLayout {
             on_bytes(take);
         }
         Ok((std::hash::Hasher::finish(&h), per_tensor.finish()))
+    }
+
+    /// Each EC-BF16 coded tensor of layer `l` as stored (in `trunk.bin`), decoded: its name and
+    /// the XXH3-64 of its decoded bytes — `CodedMatrix::verify` has checked every block, escape
+    /// and the palette and that the decode hashes to the header's checksum, which is returned —
+    /// or why it is corrupt. What `k3-ctl verify --trunk` compares with the recorded source
+    /// hashes. Empty for a raw layer. Reads one tensor at a time.
+    #[allow(clippy::type_complexity)]
+    pub fn check_coded(
+        &self,
+        l: usize,
+        on_bytes: &mut dyn FnMut(u64),
+    ) -> Result<Vec<(String, Result<u64, k3_proto::ecbf16::CodecError>)>, ReadError> {
+        let Some(p) = self.plan(l) else {
+            return Ok(Vec::new());
+        };
+        let coded: Vec<&TensorLoc> = (p.layout.tensors().iter())
+            .filter(|t| t.storage == Storage::EcBf16)
+            .collect();
+        if coded.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some((f, off, _)) = self.span_file(l)? else {
+            return Err(ReadError::msg(format!(
+                "layer {l} has coded tensors but is not one file range"
+            )));
+        };
+        let mut out = Vec::with_capacity(coded.len());
+        let mut buf = AlignedBuf::zeroed(0).map_err(ReadError::msg)?;
+        for t in coded {
+            let at = off + t.off;
+            let need = span_len(at, t.nbytes)
+                .ok_or_else(|| ReadError::msg(format!("{}: too large", t.name)))?;
+            if (buf.as_slice().len() as u64) < need {
+                buf = AlignedBuf::zeroed(need as usize).map_err(ReadError::msg)?;
+            }
+            let inner = f.read_span(at, t.nbytes, buf.as_mut_slice())?;
+            on_bytes(t.nbytes);
+            let bytes = &buf.as_slice()[inner..inner + t.nbytes as usize];
+            let r = k3_proto::ecbf16::CodedMatrix::parse(bytes)
+                .and_then(|m| m.verify().map(|()| m.raw_checksum()));
+            out.push((t.name.clone(), r));
+        }
+        Ok(out)
     }
 
     /// The trunk identity of a packed trunk ([`trunk_id`]; `None` when read from the shards).
@@ -1277,6 +1546,8 @@ mod tests {
                 nbytes: 2,
                 dtype: Dtype::BF16,
                 xxh3: "0123456789abcdef".into(),
+                codec: None,
+                stored: None,
             },
         );
         assert!(try_with(&j).contains("not in the checkpoint"));

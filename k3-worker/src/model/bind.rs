@@ -6,10 +6,11 @@
 //! dtype size`, inside the run, and — when the source can tell (the checkpoint index) — the
 //! full stored shape. A failure names the tensor, what was expected and what was found.
 
+use k3_proto::ecbf16::CodedMatrix;
 use k3_proto::Dtype;
 use std::sync::Arc;
 
-use k3_store::runtime::source::{LayerLayout, LayerRun, Region, WeightSource};
+use k3_store::runtime::source::{LayerLayout, LayerRun, Region, Storage, WeightSource};
 
 use super::attn_res::AttnResQuery;
 use super::dims::{Dims, ModelError};
@@ -101,27 +102,68 @@ impl Span {
     }
 }
 
-/// Where one weight matrix sits inside its layer run: a bf16 tensor, or a draft trunk's
-/// quantized codes and their scales.
+/// Where one weight matrix sits inside its layer run: a bf16 tensor, an EC-BF16 coded bf16
+/// tensor of a coded packed trunk (SPEC.md §6.13; `tensor` is its index in the layout, `rows`
+/// and `cols` its bound shape), or a draft trunk's quantized codes and their scales.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum MatSpan {
     Bf16(Span),
     F32(Span),
-    Quant { kind: QuantKind, q: Span, s: Span },
+    Coded {
+        span: Span,
+        tensor: u32,
+        rows: u32,
+        cols: u32,
+    },
+    Quant {
+        kind: QuantKind,
+        q: Span,
+        s: Span,
+    },
 }
 
 impl MatSpan {
-    fn of<'r>(&self, bytes: &'r [u8]) -> Mat<'r> {
-        match *self {
+    /// The matrix in this pass's run bytes. A coded matrix is parsed again (`O(rows)`): a
+    /// streamed run is new bytes each pass, and they must still be a matrix of the bound shape
+    /// (a run overwritten under a broken lease is an error here, never an out-of-bounds read).
+    fn of<'r>(&self, bytes: &'r [u8], layout: &LayerLayout) -> Result<Mat<'r>, ModelError> {
+        Ok(match *self {
             MatSpan::Bf16(sp) => Mat::Bf16(sp.of(bytes)),
             MatSpan::F32(sp) => Mat::F32(sp.of(bytes)),
+            MatSpan::Coded {
+                span,
+                tensor,
+                rows,
+                cols,
+            } => Mat::Coded(
+                coded_of(span.of(bytes), rows as usize, cols as usize).map_err(|problem| {
+                    let name =
+                        (layout.tensors().get(tensor as usize)).map_or("?", |t| t.name.as_str());
+                    bind_err(name, format!("in this pass's run: {problem}"))
+                })?,
+            ),
             MatSpan::Quant { kind, q, s } => Mat::Quant {
                 kind,
                 q: q.of(bytes),
                 s: s.of(bytes),
             },
-        }
+        })
     }
+}
+
+/// `bytes` parsed as an EC-BF16 matrix of shape `[rows, cols]`.
+// String error because both callers wrap it with `bind_err`, which names the tensor (the
+// ModelError a failed bind is).
+fn coded_of(bytes: &[u8], rows: usize, cols: usize) -> Result<CodedMatrix<'_>, String> {
+    let m = CodedMatrix::parse(bytes).map_err(|e| e.to_string())?;
+    if (m.rows(), m.cols()) != (rows, cols) {
+        return Err(format!(
+            "EC-BF16 matrix [{}, {}], expected [{rows}, {cols}]",
+            m.rows(),
+            m.cols()
+        ));
+    }
+    Ok(m)
 }
 
 /// Checked access to one layer run's tensors (used once per layer, at bind).
@@ -148,6 +190,17 @@ impl<'r> LayerView<'r> {
             .layout
             .get(&name)
             .ok_or_else(|| bind_err(&name, format!("missing from the layer {} run", self.l)))?;
+        if loc.storage != Storage::Raw {
+            return Err(bind_err(
+                &name,
+                format!(
+                    "stored {} in the layer {} run, but it is read raw (only a weight matrix \
+                     other than kv_b_proj may be coded: re-run `k3-ctl pack-trunk`)",
+                    loc.storage.name(),
+                    self.l
+                ),
+            ));
+        }
         if !dtypes.contains(&loc.dtype) {
             let want: Vec<&str> = dtypes.iter().map(|d| d.name()).collect();
             return Err(bind_err(
@@ -204,6 +257,9 @@ impl<'r> LayerView<'r> {
     /// cols]` or int4 codes `U8 [rows, cols/2]` with their scales under the name +
     /// [`SCALE_SUFFIX`] (`k3_proto::quant`).
     fn mat(&self, suffix: &str, rows: usize, cols: usize) -> Result<MatSpan, ModelError> {
+        if let Some(coded) = self.coded(suffix, rows, cols)? {
+            return Ok(coded);
+        }
         if !self.quant {
             return Ok(MatSpan::Bf16(self.mat_bf16(suffix, rows, cols)?));
         }
@@ -260,6 +316,57 @@ impl<'r> LayerView<'r> {
         }
     }
 
+    /// `layers.{l}.{suffix}` when it is stored EC-BF16 coded (`None` when raw): its header must
+    /// parse and give `[rows, cols]`, the checkpoint's dtype BF16 (and shape, when the index is
+    /// known), and it must lie inside the run.
+    fn coded(&self, suffix: &str, rows: usize, cols: usize) -> Result<Option<MatSpan>, ModelError> {
+        let name = names::layer(self.l, suffix);
+        let layout = &self.run.layout;
+        let Some(loc) = layout.get(&name) else {
+            return Ok(None);
+        };
+        if loc.storage != Storage::EcBf16 {
+            return Ok(None);
+        }
+        let tensor = (layout.tensors().iter())
+            .position(|t| t.name == name)
+            .and_then(|i| u32::try_from(i).ok())
+            .unwrap_or(u32::MAX);
+        if loc.dtype != Dtype::BF16 {
+            return Err(bind_err(
+                &name,
+                format!("EC-BF16 coded, but its dtype is {}", loc.dtype),
+            ));
+        }
+        check_meta(self.shapes, &name, &[&[rows, cols]], Dtype::BF16)?;
+        let region = self.run.region.bytes();
+        let span = usize::try_from(loc.off)
+            .ok()
+            .zip(usize::try_from(loc.nbytes).ok())
+            .filter(|(o, n)| o.checked_add(*n).is_some_and(|e| e <= region.len()))
+            .map(|(off, len)| Span { off, len })
+            .ok_or_else(|| {
+                bind_err(
+                    &name,
+                    format!(
+                        "offset {} + {} bytes outside the {}-byte layer run",
+                        loc.off,
+                        loc.nbytes,
+                        region.len()
+                    ),
+                )
+            })?;
+        coded_of(span.of(region), rows, cols).map_err(|p| bind_err(&name, p))?;
+        // A coded matrix's shape fits the header's u32 fields (parsed above).
+        let (rows, cols) = (rows as u32, cols as u32);
+        Ok(Some(MatSpan::Coded {
+            span,
+            tensor,
+            rows,
+            cols,
+        }))
+    }
+
     /// A small vector of `shape` widened to f32, stored as BF16 or F32 (SPEC.md §2: the release
     /// stores some vectors as F32; either width is widened exactly).
     fn vec(&self, suffix: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
@@ -295,6 +402,9 @@ fn fold(norm: &[f32], proj: &[f32]) -> AttnResQuery {
 }
 
 /// The attention half of a layer.
+// Made once per layer per pass and matched in place: a coded matrix's parsed header makes the
+// variants' sizes differ, and boxing would allocate on every pass.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Attn<'a> {
     /// Kimi Delta Attention.
@@ -304,6 +414,8 @@ pub enum Attn<'a> {
 }
 
 /// The MLP half of a layer.
+// As [`Attn`]: per pass, never boxed.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Mlp<'a> {
     /// Dense SiTU MLP (layers `< first_k_dense_replace`).
@@ -370,13 +482,13 @@ struct SituBound {
 }
 
 impl SituBound {
-    fn view<'a>(&self, b: &'a [u8]) -> SituMlp<'a> {
-        SituMlp {
-            gate: self.gate.of(b),
-            up: self.up.of(b),
-            down: self.down.of(b),
+    fn view<'a>(&self, b: &'a [u8], layout: &LayerLayout) -> Result<SituMlp<'a>, ModelError> {
+        Ok(SituMlp {
+            gate: self.gate.of(b, layout)?,
+            up: self.up.of(b, layout)?,
+            down: self.down.of(b, layout)?,
             width: self.width,
-        }
+        })
     }
 }
 
@@ -517,41 +629,42 @@ impl BoundLayer {
             )));
         }
         let b = run.region.bytes();
+        let lt = &*self.layout;
         let attn = match &self.attn {
             AttnBound::Kda(k) => Attn::Kda(KdaWeights {
-                q_proj: k.q.of(b),
-                k_proj: k.k.of(b),
-                v_proj: k.v.of(b),
+                q_proj: k.q.of(b, lt)?,
+                k_proj: k.k.of(b, lt)?,
+                v_proj: k.v.of(b, lt)?,
                 conv: [&k.conv[0], &k.conv[1], &k.conv[2]],
-                f_a: k.f_a.of(b),
-                f_b: k.f_b.of(b),
+                f_a: k.f_a.of(b, lt)?,
+                f_b: k.f_b.of(b, lt)?,
                 a_log: &k.a_log,
                 dt_bias: &k.dt_bias,
-                b_proj: k.b.of(b),
-                g_proj: k.g.of(b),
+                b_proj: k.b.of(b, lt)?,
+                g_proj: k.g.of(b, lt)?,
                 o_norm: &k.o_norm,
-                o_proj: k.o.of(b),
+                o_proj: k.o.of(b, lt)?,
             }),
             AttnBound::Mla(m) => Attn::Mla(MlaWeights {
-                q_a: m.q_a.of(b),
+                q_a: m.q_a.of(b, lt)?,
                 q_a_norm: &m.q_a_norm,
-                q_b: m.q_b.of(b),
-                kv_a: m.kv_a.of(b),
+                q_b: m.q_b.of(b, lt)?,
+                kv_a: m.kv_a.of(b, lt)?,
                 kv_a_norm: &m.kv_a_norm,
                 kv_b: m.kv_b.of(b),
-                o_proj: m.o.of(b),
-                g_proj: m.g.map(|g| g.of(b)),
+                o_proj: m.o.of(b, lt)?,
+                g_proj: m.g.map(|g| g.of(b, lt)).transpose()?,
             }),
         };
         let mlp = match &self.mlp {
-            MlpBound::Dense(s) => Mlp::Dense(s.view(b)),
+            MlpBound::Dense(s) => Mlp::Dense(s.view(b, lt)?),
             MlpBound::Moe(m) => Mlp::Moe(MoeWeights {
-                router: m.router.of(b),
+                router: m.router.of(b, lt)?,
                 bias: &m.bias,
-                down: m.down.of(b),
+                down: m.down.of(b, lt)?,
                 norm: m.norm.as_deref(),
-                up: m.up.of(b),
-                shared: m.shared.map(|s| s.view(b)),
+                up: m.up.of(b, lt)?,
+                shared: m.shared.map(|s| s.view(b, lt)).transpose()?,
             }),
         };
         Ok(LayerWeights {

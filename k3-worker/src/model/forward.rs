@@ -421,7 +421,10 @@ fn moe(
         f.up.hold(&moe.up_side());
         feed.release(layer)?;
         let up = std::mem::take(&mut w.ffn.up);
-        let done = routed_experts(d, l, up.side(), shared, stream, feed, w);
+        let done = match up.side() {
+            Ok(side) => routed_experts(d, l, side, shared, stream, feed, w),
+            Err(e) => Err(e),
+        };
         w.ffn.up = up;
         done
     } else {

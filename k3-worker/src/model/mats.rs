@@ -3,18 +3,23 @@
 //! the maths files and the weights feed read it, and it reads none of them. A new storage form
 //! of a matrix is a new [`Mat`] variant and its arm in [`linear_into`], nothing else.
 
+use k3_proto::ecbf16::CodedMatrix;
 use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_store::runtime::source::ExpertBatch;
 
-/// A weight matrix as stored: bf16 (a checkpoint), f32 (a checkpoint's F32 router), or the
-/// quantized codes and scales of a draft trunk (`k3_proto::quant`; only a draft model binds
-/// these).
+use crate::kernels::Bf16Matrix;
+
+/// A weight matrix as stored: bf16 (a checkpoint), f32 (a checkpoint's F32 router), EC-BF16 coded bf16 (a coded packed trunk,
+/// SPEC.md §6.13: the same numbers), or the quantized codes and scales of a draft trunk
+/// (`k3_proto::quant`; only a draft model binds these).
 #[derive(Clone, Copy, Debug)]
 pub enum Mat<'a> {
     /// Little-endian bf16 `[rows, cols]`.
     Bf16(&'a [u8]),
     /// Little-endian f32 `[rows, cols]` (an F32 router; `kernels::matmul_f32`).
     F32(&'a [u8]),
+    /// EC-BF16 coded bf16, parsed, of the shape it was bound with.
+    Coded(CodedMatrix<'a>),
     /// Quantized codes and little-endian f32 scales.
     Quant {
         /// int8 or int4.
@@ -43,8 +48,14 @@ pub(crate) fn linear_into(
     y: &mut Vec<f32>,
 ) {
     let y = zeroed(y, n * rows);
+    let k = crate::kernels::Kernels::active();
     match w {
-        Mat::Bf16(w) => crate::kernels::matmul_bf16(w, rows, cols, x, n, y),
+        // Raw and coded bf16 multiply to the same bits (SPEC.md §6.13).
+        Mat::Bf16(bytes) => k.matmul_matrix(&Bf16Matrix::Raw { bytes, rows, cols }, x, n, y),
+        Mat::Coded(m) => {
+            debug_assert_eq!((m.rows(), m.cols()), (rows, cols), "coded matrix shape");
+            k.matmul_matrix(&Bf16Matrix::Coded(m), x, n, y)
+        }
         Mat::F32(w) => crate::kernels::matmul_f32(w, rows, cols, x, n, y),
         Mat::Quant { kind, q, s } => {
             crate::kernels::quant::matmul_quant(kind, q, s, rows, cols, x, n, y)

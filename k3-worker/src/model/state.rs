@@ -11,6 +11,7 @@ use super::mats::{copy_into, Mat};
 use super::mla::MlaBufs;
 pub use super::mla::MlaCache;
 use super::moe::{CombineBufs, ExpertBufs, MlpBufs, RouteBufs, Routing, Slots, UpSide};
+use k3_proto::ecbf16::CodedMatrix;
 
 /// Per-layer state.
 #[derive(Clone, Debug, PartialEq)]
@@ -86,37 +87,50 @@ pub(crate) struct FfnBufs {
 /// same as reading the run. Its allocations are reused like every stage buffer's.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct UpCopy {
-    /// The up-projection's bf16 bytes, or a draft's quantized codes.
+    /// The up-projection's bf16 bytes, its EC-BF16 code, or a draft's quantized codes.
     bytes: Vec<u8>,
-    /// A draft's quantized scales (empty for bf16).
+    /// A draft's quantized scales (empty otherwise).
     scales: Vec<u8>,
-    /// `None` for bf16 (or f32).
-    kind: Option<k3_proto::quant::QuantKind>,
-    /// The bytes are f32 (`Mat::F32`; the binder gives the up-projection as bf16 or codes, so
-    /// this only keeps the copy faithful to any [`Mat`]).
-    f32: bool,
+    /// How `bytes` store the matrix.
+    form: UpForm,
     /// The latent norm, when the layer has one.
     norm: Option<Vec<f32>>,
 }
 
+/// What an [`UpCopy`] holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum UpForm {
+    /// Raw bf16.
+    #[default]
+    Bf16,
+    /// EC-BF16 coded bf16 (SPEC.md §6.13), copied as coded: fewer bytes than raw, and the
+    /// kernels multiply it to the same bits.
+    Coded,
+    /// f32 (`Mat::F32`; the binder gives the up-projection as bf16, coded or codes, so this
+    /// only keeps the copy faithful to any [`Mat`]).
+    F32,
+    /// A draft's quantized codes.
+    Quant(k3_proto::quant::QuantKind),
+}
+
 impl UpCopy {
     /// Bytes of a copy of a MoE layer's up side: the bf16 up-projection `[E, latent]` and the
-    /// latent norm.
+    /// latent norm (a coded copy is smaller).
     pub(crate) fn bytes_for(d: &Dims) -> u64 {
         2 * (d.hidden * d.latent) as u64 + 4 * d.latent as u64
     }
 
     /// Copy `side` in, reusing the allocations.
     pub(crate) fn hold(&mut self, side: &UpSide<'_>) {
-        let (bytes, scales, kind, f32) = match side.up {
-            Mat::Bf16(b) => (b, &[][..], None, false),
-            Mat::F32(b) => (b, &[][..], None, true),
-            Mat::Quant { kind, q, s } => (q, s, Some(kind), false),
+        let (bytes, scales, form) = match side.up {
+            Mat::Bf16(b) => (b, &[][..], UpForm::Bf16),
+            Mat::F32(b) => (b, &[][..], UpForm::F32),
+            Mat::Coded(m) => (m.bytes(), &[][..], UpForm::Coded),
+            Mat::Quant { kind, q, s } => (q, s, UpForm::Quant(kind)),
         };
         copy_into(&mut self.bytes, bytes);
         copy_into(&mut self.scales, scales);
-        self.kind = kind;
-        self.f32 = f32;
+        self.form = form;
         match (side.norm, &mut self.norm) {
             (Some(n), Some(v)) => copy_into(v, n),
             (Some(n), none) => *none = Some(n.to_vec()),
@@ -124,20 +138,24 @@ impl UpCopy {
         }
     }
 
-    /// The held weights.
-    pub(crate) fn side(&self) -> UpSide<'_> {
-        UpSide {
-            up: match self.kind {
-                None if self.f32 => Mat::F32(&self.bytes),
-                None => Mat::Bf16(&self.bytes),
-                Some(kind) => Mat::Quant {
+    /// The held weights. A coded copy is parsed again (`O(rows)`; the bytes parsed when the
+    /// layer was bound, so an error here means the copy is not what was held).
+    pub(crate) fn side(&self) -> Result<UpSide<'_>, ModelError> {
+        Ok(UpSide {
+            up: match self.form {
+                UpForm::Bf16 => Mat::Bf16(&self.bytes),
+                UpForm::F32 => Mat::F32(&self.bytes),
+                UpForm::Coded => Mat::Coded(CodedMatrix::parse(&self.bytes).map_err(|e| {
+                    ModelError::Config(format!("the held coded up-projection: {e}"))
+                })?),
+                UpForm::Quant(kind) => Mat::Quant {
                     kind,
                     q: &self.bytes,
                     s: &self.scales,
                 },
             },
             norm: self.norm.as_deref(),
-        }
+        })
     }
 }
 

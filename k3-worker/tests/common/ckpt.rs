@@ -54,6 +54,7 @@ impl CkptSource {
                         off: run.len() as u64,
                         nbytes: t.nbytes,
                         dtype: t.dtype,
+                        storage: Default::default(),
                     });
                     run.extend(bytes(&t));
                 }

@@ -289,6 +289,7 @@ impl MemSource {
                     off: bytes.len() as u64,
                     nbytes: enc.len() as u64,
                     dtype: dt,
+                    storage: Default::default(),
                 });
                 bytes.extend_from_slice(&enc);
                 meta.insert(name, (dt, shape.iter().map(|&x| x as u64).collect()));
