@@ -330,43 +330,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // Kept conversations and the history live on top of the plan: checked against what is left
     // beside the shared memory. An explicit --session-mb or --history-ids that cannot be held is
     // refused; the default session budget shrinks to what is left (said in the plan).
-    let history_bytes = a.history_ids.saturating_mul(4);
-    let mut session_bytes = (a.session_mb * 1e6) as u64;
-    let mut session_note = String::new();
-    if let Some(av) = available {
-        let room = av.saturating_sub(shm);
-        let explicit =
-            |id: &str| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
-        if history_bytes > room && explicit("history_ids") {
-            problems.push(format!(
-                "--history-ids {}: the history takes {} beside the store's shared memory, but only \
-                 {} is left there (lower --history-ids)",
-                a.history_ids,
-                fmt_bytes(history_bytes),
-                fmt_bytes(room)
-            ));
-        }
-        let room = room.saturating_sub(history_bytes);
-        if session_bytes > room {
-            if explicit("session_mb") {
-                problems.push(format!(
-                    "--session-mb {}: kept conversations may take {} on top of the store's shared \
-                     memory ({}), but only {} is left beside it: shortfall {} (lower --session-mb)",
-                    a.session_mb,
-                    fmt_bytes(session_bytes),
-                    fmt_bytes(shm),
-                    fmt_bytes(room),
-                    fmt_bytes(session_bytes - room)
-                ));
-            } else {
-                session_note = format!(
-                    " (the default {} MB does not fit beside the plan)",
-                    DEFAULT_SESSION_MB
-                );
-                session_bytes = room;
-            }
-        }
-    }
+    let (session_bytes, session_note) = beside_the_plan(&a, m, available, shm, &mut problems);
     let draft_note = draft.as_ref().map_or(String::new(), |d| {
         format!(
             ", {} draft trunk {}",
@@ -396,50 +360,10 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         );
         return fail(&mut notify, exit::REFUSED, msg);
     }
-    // Open files: the soft limit raised to the hard one; the shards, trunks, sessions and
-    // connections counted. Fewer connections are served when they alone do not fit (at least
-    // MIN_CONNECTIONS); below that, a refusal with the number needed.
-    let max_connections = {
-        use k3_store::runtime::fdlimit::{connections_that_fit, raise, Needs};
-        let defaults = k3_store::daemon::Limits::default();
-        let all = (defaults.max_connections + defaults.reserved) as u64;
-        let fixed = Needs {
-            shards: cat.shard_paths().len() as u64,
-            trunks: u64::from(a.budget.trunk.is_some()) + u64::from(draft.is_some()),
-            sessions: u64::from(a.max_sessions),
-            ..Default::default()
-        };
-        let limit = raise();
-        let fit = connections_that_fit(limit.soft, &fixed, all);
-        let full = Needs {
-            connections: all,
-            ..fixed
-        };
-        if fit < MIN_CONNECTIONS + defaults.reserved as u64 {
-            let least = Needs {
-                connections: MIN_CONNECTIONS + defaults.reserved as u64,
-                ..fixed
-            };
-            let e = (limit.check("k3-store", &full).err()).map_or(String::new(), |e| e.to_string());
-            return fail(
-                &mut notify,
-                exit::REFUSED,
-                format!(
-                    "{e} (it starts with at least {}, serving fewer connections)",
-                    least.total()
-                ),
-            );
-        }
-        tracing::info!("{}", limit.describe(&full));
-        let served = fit as usize - defaults.reserved;
-        if served < defaults.max_connections {
-            tracing::warn!(
-                "open files: serving at most {served} connections (not {}) under a limit of {}",
-                defaults.max_connections,
-                limit.soft
-            );
-        }
-        served.min(defaults.max_connections)
+    // Open files: the soft limit raised, what the store holds counted (connections_to_serve).
+    let max_connections = match connections_to_serve(&a, &cat, draft.is_some()) {
+        Ok(n) => n,
+        Err(msg) => return fail(&mut notify, exit::REFUSED, msg),
     };
     let preload = match (a.budget.preload).wanted(plan.expert_slots, cat.routed_experts().count()) {
         Ok(p) => p,
@@ -572,6 +496,105 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         tracing::info!("stopped");
     }
     exit::OK
+}
+
+/// What kept conversations and the history may take beside the store's shared memory (`shm`)
+/// in what this process may allocate (`available`): the session budget and a note for the plan
+/// when the default had to shrink; an explicit `--session-mb` or `--history-ids` that cannot be
+/// held adds a problem (a refusal) instead.
+fn beside_the_plan(
+    a: &StartArgs,
+    m: &clap::ArgMatches,
+    available: Option<u64>,
+    shm: u64,
+    problems: &mut Vec<String>,
+) -> (u64, String) {
+    let history_bytes = a.history_ids.saturating_mul(4);
+    let mut session_bytes = (a.session_mb * 1e6) as u64;
+    let mut session_note = String::new();
+    if let Some(av) = available {
+        let room = av.saturating_sub(shm);
+        let explicit =
+            |id: &str| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+        if history_bytes > room && explicit("history_ids") {
+            problems.push(format!(
+                "--history-ids {}: the history takes {} beside the store's shared memory, but only \
+                 {} is left there (lower --history-ids)",
+                a.history_ids,
+                fmt_bytes(history_bytes),
+                fmt_bytes(room)
+            ));
+        }
+        let room = room.saturating_sub(history_bytes);
+        if session_bytes > room {
+            if explicit("session_mb") {
+                problems.push(format!(
+                    "--session-mb {}: kept conversations may take {} on top of the store's shared \
+                     memory ({}), but only {} is left beside it: shortfall {} (lower --session-mb)",
+                    a.session_mb,
+                    fmt_bytes(session_bytes),
+                    fmt_bytes(shm),
+                    fmt_bytes(room),
+                    fmt_bytes(session_bytes - room)
+                ));
+            } else {
+                session_note = format!(
+                    " (the default {} MB does not fit beside the plan)",
+                    DEFAULT_SESSION_MB
+                );
+                session_bytes = room;
+            }
+        }
+    }
+    (session_bytes, session_note)
+}
+
+/// Open files: the soft limit raised to the hard one; the shards, trunks, sessions and
+/// connections counted. The connections served: fewer when they alone do not fit (at least
+/// `MIN_CONNECTIONS`); below that, the refusal with the number needed.
+// String error because its one caller refuses with it as it is (exit 2), as with the plan's
+// other problems.
+fn connections_to_serve(
+    a: &StartArgs,
+    cat: &k3_store::runtime::catalog::Catalog,
+    has_draft: bool,
+) -> Result<usize, String> {
+    use k3_store::runtime::fdlimit::{connections_that_fit, raise, Needs};
+    let defaults = k3_store::daemon::Limits::default();
+    let all = (defaults.max_connections + defaults.reserved) as u64;
+    let fixed = Needs {
+        shards: cat.shard_paths().len() as u64,
+        trunks: u64::from(a.budget.trunk.is_some()) + u64::from(has_draft),
+        sessions: u64::from(a.max_sessions),
+        ..Default::default()
+    };
+    let limit = raise();
+    let fit = connections_that_fit(limit.soft, &fixed, all);
+    let full = Needs {
+        connections: all,
+        ..fixed
+    };
+    if fit < MIN_CONNECTIONS + defaults.reserved as u64 {
+        let least = Needs {
+            connections: MIN_CONNECTIONS + defaults.reserved as u64,
+            ..fixed
+        };
+        let e = (limit.check("k3-store", &full).err()).map_or(String::new(), |e| e.to_string());
+        return Err(format!(
+            "{e} (it starts with at least {}, serving fewer connections)",
+            least.total()
+        ));
+    }
+    tracing::info!("{}", limit.describe(&full));
+    let served = fit as usize - defaults.reserved;
+    if served < defaults.max_connections {
+        tracing::warn!(
+            "open files: serving at most {served} connections (not {}) under a limit of {}",
+            defaults.max_connections,
+            limit.soft
+        );
+    }
+    Ok(served.min(defaults.max_connections))
 }
 
 fn start_detached(a: &StartArgs, socket: &Path, m: &clap::ArgMatches) -> i32 {

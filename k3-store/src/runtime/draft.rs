@@ -228,13 +228,7 @@ pub fn pack_draft(
             format: DRAFT_FORMAT,
             kind,
             align: ALIGN as u64,
-            model: JsonModel {
-                n_layers: n,
-                trunk_bytes: written,
-                model_id: format!("{:032x}", id.id),
-                id_kind: id.kind.name().into(),
-                trunk_id: String::new(),
-            },
+            model: JsonModel::of(n, written, &id, String::new()),
             layers,
         };
         let text = serde_json::to_string_pretty(&json)

@@ -135,6 +135,44 @@ pub struct TrunkJson {
     pub layers: Vec<JsonLayer>,
 }
 
+impl JsonModel {
+    /// The `model` entry of a packed file: `n_layers` layers, `trunk_bytes` of runs, the
+    /// checkpoint's content identity and the trunk identity (empty for a draft trunk).
+    pub fn of(n_layers: usize, trunk_bytes: u64, id: &ModelIdentity, trunk_id: String) -> Self {
+        JsonModel {
+            n_layers,
+            trunk_bytes,
+            model_id: format!("{:032x}", id.id),
+            id_kind: id.kind.name().into(),
+            trunk_id,
+        }
+    }
+}
+
+/// `trunk.json`'s text for `layers` packed in trunk `format`, with the trunk identity over
+/// their recorded tensor hashes.
+fn trunk_json_text(
+    format: u32,
+    trunk_bytes: u64,
+    id: &ModelIdentity,
+    layers: Vec<JsonLayer>,
+) -> Result<String, TrunkError> {
+    let tid = trunk_id(&layers).map_err(TrunkError::Io)?;
+    let json = TrunkJson {
+        format,
+        align: ALIGN as u64,
+        model: Some(JsonModel::of(
+            layers.len(),
+            trunk_bytes,
+            id,
+            format!("{tid:032x}"),
+        )),
+        layers,
+    };
+    serde_json::to_string_pretty(&json)
+        .map_err(|e| TrunkError::Io(format!("serialising trunk.json: {e}")))
+}
+
 /// Why packing or opening a packed trunk did not happen.
 #[derive(Debug, thiserror::Error)]
 pub enum TrunkError {
@@ -425,22 +463,10 @@ pub fn pack_trunk(
                 bytes_total,
             });
         }
-        let tid = trunk_id(&layers).map_err(TrunkError::Io)?;
-        let json = TrunkJson {
-            format: TRUNK_FORMAT,
-            align: ALIGN as u64,
-            model: Some(JsonModel {
-                n_layers: n,
-                trunk_bytes: bytes_total,
-                model_id: format!("{:032x}", id.id),
-                id_kind: id.kind.name().into(),
-                trunk_id: format!("{tid:032x}"),
-            }),
-            layers,
-        };
-        let text = serde_json::to_string_pretty(&json)
-            .map_err(|e| TrunkError::Io(format!("serialising trunk.json: {e}")))?;
-        Ok((pos, text))
+        Ok((
+            pos,
+            trunk_json_text(TRUNK_FORMAT, bytes_total, &id, layers)?,
+        ))
     })?;
     Ok(PackSummary {
         layers: n,
@@ -604,22 +630,10 @@ pub fn pack_trunk_coded(
                 bytes_total,
             });
         }
-        let tid = trunk_id(&layers).map_err(TrunkError::Io)?;
-        let json = TrunkJson {
-            format: TRUNK_FORMAT_CODED,
-            align: ALIGN as u64,
-            model: Some(JsonModel {
-                n_layers: n,
-                trunk_bytes: written,
-                model_id: format!("{:032x}", id.id),
-                id_kind: id.kind.name().into(),
-                trunk_id: format!("{tid:032x}"),
-            }),
-            layers,
-        };
-        let text = serde_json::to_string_pretty(&json)
-            .map_err(|e| TrunkError::Io(format!("serialising trunk.json: {e}")))?;
-        Ok((pos, text))
+        Ok((
+            pos,
+            trunk_json_text(TRUNK_FORMAT_CODED, written, &id, layers)?,
+        ))
     })?;
     Ok(PackSummary {
         layers: n,

@@ -349,15 +349,7 @@ impl Kernels {
         n: usize,
         y: &mut [f32],
     ) {
-        assert_eq!(
-            Some(w.len()),
-            rows.checked_mul(cols).and_then(|v| v.checked_mul(2)),
-            "bf16 weight bytes"
-        );
-        assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
-        assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
-        if cols == 0 {
-            y.fill(0.0);
+        if !dense_shapes(w, 2, "bf16", rows, cols, x, n, y) {
             return;
         }
         let row_bytes = cols * 2;
@@ -380,15 +372,7 @@ impl Kernels {
         n: usize,
         y: &mut [f32],
     ) {
-        assert_eq!(
-            Some(w.len()),
-            rows.checked_mul(cols).and_then(|v| v.checked_mul(4)),
-            "f32 weight bytes"
-        );
-        assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
-        assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
-        if cols == 0 {
-            y.fill(0.0);
+        if !dense_shapes(w, 4, "f32", rows, cols, x, n, y) {
             return;
         }
         let row_bytes = cols * 4;
@@ -690,6 +674,33 @@ pub(super) fn with_buffer<T, R>(
 /// `[lanes even columns | lanes odd columns]`; the last `cols mod 2·lanes` columns of each row
 /// stay in order. This is the order in which the SIMD tiers consume bf16 pairs (the two halves of
 /// a 32-bit lane) and MXFP4 nibbles (byte `i` of a block holds columns `2i` and `2i+1`).
+/// The shape checks of a dense `[rows, cols]` product with `elem`-byte weights (`name` in the
+/// panic message); `false` when there is nothing to multiply (`cols == 0`: `y` zeroed).
+#[allow(clippy::too_many_arguments)]
+fn dense_shapes(
+    w: &[u8],
+    elem: usize,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+) -> bool {
+    assert_eq!(
+        Some(w.len()),
+        rows.checked_mul(cols).and_then(|v| v.checked_mul(elem)),
+        "{name} weight bytes"
+    );
+    assert_eq!(Some(x.len()), n.checked_mul(cols), "matmul input");
+    assert_eq!(Some(y.len()), n.checked_mul(rows), "matmul output");
+    if cols == 0 {
+        y.fill(0.0);
+        return false;
+    }
+    true
+}
+
 #[cfg(test)]
 fn split_even_odd_rows(x: &[f32], cols: usize, lanes: usize) -> Vec<f32> {
     let mut out = Vec::new();
