@@ -296,6 +296,35 @@ impl Sandbox {
         }
     }
 
+    /// Every command that reads a checkpoint's headers, run on `model`, as (what, run):
+    /// `k3-ctl inspect`, `verify`, `pack-trunk`, `k3-store start --detach` (on this sandbox's
+    /// socket) and a standalone worker on the reference prompt.
+    pub fn every_header_command(&self, model: &Path) -> Vec<(&'static str, Run)> {
+        let m = path_str(model);
+        let out = self.dir.join("packed-never");
+        let sock = path_str(&self.socket).to_string();
+        let ids = ids_arg(&reference_prompt());
+        vec![
+            ("inspect", self.run("k3-ctl", &["inspect", m])),
+            ("verify", self.run("k3-ctl", &["verify", m])),
+            (
+                "pack-trunk",
+                self.run("k3-ctl", &["pack-trunk", m, path_str(&out)]),
+            ),
+            (
+                "store start",
+                self.run("k3-store", &["start", m, "--socket", &sock, "--detach"]),
+            ),
+            (
+                "standalone worker",
+                self.run(
+                    "k3-worker",
+                    &["--standalone", m, "--ids", &ids, "--gen", "2"],
+                ),
+            ),
+        ]
+    }
+
     /// Run a workspace binary with `args` to completion.
     pub fn run(&self, bin_name: &str, args: &[&str]) -> Run {
         Run::from(

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use k3_tests::{ids_arg, path_str, reference_prompt, tiny_model, Run, Sandbox};
+use k3_tests::{path_str, tiny_model, Run, Sandbox};
 use serde_json::Value;
 
 /// A copy of the tiny checkpoint (manifest included) in `<sandbox>/<name>`.
@@ -195,33 +195,6 @@ fn pack_trunk_records_every_source_tensor_and_verify_names_the_one_that_changed(
     assert!(log.contains("(sampled, weaker"), "{log}");
 }
 
-/// Every command that reads the headers, on `model`: (what, run).
-fn every_command(sb: &Sandbox, model: &Path) -> Vec<(&'static str, Run)> {
-    let m = path_str(model);
-    let out = sb.dir.join("packed-never");
-    let sock = path_str(&sb.socket).to_string();
-    let ids = ids_arg(&reference_prompt());
-    vec![
-        ("inspect", sb.run("k3-ctl", &["inspect", m])),
-        ("verify", sb.run("k3-ctl", &["verify", m])),
-        (
-            "pack-trunk",
-            sb.run("k3-ctl", &["pack-trunk", m, path_str(&out)]),
-        ),
-        (
-            "store start",
-            sb.run("k3-store", &["start", m, "--socket", &sock, "--detach"]),
-        ),
-        (
-            "standalone worker",
-            sb.run(
-                "k3-worker",
-                &["--standalone", m, "--ids", &ids, "--gen", "2"],
-            ),
-        ),
-    ]
-}
-
 #[test]
 fn a_transposed_or_f16_tensor_or_a_missing_index_is_refused_by_the_first_command_that_reads_the_headers(
 ) {
@@ -241,7 +214,7 @@ fn a_transposed_or_f16_tensor_or_a_missing_index_is_refused_by_the_first_command
         (&f16, format!("`{norm}`: F16")),
         (&no_index, "model.safetensors.index.json".to_string()),
     ] {
-        for (what, r) in every_command(&sb, model) {
+        for (what, r) in sb.every_header_command(model) {
             assert_eq!(r.code, 2, "{what} on {}: {r:?}", model.display());
             let said = format!("{}{}", r.stdout, r.stderr);
             assert!(said.contains(&needle), "{what}: {needle} not in {r:?}");
@@ -250,7 +223,7 @@ fn a_transposed_or_f16_tensor_or_a_missing_index_is_refused_by_the_first_command
         assert!(!sb.socket.exists());
         assert!(!sb.dir.join("packed-never").join("trunk.json").exists());
     }
-    let r = every_command(&sb, &transposed).remove(0).1;
+    let r = sb.every_header_command(&transposed).remove(0).1;
     assert!(r.stderr.contains("(transposed)"), "{r:?}");
 }
 

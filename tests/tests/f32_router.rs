@@ -7,8 +7,8 @@
 
 use std::path::{Path, PathBuf};
 
+use k3_tests::Sandbox;
 use k3_tests::{ids_arg, path_str, printed_ids, reference_greedy, reference_prompt, tiny_model};
-use k3_tests::{Run, Sandbox};
 use k3_worker::kernels::Tier;
 use serde_json::{json, Map, Value};
 
@@ -254,38 +254,11 @@ fn a_draft_of_f32_routers_keeps_them_f32_and_drafts_as_the_bf16_draft_does() {
     assert_eq!(spec(&model, &f32_draft), want);
 }
 
-/// Every command that reads the headers, on `model`: (what, run).
-fn every_command(sb: &Sandbox, model: &Path) -> Vec<(&'static str, Run)> {
-    let m = path_str(model);
-    let out = sb.dir.join("packed-never");
-    let sock = path_str(&sb.socket).to_string();
-    let ids = ids_arg(&reference_prompt());
-    vec![
-        ("inspect", sb.run("k3-ctl", &["inspect", m])),
-        ("verify", sb.run("k3-ctl", &["verify", m])),
-        (
-            "pack-trunk",
-            sb.run("k3-ctl", &["pack-trunk", m, path_str(&out)]),
-        ),
-        (
-            "store start",
-            sb.run("k3-store", &["start", m, "--socket", &sock, "--detach"]),
-        ),
-        (
-            "standalone worker",
-            sb.run(
-                "k3-worker",
-                &["--standalone", m, "--ids", &ids, "--gen", "2"],
-            ),
-        ),
-    ]
-}
-
 #[test]
 fn an_f32_router_of_the_wrong_shape_is_refused_by_every_command_that_reads_the_headers() {
     let sb = Sandbox::new("f32-router-shape");
     let (model, routers) = f32_model(&sb, "f32-router-transposed", true);
-    for (what, r) in every_command(&sb, &model) {
+    for (what, r) in sb.every_header_command(&model) {
         assert_eq!(r.code, 2, "{what}: {r:?}");
         let said = format!("{}{}", r.stdout, r.stderr);
         assert!(
