@@ -206,9 +206,13 @@ fn the_next_layers_are_read_while_the_current_one_is_in_use() {
     );
     // Many passes: each streamed layer read once per pass, no read-ahead wasted.
     let reads0 = r.lifetime().layer_reads;
+    // The reader is given time to read ahead between layers (as a forward's compute gives it):
+    // without it, how much read-ahead wins the race against the next demand is up to the
+    // scheduler, and a loaded machine (CI) reads on demand.
     for _ in 0..10 {
         for l in 1..n {
             verify(&spec, &layout, l, r.pin(0, l).unwrap().bytes());
+            r.quiesce();
         }
     }
     let lt = r.lifetime();
@@ -256,8 +260,14 @@ fn a_partial_read_ahead_fills_around_the_layer_in_use() {
         assert_eq!(r.lifetime().layer_reads, 2);
         drop(pin2);
         // The scan goes on from layer 3, then five whole passes.
+        // Each layer is held until the reader has begun the next one around it (as a forward's
+        // compute gives it time to), so every step of the scan is a partial read; without the
+        // wait, whether the read-ahead wins the race against the next demand is up to the
+        // scheduler, and a loaded machine (CI) reads on demand.
         for l in (3..6).chain((0..5).flat_map(|_| 1..6)) {
-            verify(&spec, &layout, l, r.pin(0, l).unwrap().bytes());
+            let pin = r.pin(0, l).unwrap();
+            r.quiesce();
+            verify(&spec, &layout, l, pin.bytes());
         }
         let lt = r.lifetime();
         assert!(lt.early_bytes > e2 && lt.evicted_unused == 0, "{lt:?}");
