@@ -503,3 +503,163 @@ fn a_streamed_moe_layer_gives_its_run_back_before_the_expert_wait_with_the_same_
         );
     }
 }
+
+/// A batched pass gives each sequence, bit for bit, the logits a pass of that sequence alone
+/// gives — mixed prompt lengths, decode rows beside prefill rows, a chunk that asks for no
+/// logits, a sequence joining later and one leaving — and leaves each state where its solo run
+/// leaves it.
+#[test]
+fn batched_pass_gives_each_sequence_its_solo_logits_bitwise() {
+    use k3_worker::model::{Scratch, SeqRows, SeqState};
+    let src = MemSource::random(&tiny_dims(), 3);
+    let v = src.dims.vocab;
+    let mut m = model(&src);
+    let prompts: [&[u32]; 3] = [&PROMPT, &[9, 1], &[77, 3, 12, 5, 5, 61, 2, 8, 30, 4]];
+    // Each sequence alone: the prompt in one pass, then four single ids.
+    let next = |i: usize, step: usize| ((i * 31 + step * 7) % v) as u32;
+    let solo: Vec<Vec<Vec<u32>>> = (0..3)
+        .map(|i| {
+            let mut st = m.new_state(32);
+            let mut out = vec![bits(&m.forward(prompts[i], &mut st, Logits::All).unwrap())];
+            for step in 0..4 {
+                out.push(bits(
+                    &m.forward(&[next(i, step)], &mut st, Logits::Last).unwrap(),
+                ));
+            }
+            out
+        })
+        .collect();
+    let mut states: Vec<SeqState> = (0..3).map(|_| m.new_state(32)).collect();
+    let mut scratch = Scratch::default();
+    let [s0, s1, s2] = &mut states[..] else {
+        unreachable!()
+    };
+    // Pass 1: sequence 0's whole prompt, sequence 1's whole prompt; 2 is not here yet.
+    let got = m
+        .forward_batch(
+            &mut [
+                SeqRows {
+                    ids: prompts[0],
+                    state: s0,
+                    logits: Logits::All,
+                },
+                SeqRows {
+                    ids: prompts[1],
+                    state: s1,
+                    logits: Logits::All,
+                },
+            ],
+            &mut scratch,
+        )
+        .unwrap();
+    assert_eq!(bits(&got[0]), solo[0][0]);
+    assert_eq!(bits(&got[1]), solo[1][0]);
+    // Pass 2: 0 and 1 decode; 2 joins with the first 6 ids of its prompt (no logits). Each
+    // layer is asked for once and each MoE layer's experts once, for the three sequences.
+    src.calls.lock().unwrap().clear();
+    m.trace = Some(Vec::new());
+    let got = m
+        .forward_batch(
+            &mut [
+                SeqRows {
+                    ids: &[next(0, 0)],
+                    state: s0,
+                    logits: Logits::Last,
+                },
+                SeqRows {
+                    ids: &prompts[2][..6],
+                    state: s2,
+                    logits: Logits::None,
+                },
+                SeqRows {
+                    ids: &[next(1, 0)],
+                    state: s1,
+                    logits: Logits::Last,
+                },
+            ],
+            &mut scratch,
+        )
+        .unwrap();
+    assert_eq!((bits(&got[0]), got[1].len()), (solo[0][1].clone(), 0));
+    assert_eq!(bits(&got[2]), solo[1][1]);
+    let layers = src
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.0 == 'L')
+        .count();
+    assert_eq!(layers, 13);
+    let trace = m.trace.take().unwrap();
+    assert_eq!(
+        trace.iter().map(|r| r.layer).collect::<Vec<_>>(),
+        (1..13).collect::<Vec<u32>>()
+    );
+    // Pass 3: 2's prompt ends (all its rows' logits), 0 decodes; 1 sits this one out.
+    let got = m
+        .forward_batch(
+            &mut [
+                SeqRows {
+                    ids: &prompts[2][6..],
+                    state: s2,
+                    logits: Logits::All,
+                },
+                SeqRows {
+                    ids: &[next(0, 1)],
+                    state: s0,
+                    logits: Logits::Last,
+                },
+            ],
+            &mut scratch,
+        )
+        .unwrap();
+    assert_eq!(bits(&got[0]), solo[2][0][6 * v..]);
+    assert_eq!(bits(&got[1]), solo[0][2]);
+    // 0 leaves; 1 and 2 go on together to the end.
+    for step in 1..4 {
+        let got = m
+            .forward_batch(
+                &mut [
+                    SeqRows {
+                        ids: &[next(2, step - 1)],
+                        state: s2,
+                        logits: Logits::Last,
+                    },
+                    SeqRows {
+                        ids: &[next(1, step)],
+                        state: s1,
+                        logits: Logits::Last,
+                    },
+                ],
+                &mut scratch,
+            )
+            .unwrap();
+        assert_eq!(bits(&got[0]), solo[2][step]);
+        assert_eq!(bits(&got[1]), solo[1][step + 1]);
+    }
+    // The states equal the solo runs' at the same positions.
+    let mut alone = m.new_state(32);
+    m.forward(prompts[1], &mut alone, Logits::Last).unwrap();
+    for step in 0..4 {
+        m.forward(&[next(1, step)], &mut alone, Logits::Last)
+            .unwrap();
+    }
+    assert!(
+        *s1 == alone,
+        "sequence 1's state differs from its solo run's"
+    );
+    // A batch of nothing, and an id outside the vocabulary, are refused.
+    assert!(m.forward_batch(&mut [], &mut scratch).is_err());
+    let bad = [v as u32];
+    let e = m
+        .forward_batch(
+            &mut [SeqRows {
+                ids: &bad,
+                state: s0,
+                logits: Logits::Last,
+            }],
+            &mut scratch,
+        )
+        .unwrap_err();
+    assert!(matches!(e, ModelError::Input(_)), "{e}");
+}

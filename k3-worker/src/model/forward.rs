@@ -24,9 +24,10 @@ use super::dims::{Dims, ModelError};
 pub use super::feed::Tap;
 use super::feed::TraceRecord;
 use super::feed::{ExpertStream, Feed, FeedOptions, FeedStore, Layer, Point, RunCounters};
+use super::kda::KdaSeq;
 use super::mats::{copy_into, linear, rms_norm_rows_into, zeroed, Mat};
 use super::moe::{MoeWeights, UpSide};
-use super::state::{Journal, LayerState, SeqState, Work};
+use super::state::{Journal, LayerState, Scratch, SeqState, Work};
 
 /// Which positions to compute logits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +36,40 @@ pub enum Logits {
     Last,
     /// Every position of the call (teacher forcing).
     All,
+    /// None: a prompt chunk that is not the prompt's last, in a batched pass.
+    None,
+}
+
+impl Logits {
+    /// Rows of logits for a sequence with `rows` positions in the pass (the last ones).
+    pub fn rows(self, rows: usize) -> usize {
+        match self {
+            Logits::Last => 1,
+            Logits::All => rows,
+            Logits::None => 0,
+        }
+    }
+}
+
+/// One sequence's part of a batched pass ([`Model::forward_batch`]): its new ids, its state,
+/// which of its positions want logits.
+#[derive(Debug)]
+pub struct SeqRows<'a> {
+    /// The ids to append after the `state.pos` already consumed.
+    pub ids: &'a [u32],
+    /// The sequence's state, advanced by the pass.
+    pub state: &'a mut SeqState,
+    /// Its logits to return.
+    pub logits: Logits,
+}
+
+/// What a pass needs of each sequence in it: the number of rows, the per-layer state and the
+/// journal (split borrows of a [`SeqState`], whose buffers the pass may not use).
+struct Part<'a> {
+    rows: usize,
+    layers: &'a mut [LayerState],
+    journal: &'a mut Journal,
+    logits: Logits,
 }
 
 /// The model: dimensions, the weight source, the resident model-level tensors.
@@ -203,24 +238,85 @@ impl<'s> Model<'s> {
         which: Logits,
     ) -> Result<Vec<f32>, ModelError> {
         check_input(&self.dims, ids, st)?;
-        let routed_experts = self.routed_experts;
-        let (d, globals, mut feed) = self.parts();
-        let n = ids.len();
         let SeqState {
             layers,
             journal,
             scratch,
+            pos,
             ..
         } = st;
-        let w = &mut *scratch.work;
+        let mut one = [Part {
+            rows: ids.len(),
+            layers,
+            journal,
+            logits: which,
+        }];
+        let logits = self.pass(ids, &mut one, scratch)?;
+        *pos += ids.len();
+        Ok(logits)
+    }
+
+    /// One pass over the rows of several sequences (a batch): each trunk weight and each
+    /// routed expert is read once for every row that needs it; each sequence's attention runs
+    /// on its own state. Returns each sequence's logits (`[rows, vocab]` for the rows its
+    /// [`Logits`] asks for), bit for bit what [`Model::forward`] gives that sequence alone. The
+    /// pass's temporaries live in `scratch` (reused across passes; the states' own buffers are
+    /// not touched). On error every state in the batch is unusable.
+    pub fn forward_batch(
+        &mut self,
+        seqs: &mut [SeqRows<'_>],
+        scratch: &mut Scratch,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        if seqs.is_empty() {
+            return Err(ModelError::Input("a batch of no sequences".into()));
+        }
+        for s in seqs.iter() {
+            check_input(&self.dims, s.ids, s.state)?;
+        }
+        let ids: Vec<u32> = seqs.iter().flat_map(|s| s.ids.iter().copied()).collect();
+        let mut parts: Vec<Part<'_>> = seqs
+            .iter_mut()
+            .map(|s| Part {
+                rows: s.ids.len(),
+                layers: &mut s.state.layers,
+                journal: &mut s.state.journal,
+                logits: s.logits,
+            })
+            .collect();
+        let all = self.pass(&ids, &mut parts, scratch)?;
+        drop(parts);
+        let vocab = self.dims.vocab;
+        let mut at = 0;
+        let mut out = Vec::with_capacity(seqs.len());
+        for s in seqs.iter_mut() {
+            let k = s.logits.rows(s.ids.len()) * vocab;
+            out.push(all[at..at + k].to_vec());
+            at += k;
+            s.state.pos += s.ids.len();
+        }
+        Ok(out)
+    }
+
+    /// The pass itself: `ids` are the parts' rows in turn.
+    fn pass(
+        &mut self,
+        ids: &[u32],
+        parts: &mut [Part<'_>],
+        scratch: &mut Scratch,
+    ) -> Result<Vec<f32>, ModelError> {
+        let routed_experts = self.routed_experts;
+        let (d, globals, mut feed) = self.parts();
+        let n = ids.len();
+        let Scratch { bank, pend, work } = scratch;
+        let w = &mut **work;
         let rows = feed.embed(ids)?;
-        let mut res = Residuals::embed(d, rows, &mut scratch.bank, &mut scratch.pend);
-        for (l, state) in layers.iter_mut().enumerate() {
+        let mut res = Residuals::embed(d, rows, bank, pend);
+        for l in 0..d.n_layers {
             let layer = feed.layer(l)?;
             let lw = layer.weights()?;
             res.aggregate_before_attention(l, lw.self_res, w);
             feed.seen(l, Point::AttnIn, &w.x);
-            attention(d, l, &lw, state, journal, w)?;
+            attention(d, l, &lw, parts, w)?;
             feed.seen(l, Point::AttnOut, &w.a);
             res.add(&w.a);
             res.aggregate(lw.mlp_res, w);
@@ -232,9 +328,8 @@ impl<'s> Model<'s> {
         feed.end_pass()?;
         res.aggregate(&globals.out_res, w);
         feed.seen(d.n_layers, Point::FinalIn, &w.x);
-        let logits = lm_head(d, globals, which, n, w);
+        let logits = lm_head(d, globals, parts, n, w);
         feed.head_done(n);
-        st.pos += n;
         Ok(logits)
     }
 }
@@ -332,29 +427,43 @@ impl<'b> Residuals<'b> {
 }
 
 /// Layer `l`'s attention (KDA, SPEC.md §3.4, or MLA, §3.5) on its input `w.x` into `w.a`,
-/// advancing the layer's state (journaled in a verify pass).
+/// each part's rows on its own state (journaled when its pass is).
 fn attention(
     d: &Dims,
     l: usize,
     lw: &LayerWeights<'_>,
-    state: &mut LayerState,
-    journal: &mut Journal,
+    parts: &mut [Part<'_>],
     w: &mut Work,
 ) -> Result<(), ModelError> {
     let n = w.x.len() / d.hidden;
     rms_norm_rows_into(&w.x, lw.input_norm, d.rms_eps, &mut w.xn);
-    match (&lw.attn, state) {
-        (Attn::Kda(a), LayerState::Kda(s)) => {
-            let j = journal.layer(l);
-            a.forward_into(d, &w.xn, n, s, j, &mut w.attn.kda, &mut w.a)
+    let kda = matches!(lw.attn, Attn::Kda(_));
+    if parts
+        .iter()
+        .any(|p| matches!(p.layers[l], LayerState::Kda(_)) != kda)
+    {
+        return Err(ModelError::Input(format!(
+            "state of layer {l} does not match its kind"
+        )));
+    }
+    match &lw.attn {
+        Attn::Kda(a) => {
+            let seqs = parts.iter_mut().filter_map(|p| match &mut p.layers[l] {
+                LayerState::Kda(s) => Some(KdaSeq {
+                    rows: p.rows,
+                    state: s,
+                    journal: p.journal.layer(l),
+                }),
+                LayerState::Mla(_) => None,
+            });
+            a.forward_seqs(d, &w.xn, n, seqs, &mut w.attn.kda, &mut w.a);
         }
-        (Attn::Mla(a), LayerState::Mla(c)) => {
-            a.forward_into(d, &w.xn, n, c, &mut w.attn.mla, &mut w.a)
-        }
-        _ => {
-            return Err(ModelError::Input(format!(
-                "state of layer {l} does not match its kind"
-            )))
+        Attn::Mla(a) => {
+            let seqs = parts.iter_mut().filter_map(|p| match &mut p.layers[l] {
+                LayerState::Mla(c) => Some((p.rows, c)),
+                LayerState::Kda(_) => None,
+            });
+            a.forward_seqs(d, &w.xn, n, seqs, &mut w.attn.mla, &mut w.a);
         }
     }
     w.attention_done(n);
@@ -459,15 +568,29 @@ fn routed_experts(
     Ok(())
 }
 
-/// The logits of the rows `which` chooses: final norm of the output aggregate `w.x`, lm_head.
-fn lm_head(d: &Dims, globals: &Globals, which: Logits, n: usize, w: &mut Work) -> Vec<f32> {
+/// The logits of the rows each part asks for (its last ones), in the parts' order: final norm
+/// of the output aggregate `w.x`, lm_head.
+fn lm_head(d: &Dims, globals: &Globals, parts: &[Part<'_>], n: usize, w: &mut Work) -> Vec<f32> {
     let e = d.hidden;
-    let (first, rows) = match which {
-        Logits::All => (0, n),
-        Logits::Last => (n - 1, 1),
-    };
-    rms_norm_rows_into(&w.x[first * e..], &globals.final_norm, d.rms_eps, &mut w.xn);
-    let logits = linear(Mat::Bf16(globals.lm_head.bytes()), d.vocab, e, &w.xn, rows);
+    let picks: usize = parts.iter().map(|p| p.logits.rows(p.rows)).sum();
+    if picks == 0 {
+        w.pass_done(n);
+        return Vec::new();
+    }
+    if let [one] = parts {
+        let first = one.rows - picks;
+        rms_norm_rows_into(&w.x[first * e..], &globals.final_norm, d.rms_eps, &mut w.xn);
+    } else {
+        let mut chosen = Vec::with_capacity(picks * e);
+        let mut r0 = 0;
+        for p in parts {
+            let k = p.logits.rows(p.rows);
+            chosen.extend_from_slice(&w.x[(r0 + p.rows - k) * e..(r0 + p.rows) * e]);
+            r0 += p.rows;
+        }
+        rms_norm_rows_into(&chosen, &globals.final_norm, d.rms_eps, &mut w.xn);
+    }
+    let logits = linear(Mat::Bf16(globals.lm_head.bytes()), d.vocab, e, &w.xn, picks);
     w.pass_done(n);
     logits
 }

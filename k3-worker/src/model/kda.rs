@@ -145,38 +145,43 @@ impl KdaWeights<'_> {
         x: &[f32],
         n: usize,
         st: &mut KdaState,
-        mut journal: Option<&mut KdaJournal>,
+        journal: Option<&mut KdaJournal>,
+        b: &mut KdaBufs,
+        out: &mut Vec<f32>,
+    ) {
+        let one = KdaSeq {
+            rows: n,
+            state: st,
+            journal,
+        };
+        self.forward_seqs(d, x, n, std::iter::once(one), b, out);
+    }
+
+    /// The layer over the rows of several sequences at once (a batched pass): `x [n, E]` holds
+    /// each sequence's rows in turn, `seqs` says how many rows each has and carries its state.
+    /// Every projection multiplies all `n` rows (one read of each weight for the batch); the
+    /// short convolutions and the recurrence run per sequence on its own state. A row's result
+    /// is bit for bit the one a pass of that sequence alone gives (the kernels compute each row
+    /// the same way whatever the other rows are).
+    pub fn forward_seqs<'s>(
+        &self,
+        d: &Dims,
+        x: &[f32],
+        n: usize,
+        seqs: impl Iterator<Item = KdaSeq<'s>>,
         b: &mut KdaBufs,
         out: &mut Vec<f32>,
     ) {
         let (e, h_n, dh) = (d.hidden, d.kda_heads, d.kda_dim);
         let p = h_n * dh;
-        let k = d.conv_k;
 
-        // 1–2. projections, causal conv + SiLU with carried raw history.
+        // 1. projections (conv + SiLU per sequence, below); 4. β per head.
         let [bq, bk, bv] = &mut b.qkv;
         linear_into(self.q_proj, p, e, x, n, bq);
         linear_into(self.k_proj, p, e, x, n, bk);
         linear_into(self.v_proj, p, e, x, n, bv);
-        let deferred = journal.is_some();
-        if let Some(j) = journal.as_deref_mut() {
-            j.n = n;
-            for ((c0, raw), (hist, proj)) in
-                (j.conv0.iter_mut().zip(j.raw.iter_mut())).zip(st.conv.iter().zip(&b.qkv))
-            {
-                copy_into(c0, hist);
-                copy_into(raw, proj);
-            }
-        }
-        for ((raw, w), hist) in b.qkv.iter_mut().zip(&self.conv).zip(st.conv.iter_mut()) {
-            short_conv_silu(raw, w, hist, p, k, n);
-        }
-        let [q, kk, v] = &b.qkv;
-
-        // 4. β per head.
         linear_into(self.b_proj, h_n, e, x, n, &mut b.beta);
         b.beta.iter_mut().for_each(|b| *b = kernels::sigmoid(*b));
-        let beta = &b.beta;
 
         // 5. decay α = exp(lb·σ(exp(A_log[h])·(z + dt_bias))).
         linear_into(self.f_a, dh, e, x, n, &mut b.za);
@@ -189,28 +194,73 @@ impl KdaWeights<'_> {
                 alpha[t * p + c] = (d.gate_lb * kernels::sigmoid(a * z)).exp();
             }
         }
-        let alpha = &b.alpha;
 
-        if let Some(j) = journal {
-            copy_into(&mut j.k, kk);
-            copy_into(&mut j.v, v);
-            copy_into(&mut j.alpha, alpha);
-            copy_into(&mut j.beta, beta);
-        }
-
+        // 7's gate.
         linear_into(self.g_proj, p, e, x, n, &mut b.gate);
         b.gate.iter_mut().for_each(|g| *g = kernels::sigmoid(*g));
-        let gate = &b.gate;
 
-        // 3, 6, 7 per head (heads are independent; tokens sequential inside a head).
+        // 2, 3, 6, 7 per sequence, on its rows.
+        zeroed(&mut b.heads, h_n * n * dh);
+        let mut r0 = 0;
+        for seq in seqs {
+            let rows = seq.rows;
+            self.recur(d, r0, n, seq, b);
+            r0 += rows;
+        }
+        assert_eq!(r0, n, "the sequences' rows must add up to the pass's");
+
+        let y = zeroed(&mut b.y, n * p);
+        for (h, oh) in b.heads.chunks_exact(n * dh).enumerate() {
+            for t in 0..n {
+                y[t * p + h * dh..t * p + (h + 1) * dh].copy_from_slice(&oh[t * dh..(t + 1) * dh]);
+            }
+        }
+
+        // 8.
+        linear_into(self.o_proj, e, p, &b.y, n, out);
+    }
+
+    /// One sequence's rows `r0 .. r0 + seq.rows` of a pass of `n`: the causal conv + SiLU with
+    /// its carried history, then the recurrence per head (heads are independent; tokens
+    /// sequential inside a head) into `b.heads`; journaled when the sequence's pass is.
+    fn recur(&self, d: &Dims, r0: usize, n: usize, seq: KdaSeq<'_>, b: &mut KdaBufs) {
+        let (h_n, dh) = (d.kda_heads, d.kda_dim);
+        let (p, k) = (h_n * dh, d.conv_k);
+        let KdaSeq {
+            rows: m,
+            state: st,
+            mut journal,
+        } = seq;
+        let span = r0 * p..(r0 + m) * p;
+        let deferred = journal.is_some();
+        if let Some(j) = journal.as_deref_mut() {
+            j.n = m;
+            for ((c0, raw), (hist, proj)) in
+                (j.conv0.iter_mut().zip(j.raw.iter_mut())).zip(st.conv.iter().zip(&b.qkv))
+            {
+                copy_into(c0, hist);
+                copy_into(raw, &proj[span.clone()]);
+            }
+        }
+        for ((raw, w), hist) in b.qkv.iter_mut().zip(&self.conv).zip(st.conv.iter_mut()) {
+            short_conv_silu(&mut raw[span.clone()], w, hist, p, k, m);
+        }
+        let [q, kk, v] = &b.qkv;
+        let (alpha, beta, gate) = (&b.alpha, &b.beta, &b.gate);
+        if let Some(j) = journal {
+            copy_into(&mut j.k, &kk[span.clone()]);
+            copy_into(&mut j.v, &v[span.clone()]);
+            copy_into(&mut j.alpha, &alpha[span.clone()]);
+            copy_into(&mut j.beta, &beta[r0 * h_n..(r0 + m) * h_n]);
+        }
+
         let q_scale = 1.0 / (dh as f32).sqrt();
         let tmp_len = 4 * dh + if deferred { dh * dh } else { 0 };
-        let heads = zeroed(&mut b.heads, h_n * n * dh);
         let tmp = zeroed(&mut b.tmp, h_n * tmp_len);
         st.s.par_chunks_mut(dh * dh)
-            .zip(heads.par_chunks_mut(n * dh))
+            .zip(b.heads.par_chunks_mut(n * dh))
             .zip(tmp.par_chunks_mut(tmp_len))
-            .with_min_len(heads_per_task(n, dh))
+            .with_min_len(heads_per_task(m, dh))
             .enumerate()
             .for_each(|(h, ((s_live, out), tmp))| {
                 let (qkuo, copy) = tmp.split_at_mut(4 * dh);
@@ -225,8 +275,8 @@ impl KdaWeights<'_> {
                 } else {
                     s_live
                 };
-                for t in 0..n {
-                    let base = t * p + h * dh;
+                for row in r0..r0 + m {
+                    let base = row * p + h * dh;
                     qh.copy_from_slice(&q[base..base + dh]);
                     kh.copy_from_slice(&kk[base..base + dh]);
                     kernels::l2_norm_inplace(qh, L2_EPS);
@@ -234,25 +284,28 @@ impl KdaWeights<'_> {
                     qh.iter_mut().for_each(|v| *v *= q_scale);
                     let vh = &v[base..base + dh];
                     let al = &alpha[base..base + dh];
-                    let b = beta[t * h_n + h];
+                    let b = beta[row * h_n + h];
                     recurrence_step(s, dh, al, kh, vh, b, qh, u, o);
-                    let y = &mut out[t * dh..(t + 1) * dh];
+                    let y = &mut out[row * dh..(row + 1) * dh];
                     kernels::rms_norm(o, self.o_norm, d.rms_eps, y);
                     for (yv, g) in y.iter_mut().zip(&gate[base..base + dh]) {
                         *yv *= g;
                     }
                 }
             });
-        let y = zeroed(&mut b.y, n * p);
-        for (h, oh) in b.heads.chunks_exact(n * dh).enumerate() {
-            for t in 0..n {
-                y[t * p + h * dh..t * p + (h + 1) * dh].copy_from_slice(&oh[t * dh..(t + 1) * dh]);
-            }
-        }
-
-        // 8.
-        linear_into(self.o_proj, e, p, &b.y, n, out);
     }
+}
+
+/// One sequence's part of a batched KDA pass: its rows (consecutive in the pass), its state and,
+/// in a journaled (verify) pass, its journal.
+#[derive(Debug)]
+pub struct KdaSeq<'s> {
+    /// Rows of the pass that are this sequence's (its new positions, in order).
+    pub rows: usize,
+    /// Its carried state, advanced by the pass.
+    pub state: &'s mut KdaState,
+    /// Its journal, in a journaled pass.
+    pub journal: Option<&'s mut KdaJournal>,
 }
 
 /// Heads per parallel task of the recurrence over `n` positions: enough that a task is worth a

@@ -123,22 +123,75 @@ impl MlaWeights<'_> {
         b: &mut MlaBufs,
         out: &mut Vec<f32>,
     ) {
-        let (e, hn, nope, rope, vh, kl) =
-            (d.hidden, d.mla_heads, d.nope, d.rope, d.v_head, d.kv_lora);
-        let qw = nope + rope;
+        self.forward_seqs(d, x, n, std::iter::once((n, cache)), b, out);
+    }
+
+    /// The layer over the rows of several sequences at once (a batched pass): `x [n, E]` holds
+    /// each sequence's rows in turn; `seqs` gives each one's row count and latent cache. The
+    /// projections multiply all `n` rows (one read of each weight for the batch); each
+    /// sequence's rows attend over its own cache. A row's result is bit for bit the one a pass
+    /// of that sequence alone gives.
+    pub fn forward_seqs<'s>(
+        &self,
+        d: &Dims,
+        x: &[f32],
+        n: usize,
+        seqs: impl Iterator<Item = (usize, &'s mut MlaCache)>,
+        b: &mut MlaBufs,
+        out: &mut Vec<f32>,
+    ) {
+        let (e, hn, vh) = (d.hidden, d.mla_heads, d.v_head);
+        let qw = d.nope + d.rope;
         let lw = d.latent_width();
 
-        // Queries.
+        // Queries; keys/values' latent rows.
         linear_into(self.q_a, d.q_lora, e, x, n, &mut b.qa);
         rms_norm_rows_into(&b.qa, self.q_a_norm, d.mla_norm_eps, &mut b.qa_n);
         linear_into(self.q_b, hn * qw, d.q_lora, &b.qa_n, n, &mut b.q);
-        let q = &b.q;
-
-        // Keys/values: append [c | kr] of the new positions to the latent cache (the norm
-        // writes straight into the cache row).
         linear_into(self.kv_a, lw, e, x, n, &mut b.ckv);
+
+        zeroed(&mut b.heads, hn * n * vh);
+        let mut r0 = 0;
+        for (rows, cache) in seqs {
+            self.attend(d, r0, rows, n, cache, b);
+            r0 += rows;
+        }
+        assert_eq!(r0, n, "the sequences' rows must add up to the pass's");
+
+        let hv = hn * vh;
+        let o = zeroed(&mut b.o, n * hv);
+        for (h, oh) in b.heads.chunks_exact(n * vh).enumerate() {
+            for t in 0..n {
+                o[t * hv + h * vh..t * hv + (h + 1) * vh]
+                    .copy_from_slice(&oh[t * vh..(t + 1) * vh]);
+            }
+        }
+        if let Some(g_proj) = self.g_proj {
+            linear_into(g_proj, hv, e, x, n, &mut b.g);
+            for (ov, gv) in o.iter_mut().zip(&b.g) {
+                *ov *= kernels::sigmoid(*gv);
+            }
+        }
+        linear_into(self.o_proj, e, hv, &b.o, n, out);
+    }
+
+    /// One sequence's rows `r0 .. r0 + m` of a pass of `n`: append their latent rows to its
+    /// cache (the norm writes straight into the cache row), then per head the absorbed query,
+    /// the causal softmax over the cache, the latent sum and the V expansion into `b.heads`.
+    fn attend(
+        &self,
+        d: &Dims,
+        r0: usize,
+        m: usize,
+        n: usize,
+        cache: &mut MlaCache,
+        b: &mut MlaBufs,
+    ) {
+        let (hn, nope, rope, vh, kl) = (d.mla_heads, d.nope, d.rope, d.v_head, d.kv_lora);
+        let qw = nope + rope;
+        let lw = d.latent_width();
         let past = cache.len();
-        for t in 0..n {
+        for t in r0..r0 + m {
             let row = &b.ckv[t * lw..(t + 1) * lw];
             let at = cache.rows.len();
             cache.rows.resize(at + kl, 0.0);
@@ -151,40 +204,39 @@ impl MlaWeights<'_> {
             cache.rows.extend_from_slice(&row[kl..]);
         }
         let rows = &cache.rows;
+        let q = &b.q;
 
-        // Per head: absorbed query, causal softmax over the cache, latent sum, V expansion.
         let scale = 1.0 / ((nope + rope) as f32).sqrt();
-        let per = n * nope + 2 * n * kl + lw;
+        let per = m * nope + 2 * m * kl + lw;
         // The positions the cache was planned for: the scores' buffer is sized for them once.
-        let planned = (cache.rows.capacity() / lw).max(past + n);
+        let planned = (cache.rows.capacity() / lw).max(past + m);
         let tmp = zeroed(&mut b.tmp, hn * per);
-        let heads = zeroed(&mut b.heads, hn * n * vh);
-        heads
+        b.heads
             .par_chunks_mut(n * vh)
             .zip(tmp.par_chunks_mut(per))
             .enumerate()
             .for_each(|(h, (oh, tmp))| {
-                let (qn, rest) = tmp.split_at_mut(n * nope);
-                let (qt, rest) = rest.split_at_mut(n * kl);
+                let (qn, rest) = tmp.split_at_mut(m * nope);
+                let (qt, rest) = rest.split_at_mut(m * kl);
                 let (query, chat) = rest.split_at_mut(lw);
-                for t in 0..n {
-                    let src = &q[t * hn * qw + h * qw..t * hn * qw + h * qw + nope];
-                    qn[t * nope..(t + 1) * nope].copy_from_slice(src);
+                for t in 0..m {
+                    let at = (r0 + t) * hn * qw + h * qw;
+                    qn[t * nope..(t + 1) * nope].copy_from_slice(&q[at..at + nope]);
                 }
-                // q̃ = W_UK[h]ᵀ q_nope [n, kv_lora], straight from kv_b's rows (no copy).
+                // q̃ = W_UK[h]ᵀ q_nope [m, kv_lora], straight from kv_b's rows (no copy).
                 let uk_off = h * (nope + vh) * kl * 2;
                 kernels::matmul_t_bf16(
                     &self.kv_b[uk_off..uk_off + nope * kl * 2],
                     nope,
                     kl,
                     qn,
-                    n,
+                    m,
                     qt,
                 );
-                kernels::with_scratch(past + n, planned, |p| {
-                    for t in 0..n {
+                kernels::with_scratch(past + m, planned, |p| {
+                    for t in 0..m {
                         query[..kl].copy_from_slice(&qt[t * kl..(t + 1) * kl]);
-                        let qr = t * hn * qw + h * qw + nope;
+                        let qr = (r0 + t) * hn * qw + h * qw + nope;
                         query[kl..].copy_from_slice(&q[qr..qr + rope]);
                         let upto = past + t + 1; // causal: positions 0..=past+t
                         let p = &mut p[..upto];
@@ -206,25 +258,9 @@ impl MlaWeights<'_> {
                     vh,
                     kl,
                     chat,
-                    n,
-                    oh,
+                    m,
+                    &mut oh[r0 * vh..(r0 + m) * vh],
                 );
             });
-
-        let hv = hn * vh;
-        let o = zeroed(&mut b.o, n * hv);
-        for (h, oh) in b.heads.chunks_exact(n * vh).enumerate() {
-            for t in 0..n {
-                o[t * hv + h * vh..t * hv + (h + 1) * vh]
-                    .copy_from_slice(&oh[t * vh..(t + 1) * vh]);
-            }
-        }
-        if let Some(g_proj) = self.g_proj {
-            linear_into(g_proj, hv, e, x, n, &mut b.g);
-            for (ov, gv) in o.iter_mut().zip(&b.g) {
-                *ov *= kernels::sigmoid(*gv);
-            }
-        }
-        linear_into(self.o_proj, e, hv, &b.o, n, out);
     }
 }

@@ -33,6 +33,6 @@ pub mod state;
 pub use bind::{BoundLayer, TensorShapes};
 pub use dims::{Dims, ModelError};
 pub use feed::{Lookahead, PhaseSeconds, RunCounters, TraceRecord};
-pub use forward::{Logits, Model};
+pub use forward::{Logits, Model, SeqRows};
 pub use mats::Mat;
-pub use state::SeqState;
+pub use state::{Scratch, SeqState};
