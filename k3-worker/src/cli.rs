@@ -1,5 +1,5 @@
 //! The `k3-worker` command line. Clap validates it: one input (`--ids`, `--prompt`,
-//! `--prompt-file` or `--chat`), text inputs need `--tok`, the memory flags need `--standalone`,
+//! `--prompt-file`, `--batch` or `--chat`), text inputs need `--tok`, the memory flags need `--standalone`,
 //! chat-only flags need `--chat`, ranges and names are checked before any work (exit 2).
 
 use std::path::PathBuf;
@@ -15,6 +15,10 @@ pub const MAX_GEN: u64 = 4096;
 pub const MAX_PROMPT: usize = 32_768;
 /// Largest prompt file read, in bytes.
 pub const MAX_PROMPT_FILE: u64 = 16 << 20;
+/// Most requests in a `--batch` file.
+pub const MAX_BATCH_REQUESTS: usize = 4096;
+/// Most sequences decoded at once (`--parallel`).
+pub const MAX_PARALLEL: u64 = 256;
 /// Longest chat context accepted, in positions.
 pub const MAX_CTX: u64 = 1 << 18;
 /// Chat context without --ctx, in positions.
@@ -63,7 +67,11 @@ pub enum DraftArg {
 }
 
 /// The inputs other than `--chat`: the chat-only flags conflict with them.
-const NOT_CHAT: [&str; 4] = ["ids", "prompt", "prompt_file", "serve_channel"];
+const NOT_CHAT: [&str; 5] = ["ids", "prompt", "prompt_file", "batch", "serve_channel"];
+
+/// The inputs other than `--batch` (`--parallel` conflicts with them rather than requiring
+/// `--batch`, for the reason given at `no_think`).
+const NOT_BATCH: [&str; 5] = ["ids", "prompt", "prompt_file", "chat", "serve_channel"];
 
 /// What the job message of `--serve-channel` gives (the flags conflict with it).
 const FROM_THE_JOB: [&str; 13] = [
@@ -82,10 +90,23 @@ const FROM_THE_JOB: [&str; 13] = [
     "draft_replay",
 ];
 
+/// What `--batch` does not combine with: the per-run dumps and report, sessions, the check
+/// mode and the drafters' inputs.
+const BATCH_CONFLICTS: [&str; 8] = [
+    "session",
+    "full_recompute",
+    "out",
+    "dump_logits",
+    "dump_hidden",
+    "dump_cache_trace",
+    "draft_trunk",
+    "draft_replay",
+];
+
 /// Run the Kimi K3 model on one prompt, or chat.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "k3-worker", version = k3_proto::VERSION, about, long_about = None)]
-#[command(group(ArgGroup::new("input").required(true).args(["ids", "prompt", "prompt_file", "chat", "serve_channel"])))]
+#[command(group(ArgGroup::new("input").required(true).args(["ids", "prompt", "prompt_file", "batch", "chat", "serve_channel"])))]
 pub struct Cli {
     /// Run the store logic in-process on this checkpoint directory (config.json + shards).
     /// Without it the worker attaches to a running `k3-store` (see --socket).
@@ -106,6 +127,19 @@ pub struct Cli {
     /// Prompt read verbatim from a file (needs --tok; UTF-8).
     #[arg(long, value_name = "PATH", requires = "tok")]
     pub prompt_file: Option<PathBuf>,
+    /// Run many prompts together (continuous batching): a JSON Lines file, one request per
+    /// line — `{"prompt": "text"}` (needs --tok) or `{"ids": [1, 2, 3]}`, optionally with
+    /// `"max_tokens": N` (default --gen). Up to --parallel sequences run at once, ONE forward
+    /// pass per step over all their rows (each weight read once for all of them); the others
+    /// join as sequences end. Each sequence's ids are those it gets alone (same sampling flags,
+    /// same seed); no speculation. Results go to stdout as JSON Lines as sequences end.
+    #[arg(long, value_name = "FILE", conflicts_with_all = BATCH_CONFLICTS)]
+    pub batch: Option<PathBuf>,
+    /// Sequences decoded at once with --batch (their states and the pass's rows are in the
+    /// memory plan).
+    #[arg(long, value_name = "N", default_value_t = 4, conflicts_with_all = NOT_BATCH,
+          value_parser = clap::value_parser!(u64).range(1..=MAX_PARALLEL))]
+    pub parallel: u64,
     /// Tokenizer directory (tiktoken.model + tokenizer_config.json).
     #[arg(long, value_name = "DIR")]
     pub tok: Option<PathBuf>,
@@ -361,6 +395,22 @@ mod tests {
         let c = parse(&["--chat", "--tok", "t", "--effort", "medium"]).unwrap();
         assert_eq!(c.effort, Some(EffortArg::Medium));
         assert_eq!(parse(&["--ids", "5,6,7"]).unwrap().ids, Some(vec![5, 6, 7]));
+        // --batch is an input of its own; --parallel needs it; the per-run outputs conflict.
+        let c = parse(&["--batch", "b.jsonl"]).unwrap();
+        assert_eq!((c.batch.is_some(), c.parallel), (true, 4));
+        assert!(parse(&["--batch", "b", "--ids", "1"]).is_err());
+        assert!(parse(&["--ids", "1", "--parallel", "2"]).is_err());
+        assert!(parse(&["--batch", "b", "--parallel", "0"]).is_err());
+        assert!(parse(&["--batch", "b", "--parallel", "257"]).is_err());
+        for flag in [
+            &["--out", "o"][..],
+            &["--session", "s"],
+            &["--dump-logits", "l"],
+        ] {
+            let mut args = vec!["--batch", "b"];
+            args.extend_from_slice(flag);
+            assert!(parse(&args).is_err(), "{args:?}");
+        }
     }
 
     #[test]

@@ -120,6 +120,8 @@ pub enum Input {
     Prompt(Vec<u32>),
     /// A chat; `None` = thinking off.
     Chat(Option<Effort>),
+    /// Many prompts decoded together (`--batch`).
+    Batch(Vec<crate::batch_job::BatchItem>),
 }
 
 /// Everything checked before any work.
@@ -184,6 +186,14 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
         } else {
             Some(cli.effort.map_or(Effort::Max, Effort::from))
         })
+    } else if let Some(path) = &cli.batch {
+        let bytes = read_bounded(path, MAX_PROMPT_FILE)?;
+        Input::Batch(crate::batch_job::parse(
+            path,
+            &bytes,
+            tok.as_ref(),
+            cli.gen,
+        )?)
     } else {
         Input::Prompt(prompt_ids(cli, tok.as_ref())?)
     };
@@ -533,6 +543,25 @@ fn read_checkpoint(
 /// (`model::state`): the larger of a prefill chunk's pass and a verify pass of the most drafts,
 /// the verify journal (kept from pass to pass), the step-0 logits `--dump-logits` keeps and the
 /// draft model.
+/// The buffers of the job's forward calls besides the sequence states: a batch's passes, or one
+/// sequence's ([`buffer_bytes`]).
+fn job_buffers(
+    cli: &Cli,
+    pre: &Preflight,
+    dims: &Dims,
+    positions: usize,
+    chunk: usize,
+    seqs: usize,
+) -> Result<u64, JobError> {
+    match pre.input {
+        Input::Batch(_) => {
+            let rows = crate::batch_job::step_prompt_rows(cli, seqs, positions);
+            Ok(crate::batch_job::pass_bytes(dims, positions, rows, seqs))
+        }
+        _ => buffer_bytes(cli, dims, positions, chunk),
+    }
+}
+
 fn buffer_bytes(cli: &Cli, dims: &Dims, positions: usize, chunk: usize) -> Result<u64, JobError> {
     let kept_logits = if cli.dump_logits.is_some() {
         4 * dims.vocab as u64
@@ -586,13 +615,19 @@ pub fn open_source(
     matches: &clap::ArgMatches,
     pre: &Preflight,
 ) -> Result<Opened, JobError> {
-    let prompt_len = match &pre.input {
-        Input::Prompt(p) => p.len(),
-        Input::Chat(_) => 0,
-    };
-    let positions = match pre.input {
+    let positions = match &pre.input {
         Input::Chat(_) => cli.ctx as usize,
-        Input::Prompt(_) => positions_needed(prompt_len, cli.gen as usize),
+        Input::Prompt(p) => positions_needed(p.len(), cli.gen as usize),
+        Input::Batch(items) => items
+            .iter()
+            .map(|it| positions_needed(it.prompt.len(), it.max_new))
+            .max()
+            .unwrap_or(1),
+    };
+    // Sequences held at once: a batch's --parallel (at most its requests), else one.
+    let seqs = match &pre.input {
+        Input::Batch(items) => (cli.parallel as usize).min(items.len()),
+        _ => 1,
     };
     let chunk = if cli.prefill_chunk == 0 {
         positions.max(1)
@@ -627,8 +662,8 @@ pub fn open_source(
             let plan = AttachedPlan {
                 process: plan::resident_now(),
                 shared: shared_read_bytes(&dims, info.shm_bytes, positions),
-                state: SeqState::bytes_for(&dims, positions),
-                buffers: buffer_bytes(cli, &dims, positions, chunk)?,
+                state: seqs as u64 * SeqState::bytes_for(&dims, positions),
+                buffers: job_buffers(cli, pre, &dims, positions, chunk, seqs)?,
             };
             plan.check()?;
             tracing::info!("memory plan:\n{plan}");
@@ -648,7 +683,9 @@ pub fn open_source(
             let budget = cli.budget.budget(matches)?;
             let opts = StandaloneOptions {
                 context_len: positions,
-                extra_buffer_bytes: buffer_bytes(cli, &dims, positions, chunk)?,
+                // The plan counts one sequence's state itself; a batch's others are buffers here.
+                extra_buffer_bytes: job_buffers(cli, pre, &dims, positions, chunk, seqs)?
+                    + (seqs as u64 - 1) * SeqState::bytes_for(&dims, positions),
                 cache_policy: cli.budget.policy(),
                 preload: cli.budget.preload,
                 ..StandaloneOptions::default()
@@ -777,10 +814,19 @@ pub fn run_with(
     let wall = Instant::now();
     let pre = preflight(cli)?;
     let opened = open_source(cli, matches, &pre)?;
-    if let Input::Prompt(prompt) = &pre.input {
+    let prompts: Vec<&[u32]> = match &pre.input {
+        Input::Prompt(prompt) => vec![prompt],
+        Input::Batch(items) => items.iter().map(|it| &it.prompt[..]).collect(),
+        Input::Chat(_) => Vec::new(),
+    };
+    for (i, prompt) in prompts.into_iter().enumerate() {
         if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= opened.dims.vocab) {
+            let which = match &pre.input {
+                Input::Batch(_) => format!("request {} (line order): ", i + 1),
+                _ => String::new(),
+            };
             return Err(refuse(format!(
-                "prompt id {bad} outside the vocabulary of {}",
+                "{which}prompt id {bad} outside the vocabulary of {}",
                 opened.dims.vocab
             )));
         }
@@ -835,6 +881,9 @@ pub fn run_with(
                 drafter(cli, None, 0, draft_model),
                 reporter,
             )
+        }
+        Input::Batch(items) => {
+            crate::batch_job::run(cli, &mut model, pre.tok.as_ref(), &pre.sampler, items, wall)
         }
         Input::Prompt(prompt) => {
             let mut stdout = Stdout {

@@ -2,6 +2,8 @@
 //! one-shot runs and chat), and the `k3-worker` job itself (`cli`, `job`, `report`), so the
 //! binary is only wiring.
 
+pub mod batch;
+pub mod batch_job;
 pub mod chat;
 pub mod cli;
 pub mod generate;
