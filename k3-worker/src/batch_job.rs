@@ -195,7 +195,7 @@ pub fn run(
             decode_seconds += shape.seconds;
         }
         eprintln!(
-            "{steps:>6} {:>5} {:>6} {:>7} {:>9.3}",
+            "{steps:>6} {:>5} {:>6} {:>7} {:>10.5}",
             shape.seqs, shape.rows, shape.prompt_rows, shape.seconds
         );
         for e in out {
