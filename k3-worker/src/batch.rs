@@ -22,6 +22,19 @@ pub struct SeqRequest {
     pub sampler: Sampler,
     /// Generation ends after one of these ids (ids outside the vocabulary are dropped).
     pub stop_ids: Vec<u32>,
+    /// Stop once every prompt id but the last is in the state ([`StepOut::paused`]) until
+    /// [`Batch::resume`]: the state there can be kept (a session a retry resumes from).
+    pub pause_before_last: bool,
+}
+
+/// A state to start a sequence from (a kept session): it holds `held`, a strict prefix of the
+/// request's prompt.
+#[derive(Debug)]
+pub struct Resumed {
+    /// The state.
+    pub state: SeqState,
+    /// The ids it holds.
+    pub held: Vec<u32>,
 }
 
 /// Why a sequence left the batch.
@@ -44,6 +57,23 @@ pub struct Emitted {
     pub finish: Option<Finish>,
 }
 
+/// What one step produced.
+#[derive(Debug, Default)]
+pub struct StepOut {
+    /// The ids picked, in the batch's order.
+    pub emitted: Vec<Emitted>,
+    /// Sequences that reached their pause (every prompt id but the last is in the state).
+    pub paused: Vec<u64>,
+    /// The pass's shape and time.
+    pub shape: StepShape,
+    /// Each sequence's share of the pass (its rows over the pass's rows), for dividing what the
+    /// pass read among the sequences in it.
+    pub shares: Vec<(u64, f64)>,
+    /// The sequences that ended this step, with their final states (the last id picked is not
+    /// in it: it was never run).
+    pub ended: Vec<(u64, Resumed)>,
+}
+
 /// What one step ran.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepShape {
@@ -61,6 +91,12 @@ pub struct StepShape {
 struct Slot {
     seq: u64,
     state: SeqState,
+    /// The ids the state holds, in order (for keeping it as a session).
+    held: Vec<u32>,
+    /// Waiting for [`Batch::resume`] (or still to pause: `pause` below).
+    paused: bool,
+    /// Pause once the state holds this many ids (the prompt's all but last).
+    pause: Option<usize>,
     /// Ids still to run: the prompt's rest, or the last pick (one id).
     todo: Vec<u32>,
     /// Of `todo`, ids already run (a prompt fed over several steps).
@@ -108,6 +144,17 @@ impl Batch {
     /// Add a sequence; it runs from the next step. Its state is sized for exactly its request.
     /// Returns its handle.
     pub fn join(&mut self, model: &Model<'_>, req: SeqRequest) -> Result<u64, ModelError> {
+        self.join_from(model, req, None)
+    }
+
+    /// [`Batch::join`] from a kept state holding a strict prefix of the prompt (only the rest is
+    /// run); its capacity must hold the request.
+    pub fn join_from(
+        &mut self,
+        model: &Model<'_>,
+        req: SeqRequest,
+        from: Option<Resumed>,
+    ) -> Result<u64, ModelError> {
         let vocab = model.dims.vocab;
         if req.prompt.is_empty() {
             return Err(ModelError::Input("empty prompt".into()));
@@ -121,13 +168,39 @@ impl Batch {
             )));
         }
         let capacity = positions_needed(req.prompt.len(), req.max_new);
+        let (state, held) = match from {
+            Some(r) => {
+                let fits = r.state.pos == r.held.len()
+                    && r.held.len() < req.prompt.len()
+                    && req.prompt.starts_with(&r.held)
+                    && r.state.capacity >= capacity;
+                if !fits {
+                    return Err(ModelError::Input(format!(
+                        "a kept state of {} ids (capacity {}) cannot start a prompt of {} ids \
+                         and {} new",
+                        r.held.len(),
+                        r.state.capacity,
+                        req.prompt.len(),
+                        req.max_new
+                    )));
+                }
+                (r.state, r.held)
+            }
+            None => (model.new_state(capacity), Vec::new()),
+        };
         let seq = self.next_seq;
         self.next_seq += 1;
+        // Nothing to keep when the kept state already holds all of the prompt but its last id.
+        let pause = (req.pause_before_last && req.prompt.len() - 1 > held.len())
+            .then(|| req.prompt.len() - 1);
         self.slots.push(Slot {
             seq,
-            state: model.new_state(capacity),
+            state,
             todo: req.prompt,
-            done: 0,
+            done: held.len(),
+            held,
+            paused: false,
+            pause,
             prompt_left: true,
             sampler: req.sampler,
             max_new: req.max_new,
@@ -141,20 +214,40 @@ impl Batch {
         Ok(seq)
     }
 
-    /// Remove a sequence (a cancel, a client gone); the others go on. False if it is not in the
-    /// batch (it ended already).
-    pub fn leave(&mut self, seq: u64) -> bool {
-        let before = self.slots.len();
-        self.slots.retain(|s| s.seq != seq);
-        self.slots.len() < before
+    /// Let a paused sequence go on from the next step (no effect on others).
+    pub fn resume(&mut self, seq: u64) {
+        if let Some(s) = self.slots.iter_mut().find(|s| s.seq == seq) {
+            s.paused = false;
+        }
+    }
+
+    /// A sequence's state and the ids it holds (to keep it as a session).
+    pub fn state(&self, seq: u64) -> Option<(&SeqState, &[u32])> {
+        self.slots
+            .iter()
+            .find(|s| s.seq == seq)
+            .map(|s| (&s.state, &s.held[..]))
+    }
+
+    /// Remove a sequence (a cancel, a client gone, or one that ended and was kept); the others
+    /// go on. Its state and the ids it holds; `None` if it is not in the batch.
+    pub fn leave(&mut self, seq: u64) -> Option<Resumed> {
+        let i = self.slots.iter().position(|s| s.seq == seq)?;
+        let s = self.slots.remove(i);
+        Some(Resumed {
+            state: s.state,
+            held: s.held,
+        })
     }
 
     /// One forward pass over every sequence's next rows, then a pick for every sequence whose
-    /// prompt is done. Sequences that end leave the batch. On error every sequence in it is
-    /// dropped (their states are unusable) and the error is returned.
-    pub fn step(&mut self, model: &mut Model<'_>) -> Result<(Vec<Emitted>, StepShape), ModelError> {
+    /// prompt is done. Sequences that end leave the batch (their final states are in
+    /// [`StepOut::ended`]). On error every sequence in it is dropped (their states are
+    /// unusable) and the error is returned.
+    pub fn step(&mut self, model: &mut Model<'_>) -> Result<StepOut, ModelError> {
+        let mut out = StepOut::default();
         if self.slots.is_empty() {
-            return Ok((Vec::new(), StepShape::default()));
+            return Ok(out);
         }
         let t0 = Instant::now();
         // Prompt rows this step may take, first come first served (0 = no bound).
@@ -163,12 +256,18 @@ impl Batch {
         } else {
             self.prefill_chunk
         };
-        let mut shape = StepShape::default();
+        let shape = &mut out.shape;
         let mut rows: Vec<SeqRows<'_>> = Vec::with_capacity(self.slots.len());
         // (slot index, ids it runs) of every slot in the pass.
         let mut ran: Vec<(usize, usize)> = Vec::with_capacity(self.slots.len());
         for (i, s) in self.slots.iter_mut().enumerate() {
-            let left = &s.todo[s.done..];
+            if s.paused {
+                continue;
+            }
+            let mut left = &s.todo[s.done..];
+            if let Some(p) = s.pause {
+                left = &left[..p.saturating_sub(s.done).min(left.len())];
+            }
             let take = if s.prompt_left {
                 let take = left.len().min(budget);
                 budget -= take;
@@ -185,7 +284,7 @@ impl Batch {
             rows.push(SeqRows {
                 ids: &left[..take],
                 state: &mut s.state,
-                logits: if take == left.len() {
+                logits: if s.done + take == s.todo.len() {
                     Logits::Last
                 } else {
                     Logits::None
@@ -201,10 +300,17 @@ impl Batch {
             }
         };
         drop(rows);
-        let mut out = Vec::new();
+        let all_rows = shape.rows.max(1) as f64;
         for ((i, take), logits) in ran.into_iter().zip(logits) {
             let s = &mut self.slots[i];
+            out.shares.push((s.seq, take as f64 / all_rows));
+            s.held.extend_from_slice(&s.todo[s.done..s.done + take]);
             s.done += take;
+            if s.pause == Some(s.done) {
+                s.pause = None;
+                s.paused = true;
+                out.paused.push(s.seq);
+            }
             if s.done < s.todo.len() {
                 continue;
             }
@@ -221,19 +327,18 @@ impl Batch {
             s.todo.clear();
             s.todo.push(token);
             s.done = 0;
-            out.push(Emitted {
+            out.emitted.push(Emitted {
                 seq: s.seq,
                 token,
                 finish,
             });
         }
-        let ended: Vec<u64> = out
-            .iter()
-            .filter(|e| e.finish.is_some())
-            .map(|e| e.seq)
-            .collect();
-        self.slots.retain(|s| !ended.contains(&s.seq));
-        shape.seconds = t0.elapsed().as_secs_f64();
-        Ok((out, shape))
+        for e in out.emitted.iter().filter(|e| e.finish.is_some()) {
+            if let Some(r) = self.leave(e.seq) {
+                out.ended.push((e.seq, r));
+            }
+        }
+        out.shape.seconds = t0.elapsed().as_secs_f64();
+        Ok(out)
     }
 }

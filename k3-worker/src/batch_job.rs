@@ -99,6 +99,14 @@ pub fn parse(
     Ok(items)
 }
 
+/// Sequences decoded at once (`--parallel`, default 4).
+pub fn parallel(cli: &Cli) -> usize {
+    cli.parallel.unwrap_or(DEFAULT_PARALLEL) as usize
+}
+
+/// `--parallel` when not given.
+pub const DEFAULT_PARALLEL: u64 = 4;
+
 /// Prompt rows a step of the batch may run: `--prefill-chunk`, or (0) every waiting prompt.
 pub fn step_prompt_rows(cli: &Cli, seqs: usize, positions: usize) -> usize {
     let all = seqs * positions.max(1);
@@ -139,7 +147,7 @@ pub fn run(
     items: &[BatchItem],
     wall: Instant,
 ) -> Result<i32, JobError> {
-    let parallel = (cli.parallel as usize).min(items.len());
+    let parallel = parallel(cli).min(items.len());
     let mut batch = Batch::new(cli.prefill_chunk);
     let mut waiting = items.iter().enumerate();
     let mut index: HashMap<u64, usize> = HashMap::new();
@@ -180,6 +188,7 @@ pub fn run(
                     max_new: it.max_new,
                     sampler: sampler.clone(),
                     stop_ids: END_IDS.to_vec(),
+                    pause_before_last: false,
                 },
             )?;
             index.insert(seq, i);
@@ -188,7 +197,8 @@ pub fn run(
         if batch.is_empty() {
             break;
         }
-        let (out, shape) = batch.step(model)?;
+        let step = batch.step(model)?;
+        let (out, shape) = (step.emitted, step.shape);
         steps += 1;
         if shape.prompt_rows == 0 {
             decode_steps += 1;

@@ -69,9 +69,12 @@ pub enum DraftArg {
 /// The inputs other than `--chat`: the chat-only flags conflict with them.
 const NOT_CHAT: [&str; 5] = ["ids", "prompt", "prompt_file", "batch", "serve_channel"];
 
-/// The inputs other than `--batch` (`--parallel` conflicts with them rather than requiring
-/// `--batch`, for the reason given at `no_think`).
-const NOT_BATCH: [&str; 5] = ["ids", "prompt", "prompt_file", "chat", "serve_channel"];
+/// The inputs other than `--batch` and `--serve-channel` (`--parallel` conflicts with them
+/// rather than requiring one of those two, for the reason given at `no_think`).
+const NOT_BATCH: [&str; 4] = ["ids", "prompt", "prompt_file", "chat"];
+
+/// The inputs `--ctx` means nothing for.
+const NOT_CTX: [&str; 4] = ["ids", "prompt", "prompt_file", "batch"];
 
 /// What the job message of `--serve-channel` gives (the flags conflict with it).
 const FROM_THE_JOB: [&str; 13] = [
@@ -135,11 +138,12 @@ pub struct Cli {
     /// same seed); no speculation. Results go to stdout as JSON Lines as sequences end.
     #[arg(long, value_name = "FILE", conflicts_with_all = BATCH_CONFLICTS)]
     pub batch: Option<PathBuf>,
-    /// Sequences decoded at once with --batch (their states and the pass's rows are in the
-    /// memory plan).
-    #[arg(long, value_name = "N", default_value_t = 4, conflicts_with_all = NOT_BATCH,
+    /// Sequences decoded at once with --batch (default 4), or with --serve-channel the jobs
+    /// this worker takes from `k3-ctl serve` at once (continuous batching; each of up to --ctx
+    /// positions). Their states and the pass's rows are in the memory plan.
+    #[arg(long, value_name = "N", conflicts_with_all = NOT_BATCH,
           value_parser = clap::value_parser!(u64).range(1..=MAX_PARALLEL))]
-    pub parallel: u64,
+    pub parallel: Option<u64>,
     /// Tokenizer directory (tiktoken.model + tokenizer_config.json).
     #[arg(long, value_name = "DIR")]
     pub tok: Option<PathBuf>,
@@ -260,8 +264,9 @@ pub struct Cli {
     /// its next step boundary. serve builds this command line ([`serve_channel_args`]).
     #[arg(long, conflicts_with_all = FROM_THE_JOB)]
     pub serve_channel: bool,
-    /// Chat context in positions (the whole conversation plus one reply must fit).
-    #[arg(long, value_name = "N", conflicts_with_all = NOT_CHAT, default_value_t = DEFAULT_CTX as u64,
+    /// Chat context in positions (the whole conversation plus one reply must fit); with
+    /// --serve-channel --parallel, the positions each job may take.
+    #[arg(long, value_name = "N", conflicts_with_all = NOT_CTX, default_value_t = DEFAULT_CTX as u64,
           value_parser = clap::value_parser!(u64).range(1..=MAX_CTX))]
     pub ctx: u64,
 }
@@ -299,10 +304,12 @@ impl Cli {
 }
 
 /// The command line of a worker that takes its job from `k3-ctl serve` (`--serve-channel`):
-/// the one place its flags are spelled for serve, checked against [`Cli`] by a test.
+/// the one place its flags are spelled for serve, checked against [`Cli`] by a test. With
+/// `slots` = (jobs, positions) it is a batch worker taking up to that many jobs at once.
 pub fn serve_channel_args(
     socket: &std::path::Path,
     threads: Option<usize>,
+    slots: Option<(usize, usize)>,
 ) -> Vec<std::ffi::OsString> {
     let mut args: Vec<std::ffi::OsString> = vec![
         "--serve-channel".into(),
@@ -313,6 +320,12 @@ pub fn serve_channel_args(
         args.push("--threads".into());
         args.push(t.to_string().into());
     }
+    if let Some((jobs, positions)) = slots {
+        args.push("--parallel".into());
+        args.push(jobs.to_string().into());
+        args.push("--ctx".into());
+        args.push(positions.to_string().into());
+    }
     args
 }
 
@@ -322,7 +335,7 @@ mod tests {
 
     #[test]
     fn serve_channel_args_parse_back_into_the_cli() {
-        let args = serve_channel_args(std::path::Path::new("/run/k3/store.sock"), Some(3));
+        let args = serve_channel_args(std::path::Path::new("/run/k3/store.sock"), Some(3), None);
         let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
             .unwrap()
             .0;
@@ -332,17 +345,21 @@ mod tests {
             Some(std::path::Path::new("/run/k3/store.sock"))
         );
         assert_eq!(c.threads, Some(3));
-        let args = serve_channel_args(std::path::Path::new("/s"), None);
+        let args = serve_channel_args(std::path::Path::new("/s"), None, None);
         let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
             .unwrap()
             .0;
-        assert_eq!(c.threads, None);
+        assert_eq!((c.threads, c.parallel), (None, None));
+        let args = serve_channel_args(std::path::Path::new("/s"), None, Some((4, 5000)));
+        let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
+            .unwrap()
+            .0;
+        assert_eq!((c.parallel, c.ctx), (Some(4), 5000));
         // The job message gives the prompt, sampling and session: the flags are refused.
         for extra in [
             &["--ids", "1"][..],
             &["--gen", "3"],
             &["--session", "s"],
-            &["--ctx", "9"],
         ] {
             let mut a = vec!["k3-worker", "--serve-channel"];
             a.extend_from_slice(extra);
@@ -397,7 +414,9 @@ mod tests {
         assert_eq!(parse(&["--ids", "5,6,7"]).unwrap().ids, Some(vec![5, 6, 7]));
         // --batch is an input of its own; --parallel needs it; the per-run outputs conflict.
         let c = parse(&["--batch", "b.jsonl"]).unwrap();
-        assert_eq!((c.batch.is_some(), c.parallel), (true, 4));
+        assert_eq!((c.batch.is_some(), c.parallel), (true, None));
+        let c = parse(&["--serve-channel", "--parallel", "3", "--ctx", "100"]).unwrap();
+        assert_eq!((c.parallel, c.ctx), (Some(3), 100));
         assert!(parse(&["--batch", "b", "--ids", "1"]).is_err());
         assert!(parse(&["--ids", "1", "--parallel", "2"]).is_err());
         assert!(parse(&["--batch", "b", "--parallel", "0"]).is_err());

@@ -122,6 +122,14 @@ pub enum Input {
     Chat(Option<Effort>),
     /// Many prompts decoded together (`--batch`).
     Batch(Vec<crate::batch_job::BatchItem>),
+    /// Jobs from `k3-ctl serve` decoded together (`--serve-channel --parallel N`): up to `seqs`
+    /// sequences of up to `positions` each.
+    Slots {
+        /// Sequences at once.
+        seqs: usize,
+        /// Positions each may take.
+        positions: usize,
+    },
 }
 
 /// Everything checked before any work.
@@ -186,6 +194,11 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
         } else {
             Some(cli.effort.map_or(Effort::Max, Effort::from))
         })
+    } else if let (true, Some(n), None) = (cli.serve_channel, cli.parallel, &cli.ids) {
+        Input::Slots {
+            seqs: n as usize,
+            positions: cli.ctx as usize,
+        }
     } else if let Some(path) = &cli.batch {
         let bytes = read_bounded(path, MAX_PROMPT_FILE)?;
         Input::Batch(crate::batch_job::parse(
@@ -554,7 +567,7 @@ fn job_buffers(
     seqs: usize,
 ) -> Result<u64, JobError> {
     match pre.input {
-        Input::Batch(_) => {
+        Input::Batch(_) | Input::Slots { .. } => {
             let rows = crate::batch_job::step_prompt_rows(cli, seqs, positions);
             Ok(crate::batch_job::pass_bytes(dims, positions, rows, seqs))
         }
@@ -623,10 +636,12 @@ pub fn open_source(
             .map(|it| positions_needed(it.prompt.len(), it.max_new))
             .max()
             .unwrap_or(1),
+        Input::Slots { positions, .. } => *positions,
     };
     // Sequences held at once: a batch's --parallel (at most its requests), else one.
     let seqs = match &pre.input {
-        Input::Batch(items) => (cli.parallel as usize).min(items.len()),
+        Input::Batch(items) => crate::batch_job::parallel(cli).min(items.len()),
+        Input::Slots { seqs, .. } => *seqs,
         _ => 1,
     };
     let chunk = if cli.prefill_chunk == 0 {
@@ -817,7 +832,7 @@ pub fn run_with(
     let prompts: Vec<&[u32]> = match &pre.input {
         Input::Prompt(prompt) => vec![prompt],
         Input::Batch(items) => items.iter().map(|it| &it.prompt[..]).collect(),
-        Input::Chat(_) => Vec::new(),
+        Input::Chat(_) | Input::Slots { .. } => Vec::new(),
     };
     for (i, prompt) in prompts.into_iter().enumerate() {
         if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= opened.dims.vocab) {
@@ -882,6 +897,9 @@ pub fn run_with(
                 reporter,
             )
         }
+        Input::Slots { .. } => Err(refuse(
+            "jobs from k3-ctl serve arrive over --serve-channel, not as a one-shot run",
+        )),
         Input::Batch(items) => {
             crate::batch_job::run(cli, &mut model, pre.tok.as_ref(), &pre.sampler, items, wall)
         }

@@ -11,6 +11,7 @@ pub mod job;
 pub mod kernels;
 pub mod model;
 pub mod report;
+pub mod serve_batch;
 pub mod serve_channel;
 pub mod session;
 pub mod sink;

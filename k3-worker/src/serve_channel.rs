@@ -1,5 +1,6 @@
 //! `k3-worker --serve-channel`: one job from `k3-ctl serve` over the Unix socket that is this
-//! process's standard input, in the job protocol of [`k3_proto::serve`] (docs/SPEC.md §6.12).
+//! process's standard input, in the job protocol of [`k3_proto::serve`] (docs/SPEC.md §6.12);
+//! with `--parallel N`, many jobs at once ([`crate::serve_batch`]).
 //!
 //! The worker says `Hello`, reads its `Start`, runs the job as a one-shot run whose ids go to
 //! the channel ([`ChannelSink`]), and ends with one `Done` or `Error` (the kind and the exit code
@@ -53,13 +54,19 @@ enum ChannelError {
 }
 
 /// The writing side of the channel; a failed write (serve gone) cancels the job.
-struct Writer {
+pub(crate) struct Writer {
     stream: UnixStream,
     cancel: Arc<AtomicBool>,
 }
 
 impl Writer {
-    fn send(&mut self, m: &FromWorker) {
+    /// A write failed: serve is gone.
+    pub(crate) fn broken(&self) -> bool {
+        self.cancel.load(Ordering::Acquire)
+    }
+
+    /// Send `m` (a failure marks the channel broken).
+    pub(crate) fn send(&mut self, m: &FromWorker) {
         let ok = k3_proto::wire::encode(m)
             .map_err(|e| e.to_string())
             .and_then(|f| self.stream.write_all(&f).map_err(|e| e.to_string()));
@@ -171,6 +178,14 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> i32 {
         protocol_version: JOB_PROTOCOL_VERSION,
         pid: std::process::id(),
     });
+    if cli.parallel.is_some() {
+        // A batch worker: jobs for as long as serve keeps the channel open.
+        return crate::serve_batch::run(cli, matches, out, reader);
+    }
+    if matches.value_source("ctx") == Some(clap::parser::ValueSource::CommandLine) {
+        let m = "--ctx sizes a batch worker's jobs: it needs --parallel".to_string();
+        return refuse(&mut out, None, ErrorKind::Refused, m);
+    }
     let _ = reader.set_read_timeout(Some(START_TIMEOUT));
     let start = match k3_proto::wire::read_frame_limited::<ToWorker, _>(&mut reader, MAX_JOB_FRAME)
     {

@@ -39,6 +39,7 @@ fn req(prompt: &[u32], max_new: usize, sampler: Sampler) -> SeqRequest {
         max_new,
         sampler,
         stop_ids: vec![],
+        pause_before_last: false,
     }
 }
 
@@ -77,7 +78,8 @@ fn every_sequence_gets_its_solo_ids_whoever_shares_its_steps() {
                 handle.insert(b.join(&m, reqs[i].clone()).unwrap(), i);
             }
         }
-        let (out, shape) = b.step(&mut m).unwrap();
+        let st = b.step(&mut m).unwrap();
+        let (out, shape) = (st.emitted, st.shape);
         max_seqs = max_seqs.max(shape.seqs);
         // Four prompt rows a step, first come first served; decoding rows beside them.
         match step {
@@ -121,10 +123,11 @@ fn a_cancelled_sequence_leaves_and_the_others_go_on_unchanged() {
     let mut got: Vec<Vec<u32>> = vec![Vec::new(); 3];
     for step in 0..8 {
         if step == 3 {
-            assert!(b.leave(h[1]));
-            assert!(!b.leave(h[1]), "gone already");
+            assert!(b.leave(h[1]).is_some());
+            assert!(b.leave(h[1]).is_none(), "gone already");
         }
-        let (out, shape) = b.step(&mut m).unwrap();
+        let st = b.step(&mut m).unwrap();
+        let (out, shape) = (st.emitted, st.shape);
         assert_eq!(shape.seqs, if step < 3 { 3 } else { 2 });
         for e in out {
             got[h.iter().position(|&x| x == e.seq).unwrap()].push(e.token);
@@ -146,4 +149,105 @@ fn bad_requests_are_refused_before_they_join() {
     assert!(b.join(&m, req(&[1], 0, Sampler::Greedy)).is_err());
     assert!(b.join(&m, req(&[1, v], 4, Sampler::Greedy)).is_err());
     assert!(b.is_empty());
+}
+
+/// A sequence pauses before its prompt's last id (its state there can be kept, as a session a
+/// retry resumes from), goes on when resumed; a kept state — the pause's, or the final one of a
+/// finished sequence — starts a longer prompt that extends it, and every id is the solo run's.
+#[test]
+fn pause_keep_and_resume_give_the_solo_ids() {
+    use k3_worker::batch::Resumed;
+    let src = MemSource::random(&tiny_dims(), 8);
+    let prompt = vec![3, 1, 4, 1, 5, 9, 2, 6];
+    let first = req(&prompt, 6, Sampler::Greedy);
+    let want = solo(&src, &first);
+    let mut m = model(&src);
+    let mut b = Batch::new(3);
+    let other = b.join(&m, req(&[7, 7, 7], 10, Sampler::Greedy)).unwrap();
+    let mut r = first.clone();
+    r.pause_before_last = true;
+    let seq = b.join(&m, r.clone()).unwrap();
+    // Three prompt ids a step (the other sequence's three first): the pause comes after 7 ids.
+    let mut paused_at = None;
+    for step in 0..6 {
+        let out = b.step(&mut m).unwrap();
+        assert!(
+            out.emitted.iter().all(|e| e.seq == other),
+            "{step}: {:?}",
+            out.emitted
+        );
+        if out.paused.contains(&seq) {
+            paused_at = Some(step);
+            break;
+        }
+    }
+    assert!(paused_at.is_some());
+    let (state, held) = b.state(seq).unwrap();
+    assert_eq!(held, &prompt[..7]);
+    assert_eq!(state.pos, 7);
+    // A paused sequence sits steps out.
+    let out = b.step(&mut m).unwrap();
+    assert!(out.shares.iter().all(|(s, _)| *s != seq));
+    // Kept and resumed in a new sequence (as a retry would): the solo ids.
+    let kept = b.leave(seq).unwrap();
+    let seq2 = b.join_from(&m, first.clone(), Some(kept)).unwrap();
+    let mut got = Vec::new();
+    let mut last = None;
+    while last.is_none() {
+        let out = b.step(&mut m).unwrap();
+        got.extend(
+            out.emitted
+                .iter()
+                .filter(|e| e.seq == seq2)
+                .map(|e| e.token),
+        );
+        last = out.ended.into_iter().find(|(s, _)| *s == seq2);
+    }
+    assert_eq!(got, want);
+    // The final state holds the prompt and every id but the last; a next turn extends it.
+    let (_, fin): (u64, Resumed) = last.unwrap();
+    let mut turn: Vec<u32> = prompt.clone();
+    turn.extend_from_slice(&want);
+    assert_eq!(fin.held, turn[..turn.len() - 1]);
+    turn.extend_from_slice(&[11, 12]);
+    let next = req(&turn, 5, Sampler::Greedy);
+    let want2 = solo(&src, &next);
+    // Its capacity was sized for the first request only: refused, not overrun.
+    assert!(b.join_from(&m, next.clone(), Some(fin)).is_err());
+    let mut b2 = Batch::new(0);
+    let seq3 = b2.join(&m, next.clone()).unwrap();
+    let mut got2 = Vec::new();
+    while !b2.is_empty() {
+        got2.extend(
+            b2.step(&mut m)
+                .unwrap()
+                .emitted
+                .iter()
+                .filter(|e| e.seq == seq3)
+                .map(|e| e.token),
+        );
+    }
+    assert_eq!(got2, want2);
+    // A kept state that is not a prefix of the prompt is refused.
+    let wrong = Resumed {
+        state: m.new_state(64),
+        held: vec![],
+    };
+    let mut bad = req(&[5], 2, Sampler::Greedy);
+    assert!(b.join_from(&m, bad.clone(), Some(wrong)).is_ok());
+    bad.prompt = vec![1, 2];
+    let mut st = m.new_state(64);
+    m.forward(&[9], &mut st, k3_worker::model::Logits::Last)
+        .unwrap();
+    let e = b
+        .join_from(
+            &m,
+            bad,
+            Some(Resumed {
+                state: st,
+                held: vec![9],
+            }),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("cannot start"), "{e}");
 }

@@ -840,3 +840,67 @@ def test_ctrl_c_ends_serve_promptly_and_cancels_its_jobs(world):
     assert code == 0 and took < 3, (code, took)
     print(f"measured: serve exited {took:.3f} s after SIGINT")
     wait_for(lambda: all(reaped(p) for p in pids), "the worker to end", timeout=60)
+
+
+def test_concurrent_requests_share_one_batch_worker_with_their_solo_answers(world):
+    """`--max-jobs 3`: concurrent requests join one batch worker (continuous batching) and each
+    gets the text its own worker would give alone — greedy and seeded, whole and streamed, one
+    joining while another decodes, one cancelled mid-stream without disturbing the others, a
+    kept conversation resumed inside the batch. Afterwards the worker ends with serve."""
+    import concurrent.futures as cf
+    d = world["dir"]
+    log = d / "serve-batched.log"
+    before = set(live_worker_pids(world))
+    srv = Server(world["sock"], log, "--max-jobs", "3", "--queue", "4", "--threads", "1",
+                 "--cancel-grace", "120")
+    try:
+        c = srv.client()
+        prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+        seeded = ("--temperature", "0.9", "--top-p", "0.95", "--seed", "5")
+        want = [expected_completion(world, tokenize(prompts[0]), 12),
+                expected_completion(world, tokenize(prompts[1]), 16, *seeded),
+                expected_completion(world, tokenize(prompts[2]), 8)]
+        kws = [dict(model=MODEL, prompt=prompts[0], max_tokens=12, temperature=0),
+               dict(model=MODEL, prompt=prompts[1], max_tokens=16, temperature=0.9, top_p=0.95, seed=5),
+               dict(model=MODEL, prompt=prompts[2], max_tokens=8, temperature=0)]
+
+        def whole(kw):
+            r = c.completions.create(**kw)
+            return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+
+        def streamed(kw):
+            text, finish, usage = stream_completion(c, **kw)
+            return text, finish, usage.completion_tokens
+
+        # A long stream first: the others join its batch while it decodes; it is cancelled later.
+        s = open_stream(srv, dict(LONG, stream=True, seed=3))
+        with cf.ThreadPoolExecutor(4) as ex:
+            got_whole = list(ex.map(whole, kws))
+            got_streamed = list(ex.map(streamed, kws))
+        assert got_whole == want and got_streamed == want, (got_whole, got_streamed, want)
+        tail = log.read_text(errors="replace")
+        pids = set(re.findall(r"joined the batch of worker pid (\d+)", tail))
+        assert len(pids) == 1 and tail.count("joined the batch of worker pid") >= 7, tail
+        assert "started worker pid" not in tail, tail
+        (pid,) = pids
+        # The long stream's client goes away: its job leaves, the worker stays for the next.
+        # Three at once again: the cancelled job's slot is free.
+        s.close()
+        with cf.ThreadPoolExecutor(3) as ex:
+            assert list(ex.map(whole, kws)) == want
+        # A request that extends a kept conversation resumes it inside the batch.
+        p1 = tokenize("In the beginning")
+        g1 = worker_ids(world, p1, 4)
+        r1 = c.completions.create(model=MODEL, prompt=p1, max_tokens=4, temperature=0)
+        assert r1.usage.completion_tokens == len(g1)
+        p2 = p1 + g1 + tokenize(" and so")
+        w2 = expected_completion(world, p2, 5)
+        r2 = c.completions.create(model=MODEL, prompt=p2, max_tokens=5, temperature=0)
+        assert (r2.choices[0].text, r2.choices[0].finish_reason, r2.usage.completion_tokens) == w2
+        assert r2.usage.prompt_tokens_details.cached_tokens == len(p1) + len(g1) - 1
+        tail = log.read_text(errors="replace")
+        assert set(re.findall(r"joined the batch of worker pid (\d+)", tail)) == {pid}, tail
+    finally:
+        srv.stop()
+    # The batch worker ends with serve (its channel closes).
+    wait_for(lambda: set(live_worker_pids(world)) <= before, "the batch worker to end", timeout=60)

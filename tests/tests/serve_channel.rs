@@ -21,7 +21,7 @@ fn spawn(sb: &Sandbox, socket: &Path) -> (Child, UnixStream) {
     ours.set_read_timeout(Some(Duration::from_secs(120)))
         .unwrap();
     let child = Command::new(bin("k3-worker"))
-        .args(k3_worker::cli::serve_channel_args(socket, Some(1)))
+        .args(k3_worker::cli::serve_channel_args(socket, Some(1), None))
         .env("XDG_RUNTIME_DIR", sb.xdg_dir())
         .stdin(Stdio::from(OwnedFd::from(theirs)))
         .stdout(Stdio::null())

@@ -47,6 +47,8 @@ pub struct AppState {
     pub markers: Markers,
     /// How to run a worker.
     pub worker: WorkerSpec,
+    /// The batch worker concurrent requests share (None: every request gets its own worker).
+    pub batch: Option<super::batch::BatchPool>,
     /// Job slots and the queue.
     pub admission: Arc<Admission>,
     /// The served model id.
@@ -466,11 +468,21 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
         },
         session: session.as_ref().map(|s| s.0.clone()),
     };
-    let job = Job::spawn(&st.worker, job).await.map_err(job_error)?;
+    let job = match st.batch.as_ref().filter(|b| b.takes(&job)) {
+        Some(pool) => match pool.submit(job.clone()).await.map_err(job_error)? {
+            Some(seat) => Job::Batched(seat),
+            None => Job::spawn(&st.worker, job).await.map_err(job_error)?,
+        },
+        None => Job::spawn(&st.worker, job).await.map_err(job_error)?,
+    };
     place.set_worker(job.pid());
     tracing::info!(
-        "{} started worker pid {} ({} prompt ids, up to {} new){}",
+        "{} {} worker pid {} ({} prompt ids, up to {} new){}",
         g.id,
+        match job {
+            Job::Own(_) => "started",
+            Job::Batched(_) => "joined the batch of",
+        },
         job.pid(),
         g.prompt.len(),
         g.settings.max_new,

@@ -58,7 +58,7 @@ pub struct JobError {
 }
 
 impl JobError {
-    fn protocol(message: impl std::fmt::Display) -> JobError {
+    pub(super) fn protocol(message: impl std::fmt::Display) -> JobError {
         JobError {
             kind: ErrorKind::Protocol,
             exit_class: None,
@@ -88,8 +88,42 @@ pub enum Event {
     },
 }
 
-/// A running worker.
-pub struct Job {
+/// A running job: its own worker, or a seat in the batch worker ([`BatchPool`]).
+#[derive(Debug)]
+pub enum Job {
+    /// A worker of its own.
+    Own(Box<Worker>),
+    /// A seat in the shared batch worker.
+    Batched(super::batch::Seat),
+}
+
+impl Job {
+    /// Start a worker of its own for `start` and hand it the job.
+    pub async fn spawn(spec: &WorkerSpec, start: Start) -> Result<Job, JobError> {
+        Worker::spawn(spec, start)
+            .await
+            .map(|w| Job::Own(Box::new(w)))
+    }
+
+    /// The process id of the worker running it.
+    pub fn pid(&self) -> u32 {
+        match self {
+            Job::Own(w) => w.pid(),
+            Job::Batched(s) => s.pid,
+        }
+    }
+
+    /// The next event; after `Done` the job is over.
+    pub async fn next(&mut self) -> Result<Event, JobError> {
+        match self {
+            Job::Own(w) => w.next().await,
+            Job::Batched(s) => s.next().await,
+        }
+    }
+}
+
+/// A running worker of one job.
+pub struct Worker {
     child: Option<Child>,
     chan: UnixStream,
     stderr: Option<JoinHandle<VecDeque<String>>>,
@@ -100,9 +134,9 @@ pub struct Job {
     ended: bool,
 }
 
-impl std::fmt::Debug for Job {
+impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Job").field("pid", &self.pid).finish()
+        f.debug_struct("Worker").field("pid", &self.pid).finish()
     }
 }
 
@@ -129,7 +163,9 @@ pub enum FrameError {
 }
 
 /// Read one frame of the job protocol.
-async fn read_frame(chan: &mut UnixStream) -> Result<Option<FromWorker>, FrameError> {
+pub(super) async fn read_frame<R: AsyncReadExt + Unpin>(
+    chan: &mut R,
+) -> Result<Option<FromWorker>, FrameError> {
     let mut len = [0u8; 4];
     match chan.read_exact(&mut len).await {
         Ok(_) => {}
@@ -148,62 +184,124 @@ async fn read_frame(chan: &mut UnixStream) -> Result<Option<FromWorker>, FrameEr
     Ok(Some(k3_proto::wire::decode(&body)?))
 }
 
-impl Job {
-    /// Start a worker for `start` and hand it the job.
-    pub async fn spawn(spec: &WorkerSpec, start: Start) -> Result<Job, JobError> {
-        let cant = |what: &str, e: &dyn std::fmt::Display| JobError {
-            kind: ErrorKind::Failed,
-            exit_class: None,
-            message: format!("cannot start {}: {what}: {e}", spec.exe.display()),
-        };
-        let (ours, theirs) =
-            std::os::unix::net::UnixStream::pair().map_err(|e| cant("socket pair", &e))?;
-        ours.set_nonblocking(true)
-            .map_err(|e| cant("socket pair", &e))?;
-        let chan = UnixStream::from_std(ours).map_err(|e| cant("socket pair", &e))?;
-        let mut child = Command::new(&spec.exe)
-            .args(k3_worker::cli::serve_channel_args(
-                &spec.socket,
-                spec.threads,
-            ))
-            .stdin(Stdio::from(OwnedFd::from(theirs)))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            // Its own process group: a Ctrl-C at serve's terminal reaches serve, which cancels
-            // the job, not the worker directly.
-            .process_group(0)
-            .spawn()
-            .map_err(|e| cant("spawn", &e))?;
-        let pid = child.id().unwrap_or(0);
-        // The worker's lines are logged under the request's span (its id on every line).
-        let span = tracing::Span::current();
-        let stderr = child.stderr.take().map(|stderr| {
-            tokio::spawn(
-                async move {
-                    let mut lines = BufReader::new(stderr);
-                    let mut kept = VecDeque::with_capacity(KEEP_LINES);
-                    let mut line = Vec::new();
-                    loop {
-                        line.clear();
-                        // A line longer than 4 KiB is cut (read in pieces); the worker's are short.
-                        match (&mut lines).take(4096).read_until(b'\n', &mut line).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(_) => {
-                                let l = String::from_utf8_lossy(&line).trim_end().to_string();
-                                tracing::debug!("worker {pid}: {l}");
-                                if kept.len() == KEEP_LINES {
-                                    kept.pop_front();
-                                }
-                                kept.push_back(l);
+/// The task draining a worker's stderr into serve's log; it returns the last lines.
+pub(super) type StderrTail = Option<JoinHandle<VecDeque<String>>>;
+
+/// A started `k3-worker --serve-channel` (`slots`: a batch worker's jobs and positions): the
+/// child, serve's end of the channel, the task draining its stderr into serve's log (under the
+/// current span) and keeping the last lines, and its pid.
+pub(super) fn launch(
+    spec: &WorkerSpec,
+    slots: Option<(usize, usize)>,
+) -> Result<(Child, UnixStream, StderrTail, u32), JobError> {
+    let cant = |what: &str, e: &dyn std::fmt::Display| JobError {
+        kind: ErrorKind::Failed,
+        exit_class: None,
+        message: format!("cannot start {}: {what}: {e}", spec.exe.display()),
+    };
+    let (ours, theirs) =
+        std::os::unix::net::UnixStream::pair().map_err(|e| cant("socket pair", &e))?;
+    ours.set_nonblocking(true)
+        .map_err(|e| cant("socket pair", &e))?;
+    let chan = UnixStream::from_std(ours).map_err(|e| cant("socket pair", &e))?;
+    let mut child = Command::new(&spec.exe)
+        .args(k3_worker::cli::serve_channel_args(
+            &spec.socket,
+            spec.threads,
+            slots,
+        ))
+        .stdin(Stdio::from(OwnedFd::from(theirs)))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        // Its own process group: a Ctrl-C at serve's terminal reaches serve, which cancels
+        // the job, not the worker directly.
+        .process_group(0)
+        .kill_on_drop(slots.is_some())
+        .spawn()
+        .map_err(|e| cant("spawn", &e))?;
+    let pid = child.id().unwrap_or(0);
+    // The worker's lines are logged under the current span (a request's id on every line).
+    let span = tracing::Span::current();
+    let stderr = child.stderr.take().map(|stderr| {
+        tokio::spawn(
+            async move {
+                let mut lines = BufReader::new(stderr);
+                let mut kept = VecDeque::with_capacity(KEEP_LINES);
+                let mut line = Vec::new();
+                loop {
+                    line.clear();
+                    // A line longer than 4 KiB is cut (read in pieces); the worker's are short.
+                    match (&mut lines).take(4096).read_until(b'\n', &mut line).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(_) => {
+                            let l = String::from_utf8_lossy(&line).trim_end().to_string();
+                            tracing::debug!("worker {pid}: {l}");
+                            if kept.len() == KEEP_LINES {
+                                kept.pop_front();
                             }
+                            kept.push_back(l);
                         }
                     }
-                    kept
                 }
-                .instrument(span),
-            )
-        });
-        let mut job = Job {
+                kept
+            }
+            .instrument(span),
+        )
+    });
+    Ok((child, chan, stderr, pid))
+}
+
+/// What a started worker said first.
+pub(super) enum FirstWord {
+    /// `Hello` in this build's protocol.
+    Hello,
+    /// It refused or failed before any job (`Error`): it ends by itself.
+    Ended(JobError),
+    /// The channel closed.
+    Closed,
+    /// Anything else, or nothing in time.
+    Broken(JobError),
+}
+
+/// Read a started worker's first message.
+pub(super) async fn first_word<R: AsyncReadExt + Unpin>(chan: &mut R) -> FirstWord {
+    match tokio::time::timeout(HELLO_TIMEOUT, read_frame(chan)).await {
+        Ok(Ok(Some(FromWorker::Hello {
+            protocol_version: JOB_PROTOCOL_VERSION,
+            ..
+        }))) => FirstWord::Hello,
+        Ok(Ok(Some(FromWorker::Hello {
+            protocol_version, ..
+        }))) => FirstWord::Broken(JobError::protocol(format!(
+            "the worker speaks job protocol v{protocol_version}, this server \
+             v{JOB_PROTOCOL_VERSION}: use k3 binaries from the same build"
+        ))),
+        Ok(Ok(Some(FromWorker::Error {
+            kind,
+            exit_class,
+            message,
+            ..
+        }))) => FirstWord::Ended(JobError {
+            kind,
+            exit_class: Some(exit_class),
+            message,
+        }),
+        Ok(Ok(Some(other))) => FirstWord::Broken(JobError::protocol(format!(
+            "the worker did not start with Hello: {other:?}"
+        ))),
+        Ok(Ok(None)) => FirstWord::Closed,
+        Ok(Err(e)) => FirstWord::Broken(JobError::protocol(e)),
+        Err(_) => FirstWord::Broken(JobError::protocol(format!(
+            "the worker said nothing within {HELLO_TIMEOUT:?}"
+        ))),
+    }
+}
+
+impl Worker {
+    /// Start a worker for `start` and hand it the job.
+    pub async fn spawn(spec: &WorkerSpec, start: Start) -> Result<Worker, JobError> {
+        let (child, chan, stderr, pid) = launch(spec, None)?;
+        let mut job = Worker {
             child: Some(child),
             chan,
             stderr,
@@ -212,44 +310,14 @@ impl Job {
             grace: spec.grace,
             ended: false,
         };
-        match tokio::time::timeout(HELLO_TIMEOUT, read_frame(&mut job.chan)).await {
-            Ok(Ok(Some(FromWorker::Hello {
-                protocol_version: JOB_PROTOCOL_VERSION,
-                ..
-            }))) => {}
-            Ok(Ok(Some(FromWorker::Hello {
-                protocol_version, ..
-            }))) => {
-                return Err(JobError::protocol(format!(
-                    "the worker speaks job protocol v{protocol_version}, this server \
-                     v{JOB_PROTOCOL_VERSION}: use k3 binaries from the same build"
-                )))
-            }
-            Ok(Ok(Some(FromWorker::Error {
-                kind,
-                exit_class,
-                message,
-                ..
-            }))) => {
+        match first_word(&mut job.chan).await {
+            FirstWord::Hello => {}
+            FirstWord::Ended(e) => {
                 job.ended = true;
-                return Err(JobError {
-                    kind,
-                    exit_class: Some(exit_class),
-                    message,
-                });
+                return Err(e);
             }
-            Ok(Ok(Some(other))) => {
-                return Err(JobError::protocol(format!(
-                    "the worker did not start with Hello: {other:?}"
-                )))
-            }
-            Ok(Ok(None)) => return Err(job.died().await),
-            Ok(Err(e)) => return Err(JobError::protocol(e)),
-            Err(_) => {
-                return Err(JobError::protocol(format!(
-                    "the worker said nothing within {HELLO_TIMEOUT:?}"
-                )))
-            }
+            FirstWord::Closed => return Err(job.died().await),
+            FirstWord::Broken(e) => return Err(e),
         }
         let frame = k3_proto::wire::encode(&ToWorker::Start(start)).map_err(JobError::protocol)?;
         job.chan
@@ -338,7 +406,7 @@ impl Job {
     }
 }
 
-impl Drop for Job {
+impl Drop for Worker {
     fn drop(&mut self) {
         let Some(mut child) = self.child.take() else {
             return;

@@ -26,6 +26,7 @@ use tower::ServiceExt;
 
 mod access;
 mod api;
+mod batch;
 mod conn;
 mod http;
 mod job;
@@ -78,6 +79,11 @@ pub struct Args {
     /// reply for (the worker's memory plan), at most one per CPU.
     #[arg(long, value_name = "N")]
     pub max_jobs: Option<usize>,
+    /// Give every request a worker of its own instead of decoding concurrent requests together
+    /// in one batch worker (continuous batching; on by default when --max-jobs is above 1:
+    /// requests join and leave its batch between steps, each weight read once per step for all).
+    #[arg(long)]
+    pub no_batch: bool,
     /// Requests waiting for a worker slot; beyond that the answer is 429 with Retry-After.
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub queue: usize,
@@ -309,15 +315,24 @@ pub fn run(a: Args) -> i32 {
         body: Duration::from_secs(a.request_timeout),
         idle: Duration::from_secs(a.idle_timeout),
     };
+    let spec = job::WorkerSpec {
+        exe: worker.clone(),
+        socket: socket.clone(),
+        threads: a.threads,
+        grace: Duration::from_secs(a.cancel_grace),
+    };
+    // One batch worker for the requests that fit a job of the sizing prompt and default reply;
+    // larger ones (and every request with --no-batch or one job at a time) get their own.
+    let batch = (max_jobs > 1 && !a.no_batch).then(|| {
+        let positions =
+            k3_worker::generate::positions_needed(SIZING_PROMPT, api::DEFAULT_CHAT_TOKENS);
+        batch::BatchPool::new(spec.clone(), max_jobs, positions)
+    });
     let state = Arc::new(http::AppState {
         tok: Arc::new(tok),
         markers,
-        worker: job::WorkerSpec {
-            exe: worker.clone(),
-            socket: socket.clone(),
-            threads: a.threads,
-            grace: Duration::from_secs(a.cancel_grace),
-        },
+        worker: spec,
+        batch,
         admission: queue::Admission::new(max_jobs, a.queue),
         model_id: a.model_name.clone(),
         vocab,
