@@ -356,11 +356,7 @@ mod tests {
             .0;
         assert_eq!((c.parallel, c.ctx), (Some(4), 5000));
         // The job message gives the prompt, sampling and session: the flags are refused.
-        for extra in [
-            &["--ids", "1"][..],
-            &["--gen", "3"],
-            &["--session", "s"],
-        ] {
+        for extra in [&["--ids", "1"][..], &["--gen", "3"], &["--session", "s"]] {
             let mut a = vec!["k3-worker", "--serve-channel"];
             a.extend_from_slice(extra);
             assert!(Cli::try_parse_with_matches(a.clone()).is_err(), "{a:?}");

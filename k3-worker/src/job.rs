@@ -104,7 +104,8 @@ impl k3_proto::exit::ExitStatus for JobError {
             // Cannot attach (3), or this process cannot hold what attaching needs (2).
             JobError::Attach { source, .. } => k3_proto::exit::ExitStatus::exit_code(source),
             JobError::Open(e) => k3_proto::exit::ExitStatus::exit_code(e),
-            JobError::Model(_) | JobError::DraftIo(_) => exit::FAILURE,
+            JobError::Model(e) => e.exit_code(),
+            JobError::DraftIo(_) => exit::FAILURE,
         }
     }
 }

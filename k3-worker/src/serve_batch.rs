@@ -180,7 +180,7 @@ fn serve(
             Err(e) => {
                 let m = format!("the batch's forward pass failed: {e}");
                 for j in jobs.values() {
-                    fail(out, j.req_id, exit::FAILURE, &m);
+                    fail(out, j.req_id, e.exit_code(), &m);
                 }
                 return Err(e.into());
             }

@@ -777,13 +777,14 @@ fn store_going_away_mid_generation_ends_the_worker_promptly() {
     // `k3-ctl stop` while a worker runs: the store drains and exits; the worker's next request
     // is refused ("the store is stopping") or, when it comes after the drain (the store had
     // nothing in flight and is gone; seen on a loaded CI machine), finds the socket closed —
-    // either way it fails with a clear message instead of hanging.
+    // either way it fails with a clear message instead of hanging, and exit 3 (the store is
+    // gone: serve answers such a job 503).
     start_tiny(&mut sb, &trunk, &budget);
     let w = long_worker_mid_generation(&sb);
     let r = sb.stop_store().expect("running");
     assert_eq!(r.code, 0, "{r:?}");
     let wr = w.wait(Duration::from_secs(20));
-    assert_eq!(wr.code, 1, "{wr:?}");
+    assert_eq!(wr.code, 3, "{wr:?}");
     assert!(
         wr.stderr.contains("the store is stopping") || wr.stderr.contains("store connection lost"),
         "{}",
@@ -795,7 +796,7 @@ fn store_going_away_mid_generation_ends_the_worker_promptly() {
     let w = long_worker_mid_generation(&sb);
     sb.signal_store("KILL");
     let wr = w.wait(Duration::from_secs(20));
-    assert_eq!(wr.code, 1, "{wr:?}");
+    assert_eq!(wr.code, 3, "{wr:?}");
     assert!(wr.stderr.contains("store connection lost"), "{}", wr.stderr);
     // A new store replaces the stale socket and serves.
     start_tiny(&mut sb, &trunk, &budget);

@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use k3_proto::names::MODEL_TENSORS;
 use k3_proto::shm::{RegionKind, ShmHeader};
-use k3_proto::wire::{ClientKind, Counters, Request, Response, SlotAnswer};
+use k3_proto::wire::{ClientKind, Counters, ErrorCode, Request, Response, SlotAnswer};
 
 use crate::attach::client::{Client, ClientError};
 use crate::runtime::catalog::Catalog;
@@ -180,13 +180,21 @@ impl Link {
                     .collect();
                 Ok(ExpertBatch { experts })
             }
+            Ok(Response::Error {
+                code: ErrorCode::Stopping,
+                message,
+            }) => Err(SourceError::StoreGone(format!(
+                "the store refused layer {l}'s experts (Stopping): {message}"
+            ))),
             Ok(Response::Error { code, message }) => Err(SourceError::Invalid(format!(
                 "the store refused layer {l}'s experts ({code:?}): {message}"
             ))),
             Ok(other) => Err(SourceError::Io(format!(
                 "unexpected answer from the store: {other:?}"
             ))),
-            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
+            Err(e) => Err(SourceError::StoreGone(format!(
+                "store connection lost: {e}"
+            ))),
         }
     }
 }
@@ -557,13 +565,21 @@ impl AttachedSource {
         let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(req) {
             Ok(Response::Released) => Ok(()),
+            Ok(Response::Error {
+                code: ErrorCode::Stopping,
+                message,
+            }) => Err(SourceError::StoreGone(format!(
+                "the store's trunk ring (Stopping): {message}"
+            ))),
             Ok(Response::Error { code, message }) => Err(SourceError::Io(format!(
                 "the store's trunk ring ({code:?}): {message}"
             ))),
             Ok(other) => Err(SourceError::Io(format!(
                 "unexpected answer from the store: {other:?}"
             ))),
-            Err(e) => Err(SourceError::Io(format!("store connection lost: {e}"))),
+            Err(e) => Err(SourceError::StoreGone(format!(
+                "store connection lost: {e}"
+            ))),
         }
     }
 
@@ -582,6 +598,14 @@ impl AttachedSource {
         let waited = t0.elapsed().as_secs_f64();
         let (offset, len, fresh) = match resp {
             Ok(Response::TrunkLayer { offset, len, fresh }) => (offset, len, fresh),
+            Ok(Response::Error {
+                code: ErrorCode::Stopping,
+                message,
+            }) => {
+                return Err(SourceError::StoreGone(format!(
+                    "the store's trunk ring refused layer {l} (Stopping): {message}"
+                )))
+            }
             Ok(Response::Error { code, message }) => {
                 return Err(SourceError::Io(format!(
                     "the store's trunk ring refused layer {l} ({code:?}): {message}"
@@ -592,7 +616,11 @@ impl AttachedSource {
                     "unexpected answer from the store: {other:?}"
                 )))
             }
-            Err(e) => return Err(SourceError::Io(format!("store connection lost: {e}"))),
+            Err(e) => {
+                return Err(SourceError::StoreGone(format!(
+                    "store connection lost: {e}"
+                )))
+            }
         };
         let (r0, rlen) = self.ring;
         let inside = offset >= r0 && offset.checked_add(len).is_some_and(|e| e <= r0 + rlen);

@@ -405,6 +405,10 @@ pub enum SourceError {
     /// The request itself is invalid (layer out of range, expert id too large, …).
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// The store this source is attached to is gone (its connection closed) or stopping: no
+    /// request on this attachment can succeed any more (exit 3, `k3_proto::exit::NO_STORE`).
+    #[error("I/O: {0}")]
+    StoreGone(String),
     /// The thread serving a request asynchronously panicked (a bug in the source); the message
     /// is the panic's.
     #[error("the request's thread panicked: {0}")]

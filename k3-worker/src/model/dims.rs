@@ -282,3 +282,15 @@ pub enum ModelError {
         message: String,
     },
 }
+
+impl ModelError {
+    /// The exit code a job ends with for this error (`k3_proto::exit`): 3 when the store the
+    /// job is attached to is gone or stopping (no retry on this attachment can succeed; serve
+    /// answers 503), 1 otherwise.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            ModelError::Source(SourceError::StoreGone(_)) => k3_proto::exit::NO_STORE,
+            _ => k3_proto::exit::FAILURE,
+        }
+    }
+}
