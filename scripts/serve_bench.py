@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Concurrent requests through `k3-ctl serve`: one batch worker (continuous batching) against a
+worker per request, same store, same run.
+
+    python3 scripts/serve_bench.py --model K3SLICE --trunk TRUNK_DIR \
+        --budgets all-resident,laptop-like --concurrent 4 --gen 9 --json docs/bench/serve-k3slice.json
+
+For each budget (`scripts/bench.py`'s, at the checkpoint's scale) and each mode (`batch`: `k3-ctl
+serve --max-jobs N`; `own`: the same with `--no-batch`): a fresh `k3-store start` with that budget
+(so no mode finds the other's outputs in the store's history: a worker of its own speculates with
+`--spec auto`, and the store's history would replay an answer it has seen), a serve process, one
+warm-up request, one request alone on a prompt nothing else uses (its wall seconds: `solo`), then
+N other requests at once (wall from the first send to the last answer: `together`).
+Throughput ratio = N x solo / together (how many times the tokens per second of one request
+alone N concurrent requests get). Requests are /v1/completions with prompt ids, greedy, `--gen`
+tokens, sessions off; every answer's text must equal the same request's answer alone (exit 1
+otherwise). Also reported: each concurrent request's time to its first streamed byte.
+
+Standard library only (urllib); the binaries are target/release's unless --bins.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import batch_bench  # noqa: E402
+import bench  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def post(url: str, body: dict, stream: bool = False) -> tuple[str, float, float]:
+    """(text, seconds to the first byte of the body, seconds to the end)."""
+    t0 = time.monotonic()
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(dict(body, stream=stream)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        first = None
+        text = ""
+        if stream:
+            for raw in r:
+                line = raw.decode()
+                if first is None and line.startswith("data: "):
+                    first = time.monotonic() - t0
+                if line.startswith("data: ") and line.strip() != "data: [DONE]":
+                    ev = json.loads(line[6:])
+                    for c in ev.get("choices", []):
+                        text += c.get("text") or ""
+        else:
+            v = json.loads(r.read())
+            first = time.monotonic() - t0
+            text = v["choices"][0]["text"]
+    return text, first or 0.0, time.monotonic() - t0
+
+
+class Serve:
+    def __init__(self, bins: Path, sock: Path, log: Path, *extra: str):
+        self.log = open(log, "w+b")
+        self.proc = subprocess.Popen(
+            [str(bins / "k3-ctl"), "serve", "--socket", str(sock), "--listen", "127.0.0.1:0",
+             "--no-sessions", *extra], stdout=subprocess.PIPE, stderr=self.log, stdin=subprocess.DEVNULL)
+        line = self.proc.stdout.readline().decode()
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if not m:
+            self.stop()
+            raise SystemExit(f"serve_bench: serve did not start: {line!r}")
+        self.url = f"http://127.0.0.1:{m.group(1)}"
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=Path)
+    ap.add_argument("--trunk", required=True, type=Path)
+    ap.add_argument("--bins", type=Path, default=ROOT / "target" / "release")
+    ap.add_argument("--budgets", default="all-resident,laptop-like")
+    ap.add_argument("--concurrent", type=int, default=4)
+    ap.add_argument("--gen", type=int, default=9)
+    ap.add_argument("--modes", default="batch,own")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    tj = json.loads((a.trunk / "trunk.json").read_text())
+    eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
+    budgets = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)
+    n = a.concurrent
+    prompts = batch_bench.prompts(n + 2)
+    cells, same = [], True
+    with tempfile.TemporaryDirectory(prefix="k3-serve-bench.") as t:
+        tmp = Path(t)
+        for name in [b for b in a.budgets.split(",") if b]:
+            tb, cb = budgets[name][0], budgets[name][1]
+            alone_text: dict[int, str] = {}
+            for mode in [m for m in a.modes.split(",") if m]:
+                sock = tmp / f"run-{name}-{mode}" / "store.sock"
+                r = subprocess.run([str(a.bins / "k3-store"), "start", str(a.model), "--trunk", str(a.trunk),
+                                    "--trunk-gb", f"{tb / 1e9:.9f}", "--cache-gb", f"{cb / 1e9:.9f}",
+                                    "--socket", str(sock), "--detach"], capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise SystemExit(f"serve_bench: k3-store start failed:\n{r.stderr}")
+                try:
+                    extra = ["--max-jobs", str(n), "--queue", str(2 * n)]
+                    if mode == "own":
+                        extra.append("--no-batch")
+                    srv = Serve(a.bins, sock, tmp / f"serve-{name}-{mode}.log", *extra)
+                    try:
+                        body = lambda p: {"model": "kimi-k3", "prompt": p, "max_tokens": a.gen,  # noqa: E731
+                                          "temperature": 0}
+                        post(srv.url, body(prompts[n]))  # warm-up
+                        _, _, solo = post(srv.url, body(prompts[n + 1]), stream=True)
+                        results: list = [None] * n
+
+                        def one(i):
+                            results[i] = post(srv.url, body(prompts[i]), stream=True)
+
+                        t0 = time.monotonic()
+                        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+                        for th in threads:
+                            th.start()
+                        for th in threads:
+                            th.join()
+                        together = time.monotonic() - t0
+                        # Each concurrent answer against the same request alone (after the
+                        # timing; the later mode uses the first mode's).
+                        for i in range(n):
+                            if i not in alone_text:
+                                alone_text[i] = post(srv.url, body(prompts[i]))[0]
+                        ok = all(results[i][0] == alone_text[i] for i in range(n))
+                        same &= ok
+                        ratio = n * solo / together
+                        cell = {"budget": name, "mode": mode, "concurrent": n, "solo_s": solo,
+                                "together_s": together, "throughput_ratio": ratio,
+                                "first_byte_s": [r[1] for r in results],
+                                "texts_identical_to_alone": ok}
+                        cells.append(cell)
+                        print(f"{name:13} {mode:5} N={n}: one alone {solo:.1f} s, {n} together "
+                              f"{together:.1f} s -> {ratio:.2f}x; first bytes "
+                              f"{statistics.median(cell['first_byte_s']):.1f} s median; texts "
+                              f"{'identical' if ok else 'DIFFER'}", flush=True)
+                    finally:
+                        srv.stop()
+                finally:
+                    subprocess.run([str(a.bins / "k3-ctl"), "stop", "--socket", str(sock)],
+                                   capture_output=True, timeout=120)
+    if a.json:
+        a.json.write_text(json.dumps({
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "load_average": list(os.getloadavg()), "model": str(a.model), "trunk": str(a.trunk),
+            "gen": a.gen, "cells": cells, "texts_identical": same}, indent=1))
+        print(f"wrote {a.json}")
+    print("texts identical to each request alone" if same else "TEXTS DIFFER")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
