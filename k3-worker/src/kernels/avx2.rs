@@ -897,31 +897,36 @@ pub(super) struct Avx2;
 impl Lanes for Avx2 {
     type F = __m256;
     const LANES: usize = 8;
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn zero() -> __m256 {
-        _mm256_setzero_ps()
+        // SAFETY: the CPU supports the tier (caller contract); inlined into the
+        // tier's `#[target_feature]` entry point.
+        unsafe { _mm256_setzero_ps() }
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn load(p: *const f32) -> __m256 {
         // SAFETY: 8 readable floats (caller contract).
         unsafe { load8(p) }
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
-        _mm256_fmadd_ps(a, b, c)
+        // SAFETY: the CPU supports the tier (caller contract); inlined into the
+        // tier's `#[target_feature]` entry point.
+        unsafe { _mm256_fmadd_ps(a, b, c) }
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn mul(a: __m256, b: __m256) -> __m256 {
-        _mm256_mul_ps(a, b)
+        // SAFETY: the CPU supports the tier (caller contract); inlined into the
+        // tier's `#[target_feature]` entry point.
+        unsafe { _mm256_mul_ps(a, b) }
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn hsum_pair(a: __m256, b: __m256) -> f32 {
-        hsum(_mm256_add_ps(a, b))
+        // SAFETY: the CPU supports the tier (caller contract); inlined into the
+        // tier's `#[target_feature]` entry point.
+        let sum = unsafe { _mm256_add_ps(a, b) };
+        // SAFETY: as above.
+        unsafe { hsum(sum) }
     }
 }
 

@@ -696,31 +696,36 @@ pub(super) struct Avx512;
 impl Lanes for Avx512 {
     type F = __m512;
     const LANES: usize = 16;
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    #[inline(always)]
     unsafe fn zero() -> __m512 {
-        _mm512_setzero_ps()
+        // SAFETY: the CPU supports the tier (caller contract); inlined into the
+        // tier's `#[target_feature]` entry point.
+        unsafe { _mm512_setzero_ps() }
     }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    #[inline(always)]
     unsafe fn load(p: *const f32) -> __m512 {
         // SAFETY: 16 readable floats (caller contract).
         unsafe { load16(p) }
     }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    #[inline(always)]
     unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
-        _mm512_fmadd_ps(a, b, c)
+        // SAFETY: the CPU supports the tier (caller contract); inlined into the
+        // tier's `#[target_feature]` entry point.
+        unsafe { _mm512_fmadd_ps(a, b, c) }
     }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    #[inline(always)]
     unsafe fn mul(a: __m512, b: __m512) -> __m512 {
-        _mm512_mul_ps(a, b)
+        // SAFETY: the CPU supports the tier (caller contract); inlined into the
+        // tier's `#[target_feature]` entry point.
+        unsafe { _mm512_mul_ps(a, b) }
     }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+    #[inline(always)]
     unsafe fn hsum_pair(a: __m512, b: __m512) -> f32 {
-        hsum(_mm512_add_ps(a, b))
+        // SAFETY: the CPU supports the tier (caller contract); inlined into the
+        // tier's `#[target_feature]` entry point.
+        let sum = unsafe { _mm512_add_ps(a, b) };
+        // SAFETY: as above.
+        unsafe { hsum(sum) }
     }
 }
 

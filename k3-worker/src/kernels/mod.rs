@@ -305,10 +305,13 @@ macro_rules! by_tier {
 }
 
 impl Kernels {
-    /// The kernels of `tier`, or `None` if this CPU cannot run it.
+    /// The kernels of `tier`, or `None` if this CPU cannot run it. Like [`Kernels::active`],
+    /// without the strip kernels ([`Kernels::with_strips`] turns them on).
     pub fn new(tier: Tier) -> Option<Kernels> {
-        tier.is_available()
-            .then_some(Kernels { tier, strips: true })
+        tier.is_available().then_some(Kernels {
+            tier,
+            strips: false,
+        })
     }
 
     /// The kernels of the process-wide active tier (see [`active_tier`]).

@@ -116,34 +116,21 @@ pub(super) unsafe fn bf16_strips<L: Lanes, S: Bf16Blocks<L>, const R: usize, con
     let zero = unsafe { L::zero() };
     let mut acc = vec![zero; k * n];
     let mut wbuf = vec![[zero; 4]; R * sbl];
-    walk::<_, _, R, T>(
-        k,
-        n,
-        full,
-        sbl,
-        &mut wbuf,
-        &mut acc,
-        |i, b| {
-            // SAFETY: row i < k, block b < full (the walk's ranges).
-            unsafe { src.widened(i, b) }
-        },
-        |at, full_r, full_t, wbuf, acc| {
-            // The tile's rows and tokens exist (the walk's ranges); CPU support is this
-            // function's contract.
-            match (full_r, full_t) {
-                // SAFETY: as above.
-                (true, true) => unsafe { at.bf16::<L, R, T>(wbuf, acc) },
-                // SAFETY: as above.
-                (true, false) => unsafe { at.bf16::<L, R, 1>(wbuf, acc) },
-                // SAFETY: as above.
-                (false, true) => unsafe { at.bf16::<L, 1, T>(wbuf, acc) },
-                // SAFETY: as above.
-                (false, false) => unsafe { at.bf16::<L, 1, 1>(wbuf, acc) },
-            }
-        },
-        x,
-        cols,
-    );
+    // SAFETY: `src` has k rows of `full` blocks, x has n tokens (asserted); CPU support is this
+    // function's contract.
+    unsafe {
+        walk::<_, _, _, R, T>(
+            &Bf16Walk::<L, S, R, T>(src, std::marker::PhantomData),
+            k,
+            n,
+            full,
+            sbl,
+            &mut wbuf,
+            &mut acc,
+            x,
+            cols,
+        )
+    };
     for i in 0..k {
         for t in 0..n {
             // SAFETY: row i < k; token t's activations are `cols` floats.
@@ -176,55 +163,147 @@ pub(super) unsafe fn mxfp4_strips<L: Lanes, S: Mxfp4Groups<L>, const R: usize, c
     // Two accumulators per (row, token): groups of even and of odd index.
     let mut acc = vec![zero; 2 * k * n];
     let mut wbuf = vec![([zero; 4], zero); R * sbl];
-    walk::<_, _, R, T>(
-        k,
-        n,
-        groups,
-        sbl,
-        &mut wbuf,
-        &mut acc,
-        |i, g| {
-            // SAFETY: row i < k, group g < groups (the walk's ranges).
-            unsafe { src.group(i, g) }
-        },
-        |at, full_r, full_t, wbuf, acc| {
-            // The tile's rows and tokens exist (the walk's ranges); CPU support is this
-            // function's contract.
-            match (full_r, full_t) {
-                // SAFETY: as above.
-                (true, true) => unsafe { at.mxfp4::<L, R, T>(wbuf, acc) },
-                // SAFETY: as above.
-                (true, false) => unsafe { at.mxfp4::<L, R, 1>(wbuf, acc) },
-                // SAFETY: as above.
-                (false, true) => unsafe { at.mxfp4::<L, 1, T>(wbuf, acc) },
-                // SAFETY: as above.
-                (false, false) => unsafe { at.mxfp4::<L, 1, 1>(wbuf, acc) },
-            }
-        },
-        x,
-        cols,
-    );
+    // SAFETY: `src` has k rows of `groups` groups, x has n tokens (asserted); CPU support is
+    // this function's contract.
+    unsafe {
+        walk::<_, _, _, R, T>(
+            &Mxfp4Walk::<L, S, R, T>(src, std::marker::PhantomData),
+            k,
+            n,
+            groups,
+            sbl,
+            &mut wbuf,
+            &mut acc,
+            x,
+            cols,
+        )
+    };
     for i in 0..k * n {
         // SAFETY: CPU support is this function's contract.
         out[i] = unsafe { L::hsum_pair(acc[2 * i], acc[2 * i + 1]) };
     }
 }
 
+/// What the strip walk does for one kernel: decode a row's block into the buffer, run a tile.
+/// Methods of a type, not closures: a closure is a function of its own, compiled without the
+/// tier's `#[target_feature]`s (measured on AVX-512: every intrinsic in the MXFP4 tile became a
+/// call, 35× slower); `#[inline(always)]` methods are compiled inside the tier's entry point.
+trait StripOps {
+    /// A decoded block.
+    type W: Copy;
+    /// An accumulator.
+    type A;
+    /// Row `i`'s block `b`, decoded.
+    ///
+    /// # Safety
+    /// Row `i` and block `b` exist; the CPU supports the tier.
+    unsafe fn decode(&self, i: usize, b: usize) -> Self::W;
+    /// The tile at `at` (all `R` rows? all `T` tokens?) over the buffer.
+    ///
+    /// # Safety
+    /// The tile's rows and tokens exist, the buffer holds the strip; the CPU supports the tier.
+    unsafe fn tile(
+        &self,
+        at: &Tile<'_>,
+        full_r: bool,
+        full_t: bool,
+        wbuf: &[Self::W],
+        acc: &mut [Self::A],
+    );
+}
+
+/// [`bf16_strips`]' walk.
+struct Bf16Walk<'s, L, S, const R: usize, const T: usize>(&'s S, std::marker::PhantomData<L>);
+
+impl<L: Lanes, S: Bf16Blocks<L>, const R: usize, const T: usize> StripOps
+    for Bf16Walk<'_, L, S, R, T>
+{
+    type W = [L::F; 4];
+    type A = L::F;
+    #[inline(always)]
+    unsafe fn decode(&self, i: usize, b: usize) -> [L::F; 4] {
+        // SAFETY: the caller's contract is `widened`'s.
+        unsafe { self.0.widened(i, b) }
+    }
+    #[inline(always)]
+    unsafe fn tile(
+        &self,
+        at: &Tile<'_>,
+        full_r: bool,
+        full_t: bool,
+        w: &[[L::F; 4]],
+        a: &mut [L::F],
+    ) {
+        // SAFETY (every arm): the tile's rows and tokens exist and the CPU supports the tier
+        // (this method's contract).
+        match (full_r, full_t) {
+            // SAFETY: as above.
+            (true, true) => unsafe { at.bf16::<L, R, T>(w, a) },
+            // SAFETY: as above.
+            (true, false) => unsafe { at.bf16::<L, R, 1>(w, a) },
+            // SAFETY: as above.
+            (false, true) => unsafe { at.bf16::<L, 1, T>(w, a) },
+            // SAFETY: as above.
+            (false, false) => unsafe { at.bf16::<L, 1, 1>(w, a) },
+        }
+    }
+}
+
+/// [`mxfp4_strips`]' walk.
+struct Mxfp4Walk<'s, L, S, const R: usize, const T: usize>(&'s S, std::marker::PhantomData<L>);
+
+impl<L: Lanes, S: Mxfp4Groups<L>, const R: usize, const T: usize> StripOps
+    for Mxfp4Walk<'_, L, S, R, T>
+{
+    type W = ([L::F; 4], L::F);
+    type A = L::F;
+    #[inline(always)]
+    unsafe fn decode(&self, i: usize, g: usize) -> ([L::F; 4], L::F) {
+        // SAFETY: the caller's contract is `group`'s.
+        unsafe { self.0.group(i, g) }
+    }
+    #[inline(always)]
+    unsafe fn tile(
+        &self,
+        at: &Tile<'_>,
+        full_r: bool,
+        full_t: bool,
+        w: &[([L::F; 4], L::F)],
+        a: &mut [L::F],
+    ) {
+        // SAFETY (every arm): the tile's rows and tokens exist and the CPU supports the tier
+        // (this method's contract).
+        match (full_r, full_t) {
+            // SAFETY: as above.
+            (true, true) => unsafe { at.mxfp4::<L, R, T>(w, a) },
+            // SAFETY: as above.
+            (true, false) => unsafe { at.mxfp4::<L, R, 1>(w, a) },
+            // SAFETY: as above.
+            (false, true) => unsafe { at.mxfp4::<L, 1, T>(w, a) },
+            // SAFETY: as above.
+            (false, false) => unsafe { at.mxfp4::<L, 1, 1>(w, a) },
+        }
+    }
+}
+
 /// The strip walk shared by both kernels: for each strip of at most `sbl` of the `blocks`
-/// blocks, for each group of `R` rows (then single rows), `decode(row, block)` fills the buffer
-/// once, then `tile(at, R rows?, T tokens?, buffer, accumulators)` runs for each group of `T`
-/// tokens (then single tokens).
+/// blocks, for each group of `R` rows (then single rows), `ops.decode(row, block)` fills the
+/// buffer once, then `ops.tile(at, R rows?, T tokens?, buffer, accumulators)` runs for each
+/// group of `T` tokens (then single tokens).
+///
+/// # Safety
+/// `ops` has `k` rows of `blocks` blocks, `x` holds `n` tokens of `cols` floats; the CPU
+/// supports the tier.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn walk<W: Copy, A, const R: usize, const T: usize>(
+unsafe fn walk<W: Copy, A, O: StripOps<W = W, A = A>, const R: usize, const T: usize>(
+    ops: &O,
     k: usize,
     n: usize,
     blocks: usize,
     sbl: usize,
     wbuf: &mut [W],
     acc: &mut [A],
-    mut decode: impl FnMut(usize, usize) -> W,
-    mut tile: impl FnMut(&Tile<'_>, bool, bool, &[W], &mut [A]),
     x: &[f32],
     cols: usize,
 ) {
@@ -236,7 +315,8 @@ fn walk<W: Copy, A, const R: usize, const T: usize>(
             let rr = if k - r >= R { R } else { 1 };
             for i in 0..rr {
                 for b in 0..sb {
-                    wbuf[i * sbl + b] = decode(r + i, s + b);
+                    // SAFETY: row r + i < k, block s + b < blocks (the loops' ranges).
+                    wbuf[i * sbl + b] = unsafe { ops.decode(r + i, s + b) };
                 }
             }
             let mut t = 0;
@@ -252,7 +332,8 @@ fn walk<W: Copy, A, const R: usize, const T: usize>(
                     sb,
                     sbl,
                 };
-                tile(&at, rr == R, tt == T, wbuf, acc);
+                // SAFETY: rows r..r+rr, tokens t..t+tt exist (the loops' ranges).
+                unsafe { ops.tile(&at, rr == R, tt == T, wbuf, acc) };
                 t += tt;
             }
             r += rr;
