@@ -9,8 +9,10 @@ For each budget (`scripts/bench.py`'s, at the checkpoint's scale) and each mode 
 serve --max-jobs N`; `own`: the same with `--no-batch`): a fresh `k3-store start` with that budget
 (so no mode finds the other's outputs in the store's history: a worker of its own speculates with
 `--spec auto`, and the store's history would replay an answer it has seen), a serve process, one
-warm-up request, one request alone on a prompt nothing else uses (its wall seconds: `solo`), then
-N other requests at once (wall from the first send to the last answer: `together`).
+warm-up request, three requests alone on prompts nothing else uses (the median of their wall
+seconds: `solo`), then N other requests at once (wall from the first send to the last answer:
+`together`), then (batch mode) a request joining a running batch of N-1 (`join`: its time to the
+first token against its solo prefill plus two of the batch's steps).
 Throughput ratio = N x solo / together (how many times the tokens per second of one request
 alone N concurrent requests get). Requests are /v1/completions with prompt ids, greedy, `--gen`
 tokens, sessions off; every answer's text must equal the same request's answer alone (exit 1
@@ -40,8 +42,10 @@ import bench  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def post(url: str, body: dict, stream: bool = False) -> tuple[str, float, float]:
-    """(text, seconds to the first byte of the body, seconds to the end)."""
+def post(url: str, body: dict, stream: bool = False,
+         times: list | None = None) -> tuple[str, float, float]:
+    """(text, seconds to the first byte of the body, seconds to the end); with `times`, the
+    monotonic time of every streamed event that carries text is appended to it."""
     t0 = time.monotonic()
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(dict(body, stream=stream)).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -57,11 +61,30 @@ def post(url: str, body: dict, stream: bool = False) -> tuple[str, float, float]
                     ev = json.loads(line[6:])
                     for c in ev.get("choices", []):
                         text += c.get("text") or ""
+                    if times is not None:
+                        times.append(time.monotonic())
         else:
             v = json.loads(r.read())
             first = time.monotonic() - t0
             text = v["choices"][0]["text"]
     return text, first or 0.0, time.monotonic() - t0
+
+
+def mem_available() -> int:
+    """MemAvailable in bytes (0 where /proc/meminfo has no such line)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_for_memory(want: int, timeout: float = 120.0) -> None:
+    """Wait until MemAvailable is back to `want` bytes (less 256 MB): a stopped store's shared
+    memory is freed only when the last process mapping it (a batch worker serve killed) exits,
+    and the next budget's store would refuse a plan that does not fit."""
+    end = time.monotonic() + timeout
+    while mem_available() < want - (256 << 20) and time.monotonic() < end:
+        time.sleep(0.5)
 
 
 class Serve:
@@ -87,6 +110,37 @@ class Serve:
                 self.proc.wait()
 
 
+SOLOS = 3
+
+
+def join(url: str, body, prompts: list, n: int, gen: int, solo_first: float) -> dict:
+    """A request joining a running batch: n-1 requests stream (each `gen + 6` tokens), and once
+    every one of them has 2 tokens a new request is sent; its time to the first streamed token
+    against its solo prefill (the median time to the first byte alone) plus two of the running
+    batch's steps (the median gap between tokens of the running streams before the join)."""
+    times: list[list[float]] = [[] for _ in range(n - 1)]
+
+    def run(i):
+        post(url, dict(body(prompts[i]), max_tokens=gen + 6), stream=True, times=times[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n - 1)]
+    for th in threads:
+        th.start()
+    while any(len(t) < 2 for t in times) and any(th.is_alive() for th in threads):
+        time.sleep(0.01)
+    before = [t[:] for t in times]
+    text, first, _ = post(url, body(prompts[-1]), stream=True)
+    for th in threads:
+        th.join()
+    gaps = [b - a for t in before for a, b in zip(t, t[1:])]
+    step = statistics.median(gaps) if gaps else 0.0
+    alone = post(url, body(prompts[-1]))[0]
+    bound = solo_first + 2 * step
+    return {"running": n - 1, "first_byte_s": first, "solo_first_byte_s": solo_first,
+            "batch_step_s": step, "bound_s": bound, "within": first <= bound,
+            "text_identical_to_alone": text == alone}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,7 +157,9 @@ def main(argv=None) -> int:
     eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
     budgets = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)
     n = a.concurrent
-    prompts = batch_bench.prompts(n + 2)
+    # [0, n): together; n: warm-up; n+1 .. n+1+SOLOS: alone; the last: the request that joins.
+    prompts = batch_bench.prompts(n + 2 + SOLOS)
+    baseline = mem_available()
     cells, same = [], True
     with tempfile.TemporaryDirectory(prefix="k3-serve-bench.") as t:
         tmp = Path(t)
@@ -112,6 +168,7 @@ def main(argv=None) -> int:
             alone_text: dict[int, str] = {}
             for mode in [m for m in a.modes.split(",") if m]:
                 sock = tmp / f"run-{name}-{mode}" / "store.sock"
+                wait_for_memory(baseline)
                 r = subprocess.run([str(a.bins / "k3-store"), "start", str(a.model), "--trunk", str(a.trunk),
                                     "--trunk-gb", f"{tb / 1e9:.9f}", "--cache-gb", f"{cb / 1e9:.9f}",
                                     "--socket", str(sock), "--detach"], capture_output=True, text=True)
@@ -126,7 +183,10 @@ def main(argv=None) -> int:
                         body = lambda p: {"model": "kimi-k3", "prompt": p, "max_tokens": a.gen,  # noqa: E731
                                           "temperature": 0}
                         post(srv.url, body(prompts[n]))  # warm-up
-                        _, _, solo = post(srv.url, body(prompts[n + 1]), stream=True)
+                        alone = [post(srv.url, body(prompts[n + 1 + i]), stream=True)
+                                 for i in range(SOLOS)]
+                        solo = statistics.median(r[2] for r in alone)
+                        solo_first = statistics.median(r[1] for r in alone)
                         results: list = [None] * n
 
                         def one(i):
@@ -148,14 +208,24 @@ def main(argv=None) -> int:
                         same &= ok
                         ratio = n * solo / together
                         cell = {"budget": name, "mode": mode, "concurrent": n, "solo_s": solo,
+                                "solo_runs_s": [r[2] for r in alone], "solo_first_byte_s": solo_first,
                                 "together_s": together, "throughput_ratio": ratio,
                                 "first_byte_s": [r[1] for r in results],
                                 "texts_identical_to_alone": ok}
+                        if mode == "batch" and n > 1:
+                            cell["join"] = join(srv.url, body, prompts, n, a.gen, solo_first)
+                            same &= cell["join"]["text_identical_to_alone"]
                         cells.append(cell)
-                        print(f"{name:13} {mode:5} N={n}: one alone {solo:.1f} s, {n} together "
-                              f"{together:.1f} s -> {ratio:.2f}x; first bytes "
+                        print(f"{name:13} {mode:5} N={n}: one alone {solo:.1f} s (median of "
+                              f"{SOLOS}), {n} together {together:.1f} s -> {ratio:.2f}x; first bytes "
                               f"{statistics.median(cell['first_byte_s']):.1f} s median; texts "
                               f"{'identical' if ok else 'DIFFER'}", flush=True)
+                        if "join" in cell:
+                            j = cell["join"]
+                            print(f"{name:13} join: first token {j['first_byte_s']:.2f} s into a running "
+                                  f"batch of {n - 1}; bound = solo prefill {solo_first:.2f} s + 2 steps x "
+                                  f"{j['batch_step_s']:.2f} s = {j['bound_s']:.2f} s -> "
+                                  f"{'within' if j['within'] else 'OVER'}", flush=True)
                     finally:
                         srv.stop()
                 finally:
