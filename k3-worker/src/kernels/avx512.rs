@@ -543,6 +543,9 @@ unsafe fn mxfp4_group<const T: usize>(
     }
 }
 
+/// How far ahead of the group being decoded the MXFP4 kernel asks for its weights.
+const MXFP4_PREFETCH: usize = 4096;
+
 /// `T` MXFP4 row dots. `x[t]` is the token's activations in `[even | odd]` group order. Even
 /// groups accumulate in `acc0`, odd groups in `acc1`.
 ///
@@ -563,7 +566,11 @@ unsafe fn dot_mxfp4<const T: usize>(
     let mut acc0 = [_mm512_setzero_ps(); T];
     let mut acc1 = [_mm512_setzero_ps(); T];
     let mut g = 0;
+    let base = packed.as_ptr();
     while g + 2 <= groups {
+        // A hint, not a read: the weights `MXFP4_PREFETCH` bytes on (the next rows of the
+        // task, contiguous after this one), so memory latency overlaps the decode.
+        _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(16 * g + MXFP4_PREFETCH) as *const i8);
         // SAFETY: g < groups (lengths asserted above, activations per the caller contract).
         unsafe { mxfp4_group::<T>(packed, scales[g], &x, g, table, &mut acc0) };
         // SAFETY: g + 1 < groups, as above.
