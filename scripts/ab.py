@@ -6,7 +6,9 @@
 
 With --attached each run is a store and one attached worker of the same binaries instead:
 `k3-store start --detach` at the budget, the worker on its socket, `k3-ctl stop` (a fresh, cold
-store each time, so the two builds' stores never meet).
+store each time, so the two builds' stores never meet). With --modes standalone,attached one set
+of binaries is compared with itself, standalone against attached, interleaved (what attaching to
+a store costs a single job).
 
 Budgets are `scripts/bench.py`'s (`plan_budgets`, at this checkpoint's scale). Every repetition
 runs every budget with every set of binaries in turn (A, B, A, B, ...), so a slow minute of a
@@ -100,6 +102,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--attached", action="store_true",
                     help="a store and one attached worker per run, not --standalone")
+    ap.add_argument("--modes", default="",
+                    help="'standalone,attached': one --bins dir, each run once standalone and "
+                         "once attached to a fresh store")
     a = ap.parse_args(argv)
     bins = [Path(b) for b in a.bins.split(",") if b]
     trunks = [Path(t) for t in a.trunks.split(",") if t]
@@ -108,16 +113,25 @@ def main(argv=None) -> int:
         ap.error("--trunk takes one directory or one per --bins entry")
     a.trunk = per_bins[0]
     trunk_of = dict(zip(bins, per_bins if len(per_bins) == len(bins) else per_bins * len(bins)))
-    if len(bins) < 2 and len(trunks) < 2:
-        ap.error("--bins needs at least two directories (or --trunks two trunks)")
+    modes = [m for m in a.modes.split(",") if m]
+    if modes and (sorted(modes) != ["attached", "standalone"] or len(bins) != 1 or trunks
+                  or a.attached):
+        ap.error("--modes takes 'standalone,attached' with one --bins dir (no --trunks, "
+                 "no --attached)")
+    if len(bins) < 2 and len(trunks) < 2 and not modes:
+        ap.error("--bins needs at least two directories (or --trunks two trunks, or --modes)")
     if len(trunks) >= 2 and len(bins) != 1:
         ap.error("--trunks compares trunks with one set of binaries: give one --bins dir")
     for t in trunks:
         if not (t / "trunk.json").is_file():
             ap.error(f"{t}: no trunk.json there")
-    # (binaries, trunk, label) per side.
-    sides = ([(bins[0], t, str(t)) for t in trunks] if len(trunks) >= 2
-             else [(b, trunk_of[b], str(b)) for b in bins])
+    # (binaries, trunk, label, attached) per side.
+    if modes:
+        sides = [(bins[0], a.trunk, m, m == "attached") for m in modes]
+    elif len(trunks) >= 2:
+        sides = [(bins[0], t, str(t), a.attached) for t in trunks]
+    else:
+        sides = [(b, trunk_of[b], str(b), a.attached) for b in bins]
     for b in bins:
         if not (b / "k3-worker").is_file():
             ap.error(f"{b}: no k3-worker there")
@@ -136,8 +150,8 @@ def main(argv=None) -> int:
         for rep in range(a.reps):
             for n in names:
                 tb, cb = budgets[n][0], budgets[n][1]
-                for b, trunk, label in sides:
-                    if a.attached:
+                for b, trunk, label, attached in sides:
+                    if attached:
                         d = run_attached(b, a.model, trunk, tb, cb, a.gen, out,
                                          a.prefill_chunk, Path(tmp))
                     else:
@@ -165,7 +179,8 @@ def main(argv=None) -> int:
             "load_average": list(__import__("os").getloadavg()),
             "model": str(a.model), "gen": a.gen, "reps": a.reps,
             "prefill_chunk": a.prefill_chunk, "prompt": bench.PROMPT,
-            "mode": "attached" if a.attached else "standalone",
+            "mode": "standalone,attached" if modes else
+                    "attached" if a.attached else "standalone",
             "bins": [str(b) for b in bins], "trunks": [str(t) for t in trunks] or [str(a.trunk)],
             "cells": cells, "ids_identical": same,
         }, indent=1))
