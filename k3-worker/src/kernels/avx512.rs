@@ -518,94 +518,162 @@ unsafe fn decode_group(p: *const u8, table: __m512) -> [__m512; 2] {
     ]
 }
 
-/// Adds group `g` of one MXFP4 row, scaled, into `acc[t]` for each token.
+/// Adds group `g` of each of `R` MXFP4 rows, scaled, into `acc[r][t]` for each token: each
+/// activation vector is loaded once for the `R` rows (a block of 4 tokens' activations of a
+/// 3584-wide row does not fit L1, so one row at a time streams them from L2 for every row), and
+/// each (row, token) pair keeps its own one-row sequence.
 ///
 /// # Safety
-/// Group `g` exists in `packed` (16 bytes) and in each `x[t]` (32 floats); AVX-512 F/BW/VL+FMA.
+/// Group `g` exists in every `packed[r]` (16 bytes) and in each `x[t]` (32 floats);
+/// AVX-512 F/BW/VL+FMA.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn mxfp4_group<const T: usize>(
-    packed: &[u8],
-    scale: u8,
+unsafe fn mxfp4_group<const R: usize, const T: usize>(
+    packed: &[&[u8]; R],
+    scales: &[&[u8]; R],
     x: &[*const f32; T],
     g: usize,
     table: __m512,
-    acc: &mut [__m512; T],
+    acc: &mut [[__m512; T]; R],
 ) {
-    // SAFETY: group g's 16 bytes lie in `packed` (caller contract).
-    let [we, wo] = unsafe { decode_group(packed.as_ptr().wrapping_add(16 * g), table) };
-    let s = _mm512_set1_ps(E8M0_TABLE[scale as usize]);
+    let mut w = [[_mm512_setzero_ps(); 2]; R];
+    let mut s = [_mm512_setzero_ps(); R];
+    for r in 0..R {
+        // SAFETY: group g's 16 bytes lie in `packed[r]` (caller contract).
+        w[r] = unsafe { decode_group(packed[r].as_ptr().wrapping_add(16 * g), table) };
+        s[r] = _mm512_set1_ps(E8M0_TABLE[scales[r][g] as usize]);
+    }
     for t in 0..T {
         // SAFETY: group g's 32 activations of token t are in bounds (caller contract).
         let [xe, xo] = unsafe { load32(x[t].wrapping_add(32 * g)) };
-        let p = _mm512_fmadd_ps(wo, xo, _mm512_mul_ps(we, xe));
-        acc[t] = _mm512_fmadd_ps(p, s, acc[t]);
+        for r in 0..R {
+            let p = _mm512_fmadd_ps(w[r][1], xo, _mm512_mul_ps(w[r][0], xe));
+            acc[r][t] = _mm512_fmadd_ps(p, s[r], acc[r][t]);
+        }
     }
 }
 
 /// How far ahead of the group being decoded the MXFP4 kernel asks for its weights.
 const MXFP4_PREFETCH: usize = 4096;
 
-/// `T` MXFP4 row dots. `x[t]` is the token's activations in `[even | odd]` group order. Even
-/// groups accumulate in `acc0`, odd groups in `acc1`.
+/// `R × T` MXFP4 row dots: rows `packed[r]`/`scales[r]` with tokens `x[t]` (activations in
+/// `[even | odd]` group order). Even groups accumulate in `acc0`, odd groups in `acc1`.
 ///
 /// # Safety
-/// `packed` has `16·groups` bytes, `scales` has `groups`, each `x[t]` `32·groups` readable
-/// floats; AVX-512 F/BW/VL+FMA.
+/// Each `packed[r]` has `16·groups` bytes, each `scales[r]` has `groups`, each `x[t]`
+/// `32·groups` readable floats; AVX-512 F/BW/VL+FMA.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn dot_mxfp4<const T: usize>(
-    packed: &[u8],
-    scales: &[u8],
+unsafe fn dot_mxfp4<const R: usize, const T: usize>(
+    packed: [&[u8]; R],
+    scales: [&[u8]; R],
     x: [*const f32; T],
     groups: usize,
-) -> [f32; T] {
-    assert!(packed.len() == 16 * groups && scales.len() == groups);
+) -> [[f32; T]; R] {
+    for r in 0..R {
+        assert!(packed[r].len() == 16 * groups && scales[r].len() == groups);
+    }
     // SAFETY: E2M1 is a 16-float array.
     let table = unsafe { _mm512_loadu_ps(E2M1.as_ptr()) };
-    let mut acc0 = [_mm512_setzero_ps(); T];
-    let mut acc1 = [_mm512_setzero_ps(); T];
+    let mut acc0 = [[_mm512_setzero_ps(); T]; R];
+    let mut acc1 = [[_mm512_setzero_ps(); T]; R];
     let mut g = 0;
-    let base = packed.as_ptr();
     while g + 2 <= groups {
-        // A hint, not a read: the weights `MXFP4_PREFETCH` bytes on (the next rows of the
-        // task, contiguous after this one), so memory latency overlaps the decode.
-        _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(16 * g + MXFP4_PREFETCH) as *const i8);
+        for p in &packed {
+            // A hint, not a read: the weights `MXFP4_PREFETCH` bytes on (the next rows of the
+            // task, contiguous after this one), so memory latency overlaps the decode.
+            _mm_prefetch::<_MM_HINT_T0>(
+                p.as_ptr().wrapping_add(16 * g + MXFP4_PREFETCH) as *const i8
+            );
+        }
         // SAFETY: g < groups (lengths asserted above, activations per the caller contract).
-        unsafe { mxfp4_group::<T>(packed, scales[g], &x, g, table, &mut acc0) };
+        unsafe { mxfp4_group::<R, T>(&packed, &scales, &x, g, table, &mut acc0) };
         // SAFETY: g + 1 < groups, as above.
-        unsafe { mxfp4_group::<T>(packed, scales[g + 1], &x, g + 1, table, &mut acc1) };
+        unsafe { mxfp4_group::<R, T>(&packed, &scales, &x, g + 1, table, &mut acc1) };
         g += 2;
     }
     if g < groups {
         // SAFETY: g < groups, as above.
-        unsafe { mxfp4_group::<T>(packed, scales[g], &x, g, table, &mut acc0) };
+        unsafe { mxfp4_group::<R, T>(&packed, &scales, &x, g, table, &mut acc0) };
     }
-    let mut out = [0.0f32; T];
-    for t in 0..T {
-        out[t] = hsum(_mm512_add_ps(acc0[t], acc1[t]));
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = hsum(_mm512_add_ps(acc0[r][t], acc1[r][t]));
+        }
     }
     out
 }
 
-/// Tokens `t0 .. t0+T` of one MXFP4 row into `o[t0 .. t0+T]`.
+/// Tokens `t0 .. t0+T` of `R` MXFP4 rows into `o[r][t0 .. t0+T]`.
 ///
 /// # Safety
-/// `pr.len() == cols/2`, `sr.len() == cols/32`, `x.len() >= (t0+T)·cols`; AVX-512 F/BW/VL+FMA.
+/// Every `pr[r].len() == cols/2`, `sr[r].len() == cols/32`, `x.len() >= (t0+T)·cols`;
+/// AVX-512 F/BW/VL+FMA.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn mxfp4_tokens<const T: usize>(
-    pr: &[u8],
-    sr: &[u8],
+unsafe fn mxfp4_tokens<const R: usize, const T: usize>(
+    pr: [&[u8]; R],
+    sr: [&[u8]; R],
     cols: usize,
     x: &[f32],
     t0: usize,
-    o: &mut [f32],
+    o: [&mut [f32]; R],
 ) {
-    let xp: [*const f32; T] = std::array::from_fn(|i| x[(t0 + i) * cols..].as_ptr());
+    let mut xp = [std::ptr::null::<f32>(); T];
+    for (i, p) in xp.iter_mut().enumerate() {
+        *p = x[(t0 + i) * cols..].as_ptr();
+    }
     // SAFETY: lengths per the caller contract; each token pointer starts a cols-float run.
-    let r = unsafe { dot_mxfp4::<T>(pr, sr, xp, cols / 32) };
-    o[t0..t0 + T].copy_from_slice(&r);
+    let r = unsafe { dot_mxfp4::<R, T>(pr, sr, xp, cols / 32) };
+    for (row, o) in r.iter().zip(o) {
+        o[t0..t0 + T].copy_from_slice(row);
+    }
+}
+
+/// Tokens `t0 .. t0+T` (`T ≤ TOKEN_BLOCK`) of every row, two rows at a time (the last row of
+/// an odd count alone).
+///
+/// # Safety
+/// As [`mxfp4_rows`]' checked lengths; `t0 + T <= n`; AVX-512 F/BW/VL+FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn mxfp4_token_block<const T: usize>(
+    packed: &[u8],
+    scales: &[u8],
+    cols: usize,
+    x: &[f32],
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let (pw, sw) = (cols / 2, cols / 32);
+    let pairs = packed
+        .chunks_exact(2 * pw)
+        .zip(scales.chunks_exact(2 * sw))
+        .zip(out.chunks_exact_mut(2 * n));
+    for ((p, s), o) in pairs {
+        let (p0, p1) = p.split_at(pw);
+        let (s0, s1) = s.split_at(sw);
+        let (o0, o1) = o.split_at_mut(n);
+        // SAFETY: two whole rows and their outputs; tokens per the caller contract.
+        unsafe { mxfp4_tokens::<2, T>([p0, p1], [s0, s1], cols, x, t0, [o0, o1]) };
+    }
+    let k = packed.len() / pw;
+    if k % 2 == 1 {
+        let r = k - 1;
+        // SAFETY: the last whole row and its output; tokens per the caller contract.
+        unsafe {
+            mxfp4_tokens::<1, T>(
+                [&packed[r * pw..]],
+                [&scales[r * sw..]],
+                cols,
+                x,
+                t0,
+                [&mut out[r * n..]],
+            )
+        };
+    }
 }
 
 /// Row kernel: `out [k, n]` for the `k` rows in `packed`/`scales`; `x [n, cols]` with every
@@ -647,22 +715,16 @@ pub(super) unsafe fn mxfp4_rows(
     }
     // Token blocks outer, rows inner (see `bf16_rows`).
     for t in (0..n).step_by(TOKEN_BLOCK) {
-        for ((pr, sr), o) in packed
-            .chunks_exact(pw)
-            .zip(scales.chunks_exact(sw))
-            .zip(out.chunks_exact_mut(n))
-        {
-            match n - t {
-                // SAFETY: row slices have the checked lengths and tokens t..t+4 lie in x; CPU
-                // features are this function's contract.
-                4.. => unsafe { mxfp4_tokens::<TOKEN_BLOCK>(pr, sr, cols, x, t, o) },
-                // SAFETY: as above, for the three remaining tokens.
-                3 => unsafe { mxfp4_tokens::<3>(pr, sr, cols, x, t, o) },
-                // SAFETY: as above, for the two remaining tokens.
-                2 => unsafe { mxfp4_tokens::<2>(pr, sr, cols, x, t, o) },
-                // SAFETY: as above, for the one remaining token.
-                _ => unsafe { mxfp4_tokens::<1>(pr, sr, cols, x, t, o) },
-            }
+        match n - t {
+            // SAFETY: lengths checked above, tokens t..t+4 lie in x; CPU features are this
+            // function's contract.
+            4.. => unsafe { mxfp4_token_block::<TOKEN_BLOCK>(packed, scales, cols, x, n, t, out) },
+            // SAFETY: as above, for the three remaining tokens.
+            3 => unsafe { mxfp4_token_block::<3>(packed, scales, cols, x, n, t, out) },
+            // SAFETY: as above, for the two remaining tokens.
+            2 => unsafe { mxfp4_token_block::<2>(packed, scales, cols, x, n, t, out) },
+            // SAFETY: as above, for the one remaining token.
+            _ => unsafe { mxfp4_token_block::<1>(packed, scales, cols, x, n, t, out) },
         }
     }
 }
