@@ -940,15 +940,24 @@ impl Lanes for Avx2 {
 // ------------------------------------------------------------------------------------------
 // FMA peak
 
-/// `iters` rounds of 16 independent FMA chains (enough to cover the FMA latency on two ports):
-/// `16·8·iters` multiply-adds; returns their sum so nothing is optimised away.
+/// Independent FMA chains of the probe: 12 cover the FMA latency on two ports (4 cycles × 2)
+/// and, with the two constants, fit the 16 ymm registers AVX2 has (16 chains spilled one
+/// accumulator a round: on a Zen 4 the probe read half the FMA peak, below what the bf16
+/// kernel reached).
+pub(super) const FMA_PROBE_CHAINS: usize = 12;
+
+/// `iters` rounds of `FMA_PROBE_CHAINS` independent FMA chains: `FMA_PROBE_CHAINS·8·iters`
+/// multiply-adds; returns their sum so nothing is optimised away.
 ///
 /// # Safety
 /// The CPU supports AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn fma_probe(iters: usize, seed: f32) -> f32 {
     let (m, a) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
-    let mut acc: [__m256; 16] = std::array::from_fn(|i| _mm256_set1_ps(seed + i as f32));
+    let mut acc = [_mm256_setzero_ps(); FMA_PROBE_CHAINS];
+    for (i, v) in acc.iter_mut().enumerate() {
+        *v = _mm256_set1_ps(seed + i as f32);
+    }
     for _ in 0..iters {
         for v in acc.iter_mut() {
             *v = _mm256_fmadd_ps(*v, m, a);

@@ -512,17 +512,21 @@ impl Kernels {
         })
     }
 
-    /// Runs `iters` rounds of this tier's FMA probe (16 independent chains of vector FMAs, the
+    /// Runs `iters` rounds of this tier's FMA probe (12 or 16 independent chains of vector FMAs, the
     /// machine's multiply-add peak on one thread) and returns the multiply-adds done and a value
     /// that depends on all of them. `k3-ctl doctor` and the kernel bench time it.
     pub fn fma_probe(self, iters: usize) -> (u64, f32) {
-        let lanes = match self.tier {
-            Tier::Scalar => 1,
-            Tier::Avx2 => 8,
-            Tier::Avx512 => 16,
+        // (lanes, independent chains)
+        let (lanes, chains) = match self.tier {
+            Tier::Scalar => (1, 16),
+            #[cfg(target_arch = "x86_64")]
+            Tier::Avx2 => (8, avx2::FMA_PROBE_CHAINS as u64),
+            #[cfg(not(target_arch = "x86_64"))]
+            Tier::Avx2 => (8, 16),
+            Tier::Avx512 => (16, 16),
         };
         let v = by_tier!(self, fma_probe(iters, 1.0));
-        (16 * lanes * iters as u64, v)
+        (chains * lanes * iters as u64, v)
     }
 
     /// [`dot_f32`] on this tier.
