@@ -17,6 +17,10 @@
 //!   (see `split_even_odd_rows`), so `p = w_even·x_even + w_odd·x_odd` is the group's partial
 //!   sum in 16 lanes; it is then scaled by the group's `2^(s−127)` into one of two accumulators
 //!   (even/odd groups).
+//! * MXFP4 blocking: two rows with up to `TOKEN_BLOCK` tokens at once, so each activation vector
+//!   is loaded once for both rows (a block of 4 tokens of a 3584-wide row is 57 KB, more than
+//!   L1: one row at a time read it from L2 for every row, which bound the kernel at ~25 GMAC/s a
+//!   core whatever the token count).
 //! * matmul: each loaded weight vector is used for `TOKEN_BLOCK` tokens at once; every token
 //!   has its own accumulators and the same operation sequence as one token alone, so matmul ==
 //!   matvec bit for bit. Token blocks are the outer loop over a task's rows (which stay in L2),
