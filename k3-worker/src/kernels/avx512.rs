@@ -652,31 +652,20 @@ unsafe fn mxfp4_token_block<const T: usize>(
     out: &mut [f32],
 ) {
     let (pw, sw) = (cols / 2, cols / 32);
-    let pairs = packed
-        .chunks_exact(2 * pw)
-        .zip(scales.chunks_exact(2 * sw))
-        .zip(out.chunks_exact_mut(2 * n));
-    for ((p, s), o) in pairs {
+    let (mut pp, mut sp) = (packed.chunks_exact(2 * pw), scales.chunks_exact(2 * sw));
+    let mut op = out.chunks_exact_mut(2 * n);
+    for ((p, s), o) in pp.by_ref().zip(sp.by_ref()).zip(op.by_ref()) {
         let (p0, p1) = p.split_at(pw);
         let (s0, s1) = s.split_at(sw);
         let (o0, o1) = o.split_at_mut(n);
         // SAFETY: two whole rows and their outputs; tokens per the caller contract.
         unsafe { mxfp4_tokens::<2, T>([p0, p1], [s0, s1], cols, x, t0, [o0, o1]) };
     }
-    let k = packed.len() / pw;
-    if k % 2 == 1 {
-        let r = k - 1;
-        // SAFETY: the last whole row and its output; tokens per the caller contract.
-        unsafe {
-            mxfp4_tokens::<1, T>(
-                [&packed[r * pw..]],
-                [&scales[r * sw..]],
-                cols,
-                x,
-                t0,
-                [&mut out[r * n..]],
-            )
-        };
+    let (p, s, o) = (pp.remainder(), sp.remainder(), op.into_remainder());
+    if !p.is_empty() {
+        // SAFETY: the last whole row (an odd count) and its output; tokens per the caller
+        // contract.
+        unsafe { mxfp4_tokens::<1, T>([p], [s], cols, x, t0, [o]) };
     }
 }
 
