@@ -198,12 +198,42 @@ pub fn render_stats(s: &StatsReport) -> String {
         );
     }
     if l.preloaded_experts > 0 {
+        let what = match s.usage.preload.as_str() {
+            "hot" => ": the most used of the usage history",
+            "every" => ": every routed expert",
+            _ => "",
+        };
         let _ = writeln!(
             o,
-            "preload:  {} experts ({}) read at start-up in {:.2} s (not in the figures above)",
+            "preload:  {} experts ({}) read at start-up in {:.2} s{what} (not in the figures \
+             above); {} TRUE hits on them so far",
             l.preloaded_experts,
             fmt_bytes(l.preload_bytes),
-            l.preload_seconds
+            l.preload_seconds,
+            l.preload_hits
+        );
+    }
+    let u = &s.usage;
+    if !u.file.is_empty() {
+        let _ = writeln!(
+            o,
+            "usage:    {} expert requests counted since the start ({} saved), {} in the history \
+             at start, {} experts used  file {}{}{}",
+            u.requests_counted,
+            u.requests_saved,
+            u.requests_at_start,
+            u.experts_used,
+            u.file,
+            if u.save_failures > 0 {
+                format!("  FAILED SAVES {}", u.save_failures)
+            } else {
+                String::new()
+            },
+            if u.refused.is_empty() {
+                String::new()
+            } else {
+                format!("  (the file found at start was refused: {})", u.refused)
+            }
         );
     }
     if l.prefetch_loads > 0 {
@@ -730,6 +760,17 @@ mod tests {
                 preloaded_experts: 64,
                 preload_bytes: 1_123_024_896,
                 preload_seconds: 0.4,
+                preload_hits: 3,
+                ..Default::default()
+            },
+            usage: k3_proto::wire::UsageStats {
+                file: "/s/expert-usage.k3usage".into(),
+                requests_at_start: 500,
+                requests_counted: 10,
+                requests_saved: 8,
+                experts_used: 90,
+                preload: "hot".into(),
+                hot_preloaded: 64,
                 ..Default::default()
             },
             jobs: vec![
@@ -772,10 +813,24 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.contains("preload:  64 experts (1.12 GB) read at start-up in 0.40 s"),
+            t.contains(
+                "preload:  64 experts (1.12 GB) read at start-up in 0.40 s: the most used of the \
+                 usage history (not in the figures above); 3 TRUE hits on them so far"
+            ),
             "{t}"
         );
-        assert!(!render_stats(&StatsReport::default()).contains("preload:"));
+        assert!(
+            t.contains(
+                "usage:    10 expert requests counted since the start (8 saved), 500 in the \
+                 history at start, 90 experts used  file /s/expert-usage.k3usage\n"
+            ),
+            "{t}"
+        );
+        let empty = render_stats(&StatsReport::default());
+        assert!(
+            !empty.contains("preload:") && !empty.contains("usage:"),
+            "{empty}"
+        );
         let second = t.lines().find(|l| l.contains("second")).unwrap();
         assert!(second.contains("80.0%"), "{second}");
         let first = t.lines().find(|l| l.contains("first")).unwrap();

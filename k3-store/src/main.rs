@@ -17,8 +17,10 @@ use k3_store::daemon::loading::{load_behind_gate, LoadState, Loaded};
 use k3_store::daemon::sessions::{
     SessionOptions, Sessions, DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_MB, MAX_SESSIONS_LIMIT,
 };
+use k3_store::daemon::usage::{choose_preload, UsageBook};
 use k3_store::daemon::{install_signal_handlers, Server};
 use k3_store::progress::Progress;
+use k3_store::runtime::experts::PreloadSet;
 use k3_store::runtime::plan::{allocatable, fmt_bytes, Budget, MemoryPlan, PlanInputs};
 
 /// k3 store daemon.
@@ -65,9 +67,14 @@ struct StartArgs {
           value_parser = clap::value_parser!(u32).range(0..=MAX_SESSIONS_LIMIT as i64))]
     max_sessions: u32,
     /// Keep conversations in this directory too, so they survive a restart (written atomically;
-    /// reloaded and checked at start).
+    /// reloaded and checked at start), and the expert usage history (`--preload hot`).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
+    /// Seconds between saves of the expert usage history to --state-dir (a kill -9 loses at
+    /// most the counting since the last save; a clean stop saves everything).
+    #[arg(long, value_name = "SECS", default_value_t = k3_store::daemon::usage::DEFAULT_SAVE_SECONDS,
+          value_parser = lease_seconds)]
+    usage_save_seconds: f64,
     /// Hold this draft trunk (`k3-ctl pack-trunk --draft int8|int4 MODEL DIR`) in shared memory
     /// for the workers' draft model (`k3-worker --draft model`); counted in the memory plan.
     #[arg(long, value_name = "DIR")]
@@ -202,6 +209,7 @@ fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
         args.push(format!("--history-ids={}", a.history_ids).into());
     }
     args.push(format!("--lease-timeout={}", a.lease_timeout).into());
+    args.push(format!("--usage-save-seconds={}", a.usage_save_seconds).into());
     if let Some(d) = &a.state_dir {
         args.push("--state-dir".into());
         args.push(d.clone().into());
@@ -365,10 +373,6 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Ok(n) => n,
         Err(msg) => return fail(&mut notify, exit::REFUSED, msg),
     };
-    let preload = match (a.budget.preload).wanted(plan.expert_slots, cat.routed_experts().count()) {
-        Ok(p) => p,
-        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-    };
     // The plan's first line is its header (with the budget's label): printed once.
     tracing::info!("{}", plan_text.trim_end());
     notify.plan(&plan_text);
@@ -384,6 +388,26 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     ));
     if let Err(e) = sessions.load_state_dir() {
         return fail(&mut notify, e.exit_code(), e.to_string());
+    }
+    // The expert usage history beside the sessions, and what the cache holds at start.
+    let usage = match &a.state_dir {
+        Some(dir) => match UsageBook::open(dir, identity.id, cat.n_layers(), cat.n_experts()) {
+            Ok(b) => Some(Arc::new(b)),
+            Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
+        },
+        None => None,
+    };
+    let preload = match choose_preload(a.budget.preload, plan.expert_slots, &cat, usage.as_deref())
+    {
+        Ok(p) => p,
+        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
+    };
+    if let PreloadSet::These(list) = &preload {
+        tracing::info!(
+            "preload: the {} most used experts of the usage history ({} slots)",
+            list.len(),
+            plan.expert_slots
+        );
     }
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {
@@ -408,6 +432,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         plan_text,
         ring_bytes: plan.ring_bytes,
         preload,
+        usage: usage.clone(),
         ring: {
             use k3_store::runtime::ring::{RingOptions, DEFAULT_IDLE_PROTECT};
             let lease_timeout = std::time::Duration::from_secs_f64(a.lease_timeout);
@@ -480,6 +505,12 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         socket.display(),
         std::process::id()
     );
+    if let Some(u) = &usage {
+        let period = std::time::Duration::from_secs_f64(a.usage_save_seconds);
+        if let Err(e) = u.start_saver(period) {
+            tracing::warn!("expert usage: no saving thread ({e}); saved at the stop only");
+        }
+    }
     notify.ready(&socket);
     let left = Server::new(listener, socket.clone(), backend, stop)
         .with_limits(k3_store::daemon::Limits {
@@ -490,6 +521,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         .with_hup(hup)
         .with_sessions(sessions)
         .run();
+    if let Some(u) = &usage {
+        u.finish();
+    }
     if left > 0 {
         tracing::warn!("stopped with {left} request(s) still in flight after the drain cap");
     } else {
@@ -717,6 +751,8 @@ mod tests {
             "st",
             "--lease-timeout",
             "2.5",
+            "--usage-save-seconds",
+            "0.25",
         ]);
         resolve_paths(&mut a).unwrap();
         let cwd = std::env::current_dir().unwrap();
@@ -740,7 +776,8 @@ mod tests {
                 b.max_sessions,
                 b.history_ids,
                 b.lease_timeout,
-                &b.state_dir
+                &b.state_dir,
+                b.usage_save_seconds
             ),
             (
                 &a.model_dir,
@@ -753,7 +790,8 @@ mod tests {
                 a.max_sessions,
                 a.history_ids,
                 2.5,
-                &a.state_dir
+                &a.state_dir,
+                0.25
             )
         );
         assert_eq!(b.state_dir, Some(cwd.join("st")));

@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -300,6 +300,10 @@ pub struct Counters {
     /// v10. Requested experts answered [`SlotAnswer::Private`]: read by the worker itself
     /// because the slots were held by a worker that kept its leases too long.
     pub private_reads: u64,
+    /// v11. Requested experts that were RESIDENT because the start-up preload put them there
+    /// (the slot not evicted or re-read since): the hits the preload gave. Part of
+    /// `resident_hits`.
+    pub preload_hits: u64,
 }
 
 impl Counters {
@@ -359,6 +363,37 @@ pub struct StatsReport {
     pub sessions: SessionStats,
     /// v3. The history drafts are taken from.
     pub history: HistoryStats,
+    /// v11. The expert usage history (`--state-dir`) and the preload it chose.
+    pub usage: UsageStats,
+}
+
+/// The store's per-expert usage history (`k3-store start --state-dir`, SPEC.md §6.6) and the
+/// start-up preload it chose.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct UsageStats {
+    /// The usage file, empty when the store keeps no usage history (no `--state-dir`).
+    pub file: String,
+    /// Why the file found at start was refused (logged; the store started a new history, which
+    /// replaces it at its first save), empty when it was loaded or there was none.
+    pub refused: String,
+    /// Demand requests the history held when the store started (0: a new history).
+    pub requests_at_start: u64,
+    /// Demand requests counted since the start (experts named by workers' `Experts` requests;
+    /// never prefetches, preloads or a draft model's resident leases).
+    pub requests_counted: u64,
+    /// Of those, how many the file on disk holds (the rest is lost if the store is killed).
+    pub requests_saved: u64,
+    /// Experts whose count is not zero.
+    pub experts_used: u64,
+    /// Saves written.
+    pub saves: u64,
+    /// Saves that failed (each logged; the previous file stays).
+    pub save_failures: u64,
+    /// What the start-up preload read: `every` (every routed expert), `hot` (the most used
+    /// experts of the history that fit), `none`.
+    pub preload: String,
+    /// Experts the preload read because the history named them (`preload` = `hot`).
+    pub hot_preloaded: u64,
 }
 
 /// The store's history of earlier jobs' token streams (speculative drafting, SPEC.md §3.12).

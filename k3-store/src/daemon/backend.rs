@@ -33,12 +33,13 @@ use k3_proto::wire::{
 use zerocopy::IntoBytes;
 
 use super::ring::{add_ring, released, ring_error};
+use super::usage::{preload_kind, UsageBook};
 use super::{Backend, ConnId};
 use crate::runtime::arena::ArenaMem;
 use crate::runtime::catalog::Catalog;
 use crate::runtime::draft::DraftFile;
 use crate::runtime::experts::{
-    Arena, BatchError, ExpertReader, ExpertSlots, Locked, SlotState, SlotTable,
+    Arena, BatchError, ExpertReader, ExpertSlots, Locked, PreloadSet, SlotState, SlotTable,
 };
 use crate::runtime::io::{align_up, span_len, DiskFile};
 use crate::runtime::pool::IoPool;
@@ -97,9 +98,11 @@ pub struct BuildOptions {
     /// Bytes of the ring the unpinned layers stream through (ignored when every layer is
     /// pinned; at least the largest unpinned layer otherwise).
     pub ring_bytes: u64,
-    /// Read every routed expert into the arena before serving (`--preload`, decided by the
-    /// caller: the arena has a slot for each).
-    pub preload: bool,
+    /// The experts read into the arena before serving (`--preload`, decided by the caller:
+    /// [`super::usage::choose_preload`]).
+    pub preload: PreloadSet,
+    /// The expert usage history that counts workers' demands (`--state-dir`).
+    pub usage: Option<Arc<UsageBook>>,
     /// Lease limits of the ring.
     pub ring: RingOptions,
     /// The checkpoint's content identity (`runtime::identity::ModelIdentity`), recorded in the
@@ -183,6 +186,10 @@ pub struct StoreBackend {
     draft_dir: String,
     status: StatusReport,
     pinned: u32,
+    /// What was preloaded at start (`k3-ctl stats`).
+    preload: &'static str,
+    /// The expert usage history, counted on every demand request.
+    usage: Option<Arc<UsageBook>>,
 }
 
 /// Bytes of shared memory [`StoreBackend::build`] will create for these options.
@@ -344,12 +351,8 @@ impl StoreBackend {
         let mut seg = Segment::create("k3-store", lay.total)
             .map_err(|e| format!("cannot create {} bytes of shared memory: {e}", lay.total))?;
         let mut header = ShmHeader::new(lay.total, opts.identity);
-        let preload_bytes = if opts.preload {
-            let n = cat.routed_experts().count().min(opts.slots) as u64;
-            n * cat.expert_layout().expert_bytes() as u64
-        } else {
-            0
-        };
+        let preload_bytes = (opts.preload.count(&cat, opts.slots) as u64)
+            * cat.expert_layout().expert_bytes() as u64;
         let total_load: u64 = lay.model.iter().map(|m| m.2).sum::<u64>()
             + lay.layers.iter().map(|l| l.2).sum::<u64>()
             + lay.draft.iter().map(|l| l.2).sum::<u64>()
@@ -496,11 +499,12 @@ impl StoreBackend {
             BUSY_TIMEOUT,
             Jobs::default(),
         )?;
-        if opts.preload {
+        if opts.preload != PreloadSet::Nothing {
             let off = lay.slot_table.0 as usize;
             let mirror = |t: &SlotTable, slot: usize| write_slot_entry(base, off, t, slot);
             let at = done;
-            experts.preload(None, &mirror, &mut |d, _| progress(at + d, total_load))?;
+            let p = &mut |d, _| progress(at + d, total_load);
+            experts.preload(&opts.preload, None, &mirror, p)?;
         }
         let prefetcher = IoPool::new("k3-store-prefetch", 1)
             .map_err(|e| format!("starting the prefetch thread: {e}"))?;
@@ -515,6 +519,8 @@ impl StoreBackend {
             draft_dir,
             status,
             pinned: lay.layers.len() as u32,
+            preload: preload_kind(&opts.preload),
+            usage: opts.usage.clone(),
             seg,
         })
     }
@@ -575,6 +581,7 @@ impl StoreBackend {
         c.expert_bytes_read += served.bytes_read;
         c.read_seconds += served.read_seconds;
         c.prefetch_used += served.prefetch_used;
+        c.preload_hits += served.preload_hits;
         drop(g);
         let answers: Vec<SlotAnswer> = served
             .outcomes
@@ -716,11 +723,17 @@ fn holders_of(table: &SlotTable, jobs: &Jobs, conn: ConnId) -> Vec<(ConnId, u32,
 
 impl Backend for StoreBackend {
     fn experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response {
-        self.serve(conn, layer, ids)
+        let r = self
+            .serve(conn, layer, ids)
             .unwrap_or_else(|e| Response::Error {
                 code: k3_proto::wire::ErrorCode::BadRequest,
                 message: e.to_string(),
-            })
+            });
+        // A demand the store served (hit, read or private): the usage history counts it.
+        if let (Some(u), Response::Experts { .. }) = (&self.usage, &r) {
+            u.count(layer, ids);
+        }
+        r
     }
 
     fn resident_experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response {
@@ -883,6 +896,7 @@ impl Backend for StoreBackend {
             preloaded_experts: t.preloaded,
             preload_bytes: g.preload_bytes,
             preload_seconds: g.preload_seconds,
+            preload_hits: t.preload_hits,
             private_reads: (g.extra.live.values())
                 .chain(g.extra.finished.iter().map(|(_, j)| j))
                 .map(|j| j.counters.private_reads)
@@ -931,6 +945,15 @@ impl Backend for StoreBackend {
             uptime_seconds: 0.0,
             history: Default::default(),
             sessions: Default::default(), // filled by the server
+            usage: k3_proto::wire::UsageStats {
+                preload: self.preload.to_string(),
+                hot_preloaded: if self.preload == "hot" {
+                    t.preloaded
+                } else {
+                    0
+                },
+                ..self.usage.as_ref().map(|u| u.stats()).unwrap_or_default()
+            },
         }
     }
 

@@ -56,6 +56,7 @@ pub mod loading;
 pub mod ring;
 pub mod sessions;
 pub mod statedir;
+pub mod usage;
 
 use sessions::{SessionOptions, Sessions};
 
