@@ -12,12 +12,12 @@
 //! - **Decay**: every [`HALF_LIFE_PER_EXPERT`] × (layers × experts) counted requests, every
 //!   count is halved (integer, rounding down). Without it, months of one kind of work would
 //!   outweigh a new kind for as long again; with it the history follows the work: at full scale
-//!   the half-life is 21.1 M requests, about 14,300 decoded tokens (1,472 requests each) or 256
-//!   prompt chunks that route to every expert. It is counted in requests, not in wall time, so
+//!   (93 × 896) the half-life is 21.3 M requests, about 14,500 decoded tokens (1,472 requests
+//!   each) or 258 prompt chunks that route to every expert. It is counted in requests, not in wall time, so
 //!   an idle store forgets nothing and the result does not depend on timing. It also bounds
 //!   every count below 2 × the half-life (a `u32` for up to [`MAX_GRID`] experts).
 //! - **Bounded**: one file, `DIR/expert-usage.k3usage`, of exactly 64 + 4 × layers × experts +
-//!   32 bytes (330 KB for Kimi K3's 92 × 896), known from the checkpoint before it is read.
+//!   32 bytes (333 KB for Kimi K3's 93 layers × 896), known from the checkpoint before it is read.
 //! - **Crash-safe**: saved every `--usage-save-seconds` (default 5) when something was counted,
 //!   and at a clean stop, through [`StateDir::stage`] and [`StateDir::install`] (a new 0600
 //!   file, fsync, rename, fsync of the directory): a `kill -9` at any moment leaves the previous
