@@ -83,16 +83,7 @@ pub fn small_model() -> &'static Path {
             .tempdir()
             .unwrap();
         let out = tmp.path().join("small");
-        let st = std::process::Command::new("python3")
-            .arg(workspace_root().join("scripts/make-checkpoint.py"))
-            .args(["--preset", "small", "--seed", "1", path_str(&out)])
-            .output()
-            .expect("run python3 scripts/make-checkpoint.py");
-        assert!(
-            st.status.success(),
-            "make-checkpoint.py: {}",
-            String::from_utf8_lossy(&st.stderr)
-        );
+        make_checkpoint("small", 1, &out);
         (tmp, out)
     })
     .1
@@ -101,6 +92,35 @@ pub fn small_model() -> &'static Path {
 /// The bundled tiny checkpoint.
 pub fn tiny_model() -> PathBuf {
     fixture("tiny/model")
+}
+
+/// `scripts/make-checkpoint.py --preset tiny --seed N` into `dir/tiny-seedN`: the tiny shape
+/// (config, tensors, shard sizes) with other weights; returns that directory.
+pub fn tiny_with_seed(dir: &Path, seed: u32) -> PathBuf {
+    let out = dir.join(format!("tiny-seed{seed}"));
+    make_checkpoint("tiny", seed, &out);
+    out
+}
+
+/// `scripts/make-checkpoint.py --preset PRESET --seed SEED OUT`; panics with its stderr if it
+/// fails.
+fn make_checkpoint(preset: &str, seed: u32, out: &Path) {
+    let st = Command::new("python3")
+        .arg(workspace_root().join("scripts/make-checkpoint.py"))
+        .args([
+            "--preset",
+            preset,
+            "--seed",
+            &seed.to_string(),
+            path_str(out),
+        ])
+        .output()
+        .expect("run python3 scripts/make-checkpoint.py");
+    assert!(
+        st.status.success(),
+        "make-checkpoint.py: {}",
+        String::from_utf8_lossy(&st.stderr)
+    );
 }
 
 fn read_ids(rel: &str) -> Vec<u32> {

@@ -8,13 +8,12 @@
 //! a store without it.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
 use k3_tests::{
     cache_gb_for_slots, generated_ids, ids_arg, path_str, poll_until, reference_greedy,
-    reference_prompt, tiny_model, workspace_root, Run, Sandbox,
+    reference_prompt, tiny_model, tiny_with_seed, Run, Sandbox,
 };
 use serde_json::Value;
 
@@ -232,28 +231,6 @@ fn usage_survives_a_restart_and_a_kill_9_and_the_restarted_store_preloads_the_mo
     job(&sb);
 }
 
-/// `scripts/make-checkpoint.py --preset tiny --seed N`: the tiny shape with other weights.
-fn make_tiny(dir: &Path, seed: u32) -> PathBuf {
-    let out = dir.join(format!("tiny-seed{seed}"));
-    let st = Command::new("python3")
-        .arg(workspace_root().join("scripts/make-checkpoint.py"))
-        .args([
-            "--preset",
-            "tiny",
-            "--seed",
-            &seed.to_string(),
-            path_str(&out),
-        ])
-        .output()
-        .expect("run python3 scripts/make-checkpoint.py");
-    assert!(
-        st.status.success(),
-        "make-checkpoint.py: {}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    out
-}
-
 #[test]
 fn a_damaged_truncated_wrong_key_or_foreign_usage_file_is_refused_like_a_foreign_session() {
     let mut sb = Sandbox::new("usage-refused");
@@ -272,7 +249,7 @@ fn a_damaged_truncated_wrong_key_or_foreign_usage_file_is_refused_like_a_foreign
     sb.stop_store();
     // Another model (same shape, other weights) whose directory holds this one's key: its
     // file's MAC is made with the right key, over its own identity.
-    let seed2 = make_tiny(&sb.dir, 2);
+    let seed2 = tiny_with_seed(&sb.dir, 2);
     let other_model = sb.dir.join("other-model");
     private_dir(&other_model);
     write_private(

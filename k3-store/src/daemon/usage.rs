@@ -574,14 +574,9 @@ pub fn preload_kind(set: &PreloadSet) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use super::super::statedir::tests::private_dir;
     use super::*;
     use std::os::unix::fs::PermissionsExt;
-
-    fn private_dir() -> tempfile::TempDir {
-        let d = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
-        d
-    }
 
     #[test]
     fn counts_distinct_demands_halve_at_the_half_life_and_stay_in_the_grid() {
