@@ -389,26 +389,10 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     if let Err(e) = sessions.load_state_dir() {
         return fail(&mut notify, e.exit_code(), e.to_string());
     }
-    // The expert usage history beside the sessions, and what the cache holds at start.
-    let usage = match &a.state_dir {
-        Some(dir) => match UsageBook::open(dir, identity.id, cat.n_layers(), cat.n_experts()) {
-            Ok(b) => Some(Arc::new(b)),
-            Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-        },
-        None => None,
+    let (usage, preload) = match usage_and_preload(&a, identity.id, &cat, plan.expert_slots) {
+        Ok(x) => x,
+        Err((code, msg)) => return fail(&mut notify, code, msg),
     };
-    let preload = match choose_preload(a.budget.preload, plan.expert_slots, &cat, usage.as_deref())
-    {
-        Ok(p) => p,
-        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-    };
-    if let PreloadSet::These(list) = &preload {
-        tracing::info!(
-            "preload: the {} most used experts of the usage history ({} slots)",
-            list.len(),
-            plan.expert_slots
-        );
-    }
     // Claim the socket before the (possibly long) load: a live store is refused now.
     let listener = match k3_store::ipc::bind(&socket) {
         Ok(l) => l,
@@ -506,10 +490,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         std::process::id()
     );
     if let Some(u) = &usage {
-        let period = std::time::Duration::from_secs_f64(a.usage_save_seconds);
-        if let Err(e) = u.start_saver(period) {
-            tracing::warn!("expert usage: no saving thread ({e}); saved at the stop only");
-        }
+        u.start_saver(std::time::Duration::from_secs_f64(a.usage_save_seconds));
     }
     notify.ready(&socket);
     let left = Server::new(listener, socket.clone(), backend, stop)
@@ -530,6 +511,35 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         tracing::info!("stopped");
     }
     exit::OK
+}
+
+/// The expert usage history (`None` without `--state-dir`) and the experts to preload.
+type UsageAndPreload = (Option<Arc<UsageBook>>, PreloadSet);
+
+/// The expert usage history (with `--state-dir`, beside the sessions) and what the expert cache
+/// holds at start (`--preload`); a refusal is (exit code, message).
+fn usage_and_preload(
+    a: &StartArgs,
+    identity: u128,
+    cat: &k3_store::runtime::catalog::Catalog,
+    slots: usize,
+) -> Result<UsageAndPreload, (i32, String)> {
+    let usage = match &a.state_dir {
+        Some(dir) => match UsageBook::open(dir, identity, cat.n_layers(), cat.n_experts()) {
+            Ok(b) => Some(Arc::new(b)),
+            Err(e) => return Err((e.exit_code(), e.to_string())),
+        },
+        None => None,
+    };
+    let preload = choose_preload(a.budget.preload, slots, cat, usage.as_deref())
+        .map_err(|e| (e.exit_code(), e.to_string()))?;
+    if let PreloadSet::These(list) = &preload {
+        tracing::info!(
+            "preload: the {} most used experts of the usage history ({slots} slots)",
+            list.len()
+        );
+    }
+    Ok((usage, preload))
 }
 
 /// What kept conversations and the history may take beside the store's shared memory (`shm`)
