@@ -488,14 +488,20 @@ impl Sandbox {
         serde_json::from_str(r.stdout.trim()).unwrap_or_else(|e| panic!("stats JSON: {e}: {r:?}"))
     }
 
-    /// Send `sig` to the store and wait (≤ 10 s) until its process has exited. The store is then
-    /// considered stopped (Drop does not stop it again). Returns its pid.
+    /// Send `sig` to the store and wait (≤ 10 s) until its process has exited and its socket
+    /// accepts no connection (a killed process's main thread shows as a zombie before its other
+    /// threads have exited and its listening socket is closed: a store started then would find
+    /// the socket live). The store is then considered stopped (Drop does not stop it again).
+    /// Returns its pid.
     pub fn signal_store(&mut self, sig: &str) -> u32 {
         let pid = self.store_pid.take().expect("a store was started");
         send_signal(pid, sig);
+        let closed = || std::os::unix::net::UnixStream::connect(&self.socket).is_err();
         assert!(
-            poll_until(Duration::from_secs(10), || pid_gone(pid).then_some(())).is_some(),
-            "store pid {pid} still running 10 s after SIG{sig}"
+            poll_until(Duration::from_secs(10), || (pid_gone(pid) && closed())
+                .then_some(()))
+            .is_some(),
+            "store pid {pid} still running (or its socket answering) 10 s after SIG{sig}"
         );
         pid
     }
