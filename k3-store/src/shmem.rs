@@ -34,6 +34,7 @@ use memmap2::{Mmap, MmapMut, MmapOptions};
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
 
+use crate::runtime::io::page_size;
 use crate::runtime::source::ByteOwner;
 
 /// Environment variable choosing the shared-memory kind: `memfd` (Linux only, its default) or
@@ -319,16 +320,6 @@ pub(crate) fn set_cloexec(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<()
     use nix::fcntl::{fcntl, FcntlArg, FdFlag};
     fcntl(fd, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
     Ok(())
-}
-
-/// The system's page size.
-pub(crate) fn page_size() -> u64 {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-        .ok()
-        .flatten()
-        .and_then(|v| u64::try_from(v).ok())
-        .filter(|&v| v > 0)
-        .unwrap_or(4096)
 }
 
 /// Whether an object of `found` bytes holds exactly the `expected` announced: equal, or (a
