@@ -991,12 +991,13 @@ fn simd_tiers_follow_their_documented_sequence_on_adversarial_rows() {
                 let bits: Vec<u16> = (0..rows * cols)
                     .map(|_| adversarial_bf16(&mut rng))
                     .collect();
-                let w: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
                 let mc = cols / 32 * 32;
-                let packed: Vec<u8> = (0..rows * mc / 2).map(|_| rng.below(256) as u8).collect();
-                let scales: Vec<u8> = (0..rows * mc / 32)
-                    .map(|_| [0u8, 1, 127, 200, 254, 255][rng.below(6) as usize])
-                    .collect();
+                let mx = Mxfp4 {
+                    packed: (0..rows * mc / 2).map(|_| rng.below(256) as u8).collect(),
+                    scales: (0..rows * mc / 32)
+                        .map(|_| [0u8, 1, 127, 200, 254, 255][rng.below(6) as usize])
+                        .collect(),
+                };
                 for n in [1usize, 2, 3, 5] {
                     let x: Vec<f32> = (0..n * cols)
                         .map(|_| match rng.below(12) {
@@ -1007,38 +1008,16 @@ fn simd_tiers_follow_their_documented_sequence_on_adversarial_rows() {
                         })
                         .collect();
                     let xm: Vec<f32> = (0..n * mc).map(|_| 1e4 * rng.unit()).collect();
-                    let mut y = vec![0.0f32; n * rows];
-                    k.matmul_bf16(&w, rows, cols, &x, n, &mut y);
-                    let mut ym = vec![0.0f32; n * rows];
-                    k.matmul_mxfp4(&packed, &scales, rows, mc, &xm, n, &mut ym);
-                    for t in 0..n {
-                        for r in 0..rows {
-                            let want = model_bf16(
-                                lanes,
-                                &bits[r * cols..(r + 1) * cols],
-                                &x[t * cols..(t + 1) * cols],
-                            );
-                            let got = y[t * rows + r];
-                            assert!(
-                                same_bits(got, want),
-                                "{} bf16 {rows}x{cols} n={n} token {t} row {r}: {got:e} vs {want:e}",
-                                k.tier()
-                            );
-                            let want = model_mxfp4(
-                                lanes,
-                                &packed[r * mc / 2..(r + 1) * mc / 2],
-                                &scales[r * mc / 32..(r + 1) * mc / 32],
-                                &xm[t * mc..(t + 1) * mc],
-                            );
-                            let got = ym[t * rows + r];
-                            assert!(
-                                same_bits(got, want),
-                                "{} mxfp4 {rows}x{mc} n={n} token {t} row {r}: {got:e} vs {want:e}",
-                                k.tier()
-                            );
-                            checked += 1;
-                        }
-                    }
+                    let c = ModelCase {
+                        rows,
+                        cols,
+                        n,
+                        bits: &bits,
+                        x: &x,
+                        mx: &mx,
+                        xm: &xm,
+                    };
+                    checked += check_models(k, lanes, &c, same_bits);
                 }
             }
         }
@@ -1048,6 +1027,59 @@ fn simd_tiers_follow_their_documented_sequence_on_adversarial_rows() {
     }
 }
 
+/// One bf16 product `[rows, cols]` and one MXFP4 product `[rows, mc]` (`mc = cols` rounded down
+/// to whole groups) of `n` tokens, for [`check_models`].
+struct ModelCase<'a> {
+    rows: usize,
+    cols: usize,
+    n: usize,
+    bits: &'a [u16],
+    x: &'a [f32],
+    mx: &'a Mxfp4,
+    xm: &'a [f32],
+}
+
+/// Runs both products of `c` on `k` and checks every (token, row) against the tier's documented
+/// sequence (`model_bf16`, `model_mxfp4`) with `same` (exact bits, or bits up to NaN payloads);
+/// returns the rows checked.
+fn check_models(k: Kernels, lanes: usize, c: &ModelCase<'_>, same: fn(f32, f32) -> bool) -> usize {
+    let (rows, cols, n) = (c.rows, c.cols, c.n);
+    let mc = cols / 32 * 32;
+    let w: Vec<u8> = c.bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    let mut y = vec![f32::NAN; n * rows];
+    k.matmul_bf16(&w, rows, cols, c.x, n, &mut y);
+    let mut ym = vec![f32::NAN; n * rows];
+    k.matmul_mxfp4(&c.mx.packed, &c.mx.scales, rows, mc, c.xm, n, &mut ym);
+    for t in 0..n {
+        for r in 0..rows {
+            let want = model_bf16(
+                lanes,
+                &c.bits[r * cols..(r + 1) * cols],
+                &c.x[t * cols..(t + 1) * cols],
+            );
+            let got = y[t * rows + r];
+            assert!(
+                same(got, want),
+                "{} bf16 {rows}x{cols} n={n} token {t} row {r}: {got:e} vs {want:e}",
+                k.tier()
+            );
+            let want = model_mxfp4(
+                lanes,
+                &c.mx.packed[r * mc / 2..(r + 1) * mc / 2],
+                &c.mx.scales[r * mc / 32..(r + 1) * mc / 32],
+                &c.xm[t * mc..(t + 1) * mc],
+            );
+            let got = ym[t * rows + r];
+            assert!(
+                same(got, want),
+                "{} mxfp4 {rows}x{mc} n={n} token {t} row {r}: {got:e} vs {want:e}",
+                k.tier()
+            );
+        }
+    }
+    n * rows
+}
+
 /// Every SIMD tier computes exactly its documented sequence, for one token and for 2–17 tokens
 /// (the multi-token kernels decode each weight once for all tokens and must not change any
 /// accumulator's order), bf16 and MXFP4, on widths with every kind of tail.
@@ -1055,49 +1087,28 @@ fn simd_tiers_follow_their_documented_sequence_on_adversarial_rows() {
 fn simd_tiers_follow_their_documented_sequence_bit_for_bit() {
     let mut rng = Rng(21);
     let mut checked = 0;
+    let exact = |a: f32, b: f32| a.to_bits() == b.to_bits();
     for k in tiers() {
         let Some(lanes) = simd_lanes(k.tier()) else {
             continue;
         };
         for (rows, cols) in [(5, 47), (9, 95), (17, 640), (3, 1091), (33, 96)] {
-            let (w, bits) = bf16_matrix(&mut rng, rows, cols);
-            let m = mxfp4_matrix(&mut rng, rows, cols / 32 * 32);
+            let (_, bits) = bf16_matrix(&mut rng, rows, cols);
             let mc = cols / 32 * 32;
+            let mx = mxfp4_matrix(&mut rng, rows, mc);
             for n in [1usize, 2, 3, 4, 5, 8, 16, 17] {
                 let x = random_x(&mut rng, n * cols);
-                let xs = small_x(&mut rng, n * mc);
-                let mut y = vec![f32::NAN; n * rows];
-                k.matmul_bf16(&w, rows, cols, &x, n, &mut y);
-                let mut ym = vec![f32::NAN; n * rows];
-                k.matmul_mxfp4(&m.packed, &m.scales, rows, mc, &xs, n, &mut ym);
-                for t in 0..n {
-                    for r in 0..rows {
-                        let want = model_bf16(
-                            lanes,
-                            &bits[r * cols..(r + 1) * cols],
-                            &x[t * cols..(t + 1) * cols],
-                        );
-                        assert_eq!(
-                            y[t * rows + r].to_bits(),
-                            want.to_bits(),
-                            "{} bf16 {rows}x{cols} n={n} token {t} row {r}",
-                            k.tier()
-                        );
-                        let want = model_mxfp4(
-                            lanes,
-                            &m.packed[r * mc / 2..(r + 1) * mc / 2],
-                            &m.scales[r * mc / 32..(r + 1) * mc / 32],
-                            &xs[t * mc..(t + 1) * mc],
-                        );
-                        assert_eq!(
-                            ym[t * rows + r].to_bits(),
-                            want.to_bits(),
-                            "{} mxfp4 {rows}x{mc} n={n} token {t} row {r}",
-                            k.tier()
-                        );
-                        checked += 1;
-                    }
-                }
+                let xm = small_x(&mut rng, n * mc);
+                let c = ModelCase {
+                    rows,
+                    cols,
+                    n,
+                    bits: &bits,
+                    x: &x,
+                    mx: &mx,
+                    xm: &xm,
+                };
+                checked += check_models(k, lanes, &c, exact);
             }
         }
     }

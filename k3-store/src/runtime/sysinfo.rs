@@ -27,22 +27,8 @@ pub fn mem_available() -> std::io::Result<u64> {
 pub fn sysctl_uint(name: &str) -> std::io::Result<u64> {
     let cname = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
     let mut buf = [0u8; 8];
-    let mut len: libc::size_t = buf.len();
-    // SAFETY: `cname` is a NUL-terminated string; `buf` has `len` writable bytes and the kernel
-    // writes at most `len` of them, updating `len`; no new value is set (null, 0).
-    let r = unsafe {
-        libc::sysctlbyname(
-            cname.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            &mut len,
-            std::ptr::null_mut(),
-            0,
-        )
-    };
-    if r == -1 {
-        let e = std::io::Error::last_os_error();
-        return Err(std::io::Error::new(e.kind(), format!("{name}: {e}")));
-    }
+    let len = sysctl_bytes(&cname, &mut buf)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("{name}: {e}")))?;
     match len {
         4 => Ok(u32::from_ne_bytes([buf[0], buf[1], buf[2], buf[3]]) as u64),
         8 => Ok(u64::from_ne_bytes(buf)),
@@ -53,13 +39,22 @@ pub fn sysctl_uint(name: &str) -> std::io::Result<u64> {
 /// The CPU's name as the system gives it (`machdep.cpu.brand_string`, e.g. "Apple M2 Max").
 #[cfg(target_vendor = "apple")]
 pub fn cpu_brand() -> Option<String> {
-    let cname = c"machdep.cpu.brand_string";
     let mut buf = [0u8; 256];
+    let len = sysctl_bytes(c"machdep.cpu.brand_string", &mut buf).ok()?;
+    let s = &buf[..len.min(buf.len())];
+    let s = s.split(|&b| b == 0).next().unwrap_or(s);
+    Some(String::from_utf8_lossy(s).trim().to_string()).filter(|s| !s.is_empty())
+}
+
+/// Reads sysctl `name` into `buf`; returns the bytes written.
+#[cfg(target_vendor = "apple")]
+fn sysctl_bytes(name: &std::ffi::CStr, buf: &mut [u8]) -> std::io::Result<usize> {
     let mut len: libc::size_t = buf.len();
-    // SAFETY: as in `sysctl_uint`: a NUL-terminated name, `len` writable bytes, nothing set.
+    // SAFETY: `name` is NUL-terminated; `buf` has `len` writable bytes and the kernel writes at
+    // most `len` of them, updating `len`; no new value is set (null, 0).
     let r = unsafe {
         libc::sysctlbyname(
-            cname.as_ptr(),
+            name.as_ptr(),
             buf.as_mut_ptr().cast(),
             &mut len,
             std::ptr::null_mut(),
@@ -67,9 +62,7 @@ pub fn cpu_brand() -> Option<String> {
         )
     };
     if r == -1 {
-        return None;
+        return Err(std::io::Error::last_os_error());
     }
-    let s = &buf[..len.min(buf.len())];
-    let s = s.split(|&b| b == 0).next().unwrap_or(s);
-    Some(String::from_utf8_lossy(s).trim().to_string()).filter(|s| !s.is_empty())
+    Ok(len)
 }

@@ -922,15 +922,8 @@ pub(super) unsafe fn narrow_f32_row(row: &[u8], out: &mut [u8]) -> bool {
         // SAFETY: `dst` is 16 writable bytes (chunks_exact); byte stores need no alignment.
         unsafe { vst1q_u8(dst.as_mut_ptr(), high) };
     }
-    let mut exact = vmaxvq_u16(low) == 0;
-    for (d, b) in out[main / 2..]
-        .chunks_exact_mut(2)
-        .zip(row[main..].chunks_exact(4))
-    {
-        d.copy_from_slice(&b[2..4]);
-        exact &= b[0] | b[1] == 0;
-    }
-    exact
+    let rest = super::scalar::narrow_f32_row(&row[main..], &mut out[main / 2..]);
+    vmaxvq_u16(low) == 0 && rest
 }
 
 // f32 dot
