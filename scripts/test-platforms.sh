@@ -16,6 +16,7 @@
 #   cores).
 #
 # Usage: scripts/test-platforms.sh [--no-install]   (--no-install: fail instead of installing)
+# Takes about 25 minutes on 2 cores from a clean target/ (most of it the aarch64 test build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -64,13 +65,13 @@ export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="$runner"
 export K3_TEST_RUNNER="$runner"
 arm=(--target aarch64-unknown-linux-gnu)
 
-echo "== aarch64 Linux: cargo clippy --workspace --all-targets -- -D warnings"
-cargo clippy --workspace --all-targets "${arm[@]}" -- -D warnings
-part "aarch64 Linux clippy"
+# (No separate aarch64 Linux clippy: the macOS lint above already covers the aarch64 code, the
+# x86-64 lint in .ci/run the Linux code.)
 
-# The engine's tests that run in-process (cli.rs runs the built binaries: x86-64 only).
+# The engine's tests that run in-process (cli.rs runs the built binaries: x86-64 only; spec.rs,
+# speculative decoding, takes 6 minutes under emulation and tests no platform code).
 worker=(-p k3-worker --lib --test kernels --test gate --test layers --test forward --test generate
-  --test batch --test chat --test spec --test draft --test alloc)
+  --test batch --test chat --test draft --test alloc)
 
 echo "== aarch64 Linux: building the tests (cargo shows its progress)"
 cargo test --no-run "${arm[@]}" -p k3-proto -p k3-store
@@ -82,7 +83,9 @@ cargo test "${arm[@]}" -p k3-proto -p k3-store
 part "aarch64 Linux store tests under emulation"
 echo "== aarch64 Linux under $runner: engine (every kernel tier against the scalar reference and"
 echo "   its bit-exact model, the tokenizer, the tiny model against the float64 reference's ids)"
-cargo test "${arm[@]}" "${worker[@]}"
+# (chat.rs's refusal test runs the built k3-worker binary, which an emulated process cannot
+# exec; it runs on x86-64 in scripts/test.sh.)
+cargo test "${arm[@]}" "${worker[@]}" -- --skip chat_flags_are_refused_before_any_work
 part "aarch64 Linux engine tests under emulation"
 
 echo "== [platforms] all parts took $(($(date +%s) - t0)) s"

@@ -280,8 +280,11 @@ impl PosixShm {
             linked: true,
         };
         set_cloexec(obj.rw.as_fd())?;
-        let off = i64::try_from(len).map_err(std::io::Error::other)?;
-        nix::unistd::ftruncate(obj.rw.as_fd(), off)?;
+        // An empty object keeps its size 0 unset (macOS may refuse to size a shm object to 0).
+        if len > 0 {
+            let off = i64::try_from(len).map_err(std::io::Error::other)?;
+            nix::unistd::ftruncate(obj.rw.as_fd(), off)?;
+        }
         Ok(obj)
     }
 
