@@ -83,6 +83,7 @@ pub fn run_status(a: SocketArg) -> i32 {
 
 /// The process `pid` as `/proc/PID/stat` tells it: `Some(start time)` while it runs, `None` once
 /// it is gone or a zombie (its memory, the store's shared memory included, is then released).
+#[cfg(target_os = "linux")]
 fn live_start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces and parentheses): state is the
@@ -92,6 +93,18 @@ fn live_start_time(pid: u32) -> Option<u64> {
         return None;
     }
     rest.get(19)?.parse().ok()
+}
+
+/// Without `/proc` (macOS): `Some(0)` while a process `pid` exists (`kill(pid, 0)`; a signal it
+/// is not allowed to receive still proves it exists), `None` once it is gone. A reused pid is
+/// not told apart here.
+#[cfg(not(target_os = "linux"))]
+fn live_start_time(pid: u32) -> Option<u64> {
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).ok()?);
+    match nix::sys::signal::kill(pid, None) {
+        Ok(()) | Err(nix::errno::Errno::EPERM) => Some(0),
+        Err(_) => None,
+    }
 }
 
 /// `k3-ctl stop`: asks the store to stop, then returns once its process has exited (so its

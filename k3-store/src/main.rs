@@ -239,6 +239,10 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // Before any thread: the allocator's arenas are bounded, so the address space the plan
     // checks below is what the store will take (k3_store::runtime::plan::ADDRESS_SPACE_RESERVE).
     k3_store::runtime::plan::limit_allocator_arenas();
+    match k3_store::sys::platform_paths() {
+        Ok((shm, io)) => tracing::info!("shared memory: {}; disk reads: {}", shm.name(), io.name()),
+        Err(e) => return fail(&mut notify, exit::REFUSED, e.to_string()),
+    }
     let socket = socket_path(&a);
     // The socket's directory is created (0700) or checked before anything is opened there.
     if let Err(e) = k3_store::ipc::prepare_socket_dir(&socket) {

@@ -156,6 +156,8 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
     // CPU lacks is a refusal, never a crash or a silent fallback.
     let tier = crate::kernels::select_tier().map_err(|e| refuse(e.to_string()))?;
     tracing::info!("kernels: {} tier", tier.name());
+    // So are the platform paths (K3_SHM, K3_DISK_IO).
+    k3_store::sys::platform_paths().map_err(|e| refuse(e.to_string()))?;
     let sampler = Sampler::new(cli.temperature, cli.top_p, cli.seed).map_err(refuse)?;
     if let Some(t) = cli.threads {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;

@@ -245,6 +245,9 @@ pub enum MemInfoError {
     /// It has no `MemAvailable` line.
     #[error("/proc/meminfo has no MemAvailable line")]
     NoLine,
+    /// macOS: the VM counters cannot be read.
+    #[error("cannot read the memory counters (sysctl vm.page_*_count): {0}")]
+    Sysctl(#[source] std::io::Error),
 }
 
 /// A memory plan refused before anything is allocated (exit 2).
@@ -458,7 +461,9 @@ pub fn address_space_reserve(threads: usize) -> u64 {
 /// address-space limit (`ulimit -v`) that the plan judged sufficient would otherwise be
 /// exhausted by arenas alone, and a failed allocation aborts the process. Call before starting
 /// threads.
+/// Elsewhere (macOS's allocator has no per-thread arenas reserving address space) nothing.
 pub fn limit_allocator_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets an allocator parameter; M_ARENA_MAX is a valid parameter and
     // any positive value is accepted.
     unsafe {
@@ -831,11 +836,20 @@ impl std::fmt::Display for MemoryPlan {
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes.
+#[cfg(not(target_vendor = "apple"))]
 pub fn mem_available() -> Result<u64, MemInfoError> {
     let s = std::fs::read_to_string("/proc/meminfo").map_err(MemInfoError::Read)?;
     parse_meminfo(&s)
 }
 
+/// macOS has no `/proc/meminfo`: what it could give without swapping, from the VM counters
+/// (`crate::sys::mem_available`).
+#[cfg(target_vendor = "apple")]
+pub fn mem_available() -> Result<u64, MemInfoError> {
+    crate::runtime::sysinfo::mem_available().map_err(MemInfoError::Sysctl)
+}
+
+#[cfg_attr(target_vendor = "apple", allow(dead_code))]
 fn parse_meminfo(s: &str) -> Result<u64, MemInfoError> {
     for line in s.lines() {
         if let Some(rest) = line.strip_prefix("MemAvailable:") {

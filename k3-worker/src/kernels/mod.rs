@@ -1,6 +1,6 @@
 //! Numerical kernels.
 //!
-//! Contract shared by every tier (scalar, AVX2+FMA, AVX-512):
+//! Contract shared by every tier (scalar, AVX2+FMA, AVX-512, NEON):
 //! * bf16 weights are raw little-endian bytes (`&[u8]`, any alignment), row-major `[rows, cols]`,
 //!   widened exactly (`f32 bits = bf16 bits << 16`).
 //! * MXFP4 weights are `packed [rows, cols/2]` (low nibble = even column) and E8M0
@@ -15,14 +15,15 @@
 //! # Tiers
 //! The free functions below run on the *active* tier ([`active_tier`]), chosen once per process:
 //! the best tier the CPU supports, or the one forced by the environment variable `K3_SIMD`
-//! (`scalar`, `avx2`, `avx512`; unset, empty or `auto` = best available). Binaries call
+//! (`scalar`, `avx2`, `avx512`, `neon`; unset, empty or `auto` = best available). Binaries call
 //! [`select_tier`] at start-up and refuse to run (exit 2) when it returns an error (unknown value,
 //! or a forced tier this CPU lacks); no instruction the CPU lacks is ever executed.
 //! [`Kernels`] gives tier-specific entry points (tests and benchmarks run every tier on one
 //! machine); a `Kernels` value can only be made for a tier the CPU supports.
 //!
 //! Tiers differ from each other only by the order of f32 additions (and FMA contraction) inside
-//! dot products; the elementwise kernels (`rms_norm`, `l2_norm_inplace`, `situ_glu`,
+//! dot products (NEON follows the AVX2 tier's order exactly: the same bits on an aarch64 CPU as
+//! on an x86-64 CPU with AVX2); the elementwise kernels (`rms_norm`, `l2_norm_inplace`, `situ_glu`,
 //! `softmax_inplace`) are the scalar code on every tier, so their results never depend on the CPU.
 //!
 //! # Threads
@@ -31,6 +32,8 @@
 //! see [`build_pool`]). Problems under [`PAR_MIN_MACS`] multiply-adds run on the calling thread.
 //! A row is always computed by the same code, so the thread count never changes a result.
 
+// The quantized kernels have no NEON tier yet: off x86-64 their AVX2 dispatch's flag is unused.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub mod quant;
 pub mod scalar;
 
@@ -38,7 +41,12 @@ pub mod scalar;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+mod neon;
+#[cfg(any(
+    target_arch = "x86_64",
+    all(target_arch = "aarch64", target_endian = "little")
+))]
 mod tile;
 
 mod tier;
@@ -285,8 +293,8 @@ pub struct Kernels {
     strips: bool,
 }
 
-/// Runs one tier's row kernel. `$k` is a `Kernels`; the AVX arms are sound because a `Kernels`
-/// only exists for a tier the CPU supports.
+/// Runs one tier's row kernel. `$k` is a `Kernels`; the AVX and NEON arms are sound because a
+/// `Kernels` only exists for a tier the CPU supports.
 macro_rules! by_tier {
     ($k:expr, $f:ident($($arg:expr),* $(,)?)) => {
         match $k.tier {
@@ -298,8 +306,11 @@ macro_rules! by_tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, AVX-512 F/BW/VL, AVX2 and FMA were detected before this value existed.
             Tier::Avx512 => unsafe { avx512::$f($($arg),*) },
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => unreachable!("SIMD tier on a non-x86_64 build"),
+            #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+            // SAFETY: as above, NEON was detected (every aarch64 CPU has it).
+            Tier::Neon => unsafe { neon::$f($($arg),*) },
+            #[allow(unreachable_patterns)] // every tier of this architecture is matched above
+            _ => unreachable!("a SIMD tier of another architecture"),
         }
     };
 }
@@ -503,7 +514,7 @@ impl Kernels {
     fn with_split<R>(self, x: &[f32], cols: usize, f: impl FnOnce(&[f32]) -> R) -> R {
         let lanes = match self.tier {
             Tier::Scalar => return f(x),
-            Tier::Avx2 => 8,
+            Tier::Avx2 | Tier::Neon => 8,
             Tier::Avx512 => 16,
         };
         with_buffer(&SPLIT, |buf| {
@@ -524,6 +535,10 @@ impl Kernels {
             #[cfg(not(target_arch = "x86_64"))]
             Tier::Avx2 => (8, 16),
             Tier::Avx512 => (16, 16),
+            #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+            Tier::Neon => (4, neon::FMA_PROBE_CHAINS as u64),
+            #[cfg(not(all(target_arch = "aarch64", target_endian = "little")))]
+            Tier::Neon => (4, 16),
         };
         let v = by_tier!(self, fma_probe(iters, 1.0));
         (chains * lanes * iters as u64, v)
