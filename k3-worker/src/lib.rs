@@ -16,4 +16,5 @@ pub mod serve_channel;
 pub mod session;
 pub mod sink;
 pub mod spec;
+pub mod text;
 pub mod tokenizer;
