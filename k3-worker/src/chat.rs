@@ -167,6 +167,9 @@ pub struct Message {
     /// A tool result's tool name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool: Option<String>,
+    /// The author's name (a `name` attribute after `role`; not on tool results).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -213,6 +216,7 @@ impl Message {
             ids: None,
             tool_calls: Vec::new(),
             tool: None,
+            name: None,
         }
     }
 
@@ -228,6 +232,7 @@ impl Message {
             }),
             tool_calls: Vec::new(),
             tool: None,
+            name: None,
         }
     }
 }
@@ -398,7 +403,12 @@ impl<'t> ChatFormat<'t> {
             self.pieces(e, &tools::result(name, tool_index, &m.content));
             return Ok(());
         }
-        self.open(e, "message", &[("role", m.role.as_str())]);
+        match &m.name {
+            Some(name) if !name.is_empty() => {
+                self.open(e, "message", &[("role", m.role.as_str()), ("name", name)]);
+            }
+            _ => self.open(e, "message", &[("role", m.role.as_str())]),
+        }
         match m.role {
             Role::System | Role::User | Role::Tool => e.text(&m.content),
             Role::Assistant => {

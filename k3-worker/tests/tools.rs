@@ -263,7 +263,8 @@ fn markers() -> Markers {
 
 /// Feed `text` (specials allowed) id by id; collect the events, then the end.
 fn parse(declared: &[&str], text: &str, end: bool) -> Vec<ToolEvent> {
-    let mut p = CallParser::new(markers(), declared.iter().map(|s| s.to_string()).collect());
+    let declared = (!declared.is_empty()).then(|| declared.iter().map(|s| s.to_string()).collect());
+    let mut p = CallParser::new(markers(), declared);
     let mut out: Vec<ToolEvent> = tok()
         .encode_with_special(text)
         .into_iter()
@@ -331,7 +332,7 @@ fn rendered_calls_parse_back_to_themselves() {
             false,
         )
         .unwrap();
-    let mut p = CallParser::new(markers(), vec!["search".into()]);
+    let mut p = CallParser::new(markers(), Some(vec!["search".into()]));
     let events: Vec<ToolEvent> = ids.iter().filter_map(|&id| p.push(tok(), id)).collect();
     assert_eq!(events, vec![call("search", args)]);
 }
@@ -420,7 +421,7 @@ fn malformed_calls_are_reported_with_their_text_and_the_next_call_still_parses()
 
 #[test]
 fn an_end_id_inside_a_call_reports_it_and_text_outside_tools_is_ignored() {
-    let mut p = CallParser::new(markers(), vec![]);
+    let mut p = CallParser::new(markers(), None);
     let mut events = Vec::new();
     for id in tok().encode_with_special(
         "plain <|open|>response<|sep|>text<|close|>response<|sep|><|open|>tools<|sep|>\
@@ -439,4 +440,17 @@ fn an_end_id_inside_a_call_reports_it_and_text_outside_tools_is_ignored() {
     assert!(!p.in_tools());
     // No tools element at all: nothing to report.
     assert!(parse(&[], "just words<|close|>message<|sep|><|end_of_msg|>", true).is_empty());
+    // No tool may be called (none declared, or tool_choice none): a call is reported.
+    let mut p = CallParser::new(markers(), Some(vec![]));
+    let events: Vec<ToolEvent> = tok()
+        .encode_with_special(
+            "<|open|>tools<|sep|><|open|>call tool=\"x\"<|sep|><|close|>call<|sep|>",
+        )
+        .into_iter()
+        .filter_map(|id| p.push(tok(), id))
+        .collect();
+    assert_eq!(
+        malformed(&events)[0].0,
+        MalformedCall::UnknownTool("x".into())
+    );
 }

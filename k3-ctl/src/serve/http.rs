@@ -25,7 +25,7 @@ use futures_util::stream;
 use http_body_util::BodyExt;
 use k3_proto::serve::{ErrorKind, Finish, Sampling, Start, Timings, Usage};
 use k3_proto::wire::{ClientKind, Request as StoreRequest, Response as StoreResponse, StatsReport};
-use k3_worker::chat::{ChatFormat, Markers};
+use k3_worker::chat::{ChatFormat, Markers, Options};
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -36,7 +36,7 @@ use super::api::{self, ApiError, Settings};
 use super::job::{Event, Job, JobError, WorkerSpec};
 use super::metrics::Metrics;
 use super::queue::{Admission, Meta, Place};
-use super::reply::{Delta, ReplyText};
+use super::reply::{CallRules, Delta, ReplyText};
 
 /// What every handler shares.
 #[derive(Debug)]
@@ -350,17 +350,37 @@ async fn generation(
     }
 }
 
+/// Log the top-level fields no schema of the endpoint names (they are ignored).
+fn warn_unknown(body: &[u8], known: &[&str]) {
+    let unknown = api::unknown_fields(body, known);
+    if !unknown.is_empty() {
+        tracing::warn!(
+            "ignoring request fields outside the API: {}",
+            unknown.join(", ")
+        );
+    }
+}
+
 fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let r: api::ChatRequest = parse(body)?;
+    warn_unknown(body, api::OPENAI_CHAT_FIELDS);
     api::check_model(&r.common.model, &st.model_id)?;
     api::check_chat_extras(&r)?;
     let (id, job_id, seed) = fresh("chatcmpl");
     let max = r.max_completion_tokens.or(r.common.max_tokens);
     let settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
     let thinking = api::thinking(&r, st.defaults.effort)?;
+    let tools = api::tool_setup(&r)?;
     let history = api::messages(&r)?;
     let fmt = ChatFormat::new(&st.tok, thinking).map_err(|e| ApiError::internal(e.to_string()))?;
-    let prompt = fmt.render(&history, true);
+    let opts = Options {
+        tools: tools.specs,
+        choice: tools.choice,
+        format: None,
+    };
+    let prompt = fmt
+        .render_with(&history, &opts, true)
+        .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))?;
     api::check_prompt_len(prompt.len())?;
     let reply = ReplyText::chat(
         st.tok.clone(),
@@ -368,7 +388,11 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         thinking.is_some(),
         &settings.stops,
         settings.max_new,
-    );
+    )
+    .with_calls(CallRules {
+        allowed: tools.allowed,
+        parallel: tools.parallel,
+    });
     Ok(Gen {
         kind: Kind::Chat,
         id,
@@ -384,6 +408,7 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
 
 fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let r: api::CompletionRequest = parse(body)?;
+    warn_unknown(body, api::OPENAI_COMPLETION_FIELDS);
     api::check_model(&r.common.model, &st.model_id)?;
     api::check_completion_extras(&r)?;
     let (id, job_id, seed) = fresh("cmpl");
@@ -531,7 +556,7 @@ async fn next_step(
                 let d = g.reply.push(id);
                 place.set_generated(g.reply.generated());
                 // A stop string ends the reply at once: the caller cancels the job.
-                if g.reply.stopped_by_text() {
+                if g.reply.cut_short() {
                     st.metrics.cancel("stop_string");
                 }
                 return Ok(Step::Text(d));
@@ -582,9 +607,8 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
     loop {
         match next_step(&st, &mut g, &mut job, &place).await {
             Ok(Step::Text(d)) => {
-                all.reasoning.push_str(&d.reasoning);
-                all.content.push_str(&d.content);
-                if g.reply.stopped_by_text() {
+                all.add(d);
+                if g.reply.cut_short() {
                     break;
                 }
             }
@@ -610,9 +634,21 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
             if g.reply.thinking() {
                 message["reasoning_content"] = Value::String(all.reasoning);
             }
+            if !all.calls.is_empty() {
+                if all.content.is_empty() {
+                    message["content"] = Value::Null;
+                }
+                message["tool_calls"] =
+                    Value::Array(all.calls.iter().map(|c| g.tool_call(c, false)).collect());
+            }
+            let mut choice =
+                json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish});
+            if !g.reply.malformed().is_empty() {
+                choice["malformed_tool_calls"] = g.malformed_json();
+            }
             json!({
                 "id": g.id, "object": "chat.completion", "created": g.created, "model": g.model,
-                "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+                "choices": [choice],
                 "usage": usage,
             })
         }
@@ -653,6 +689,30 @@ impl Gen {
         api::usage(self.prompt.len(), self.cached, self.reply.generated())
     }
 
+    /// A generated call as OpenAI's `tool_calls` item (`streamed`: with its `index`).
+    fn tool_call(&self, c: &super::reply::CallOut, streamed: bool) -> Value {
+        let mut v = json!({
+            "id": format!("call_{}_{}", self.id, c.index),
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        });
+        if streamed {
+            v["index"] = json!(c.index);
+        }
+        v
+    }
+
+    /// The calls that were reported instead of returned.
+    fn malformed_json(&self) -> Value {
+        Value::Array(
+            self.reply
+                .malformed()
+                .iter()
+                .map(|m| json!({"error": m.error, "text": m.text}))
+                .collect(),
+        )
+    }
+
     fn chunk(&self, d: &Delta, finish: Option<&str>, first: bool) -> Value {
         match self.kind {
             Kind::Chat => {
@@ -665,6 +725,10 @@ impl Gen {
                 }
                 if !d.content.is_empty() || first {
                     delta.insert("content".into(), d.content.clone().into());
+                }
+                if !d.calls.is_empty() {
+                    let calls = d.calls.iter().map(|c| self.tool_call(c, true)).collect();
+                    delta.insert("tool_calls".into(), Value::Array(calls));
                 }
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -755,7 +819,7 @@ async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<
                     }
                     first = false;
                 }
-                if g.reply.stopped_by_text() {
+                if g.reply.cut_short() {
                     drop(job); // the worker is still running: it is cancelled here
                     finish_stream(&g, None, first, tx).await;
                     return;
@@ -784,7 +848,11 @@ async fn finish_stream(
 ) {
     let finish = g.reply.finish().map(|f| f.as_str());
     g.log_done(finish, counts);
-    let mut events = vec![data(&g.chunk(&Delta::default(), finish, first))];
+    let mut last = g.chunk(&Delta::default(), finish, first);
+    if g.kind == Kind::Chat && !g.reply.malformed().is_empty() {
+        last["choices"][0]["malformed_tool_calls"] = g.malformed_json();
+    }
+    let mut events = vec![data(&last)];
     if g.settings.include_usage {
         events.push(data(&g.usage_chunk()));
     }

@@ -540,7 +540,7 @@ struct Building {
 #[derive(Clone, Debug)]
 pub struct CallParser {
     m: Markers,
-    declared: Vec<String>,
+    declared: Option<Vec<String>>,
     level: Level,
     /// After `<|open|>` (true) or `<|close|>` (false): the tag's ids until `<|sep|>`.
     tag: Option<(bool, Vec<u32>)>,
@@ -607,9 +607,9 @@ fn typed_value(key: &str, kind: &str, text: &str) -> Result<Value, MalformedCall
 }
 
 impl CallParser {
-    /// A parser for a reply to a request that declared `declared` (the tool names; empty: any
-    /// name is accepted).
-    pub fn new(m: Markers, declared: Vec<String>) -> CallParser {
+    /// A parser for a reply to a request that allows calls to `declared` (the tool names; `None`:
+    /// any name is accepted; an empty list: every call is reported as not declared).
+    pub fn new(m: Markers, declared: Option<Vec<String>>) -> CallParser {
         CallParser {
             m,
             declared,
@@ -765,7 +765,11 @@ impl CallParser {
                         None,
                     ),
                     Some(tool) => {
-                        if !self.declared.is_empty() && !self.declared.iter().any(|d| d == tool) {
+                        if self
+                            .declared
+                            .as_ref()
+                            .is_some_and(|d| !d.iter().any(|d| d == tool))
+                        {
                             return (Level::Skip(MalformedCall::UnknownTool(tool.into())), None);
                         }
                         self.call = Some(Building {
