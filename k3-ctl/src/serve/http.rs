@@ -1,6 +1,8 @@
 //! Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
-//! `POST /v1/completions`, `GET /health`, `GET /metrics`; anything else is a 404 (405 for a known
-//! path with another method), always in the OpenAI error shape.
+//! `POST /v1/completions`, `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's
+//! Messages API, [`super::anthropic`]), `GET /health`, `GET /metrics`; anything else is a 404
+//! (405 for a known path with another method), in the OpenAI error shape (Anthropic's on its
+//! routes).
 //!
 //! A generation request takes a place in the queue (429 when none is free), waits for a job slot,
 //! then runs one `k3-worker` attached to the store ([`Job`]). A whole answer is sent when the job
@@ -82,6 +84,8 @@ pub fn routes(state: Shared) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(anthropic_messages))
+        .route("/v1/messages/count_tokens", post(anthropic_count))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -305,6 +309,8 @@ fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 enum Kind {
     Chat,
     Completion,
+    /// Anthropic's Messages API.
+    Messages,
 }
 
 /// One validated generation.
@@ -319,10 +325,97 @@ struct Gen {
     reply: ReplyText,
     /// Prompt ids a kept session held (the worker's count).
     cached: usize,
+    /// A streamed Messages reply's content blocks.
+    blocks: super::anthropic::BlockStream,
 }
 
 async fn chat(State(st): State<Shared>, Extension(ctx): Extension<Ctx>, req: Request) -> Response {
     generation(st, ctx, req, prepare_chat).await
+}
+
+async fn anthropic_messages(
+    State(st): State<Shared>,
+    Extension(ctx): Extension<Ctx>,
+    req: Request,
+) -> Response {
+    super::anthropic::reshape(generation(st, ctx, req, prepare_messages).await).await
+}
+
+async fn anthropic_count(
+    State(st): State<Shared>,
+    Extension(ctx): Extension<Ctx>,
+    req: Request,
+) -> Response {
+    let r = match read_body(&st, &ctx, req.into_body()).await {
+        Ok(body) => count_tokens(&st, &body),
+        Err(e) => Err(e),
+    };
+    match r {
+        Ok(n) => Json(json!({"input_tokens": n})).into_response(),
+        Err(e) => super::anthropic::error_response(e),
+    }
+}
+
+/// A Messages request's prompt and its reply settings.
+fn render_messages(
+    st: &AppState,
+    body: &[u8],
+    seed: u64,
+    count_only: bool,
+) -> Result<(Vec<u32>, Settings, super::anthropic::Prepared), ApiError> {
+    let r: super::anthropic::MessagesRequest = parse(body)?;
+    warn_unknown(body, super::anthropic::ANTHROPIC_FIELDS);
+    let model = r.model.clone();
+    if model.is_none() {
+        return Err(ApiError::bad(Some("model"), "model: Field required"));
+    }
+    api::check_model(&model, &st.model_id)?;
+    let settings = super::anthropic::settings(&r, seed, count_only)?;
+    let p = super::anthropic::prepare(&r)?;
+    let fmt =
+        ChatFormat::new(&st.tok, p.thinking).map_err(|e| ApiError::internal(e.to_string()))?;
+    let opts = Options {
+        tools: p.tools.clone(),
+        choice: p.choice,
+        format: None,
+    };
+    let prompt = fmt
+        .render_with(&p.history, &opts, true)
+        .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))?;
+    api::check_prompt_len(prompt.len())?;
+    Ok((prompt, settings, p))
+}
+
+fn count_tokens(st: &AppState, body: &[u8]) -> Result<usize, ApiError> {
+    render_messages(st, body, 0, true).map(|(prompt, _, _)| prompt.len())
+}
+
+fn prepare_messages(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
+    let (id, job_id, seed) = fresh("msg");
+    let (prompt, settings, p) = render_messages(st, body, seed, false)?;
+    let reply = ReplyText::chat(
+        st.tok.clone(),
+        st.markers,
+        p.thinking.is_some(),
+        &settings.stops,
+        settings.max_new,
+    )
+    .with_calls(CallRules {
+        allowed: p.allowed,
+        parallel: p.parallel,
+    });
+    Ok(Gen {
+        kind: Kind::Messages,
+        id,
+        job_id,
+        created: unix_now(),
+        model: st.model_id.clone(),
+        prompt,
+        settings,
+        reply,
+        cached: 0,
+        blocks: Default::default(),
+    })
 }
 
 async fn completions(
@@ -403,6 +496,7 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         settings,
         reply,
         cached: 0,
+        blocks: Default::default(),
     })
 }
 
@@ -435,6 +529,7 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         settings,
         reply,
         cached: 0,
+        blocks: Default::default(),
     })
 }
 
@@ -657,6 +752,13 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
             "choices": [{"index": 0, "text": all.content, "logprobs": null, "finish_reason": finish}],
             "usage": usage,
         }),
+        Kind::Messages => json!({
+            "id": g.id, "type": "message", "role": "assistant", "model": g.model,
+            "content": super::anthropic::content_blocks(&g.id, g.reply.thinking(), &all),
+            "stop_reason": super::anthropic::stop_reason(g.reply.finish()),
+            "stop_sequence": g.reply.stop_sequence(),
+            "usage": super::anthropic::usage(g.prompt.len(), g.cached, g.reply.generated()),
+        }),
     };
     Json(body).into_response()
 }
@@ -736,7 +838,7 @@ impl Gen {
                     "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
                 })
             }
-            Kind::Completion => json!({
+            Kind::Completion | Kind::Messages => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "text": d.content, "logprobs": null, "finish_reason": finish}],
@@ -744,10 +846,52 @@ impl Gen {
         }
     }
 
+    /// The stream events of one delta.
+    fn events(&mut self, d: &Delta, first: bool) -> Vec<SseEvent> {
+        if self.kind == Kind::Messages {
+            let id = self.id.clone();
+            return named(self.blocks.events(&id, d));
+        }
+        if !d.is_empty() || (first && self.kind == Kind::Chat) {
+            vec![data(&self.chunk(d, None, first))]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// A Messages stream's opening: `message_start` and a `ping`.
+    fn opening(&self) -> Vec<SseEvent> {
+        if self.kind != Kind::Messages {
+            return Vec::new();
+        }
+        let usage = super::anthropic::usage(self.prompt.len(), 0, 0);
+        named(vec![
+            (
+                "message_start",
+                json!({"type": "message_start", "message": {
+                    "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                    "content": [], "stop_reason": null, "stop_sequence": null, "usage": usage,
+                }}),
+            ),
+            ("ping", json!({"type": "ping"})),
+        ])
+    }
+
+    /// A failure as the stream's last events.
+    fn error_events(&self, e: &ApiError) -> Vec<SseEvent> {
+        if self.kind == Kind::Messages {
+            return named(vec![(
+                "error",
+                super::anthropic::error_body(e.status, &e.message),
+            )]);
+        }
+        vec![data(&e.body()), SseEvent::default().data("[DONE]")]
+    }
+
     fn usage_chunk(&self) -> Value {
         let object = match self.kind {
             Kind::Chat => "chat.completion.chunk",
-            Kind::Completion => "text_completion",
+            Kind::Completion | Kind::Messages => "text_completion",
         };
         json!({
             "id": self.id, "object": object, "created": self.created, "model": self.model,
@@ -758,6 +902,24 @@ impl Gen {
 
 fn data(v: &Value) -> SseEvent {
     SseEvent::default().data(v.to_string())
+}
+
+/// Named events (`event: NAME`).
+fn named(events: Vec<(&'static str, Value)>) -> Vec<SseEvent> {
+    events
+        .into_iter()
+        .map(|(name, v)| SseEvent::default().event(name).data(v.to_string()))
+        .collect()
+}
+
+/// Send events in order; `false` when the client is gone.
+async fn send_all(tx: &mpsc::Sender<SseEvent>, events: Vec<SseEvent>) -> bool {
+    for e in events {
+        if !send(tx, e).await {
+            return false;
+        }
+    }
+    true
 }
 
 /// Send one event to the client's stream; `false` when it is gone or did not take the event
@@ -804,36 +966,38 @@ async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<
         Ok(j) => j,
         Err(e) => {
             tracing::warn!("{} failed before its first id: {}", g.id, e.message);
-            let _ = send(tx, data(&e.body())).await;
-            let _ = send(tx, SseEvent::default().data("[DONE]")).await;
+            let _ = send_all(tx, g.error_events(&e)).await;
             return;
         }
     };
+    if !send_all(tx, g.opening()).await {
+        return;
+    }
     let mut first = true;
     loop {
         match next_step(&st, &mut g, &mut job, &place).await {
             Ok(Step::Text(d)) => {
-                if !d.is_empty() || (first && g.kind == Kind::Chat) {
-                    if !send(tx, data(&g.chunk(&d, None, first))).await {
+                let events = g.events(&d, first);
+                if !events.is_empty() {
+                    if !send_all(tx, events).await {
                         return;
                     }
                     first = false;
                 }
                 if g.reply.cut_short() {
                     drop(job); // the worker is still running: it is cancelled here
-                    finish_stream(&g, None, first, tx).await;
+                    finish_stream(&mut g, None, first, tx).await;
                     return;
                 }
             }
             Ok(Step::End(counts)) => {
                 drop(job);
-                finish_stream(&g, counts.as_ref(), first, tx).await;
+                finish_stream(&mut g, counts.as_ref(), first, tx).await;
                 return;
             }
             Err(e) => {
                 tracing::warn!("{} failed mid-stream: {}", g.id, e.message);
-                let _ = send(tx, data(&e.body())).await;
-                let _ = send(tx, SseEvent::default().data("[DONE]")).await;
+                let _ = send_all(tx, g.error_events(&e)).await;
                 return;
             }
         }
@@ -841,13 +1005,21 @@ async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<
 }
 
 async fn finish_stream(
-    g: &Gen,
+    g: &mut Gen,
     counts: Option<&(Usage, Timings)>,
     first: bool,
     tx: &mpsc::Sender<SseEvent>,
 ) {
     let finish = g.reply.finish().map(|f| f.as_str());
     g.log_done(finish, counts);
+    if g.kind == Kind::Messages {
+        let usage = super::anthropic::usage(g.prompt.len(), g.cached, g.reply.generated());
+        let reason = super::anthropic::stop_reason(g.reply.finish());
+        let stop = g.reply.stop_sequence().map(str::to_string);
+        let events = g.blocks.finish(reason, stop.as_deref(), usage);
+        send_all(tx, named(events)).await;
+        return;
+    }
     let mut last = g.chunk(&Delta::default(), finish, first);
     if g.kind == Kind::Chat && !g.reply.malformed().is_empty() {
         last["choices"][0]["malformed_tool_calls"] = g.malformed_json();
@@ -857,11 +1029,7 @@ async fn finish_stream(
         events.push(data(&g.usage_chunk()));
     }
     events.push(SseEvent::default().data("[DONE]"));
-    for e in events {
-        if !send(tx, e).await {
-            return;
-        }
-    }
+    send_all(tx, events).await;
 }
 
 /// The streamed response: its events come from a task that runs the request; when the client

@@ -207,6 +207,11 @@ impl ReplyText {
         self.stop.stopped() || self.cut
     }
 
+    /// The stop string that ended the reply.
+    pub fn stop_sequence(&self) -> Option<&str> {
+        self.stop.matched()
+    }
+
     /// Tool calls that were reported instead of returned (see the module doc).
     pub fn malformed(&self) -> &[MalformedOut] {
         &self.malformed
