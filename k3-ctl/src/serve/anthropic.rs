@@ -7,10 +7,11 @@
 //! `tools` (custom tools: `name`, `description`, `input_schema`), `tool_choice` `auto`/`none`
 //! (with `disable_parallel_tool_use`), `thinking` (`enabled` with `budget_tokens`, or
 //! `disabled`; the default is off, as Anthropic's), `metadata`, `service_tier` `auto` and
-//! `standard_only`. Refused with 400 naming the field: `top_k` (k3 samples by temperature and
-//! nucleus only), `tool_choice` `any`/`tool` (they need the engine's token mask),
-//! `container`, `mcp_servers`, `context_management`, server tools, image and document blocks,
-//! `redacted_thinking`.
+//! `standard_only`, and as they come `cache_control`, `inference_geo`, `user_profile_id`,
+//! `workspace_id`. Refused with 400 naming the field: `top_k` (k3 samples by temperature and
+//! nucleus only), `tool_choice` `any`/`tool` and `output_config` (they need the engine's token
+//! mask), `container`, `mcp_servers`, `context_management`, `diagnostics`, `speed`, server tools,
+//! image and document blocks, `redacted_thinking`.
 //!
 //! `thinking.budget_tokens` is not enforced yet (the engine closes no channel on its own): it
 //! chooses the thinking effort of the prompt (below 4,096 `low`, below 16,384 `high`, else
@@ -31,16 +32,25 @@ use serde_json::{json, Value};
 use super::api::{ApiError, Settings, ToolSetup, MAX_GEN, MAX_STOPS};
 use super::reply::{CallOut, Delta, Finish};
 
-/// Every field of Anthropic's Messages request (API reference, `POST /v1/messages`).
+/// Every field of Anthropic's Messages request: the `anthropic` SDK 2.17's `messages.create`
+/// parameters, and the sampling and beta fields of earlier versions that clients still send.
+/// `cache_control`, `inference_geo`, `metadata`, `user_profile_id` and `workspace_id` are
+/// accepted as they come (caching hints and identifiers: k3 keeps sessions by prompt prefix on
+/// its own and runs where it is).
 pub const ANTHROPIC_FIELDS: &[&str] = &[
     "model",
     "messages",
     "max_tokens",
+    "cache_control",
     "container",
     "context_management",
+    "diagnostics",
+    "inference_geo",
     "mcp_servers",
     "metadata",
+    "output_config",
     "service_tier",
+    "speed",
     "stop_sequences",
     "stream",
     "system",
@@ -50,6 +60,8 @@ pub const ANTHROPIC_FIELDS: &[&str] = &[
     "tools",
     "top_k",
     "top_p",
+    "user_profile_id",
+    "workspace_id",
 ];
 
 /// A text block (of `system`, or of a tool result).
@@ -182,6 +194,12 @@ pub struct MessagesRequest {
     pub mcp_servers: Option<Value>,
     /// Refused.
     pub context_management: Option<Value>,
+    /// Refused.
+    pub diagnostics: Option<Value>,
+    /// Output effort and format (refused: JSON output needs constrained decoding).
+    pub output_config: Option<Value>,
+    /// Refused.
+    pub speed: Option<Value>,
 }
 
 /// A validated request: what the chat renderer and the reply need.
@@ -239,6 +257,9 @@ fn check_fields(r: &MessagesRequest) -> Result<(), ApiError> {
         ("container", &r.container),
         ("mcp_servers", &r.mcp_servers),
         ("context_management", &r.context_management),
+        ("diagnostics", &r.diagnostics),
+        ("output_config", &r.output_config),
+        ("speed", &r.speed),
     ] {
         if given(v) {
             return Err(bad(field, format!("{field} is not supported")));
@@ -772,15 +793,24 @@ mod tests {
                 true,
             ),
             ("max_tokens", json!(8), true),
+            ("cache_control", json!({"type": "ephemeral"}), true),
             ("container", json!("c"), false),
             ("context_management", json!({"edits": []}), false),
+            ("diagnostics", json!({}), false),
+            ("inference_geo", json!("us"), true),
             (
                 "mcp_servers",
                 json!([{"type": "url", "url": "http://x", "name": "x"}]),
                 false,
             ),
             ("metadata", json!({"user_id": "u"}), true),
+            (
+                "output_config",
+                json!({"format": {"type": "json_schema"}}),
+                false,
+            ),
             ("service_tier", json!("priority"), false),
+            ("speed", json!("fast"), false),
             ("stop_sequences", json!(["\n\n"]), true),
             ("stream", json!(true), true),
             (
@@ -798,6 +828,8 @@ mod tests {
             ("tools", tools.clone(), true),
             ("top_k", json!(40), false),
             ("top_p", json!(0.9), true),
+            ("user_profile_id", json!("p"), true),
+            ("workspace_id", json!("w"), true),
         ];
         let listed: Vec<&str> = table.iter().map(|t| t.0).collect();
         assert_eq!(listed, ANTHROPIC_FIELDS);
