@@ -30,6 +30,7 @@ use std::sync::Arc;
 use crate::generate::{self, positions_needed, Flow, GenOptions, Sampler, END_IDS};
 use crate::model::{Model, ModelError};
 use crate::text::tools::{self, ChoiceNote, FormatNote, Piece, RenderError, ToolCall, ToolSpec};
+pub use crate::text::tools::{escape_attr, Markers};
 use crate::tokenizer::Tokenizer;
 
 /// What a request adds around its history (SPEC.md §5.5 "Tools").
@@ -97,11 +98,6 @@ pub fn effort_body(effort: Effort) -> String {
          system is invoked with `thinking_effort={}`.",
         effort.as_str()
     )
-}
-
-/// Escape an attribute value: `&` → `&amp;`, `"` → `&quot;`.
-pub fn escape_attr(v: &str) -> String {
-    v.replace('&', "&amp;").replace('"', "&quot;")
 }
 
 /// The text between `<|open|>` and `<|sep|>`: `NAME k1="v1" k2="v2"` with escaped values (as
@@ -235,19 +231,6 @@ impl Message {
             name: None,
         }
     }
-}
-
-/// The four structural control ids.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Markers {
-    /// `<|open|>`.
-    pub open: u32,
-    /// `<|close|>`.
-    pub close: u32,
-    /// `<|sep|>`.
-    pub sep: u32,
-    /// `<|end_of_msg|>`.
-    pub end_of_msg: u32,
 }
 
 impl Markers {

@@ -449,9 +449,9 @@ fn history(r: &MessagesRequest) -> Result<Vec<Message>, ApiError> {
             MessageContent::Blocks(b) => b.iter().map(clone_block).collect(),
         };
         match m.role.as_str() {
-            "user" => out.extend(user_turn(&blocks, &calls).map_err(err)?),
+            "user" => out.extend(user_turn(k, &blocks, &calls)?),
             "assistant" => {
-                let (msg, c) = assistant_turn(&blocks).map_err(err)?;
+                let (msg, c) = assistant_turn(k, &blocks)?;
                 calls = c;
                 out.push(msg);
             }
@@ -485,7 +485,12 @@ fn clone_block(b: &Block) -> Block {
 }
 
 /// A user turn: its tool results (in the order of the calls they answer), then its text.
-fn user_turn(blocks: &[Block], calls: &[(String, String)]) -> Result<Vec<Message>, String> {
+fn user_turn(
+    k: usize,
+    blocks: &[Block],
+    calls: &[(String, String)],
+) -> Result<Vec<Message>, ApiError> {
+    let err = |m: String| bad("messages", format!("messages[{k}]: {m}"));
     let mut results: Vec<(usize, Message)> = Vec::new();
     let mut text = String::new();
     for b in blocks {
@@ -494,20 +499,20 @@ fn user_turn(blocks: &[Block], calls: &[(String, String)]) -> Result<Vec<Message
             "tool_result" => {
                 let id = b.tool_use_id.as_deref().unwrap_or_default();
                 let Some(pos) = calls.iter().position(|c| c.0 == id) else {
-                    return Err(format!(
+                    return Err(err(format!(
                         "tool_result {id:?} answers no tool_use of the assistant message before it"
-                    ));
+                    )));
                 };
                 let content = match &b.content {
                     None => String::new(),
-                    Some(t) => texts("messages", t).map_err(|e| e.message)?,
+                    Some(t) => texts("messages", t)?,
                 };
                 results.push((pos, Message::tool(calls[pos].1.clone(), content)));
             }
             other => {
-                return Err(format!(
+                return Err(err(format!(
                     "{other:?} blocks are not supported in a user message"
-                ))
+                )))
             }
         }
     }
@@ -520,7 +525,11 @@ fn user_turn(blocks: &[Block], calls: &[(String, String)]) -> Result<Vec<Message
 }
 
 /// An assistant turn: thinking, text and tool calls; and its call ids with names.
-fn assistant_turn(blocks: &[Block]) -> Result<(Message, Vec<(String, String)>), String> {
+fn assistant_turn(
+    k: usize,
+    blocks: &[Block],
+) -> Result<(Message, Vec<(String, String)>), ApiError> {
+    let err = |m: &str| bad("messages", format!("messages[{k}]: {m}"));
     let mut text = String::new();
     let mut reasoning: Option<String> = None;
     let mut tc = Vec::new();
@@ -536,19 +545,19 @@ fn assistant_turn(blocks: &[Block]) -> Result<(Message, Vec<(String, String)>), 
                     .name
                     .clone()
                     .filter(|n| !n.is_empty())
-                    .ok_or("a tool_use has no name")?;
+                    .ok_or_else(|| err("a tool_use has no name"))?;
                 let arguments = match &b.input {
                     None | Some(Value::Null) => Arguments::Object(serde_json::Map::new()),
                     Some(Value::Object(m)) => Arguments::Object(m.clone()),
-                    Some(_) => return Err("a tool_use input must be an object".into()),
+                    Some(_) => return Err(err("a tool_use input must be an object")),
                 };
                 ids.push((b.id.clone().unwrap_or_default(), name.clone()));
                 tc.push(ToolCall { name, arguments });
             }
             other => {
-                return Err(format!(
+                return Err(err(&format!(
                     "{other:?} blocks are not supported in an assistant message"
-                ))
+                )))
             }
         }
     }

@@ -24,7 +24,6 @@
 
 use serde_json::{Map, Value};
 
-use crate::chat::Markers;
 use crate::generate::END_IDS;
 use crate::tokenizer::Tokenizer;
 
@@ -48,12 +47,12 @@ pub fn flat(pieces: &[Piece]) -> String {
     for p in pieces {
         match p {
             Piece::Open(tag, attrs) => {
-                let attrs: Vec<(&str, &str)> =
-                    attrs.iter().map(|(k, v)| (*k, v.as_str())).collect();
-                s.push_str(&format!(
-                    "<|open|>{}<|sep|>",
-                    crate::chat::tag_text(tag, &attrs)
-                ));
+                s.push_str("<|open|>");
+                s.push_str(tag);
+                for (k, v) in attrs {
+                    s.push_str(&format!(" {k}=\"{}\"", escape_attr(v)));
+                }
+                s.push_str("<|sep|>");
             }
             Piece::Close(tag) => s.push_str(&format!("<|close|>{tag}<|sep|>")),
             Piece::Text(t) => s.push_str(t),
@@ -61,6 +60,24 @@ pub fn flat(pieces: &[Piece]) -> String {
         }
     }
     s
+}
+
+/// Escape an attribute value: `&` → `&amp;`, then `"` → `&quot;`.
+pub fn escape_attr(v: &str) -> String {
+    v.replace('&', "&amp;").replace('"', "&quot;")
+}
+
+/// The four structural control ids (looked up in the tokenizer by the chat renderer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Markers {
+    /// `<|open|>`.
+    pub open: u32,
+    /// `<|close|>`.
+    pub close: u32,
+    /// `<|sep|>`.
+    pub sep: u32,
+    /// `<|end_of_msg|>`.
+    pub end_of_msg: u32,
 }
 
 // ---- JSON as Python's `json.dumps(…, ensure_ascii=False)` writes it --------------------------
