@@ -12,6 +12,9 @@ use k3_worker::text::tools::{CallParser, ToolEvent, ToolSpec};
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
+mod common;
+use common::Rng;
+
 fn tok() -> Arc<Tokenizer> {
     static TOK: OnceLock<Arc<Tokenizer>> = OnceLock::new();
     TOK.get_or_init(|| {
@@ -26,20 +29,9 @@ fn vocab() -> &'static Vocab {
     V.get_or_init(|| Vocab::new(tok()).expect("the vocabulary builds"))
 }
 
-/// splitmix64: a seeded stream of numbers (no sampler of the engine's).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
+/// A number below `n` from the seeded stream.
+fn below(rng: &mut Rng, n: usize) -> usize {
+    (rng.next_u64() % n as u64) as usize
 }
 
 /// A random pick among the allowed ids; three times in four among the "closing" ones (special
@@ -47,7 +39,7 @@ impl Rng {
 fn pick(rng: &mut Rng, mask: &TokenMask) -> u32 {
     let allowed = mask.allowed();
     assert!(!allowed.is_empty(), "the mask allows nothing");
-    if rng.below(4) != 0 {
+    if below(rng, 4) != 0 {
         let t = tok();
         let closing: Vec<u32> = allowed
             .iter()
@@ -59,10 +51,10 @@ fn pick(rng: &mut Rng, mask: &TokenMask) -> u32 {
             })
             .collect();
         if !closing.is_empty() {
-            return closing[rng.below(closing.len())];
+            return closing[below(rng, closing.len())];
         }
     }
-    allowed[rng.below(allowed.len())]
+    allowed[below(rng, allowed.len())]
 }
 
 /// Draw a reply under `spec` (the masks computed ahead, as the runner will); returns its ids.

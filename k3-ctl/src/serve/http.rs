@@ -393,29 +393,19 @@ fn count_tokens(st: &AppState, body: &[u8]) -> Result<usize, ApiError> {
 fn prepare_messages(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let (id, job_id, seed) = fresh("msg");
     let (prompt, settings, p) = render_messages(st, body, seed, false)?;
-    let reply = ReplyText::chat(
-        st.tok.clone(),
-        st.markers,
-        p.thinking.is_some(),
-        &settings.stops,
-        settings.max_new,
-    )
-    .with_calls(CallRules {
+    let rules = CallRules {
         allowed: p.allowed,
         parallel: p.parallel,
-    });
-    Ok(Gen {
-        kind: Kind::Messages,
-        id,
-        job_id,
-        created: unix_now(),
-        model: st.model_id.clone(),
+    };
+    Ok(Gen::chat(
+        st,
+        Kind::Messages,
+        (id, job_id),
         prompt,
         settings,
-        reply,
-        cached: 0,
-        blocks: Default::default(),
-    })
+        p.thinking.is_some(),
+        rules,
+    ))
 }
 
 async fn completions(
@@ -475,29 +465,19 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         .render_with(&history, &opts, true)
         .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))?;
     api::check_prompt_len(prompt.len())?;
-    let reply = ReplyText::chat(
-        st.tok.clone(),
-        st.markers,
-        thinking.is_some(),
-        &settings.stops,
-        settings.max_new,
-    )
-    .with_calls(CallRules {
+    let rules = CallRules {
         allowed: tools.allowed,
         parallel: tools.parallel,
-    });
-    Ok(Gen {
-        kind: Kind::Chat,
-        id,
-        job_id,
-        created: unix_now(),
-        model: st.model_id.clone(),
+    };
+    Ok(Gen::chat(
+        st,
+        Kind::Chat,
+        (id, job_id),
         prompt,
         settings,
-        reply,
-        cached: 0,
-        blocks: Default::default(),
-    })
+        thinking.is_some(),
+        rules,
+    ))
 }
 
 fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
@@ -764,6 +744,39 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
 }
 
 impl Gen {
+    /// A chat-shaped job (OpenAI chat or Anthropic Messages): the reply starts after the
+    /// generation prompt (`thinking`: inside the think channel) and reads tool calls by `rules`.
+    fn chat(
+        st: &AppState,
+        kind: Kind,
+        (id, job_id): (String, u64),
+        prompt: Vec<u32>,
+        settings: Settings,
+        thinking: bool,
+        rules: CallRules,
+    ) -> Gen {
+        let reply = ReplyText::chat(
+            st.tok.clone(),
+            st.markers,
+            thinking,
+            &settings.stops,
+            settings.max_new,
+        )
+        .with_calls(rules);
+        Gen {
+            kind,
+            id,
+            job_id,
+            created: unix_now(),
+            model: st.model_id.clone(),
+            prompt,
+            settings,
+            reply,
+            cached: 0,
+            blocks: Default::default(),
+        }
+    }
+
     fn log_done(&self, finish: Option<&str>, counts: Option<&(Usage, Timings)>) {
         let timing = counts.map_or(String::new(), |(u, t)| {
             let decoded = u.generated.saturating_sub(1);
