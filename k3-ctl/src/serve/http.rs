@@ -499,18 +499,14 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     };
     api::check_prompt_len(prompt.len())?;
     let reply = ReplyText::completion(st.tok.clone(), &settings.stops, settings.max_new);
-    Ok(Gen {
-        kind: Kind::Completion,
-        id,
-        job_id,
-        created: unix_now(),
-        model: st.model_id.clone(),
+    Ok(Gen::new(
+        st,
+        Kind::Completion,
+        (id, job_id),
         prompt,
         settings,
         reply,
-        cached: 0,
-        blocks: Default::default(),
-    })
+    ))
 }
 
 /// A worker failure as an HTTP error.
@@ -749,7 +745,7 @@ impl Gen {
     fn chat(
         st: &AppState,
         kind: Kind,
-        (id, job_id): (String, u64),
+        ids: (String, u64),
         prompt: Vec<u32>,
         settings: Settings,
         thinking: bool,
@@ -763,6 +759,17 @@ impl Gen {
             settings.max_new,
         )
         .with_calls(rules);
+        Gen::new(st, kind, ids, prompt, settings, reply)
+    }
+
+    fn new(
+        st: &AppState,
+        kind: Kind,
+        (id, job_id): (String, u64),
+        prompt: Vec<u32>,
+        settings: Settings,
+        reply: ReplyText,
+    ) -> Gen {
         Gen {
             kind,
             id,
