@@ -4,8 +4,10 @@
 //! * [`ChatFormat`] renders a conversation to ids: the four structural markers (`<|open|>`,
 //!   `<|close|>`, `<|sep|>`, `<|end_of_msg|>`) are control ids looked up in the tokenizer;
 //!   everything else (tag names, attributes, contents) is ordinary text encoded with specials
-//!   disabled, so a user-typed `<|open|>` stays bytes. Attribute values are escaped. Text between
-//!   two markers is one segment: BPE merges run within it, never across a marker.
+//!   disabled, so a user-typed `<|open|>` stays bytes. Attribute values are escaped. A tag's name
+//!   and each attribute's ` key`, `="`, value and `"` are encoded separately, as the release
+//!   does; contents are one segment each. BPE merges never run across a segment.
+//!   Tool declarations, calls and results are rendered by [`crate::text::tools`].
 //! * [`ReplyParser`] splits the model's reply at the markers into the think and response
 //!   channels, and stops on `[EOS]` (163585) or `<|end_of_msg|>` (163586) (SPEC.md I34).
 //! * [`Session`] runs turns. The [`SeqState`] persists: a turn prefills only the ids after those
@@ -27,7 +29,20 @@ use std::sync::Arc;
 
 use crate::generate::{self, positions_needed, Flow, GenOptions, Sampler, END_IDS};
 use crate::model::{Model, ModelError};
+use crate::text::tools::{self, ChoiceNote, FormatNote, Piece, RenderError, ToolCall, ToolSpec};
+pub use crate::text::tools::{escape_attr, Markers};
 use crate::tokenizer::Tokenizer;
+
+/// What a request adds around its history (SPEC.md §5.5 "Tools").
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Declared tools (a `tool-declare` system message before everything else).
+    pub tools: Vec<ToolSpec>,
+    /// `tool_choice` `required`/`none` (a `tool-choice` note after the history).
+    pub choice: Option<ChoiceNote>,
+    /// `response_format` (a `response-format` note after the history).
+    pub format: Option<FormatNote>,
+}
 
 /// How much the model is asked to think (thinking on).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,12 +100,8 @@ pub fn effort_body(effort: Effort) -> String {
     )
 }
 
-/// Escape an attribute value: `&` → `&amp;`, `"` → `&quot;`.
-pub fn escape_attr(v: &str) -> String {
-    v.replace('&', "&amp;").replace('"', "&quot;")
-}
-
-/// The text between `<|open|>` and `<|sep|>`: `NAME k1="v1" k2="v2"` with escaped values.
+/// The text between `<|open|>` and `<|sep|>`: `NAME k1="v1" k2="v2"` with escaped values (as
+/// one string; the renderer encodes its parts separately).
 pub fn tag_text(name: &str, attrs: &[(&str, &str)]) -> String {
     let mut s = name.to_string();
     for (k, v) in attrs {
@@ -109,6 +120,8 @@ pub enum Role {
     User,
     /// `assistant`.
     Assistant,
+    /// `tool`: a tool's result ([`Message::tool`] names the tool).
+    Tool,
 }
 
 impl Role {
@@ -118,6 +131,7 @@ impl Role {
             Role::System => "system",
             Role::User => "user",
             Role::Assistant => "assistant",
+            Role::Tool => "tool",
         }
     }
 }
@@ -132,7 +146,7 @@ pub struct ReplyIds {
 }
 
 /// One message of a conversation (kept sessions carry the history as JSON of this shape).
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Message {
     /// Author.
     pub role: Role,
@@ -143,6 +157,15 @@ pub struct Message {
     /// For a reply the model produced: its own ids for the channel contents, rendered instead of
     /// re-encoding `content`/`reasoning` (they decode to the same bytes).
     pub ids: Option<ReplyIds>,
+    /// An assistant's tool calls (its `tools` element, SPEC.md §5.5).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool result's tool name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    /// The author's name (a `name` attribute after `role`; not on tool results).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl Message {
@@ -161,12 +184,35 @@ impl Message {
         Message::text(Role::Assistant, content.into(), reasoning)
     }
 
+    /// An assistant message with tool calls.
+    pub fn assistant_calls(
+        content: impl Into<String>,
+        reasoning: Option<String>,
+        tool_calls: Vec<ToolCall>,
+    ) -> Message {
+        Message {
+            tool_calls,
+            ..Message::text(Role::Assistant, content.into(), reasoning)
+        }
+    }
+
+    /// A tool's result.
+    pub fn tool(tool: impl Into<String>, content: impl Into<String>) -> Message {
+        Message {
+            tool: Some(tool.into()),
+            ..Message::text(Role::Tool, content.into(), None)
+        }
+    }
+
     fn text(role: Role, content: String, reasoning: Option<String>) -> Message {
         Message {
             role,
             content,
             reasoning,
             ids: None,
+            tool_calls: Vec::new(),
+            tool: None,
+            name: None,
         }
     }
 
@@ -180,21 +226,11 @@ impl Message {
                 think: r.think_ids.clone(),
                 response: r.response_ids.clone(),
             }),
+            tool_calls: Vec::new(),
+            tool: None,
+            name: None,
         }
     }
-}
-
-/// The four structural control ids.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Markers {
-    /// `<|open|>`.
-    pub open: u32,
-    /// `<|close|>`.
-    pub close: u32,
-    /// `<|sep|>`.
-    pub sep: u32,
-    /// `<|end_of_msg|>`.
-    pub end_of_msg: u32,
 }
 
 impl Markers {
@@ -233,6 +269,13 @@ impl Emitter<'_> {
 
     fn text(&mut self, s: &str) {
         self.text.push_str(s);
+    }
+
+    /// `s` encoded on its own, never merged with the text around it.
+    fn segment(&mut self, s: &str) {
+        self.flush();
+        self.text.push_str(s);
+        self.flush();
     }
 
     fn ids(&mut self, ids: &[u32]) {
@@ -282,11 +325,34 @@ impl<'t> ChatFormat<'t> {
         }
     }
 
-    /// `<|open|>NAME k="v"…<|sep|>` (values escaped).
+    /// `<|open|>NAME k="v"…<|sep|>` (values escaped). The name, and each attribute's ` k`,
+    /// `="`, value and `"`, are encoded as separate segments, as the release does.
     fn open(&self, e: &mut Emitter<'_>, name: &str, attrs: &[(&str, &str)]) {
         e.mark(self.markers.open);
-        e.text(&tag_text(name, attrs));
+        e.segment(name);
+        for (k, v) in attrs {
+            e.segment(&format!(" {k}"));
+            e.segment("=\"");
+            e.segment(&escape_attr(v));
+            e.segment("\"");
+        }
         e.mark(self.markers.sep);
+    }
+
+    /// Rendered [`Piece`]s (SPEC.md §5.5 "Tools").
+    fn pieces(&self, e: &mut Emitter<'_>, pieces: &[Piece]) {
+        for p in pieces {
+            match p {
+                Piece::Open(tag, attrs) => {
+                    let attrs: Vec<(&str, &str)> =
+                        attrs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                    self.open(e, tag, &attrs);
+                }
+                Piece::Close(tag) => self.close(e, tag),
+                Piece::Text(t) => e.segment(t),
+                Piece::EndOfMsg => e.mark(self.markers.end_of_msg),
+            }
+        }
     }
 
     /// `<|close|>NAME<|sep|>`.
@@ -306,10 +372,28 @@ impl<'t> ChatFormat<'t> {
         self.close(e, name);
     }
 
-    fn message(&self, e: &mut Emitter<'_>, m: &Message) {
-        self.open(e, "message", &[("role", m.role.as_str())]);
+    fn message(
+        &self,
+        e: &mut Emitter<'_>,
+        m: &Message,
+        tool_index: usize,
+    ) -> Result<(), RenderError> {
+        if m.role == Role::Tool {
+            let name = m.tool.as_deref().unwrap_or_default();
+            if name.is_empty() {
+                return Err(RenderError::EmptyName);
+            }
+            self.pieces(e, &tools::result(name, tool_index, &m.content));
+            return Ok(());
+        }
+        match &m.name {
+            Some(name) if !name.is_empty() => {
+                self.open(e, "message", &[("role", m.role.as_str()), ("name", name)]);
+            }
+            _ => self.open(e, "message", &[("role", m.role.as_str())]),
+        }
         match m.role {
-            Role::System | Role::User => e.text(&m.content),
+            Role::System | Role::User | Role::Tool => e.text(&m.content),
             Role::Assistant => {
                 if self.thinking.is_some() {
                     let ids = m.ids.as_ref().map(|r| r.think.as_slice());
@@ -318,16 +402,33 @@ impl<'t> ChatFormat<'t> {
                 }
                 let ids = m.ids.as_ref().map(|r| r.response.as_slice());
                 self.channel(e, "response", ids, &m.content);
+                self.pieces(e, &tools::calls(&m.tool_calls)?);
             }
         }
         self.close(e, "message");
         e.mark(self.markers.end_of_msg);
+        Ok(())
     }
 
     /// The ids of a conversation: the effort system message (thinking on), every message, and
     /// with `generation_prompt` the opening of the assistant's reply.
     pub fn render(&self, history: &[Message], generation_prompt: bool) -> Vec<u32> {
+        // Without tool messages or options nothing can be refused.
+        self.render_with(history, &Options::default(), generation_prompt)
+            .unwrap_or_default()
+    }
+
+    /// [`ChatFormat::render`] with a request's tools and options: the `tool-declare` message
+    /// first, the `tool-choice`/`response-format` notes after the history (SPEC.md §5.5).
+    /// Refused: a tool call or tool result without a name.
+    pub fn render_with(
+        &self,
+        history: &[Message],
+        opts: &Options,
+        generation_prompt: bool,
+    ) -> Result<Vec<u32>, RenderError> {
         let mut e = self.emitter();
+        self.pieces(&mut e, &tools::declare(&opts.tools));
         if let Some(effort) = self.thinking {
             self.open(
                 &mut e,
@@ -338,8 +439,21 @@ impl<'t> ChatFormat<'t> {
             self.close(&mut e, "message");
             e.mark(self.markers.end_of_msg);
         }
+        // A tool result's index counts the results since the last assistant message.
+        let mut tool_index = 0;
         for m in history {
-            self.message(&mut e, m);
+            tool_index = match m.role {
+                Role::Tool => tool_index + 1,
+                Role::Assistant => 0,
+                _ => tool_index,
+            };
+            self.message(&mut e, m, tool_index)?;
+        }
+        if let Some(c) = opts.choice {
+            self.pieces(&mut e, &tools::choice_note(c));
+        }
+        if let Some(f) = &opts.format {
+            self.pieces(&mut e, &tools::format_note(f));
         }
         if generation_prompt {
             self.open(&mut e, "message", &[("role", "assistant")]);
@@ -350,7 +464,7 @@ impl<'t> ChatFormat<'t> {
             };
             self.open(&mut e, channel, &[]);
         }
-        e.finish()
+        Ok(e.finish())
     }
 
     /// A parser for the reply that follows [`ChatFormat::render`]'s generation prompt.

@@ -1,8 +1,9 @@
 //! What wraps every request: its id (`X-Request-Id`, accepted from the client when sane, else
 //! made here; on every log line of the request through a `tracing` span and on the answer),
 //! CORS (off unless `--cors-origin`; a preflight `OPTIONS` from an allowed origin is answered
-//! 204), the API key (`Authorization: Bearer KEY`, compared in constant time; 401 otherwise;
-//! `GET /health` and preflights need none), the access log line and the request counter.
+//! 204), the API key (`Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`, compared in
+//! constant time; 401 otherwise, in Anthropic's error shape on its routes; `GET /health` and
+//! preflights need none), the access log line and the request counter.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -68,6 +69,8 @@ fn route_of(path: &str) -> &'static str {
     match path {
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
+        "/v1/messages" => "/v1/messages",
+        "/v1/messages/count_tokens" => "/v1/messages/count_tokens",
         "/v1/models" => "/v1/models",
         p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         "/health" => "/health",
@@ -76,16 +79,18 @@ fn route_of(path: &str) -> &'static str {
     }
 }
 
-/// The key in `Authorization: Bearer KEY` equals `key` (constant time in the key's bytes).
+/// The key in `Authorization: Bearer KEY` or `x-api-key: KEY` equals `key` (constant time in
+/// the key's bytes).
 fn authorized(h: &HeaderMap, key: &[u8]) -> bool {
-    let Some(given) = h
+    let bearer = h
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    else {
-        return false;
-    };
-    given.as_bytes().ct_eq(key).into()
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
+    [bearer, x_api_key]
+        .into_iter()
+        .flatten()
+        .any(|given| given.as_bytes().ct_eq(key).into())
 }
 
 fn allowed_origin<'a>(p: &'a Policy, h: &HeaderMap) -> Option<&'a str> {
@@ -127,7 +132,9 @@ fn preflight(p: &Policy, h: &HeaderMap) -> Response {
     );
     hs.insert(
         header::ACCESS_CONTROL_ALLOW_HEADERS,
-        HeaderValue::from_static("authorization, content-type, x-request-id"),
+        HeaderValue::from_static(
+            "authorization, content-type, x-request-id, x-api-key, anthropic-version, anthropic-beta",
+        ),
     );
     hs.insert(
         header::ACCESS_CONTROL_MAX_AGE,
@@ -163,12 +170,16 @@ pub async fn layer(State(st): State<Arc<AppState>>, mut req: Request, next: Next
             .as_deref()
             .is_some_and(|k| route != "/health" && !authorized(req.headers(), k))
         {
-            let mut r = ApiError::status(
+            let e = ApiError::status(
                 StatusCode::UNAUTHORIZED,
                 "invalid_api_key",
-                "a valid API key is required: Authorization: Bearer KEY",
-            )
-            .into_response();
+                "a valid API key is required: Authorization: Bearer KEY, or x-api-key: KEY",
+            );
+            let mut r = if route.starts_with("/v1/messages") {
+                super::anthropic::error_response(e)
+            } else {
+                e.into_response()
+            };
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             r
@@ -241,6 +252,14 @@ mod tests {
         for bad in ["Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret"] {
             assert!(!authorized(&headers(&[("authorization", bad)]), k), "{bad}");
         }
+        assert!(authorized(&headers(&[("x-api-key", "s3cret")]), k));
+        for bad in ["s3cre", "Bearer s3cret", ""] {
+            assert!(!authorized(&headers(&[("x-api-key", bad)]), k), "{bad}");
+        }
+        assert!(authorized(
+            &headers(&[("x-api-key", "wrong"), ("authorization", "Bearer s3cret")]),
+            k
+        ));
         assert!(!authorized(&HeaderMap::new(), k));
         let p = Policy {
             api_key: None,

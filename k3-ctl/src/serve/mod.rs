@@ -25,6 +25,7 @@ use k3_worker::tokenizer::Tokenizer;
 use tower::ServiceExt;
 
 mod access;
+mod anthropic;
 mod api;
 mod batch;
 mod conn;

@@ -1,0 +1,3 @@
+//! Text formats around the model: K3's tool grammar in XTML ([`tools`]).
+
+pub mod tools;
