@@ -52,7 +52,8 @@ enum Cmd {
     Census(census::Args),
     /// Check every byte: the shards end to end, and each packed trunk layer against its checksum.
     Verify(verify::Args),
-    /// OpenAI-compatible HTTP server in front of a running store (one worker per request).
+    /// OpenAI-compatible HTTP server in front of a running store (one worker, its slots decoded
+    /// together).
     Serve(serve::Args),
 }
 
@@ -85,7 +86,7 @@ fn main() {
         Cmd::Doctor(a) => doctor::run(a),
         Cmd::Verify(a) => verify::run(a),
         Cmd::Census(a) => census::run(a),
-        Cmd::Serve(a) => serve::run(a),
+        Cmd::Serve(a) => k3_proto::exit::report("k3-ctl serve", serve::run(a)),
     };
     std::process::exit(code);
 }

@@ -275,7 +275,7 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // The plan: the store holds the resident tensors, the pinned prefix, the ring the other
     // layers stream through and the expert arena; KV caches and activations live in each
     // worker.
-    let mut inputs = PlanInputs::from_model(&cfg, &cat, &trunk, 0);
+    let mut inputs = PlanInputs::from_model(&cfg, &cat, &trunk, Default::default());
     // The store holds the embedding in shared memory too (workers read its rows there).
     inputs.resident_bytes += inputs.mapped_bytes;
     inputs.mapped_bytes = 0;

@@ -26,8 +26,8 @@ use crate::runtime::trunk::{open_shards, TrunkError, TrunkLayout};
 /// Options of [`StandaloneSource`].
 #[derive(Clone, Debug)]
 pub struct StandaloneOptions {
-    /// Positions the KV cache is planned for.
-    pub context_len: usize,
+    /// The sequence states the caller holds, as its engine states them.
+    pub state: crate::runtime::plan::StateBytes,
     /// Parallel expert readers.
     pub io_threads: usize,
     /// Compare the plan with `MemAvailable` and refuse when it does not fit.
@@ -51,7 +51,7 @@ pub struct StandaloneOptions {
 impl Default for StandaloneOptions {
     fn default() -> Self {
         StandaloneOptions {
-            context_len: 4096,
+            state: crate::runtime::plan::StateBytes::default(),
             io_threads: crate::runtime::plan::IO_THREADS,
             check_memory: true,
             wait_timeout: Duration::from_secs(60),
@@ -150,14 +150,15 @@ impl StandaloneSource {
         }
         let cat = Catalog::from_index(&index, &cfg).map_err(|e| OpenError::Refused(e.0))?;
         drop(index);
-        let ctx = opts.context_len;
+        let state = opts.state.clone();
         Self::build(
             Arc::new(cat),
             trunk_dir,
             budget,
             opts,
             &|cat, trunk| {
-                PlanInputs::from_model(&cfg, cat, trunk, ctx).plus_buffers(opts.extra_buffer_bytes)
+                PlanInputs::from_model(&cfg, cat, trunk, state.clone())
+                    .plus_buffers(opts.extra_buffer_bytes)
             },
             progress,
         )
@@ -486,11 +487,11 @@ mod tests {
                 as u64,
             top_k: 2,
             total_experts: usize::MAX,
-            kda_layers: 3,
-            kda_state_bytes: 1000,
-            mla_layers: 1,
-            mla_bytes_per_position: 64,
-            context_len: 16,
+            state: crate::runtime::plan::StateBytes {
+                bytes: 3 * 1000 + 64 * 16,
+                sequences: 1,
+                positions: 16,
+            },
             buffer_bytes: 4096,
             process_bytes: 0,
         }

@@ -16,6 +16,10 @@ use k3_store::runtime::source::{
 };
 use k3_worker::model::{Dims, TensorShapes};
 
+#[path = "gen.rs"]
+mod gen;
+pub use gen::Gen;
+
 /// splitmix64.
 pub struct Rng(pub u64);
 
