@@ -234,8 +234,94 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> i32 {
     exit::report("k3-worker", result)
 }
 
-/// The jobs running, by request and sequence.
+/// The jobs in the engine, by request and sequence.
 type Jobs = Vec<(ReqId, SeqId)>;
+
+/// The serve loop's state: the engine, the sinks' outputs, the jobs and the channel.
+struct Front<'a, 'm> {
+    engine: Engine<'m>,
+    outputs: Outputs<'a>,
+    jobs: Jobs,
+    out: &'a Writer,
+    ended: &'a RefCell<Ended>,
+    admit: Admit<'a>,
+}
+
+impl<'a> Front<'a, '_> {
+    /// Take what serve sent; wait for it when nothing runs. True when the channel ended.
+    fn intake(&mut self, inbox: &Inbox) -> bool {
+        loop {
+            let msg = if self.engine.is_idle() {
+                inbox.recv().ok().flatten()
+            } else {
+                match inbox.try_recv() {
+                    Ok(m) => m,
+                    Err(mpsc::TryRecvError::Empty) => return false,
+                    Err(mpsc::TryRecvError::Disconnected) => None,
+                }
+            };
+            match msg {
+                None => return true,
+                Some(ToWorker::Start(s)) => self.start(s),
+                Some(ToWorker::Cancel { req_id }) => {
+                    if let Some(&(_, seq)) = self.jobs.iter().find(|(r, _)| *r == req_id) {
+                        tracing::info!("job {req_id}: cancelled");
+                        self.engine.cancel(seq, &mut self.outputs);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A job joins (or is refused alone).
+    fn start(&mut self, s: Start) {
+        let req_id = s.req_id;
+        let sink = ChannelSink {
+            out: self.out,
+            req_id,
+            ended: self.ended,
+        };
+        let admitted = self.admit.request(&self.jobs, &self.engine.model().dims, s);
+        let joined = admitted.and_then(|req| {
+            (self.engine.submit(req, Box::new(sink), &mut self.outputs)).map_err(ChannelError::from)
+        });
+        match joined {
+            Ok(seq) => {
+                let (running, waiting) = self.engine.load();
+                tracing::info!("job {req_id}: joins ({running} running, {waiting} waiting)");
+                self.jobs.push((req_id, seq));
+            }
+            Err(e) => {
+                let m = exit::message(&e);
+                tracing::warn!("job {req_id}: refused: {m}");
+                self.out.fail(Some(req_id), exit::REFUSED, m);
+            }
+        }
+    }
+
+    /// One step; `Some(code)` when the worker must end (an expert failed to load: every job
+    /// fails, the ids would be unsound).
+    fn step(&mut self) -> Result<Option<i32>, JobError> {
+        if let Err(e) = self.engine.step(&mut self.outputs) {
+            let m = format!("the forward pass failed: {}", exit::message(&e));
+            for (req_id, _) in &self.jobs {
+                self.out.fail(Some(*req_id), e.exit_code(), m.clone());
+            }
+            return Err(e.into());
+        }
+        let failures = report::expert_failures(&self.engine.model().counters);
+        if failures != exit::OK {
+            let m = "a routed expert failed to load: the generated ids are unsound";
+            for (req_id, _) in &self.jobs {
+                self.out.fail(Some(*req_id), failures, m.to_string());
+            }
+            return Ok(Some(failures));
+        }
+        let done = std::mem::take(&mut self.ended.borrow_mut().jobs);
+        self.jobs.retain(|(r, _)| !done.contains(r));
+        Ok(None)
+    }
+}
 
 /// Attach, then take jobs until the channel ends.
 fn serve(
@@ -252,7 +338,6 @@ fn serve(
             refuse("a worker for k3-ctl serve attaches to a store (no --standalone)")
         })?;
     let plan = job.shape.engine;
-    let mut engine = Engine::new(job.model()?, plan);
     tracing::info!(
         "serve worker: up to {} jobs at once, {} positions a slot, {} for one job at most",
         plan.slots,
@@ -263,94 +348,31 @@ fn serve(
         records: cli.out.as_ref().map(|_| Vec::new()),
         ..Ended::default()
     });
-    let mut outputs = Outputs::new(Some(src));
-    let mut jobs: Jobs = Vec::new();
-    let sampling = |start: &Start| {
-        let s = &start.sampling;
-        Sampler::new(s.temperature, s.top_p, s.seed)
+    let mut front = Front {
+        engine: Engine::new(job.model()?, plan),
+        outputs: Outputs::new(Some(src)),
+        jobs: Vec::new(),
+        out,
+        ended: &ended,
+        admit: Admit {
+            src,
+            drafters: &drafters,
+        },
     };
     let code = loop {
-        // Take what serve sent; wait for it when nothing runs.
-        let closed = loop {
-            let msg = if engine.is_idle() {
-                inbox.recv().ok().flatten()
-            } else {
-                match inbox.try_recv() {
-                    Ok(m) => m,
-                    Err(mpsc::TryRecvError::Empty) => break false,
-                    Err(mpsc::TryRecvError::Disconnected) => None,
-                }
-            };
-            match msg {
-                None => break true,
-                Some(ToWorker::Start(s)) => {
-                    let req_id = s.req_id;
-                    let ctx = Admit {
-                        src,
-                        drafters: &drafters,
-                        dims: &engine.model().dims,
-                    };
-                    let admitted = sampling(&s)
-                        .map_err(ChannelError::from)
-                        .and_then(|sampler| ctx.request(&jobs, s, sampler));
-                    let sink = ChannelSink {
-                        out,
-                        req_id,
-                        ended: &ended,
-                    };
-                    match admitted.and_then(|req| {
-                        (engine.submit(req, Box::new(sink), &mut outputs))
-                            .map_err(ChannelError::from)
-                    }) {
-                        Ok(seq) => {
-                            let (running, waiting) = engine.load();
-                            tracing::info!(
-                                "job {req_id}: joins ({running} running, {waiting} waiting)"
-                            );
-                            jobs.push((req_id, seq));
-                        }
-                        Err(e) => {
-                            let m = exit::message(&e);
-                            tracing::warn!("job {req_id}: refused: {m}");
-                            out.fail(Some(req_id), exit::REFUSED, m);
-                        }
-                    }
-                }
-                Some(ToWorker::Cancel { req_id }) => {
-                    if let Some(&(_, seq)) = jobs.iter().find(|(r, _)| *r == req_id) {
-                        tracing::info!("job {req_id}: cancelled");
-                        engine.cancel(seq, &mut outputs);
-                    }
-                }
-            }
-        };
-        if closed || out.broken() {
+        if front.intake(inbox) || out.broken() {
             // Nobody waits for the ids: every job ends here.
             break exit::OK;
         }
-        if engine.is_idle() {
+        if front.engine.is_idle() {
             continue;
         }
-        if let Err(e) = engine.step(&mut outputs) {
-            let m = format!("the forward pass failed: {}", exit::message(&e));
-            for (req_id, _) in &jobs {
-                out.fail(Some(*req_id), e.exit_code(), m.clone());
-            }
-            return Err(e.into());
+        if let Some(code) = front.step()? {
+            break code;
         }
-        let failures = report::expert_failures(&engine.model().counters);
-        if failures != exit::OK {
-            let m = "a routed expert failed to load: the generated ids are unsound";
-            for (req_id, _) in &jobs {
-                out.fail(Some(*req_id), failures, m.to_string());
-            }
-            break failures;
-        }
-        let done = std::mem::take(&mut ended.borrow_mut().jobs);
-        jobs.retain(|(r, _)| !done.contains(r));
     };
     if let Some(path) = &cli.out {
-        let summary = RunSummary::collect(engine.model(), job.wall.elapsed().as_secs_f64());
+        let summary = RunSummary::collect(front.engine.model(), job.wall.elapsed().as_secs_f64());
         let v = json!({
             "mode": "serve",
             "slots": plan.slots,
@@ -373,13 +395,14 @@ fn serve(
 struct Admit<'a> {
     src: &'a AttachedSource,
     drafters: &'a Drafters,
-    dims: &'a Dims,
 }
 
 impl Admit<'_> {
     /// The request of `s`: its ids, sampling and session (resumed when the store holds a strict
     /// prefix of its prompt), the worker's speculation.
-    fn request(&self, jobs: &Jobs, s: Start, sampler: Sampler) -> Result<Request, ChannelError> {
+    fn request(&self, jobs: &Jobs, dims: &Dims, s: Start) -> Result<Request, ChannelError> {
+        let sampling = &s.sampling;
+        let sampler = Sampler::new(sampling.temperature, sampling.top_p, sampling.seed)?;
         if jobs.iter().any(|(r, _)| *r == s.req_id) {
             return Err(ChannelError::Duplicate(s.req_id));
         }
@@ -391,7 +414,8 @@ impl Admit<'_> {
         }
         let max_new = s.max_new as usize;
         let capacity = positions_needed(s.ids.len(), max_new);
-        let from = (s.session.as_deref()).and_then(|name| self.resume(name, capacity, &s.ids));
+        let from =
+            (s.session.as_deref()).and_then(|name| self.resume(dims, name, capacity, &s.ids));
         tracing::info!(
             "job {}: {} prompt ids ({} from its session), up to {max_new} new",
             s.req_id,
@@ -410,8 +434,8 @@ impl Admit<'_> {
     }
 
     /// The session `name`'s state when the ids it holds are a strict prefix of `prompt`.
-    fn resume(&self, name: &str, capacity: usize, prompt: &[u32]) -> Option<Held> {
-        match session::fetch_for_prompt(self.src, name, self.dims, capacity, prompt) {
+    fn resume(&self, dims: &Dims, name: &str, capacity: usize, prompt: &[u32]) -> Option<Held> {
+        match session::fetch_for_prompt(self.src, name, dims, capacity, prompt) {
             Ok(ForPrompt::Restored(r)) => Some(r.into_held()),
             Ok(_) => None,
             Err(e) => {
