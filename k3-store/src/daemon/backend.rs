@@ -310,6 +310,106 @@ impl std::fmt::Display for BuildError {
     }
 }
 
+/// Reads what the segment holds in full into it, region by region, saying how far it is.
+struct Loader<'a, P: FnMut(u64, u64)> {
+    seg: &'a mut Segment,
+    header: &'a mut ShmHeader,
+    done: u64,
+    total: u64,
+    progress: &'a mut P,
+}
+
+impl<P: FnMut(u64, u64)> Loader<'_, P> {
+    /// `bytes` more are in.
+    fn advanced(&mut self, bytes: u64) {
+        self.done += bytes;
+        (self.progress)(self.done, self.total);
+    }
+
+    /// The model-level tensors, from the checkpoint's shards.
+    fn model_tensors(
+        &mut self,
+        cat: &Catalog,
+        shards: &[Arc<DiskFile>],
+        lay: &SegLayout,
+    ) -> Result<(), BuildError> {
+        for &(i, off, bytes) in &lay.model {
+            let t = &cat.model_tensors()[i];
+            let f: &DiskFile = shards
+                .get(t.shard as usize)
+                .ok_or_else(|| format!("{}: shard {} not open", t.name, t.shard))?;
+            let dst = &mut self.seg.bytes_mut()[off as usize..(off + bytes) as usize];
+            let inner = f
+                .read_span(t.off, t.nbytes, dst)
+                .map_err(|e| format!("{}: {}", t.name, e.0))?;
+            if inner != 0 {
+                dst.copy_within(inner..inner + t.nbytes as usize, 0);
+            }
+            let idx = MODEL_TENSORS
+                .iter()
+                .position(|n| *n == t.name)
+                .expect("laid out from MODEL_TENSORS") as u32;
+            self.header
+                .push_region(RegionKind::ModelTensor, idx, off, t.nbytes)
+                .map_err(|e| e.to_string())?;
+            self.advanced(bytes);
+        }
+        Ok(())
+    }
+
+    /// The pinned layers' runs, each checked against its checksum.
+    fn pinned_layers(&mut self, trunk: &TrunkLayout, lay: &SegLayout) -> Result<(), BuildError> {
+        for &(l, off, bytes) in &lay.layers {
+            let dst = &mut self.seg.bytes_mut()[off as usize..(off + bytes) as usize];
+            let inner = trunk
+                .read_layer(l, dst)
+                .map_err(|e| format!("layer {l}: {}", e.0))?;
+            let run = trunk.plan(l).map(|p| p.run_len).unwrap_or(0);
+            if inner != 0 {
+                dst.copy_within(inner..inner + run as usize, 0);
+            }
+            trunk
+                .verify_run(l, &dst[..run as usize])
+                .map_err(|e| BuildError {
+                    code: k3_proto::exit::REFUSED,
+                    message: e.to_string(),
+                })?;
+            self.header
+                .push_region(RegionKind::PinnedLayer, l as u32, off, run)
+                .map_err(|e| e.to_string())?;
+            self.advanced(bytes);
+        }
+        Ok(())
+    }
+
+    /// The draft trunk's layers, each checked.
+    fn draft_layers(&mut self, d: &DraftFile, lay: &SegLayout) -> Result<(), BuildError> {
+        let bin = d.open_bin().map_err(|e| BuildError {
+            code: k3_proto::exit::REFUSED,
+            message: e.to_string(),
+        })?;
+        for &(l, off, bytes) in &lay.draft {
+            let (file_off, run) = d.run(l);
+            let dst = &mut self.seg.bytes_mut()[off as usize..(off + bytes) as usize];
+            let inner = bin
+                .read_span(file_off, run, dst)
+                .map_err(|e| format!("draft layer {l}: {}", e.0))?;
+            if inner != 0 {
+                dst.copy_within(inner..inner + run as usize, 0);
+            }
+            d.verify(l, &dst[..run as usize]).map_err(|e| BuildError {
+                code: k3_proto::exit::REFUSED,
+                message: e.to_string(),
+            })?;
+            self.header
+                .push_region(RegionKind::DraftLayer, l as u32, off, run)
+                .map_err(|e| e.to_string())?;
+            self.advanced(bytes);
+        }
+        Ok(())
+    }
+}
+
 impl StoreBackend {
     /// Open the checkpoint and the packed trunk, create the segment, load the resident tensors
     /// and the pinned layers (calling `progress(done, total)` as bytes arrive), and lay out the
@@ -354,76 +454,20 @@ impl StoreBackend {
             + lay.layers.iter().map(|l| l.2).sum::<u64>()
             + lay.draft.iter().map(|l| l.2).sum::<u64>()
             + preload_bytes;
-        let mut done = 0u64;
-        progress(0, total_load);
-        for &(i, off, bytes) in &lay.model {
-            let t = &cat.model_tensors()[i];
-            let f: &DiskFile = shards
-                .get(t.shard as usize)
-                .ok_or_else(|| format!("{}: shard {} not open", t.name, t.shard))?;
-            let dst = &mut seg.bytes_mut()[off as usize..(off + bytes) as usize];
-            let inner = f
-                .read_span(t.off, t.nbytes, dst)
-                .map_err(|e| format!("{}: {}", t.name, e.0))?;
-            if inner != 0 {
-                dst.copy_within(inner..inner + t.nbytes as usize, 0);
-            }
-            let idx = MODEL_TENSORS
-                .iter()
-                .position(|n| *n == t.name)
-                .expect("laid out from MODEL_TENSORS") as u32;
-            header
-                .push_region(RegionKind::ModelTensor, idx, off, t.nbytes)
-                .map_err(|e| e.to_string())?;
-            done += bytes;
-            progress(done, total_load);
-        }
-        for &(l, off, bytes) in &lay.layers {
-            let dst = &mut seg.bytes_mut()[off as usize..(off + bytes) as usize];
-            let inner = trunk
-                .read_layer(l, dst)
-                .map_err(|e| format!("layer {l}: {}", e.0))?;
-            let run = trunk.plan(l).map(|p| p.run_len).unwrap_or(0);
-            if inner != 0 {
-                dst.copy_within(inner..inner + run as usize, 0);
-            }
-            trunk
-                .verify_run(l, &dst[..run as usize])
-                .map_err(|e| BuildError {
-                    code: k3_proto::exit::REFUSED,
-                    message: e.to_string(),
-                })?;
-            header
-                .push_region(RegionKind::PinnedLayer, l as u32, off, run)
-                .map_err(|e| e.to_string())?;
-            done += bytes;
-            progress(done, total_load);
-        }
+        let mut load = Loader {
+            seg: &mut seg,
+            header: &mut header,
+            done: 0,
+            total: total_load,
+            progress: &mut progress,
+        };
+        (load.progress)(0, total_load);
+        load.model_tensors(&cat, &shards, &lay)?;
+        load.pinned_layers(&trunk, &lay)?;
         if let Some(d) = &opts.draft {
-            let bin = d.open_bin().map_err(|e| BuildError {
-                code: k3_proto::exit::REFUSED,
-                message: e.to_string(),
-            })?;
-            for &(l, off, bytes) in &lay.draft {
-                let (file_off, run) = d.run(l);
-                let dst = &mut seg.bytes_mut()[off as usize..(off + bytes) as usize];
-                let inner = bin
-                    .read_span(file_off, run, dst)
-                    .map_err(|e| format!("draft layer {l}: {}", e.0))?;
-                if inner != 0 {
-                    dst.copy_within(inner..inner + run as usize, 0);
-                }
-                d.verify(l, &dst[..run as usize]).map_err(|e| BuildError {
-                    code: k3_proto::exit::REFUSED,
-                    message: e.to_string(),
-                })?;
-                header
-                    .push_region(RegionKind::DraftLayer, l as u32, off, run)
-                    .map_err(|e| e.to_string())?;
-                done += bytes;
-                progress(done, total_load);
-            }
+            load.draft_layers(d, &lay)?;
         }
+        let done = load.done;
         header.slot_count = opts.slots as u32;
         header.slot_stride = lay.stride;
         header.expert_bytes = cat.expert_layout().expert_bytes() as u64;
