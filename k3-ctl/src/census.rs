@@ -228,6 +228,70 @@ fn ratio(a: u64, b: u64) -> f64 {
     a as f64 / b.max(1) as f64
 }
 
+/// One coded tensor's record (and its line with `--tensors`).
+fn tensor_json(a: &Args, e: &Entry, h: &HighBytes, s: &Sizes) -> Value {
+    let (rows, cols) = (e.shape[0] as usize, e.shape[1] as usize);
+    let chosen = match choose_codec(h, rows, cols, &WIDTHS, a.max_escape).0 {
+        TensorCodec::Raw => "raw".to_string(),
+        TensorCodec::Coded(w) => format!("w{w}"),
+    };
+    let widths: Vec<Value> = WIDTHS
+        .iter()
+        .enumerate()
+        .map(|(i, &w)| {
+            json!({"width": w, "palette": h.palette(w), "escapes": s.escapes[i],
+                   "escape_rate": ratio(s.escapes[i], s.weights), "bytes": s.w[i],
+                   "bits_per_weight": 8.0 * s.w[i] as f64 / s.weights.max(1) as f64})
+        })
+        .collect();
+    if a.tensors {
+        println!(
+            "{:<72} [{rows}, {cols}] H={:.2} bits, escapes w4 {:.4}% w3 {:.3}% w2 {:.2}%, chosen {chosen}",
+            e.name,
+            h.entropy_bits(),
+            100.0 * ratio(s.escapes[2], s.weights),
+            100.0 * ratio(s.escapes[1], s.weights),
+            100.0 * ratio(s.escapes[0], s.weights),
+        );
+    }
+    json!({
+        "name": e.name, "layer": e.layer, "shape": e.shape, "raw_bytes": e.raw,
+        "high_byte_entropy_bits": h.entropy_bits(),
+        "distinct_high_bytes": h.0.iter().filter(|&&c| c > 0).count(),
+        "widths": widths, "huffman_bytes": s.huffman, "chosen": chosen,
+    })
+}
+
+/// One class's line of the table, and its record.
+fn class_line(class: &str, s: &Sizes, es: &[&Entry]) -> Value {
+    let mut h = HighBytes::default();
+    es.iter()
+        .filter_map(|e| e.hist.as_ref())
+        .for_each(|x| h.merge(x));
+    let esc = |i: usize| 100.0 * ratio(s.escapes[i], s.weights);
+    println!(
+        "{:<58} {:>10} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>8.3} {:>9.4} {:>9.3} {:>9.2}",
+        class,
+        fmt_bytes(s.raw),
+        ratio(s.w[2], s.raw),
+        ratio(s.w3_else_4, s.raw),
+        ratio(s.best, s.raw),
+        ratio(s.huffman, s.raw),
+        h.entropy_bits(),
+        esc(2),
+        esc(1),
+        esc(0)
+    );
+    json!({
+        "class": class, "tensors": es.len(), "raw_bytes": s.raw, "weights": s.weights,
+        "w4_bytes": s.w[2], "w3_bytes": s.w[1], "w2_bytes": s.w[0],
+        "w3_else_w4_bytes": s.w3_else_4, "best_bytes": s.best, "huffman_bytes": s.huffman,
+        "escape_rate": {"w4": ratio(s.escapes[2], s.weights), "w3": ratio(s.escapes[1], s.weights),
+                        "w2": ratio(s.escapes[0], s.weights)},
+        "high_byte_entropy_bits": h.entropy_bits(),
+    })
+}
+
 fn report(a: &Args, entries: &[Entry]) -> i32 {
     let mut by_class: BTreeMap<&str, (Sizes, Vec<&Entry>)> = BTreeMap::new();
     let mut total = Sizes::default();
@@ -239,36 +303,7 @@ fn report(a: &Args, entries: &[Entry]) -> i32 {
         c.0 += s;
         c.1.push(e);
         if let Some(h) = &e.hist {
-            let (rows, cols) = (e.shape[0] as usize, e.shape[1] as usize);
-            let chosen = match choose_codec(h, rows, cols, &WIDTHS, a.max_escape).0 {
-                TensorCodec::Raw => "raw".to_string(),
-                TensorCodec::Coded(w) => format!("w{w}"),
-            };
-            let widths: Vec<Value> = WIDTHS
-                .iter()
-                .enumerate()
-                .map(|(i, &w)| {
-                    json!({"width": w, "palette": h.palette(w), "escapes": s.escapes[i],
-                           "escape_rate": ratio(s.escapes[i], s.weights), "bytes": s.w[i],
-                           "bits_per_weight": 8.0 * s.w[i] as f64 / s.weights.max(1) as f64})
-                })
-                .collect();
-            tensors_json.push(json!({
-                "name": e.name, "layer": e.layer, "shape": e.shape, "raw_bytes": e.raw,
-                "high_byte_entropy_bits": h.entropy_bits(),
-                "distinct_high_bytes": h.0.iter().filter(|&&c| c > 0).count(),
-                "widths": widths, "huffman_bytes": s.huffman, "chosen": chosen,
-            }));
-            if a.tensors {
-                println!(
-                    "{:<72} [{rows}, {cols}] H={:.2} bits, escapes w4 {:.4}% w3 {:.3}% w2 {:.2}%, chosen {chosen}",
-                    e.name,
-                    h.entropy_bits(),
-                    100.0 * ratio(s.escapes[2], s.weights),
-                    100.0 * ratio(s.escapes[1], s.weights),
-                    100.0 * ratio(s.escapes[0], s.weights),
-                );
-            }
+            tensors_json.push(tensor_json(a, e, h, &s));
         }
     }
     let read = !a.shapes_only;
@@ -303,35 +338,9 @@ fn report(a: &Args, entries: &[Entry]) -> i32 {
         "esc w3 %",
         "esc w2 %"
     );
-    let mut classes_json = Vec::new();
-    for (class, (s, es)) in &by_class {
-        let mut h = HighBytes::default();
-        es.iter()
-            .filter_map(|e| e.hist.as_ref())
-            .for_each(|x| h.merge(x));
-        let esc = |i: usize| 100.0 * ratio(s.escapes[i], s.weights);
-        println!(
-            "{:<58} {:>10} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>8.3} {:>9.4} {:>9.3} {:>9.2}",
-            class,
-            fmt_bytes(s.raw),
-            ratio(s.w[2], s.raw),
-            ratio(s.w3_else_4, s.raw),
-            ratio(s.best, s.raw),
-            ratio(s.huffman, s.raw),
-            h.entropy_bits(),
-            esc(2),
-            esc(1),
-            esc(0)
-        );
-        classes_json.push(json!({
-            "class": class, "tensors": es.len(), "raw_bytes": s.raw, "weights": s.weights,
-            "w4_bytes": s.w[2], "w3_bytes": s.w[1], "w2_bytes": s.w[0],
-            "w3_else_w4_bytes": s.w3_else_4, "best_bytes": s.best, "huffman_bytes": s.huffman,
-            "escape_rate": {"w4": ratio(s.escapes[2], s.weights), "w3": ratio(s.escapes[1], s.weights),
-                            "w2": ratio(s.escapes[0], s.weights)},
-            "high_byte_entropy_bits": h.entropy_bits(),
-        }));
-    }
+    let classes_json: Vec<Value> = (by_class.iter())
+        .map(|(class, (s, es))| class_line(class, s, es))
+        .collect();
     println!(
         "TOTAL trunk: raw {} · width 4 {:.4}× · width 3 where escapes ≤ {:.2}% else 4 {:.4}× · best {:.4}× · Huffman high byte {:.4}×",
         fmt_bytes(total.raw),

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod census;
 mod doctor;
+mod fail;
 mod inspect;
 mod pack;
 mod presets;
@@ -84,7 +85,7 @@ fn main() {
         Cmd::Presets(a) => presets::run(a),
         Cmd::ReplayTrace(a) => replay::run(a),
         Cmd::Doctor(a) => doctor::run(a),
-        Cmd::Verify(a) => verify::run(a),
+        Cmd::Verify(a) => k3_proto::exit::report("k3-ctl verify", verify::run(a)),
         Cmd::Census(a) => census::run(a),
         Cmd::Serve(a) => k3_proto::exit::report("k3-ctl serve", serve::run(a)),
     };

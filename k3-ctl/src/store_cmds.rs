@@ -245,47 +245,54 @@ pub fn render_stats(s: &StatsReport) -> String {
             format!("  state dir {}", ss.state_dir)
         }
     );
-    if !s.jobs.is_empty() {
+    render_jobs(&mut o, s);
+    o
+}
+
+/// The per-job table of `k3-ctl stats` (nothing without jobs).
+fn render_jobs(o: &mut String, s: &StatsReport) {
+    use std::fmt::Write;
+    if s.jobs.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        o,
+        "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10} {:>10} {:>13} {:>8} {:>7} {:>13}",
+        "job",
+        "label",
+        "live",
+        "requests",
+        "hits",
+        "misses",
+        "TRUE hit",
+        "expert MB",
+        "trunk MB",
+        "shared/layers",
+        "wait s",
+        "passes",
+        "acc/drafted"
+    );
+    for j in &s.jobs {
+        let c = &j.counters;
+        let p = &j.progress;
         let _ = writeln!(
             o,
-            "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10} {:>10} {:>13} {:>8} {:>7} {:>13}",
-            "job",
-            "label",
-            "live",
-            "requests",
-            "hits",
-            "misses",
-            "TRUE hit",
-            "expert MB",
-            "trunk MB",
-            "shared/layers",
-            "wait s",
-            "passes",
-            "acc/drafted"
+            "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10.1} {:>10.1} {:>13} {:>8.2} {:>7} {:>13}",
+            j.conn,
+            j.label,
+            if j.live { "yes" } else { "no" },
+            c.requests,
+            c.resident_hits,
+            c.misses,
+            pct(c),
+            c.expert_bytes_read as f64 / 1e6,
+            c.trunk_bytes_read as f64 / 1e6,
+            format!("{}/{}", c.trunk_shared_layers, c.trunk_layers_served),
+            c.trunk_wait_seconds,
+            p.forward_passes,
+            format!("{}/{}", p.accepted_tokens, p.drafted_tokens)
         );
-        for j in &s.jobs {
-            let c = &j.counters;
-            let p = &j.progress;
-            let _ = writeln!(
-                o,
-                "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10.1} {:>10.1} {:>13} {:>8.2} {:>7} {:>13}",
-                j.conn,
-                j.label,
-                if j.live { "yes" } else { "no" },
-                c.requests,
-                c.resident_hits,
-                c.misses,
-                pct(c),
-                c.expert_bytes_read as f64 / 1e6,
-                c.trunk_bytes_read as f64 / 1e6,
-                format!("{}/{}", c.trunk_shared_layers, c.trunk_layers_served),
-                c.trunk_wait_seconds,
-                p.forward_passes,
-                format!("{}/{}", p.accepted_tokens, p.drafted_tokens)
-            );
-        }
     }
-    o
 }
 
 /// `k3-ctl stats`.
