@@ -18,6 +18,7 @@ use k3_worker::model::{Dims, TensorShapes};
 
 #[path = "gen.rs"]
 mod gen;
+#[allow(unused_imports)]
 pub use gen::Gen;
 
 /// splitmix64.
