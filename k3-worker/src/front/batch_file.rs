@@ -17,8 +17,9 @@ use crate::engine::outputs::{Finished, Flow, Outputs, Sink, StepReport};
 use crate::engine::request::Request;
 use crate::engine::runner::Engine;
 use crate::engine::sampling::positions_needed;
-use crate::front::cli::{Cli, MAX_BATCH_REQUESTS, MAX_GEN, MAX_PROMPT};
-use crate::front::job::{JobError, Prepared};
+use crate::front::cli::{Cli, MAX_BATCH_REQUESTS, MAX_GEN, MAX_PROMPT, MAX_PROMPT_FILE};
+use crate::front::error::{read_bounded, refuse, JobError};
+use crate::front::job::{job_shape, preflight, prepare, Prepared, DEFAULT_PARALLEL};
 use crate::front::report::{self, RunSummary};
 use crate::tokenizer::Tokenizer;
 
@@ -49,15 +50,13 @@ pub fn parse(
     default_gen: u64,
 ) -> Result<Vec<BatchItem>, JobError> {
     let text = std::str::from_utf8(bytes)
-        .map_err(|e| crate::front::job::refuse(format!("{}: not UTF-8 ({e})", path.display())))?;
+        .map_err(|e| refuse(format!("{}: not UTF-8 ({e})", path.display())))?;
     let mut items = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let bad = |m: &dyn std::fmt::Display| {
-            crate::front::job::refuse(format!("{}:{}: {m}", path.display(), i + 1))
-        };
+        let bad = |m: &dyn std::fmt::Display| refuse(format!("{}:{}: {m}", path.display(), i + 1));
         let l: Line = serde_json::from_str(line).map_err(|e| bad(&e))?;
         let prompt = match (l.prompt, l.ids) {
             (Some(text), None) => {
@@ -95,7 +94,7 @@ pub fn parse(
         });
     }
     if items.is_empty() {
-        return Err(crate::front::job::refuse(format!(
+        return Err(refuse(format!(
             "{}: no requests (one JSON object per line)",
             path.display()
         )));
@@ -157,10 +156,32 @@ impl Sink for LineSink<'_> {
     }
 }
 
-/// Run the batch to its end. Exit code as a one-shot run's (4 when an expert failed to load).
-pub fn run(cli: &Cli, job: &mut Prepared, items: &[BatchItem]) -> Result<i32, JobError> {
+/// The `--batch FILE` job: the file read and checked before any work, then run to its end.
+/// Exit code as a one-shot run's (4 when an expert failed to load).
+pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
+    let wall = std::time::Instant::now();
+    let pre = preflight(cli)?;
+    let path = cli
+        .batch
+        .as_deref()
+        .ok_or_else(|| refuse("no --batch FILE"))?;
+    let bytes = read_bounded(path, MAX_PROMPT_FILE)?;
+    let items = parse(path, &bytes, pre.tok.as_ref(), cli.gen)?;
+    let longest = (items.iter())
+        .map(|it| positions_needed(it.prompt.len(), it.max_new))
+        .max()
+        .unwrap_or(1);
+    let all = items.iter().map(|it| it.prompt.len() + it.max_new).sum();
+    let slots = cli.parallel.unwrap_or(DEFAULT_PARALLEL) as usize;
+    let slots = slots.min(items.len()).max(1);
+    let shape = job_shape(cli, &pre, slots, longest, longest, all);
+    let job = prepare(cli, matches, pre, shape, wall)?;
+    run_batch(cli, &job, &items)
+}
+
+/// Run the items on the prepared job's engine.
+fn run_batch(cli: &Cli, job: &Prepared, items: &[BatchItem]) -> Result<i32, JobError> {
     let drafters = job.drafters(cli)?;
-    let job = &*job;
     let plan = job.shape.engine;
     let mut engine = Engine::new(job.model()?, plan);
     let results = RefCell::new(Results::default());
@@ -177,9 +198,9 @@ pub fn run(cli: &Cli, job: &mut Prepared, items: &[BatchItem]) -> Result<i32, Jo
             tok,
             results: &results,
         };
-        engine.submit(req, Box::new(sink), &mut out).map_err(|e| {
-            crate::front::job::refuse(format!("request {} (line order): {e}", index + 1))
-        })?;
+        engine
+            .submit(req, Box::new(sink), &mut out)
+            .map_err(|e| refuse(format!("request {} (line order): {e}", index + 1)))?;
     }
     eprintln!(
         "batch: {} requests, up to {} at once, at most {} prompt ids per step",

@@ -18,7 +18,8 @@ use crate::engine::runner::{Engine, EngineError};
 use crate::engine::sampling::{positions_needed, Sampler};
 use crate::engine::session;
 use crate::front::cli::Cli;
-use crate::front::job::{refuse, JobError, Prepared};
+use crate::front::error::{refuse, JobError};
+use crate::front::job::{job_shape, preflight, prepare, Prepared};
 use crate::front::report;
 use crate::model::{ModelError, SeqState};
 use crate::text::xtml::{Channel, ChatFormat, Effort, Message, Reply, ReplyParser};
@@ -688,10 +689,29 @@ fn report_turn(
 
 /// The `--chat` job: stdin lines are user turns; exit 0 at end of input. With `--session` the
 /// conversation is resumed from the store and kept there after every turn.
-pub fn run(cli: &Cli, job: &mut Prepared, thinking: Option<Effort>) -> Result<i32, JobError> {
+pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
+    let wall = std::time::Instant::now();
+    let pre = preflight(cli)?;
+    let tok = pre
+        .tok
+        .as_ref()
+        .ok_or_else(|| refuse("--chat needs --tok DIR"))?;
+    crate::text::xtml::Markers::from_tokenizer(tok)?;
+    let thinking = if cli.no_think {
+        None
+    } else {
+        Some(cli.effort.map_or(Effort::Max, Effort::from))
+    };
+    let ctx = cli.ctx as usize;
+    let shape = job_shape(cli, &pre, 1, ctx, ctx, ctx);
+    let job = prepare(cli, matches, pre, shape, wall)?;
+    run_chat(cli, &job, thinking)
+}
+
+/// The REPL over the prepared job.
+fn run_chat(cli: &Cli, job: &Prepared, thinking: Option<Effort>) -> Result<i32, JobError> {
     use std::io::IsTerminal;
     let drafters = job.drafters(cli)?;
-    let job = &*job;
     let tok = (job.pre.tok.as_ref()).ok_or_else(|| refuse("--chat needs --tok DIR"))?;
     let fmt = ChatFormat::new(tok, thinking)?;
     let capacity = job.opened.positions;

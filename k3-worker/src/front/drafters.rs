@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use k3_store::attach::AttachedSource;
 use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::draft::DraftSource;
 use k3_store::runtime::plan::fmt_bytes;
@@ -18,12 +19,11 @@ use crate::engine::spec::{
     SpecMode,
 };
 use crate::front::cli::{Cli, DraftArg, MAX_PROMPT_FILE};
-use crate::front::job::{read_bounded, refuse, JobError};
-use crate::front::source::{Opened, Source};
+use crate::front::error::{read_bounded, refuse, JobError};
 use crate::model::Dims;
 
 /// What the speculation flags ask for, checked before any work.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct DraftFlags {
     mode: SpecMode,
     list: Vec<DraftArg>,
@@ -105,19 +105,21 @@ fn replay_ids(cli: &Cli) -> Result<Option<Vec<u32>>, JobError> {
     Ok(Some(ids))
 }
 
-/// Bytes of the draft trunk this process reads into its memory (`--draft-trunk DIR`; 0 when
-/// the store holds it or no draft model runs), read from `draft.json` before anything loads.
-pub fn draft_trunk_bytes(cli: &Cli, flags: &DraftFlags, d: &Dims) -> Result<u64, JobError> {
-    let Some(dir) = cli.draft_trunk.as_deref().filter(|_| flags.wants_model()) else {
-        return Ok(0);
-    };
-    let (kind, bytes) = DraftSource::probe(dir, d.n_layers).map_err(|e| refuse(e.to_string()))?;
-    tracing::info!(
-        "draft model: {} trunk {}, held in this process",
-        kind.name(),
-        fmt_bytes(bytes)
-    );
-    Ok(bytes)
+/// What the draft model is loaded against: the target's dims and positions a slot, the
+/// checkpoint's catalog (its identity check), the store (whose draft trunk an attached job
+/// maps when it has none of its own) and the target's weights (the model-level tensors).
+#[derive(Clone, Copy)]
+pub struct DraftAt<'a> {
+    /// The target's dims.
+    pub dims: &'a Dims,
+    /// Positions a slot is planned for.
+    pub positions: usize,
+    /// The checkpoint's catalog, read when a draft model runs.
+    pub catalog: Option<&'a Catalog>,
+    /// The store, when attached.
+    pub store: Option<&'a AttachedSource>,
+    /// The target's weights.
+    pub target: &'a dyn WeightSource,
 }
 
 /// Each request's drafters.
@@ -134,16 +136,11 @@ impl Drafters {
     }
 
     /// Load the draft model when the flags ask for one (`--draft-trunk DIR`, or the store's),
-    /// made from the checkpoint `opened` describes, with the target's model-level tensors.
-    pub fn load(
-        cli: &Cli,
-        flags: DraftFlags,
-        opened: &Opened,
-        source: &dyn WeightSource,
-    ) -> Result<Drafters, JobError> {
-        let cat = opened.catalog.as_deref().filter(|_| flags.wants_model());
+    /// made from the checkpoint `at` describes, with the target's model-level tensors.
+    pub fn load(cli: &Cli, flags: DraftFlags, at: &DraftAt<'_>) -> Result<Drafters, JobError> {
+        let cat = at.catalog.filter(|_| flags.wants_model());
         let model = match cat {
-            Some(cat) => Some(load_model(cli, opened, source, cat)?),
+            Some(cat) => Some(load_model(cli, at, cat)?),
             None => None,
         };
         Ok(Drafters { flags, model })
@@ -189,25 +186,19 @@ impl Drafters {
 }
 
 /// Load the draft model (its own `--draft-trunk DIR`, or the store's).
-fn load_model(
-    cli: &Cli,
-    opened: &Opened,
-    source: &dyn WeightSource,
-    cat: &Catalog,
-) -> Result<Arc<DraftModel>, JobError> {
+fn load_model(cli: &Cli, at: &DraftAt<'_>, cat: &Catalog) -> Result<Arc<DraftModel>, JobError> {
     let t0 = Instant::now();
-    let n = opened.dims.n_layers;
-    let src = match (&cli.draft_trunk, &opened.source) {
-        (Some(dir), _) => DraftSource::open(dir, cat, n, &|t| source.model_tensor(t)),
-        (None, Source::Attached(store)) => store.draft_source(cat, n).ok_or_else(|| {
+    let n = at.dims.n_layers;
+    let target = at.target;
+    let src = match (&cli.draft_trunk, at.store) {
+        (Some(dir), _) => DraftSource::open(dir, cat, n, &|t| target.model_tensor(t)),
+        (None, Some(store)) => store.draft_source(cat, n).ok_or_else(|| {
             refuse(
                 "--draft model: the store holds no draft trunk (start it with --draft-trunk DIR, \
                  or give this job --draft-trunk DIR)",
             )
         })?,
-        (None, Source::Standalone(_)) => {
-            return Err(refuse("--draft model needs --draft-trunk DIR"))
-        }
+        (None, None) => return Err(refuse("--draft model needs --draft-trunk DIR")),
     }
     .map_err(|e| match e {
         TrunkError::Refused(m) => refuse(m),
@@ -219,10 +210,10 @@ fn load_model(
         fmt_bytes(src.bytes()),
         t0.elapsed().as_secs_f64()
     );
-    let chunk = crate::engine::memory::prefill_rows(cli.prefill_chunk, opened.positions);
+    let chunk = crate::engine::memory::prefill_rows(cli.prefill_chunk, at.positions);
     Ok(DraftModel::new(
         src,
-        opened.dims.clone(),
+        at.dims.clone(),
         chunk,
         cli.draft_experts.into(),
     )?)

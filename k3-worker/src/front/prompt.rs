@@ -14,9 +14,10 @@ use crate::engine::request::{Held, Request, SessionPlan};
 use crate::engine::runner::Engine;
 use crate::engine::sampling::positions_needed;
 use crate::engine::session::{self, ForPrompt};
-use crate::front::cli::Cli;
+use crate::front::cli::{Cli, MAX_PROMPT, MAX_PROMPT_FILE};
 use crate::front::drafters::Drafters;
-use crate::front::job::{JobError, Prepared};
+use crate::front::error::{read_bounded, refuse, JobError};
+use crate::front::job::{job_shape, preflight, prepare, Prepared};
 use crate::front::report::{self, HiddenDump, RunSummary};
 use crate::model::Dims;
 use crate::tokenizer::Tokenizer;
@@ -52,10 +53,48 @@ impl Sink for Stdout<'_> {
     }
 }
 
-/// Run `prompt` as one request; the exit code (0, or 4 when an expert failed to load).
-pub fn run(cli: &Cli, job: &mut Prepared, prompt: &[u32]) -> Result<i32, JobError> {
+/// The one-shot job: the prompt read and encoded, one request run; the exit code (0, or 4 when
+/// an expert failed to load).
+pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
+    let wall = std::time::Instant::now();
+    let pre = preflight(cli)?;
+    let prompt = prompt_ids(cli, pre.tok.as_ref())?;
+    let n = positions_needed(prompt.len(), cli.gen as usize);
+    let shape = job_shape(cli, &pre, 1, n, n, n);
+    let job = prepare(cli, matches, pre, shape, wall)?;
+    run_prompt(cli, &job, &prompt)
+}
+
+/// The prompt ids, from the one prompt source clap allowed.
+fn prompt_ids(cli: &Cli, tok: Option<&Tokenizer>) -> Result<Vec<u32>, JobError> {
+    let ids = if let Some(ids) = &cli.ids {
+        ids.clone()
+    } else {
+        let tok = tok.ok_or_else(|| refuse("--prompt/--prompt-file need --tok DIR"))?;
+        let bytes = match (&cli.prompt, &cli.prompt_file) {
+            (Some(p), _) => p.as_bytes().to_vec(),
+            (None, Some(path)) => read_bounded(path, MAX_PROMPT_FILE)?,
+            (None, None) => return Err(refuse("no prompt given")),
+        };
+        // User text is encoded with special tokens disabled (SPEC.md §5.2).
+        tok.encode_bytes(&bytes, false)
+            .map_err(JobError::Tokenize)?
+    };
+    if ids.is_empty() {
+        return Err(refuse("the prompt is empty"));
+    }
+    if ids.len() > MAX_PROMPT {
+        return Err(refuse(format!(
+            "prompt of {} tokens exceeds the limit of {MAX_PROMPT}",
+            ids.len()
+        )));
+    }
+    Ok(ids)
+}
+
+/// Run `prompt` as one request of the prepared job.
+fn run_prompt(cli: &Cli, job: &Prepared, prompt: &[u32]) -> Result<i32, JobError> {
     let drafters = job.drafters(cli)?;
-    let job = &*job;
     let mut model = job.model()?;
     if cli.dump_cache_trace.is_some() {
         model.trace = Some(Vec::new());

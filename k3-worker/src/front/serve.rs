@@ -31,7 +31,8 @@ use crate::engine::sampling::{positions_needed, Sampler};
 use crate::engine::session::{self, ForPrompt};
 use crate::front::cli::{Cli, MAX_GEN};
 use crate::front::drafters::Drafters;
-use crate::front::job::{prepare, refuse, JobError};
+use crate::front::error::{refuse, JobError};
+use crate::front::job::{job_shape, preflight, prepare, serve_longest};
 use crate::front::report::{self, RunSummary};
 use crate::model::Dims;
 
@@ -330,7 +331,13 @@ fn serve(
     out: &Writer,
     inbox: &Inbox,
 ) -> Result<i32, JobError> {
-    let mut job = prepare(cli, matches)?;
+    let wall = std::time::Instant::now();
+    let pre = preflight(cli)?;
+    let ctx = cli.ctx as usize;
+    let slots = cli.parallel.unwrap_or(1) as usize;
+    let longest = serve_longest().max(ctx);
+    let shape = job_shape(cli, &pre, slots, ctx, longest, usize::MAX);
+    let job = prepare(cli, matches, pre, shape, wall)?;
     let drafters = job.drafters(cli)?;
     let job = &job;
     let src =

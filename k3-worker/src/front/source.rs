@@ -14,8 +14,7 @@ use k3_store::runtime::standalone::{StandaloneOptions, StandaloneSource};
 
 use crate::engine::memory::EnginePlan;
 use crate::front::cli::Cli;
-use crate::front::drafters::{draft_trunk_bytes, DraftFlags};
-use crate::front::job::JobError;
+use crate::front::error::{refuse, JobError};
 use crate::model::bind::ShapeTable;
 use crate::model::Dims;
 
@@ -168,15 +167,20 @@ fn state_bytes(shape: &JobShape, d: &Dims) -> StateBytes {
 /// the sequence states and the passes' buffers as the engine states them, and the draft trunk
 /// this process loads, and refuses (exit 2) when that does not fit the memory or the address
 /// space the process may still take.
+///
+/// `catalog`: the job runs a draft model (whose identity check reads the catalog);
+/// `own_draft`: the draft trunk this process loads itself (`--draft-trunk DIR`), counted in
+/// its buffers.
 pub fn open_source(
     cli: &Cli,
     matches: &clap::ArgMatches,
     shape: &JobShape,
-    drafts: &DraftFlags,
+    catalog: bool,
+    own_draft: Option<&Path>,
 ) -> Result<Opened, JobError> {
     let positions = shape.engine.positions;
     let Some(model_dir) = &cli.standalone else {
-        return attach(cli, shape, drafts);
+        return attach(cli, shape, catalog, own_draft);
     };
     let (cfg, dims, shapes, cat) = read_checkpoint(cli, model_dir, true)?;
     let cat = Arc::new(cat.expect("read with its catalog"));
@@ -184,7 +188,7 @@ pub fn open_source(
     let state = state_bytes(shape, &dims);
     let opts = StandaloneOptions {
         state: state.clone(),
-        extra_buffer_bytes: shape.engine.pass_bytes(&dims) + draft_trunk_bytes(cli, drafts, &dims)?,
+        extra_buffer_bytes: shape.engine.pass_bytes(&dims) + draft_trunk_bytes(own_draft, &dims)?,
         cache_policy: cli.budget.policy(),
         preload: cli.budget.preload,
         ..StandaloneOptions::default()
@@ -217,7 +221,12 @@ pub fn open_source(
 /// Attach to the store: the store holds the weights and streams the unpinned layers through its
 /// own ring (SPEC.md §6.8); this process allocates only the sequence states and the passes'
 /// buffers, and the pages of the store's shared memory it reads count in its resident memory.
-fn attach(cli: &Cli, shape: &JobShape, drafts: &DraftFlags) -> Result<Opened, JobError> {
+fn attach(
+    cli: &Cli,
+    shape: &JobShape,
+    catalog: bool,
+    own_draft: Option<&Path>,
+) -> Result<Opened, JobError> {
     let socket = cli.socket.path();
     let (src, info) =
         AttachedSource::attach(&socket, &AttachOptions::default()).map_err(|source| {
@@ -236,12 +245,12 @@ fn attach(cli: &Cli, shape: &JobShape, drafts: &DraftFlags) -> Result<Opened, Jo
         info.slots,
         fmt_bytes(info.ring_bytes)
     );
-    let (_, dims, shapes, cat) = read_checkpoint(cli, &info.model_dir, drafts.wants_model())?;
+    let (_, dims, shapes, cat) = read_checkpoint(cli, &info.model_dir, catalog)?;
     let plan = AttachedPlan {
         process: plan::resident_now(),
         shared: shared_read_bytes(&dims, info.shm_bytes, shape.embedded),
         state: shape.engine.state_budget(&dims),
-        buffers: shape.engine.pass_bytes(&dims) + draft_trunk_bytes(cli, drafts, &dims)?,
+        buffers: shape.engine.pass_bytes(&dims) + draft_trunk_bytes(own_draft, &dims)?,
     };
     plan.check()?;
     tracing::info!("memory plan:\n{plan}");
@@ -254,6 +263,22 @@ fn attach(cli: &Cli, shape: &JobShape, drafts: &DraftFlags) -> Result<Opened, Jo
         catalog: cat.map(Arc::new),
         plan_bytes: plan.total(),
     })
+}
+
+/// Bytes of the draft trunk in `dir` this process reads into its memory (`--draft-trunk DIR`;
+/// 0 without one), read from `draft.json` before anything loads.
+fn draft_trunk_bytes(dir: Option<&Path>, d: &Dims) -> Result<u64, JobError> {
+    let Some(dir) = dir else {
+        return Ok(0);
+    };
+    let (kind, bytes) = k3_store::runtime::draft::DraftSource::probe(dir, d.n_layers)
+        .map_err(|e| refuse(e.to_string()))?;
+    tracing::info!(
+        "draft model: {} trunk {}, held in this process",
+        kind.name(),
+        fmt_bytes(bytes)
+    );
+    Ok(bytes)
 }
 
 /// Of the store's shared memory (`shm` bytes), what an attached worker's reads make resident in
