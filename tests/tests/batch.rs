@@ -159,7 +159,10 @@ fn a_bad_batch_file_is_refused_naming_its_line() {
 fn records(sb: &Sandbox, args: &[&str]) -> (Vec<Vec<u32>>, Vec<Value>) {
     let (r, v) = sb.worker_json(args);
     assert_eq!(r.code, 0, "batch failed: {r:?}");
-    let recs = v["requests"].as_array().expect("a record per request").clone();
+    let recs = v["requests"]
+        .as_array()
+        .expect("a record per request")
+        .clone();
     let n = recs.len();
     (results(&r, n), recs)
 }
@@ -209,8 +212,14 @@ fn batched_ids_equal_solo_ids_with_history_and_ngram_drafts() {
         assert!(accepted <= drafted);
         if drafters.contains("history") {
             // The store holds every solo stream: its drafts are right.
-            assert!(accepted > 0, "--draft {drafters}: no draft accepted: {recs:?}");
-            let passes: u64 = recs.iter().map(|r| r["forward_passes"].as_u64().unwrap()).sum();
+            assert!(
+                accepted > 0,
+                "--draft {drafters}: no draft accepted: {recs:?}"
+            );
+            let passes: u64 = recs
+                .iter()
+                .map(|r| r["forward_passes"].as_u64().unwrap())
+                .sum();
             let ids: u64 = want.iter().map(|w| w.len() as u64 - 1).sum();
             assert!(passes < ids, "{passes} decode passes for {ids} ids");
         }

@@ -236,13 +236,25 @@ fn a_runs_peak_resident_memory_is_its_plan() {
     // Several sequences in one engine: --batch at its default --parallel and at 2, standalone.
     for parallel in [None, Some("2")] {
         let file = batch_file(&sb, 5);
-        let mut a = vec!["--standalone", model, "--batch", path_str(&file), "--spec", "off"];
+        let mut a = vec![
+            "--standalone",
+            model,
+            "--batch",
+            path_str(&file),
+            "--spec",
+            "off",
+        ];
         if let Some(p) = parallel {
             a.extend_from_slice(&["--parallel", p]);
         }
         let (r, v) = sb.worker_json(&a);
         assert_eq!(v["requests"].as_array().map(Vec::len), Some(5), "{v}");
-        holds(&format!("--batch, --parallel {parallel:?}"), &r, &v, &mut wrong);
+        holds(
+            &format!("--batch, --parallel {parallel:?}"),
+            &r,
+            &v,
+            &mut wrong,
+        );
     }
     // Attached: the store's cache holds what the run reads (the worker's resident memory counts
     // the store's shared pages it reads).
