@@ -28,6 +28,8 @@ use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::plan::fmt_bytes;
 use serde_json::{json, Value};
 
+use crate::fail::Failed;
+
 /// Arguments of `k3-ctl census`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -81,28 +83,17 @@ fn class_of(name: &str) -> String {
 }
 
 /// Run the subcommand; returns the exit code.
-pub fn run(a: Args) -> i32 {
+pub fn run(a: Args) -> Result<i32, Failed> {
     if !(0.0..=1.0).contains(&a.max_escape) {
-        eprintln!(
-            "k3-ctl census: --max-escape {} is not a fraction in [0, 1]",
+        return Err(Failed::refused(format!(
+            "--max-escape {} is not a fraction in [0, 1]",
             a.max_escape
-        );
-        return exit::REFUSED;
+        )));
     }
-    let (cat, _cfg) = match Catalog::open_dir(&a.model_dir) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("k3-ctl census: refusing: {e}");
-            return exit::REFUSED;
-        }
-    };
-    let index = match CheckpointIndex::open(&a.model_dir) {
-        Ok(i) => i,
-        Err(e) => {
-            eprintln!("k3-ctl census: refusing: {e}");
-            return exit::REFUSED;
-        }
-    };
+    let (cat, _cfg) =
+        Catalog::open_dir(&a.model_dir).map_err(|e| Failed::because("refusing", e))?;
+    let index = CheckpointIndex::open(&a.model_dir)
+        .map_err(|e| Failed::with_code("refusing", exit::REFUSED, e))?;
     let mut files: Vec<Option<File>> = (0..cat.shard_paths().len()).map(|_| None).collect();
     let mut entries = Vec::new();
     let mut buf = vec![0u8; CHUNK as usize];
@@ -120,25 +111,21 @@ pub fn run(a: Args) -> i32 {
             if candidate && !a.shapes_only {
                 let f = match &mut files[t.shard as usize] {
                     Some(f) => f,
-                    slot => match File::open(&cat.shard_paths()[t.shard as usize]) {
-                        Ok(f) => slot.insert(f),
-                        Err(e) => {
-                            eprintln!(
-                                "k3-ctl census: {}: {e}",
-                                cat.shard_paths()[t.shard as usize].display()
-                            );
-                            return exit::FAILURE;
-                        }
-                    },
+                    slot => {
+                        let path = &cat.shard_paths()[t.shard as usize];
+                        let f = File::open(path).map_err(|e| {
+                            Failed::with_code(path.display().to_string(), exit::FAILURE, e)
+                        })?;
+                        slot.insert(f)
+                    }
                 };
                 let mut h = HighBytes::default();
                 let mut at = 0u64;
                 while at < t.nbytes {
                     let n = CHUNK.min(t.nbytes - at) as usize;
-                    if let Err(e) = f.read_exact_at(&mut buf[..n], t.off + at) {
-                        eprintln!("k3-ctl census: reading {}: {e}", t.name);
-                        return exit::FAILURE;
-                    }
+                    f.read_exact_at(&mut buf[..n], t.off + at).map_err(|e| {
+                        Failed::with_code(format!("reading {}", t.name), exit::FAILURE, e)
+                    })?;
                     h.add(&buf[..n]);
                     at += n as u64;
                 }
@@ -292,7 +279,7 @@ fn class_line(class: &str, s: &Sizes, es: &[&Entry]) -> Value {
     })
 }
 
-fn report(a: &Args, entries: &[Entry]) -> i32 {
+fn report(a: &Args, entries: &[Entry]) -> Result<i32, Failed> {
     let mut by_class: BTreeMap<&str, (Sizes, Vec<&Entry>)> = BTreeMap::new();
     let mut total = Sizes::default();
     let mut tensors_json = Vec::new();
@@ -363,13 +350,12 @@ fn report(a: &Args, entries: &[Entry]) -> i32 {
             "tensors": tensors_json,
         });
         let text = serde_json::to_string_pretty(&doc).expect("JSON of plain values");
-        if let Err(e) = std::fs::write(path, text) {
-            eprintln!("k3-ctl census: cannot write {}: {e}", path.display());
-            return exit::FAILURE;
-        }
+        std::fs::write(path, text).map_err(|e| {
+            Failed::with_code(format!("cannot write {}", path.display()), exit::FAILURE, e)
+        })?;
         println!("wrote {}", path.display());
     }
-    exit::OK
+    Ok(exit::OK)
 }
 
 #[cfg(test)]
@@ -387,13 +373,16 @@ mod tests {
 
     #[test]
     fn missing_checkpoint_is_a_refusal() {
-        let code = run(Args {
-            model_dir: PathBuf::from("/nonexistent/k3-model"),
-            max_escape: 0.01,
-            shapes_only: false,
-            tensors: false,
-            json: None,
-        });
+        let code = exit::report(
+            "k3-ctl census",
+            run(Args {
+                model_dir: PathBuf::from("/nonexistent/k3-model"),
+                max_escape: 0.01,
+                shapes_only: false,
+                tensors: false,
+                json: None,
+            }),
+        );
         assert_eq!(code, exit::REFUSED);
     }
 }

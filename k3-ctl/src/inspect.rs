@@ -12,6 +12,8 @@ use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_proto::names::{self, TensorClass};
 use k3_proto::safetensors::CheckpointIndex;
 
+use crate::fail::Failed;
+
 /// Arguments of `k3-ctl inspect`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -227,22 +229,25 @@ fn gb(b: u64) -> String {
     k3_store::runtime::plan::fmt_bytes(b)
 }
 
-fn refuse(json: bool, problems: &[String]) -> i32 {
-    eprintln!(
-        "k3-ctl inspect: refused ({} problem{}):",
-        problems.len(),
-        if problems.len() == 1 { "" } else { "s" }
-    );
-    for p in problems {
-        eprintln!("  - {p}");
-    }
+/// The refusal of a checkpoint with `problems` (each on a line of the message); with `json`,
+/// the JSON answer `{"ok": false, "problems": …}` on stdout too.
+fn refuse(json: bool, problems: &[String]) -> Failed {
     if json {
         println!(
             "{}",
             serde_json::json!({ "ok": false, "problems": problems })
         );
     }
-    k3_proto::exit::REFUSED
+    let mut what = format!(
+        "refused ({} problem{}):",
+        problems.len(),
+        if problems.len() == 1 { "" } else { "s" }
+    );
+    for p in problems {
+        what.push_str("\n  - ");
+        what.push_str(p);
+    }
+    Failed::refused(what)
 }
 
 /// Reads config + index of `dir`; on failure, every problem of both.
@@ -271,11 +276,8 @@ fn open(dir: &Path) -> Result<(PathBuf, ModelConfig, CheckpointIndex, f64), Vec<
     }
 }
 
-pub fn run(a: Args) -> i32 {
-    let (cfg_path, cfg, idx, secs) = match open(&a.model_dir) {
-        Ok(x) => x,
-        Err(problems) => return refuse(a.json, &problems),
-    };
+pub fn run(a: Args) -> Result<i32, Failed> {
+    let (cfg_path, cfg, idx, secs) = open(&a.model_dir).map_err(|p| refuse(a.json, &p))?;
     let c = census(&cfg, &idx);
     let per_tensor = if idx.is_empty() {
         0.0
@@ -376,8 +378,8 @@ pub fn run(a: Args) -> i32 {
         );
     }
     if c.problems.is_empty() {
-        k3_proto::exit::OK
+        Ok(k3_proto::exit::OK)
     } else {
-        refuse(false, &c.problems)
+        Err(refuse(false, &c.problems))
     }
 }

@@ -162,7 +162,11 @@ pub fn run(a: Args) -> Result<i32, Failed> {
         "  tensors: OK (dtype and shape of every tensor the engine reads match the config)".into(),
     );
     // 1. The shards, end to end, hashed.
-    let (mut ok, shards_json, lens) = verify_shards(&cat, manifest.as_ref(), &mut p, &mut lines)?;
+    let Shards {
+        mut ok,
+        json: shards_json,
+        lens,
+    } = verify_shards(&cat, manifest.as_ref(), &mut p, &mut lines)?;
     let (n_tensors, outside) = tensors_outside(&cat, &lens);
     if outside.is_empty() {
         lines.say(format!(
@@ -221,14 +225,23 @@ fn verdict(ok: bool, checked: bool, model_dir: &Path) -> (i32, String) {
     }
 }
 
-/// Every shard read end to end and hashed, against the manifest when there is one: whether
-/// all are good, their JSON records and their lengths (`None`: unreadable).
+/// What reading every shard found.
+struct Shards {
+    /// All are good.
+    ok: bool,
+    /// Their JSON records.
+    json: Vec<Value>,
+    /// Their lengths (`None`: unreadable).
+    lens: Vec<Option<u64>>,
+}
+
+/// Every shard read end to end and hashed, against the manifest when there is one.
 fn verify_shards(
     cat: &Catalog,
     manifest: Option<&Manifest>,
     p: &mut Progress,
     lines: &mut Lines,
-) -> Result<(bool, Vec<Value>, Vec<Option<u64>>), Failed> {
+) -> Result<Shards, Failed> {
     let mut buf = AlignedBuf::zeroed(CHUNK as usize + 2 * k3_store::runtime::io::ALIGN)
         .map_err(|e| Failed::because("the read buffer", e))?;
     let mut ok = true;
@@ -282,7 +295,11 @@ fn verify_shards(
             "error": r.err(),
         }));
     }
-    Ok((ok, shards_json, lens))
+    Ok(Shards {
+        ok,
+        json: shards_json,
+        lens,
+    })
 }
 
 /// Check the packed trunk in `dir` against `cat`; clears `ok` on any problem. Returns the JSON

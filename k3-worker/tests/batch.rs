@@ -79,7 +79,7 @@ fn request(a: &Ask, want: &[u32]) -> Request {
 /// Collects each sequence's ids and end, by the test's index.
 struct Collect<'a> {
     index: usize,
-    got: &'a RefCell<BTreeMap<usize, (Vec<u32>, Option<Finished>)>>,
+    got: &'a Got,
 }
 
 impl Sink for Collect<'_> {
