@@ -410,6 +410,82 @@ impl<P: FnMut(u64, u64)> Loader<'_, P> {
     }
 }
 
+/// Write the segment's header: the expert arena's geometry, its regions (arena, slot table,
+/// ring) after the ones the loader pushed, validated and encoded at the segment's start.
+fn write_header(
+    seg: &mut Segment,
+    header: &mut ShmHeader,
+    lay: &SegLayout,
+    slots: usize,
+    expert_bytes: u64,
+) -> Result<(), BuildError> {
+    header.slot_count = slots as u32;
+    header.slot_stride = lay.stride;
+    header.expert_bytes = expert_bytes;
+    header
+        .push_region(RegionKind::ExpertArena, 0, lay.arena.0, lay.arena.1)
+        .map_err(|e| e.to_string())?;
+    header
+        .push_region(RegionKind::SlotTable, 0, lay.slot_table.0, lay.slot_table.1)
+        .map_err(|e| e.to_string())?;
+    if let Some((off, len)) = lay.ring {
+        header
+            .push_region(RegionKind::TrunkRing, 0, off, len)
+            .map_err(|e| e.to_string())?;
+    }
+    header.validate().map_err(|e| e.to_string())?;
+    let enc = header.encode();
+    seg.bytes_mut()[..enc.len()].copy_from_slice(enc);
+    Ok(())
+}
+
+/// The trunk ring over its region of the segment (`None` when every layer is pinned).
+fn ring_over(
+    seg: &mut Segment,
+    lay: &SegLayout,
+    trunk: TrunkLayout,
+    opts: &BuildOptions,
+) -> Result<Option<Ring>, BuildError> {
+    let Some((off, len)) = lay.ring else {
+        return Ok(None);
+    };
+    let (r0, rlen) = (off as usize, len as usize);
+    // SAFETY: the ring region lies inside the segment, which `StoreBackend` owns and keeps
+    // mapped until the ring (declared before it) is dropped and its reader joined; nothing else
+    // touches these bytes through `bytes_mut` after this point (the slot-table mirror and the
+    // arena are disjoint regions).
+    let mem = unsafe { ArenaMem::over(&mut seg.bytes_mut()[r0..r0 + rlen]) };
+    let first = lay.layers.len();
+    let ring = Ring::new(Arc::new(trunk), first, mem, opts.ring.clone());
+    Ok(Some(ring.map_err(|e| e.to_string())?))
+}
+
+/// The store's directories as it reports them (model, trunk; draft) and its status before any
+/// client.
+fn status_of(opts: &BuildOptions, shm_bytes: u64) -> ((String, String), String, StatusReport) {
+    let dirs = (
+        opts.model_dir.display().to_string(),
+        opts.trunk_dir
+            .as_ref()
+            .map_or(String::new(), |d| d.display().to_string()),
+    );
+    let draft_dir = opts
+        .draft
+        .as_ref()
+        .map_or(String::new(), |d| d.dir().display().to_string());
+    let status = StatusReport {
+        model_dir: dirs.0.clone(),
+        trunk_dir: dirs.1.clone(),
+        preset: opts.preset.clone(),
+        plan: opts.plan_text.clone(),
+        shm_bytes,
+        pid: std::process::id(),
+        clients: Vec::new(),
+        uptime_seconds: 0.0,
+    };
+    (dirs, draft_dir, status)
+}
+
 impl StoreBackend {
     /// Open the checkpoint and the packed trunk, create the segment, load the resident tensors
     /// and the pinned layers (calling `progress(done, total)` as bytes arrive), and lay out the
@@ -468,23 +544,8 @@ impl StoreBackend {
             load.draft_layers(d, &lay)?;
         }
         let done = load.done;
-        header.slot_count = opts.slots as u32;
-        header.slot_stride = lay.stride;
-        header.expert_bytes = cat.expert_layout().expert_bytes() as u64;
-        header
-            .push_region(RegionKind::ExpertArena, 0, lay.arena.0, lay.arena.1)
-            .map_err(|e| e.to_string())?;
-        header
-            .push_region(RegionKind::SlotTable, 0, lay.slot_table.0, lay.slot_table.1)
-            .map_err(|e| e.to_string())?;
-        if let Some((off, len)) = lay.ring {
-            header
-                .push_region(RegionKind::TrunkRing, 0, off, len)
-                .map_err(|e| e.to_string())?;
-        }
-        header.validate().map_err(|e| e.to_string())?;
-        let enc = header.encode();
-        seg.bytes_mut()[..enc.len()].copy_from_slice(enc);
+        let expert_bytes = cat.expert_layout().expert_bytes() as u64;
+        write_header(&mut seg, &mut header, &lay, opts.slots, expert_bytes)?;
         let (a0, alen) = (lay.arena.0 as usize, lay.arena.1 as usize);
         // SAFETY: the arena region lies inside the segment, which `StoreBackend` owns for as
         // long as the arena is used and never touches through `bytes_mut` after this point; only
@@ -496,41 +557,9 @@ impl StoreBackend {
                 opts.slots,
             )?
         };
-        let ring = match lay.ring {
-            Some((off, len)) => {
-                let (r0, rlen) = (off as usize, len as usize);
-                // SAFETY: the ring region lies inside the segment, which `StoreBackend` owns and
-                // keeps mapped until the ring (declared before it) is dropped and its reader
-                // joined; nothing else touches these bytes through `bytes_mut` after this point
-                // (the slot-table mirror and the arena are disjoint regions).
-                let mem = unsafe { ArenaMem::over(&mut seg.bytes_mut()[r0..r0 + rlen]) };
-                let first = lay.layers.len();
-                let ring = Ring::new(Arc::new(trunk), first, mem, opts.ring.clone());
-                Some(ring.map_err(|e| e.to_string())?)
-            }
-            None => None,
-        };
+        let ring = ring_over(&mut seg, &lay, trunk, opts)?;
         let base = Base(seg.as_mut_ptr());
-        let dirs = (
-            opts.model_dir.display().to_string(),
-            opts.trunk_dir
-                .as_ref()
-                .map_or(String::new(), |d| d.display().to_string()),
-        );
-        let draft_dir = opts
-            .draft
-            .as_ref()
-            .map_or(String::new(), |d| d.dir().display().to_string());
-        let status = StatusReport {
-            model_dir: dirs.0.clone(),
-            trunk_dir: dirs.1.clone(),
-            preset: opts.preset.clone(),
-            plan: opts.plan_text.clone(),
-            shm_bytes: lay.total,
-            pid: std::process::id(),
-            clients: Vec::new(),
-            uptime_seconds: 0.0,
-        };
+        let (dirs, draft_dir, status) = status_of(opts, lay.total);
         let experts = ExpertSlots::new(
             cat,
             shards,
