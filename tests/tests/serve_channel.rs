@@ -274,3 +274,43 @@ fn errors_arrive_as_a_kind_with_the_exit_code() {
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("not a Unix socket"), "{r:?}");
 }
+
+/// A lone job costs what it costs in a one-slot worker whatever the slot count: the same ids,
+/// the same expert requests (an idle slot adds no row to a pass and no request to the store).
+/// Speculation is off: with it on, the second run of the same prompt drafts from the store's
+/// history of the first and asks fewer experts (319 → 176–207 here) whichever runs second — an
+/// order effect any A/B on one store must alternate, not a slot cost.
+#[test]
+fn a_lone_job_asks_the_same_experts_of_a_one_slot_and_a_four_slot_worker() {
+    let mut sb = Sandbox::new("chan-lone");
+    start_store(&mut sb);
+    let prompt = vec![5, 17, 3, 88, 42, 7];
+    let lone = |slots: usize| {
+        let (child, mut c) = spawn(&sb, &sb.socket, slots, 64, &["--spec", "off"]);
+        hello(&mut c);
+        send(&mut c, &start(1, prompt.clone(), 12));
+        let mut ids = Vec::new();
+        let done = loop {
+            match recv(&mut c) {
+                FromWorker::Prefilled { .. } => {}
+                FromWorker::Token { id, .. } => ids.push(id),
+                FromWorker::Done {
+                    finish, timings, ..
+                } => break (finish, timings),
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+        drop(c);
+        assert_eq!(exit_code(child), 0);
+        (ids, done)
+    };
+    let (ids1, (finish1, t1)) = lone(1);
+    let (ids4, (finish4, t4)) = lone(4);
+    assert_eq!(ids1, ids4);
+    assert_eq!(finish1, finish4);
+    assert!(t1.expert_requests > 0, "{t1:?}");
+    assert_eq!(
+        t1.expert_requests, t4.expert_requests,
+        "1 slot {t1:?} vs 4 slots {t4:?}"
+    );
+}
