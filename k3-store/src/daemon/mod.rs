@@ -54,6 +54,7 @@ pub mod detach;
 pub mod history;
 pub mod loading;
 pub mod ring;
+mod segment;
 pub mod sessions;
 pub mod statedir;
 
