@@ -118,13 +118,18 @@ fn serve_worker(sb: &Sandbox, slots: usize, jobs: &[Vec<u32>]) -> (Run, Value) {
         }
     }
     drop(ours);
+    finished(child, &out)
+}
+
+/// The run of `child` once it ended, and its `--out` report at `out` (`Null` when none).
+fn finished(child: std::process::Child, out: &std::path::Path) -> (Run, Value) {
     let o = child.wait_with_output().unwrap();
     let r = Run {
         code: o.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
     };
-    let v: Value = std::fs::read_to_string(&out)
+    let v: Value = std::fs::read_to_string(out)
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or(Value::Null);
@@ -157,16 +162,7 @@ fn chat(sb: &Sandbox, input: &str, extra: &[&str]) -> (Run, Value) {
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(input.as_bytes()).unwrap();
     drop(stdin);
-    let o = child.wait_with_output().unwrap();
-    let r = Run {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    };
-    let v: Value = std::fs::read_to_string(&out)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or(Value::Null);
+    let (r, v) = finished(child, &out);
     assert_eq!(v["refused"], 0, "a chat turn did not fit: {v}");
     (r, v)
 }

@@ -294,12 +294,7 @@ impl StandaloneSource {
             .iter()
             .find(|t| t.name == k3_proto::names::EMBED)
             .map(|t| {
-                let f = shards
-                    .get(t.shard as usize)
-                    .ok_or_else(|| OpenError::NotOpen {
-                        tensor: t.name.clone(),
-                        shard: t.shard,
-                    })?;
+                let f = shard_of(&shards, t)?;
                 let file = std::fs::File::open(f.path()).map_err(|source| OpenError::Embed {
                     path: f.path().into(),
                     source,
@@ -374,6 +369,19 @@ impl StandaloneSource {
     }
 }
 
+/// The open shard model tensor `t` lies in.
+fn shard_of<'a>(
+    shards: &'a [Arc<DiskFile>],
+    t: &crate::runtime::catalog::TensorExtent,
+) -> Result<&'a Arc<DiskFile>, OpenError> {
+    shards
+        .get(t.shard as usize)
+        .ok_or_else(|| OpenError::NotOpen {
+            tensor: t.name.clone(),
+            shard: t.shard,
+        })
+}
+
 fn load_model_tensors(
     cat: &Catalog,
     shards: &[Arc<DiskFile>],
@@ -382,12 +390,7 @@ fn load_model_tensors(
     let ts = cat.model_tensors();
     let mut out = HashMap::with_capacity(ts.len());
     for (i, t) in ts.iter().enumerate() {
-        let f = shards
-            .get(t.shard as usize)
-            .ok_or_else(|| OpenError::NotOpen {
-                tensor: t.name.clone(),
-                shard: t.shard,
-            })?;
+        let f = shard_of(shards, t)?;
         let r = if t.name == k3_proto::names::EMBED {
             // One row per token is read: map it, so only the rows used become resident.
             let m =

@@ -404,17 +404,7 @@ fn keep(
 ) -> Option<u64> {
     match session::keep(src, name, ids, state, &session::Meta::default()) {
         Ok(k) => {
-            tracing::info!(
-                "session {name}: kept {} positions ({:.3} MB) in {:.3} s{}",
-                ids.len(),
-                k.bytes as f64 / 1e6,
-                k.seconds,
-                if k.evicted.is_empty() {
-                    String::new()
-                } else {
-                    format!("; the store evicted {}", k.evicted.join(", "))
-                }
-            );
+            tracing::info!("{}", k.line(name, ids.len()));
             Some(k.bytes)
         }
         Err(e) => {

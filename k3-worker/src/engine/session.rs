@@ -196,6 +196,22 @@ pub struct Kept {
     pub seconds: f64,
 }
 
+impl Kept {
+    /// The line that says session `name` was kept holding `positions`.
+    pub fn line(&self, name: &str, positions: usize) -> String {
+        let evicted = if self.evicted.is_empty() {
+            String::new()
+        } else {
+            format!("; the store evicted {}", self.evicted.join(", "))
+        };
+        format!(
+            "session {name}: kept {positions} positions ({:.3} MB) in {:.3} s{evicted}",
+            self.bytes as f64 / 1e6,
+            self.seconds
+        )
+    }
+}
+
 /// Hand the state (holding `held`) and `meta` to the store as session `name`.
 pub fn keep(
     src: &AttachedSource,

@@ -253,11 +253,7 @@ fn run_batch(cli: &Cli, job: &Prepared, items: &[BatchItem]) -> Result<i32, JobE
     let summary = RunSummary::collect(engine.model(), secs);
     if let Some(path) = &cli.out {
         let v = report_json(&summary, records, steps, job.opened.plan_bytes);
-        report::write_json(path, &v).map_err(|(path, source)| JobError::Output {
-            path,
-            source,
-            before_work: false,
-        })?;
+        report::written(report::write_json(path, &v))?;
     }
     Ok(summary.exit_code())
 }

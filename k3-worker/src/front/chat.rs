@@ -779,11 +779,7 @@ fn run_chat(cli: &Cli, job: &Prepared, thinking: Option<Effort>) -> Result<i32, 
             "peak_rss_bytes": report::peak_rss_bytes(),
             "memory_plan_bytes": job.opened.plan_bytes,
         });
-        report::write_json(path, &v).map_err(|(path, source)| JobError::Output {
-            path,
-            source,
-            before_work: false,
-        })?;
+        report::written(report::write_json(path, &v))?;
     }
     Ok(report::expert_failures(&engine.model().counters))
 }
@@ -834,18 +830,7 @@ fn keep(src: &AttachedSource, name: &str, c: &Conversation, err: &mut dyn Write)
     };
     match session::keep(src, name, c.held(), state, &meta) {
         Ok(k) => {
-            let _ = writeln!(
-                err,
-                "session {name}: kept {} positions ({:.3} MB) in {:.3} s{}",
-                c.held().len(),
-                k.bytes as f64 / 1e6,
-                k.seconds,
-                if k.evicted.is_empty() {
-                    String::new()
-                } else {
-                    format!("; the store evicted {}", k.evicted.join(", "))
-                }
-            );
+            let _ = writeln!(err, "{}", k.line(name, c.held().len()));
         }
         Err(e) => {
             let _ = writeln!(err, "session {name}: NOT kept: {e}");

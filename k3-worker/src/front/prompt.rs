@@ -136,22 +136,15 @@ fn run_prompt(cli: &Cli, job: &Prepared, prompt: &[u32]) -> Result<i32, JobError
     if let Some((calls, seconds)) = draft_cost {
         eprintln!("draft model: {calls} forward calls, {seconds:.3} s (inside the decode seconds)");
     }
-    let written = |r: report::WriteResult| {
-        r.map_err(|(path, source)| JobError::Output {
-            path,
-            source,
-            before_work: false,
-        })
-    };
     if let Some(path) = &cli.dump_logits {
         let logits = fin.report.step0_logits.as_deref().unwrap_or(&[]);
-        written(report::write_logits(path, logits))?;
+        report::written(report::write_logits(path, logits))?;
     }
     if let (Some(dir), Some(trace)) = (&cli.dump_cache_trace, engine.model().trace.as_ref()) {
-        written(report::write_trace(dir, trace))?;
+        report::written(report::write_trace(dir, trace))?;
     }
     if let Some(dir) = &cli.dump_hidden {
-        written(hidden.write(dir, engine.model().dims.hidden))?;
+        report::written(hidden.write(dir, engine.model().dims.hidden))?;
     }
     if let Some(path) = &cli.out {
         let mut v = summary.json(&fin.report);
@@ -167,7 +160,7 @@ fn run_prompt(cli: &Cli, job: &Prepared, prompt: &[u32]) -> Result<i32, JobError
                 "kept_bytes": fin.timings.kept_session_bytes,
             });
         }
-        written(report::write_json(path, &v))?;
+        report::written(report::write_json(path, &v))?;
     }
     Ok(summary.exit_code())
 }

@@ -10,6 +10,7 @@ use std::rc::Rc;
 use k3_store::runtime::plan::fmt_bytes;
 use k3_store::runtime::source::SourceStats;
 
+use super::error::JobError;
 use crate::engine::outputs::{GenReport, StepReport};
 use crate::model::{Model, RunCounters, TraceRecord};
 
@@ -353,6 +354,15 @@ pub fn write_logits(path: &Path, logits: &[f32]) -> WriteResult {
 pub fn write_json(path: &Path, v: &serde_json::Value) -> WriteResult {
     let text = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
     write(path, text.as_bytes())
+}
+
+/// A file written after the work (a report, a dump): its failure as the job's error.
+pub fn written(r: WriteResult) -> Result<(), JobError> {
+    r.map_err(|(path, source)| JobError::Output {
+        path,
+        source,
+        before_work: false,
+    })
 }
 
 /// `--dump-cache-trace`: `DIR/expert_trace.jsonl`, one request per line.

@@ -389,11 +389,7 @@ fn serve(
             "peak_rss_bytes": summary.peak,
             "memory_plan_bytes": job.opened.plan_bytes,
         });
-        report::write_json(path, &v).map_err(|(path, source)| JobError::Output {
-            path,
-            source,
-            before_work: false,
-        })?;
+        report::written(report::write_json(path, &v))?;
     }
     Ok(code)
 }
