@@ -8,7 +8,7 @@
 use std::sync::OnceLock;
 
 use k3_fuzz::repo_root;
-use k3_worker::chat::{ChatFormat, Markers, Message, Options};
+use k3_worker::text::xtml::{ChatFormat, Markers, Message, Options};
 use k3_worker::text::tools::{Arguments, CallParser, ToolCall, ToolEvent};
 use k3_worker::tokenizer::Tokenizer;
 use libfuzzer_sys::fuzz_target;

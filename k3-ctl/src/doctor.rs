@@ -29,6 +29,8 @@ use k3_store::runtime::io::{AlignedBuf, DiskFile, ALIGN};
 use k3_store::runtime::plan::{Budget, BudgetFlag, MemoryPlan, PRESETS};
 use serde_json::{json, Value};
 
+use crate::fail::Failed;
+
 /// Bytes of one routed expert at full scale (MXFP4 w1/w2/w3 + scales): one engine read.
 pub const EXPERT_BYTES: u64 = 17_547_264;
 /// Reader threads for the queue-depth-16 figure.
@@ -606,34 +608,35 @@ fn device_name(dev: u64) -> String {
 }
 
 /// Run `k3-ctl doctor`.
-pub fn run(a: Args) -> i32 {
+pub fn run(a: Args) -> Result<i32, Failed> {
     if !(a.seconds.is_finite() && a.seconds > 0.0 && a.seconds <= 600.0) {
-        eprintln!("k3-ctl doctor: --seconds must be in (0, 600]");
-        return k3_proto::exit::REFUSED;
+        return Err(Failed::refused("--seconds must be in (0, 600]"));
     }
     if !a.no_disk {
-        if let Err(e) = std::fs::metadata(&a.dir) {
-            eprintln!("k3-ctl doctor: --dir {}: {e}", a.dir.display());
-            return k3_proto::exit::REFUSED;
-        }
+        std::fs::metadata(&a.dir).map_err(|e| {
+            Failed::with_code(
+                format!("--dir {}", a.dir.display()),
+                k3_proto::exit::REFUSED,
+                e,
+            )
+        })?;
     }
     if a.size_mib > (1 << 20) {
-        eprintln!("k3-ctl doctor: --size-mib at most 1048576");
-        return k3_proto::exit::REFUSED;
+        return Err(Failed::refused("--size-mib at most 1048576"));
     }
     if !(1..=MAX_READ_BYTES).contains(&a.read_bytes) {
-        eprintln!("k3-ctl doctor: --read-bytes must be in [1, {MAX_READ_BYTES}]");
-        return k3_proto::exit::REFUSED;
+        return Err(Failed::refused(format!(
+            "--read-bytes must be in [1, {MAX_READ_BYTES}]"
+        )));
     }
     if !a.no_disk && a.dir.is_dir() && a.read_bytes > scratch_bytes(a.size_mib) / 2 {
-        eprintln!(
-            "k3-ctl doctor: --read-bytes {} needs a scratch file of at least twice that; \
+        return Err(Failed::refused(format!(
+            "--read-bytes {} needs a scratch file of at least twice that; \
              --size-mib {} gives {} bytes",
             a.read_bytes,
             a.size_mib,
             scratch_bytes(a.size_mib)
-        );
-        return k3_proto::exit::REFUSED;
+        )));
     }
     let tiers: Vec<Value> = k3_worker::kernels::Tier::ALL
         .iter()
@@ -669,8 +672,8 @@ pub fn run(a: Args) -> i32 {
             print_kernels(&doc["kernels"]);
         }
     }
-    let code = if a.no_disk {
-        k3_proto::exit::OK
+    let outcome = if a.no_disk {
+        Ok(k3_proto::exit::OK)
     } else {
         if !a.json {
             println!(
@@ -685,19 +688,18 @@ pub fn run(a: Args) -> i32 {
                     print_disk(&d);
                 }
                 doc["disk"] = d;
-                k3_proto::exit::OK
+                Ok(k3_proto::exit::OK)
             }
             Err(e) => {
-                eprintln!("k3-ctl doctor: disk: {e}");
                 doc["disk"] = json!({"error": e.to_string()});
-                k3_proto::exit::FAILURE
+                Err(Failed::with_code("disk", k3_proto::exit::FAILURE, e))
             }
         }
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
     }
-    code
+    outcome
 }
 
 /// Kernel rates per available tier on this machine (each figure names the CPU and the tier):
@@ -1022,7 +1024,8 @@ mod tests {
         // Over half the 64 MiB scratch file would leave no room to read at random.
         for read_bytes in [0, MAX_READ_BYTES + 1, (32 << 20) + 1] {
             let a = small_args(tmp.path(), read_bytes);
-            assert_eq!(run(a), k3_proto::exit::REFUSED, "--read-bytes {read_bytes}");
+            let code = k3_proto::exit::report("k3-ctl doctor", run(a));
+            assert_eq!(code, k3_proto::exit::REFUSED, "--read-bytes {read_bytes}");
         }
         // Refused before the scratch file was made.
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);

@@ -15,6 +15,9 @@ use k3_store::runtime::trunk::{
     pack_trunk, pack_trunk_coded, TrunkError, AUTO_WIDTHS, DEFAULT_MAX_ESCAPE, DEFAULT_WIDTH,
 };
 
+use crate::fail::Failed;
+use k3_proto::exit::ExitStatus;
+
 /// Arguments of `k3-ctl pack-trunk`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -69,10 +72,11 @@ fn parse_codec(s: &str) -> Result<Codec, CodecArgError> {
 pub struct CodecArgError(String);
 
 /// Run the subcommand; returns the exit code.
-pub fn run(a: Args) -> i32 {
+pub fn run(a: Args) -> Result<i32, Failed> {
     if a.draft.is_some() && a.codec.is_some() {
-        eprintln!("k3-ctl pack-trunk: refusing: --codec applies to the packed trunk, not --draft");
-        return exit::REFUSED;
+        return Err(Failed::refused(
+            "refusing: --codec applies to the packed trunk, not --draft",
+        ));
     }
     let codec = match (&a.draft, a.codec.clone()) {
         (Some(_), _) => Codec::Raw,
@@ -80,19 +84,13 @@ pub fn run(a: Args) -> i32 {
         (None, None) => Codec::EcBf16(vec![DEFAULT_WIDTH]),
     };
     if !(0.0..=1.0).contains(&a.max_escape) {
-        eprintln!(
-            "k3-ctl pack-trunk: refusing: --max-escape {} is not a fraction in 0..1",
+        return Err(Failed::refused(format!(
+            "refusing: --max-escape {} is not a fraction in 0..1",
             a.max_escape
-        );
-        return exit::REFUSED;
+        )));
     }
-    let (cat, _cfg) = match Catalog::open_dir(&a.model_dir) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("k3-ctl pack-trunk: refusing: {e}");
-            return exit::REFUSED;
-        }
-    };
+    let (cat, _cfg) =
+        Catalog::open_dir(&a.model_dir).map_err(|e| Failed::because("refusing", e))?;
     let total: u64 = (0..cat.n_layers()).map(|l| cat.trunk_bytes(l)).sum();
     let what = match (a.draft, &codec) {
         (Some(k), _) => format!("an {} draft of", k.name()),
@@ -142,36 +140,32 @@ pub fn run(a: Args) -> i32 {
     } else {
         "trunk.bin"
     };
-    match r {
-        Ok(s) => {
-            println!(
-                "packed {} layers, {} bytes ({}), {file} {} bytes, largest run {}, {:.2} s",
-                s.layers,
-                s.bytes,
-                fmt_bytes(s.bytes),
-                s.file_bytes,
-                fmt_bytes(s.largest_run),
-                s.seconds
-            );
-            if a.draft.is_none() && codec != Codec::Raw {
-                println!(
-                    "coded: {} of the checkpoint's {} trunk bytes ({:.3}x)",
-                    s.bytes,
-                    total,
-                    s.bytes as f64 / total.max(1) as f64
-                );
-            }
-            exit::OK
-        }
-        Err(TrunkError::Refused(m)) => {
-            eprintln!("k3-ctl pack-trunk: refusing: {m}");
-            exit::REFUSED
-        }
-        Err(TrunkError::Io(m)) => {
-            eprintln!("k3-ctl pack-trunk: I/O failure: {m}");
-            exit::FAILURE
-        }
+    let s = r.map_err(|e| {
+        let what = if e.exit_code() == exit::REFUSED {
+            "refusing"
+        } else {
+            "I/O failure"
+        };
+        Failed::because(what, e)
+    })?;
+    println!(
+        "packed {} layers, {} bytes ({}), {file} {} bytes, largest run {}, {:.2} s",
+        s.layers,
+        s.bytes,
+        fmt_bytes(s.bytes),
+        s.file_bytes,
+        fmt_bytes(s.largest_run),
+        s.seconds
+    );
+    if a.draft.is_none() && codec != Codec::Raw {
+        println!(
+            "coded: {} of the checkpoint's {} trunk bytes ({:.3}x)",
+            s.bytes,
+            total,
+            s.bytes as f64 / total.max(1) as f64
+        );
     }
+    Ok(exit::OK)
 }
 
 #[cfg(test)]
@@ -180,13 +174,16 @@ mod tests {
 
     #[test]
     fn missing_checkpoint_is_a_refusal() {
-        let code = run(Args {
-            model_dir: PathBuf::from("/nonexistent/k3-model"),
-            out_dir: std::env::temp_dir().join("k3-pack-never-written"),
-            draft: None,
-            codec: None,
-            max_escape: DEFAULT_MAX_ESCAPE,
-        });
+        let code = exit::report(
+            "k3-ctl pack-trunk",
+            run(Args {
+                model_dir: PathBuf::from("/nonexistent/k3-model"),
+                out_dir: std::env::temp_dir().join("k3-pack-never-written"),
+                draft: None,
+                codec: None,
+                max_escape: DEFAULT_MAX_ESCAPE,
+            }),
+        );
         assert_eq!(code, exit::REFUSED);
         assert!(!std::env::temp_dir().join("k3-pack-never-written").exists());
     }

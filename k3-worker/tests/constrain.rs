@@ -6,9 +6,9 @@
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-use k3_worker::chat::Markers;
 use k3_worker::constrain::{apply, Constraint, MaskAhead, Spec, TokenMask, Vocab};
 use k3_worker::text::tools::{CallParser, ToolEvent, ToolSpec};
+use k3_worker::text::xtml::Markers;
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 

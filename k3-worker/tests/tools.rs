@@ -4,10 +4,10 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use k3_worker::chat::{ChatFormat, Effort, Markers, Message, Options};
 use k3_worker::text::tools::{
     Arguments, CallParser, ChoiceNote, MalformedCall, ParsedCall, ToolCall, ToolEvent, ToolSpec,
 };
+use k3_worker::text::xtml::{ChatFormat, Effort, Markers, Message, Options};
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::json;
 
@@ -167,7 +167,7 @@ fn calls_and_results_in_the_history() {
         "message",
         &[("role", "system"), ("type", "thinking-effort")],
     )
-    .t(&k3_worker::chat::effort_body(Effort::Max))
+    .t(&k3_worker::text::xtml::effort_body(Effort::Max))
     .close("message")
     .m(EOM)
     .open("message", &[("role", "user")])

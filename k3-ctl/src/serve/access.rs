@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use super::api::ApiError;
 use super::conn::Conn;
-use super::http::AppState;
+use super::metrics::Metrics;
 use super::metrics::RouteStatus;
 
 /// Longest client-given request id kept.
@@ -143,22 +143,31 @@ fn preflight(p: &Policy, h: &HeaderMap) -> Response {
     r
 }
 
+/// What the middleware needs of the server's state: the API key and CORS policy, and the
+/// metrics it counts every answer in.
+pub trait Guarded: Send + Sync + 'static {
+    /// The API key and the CORS origins.
+    fn policy(&self) -> &Policy;
+    /// The metrics.
+    fn metrics(&self) -> &Metrics;
+}
+
 /// `routes` wrapped in the middleware.
-pub fn layers(routes: axum::Router, st: Arc<AppState>) -> axum::Router {
-    routes.layer(axum::middleware::from_fn_with_state(st, layer))
+pub fn layers<S: Guarded>(routes: axum::Router, st: Arc<S>) -> axum::Router {
+    routes.layer(axum::middleware::from_fn_with_state(st, layer::<S>))
 }
 
 /// The middleware (see the module doc).
-pub async fn layer(State(st): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+pub async fn layer<S: Guarded>(State(st): State<Arc<S>>, mut req: Request, next: Next) -> Response {
     let id = sane_id(req.headers()).unwrap_or_else(new_id);
     let route = route_of(req.uri().path());
     let span = tracing::info_span!("request", id = %id);
     let t0 = Instant::now();
     let method = req.method().clone();
     let path = req.uri().path().to_string();
-    let origin = allowed_origin(&st.policy, req.headers()).map(str::to_string);
+    let origin = allowed_origin(st.policy(), req.headers()).map(str::to_string);
     async move {
-        let policy = &st.policy;
+        let policy = st.policy();
         let mut r = if method == Method::OPTIONS
             && req
                 .headers()
@@ -199,7 +208,7 @@ pub async fn layer(State(st): State<Arc<AppState>>, mut req: Request, next: Next
             r.headers_mut().insert("x-request-id", v);
         }
         let status = r.status().as_u16();
-        st.metrics
+        st.metrics()
             .requests
             .get_or_create(&RouteStatus {
                 route: route.to_string(),

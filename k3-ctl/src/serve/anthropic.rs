@@ -24,8 +24,8 @@
 use axum::body::Body;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use k3_worker::chat::{Effort, Message};
 use k3_worker::text::tools::{Arguments, ChoiceNote, ToolCall, ToolSpec};
+use k3_worker::text::xtml::{Effort, Message};
 use serde::Deserialize;
 use serde_json::{json, Value};
 

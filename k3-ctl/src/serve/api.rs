@@ -19,15 +19,15 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use k3_worker::chat::{Effort, Message};
 use k3_worker::text::tools::{self, Arguments, ChoiceNote, ToolCall, ToolSpec};
+use k3_worker::text::xtml::{Effort, Message};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 /// Most ids one request may generate (the worker's limit, defined once in its command line).
-pub const MAX_GEN: usize = k3_worker::cli::MAX_GEN as usize;
+pub const MAX_GEN: usize = k3_worker::front::cli::MAX_GEN as usize;
 /// Longest prompt in ids (the worker's limit).
-pub const MAX_PROMPT: usize = k3_worker::cli::MAX_PROMPT;
+pub const MAX_PROMPT: usize = k3_worker::front::cli::MAX_PROMPT;
 /// `max_tokens` of a chat request when not given: what this model answers in well under an
 /// hour at the `server` preset's projected 8–13 s/token (docs/BENCHMARKS.md), rather than the
 /// days 4,096 ids would take.

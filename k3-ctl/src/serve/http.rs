@@ -5,12 +5,12 @@
 //! routes).
 //!
 //! A generation request takes a place in the queue (429 when none is free), waits for a job slot,
-//! then runs one `k3-worker` attached to the store ([`Job`]). A whole answer is sent when the job
+//! then runs as a job of the server's one `k3-worker` ([`Job`]). A whole answer is sent when the job
 //! ends; a streamed one sends its headers at once (after the queue and the store said yes), then
 //! SSE comments while it waits (`: queued, position N`) and keep-alive comments between ids, and
 //! a failure after that as a last `data: {"error": …}` event. When the client goes away (see
 //! [`super::conn`]), the request's future or body is dropped, which drops its [`Place`] and
-//! [`Job`]: the queue place is freed and the worker cancelled.
+//! [`Job`]: the queue place is freed and the job cancelled.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -27,7 +27,7 @@ use futures_util::stream;
 use http_body_util::BodyExt;
 use k3_proto::serve::{ErrorKind, Finish, Sampling, Start, Timings, Usage};
 use k3_proto::wire::{ClientKind, Request as StoreRequest, Response as StoreResponse, StatsReport};
-use k3_worker::chat::{ChatFormat, Markers, Options};
+use k3_worker::text::xtml::{ChatFormat, Markers, Options};
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -35,7 +35,7 @@ use tracing::Instrument;
 
 use super::access::Ctx;
 use super::api::{self, ApiError, Settings};
-use super::job::{Event, Job, JobError, WorkerSpec};
+use super::job::{Event, Job, JobError, Worker};
 use super::metrics::Metrics;
 use super::queue::{Admission, Meta, Place};
 use super::reply::{CallRules, Delta, ReplyText};
@@ -47,10 +47,8 @@ pub struct AppState {
     pub tok: Arc<Tokenizer>,
     /// Its chat markers.
     pub markers: Markers,
-    /// How to run a worker.
-    pub worker: WorkerSpec,
-    /// The batch worker concurrent requests share (None: every request gets its own worker).
-    pub batch: Option<super::batch::BatchPool>,
+    /// The worker every request runs in.
+    pub worker: Worker,
     /// Job slots and the queue.
     pub admission: Arc<Admission>,
     /// The served model id.
@@ -76,6 +74,15 @@ pub struct AppState {
 }
 
 type Shared = Arc<AppState>;
+
+impl super::access::Guarded for AppState {
+    fn policy(&self) -> &super::access::Policy {
+        &self.policy
+    }
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
 
 /// The routes (the access layers are added by [`super::access::layers`]).
 pub fn routes(state: Shared) -> Router {
@@ -564,21 +571,11 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
         },
         session: session.as_ref().map(|s| s.0.clone()),
     };
-    let job = match st.batch.as_ref().filter(|b| b.takes(&job)) {
-        Some(pool) => match pool.submit(job.clone()).await.map_err(job_error)? {
-            Some(seat) => Job::Batched(seat),
-            None => Job::spawn(&st.worker, job).await.map_err(job_error)?,
-        },
-        None => Job::spawn(&st.worker, job).await.map_err(job_error)?,
-    };
+    let job = st.worker.submit(job).await.map_err(job_error)?;
     place.set_worker(job.pid());
     tracing::info!(
-        "{} {} worker pid {} ({} prompt ids, up to {} new){}",
+        "{} joined worker pid {} ({} prompt ids, up to {} new){}",
         g.id,
-        match job {
-            Job::Own(_) => "started",
-            Job::Batched(_) => "joined the batch of",
-        },
         job.pid(),
         g.prompt.len(),
         g.settings.max_new,

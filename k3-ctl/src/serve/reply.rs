@@ -18,9 +18,8 @@
 
 use std::sync::Arc;
 
-use k3_worker::chat::{Channel, Markers, ReplyParser};
-use k3_worker::generate::END_IDS;
 use k3_worker::text::tools::{CallParser, ToolEvent};
+use k3_worker::text::xtml::{Channel, Markers, ReplyParser, END_IDS};
 use k3_worker::tokenizer::Tokenizer;
 
 use super::text::{StopText, Utf8Stream};
@@ -323,7 +322,7 @@ impl ReplyText {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k3_worker::chat::{ChatFormat, Message};
+    use k3_worker::text::xtml::{ChatFormat, Message};
     use std::path::PathBuf;
 
     fn tok() -> Arc<Tokenizer> {
@@ -489,9 +488,9 @@ mod tests {
     #[test]
     fn chat_reply_splits_channels_like_the_worker() {
         let t = tok();
-        let fmt = ChatFormat::new(&t, Some(k3_worker::chat::Effort::Low)).unwrap();
+        let fmt = ChatFormat::new(&t, Some(k3_worker::text::xtml::Effort::Low)).unwrap();
         // A reply as the model writes it after the generation prompt (inside <think>).
-        let history = [Message::from_reply(&k3_worker::chat::Reply {
+        let history = [Message::from_reply(&k3_worker::text::xtml::Reply {
             ids: vec![],
             think_ids: t.encode("let me think"),
             response_ids: t.encode("The answer is 4."),

@@ -1636,7 +1636,7 @@ impl ExpertCache {
         policy: Box<dyn EvictionPolicy>,
     ) -> Result<ExpertCache, SourceError> {
         let stride = ExpertReader::slot_stride(&catalog.expert_layout());
-        let arena = Arena::heap(stride, opts.slots).map_err(|e| SourceError::Io(e.to_string()))?;
+        let arena = Arena::heap(stride, opts.slots).map_err(|e| SourceError::Cache(e.into()))?;
         let slots = ExpertSlots::new(
             catalog,
             files,
@@ -1646,7 +1646,7 @@ impl ExpertCache {
             opts.busy_timeout,
             0.0,
         )
-        .map_err(|e| SourceError::Io(e.to_string()))?;
+        .map_err(|e| SourceError::Cache(e.into()))?;
         Ok(ExpertCache {
             slots: Arc::new(slots),
             opts,
@@ -1702,7 +1702,7 @@ impl ExpertCache {
     ) -> Result<Preloaded, SourceError> {
         (self.slots)
             .preload(set, self.fail.as_ref(), &|_, _| {}, progress)
-            .map_err(|e| SourceError::Io(format!("preloading the expert cache: {e}")))
+            .map_err(SourceError::Preload)
     }
 
     /// Counters so far.

@@ -66,20 +66,6 @@ use rayon::prelude::*;
 /// 8-row bf16 decode blocks.
 pub const ROW_CHUNK: usize = 16;
 
-/// bf16 rows of at most this many columns are dotted with a single token one row at a time by
-/// the SIMD tiers, not in blocks of 8 rows. Eight short rows lie in the same few 4 KB pages, and
-/// loading them in step (line 0 of each row, then line 1 of each, ...) jumps back and forth
-/// through those pages: the hardware prefetcher does not follow, and the kernel waits on memory
-/// (the `small` model's 163840×256 lm_head, AVX-512, `cargo bench -p k3-worker --bench
-/// kernels`: 8.9 GB/s at 1 thread and 12.3 at 2 in blocks of 8; 21.1 and 28.3 one row at a
-/// time). One row at a time is a sequential scan, and its activations (≤ 8 KB) stay in L1, so
-/// reloading them per row costs nothing. A sweep over widths (84 MB matrices, 1 and 2 threads)
-/// found both ways equal at 2048 columns and the 8-row blocks faster from 3072. K3's narrow
-/// matrices: `f_b_proj` (128 columns), `kv_b_proj` (512), `q_b_proj` (1536). Only the loop
-/// nesting changes, not any accumulator's operation sequence, so the results are the same
-/// bits.
-pub const NARROW_COLS: usize = 2048;
-
 /// Below this many multiply-adds (`rows·cols·n`) a matrix kernel runs on the calling thread.
 /// Handing work to the pool and waking a sleeping worker costs ~10–20 µs on a 2-vCPU VM, about
 /// what one thread needs for 256 Ki bf16 multiply-adds (512 KB of weights at ~15 GB/s): smaller
@@ -97,11 +83,7 @@ pub fn build_pool(threads: usize) -> Result<rayon::ThreadPool, rayon::ThreadPool
         .build()
 }
 
-/// Widen one bf16 (given as its bits) to f32, exactly.
-#[inline(always)]
-pub fn bf16_to_f32(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
-}
+pub use scalar::{bf16_to_f32, sigmoid, NARROW_COLS};
 
 /// Widen a little-endian bf16 byte run into f32s.
 pub fn bf16_bytes_to_f32(bytes: &[u8]) -> Vec<f32> {
@@ -267,12 +249,6 @@ pub fn softmax_inplace(x: &mut [f32]) {
 /// `Σ a[i]·b[i]` over f32 vectors.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     Kernels::active().dot_f32(a, b)
-}
-
-/// Logistic sigmoid.
-#[inline]
-pub fn sigmoid(z: f32) -> f32 {
-    1.0 / (1.0 + (-z).exp())
 }
 
 /// `z·σ(z)`.

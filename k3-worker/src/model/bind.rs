@@ -151,17 +151,33 @@ impl MatSpan {
     }
 }
 
+/// Why a tensor's bytes are not the EC-BF16 matrix its binding expects (both callers wrap it
+/// with `bind_err`, which names the tensor).
+#[derive(Debug, thiserror::Error)]
+enum CodedProblem {
+    /// Not an EC-BF16 matrix.
+    #[error(transparent)]
+    Codec(#[from] k3_proto::ecbf16::CodecError),
+    /// Another shape.
+    #[error("EC-BF16 matrix [{got_rows}, {got_cols}], expected [{rows}, {cols}]")]
+    Shape {
+        got_rows: usize,
+        got_cols: usize,
+        rows: usize,
+        cols: usize,
+    },
+}
+
 /// `bytes` parsed as an EC-BF16 matrix of shape `[rows, cols]`.
-// String error because both callers wrap it with `bind_err`, which names the tensor (the
-// ModelError a failed bind is).
-fn coded_of(bytes: &[u8], rows: usize, cols: usize) -> Result<CodedMatrix<'_>, String> {
-    let m = CodedMatrix::parse(bytes).map_err(|e| e.to_string())?;
+fn coded_of(bytes: &[u8], rows: usize, cols: usize) -> Result<CodedMatrix<'_>, CodedProblem> {
+    let m = CodedMatrix::parse(bytes)?;
     if (m.rows(), m.cols()) != (rows, cols) {
-        return Err(format!(
-            "EC-BF16 matrix [{}, {}], expected [{rows}, {cols}]",
-            m.rows(),
-            m.cols()
-        ));
+        return Err(CodedProblem::Shape {
+            got_rows: m.rows(),
+            got_cols: m.cols(),
+            rows,
+            cols,
+        });
     }
     Ok(m)
 }
@@ -356,7 +372,7 @@ impl<'r> LayerView<'r> {
                     ),
                 )
             })?;
-        coded_of(span.of(region), rows, cols).map_err(|p| bind_err(&name, p))?;
+        coded_of(span.of(region), rows, cols).map_err(|p| bind_err(&name, p.to_string()))?;
         // A coded matrix's shape fits the header's u32 fields (parsed above).
         let (rows, cols) = (rows as u32, cols as u32);
         Ok(Some(MatSpan::Coded {

@@ -3,7 +3,7 @@
 //! calls the model generates back into (name, arguments), id by id.
 //!
 //! Rendering produces [`Piece`]s (open tag, close tag, text, end of message) that the chat
-//! renderer ([`crate::chat::ChatFormat`]) turns into ids: markers become control ids, every other
+//! renderer ([`crate::text::xtml::ChatFormat`]) turns into ids: markers become control ids, every other
 //! piece is ordinary text encoded on its own (an attribute's ` key`, `="`, value and `"` are four
 //! separate encodes, as in the release).
 //!
@@ -24,7 +24,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::generate::END_IDS;
+use crate::text::xtml::END_IDS;
 use crate::tokenizer::Tokenizer;
 
 /// One piece of a rendered conversation.
