@@ -74,19 +74,42 @@ fn build_binaries() -> Result<BTreeMap<String, PathBuf>, String> {
     Ok(built)
 }
 
-/// The `small` checkpoint (real vocabulary), generated once per test binary.
+/// The `small` checkpoint (real vocabulary), generated once per generator version and kept
+/// under `target/k3-test-models/` (shared by every test binary and run, so no run leaves a copy
+/// behind in the temporary directory).
 pub fn small_model() -> &'static Path {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &DIR.get_or_init(|| {
-        let tmp = tempfile::Builder::new()
-            .prefix("k3-e2e-small-")
-            .tempdir()
-            .unwrap();
-        let out = tmp.path().join("small");
-        make_checkpoint("small", 1, &out);
-        (tmp, out)
-    })
-    .1
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| cached_checkpoint("small", 1))
+}
+
+/// `scripts/make-checkpoint.py --preset PRESET --seed SEED` made once into
+/// `target/k3-test-models/PRESET-seedSEED-VERSION` (VERSION: a hash of the generator's source,
+/// so an edited generator makes a new one). Made in a temporary directory beside it and renamed
+/// into place, so concurrent test binaries never see a half-written checkpoint.
+fn cached_checkpoint(preset: &str, seed: u32) -> PathBuf {
+    let script = workspace_root().join("scripts/make-checkpoint.py");
+    let src = std::fs::read(&script).unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    // FNV-1a: a version tag, not a security boundary.
+    let version = src.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let root = workspace_root().join("target/k3-test-models");
+    let dir = root.join(format!("{preset}-seed{seed}-{version:016x}"));
+    if dir.join("config.json").exists() {
+        return dir;
+    }
+    std::fs::create_dir_all(&root).unwrap_or_else(|e| panic!("{}: {e}", root.display()));
+    let tmp = tempfile::Builder::new()
+        .prefix(".making-")
+        .tempdir_in(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()));
+    let out = tmp.path().join("model");
+    make_checkpoint(preset, seed, &out);
+    // Another test binary may have finished first: then its copy is used and ours dropped.
+    if std::fs::rename(&out, &dir).is_err() && !dir.join("config.json").exists() {
+        panic!("cannot move {} to {}", out.display(), dir.display());
+    }
+    dir
 }
 
 /// The bundled tiny checkpoint.
