@@ -352,9 +352,9 @@ fn load_draft_model(
             return Err(refuse("--draft model needs --draft-trunk DIR"))
         }
     }
-    .map_err(|e| match e {
-        TrunkError::Refused(m) => refuse(m),
-        TrunkError::Io(m) => JobError::DraftIo(m),
+    .map_err(|e: TrunkError| match e.is_refusal() {
+        true => refuse(e.to_string()),
+        false => JobError::DraftIo(e.to_string()),
     })?;
     tracing::info!(
         "draft model: {} trunk {} loaded and checked in {:.2} s",
@@ -494,6 +494,15 @@ pub struct Opened {
     pub catalog: Option<Arc<Catalog>>,
     /// The memory this job plans to hold at its peak (its resident memory then), bytes.
     pub plan_bytes: u64,
+}
+
+/// Log (warning) that the run's outputs are not the exact model's when its trunk is quantized:
+/// the label names what is lossy and where its measured quality is published.
+pub fn warn_if_lossy(opened: &Opened) {
+    let trunk = opened.source.weights().trunk();
+    if trunk.is_lossy() {
+        tracing::warn!("{}", trunk.lossy);
+    }
 }
 
 /// Read the config of `model_dir` (truncated to `--layers`) and its dims.
@@ -847,6 +856,7 @@ pub fn run_with(
             )));
         }
     }
+    warn_if_lossy(&opened);
     tracing::info!(
         "sequence state: {} positions -> MLA latent cache {} ({} B/position over {} layers) + KDA state {}",
         opened.positions,
@@ -1346,6 +1356,7 @@ fn run_chat(
             "refused": summary.refused,
             "peak_rss_bytes": report::peak_rss_bytes(),
             "memory_plan_bytes": plan_bytes,
+            "trunk": report::trunk_json(&model.source().trunk()),
         });
         report::write_json(path, &v).map_err(|(path, source)| JobError::Output {
             path,

@@ -106,6 +106,7 @@ fn serve(
 ) -> Result<i32, JobError> {
     let pre = job::preflight(cli)?;
     let opened = job::open_source(cli, matches, &pre)?;
+    job::warn_if_lossy(&opened);
     let Source::Attached(src) = &opened.source else {
         return Err(JobError::Refused(
             "a batch worker for k3-ctl serve attaches to a store (no --standalone)".into(),

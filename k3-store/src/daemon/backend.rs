@@ -328,6 +328,16 @@ impl StoreBackend {
             }
             None => TrunkLayout::from_catalog(&cat, shards.clone()),
         };
+        let trunk_info = trunk.info();
+        match trunk.quant() {
+            Some(_) => tracing::warn!("{}", trunk_info.lossy),
+            None => tracing::info!(
+                "trunk: exact ({})",
+                trunk
+                    .codec()
+                    .map_or("the checkpoint's shards", |c| c.name())
+            ),
+        }
         if opts.slots < 1 {
             return Err(String::from("the expert arena needs at least one slot").into());
         }
@@ -486,6 +496,7 @@ impl StoreBackend {
             pid: std::process::id(),
             clients: Vec::new(),
             uptime_seconds: 0.0,
+            trunk: trunk_info,
         };
         let experts = ExpertSlots::new(
             cat,
@@ -931,6 +942,7 @@ impl Backend for StoreBackend {
             uptime_seconds: 0.0,
             history: Default::default(),
             sessions: Default::default(), // filled by the server
+            trunk: self.status.trunk.clone(),
         }
     }
 
@@ -948,6 +960,10 @@ impl Backend for StoreBackend {
 
     fn draft_dir(&self) -> String {
         self.draft_dir.clone()
+    }
+
+    fn trunk(&self) -> k3_proto::wire::TrunkInfo {
+        self.status.trunk.clone()
     }
 }
 

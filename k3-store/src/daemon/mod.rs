@@ -124,6 +124,10 @@ pub trait Backend: Send + Sync + 'static {
     fn draft_dir(&self) -> String {
         String::new()
     }
+    /// The trunk served: codec, seal, lossy label (sent in `Welcome`).
+    fn trunk(&self) -> wire::TrunkInfo {
+        wire::TrunkInfo::default()
+    }
 }
 
 /// The limits the server enforces on its clients (README, "k3-store start").
@@ -814,12 +818,14 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
     }
     let (model_dir, trunk_dir) = shared.backend.dirs();
     let draft_dir = shared.backend.draft_dir();
+    let trunk = shared.backend.trunk();
     let welcome = |shm_bytes| Response::Welcome {
         protocol_version: wire::PROTOCOL_VERSION,
         model_dir: model_dir.clone(),
         trunk_dir: trunk_dir.clone(),
         shm_bytes,
         draft_dir: draft_dir.clone(),
+        trunk: trunk.clone(),
     };
     let sent = match kind {
         ClientKind::Worker => match shared.backend.worker_fd() {
