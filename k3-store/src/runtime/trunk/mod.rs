@@ -58,8 +58,8 @@ pub use format::{
 };
 pub use layout::{open_shards, LayerPlan, RunCheck, TrunkLayout};
 pub use pack::{
-    codable, contiguous_run, pack_trunk, remove_stale_temporaries, Interrupt, PackOptions,
-    PackProgress, PackSummary, AUTO_WIDTHS, DEFAULT_MAX_ESCAPE, DEFAULT_WIDTH,
+    codable, contiguous_run, pack_trunk, remove_stale_temporaries, temp_name, Interrupt,
+    PackOptions, PackProgress, PackSummary, AUTO_WIDTHS, DEFAULT_MAX_ESCAPE, DEFAULT_WIDTH,
 };
 pub(crate) use pack::{write_packed, write_sparse};
 

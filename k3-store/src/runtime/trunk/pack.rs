@@ -129,12 +129,12 @@ pub struct PackSummary {
 
 /// SIGINT and SIGTERM turned into a flag a long writer polls ([`Interrupt::check`]) so it stops
 /// at the next chunk and removes its temporary files; a second signal ends the process at once
-/// (exit 1). Registered once per process; dropping it restores nothing (the process is a
-/// one-shot command).
-#[derive(Clone, Debug, Default)]
+/// (exit 1). Dropping it restores the signals' previous handling.
+#[derive(Debug, Default)]
 pub struct Interrupt {
     pub(super) int: Arc<AtomicBool>,
     pub(super) term: Arc<AtomicBool>,
+    ids: Vec<signal_hook::SigId>,
 }
 
 impl Interrupt {
@@ -143,27 +143,47 @@ impl Interrupt {
         Interrupt::default()
     }
 
-    /// Register SIGINT and SIGTERM.
+    /// Register SIGINT and SIGTERM (until dropped).
     pub fn on_signals() -> std::io::Result<Interrupt> {
         use signal_hook::consts::{SIGINT, SIGTERM};
-        let i = Interrupt::default();
-        for (sig, flag) in [(SIGINT, &i.int), (SIGTERM, &i.term)] {
+        let mut i = Interrupt::default();
+        for (sig, flag) in [(SIGINT, i.int.clone()), (SIGTERM, i.term.clone())] {
             // A second signal (the flag already set) exits with status 1.
-            signal_hook::flag::register_conditional_shutdown(sig, 1, flag.clone())?;
-            signal_hook::flag::register(sig, flag.clone())?;
+            i.ids.push(signal_hook::flag::register_conditional_shutdown(
+                sig,
+                1,
+                flag.clone(),
+            )?);
+            i.ids.push(signal_hook::flag::register(sig, flag)?);
         }
         Ok(i)
     }
 
     /// `Err(Interrupted)` once a signal arrived.
     pub fn check(&self) -> Result<(), TrunkError> {
+        match self.signal() {
+            Some(sig) => Err(TrunkError::Interrupted(sig)),
+            None => Ok(()),
+        }
+    }
+
+    /// The signal that arrived (`"SIGINT"` or `"SIGTERM"`), if one did.
+    pub fn signal(&self) -> Option<&'static str> {
         if self.int.load(Ordering::Relaxed) {
-            return Err(TrunkError::Interrupted("SIGINT"));
+            Some("SIGINT")
+        } else if self.term.load(Ordering::Relaxed) {
+            Some("SIGTERM")
+        } else {
+            None
         }
-        if self.term.load(Ordering::Relaxed) {
-            return Err(TrunkError::Interrupted("SIGTERM"));
+    }
+}
+
+impl Drop for Interrupt {
+    fn drop(&mut self) {
+        for id in self.ids.drain(..) {
+            signal_hook::low_level::unregister(id);
         }
-        Ok(())
     }
 }
 
@@ -411,8 +431,9 @@ fn encode(
     }
 }
 
-/// Temporary name of `name` in a directory while process `pid` writes it.
-fn temp_name(name: &str, pid: u32) -> String {
+/// Temporary name of `name` in a directory while process `pid` writes it (what
+/// [`remove_stale_temporaries`] recognises).
+pub fn temp_name(name: &str, pid: u32) -> String {
     format!(".{name}.{pid}.tmp")
 }
 
