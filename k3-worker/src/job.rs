@@ -85,6 +85,10 @@ pub enum JobError {
     /// The memory plan does not fit (exit 2).
     #[error(transparent)]
     Plan(#[from] plan::PlanError),
+    /// Scoring a text (`--perplexity`) failed: its base file refused (exit 2), a read or write
+    /// (exit 1), the model (its code), an interrupt (exit 1).
+    #[error(transparent)]
+    Eval(#[from] crate::eval::EvalError),
 }
 
 impl k3_proto::exit::ExitStatus for JobError {
@@ -106,6 +110,13 @@ impl k3_proto::exit::ExitStatus for JobError {
             JobError::Open(e) => k3_proto::exit::ExitStatus::exit_code(e),
             JobError::Model(e) => e.exit_code(),
             JobError::DraftIo(_) => exit::FAILURE,
+            JobError::Eval(crate::eval::EvalError::Model(e)) => e.exit_code(),
+            JobError::Eval(crate::eval::EvalError::Logprobs { source, .. })
+                if source.is_refusal() =>
+            {
+                exit::REFUSED
+            }
+            JobError::Eval(_) => exit::FAILURE,
         }
     }
 }
@@ -123,6 +134,8 @@ pub enum Input {
     Chat(Option<Effort>),
     /// Many prompts decoded together (`--batch`).
     Batch(Vec<crate::batch_job::BatchItem>),
+    /// A text scored with teacher forcing (`--perplexity`).
+    Perplexity(crate::eval::PplJob),
     /// Jobs from `k3-ctl serve` decoded together (`--serve-channel --parallel N`): up to `seqs`
     /// sequences of up to `positions` each.
     Slots {
@@ -169,7 +182,10 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
             .build_global()
             .map_err(|e| refuse(format!("--threads {t}: {e}")))?;
     }
-    for path in [&cli.out, &cli.dump_logits].into_iter().flatten() {
+    for path in [&cli.out, &cli.dump_logits, &cli.save_logprobs]
+        .into_iter()
+        .flatten()
+    {
         check_writable_file(path)?;
     }
     for dir in [&cli.dump_cache_trace, &cli.dump_hidden]
@@ -200,6 +216,8 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
             seqs: n as usize,
             positions: cli.ctx as usize,
         }
+    } else if let Some(path) = &cli.perplexity {
+        Input::Perplexity(perplexity_job(cli, path, tok.as_ref())?)
     } else if let Some(path) = &cli.batch {
         let bytes = read_bounded(path, MAX_PROMPT_FILE)?;
         Input::Batch(crate::batch_job::parse(
@@ -217,6 +235,33 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
         tok,
         input,
         replay,
+    })
+}
+
+/// `--perplexity FILE`: the text read (bounded) and tokenized as user text.
+fn perplexity_job(
+    cli: &Cli,
+    path: &Path,
+    tok: Option<&Tokenizer>,
+) -> Result<crate::eval::PplJob, JobError> {
+    let tok = tok.ok_or_else(|| refuse("--perplexity needs --tok DIR"))?;
+    let bytes = read_bounded(path, MAX_PROMPT_FILE)?;
+    let ids = tok
+        .encode_bytes(&bytes, false)
+        .map_err(|e| refuse(format!("cannot tokenize {}: {e}", path.display())))?;
+    if ids.is_empty() {
+        return Err(refuse(format!("{} has no text to score", path.display())));
+    }
+    let bos = tok
+        .bos_id()
+        .ok_or_else(|| refuse("the tokenizer has no bos_token to start each window with"))?;
+    Ok(crate::eval::PplJob {
+        ids,
+        bos,
+        window: cli.ppl_window as usize,
+        save: cli.save_logprobs.clone(),
+        base: cli.kl_base.clone(),
+        codec: String::new(),
     })
 }
 
@@ -581,6 +626,20 @@ fn job_buffers(
             let rows = crate::batch_job::step_prompt_rows(cli, seqs, positions);
             Ok(crate::batch_job::pass_bytes(dims, positions, rows, seqs))
         }
+        Input::Perplexity(_) => {
+            let rows = crate::eval::CHUNK.min(positions);
+            let pass = Work::bytes_for(
+                dims,
+                &PassShape {
+                    rows,
+                    logits_rows: rows,
+                    context: positions,
+                    journaled: false,
+                    threads: rayon::current_num_threads(),
+                },
+            );
+            Ok(pass + crate::eval::extra_bytes(dims.vocab))
+        }
         _ => buffer_bytes(cli, dims, positions, chunk),
     }
 }
@@ -647,6 +706,7 @@ pub fn open_source(
             .max()
             .unwrap_or(1),
         Input::Slots { positions, .. } => *positions,
+        Input::Perplexity(job) => job.window.min(job.ids.len()),
     };
     // Sequences held at once: a batch's --parallel (at most its requests), else one.
     let seqs = match &pre.input {
@@ -842,6 +902,7 @@ pub fn run_with(
     let prompts: Vec<&[u32]> = match &pre.input {
         Input::Prompt(prompt) => vec![prompt],
         Input::Batch(items) => items.iter().map(|it| &it.prompt[..]).collect(),
+        Input::Perplexity(job) => vec![&job.ids],
         Input::Chat(_) | Input::Slots { .. } => Vec::new(),
     };
     for (i, prompt) in prompts.into_iter().enumerate() {
@@ -911,6 +972,7 @@ pub fn run_with(
         Input::Slots { .. } => Err(refuse(
             "jobs from k3-ctl serve arrive over --serve-channel, not as a one-shot run",
         )),
+        Input::Perplexity(job) => run_perplexity(cli, &mut model, job, opened.plan_bytes, wall),
         Input::Batch(items) => {
             crate::batch_job::run(cli, &mut model, pre.tok.as_ref(), &pre.sampler, items, wall)
         }
@@ -939,6 +1001,41 @@ pub fn run_with(
             )
         }
     }
+}
+
+/// `--perplexity`: score the text (crate::eval), print the figures, write `--out`. SIGINT and
+/// SIGTERM stop it between forward calls (a base being saved is removed).
+fn run_perplexity(
+    cli: &Cli,
+    model: &mut Model<'_>,
+    job: &crate::eval::PplJob,
+    plan_bytes: u64,
+    wall: Instant,
+) -> Result<i32, JobError> {
+    let trunk = model.source().trunk();
+    let mut job = job.clone();
+    job.codec = trunk.codec.clone();
+    let stop = k3_store::runtime::trunk::Interrupt::on_signals()
+        .map_err(|e| refuse(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
+    let r = crate::eval::run(model, &job, &|| stop.signal())?;
+    crate::eval::print(&r, &trunk);
+    if let Some(path) = &cli.out {
+        let v = serde_json::json!({
+            "mode": "perplexity",
+            "text": cli.perplexity,
+            "perplexity": r,
+            "trunk": report::trunk_json(&trunk),
+            "wall_seconds": wall.elapsed().as_secs_f64(),
+            "peak_rss_bytes": report::peak_rss_bytes(),
+            "memory_plan_bytes": plan_bytes,
+        });
+        report::write_json(path, &v).map_err(|(path, source)| JobError::Output {
+            path,
+            source,
+            before_work: false,
+        })?;
+    }
+    Ok(report::expert_failures(&model.counters))
 }
 
 /// On a terminal, stdout shows the prompt's text (dimmed) before the generated text, so the

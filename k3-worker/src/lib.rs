@@ -6,6 +6,7 @@ pub mod batch;
 pub mod batch_job;
 pub mod chat;
 pub mod cli;
+pub mod eval;
 pub mod generate;
 pub mod job;
 pub mod kernels;
