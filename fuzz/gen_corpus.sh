@@ -10,6 +10,8 @@
 #                       (the vocabulary the tokenizer_config target uses) + a minimal one
 #   wire_request/_response  postcard bodies of every message variant and a stream of frames
 #   shm_header          encoded headers with 0, 1 and 4 regions
+#   tool_calls          replies with XTML tool calls (argument and json forms, malformed ones),
+#                       as text (mode byte 0) and as raw ids (mode byte 1)
 # Usage: fuzz/gen_corpus.sh   (needs python3; builds k3-ctl if target/debug/k3-ctl is missing)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -131,6 +133,18 @@ put("shm_header", "one", shm(FIRST + ALIGN, [(1, 0, FIRST, 100)]))
 put("shm_header", "four", shm(FIRST + 6 * ALIGN, [
     (1, 0, FIRST, 10), (2, 3, FIRST + ALIGN, ALIGN),
     (3, 0, FIRST + 2 * ALIGN, 2 * ALIGN), (4, 0, FIRST + 4 * ALIGN, 32)], 2, ALIGN, 4000))
+
+# XTML tool calls (docs/SPEC.md §5.5 "Tools"): mode byte 0 = text with the markers spelled out
+call = ('<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>'
+        ' New York <|close|>argument<|sep|><|open|>argument key="days" type="number"<|sep|>2'
+        '<|close|>argument<|sep|><|close|>call<|sep|>')
+json_call = ('<|open|>call tool="f" index="2"<|sep|><|open|>json type="object"<|sep|>{"a": [1, {"b": null}]}'
+             '<|close|>json<|sep|><|close|>call<|sep|>')
+tools = lambda body: "think<|close|>think<|sep|><|open|>tools<|sep|>" + body + "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"
+put("tool_calls", "two-calls", b"\0" + tools(call + json_call).encode())
+put("tool_calls", "bad-number", b"\0" + tools(call.replace(">2<", ">two<")).encode())
+put("tool_calls", "open-at-end", b"\0" + ("<|open|>tools<|sep|>" + call[:80]).encode())
+put("tool_calls", "ids", b"\1" + bytes([0x00, 0x10, 0x27, 0x0f, 0x80, 0x00, 0x12, 0x35]))
 PY
 du -sh "$out"
 for d in "$out"/*/; do printf '%-20s %3d files %s\n' "$(basename "$d")" "$(ls "$d" | wc -l)" "$(du -sh "$d" | cut -f1)"; done

@@ -78,7 +78,7 @@ def batch(bins: Path, model: Path, flags: list[str], reqs: list[list[int]], gen:
     f = tmp / "batch.jsonl"
     f.write_text("".join(json.dumps({"ids": r, "max_tokens": gen}) + "\n" for r in reqs))
     cmd = [bins / "k3-worker", "--standalone", model, *flags, "--batch", f, "--parallel",
-           str(len(reqs))]
+           str(len(reqs)), "--spec", "off"]
     r, secs = run(cmd, "batch worker")
     ids: dict[int, list[int]] = {}
     for line in r.stdout.splitlines():
@@ -91,9 +91,11 @@ def batch(bins: Path, model: Path, flags: list[str], reqs: list[list[int]], gen:
         if cols[:2] == ["step", "seqs"]:
             in_table = True
             continue
-        if in_table and len(cols) == 5 and cols[0].isdigit():
+        # step, seqs, rows, prompt rows, [draft rows,] seconds (the draft column is newer).
+        if in_table and len(cols) in (5, 6) and cols[0].isdigit():
             steps.append({"seqs": int(cols[1]), "rows": int(cols[2]), "prompt": int(cols[3]),
-                          "seconds": float(cols[4])})
+                          "drafts": int(cols[4]) if len(cols) == 6 else 0,
+                          "seconds": float(cols[-1])})
     full = [s["seconds"] for s in steps if s["prompt"] == 0 and s["seqs"] == len(reqs)]
     return {"ids": [ids.get(i) for i in range(len(reqs))], "full_decode_steps": full,
             "steps": steps, "wall": secs}

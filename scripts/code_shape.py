@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The shape of the code, read from the sources: lines per crate and per folder, the longest
-functions, the imports between rooms, and how many `Result<_, String>` are left outside tests.
+functions, the imports between rooms and between files (modules) with their circles, and how
+many `Result<_, String>` are left outside tests.
 
     python3 scripts/code_shape.py [TREE] [--top N] [--json]
 
@@ -18,7 +19,8 @@ import re
 import sys
 from collections import defaultdict
 
-CRATES = {"proto": "k3_proto", "k3-store": "k3_store", "k3-worker": "k3_worker", "k3-ctl": "k3_ctl"}
+CRATES = {"proto": "k3_proto", "k3-store": "k3_store", "k3-worker": "k3_worker", "k3-ctl": "k3_ctl",
+          "tests": "k3_tests"}
 FN_RE = re.compile(r"^\s*(?:pub(?:\([^)]*\))?\s+)?(?:const\s+)?(?:async\s+)?(?:unsafe\s+)?(?:extern\s+\"C\"\s+)?fn\s+([A-Za-z0-9_]+)")
 STRING_RE = re.compile(r'"(?:\\.|[^"\\])*"')
 CHAR_RE = re.compile(r"'(?:\\.|[^'\\])'")
@@ -112,16 +114,67 @@ def imports(tree, crate, path, text):
     return rooms
 
 
+def module_of(tree, crate, path):
+    """The module a file defines (`engine::runner`, `crate` for lib.rs, or main.rs without a
+    library; `main` for a binary beside a library)."""
+    src = os.path.join(tree, crate, "src")
+    rel = os.path.relpath(path, src)[:-3].split(os.sep)
+    if rel[-1] == "mod":
+        rel = rel[:-1]
+    name = "::".join(rel)
+    if name == "lib" or (name == "main" and not os.path.exists(os.path.join(src, "lib.rs"))):
+        return "crate"
+    return name
+
+
+def module_imports(crate, module, code, known, is_parent):
+    """Modules a file's code names: `crate::a::b`, `super::x`, a parent's `child::x` and a
+    binary's `<lib>::a`, resolved to the deepest module that exists (use trees' first level
+    expanded, as in `use crate::{a, b::c}`)."""
+    segs = [] if module in ("crate", "main") else module.split("::")
+    parent = segs[:-1]
+    paths = []
+    root = CRATES[crate] if module == "main" else "crate"
+    for m in re.finditer(rf"(?<![A-Za-z0-9_:]){root}::((?:[a-z_0-9]+::)*[a-z_0-9]+)", code):
+        paths.append(m.group(1).split("::"))
+    for m in re.finditer(rf"(?<![A-Za-z0-9_:]){root}::\{{([^}}]*)\}}", code):
+        for part in m.group(1).split(","):
+            p = [x for x in part.strip().split("::") if re.match(r"^[a-z_0-9]+$", x)]
+            if p:
+                paths.append(p)
+    for m in re.finditer(r"(?<![A-Za-z0-9_:])super::((?:[a-z_0-9]+::)*[a-z_0-9]+)", code):
+        paths.append(parent + m.group(1).split("::"))
+    if is_parent:
+        for child in [k for k in known if k.startswith(("::".join(segs) + "::") if segs else "")]:
+            rest = child[len("::".join(segs)) + 2:] if segs else child
+            if "::" in rest or rest in ("crate", "main"):
+                continue
+            for m in re.finditer(rf"(?<![A-Za-z0-9_:]){rest}::((?:[a-z_0-9]+::)*[a-z_0-9]+)", code):
+                paths.append(segs + [rest] + m.group(1).split("::"))
+    out = set()
+    for p in paths:
+        for k in range(len(p), 0, -1):
+            cand = "::".join(p[:k])
+            if cand in known:
+                if cand != module:
+                    out.add(cand)
+                break
+    return out
+
+
 def shape(tree):
     per_crate = defaultdict(int)
     per_room = defaultdict(int)
     fns = []
     edges = defaultdict(set)
+    file_edges = {c: defaultdict(set) for c in CRATES}
     result_string = []
     known_rooms = set()
+    known_modules = {c: set() for c in CRATES}
     for crate in CRATES:
         for path in rust_files(tree, crate):
             known_rooms.add(room_of(tree, crate, path))
+            known_modules[crate].add(module_of(tree, crate, path))
     for crate in CRATES:
         for path in rust_files(tree, crate):
             with open(path, encoding="utf-8") as f:
@@ -138,13 +191,21 @@ def shape(tree):
                 if not in_test(line - 1):
                     fns.append((length, f"{rel}:{line}", name))
             for ln, line in enumerate(lines):
+                # The product crates' (the test-support crate's helpers panic anyway).
+                if crate == "tests":
+                    break
                 if RESULT_STRING_RE.search(line) and not in_test(ln) and not line.strip().startswith("//"):
                     result_string.append(f"{rel}:{ln + 1}")
             code = "\n".join(code_of(l) for ln, l in enumerate(lines) if not in_test(ln))
             for r in imports(tree, crate, path, code):
                 if r != room and r in known_rooms:
                     edges[room].add(r)
-    return per_crate, per_room, fns, edges, result_string
+            module = module_of(tree, crate, path)
+            is_parent = module == "crate" or os.path.basename(path) in ("mod.rs", "lib.rs")
+            for m in module_imports(crate, module, code, known_modules[crate], is_parent):
+                if m != "crate":
+                    file_edges[crate][module].add(m)
+    return per_crate, per_room, fns, edges, result_string, file_edges
 
 
 def cycles(edges):
@@ -187,9 +248,10 @@ def main():
     ap.add_argument("--top", type=int, default=10, help="longest functions to list")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    per_crate, per_room, fns, edges, result_string = shape(a.tree)
+    per_crate, per_room, fns, edges, result_string, file_edges = shape(a.tree)
     fns.sort(reverse=True)
     cyc = cycles(edges)
+    file_cyc = {c: cycles(e) for c, e in file_edges.items()}
     if a.json:
         json.dump(
             {
@@ -198,6 +260,7 @@ def main():
                 "longest_functions": [{"lines": l, "at": at, "fn": n} for l, at, n in fns[: a.top]],
                 "imports": {k: sorted(v) for k, v in sorted(edges.items())},
                 "room_cycles": cyc,
+                "file_cycles": {c: v for c, v in file_cyc.items() if v},
                 "result_string": result_string,
             },
             sys.stdout,
@@ -221,6 +284,11 @@ def main():
     print(f"room-level import circles: {len(cyc)}")
     for c in cyc:
         print(f"  {' <-> '.join(c)}")
+    n_file = sum(len(v) for v in file_cyc.values())
+    print(f"file-level import circles (modules of one crate): {n_file}")
+    for crate, cs in file_cyc.items():
+        for c in cs:
+            print(f"  {crate}: {' <-> '.join(c)}")
     print(f"Result<_, String> outside #[cfg(test)]: {len(result_string)}")
 
 

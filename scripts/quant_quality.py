@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The quantized trunk's quality, independently: the same int8/int4 quantization as
-`k3-ctl pack-trunk --codec int8|int4` (SPEC.md §6.14), written here from the spec alone and
+`k3-ctl pack-trunk --codec int8|int4` (SPEC.md §6.15), written here from the spec alone and
 applied to the CHECKPOINT's tensors (never to a packed trunk), run by the float64 numpy reference
 forward (scripts/k3ref) over a text scored the way `k3-worker --perplexity` scores it (SPEC.md
-§6.15): mean NLL and perplexity per model, and against the exact model the mean and 99th
+§6.16): mean NLL and perplexity per model, and against the exact model the mean and 99th
 percentile KL divergence and the top-1 agreement.
 
     python3 scripts/quant_quality.py MODEL_DIR --text FILE [--window 512] [--kinds exact,int8,int4]
@@ -48,7 +48,7 @@ CHUNK = 64
 
 
 def quantizable(name: str, dtype: str, shape) -> bool:
-    """SPEC.md §6.14: which trunk tensors a quantized trunk quantizes."""
+    """SPEC.md §6.15: which trunk tensors a quantized trunk quantizes."""
     return (dtype == "BF16" and len(shape) == 2 and shape[0] > 1 and shape[1] > 0
             and shape[1] % GROUP == 0 and ".layers." in name
             and not name.endswith("kv_b_proj.weight")
@@ -121,7 +121,7 @@ def tokenize(text_path: Path, tok_dir: Path) -> list[int]:
 
 def score(models: dict, ids: list[int], window: int) -> dict:
     """Per model: mean NLL; per quantized model against "exact": mean/p99/max KL, top-1
-    agreement (the windows of SPEC.md §6.15)."""
+    agreement (the windows of SPEC.md §6.16)."""
     nll = {k: 0.0 for k in models}
     kls = {k: [] for k in models if k != "exact"}
     same = {k: 0 for k in kls}

@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""Concurrent requests through `k3-ctl serve`: one batch worker (continuous batching) against a
-worker per request, same store, same run.
+"""Concurrent requests through `k3-ctl serve`, at several slot counts of its worker, same store,
+same run.
 
     python3 scripts/serve_bench.py --model K3SLICE --trunk TRUNK_DIR \
         --budgets all-resident,laptop-like --concurrent 4 --gen 9 --json docs/bench/serve-k3slice.json
 
-For each budget (`scripts/bench.py`'s, at the checkpoint's scale) and each mode (`batch`: `k3-ctl
-serve --max-jobs N`; `own`: the same with `--no-batch`): a fresh `k3-store start` with that budget
-(so no mode finds the other's outputs in the store's history: a worker of its own speculates with
-`--spec auto`, and the store's history would replay an answer it has seen), a serve process, one
-warm-up request, three requests alone on prompts nothing else uses (the median of their wall
-seconds: `solo`), then N other requests at once (wall from the first send to the last answer:
-`together`), then (batch mode) a request joining a running batch of N-1 (`join`: its time to the
-first token against its solo prefill plus two of the batch's steps).
+For each budget (`scripts/bench.py`'s, at the checkpoint's scale) and each mode (`default`: `k3-ctl
+serve` with its default slot count; `slots`: `--max-jobs N`; `one`: `--max-jobs 1`, every request
+alone; `own`: `--no-batch`, a worker per request — only binaries from before the one-engine serve
+have it): a fresh `k3-store start` with that budget (so no mode finds the other's outputs in the
+store's history: the worker speculates with `--spec auto`, and the store's history would replay
+an answer it has seen), a serve process, one warm-up request, three requests alone on prompts
+nothing else uses (the median of their wall seconds: `solo`; the lone request of an N-slot worker
+is to cost what it costs in a 1-slot one), then N other requests at once (wall from the first send
+to the last answer: `together`), then (modes with more than one slot) a request joining a running
+batch of N-1 (`join`: its time to the first token against its solo prefill plus two of the
+batch's steps).
 Throughput ratio = N x solo / together (how many times the tokens per second of one request
 alone N concurrent requests get). Requests are /v1/completions with prompt ids, greedy, `--gen`
 tokens, sessions off; every answer's text must equal the same request's answer alone (exit 1
@@ -99,6 +102,9 @@ class Serve:
             self.stop()
             raise SystemExit(f"serve_bench: serve did not start: {line!r}")
         self.url = f"http://127.0.0.1:{m.group(1)}"
+        # The slots its worker decodes at once, as serve says on its first line.
+        j = re.search(r"(\d+) job\(s\) at once", line)
+        self.slots = int(j.group(1)) if j else None
 
     def stop(self):
         if self.proc.poll() is None:
@@ -156,7 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="all-resident,laptop-like")
     ap.add_argument("--concurrent", type=int, default=4)
     ap.add_argument("--gen", type=int, default=9)
-    ap.add_argument("--modes", default="batch,own")
+    ap.add_argument("--modes", default="one,slots,default",
+                    help="one (--max-jobs 1), slots (--max-jobs N), default (serve's own slot "
+                         "count), own (--no-batch: binaries from before the one-engine serve)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     tj = json.loads((a.trunk / "trunk.json").read_text())
@@ -181,9 +189,9 @@ def main(argv=None) -> int:
                 if r.returncode != 0:
                     raise SystemExit(f"serve_bench: k3-store start failed:\n{r.stderr}")
                 try:
-                    extra = ["--max-jobs", str(n), "--queue", str(2 * n)]
-                    if mode == "own":
-                        extra.append("--no-batch")
+                    extra = {"one": ["--max-jobs", "1"], "slots": ["--max-jobs", str(n)],
+                             "default": [], "own": ["--max-jobs", str(n), "--no-batch"]}[mode]
+                    extra = extra + ["--queue", str(2 * n)]
                     srv = Serve(a.bins, sock, tmp / f"serve-{name}-{mode}.log", *extra)
                     try:
                         body = lambda p: {"model": "kimi-k3", "prompt": p, "max_tokens": a.gen,  # noqa: E731
@@ -218,11 +226,13 @@ def main(argv=None) -> int:
                                 "together_s": together, "throughput_ratio": ratio,
                                 "first_byte_s": [r[1] for r in results],
                                 "texts_identical_to_alone": ok}
-                        if mode == "batch" and n > 1:
+                        if mode in ("slots", "default") and n > 1:
                             cell["join"] = join(srv.url, body, prompts, n, a.gen, solo_first)
                             same &= cell["join"]["text_identical_to_alone"]
                         cells.append(cell)
-                        print(f"{name:13} {mode:5} N={n}: one alone {solo:.1f} s (median of "
+                        slots = srv.slots
+                        cell["slots"] = slots
+                        print(f"{name:13} {mode:7} ({slots} slots) N={n}: one alone {solo:.1f} s (median of "
                               f"{SOLOS}), {n} together {together:.1f} s -> {ratio:.2f}x; first bytes "
                               f"{statistics.median(cell['first_byte_s']):.1f} s median; texts "
                               f"{'identical' if ok else 'DIFFER'}", flush=True)

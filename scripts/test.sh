@@ -4,8 +4,8 @@
 #
 # What it changes on this machine, each announced before it happens:
 # * `.venv/` inside the repository (git-ignored): a Python virtual environment with
-#   scripts/requirements.txt (numpy, tiktoken, pytest, openai, prometheus-client); the system's
-#   Python is not touched. Delete `.venv/` to start over.
+#   scripts/requirements.txt (numpy, tiktoken, pytest, openai, anthropic, jsonschema,
+#   prometheus-client); the system's Python is not touched. Delete `.venv/` to start over.
 # * nginx-light via apt-get, only if no nginx is installed (the load-balancer test's balancer).
 # * `target/`: cargo's build (a first debug build takes several minutes on 2 cores).
 set -euo pipefail

@@ -28,6 +28,8 @@ use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::plan::fmt_bytes;
 use serde_json::{json, Value};
 
+use crate::fail::Failed;
+
 /// Arguments of `k3-ctl census`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -81,28 +83,17 @@ fn class_of(name: &str) -> String {
 }
 
 /// Run the subcommand; returns the exit code.
-pub fn run(a: Args) -> i32 {
+pub fn run(a: Args) -> Result<i32, Failed> {
     if !(0.0..=1.0).contains(&a.max_escape) {
-        eprintln!(
-            "k3-ctl census: --max-escape {} is not a fraction in [0, 1]",
+        return Err(Failed::refused(format!(
+            "--max-escape {} is not a fraction in [0, 1]",
             a.max_escape
-        );
-        return exit::REFUSED;
+        )));
     }
-    let (cat, _cfg) = match Catalog::open_dir(&a.model_dir) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("k3-ctl census: refusing: {e}");
-            return exit::REFUSED;
-        }
-    };
-    let index = match CheckpointIndex::open(&a.model_dir) {
-        Ok(i) => i,
-        Err(e) => {
-            eprintln!("k3-ctl census: refusing: {e}");
-            return exit::REFUSED;
-        }
-    };
+    let (cat, _cfg) =
+        Catalog::open_dir(&a.model_dir).map_err(|e| Failed::because("refusing", e))?;
+    let index = CheckpointIndex::open(&a.model_dir)
+        .map_err(|e| Failed::with_code("refusing", exit::REFUSED, e))?;
     let mut files: Vec<Option<File>> = (0..cat.shard_paths().len()).map(|_| None).collect();
     let mut entries = Vec::new();
     let mut buf = vec![0u8; CHUNK as usize];
@@ -120,25 +111,21 @@ pub fn run(a: Args) -> i32 {
             if candidate && !a.shapes_only {
                 let f = match &mut files[t.shard as usize] {
                     Some(f) => f,
-                    slot => match File::open(&cat.shard_paths()[t.shard as usize]) {
-                        Ok(f) => slot.insert(f),
-                        Err(e) => {
-                            eprintln!(
-                                "k3-ctl census: {}: {e}",
-                                cat.shard_paths()[t.shard as usize].display()
-                            );
-                            return exit::FAILURE;
-                        }
-                    },
+                    slot => {
+                        let path = &cat.shard_paths()[t.shard as usize];
+                        let f = File::open(path).map_err(|e| {
+                            Failed::with_code(path.display().to_string(), exit::FAILURE, e)
+                        })?;
+                        slot.insert(f)
+                    }
                 };
                 let mut h = HighBytes::default();
                 let mut at = 0u64;
                 while at < t.nbytes {
                     let n = CHUNK.min(t.nbytes - at) as usize;
-                    if let Err(e) = f.read_exact_at(&mut buf[..n], t.off + at) {
-                        eprintln!("k3-ctl census: reading {}: {e}", t.name);
-                        return exit::FAILURE;
-                    }
+                    f.read_exact_at(&mut buf[..n], t.off + at).map_err(|e| {
+                        Failed::with_code(format!("reading {}", t.name), exit::FAILURE, e)
+                    })?;
                     h.add(&buf[..n]);
                     at += n as u64;
                 }
@@ -228,7 +215,71 @@ fn ratio(a: u64, b: u64) -> f64 {
     a as f64 / b.max(1) as f64
 }
 
-fn report(a: &Args, entries: &[Entry]) -> i32 {
+/// One coded tensor's record (and its line with `--tensors`).
+fn tensor_json(a: &Args, e: &Entry, h: &HighBytes, s: &Sizes) -> Value {
+    let (rows, cols) = (e.shape[0] as usize, e.shape[1] as usize);
+    let chosen = match choose_codec(h, rows, cols, &WIDTHS, a.max_escape).0 {
+        TensorCodec::Raw => "raw".to_string(),
+        TensorCodec::Coded(w) => format!("w{w}"),
+    };
+    let widths: Vec<Value> = WIDTHS
+        .iter()
+        .enumerate()
+        .map(|(i, &w)| {
+            json!({"width": w, "palette": h.palette(w), "escapes": s.escapes[i],
+                   "escape_rate": ratio(s.escapes[i], s.weights), "bytes": s.w[i],
+                   "bits_per_weight": 8.0 * s.w[i] as f64 / s.weights.max(1) as f64})
+        })
+        .collect();
+    if a.tensors {
+        println!(
+            "{:<72} [{rows}, {cols}] H={:.2} bits, escapes w4 {:.4}% w3 {:.3}% w2 {:.2}%, chosen {chosen}",
+            e.name,
+            h.entropy_bits(),
+            100.0 * ratio(s.escapes[2], s.weights),
+            100.0 * ratio(s.escapes[1], s.weights),
+            100.0 * ratio(s.escapes[0], s.weights),
+        );
+    }
+    json!({
+        "name": e.name, "layer": e.layer, "shape": e.shape, "raw_bytes": e.raw,
+        "high_byte_entropy_bits": h.entropy_bits(),
+        "distinct_high_bytes": h.0.iter().filter(|&&c| c > 0).count(),
+        "widths": widths, "huffman_bytes": s.huffman, "chosen": chosen,
+    })
+}
+
+/// One class's line of the table, and its record.
+fn class_line(class: &str, s: &Sizes, es: &[&Entry]) -> Value {
+    let mut h = HighBytes::default();
+    es.iter()
+        .filter_map(|e| e.hist.as_ref())
+        .for_each(|x| h.merge(x));
+    let esc = |i: usize| 100.0 * ratio(s.escapes[i], s.weights);
+    println!(
+        "{:<58} {:>10} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>8.3} {:>9.4} {:>9.3} {:>9.2}",
+        class,
+        fmt_bytes(s.raw),
+        ratio(s.w[2], s.raw),
+        ratio(s.w3_else_4, s.raw),
+        ratio(s.best, s.raw),
+        ratio(s.huffman, s.raw),
+        h.entropy_bits(),
+        esc(2),
+        esc(1),
+        esc(0)
+    );
+    json!({
+        "class": class, "tensors": es.len(), "raw_bytes": s.raw, "weights": s.weights,
+        "w4_bytes": s.w[2], "w3_bytes": s.w[1], "w2_bytes": s.w[0],
+        "w3_else_w4_bytes": s.w3_else_4, "best_bytes": s.best, "huffman_bytes": s.huffman,
+        "escape_rate": {"w4": ratio(s.escapes[2], s.weights), "w3": ratio(s.escapes[1], s.weights),
+                        "w2": ratio(s.escapes[0], s.weights)},
+        "high_byte_entropy_bits": h.entropy_bits(),
+    })
+}
+
+fn report(a: &Args, entries: &[Entry]) -> Result<i32, Failed> {
     let mut by_class: BTreeMap<&str, (Sizes, Vec<&Entry>)> = BTreeMap::new();
     let mut total = Sizes::default();
     let mut tensors_json = Vec::new();
@@ -239,36 +290,7 @@ fn report(a: &Args, entries: &[Entry]) -> i32 {
         c.0 += s;
         c.1.push(e);
         if let Some(h) = &e.hist {
-            let (rows, cols) = (e.shape[0] as usize, e.shape[1] as usize);
-            let chosen = match choose_codec(h, rows, cols, &WIDTHS, a.max_escape).0 {
-                TensorCodec::Raw => "raw".to_string(),
-                TensorCodec::Coded(w) => format!("w{w}"),
-            };
-            let widths: Vec<Value> = WIDTHS
-                .iter()
-                .enumerate()
-                .map(|(i, &w)| {
-                    json!({"width": w, "palette": h.palette(w), "escapes": s.escapes[i],
-                           "escape_rate": ratio(s.escapes[i], s.weights), "bytes": s.w[i],
-                           "bits_per_weight": 8.0 * s.w[i] as f64 / s.weights.max(1) as f64})
-                })
-                .collect();
-            tensors_json.push(json!({
-                "name": e.name, "layer": e.layer, "shape": e.shape, "raw_bytes": e.raw,
-                "high_byte_entropy_bits": h.entropy_bits(),
-                "distinct_high_bytes": h.0.iter().filter(|&&c| c > 0).count(),
-                "widths": widths, "huffman_bytes": s.huffman, "chosen": chosen,
-            }));
-            if a.tensors {
-                println!(
-                    "{:<72} [{rows}, {cols}] H={:.2} bits, escapes w4 {:.4}% w3 {:.3}% w2 {:.2}%, chosen {chosen}",
-                    e.name,
-                    h.entropy_bits(),
-                    100.0 * ratio(s.escapes[2], s.weights),
-                    100.0 * ratio(s.escapes[1], s.weights),
-                    100.0 * ratio(s.escapes[0], s.weights),
-                );
-            }
+            tensors_json.push(tensor_json(a, e, h, &s));
         }
     }
     let read = !a.shapes_only;
@@ -303,35 +325,9 @@ fn report(a: &Args, entries: &[Entry]) -> i32 {
         "esc w3 %",
         "esc w2 %"
     );
-    let mut classes_json = Vec::new();
-    for (class, (s, es)) in &by_class {
-        let mut h = HighBytes::default();
-        es.iter()
-            .filter_map(|e| e.hist.as_ref())
-            .for_each(|x| h.merge(x));
-        let esc = |i: usize| 100.0 * ratio(s.escapes[i], s.weights);
-        println!(
-            "{:<58} {:>10} {:>7.4} {:>7.4} {:>7.4} {:>7.4} {:>8.3} {:>9.4} {:>9.3} {:>9.2}",
-            class,
-            fmt_bytes(s.raw),
-            ratio(s.w[2], s.raw),
-            ratio(s.w3_else_4, s.raw),
-            ratio(s.best, s.raw),
-            ratio(s.huffman, s.raw),
-            h.entropy_bits(),
-            esc(2),
-            esc(1),
-            esc(0)
-        );
-        classes_json.push(json!({
-            "class": class, "tensors": es.len(), "raw_bytes": s.raw, "weights": s.weights,
-            "w4_bytes": s.w[2], "w3_bytes": s.w[1], "w2_bytes": s.w[0],
-            "w3_else_w4_bytes": s.w3_else_4, "best_bytes": s.best, "huffman_bytes": s.huffman,
-            "escape_rate": {"w4": ratio(s.escapes[2], s.weights), "w3": ratio(s.escapes[1], s.weights),
-                            "w2": ratio(s.escapes[0], s.weights)},
-            "high_byte_entropy_bits": h.entropy_bits(),
-        }));
-    }
+    let classes_json: Vec<Value> = (by_class.iter())
+        .map(|(class, (s, es))| class_line(class, s, es))
+        .collect();
     println!(
         "TOTAL trunk: raw {} · width 4 {:.4}× · width 3 where escapes ≤ {:.2}% else 4 {:.4}× · best {:.4}× · Huffman high byte {:.4}×",
         fmt_bytes(total.raw),
@@ -354,13 +350,12 @@ fn report(a: &Args, entries: &[Entry]) -> i32 {
             "tensors": tensors_json,
         });
         let text = serde_json::to_string_pretty(&doc).expect("JSON of plain values");
-        if let Err(e) = std::fs::write(path, text) {
-            eprintln!("k3-ctl census: cannot write {}: {e}", path.display());
-            return exit::FAILURE;
-        }
+        std::fs::write(path, text).map_err(|e| {
+            Failed::with_code(format!("cannot write {}", path.display()), exit::FAILURE, e)
+        })?;
         println!("wrote {}", path.display());
     }
-    exit::OK
+    Ok(exit::OK)
 }
 
 #[cfg(test)]
@@ -378,13 +373,16 @@ mod tests {
 
     #[test]
     fn missing_checkpoint_is_a_refusal() {
-        let code = run(Args {
-            model_dir: PathBuf::from("/nonexistent/k3-model"),
-            max_escape: 0.01,
-            shapes_only: false,
-            tensors: false,
-            json: None,
-        });
+        let code = exit::report(
+            "k3-ctl census",
+            run(Args {
+                model_dir: PathBuf::from("/nonexistent/k3-model"),
+                max_escape: 0.01,
+                shapes_only: false,
+                tensors: false,
+                json: None,
+            }),
+        );
         assert_eq!(code, exit::REFUSED);
     }
 }

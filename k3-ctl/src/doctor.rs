@@ -22,10 +22,15 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+mod cpu;
+
+use cpu::cpu_model;
 use k3_store::runtime::io::{AlignedBuf, DiskFile, ALIGN};
 use k3_store::runtime::plan::{Budget, BudgetFlag, MemoryPlan, PRESETS};
 use k3_store::runtime::trunk::{remove_stale_temporaries, temp_name, Interrupt};
 use serde_json::{json, Value};
+
+use crate::fail::Failed;
 
 /// Bytes of one routed expert at full scale (MXFP4 w1/w2/w3 + scales): one engine read.
 pub const EXPERT_BYTES: u64 = 17_547_264;
@@ -123,22 +128,27 @@ pub fn summarize(v: &[f64]) -> (f64, f64, f64) {
     (med, s[0], s[n - 1])
 }
 
+/// `(total, available)` bytes of memory: `/proc/meminfo`'s `MemTotal` and `MemAvailable`; on
+/// macOS `hw.memsize` and the memory plan's VM-counter figure.
+fn memory_totals() -> (Option<u64>, Option<u64>) {
+    #[cfg(target_vendor = "apple")]
+    return (
+        k3_store::sys::sysctl_uint("hw.memsize").ok(),
+        k3_store::runtime::plan::mem_available().ok(),
+    );
+    #[cfg(not(target_vendor = "apple"))]
+    return (
+        meminfo_kb("MemTotal").map(|k| k * 1024),
+        meminfo_kb("MemAvailable").map(|k| k * 1024),
+    );
+}
+
+#[cfg(not(target_vendor = "apple"))]
 fn meminfo_kb(key: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
     s.lines()
         .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
         .and_then(|r| r.trim().trim_end_matches("kB").trim().parse().ok())
-}
-
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
 }
 
 fn rustc_version() -> Option<String> {
@@ -166,19 +176,36 @@ fn mount_of(path: &Path) -> Option<(String, String, String)> {
         .max_by_key(|(_, mp, _)| mp.len())
 }
 
-/// Drop `f`'s pages from the page cache (best effort; the answer says whether it worked).
+/// Whether this system can drop one file's pages from the page cache ([`drop_cache`]).
+const DROPS_CACHE: bool = cfg!(target_os = "linux");
+
+/// Drop `f`'s pages from the page cache (best effort; the answer says whether it worked: never
+/// on macOS, which has no per-file way).
 fn drop_cache(f: &File) -> bool {
-    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
-    posix_fadvise(f, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED).is_ok()
+    #[cfg(target_os = "linux")]
+    {
+        use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
+        posix_fadvise(f, 0, 0, PosixFadviseAdvice::POSIX_FADV_DONTNEED).is_ok()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = f;
+        false
+    }
 }
 
-/// Drop `[off, off+len)` of `f` from the page cache (best effort).
+/// Drop `[off, off+len)` of `f` from the page cache (best effort; Linux only).
 fn drop_range(f: &File, off: u64, len: u64) {
-    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
-    let (Ok(off), Ok(len)) = (i64::try_from(off), i64::try_from(len)) else {
-        return;
-    };
-    let _ = posix_fadvise(f, off, len, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+    #[cfg(target_os = "linux")]
+    {
+        use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
+        let (Ok(off), Ok(len)) = (i64::try_from(off), i64::try_from(len)) else {
+            return;
+        };
+        let _ = posix_fadvise(f, off, len, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (f, off, len);
 }
 
 /// A tiny xorshift generator (offsets and scratch contents; no statistical claims).
@@ -205,7 +232,8 @@ impl Drop for Scratch {
 
 fn free_bytes(dir: &Path) -> Option<u64> {
     let st = nix::sys::statvfs::statvfs(dir).ok()?;
-    Some(st.blocks_available().saturating_mul(st.fragment_size()))
+    #[allow(clippy::unnecessary_cast)] // u32 on macOS, u64 on Linux
+    Some((st.blocks_available() as u64).saturating_mul(st.fragment_size() as u64))
 }
 
 /// Why the disk could not be measured (exit 1; the other sections are still reported).
@@ -494,10 +522,9 @@ fn measure_disk(a: &Args) -> Result<Value, DiskError> {
     let mut ms = Vec::new();
     // Seven measurements of --seconds each: a bar on a terminal, log lines otherwise.
     let mut bar = k3_store::progress::Progress::new("measuring the disk", 7, false);
-    let mode = if is_direct {
-        "O_DIRECT"
-    } else {
-        "buffered (O_DIRECT refused)"
+    let mode = match (is_direct, direct.read_mode()) {
+        (false, "buffered reads") => "buffered (O_DIRECT refused)",
+        (_, m) => m,
     };
     // Whole pages, as the engine's O_DIRECT span of an expert is.
     let rb = a.read_bytes.next_multiple_of(ALIGN as u64);
@@ -547,8 +574,12 @@ fn measure_disk(a: &Args) -> Result<Value, DiskError> {
     ms.push(Measure {
         name: "sequential_buffered",
         what: format!(
-            "{rb}-byte sequential buffered reads, 1 reader, page cache dropped \
-             (posix_fadvise DONTNEED) before each round"
+            "{rb}-byte sequential buffered reads, 1 reader, {}",
+            if DROPS_CACHE {
+                "page cache dropped (posix_fadvise DONTNEED) before each round"
+            } else {
+                "page cache NOT dropped (no per-file way on this system): may be cache hits"
+            }
         ),
         mbps: sequential_reads(&buffered, rb, round, &dropper)?,
         direct: false,
@@ -558,8 +589,12 @@ fn measure_disk(a: &Args) -> Result<Value, DiskError> {
     ms.push(Measure {
         name: "random_buffered_qd1",
         what: format!(
-            "{rb}-byte random buffered reads, 1 reader, each range dropped from the page cache \
-             after its read"
+            "{rb}-byte random buffered reads, 1 reader, {}",
+            if DROPS_CACHE {
+                "each range dropped from the page cache after its read"
+            } else {
+                "page cache NOT dropped (no per-file way on this system): may be cache hits"
+            }
         ),
         mbps: random_reads(&buffered, rb, 1, round, Some(&plain))?,
         direct: false,
@@ -572,7 +607,7 @@ fn measure_disk(a: &Args) -> Result<Value, DiskError> {
         "file_bytes": direct.len(),
         "note": scratch_note,
         "filesystem": mount.as_ref().map(|(src, mp, ty)| json!({"source": src, "mount": mp, "type": ty})),
-        "device": plain.metadata().ok().map(|m| format!("{}:{}", nix::sys::stat::major(m.dev()), nix::sys::stat::minor(m.dev()))),
+        "device": plain.metadata().ok().map(|m| device_name(m.dev())),
         "seconds_per_measurement": a.seconds,
         "read_bytes": rb,
         "rounds": ROUNDS,
@@ -580,35 +615,48 @@ fn measure_disk(a: &Args) -> Result<Value, DiskError> {
     }))
 }
 
+/// `major:minor` of a device number (Linux), or the number itself elsewhere.
+fn device_name(dev: u64) -> String {
+    #[cfg(target_os = "linux")]
+    return format!(
+        "{}:{}",
+        nix::sys::stat::major(dev),
+        nix::sys::stat::minor(dev)
+    );
+    #[cfg(not(target_os = "linux"))]
+    return format!("{dev:#x}");
+}
+
 /// Run `k3-ctl doctor`.
-pub fn run(a: Args) -> i32 {
+pub fn run(a: Args) -> Result<i32, Failed> {
     if !(a.seconds.is_finite() && a.seconds > 0.0 && a.seconds <= 600.0) {
-        eprintln!("k3-ctl doctor: --seconds must be in (0, 600]");
-        return k3_proto::exit::REFUSED;
+        return Err(Failed::refused("--seconds must be in (0, 600]"));
     }
     if !a.no_disk {
-        if let Err(e) = std::fs::metadata(&a.dir) {
-            eprintln!("k3-ctl doctor: --dir {}: {e}", a.dir.display());
-            return k3_proto::exit::REFUSED;
-        }
+        std::fs::metadata(&a.dir).map_err(|e| {
+            Failed::with_code(
+                format!("--dir {}", a.dir.display()),
+                k3_proto::exit::REFUSED,
+                e,
+            )
+        })?;
     }
     if a.size_mib > (1 << 20) {
-        eprintln!("k3-ctl doctor: --size-mib at most 1048576");
-        return k3_proto::exit::REFUSED;
+        return Err(Failed::refused("--size-mib at most 1048576"));
     }
     if !(1..=MAX_READ_BYTES).contains(&a.read_bytes) {
-        eprintln!("k3-ctl doctor: --read-bytes must be in [1, {MAX_READ_BYTES}]");
-        return k3_proto::exit::REFUSED;
+        return Err(Failed::refused(format!(
+            "--read-bytes must be in [1, {MAX_READ_BYTES}]"
+        )));
     }
     if !a.no_disk && a.dir.is_dir() && a.read_bytes > scratch_bytes(a.size_mib) / 2 {
-        eprintln!(
-            "k3-ctl doctor: --read-bytes {} needs a scratch file of at least twice that; \
+        return Err(Failed::refused(format!(
+            "--read-bytes {} needs a scratch file of at least twice that; \
              --size-mib {} gives {} bytes",
             a.read_bytes,
             a.size_mib,
             scratch_bytes(a.size_mib)
-        );
-        return k3_proto::exit::REFUSED;
+        )));
     }
     let tiers: Vec<Value> = k3_worker::kernels::Tier::ALL
         .iter()
@@ -618,8 +666,7 @@ pub fn run(a: Args) -> i32 {
         Ok(t) => t.name().to_string(),
         Err(e) => format!("error: {e}"),
     };
-    let total = meminfo_kb("MemTotal").map(|k| k * 1024);
-    let avail = meminfo_kb("MemAvailable").map(|k| k * 1024);
+    let (total, avail) = memory_totals();
     let needs = preset_needs();
     let rec = avail.and_then(|a| recommend(&needs, a));
     let mut doc = json!({
@@ -645,8 +692,8 @@ pub fn run(a: Args) -> i32 {
             print_kernels(&doc["kernels"]);
         }
     }
-    let code = if a.no_disk {
-        k3_proto::exit::OK
+    let outcome = if a.no_disk {
+        Ok(k3_proto::exit::OK)
     } else {
         if !a.json {
             println!(
@@ -661,19 +708,18 @@ pub fn run(a: Args) -> i32 {
                     print_disk(&d);
                 }
                 doc["disk"] = d;
-                k3_proto::exit::OK
+                Ok(k3_proto::exit::OK)
             }
             Err(e) => {
-                eprintln!("k3-ctl doctor: disk: {e}");
                 doc["disk"] = json!({"error": e.to_string()});
-                k3_proto::exit::FAILURE
+                Err(Failed::with_code("disk", k3_proto::exit::FAILURE, e))
             }
         }
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
     }
-    code
+    outcome
 }
 
 /// Kernel rates per available tier on this machine (each figure names the CPU and the tier):
@@ -998,7 +1044,8 @@ mod tests {
         // Over half the 64 MiB scratch file would leave no room to read at random.
         for read_bytes in [0, MAX_READ_BYTES + 1, (32 << 20) + 1] {
             let a = small_args(tmp.path(), read_bytes);
-            assert_eq!(run(a), k3_proto::exit::REFUSED, "--read-bytes {read_bytes}");
+            let code = k3_proto::exit::report("k3-ctl doctor", run(a));
+            assert_eq!(code, k3_proto::exit::REFUSED, "--read-bytes {read_bytes}");
         }
         // Refused before the scratch file was made.
         assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);

@@ -12,6 +12,8 @@ use k3_proto::expert::{ExpertLayout, ExpertPart};
 use k3_proto::names::{self, TensorClass};
 use k3_proto::safetensors::CheckpointIndex;
 
+use crate::fail::Failed;
+
 /// Arguments of `k3-ctl inspect`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -53,12 +55,29 @@ pub struct Census {
     pub problems: Vec<String>,
 }
 
-/// Pushes a problem, counting (not listing) those past the limit.
-fn note(problems: &mut Vec<String>, overflow: &mut usize, p: String) {
-    if problems.len() < MAX_LISTED {
-        problems.push(p);
-    } else {
-        *overflow += 1;
+/// The problems found, listing at most [`MAX_LISTED`] and counting the rest.
+#[derive(Default)]
+struct Problems {
+    list: Vec<String>,
+    overflow: usize,
+}
+
+impl Problems {
+    /// Pushes a problem, counting (not listing) those past the limit.
+    fn note(&mut self, p: String) {
+        if self.list.len() < MAX_LISTED {
+            self.list.push(p);
+        } else {
+            self.overflow += 1;
+        }
+    }
+
+    fn into_list(mut self) -> Vec<String> {
+        if self.overflow > 0 {
+            self.list
+                .push(format!("… and {} more problems", self.overflow));
+        }
+        self.list
     }
 }
 
@@ -73,159 +92,136 @@ pub fn census(cfg: &ModelConfig, idx: &CheckpointIndex) -> Census {
         layer_bytes: vec![0; n_layers],
         ..Census::default()
     };
-    let mut problems = Vec::new();
-    let mut overflow = 0usize;
+    let mut problems = Problems::default();
     // (layer, expert) → bitmask of parts seen.
     let mut experts: HashMap<(u32, u32), u8> = HashMap::new();
     for t in idx.iter() {
-        match names::classify(t.name) {
-            TensorClass::Model => {
-                c.n_model += 1;
-                c.resident_bytes += t.nbytes;
-                if t.name == names::EMBED || t.name == names::LM_HEAD {
-                    c.embed_head_bytes += t.nbytes;
-                }
-            }
-            TensorClass::Trunk { layer } => {
-                c.n_trunk += 1;
-                c.trunk_bytes += t.nbytes;
-                if layer >= n_layers {
-                    note(
-                        &mut problems,
-                        &mut overflow,
-                        format!(
-                            "`{}`: layer {layer} does not exist ({n_layers} layers)",
-                            t.name
-                        ),
-                    );
-                } else {
-                    c.layer_bytes[layer] += t.nbytes;
-                }
-                if t.name.contains(".block_sparse_moe.experts.") {
-                    note(
-                        &mut problems,
-                        &mut overflow,
-                        format!(
-                            "`{}` is not one of the six MXFP4 routed-expert tensors",
-                            t.name
-                        ),
-                    );
-                }
-            }
-            TensorClass::Expert {
-                layer,
-                expert,
-                part,
-            } => {
-                c.n_expert_tensors += 1;
-                c.expert_total_bytes += t.nbytes;
-                if layer >= n_layers || !cfg.is_moe(layer) {
-                    note(
-                        &mut problems,
-                        &mut overflow,
-                        format!("`{}`: layer {layer} is not a MoE layer", t.name),
-                    );
-                    continue;
-                }
-                if expert >= cfg.num_experts {
-                    note(
-                        &mut problems,
-                        &mut overflow,
-                        format!(
-                            "`{}`: expert {expert} does not exist ({} experts)",
-                            t.name, cfg.num_experts
-                        ),
-                    );
-                    continue;
-                }
-                *experts.entry((layer as u32, expert as u32)).or_default() |= 1 << part.index();
-            }
-            TensorClass::Other => {
-                c.n_other += 1;
-                c.other_bytes += t.nbytes;
-            }
-        }
+        count(cfg, &mut c, &mut problems, &mut experts, t.name, t.nbytes);
     }
     c.n_routed_experts = experts.len();
-
-    // Every MoE layer must hold every expert with all six parts.
-    let complete = experts.values().filter(|&&m| m == 0x3f).count() as u64;
-    let expected = (cfg.n_moe() as u64) * (cfg.num_experts as u64);
-    let missing_total = expected.saturating_sub(complete);
-    if missing_total > 0 {
-        note(
-            &mut problems,
-            &mut overflow,
-            format!(
-                "{missing_total} of {expected} routed experts ({} MoE layers × {}) are missing \
-                 or incomplete",
-                cfg.n_moe(),
-                cfg.num_experts
-            ),
-        );
-        // List a few. The scan stops after them, so it visits at most `complete + examples`
-        // pairs however large the config claims the model is.
-        let mut listed = 0;
-        'scan: for l in cfg.first_k_dense_replace..n_layers {
-            for e in 0..cfg.num_experts {
-                let mask = experts.get(&(l as u32, e as u32)).copied().unwrap_or(0);
-                if mask == 0x3f {
-                    continue;
-                }
-                let absent: Vec<ExpertPart> = ExpertPart::ALL
-                    .into_iter()
-                    .filter(|p| mask & (1 << p.index()) == 0)
-                    .collect();
-                let what = if mask == 0 {
-                    "all six parts".to_string()
-                } else {
-                    absent
-                        .iter()
-                        .map(|p| p.suffix())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                };
-                note(
-                    &mut problems,
-                    &mut overflow,
-                    format!(
-                        "routed expert {e} of layer {l} lacks {what} (e.g. `{}`)",
-                        names::expert_tensor(l, e, absent[0])
-                    ),
-                );
-                listed += 1;
-                if listed == MAX_LISTED / 2 || listed as u64 == missing_total {
-                    break 'scan;
-                }
-            }
-        }
-    }
-
+    missing_experts(cfg, &experts, &mut problems);
     // Every tensor the engine reads against the config's dtype and shape: the check every
     // command that reads the headers runs (`k3_proto::tensors::check`).
     if let Err(e) = k3_proto::tensors::check(cfg, idx) {
         for line in e.lines() {
-            note(&mut problems, &mut overflow, line);
+            problems.note(line);
         }
     }
     for (l, &b) in c.layer_bytes.iter().enumerate() {
         if b == 0 {
-            note(
-                &mut problems,
-                &mut overflow,
-                format!("layer {l} has no trunk tensors"),
-            );
+            problems.note(format!("layer {l} has no trunk tensors"));
         }
         if b > c.largest_layer_bytes {
             c.largest_layer_bytes = b;
             c.largest_layer = l;
         }
     }
-    if overflow > 0 {
-        problems.push(format!("… and {overflow} more problems"));
-    }
-    c.problems = problems;
+    c.problems = problems.into_list();
     c
+}
+
+/// Count one tensor (`name`, `nbytes`) in its class, noting what does not fit the config.
+fn count(
+    cfg: &ModelConfig,
+    c: &mut Census,
+    problems: &mut Problems,
+    experts: &mut HashMap<(u32, u32), u8>,
+    name: &str,
+    nbytes: u64,
+) {
+    let n_layers = cfg.num_hidden_layers;
+    match names::classify(name) {
+        TensorClass::Model => {
+            c.n_model += 1;
+            c.resident_bytes += nbytes;
+            if name == names::EMBED || name == names::LM_HEAD {
+                c.embed_head_bytes += nbytes;
+            }
+        }
+        TensorClass::Trunk { layer } => {
+            c.n_trunk += 1;
+            c.trunk_bytes += nbytes;
+            if layer >= n_layers {
+                problems.note(format!(
+                    "`{name}`: layer {layer} does not exist ({n_layers} layers)"
+                ));
+            } else {
+                c.layer_bytes[layer] += nbytes;
+            }
+            if name.contains(".block_sparse_moe.experts.") {
+                problems.note(format!(
+                    "`{name}` is not one of the six MXFP4 routed-expert tensors"
+                ));
+            }
+        }
+        TensorClass::Expert {
+            layer,
+            expert,
+            part,
+        } => {
+            c.n_expert_tensors += 1;
+            c.expert_total_bytes += nbytes;
+            if layer >= n_layers || !cfg.is_moe(layer) {
+                problems.note(format!("`{name}`: layer {layer} is not a MoE layer"));
+            } else if expert >= cfg.num_experts {
+                problems.note(format!(
+                    "`{name}`: expert {expert} does not exist ({} experts)",
+                    cfg.num_experts
+                ));
+            } else {
+                *experts.entry((layer as u32, expert as u32)).or_default() |= 1 << part.index();
+            }
+        }
+        TensorClass::Other => {
+            c.n_other += 1;
+            c.other_bytes += nbytes;
+        }
+    }
+}
+
+/// Every MoE layer must hold every expert with all six parts: note how many do not, and list a
+/// few (the scan stops after them, so it visits at most `complete + examples` pairs however
+/// large the config claims the model is).
+fn missing_experts(cfg: &ModelConfig, experts: &HashMap<(u32, u32), u8>, problems: &mut Problems) {
+    let complete = experts.values().filter(|&&m| m == 0x3f).count() as u64;
+    let expected = (cfg.n_moe() as u64) * (cfg.num_experts as u64);
+    let missing_total = expected.saturating_sub(complete);
+    if missing_total == 0 {
+        return;
+    }
+    problems.note(format!(
+        "{missing_total} of {expected} routed experts ({} MoE layers × {}) are missing or \
+         incomplete",
+        cfg.n_moe(),
+        cfg.num_experts
+    ));
+    let mut listed = 0;
+    for l in cfg.first_k_dense_replace..cfg.num_hidden_layers {
+        for e in 0..cfg.num_experts {
+            let mask = experts.get(&(l as u32, e as u32)).copied().unwrap_or(0);
+            if mask == 0x3f {
+                continue;
+            }
+            let absent: Vec<ExpertPart> = ExpertPart::ALL
+                .into_iter()
+                .filter(|p| mask & (1 << p.index()) == 0)
+                .collect();
+            let what = if mask == 0 {
+                "all six parts".to_string()
+            } else {
+                let parts: Vec<&str> = absent.iter().map(|p| p.suffix()).collect();
+                parts.join(", ")
+            };
+            problems.note(format!(
+                "routed expert {e} of layer {l} lacks {what} (e.g. `{}`)",
+                names::expert_tensor(l, e, absent[0])
+            ));
+            listed += 1;
+            if listed == MAX_LISTED / 2 || listed as u64 == missing_total {
+                return;
+            }
+        }
+    }
 }
 
 /// A size in human decimal units (GB from 1 GB up, else MB).
@@ -233,22 +229,25 @@ fn gb(b: u64) -> String {
     k3_store::runtime::plan::fmt_bytes(b)
 }
 
-fn refuse(json: bool, problems: &[String]) -> i32 {
-    eprintln!(
-        "k3-ctl inspect: refused ({} problem{}):",
-        problems.len(),
-        if problems.len() == 1 { "" } else { "s" }
-    );
-    for p in problems {
-        eprintln!("  - {p}");
-    }
+/// The refusal of a checkpoint with `problems` (each on a line of the message); with `json`,
+/// the JSON answer `{"ok": false, "problems": …}` on stdout too.
+fn refuse(json: bool, problems: &[String]) -> Failed {
     if json {
         println!(
             "{}",
             serde_json::json!({ "ok": false, "problems": problems })
         );
     }
-    k3_proto::exit::REFUSED
+    let mut what = format!(
+        "refused ({} problem{}):",
+        problems.len(),
+        if problems.len() == 1 { "" } else { "s" }
+    );
+    for p in problems {
+        what.push_str("\n  - ");
+        what.push_str(p);
+    }
+    Failed::refused(what)
 }
 
 /// Reads config + index of `dir`; on failure, every problem of both.
@@ -277,11 +276,8 @@ fn open(dir: &Path) -> Result<(PathBuf, ModelConfig, CheckpointIndex, f64), Vec<
     }
 }
 
-pub fn run(a: Args) -> i32 {
-    let (cfg_path, cfg, idx, secs) = match open(&a.model_dir) {
-        Ok(x) => x,
-        Err(problems) => return refuse(a.json, &problems),
-    };
+pub fn run(a: Args) -> Result<i32, Failed> {
+    let (cfg_path, cfg, idx, secs) = open(&a.model_dir).map_err(|p| refuse(a.json, &p))?;
     let c = census(&cfg, &idx);
     let per_tensor = if idx.is_empty() {
         0.0
@@ -382,8 +378,8 @@ pub fn run(a: Args) -> i32 {
         );
     }
     if c.problems.is_empty() {
-        k3_proto::exit::OK
+        Ok(k3_proto::exit::OK)
     } else {
-        refuse(false, &c.problems)
+        Err(refuse(false, &c.problems))
     }
 }

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod census;
 mod doctor;
+mod fail;
 mod inspect;
 mod pack;
 mod presets;
@@ -52,7 +53,8 @@ enum Cmd {
     Census(census::Args),
     /// Check every byte: the shards end to end, and each packed trunk layer against its checksum.
     Verify(verify::Args),
-    /// OpenAI-compatible HTTP server in front of a running store (one worker per request).
+    /// OpenAI-compatible HTTP server in front of a running store (one worker, its slots decoded
+    /// together).
     Serve(serve::Args),
 }
 
@@ -70,22 +72,24 @@ fn main() {
             std::process::exit(code);
         }
     };
+    // The one place a subcommand's error is printed and its exit code picked.
+    use k3_proto::exit::report;
     let code = match cli.cmd {
-        Cmd::Inspect(a) => inspect::run(a),
-        Cmd::Tokenize(a) => tokenize::run_tokenize(a),
-        Cmd::Detokenize(a) => tokenize::run_detokenize(a),
-        Cmd::Status(a) => store_cmds::run_status(a),
-        Cmd::Stats(a) => store_cmds::run_stats(a),
-        Cmd::Stop(a) => store_cmds::run_stop(a),
-        Cmd::Ps(a) => store_cmds::run_ps(a),
-        Cmd::Sessions(a) => store_cmds::run_sessions(a),
-        Cmd::PackTrunk(a) => pack::run(a),
-        Cmd::Presets(a) => presets::run(a),
-        Cmd::ReplayTrace(a) => replay::run(a),
-        Cmd::Doctor(a) => doctor::run(a),
-        Cmd::Verify(a) => verify::run(a),
-        Cmd::Census(a) => census::run(a),
-        Cmd::Serve(a) => serve::run(a),
+        Cmd::Inspect(a) => report("k3-ctl inspect", inspect::run(a)),
+        Cmd::Tokenize(a) => report("k3-ctl tokenize", tokenize::run_tokenize(a)),
+        Cmd::Detokenize(a) => report("k3-ctl detokenize", tokenize::run_detokenize(a)),
+        Cmd::Status(a) => report("k3-ctl status", store_cmds::run_status(a)),
+        Cmd::Stats(a) => report("k3-ctl stats", store_cmds::run_stats(a)),
+        Cmd::Stop(a) => report("k3-ctl stop", store_cmds::run_stop(a)),
+        Cmd::Ps(a) => report("k3-ctl ps", store_cmds::run_ps(a)),
+        Cmd::Sessions(a) => report("k3-ctl sessions", store_cmds::run_sessions(a)),
+        Cmd::PackTrunk(a) => report("k3-ctl pack-trunk", pack::run(a)),
+        Cmd::Presets(a) => report("k3-ctl presets", presets::run(a)),
+        Cmd::ReplayTrace(a) => report("k3-ctl replay-trace", replay::run(a)),
+        Cmd::Doctor(a) => report("k3-ctl doctor", doctor::run(a)),
+        Cmd::Verify(a) => report("k3-ctl verify", verify::run(a)),
+        Cmd::Census(a) => report("k3-ctl census", census::run(a)),
+        Cmd::Serve(a) => report("k3-ctl serve", serve::run(a)),
     };
     std::process::exit(code);
 }

@@ -18,6 +18,9 @@ use k3_store::runtime::trunk::{
     DEFAULT_MAX_ESCAPE, DEFAULT_WIDTH,
 };
 
+use crate::fail::Failed;
+use k3_proto::exit::ExitStatus;
+
 /// Arguments of `k3-ctl pack-trunk`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -35,7 +38,7 @@ pub struct Args {
     /// k3slice, docs/BENCHMARKS.md), `raw` (the checkpoint's bytes); `ecbf16:W` codes with a
     /// `W`-bit index (2, 3 or 4), `ecbf16:auto` picks 3 or 4 per tensor. LOSSY, opt-in: `int8`
     /// (a scale per row) or `int4` (a scale per 32 columns) quantize every trunk weight matrix
-    /// but the router and `kv_b_proj` (SPEC.md §6.14; the routed experts stay MXFP4 as always);
+    /// but the router and `kv_b_proj` (SPEC.md §6.15; the routed experts stay MXFP4 as always);
     /// every run on such a trunk is labelled lossy, with its measured quality
     /// (docs/BENCHMARKS.md, "Quality of the quantized trunk"). Not with --draft.
     #[arg(long, value_name = "ecbf16[:W|:auto]|raw|int8|int4", value_parser = parse_codec)]
@@ -74,34 +77,24 @@ fn parse_codec(s: &str) -> Result<PackOptions, CodecArgError> {
 pub struct CodecArgError(String);
 
 /// Run the subcommand; returns the exit code.
-pub fn run(a: Args) -> i32 {
+pub fn run(a: Args) -> Result<i32, Failed> {
     if a.draft.is_some() && a.codec.is_some() {
-        eprintln!("k3-ctl pack-trunk: refusing: --codec applies to the packed trunk, not --draft");
-        return exit::REFUSED;
+        return Err(Failed::refused(
+            "refusing: --codec applies to the packed trunk, not --draft",
+        ));
     }
     if !(0.0..=1.0).contains(&a.max_escape) {
-        eprintln!(
-            "k3-ctl pack-trunk: refusing: --max-escape {} is not a fraction in 0..1",
+        return Err(Failed::refused(format!(
+            "refusing: --max-escape {} is not a fraction in 0..1",
             a.max_escape
-        );
-        return exit::REFUSED;
+        )));
     }
     let mut opts = (a.codec.clone()).unwrap_or_else(|| PackOptions::new(TrunkCodec::Ecbf16));
     opts.max_escape = a.max_escape;
-    let (cat, _cfg) = match Catalog::open_dir(&a.model_dir) {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("k3-ctl pack-trunk: refusing: {e}");
-            return exit::REFUSED;
-        }
-    };
-    let stop = match Interrupt::on_signals() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("k3-ctl pack-trunk: cannot handle SIGINT/SIGTERM: {e}");
-            return exit::FAILURE;
-        }
-    };
+    let (cat, _cfg) =
+        Catalog::open_dir(&a.model_dir).map_err(|e| Failed::because("refusing", e))?;
+    let stop = Interrupt::on_signals()
+        .map_err(|e| Failed::with_code("cannot handle SIGINT/SIGTERM", exit::FAILURE, e))?;
     let total: u64 = (0..cat.n_layers()).map(|l| cat.trunk_bytes(l)).sum();
     let what = match (a.draft, opts.codec) {
         (Some(k), _) => format!("an {} draft of", k.name()),
@@ -139,50 +132,51 @@ pub fn run(a: Args) -> i32 {
 }
 
 /// Print the outcome of a pack; its exit code.
-fn report(a: &Args, codec: TrunkCodec, total: u64, r: Result<PackSummary, TrunkError>) -> i32 {
+fn report(
+    a: &Args,
+    codec: TrunkCodec,
+    total: u64,
+    r: Result<PackSummary, TrunkError>,
+) -> Result<i32, Failed> {
     let file = if a.draft.is_some() {
         "draft.bin"
     } else {
         "trunk.bin"
     };
-    match r {
-        Ok(s) => {
-            println!(
-                "packed {} layers, {} bytes ({}), {file} {} bytes, largest run {}, {:.2} s",
-                s.layers,
-                s.bytes,
-                fmt_bytes(s.bytes),
-                s.file_bytes,
-                fmt_bytes(s.largest_run),
-                s.seconds
-            );
-            if a.draft.is_none() && codec != TrunkCodec::Raw {
-                let kinds: Vec<String> = (s.stored_as.iter())
-                    .map(|(k, n)| format!("{n} {k}"))
-                    .collect();
-                println!(
-                    "{}: {} of the checkpoint's {} trunk bytes ({:.3}x); tensors: {}",
-                    codec.name(),
-                    s.bytes,
-                    total,
-                    s.bytes as f64 / total.max(1) as f64,
-                    kinds.join(", ")
-                );
-            }
-            if let Some(kind) = codec.quant().filter(|_| a.draft.is_none()) {
-                println!("{}", k3_proto::quant::lossy_label(kind));
-            }
-            exit::OK
-        }
-        Err(e) if e.is_refusal() => {
-            eprintln!("k3-ctl pack-trunk: refusing: {e}");
-            exit::REFUSED
-        }
-        Err(e) => {
-            eprintln!("k3-ctl pack-trunk: {e}");
-            exit::FAILURE
-        }
+    let s = r.map_err(|e| {
+        let what = if e.exit_code() == exit::REFUSED {
+            "refusing"
+        } else {
+            "failed"
+        };
+        Failed::because(what, e)
+    })?;
+    println!(
+        "packed {} layers, {} bytes ({}), {file} {} bytes, largest run {}, {:.2} s",
+        s.layers,
+        s.bytes,
+        fmt_bytes(s.bytes),
+        s.file_bytes,
+        fmt_bytes(s.largest_run),
+        s.seconds
+    );
+    if a.draft.is_none() && codec != TrunkCodec::Raw {
+        let kinds: Vec<String> = (s.stored_as.iter())
+            .map(|(k, n)| format!("{n} {k}"))
+            .collect();
+        println!(
+            "{}: {} of the checkpoint's {} trunk bytes ({:.3}x); tensors: {}",
+            codec.name(),
+            s.bytes,
+            total,
+            s.bytes as f64 / total.max(1) as f64,
+            kinds.join(", ")
+        );
     }
+    if let Some(kind) = codec.quant().filter(|_| a.draft.is_none()) {
+        println!("{}", k3_proto::quant::lossy_label(kind));
+    }
+    Ok(exit::OK)
 }
 
 #[cfg(test)]
@@ -191,13 +185,16 @@ mod tests {
 
     #[test]
     fn missing_checkpoint_is_a_refusal() {
-        let code = run(Args {
-            model_dir: PathBuf::from("/nonexistent/k3-model"),
-            out_dir: std::env::temp_dir().join("k3-pack-never-written"),
-            draft: None,
-            codec: None,
-            max_escape: DEFAULT_MAX_ESCAPE,
-        });
+        let code = exit::report(
+            "k3-ctl pack-trunk",
+            run(Args {
+                model_dir: PathBuf::from("/nonexistent/k3-model"),
+                out_dir: std::env::temp_dir().join("k3-pack-never-written"),
+                draft: None,
+                codec: None,
+                max_escape: DEFAULT_MAX_ESCAPE,
+            }),
+        );
         assert_eq!(code, exit::REFUSED);
         assert!(!std::env::temp_dir().join("k3-pack-never-written").exists());
     }

@@ -5,7 +5,7 @@
 pub struct Args {}
 
 /// Print the preset table to stdout.
-pub fn run(_a: Args) -> i32 {
+pub fn run(_a: Args) -> Result<i32, crate::fail::Failed> {
     print!("{}", k3_store::runtime::plan::presets_table());
-    k3_proto::exit::OK
+    Ok(k3_proto::exit::OK)
 }

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use k3_proto::exit;
 use k3_store::runtime::policy::{self, Row, Trace, POLICY_NAMES};
 
+use crate::fail::Failed;
+
 /// Most slots a replay may simulate (bounds the allocation).
 const MAX_CAPACITY: usize = 10_000_000;
 
@@ -83,47 +85,23 @@ fn policies(names: &[String]) -> Result<Vec<String>, ArgError> {
 }
 
 /// Run the subcommand; returns the exit code.
-pub fn run(a: Args) -> i32 {
-    let pols = match policies(&a.policy) {
-        Ok(p) => p,
-        Err(e) => {
-            eprintln!("k3-ctl replay-trace: {e}");
-            return exit::REFUSED;
-        }
-    };
-    let trace = match Trace::read_files(&a.traces) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!("k3-ctl replay-trace: {e}");
-            return exit::REFUSED;
-        }
-    };
+pub fn run(a: Args) -> Result<i32, Failed> {
+    let pols = policies(&a.policy).map_err(|e| Failed::coded(exit::REFUSED, e))?;
+    let trace = Trace::read_files(&a.traces).map_err(|e| Failed::coded(exit::REFUSED, e))?;
     let ws = trace.working_set();
     let mut caps = Vec::new();
     for s in &a.capacity {
-        match parse_capacity(s, ws) {
-            Ok(n) => caps.push(n),
-            Err(e) => {
-                eprintln!("k3-ctl replay-trace: {e}");
-                return exit::REFUSED;
-            }
-        }
+        caps.push(parse_capacity(s, ws).map_err(|e| Failed::coded(exit::REFUSED, e))?);
     }
     let (max_batch, mb_step, mb_layer) = trace.max_batch();
     if let Some(&c) = caps.iter().find(|&&c| c < max_batch) {
-        eprintln!(
-            "k3-ctl replay-trace: capacity {c} slots < the largest batch, {max_batch} experts \
+        return Err(Failed::refused(format!(
+            "capacity {c} slots < the largest batch, {max_batch} experts \
              (step {mb_step}, layer {mb_layer}); the store would refuse it"
-        );
-        return exit::REFUSED;
+        )));
     }
-    let rows = match policy::evaluate(&trace, &caps, &pols) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("k3-ctl replay-trace: {e}");
-            return exit::REFUSED;
-        }
-    };
+    let rows =
+        policy::evaluate(&trace, &caps, &pols).map_err(|e| Failed::coded(exit::REFUSED, e))?;
     if a.json {
         let v = serde_json::json!({
             "traces": a.traces.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
@@ -142,7 +120,7 @@ pub fn run(a: Args) -> i32 {
             render(&trace, ws, max_batch, &caps, &rows, &pols_with_lru(&pols))
         );
     }
-    exit::OK
+    Ok(exit::OK)
 }
 
 fn pols_with_lru(p: &[String]) -> Vec<String> {

@@ -8,6 +8,8 @@ use k3_proto::wire::{ClientKind, Counters, Request, Response, StatsReport};
 use k3_store::attach::client::{Client, ClientError};
 use k3_store::runtime::plan::fmt_bytes;
 
+use crate::fail::Failed;
+
 /// Where the store listens: the flag group every binary shares.
 pub use k3_store::cli::SocketArgs as SocketArg;
 
@@ -24,22 +26,22 @@ pub struct StatsArgs {
     pub watch: bool,
 }
 
-fn connect(s: &SocketArg) -> Result<Client, i32> {
-    Client::connect(&s.path(), ClientKind::Control, "k3-ctl")
-        .map_err(|e| exit::report::<ClientError>("k3-ctl", Err(e)))
+fn connect(s: &SocketArg) -> Result<Client, Failed> {
+    Client::connect(&s.path(), ClientKind::Control, "k3-ctl").map_err(Failed::of)
 }
 
-fn call(c: &mut Client, req: &Request) -> Result<Response, i32> {
-    c.call(req)
-        .map_err(|e| exit::report::<ClientError>("k3-ctl", Err(e)))
+fn call(c: &mut Client, req: &Request) -> Result<Response, Failed> {
+    c.call(req).map_err(Failed::of)
+}
+
+/// An answer of another kind than the request's (exit 1).
+fn unexpected(other: &Response) -> Failed {
+    Failed::failure(format!("unexpected answer {other:?}"))
 }
 
 /// `k3-ctl status`.
-pub fn run_status(a: SocketArg) -> i32 {
-    let mut c = match connect(&a) {
-        Ok(c) => c,
-        Err(code) => return code,
-    };
+pub fn run_status(a: SocketArg) -> Result<i32, Failed> {
+    let mut c = connect(&a)?;
     match c.call(&Request::Status) {
         // Not serving yet: say how far the load is, on stdout, and end as "no store" (3).
         Err(ClientError::Loading(l)) => {
@@ -53,9 +55,9 @@ pub fn run_status(a: SocketArg) -> i32 {
                 l.done_bytes as f64 / 1e9,
                 l.total_bytes as f64 / 1e9
             );
-            exit::NO_STORE
+            Ok(exit::NO_STORE)
         }
-        Err(e) => exit::report::<ClientError>("k3-ctl", Err(e)),
+        Err(e) => Err(Failed::of(e)),
         Ok(Response::Status(s)) => {
             println!("store: up, pid {}, uptime {:.1} s", s.pid, s.uptime_seconds);
             println!("socket: {}", a.path().display());
@@ -75,17 +77,15 @@ pub fn run_status(a: SocketArg) -> i32 {
                 println!("  {l}");
             }
             println!("{}", s.plan);
-            exit::OK
+            Ok(exit::OK)
         }
-        Ok(other) => {
-            eprintln!("k3-ctl: unexpected answer {other:?}");
-            exit::FAILURE
-        }
+        Ok(other) => Err(unexpected(&other)),
     }
 }
 
 /// The process `pid` as `/proc/PID/stat` tells it: `Some(start time)` while it runs, `None` once
 /// it is gone or a zombie (its memory, the store's shared memory included, is then released).
+#[cfg(target_os = "linux")]
 fn live_start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces and parentheses): state is the
@@ -97,32 +97,34 @@ fn live_start_time(pid: u32) -> Option<u64> {
     rest.get(19)?.parse().ok()
 }
 
+/// Without `/proc` (macOS): `Some(0)` while a process `pid` exists (`kill(pid, 0)`; a signal it
+/// is not allowed to receive still proves it exists), `None` once it is gone. A reused pid is
+/// not told apart here.
+#[cfg(not(target_os = "linux"))]
+fn live_start_time(pid: u32) -> Option<u64> {
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(pid).ok()?);
+    match nix::sys::signal::kill(pid, None) {
+        Ok(()) | Err(nix::errno::Errno::EPERM) => Some(0),
+        Err(_) => None,
+    }
+}
+
 /// `k3-ctl stop`: asks the store to stop, then returns once its process has exited (so its
 /// memory is free for the next `k3-store start`), at most 30 s later.
-pub fn run_stop(a: SocketArg) -> i32 {
+pub fn run_stop(a: SocketArg) -> Result<i32, Failed> {
     let path = a.path();
-    let mut c = match connect(&a) {
-        Ok(c) => c,
-        Err(code) => return code,
-    };
+    let mut c = connect(&a)?;
     // Which process to wait for; its start time tells it from a later process given its pid.
     // A store still loading says so, with its pid, and honours the stop all the same.
     let store = match c.call(&Request::Status) {
         Ok(Response::Status(s)) => live_start_time(s.pid).map(|t| (s.pid, t)),
         Err(ClientError::Loading(l)) => live_start_time(l.pid).map(|t| (l.pid, t)),
-        Err(e) => return exit::report::<ClientError>("k3-ctl", Err(e)),
-        Ok(other) => {
-            eprintln!("k3-ctl: unexpected answer {other:?}");
-            return exit::FAILURE;
-        }
+        Err(e) => return Err(Failed::of(e)),
+        Ok(other) => return Err(unexpected(&other)),
     };
-    match call(&mut c, &Request::Stop) {
-        Ok(Response::Stopping) => {}
-        Ok(other) => {
-            eprintln!("k3-ctl: unexpected answer {other:?}");
-            return exit::FAILURE;
-        }
-        Err(code) => return code,
+    match call(&mut c, &Request::Stop)? {
+        Response::Stopping => {}
+        other => return Err(unexpected(&other)),
     }
     drop(c);
     // The store removes its socket once it has drained, then exits and its memory is released;
@@ -132,7 +134,7 @@ pub fn run_stop(a: SocketArg) -> i32 {
     for _ in 0..1500 {
         if !path.exists() && !running() {
             println!("store stopped");
-            return exit::OK;
+            return Ok(exit::OK);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -144,8 +146,9 @@ pub fn run_stop(a: SocketArg) -> i32 {
             store.map_or(0, |s| s.0)
         )
     };
-    eprintln!("k3-ctl: the store acknowledged the stop but {what} after 30 s");
-    exit::FAILURE
+    Err(Failed::failure(format!(
+        "the store acknowledged the stop but {what} after 30 s"
+    )))
 }
 
 fn pct(c: &Counters) -> String {
@@ -216,12 +219,42 @@ pub fn render_stats(s: &StatsReport) -> String {
         );
     }
     if l.preloaded_experts > 0 {
+        let what = match s.usage.preload.as_str() {
+            "hot" => ": the most used of the usage history",
+            "every" => ": every routed expert",
+            _ => "",
+        };
         let _ = writeln!(
             o,
-            "preload:  {} experts ({}) read at start-up in {:.2} s (not in the figures above)",
+            "preload:  {} experts ({}) read at start-up in {:.2} s{what} (not in the figures \
+             above); {} TRUE hits on them so far",
             l.preloaded_experts,
             fmt_bytes(l.preload_bytes),
-            l.preload_seconds
+            l.preload_seconds,
+            l.preload_hits
+        );
+    }
+    let u = &s.usage;
+    if !u.file.is_empty() {
+        let _ = writeln!(
+            o,
+            "usage:    {} expert requests counted since the start ({} saved), {} in the history \
+             at start, {} experts used  file {}{}{}",
+            u.requests_counted,
+            u.requests_saved,
+            u.requests_at_start,
+            u.experts_used,
+            u.file,
+            if u.save_failures > 0 {
+                format!("  FAILED SAVES {}", u.save_failures)
+            } else {
+                String::new()
+            },
+            if u.refused.is_empty() {
+                String::new()
+            } else {
+                format!("  (the file found at start was refused: {})", u.refused)
+            }
         );
     }
     if l.prefetch_loads > 0 {
@@ -263,69 +296,69 @@ pub fn render_stats(s: &StatsReport) -> String {
             format!("  state dir {}", ss.state_dir)
         }
     );
-    if !s.jobs.is_empty() {
-        let _ = writeln!(
-            o,
-            "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10} {:>10} {:>13} {:>8} {:>7} {:>13}",
-            "job",
-            "label",
-            "live",
-            "requests",
-            "hits",
-            "misses",
-            "TRUE hit",
-            "expert MB",
-            "trunk MB",
-            "shared/layers",
-            "wait s",
-            "passes",
-            "acc/drafted"
-        );
-        for j in &s.jobs {
-            let c = &j.counters;
-            let p = &j.progress;
-            let _ = writeln!(
-                o,
-                "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10.1} {:>10.1} {:>13} {:>8.2} {:>7} {:>13}",
-                j.conn,
-                j.label,
-                if j.live { "yes" } else { "no" },
-                c.requests,
-                c.resident_hits,
-                c.misses,
-                pct(c),
-                c.expert_bytes_read as f64 / 1e6,
-                c.trunk_bytes_read as f64 / 1e6,
-                format!("{}/{}", c.trunk_shared_layers, c.trunk_layers_served),
-                c.trunk_wait_seconds,
-                p.forward_passes,
-                format!("{}/{}", p.accepted_tokens, p.drafted_tokens)
-            );
-        }
-    }
+    render_jobs(&mut o, s);
     o
 }
 
+/// The per-job table of `k3-ctl stats` (nothing without jobs).
+fn render_jobs(o: &mut String, s: &StatsReport) {
+    use std::fmt::Write;
+    if s.jobs.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        o,
+        "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10} {:>10} {:>13} {:>8} {:>7} {:>13}",
+        "job",
+        "label",
+        "live",
+        "requests",
+        "hits",
+        "misses",
+        "TRUE hit",
+        "expert MB",
+        "trunk MB",
+        "shared/layers",
+        "wait s",
+        "passes",
+        "acc/drafted"
+    );
+    for j in &s.jobs {
+        let c = &j.counters;
+        let p = &j.progress;
+        let _ = writeln!(
+            o,
+            "{:>5}  {:<28} {:>5} {:>9} {:>9} {:>9} {:>12} {:>10.1} {:>10.1} {:>13} {:>8.2} {:>7} {:>13}",
+            j.conn,
+            j.label,
+            if j.live { "yes" } else { "no" },
+            c.requests,
+            c.resident_hits,
+            c.misses,
+            pct(c),
+            c.expert_bytes_read as f64 / 1e6,
+            c.trunk_bytes_read as f64 / 1e6,
+            format!("{}/{}", c.trunk_shared_layers, c.trunk_layers_served),
+            c.trunk_wait_seconds,
+            p.forward_passes,
+            format!("{}/{}", p.accepted_tokens, p.drafted_tokens)
+        );
+    }
+}
+
 /// `k3-ctl stats`.
-pub fn run_stats(a: StatsArgs) -> i32 {
-    let mut c = match connect(&a.socket) {
-        Ok(c) => c,
-        Err(code) => return code,
-    };
+pub fn run_stats(a: StatsArgs) -> Result<i32, Failed> {
+    let mut c = connect(&a.socket)?;
     use std::io::{IsTerminal, Write};
     // On a terminal the table is redrawn in place: cursor home, the frame, clear the rest.
     let redraw = a.watch && !a.json && std::io::stdout().is_terminal();
     loop {
-        match call(&mut c, &Request::Stats) {
-            Ok(Response::Stats(s)) => {
+        match call(&mut c, &Request::Stats)? {
+            Response::Stats(s) => {
                 if a.json {
-                    match serde_json::to_string(&s) {
-                        Ok(j) => println!("{j}"),
-                        Err(e) => {
-                            eprintln!("k3-ctl: {e}");
-                            return exit::FAILURE;
-                        }
-                    }
+                    let j =
+                        serde_json::to_string(&s).map_err(|e| Failed::coded(exit::FAILURE, e))?;
+                    println!("{j}");
                 } else if redraw {
                     let mut out = std::io::stdout().lock();
                     let _ = out.write_all(in_place(&render_stats(&s)).as_bytes());
@@ -334,14 +367,10 @@ pub fn run_stats(a: StatsArgs) -> i32 {
                     print!("{}", render_stats(&s));
                 }
             }
-            Ok(other) => {
-                eprintln!("k3-ctl: unexpected answer {other:?}");
-                return exit::FAILURE;
-            }
-            Err(code) => return code,
+            other => return Err(unexpected(&other)),
         }
         if !a.watch {
-            return exit::OK;
+            return Ok(exit::OK);
         }
         std::thread::sleep(Duration::from_secs(1));
         if !redraw {
@@ -397,13 +426,10 @@ fn render_sessions(list: &[k3_proto::wire::SessionInfo]) -> String {
 }
 
 /// `k3-ctl sessions`: the store's kept conversations.
-pub fn run_sessions(a: SessionsArgs) -> i32 {
-    let mut c = match connect(&a.socket) {
-        Ok(c) => c,
-        Err(code) => return code,
-    };
-    match call(&mut c, &Request::ListSessions) {
-        Ok(Response::Sessions(list)) => {
+pub fn run_sessions(a: SessionsArgs) -> Result<i32, Failed> {
+    let mut c = connect(&a.socket)?;
+    match call(&mut c, &Request::ListSessions)? {
+        Response::Sessions(list) => {
             if a.json {
                 // ids_hash as hex: JSON numbers cannot hold 128 bits.
                 let v: Vec<serde_json::Value> = list
@@ -422,13 +448,9 @@ pub fn run_sessions(a: SessionsArgs) -> i32 {
             } else {
                 print!("{}", render_sessions(&list));
             }
-            exit::OK
+            Ok(exit::OK)
         }
-        Ok(other) => {
-            eprintln!("k3-ctl: unexpected answer {other:?}");
-            exit::FAILURE
-        }
-        Err(code) => code,
+        other => Err(unexpected(&other)),
     }
 }
 
@@ -615,13 +637,10 @@ fn render_ps(s: &StatsReport) -> String {
 }
 
 /// `k3-ctl ps`: the store's live jobs.
-pub fn run_ps(a: PsArgs) -> i32 {
-    let mut c = match connect(&a.socket) {
-        Ok(c) => c,
-        Err(code) => return code,
-    };
-    match call(&mut c, &Request::Stats) {
-        Ok(Response::Stats(s)) => {
+pub fn run_ps(a: PsArgs) -> Result<i32, Failed> {
+    let mut c = connect(&a.socket)?;
+    match call(&mut c, &Request::Stats)? {
+        Response::Stats(s) => {
             let servers = servers(&a.socket.path());
             if a.json {
                 let live: Vec<_> = s.jobs.iter().filter(|j| j.live).collect();
@@ -631,13 +650,9 @@ pub fn run_ps(a: PsArgs) -> i32 {
                 print!("{}", render_ps(&s));
                 print!("{}", render_servers(&servers));
             }
-            exit::OK
+            Ok(exit::OK)
         }
-        Ok(other) => {
-            eprintln!("k3-ctl: unexpected answer {other:?}");
-            exit::FAILURE
-        }
-        Err(code) => code,
+        other => Err(unexpected(&other)),
     }
 }
 
@@ -748,6 +763,17 @@ mod tests {
                 preloaded_experts: 64,
                 preload_bytes: 1_123_024_896,
                 preload_seconds: 0.4,
+                preload_hits: 3,
+                ..Default::default()
+            },
+            usage: k3_proto::wire::UsageStats {
+                file: "/s/expert-usage.k3usage".into(),
+                requests_at_start: 500,
+                requests_counted: 10,
+                requests_saved: 8,
+                experts_used: 90,
+                preload: "hot".into(),
+                hot_preloaded: 64,
                 ..Default::default()
             },
             jobs: vec![
@@ -790,10 +816,24 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.contains("preload:  64 experts (1.12 GB) read at start-up in 0.40 s"),
+            t.contains(
+                "preload:  64 experts (1.12 GB) read at start-up in 0.40 s: the most used of the \
+                 usage history (not in the figures above); 3 TRUE hits on them so far"
+            ),
             "{t}"
         );
-        assert!(!render_stats(&StatsReport::default()).contains("preload:"));
+        assert!(
+            t.contains(
+                "usage:    10 expert requests counted since the start (8 saved), 500 in the \
+                 history at start, 90 experts used  file /s/expert-usage.k3usage\n"
+            ),
+            "{t}"
+        );
+        let empty = render_stats(&StatsReport::default());
+        assert!(
+            !empty.contains("preload:") && !empty.contains("usage:"),
+            "{empty}"
+        );
         let second = t.lines().find(|l| l.contains("second")).unwrap();
         assert!(second.contains("80.0%"), "{second}");
         let first = t.lines().find(|l| l.contains("first")).unwrap();

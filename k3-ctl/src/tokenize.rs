@@ -14,6 +14,8 @@ use std::time::Instant;
 use k3_proto::exit;
 use k3_worker::tokenizer::{pretok::RegexSplitter, Tokenizer};
 
+use crate::fail::Failed;
+
 /// Arguments of `k3-ctl tokenize`.
 #[derive(clap::Args, Debug)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["text", "file"])))]
@@ -57,57 +59,42 @@ pub struct DetokenizeArgs {
     pub ids_file: Option<PathBuf>,
 }
 
-fn load(dir: &Path, what: &str) -> Result<Tokenizer, i32> {
+fn load(dir: &Path) -> Result<Tokenizer, Failed> {
     Tokenizer::from_dir(dir).map_err(|e| {
-        eprintln!(
-            "k3-ctl {what}: cannot load the tokenizer from {}: {e}",
-            dir.display()
-        );
-        exit::REFUSED
+        Failed::with_code(
+            format!("cannot load the tokenizer from {}", dir.display()),
+            exit::REFUSED,
+            e,
+        )
     })
 }
 
-fn write_stdout(what: &str, bytes: &[u8]) -> i32 {
+fn write_stdout(bytes: &[u8]) -> Result<i32, Failed> {
     let mut out = std::io::stdout().lock();
-    match out.write_all(bytes).and_then(|()| out.flush()) {
-        Ok(()) => exit::OK,
-        Err(e) => {
-            eprintln!("k3-ctl {what}: cannot write to stdout: {e}");
-            exit::FAILURE
-        }
-    }
+    out.write_all(bytes)
+        .and_then(|()| out.flush())
+        .map_err(|e| Failed::with_code("cannot write to stdout", exit::FAILURE, e))?;
+    Ok(exit::OK)
+}
+
+/// The bytes of `path`, or the refusal to read it.
+fn read_input(path: &Path) -> Result<Vec<u8>, Failed> {
+    std::fs::read(path)
+        .map_err(|e| Failed::with_code(format!("cannot read {}", path.display()), exit::REFUSED, e))
 }
 
 /// Runs `k3-ctl tokenize`.
-pub fn run_tokenize(a: TokenizeArgs) -> i32 {
+pub fn run_tokenize(a: TokenizeArgs) -> Result<i32, Failed> {
     let t0 = Instant::now();
-    let tok = match load(&a.tok, "tokenize") {
-        Ok(t) => t,
-        Err(code) => return code,
-    };
+    let tok = load(&a.tok)?;
     let load_s = t0.elapsed().as_secs_f64();
     let input: Vec<u8> = match (&a.text, &a.file) {
         (Some(t), _) => t.clone().into_bytes(),
-        (None, Some(path)) => match std::fs::read(path) {
-            Ok(b) => b,
-            Err(e) => {
-                eprintln!("k3-ctl tokenize: cannot read {}: {e}", path.display());
-                return exit::REFUSED;
-            }
-        },
-        (None, None) => {
-            eprintln!("k3-ctl tokenize: give --text or --file");
-            return exit::REFUSED;
-        }
+        (None, Some(path)) => read_input(path)?,
+        (None, None) => return Err(Failed::refused("give --text or --file")),
     };
     let splitter = if a.regex_pretok {
-        match RegexSplitter::new() {
-            Ok(s) => Some(s),
-            Err(e) => {
-                eprintln!("k3-ctl tokenize: {e}");
-                return exit::FAILURE;
-            }
-        }
+        Some(RegexSplitter::new().map_err(|e| Failed::coded(exit::FAILURE, e))?)
     } else {
         None
     };
@@ -117,13 +104,7 @@ pub fn run_tokenize(a: TokenizeArgs) -> i32 {
         Some(s) => tok.encode_bytes_with_regex(s, &input, a.allow_special),
     };
     let encode_s = t1.elapsed().as_secs_f64();
-    let ids = match result {
-        Ok(ids) => ids,
-        Err(e) => {
-            eprintln!("k3-ctl tokenize: {e}");
-            return exit::REFUSED;
-        }
-    };
+    let ids = result.map_err(|e| Failed::coded(exit::REFUSED, e))?;
     if a.stats {
         let mb_s = if encode_s > 0.0 {
             input.len() as f64 / 1e6 / encode_s
@@ -146,7 +127,7 @@ pub fn run_tokenize(a: TokenizeArgs) -> i32 {
         let _ = write!(line, "{id}");
     }
     line.push('\n');
-    write_stdout("tokenize", line.as_bytes())
+    write_stdout(line.as_bytes())
 }
 
 /// Parses a comma-separated id list; spaces around ids are allowed, empty items are not.
@@ -195,39 +176,20 @@ fn parse_ids(text: &str) -> Result<Vec<u32>, IdError> {
 }
 
 /// Runs `k3-ctl detokenize`.
-pub fn run_detokenize(a: DetokenizeArgs) -> i32 {
+pub fn run_detokenize(a: DetokenizeArgs) -> Result<i32, Failed> {
     let text = match (&a.ids, &a.ids_file) {
         (Some(s), _) => s.clone(),
-        (None, Some(path)) => match std::fs::read_to_string(path) {
-            Ok(s) => s,
-            Err(e) => {
-                eprintln!("k3-ctl detokenize: cannot read {}: {e}", path.display());
-                return exit::REFUSED;
-            }
-        },
-        (None, None) => {
-            eprintln!("k3-ctl detokenize: give --ids or --ids-file");
-            return exit::REFUSED;
-        }
+        (None, Some(path)) => std::fs::read_to_string(path).map_err(|e| {
+            Failed::with_code(format!("cannot read {}", path.display()), exit::REFUSED, e)
+        })?,
+        (None, None) => return Err(Failed::refused("give --ids or --ids-file")),
     };
-    let ids = match parse_ids(&text) {
-        Ok(ids) => ids,
-        Err(e) => {
-            eprintln!("k3-ctl detokenize: {e}");
-            return exit::REFUSED;
-        }
-    };
-    let tok = match load(&a.tok, "detokenize") {
-        Ok(t) => t,
-        Err(code) => return code,
-    };
-    match tok.decode(&ids) {
-        Ok(bytes) => write_stdout("detokenize", &bytes),
-        Err(e) => {
-            eprintln!("k3-ctl detokenize: {e}");
-            exit::REFUSED
-        }
-    }
+    let ids = parse_ids(&text).map_err(|e| Failed::coded(exit::REFUSED, e))?;
+    let tok = load(&a.tok)?;
+    let bytes = tok
+        .decode(&ids)
+        .map_err(|e| Failed::coded(exit::REFUSED, e))?;
+    write_stdout(&bytes)
 }
 
 #[cfg(test)]

@@ -18,6 +18,8 @@
 use std::path::{Path, PathBuf};
 
 use k3_proto::exit;
+
+use crate::fail::Failed;
 use k3_proto::manifest::{Manifest, MANIFEST_FILE};
 use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::identity::{sha256_disk, IdentityKind, ModelIdentity};
@@ -95,33 +97,34 @@ fn tensors_outside(cat: &Catalog, lens: &[Option<u64>]) -> (usize, Vec<String>) 
     (n, bad)
 }
 
-/// Run the subcommand; returns the exit code.
-pub fn run(a: Args) -> i32 {
-    // The shapes, then the reference: the manifest's sha256 of every shard (a malformed one, or
-    // one of other shards, is a refusal, as it is at start).
-    // Three error types, each refused (exit 2) and only printed: one boxed error carries them.
-    let opened = (|| -> Result<_, Box<dyn std::error::Error>> {
-        let (cat, _cfg) = Catalog::open_dir(&a.model_dir)?;
-        let identity = ModelIdentity::of(&cat)?;
-        let manifest = Manifest::load(&a.model_dir)?;
-        Ok((cat, identity, manifest))
-    })();
-    let (cat, identity, manifest) = match opened {
-        Ok(x) => x,
-        Err(e) => {
-            eprintln!("k3-ctl verify: refusing: {e}");
-            return exit::REFUSED;
-        }
-    };
-    let mut ok = true;
-    let mut text = Vec::new();
-    let say = |text: &mut Vec<String>, line: String| {
-        if !a.json {
+/// The lines of the report: printed as they come (unless `--json`) and kept.
+struct Lines {
+    json: bool,
+    text: Vec<String>,
+}
+
+impl Lines {
+    fn say(&mut self, line: String) {
+        if !self.json {
             println!("{line}");
         }
-        text.push(line);
-    };
+        self.text.push(line);
+    }
+}
 
+/// Run the subcommand; the exit code (0 verified, 5 read but not checked against a manifest,
+/// 2 something BAD).
+pub fn run(a: Args) -> Result<i32, Failed> {
+    // The shapes, then the reference: the manifest's sha256 of every shard (a malformed one, or
+    // one of other shards, is a refusal, as it is at start).
+    let refusing = |e| Failed::because("refusing", e);
+    let (cat, _cfg) = Catalog::open_dir(&a.model_dir).map_err(refusing)?;
+    let identity = ModelIdentity::of(&cat).map_err(|e| Failed::because("refusing", e))?;
+    let manifest = Manifest::load(&a.model_dir).map_err(|e| Failed::because("refusing", e))?;
+    let mut lines = Lines {
+        json: a.json,
+        text: Vec::new(),
+    };
     // What will be read, for the progress lines.
     let shard_bytes: u64 = cat.shard_lens().iter().sum();
     let trunk_bytes: u64 = (0..cat.n_layers()).map(|l| cat.trunk_bytes(l)).sum();
@@ -151,34 +154,105 @@ pub fn run(a: Args) -> i32 {
             String::new()
         }
     );
-
-    // 1. The shards, end to end, hashed.
-    let mut buf = match AlignedBuf::zeroed(CHUNK as usize + 2 * k3_store::runtime::io::ALIGN) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("k3-ctl verify: {e}");
-            return exit::FAILURE;
-        }
-    };
-    say(
-        &mut text,
-        format!(
-            "checkpoint {}: {} shards, {}",
-            a.model_dir.display(),
-            cat.shard_paths().len(),
-            identity.describe()
-        ),
-    );
-    say(
-        &mut text,
+    lines.say(format!(
+        "checkpoint {}: {} shards, {}",
+        a.model_dir.display(),
+        cat.shard_paths().len(),
+        identity.describe()
+    ));
+    lines.say(
         "  tensors: OK (dtype and shape of every tensor the engine reads match the config)".into(),
     );
+    // 1. The shards, end to end, hashed.
+    let Shards {
+        mut ok,
+        json: shards_json,
+        lens,
+    } = verify_shards(&cat, manifest.as_ref(), &mut p, &mut lines)?;
+    let (n_tensors, outside) = tensors_outside(&cat, &lens);
+    if outside.is_empty() {
+        lines.say(format!(
+            "  tensors: OK ({n_tensors} lie inside their shards)"
+        ));
+    } else {
+        ok = false;
+        for m in &outside {
+            lines.say(format!("  tensor BAD: {m}"));
+        }
+    }
+    // 2. The trunk, layer by layer and tensor by tensor, in trunk.bin and in the checkpoint.
+    let trunk_json = a
+        .trunk
+        .as_deref()
+        .map(|dir| verify_trunk(&cat, dir, &mut p, &mut ok, &mut |l| lines.say(l)));
+    let checked = identity.kind == IdentityKind::Manifest;
+    let (code, verdict) = verdict(ok, checked, &a.model_dir);
+    lines.say(verdict);
+    if a.json {
+        let v = json!({
+            "model": a.model_dir.display().to_string(),
+            "ok": ok,
+            "checked_against_manifest": checked,
+            "identity": format!("{:032x}", identity.id),
+            "identity_kind": identity.kind.name(),
+            "shards": shards_json,
+            "tensors_checked": n_tensors,
+            "tensors_outside": outside,
+            "trunk": trunk_json.unwrap_or(Value::Null),
+        });
+        println!("{v}");
+    }
+    Ok(code)
+}
+
+/// The exit code and the last line: OK against the manifest, read but not checked, or BAD.
+fn verdict(ok: bool, checked: bool, model_dir: &Path) -> (i32, String) {
+    match (ok, checked) {
+        (true, true) => (
+            exit::OK,
+            format!("verify: OK (every shard matches the sha256 {MANIFEST_FILE} records)"),
+        ),
+        (true, false) => (
+            exit::UNVERIFIED,
+            format!(
+                "verify: NOT VERIFIED: every byte was read and is consistent, but the contents \
+                 were NOT checked against a reference: {} has no {MANIFEST_FILE} \
+                 (scripts/download-model.sh writes it from the hub's sha256 of every shard) \
+                 (exit {})",
+                model_dir.display(),
+                exit::UNVERIFIED
+            ),
+        ),
+        (false, _) => (exit::REFUSED, "verify: BAD (see the lines above)".into()),
+    }
+}
+
+/// What reading every shard found.
+struct Shards {
+    /// All are good.
+    ok: bool,
+    /// Their JSON records.
+    json: Vec<Value>,
+    /// Their lengths (`None`: unreadable).
+    lens: Vec<Option<u64>>,
+}
+
+/// Every shard read end to end and hashed, against the manifest when there is one.
+fn verify_shards(
+    cat: &Catalog,
+    manifest: Option<&Manifest>,
+    p: &mut Progress,
+    lines: &mut Lines,
+) -> Result<Shards, Failed> {
+    let mut buf = AlignedBuf::zeroed(CHUNK as usize + 2 * k3_store::runtime::io::ALIGN)
+        .map_err(|e| Failed::because("the read buffer", e))?;
+    let mut ok = true;
     let mut shards_json = Vec::new();
     let mut lens = Vec::new();
     for (path, &want) in cat.shard_paths().iter().zip(cat.shard_lens()) {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
         let name = name.unwrap_or_default();
-        let reference = manifest.as_ref().and_then(|m| m.shards.get(&name));
+        let reference = manifest.and_then(|m| m.shards.get(&name));
         let f = DiskFile::open(path).map_err(|e| e.0);
         lens.push(f.as_ref().ok().map(DiskFile::len));
         let r = f.and_then(|f| {
@@ -213,7 +287,7 @@ pub fn run(a: Args) -> i32 {
             (Err(e), _) => (false, format!("BAD: {e}")),
         };
         ok &= good;
-        say(&mut text, format!("  shard {name}: {line}"));
+        lines.say(format!("  shard {name}: {line}"));
         shards_json.push(json!({
             "shard": name,
             "ok": good,
@@ -223,60 +297,11 @@ pub fn run(a: Args) -> i32 {
             "error": r.err(),
         }));
     }
-    let (n_tensors, outside) = tensors_outside(&cat, &lens);
-    if outside.is_empty() {
-        say(
-            &mut text,
-            format!("  tensors: OK ({n_tensors} lie inside their shards)"),
-        );
-    } else {
-        ok = false;
-        for m in &outside {
-            say(&mut text, format!("  tensor BAD: {m}"));
-        }
-    }
-
-    // 2. The trunk, layer by layer and tensor by tensor, in trunk.bin and in the checkpoint.
-    let trunk_json = a
-        .trunk
-        .as_deref()
-        .map(|dir| verify_trunk(&cat, dir, &mut p, &mut ok, &mut |l| say(&mut text, l)));
-
-    let checked = identity.kind == IdentityKind::Manifest;
-    let (code, verdict) = match (ok, checked) {
-        (true, true) => (
-            exit::OK,
-            format!("verify: OK (every shard matches the sha256 {MANIFEST_FILE} records)"),
-        ),
-        (true, false) => (
-            exit::UNVERIFIED,
-            format!(
-                "verify: NOT VERIFIED: every byte was read and is consistent, but the contents \
-                 were NOT checked against a reference: {} has no {MANIFEST_FILE} \
-                 (scripts/download-model.sh writes it from the hub's sha256 of every shard) \
-                 (exit {})",
-                a.model_dir.display(),
-                exit::UNVERIFIED
-            ),
-        ),
-        (false, _) => (exit::REFUSED, "verify: BAD (see the lines above)".into()),
-    };
-    say(&mut text, verdict);
-    if a.json {
-        let v = json!({
-            "model": a.model_dir.display().to_string(),
-            "ok": ok,
-            "checked_against_manifest": checked,
-            "identity": format!("{:032x}", identity.id),
-            "identity_kind": identity.kind.name(),
-            "shards": shards_json,
-            "tensors_checked": n_tensors,
-            "tensors_outside": outside,
-            "trunk": trunk_json.unwrap_or(Value::Null),
-        });
-        println!("{v}");
-    }
-    code
+    Ok(Shards {
+        ok,
+        json: shards_json,
+        lens,
+    })
 }
 
 /// Check the packed trunk in `dir` against `cat`; clears `ok` on any problem. Returns the JSON
@@ -459,11 +484,11 @@ mod tests {
 
     #[test]
     fn missing_checkpoint_is_a_refusal() {
-        let code = run(Args {
+        let r = run(Args {
             model_dir: PathBuf::from("/nonexistent/k3-model"),
             trunk: None,
             json: false,
         });
-        assert_eq!(code, exit::REFUSED);
+        assert_eq!(exit::report("t", r), exit::REFUSED);
     }
 }

@@ -117,9 +117,7 @@ pub struct BudgetArgs {
     /// layer-age (see docs/CACHE_POLICY.md).
     #[arg(long, value_name = "NAME", value_parser = policy)]
     pub cache_policy: Option<String>,
-    /// Read every routed expert into the cache before the first token: `auto` (the default)
-    /// when the cache holds them all, `on` to insist (refused when it cannot hold them all),
-    /// `off` to read each on first use.
+    /// What the expert cache holds before the first token (docs/SPEC.md §6.3).
     #[arg(long, value_name = "WHEN", value_enum, default_value_t = Preload::Auto)]
     pub preload: Preload,
 }
@@ -128,19 +126,34 @@ pub struct BudgetArgs {
 /// command line).
 impl clap::ValueEnum for Preload {
     fn value_variants<'a>() -> &'a [Self] {
-        &[Preload::Auto, Preload::On, Preload::Off]
+        &[Preload::Auto, Preload::On, Preload::Hot, Preload::Off]
     }
 
     fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
-        let (name, help) = match self {
-            Preload::Auto => ("auto", "When the cache holds every routed expert"),
-            Preload::On => (
-                "on",
-                "Always; a cache that cannot hold every routed expert is refused",
-            ),
-            Preload::Off => ("off", "Never: each expert is read on first use"),
-        };
+        let (name, help) = preload_help(*self);
         Some(clap::builder::PossibleValue::new(name).help(help))
+    }
+}
+
+/// The name and meaning of a `--preload` value: the one text `--help` shows and the README's
+/// flag tables repeat (`preload_values_are_documented_in_the_readme` checks them).
+pub fn preload_help(p: Preload) -> (&'static str, &'static str) {
+    match p {
+        Preload::Auto => (
+            "auto",
+            "every routed expert when the cache holds them all; else, in a store with \
+             --state-dir, as hot; else none",
+        ),
+        Preload::On => (
+            "on",
+            "every routed expert; a cache that cannot hold them all is refused (exit 2)",
+        ),
+        Preload::Hot => (
+            "hot",
+            "the most used experts of the store's usage history (--state-dir) that fit; \
+             refused (exit 2) without --state-dir and in a standalone worker",
+        ),
+        Preload::Off => ("off", "none: each expert is read on first use"),
     }
 }
 
@@ -247,5 +260,41 @@ mod tests {
         assert_eq!(Preload::Off.wanted(96, 96), Ok(false));
         let (t, _) = parse(&["--preload", "off"]).unwrap();
         assert_eq!(t.budget.preload, Preload::Off);
+        // `hot` parses, and a standalone process (no usage history) refuses it.
+        let (t, _) = parse(&["--preload", "hot"]).unwrap();
+        assert_eq!(t.budget.preload, Preload::Hot);
+        let e = Preload::Hot.wanted(96, 96).unwrap_err().to_string();
+        assert!(
+            e.contains("usage history") && e.contains("standalone"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn preload_values_are_documented_in_the_readme() {
+        // Every value --help lists is named in the README's `--preload a|b|…` spellings, and
+        // its meaning there is the one --help gives (one source: `preload_help`).
+        let readme = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"),
+        )
+        .unwrap();
+        let names: Vec<&str> = <Preload as clap::ValueEnum>::value_variants()
+            .iter()
+            .map(|p| preload_help(*p).0)
+            .collect();
+        let spelled = format!("--preload {}", names.join("|"));
+        let escaped = format!("--preload {}", names.join("\\|"));
+        let spellings = readme.matches(&spelled).count() + readme.matches(&escaped).count();
+        assert!(
+            spellings >= 2,
+            "the README spells {spelled:?} {spellings} times"
+        );
+        for p in <Preload as clap::ValueEnum>::value_variants() {
+            let (name, help) = preload_help(*p);
+            assert!(
+                readme.contains(&format!("`{name}`: {help}")),
+                "the README does not give `{name}`: {help}"
+            );
+        }
     }
 }

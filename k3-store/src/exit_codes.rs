@@ -74,19 +74,44 @@ impl ExitStatus for ClientError {
 impl ExitStatus for AttachError {
     fn exit_code(&self) -> i32 {
         match self {
-            AttachError::Refused(_) => REFUSED,
-            _ => NO_STORE,
+            AttachError::Files(e) => e.exit_code(),
+            AttachError::Thread(_) => FAILURE,
+            AttachError::Connect(_)
+            | AttachError::Handshake(_)
+            | AttachError::Map(_)
+            | AttachError::Header(_)
+            | AttachError::Catalog(_)
+            | AttachError::Identity(_)
+            | AttachError::Shards(_)
+            | AttachError::Trunk(_)
+            | AttachError::Mismatch(_) => NO_STORE,
         }
     }
 }
 
 impl ExitStatus for OpenError {
     fn exit_code(&self) -> i32 {
+        use crate::runtime::source::SourceError;
         match self {
-            OpenError::Refused(_) => REFUSED,
+            OpenError::Config { .. }
+            | OpenError::Index { .. }
+            | OpenError::Shapes { .. }
+            | OpenError::Catalog(_)
+            | OpenError::Files(_)
+            | OpenError::ShardChanged { .. }
+            | OpenError::UnknownPolicy(_) => REFUSED,
+            OpenError::Trunk(e) => e.exit_code(),
             OpenError::Plan(e) => e.exit_code(),
             OpenError::Preload(e) => e.exit_code(),
-            OpenError::Io(_) => FAILURE,
+            // A pinned layer failing its checksum (or a ring the plan cannot use) is a refusal.
+            OpenError::Source(SourceError::Invalid(_)) => REFUSED,
+            OpenError::Shards(_)
+            | OpenError::Read { .. }
+            | OpenError::NotOpen { .. }
+            | OpenError::Window(_)
+            | OpenError::Embed { .. }
+            | OpenError::Thread { .. }
+            | OpenError::Source(_) => FAILURE,
         }
     }
 }
@@ -163,13 +188,31 @@ mod tests {
         assert_eq!(TrunkError::Interrupted("SIGINT").exit_code(), FAILURE);
         assert_eq!(CatalogError("x".into()).exit_code(), REFUSED);
         assert_eq!(BindError::Live("s".into()).exit_code(), REFUSED);
-        assert_eq!(AttachError::NoStore("x".into()).exit_code(), NO_STORE);
+        assert_eq!(
+            AttachError::from(ClientError::Store {
+                code: ErrorCode::BadRequest,
+                message: "x".into(),
+            })
+            .exit_code(),
+            NO_STORE
+        );
+        assert_eq!(AttachError::Handshake("Welcome").exit_code(), NO_STORE);
         let plan = crate::runtime::plan::PlanError::DoesNotFit {
             plan: String::new(),
             problems: vec!["shortfall".into()],
         };
         assert_eq!(OpenError::from(plan).exit_code(), REFUSED);
-        assert_eq!(OpenError::Io("x".into()).exit_code(), FAILURE);
+        let torn = OpenError::Read {
+            what: "model.embed_tokens.weight".into(),
+            source: ReadError::msg("short read"),
+        };
+        assert_eq!(torn.exit_code(), FAILURE);
+        let pinned = crate::runtime::source::SourceError::Invalid("checksum".into());
+        assert_eq!(OpenError::from(pinned).exit_code(), REFUSED);
+        assert_eq!(
+            OpenError::from(TrunkError::from(ReadError::msg("x"))).exit_code(),
+            FAILURE
+        );
         let expert = crate::runtime::source::ExpertError::NotInCheckpoint {
             layer: 1,
             expert: 2,

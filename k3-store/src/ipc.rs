@@ -4,7 +4,7 @@
 //! framing itself is `k3_proto::wire`'s).
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -179,17 +179,73 @@ pub fn current_uid() -> u32 {
     nix::unistd::getuid().as_raw()
 }
 
-/// The uid of the process at the other end (`SO_PEERCRED`: for a client, the process that
-/// called `listen`).
+/// The uid of the process at the other end (`SO_PEERCRED` on Linux, `getpeereid` elsewhere: for
+/// a client, the process that called `listen`).
 pub fn peer_uid(stream: &UnixStream) -> std::io::Result<u32> {
-    Ok(peer_cred(stream)?.0)
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    return Ok(peer_cred(stream)?.0);
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    return Ok(nix::unistd::getpeereid(stream)?.0.as_raw());
 }
 
-/// The peer's uid and pid (`SO_PEERCRED`, as of its `connect`).
+/// The peer's uid and pid, as of its `connect` (`SO_PEERCRED`).
+#[cfg(any(target_os = "linux", target_os = "android"))]
 pub fn peer_cred(stream: &UnixStream) -> std::io::Result<(u32, i32)> {
     let cred = socket::getsockopt(stream, sockopt::PeerCredentials)?;
     Ok((cred.uid(), cred.pid()))
 }
+
+/// The peer's uid and pid (`getpeereid` and `LOCAL_PEERPID`, as of its `connect`).
+#[cfg(target_vendor = "apple")]
+pub fn peer_cred(stream: &UnixStream) -> std::io::Result<(u32, i32)> {
+    let uid = nix::unistd::getpeereid(stream)?.0.as_raw();
+    let pid = socket::getsockopt(stream, sockopt::LocalPeerPid)?;
+    Ok((uid, pid))
+}
+
+/// Flags of a `sendmsg` that must not raise `SIGPIPE` when the peer is gone: `MSG_NOSIGNAL`
+/// where it exists; elsewhere the socket itself is marked ([`no_sigpipe`]). (Rust programs
+/// ignore `SIGPIPE` anyway; this keeps the library right inside any program.)
+#[cfg(any(target_os = "linux", target_os = "android"))]
+fn send_flags(_stream: &UnixStream) -> MsgFlags {
+    MsgFlags::MSG_NOSIGNAL
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn send_flags(stream: &UnixStream) -> MsgFlags {
+    no_sigpipe(stream);
+    MsgFlags::empty()
+}
+
+/// `SO_NOSIGPIPE` on `stream` (macOS and the BSDs: a write to a closed peer returns `EPIPE`
+/// instead of raising `SIGPIPE`). Best effort.
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+fn no_sigpipe(stream: &UnixStream) {
+    let on: libc::c_int = 1;
+    // SAFETY: `on` is a live c_int and its size is passed; SO_NOSIGPIPE only sets a flag on
+    // this socket.
+    let r = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_NOSIGPIPE,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == -1 {
+        tracing::debug!("SO_NOSIGPIPE: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// Flags of a `recvmsg` that receives descriptors: `MSG_CMSG_CLOEXEC` where it exists (the
+/// descriptors arrive close-on-exec); elsewhere [`recv_keeping_fd`] sets close-on-exec on each
+/// right after `recvmsg` returns (a descriptor could leak into a process another thread of
+/// this one spawns in that instant; the store and workers spawn none while serving).
+#[cfg(any(target_os = "linux", target_os = "android"))]
+const RECV_FLAGS: MsgFlags = MsgFlags::MSG_CMSG_CLOEXEC;
+#[cfg(not(any(target_os = "linux", target_os = "android")))]
+const RECV_FLAGS: MsgFlags = MsgFlags::empty();
 
 /// Send one frame ([`wire::encode`]), attaching `fd` (if any) to its first byte.
 pub fn send_frame<T: serde::Serialize>(
@@ -207,7 +263,7 @@ pub fn send_frame<T: serde::Serialize>(
         stream.as_raw_fd(),
         &[IoSlice::new(&frame)],
         &cmsg,
-        MsgFlags::MSG_NOSIGNAL,
+        send_flags(stream),
         None,
     )
     .map_err(std::io::Error::from)?;
@@ -237,19 +293,17 @@ pub fn recv_keeping_fd(
 ) -> std::io::Result<usize> {
     let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
     let mut iov = [IoSliceMut::new(buf)];
-    let msg = socket::recvmsg::<()>(
-        stream.as_raw_fd(),
-        &mut iov,
-        Some(&mut space),
-        MsgFlags::MSG_CMSG_CLOEXEC,
-    )
-    .map_err(std::io::Error::from)?;
+    let msg = socket::recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), RECV_FLAGS)
+        .map_err(std::io::Error::from)?;
     for c in msg.cmsgs().map_err(std::io::Error::from)? {
         if let ControlMessageOwned::ScmRights(raw) = c {
             for r in raw {
                 // SAFETY: the kernel just installed `r` in our table for us alone; wrapping it
                 // once makes it closed exactly once (extra descriptors are dropped = closed).
                 let owned = unsafe { crate::shmem::owned_fd(r) };
+                if RECV_FLAGS.is_empty() {
+                    crate::shmem::set_cloexec(owned.as_fd())?;
+                }
                 if slot.is_none() {
                     *slot = Some(owned);
                 }
@@ -272,7 +326,6 @@ pub fn recv_frame<T: for<'de> serde::Deserialize<'de>>(
 mod tests {
     use super::*;
     use k3_proto::wire::{Request, Response, PROTOCOL_VERSION};
-    use std::os::fd::AsFd;
 
     fn tmpdir(tag: &str) -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("k3-ipc-{tag}-{}", std::process::id()));

@@ -18,6 +18,7 @@ pub mod progress;
 pub mod runtime;
 pub mod session;
 pub mod shmem;
+pub mod sys;
 
 #[cfg(test)]
 extern crate self as k3_store;

@@ -17,8 +17,10 @@ use k3_store::daemon::loading::{load_behind_gate, LoadState, Loaded};
 use k3_store::daemon::sessions::{
     SessionOptions, Sessions, DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_MB, MAX_SESSIONS_LIMIT,
 };
+use k3_store::daemon::usage::{choose_preload, UsageBook};
 use k3_store::daemon::{install_signal_handlers, Server};
 use k3_store::progress::Progress;
+use k3_store::runtime::experts::PreloadSet;
 use k3_store::runtime::plan::{allocatable, fmt_bytes, Budget, MemoryPlan, PlanInputs};
 
 /// k3 store daemon.
@@ -65,9 +67,14 @@ struct StartArgs {
           value_parser = clap::value_parser!(u32).range(0..=MAX_SESSIONS_LIMIT as i64))]
     max_sessions: u32,
     /// Keep conversations in this directory too, so they survive a restart (written atomically;
-    /// reloaded and checked at start).
+    /// reloaded and checked at start), and the expert usage history (`--preload hot`).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
+    /// Seconds between saves of the expert usage history to --state-dir (a kill -9 loses at
+    /// most the counting since the last save; a clean stop saves everything).
+    #[arg(long, value_name = "SECS", default_value_t = k3_store::daemon::usage::DEFAULT_SAVE_SECONDS,
+          value_parser = lease_seconds)]
+    usage_save_seconds: f64,
     /// Hold this draft trunk (`k3-ctl pack-trunk --draft int8|int4 MODEL DIR`) in shared memory
     /// for the workers' draft model (`k3-worker --draft model`); counted in the memory plan.
     #[arg(long, value_name = "DIR")]
@@ -202,6 +209,7 @@ fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
         args.push(format!("--history-ids={}", a.history_ids).into());
     }
     args.push(format!("--lease-timeout={}", a.lease_timeout).into());
+    args.push(format!("--usage-save-seconds={}", a.usage_save_seconds).into());
     if let Some(d) = &a.state_dir {
         args.push("--state-dir".into());
         args.push(d.clone().into());
@@ -213,6 +221,41 @@ fn child_args(a: &StartArgs, m: &clap::ArgMatches) -> Vec<OsString> {
     args
 }
 
+/// Why `k3-store start` did not serve: the exit code it ends with and what the log and a
+/// `start --detach` waiting for readiness are told.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+struct StartError {
+    code: i32,
+    message: String,
+}
+
+impl StartError {
+    /// From an error that knows its exit code, with its whole source chain.
+    fn of<E: ExitStatus>(e: E) -> StartError {
+        StartError {
+            code: e.exit_code(),
+            message: exit::message(&e),
+        }
+    }
+
+    /// A refusal before anything is loaded (exit 2).
+    fn refused(message: String) -> StartError {
+        StartError {
+            code: exit::REFUSED,
+            message,
+        }
+    }
+
+    /// A failure after work started (exit 1).
+    fn failed(message: String) -> StartError {
+        StartError {
+            code: exit::FAILURE,
+            message,
+        }
+    }
+}
+
 fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     let mut notify = match a.ready_fd {
         // SAFETY: `--ready-fd` is only passed by `start_detached`, which hands this process the
@@ -220,105 +263,106 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         Some(fd) => unsafe { Notifier::from_fd(fd) },
         None => Notifier::none(),
     };
-    let fail = |notify: &mut Notifier, code: i32, msg: String| {
-        tracing::error!("{msg}");
-        notify.failed(code, &msg);
-        code
-    };
-    if let Err(e) = resolve_paths(&mut a) {
-        return fail(&mut notify, e.exit_code(), e.to_string());
+    match start_store(&mut a, m, &mut notify) {
+        Ok(code) => code,
+        Err(e) => {
+            tracing::error!("{}", e.message);
+            notify.failed(e.code, &e.message);
+            e.code
+        }
     }
-    // Before any thread: the allocator's arenas are bounded, so the address space the plan
-    // checks below is what the store will take (k3_store::runtime::plan::ADDRESS_SPACE_RESERVE).
-    k3_store::runtime::plan::limit_allocator_arenas();
-    let socket = socket_path(&a);
-    // The socket's directory is created (0700) or checked before anything is opened there.
-    if let Err(e) = k3_store::ipc::prepare_socket_dir(&socket) {
-        return fail(
-            &mut notify,
-            exit::REFUSED,
-            format!("socket {}: {e}", socket.display()),
-        );
-    }
-    if a.detach && a.ready_fd.is_none() {
-        return start_detached(&a, &socket, m);
-    }
-    let budget = match a.budget.budget(m) {
-        Ok(b) => b,
-        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-    };
-    let cache_policy = a.budget.policy();
-    // Open the checkpoint and the packed trunk; anything unreadable is a refusal.
-    let (cat, cfg) = match k3_store::runtime::catalog::Catalog::open_dir(&a.model_dir) {
-        Ok(x) => x,
-        Err(e) => return fail(&mut notify, e.exit_code(), e.0),
-    };
+}
+
+/// What the store opens before its plan.
+struct Opened {
+    budget: Budget,
+    cat: k3_store::runtime::catalog::Catalog,
+    cfg: k3_proto::config::ModelConfig,
+    identity: k3_store::runtime::identity::ModelIdentity,
+    trunk: k3_store::runtime::trunk::TrunkLayout,
+    draft: Option<k3_store::runtime::draft::DraftFile>,
+}
+
+/// The checkpoint, its identity, the packed trunk and the draft trunk; anything unreadable is
+/// a refusal.
+fn open_checkpoint(a: &StartArgs, m: &clap::ArgMatches) -> Result<Opened, StartError> {
+    let budget = a.budget.budget(m).map_err(StartError::of)?;
+    let (cat, cfg) =
+        k3_store::runtime::catalog::Catalog::open_dir(&a.model_dir).map_err(|e| StartError {
+            code: e.exit_code(),
+            message: e.0,
+        })?;
     // The content identity sessions, saved state and the segment are bound to: from the
     // manifest's recorded hashes when there is one (no shard is read), else sampled.
-    let identity = match k3_store::runtime::identity::ModelIdentity::of(&cat) {
-        Ok(i) => i,
-        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-    };
+    let identity = k3_store::runtime::identity::ModelIdentity::of(&cat).map_err(StartError::of)?;
     tracing::info!("{}", identity.describe());
-    let shards = match k3_store::runtime::trunk::open_shards(&cat) {
-        Ok(s) => s,
-        Err(e) => return fail(&mut notify, e.exit_code(), e.0),
-    };
+    let shards = k3_store::runtime::trunk::open_shards(&cat).map_err(|e| StartError {
+        code: e.exit_code(),
+        message: e.0,
+    })?;
     let trunk = match &a.budget.trunk {
-        Some(dir) => match k3_store::runtime::trunk::TrunkLayout::from_packed(&cat, shards, dir) {
-            Ok(t) => t,
-            Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-        },
+        Some(dir) => k3_store::runtime::trunk::TrunkLayout::from_packed(&cat, shards, dir)
+            .map_err(StartError::of)?,
         // No packed trunk: the layers are read from the checkpoint's shards.
         None => k3_store::runtime::trunk::TrunkLayout::from_catalog(&cat, shards),
     };
-    // The plan: the store holds the resident tensors, the pinned prefix, the ring the other
-    // layers stream through and the expert arena; KV caches and activations live in each
-    // worker.
-    let mut inputs = PlanInputs::from_model(&cfg, &cat, &trunk, 0);
-    // The store holds the embedding in shared memory too (workers read its rows there).
+    let draft = match &a.draft_trunk {
+        Some(dir) => Some(
+            k3_store::runtime::draft::DraftFile::open(dir, &cat, cat.n_layers())
+                .map_err(StartError::of)?,
+        ),
+        None => None,
+    };
+    Ok(Opened {
+        budget,
+        cat,
+        cfg,
+        identity,
+        trunk,
+        draft,
+    })
+}
+
+/// The store's plan and what it serves with.
+struct Planned {
+    budget: Budget,
+    plan: MemoryPlan,
+    plan_text: String,
+    session_bytes: u64,
+    max_connections: usize,
+}
+
+/// The plan: the store holds the resident tensors (the embedding too: workers read its rows
+/// in shared memory), the pinned prefix, the ring the other layers stream through, the expert
+/// arena and the draft trunk; sequence states and activations live in each worker. Refused
+/// (exit 2) when it does not fit the memory or the address space.
+fn plan_store(a: &StartArgs, m: &clap::ArgMatches, o: &Opened) -> Result<Planned, StartError> {
+    let mut inputs = PlanInputs::from_model(&o.cfg, &o.cat, &o.trunk, Default::default());
     inputs.resident_bytes += inputs.mapped_bytes;
     inputs.mapped_bytes = 0;
     let available = allocatable().ok();
     // The draft trunk (if any) is held in full: `--preset auto` fits the rest around it.
-    let draft = match &a.draft_trunk {
-        Some(dir) => match k3_store::runtime::draft::DraftFile::open(dir, &cat, cat.n_layers()) {
-            Ok(d) => Some(d),
-            Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-        },
-        None => None,
-    };
-    let draft_bytes = draft.as_ref().map_or(0, |d| d.run_bytes());
-    let budget = match (budget.auto, available) {
+    let draft_bytes = o.draft.as_ref().map_or(0, |d| d.run_bytes());
+    let budget = match (o.budget.auto, available) {
         (true, Some(av)) => Budget::fit(&inputs, av.saturating_sub(draft_bytes)),
         (true, None) => {
-            return fail(
-                &mut notify,
-                exit::REFUSED,
+            return Err(StartError::refused(
                 "--preset auto: cannot tell how much memory is available".into(),
-            )
+            ))
         }
-        (false, _) => budget,
+        (false, _) => o.budget.clone(),
     };
     let mut plan = MemoryPlan::compute(&inputs, &budget);
-    let shm = segment_bytes(
-        &cat,
-        &trunk,
-        plan.pinned_layers,
-        plan.expert_slots,
-        plan.ring_bytes,
-        draft.as_ref(),
-    );
+    let (pinned, slots, ring) = (plan.pinned_layers, plan.expert_slots, plan.ring_bytes);
+    let shm = segment_bytes(&o.cat, &o.trunk, pinned, slots, ring, o.draft.as_ref());
     let mut problems = plan.problems.clone();
-    if let Some(av) = available {
-        if shm > av {
-            problems.push(format!(
-                "shared memory needs {} but only {} is available: shortfall {}",
-                fmt_bytes(shm),
-                fmt_bytes(av),
-                fmt_bytes(shm - av)
-            ));
-        }
+    if let Some(av) = available.filter(|&av| shm > av) {
+        problems.push(format!(
+            "shared memory needs {} but only {} is available: shortfall {}",
+            fmt_bytes(shm),
+            fmt_bytes(av),
+            fmt_bytes(shm - av)
+        ));
     }
     // Under an address-space limit the store is refused here, not aborted by a failed mapping
     // or allocation later: the shared memory, the reader's buffers, threads and allocator arenas.
@@ -330,8 +374,8 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
     // Kept conversations and the history live on top of the plan: checked against what is left
     // beside the shared memory. An explicit --session-mb or --history-ids that cannot be held is
     // refused; the default session budget shrinks to what is left (said in the plan).
-    let (session_bytes, session_note) = beside_the_plan(&a, m, available, shm, &mut problems);
-    let draft_note = draft.as_ref().map_or(String::new(), |d| {
+    let (session_bytes, session_note) = beside_the_plan(a, m, available, shm, &mut problems);
+    let draft_note = o.draft.as_ref().map_or(String::new(), |d| {
         format!(
             ", {} draft trunk {}",
             d.kind().name(),
@@ -339,11 +383,9 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
         )
     });
     let plan_text = format!(
-        "{plan}store shared memory: {} ({} pinned layers, ring {}, {} expert slots{draft_note})\nkept conversations: up to {}{session_note} and {} sessions, on top of the above{}\n",
+        "{plan}store shared memory: {} ({pinned} pinned layers, ring {}, {slots} expert slots{draft_note})\nkept conversations: up to {}{session_note} and {} sessions, on top of the above{}\n",
         fmt_bytes(shm),
-        plan.pinned_layers,
-        fmt_bytes(plan.ring_bytes),
-        plan.expert_slots,
+        fmt_bytes(ring),
         fmt_bytes(session_bytes),
         a.max_sessions,
         a.state_dir
@@ -351,78 +393,153 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
             .map_or(String::new(), |d| format!(" (mirrored in {})", d.display()))
     );
     if !problems.is_empty() {
-        let msg = format!(
+        return Err(StartError::refused(format!(
             "REFUSING TO START: the memory plan does not fit\n{plan_text}{}",
             problems
                 .iter()
                 .map(|p| format!("  problem: {p}\n"))
                 .collect::<String>()
-        );
-        return fail(&mut notify, exit::REFUSED, msg);
+        )));
     }
     // Open files: the soft limit raised, what the store holds counted (connections_to_serve).
-    let max_connections = match connections_to_serve(&a, &cat, draft.is_some()) {
-        Ok(n) => n,
-        Err(msg) => return fail(&mut notify, exit::REFUSED, msg),
-    };
-    let preload = match (a.budget.preload).wanted(plan.expert_slots, cat.routed_experts().count()) {
-        Ok(p) => p,
-        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-    };
+    let max_connections =
+        connections_to_serve(a, &o.cat, o.draft.is_some()).map_err(StartError::of)?;
+    Ok(Planned {
+        budget,
+        plan,
+        plan_text,
+        session_bytes,
+        max_connections,
+    })
+}
+
+/// Open, plan, load behind the socket's loading gate, then serve until asked to stop.
+fn start_store(
+    a: &mut StartArgs,
+    m: &clap::ArgMatches,
+    notify: &mut Notifier,
+) -> Result<i32, StartError> {
+    resolve_paths(a).map_err(StartError::of)?;
+    // Before any thread: the allocator's arenas are bounded, so the address space the plan
+    // checks below is what the store will take (k3_store::runtime::plan::ADDRESS_SPACE_RESERVE).
+    k3_store::runtime::plan::limit_allocator_arenas();
+    let (shm, io) = k3_store::sys::platform_paths().map_err(StartError::of)?;
+    tracing::info!("shared memory: {}; disk reads: {}", shm.name(), io.name());
+    let socket = socket_path(a);
+    // The socket's directory is created (0700) or checked before anything is opened there.
+    k3_store::ipc::prepare_socket_dir(&socket)
+        .map_err(|e| StartError::refused(format!("socket {}: {e}", socket.display())))?;
+    if a.detach && a.ready_fd.is_none() {
+        return Ok(start_detached(a, &socket, m));
+    }
+    let o = open_checkpoint(a, m)?;
+    let p = plan_store(a, m, &o)?;
     // The plan's first line is its header (with the budget's label): printed once.
-    tracing::info!("{}", plan_text.trim_end());
-    notify.plan(&plan_text);
+    tracing::info!("{}", p.plan_text.trim_end());
+    notify.plan(&p.plan_text);
     log_shared_memory_pages();
-    drop(trunk);
     let sessions = Arc::new(Sessions::new(
         SessionOptions {
-            budget_bytes: session_bytes,
+            budget_bytes: p.session_bytes,
             max_count: a.max_sessions,
             state_dir: a.state_dir.clone(),
         },
-        identity.id,
+        o.identity.id,
     ));
-    if let Err(e) = sessions.load_state_dir() {
-        return fail(&mut notify, e.exit_code(), e.to_string());
-    }
+    sessions.load_state_dir().map_err(StartError::of)?;
+    let (usage, preload) = usage_and_preload(a, o.identity.id, &o.cat, p.plan.expert_slots)
+        .map_err(|(code, message)| StartError { code, message })?;
     // Claim the socket before the (possibly long) load: a live store is refused now.
-    let listener = match k3_store::ipc::bind(&socket) {
-        Ok(l) => l,
-        Err(e) => return fail(&mut notify, e.exit_code(), e.to_string()),
-    };
+    let listener = k3_store::ipc::bind(&socket).map_err(StartError::of)?;
     let stop = Arc::new(AtomicBool::new(false));
     let hup = Arc::new(AtomicBool::new(false));
     if let Err(e) = install_signal_handlers(&stop, &hup) {
         let _ = std::fs::remove_file(&socket);
-        return fail(&mut notify, exit::FAILURE, format!("signal handlers: {e}"));
+        return Err(StartError::failed(format!("signal handlers: {e}")));
     }
-    let opts = BuildOptions {
+    let opts = build_options(a, o, &p, preload, usage.clone());
+    let t0 = std::time::Instant::now();
+    let Some((backend, listener)) = load(listener, &opts, &p.budget.label, &stop, &socket, notify)?
+    else {
+        return Ok(exit::OK);
+    };
+    tracing::info!(
+        "loaded in {:.2} s; serving {} at {} (pid {})",
+        t0.elapsed().as_secs_f64(),
+        a.model_dir.display(),
+        socket.display(),
+        std::process::id()
+    );
+    if let Some(u) = &usage {
+        u.start_saver(std::time::Duration::from_secs_f64(a.usage_save_seconds));
+    }
+    notify.ready(&socket);
+    let left = Server::new(listener, socket.clone(), backend, stop)
+        .with_limits(k3_store::daemon::Limits {
+            history_tokens: a.history_ids as usize,
+            max_connections: p.max_connections,
+            ..Default::default()
+        })
+        .with_hup(hup)
+        .with_sessions(sessions)
+        .run();
+    if let Some(u) = &usage {
+        u.finish();
+    }
+    if left > 0 {
+        tracing::warn!("stopped with {left} request(s) still in flight after the drain cap");
+    } else {
+        tracing::info!("stopped");
+    }
+    Ok(exit::OK)
+}
+
+/// What the backend is built with.
+fn build_options(
+    a: &StartArgs,
+    o: Opened,
+    p: &Planned,
+    preload: PreloadSet,
+    usage: Option<Arc<UsageBook>>,
+) -> BuildOptions {
+    use k3_store::runtime::ring::{RingOptions, DEFAULT_IDLE_PROTECT};
+    let lease_timeout = std::time::Duration::from_secs_f64(a.lease_timeout);
+    BuildOptions {
         model_dir: a.model_dir.clone(),
         trunk_dir: a.budget.trunk.clone(),
-        draft: draft.map(Arc::new),
-        pinned_layers: plan.pinned_layers,
-        slots: plan.expert_slots,
+        draft: o.draft.map(Arc::new),
+        pinned_layers: p.plan.pinned_layers,
+        slots: p.plan.expert_slots,
         io_threads: a.io_threads as usize,
-        cache_policy,
-        preset: budget.label.clone(),
-        plan_text,
-        ring_bytes: plan.ring_bytes,
+        cache_policy: a.budget.policy(),
+        preset: p.budget.label.clone(),
+        plan_text: p.plan_text.clone(),
+        ring_bytes: p.plan.ring_bytes,
         preload,
-        ring: {
-            use k3_store::runtime::ring::{RingOptions, DEFAULT_IDLE_PROTECT};
-            let lease_timeout = std::time::Duration::from_secs_f64(a.lease_timeout);
-            // A worker between passes protects its read-ahead no longer than a lease lasts.
-            RingOptions {
-                lease_timeout,
-                idle_protect: DEFAULT_IDLE_PROTECT.min(lease_timeout),
-                demand_timeout: lease_timeout,
-            }
+        usage,
+        // A worker between passes protects its read-ahead no longer than a lease lasts.
+        ring: RingOptions {
+            lease_timeout,
+            idle_protect: DEFAULT_IDLE_PROTECT.min(lease_timeout),
+            demand_timeout: lease_timeout,
         },
-        identity: identity.id,
-    };
-    let t0 = std::time::Instant::now();
-    // Until the load is done the socket answers "loading" and honours a stop (SPEC.md §6.5).
-    let load = LoadState::new(&opts.model_dir.display().to_string(), &budget.label);
+        identity: o.identity.id,
+    }
+}
+
+/// Load the shared memory behind the socket's loading gate (until the load is done the socket
+/// answers "loading" and honours a stop, SPEC.md §6.5). `None`: asked to stop during the load
+/// (not a failure of the store; a `start --detach` waiting for readiness is told no store
+/// started).
+fn load(
+    listener: std::os::unix::net::UnixListener,
+    opts: &BuildOptions,
+    label: &str,
+    stop: &Arc<AtomicBool>,
+    socket: &Path,
+    notify: &mut Notifier,
+) -> Result<Option<(StoreBackend, std::os::unix::net::UnixListener)>, StartError> {
+    let load = LoadState::new(&opts.model_dir.display().to_string(), label);
     let dirs = (
         opts.model_dir.display().to_string(),
         (opts.trunk_dir.as_ref()).map_or(String::new(), |d| d.display().to_string()),
@@ -438,64 +555,65 @@ fn start(mut a: StartArgs, m: &clap::ArgMatches) -> i32 {
             notify.loading(done, total);
         }
     };
+    let opts = opts.clone();
     let built = load_behind_gate(listener, load.clone(), stop.clone(), dirs, move || {
         StoreBackend::build(&opts, progress)
     });
-    let (backend, listener) = match built {
-        Ok((Loaded::Done(Ok(b)), l)) if !stop.load(Ordering::SeqCst) => (b, l),
-        ended => {
-            // Every other end: no store serves at this socket.
-            let _ = std::fs::remove_file(&socket);
-            return match ended {
-                Ok((Loaded::Done(Ok(_)) | Loaded::Stopped, _)) => {
-                    // Asked to stop (a signal or `k3-ctl stop`) and stopping: not a failure of
-                    // the store, but a `start --detach` waiting for readiness gets no store.
-                    let r = load.report();
-                    let msg = format!(
-                        "stopped during the load, after {} of {} in {:.1} s",
-                        fmt_bytes(r.done_bytes),
-                        fmt_bytes(r.total_bytes),
-                        r.seconds
-                    );
-                    tracing::info!("{msg}");
-                    notify.failed(exit::FAILURE, &format!("{msg}; the store was not started"));
-                    exit::OK
-                }
-                Ok((Loaded::Done(Err(e)), _)) => fail(&mut notify, e.code, e.message),
-                Ok((Loaded::Panicked(m), _)) => {
-                    fail(&mut notify, exit::FAILURE, format!("the load failed: {m}"))
-                }
-                Err(e) => fail(
-                    &mut notify,
-                    exit::FAILURE,
-                    format!("starting the load: {e}"),
-                ),
-            };
-        }
-    };
-    tracing::info!(
-        "loaded in {:.2} s; serving {} at {} (pid {})",
-        t0.elapsed().as_secs_f64(),
-        a.model_dir.display(),
-        socket.display(),
-        std::process::id()
-    );
-    notify.ready(&socket);
-    let left = Server::new(listener, socket.clone(), backend, stop)
-        .with_limits(k3_store::daemon::Limits {
-            history_tokens: a.history_ids as usize,
-            max_connections,
-            ..Default::default()
-        })
-        .with_hup(hup)
-        .with_sessions(sessions)
-        .run();
-    if left > 0 {
-        tracing::warn!("stopped with {left} request(s) still in flight after the drain cap");
-    } else {
-        tracing::info!("stopped");
+    match built {
+        Ok((Loaded::Done(Ok(b)), l)) if !stop.load(Ordering::SeqCst) => return Ok(Some((b, l))),
+        _ => {}
     }
-    exit::OK
+    // Every other end: no store serves at this socket.
+    let _ = std::fs::remove_file(socket);
+    match built {
+        Ok((Loaded::Done(Ok(_)) | Loaded::Stopped, _)) => {
+            let r = load.report();
+            let msg = format!(
+                "stopped during the load, after {} of {} in {:.1} s",
+                fmt_bytes(r.done_bytes),
+                fmt_bytes(r.total_bytes),
+                r.seconds
+            );
+            tracing::info!("{msg}");
+            notify.failed(exit::FAILURE, &format!("{msg}; the store was not started"));
+            Ok(None)
+        }
+        Ok((Loaded::Done(Err(e)), _)) => Err(StartError {
+            code: e.code,
+            message: e.message,
+        }),
+        Ok((Loaded::Panicked(m), _)) => Err(StartError::failed(format!("the load failed: {m}"))),
+        Err(e) => Err(StartError::failed(format!("starting the load: {e}"))),
+    }
+}
+
+/// The expert usage history (`None` without `--state-dir`) and the experts to preload.
+type UsageAndPreload = (Option<Arc<UsageBook>>, PreloadSet);
+
+/// The expert usage history (with `--state-dir`, beside the sessions) and what the expert cache
+/// holds at start (`--preload`); a refusal is (exit code, message).
+fn usage_and_preload(
+    a: &StartArgs,
+    identity: u128,
+    cat: &k3_store::runtime::catalog::Catalog,
+    slots: usize,
+) -> Result<UsageAndPreload, (i32, String)> {
+    let usage = match &a.state_dir {
+        Some(dir) => match UsageBook::open(dir, identity, cat.n_layers(), cat.n_experts()) {
+            Ok(b) => Some(Arc::new(b)),
+            Err(e) => return Err((e.exit_code(), e.to_string())),
+        },
+        None => None,
+    };
+    let preload = choose_preload(a.budget.preload, slots, cat, usage.as_deref())
+        .map_err(|e| (e.exit_code(), e.to_string()))?;
+    if let PreloadSet::These(list) = &preload {
+        tracing::info!(
+            "preload: the {} most used experts of the usage history ({slots} slots)",
+            list.len()
+        );
+    }
+    Ok((usage, preload))
 }
 
 /// What kept conversations and the history may take beside the store's shared memory (`shm`)
@@ -549,16 +667,29 @@ fn beside_the_plan(
     (session_bytes, session_note)
 }
 
+/// Too few open files for the least the store serves with (exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error("it starts with at least {least} open files, serving fewer connections")]
+struct TooFewFiles {
+    least: u64,
+    #[source]
+    source: Option<k3_store::runtime::fdlimit::TooFewFiles>,
+}
+
+impl ExitStatus for TooFewFiles {
+    fn exit_code(&self) -> i32 {
+        exit::REFUSED
+    }
+}
+
 /// Open files: the soft limit raised to the hard one; the shards, trunks, sessions and
 /// connections counted. The connections served: fewer when they alone do not fit (at least
 /// `MIN_CONNECTIONS`); below that, the refusal with the number needed.
-// String error because its one caller refuses with it as it is (exit 2), as with the plan's
-// other problems.
 fn connections_to_serve(
     a: &StartArgs,
     cat: &k3_store::runtime::catalog::Catalog,
     has_draft: bool,
-) -> Result<usize, String> {
+) -> Result<usize, TooFewFiles> {
     use k3_store::runtime::fdlimit::{connections_that_fit, raise, Needs};
     let defaults = k3_store::daemon::Limits::default();
     let all = (defaults.max_connections + defaults.reserved) as u64;
@@ -579,11 +710,10 @@ fn connections_to_serve(
             connections: MIN_CONNECTIONS + defaults.reserved as u64,
             ..fixed
         };
-        let e = (limit.check("k3-store", &full).err()).map_or(String::new(), |e| e.to_string());
-        return Err(format!(
-            "{e} (it starts with at least {}, serving fewer connections)",
-            least.total()
-        ));
+        return Err(TooFewFiles {
+            least: least.total(),
+            source: limit.check("k3-store", &full).err(),
+        });
     }
     tracing::info!("{}", limit.describe(&full));
     let served = fit as usize - defaults.reserved;
@@ -717,6 +847,8 @@ mod tests {
             "st",
             "--lease-timeout",
             "2.5",
+            "--usage-save-seconds",
+            "0.25",
         ]);
         resolve_paths(&mut a).unwrap();
         let cwd = std::env::current_dir().unwrap();
@@ -740,7 +872,8 @@ mod tests {
                 b.max_sessions,
                 b.history_ids,
                 b.lease_timeout,
-                &b.state_dir
+                &b.state_dir,
+                b.usage_save_seconds
             ),
             (
                 &a.model_dir,
@@ -753,7 +886,8 @@ mod tests {
                 a.max_sessions,
                 a.history_ids,
                 2.5,
-                &a.state_dir
+                &a.state_dir,
+                0.25
             )
         );
         assert_eq!(b.state_dir, Some(cwd.join("st")));

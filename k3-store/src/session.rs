@@ -34,7 +34,9 @@ use std::hash::Hasher;
 use std::io::Write;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapOptions};
+
+use crate::shmem::{PosixShm, ShmKind};
 
 /// First bytes of a session.
 pub const MAGIC: [u8; 8] = *b"K3SESSN\0";
@@ -332,8 +334,14 @@ impl<W: Write> Write for SessionWriter<W> {
     }
 }
 
-/// One session's bytes in a sealed memfd, mapped read-only: immutable for as long as anyone holds
-/// the descriptor, so it can be checked once and then shared (store ⇄ worker) without a copy.
+/// One session's bytes in shared memory that nobody can change, mapped read-only: checked once
+/// and then shared (store ⇄ worker).
+///
+/// Two kinds ([`ShmKind`], `K3_SHM`): a sealed memfd (Linux), kept and forwarded without a copy;
+/// or a POSIX shared-memory object (macOS; forced on Linux with `K3_SHM=posix`), which cannot be
+/// sealed, so the receiver copies what it is handed into an object of its own before checking
+/// it, and that object is unlinked at once and its writable descriptor and mapping dropped once
+/// filled (nothing can write it afterwards: SPEC.md §6.6).
 pub struct Blob {
     file: File,
     map: Option<Mmap>,
@@ -345,34 +353,45 @@ impl std::fmt::Debug for Blob {
     }
 }
 
+#[cfg(target_os = "linux")]
 fn required_seals() -> nix::fcntl::SealFlag {
     use nix::fcntl::SealFlag;
     SealFlag::F_SEAL_WRITE | SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW
 }
 
+fn shm_kind() -> std::io::Result<ShmKind> {
+    crate::shmem::shm_kind().map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+}
+
 impl Blob {
-    /// A new memfd filled by `fill` (through a buffered writer), then sealed and mapped.
+    /// New shared memory of the kind `K3_SHM` selects, filled by `fill` (through a buffered
+    /// writer), then sealed (or its writable views dropped) and mapped.
     pub fn create(
         name: &str,
         fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
     ) -> std::io::Result<Blob> {
-        use nix::sys::memfd::{memfd_create, MFdFlags};
-        let cname = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
-        let fd: OwnedFd = memfd_create(
-            cname.as_c_str(),
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-        )?;
-        let mut file = File::from(fd);
-        {
-            let mut w = std::io::BufWriter::with_capacity(1 << 20, &mut file);
-            fill(&mut w)?;
-            w.flush()?;
+        Blob::create_with(shm_kind()?, name, fill)
+    }
+
+    /// [`Blob::create`] of a given kind.
+    pub fn create_with(
+        kind: ShmKind,
+        name: &str,
+        fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+    ) -> std::io::Result<Blob> {
+        match kind {
+            ShmKind::Memfd => sealed_memfd(name, fill),
+            ShmKind::Posix => {
+                // A shm object cannot be written to (macOS) nor resized once sized: the bytes
+                // are gathered first, then copied into an object of their length.
+                let mut bytes = Vec::new();
+                fill(&mut bytes)?;
+                posix_blob(bytes.len() as u64, |dst| {
+                    dst.copy_from_slice(&bytes);
+                    Ok(())
+                })
+            }
         }
-        nix::fcntl::fcntl(
-            file.as_fd(),
-            nix::fcntl::FcntlArg::F_ADD_SEALS(required_seals() | nix::fcntl::SealFlag::F_SEAL_SEAL),
-        )?;
-        Blob::map(file)
     }
 
     /// A blob from bytes (tests; loading a `--state-dir` file).
@@ -380,41 +399,33 @@ impl Blob {
         Blob::create(name, |w| w.write_all(bytes))
     }
 
-    /// Take a descriptor received from a peer: it must be sealed against writing, shrinking and
-    /// growing (else the peer could change it after it was checked), and hold `expected_len`
-    /// bytes.
+    /// Take a descriptor received from a peer, holding `expected_len` bytes. With memfds it must
+    /// be sealed against writing, shrinking and growing (else the peer could change it after it
+    /// was checked); with POSIX shared memory its bytes are copied into a blob of this
+    /// process's own (which nobody can write) and the peer's descriptor is closed.
     pub fn from_fd(fd: OwnedFd, expected_len: u64) -> std::io::Result<Blob> {
-        let seals =
-            nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_GET_SEALS).map_err(|e| {
-                std::io::Error::other(format!(
-                "the descriptor is not a sealable memfd ({e}); a session travels as a sealed memfd"
-            ))
-            })?;
-        let seals = nix::fcntl::SealFlag::from_bits_truncate(seals);
-        if !seals.contains(required_seals()) {
-            return Err(std::io::Error::other(
-                "the session's memfd is not sealed against writing and resizing",
-            ));
-        }
-        let file = File::from(fd);
-        let len = file.metadata()?.len();
-        if len != expected_len {
-            return Err(std::io::Error::other(format!(
-                "the session's memfd holds {len} bytes, {expected_len} were announced"
-            )));
-        }
-        Blob::map(file)
+        Blob::from_fd_with(shm_kind()?, fd, expected_len)
     }
 
-    fn map(file: File) -> std::io::Result<Blob> {
-        let len = file.metadata()?.len();
+    /// [`Blob::from_fd`] of a given kind.
+    pub fn from_fd_with(kind: ShmKind, fd: OwnedFd, expected_len: u64) -> std::io::Result<Blob> {
+        match kind {
+            ShmKind::Memfd => take_sealed(fd, expected_len),
+            ShmKind::Posix => copy_in(fd, expected_len),
+        }
+    }
+
+    /// Maps the first `len` bytes of `file` read-only.
+    fn map(file: File, len: u64) -> std::io::Result<Blob> {
         let map = if len == 0 {
             None
         } else {
-            // SAFETY: the memfd is sealed against writing, shrinking and growing (checked by
-            // `from_fd`, set by `create`), so the bytes under this read-only mapping can neither
-            // change nor go away while it exists.
-            Some(unsafe { Mmap::map(&file)? })
+            let size = usize::try_from(len).map_err(std::io::Error::other)?;
+            // SAFETY: nothing can change or shrink the bytes under this read-only mapping: a
+            // memfd is sealed against writing, shrinking and growing (checked by `take_sealed`,
+            // set by `sealed_memfd`); a POSIX object is this process's own, its name unlinked
+            // and its writable descriptor and mapping gone (`posix_blob`).
+            Some(unsafe { MmapOptions::new().len(size).map(&file)? })
         };
         Ok(Blob { file, map })
     }
@@ -438,6 +449,122 @@ impl Blob {
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.file.as_fd()
     }
+}
+
+/// A memfd filled by `fill`, sealed against writing and resizing, mapped.
+#[cfg(target_os = "linux")]
+fn sealed_memfd(
+    name: &str,
+    fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> std::io::Result<Blob> {
+    let mut file = crate::shmem::memfd(name)?;
+    {
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, &mut file);
+        fill(&mut w)?;
+        w.flush()?;
+    }
+    nix::fcntl::fcntl(
+        file.as_fd(),
+        nix::fcntl::FcntlArg::F_ADD_SEALS(required_seals() | nix::fcntl::SealFlag::F_SEAL_SEAL),
+    )?;
+    let len = file.metadata()?.len();
+    Blob::map(file, len)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn sealed_memfd(
+    _name: &str,
+    _fill: impl FnOnce(&mut dyn Write) -> std::io::Result<()>,
+) -> std::io::Result<Blob> {
+    Err(no_memfd())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn no_memfd() -> std::io::Error {
+    let e = ShmKind::parse("memfd").expect_err("no memfd here");
+    std::io::Error::new(std::io::ErrorKind::InvalidInput, e)
+}
+
+/// A peer's memfd, accepted only sealed against writing, shrinking and growing and of the
+/// announced length.
+#[cfg(target_os = "linux")]
+fn take_sealed(fd: OwnedFd, expected_len: u64) -> std::io::Result<Blob> {
+    let seals = nix::fcntl::fcntl(fd.as_fd(), nix::fcntl::FcntlArg::F_GET_SEALS).map_err(|e| {
+        std::io::Error::other(format!(
+            "the descriptor is not a sealable memfd ({e}); a session travels as a sealed memfd"
+        ))
+    })?;
+    let seals = nix::fcntl::SealFlag::from_bits_truncate(seals);
+    if !seals.contains(required_seals()) {
+        return Err(std::io::Error::other(
+            "the session's memfd is not sealed against writing and resizing",
+        ));
+    }
+    let file = File::from(fd);
+    let len = file.metadata()?.len();
+    if len != expected_len {
+        return Err(std::io::Error::other(format!(
+            "the session's memfd holds {len} bytes, {expected_len} were announced"
+        )));
+    }
+    Blob::map(file, len)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn take_sealed(_fd: OwnedFd, _expected_len: u64) -> std::io::Result<Blob> {
+    Err(no_memfd())
+}
+
+/// A POSIX shared-memory blob of `len` bytes written by `fill` through a mapping that is dropped
+/// before the object's read-only descriptor is mapped: afterwards no descriptor or mapping that
+/// can write it exists, and its name is gone.
+fn posix_blob(
+    len: u64,
+    fill: impl FnOnce(&mut [u8]) -> std::io::Result<()>,
+) -> std::io::Result<Blob> {
+    let obj = PosixShm::create(len)?;
+    if len > 0 {
+        let size = usize::try_from(len).map_err(std::io::Error::other)?;
+        // SAFETY: the object was just created under a fresh name (O_EXCL) and sized to `len`;
+        // only this function writes it, and the mapping is dropped before anyone else can see
+        // the object.
+        let mut map = unsafe { MmapOptions::new().len(size).map_mut(&obj.rw)? };
+        fill(&mut map)?;
+    }
+    let ro = obj.finish()?;
+    Blob::map(ro, len)
+}
+
+/// A peer's descriptor copied into a blob of this process's own. A regular file (Linux's shm
+/// objects are tmpfs files) is read with `pread`, so a peer that shrinks it mid-copy causes an
+/// error, never a fault; anything else (macOS's shm objects, which refuse `read` and cannot
+/// change size once sized) is mapped read-only and copied.
+fn copy_in(fd: OwnedFd, expected_len: u64) -> std::io::Result<Blob> {
+    use std::os::unix::fs::FileExt;
+    let file = File::from(fd);
+    let meta = file.metadata()?;
+    if !crate::shmem::size_matches(meta.len(), expected_len) {
+        return Err(std::io::Error::other(format!(
+            "the session's shared memory holds {} bytes, {expected_len} were announced",
+            meta.len()
+        )));
+    }
+    if meta.file_type().is_file() {
+        return posix_blob(expected_len, |dst| file.read_exact_at(dst, 0));
+    }
+    let size = usize::try_from(expected_len).map_err(std::io::Error::other)?;
+    let peer = if size == 0 {
+        None
+    } else {
+        // SAFETY: a read-only mapping of the peer's object, within its size (checked above),
+        // which cannot shrink: macOS sizes a shm object only once. The peer may still change the
+        // bytes while they are copied; only the copy is checked and used.
+        Some(unsafe { MmapOptions::new().len(size).map(&file)? })
+    };
+    posix_blob(expected_len, |dst| {
+        dst.copy_from_slice(peer.as_deref().unwrap_or(&[]));
+        Ok(())
+    })
 }
 
 #[cfg(test)]
@@ -516,21 +643,23 @@ mod tests {
         }
     }
 
+    #[cfg(target_os = "linux")]
     #[test]
     fn blob_is_sealed_and_unsealed_descriptors_are_refused() {
+        let m = ShmKind::Memfd;
         let bytes = sample(3);
-        let blob = Blob::from_bytes("k3-test-session", &bytes).unwrap();
+        let blob = Blob::create_with(m, "k3-test-session", |w| w.write_all(&bytes)).unwrap();
         assert_eq!(blob.bytes(), &bytes[..]);
         // A peer's copy of the descriptor is accepted (sealed) and sees the same bytes.
         let fd = blob.fd().try_clone_to_owned().unwrap();
-        let other = Blob::from_fd(fd, bytes.len() as u64).unwrap();
+        let other = Blob::from_fd_with(m, fd, bytes.len() as u64).unwrap();
         assert_eq!(other.bytes(), &bytes[..]);
         // Writing through the descriptor is impossible.
         let mut f = File::from(blob.fd().try_clone_to_owned().unwrap());
         assert!(f.write_all(b"x").is_err());
         // A wrong announced size, an unsealed memfd and a regular file are refused.
         let fd = blob.fd().try_clone_to_owned().unwrap();
-        assert!(Blob::from_fd(fd, 1).is_err());
+        assert!(Blob::from_fd_with(m, fd, 1).is_err());
         let unsealed = {
             use nix::sys::memfd::{memfd_create, MFdFlags};
             let fd = memfd_create(c"k3-test-unsealed", MFdFlags::MFD_ALLOW_SEALING).unwrap();
@@ -538,10 +667,56 @@ mod tests {
             f.write_all(&bytes).unwrap();
             OwnedFd::from(f)
         };
-        let e = Blob::from_fd(unsealed, bytes.len() as u64).unwrap_err();
+        let e = Blob::from_fd_with(m, unsealed, bytes.len() as u64).unwrap_err();
         assert!(e.to_string().contains("not sealed"), "{e}");
         let tmp = tempfile::tempfile().unwrap();
-        let e = Blob::from_fd(OwnedFd::from(tmp), 0).unwrap_err();
+        let e = Blob::from_fd_with(m, OwnedFd::from(tmp), 0).unwrap_err();
         assert!(e.to_string().contains("sealable memfd"), "{e}");
+    }
+
+    /// The portable kind: a blob nobody can write; a peer's descriptor of any kind (a POSIX
+    /// object, a regular file, an unsealed memfd) is COPIED, so changing the peer's bytes after
+    /// the handover changes nothing the receiver checked; a wrong announced size is refused.
+    #[test]
+    fn posix_blobs_cannot_be_written_and_received_bytes_are_copied() {
+        use std::os::unix::fs::FileExt;
+        let p = ShmKind::Posix;
+        let bytes = sample(4);
+        let blob = Blob::create_with(p, "k3-test-session", |w| w.write_all(&bytes)).unwrap();
+        assert_eq!(blob.bytes(), &bytes[..]);
+        let mut f = File::from(blob.fd().try_clone_to_owned().unwrap());
+        assert!(f.write_all(b"x").is_err(), "a blob's descriptor wrote");
+        // SAFETY: test-only; expected to fail (the descriptor is read-only).
+        assert!(unsafe { memmap2::MmapMut::map_mut(&f) }.is_err());
+        let other = Blob::from_fd_with(
+            p,
+            blob.fd().try_clone_to_owned().unwrap(),
+            bytes.len() as u64,
+        )
+        .unwrap();
+        assert_eq!(other.bytes(), &bytes[..]);
+        let fd = blob.fd().try_clone_to_owned().unwrap();
+        let e = Blob::from_fd_with(p, fd, bytes.len() as u64 + 1).unwrap_err();
+        assert!(e.to_string().contains("announced"), "{e}");
+        // A writable file handed over, then changed: the receiver kept what it was given.
+        let tmp = tempfile::tempfile().unwrap();
+        tmp.write_all_at(&bytes, 0).unwrap();
+        let fd = OwnedFd::from(tmp.try_clone().unwrap());
+        let got = Blob::from_fd_with(p, fd, bytes.len() as u64).unwrap();
+        tmp.write_all_at(b"changed", 0).unwrap();
+        assert_eq!(
+            got.bytes(),
+            &bytes[..],
+            "the receiver's bytes changed under it"
+        );
+        // Shrunk below the announced size: an error, not a fault.
+        tmp.set_len(10).unwrap();
+        let fd = OwnedFd::from(tmp.try_clone().unwrap());
+        assert!(Blob::from_fd_with(p, fd, bytes.len() as u64).is_err());
+        // Empty blobs travel too.
+        let empty = Blob::create_with(p, "k3-test-empty", |_| Ok(())).unwrap();
+        assert!(empty.is_empty());
+        let fd = empty.fd().try_clone_to_owned().unwrap();
+        assert!(Blob::from_fd_with(p, fd, 0).unwrap().is_empty());
     }
 }

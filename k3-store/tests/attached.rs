@@ -72,7 +72,8 @@ fn start_store_ring(tag: &str, pinned: usize, slots: usize, ring: Option<u64>) -
             preset: "test".into(),
             plan_text: String::new(),
             ring_bytes: ring.unwrap_or(2 * TrunkStream::min_ring_bytes(&layout, pinned)),
-            preload: false,
+            preload: Default::default(),
+            usage: None,
             ring: Default::default(),
             identity: k3_store::runtime::identity::ModelIdentity::of(&cat)
                 .unwrap()

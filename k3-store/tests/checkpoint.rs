@@ -73,7 +73,8 @@ fn standalone_open_with_and_without_a_packed_trunk() {
         )
         .unwrap();
         assert_eq!(plan.pinned_layers, 5);
-        assert_eq!(plan.mla_layers, 2);
+        // The caller stated no sequence state: the plan holds none.
+        assert_eq!(plan.state.bytes, 0);
         let src: Arc<dyn WeightSource> = Arc::new(src);
         for l in 0..5 {
             let run = src.layer(l).unwrap();

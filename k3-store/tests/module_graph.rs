@@ -1,18 +1,22 @@
-//! The import drawing of k3-store's modules, and the two rules it must keep (ARCHITECTURE.md,
-//! "Crates"): no import circle between modules, and nothing in the weights runtime
-//! (`src/runtime/`) imports from outside it (the daemon, a worker's attach side, the command
-//! line, the process-level modules).
+//! The import drawing of every crate's modules (proto, k3-store, k3-worker, k3-ctl, tests), and
+//! the rules it must keep (ARCHITECTURE.md, "Rooms and arrows"): no import circle between the
+//! modules (files) of any crate; in k3-store nothing in the weights runtime (`src/runtime/`)
+//! imports from outside it (the daemon, a worker's attach side, the command line, the
+//! process-level modules), and the daemon and the attach side meet only there; in k3-worker the
+//! layers point down — front ends over the engine over the model over the kernels.
 //!
 //! The graph is read from the sources: every `crate::…` path (use trees expanded), `super::…`,
-//! a parent's `child::…` and the binary's `k3_store::…`, outside comments, string literals and
+//! a parent's `child::…` and a binary's `<lib>::…`, outside comments, string literals and
 //! `#[cfg(test)]` items (tests may reach anywhere). An edge goes from the module a file defines
-//! to the deepest module the path names. Run with `-- --nocapture` to print the drawing.
+//! to the deepest module the path names. Run with `-- --nocapture` to print the drawings.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// Module name (`runtime::ring`, `daemon`, `crate` for lib.rs, `main` for the binary) → source.
+/// Module name (`runtime::ring`, `daemon`, `crate` for lib.rs — or main.rs in a crate without
+/// a library —, `main` for a binary beside a library) → source.
 fn modules(src: &Path) -> BTreeMap<String, PathBuf> {
+    let has_lib = src.join("lib.rs").exists();
     fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
@@ -34,6 +38,7 @@ fn modules(src: &Path) -> BTreeMap<String, PathBuf> {
             }
             let name = match segs.join("::").as_str() {
                 "lib" => "crate".to_string(),
+                "main" if !has_lib => "crate".to_string(),
                 n => n.to_string(),
             };
             (name, p)
@@ -278,8 +283,9 @@ fn test_children(parent: &str, text: &str) -> Vec<String> {
     out
 }
 
-/// The import graph: module → modules it imports.
-fn graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+/// The import graph of the crate whose sources are in `src` (its library's name `lib`, the root
+/// a binary beside it names it by): module → modules it imports.
+fn graph(src: &Path, lib: &str) -> BTreeMap<String, BTreeSet<String>> {
     let mut mods = modules(src);
     // Test-only files (and what they contain) are not part of the drawing.
     let tests: Vec<String> = (mods.iter())
@@ -298,13 +304,14 @@ fn graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
             "crate" | "main" => vec![],
             n => n.split("::").map(String::from).collect(),
         };
-        let is_mod_rs = path
-            .file_name()
-            .is_some_and(|f| f == "mod.rs" || f == "lib.rs");
+        let is_mod_rs = name == "crate"
+            || path
+                .file_name()
+                .is_some_and(|f| f == "mod.rs" || f == "lib.rs");
         // The module `super` names (the parent, for a `mod.rs` as for a plain file).
         let parent: Vec<String> = segs[..segs.len().saturating_sub(1)].to_vec();
         let mut targets: Vec<Vec<String>> = Vec::new();
-        let root = if name == "main" { "k3_store" } else { "crate" };
+        let root = if name == "main" { lib } else { "crate" };
         targets.extend(paths_after(&text, root));
         for p in paths_after(&text, "super") {
             targets.push(parent.iter().cloned().chain(p).collect());
@@ -416,9 +423,85 @@ fn src() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
 }
 
+/// Every crate of the workspace: its sources and its library's name.
+fn crates() -> Vec<(&'static str, PathBuf, &'static str)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    [
+        ("proto", "k3_proto"),
+        ("k3-store", "k3_store"),
+        ("k3-worker", "k3_worker"),
+        ("k3-ctl", "k3_ctl"),
+        ("tests", "k3_tests"),
+    ]
+    .into_iter()
+    .map(|(dir, lib)| (dir, root.join(dir).join("src"), lib))
+    .collect()
+}
+
+fn print(g: &BTreeMap<String, BTreeSet<String>>) {
+    for (m, to) in g {
+        let to: Vec<&str> = to.iter().map(String::as_str).collect();
+        println!("  {m} -> {}", to.join(", "));
+    }
+}
+
+/// The edges between modules of different top-level folders.
+fn across(g: &BTreeMap<String, BTreeSet<String>>) -> BTreeSet<(String, String)> {
+    (g.iter())
+        .flat_map(|(m, to)| to.iter().map(move |t| (m, t)))
+        .filter(|(m, t)| folder(m) != folder(t))
+        .map(|(m, t)| (folder(m).to_string(), folder(t).to_string()))
+        .collect()
+}
+
+#[test]
+fn no_crate_has_an_import_circle() {
+    let mut wrong = Vec::new();
+    for (dir, src, lib) in crates() {
+        let g = graph(&src, lib);
+        assert!(
+            !g.is_empty(),
+            "{dir}: read no modules from {}",
+            src.display()
+        );
+        println!("{dir} module imports (non-test code):");
+        print(&g);
+        let c = circles(&g);
+        println!("{dir} circles: {c:?}");
+        if !c.is_empty() {
+            wrong.push(format!("{dir}: {c:?}"));
+        }
+    }
+    assert!(wrong.is_empty(), "import circles: {wrong:?}");
+}
+
+/// k3-worker's layers point down: the front ends over the engine over the model over the
+/// kernels (the text formats and the tokenizer beside them, the scoring of a text beside the
+/// engine); nothing below names what is above.
+#[test]
+fn the_worker_s_layers_point_down() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../k3-worker/src");
+    let g = graph(&src, "k3_worker");
+    let rank = |f: &str| match f {
+        "main" => 5,
+        "front" => 4,
+        "engine" | "eval" => 3,
+        "text" => 2,
+        "model" | "tokenizer" => 1,
+        "kernels" => 0,
+        _ => 6,
+    };
+    let up: Vec<(String, String)> = across(&g)
+        .into_iter()
+        .filter(|(m, t)| m != "crate" && rank(t) >= rank(m))
+        .collect();
+    println!("k3-worker arrows between folders: {:?}", across(&g));
+    assert!(up.is_empty(), "k3-worker imports up or sideways: {up:?}");
+}
+
 #[test]
 fn the_import_drawing_has_no_circle_and_the_runtime_imports_nothing_above_it() {
-    let g = graph(&src());
+    let g = graph(&src(), "k3_store");
     println!("k3-store module imports (non-test code):");
     for (m, to) in &g {
         let to: Vec<&str> = to.iter().map(String::as_str).collect();
@@ -483,7 +566,7 @@ fn the_drawing_reads_use_trees_super_and_children_but_not_comments_or_tests() {
         "const S: &str = \"crate::b::No\";\n#[cfg(test)]\nmod tests { use crate::a::x; }\n",
     );
     w("b.rs", "fn g() -> crate::a::y::T { todo!() }\n");
-    let g = graph(s);
+    let g = graph(s, "lib");
     let set = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<BTreeSet<_>>();
     assert_eq!(g["a"], set(&["b", "a::x", "a::y"]));
     assert_eq!(g["a::x"], set(&["a::y"]));
@@ -492,6 +575,6 @@ fn the_drawing_reads_use_trees_super_and_children_but_not_comments_or_tests() {
     assert!(!g.contains_key("a::t"), "a test-only file: {g:?}");
     assert!(circles(&g).is_empty());
     w("a/y.rs", "use crate::b;\n");
-    let c = circles(&graph(s));
+    let c = circles(&graph(s, "lib"));
     assert_eq!(c, vec![vec!["a::y".to_string(), "b".to_string()]]);
 }

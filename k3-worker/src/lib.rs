@@ -1,20 +1,14 @@
-//! k3 worker library: kernels, the Kimi K3 forward pass, the tokenizer, generation (one loop for
-//! one-shot runs and chat), and the `k3-worker` job itself (`cli`, `job`, `report`), so the
-//! binary is only wiring.
+//! k3 worker library, in layers: the front ends ([`front`]: the command line, one-shot prompts,
+//! the chat REPL, `--batch` files, jobs from `k3-ctl serve`) feed the one generation engine
+//! ([`engine`]: scheduler, runner, outputs) typed requests; the engine runs the Kimi K3 forward
+//! pass ([`model`]) on the kernels ([`kernels`]); [`text`] holds the chat format and
+//! [`tokenizer`] the tokenizer. The binary is only wiring.
 
-pub mod batch;
-pub mod batch_job;
-pub mod chat;
-pub mod cli;
+pub mod constrain;
+pub mod engine;
 pub mod eval;
-pub mod generate;
-pub mod job;
+pub mod front;
 pub mod kernels;
 pub mod model;
-pub mod report;
-pub mod serve_batch;
-pub mod serve_channel;
-pub mod session;
-pub mod sink;
-pub mod spec;
+pub mod text;
 pub mod tokenizer;

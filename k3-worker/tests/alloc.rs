@@ -11,11 +11,11 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
-use common::{tiny_dims, MemSource};
+use common::{tiny_dims, Gen, MemSource};
 use k3_store::runtime::source::{
     ExpertBatch, LayerRun, PendingExperts, Region, SourceError, SourceStats, WeightSource,
 };
-use k3_worker::generate::{generate, GenOptions, Sampler};
+use k3_worker::engine::sampling::Sampler;
 use k3_worker::model::state::{Journal, PassShape, SeqState, Work};
 use k3_worker::model::Lookahead;
 use k3_worker::model::{Logits, Model, TensorShapes};
@@ -143,19 +143,10 @@ fn layers_are_bound_once_and_a_decode_step_allocates_nothing_per_layer() {
         for lookahead in [Lookahead::Off, Lookahead::MlpIn, Lookahead::AttnIn] {
             let mut m = Model::new(d.clone(), &src, Some(&mem as &dyn TensorShapes)).unwrap();
             m.options.lookahead = lookahead;
-            let opts = GenOptions {
-                max_new: 8,
-                full_recompute: false,
-                sampler: Sampler::Greedy,
-                stop_ids: vec![],
-                keep_step0_logits: false,
-                prefill_chunk: 0,
-                spec: k3_worker::spec::SpecMode::Off,
-            };
             let mut per_step: Vec<(u64, u64)> = Vec::new();
             let mut last = (0u64, 0u64);
             let mut steps = 0;
-            generate(&mut m, &[3, 14, 15, 92, 65], &opts, &mut |_| {
+            let (_, m) = Gen::new(8, Sampler::Greedy).run(m, &[3, 14, 15, 92, 65], &mut |_| {
                 let now = (engine_calls(), BYTES.load(Ordering::Relaxed));
                 // Step 0 is the prefill; step 1 is the first decode step, whose buffers are sized
                 // for one position (the prefill's were sized for five, and are reused).
@@ -164,8 +155,7 @@ fn layers_are_bound_once_and_a_decode_step_allocates_nothing_per_layer() {
                 }
                 steps += 1;
                 last = (engine_calls(), BYTES.load(Ordering::Relaxed));
-            })
-            .unwrap();
+            });
             assert_eq!(m.bound_layers(), d.n_layers);
             assert_eq!(
                 m.bind_count(),
@@ -180,7 +170,7 @@ fn layers_are_bound_once_and_a_decode_step_allocates_nothing_per_layer() {
                 "{lookahead:?}: engine allocations per decode step (calls, bytes): {per_step:?}"
             );
             // Fewer allocations per step than the model has layers (13), and no growth: a step
-            // allocates its logits and the generation loop's bookkeeping, never per layer.
+            // allocates its logits and the engine's per-step bookkeeping, never per layer.
             for &(calls, _) in &per_step {
                 assert!(
                     calls <= 6,

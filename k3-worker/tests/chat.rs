@@ -1,6 +1,6 @@
 //! XTML chat (SPEC.md §5.5) on the real Kimi vocabulary (`fixtures/tokenizer/`): rendering,
-//! reply parsing, the prefill plan that lets a session keep its state between turns, and the
-//! `--chat` refusals. The end-to-end test on the `small` checkpoint is `#[ignore]`d (it needs a
+//! reply parsing, the reuse rule that lets a conversation keep its state between turns, and
+//! the `--chat` refusals. The end-to-end test on the `small` checkpoint is `#[ignore]`d (it needs a
 //! ~190 MB generated checkpoint); run it with
 //!
 //! ```text
@@ -12,11 +12,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use k3_worker::chat::{
-    effort_body, escape_attr, plan_prefill, read_line_bounded, tag_text, Channel, ChatFormat,
-    Effort, Line, Message, Prefill, ReplyParser,
+use k3_worker::engine::outputs::Flow;
+use k3_worker::engine::request::reusable;
+use k3_worker::front::chat::{read_line_bounded, Line};
+use k3_worker::text::xtml::{
+    effort_body, escape_attr, tag_text, Channel, ChatFormat, Effort, Message, ReplyParser,
 };
-use k3_worker::generate::Flow;
 use k3_worker::tokenizer::Tokenizer;
 
 fn tok() -> &'static Tokenizer {
@@ -287,16 +288,14 @@ fn replies_split_into_think_and_response_and_stop_on_both_end_ids() {
 
 #[test]
 fn prefill_plan_reuses_only_a_strict_prefix() {
-    assert_eq!(plan_prefill(&[], &[1, 2, 3]), Prefill::Restart);
-    assert_eq!(
-        plan_prefill(&[1, 2], &[1, 2, 3]),
-        Prefill::Reuse { from: 2 }
-    );
-    assert_eq!(plan_prefill(&[1, 2, 3], &[1, 2, 3]), Prefill::Restart);
-    assert_eq!(plan_prefill(&[1, 9], &[1, 2, 3]), Prefill::Restart);
-    assert_eq!(plan_prefill(&[1, 2, 3, 4], &[1, 2, 3]), Prefill::Restart);
-    assert_eq!(k3_worker::generate::positions_needed(10, 1), 10);
-    assert_eq!(k3_worker::generate::positions_needed(10, 8), 17);
+    assert_eq!(reusable(&[], &[1, 2, 3]), None);
+    assert_eq!(reusable(&[1, 2], &[1, 2, 3]), Some(2));
+    assert_eq!(reusable(&[1, 2, 3], &[1, 2, 3]), None);
+    assert_eq!(reusable(&[1, 9], &[1, 2, 3]), None);
+    assert_eq!(reusable(&[1, 2, 3, 4], &[1, 2, 3]), None);
+    use k3_worker::engine::sampling::positions_needed;
+    assert_eq!(positions_needed(10, 1), 10);
+    assert_eq!(positions_needed(10, 8), 17);
 }
 
 /// What the state holds after a turn: the prompt plus every generated id but the last.
@@ -325,8 +324,8 @@ fn the_next_turn_extends_what_the_state_holds() {
         let next = f.render(&history, true);
         let held = held_after(&prompt, &reply_ids);
         assert_eq!(
-            plan_prefill(&held, &next),
-            Prefill::Reuse { from: held.len() },
+            reusable(&held, &next),
+            Some(held.len()),
             "thinking {thinking}"
         );
         // The new ids: the end-of-message marker (the end id is never fed), the next user
@@ -359,10 +358,7 @@ fn a_reply_cut_at_the_token_limit_still_reuses_the_state() {
     history.push(Message::user("Go on"));
     let next = f.render(&history, true);
     let held = held_after(&prompt, &reply_ids);
-    assert_eq!(
-        plan_prefill(&held, &next),
-        Prefill::Reuse { from: held.len() }
-    );
+    assert_eq!(reusable(&held, &next), Some(held.len()));
     // The last generated id (not yet fed) comes first, then the channels are closed.
     assert_eq!(next[held.len()], *reply_ids.last().unwrap());
     assert_eq!(next[held.len() + 1], CLOSE);
@@ -389,7 +385,7 @@ fn a_reply_that_breaks_the_structure_forces_a_full_prefill() {
     history.push(Message::user("Again"));
     let next = f.render(&history, true);
     let held = held_after(&prompt, &e.0);
-    assert_eq!(plan_prefill(&held, &next), Prefill::Restart);
+    assert_eq!(reusable(&held, &next), None);
     // The canonical rendering closes the think channel where the model did not.
     assert!(next.starts_with(&prompt));
     assert_eq!(next[prompt.len() + tok().encode("hmm").len()], CLOSE);
@@ -472,8 +468,11 @@ fn small_checkpoint() -> Option<PathBuf> {
 fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
     use k3_store::runtime::plan::{Budget, BudgetFlag};
     use k3_store::runtime::standalone::{StandaloneOptions, StandaloneSource};
-    use k3_worker::chat::{Session, TurnOptions};
-    use k3_worker::generate::Sampler;
+    use k3_worker::engine::memory::EnginePlan;
+    use k3_worker::engine::request::Speculation;
+    use k3_worker::engine::sampling::Sampler;
+    use k3_worker::engine::Engine;
+    use k3_worker::front::chat::{Conversation, TurnOptions};
     use k3_worker::model::bind::ShapeTable;
     use k3_worker::model::{Dims, Model, TensorShapes};
 
@@ -492,21 +491,23 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
     let dims = Dims::from_config(&cfg).unwrap();
     let index = k3_proto::safetensors::CheckpointIndex::open(&dir).unwrap();
     let shapes = ShapeTable::from_index(&index, dims.n_layers);
-    let mut model = Model::new(dims, &src, Some(&shapes as &dyn TensorShapes)).unwrap();
+    let model = Model::new(dims, &src, Some(&shapes as &dyn TensorShapes)).unwrap();
     let f = ChatFormat::new(tok(), Some(Effort::Max)).unwrap();
-    let opts = TurnOptions {
-        max_new: 16,
-        prefill_chunk: 512,
-        spec: k3_worker::spec::SpecMode::Off,
-    };
+    let opts = TurnOptions { max_new: 16 };
     let capacity = 1024;
+    let mut model = Engine::new(model, EnginePlan::one(capacity, 512, 0));
+    let conv = |history: Vec<Message>| {
+        let mut c = Conversation::new(capacity, Sampler::Greedy, Speculation::off());
+        c.history = history;
+        c
+    };
 
     // Warm the expert cache so the timings below compare compute, not first loads.
-    let mut warm = Session::new(&model, capacity, Sampler::Greedy);
+    let mut warm = conv(vec![]);
     warm.turn(&mut model, &f, "warm up", &opts, &mut |_, _| Flow::Continue)
         .unwrap();
 
-    let mut s = Session::new(&model, capacity, Sampler::Greedy);
+    let mut s = conv(vec![]);
     let t1 = s
         .turn(&mut model, &f, "Hi", &opts, &mut |_, _| Flow::Continue)
         .unwrap();
@@ -535,7 +536,7 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
     assert_eq!(s.held(), &want_held[..]);
 
     // The same second turn from a fresh state: a full prefill must give the same ids.
-    let mut fresh = Session::with_history(&model, capacity, Sampler::Greedy, after_t1);
+    let mut fresh = conv(after_t1);
     let full = fresh
         .turn(&mut model, &f, "And now?", &opts, &mut |_, _| {
             Flow::Continue
@@ -560,7 +561,7 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
         .unwrap();
     assert!(t3.restarted);
     assert_eq!((t3.reused, t3.prefilled), (0, t3.conversation_len));
-    let mut fresh = Session::with_history(&model, capacity, Sampler::Greedy, edited);
+    let mut fresh = conv(edited);
     let t3_fresh = fresh
         .turn(&mut model, &f, "Once more", &opts, &mut |_, _| {
             Flow::Continue
@@ -569,7 +570,7 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
     assert!(!t3_fresh.restarted);
     assert_eq!(t3_fresh.reply.ids, t3.reply.ids);
 
-    assert_eq!(model.counters.failed_expert_loads, 0);
+    assert_eq!(model.model().counters.failed_expert_loads, 0);
     eprintln!(
         "turn 2 with reuse: prefill {} tokens in {:.4} s (reused {}); without: {} tokens in {:.4} s; speed-up {:.2}x",
         t2.prefilled,

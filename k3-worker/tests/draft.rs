@@ -14,8 +14,8 @@ use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::draft::{pack_draft, DraftSource, ResidentExperts};
 use k3_store::runtime::source::WeightSource;
 use k3_store::runtime::trunk::Interrupt;
+use k3_worker::engine::spec::{DraftExperts, Drafter, ModelDrafter, MAX_CATCH_UP};
 use k3_worker::model::{Dims, Logits, Model, TensorShapes};
-use k3_worker::spec::{DraftExperts, Drafter, ModelDrafter, MAX_CATCH_UP};
 
 fn tiny() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny/model")

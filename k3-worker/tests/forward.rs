@@ -504,6 +504,28 @@ fn a_streamed_moe_layer_gives_its_run_back_before_the_expert_wait_with_the_same_
     }
 }
 
+/// One pass over `rows`: each sequence's logits (the pass returns them one after another).
+fn batch(
+    m: &mut Model<'_>,
+    rows: &mut [k3_worker::model::SeqRows<'_>],
+    scratch: &mut k3_worker::model::Scratch,
+) -> Vec<Vec<f32>> {
+    let v = m.dims.vocab;
+    let sizes: Vec<usize> = rows
+        .iter()
+        .map(|r| r.logits.rows(r.ids.len()) * v)
+        .collect();
+    let flat = m.forward_batch(rows, scratch).unwrap();
+    assert_eq!(flat.len(), sizes.iter().sum::<usize>());
+    let mut at = 0;
+    (sizes.iter())
+        .map(|&k| {
+            at += k;
+            flat[at - k..at].to_vec()
+        })
+        .collect()
+}
+
 /// A batched pass gives each sequence, bit for bit, the logits a pass of that sequence alone
 /// gives — mixed prompt lengths, decode rows beside prefill rows, a chunk that asks for no
 /// logits, a sequence joining later and one leaving — and leaves each state where its solo run
@@ -535,51 +557,49 @@ fn batched_pass_gives_each_sequence_its_solo_logits_bitwise() {
         unreachable!()
     };
     // Pass 1: sequence 0's whole prompt, sequence 1's whole prompt; 2 is not here yet.
-    let got = m
-        .forward_batch(
-            &mut [
-                SeqRows {
-                    ids: prompts[0],
-                    state: s0,
-                    logits: Logits::All,
-                },
-                SeqRows {
-                    ids: prompts[1],
-                    state: s1,
-                    logits: Logits::All,
-                },
-            ],
-            &mut scratch,
-        )
-        .unwrap();
+    let got = batch(
+        &mut m,
+        &mut [
+            SeqRows {
+                ids: prompts[0],
+                state: s0,
+                logits: Logits::All,
+            },
+            SeqRows {
+                ids: prompts[1],
+                state: s1,
+                logits: Logits::All,
+            },
+        ],
+        &mut scratch,
+    );
     assert_eq!(bits(&got[0]), solo[0][0]);
     assert_eq!(bits(&got[1]), solo[1][0]);
     // Pass 2: 0 and 1 decode; 2 joins with the first 6 ids of its prompt (no logits). Each
     // layer is asked for once and each MoE layer's experts once, for the three sequences.
     src.calls.lock().unwrap().clear();
     m.trace = Some(Vec::new());
-    let got = m
-        .forward_batch(
-            &mut [
-                SeqRows {
-                    ids: &[next(0, 0)],
-                    state: s0,
-                    logits: Logits::Last,
-                },
-                SeqRows {
-                    ids: &prompts[2][..6],
-                    state: s2,
-                    logits: Logits::None,
-                },
-                SeqRows {
-                    ids: &[next(1, 0)],
-                    state: s1,
-                    logits: Logits::Last,
-                },
-            ],
-            &mut scratch,
-        )
-        .unwrap();
+    let got = batch(
+        &mut m,
+        &mut [
+            SeqRows {
+                ids: &[next(0, 0)],
+                state: s0,
+                logits: Logits::Last,
+            },
+            SeqRows {
+                ids: &prompts[2][..6],
+                state: s2,
+                logits: Logits::None,
+            },
+            SeqRows {
+                ids: &[next(1, 0)],
+                state: s1,
+                logits: Logits::Last,
+            },
+        ],
+        &mut scratch,
+    );
     assert_eq!((bits(&got[0]), got[1].len()), (solo[0][1].clone(), 0));
     assert_eq!(bits(&got[2]), solo[1][1]);
     let layers = src
@@ -596,44 +616,42 @@ fn batched_pass_gives_each_sequence_its_solo_logits_bitwise() {
         (1..13).collect::<Vec<u32>>()
     );
     // Pass 3: 2's prompt ends (all its rows' logits), 0 decodes; 1 sits this one out.
-    let got = m
-        .forward_batch(
-            &mut [
-                SeqRows {
-                    ids: &prompts[2][6..],
-                    state: s2,
-                    logits: Logits::All,
-                },
-                SeqRows {
-                    ids: &[next(0, 1)],
-                    state: s0,
-                    logits: Logits::Last,
-                },
-            ],
-            &mut scratch,
-        )
-        .unwrap();
+    let got = batch(
+        &mut m,
+        &mut [
+            SeqRows {
+                ids: &prompts[2][6..],
+                state: s2,
+                logits: Logits::All,
+            },
+            SeqRows {
+                ids: &[next(0, 1)],
+                state: s0,
+                logits: Logits::Last,
+            },
+        ],
+        &mut scratch,
+    );
     assert_eq!(bits(&got[0]), solo[2][0][6 * v..]);
     assert_eq!(bits(&got[1]), solo[0][2]);
     // 0 leaves; 1 and 2 go on together to the end.
     for step in 1..4 {
-        let got = m
-            .forward_batch(
-                &mut [
-                    SeqRows {
-                        ids: &[next(2, step - 1)],
-                        state: s2,
-                        logits: Logits::Last,
-                    },
-                    SeqRows {
-                        ids: &[next(1, step)],
-                        state: s1,
-                        logits: Logits::Last,
-                    },
-                ],
-                &mut scratch,
-            )
-            .unwrap();
+        let got = batch(
+            &mut m,
+            &mut [
+                SeqRows {
+                    ids: &[next(2, step - 1)],
+                    state: s2,
+                    logits: Logits::Last,
+                },
+                SeqRows {
+                    ids: &[next(1, step)],
+                    state: s1,
+                    logits: Logits::Last,
+                },
+            ],
+            &mut scratch,
+        );
         assert_eq!(bits(&got[0]), solo[2][step]);
         assert_eq!(bits(&got[1]), solo[1][step + 1]);
     }

@@ -3,12 +3,15 @@
 
 #[path = "common/ckpt.rs"]
 mod ckpt;
+#[path = "common/gen.rs"]
+mod gen;
 
 use std::path::PathBuf;
 
 use ckpt::CkptSource;
-use k3_worker::generate::{generate, GenOptions, Sampler, END_IDS};
+use k3_worker::engine::sampling::Sampler;
 use k3_worker::model::{Dims, Logits, Model, TensorShapes};
+use k3_worker::text::xtml::END_IDS;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -31,7 +34,7 @@ fn model(src: &CkptSource) -> Model<'_> {
 fn argmax_rows(logits: &[f32], v: usize) -> Vec<u32> {
     logits
         .chunks_exact(v)
-        .map(k3_worker::generate::argmax)
+        .map(k3_worker::engine::sampling::argmax)
         .collect()
 }
 
@@ -51,17 +54,14 @@ fn teacher_forcing_32_of_32_positions() {
 
 fn gen(full_recompute: bool) -> (Vec<u32>, Vec<f32>) {
     let src = open();
-    let mut m = model(&src);
-    let opts = GenOptions {
-        max_new: 20,
+    let m = model(&src);
+    let g = gen::Gen {
         full_recompute,
-        sampler: Sampler::Greedy,
         stop_ids: END_IDS.to_vec(),
         keep_step0_logits: true,
-        prefill_chunk: 0,
-        spec: k3_worker::spec::SpecMode::Off,
+        ..gen::Gen::new(20, Sampler::Greedy)
     };
-    let r = generate(&mut m, &ids("prompt_ids.json"), &opts, &mut |_| {}).unwrap();
+    let (r, m) = g.run(m, &ids("prompt_ids.json"), &mut |_| {});
     assert_eq!(m.counters.failed_expert_loads, 0);
     (r.generated_ids, r.step0_logits.unwrap())
 }

@@ -1,9 +1,10 @@
-//! Generation on a tiny random checkpoint: incremental decode vs full recompute (SPEC.md I36).
+//! Generation through the engine on a tiny random checkpoint: incremental decode vs full
+//! recompute (SPEC.md I36), chunked prefills, stop ids.
 
 mod common;
 
-use common::{tiny_dims, MemSource};
-use k3_worker::generate::{generate, GenOptions, Sampler};
+use common::{tiny_dims, Gen, MemSource};
+use k3_worker::engine::sampling::Sampler;
 use k3_worker::model::{Model, TensorShapes};
 
 fn run(src: &MemSource, full: bool, sampler: Sampler, stop: Vec<u32>) -> Vec<u32> {
@@ -17,21 +18,16 @@ fn run_chunked(
     stop: Vec<u32>,
     chunk: usize,
 ) -> (Vec<u32>, Vec<f32>) {
-    let mut m = Model::new(src.dims.clone(), src, Some(src as &dyn TensorShapes)).unwrap();
-    let opts = GenOptions {
-        max_new: 10,
+    let m = Model::new(src.dims.clone(), src, Some(src as &dyn TensorShapes)).unwrap();
+    let g = Gen {
         full_recompute: full,
-        sampler,
         stop_ids: stop,
         keep_step0_logits: true,
         prefill_chunk: chunk,
-        spec: k3_worker::spec::SpecMode::Off,
+        ..Gen::new(10, sampler)
     };
     let mut seen = Vec::new();
-    let r = generate(&mut m, &[3, 14, 15, 92, 65], &opts, &mut |s| {
-        seen.push(s.token)
-    })
-    .unwrap();
+    let (r, _) = g.run(m, &[3, 14, 15, 92, 65], &mut |s| seen.push(s.token));
     assert_eq!(seen, r.generated_ids, "on_step sees every token in order");
     assert_eq!(r.step0_logits.as_ref().unwrap().len(), src.dims.vocab);
     (r.generated_ids, r.step0_logits.unwrap())

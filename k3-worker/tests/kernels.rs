@@ -776,13 +776,30 @@ fn env_child_reports_tier() {
     }
 }
 
+/// A command running this test binary again: directly, or through `K3_TEST_RUNNER` (an
+/// emulator such as `qemu-aarch64 -L /usr/aarch64-linux-gnu`, which `scripts/test-platforms.sh`
+/// sets: an emulated process cannot exec a foreign binary itself without the kernel's binfmt
+/// registration).
+fn self_command(exe: &std::path::Path) -> std::process::Command {
+    let runner = std::env::var("K3_TEST_RUNNER").unwrap_or_default();
+    let mut words = runner.split_whitespace();
+    match words.next() {
+        Some(prog) => {
+            let mut c = std::process::Command::new(prog);
+            c.args(words).arg(exe);
+            c
+        }
+        None => std::process::Command::new(exe),
+    }
+}
+
 /// `K3_SIMD` is read once per process: run this test binary as a child with each value.
 #[test]
 #[cfg_attr(miri, ignore)] // runs this test binary as child processes
 fn k3_simd_env_forces_or_refuses_each_tier() {
     let exe = std::env::current_exe().expect("test binary path");
     let run = |value: &str| -> String {
-        let out = std::process::Command::new(&exe)
+        let out = self_command(&exe)
             .args([
                 "--exact",
                 "env_child_reports_tier",
@@ -926,12 +943,141 @@ fn model_mxfp4(lanes: usize, packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     model_hsum(&sum)
 }
 
+/// The lanes of a SIMD tier's documented sequence (NEON follows AVX2's 8-lane sequence).
 fn simd_lanes(t: Tier) -> Option<usize> {
     match t {
         Tier::Scalar => None,
-        Tier::Avx2 => Some(8),
+        Tier::Avx2 | Tier::Neon => Some(8),
         Tier::Avx512 => Some(16),
     }
+}
+
+/// Bits, with every NaN made one NaN: which NaN an invalid operation or a NaN input yields is
+/// the CPU's (x86 and Arm differ), not part of the sequence.
+fn same_bits(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// Adversarial bf16 bits: the largest finite values (products overflow to ±inf), ±inf, NaN,
+/// subnormals and the smallest normals (products underflow), ±0, and ±2^k pairs that cancel.
+fn adversarial_bf16(rng: &mut Rng) -> u16 {
+    let sign = (rng.below(2) as u16) << 15;
+    sign | match rng.below(10) {
+        0 => 0x7F7F,                         // ±3.39e38
+        1 => 0x7F80,                         // ±inf
+        2 => 0x7FC0 | rng.below(64) as u16,  // NaN
+        3 => 1 + rng.below(127) as u16,      // subnormal
+        4 => 0x0080,                         // smallest normal
+        5 => 0,                              // ±0
+        6 => 0x4B00 | rng.below(128) as u16, // 2^23 ..: cancels with its negative
+        _ => random_bf16(rng) & 0x7FFF,
+    }
+}
+
+/// Every SIMD tier computes exactly its documented sequence on adversarial rows too (overflow,
+/// ±inf, NaN, subnormals, cancellation; MXFP4 with the edge scale bytes 0, 254 and 255 and
+/// activations that overflow a group), for every row count 1..=9 and token counts around the
+/// token blocks: the lane that overflows or turns NaN, and when, is the sequence's.
+#[test]
+fn simd_tiers_follow_their_documented_sequence_on_adversarial_rows() {
+    let mut rng = Rng(22);
+    let mut checked = 0;
+    for k in tiers() {
+        let Some(lanes) = simd_lanes(k.tier()) else {
+            continue;
+        };
+        for rows in 1..=9usize {
+            for cols in [31usize, 64, 95] {
+                let bits: Vec<u16> = (0..rows * cols)
+                    .map(|_| adversarial_bf16(&mut rng))
+                    .collect();
+                let mc = cols / 32 * 32;
+                let mx = Mxfp4 {
+                    packed: (0..rows * mc / 2).map(|_| rng.below(256) as u8).collect(),
+                    scales: (0..rows * mc / 32)
+                        .map(|_| [0u8, 1, 127, 200, 254, 255][rng.below(6) as usize])
+                        .collect(),
+                };
+                for n in [1usize, 2, 3, 5] {
+                    let x: Vec<f32> = (0..n * cols)
+                        .map(|_| match rng.below(12) {
+                            0 => f32::INFINITY,
+                            1 => f32::MIN_POSITIVE,
+                            2 => 1e30,
+                            _ => 2.0 * rng.unit(),
+                        })
+                        .collect();
+                    let xm: Vec<f32> = (0..n * mc).map(|_| 1e4 * rng.unit()).collect();
+                    let c = ModelCase {
+                        rows,
+                        cols,
+                        n,
+                        bits: &bits,
+                        x: &x,
+                        mx: &mx,
+                        xm: &xm,
+                    };
+                    checked += check_models(k, lanes, &c, same_bits);
+                }
+            }
+        }
+    }
+    if checked == 0 {
+        eprintln!("skipped: no SIMD tier on this CPU");
+    }
+}
+
+/// One bf16 product `[rows, cols]` and one MXFP4 product `[rows, mc]` (`mc = cols` rounded down
+/// to whole groups) of `n` tokens, for [`check_models`].
+struct ModelCase<'a> {
+    rows: usize,
+    cols: usize,
+    n: usize,
+    bits: &'a [u16],
+    x: &'a [f32],
+    mx: &'a Mxfp4,
+    xm: &'a [f32],
+}
+
+/// Runs both products of `c` on `k` and checks every (token, row) against the tier's documented
+/// sequence (`model_bf16`, `model_mxfp4`) with `same` (exact bits, or bits up to NaN payloads);
+/// returns the rows checked.
+fn check_models(k: Kernels, lanes: usize, c: &ModelCase<'_>, same: fn(f32, f32) -> bool) -> usize {
+    let (rows, cols, n) = (c.rows, c.cols, c.n);
+    let mc = cols / 32 * 32;
+    let w: Vec<u8> = c.bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    let mut y = vec![f32::NAN; n * rows];
+    k.matmul_bf16(&w, rows, cols, c.x, n, &mut y);
+    let mut ym = vec![f32::NAN; n * rows];
+    k.matmul_mxfp4(&c.mx.packed, &c.mx.scales, rows, mc, c.xm, n, &mut ym);
+    for t in 0..n {
+        for r in 0..rows {
+            let want = model_bf16(
+                lanes,
+                &c.bits[r * cols..(r + 1) * cols],
+                &c.x[t * cols..(t + 1) * cols],
+            );
+            let got = y[t * rows + r];
+            assert!(
+                same(got, want),
+                "{} bf16 {rows}x{cols} n={n} token {t} row {r}: {got:e} vs {want:e}",
+                k.tier()
+            );
+            let want = model_mxfp4(
+                lanes,
+                &c.mx.packed[r * mc / 2..(r + 1) * mc / 2],
+                &c.mx.scales[r * mc / 32..(r + 1) * mc / 32],
+                &c.xm[t * mc..(t + 1) * mc],
+            );
+            let got = ym[t * rows + r];
+            assert!(
+                same(got, want),
+                "{} mxfp4 {rows}x{mc} n={n} token {t} row {r}: {got:e} vs {want:e}",
+                k.tier()
+            );
+        }
+    }
+    n * rows
 }
 
 /// Every SIMD tier computes exactly its documented sequence, for one token and for 2–17 tokens
@@ -941,49 +1087,28 @@ fn simd_lanes(t: Tier) -> Option<usize> {
 fn simd_tiers_follow_their_documented_sequence_bit_for_bit() {
     let mut rng = Rng(21);
     let mut checked = 0;
+    let exact = |a: f32, b: f32| a.to_bits() == b.to_bits();
     for k in tiers() {
         let Some(lanes) = simd_lanes(k.tier()) else {
             continue;
         };
         for (rows, cols) in [(5, 47), (9, 95), (17, 640), (3, 1091), (33, 96)] {
-            let (w, bits) = bf16_matrix(&mut rng, rows, cols);
-            let m = mxfp4_matrix(&mut rng, rows, cols / 32 * 32);
+            let (_, bits) = bf16_matrix(&mut rng, rows, cols);
             let mc = cols / 32 * 32;
+            let mx = mxfp4_matrix(&mut rng, rows, mc);
             for n in [1usize, 2, 3, 4, 5, 8, 16, 17] {
                 let x = random_x(&mut rng, n * cols);
-                let xs = small_x(&mut rng, n * mc);
-                let mut y = vec![f32::NAN; n * rows];
-                k.matmul_bf16(&w, rows, cols, &x, n, &mut y);
-                let mut ym = vec![f32::NAN; n * rows];
-                k.matmul_mxfp4(&m.packed, &m.scales, rows, mc, &xs, n, &mut ym);
-                for t in 0..n {
-                    for r in 0..rows {
-                        let want = model_bf16(
-                            lanes,
-                            &bits[r * cols..(r + 1) * cols],
-                            &x[t * cols..(t + 1) * cols],
-                        );
-                        assert_eq!(
-                            y[t * rows + r].to_bits(),
-                            want.to_bits(),
-                            "{} bf16 {rows}x{cols} n={n} token {t} row {r}",
-                            k.tier()
-                        );
-                        let want = model_mxfp4(
-                            lanes,
-                            &m.packed[r * mc / 2..(r + 1) * mc / 2],
-                            &m.scales[r * mc / 32..(r + 1) * mc / 32],
-                            &xs[t * mc..(t + 1) * mc],
-                        );
-                        assert_eq!(
-                            ym[t * rows + r].to_bits(),
-                            want.to_bits(),
-                            "{} mxfp4 {rows}x{mc} n={n} token {t} row {r}",
-                            k.tier()
-                        );
-                        checked += 1;
-                    }
-                }
+                let xm = small_x(&mut rng, n * mc);
+                let c = ModelCase {
+                    rows,
+                    cols,
+                    n,
+                    bits: &bits,
+                    x: &x,
+                    mx: &mx,
+                    xm: &xm,
+                };
+                checked += check_models(k, lanes, &c, exact);
             }
         }
     }

@@ -4,10 +4,14 @@
 
 mod common;
 
-use common::{tiny_dims, MemSource};
-use k3_worker::generate::{generate, generate_with, Flow, GenOptions, Sampler, Session};
+use common::{tiny_dims, Gen, MemSource};
+use k3_worker::engine::memory::EnginePlan;
+use k3_worker::engine::outputs::{Flow, GenReport};
+use k3_worker::engine::request::{Request, Speculation};
+use k3_worker::engine::sampling::Sampler;
+use k3_worker::engine::spec::{Drafter, NgramDrafter, ReplayDrafter, SpecMode};
+use k3_worker::engine::Engine;
 use k3_worker::model::{Logits, Model, TensorShapes};
-use k3_worker::spec::{Drafter, NgramDrafter, ReplayDrafter, SpecMode};
 
 const PROMPT: [u32; 5] = [3, 14, 15, 92, 65];
 
@@ -15,28 +19,25 @@ fn model(src: &MemSource) -> Model<'_> {
     Model::new(src.dims.clone(), src, Some(src as &dyn TensorShapes)).unwrap()
 }
 
-fn opts(max_new: usize, sampler: Sampler, spec: SpecMode) -> GenOptions {
-    GenOptions {
-        max_new,
-        full_recompute: false,
-        sampler,
-        stop_ids: vec![],
-        keep_step0_logits: false,
-        prefill_chunk: 0,
+/// `n` ids after `prompt` through the engine, with `drafter` in `spec` mode.
+fn run(
+    src: &MemSource,
+    prompt: &[u32],
+    n: usize,
+    sampler: Sampler,
+    spec: SpecMode,
+    drafter: Option<Box<dyn Drafter>>,
+) -> GenReport {
+    let g = Gen {
         spec,
-    }
+        drafter,
+        ..Gen::new(n, sampler)
+    };
+    g.run(model(src), prompt, &mut |_| {}).0
 }
 
 fn plain(src: &MemSource, n: usize, sampler: Sampler) -> Vec<u32> {
-    let mut m = model(src);
-    generate(
-        &mut m,
-        &PROMPT,
-        &opts(n, sampler, SpecMode::Off),
-        &mut |_| {},
-    )
-    .unwrap()
-    .generated_ids
+    run(src, &PROMPT, n, sampler, SpecMode::Off, None).generated_ids
 }
 
 fn replay(cont: &[u32], miss_rate: f64, seed: u64) -> Box<dyn Drafter> {
@@ -106,15 +107,14 @@ fn greedy_ids_equal_plain_decoding_for_every_draft_quality_and_k() {
             SpecMode::Fixed(16),
             SpecMode::Auto,
         ] {
-            let mut m = model(&src);
-            let r = generate_with(
-                &mut m,
+            let r = run(
+                &src,
                 &PROMPT,
-                &opts(14, Sampler::Greedy, spec),
+                14,
+                Sampler::Greedy,
+                spec,
                 Some(replay(&want, miss, 9)),
-                &mut |_| {},
-            )
-            .unwrap();
+            );
             assert_eq!(r.generated_ids, want, "miss {miss} {spec:?}");
             let s = &r.spec;
             assert!(s.accepted_tokens <= s.drafted_tokens);
@@ -141,15 +141,14 @@ fn sampled_ids_equal_plain_sampling_with_the_same_seed() {
         let s = || Sampler::new(0.9, 0.95, seed).unwrap();
         let want = plain(&src, 12, s());
         for miss in [0.0, 0.5] {
-            let mut m = model(&src);
-            let r = generate_with(
-                &mut m,
+            let r = run(
+                &src,
                 &PROMPT,
-                &opts(12, s(), SpecMode::Fixed(4)),
+                12,
+                s(),
+                SpecMode::Fixed(4),
                 Some(replay(&want, miss, seed)),
-                &mut |_| {},
-            )
-            .unwrap();
+            );
             assert_eq!(r.generated_ids, want, "seed {seed} miss {miss}");
             if miss == 0.0 {
                 assert!(r.spec.accepted_tokens > 0);
@@ -204,17 +203,14 @@ fn sampled_verify_pass_follows_the_target_distribution() {
     let mut expected = vec![0.0f64; v];
     let (mut acc_obs, mut acc_exp, mut acc_var) = (0.0f64, 0.0f64, 0.0f64);
     for (seed, &t0) in firsts.iter().enumerate() {
-        let mut m = model(&src);
-        let mut sess = Session::new(&m, 16, sampler(seed as u64));
-        sess.set_drafter(Box::new(Const(d)));
-        let r = sess
-            .generate(
-                &mut m,
-                &PROMPT,
-                &opts(3, Sampler::Greedy, SpecMode::Fixed(1)),
-                &mut |_| Flow::Continue,
-            )
-            .unwrap();
+        let r = run(
+            &src,
+            &PROMPT,
+            3,
+            sampler(seed as u64),
+            SpecMode::Fixed(1),
+            Some(Box::new(Const(d))),
+        );
         assert_eq!(r.generated_ids[0], t0, "step 0 is a plain pick");
         assert_eq!(
             r.steps[1].drafted, 1,
@@ -265,10 +261,7 @@ fn sampled_verify_pass_follows_the_target_distribution() {
 }
 
 fn plain_first(src: &MemSource, s: Sampler) -> u32 {
-    let mut m = model(src);
-    generate(&mut m, &PROMPT, &opts(1, s, SpecMode::Off), &mut |_| {})
-        .unwrap()
-        .generated_ids[0]
+    plain(src, 1, s)[0]
 }
 
 /// Always drafts the same id.
@@ -288,26 +281,34 @@ impl Drafter for Const {
     }
 }
 
+/// A request stopped by its sink in the middle of a verify pass hands back the state, sampler
+/// and speculation state plain decoding leaves after those ids; a next request that continues
+/// from them (a chat's next turn) gets plain decoding's ids too.
 #[test]
-fn a_session_that_stops_mid_pass_carries_on_like_plain_decoding() {
+fn a_request_stopped_mid_pass_hands_back_what_plain_decoding_leaves() {
     let src = MemSource::random(&tiny_dims(), 25);
     let s = || Sampler::new(0.8, 0.9, 3).unwrap();
-    // Plain: two calls, the first stopped by the callback after 4 ids, then 6 more.
+    // Two requests: the first stopped by its sink after 4 ids, then one whose prompt extends
+    // the state it handed back by two ids.
     let run = |spec: SpecMode, cont: Option<&[u32]>| {
-        let mut m = model(&src);
-        let mut sess = Session::new(&m, 64, s());
-        if let Some(c) = cont {
+        let mut e = Engine::new(model(&src), EnginePlan::one(64, 0, spec.max_drafts()));
+        let drafter = cont.map(|c| -> Box<dyn Drafter> {
             // A continuation for the whole run: the prompt, then all 10 ids of the plain run.
-            sess.set_drafter(Box::new(ReplayDrafter {
+            Box::new(ReplayDrafter {
                 continuation: c.to_vec(),
                 prompt_len: PROMPT.len(),
                 miss_rate: 0.0,
                 seed: 0,
-            }));
-        }
+            })
+        });
+        let first = Request {
+            spec: Speculation::with(spec, drafter),
+            reserve: 64,
+            ..Request::new(PROMPT.to_vec(), 8, s())
+        };
         let mut n = 0;
-        let a = sess
-            .generate(&mut m, &PROMPT, &opts(8, s(), spec), &mut |_| {
+        let a = e
+            .run_one(first, &mut |_| {
                 n += 1;
                 if n == 4 {
                     Flow::Stop
@@ -316,12 +317,22 @@ fn a_session_that_stops_mid_pass_carries_on_like_plain_decoding() {
                 }
             })
             .unwrap();
-        let b = sess
-            .generate(&mut m, &[9, 9], &opts(6, s(), spec), &mut |_| {
-                Flow::Continue
-            })
-            .unwrap();
-        (a.generated_ids, b.generated_ids, sess.held().to_vec())
+        let held = a.held.expect("a usable state");
+        let mut prompt = held.ids.clone();
+        prompt.extend_from_slice(&[9, 9]);
+        let second = Request {
+            spec: a.spec,
+            from: Some(held),
+            ..Request::new(prompt, 6, a.sampler)
+        };
+        let b = e.run_one(second, &mut |_| Flow::Continue).unwrap();
+        let fin = &b.finished;
+        assert_eq!(fin.usage.cached_ids as usize, PROMPT.len() + 3, "reused");
+        (
+            a.finished.report.generated_ids,
+            fin.report.generated_ids.clone(),
+            b.held.unwrap().ids,
+        )
     };
     let want = run(SpecMode::Off, None);
     assert_eq!(want.0.len(), 4);
@@ -344,19 +355,12 @@ fn ngram_drafts_on_a_quoting_prompt_are_verified_exactly() {
         let mut prompt = PROMPT.to_vec();
         prompt.extend_from_slice(&first);
         prompt.extend_from_slice(&PROMPT);
-        let run = |spec: SpecMode| {
-            let mut m = model(&src);
-            generate_with(
-                &mut m,
-                &prompt,
-                &opts(16, Sampler::Greedy, spec),
-                Some(Box::new(NgramDrafter)),
-                &mut |_| {},
-            )
-            .unwrap()
+        let go = |spec: SpecMode| {
+            let d: Box<dyn Drafter> = Box::new(NgramDrafter);
+            run(&src, &prompt, 16, Sampler::Greedy, spec, Some(d))
         };
-        let want = run(SpecMode::Off);
-        let got = run(SpecMode::Fixed(4));
+        let want = go(SpecMode::Off);
+        let got = go(SpecMode::Fixed(4));
         assert_eq!(got.generated_ids, want.generated_ids, "seed {seed}");
         assert_eq!(want.spec.drafted_tokens, 0);
         drafted += got.spec.drafted_tokens;

@@ -558,39 +558,7 @@ impl<'a> Reader<'a> {
     }
 
     fn read(mut self) -> Result<ModelConfig, ConfigError> {
-        let hidden_size = self.req_usize(&["hidden_size"]);
-        let num_hidden_layers = self.req_usize(&["num_hidden_layers"]);
-        let vocab_size = self.req_usize(&["vocab_size"]);
-        let rms_norm_eps = self.req_f32(&["rms_norm_eps"]);
-        let situ_beta = self.req_f32(&["activation_situ_beta", "situ_beta"]);
-        let situ_linear_beta = self.req_f32(&["activation_situ_linear_beta", "situ_linear_beta"]);
-        let intermediate_size = self.req_usize(&["intermediate_size"]);
-        let first_k_dense_replace = self.req_usize(&["first_k_dense_replace"]);
-        let num_experts = self.req_usize(&["num_experts"]);
-        let num_experts_per_token = self.req_usize(&["num_experts_per_token"]);
-        let num_shared_experts = self.req_usize(&["num_shared_experts"]);
-        let moe_intermediate_size = self.req_usize(&["moe_intermediate_size"]);
-        let routed_expert_hidden_size = self.req_usize(&["routed_expert_hidden_size"]);
-        let latent_moe_use_norm = self.opt_bool(&["latent_moe_use_norm"], true);
-        let moe_renormalize = self.opt_bool(&["moe_renormalize"], true);
-        let routed_scaling_factor = self.req_f32(&["routed_scaling_factor"]);
-        let num_attention_heads = self.req_usize(&["num_attention_heads"]);
-        let q_lora_rank = self.req_usize(&["q_lora_rank"]);
-        let kv_lora_rank = self.req_usize(&["kv_lora_rank"]);
-        let qk_nope_head_dim = self.req_usize(&["qk_nope_head_dim"]);
-        let qk_rope_head_dim = self.req_usize(&["qk_rope_head_dim"]);
-        let v_head_dim = self.req_usize(&["v_head_dim"]);
-        let mla_use_output_gate = self.opt_bool(&["mla_use_output_gate"], true);
-        let kda_num_heads = self.req_kda_usize("num_heads", "kda_num_heads");
-        let kda_head_dim = self.req_kda_usize("head_dim", "kda_head_dim");
-        let short_conv_kernel_size = self.req_usize(&["short_conv_kernel_size"]);
-        let gate_lower_bound = self.req_f32(&["gate_lower_bound"]);
-        let attn_res_block_size = self.req_usize(&["attn_res_block_size"]);
-        let tie_word_embeddings = self.req_bool(&["tie_word_embeddings"]);
-        let bos_token_id = self.opt_token("bos_token_id");
-        let eos_token_ids = self.eos_tokens();
-        let pad_token_id = self.opt_token("pad_token_id");
-
+        let mut c = self.scalars();
         let full_attn_layers = match self.find(&["full_attn_layers"]) {
             Some(f) => Some(self.layer_list(f)),
             None => {
@@ -603,8 +571,68 @@ impl<'a> Reader<'a> {
             ConfigShape::Nested => self.find(&["kda_layers"]).map(|f| self.layer_list(f)),
             ConfigShape::Flat => None,
         };
+        self.expect_supported();
+        if let Some(full) = &full_attn_layers {
+            c.kda_layers = self.layer_maps(c.num_hidden_layers, full, kda_given.as_deref());
+        }
+        c.full_attn_layers = full_attn_layers.unwrap_or_default();
+        self.check_sizes(&c);
+        // bos/eos/pad ids may lie outside a small model's vocabulary (a tiny test model keeps
+        // the real tokenizer's special ids): such an id can never be generated, so stopping on it
+        // is a no-op, not a reason to refuse the config.
+        if !self.problems.is_empty() {
+            return Err(ConfigError {
+                problems: self.problems,
+            });
+        }
+        Ok(c)
+    }
 
-        // Fields whose other values would silently make a different model.
+    /// Every scalar field, read in the order the problems are listed (a missing or ill-typed
+    /// one is a problem and reads as 0); the layer lists are left empty.
+    fn scalars(&mut self) -> ModelConfig {
+        ModelConfig {
+            shape: self.shape,
+            hidden_size: self.req_usize(&["hidden_size"]),
+            num_hidden_layers: self.req_usize(&["num_hidden_layers"]),
+            vocab_size: self.req_usize(&["vocab_size"]),
+            rms_norm_eps: self.req_f32(&["rms_norm_eps"]),
+            mla_norm_eps: 1e-6,
+            situ_beta: self.req_f32(&["activation_situ_beta", "situ_beta"]),
+            situ_linear_beta: self.req_f32(&["activation_situ_linear_beta", "situ_linear_beta"]),
+            intermediate_size: self.req_usize(&["intermediate_size"]),
+            first_k_dense_replace: self.req_usize(&["first_k_dense_replace"]),
+            num_experts: self.req_usize(&["num_experts"]),
+            num_experts_per_token: self.req_usize(&["num_experts_per_token"]),
+            num_shared_experts: self.req_usize(&["num_shared_experts"]),
+            moe_intermediate_size: self.req_usize(&["moe_intermediate_size"]),
+            routed_expert_hidden_size: self.req_usize(&["routed_expert_hidden_size"]),
+            latent_moe_use_norm: self.opt_bool(&["latent_moe_use_norm"], true),
+            moe_renormalize: self.opt_bool(&["moe_renormalize"], true),
+            routed_scaling_factor: self.req_f32(&["routed_scaling_factor"]),
+            num_attention_heads: self.req_usize(&["num_attention_heads"]),
+            q_lora_rank: self.req_usize(&["q_lora_rank"]),
+            kv_lora_rank: self.req_usize(&["kv_lora_rank"]),
+            qk_nope_head_dim: self.req_usize(&["qk_nope_head_dim"]),
+            qk_rope_head_dim: self.req_usize(&["qk_rope_head_dim"]),
+            v_head_dim: self.req_usize(&["v_head_dim"]),
+            mla_use_output_gate: self.opt_bool(&["mla_use_output_gate"], true),
+            kda_num_heads: self.req_kda_usize("num_heads", "kda_num_heads"),
+            kda_head_dim: self.req_kda_usize("head_dim", "kda_head_dim"),
+            short_conv_kernel_size: self.req_usize(&["short_conv_kernel_size"]),
+            gate_lower_bound: self.req_f32(&["gate_lower_bound"]),
+            attn_res_block_size: self.req_usize(&["attn_res_block_size"]),
+            tie_word_embeddings: self.req_bool(&["tie_word_embeddings"]),
+            bos_token_id: self.opt_token("bos_token_id"),
+            eos_token_ids: self.eos_tokens(),
+            pad_token_id: self.opt_token("pad_token_id"),
+            full_attn_layers: Vec::new(),
+            kda_layers: Vec::new(),
+        }
+    }
+
+    /// Fields whose other values would silently make a different model.
+    fn expect_supported(&mut self) {
         self.expect_bool(
             "mla_use_nope",
             true,
@@ -624,84 +652,85 @@ impl<'a> Reader<'a> {
             "grouped top-k routing is not implemented",
         );
         self.expect_u64("topk_group", 1, "grouped top-k routing is not implemented");
+    }
 
-        // Structural checks (SPEC.md §1.2). Skip those whose inputs were already reported.
-        let n = num_hidden_layers;
-        let mut kda_layers = Vec::new();
-        if let Some(full) = &full_attn_layers {
-            if n == 0 || n > MAX_LAYERS {
-                if self.find(&["num_hidden_layers"]).is_some() {
-                    self.problems.push(format!(
-                        "`num_hidden_layers` = {n} must be in 1..={MAX_LAYERS}"
-                    ));
-                }
-            } else {
-                let full_ok = self.check_layer_list("full_attn_layers", full, n);
-                let kda_ok = match &kda_given {
-                    Some(k) => self.check_layer_list("kda_layers", k, n),
-                    None => true,
-                };
-                if full_ok && kda_ok {
-                    let complement: Vec<usize> = (1..=n).filter(|x| !full.contains(x)).collect();
-                    match &kda_given {
-                        Some(k) => {
-                            if let Some(x) = k.iter().find(|x| full.contains(x)) {
-                                self.problems.push(format!(
-                                    "layer {x} (1-based) is in both `kda_layers` and \
-                                     `full_attn_layers`"
-                                ));
-                            } else if k.len() != complement.len() {
-                                let missing: Vec<usize> = complement
-                                    .iter()
-                                    .copied()
-                                    .filter(|x| !k.contains(x))
-                                    .collect();
-                                self.problems.push(format!(
-                                    "`kda_layers` ∪ `full_attn_layers` must be 1..={n}; \
-                                     missing (1-based) {missing:?}"
-                                ));
-                            } else {
-                                let mut k = k.clone();
-                                k.sort_unstable();
-                                kda_layers = k;
-                            }
-                        }
-                        None => kda_layers = complement,
-                    }
-                    if full.len() == n {
-                        self.problems.push(
-                            "every layer is in `full_attn_layers`: the config has no KDA layer \
-                             (at least one is required)"
-                                .into(),
-                        );
-                    }
-                }
+    /// The KDA layers (1-based) of an `n`-layer model whose MLA layers are `full`: `kda_given`
+    /// when it is the complement of `full`, else derived (SPEC.md §1.2). Problems are recorded;
+    /// those whose inputs were already reported are skipped.
+    fn layer_maps(&mut self, n: usize, full: &[usize], kda_given: Option<&[usize]>) -> Vec<usize> {
+        if n == 0 || n > MAX_LAYERS {
+            if self.find(&["num_hidden_layers"]).is_some() {
+                self.problems.push(format!(
+                    "`num_hidden_layers` = {n} must be in 1..={MAX_LAYERS}"
+                ));
             }
+            return Vec::new();
         }
-        self.positive("hidden_size", hidden_size);
-        self.positive("vocab_size", vocab_size);
-        self.positive("num_experts", num_experts);
-        self.positive("num_experts_per_token", num_experts_per_token);
-        self.positive("num_attention_heads", num_attention_heads);
-        self.positive("q_lora_rank", q_lora_rank);
-        self.positive("kv_lora_rank", kv_lora_rank);
-        self.positive("qk_nope_head_dim", qk_nope_head_dim);
-        self.positive("v_head_dim", v_head_dim);
-        self.positive("moe_intermediate_size", moe_intermediate_size);
-        self.positive("routed_expert_hidden_size", routed_expert_hidden_size);
-        self.positive("attn_res_block_size", attn_res_block_size);
-        self.positive("short_conv_kernel_size", short_conv_kernel_size);
-        self.positive_kda("num_heads", "kda_num_heads", kda_num_heads);
-        self.positive_kda("head_dim", "kda_head_dim", kda_head_dim);
-        if num_experts > 0 && num_experts_per_token > num_experts {
+        let full_ok = self.check_layer_list("full_attn_layers", full, n);
+        let kda_ok = match kda_given {
+            Some(k) => self.check_layer_list("kda_layers", k, n),
+            None => true,
+        };
+        if !(full_ok && kda_ok) {
+            return Vec::new();
+        }
+        if full.len() == n {
+            self.problems.push(
+                "every layer is in `full_attn_layers`: the config has no KDA layer \
+                 (at least one is required)"
+                    .into(),
+            );
+        }
+        let complement: Vec<usize> = (1..=n).filter(|x| !full.contains(x)).collect();
+        let Some(k) = kda_given else {
+            return complement;
+        };
+        if let Some(x) = k.iter().find(|x| full.contains(x)) {
             self.problems.push(format!(
-                "`num_experts_per_token` = {num_experts_per_token} exceeds `num_experts` = \
-                 {num_experts}"
+                "layer {x} (1-based) is in both `kda_layers` and `full_attn_layers`"
+            ));
+            return Vec::new();
+        }
+        if k.len() != complement.len() {
+            let missing: Vec<usize> = (complement.iter().copied())
+                .filter(|x| !k.contains(x))
+                .collect();
+            self.problems.push(format!(
+                "`kda_layers` ∪ `full_attn_layers` must be 1..={n}; missing (1-based) {missing:?}"
+            ));
+            return Vec::new();
+        }
+        let mut k = k.to_vec();
+        k.sort_unstable();
+        k
+    }
+
+    /// The sizes' own rules (positive where they must be, expert widths whole MXFP4 groups, …).
+    fn check_sizes(&mut self, c: &ModelConfig) {
+        self.positive("hidden_size", c.hidden_size);
+        self.positive("vocab_size", c.vocab_size);
+        self.positive("num_experts", c.num_experts);
+        self.positive("num_experts_per_token", c.num_experts_per_token);
+        self.positive("num_attention_heads", c.num_attention_heads);
+        self.positive("q_lora_rank", c.q_lora_rank);
+        self.positive("kv_lora_rank", c.kv_lora_rank);
+        self.positive("qk_nope_head_dim", c.qk_nope_head_dim);
+        self.positive("v_head_dim", c.v_head_dim);
+        self.positive("moe_intermediate_size", c.moe_intermediate_size);
+        self.positive("routed_expert_hidden_size", c.routed_expert_hidden_size);
+        self.positive("attn_res_block_size", c.attn_res_block_size);
+        self.positive("short_conv_kernel_size", c.short_conv_kernel_size);
+        self.positive_kda("num_heads", "kda_num_heads", c.kda_num_heads);
+        self.positive_kda("head_dim", "kda_head_dim", c.kda_head_dim);
+        let (experts, per_token) = (c.num_experts, c.num_experts_per_token);
+        if experts > 0 && per_token > experts {
+            self.problems.push(format!(
+                "`num_experts_per_token` = {per_token} exceeds `num_experts` = {experts}"
             ));
         }
         for (name, v) in [
-            ("routed_expert_hidden_size", routed_expert_hidden_size),
-            ("moe_intermediate_size", moe_intermediate_size),
+            ("routed_expert_hidden_size", c.routed_expert_hidden_size),
+            ("moe_intermediate_size", c.moe_intermediate_size),
         ] {
             if v % 32 != 0 {
                 self.problems.push(format!(
@@ -710,68 +739,22 @@ impl<'a> Reader<'a> {
                 ));
             }
         }
-        if n > 0 && first_k_dense_replace > n {
+        let (n, k) = (c.num_hidden_layers, c.first_k_dense_replace);
+        if n > 0 && k > n {
             self.problems.push(format!(
-                "`first_k_dense_replace` = {first_k_dense_replace} exceeds \
-                 `num_hidden_layers` = {n}"
+                "`first_k_dense_replace` = {k} exceeds `num_hidden_layers` = {n}"
             ));
         }
-        if first_k_dense_replace > 0 && self.find(&["intermediate_size"]).is_some() {
-            self.positive("intermediate_size", intermediate_size);
+        if k > 0 && self.find(&["intermediate_size"]).is_some() {
+            self.positive("intermediate_size", c.intermediate_size);
         }
+        let eps = c.rms_norm_eps;
         if self.find(&["rms_norm_eps"]).is_some()
-            && rms_norm_eps.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+            && eps.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
         {
             self.problems
-                .push(format!("`rms_norm_eps` = {rms_norm_eps} must be positive"));
+                .push(format!("`rms_norm_eps` = {eps} must be positive"));
         }
-        // bos/eos/pad ids may lie outside a small model's vocabulary (a tiny test model keeps
-        // the real tokenizer's special ids): such an id can never be generated, so stopping on it
-        // is a no-op, not a reason to refuse the config.
-
-        if !self.problems.is_empty() {
-            return Err(ConfigError {
-                problems: self.problems,
-            });
-        }
-        Ok(ModelConfig {
-            shape: self.shape,
-            hidden_size,
-            num_hidden_layers,
-            vocab_size,
-            rms_norm_eps,
-            mla_norm_eps: 1e-6,
-            situ_beta,
-            situ_linear_beta,
-            intermediate_size,
-            first_k_dense_replace,
-            num_experts,
-            num_experts_per_token,
-            num_shared_experts,
-            moe_intermediate_size,
-            routed_expert_hidden_size,
-            latent_moe_use_norm,
-            moe_renormalize,
-            routed_scaling_factor,
-            num_attention_heads,
-            q_lora_rank,
-            kv_lora_rank,
-            qk_nope_head_dim,
-            qk_rope_head_dim,
-            v_head_dim,
-            mla_use_output_gate,
-            kda_num_heads,
-            kda_head_dim,
-            short_conv_kernel_size,
-            gate_lower_bound,
-            full_attn_layers: full_attn_layers.unwrap_or_default(),
-            kda_layers,
-            attn_res_block_size,
-            tie_word_embeddings,
-            bos_token_id,
-            eos_token_ids,
-            pad_token_id,
-        })
     }
 
     /// Reports `name = 0` if the field was present (absent ones are already reported).

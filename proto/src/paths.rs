@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 pub mod env {
     /// Directory for the store socket (`$XDG_RUNTIME_DIR/k3/`).
     pub const XDG_RUNTIME_DIR: &str = "XDG_RUNTIME_DIR";
-    /// Force a SIMD tier: `scalar`, `avx2`, `avx512`.
+    /// Force a SIMD tier: `scalar`, `avx2`, `avx512`, `neon`.
     pub const K3_SIMD: &str = "K3_SIMD";
     /// When streamed trunk layers are checked against their checksum: `first`, `every`, `off`.
     pub const K3_TRUNK_VERIFY: &str = "K3_TRUNK_VERIFY";
@@ -19,6 +19,13 @@ pub mod env {
     /// Give a streamed MoE layer's trunk lease back before its expert wait: `on` (the default)
     /// or `off` (the lease is held to the end of the layer; for A/B runs).
     pub const K3_EARLY_RELEASE: &str = "K3_EARLY_RELEASE";
+    /// The shared-memory kind of the store's segment and of session handovers: `memfd` (Linux
+    /// only, its default) or `posix` (`shm_open`; the default elsewhere).
+    pub const K3_SHM: &str = "K3_SHM";
+    /// How checkpoint and trunk files are read: `direct` (`O_DIRECT`; Linux only, its default)
+    /// or `advise` (buffered reads with advice: `F_NOCACHE` + `F_RDADVISE` on macOS, where it
+    /// is the default, `posix_fadvise` on Linux).
+    pub const K3_DISK_IO: &str = "K3_DISK_IO";
     /// Log level filter of the three binaries (`tracing_subscriber::EnvFilter` syntax).
     pub const RUST_LOG: &str = "RUST_LOG";
 }

@@ -1,6 +1,6 @@
 //! Quantized weight matrices: the draft trunk's (`k3-ctl pack-trunk --draft`, SPEC.md §6.10)
 //! and the quantized packed trunk's (`k3-ctl pack-trunk --codec int8|int4`, SPEC.md §6.1,
-//! §6.14).
+//! §6.15).
 //!
 //! Each quantized matrix `W [rows, cols]` (bf16 in the checkpoint) is codes and f32 scales.
 //! Symmetric, round to nearest (ties away from zero), zero scale for an all-zero (or

@@ -6,7 +6,7 @@
 //!
 //! **serve ⇄ worker.** serve starts `k3-worker --serve-channel` with one end of a Unix socket
 //! pair as its standard input (the worker's command line is built by
-//! `k3_worker::cli::serve_channel_args`, the one definition of its flags). The worker speaks
+//! `k3_worker::front::cli::serve_channel_args`, the one definition of its flags). The worker speaks
 //! first: [`FromWorker::Hello`] with its [`JOB_PROTOCOL_VERSION`]; serve answers with
 //! [`ToWorker::Start`] (a job: prompt ids, sampling, the kept session to run under) or closes
 //! the channel when the versions differ. The worker then sends [`FromWorker::Prefilled`] once

@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -300,6 +300,10 @@ pub struct Counters {
     /// v10. Requested experts answered [`SlotAnswer::Private`]: read by the worker itself
     /// because the slots were held by a worker that kept its leases too long.
     pub private_reads: u64,
+    /// v11. Requested experts that were RESIDENT because the start-up preload put them there
+    /// (the slot not evicted or re-read since): the hits the preload gave. Part of
+    /// `resident_hits`.
+    pub preload_hits: u64,
 }
 
 impl Counters {
@@ -359,11 +363,42 @@ pub struct StatsReport {
     pub sessions: SessionStats,
     /// v3. The history drafts are taken from.
     pub history: HistoryStats,
-    /// v11. The trunk the store serves (lossy or exact).
+    /// v11. The expert usage history (`--state-dir`) and the preload it chose.
+    pub usage: UsageStats,
+    /// v12. The trunk the store serves (lossy or exact).
     pub trunk: TrunkInfo,
 }
 
-/// v11. The packed trunk a store serves: how it is stored, its seal, and — for a quantized,
+/// The store's per-expert usage history (`k3-store start --state-dir`, SPEC.md §6.6) and the
+/// start-up preload it chose.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct UsageStats {
+    /// The usage file, empty when the store keeps no usage history (no `--state-dir`).
+    pub file: String,
+    /// Why the file found at start was refused (logged; the store started a new history, which
+    /// replaces it at its first save), empty when it was loaded or there was none.
+    pub refused: String,
+    /// Demand requests the history held when the store started (0: a new history).
+    pub requests_at_start: u64,
+    /// Demand requests counted since the start (experts named by workers' `Experts` requests;
+    /// never prefetches, preloads or a draft model's resident leases).
+    pub requests_counted: u64,
+    /// Of those, how many the file on disk holds (the rest is lost if the store is killed).
+    pub requests_saved: u64,
+    /// Experts whose count is not zero.
+    pub experts_used: u64,
+    /// Saves written.
+    pub saves: u64,
+    /// Saves that failed (each logged; the previous file stays).
+    pub save_failures: u64,
+    /// What the start-up preload read: `every` (every routed expert), `hot` (the most used
+    /// experts of the history that fit), `none`.
+    pub preload: String,
+    /// Experts the preload read because the history named them (`preload` = `hot`).
+    pub hot_preloaded: u64,
+}
+
+/// v12. The packed trunk a store serves: how it is stored, its seal, and — for a quantized,
 /// lossy trunk — the label every output of a run on it carries.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrunkInfo {
@@ -421,7 +456,7 @@ pub struct StatusReport {
     pub clients: Vec<String>,
     /// Seconds since ready.
     pub uptime_seconds: f64,
-    /// v11. The trunk the store serves (lossy or exact).
+    /// v12. The trunk the store serves (lossy or exact).
     pub trunk: TrunkInfo,
 }
 
@@ -483,7 +518,7 @@ pub enum Response {
         /// v5. The draft trunk the store holds in shared memory (SPEC.md §6.10; its runs are
         /// the `DraftLayer` regions; workers read its `draft.json` for their layout), or empty.
         draft_dir: String,
-        /// v11. The trunk it serves: a worker checks its `trunk.json` has this seal, and labels
+        /// v12. The trunk it serves: a worker checks its `trunk.json` has this seal, and labels
         /// its outputs when it is lossy.
         trunk: TrunkInfo,
     },

@@ -10,9 +10,10 @@ conversation named by the `X-Conversation-Id` header.
 
 What is checked: the same conversation id always lands on the same backend, and different ids
 reach both; which store ran each request is read from the stores themselves (`k3-ctl stats`: the
-worker jobs each store saw), not only from the balancer's own `X-K3-Backend` header; greedy answers
-(streamed and whole, chat and completions) through the balancer equal those of each backend
-asked directly; a client that disconnects mid-stream through the balancer gets its worker killed.
+routed experts each store served), not only from the balancer's own `X-K3-Backend` header; greedy
+answers (streamed and whole, chat and completions) through the balancer equal those of each
+backend asked directly; a client that disconnects mid-stream through the balancer gets its job
+cancelled (serve's one worker ends it and serves on).
 Nothing here is skipped: a missing nginx, binary or package is a failure.
 """
 import json
@@ -179,10 +180,10 @@ def one_conversation_per_backend(nginx, prefix):
     pytest.fail(f"200 conversation ids all went to {set(convs)}")
 
 
-def worker_jobs(serve):
-    """The worker jobs a store has seen (connected and the recent finished ones): their labels."""
+def experts_served(serve):
+    """Routed experts the store behind `serve` has served in its lifetime (k3-ctl stats)."""
     r = run([binary("k3-ctl"), "stats", "--json", "--socket", serve.sock])
-    return {j["label"] for j in json.loads(r.stdout)["jobs"] if "k3-worker" in j["label"]}
+    return json.loads(r.stdout)["lifetime"]["requests"]
 
 
 def test_a_conversation_sticks_to_one_backend_and_conversations_spread(world):
@@ -204,22 +205,24 @@ def test_a_conversation_sticks_to_one_backend_and_conversations_spread(world):
 
 
 def test_the_stores_themselves_ran_the_requests_of_their_conversations(world):
-    """(a) both backends run workers, (b) each conversation's every request on one store: counted
-    on the stores (k3-ctl stats), not on the balancer."""
+    """(a) both backends run requests, (b) each conversation's every request on one store: counted
+    on the stores (k3-ctl stats: the routed experts each served), not on the balancer."""
     nginx, serves = world["nginx"], world["serves"]
-    by_addr = {s.addr: s for s in serves}
     convs = one_conversation_per_backend(nginx, "chat")
-    before = {s.addr: worker_jobs(s) for s in serves}
     per_backend = 3
     for addr, cid in convs.items():
+        before = {s.addr: experts_served(s) for s in serves}
         c = nginx.client(cid)
         for _ in range(per_backend):
             raw = c.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
             assert raw.headers["X-K3-Backend"] == addr
             assert raw.parse().usage.completion_tokens >= 1
-    for addr, s in by_addr.items():
-        new = worker_jobs(s) - before[addr]
-        assert len(new) == per_backend, f"store behind {addr} ran {len(new)} new workers, expected {per_backend}"
+        for s in serves:
+            grew = experts_served(s) - before[s.addr]
+            if s.addr == addr:
+                assert grew > 0, f"the store behind {addr} served no expert for its conversation"
+            else:
+                assert grew == 0, f"the store behind {s.addr} served {grew} experts of {addr}'s conversation"
 
 
 def completion(client, stream):
@@ -268,15 +271,23 @@ def test_greedy_answers_through_the_balancer_equal_each_backends(world):
     assert completion(nginx.client(), stream=False) == want_completion
 
 
-def live_workers(serve):
-    r = run([binary("k3-ctl"), "stats", "--json", "--socket", serve.sock])
-    return [j for j in json.loads(r.stdout)["jobs"] if j["live"] and "k3-worker" in j["label"]]
+def serve_requests(serve):
+    """The requests `serve` holds (running and queued), from its listing (`k3-ctl ps --json`)."""
+    r = run([binary("k3-ctl"), "ps", "--json", "--socket", serve.sock])
+    listings = json.loads(r.stdout)["servers"]
+    return [q for l in listings if l["pid"] == serve.proc.pid for q in l["requests"]]
 
 
-def test_a_client_that_disconnects_through_the_balancer_cancels_its_worker(world):
+def cancelled_jobs(serve):
+    """How many cancelled jobs serve's worker has ended (its log)."""
+    return Path(serve.log.name).read_text(errors="replace").count("ended its cancelled job")
+
+
+def test_a_client_that_disconnects_through_the_balancer_cancels_its_job(world):
     nginx, serves = world["nginx"], world["serves"]
     cid = "disconnects"
     serve = next(s for s in serves if s.addr == backend_of(nginx, cid))
+    cancelled = cancelled_jobs(serve)
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4096, "temperature": 0, "stream": True}).encode()
     s = socket.create_connection(("127.0.0.1", nginx.port), timeout=120)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -287,12 +298,15 @@ def test_a_client_that_disconnects_through_the_balancer_cancels_its_worker(world
         assert chunk, f"connection closed before the first event: {got!r}"
         got += chunk
     assert got.startswith(b"HTTP/1.1 200"), got
-    assert live_workers(serve), "no live worker on the conversation's store while it streams"
+    assert serve_requests(serve), "no request on the conversation's server while it streams"
     s.close()
     t0 = time.monotonic()
-    while live_workers(serve):
-        assert time.monotonic() - t0 < 30, "the worker still runs 30 s after the client went away"
+    while serve_requests(serve) or cancelled_jobs(serve) == cancelled:
+        assert time.monotonic() - t0 < 30, "the job still runs 30 s after the client went away"
         time.sleep(0.1)
+    # The worker serves on: the next request through the balancer is answered.
+    r = nginx.client(cid).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens >= 1
 
 
 def test_a_backend_that_cannot_be_reached_is_skipped(world):

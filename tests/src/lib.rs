@@ -74,33 +74,76 @@ fn build_binaries() -> Result<BTreeMap<String, PathBuf>, String> {
     Ok(built)
 }
 
-/// The `small` checkpoint (real vocabulary), generated once per test binary.
+/// The `small` checkpoint (real vocabulary), generated once per generator version and kept
+/// under `target/k3-test-models/` (shared by every test binary and run, so no run leaves a copy
+/// behind in the temporary directory).
 pub fn small_model() -> &'static Path {
-    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
-    &DIR.get_or_init(|| {
-        let tmp = tempfile::Builder::new()
-            .prefix("k3-e2e-small-")
-            .tempdir()
-            .unwrap();
-        let out = tmp.path().join("small");
-        let st = std::process::Command::new("python3")
-            .arg(workspace_root().join("scripts/make-checkpoint.py"))
-            .args(["--preset", "small", "--seed", "1", path_str(&out)])
-            .output()
-            .expect("run python3 scripts/make-checkpoint.py");
-        assert!(
-            st.status.success(),
-            "make-checkpoint.py: {}",
-            String::from_utf8_lossy(&st.stderr)
-        );
-        (tmp, out)
-    })
-    .1
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| cached_checkpoint("small", 1))
+}
+
+/// `scripts/make-checkpoint.py --preset PRESET --seed SEED` made once into
+/// `target/k3-test-models/PRESET-seedSEED-VERSION` (VERSION: a hash of the generator's source,
+/// so an edited generator makes a new one). Made in a temporary directory beside it and renamed
+/// into place, so concurrent test binaries never see a half-written checkpoint.
+fn cached_checkpoint(preset: &str, seed: u32) -> PathBuf {
+    let script = workspace_root().join("scripts/make-checkpoint.py");
+    let src = std::fs::read(&script).unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    // FNV-1a: a version tag, not a security boundary.
+    let version = src.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let root = workspace_root().join("target/k3-test-models");
+    let dir = root.join(format!("{preset}-seed{seed}-{version:016x}"));
+    if dir.join("config.json").exists() {
+        return dir;
+    }
+    std::fs::create_dir_all(&root).unwrap_or_else(|e| panic!("{}: {e}", root.display()));
+    let tmp = tempfile::Builder::new()
+        .prefix(".making-")
+        .tempdir_in(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()));
+    let out = tmp.path().join("model");
+    make_checkpoint(preset, seed, &out);
+    // Another test binary may have finished first: then its copy is used and ours dropped.
+    if std::fs::rename(&out, &dir).is_err() && !dir.join("config.json").exists() {
+        panic!("cannot move {} to {}", out.display(), dir.display());
+    }
+    dir
 }
 
 /// The bundled tiny checkpoint.
 pub fn tiny_model() -> PathBuf {
     fixture("tiny/model")
+}
+
+/// `scripts/make-checkpoint.py --preset tiny --seed N` into `dir/tiny-seedN`: the tiny shape
+/// (config, tensors, shard sizes) with other weights; returns that directory.
+pub fn tiny_with_seed(dir: &Path, seed: u32) -> PathBuf {
+    let out = dir.join(format!("tiny-seed{seed}"));
+    make_checkpoint("tiny", seed, &out);
+    out
+}
+
+/// `scripts/make-checkpoint.py --preset PRESET --seed SEED OUT`; panics with its stderr if it
+/// fails.
+fn make_checkpoint(preset: &str, seed: u32, out: &Path) {
+    let st = Command::new("python3")
+        .arg(workspace_root().join("scripts/make-checkpoint.py"))
+        .args([
+            "--preset",
+            preset,
+            "--seed",
+            &seed.to_string(),
+            path_str(out),
+        ])
+        .output()
+        .expect("run python3 scripts/make-checkpoint.py");
+    assert!(
+        st.status.success(),
+        "make-checkpoint.py: {}",
+        String::from_utf8_lossy(&st.stderr)
+    );
 }
 
 fn read_ids(rel: &str) -> Vec<u32> {
@@ -468,14 +511,20 @@ impl Sandbox {
         serde_json::from_str(r.stdout.trim()).unwrap_or_else(|e| panic!("stats JSON: {e}: {r:?}"))
     }
 
-    /// Send `sig` to the store and wait (≤ 10 s) until its process has exited. The store is then
-    /// considered stopped (Drop does not stop it again). Returns its pid.
+    /// Send `sig` to the store and wait (≤ 10 s) until its process has exited and its socket
+    /// accepts no connection (a killed process's main thread shows as a zombie before its other
+    /// threads have exited and its listening socket is closed: a store started then would find
+    /// the socket live). The store is then considered stopped (Drop does not stop it again).
+    /// Returns its pid.
     pub fn signal_store(&mut self, sig: &str) -> u32 {
         let pid = self.store_pid.take().expect("a store was started");
         send_signal(pid, sig);
+        let closed = || std::os::unix::net::UnixStream::connect(&self.socket).is_err();
         assert!(
-            poll_until(Duration::from_secs(10), || pid_gone(pid).then_some(())).is_some(),
-            "store pid {pid} still running 10 s after SIG{sig}"
+            poll_until(Duration::from_secs(10), || (pid_gone(pid) && closed())
+                .then_some(()))
+            .is_some(),
+            "store pid {pid} still running (or its socket answering) 10 s after SIG{sig}"
         );
         pid
     }

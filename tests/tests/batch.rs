@@ -2,7 +2,9 @@
 //! bundled tiny checkpoint. The reference prompt's ids must be the float64 reference's; every
 //! other request's ids must be the ones the same worker gives it alone — standalone at a
 //! streaming budget and attached to a store, greedy and seeded sampling, with sequences joining
-//! as others end and prompts fed in chunks beside decoding rows.
+//! as others end and prompts fed in chunks beside decoding rows, and with speculation on
+//! (history and n-gram drafts attached, a draft model standalone) as draft rows of the batch's
+//! passes.
 
 use k3_tests::{
     generated_ids as generated, ids_arg, path_str, reference_greedy, reference_prompt, tiny_model,
@@ -151,4 +153,120 @@ fn a_bad_batch_file_is_refused_naming_its_line() {
         assert!(r.stderr.contains(want), "{text:?}: {r:?}");
         assert!(r.stdout.is_empty(), "{text:?}: {r:?}");
     }
+}
+
+/// The `--batch` report (`--out`): the requests' records, by index.
+fn records(sb: &Sandbox, args: &[&str]) -> (Vec<Vec<u32>>, Vec<Value>) {
+    let (r, v) = sb.worker_json(args);
+    assert_eq!(r.code, 0, "batch failed: {r:?}");
+    let recs = v["requests"]
+        .as_array()
+        .expect("a record per request")
+        .clone();
+    let n = recs.len();
+    (results(&r, n), recs)
+}
+
+fn drafted_and_accepted(recs: &[Value]) -> (u64, u64) {
+    recs.iter().fold((0, 0), |(d, a), r| {
+        (
+            d + r["drafted_tokens"].as_u64().unwrap(),
+            a + r["accepted_tokens"].as_u64().unwrap(),
+        )
+    })
+}
+
+/// Speculation inside a batch, attached: the solo runs record their streams in the store's
+/// history, so the batch's history drafts are the solo ids themselves (accepted), its n-gram
+/// drafts whatever the prompts repeat; every request's ids are still its solo ids, and the
+/// `--out` record of each request counts its drafts.
+#[test]
+fn batched_ids_equal_solo_ids_with_history_and_ngram_drafts() {
+    let mut sb = Sandbox::new("batch-spec");
+    let model = tiny_model();
+    let trunk = sb.pack_tiny_trunk();
+    sb.start_store(&[path_str(&model), "--trunk", path_str(&trunk)]);
+    let mut reqs = requests();
+    // A prompt that repeats itself gives the n-gram drafter something to propose.
+    let mut quoting = vec![17, 200, 3, 99, 42, 128, 7];
+    quoting.extend_from_within(..);
+    reqs.push((quoting, 10));
+    let file = batch_file(&sb, &reqs);
+    let want = solo(&sb, &[], &reqs);
+    for (drafters, parallel) in [("history", "3"), ("ngram", "6"), ("history,ngram", "2")] {
+        let (got, recs) = records(
+            &sb,
+            &[
+                "--batch",
+                file.as_str(),
+                "--parallel",
+                parallel,
+                "--spec",
+                "4",
+                "--draft",
+                drafters,
+            ],
+        );
+        assert_eq!(got, want, "--draft {drafters} --parallel {parallel}");
+        let (drafted, accepted) = drafted_and_accepted(&recs);
+        assert!(accepted <= drafted);
+        if drafters.contains("history") {
+            // The store holds every solo stream: its drafts are right.
+            assert!(
+                accepted > 0,
+                "--draft {drafters}: no draft accepted: {recs:?}"
+            );
+            let passes: u64 = recs
+                .iter()
+                .map(|r| r["forward_passes"].as_u64().unwrap())
+                .sum();
+            let ids: u64 = want.iter().map(|w| w.len() as u64 - 1).sum();
+            assert!(passes < ids, "{passes} decode passes for {ids} ids");
+        }
+    }
+}
+
+/// A draft model inside a batch (one draft trunk, a drafter per sequence), standalone: every
+/// request's ids are its solo ids.
+#[test]
+fn batched_ids_equal_solo_ids_with_a_draft_model() {
+    let sb = Sandbox::new("batch-draft");
+    let model = tiny_model();
+    let draft = sb.dir.join("draft-int8");
+    let r = sb.run(
+        "k3-ctl",
+        &[
+            "pack-trunk",
+            "--draft",
+            "int8",
+            path_str(&model),
+            path_str(&draft),
+        ],
+    );
+    assert_eq!(r.code, 0, "{r:?}");
+    let reqs = requests();
+    let file = batch_file(&sb, &reqs);
+    let mode = ["--standalone", path_str(&model)];
+    let want = solo(&sb, &mode, &reqs);
+    let (got, recs) = records(
+        &sb,
+        &[
+            "--standalone",
+            path_str(&model),
+            "--batch",
+            file.as_str(),
+            "--parallel",
+            "3",
+            "--spec",
+            "4",
+            "--draft",
+            "model",
+            "--draft-trunk",
+            path_str(&draft),
+        ],
+    );
+    assert_eq!(got, want);
+    let (drafted, accepted) = drafted_and_accepted(&recs);
+    assert!(drafted > 0, "the draft model drafted nothing: {recs:?}");
+    assert!(accepted <= drafted);
 }

@@ -6,13 +6,13 @@
 //! checksum recomputed) is refused by the MAC.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use k3_tests::{
     ids_arg, is_root, path_str, poll_until, reference_greedy, reference_prompt, tiny_model,
-    workspace_root, Run, Sandbox,
+    tiny_with_seed, Run, Sandbox,
 };
 use serde_json::Value;
 
@@ -35,28 +35,6 @@ fn run(sb: &Sandbox, prompt: &[u32], n: u32, session: Option<&str>) -> (Run, Val
     let (r, j) = sb.worker_json(&args);
     assert_eq!(r.code, 0, "worker failed: {r:?}");
     (r, j)
-}
-
-/// `scripts/make-checkpoint.py --preset tiny --seed N`: the tiny shape with other weights.
-fn make_tiny(dir: &Path, seed: u32) -> PathBuf {
-    let out = dir.join(format!("tiny-seed{seed}"));
-    let st = Command::new("python3")
-        .arg(workspace_root().join("scripts/make-checkpoint.py"))
-        .args([
-            "--preset",
-            "tiny",
-            "--seed",
-            &seed.to_string(),
-            path_str(&out),
-        ])
-        .output()
-        .expect("run python3 scripts/make-checkpoint.py");
-    assert!(
-        st.status.success(),
-        "make-checkpoint.py: {}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    out
 }
 
 /// `k3-store start MODEL --state-dir DIR --detach` on the sandbox's socket, whatever its outcome.
@@ -87,7 +65,7 @@ fn mode(p: &Path) -> u32 {
 #[test]
 fn a_session_made_on_another_checkpoint_of_the_same_shape_never_resumes() {
     let mut sb = Sandbox::new("state-other");
-    let other = make_tiny(&sb.dir, 2);
+    let other = tiny_with_seed(&sb.dir, 2);
     let state = sb.dir.join("state");
     let prompt = reference_prompt();
     let want = reference_greedy();

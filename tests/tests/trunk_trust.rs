@@ -3,13 +3,12 @@
 //! a malformed `trunk.json`, `k3-ctl verify`, and `k3-ctl pack-trunk` re-run into the directory
 //! of a live store. No case may end with exit 0 and other weights.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::time::Duration;
 
 use k3_tests::{
     gb_arg, ids_arg, path_str, pid_gone, poll_until, printed_ids, reference_greedy,
-    reference_prompt, tiny_model, workspace_root, Run, Sandbox, Spawned, ALIGN,
+    reference_prompt, tiny_model, tiny_with_seed, Run, Sandbox, Spawned, ALIGN,
 };
 use serde_json::Value;
 
@@ -56,28 +55,6 @@ fn stream_everything(trunk: &Path) -> Vec<String> {
 /// Budget flags that pin every trunk layer.
 fn pin_everything() -> Vec<String> {
     vec!["--preset".into(), "laptop".into()]
-}
-
-/// `scripts/make-checkpoint.py --preset tiny --seed N`: the tiny shape with other weights.
-fn make_tiny(dir: &Path, seed: u32) -> PathBuf {
-    let out = dir.join(format!("tiny-seed{seed}"));
-    let st = Command::new("python3")
-        .arg(workspace_root().join("scripts/make-checkpoint.py"))
-        .args([
-            "--preset",
-            "tiny",
-            "--seed",
-            &seed.to_string(),
-            path_str(&out),
-        ])
-        .output()
-        .expect("run python3 scripts/make-checkpoint.py");
-    assert!(
-        st.status.success(),
-        "make-checkpoint.py: {}",
-        String::from_utf8_lossy(&st.stderr)
-    );
-    out
 }
 
 /// Copy the tiny checkpoint into `dst`.
@@ -162,7 +139,7 @@ fn assert_refused(r: &Run, what: &str, needles: &[&str]) {
 #[test]
 fn a_trunk_packed_from_another_checkpoint_of_the_same_shape_is_refused() {
     let sb = Sandbox::new("foreign");
-    let other = make_tiny(&sb.dir, 2);
+    let other = tiny_with_seed(&sb.dir, 2);
     let ours = sb.pack_tiny_trunk();
     let theirs = sb.pack_trunk(&other, "trunk-seed2");
     // Same shape: the layouts agree tensor for tensor; only the bytes differ.
@@ -411,7 +388,7 @@ fn repacking_into_a_live_stores_directory_leaves_running_workers_their_trunk() {
     let mut sb = Sandbox::new("repack");
     let model = sb.dir.join("model");
     copy_model(&model);
-    let other = make_tiny(&sb.dir, 3);
+    let other = tiny_with_seed(&sb.dir, 3);
     let trunk = sb.pack_trunk(&model, "trunk");
     let stream = stream_everything(&trunk);
     start_store(&mut sb, &model, &trunk, &stream);

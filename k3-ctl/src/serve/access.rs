@@ -1,8 +1,9 @@
 //! What wraps every request: its id (`X-Request-Id`, accepted from the client when sane, else
 //! made here; on every log line of the request through a `tracing` span and on the answer),
 //! CORS (off unless `--cors-origin`; a preflight `OPTIONS` from an allowed origin is answered
-//! 204), the API key (`Authorization: Bearer KEY`, compared in constant time; 401 otherwise;
-//! `GET /health` and preflights need none), the access log line and the request counter.
+//! 204), the API key (`Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`, compared in
+//! constant time; 401 otherwise, in Anthropic's error shape on its routes; `GET /health` and
+//! preflights need none), the access log line and the request counter.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,7 +17,7 @@ use tracing::Instrument;
 
 use super::api::ApiError;
 use super::conn::Conn;
-use super::http::AppState;
+use super::metrics::Metrics;
 use super::metrics::RouteStatus;
 
 /// Longest client-given request id kept.
@@ -68,6 +69,8 @@ fn route_of(path: &str) -> &'static str {
     match path {
         "/v1/chat/completions" => "/v1/chat/completions",
         "/v1/completions" => "/v1/completions",
+        "/v1/messages" => "/v1/messages",
+        "/v1/messages/count_tokens" => "/v1/messages/count_tokens",
         "/v1/models" => "/v1/models",
         p if p.starts_with("/v1/models/") => "/v1/models/{id}",
         "/health" => "/health",
@@ -76,16 +79,18 @@ fn route_of(path: &str) -> &'static str {
     }
 }
 
-/// The key in `Authorization: Bearer KEY` equals `key` (constant time in the key's bytes).
+/// The key in `Authorization: Bearer KEY` or `x-api-key: KEY` equals `key` (constant time in
+/// the key's bytes).
 fn authorized(h: &HeaderMap, key: &[u8]) -> bool {
-    let Some(given) = h
+    let bearer = h
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-    else {
-        return false;
-    };
-    given.as_bytes().ct_eq(key).into()
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok());
+    [bearer, x_api_key]
+        .into_iter()
+        .flatten()
+        .any(|given| given.as_bytes().ct_eq(key).into())
 }
 
 fn allowed_origin<'a>(p: &'a Policy, h: &HeaderMap) -> Option<&'a str> {
@@ -127,7 +132,9 @@ fn preflight(p: &Policy, h: &HeaderMap) -> Response {
     );
     hs.insert(
         header::ACCESS_CONTROL_ALLOW_HEADERS,
-        HeaderValue::from_static("authorization, content-type, x-request-id"),
+        HeaderValue::from_static(
+            "authorization, content-type, x-request-id, x-api-key, anthropic-version, anthropic-beta",
+        ),
     );
     hs.insert(
         header::ACCESS_CONTROL_MAX_AGE,
@@ -136,22 +143,31 @@ fn preflight(p: &Policy, h: &HeaderMap) -> Response {
     r
 }
 
+/// What the middleware needs of the server's state: the API key and CORS policy, and the
+/// metrics it counts every answer in.
+pub trait Guarded: Send + Sync + 'static {
+    /// The API key and the CORS origins.
+    fn policy(&self) -> &Policy;
+    /// The metrics.
+    fn metrics(&self) -> &Metrics;
+}
+
 /// `routes` wrapped in the middleware.
-pub fn layers(routes: axum::Router, st: Arc<AppState>) -> axum::Router {
-    routes.layer(axum::middleware::from_fn_with_state(st, layer))
+pub fn layers<S: Guarded>(routes: axum::Router, st: Arc<S>) -> axum::Router {
+    routes.layer(axum::middleware::from_fn_with_state(st, layer::<S>))
 }
 
 /// The middleware (see the module doc).
-pub async fn layer(State(st): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+pub async fn layer<S: Guarded>(State(st): State<Arc<S>>, mut req: Request, next: Next) -> Response {
     let id = sane_id(req.headers()).unwrap_or_else(new_id);
     let route = route_of(req.uri().path());
     let span = tracing::info_span!("request", id = %id);
     let t0 = Instant::now();
     let method = req.method().clone();
     let path = req.uri().path().to_string();
-    let origin = allowed_origin(&st.policy, req.headers()).map(str::to_string);
+    let origin = allowed_origin(st.policy(), req.headers()).map(str::to_string);
     async move {
-        let policy = &st.policy;
+        let policy = st.policy();
         let mut r = if method == Method::OPTIONS
             && req
                 .headers()
@@ -163,12 +179,16 @@ pub async fn layer(State(st): State<Arc<AppState>>, mut req: Request, next: Next
             .as_deref()
             .is_some_and(|k| route != "/health" && !authorized(req.headers(), k))
         {
-            let mut r = ApiError::status(
+            let e = ApiError::status(
                 StatusCode::UNAUTHORIZED,
                 "invalid_api_key",
-                "a valid API key is required: Authorization: Bearer KEY",
-            )
-            .into_response();
+                "a valid API key is required: Authorization: Bearer KEY, or x-api-key: KEY",
+            );
+            let mut r = if route.starts_with("/v1/messages") {
+                super::anthropic::error_response(e)
+            } else {
+                e.into_response()
+            };
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             r
@@ -188,7 +208,7 @@ pub async fn layer(State(st): State<Arc<AppState>>, mut req: Request, next: Next
             r.headers_mut().insert("x-request-id", v);
         }
         let status = r.status().as_u16();
-        st.metrics
+        st.metrics()
             .requests
             .get_or_create(&RouteStatus {
                 route: route.to_string(),
@@ -241,6 +261,14 @@ mod tests {
         for bad in ["Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret"] {
             assert!(!authorized(&headers(&[("authorization", bad)]), k), "{bad}");
         }
+        assert!(authorized(&headers(&[("x-api-key", "s3cret")]), k));
+        for bad in ["s3cre", "Bearer s3cret", ""] {
+            assert!(!authorized(&headers(&[("x-api-key", bad)]), k), "{bad}");
+        }
+        assert!(authorized(
+            &headers(&[("x-api-key", "wrong"), ("authorization", "Bearer s3cret")]),
+            k
+        ));
         assert!(!authorized(&HeaderMap::new(), k));
         let p = Policy {
             api_key: None,

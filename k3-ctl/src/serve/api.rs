@@ -6,21 +6,28 @@
 //! `max_completion_tokens` (1..=4096), `temperature` (0..=2, 0 = greedy), `top_p` (0 < p ≤ 1),
 //! `seed`, `stop` (a string or up to 4 strings), `stream`, `stream_options.include_usage`,
 //! `thinking: {"type": "enabled"|"disabled"}` and `reasoning_effort` (`low`, `medium`, `high`,
-//! `max`, or `none` = thinking off). Anything that would change the answer and is not
-//! implemented (`n` > 1, `logprobs`, penalties, `logit_bias`, `tools`, `echo`, `suffix`,
-//! `best_of` > 1, a JSON `response_format`) is refused with 400 rather than ignored. Unknown
-//! fields are ignored, as OpenAI's clients send extras.
+//! `max`, or `none` = thinking off), `tools` with `tool_choice` `auto`/`none` and
+//! `parallel_tool_calls` (and the older `functions`/`function_call`), assistant `tool_calls` and
+//! `tool` messages in the history. Every field of OpenAI's request schemas is either honoured,
+//! accepted because it cannot change the answer (`user`, `metadata`, `safety_identifier`,
+//! `prompt_cache_key`, `store: false`, `service_tier` `auto`/`default`, `modalities: ["text"]`),
+//! or refused with 400 naming it ([`OPENAI_CHAT_FIELDS`], [`OPENAI_COMPLETION_FIELDS`]):
+//! `n` > 1, `logprobs`, penalties, `logit_bias`, `echo`, `suffix`, `best_of` > 1, a JSON
+//! `response_format`, `tool_choice` `required` or a named function (they need the token mask in
+//! the engine), `audio`, `prediction`, `web_search_options`, `verbosity`. Fields outside those
+//! schemas are ignored with a warning in the log, as clients send extras.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use k3_worker::chat::{Effort, Message};
+use k3_worker::text::tools::{self, Arguments, ChoiceNote, ToolCall, ToolSpec};
+use k3_worker::text::xtml::{Effort, Message};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 /// Most ids one request may generate (the worker's limit, defined once in its command line).
-pub const MAX_GEN: usize = k3_worker::cli::MAX_GEN as usize;
+pub const MAX_GEN: usize = k3_worker::front::cli::MAX_GEN as usize;
 /// Longest prompt in ids (the worker's limit).
-pub const MAX_PROMPT: usize = k3_worker::cli::MAX_PROMPT;
+pub const MAX_PROMPT: usize = k3_worker::front::cli::MAX_PROMPT;
 /// `max_tokens` of a chat request when not given: what this model answers in well under an
 /// hour at the `server` preset's projected 8–13 s/token (docs/BENCHMARKS.md), rather than the
 /// days 4,096 ids would take.
@@ -229,6 +236,50 @@ pub struct Part {
     pub text: Option<String>,
 }
 
+/// A function: a tool's declaration (`tools[].function`, or an item of `functions`).
+#[derive(Clone, Debug, Deserialize)]
+pub struct FunctionDef {
+    /// Its name.
+    pub name: String,
+    /// What it does.
+    pub description: Option<String>,
+    /// Its arguments' JSON schema.
+    pub parameters: Option<Value>,
+    /// OpenAI's strict flag (rendered as given).
+    pub strict: Option<bool>,
+}
+
+/// One of `tools`.
+#[derive(Debug, Deserialize)]
+pub struct ToolDef {
+    /// `function` (others are refused).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The function.
+    pub function: Option<FunctionDef>,
+}
+
+/// A call's function in the history (`tool_calls[].function`, or `function_call`).
+#[derive(Debug, Deserialize)]
+pub struct CallFunction {
+    /// The function called.
+    pub name: String,
+    /// Its arguments: a JSON string (an object is taken too).
+    pub arguments: Option<Value>,
+}
+
+/// An assistant's earlier tool call.
+#[derive(Debug, Deserialize)]
+pub struct CallDef {
+    /// The call's id (what a `tool` message answers).
+    pub id: Option<String>,
+    /// `function`.
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    /// The function called.
+    pub function: CallFunction,
+}
+
 /// One chat message.
 #[derive(Debug, Deserialize)]
 pub struct ChatMessage {
@@ -238,8 +289,18 @@ pub struct ChatMessage {
     pub content: Option<Content>,
     /// An assistant's earlier reasoning (think channel).
     pub reasoning_content: Option<String>,
-    /// Tool calls (not implemented).
-    pub tool_calls: Option<Value>,
+    /// An assistant's tool calls.
+    pub tool_calls: Option<Vec<CallDef>>,
+    /// The older form of one call.
+    pub function_call: Option<CallFunction>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// The author's name (a `name` attribute), or a `function` message's function.
+    pub name: Option<String>,
+    /// An assistant's refusal (refused: not representable).
+    pub refusal: Option<Value>,
+    /// An assistant's audio (refused).
+    pub audio: Option<Value>,
 }
 
 /// `thinking`.
@@ -264,13 +325,110 @@ pub struct ChatRequest {
     pub thinking: Option<Thinking>,
     /// Thinking effort.
     pub reasoning_effort: Option<String>,
-    /// Not implemented.
-    pub tools: Option<Vec<Value>>,
+    /// Declared tools.
+    pub tools: Option<Vec<ToolDef>>,
+    /// `auto`, `none` (`required` and a named function are refused in this version).
+    pub tool_choice: Option<Value>,
+    /// More than one call per reply (default true).
+    pub parallel_tool_calls: Option<bool>,
+    /// The older form of `tools`.
+    pub functions: Option<Vec<FunctionDef>>,
+    /// The older form of `tool_choice`.
+    pub function_call: Option<Value>,
     /// Only `{"type": "text"}`.
     pub response_format: Option<Value>,
     /// Not implemented.
     pub top_logprobs: Option<Value>,
+    /// The fields that cannot change the answer, or are refused unless at their default.
+    #[serde(flatten)]
+    pub other: ChatOther,
 }
+
+/// Chat fields checked by [`check_chat_extras`]: accepted at values that cannot change the
+/// answer, refused otherwise. (`user`, `metadata`, `prompt_cache_key` and `safety_identifier` are
+/// accepted as they come: identifiers and tags that k3 neither stores nor uses; kept sessions
+/// follow the prompt's prefix on their own.)
+#[derive(Debug, Default, Deserialize)]
+pub struct ChatOther {
+    /// Audio output (refused).
+    pub audio: Option<Value>,
+    /// Output modalities (only `["text"]`).
+    pub modalities: Option<Vec<String>>,
+    /// Predicted output (refused).
+    pub prediction: Option<Value>,
+    /// Store the completion (only `false`).
+    pub store: Option<bool>,
+    /// How long a cached prompt lives (only `in_memory`).
+    pub prompt_cache_retention: Option<String>,
+    /// Processing tier (only `auto` and `default`).
+    pub service_tier: Option<String>,
+    /// Answer length (refused: not a K3 option).
+    pub verbosity: Option<Value>,
+    /// Web search (refused).
+    pub web_search_options: Option<Value>,
+}
+
+/// Every field of OpenAI's chat completion request (API reference, `POST /chat/completions`),
+/// with what k3 does with it. `tests` send each one.
+pub const OPENAI_CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "model",
+    "audio",
+    "frequency_penalty",
+    "function_call",
+    "functions",
+    "logit_bias",
+    "logprobs",
+    "max_completion_tokens",
+    "max_tokens",
+    "metadata",
+    "modalities",
+    "n",
+    "parallel_tool_calls",
+    "prediction",
+    "presence_penalty",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "reasoning_effort",
+    "response_format",
+    "safety_identifier",
+    "seed",
+    "service_tier",
+    "stop",
+    "store",
+    "stream",
+    "stream_options",
+    "temperature",
+    "tool_choice",
+    "tools",
+    "top_logprobs",
+    "top_p",
+    "user",
+    "verbosity",
+    "web_search_options",
+];
+
+/// Every field of OpenAI's (legacy) completion request (`POST /completions`).
+pub const OPENAI_COMPLETION_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "best_of",
+    "echo",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "max_tokens",
+    "n",
+    "presence_penalty",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "suffix",
+    "temperature",
+    "top_p",
+    "user",
+];
 
 /// `prompt`: text, one text in a list, or token ids.
 #[derive(Debug, Deserialize)]
@@ -484,9 +642,6 @@ pub fn thinking(r: &ChatRequest, default_effort: Effort) -> Result<Option<Effort
 
 /// Reject what the chat endpoint does not implement.
 pub fn check_chat_extras(r: &ChatRequest) -> Result<(), ApiError> {
-    if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::bad(Some("tools"), "tools are not supported"));
-    }
     if r.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
         return Err(ApiError::bad(
             Some("top_logprobs"),
@@ -497,57 +652,344 @@ pub fn check_chat_extras(r: &ChatRequest) -> Result<(), ApiError> {
         if !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text") {
             return Err(ApiError::bad(
                 Some("response_format"),
-                "only response_format {\"type\": \"text\"} is supported",
+                "only response_format {\"type\": \"text\"} is supported (JSON output needs the \
+                 constrained decoding of a later version)",
             ));
         }
+    }
+    let o = &r.other;
+    let refuse = |field: &'static str, why: &str| Err(ApiError::bad(Some(field), why.to_string()));
+    if o.audio.as_ref().is_some_and(|v| !v.is_null()) {
+        return refuse("audio", "audio output is not supported (text only)");
+    }
+    if o.modalities
+        .as_ref()
+        .is_some_and(|m| m.iter().any(|m| m != "text"))
+    {
+        return refuse("modalities", "only the text modality is supported");
+    }
+    if o.prediction.as_ref().is_some_and(|v| !v.is_null()) {
+        return refuse("prediction", "predicted outputs are not supported");
+    }
+    if o.store == Some(true) {
+        return refuse("store", "k3 does not store completions (store: false only)");
+    }
+    if o.prompt_cache_retention
+        .as_deref()
+        .is_some_and(|v| v != "in_memory")
+    {
+        return refuse(
+            "prompt_cache_retention",
+            "kept sessions live in the store's memory: only \"in_memory\"",
+        );
+    }
+    if o.service_tier
+        .as_deref()
+        .is_some_and(|t| t != "auto" && t != "default")
+    {
+        return refuse("service_tier", "only service_tier \"auto\" or \"default\"");
+    }
+    if o.verbosity.as_ref().is_some_and(|v| !v.is_null()) {
+        return refuse("verbosity", "verbosity is not an option of this model");
+    }
+    if o.web_search_options.as_ref().is_some_and(|v| !v.is_null()) {
+        return refuse("web_search_options", "web search is not supported");
     }
     Ok(())
 }
 
-/// The conversation as chat-format messages.
+/// The tool setup of a chat request: what is declared in the prompt and what may be called.
+#[derive(Debug, Default)]
+pub struct ToolSetup {
+    /// Declared tools (rendered in the `tool-declare` message).
+    pub specs: Vec<ToolSpec>,
+    /// The `tool-choice` note.
+    pub choice: Option<ChoiceNote>,
+    /// Tools the reply may call (empty: none).
+    pub allowed: Vec<String>,
+    /// More than one call per reply.
+    pub parallel: bool,
+}
+
+/// `tools`/`tool_choice`/`parallel_tool_calls`, or the older `functions`/`function_call`.
+pub fn tool_setup(r: &ChatRequest) -> Result<ToolSetup, ApiError> {
+    let (defs, choice, choice_field) = match (&r.tools, &r.functions) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad(
+                Some("functions"),
+                "give tools or the older functions, not both",
+            ))
+        }
+        (None, Some(f)) => {
+            if r.tool_choice.is_some() {
+                return Err(ApiError::bad(
+                    Some("tool_choice"),
+                    "tool_choice goes with tools (functions takes function_call)",
+                ));
+            }
+            (f.clone(), &r.function_call, "function_call")
+        }
+        (tools, None) => {
+            if r.function_call.is_some() {
+                return Err(ApiError::bad(
+                    Some("function_call"),
+                    "function_call goes with functions (tools takes tool_choice)",
+                ));
+            }
+            let mut defs = Vec::new();
+            for t in tools.iter().flatten() {
+                match (t.kind.as_str(), &t.function) {
+                    ("function", Some(f)) => defs.push(f.clone()),
+                    ("function", None) => {
+                        return Err(ApiError::bad(
+                            Some("tools"),
+                            "a function tool needs function",
+                        ))
+                    }
+                    (other, _) => {
+                        return Err(ApiError::bad(
+                            Some("tools"),
+                            format!("tools of type {other:?} are not supported (function only)"),
+                        ))
+                    }
+                }
+            }
+            (defs, &r.tool_choice, "tool_choice")
+        }
+    };
+    let mut specs: Vec<ToolSpec> = Vec::with_capacity(defs.len());
+    for f in defs {
+        if f.name.is_empty() || specs.iter().any(|s| s.name == f.name) {
+            return Err(ApiError::bad(
+                Some("tools"),
+                format!("tool names must be unique and non-empty ({:?})", f.name),
+            ));
+        }
+        if f.parameters.as_ref().is_some_and(|p| !p.is_object()) {
+            return Err(ApiError::bad(
+                Some("tools"),
+                format!(
+                    "the parameters of {:?} are not a JSON schema object",
+                    f.name
+                ),
+            ));
+        }
+        specs.push(ToolSpec {
+            name: f.name,
+            description: f.description,
+            parameters: f.parameters,
+            strict: f.strict,
+        });
+    }
+    let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+    let choice = match choice {
+        None => None,
+        Some(_) if specs.is_empty() => {
+            return Err(ApiError::bad(
+                Some(choice_field),
+                format!("{choice_field} needs declared tools"),
+            ))
+        }
+        Some(Value::String(c)) if c == "auto" => None,
+        Some(Value::String(c)) if c == "none" => Some(ChoiceNote::None),
+        Some(Value::String(c)) if c == "required" => {
+            return Err(ApiError::bad(
+                Some(choice_field),
+                "tool_choice \"required\" needs constrained decoding, which this version does not \
+                 have yet: use \"auto\"",
+            ))
+        }
+        Some(Value::Object(_)) => return Err(ApiError::bad(
+            Some(choice_field),
+            "a named function needs constrained decoding, which this version does not have yet: \
+                 use \"auto\"",
+        )),
+        Some(other) => {
+            return Err(ApiError::bad(
+                Some(choice_field),
+                format!("{choice_field} {other}: use \"auto\" or \"none\""),
+            ))
+        }
+    };
+    Ok(ToolSetup {
+        allowed: if choice == Some(ChoiceNote::None) {
+            Vec::new()
+        } else {
+            names
+        },
+        specs,
+        choice,
+        parallel: r.parallel_tool_calls.unwrap_or(true),
+    })
+}
+
+/// A message's text: a string, or its `text` parts joined (SPEC.md §10 C19).
+fn content_text(k: usize, content: &Option<Content>) -> Result<String, ApiError> {
+    match content {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t.clone()),
+        Some(Content::Parts(parts)) => {
+            let mut s = String::new();
+            for p in parts {
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => s.push_str(t),
+                    (kind, _) => {
+                        return Err(ApiError::bad(
+                            Some("messages"),
+                            format!("messages[{k}]: content part of type {kind:?} is not supported (text only)"),
+                        ))
+                    }
+                }
+            }
+            Ok(s)
+        }
+    }
+}
+
+/// One call of the history as the renderer takes it.
+fn history_call(k: usize, f: &CallFunction) -> Result<ToolCall, ApiError> {
+    let bad = |m: String| ApiError::bad(Some("messages"), format!("messages[{k}]: {m}"));
+    let arguments = match &f.arguments {
+        None | Some(Value::Null) => Arguments::Object(serde_json::Map::new()),
+        Some(Value::String(s)) => Arguments::from_json_text(s).map_err(|e| bad(e.to_string()))?,
+        Some(Value::Object(m)) => Arguments::Object(m.clone()),
+        Some(other) => {
+            return Err(bad(format!(
+                "tool call arguments {other} are not a JSON string"
+            )))
+        }
+    };
+    if f.name.is_empty() {
+        return Err(bad("a tool call has an empty name".into()));
+    }
+    Ok(ToolCall {
+        name: f.name.clone(),
+        arguments,
+    })
+}
+
+/// The conversation as chat-format messages: tool results follow the order of the calls they
+/// answer and take their names (SPEC.md §5.5 "Tools").
 pub fn messages(r: &ChatRequest) -> Result<Vec<Message>, ApiError> {
     if r.messages.is_empty() {
         return Err(ApiError::bad(Some("messages"), "messages is empty"));
     }
-    r.messages
-        .iter()
-        .enumerate()
-        .map(|(k, m)| {
-            if m.tool_calls.as_ref().is_some_and(|v| !v.is_null()) {
-                return Err(ApiError::bad(
-                    Some("messages"),
-                    format!("messages[{k}]: tool calls are not supported"),
-                ));
+    let mut out = Vec::with_capacity(r.messages.len());
+    // The last assistant message's call ids and names.
+    let mut calls: Vec<(Option<&str>, &str)> = Vec::new();
+    let mut k = 0;
+    while k < r.messages.len() {
+        let m = &r.messages[k];
+        if m.role == "tool" || m.role == "function" {
+            let start = k;
+            while k < r.messages.len() && matches!(r.messages[k].role.as_str(), "tool" | "function")
+            {
+                k += 1;
             }
-            let text = match &m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t.clone(),
-                Some(Content::Parts(parts)) => {
-                    let mut s = String::new();
-                    for p in parts {
-                        match (p.kind.as_str(), &p.text) {
-                            ("text", Some(t)) => s.push_str(t),
-                            (kind, _) => {
-                                return Err(ApiError::bad(
-                                    Some("messages"),
-                                    format!("messages[{k}]: content part of type {kind:?} is not supported (text only)"),
-                                ))
-                            }
-                        }
+            out.extend(tool_run(&r.messages[start..k], start, &calls)?);
+            continue;
+        }
+        let bad = |m: String| ApiError::bad(Some("messages"), format!("messages[{k}]: {m}"));
+        if m.audio.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(bad("audio is not supported".into()));
+        }
+        if m.refusal.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(bad(
+                "an assistant refusal cannot be rendered; give it as content".into(),
+            ));
+        }
+        let text = content_text(k, &m.content)?;
+        let mut msg = match m.role.as_str() {
+            "system" | "developer" => Message::system(text),
+            "user" => Message::user(text),
+            "assistant" => {
+                let mut tc = Vec::new();
+                calls.clear();
+                for c in m.tool_calls.iter().flatten() {
+                    if c.kind.as_deref().is_some_and(|t| t != "function") {
+                        return Err(bad("only function tool calls are supported".into()));
                     }
-                    s
+                    tc.push(history_call(k, &c.function)?);
+                    calls.push((c.id.as_deref(), c.function.name.as_str()));
                 }
-            };
-            match m.role.as_str() {
-                "system" | "developer" => Ok(Message::system(text)),
-                "user" => Ok(Message::user(text)),
-                "assistant" => Ok(Message::assistant(text, m.reasoning_content.clone())),
-                other => Err(ApiError::bad(
-                    Some("messages"),
-                    format!("messages[{k}]: role {other:?} is not supported (system, developer, user, assistant)"),
-                )),
+                if let Some(f) = &m.function_call {
+                    if !tc.is_empty() {
+                        return Err(bad("give tool_calls or function_call, not both".into()));
+                    }
+                    tc.push(history_call(k, f)?);
+                    calls.push((None, f.name.as_str()));
+                }
+                Message::assistant_calls(text, m.reasoning_content.clone(), tc)
             }
-        })
+            other => {
+                return Err(bad(format!(
+                    "role {other:?} is not supported (system, developer, user, assistant, tool, function)"
+                )))
+            }
+        };
+        if m.tool_call_id.is_some() {
+            return Err(bad("tool_call_id belongs on a tool message".into()));
+        }
+        msg.name = m.name.clone().filter(|n| !n.is_empty());
+        out.push(msg);
+        k += 1;
+    }
+    Ok(out)
+}
+
+/// A run of consecutive tool results after the calls `calls` (id, name).
+fn tool_run(
+    run: &[ChatMessage],
+    first: usize,
+    calls: &[(Option<&str>, &str)],
+) -> Result<Vec<Message>, ApiError> {
+    let call_ids: Vec<Option<&str>> = calls.iter().map(|c| c.0).collect();
+    let result_ids: Vec<Option<&str>> = run.iter().map(|m| m.tool_call_id.as_deref()).collect();
+    let order = tools::result_order(&call_ids, &result_ids);
+    let mut out = Vec::with_capacity(run.len());
+    for pos in 0..run.len() {
+        let at = order.as_ref().map_or(pos, |o| o[pos]);
+        let m = &run[at];
+        let k = first + at;
+        let name = match &order {
+            // Matched: the call's own name.
+            Some(_) => m
+                .tool_call_id
+                .as_deref()
+                .and_then(|id| calls.iter().find(|c| c.0 == Some(id)))
+                .map(|c| c.1.to_string()),
+            None => m
+                .name
+                .clone()
+                .filter(|n| !n.is_empty())
+                .or_else(|| calls.get(pos).map(|c| c.1.to_string())),
+        };
+        let Some(name) = name else {
+            return Err(ApiError::bad(
+                Some("messages"),
+                format!(
+                    "messages[{k}]: a tool result must answer a call of the assistant message \
+                     before it (tool_call_id) or name its tool"
+                ),
+            ));
+        };
+        out.push(Message::tool(name, content_text(k, &m.content)?));
+    }
+    Ok(out)
+}
+
+/// Fields k3 reads beyond OpenAI's schemas.
+pub const K3_FIELDS: &[&str] = &["thinking"];
+
+/// The body's top-level fields that no schema of this endpoint names (`known`): they are
+/// ignored, and the caller logs them.
+pub fn unknown_fields(body: &[u8], known: &[&str]) -> Vec<String> {
+    let Ok(serde_json::Value::Object(m)) = serde_json::from_slice::<Value>(body) else {
+        return Vec::new();
+    };
+    m.keys()
+        .filter(|k| !known.contains(&k.as_str()) && !K3_FIELDS.contains(&k.as_str()))
+        .cloned()
         .collect()
 }
 
@@ -714,6 +1156,263 @@ mod tests {
         assert!(settings(&c, Some(MAX_GEN as i64 + 1), 16, 0).is_err());
     }
 
+    /// What a request field gets.
+    #[derive(Debug, PartialEq)]
+    enum Fate {
+        /// Accepted (honoured, or accepted because it cannot change the answer).
+        Ok,
+        /// 400 naming the field.
+        Refused,
+    }
+
+    /// Every check a chat request goes through before rendering.
+    fn check_chat(body: &Value) -> Result<(), ApiError> {
+        let r: ChatRequest =
+            serde_json::from_value(body.clone()).map_err(|e| ApiError::bad(None, e.to_string()))?;
+        check_chat_extras(&r)?;
+        settings(
+            &r.common,
+            r.max_completion_tokens.or(r.common.max_tokens),
+            16,
+            0,
+        )?;
+        thinking(&r, DEFAULT_EFFORT)?;
+        tool_setup(&r)?;
+        messages(&r)?;
+        Ok(())
+    }
+
+    fn tools_json() -> Value {
+        json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    }
+
+    /// Issue 47 item 5: every field of OpenAI's chat request is honoured or refused with 400
+    /// naming it — none is dropped silently.
+    #[test]
+    fn every_openai_chat_field_is_honoured_or_refused_by_name() {
+        let table: Vec<(&str, Value, Fate)> = vec![
+            (
+                "messages",
+                json!([{"role": "user", "content": "x"}]),
+                Fate::Ok,
+            ),
+            ("model", json!("m"), Fate::Ok),
+            (
+                "audio",
+                json!({"voice": "alloy", "format": "wav"}),
+                Fate::Refused,
+            ),
+            ("frequency_penalty", json!(0.5), Fate::Refused),
+            ("function_call", json!("auto"), Fate::Refused),
+            ("functions", json!([{"name": "f"}]), Fate::Ok),
+            ("logit_bias", json!({"1": 5}), Fate::Refused),
+            ("logprobs", json!(true), Fate::Refused),
+            ("max_completion_tokens", json!(5), Fate::Ok),
+            ("max_tokens", json!(5), Fate::Ok),
+            ("metadata", json!({"a": "b"}), Fate::Ok),
+            ("modalities", json!(["text", "audio"]), Fate::Refused),
+            ("n", json!(2), Fate::Refused),
+            ("parallel_tool_calls", json!(false), Fate::Ok),
+            (
+                "prediction",
+                json!({"type": "content", "content": "x"}),
+                Fate::Refused,
+            ),
+            ("presence_penalty", json!(0.5), Fate::Refused),
+            ("prompt_cache_key", json!("k"), Fate::Ok),
+            ("prompt_cache_retention", json!("24h"), Fate::Refused),
+            ("reasoning_effort", json!("high"), Fate::Ok),
+            (
+                "response_format",
+                json!({"type": "json_object"}),
+                Fate::Refused,
+            ),
+            ("safety_identifier", json!("u"), Fate::Ok),
+            ("seed", json!(3), Fate::Ok),
+            ("service_tier", json!("flex"), Fate::Refused),
+            ("stop", json!("x"), Fate::Ok),
+            ("store", json!(true), Fate::Refused),
+            ("stream", json!(true), Fate::Ok),
+            ("stream_options", json!({"include_usage": true}), Fate::Ok),
+            ("temperature", json!(0.5), Fate::Ok),
+            ("tool_choice", json!("required"), Fate::Refused),
+            ("tools", tools_json(), Fate::Ok),
+            ("top_logprobs", json!(2), Fate::Refused),
+            ("top_p", json!(0.5), Fate::Ok),
+            ("user", json!("u"), Fate::Ok),
+            ("verbosity", json!("low"), Fate::Refused),
+            ("web_search_options", json!({}), Fate::Refused),
+        ];
+        let listed: Vec<&str> = table.iter().map(|t| t.0).collect();
+        assert_eq!(
+            listed, OPENAI_CHAT_FIELDS,
+            "the walk covers the schema's fields"
+        );
+        for (field, value, fate) in table {
+            let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+            body[field] = value;
+            // tool_choice is refused for its value, not for a missing tools list.
+            if field == "tool_choice" {
+                body["tools"] = tools_json();
+            }
+            let bytes = body.to_string();
+            assert!(unknown_fields(bytes.as_bytes(), OPENAI_CHAT_FIELDS).is_empty());
+            match (check_chat(&body), fate) {
+                (Ok(()), Fate::Ok) => {}
+                (Err(e), Fate::Refused) => {
+                    assert_eq!(e.status, StatusCode::BAD_REQUEST, "{field}");
+                    assert_eq!(e.param, Some(field), "{field}: {}", e.message);
+                }
+                (got, fate) => panic!("{field}: {:?}, expected {fate:?}", got.err()),
+            }
+        }
+        let extra = json!({"model": "m", "messages": [], "thinking": {}, "frobnicate": 1});
+        assert_eq!(
+            unknown_fields(extra.to_string().as_bytes(), OPENAI_CHAT_FIELDS),
+            vec!["frobnicate".to_string()]
+        );
+    }
+
+    #[test]
+    fn every_openai_completion_field_is_honoured_or_refused_by_name() {
+        let table: Vec<(&str, Value, Fate)> = vec![
+            ("model", json!("m"), Fate::Ok),
+            ("prompt", json!("x"), Fate::Ok),
+            ("best_of", json!(2), Fate::Refused),
+            ("echo", json!(true), Fate::Refused),
+            ("frequency_penalty", json!(0.5), Fate::Refused),
+            ("logit_bias", json!({"1": 5}), Fate::Refused),
+            ("logprobs", json!(2), Fate::Refused),
+            ("max_tokens", json!(5), Fate::Ok),
+            ("n", json!(2), Fate::Refused),
+            ("presence_penalty", json!(0.5), Fate::Refused),
+            ("seed", json!(3), Fate::Ok),
+            ("stop", json!(["a"]), Fate::Ok),
+            ("stream", json!(true), Fate::Ok),
+            ("stream_options", json!({"include_usage": true}), Fate::Ok),
+            ("suffix", json!("x"), Fate::Refused),
+            ("temperature", json!(0.5), Fate::Ok),
+            ("top_p", json!(0.5), Fate::Ok),
+            ("user", json!("u"), Fate::Ok),
+        ];
+        let listed: Vec<&str> = table.iter().map(|t| t.0).collect();
+        assert_eq!(listed, OPENAI_COMPLETION_FIELDS);
+        for (field, value, fate) in table {
+            let mut body = json!({"model": "m", "prompt": "hi"});
+            body[field] = value;
+            let r: CompletionRequest = serde_json::from_value(body).unwrap();
+            let got = check_completion_extras(&r)
+                .and_then(|()| settings(&r.common, r.common.max_tokens, 16, 0).map(|_| ()));
+            match (got, fate) {
+                (Ok(()), Fate::Ok) => {}
+                (Err(e), Fate::Refused) => assert_eq!(e.param, Some(field), "{field}"),
+                (got, fate) => panic!("{field}: {:?}, expected {fate:?}", got.err()),
+            }
+        }
+    }
+
+    #[test]
+    fn tool_setups() {
+        let with = |extra: Value| {
+            let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            tool_setup(&chat(b))
+        };
+        let t = with(json!({"tools": tools_json()})).unwrap();
+        assert_eq!(
+            (t.allowed.clone(), t.choice, t.parallel),
+            (vec!["f".to_string()], None, true)
+        );
+        let t = with(json!({"tools": tools_json(), "tool_choice": "none"})).unwrap();
+        assert_eq!((t.allowed.len(), t.choice), (0, Some(ChoiceNote::None)));
+        assert_eq!(
+            t.specs.len(),
+            1,
+            "declared even under none, as the release does"
+        );
+        let t = with(json!({"functions": [{"name": "g"}], "function_call": "auto"})).unwrap();
+        assert_eq!(t.allowed, vec!["g".to_string()]);
+        let t = with(json!({"tools": tools_json(), "parallel_tool_calls": false})).unwrap();
+        assert!(!t.parallel);
+        for (bad, field) in [
+            (json!({"tool_choice": "auto"}), "tool_choice"),
+            (
+                json!({"tools": tools_json(), "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                "tool_choice",
+            ),
+            (
+                json!({"tools": tools_json(), "functions": [{"name": "g"}]}),
+                "functions",
+            ),
+            (
+                json!({"tools": [{"type": "custom", "custom": {"name": "x"}}]}),
+                "tools",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]}),
+                "tools",
+            ),
+            (
+                json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}),
+                "tools",
+            ),
+            (
+                json!({"functions": [{"name": "g"}], "function_call": {"name": "g"}}),
+                "function_call",
+            ),
+            (
+                json!({"tools": tools_json(), "tool_choice": "maybe"}),
+                "tool_choice",
+            ),
+        ] {
+            let e = with(bad.clone()).unwrap_err();
+            assert_eq!(e.param, Some(field), "{bad}: {}", e.message);
+        }
+    }
+
+    #[test]
+    fn tool_history_follows_call_order_and_names() {
+        let r = chat(json!({"model": "m", "messages": [
+            {"role": "user", "content": "go", "name": "ann"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "first", "arguments": "{\"x\": 1}"}},
+                {"id": "b", "type": "function", "function": {"name": "second", "arguments": "not json"}},
+            ]},
+            {"role": "tool", "tool_call_id": "b", "content": "B"},
+            {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": "A"}]},
+            {"role": "assistant", "content": "", "function_call": {"name": "old", "arguments": "{}"}},
+            {"role": "function", "name": "old", "content": "O"},
+        ]}));
+        let m = messages(&r).unwrap();
+        assert_eq!(m[0].name.as_deref(), Some("ann"));
+        assert_eq!(m[1].tool_calls.len(), 2);
+        assert_eq!(
+            m[1].tool_calls[1].arguments,
+            Arguments::Raw("not json".into())
+        );
+        assert_eq!(
+            (m[2].tool.as_deref(), m[2].content.as_str()),
+            (Some("first"), "A")
+        );
+        assert_eq!(
+            (m[3].tool.as_deref(), m[3].content.as_str()),
+            (Some("second"), "B")
+        );
+        assert_eq!(m[4].tool_calls[0].name, "old");
+        assert_eq!(m[5].tool.as_deref(), Some("old"));
+        for bad in [
+            json!([{"role": "tool", "content": "orphan"}]),
+            json!([{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "[1]"}}]}]),
+            json!([{"role": "assistant", "refusal": "no"}]),
+            json!([{"role": "user", "content": "x", "tool_call_id": "a"}]),
+        ] {
+            let r = chat(json!({"model": "m", "messages": bad.clone()}));
+            assert_eq!(messages(&r).unwrap_err().param, Some("messages"), "{bad}");
+        }
+    }
+
     #[test]
     fn messages_and_prompts() {
         let r = chat(json!({"model": "m", "messages": [
@@ -725,7 +1424,7 @@ mod tests {
         assert_eq!(m[0], Message::system("be brief"));
         assert_eq!(m[1], Message::user("hi"));
         assert_eq!(m[2], Message::assistant("", Some("hmm".into())));
-        let r = chat(json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}));
+        let r = chat(json!({"model": "m", "messages": [{"role": "critic", "content": "x"}]}));
         assert!(messages(&r).is_err());
         let r = chat(
             json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),

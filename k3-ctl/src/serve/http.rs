@@ -1,14 +1,16 @@
 //! Routes: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
-//! `POST /v1/completions`, `GET /health`, `GET /metrics`; anything else is a 404 (405 for a known
-//! path with another method), always in the OpenAI error shape.
+//! `POST /v1/completions`, `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's
+//! Messages API, [`super::anthropic`]), `GET /health`, `GET /metrics`; anything else is a 404
+//! (405 for a known path with another method), in the OpenAI error shape (Anthropic's on its
+//! routes).
 //!
 //! A generation request takes a place in the queue (429 when none is free), waits for a job slot,
-//! then runs one `k3-worker` attached to the store ([`Job`]). A whole answer is sent when the job
+//! then runs as a job of the server's one `k3-worker` ([`Job`]). A whole answer is sent when the job
 //! ends; a streamed one sends its headers at once (after the queue and the store said yes), then
 //! SSE comments while it waits (`: queued, position N`) and keep-alive comments between ids, and
 //! a failure after that as a last `data: {"error": …}` event. When the client goes away (see
 //! [`super::conn`]), the request's future or body is dropped, which drops its [`Place`] and
-//! [`Job`]: the queue place is freed and the worker cancelled.
+//! [`Job`]: the queue place is freed and the job cancelled.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -25,7 +27,7 @@ use futures_util::stream;
 use http_body_util::BodyExt;
 use k3_proto::serve::{ErrorKind, Finish, Sampling, Start, Timings, Usage};
 use k3_proto::wire::{ClientKind, Request as StoreRequest, Response as StoreResponse, StatsReport};
-use k3_worker::chat::{ChatFormat, Markers};
+use k3_worker::text::xtml::{ChatFormat, Markers, Options};
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -33,10 +35,10 @@ use tracing::Instrument;
 
 use super::access::Ctx;
 use super::api::{self, ApiError, Settings};
-use super::job::{Event, Job, JobError, WorkerSpec};
+use super::job::{Event, Job, JobError, Worker};
 use super::metrics::Metrics;
 use super::queue::{Admission, Meta, Place};
-use super::reply::{Delta, ReplyText};
+use super::reply::{CallRules, Delta, ReplyText};
 
 /// What every handler shares.
 #[derive(Debug)]
@@ -45,10 +47,8 @@ pub struct AppState {
     pub tok: Arc<Tokenizer>,
     /// Its chat markers.
     pub markers: Markers,
-    /// How to run a worker.
-    pub worker: WorkerSpec,
-    /// The batch worker concurrent requests share (None: every request gets its own worker).
-    pub batch: Option<super::batch::BatchPool>,
+    /// The worker every request runs in.
+    pub worker: Worker,
     /// Job slots and the queue.
     pub admission: Arc<Admission>,
     /// The served model id.
@@ -75,6 +75,15 @@ pub struct AppState {
 
 type Shared = Arc<AppState>;
 
+impl super::access::Guarded for AppState {
+    fn policy(&self) -> &super::access::Policy {
+        &self.policy
+    }
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+}
+
 /// The routes (the access layers are added by [`super::access::layers`]).
 pub fn routes(state: Shared) -> Router {
     Router::new()
@@ -82,6 +91,8 @@ pub fn routes(state: Shared) -> Router {
         .route("/v1/models/{id}", get(model))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(anthropic_messages))
+        .route("/v1/messages/count_tokens", post(anthropic_count))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
@@ -318,6 +329,8 @@ fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 enum Kind {
     Chat,
     Completion,
+    /// Anthropic's Messages API.
+    Messages,
 }
 
 /// One validated generation.
@@ -332,10 +345,87 @@ struct Gen {
     reply: ReplyText,
     /// Prompt ids a kept session held (the worker's count).
     cached: usize,
+    /// A streamed Messages reply's content blocks.
+    blocks: super::anthropic::BlockStream,
 }
 
 async fn chat(State(st): State<Shared>, Extension(ctx): Extension<Ctx>, req: Request) -> Response {
     generation(st, ctx, req, prepare_chat).await
+}
+
+async fn anthropic_messages(
+    State(st): State<Shared>,
+    Extension(ctx): Extension<Ctx>,
+    req: Request,
+) -> Response {
+    super::anthropic::reshape(generation(st, ctx, req, prepare_messages).await).await
+}
+
+async fn anthropic_count(
+    State(st): State<Shared>,
+    Extension(ctx): Extension<Ctx>,
+    req: Request,
+) -> Response {
+    let r = match read_body(&st, &ctx, req.into_body()).await {
+        Ok(body) => count_tokens(&st, &body),
+        Err(e) => Err(e),
+    };
+    match r {
+        Ok(n) => Json(json!({"input_tokens": n})).into_response(),
+        Err(e) => super::anthropic::error_response(e),
+    }
+}
+
+/// A Messages request's prompt and its reply settings.
+fn render_messages(
+    st: &AppState,
+    body: &[u8],
+    seed: u64,
+    count_only: bool,
+) -> Result<(Vec<u32>, Settings, super::anthropic::Prepared), ApiError> {
+    let r: super::anthropic::MessagesRequest = parse(body)?;
+    warn_unknown(body, super::anthropic::ANTHROPIC_FIELDS);
+    let model = r.model.clone();
+    if model.is_none() {
+        return Err(ApiError::bad(Some("model"), "model: Field required"));
+    }
+    api::check_model(&model, &st.model_id)?;
+    let settings = super::anthropic::settings(&r, seed, count_only)?;
+    let p = super::anthropic::prepare(&r)?;
+    let fmt =
+        ChatFormat::new(&st.tok, p.thinking).map_err(|e| ApiError::internal(e.to_string()))?;
+    let opts = Options {
+        tools: p.tools.clone(),
+        choice: p.choice,
+        format: None,
+    };
+    let prompt = fmt
+        .render_with(&p.history, &opts, true)
+        .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))?;
+    api::check_prompt_len(prompt.len())?;
+    Ok((prompt, settings, p))
+}
+
+fn count_tokens(st: &AppState, body: &[u8]) -> Result<usize, ApiError> {
+    render_messages(st, body, 0, true).map(|(prompt, _, _)| prompt.len())
+}
+
+fn prepare_messages(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
+    let (id, job_id, seed) = fresh("msg");
+    let (prompt, settings, p) = render_messages(st, body, seed, false)?;
+    let rules = CallRules {
+        allowed: p.allowed,
+        parallel: p.parallel,
+    };
+    Ok(Gen::chat(
+        st,
+        Kind::Messages,
+        (id, job_id),
+        prompt,
+        settings,
+        p.thinking.is_some(),
+        rules,
+    ))
 }
 
 async fn completions(
@@ -363,40 +453,56 @@ async fn generation(
     }
 }
 
+/// Log the top-level fields no schema of the endpoint names (they are ignored).
+fn warn_unknown(body: &[u8], known: &[&str]) {
+    let unknown = api::unknown_fields(body, known);
+    if !unknown.is_empty() {
+        tracing::warn!(
+            "ignoring request fields outside the API: {}",
+            unknown.join(", ")
+        );
+    }
+}
+
 fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let r: api::ChatRequest = parse(body)?;
+    warn_unknown(body, api::OPENAI_CHAT_FIELDS);
     api::check_model(&r.common.model, &st.model_id)?;
     api::check_chat_extras(&r)?;
     let (id, job_id, seed) = fresh("chatcmpl");
     let max = r.max_completion_tokens.or(r.common.max_tokens);
     let settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
     let thinking = api::thinking(&r, st.defaults.effort)?;
+    let tools = api::tool_setup(&r)?;
     let history = api::messages(&r)?;
     let fmt = ChatFormat::new(&st.tok, thinking).map_err(|e| ApiError::internal(e.to_string()))?;
-    let prompt = fmt.render(&history, true);
+    let opts = Options {
+        tools: tools.specs,
+        choice: tools.choice,
+        format: None,
+    };
+    let prompt = fmt
+        .render_with(&history, &opts, true)
+        .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))?;
     api::check_prompt_len(prompt.len())?;
-    let reply = ReplyText::chat(
-        st.tok.clone(),
-        st.markers,
-        thinking.is_some(),
-        &settings.stops,
-        settings.max_new,
-    );
-    Ok(Gen {
-        kind: Kind::Chat,
-        id,
-        job_id,
-        created: unix_now(),
-        model: st.model_id.clone(),
+    let rules = CallRules {
+        allowed: tools.allowed,
+        parallel: tools.parallel,
+    };
+    Ok(Gen::chat(
+        st,
+        Kind::Chat,
+        (id, job_id),
         prompt,
         settings,
-        reply,
-        cached: 0,
-    })
+        thinking.is_some(),
+        rules,
+    ))
 }
 
 fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let r: api::CompletionRequest = parse(body)?;
+    warn_unknown(body, api::OPENAI_COMPLETION_FIELDS);
     api::check_model(&r.common.model, &st.model_id)?;
     api::check_completion_extras(&r)?;
     let (id, job_id, seed) = fresh("cmpl");
@@ -413,17 +519,14 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     };
     api::check_prompt_len(prompt.len())?;
     let reply = ReplyText::completion(st.tok.clone(), &settings.stops, settings.max_new);
-    Ok(Gen {
-        kind: Kind::Completion,
-        id,
-        job_id,
-        created: unix_now(),
-        model: st.model_id.clone(),
+    Ok(Gen::new(
+        st,
+        Kind::Completion,
+        (id, job_id),
         prompt,
         settings,
         reply,
-        cached: 0,
-    })
+    ))
 }
 
 /// A worker failure as an HTTP error.
@@ -481,21 +584,11 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
         },
         session: session.as_ref().map(|s| s.0.clone()),
     };
-    let job = match st.batch.as_ref().filter(|b| b.takes(&job)) {
-        Some(pool) => match pool.submit(job.clone()).await.map_err(job_error)? {
-            Some(seat) => Job::Batched(seat),
-            None => Job::spawn(&st.worker, job).await.map_err(job_error)?,
-        },
-        None => Job::spawn(&st.worker, job).await.map_err(job_error)?,
-    };
+    let job = st.worker.submit(job).await.map_err(job_error)?;
     place.set_worker(job.pid());
     tracing::info!(
-        "{} {} worker pid {} ({} prompt ids, up to {} new){}",
+        "{} joined worker pid {} ({} prompt ids, up to {} new){}",
         g.id,
-        match job {
-            Job::Own(_) => "started",
-            Job::Batched(_) => "joined the batch of",
-        },
         job.pid(),
         g.prompt.len(),
         g.settings.max_new,
@@ -544,7 +637,7 @@ async fn next_step(
                 let d = g.reply.push(id);
                 place.set_generated(g.reply.generated());
                 // A stop string ends the reply at once: the caller cancels the job.
-                if g.reply.stopped_by_text() {
+                if g.reply.cut_short() {
                     st.metrics.cancel("stop_string");
                 }
                 return Ok(Step::Text(d));
@@ -595,9 +688,8 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
     loop {
         match next_step(&st, &mut g, &mut job, &place).await {
             Ok(Step::Text(d)) => {
-                all.reasoning.push_str(&d.reasoning);
-                all.content.push_str(&d.content);
-                if g.reply.stopped_by_text() {
+                all.add(d);
+                if g.reply.cut_short() {
                     break;
                 }
             }
@@ -623,9 +715,21 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
             if g.reply.thinking() {
                 message["reasoning_content"] = Value::String(all.reasoning);
             }
+            if !all.calls.is_empty() {
+                if all.content.is_empty() {
+                    message["content"] = Value::Null;
+                }
+                message["tool_calls"] =
+                    Value::Array(all.calls.iter().map(|c| g.tool_call(c, false)).collect());
+            }
+            let mut choice =
+                json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish});
+            if !g.reply.malformed().is_empty() {
+                choice["malformed_tool_calls"] = g.malformed_json();
+            }
             json!({
                 "id": g.id, "object": "chat.completion", "created": g.created, "model": g.model,
-                "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+                "choices": [choice],
                 "usage": usage,
             })
         }
@@ -634,11 +738,62 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
             "choices": [{"index": 0, "text": all.content, "logprobs": null, "finish_reason": finish}],
             "usage": usage,
         }),
+        Kind::Messages => json!({
+            "id": g.id, "type": "message", "role": "assistant", "model": g.model,
+            "content": super::anthropic::content_blocks(&g.id, g.reply.thinking(), &all),
+            "stop_reason": super::anthropic::stop_reason(g.reply.finish()),
+            "stop_sequence": g.reply.stop_sequence(),
+            "usage": super::anthropic::usage(g.prompt.len(), g.cached, g.reply.generated()),
+        }),
     };
     Json(body).into_response()
 }
 
 impl Gen {
+    /// A chat-shaped job (OpenAI chat or Anthropic Messages): the reply starts after the
+    /// generation prompt (`thinking`: inside the think channel) and reads tool calls by `rules`.
+    fn chat(
+        st: &AppState,
+        kind: Kind,
+        ids: (String, u64),
+        prompt: Vec<u32>,
+        settings: Settings,
+        thinking: bool,
+        rules: CallRules,
+    ) -> Gen {
+        let reply = ReplyText::chat(
+            st.tok.clone(),
+            st.markers,
+            thinking,
+            &settings.stops,
+            settings.max_new,
+        )
+        .with_calls(rules);
+        Gen::new(st, kind, ids, prompt, settings, reply)
+    }
+
+    fn new(
+        st: &AppState,
+        kind: Kind,
+        (id, job_id): (String, u64),
+        prompt: Vec<u32>,
+        settings: Settings,
+        reply: ReplyText,
+    ) -> Gen {
+        Gen {
+            kind,
+            id,
+            job_id,
+            created: unix_now(),
+            model: st.model_id.clone(),
+            prompt,
+            settings,
+            reply,
+            cached: 0,
+            blocks: Default::default(),
+        }
+    }
+
     fn log_done(&self, finish: Option<&str>, counts: Option<&(Usage, Timings)>) {
         let timing = counts.map_or(String::new(), |(u, t)| {
             let decoded = u.generated.saturating_sub(1);
@@ -666,6 +821,30 @@ impl Gen {
         api::usage(self.prompt.len(), self.cached, self.reply.generated())
     }
 
+    /// A generated call as OpenAI's `tool_calls` item (`streamed`: with its `index`).
+    fn tool_call(&self, c: &super::reply::CallOut, streamed: bool) -> Value {
+        let mut v = json!({
+            "id": format!("call_{}_{}", self.id, c.index),
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        });
+        if streamed {
+            v["index"] = json!(c.index);
+        }
+        v
+    }
+
+    /// The calls that were reported instead of returned.
+    fn malformed_json(&self) -> Value {
+        Value::Array(
+            self.reply
+                .malformed()
+                .iter()
+                .map(|m| json!({"error": m.error, "text": m.text}))
+                .collect(),
+        )
+    }
+
     fn chunk(&self, d: &Delta, finish: Option<&str>, first: bool) -> Value {
         match self.kind {
             Kind::Chat => {
@@ -679,13 +858,17 @@ impl Gen {
                 if !d.content.is_empty() || first {
                     delta.insert("content".into(), d.content.clone().into());
                 }
+                if !d.calls.is_empty() {
+                    let calls = d.calls.iter().map(|c| self.tool_call(c, true)).collect();
+                    delta.insert("tool_calls".into(), Value::Array(calls));
+                }
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
                     "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
                 })
             }
-            Kind::Completion => json!({
+            Kind::Completion | Kind::Messages => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
                 "choices": [{"index": 0, "text": d.content, "logprobs": null, "finish_reason": finish}],
@@ -693,10 +876,52 @@ impl Gen {
         }
     }
 
+    /// The stream events of one delta.
+    fn events(&mut self, d: &Delta, first: bool) -> Vec<SseEvent> {
+        if self.kind == Kind::Messages {
+            let id = self.id.clone();
+            return named(self.blocks.events(&id, d));
+        }
+        if !d.is_empty() || (first && self.kind == Kind::Chat) {
+            vec![data(&self.chunk(d, None, first))]
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// A Messages stream's opening: `message_start` and a `ping`.
+    fn opening(&self) -> Vec<SseEvent> {
+        if self.kind != Kind::Messages {
+            return Vec::new();
+        }
+        let usage = super::anthropic::usage(self.prompt.len(), 0, 0);
+        named(vec![
+            (
+                "message_start",
+                json!({"type": "message_start", "message": {
+                    "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                    "content": [], "stop_reason": null, "stop_sequence": null, "usage": usage,
+                }}),
+            ),
+            ("ping", json!({"type": "ping"})),
+        ])
+    }
+
+    /// A failure as the stream's last events.
+    fn error_events(&self, e: &ApiError) -> Vec<SseEvent> {
+        if self.kind == Kind::Messages {
+            return named(vec![(
+                "error",
+                super::anthropic::error_body(e.status, &e.message),
+            )]);
+        }
+        vec![data(&e.body()), SseEvent::default().data("[DONE]")]
+    }
+
     fn usage_chunk(&self) -> Value {
         let object = match self.kind {
             Kind::Chat => "chat.completion.chunk",
-            Kind::Completion => "text_completion",
+            Kind::Completion | Kind::Messages => "text_completion",
         };
         json!({
             "id": self.id, "object": object, "created": self.created, "model": self.model,
@@ -707,6 +932,24 @@ impl Gen {
 
 fn data(v: &Value) -> SseEvent {
     SseEvent::default().data(v.to_string())
+}
+
+/// Named events (`event: NAME`).
+fn named(events: Vec<(&'static str, Value)>) -> Vec<SseEvent> {
+    events
+        .into_iter()
+        .map(|(name, v)| SseEvent::default().event(name).data(v.to_string()))
+        .collect()
+}
+
+/// Send events in order; `false` when the client is gone.
+async fn send_all(tx: &mpsc::Sender<SseEvent>, events: Vec<SseEvent>) -> bool {
+    for e in events {
+        if !send(tx, e).await {
+            return false;
+        }
+    }
+    true
 }
 
 /// Send one event to the client's stream; `false` when it is gone or did not take the event
@@ -753,36 +996,38 @@ async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<
         Ok(j) => j,
         Err(e) => {
             tracing::warn!("{} failed before its first id: {}", g.id, e.message);
-            let _ = send(tx, data(&e.body())).await;
-            let _ = send(tx, SseEvent::default().data("[DONE]")).await;
+            let _ = send_all(tx, g.error_events(&e)).await;
             return;
         }
     };
+    if !send_all(tx, g.opening()).await {
+        return;
+    }
     let mut first = true;
     loop {
         match next_step(&st, &mut g, &mut job, &place).await {
             Ok(Step::Text(d)) => {
-                if !d.is_empty() || (first && g.kind == Kind::Chat) {
-                    if !send(tx, data(&g.chunk(&d, None, first))).await {
+                let events = g.events(&d, first);
+                if !events.is_empty() {
+                    if !send_all(tx, events).await {
                         return;
                     }
                     first = false;
                 }
-                if g.reply.stopped_by_text() {
+                if g.reply.cut_short() {
                     drop(job); // the worker is still running: it is cancelled here
-                    finish_stream(&g, None, first, tx).await;
+                    finish_stream(&mut g, None, first, tx).await;
                     return;
                 }
             }
             Ok(Step::End(counts)) => {
                 drop(job);
-                finish_stream(&g, counts.as_ref(), first, tx).await;
+                finish_stream(&mut g, counts.as_ref(), first, tx).await;
                 return;
             }
             Err(e) => {
                 tracing::warn!("{} failed mid-stream: {}", g.id, e.message);
-                let _ = send(tx, data(&e.body())).await;
-                let _ = send(tx, SseEvent::default().data("[DONE]")).await;
+                let _ = send_all(tx, g.error_events(&e)).await;
                 return;
             }
         }
@@ -790,23 +1035,31 @@ async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<
 }
 
 async fn finish_stream(
-    g: &Gen,
+    g: &mut Gen,
     counts: Option<&(Usage, Timings)>,
     first: bool,
     tx: &mpsc::Sender<SseEvent>,
 ) {
     let finish = g.reply.finish().map(|f| f.as_str());
     g.log_done(finish, counts);
-    let mut events = vec![data(&g.chunk(&Delta::default(), finish, first))];
+    if g.kind == Kind::Messages {
+        let usage = super::anthropic::usage(g.prompt.len(), g.cached, g.reply.generated());
+        let reason = super::anthropic::stop_reason(g.reply.finish());
+        let stop = g.reply.stop_sequence().map(str::to_string);
+        let events = g.blocks.finish(reason, stop.as_deref(), usage);
+        send_all(tx, named(events)).await;
+        return;
+    }
+    let mut last = g.chunk(&Delta::default(), finish, first);
+    if g.kind == Kind::Chat && !g.reply.malformed().is_empty() {
+        last["choices"][0]["malformed_tool_calls"] = g.malformed_json();
+    }
+    let mut events = vec![data(&last)];
     if g.settings.include_usage {
         events.push(data(&g.usage_chunk()));
     }
     events.push(SseEvent::default().data("[DONE]"));
-    for e in events {
-        if !send(tx, e).await {
-            return;
-        }
-    }
+    send_all(tx, events).await;
 }
 
 /// The streamed response: its events come from a task that runs the request; when the client

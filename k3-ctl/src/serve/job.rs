@@ -1,19 +1,25 @@
-//! One request's `k3-worker` child, attached to the store, spoken to in the typed job protocol
-//! ([`k3_proto::serve`], docs/SPEC.md §6.12) over a Unix socket pair that is the worker's
-//! standard input.
+//! The one worker of a serve process and its jobs: `k3-worker --serve-channel --parallel N --ctx
+//! P` (its command line built by `k3_worker::front::cli::serve_channel_args`), attached to the
+//! store, spoken to in the typed job protocol ([`k3_proto::serve`], docs/SPEC.md §6.12) over a
+//! Unix socket pair that is its standard input. Every request, whatever its size, is a job in
+//! that worker's engine: it joins the running sequences at the worker's next step with room
+//! and leaves when it ends or is cancelled, without stopping the others.
 //!
-//! serve sends the job ([`Start`]); the worker sends `Prefilled`, one `Token` per id and one
-//! `Done` or `Error` (a kind and the exit code it ends with). Its stderr (a line per step and
-//! the run report) is drained beside it into serve's log at debug level; its last lines explain
-//! a worker that died without an `Error` (a signal). Dropping a [`Job`] that has not ended sends
-//! `Cancel`: the worker stops at its next step boundary, keeping what it prefilled for a retry,
-//! and is killed (SIGKILL) if it has not exited within the grace; it is reaped either way. That
-//! is how a client that goes away, or a stop string, ends its job.
+//! [`Worker::submit`] hands a job over (starting the worker on first use, and again after it
+//! died) and returns a [`Job`]: its events arrive on its own queue, routed by `req_id` from the
+//! one task reading the channel. The worker's stderr (its log) is drained into serve's log at
+//! debug level; its last lines explain a worker that died without an `Error`. Dropping a [`Job`]
+//! that has not ended sends `Cancel`: the worker ends it at its next step (keeping what its
+//! session holds after the prefill, for a retry) and answers `Done`; if that does not come
+//! within the grace, the worker is killed (every job in it fails) and the next request starts
+//! a new one. That is how a client that goes away, or a stop string, ends its job.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k3_proto::serve::{
@@ -23,6 +29,7 @@ use k3_proto::serve::{
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixStream;
 use tokio::process::{Child, Command};
+use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
 
@@ -31,7 +38,7 @@ const KEEP_LINES: usize = 16;
 /// How long a started worker has to say `Hello` (it does so before attaching).
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// How to run a worker.
+/// How to run the worker.
 #[derive(Clone, Debug)]
 pub struct WorkerSpec {
     /// The `k3-worker` binary.
@@ -40,8 +47,12 @@ pub struct WorkerSpec {
     pub socket: PathBuf,
     /// `--threads` for the worker (None: its default, all cores).
     pub threads: Option<usize>,
-    /// How long a cancelled worker has to end its job before it is killed.
+    /// How long a cancelled job has to end before its worker is killed.
     pub grace: Duration,
+    /// Jobs decoded at once (`--parallel`).
+    pub slots: usize,
+    /// Positions each slot is planned for (`--ctx`).
+    pub positions: usize,
 }
 
 /// Why a job failed: the kind the worker reported (or a protocol failure) and the exit code it
@@ -63,6 +74,14 @@ impl JobError {
             kind: ErrorKind::Protocol,
             exit_class: None,
             message: message.to_string(),
+        }
+    }
+
+    fn copy(&self) -> JobError {
+        JobError {
+            kind: self.kind,
+            exit_class: self.exit_class,
+            message: self.message.clone(),
         }
     }
 }
@@ -88,55 +107,242 @@ pub enum Event {
     },
 }
 
-/// A running job: its own worker, or a seat in the batch worker ([`BatchPool`]).
-#[derive(Debug)]
-pub enum Job {
-    /// A worker of its own.
-    Own(Box<Worker>),
-    /// A seat in the shared batch worker.
-    Batched(super::batch::Seat),
-}
+/// A job's events, or its failure.
+type Routed = Result<Event, JobError>;
+/// Where each job's events go.
+type Routes = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Routed>>>>;
 
-impl Job {
-    /// Start a worker of its own for `start` and hand it the job.
-    pub async fn spawn(spec: &WorkerSpec, start: Start) -> Result<Job, JobError> {
-        Worker::spawn(spec, start)
-            .await
-            .map(|w| Job::Own(Box::new(w)))
-    }
-
-    /// The process id of the worker running it.
-    pub fn pid(&self) -> u32 {
-        match self {
-            Job::Own(w) => w.pid(),
-            Job::Batched(s) => s.pid,
-        }
-    }
-
-    /// The next event; after `Done` the job is over.
-    pub async fn next(&mut self) -> Result<Event, JobError> {
-        match self {
-            Job::Own(w) => w.next().await,
-            Job::Batched(s) => s.next().await,
-        }
-    }
-}
-
-/// A running worker of one job.
-pub struct Worker {
-    child: Option<Child>,
-    chan: UnixStream,
-    stderr: Option<JoinHandle<VecDeque<String>>>,
-    req_id: u64,
+/// The running worker.
+struct Running {
     pid: u32,
-    grace: Duration,
-    /// `Done` or `Error` arrived: the worker ends by itself.
-    ended: bool,
+    frames: mpsc::UnboundedSender<ToWorker>,
+    routes: Routes,
+    alive: Arc<AtomicBool>,
+    /// Kill it (a cancelled job that did not end in time).
+    kill: Arc<Notify>,
+}
+
+/// The worker of one server.
+pub struct Worker {
+    spec: WorkerSpec,
+    running: tokio::sync::Mutex<Option<Running>>,
 }
 
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Worker").field("pid", &self.pid).finish()
+        f.debug_struct("Worker").field("spec", &self.spec).finish()
+    }
+}
+
+/// A job in the worker: its events, and its cancel when dropped before it ended.
+pub struct Job {
+    req_id: u64,
+    pid: u32,
+    events: mpsc::UnboundedReceiver<Routed>,
+    frames: mpsc::UnboundedSender<ToWorker>,
+    routes: Routes,
+    kill: Arc<Notify>,
+    grace: Duration,
+    ended: bool,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("req_id", &self.req_id)
+            .field("pid", &self.pid)
+            .finish()
+    }
+}
+
+impl Worker {
+    /// The worker of a server (started on first use).
+    pub fn new(spec: WorkerSpec) -> Worker {
+        Worker {
+            spec,
+            running: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// How it runs.
+    pub fn spec(&self) -> &WorkerSpec {
+        &self.spec
+    }
+
+    /// Hand `start` to the worker (starting it when none is alive).
+    pub async fn submit(&self, start: Start) -> Result<Job, JobError> {
+        let mut g = self.running.lock().await;
+        if !g.as_ref().is_some_and(|r| r.alive.load(Ordering::Acquire)) {
+            *g = Some(self.start_worker().await?);
+        }
+        let r = g.as_ref().expect("started above");
+        let (tx, events) = mpsc::unbounded_channel();
+        let req_id = start.req_id;
+        lock(&r.routes).insert(req_id, tx);
+        if r.frames.send(ToWorker::Start(start)).is_err() {
+            lock(&r.routes).remove(&req_id);
+            return Err(JobError::protocol("the worker is gone"));
+        }
+        Ok(Job {
+            req_id,
+            pid: r.pid,
+            events,
+            frames: r.frames.clone(),
+            routes: r.routes.clone(),
+            kill: r.kill.clone(),
+            grace: self.spec.grace,
+            ended: false,
+        })
+    }
+
+    /// Start the worker: `Hello`, then a task writing frames and one routing what it says.
+    async fn start_worker(&self) -> Result<Running, JobError> {
+        let span = tracing::info_span!("worker");
+        let (child, mut chan, stderr, pid) = span.in_scope(|| launch(&self.spec))?;
+        match first_word(&mut chan).await {
+            FirstWord::Hello => {}
+            FirstWord::Ended(e) | FirstWord::Broken(e) => return Err(e),
+            FirstWord::Closed => return Err(died(child, stderr).await),
+        }
+        tracing::info!(
+            "worker pid {pid} started: up to {} jobs at once, {} positions a slot",
+            self.spec.slots,
+            self.spec.positions
+        );
+        let (rd, mut wr) = chan.into_split();
+        let (frames, mut queue) = mpsc::unbounded_channel::<ToWorker>();
+        tokio::spawn(
+            async move {
+                while let Some(m) = queue.recv().await {
+                    let Ok(f) = k3_proto::wire::encode(&m) else {
+                        continue;
+                    };
+                    if wr.write_all(&f).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            .instrument(span.clone()),
+        );
+        let routes: Routes = Arc::new(Mutex::new(HashMap::new()));
+        let alive = Arc::new(AtomicBool::new(true));
+        let kill = Arc::new(Notify::new());
+        let reader = Reader {
+            pid,
+            routes: routes.clone(),
+            alive: alive.clone(),
+            kill: kill.clone(),
+        };
+        tokio::spawn(reader.run(rd, child, stderr).instrument(span));
+        Ok(Running {
+            pid,
+            frames,
+            routes,
+            alive,
+            kill,
+        })
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The task that reads what the worker says and routes it to its jobs; when the channel ends it
+/// reaps the worker and fails every job still in it.
+struct Reader {
+    pid: u32,
+    routes: Routes,
+    alive: Arc<AtomicBool>,
+    kill: Arc<Notify>,
+}
+
+impl Reader {
+    async fn run(
+        self,
+        mut rd: tokio::net::unix::OwnedReadHalf,
+        mut child: Child,
+        stderr: StderrTail,
+    ) {
+        let end = loop {
+            tokio::select! {
+                r = read_frame(&mut rd) => match r {
+                    Ok(Some(m)) => route(&self.routes, m),
+                    Ok(None) => break None,
+                    Err(e) => break Some(JobError::protocol(e)),
+                },
+                _ = self.kill.notified() => {
+                    // Its end is read from the channel, which closes with it.
+                    let _ = child.start_kill();
+                }
+            }
+        };
+        self.alive.store(false, Ordering::Release);
+        let e = match end {
+            Some(e) => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                e
+            }
+            None => died(child, stderr).await,
+        };
+        tracing::warn!("worker pid {} ended: {}", self.pid, e.message);
+        let waiting: Vec<_> = lock(&self.routes).drain().collect();
+        for (_, tx) in waiting {
+            let _ = tx.send(Err(e.copy()));
+        }
+    }
+}
+
+/// Deliver one message of the worker to its job.
+fn route(routes: &Routes, m: FromWorker) {
+    let mut r = lock(routes);
+    let (req_id, ev, last) = match m {
+        FromWorker::Prefilled {
+            req_id, cached_ids, ..
+        } => (req_id, Ok(Event::Prefilled { cached: cached_ids }), false),
+        FromWorker::Token { req_id, id } => (req_id, Ok(Event::Token(id)), false),
+        FromWorker::Done {
+            req_id,
+            finish,
+            usage,
+            timings,
+        } => (
+            req_id,
+            Ok(Event::Done {
+                finish,
+                usage,
+                timings,
+            }),
+            true,
+        ),
+        FromWorker::Error {
+            req_id: Some(req_id),
+            kind,
+            exit_class,
+            message,
+        } => (
+            req_id,
+            Err(JobError {
+                kind,
+                exit_class: Some(exit_class),
+                message,
+            }),
+            true,
+        ),
+        other => {
+            // A worker-wide error precedes its exit; the reader reports the end to every job.
+            tracing::warn!("worker: {other:?}");
+            return;
+        }
+    };
+    let tx = if last {
+        r.remove(&req_id)
+    } else {
+        r.get(&req_id).cloned()
+    };
+    if let Some(tx) = tx {
+        let _ = tx.send(ev);
     }
 }
 
@@ -155,7 +361,7 @@ pub enum FrameError {
         limit: u32,
     },
     /// The connection ended inside a frame.
-    #[error("a frame cut short: {0}")]
+    #[error("a frame cut short")]
     Short(#[source] std::io::Error),
     /// Not a message of the protocol.
     #[error(transparent)]
@@ -185,15 +391,11 @@ pub(super) async fn read_frame<R: AsyncReadExt + Unpin>(
 }
 
 /// The task draining a worker's stderr into serve's log; it returns the last lines.
-pub(super) type StderrTail = Option<JoinHandle<VecDeque<String>>>;
+type StderrTail = Option<JoinHandle<VecDeque<String>>>;
 
-/// A started `k3-worker --serve-channel` (`slots`: a batch worker's jobs and positions): the
-/// child, serve's end of the channel, the task draining its stderr into serve's log (under the
-/// current span) and keeping the last lines, and its pid.
-pub(super) fn launch(
-    spec: &WorkerSpec,
-    slots: Option<(usize, usize)>,
-) -> Result<(Child, UnixStream, StderrTail, u32), JobError> {
+/// Start `k3-worker --serve-channel`: the child, serve's end of the channel, the task draining
+/// its stderr into serve's log (under the current span) and keeping the last lines, and its pid.
+fn launch(spec: &WorkerSpec) -> Result<(Child, UnixStream, StderrTail, u32), JobError> {
     let cant = |what: &str, e: &dyn std::fmt::Display| JobError {
         kind: ErrorKind::Failed,
         exit_class: None,
@@ -205,22 +407,23 @@ pub(super) fn launch(
         .map_err(|e| cant("socket pair", &e))?;
     let chan = UnixStream::from_std(ours).map_err(|e| cant("socket pair", &e))?;
     let mut child = Command::new(&spec.exe)
-        .args(k3_worker::cli::serve_channel_args(
+        .args(k3_worker::front::cli::serve_channel_args(
             &spec.socket,
             spec.threads,
-            slots,
+            spec.slots,
+            spec.positions,
         ))
         .stdin(Stdio::from(OwnedFd::from(theirs)))
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
-        // Its own process group: a Ctrl-C at serve's terminal reaches serve, which cancels
-        // the job, not the worker directly.
+        // Its own process group: a Ctrl-C at serve's terminal reaches serve, which closes the
+        // channel, not the worker directly.
         .process_group(0)
-        .kill_on_drop(slots.is_some())
+        .kill_on_drop(true)
         .spawn()
         .map_err(|e| cant("spawn", &e))?;
     let pid = child.id().unwrap_or(0);
-    // The worker's lines are logged under the current span (a request's id on every line).
+    // The worker's lines are logged under the current span.
     let span = tracing::Span::current();
     let stderr = child.stderr.take().map(|stderr| {
         tokio::spawn(
@@ -252,7 +455,7 @@ pub(super) fn launch(
 }
 
 /// What a started worker said first.
-pub(super) enum FirstWord {
+enum FirstWord {
     /// `Hello` in this build's protocol.
     Hello,
     /// It refused or failed before any job (`Error`): it ends by itself.
@@ -264,7 +467,7 @@ pub(super) enum FirstWord {
 }
 
 /// Read a started worker's first message.
-pub(super) async fn first_word<R: AsyncReadExt + Unpin>(chan: &mut R) -> FirstWord {
+async fn first_word<R: AsyncReadExt + Unpin>(chan: &mut R) -> FirstWord {
     match tokio::time::timeout(HELLO_TIMEOUT, read_frame(chan)).await {
         Ok(Ok(Some(FromWorker::Hello {
             protocol_version: JOB_PROTOCOL_VERSION,
@@ -297,161 +500,87 @@ pub(super) async fn first_word<R: AsyncReadExt + Unpin>(chan: &mut R) -> FirstWo
     }
 }
 
-impl Worker {
-    /// Start a worker for `start` and hand it the job.
-    pub async fn spawn(spec: &WorkerSpec, start: Start) -> Result<Worker, JobError> {
-        let (child, chan, stderr, pid) = launch(spec, None)?;
-        let mut job = Worker {
-            child: Some(child),
-            chan,
-            stderr,
-            req_id: start.req_id,
-            pid,
-            grace: spec.grace,
-            ended: false,
-        };
-        match first_word(&mut job.chan).await {
-            FirstWord::Hello => {}
-            FirstWord::Ended(e) => {
-                job.ended = true;
-                return Err(e);
-            }
-            FirstWord::Closed => return Err(job.died().await),
-            FirstWord::Broken(e) => return Err(e),
-        }
-        let frame = k3_proto::wire::encode(&ToWorker::Start(start)).map_err(JobError::protocol)?;
-        job.chan
-            .write_all(&frame)
-            .await
-            .map_err(|e| JobError::protocol(format!("sending the job: {e}")))?;
-        Ok(job)
+/// How a worker that closed its channel ended, with its last stderr lines.
+async fn died(mut child: Child, stderr: StderrTail) -> JobError {
+    let status = child.wait().await;
+    let lines = match stderr {
+        Some(h) => h.await.unwrap_or_default(),
+        None => VecDeque::new(),
+    };
+    let said = lines.back().cloned().unwrap_or_default();
+    match status {
+        Ok(s) => JobError {
+            kind: s.code().map_or(ErrorKind::Failed, ErrorKind::of_exit_code),
+            exit_class: s.code(),
+            message: format!("the worker ended ({s}): {said}"),
+        },
+        Err(e) => JobError::protocol(format!("waiting for the worker: {e}")),
     }
+}
 
-    /// The worker's process id.
+impl Job {
+    /// The process id of the worker running it.
     pub fn pid(&self) -> u32 {
         self.pid
     }
 
-    /// The next event; after `Done` the job is over (and the worker exits by itself).
+    /// The job's next event; after `Done` (or an error) it is over.
     pub async fn next(&mut self) -> Result<Event, JobError> {
         if self.ended {
             return Err(JobError::protocol("the job has ended"));
         }
-        let m = read_frame(&mut self.chan)
+        let ev = self
+            .events
+            .recv()
             .await
-            .map_err(|e| JobError::protocol(e.to_string()))?;
-        let Some(m) = m else {
-            return Err(self.died().await);
-        };
-        let mine = |r: u64| r == self.req_id;
-        match m {
-            FromWorker::Prefilled {
-                req_id, cached_ids, ..
-            } if mine(req_id) => Ok(Event::Prefilled { cached: cached_ids }),
-            FromWorker::Token { req_id, id } if mine(req_id) => Ok(Event::Token(id)),
-            FromWorker::Done {
-                req_id,
-                finish,
-                usage,
-                timings,
-            } if mine(req_id) => {
-                self.ended = true;
-                Ok(Event::Done {
-                    finish,
-                    usage,
-                    timings,
-                })
-            }
-            FromWorker::Error {
-                kind,
-                exit_class,
-                message,
-                ..
-            } => {
-                self.ended = true;
-                Err(JobError {
-                    kind,
-                    exit_class: Some(exit_class),
-                    message,
-                })
-            }
-            other => Err(JobError::protocol(format!(
-                "unexpected message from the worker: {other:?}"
-            ))),
+            .unwrap_or_else(|| Err(JobError::protocol("the worker is gone")));
+        if matches!(ev, Ok(Event::Done { .. }) | Err(_)) {
+            self.ended = true;
         }
-    }
-
-    /// The channel closed without `Done` or `Error`: how the worker ended, with its last
-    /// stderr lines.
-    async fn died(&mut self) -> JobError {
-        self.ended = true;
-        let status = match self.child.as_mut() {
-            Some(c) => c.wait().await,
-            None => return JobError::protocol("the worker is gone"),
-        };
-        self.child = None;
-        let lines = match self.stderr.take() {
-            Some(h) => h.await.unwrap_or_default(),
-            None => VecDeque::new(),
-        };
-        let said = lines.back().cloned().unwrap_or_default();
-        match status {
-            Ok(s) => JobError {
-                kind: s.code().map_or(ErrorKind::Failed, ErrorKind::of_exit_code),
-                exit_class: s.code(),
-                message: format!("the worker ended ({s}) without a report: {said}"),
-            },
-            Err(e) => JobError::protocol(format!("waiting for the worker: {e}")),
-        }
+        ev
     }
 }
 
-impl Drop for Worker {
+impl Drop for Job {
     fn drop(&mut self) {
-        let Some(mut child) = self.child.take() else {
+        if self.ended {
+            lock(&self.routes).remove(&self.req_id);
             return;
-        };
-        let (pid, grace, ended) = (self.pid, self.grace, self.ended);
-        if !ended {
-            // A cancel is a 13-byte frame: the socket takes it without blocking.
-            if let Ok(f) = k3_proto::wire::encode(&ToWorker::Cancel {
-                req_id: self.req_id,
-            }) {
-                let _ = self.chan.try_write(&f);
-            }
         }
-        let stderr = self.stderr.take();
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => {
-                let span = tracing::Span::current();
-                rt.spawn(
-                    async move {
-                        match tokio::time::timeout(grace, child.wait()).await {
-                            Ok(_) if ended => {}
-                            Ok(status) => tracing::info!(
-                                "worker pid {pid} ended its cancelled job ({})",
-                                status.map_or_else(|e| e.to_string(), |s| s.to_string())
-                            ),
-                            Err(_) => {
-                                let _ = child.start_kill();
-                                let _ = child.wait().await;
-                                tracing::warn!(
-                                    "worker pid {pid} did not end within {grace:?} of its cancel: \
-                                 killed and reaped"
-                                );
-                            }
-                        }
-                        if let Some(h) = stderr {
-                            let _ = h.await;
+        // The worker ends the job at its next step and answers `Done`; a watcher waits for it
+        // within the grace, else kills the worker.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        lock(&self.routes).insert(self.req_id, tx);
+        let _ = self.frames.send(ToWorker::Cancel {
+            req_id: self.req_id,
+        });
+        let (pid, req_id, grace, kill) = (self.pid, self.req_id, self.grace, self.kill.clone());
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return; // Shutting down: the worker goes with serve (its channel closes).
+        };
+        let span = tracing::Span::current();
+        rt.spawn(
+            async move {
+                let ended = async {
+                    while let Some(ev) = rx.recv().await {
+                        if matches!(ev, Ok(Event::Done { .. }) | Err(_)) {
+                            return true;
                         }
                     }
-                    .instrument(span),
-                );
+                    false
+                };
+                match tokio::time::timeout(grace, ended).await {
+                    Ok(_) => tracing::info!("worker pid {pid} ended its cancelled job {req_id}"),
+                    Err(_) => {
+                        tracing::warn!(
+                            "worker pid {pid} did not end job {req_id} within {grace:?} of its \
+                             cancel: killed"
+                        );
+                        kill.notify_one();
+                    }
+                }
             }
-            Err(_) => {
-                // No runtime (shutdown): kill it; tokio reaps orphans when it can.
-                let _ = child.start_kill();
-            }
-        }
+            .instrument(span),
+        );
     }
 }

@@ -1,14 +1,18 @@
 //! `k3-ctl serve`: an OpenAI-compatible HTTP server in front of a running store.
 //!
-//! The server renders and tokenizes; each generation runs as one `k3-worker` child attached to
-//! the store (the store stays free of HTTP and maths), spoken to in the typed job protocol
-//! ([`k3_proto::serve`]; [`job`]), its ids detokenized here as they arrive. See the README
-//! section "OpenAI-compatible server" for the routes, the request fields and the flags; [`api`]
-//! for what is accepted and refused; [`conn`] for connection limits and disconnects; [`access`]
-//! for request ids, the API key and CORS; [`listing`] for what `k3-ctl ps` is told.
+//! The server renders and tokenizes; every generation runs as a job of its one `k3-worker`
+//! child attached to the store (the store stays free of HTTP and maths), whose engine decodes
+//! up to `--max-jobs` jobs at once (continuous batching: a job joins and leaves between steps),
+//! spoken to in the typed job protocol ([`k3_proto::serve`]; [`job`]), its ids detokenized here
+//! as they arrive. See the README section "OpenAI-compatible server" for the routes, the
+//! request fields and the flags; [`api`] for what is accepted and refused; [`conn`] for
+//! connection limits and disconnects; [`access`] for request ids, the API key and CORS;
+//! [`listing`] for what `k3-ctl ps` is told.
 //!
-//! Exit codes: 0 after SIGINT/SIGTERM; 2 refused before serving (bad flag, tokenizer, worker
-//! binary, address, API key file); 3 no store answers at the socket.
+//! Exit codes (one mapping, [`ServeError`] through `k3_proto::exit::report`): 0 after SIGINT or
+//! SIGTERM; 1 the async runtime or the signals cannot be set up; 2 refused before serving (bad
+//! flag, tokenizer, worker binary, address, API key file, a slot count that cannot be sized);
+//! 3 no store answers at the socket.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,13 +24,14 @@ use http_body_util::BodyExt;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use k3_proto::exit;
 use k3_proto::wire::{ClientKind, Request, Response};
-use k3_worker::chat::Markers;
+use k3_worker::engine::memory::EnginePlan;
+use k3_worker::text::xtml::Markers;
 use k3_worker::tokenizer::Tokenizer;
 use tower::ServiceExt;
 
 mod access;
+mod anthropic;
 mod api;
-mod batch;
 mod conn;
 mod http;
 mod job;
@@ -43,9 +48,11 @@ const MAX_HEAD_BYTES: usize = 16 << 10;
 const MAX_HEADERS: usize = 64;
 /// Environment variable with the API key (`--api-key-file` wins).
 const API_KEY_ENV: &str = "K3_API_KEY";
-/// Prompt ids of the request the default `--max-jobs` is sized for (with the default chat
-/// `max_tokens`).
+/// Prompt ids of the request a slot is planned for by default (with the default chat
+/// `max_tokens`): `--ctx`.
 const SIZING_PROMPT: usize = 4096;
+/// The most slots the default `--max-jobs` gives (more need `--max-jobs`).
+const DEFAULT_MAX_SLOTS: usize = 16;
 
 /// Arguments of `k3-ctl serve`.
 #[derive(clap::Args, Debug)]
@@ -74,31 +81,34 @@ pub struct Args {
     /// The model id clients name in `model` and `GET /v1/models` lists.
     #[arg(long, value_name = "ID", default_value = "kimi-k3")]
     pub model_name: String,
-    /// Workers running at once (each uses every core unless --threads). Default: as many as
-    /// the memory this machine has free holds the state of a 4,096-id prompt and the default
-    /// reply for (the worker's memory plan), at most one per CPU.
+    /// Requests decoded at once: the slots of the server's one worker, which runs them in one
+    /// forward pass per step (continuous batching: a request joins and leaves between steps;
+    /// each weight is read once per step for all of them). Default: as many slots of --ctx
+    /// positions as the memory this machine may still allocate holds (the engine's memory
+    /// plan, 85% of what is free), at most 16.
     #[arg(long, value_name = "N")]
     pub max_jobs: Option<usize>,
-    /// Give every request a worker of its own instead of decoding concurrent requests together
-    /// in one batch worker (continuous batching; on by default when --max-jobs is above 1:
-    /// requests join and leave its batch between steps, each weight read once per step for all).
-    #[arg(long)]
-    pub no_batch: bool,
+    /// Positions each slot is planned for (prompt + reply; default: a 4,096-id prompt and the
+    /// default chat reply). A longer request still runs: it takes the room of several slots
+    /// (it waits for them when they are busy), up to the longest request accepted.
+    #[arg(long, value_name = "N")]
+    pub ctx: Option<usize>,
     /// Requests waiting for a worker slot; beyond that the answer is 429 with Retry-After.
     #[arg(long, value_name = "N", default_value_t = 8)]
     pub queue: usize,
     /// Largest request body in bytes (413 beyond).
     #[arg(long, value_name = "BYTES", default_value_t = 1 << 20)]
     pub max_body: usize,
-    /// Compute threads per worker (`k3-worker --threads`; default: all cores).
+    /// Compute threads of the worker (`k3-worker --threads`; default: all cores).
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
     /// Do not keep conversations in the store (by default a request whose ids extend a kept
     /// conversation resumes it, and every request's state is kept for the next turn).
     #[arg(long)]
     pub no_sessions: bool,
-    /// Seconds a cancelled job (its client went away) has to stop at a step boundary and keep
-    /// its prefill before its worker is killed.
+    /// Seconds a cancelled job (its client went away) has to end at a step boundary and keep
+    /// its prefill before the worker is killed (its other jobs fail; the next request starts
+    /// a new worker).
     #[arg(long, value_name = "S", default_value_t = 30)]
     pub cancel_grace: u64,
     /// Most open connections (a new one takes the place of the oldest that is not busy).
@@ -127,20 +137,106 @@ fn default_tokenizer(exe: &Path) -> Option<PathBuf> {
         .find(|d| d.join("tiktoken.model").is_file())
 }
 
-fn refuse(msg: impl std::fmt::Display) -> i32 {
-    tracing::warn!("{msg}");
-    exit::REFUSED
+/// Why serve did not serve, with its exit code (`k3_proto::exit::report` prints it).
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A flag out of range (exit 2).
+    #[error("{0}")]
+    Usage(&'static str),
+    /// The API key (exit 2).
+    #[error("API key")]
+    Key(#[from] KeyError),
+    /// No tokenizer given or shipped (exit 2).
+    #[error(
+        "no tokenizer beside this binary (<bin>/../share/k3/tokenizer or \
+         <bin>/../../fixtures/tokenizer): pass --tok DIR"
+    )]
+    NoTokenizer,
+    /// The tokenizer cannot be loaded (exit 2).
+    #[error("tokenizer {}", dir.display())]
+    Tokenizer {
+        /// Its directory.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: k3_worker::tokenizer::TokError,
+    },
+    /// The tokenizer has no chat markers (exit 2).
+    #[error("tokenizer {}", dir.display())]
+    Markers {
+        /// Its directory.
+        dir: PathBuf,
+        /// Which.
+        #[source]
+        source: k3_worker::text::xtml::MissingMarker,
+    },
+    /// This binary's path is unknown (exit 2).
+    #[error("cannot locate this binary: pass --worker PATH")]
+    NoExe,
+    /// No worker binary (exit 2).
+    #[error("no k3-worker at {} (pass --worker PATH)", .0.display())]
+    NoWorker(PathBuf),
+    /// No store answers (exit 3).
+    #[error("the store at {}", socket.display())]
+    NoStore {
+        /// Its socket.
+        socket: PathBuf,
+        /// Why.
+        #[source]
+        source: k3_store::attach::client::ClientError,
+    },
+    /// The store answered something else (exit 3).
+    #[error("unexpected answer from the store: {0}")]
+    StoreAnswer(String),
+    /// The model's config (exit 2).
+    #[error("{}", path.display())]
+    Config {
+        /// `config.json`.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: k3_proto::config::ConfigError,
+    },
+    /// The default slot count cannot be sized (exit 2).
+    #[error("cannot size --max-jobs from the plan: pass --max-jobs N")]
+    Sizing(#[source] SizingError),
+    /// The async runtime (exit 1).
+    #[error("cannot start the async runtime")]
+    Runtime(#[source] std::io::Error),
+    /// The listening address (exit 2).
+    #[error("cannot listen on {addr}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A signal cannot be watched (exit 1).
+    #[error("cannot watch {0}")]
+    Signal(&'static str, #[source] std::io::Error),
+}
+
+impl k3_proto::exit::ExitStatus for ServeError {
+    fn exit_code(&self) -> i32 {
+        match self {
+            ServeError::NoStore { .. } | ServeError::StoreAnswer(_) => exit::NO_STORE,
+            ServeError::Runtime(_) | ServeError::Signal(..) => exit::FAILURE,
+            _ => exit::REFUSED,
+        }
+    }
 }
 
 /// Why the API key was refused (exit 2).
 #[derive(Debug, thiserror::Error)]
-enum KeyError {
+pub enum KeyError {
     /// The key file cannot be read.
-    #[error("{}: {source}", path.display())]
+    #[error("{}", path.display())]
     Read {
         /// The file.
         path: PathBuf,
         /// Why.
+        #[source]
         source: std::io::Error,
     },
     /// The key file is larger than a key.
@@ -156,7 +252,7 @@ enum KeyError {
 
 /// Why `--max-jobs` could not be sized from the plan.
 #[derive(Debug, thiserror::Error)]
-enum SizingError {
+pub enum SizingError {
     /// The model's config.
     #[error(transparent)]
     Config(#[from] k3_proto::config::ConfigError),
@@ -197,142 +293,158 @@ fn api_key(a: &Args) -> Result<Option<Vec<u8>>, KeyError> {
     Ok(Some(key.as_bytes().to_vec()))
 }
 
-/// The default `--max-jobs`: workers whose state for a [`SIZING_PROMPT`]-id prompt and the
-/// default reply fit in the memory free now, at most one per CPU, at least one; with the sizes.
-fn sized_max_jobs(model_dir: &Path) -> Result<(usize, String), SizingError> {
+/// The engine plan of the server's worker with `slots` slots of `positions` (the worker's own
+/// statement: `k3_worker::engine::memory`).
+fn engine_plan(slots: usize, positions: usize) -> EnginePlan {
+    use k3_worker::engine::memory::prefill_rows;
+    let longest = k3_worker::front::job::serve_longest().max(positions);
+    EnginePlan {
+        slots,
+        positions,
+        longest,
+        prefill_rows: prefill_rows(k3_worker::engine::sampling::DEFAULT_PREFILL_CHUNK, longest),
+        drafts: k3_worker::engine::spec::SpecMode::Auto.max_drafts(),
+        draft_model: false,
+        keep_step0_logits: false,
+    }
+}
+
+/// The default `--max-jobs`: the slots of `positions` whose states and passes fit
+/// [`AUTO_SHARE`](k3_store::runtime::plan::AUTO_SHARE) of the memory this process may allocate
+/// now, as the worker's engine states them, at least 1, at most [`DEFAULT_MAX_SLOTS`]; with
+/// the sizes.
+fn sized_max_jobs(model_dir: &Path, positions: usize) -> Result<(usize, String), SizingError> {
+    use k3_store::runtime::plan::{allocatable, fmt_bytes, AUTO_SHARE};
     let cfg = k3_proto::config::ModelConfig::load(&model_dir.join("config.json"))?;
     let dims = k3_worker::model::Dims::from_config(&cfg)?;
-    let positions = k3_worker::generate::positions_needed(SIZING_PROMPT, api::DEFAULT_CHAT_TOKENS);
-    let chunk = k3_worker::generate::DEFAULT_PREFILL_CHUNK;
-    let drafts = k3_worker::spec::SpecMode::Auto.max_drafts();
-    let per_job = k3_worker::job::attached_job_bytes(&dims, positions, chunk, drafts).max(1);
-    let avail = k3_store::runtime::plan::allocatable()?;
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let fit = usize::try_from(avail / per_job).unwrap_or(usize::MAX);
-    let n = fit.clamp(1, cpus);
+    let avail = allocatable()?;
+    let usable = (avail as f64 * AUTO_SHARE) as u64;
+    let one = engine_plan(1, positions);
+    let n = one.slots_that_fit(&dims, usable, DEFAULT_MAX_SLOTS);
     Ok((
         n,
         format!(
-            "{} per job of {positions} positions, {} free, {cpus} CPUs",
-            k3_store::runtime::plan::fmt_bytes(per_job),
-            k3_store::runtime::plan::fmt_bytes(avail)
+            "{} per slot of {positions} positions, {} free",
+            fmt_bytes(one.seq_bytes(&dims, positions).max(1)),
+            fmt_bytes(avail)
         ),
     ))
 }
 
-/// Runs `k3-ctl serve`.
-pub fn run(a: Args) -> i32 {
+/// The flags checked before anything else (exit 2).
+fn check_flags(a: &Args) -> Result<(), ServeError> {
+    let bad = |m| Err(ServeError::Usage(m));
     if a.max_jobs == Some(0) {
-        return refuse("--max-jobs must be ≥ 1");
+        return bad("--max-jobs must be ≥ 1");
+    }
+    if a.ctx == Some(0) {
+        return bad("--ctx must be ≥ 1");
     }
     if a.threads == Some(0) {
-        return refuse("--threads must be ≥ 1");
+        return bad("--threads must be ≥ 1");
     }
     if a.max_body == 0 {
-        return refuse("--max-body must be ≥ 1");
+        return bad("--max-body must be ≥ 1");
     }
     if a.max_connections == 0 || a.max_connections_per_client == 0 {
-        return refuse("--max-connections and --max-connections-per-client must be ≥ 1");
+        return bad("--max-connections and --max-connections-per-client must be ≥ 1");
     }
     if a.request_timeout == 0 || a.idle_timeout == 0 {
-        return refuse("--request-timeout and --idle-timeout must be ≥ 1");
+        return bad("--request-timeout and --idle-timeout must be ≥ 1");
     }
-    let key = match api_key(&a) {
-        Ok(k) => k,
-        Err(e) => return refuse(format!("API key: {e}")),
-    };
     if a.cors_origin
         .iter()
         .any(|o| axum::http::HeaderValue::from_str(o).is_err() || o.is_empty())
     {
-        return refuse("--cors-origin: an origin is a scheme, host and port (or *)");
+        return bad("--cors-origin: an origin is a scheme, host and port (or *)");
     }
-    let exe = std::env::current_exe().ok();
-    let tok_dir = match (&a.tok, exe.as_deref().and_then(default_tokenizer)) {
+    Ok(())
+}
+
+/// The tokenizer (`--tok`, or the shipped one) and its chat markers.
+fn tokenizer(a: &Args, exe: Option<&Path>) -> Result<(PathBuf, Tokenizer, Markers), ServeError> {
+    let dir = match (&a.tok, exe.and_then(default_tokenizer)) {
         (Some(d), _) => d.clone(),
         (None, Some(d)) => std::fs::canonicalize(&d).unwrap_or(d),
-        (None, None) => {
-            return refuse(
-                "no tokenizer beside this binary (<bin>/../share/k3/tokenizer or <bin>/../../fixtures/tokenizer): pass --tok DIR",
-            )
-        }
+        (None, None) => return Err(ServeError::NoTokenizer),
     };
-    let tok = match Tokenizer::from_dir(&tok_dir) {
-        Ok(t) => t,
-        Err(e) => return refuse(format!("tokenizer {}: {e}", tok_dir.display())),
+    let tok = Tokenizer::from_dir(&dir).map_err(|source| ServeError::Tokenizer {
+        dir: dir.clone(),
+        source,
+    })?;
+    let markers = Markers::from_tokenizer(&tok).map_err(|source| ServeError::Markers {
+        dir: dir.clone(),
+        source,
+    })?;
+    Ok((dir, tok, markers))
+}
+
+/// The store's model directory and its vocabulary size (the store must answer).
+fn store_model(socket: &Path) -> Result<(PathBuf, usize), ServeError> {
+    let no_store = |source| ServeError::NoStore {
+        socket: socket.to_path_buf(),
+        source,
     };
-    let markers = match Markers::from_tokenizer(&tok) {
-        Ok(m) => m,
-        Err(e) => return refuse(format!("tokenizer {}: {e}", tok_dir.display())),
+    let mut c =
+        k3_store::attach::client::Client::connect(socket, ClientKind::Control, "k3-ctl serve")
+            .map_err(no_store)?;
+    let model_dir = match c.call(&Request::Status).map_err(no_store)? {
+        Response::Status(s) => PathBuf::from(s.model_dir),
+        other => return Err(ServeError::StoreAnswer(format!("{other:?}"))),
     };
+    let path = model_dir.join("config.json");
+    let cfg = k3_proto::config::ModelConfig::load(&path)
+        .map_err(|source| ServeError::Config { path, source })?;
+    Ok((model_dir, cfg.vocab_size))
+}
+
+/// What serve's startup found, for its one line on stdout.
+struct Started {
+    model_dir: PathBuf,
+    tok_dir: PathBuf,
+    sizing: String,
+}
+
+/// Everything the handlers share, from the flags and what the store said.
+fn app_state(a: &Args) -> Result<(Arc<http::AppState>, Started), ServeError> {
+    check_flags(a)?;
+    let key = api_key(a)?;
+    let exe = std::env::current_exe().ok();
+    let (tok_dir, tok, markers) = tokenizer(a, exe.as_deref())?;
     let worker = match (&a.worker, &exe) {
         (Some(p), _) => p.clone(),
         (None, Some(e)) => e.with_file_name("k3-worker"),
-        (None, None) => return refuse("cannot locate this binary: pass --worker PATH"),
+        (None, None) => return Err(ServeError::NoExe),
     };
     if !worker.is_file() {
-        return refuse(format!(
-            "no k3-worker at {} (pass --worker PATH)",
-            worker.display()
-        ));
+        return Err(ServeError::NoWorker(worker));
     }
     let socket = a.socket.path();
-    let status =
-        k3_store::attach::client::Client::connect(&socket, ClientKind::Control, "k3-ctl serve")
-            .map_err(|e| e.to_string())
-            .and_then(|mut c| c.call(&Request::Status).map_err(|e| e.to_string()));
-    let model_dir = match status {
-        Ok(Response::Status(s)) => PathBuf::from(s.model_dir),
-        Ok(other) => {
-            tracing::warn!("unexpected answer from the store: {other:?}");
-            return exit::NO_STORE;
-        }
-        Err(e) => {
-            tracing::warn!("{e}");
-            return exit::NO_STORE;
-        }
-    };
-    let cfg_path = model_dir.join("config.json");
-    let vocab = match k3_proto::config::ModelConfig::load(&cfg_path) {
-        Ok(c) => c.vocab_size,
-        Err(e) => return refuse(format!("{}: {e}", cfg_path.display())),
-    };
+    let (model_dir, vocab) = store_model(&socket)?;
+    let positions = a
+        .ctx
+        .unwrap_or(k3_worker::engine::sampling::positions_needed(
+            SIZING_PROMPT,
+            api::DEFAULT_CHAT_TOKENS,
+        ));
     let (max_jobs, sizing) = match a.max_jobs {
         Some(n) => (n, "--max-jobs".to_string()),
-        None => match sized_max_jobs(&model_dir) {
-            Ok((n, why)) => (n, format!("sized from the plan: {why}")),
-            Err(e) => {
-                return refuse(format!(
-                    "cannot size --max-jobs from the plan ({e}): pass --max-jobs N"
-                ))
-            }
-        },
-    };
-    let limits = conn::Limits {
-        total: a.max_connections,
-        per_addr: a.max_connections_per_client,
-        head: Duration::from_secs(a.request_timeout),
-        body: Duration::from_secs(a.request_timeout),
-        idle: Duration::from_secs(a.idle_timeout),
+        None => sized_max_jobs(&model_dir, positions)
+            .map(|(n, why)| (n, format!("sized from the plan: {why}")))
+            .map_err(ServeError::Sizing)?,
     };
     let spec = job::WorkerSpec {
-        exe: worker.clone(),
+        exe: worker,
         socket: socket.clone(),
         threads: a.threads,
         grace: Duration::from_secs(a.cancel_grace),
+        slots: max_jobs,
+        positions,
     };
-    // One batch worker for the requests that fit a job of the sizing prompt and default reply;
-    // larger ones (and every request with --no-batch or one job at a time) get their own.
-    let batch = (max_jobs > 1 && !a.no_batch).then(|| {
-        let positions =
-            k3_worker::generate::positions_needed(SIZING_PROMPT, api::DEFAULT_CHAT_TOKENS);
-        batch::BatchPool::new(spec.clone(), max_jobs, positions)
-    });
     let state = Arc::new(http::AppState {
         tok: Arc::new(tok),
         markers,
-        worker: spec,
-        batch,
+        worker: job::Worker::new(spec),
         admission: queue::Admission::new(max_jobs, a.queue),
         model_id: a.model_name.clone(),
         vocab,
@@ -340,10 +452,10 @@ pub fn run(a: Args) -> i32 {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        socket: socket.clone(),
+        socket,
         sessions: !a.no_sessions,
         max_body: a.max_body,
-        body_timeout: limits.body,
+        body_timeout: Duration::from_secs(a.request_timeout),
         metrics: metrics::Metrics::new(max_jobs, a.queue),
         defaults: api::Defaults::default(),
         policy: access::Policy {
@@ -351,22 +463,36 @@ pub fn run(a: Args) -> i32 {
             cors_origins: a.cors_origin.clone(),
         },
     });
-    let rt = match tokio::runtime::Builder::new_multi_thread()
+    let started = Started {
+        model_dir,
+        tok_dir,
+        sizing,
+    };
+    Ok((state, started))
+}
+
+/// Runs `k3-ctl serve` until SIGINT or SIGTERM.
+pub fn run(a: Args) -> Result<i32, ServeError> {
+    let (state, started) = app_state(&a)?;
+    let limits = conn::Limits {
+        total: a.max_connections,
+        per_addr: a.max_connections_per_client,
+        head: Duration::from_secs(a.request_timeout),
+        body: Duration::from_secs(a.request_timeout),
+        idle: Duration::from_secs(a.idle_timeout),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            tracing::warn!("cannot start the async runtime: {e}");
-            return exit::FAILURE;
-        }
-    };
+        .map_err(ServeError::Runtime)?;
     let code = rt.block_on(async {
-        let listener = match tokio::net::TcpListener::bind(a.listen).await {
-            Ok(l) => l,
-            Err(e) => return refuse(format!("cannot listen on {}: {e}", a.listen)),
-        };
+        let listener = tokio::net::TcpListener::bind(a.listen)
+            .await
+            .map_err(|source| ServeError::Listen {
+                addr: a.listen,
+                source,
+            })?;
         let addr = listener.local_addr().unwrap_or(a.listen);
         if !addr.ip().is_loopback() && state.policy.api_key.is_none() {
             tracing::warn!(
@@ -374,18 +500,22 @@ pub fn run(a: Args) -> i32 {
                  anyone who reaches it can use it (--api-key-file PATH or K3_API_KEY)"
             );
         }
+        let spec = state.worker.spec();
+        let (max_jobs, socket) = (spec.slots, spec.socket.clone());
         let listing = listing::start(&socket, state.clone(), addr, max_jobs, a.queue);
         if let Err(e) = &listing {
             tracing::warn!("k3-ctl ps will not list this server's requests: {e}");
         }
         println!(
-            "k3-ctl serve: listening on http://{addr} (model {:?} from {}, store {}, tokenizer {}, worker {}, {} job(s) at once ({sizing}), queue {}{})",
+            "k3-ctl serve: listening on http://{addr} (model {:?} from {}, store {}, tokenizer {}, worker {}, {} job(s) at once ({}), {} positions a slot, queue {}{})",
             a.model_name,
-            model_dir.display(),
+            started.model_dir.display(),
             socket.display(),
-            tok_dir.display(),
-            worker.display(),
+            started.tok_dir.display(),
+            spec.exe.display(),
             max_jobs,
+            started.sizing,
+            spec.positions,
             a.queue,
             if state.policy.api_key.is_some() { ", API key required" } else { "" },
         );
@@ -394,7 +524,8 @@ pub fn run(a: Args) -> i32 {
         drop(listing);
         code
     });
-    // Dropping the runtime drops every in-flight request: their workers are cancelled.
+    // Dropping the runtime drops every in-flight request: their jobs are cancelled, and the
+    // worker, whose channel closes, ends.
     rt.shutdown_timeout(Duration::from_millis(500));
     code
 }
@@ -422,21 +553,10 @@ async fn serve(
     app: axum::Router,
     registry: Arc<conn::Registry>,
     state: Arc<http::AppState>,
-) -> i32 {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!("cannot watch SIGTERM: {e}");
-            return exit::FAILURE;
-        }
-    };
-    let mut int = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!("cannot watch SIGINT: {e}");
-            return exit::FAILURE;
-        }
-    };
+) -> Result<i32, ServeError> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(|e| ServeError::Signal("SIGTERM", e))?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| ServeError::Signal("SIGINT", e))?;
     let limits = registry.limits();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
@@ -519,7 +639,7 @@ async fn serve(
         });
     }
     tracing::info!("stopping (in-flight jobs are cancelled)");
-    exit::OK
+    Ok(exit::OK)
 }
 
 #[cfg(test)]

@@ -5,12 +5,21 @@
 //! [`ReplyParser`]: the think channel becomes `reasoning_content`, the response channel
 //! `content`, structure is dropped. Stop strings apply to `content` (a completion's text); the
 //! stop string and everything after it is not part of the reply. `finish_reason` is `stop` for an
-//! end id or a stop string, `length` when `max_tokens` ids were generated.
+//! end id or a stop string, `length` when `max_tokens` ids were generated, `tool_calls` when the
+//! reply made at least one well-formed call.
+//!
+//! Tool calls (SPEC.md §5.5 "Tools"): every chat reply's `tools` element is read by
+//! [`CallParser`] whatever the request declared, so a call is never dropped. A well-formed call to
+//! a tool the request allows becomes a [`CallOut`] when it closes; a call that does not parse,
+//! names an undeclared tool or comes under `tool_choice: "none"` is reported: its text as the
+//! model wrote it is appended to `content` (stop strings do not apply to it) and the reason is
+//! kept ([`ReplyText::malformed`]). With `parallel_tool_calls: false` the reply ends after its
+//! first call.
 
 use std::sync::Arc;
 
-use k3_worker::chat::{Channel, Markers, ReplyParser};
-use k3_worker::generate::END_IDS;
+use k3_worker::text::tools::{CallParser, ToolEvent};
+use k3_worker::text::xtml::{Channel, Markers, ReplyParser, END_IDS};
 use k3_worker::tokenizer::Tokenizer;
 
 use super::text::{StopText, Utf8Stream};
@@ -22,6 +31,8 @@ pub enum Finish {
     Stop,
     /// `max_tokens` ids were generated.
     Length,
+    /// The reply ended after well-formed tool calls.
+    ToolCalls,
 }
 
 impl Finish {
@@ -30,8 +41,29 @@ impl Finish {
         match self {
             Finish::Stop => "stop",
             Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
         }
     }
+}
+
+/// A well-formed generated tool call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallOut {
+    /// Its place among the reply's calls (from 0).
+    pub index: usize,
+    /// The tool.
+    pub name: String,
+    /// The arguments as a JSON object's text, with the types the call declared.
+    pub arguments: String,
+}
+
+/// A generated tool call that was not accepted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MalformedOut {
+    /// Why.
+    pub error: String,
+    /// The call's text as the model wrote it (also appended to `content`).
+    pub text: String,
 }
 
 /// Text released by one id.
@@ -41,18 +73,31 @@ pub struct Delta {
     pub reasoning: String,
     /// Response text (a completion's text).
     pub content: String,
+    /// Tool calls that closed.
+    pub calls: Vec<CallOut>,
 }
 
 impl Delta {
     /// Nothing to send.
     pub fn is_empty(&self) -> bool {
-        self.reasoning.is_empty() && self.content.is_empty()
+        self.reasoning.is_empty() && self.content.is_empty() && self.calls.is_empty()
     }
 
-    fn add(&mut self, o: Delta) {
+    /// Append `o`.
+    pub fn add(&mut self, o: Delta) {
         self.reasoning.push_str(&o.reasoning);
         self.content.push_str(&o.content);
+        self.calls.extend(o.calls);
     }
+}
+
+/// Which tool calls a chat request allows.
+#[derive(Clone, Debug)]
+pub struct CallRules {
+    /// The tools that may be called (empty: none; every call is reported).
+    pub allowed: Vec<String>,
+    /// More than one call per reply.
+    pub parallel: bool,
 }
 
 /// The reply being built.
@@ -60,6 +105,14 @@ impl Delta {
 pub struct ReplyText {
     tok: Arc<Tokenizer>,
     parser: Option<ReplyParser>,
+    calls: Option<CallParser>,
+    parallel: bool,
+    n_calls: usize,
+    malformed: Vec<MalformedOut>,
+    /// The reply was ended here (a stop string, or the one call `parallel_tool_calls: false`
+    /// allows).
+    cut: bool,
+    markers: Option<Markers>,
     think: Utf8Stream,
     text: Utf8Stream,
     stop: StopText,
@@ -75,6 +128,15 @@ impl ReplyText {
         ReplyText::new(tok, None, stops, max_new, false)
     }
 
+    /// Read tool calls by `rules` (a chat reply; without this every call is reported).
+    pub fn with_calls(mut self, rules: CallRules) -> ReplyText {
+        if let Some(m) = self.markers {
+            self.calls = Some(CallParser::new(m, Some(rules.allowed)));
+            self.parallel = rules.parallel;
+        }
+        self
+    }
+
     /// A chat reply after the generation prompt (`thinking`: the reply starts in the think
     /// channel).
     pub fn chat(
@@ -84,13 +146,16 @@ impl ReplyText {
         stops: &[String],
         max_new: usize,
     ) -> ReplyText {
-        ReplyText::new(
+        let mut r = ReplyText::new(
             tok,
             Some(ReplyParser::new(markers, thinking)),
             stops,
             max_new,
             thinking,
-        )
+        );
+        r.calls = Some(CallParser::new(markers, Some(Vec::new())));
+        r.markers = Some(markers);
+        r
     }
 
     fn new(
@@ -104,6 +169,12 @@ impl ReplyText {
             thinking,
             tok,
             parser,
+            calls: None,
+            markers: None,
+            parallel: true,
+            n_calls: 0,
+            malformed: Vec::new(),
+            cut: false,
             think: Utf8Stream::default(),
             text: Utf8Stream::default(),
             stop: StopText::new(stops),
@@ -128,10 +199,46 @@ impl ReplyText {
         self.finish
     }
 
-    /// True when a stop string ended the reply (the worker is still running and must be
+    /// True when the reply was ended here — a stop string, or the one tool call
+    /// `parallel_tool_calls: false` allows — while the worker is still running (it must be
     /// stopped).
-    pub fn stopped_by_text(&self) -> bool {
-        self.stop.stopped()
+    pub fn cut_short(&self) -> bool {
+        self.stop.stopped() || self.cut
+    }
+
+    /// The stop string that ended the reply.
+    pub fn stop_sequence(&self) -> Option<&str> {
+        self.stop.matched()
+    }
+
+    /// Tool calls that were reported instead of returned (see the module doc).
+    pub fn malformed(&self) -> &[MalformedOut] {
+        &self.malformed
+    }
+
+    /// Take a tool call event into `d`.
+    fn on_call(&mut self, e: ToolEvent, d: &mut Delta) {
+        match e {
+            ToolEvent::Call(c) => {
+                d.calls.push(CallOut {
+                    index: self.n_calls,
+                    name: c.name,
+                    arguments: serde_json::Value::Object(c.arguments).to_string(),
+                });
+                self.n_calls += 1;
+                if !self.parallel {
+                    self.cut = true;
+                }
+            }
+            ToolEvent::Malformed(m) => {
+                tracing::warn!("a generated tool call was not accepted: {}", m.reason);
+                d.content.push_str(&m.raw);
+                self.malformed.push(MalformedOut {
+                    error: m.reason.to_string(),
+                    text: m.raw,
+                });
+            }
+        }
     }
 
     /// One generated id; returns the text it releases. Ids after the end are ignored.
@@ -154,6 +261,7 @@ impl ReplyText {
                 }
             }
             Some(p) => {
+                let call = self.calls.as_mut().and_then(|c| c.push(&tok, id));
                 match p.push(&tok, id) {
                     Channel::Think => d.reasoning = self.think.push(bytes),
                     Channel::Response => {
@@ -168,13 +276,27 @@ impl ReplyText {
                     }
                 }
                 ended = p.done();
+                if let Some(e) = call {
+                    self.on_call(e, &mut d);
+                }
             }
         }
         if self.stop.stopped() {
             self.finish = Some(Finish::Stop);
+        } else if self.cut {
+            self.end(&mut d, Finish::ToolCalls);
         } else if ended {
-            self.end(&mut d, Finish::Stop);
+            let why = if self.n_calls > 0 {
+                Finish::ToolCalls
+            } else {
+                Finish::Stop
+            };
+            self.end(&mut d, why);
         } else if self.generated >= self.max_new {
+            // A call left open at the limit is reported.
+            if let Some(e) = self.calls.as_mut().and_then(|c| c.end(&tok)) {
+                self.on_call(e, &mut d);
+            }
             self.end(&mut d, Finish::Length);
         }
         d
@@ -200,7 +322,7 @@ impl ReplyText {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k3_worker::chat::{ChatFormat, Message};
+    use k3_worker::text::xtml::{ChatFormat, Message};
     use std::path::PathBuf;
 
     fn tok() -> Arc<Tokenizer> {
@@ -228,7 +350,7 @@ mod tests {
         assert_eq!(d.content, "Hello, wörld €");
         assert_eq!(r.finish(), Some(Finish::Stop));
         assert_eq!(r.generated(), n + 1);
-        assert!(!r.stopped_by_text());
+        assert!(!r.cut_short());
     }
 
     #[test]
@@ -248,15 +370,127 @@ mod tests {
         let d = collect(&mut r, &ids);
         assert_eq!(d.content, "one two");
         assert_eq!(r.finish(), Some(Finish::Stop));
-        assert!(r.stopped_by_text());
+        assert!(r.cut_short());
+    }
+
+    /// A forced reply (fixed ids, no model): thinking, a response, two calls, the end.
+    fn call_reply(t: &Tokenizer, second: &str) -> Vec<u32> {
+        t.encode_with_special(&format!(
+            "plan<|close|>think<|sep|><|open|>response<|sep|>On it.<|close|>response<|sep|>\
+             <|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument \
+             key=\"q\" type=\"string\"<|sep|>K3<|close|>argument<|sep|><|open|>argument \
+             key=\"n\" type=\"number\"<|sep|>2<|close|>argument<|sep|><|close|>call<|sep|>\
+             {second}<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"
+        ))
+    }
+
+    fn rules(allowed: &[&str], parallel: bool) -> CallRules {
+        CallRules {
+            allowed: allowed.iter().map(|s| s.to_string()).collect(),
+            parallel,
+        }
+    }
+
+    #[test]
+    fn tool_calls_come_out_when_they_close_and_finish_the_reply_as_tool_calls() {
+        let t = tok();
+        let m = Markers::from_tokenizer(&t).unwrap();
+        let second =
+            "<|open|>call tool=\"g\" index=\"2\"<|sep|><|open|>json type=\"object\"<|sep|>\
+                      {\"a\": [1]}<|close|>json<|sep|><|close|>call<|sep|>";
+        let ids = call_reply(&t, second);
+        let mut r =
+            ReplyText::chat(t.clone(), m, true, &[], 1000).with_calls(rules(&["f", "g"], true));
+        let mut deltas = Vec::new();
+        for &id in &ids {
+            deltas.push(r.push(id));
+        }
+        let calls: Vec<&CallOut> = deltas.iter().flat_map(|d| d.calls.iter()).collect();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(
+            (
+                calls[0].index,
+                calls[0].name.as_str(),
+                calls[0].arguments.as_str()
+            ),
+            (0, "f", r#"{"q":"K3","n":2}"#)
+        );
+        assert_eq!((calls[1].index, calls[1].name.as_str()), (1, "g"));
+        // Each call arrives with the id that closed it, not before.
+        let first_at = deltas.iter().position(|d| !d.calls.is_empty()).unwrap();
+        let close_call = t.encode_with_special("<|close|>call<|sep|>");
+        assert_eq!(ids[first_at], *close_call.last().unwrap());
+        let all = collect(
+            &mut ReplyText::chat(t.clone(), m, true, &[], 1000)
+                .with_calls(rules(&["f", "g"], true)),
+            &ids,
+        );
+        assert_eq!(
+            (all.reasoning.as_str(), all.content.as_str()),
+            ("plan", "On it.")
+        );
+        assert_eq!(r.finish(), Some(Finish::ToolCalls));
+        assert!(r.malformed().is_empty());
+    }
+
+    #[test]
+    fn one_call_only_ends_the_reply_after_it() {
+        let t = tok();
+        let m = Markers::from_tokenizer(&t).unwrap();
+        let ids = call_reply(
+            &t,
+            "<|open|>call tool=\"f\" index=\"2\"<|sep|><|close|>call<|sep|>",
+        );
+        let mut r = ReplyText::chat(t.clone(), m, true, &[], 1000).with_calls(rules(&["f"], false));
+        let d = collect(&mut r, &ids);
+        assert_eq!(d.calls.len(), 1);
+        assert_eq!(r.finish(), Some(Finish::ToolCalls));
+        assert!(
+            r.cut_short(),
+            "the worker is still running and must be stopped"
+        );
+        assert!(r.generated() < ids.len());
+    }
+
+    #[test]
+    fn malformed_and_forbidden_calls_are_reported_in_content() {
+        let t = tok();
+        let m = Markers::from_tokenizer(&t).unwrap();
+        let bad = "<|open|>call tool=\"f\" index=\"2\"<|sep|><|open|>argument key=\"n\" \
+                   type=\"number\"<|sep|>lots<|close|>argument<|sep|><|close|>call<|sep|>";
+        let ids = call_reply(&t, bad);
+        let mut r = ReplyText::chat(t.clone(), m, true, &[], 1000).with_calls(rules(&["f"], true));
+        let d = collect(&mut r, &ids);
+        assert_eq!(d.calls.len(), 1);
+        assert_eq!(d.content, format!("On it.{bad}"));
+        assert_eq!(r.malformed().len(), 1);
+        assert!(
+            r.malformed()[0].error.contains("\"n\""),
+            "{:?}",
+            r.malformed()
+        );
+        assert_eq!(r.finish(), Some(Finish::ToolCalls));
+        // tool_choice none (no tool allowed): both calls are reported, the reply is a stop.
+        let mut r = ReplyText::chat(t.clone(), m, true, &[], 1000).with_calls(rules(&[], true));
+        let d = collect(&mut r, &ids);
+        assert!(d.calls.is_empty());
+        assert_eq!(r.malformed().len(), 2);
+        assert_eq!(r.finish(), Some(Finish::Stop));
+        // The token limit inside a call: reported, finish length.
+        let cut = ids.len() - 12;
+        let mut r = ReplyText::chat(t.clone(), m, true, &[], cut).with_calls(rules(&["f"], true));
+        let d = collect(&mut r, &ids);
+        assert_eq!(r.finish(), Some(Finish::Length));
+        assert_eq!(r.malformed().len(), 1);
+        assert!(d.content.ends_with(&r.malformed()[0].text));
     }
 
     #[test]
     fn chat_reply_splits_channels_like_the_worker() {
         let t = tok();
-        let fmt = ChatFormat::new(&t, Some(k3_worker::chat::Effort::Low)).unwrap();
+        let fmt = ChatFormat::new(&t, Some(k3_worker::text::xtml::Effort::Low)).unwrap();
         // A reply as the model writes it after the generation prompt (inside <think>).
-        let history = [Message::from_reply(&k3_worker::chat::Reply {
+        let history = [Message::from_reply(&k3_worker::text::xtml::Reply {
             ids: vec![],
             think_ids: t.encode("let me think"),
             response_ids: t.encode("The answer is 4."),

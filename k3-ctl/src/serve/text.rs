@@ -61,6 +61,7 @@ pub struct StopText {
     stops: Vec<String>,
     held: String,
     stopped: bool,
+    matched: Option<usize>,
 }
 
 impl StopText {
@@ -70,12 +71,18 @@ impl StopText {
             stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
             held: String::new(),
             stopped: false,
+            matched: None,
         }
     }
 
     /// True once a stop string was seen (nothing more is released).
     pub fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// The stop string that was seen (the earliest match; the first listed on a tie).
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.map(|k| self.stops[k].as_str())
     }
 
     /// Add text; returns what can be released now. After a stop string it returns the text
@@ -89,10 +96,12 @@ impl StopText {
         let first = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
+            .enumerate()
+            .filter_map(|(k, s)| self.held.find(s.as_str()).map(|at| (at, k)))
             .min();
-        if let Some(at) = first {
+        if let Some((at, k)) = first {
             self.stopped = true;
+            self.matched = Some(k);
             let out = self.held[..at].to_string();
             self.held.clear();
             return out;
@@ -169,6 +178,10 @@ mod tests {
         assert_eq!(run(&["\n\n", "."], &["one", ". two"]), ("one".into(), true));
         // The earliest match wins whichever stop string it is.
         assert_eq!(run(&["cd", "b"], &["abcd"]), ("a".into(), true));
+        let stops = vec!["cd".to_string(), "b".to_string()];
+        let mut m = StopText::new(&stops);
+        m.push("abcd");
+        assert_eq!(m.matched(), Some("b"));
     }
 
     #[test]

@@ -39,19 +39,44 @@ use crate::runtime::source::{
 use crate::runtime::trunk::{open_shards, TrunkError, TrunkLayout};
 use crate::shmem::ReadOnlySegment;
 
-/// Why a worker could not attach.
+/// Why a worker could not attach. Each variant keeps the error beneath it; its exit code is in
+/// [`crate::exit_codes`] (no store to attach to: 3; this process's limits: 2).
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
     /// No store answers, or it refused us (exit 3).
-    #[error("{0}")]
-    NoStore(String),
-    /// The store's checkpoint or trunk cannot be opened here, or the memory is not what it
-    /// should be (exit 3: we cannot attach).
+    #[error(transparent)]
+    Connect(#[from] ClientError),
+    /// The store's handshake lacked something (`what`: its Welcome, its shared memory): exit 3.
+    #[error("the store sent no {0}")]
+    Handshake(&'static str),
+    /// The store's memory could not be mapped (exit 3).
+    #[error("cannot attach: mapping the store's memory: {0}")]
+    Map(#[source] std::io::Error),
+    /// The store's memory does not start with a header this worker reads (exit 3).
+    #[error("cannot attach: the store's memory: {0}")]
+    Header(#[source] k3_proto::shm::ShmError),
+    /// The store's checkpoint cannot be catalogued here (exit 3).
+    #[error("cannot attach: {0}")]
+    Catalog(#[source] crate::runtime::catalog::CatalogError),
+    /// The checkpoint's identity cannot be established here (exit 3).
+    #[error("cannot attach: {0}")]
+    Identity(#[source] crate::runtime::identity::IdentityError),
+    /// The checkpoint's shards cannot be opened here (exit 3).
+    #[error("cannot attach: {0}")]
+    Shards(#[source] crate::runtime::io::ReadError),
+    /// The store's packed trunk cannot be used here (exit 3).
+    #[error("cannot attach: {0}")]
+    Trunk(#[source] TrunkError),
+    /// The store's checkpoint, trunk or memory is not what it should be (exit 3: we cannot
+    /// attach); the message says what differs.
     #[error("cannot attach: {0}")]
     Mismatch(String),
     /// This process cannot hold what attaching needs (its open-file limit): exit 2.
-    #[error("{0}")]
-    Refused(String),
+    #[error(transparent)]
+    Files(#[from] crate::runtime::fdlimit::TooFewFiles),
+    /// The expert fetch thread could not be started (exit 1).
+    #[error("starting the expert fetch thread: {0}")]
+    Thread(#[source] std::io::Error),
 }
 
 /// How to attach.
@@ -150,8 +175,8 @@ impl Link {
         match resp {
             Ok(Response::Experts { answers, .. }) => {
                 if answers.len() != ids.len() {
-                    return Err(SourceError::Io(format!(
-                        "the store answered {} experts for {} requested",
+                    return Err(SourceError::BadAnswer(format!(
+                        "{} experts for {} requested",
                         answers.len(),
                         ids.len()
                     )));
@@ -191,9 +216,7 @@ impl Link {
             Ok(Response::Error { code, message }) => Err(SourceError::Invalid(format!(
                 "the store refused layer {l}'s experts ({code:?}): {message}"
             ))),
-            Ok(other) => Err(SourceError::Io(format!(
-                "unexpected answer from the store: {other:?}"
-            ))),
+            Ok(other) => Err(SourceError::BadAnswer(format!("{other:?}"))),
             Err(e) => Err(SourceError::StoreGone(format!(
                 "store connection lost: {e}"
             ))),
@@ -348,10 +371,6 @@ fn unexpected(r: Response) -> SessionCallError {
     }
 }
 
-fn no_store(e: ClientError) -> AttachError {
-    AttachError::NoStore(e.to_string())
-}
-
 impl AttachedSource {
     /// Connect to the store at `socket`, map its memory and prepare to stream unpinned layers.
     pub fn attach(
@@ -359,8 +378,7 @@ impl AttachedSource {
         opts: &AttachOptions,
     ) -> Result<(AttachedSource, AttachInfo), AttachError> {
         let t0 = Instant::now();
-        let mut client =
-            Client::connect(socket, ClientKind::Worker, &opts.label).map_err(no_store)?;
+        let mut client = Client::connect(socket, ClientKind::Worker, &opts.label)?;
         let Response::Welcome {
             model_dir,
             trunk_dir,
@@ -370,18 +388,14 @@ impl AttachedSource {
             ..
         } = client.welcome.clone()
         else {
-            return Err(AttachError::NoStore("the store sent no Welcome".into()));
+            return Err(AttachError::Handshake("Welcome"));
         };
         let fd = client
             .shm_fd
             .take()
-            .ok_or_else(|| AttachError::NoStore("the store sent no shared memory".into()))?;
-        let seg = Arc::new(
-            ReadOnlySegment::map(fd, shm_bytes)
-                .map_err(|e| AttachError::Mismatch(format!("mapping the store's memory: {e}")))?,
-        );
-        let header = ShmHeader::decode(seg.bytes())
-            .map_err(|e| AttachError::Mismatch(format!("the store's memory: {e}")))?;
+            .ok_or(AttachError::Handshake("shared memory"))?;
+        let seg = Arc::new(ReadOnlySegment::map(fd, shm_bytes).map_err(AttachError::Map)?);
+        let header = ShmHeader::decode(seg.bytes()).map_err(AttachError::Header)?;
         let model_dir = PathBuf::from(model_dir);
         // An empty trunk directory: the store reads the layers from the checkpoint's shards.
         let trunk_dir = (!trunk_dir.is_empty()).then(|| PathBuf::from(trunk_dir));
@@ -396,8 +410,8 @@ impl AttachedSource {
                 )));
             }
         }
-        let (cat, _cfg) = Catalog::open_dir(&model_dir).map_err(|e| mismatch(e.0))?;
-        let identity = ModelIdentity::of(&cat).map_err(|e| mismatch(e.to_string()))?;
+        let (cat, _cfg) = Catalog::open_dir(&model_dir).map_err(AttachError::Catalog)?;
+        let identity = ModelIdentity::of(&cat).map_err(AttachError::Identity)?;
         if identity.id != header.model_identity() {
             return Err(mismatch(format!(
                 "{} is model {identity} here, but the store serves model {:032x}: the checkpoint \
@@ -415,15 +429,11 @@ impl AttachedSource {
             other: 3,
             ..Default::default()
         };
-        (crate::runtime::fdlimit::raise())
-            .check("k3-worker", &needs)
-            .map_err(|e| AttachError::Refused(e.to_string()))?;
-        let shards = open_shards(&cat).map_err(|e| mismatch(e.0))?;
+        (crate::runtime::fdlimit::raise()).check("k3-worker", &needs)?;
+        let shards = open_shards(&cat).map_err(AttachError::Shards)?;
         let reader = ExpertReader::new(shards.clone(), cat.expert_layout());
         let trunk = Arc::new(match &trunk_dir {
-            Some(dir) => {
-                TrunkLayout::from_packed(&cat, shards, dir).map_err(|e| mismatch(e.to_string()))?
-            }
+            Some(dir) => TrunkLayout::from_packed(&cat, shards, dir).map_err(AttachError::Trunk)?,
             None => TrunkLayout::from_catalog(&cat, shards),
         });
         // The descriptors this worker reads must be the ones the store checks runs against.
@@ -517,8 +527,7 @@ impl AttachedSource {
                 .map(|(d, runs)| (d.clone(), runs.iter().map(|r| r.len() as u64).sum())),
             trunk: ours,
         };
-        let fetch = IoPool::new("k3-expert-fetch", 1)
-            .map_err(|e| AttachError::NoStore(format!("starting the expert fetch thread: {e}")))?;
+        let fetch = IoPool::new("k3-expert-fetch", 1).map_err(AttachError::Thread)?;
         Ok((
             AttachedSource {
                 link: Arc::new(Link {
@@ -586,12 +595,12 @@ impl AttachedSource {
             }) => Err(SourceError::StoreGone(format!(
                 "the store's trunk ring (Stopping): {message}"
             ))),
-            Ok(Response::Error { code, message }) => Err(SourceError::Io(format!(
-                "the store's trunk ring ({code:?}): {message}"
-            ))),
-            Ok(other) => Err(SourceError::Io(format!(
-                "unexpected answer from the store: {other:?}"
-            ))),
+            Ok(Response::Error { code, message }) => Err(SourceError::Refused {
+                what: "the trunk lease's release".into(),
+                code,
+                message,
+            }),
+            Ok(other) => Err(SourceError::BadAnswer(format!("{other:?}"))),
             Err(e) => Err(SourceError::StoreGone(format!(
                 "store connection lost: {e}"
             ))),
@@ -622,15 +631,13 @@ impl AttachedSource {
                 )))
             }
             Ok(Response::Error { code, message }) => {
-                return Err(SourceError::Io(format!(
-                    "the store's trunk ring refused layer {l} ({code:?}): {message}"
-                )))
+                return Err(SourceError::Refused {
+                    what: format!("trunk layer {l}"),
+                    code,
+                    message,
+                })
             }
-            Ok(other) => {
-                return Err(SourceError::Io(format!(
-                    "unexpected answer from the store: {other:?}"
-                )))
-            }
+            Ok(other) => return Err(SourceError::BadAnswer(format!("{other:?}"))),
             Err(e) => {
                 return Err(SourceError::StoreGone(format!(
                     "store connection lost: {e}"
@@ -640,14 +647,14 @@ impl AttachedSource {
         let (r0, rlen) = self.ring;
         let inside = offset >= r0 && offset.checked_add(len).is_some_and(|e| e <= r0 + rlen);
         if len != plan.run_len || !inside {
-            return Err(SourceError::Io(format!(
-                "the store answered layer {l} at {offset}+{len}, not a {}-byte run inside its ring ({r0}+{rlen})",
+            return Err(SourceError::BadAnswer(format!(
+                "layer {l} at {offset}+{len}, not a {}-byte run inside its ring ({r0}+{rlen})",
                 plan.run_len
             )));
         }
         let owner: Arc<dyn ByteOwner> = self.link.seg.clone();
         let region = Region::new(owner, offset as usize, len as usize)
-            .ok_or_else(|| SourceError::Io(format!("layer {l}: outside the mapping")))?;
+            .ok_or_else(|| SourceError::Outside(format!("layer {l}'s run in the mapping")))?;
         let mut f = self.trunk_stats.lock().unwrap_or_else(|p| p.into_inner());
         f.leased = true;
         f.holding = true;
@@ -670,10 +677,8 @@ impl AttachedSource {
         let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Stats) {
             Ok(Response::Stats(s)) => Ok(s.job),
-            Ok(other) => Err(SourceError::Io(format!(
-                "unexpected answer from the store: {other:?}"
-            ))),
-            Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
+            Ok(other) => Err(SourceError::BadAnswer(format!("{other:?}"))),
+            Err(e) => Err(SourceError::Connection(e.into())),
         }
     }
 
@@ -724,10 +729,8 @@ impl AttachedSource {
         let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Progress(p)) {
             Ok(Response::Noted) => Ok(()),
-            Ok(other) => Err(SourceError::Io(format!(
-                "unexpected answer from the store: {other:?}"
-            ))),
-            Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
+            Ok(other) => Err(SourceError::BadAnswer(format!("{other:?}"))),
+            Err(e) => Err(SourceError::Connection(e.into())),
         }
     }
 
@@ -747,10 +750,8 @@ impl AttachedSource {
                 ids.truncate(max as usize);
                 Ok(ids)
             }
-            Ok(other) => Err(SourceError::Io(format!(
-                "unexpected answer from the store: {other:?}"
-            ))),
-            Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
+            Ok(other) => Err(SourceError::BadAnswer(format!("{other:?}"))),
+            Err(e) => Err(SourceError::Connection(e.into())),
         }
     }
 
@@ -761,10 +762,8 @@ impl AttachedSource {
         let mut c = self.link.client.lock().unwrap_or_else(|p| p.into_inner());
         match c.call(&Request::Record { ids: ids.to_vec() }) {
             Ok(Response::Noted) => Ok(()),
-            Ok(other) => Err(SourceError::Io(format!(
-                "unexpected answer from the store: {other:?}"
-            ))),
-            Err(e) => Err(SourceError::Io(format!("store connection: {e}"))),
+            Ok(other) => Err(SourceError::BadAnswer(format!("{other:?}"))),
+            Err(e) => Err(SourceError::Connection(e.into())),
         }
     }
 }

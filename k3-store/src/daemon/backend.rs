@@ -26,21 +26,22 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k3_proto::names::MODEL_TENSORS;
-use k3_proto::shm::{RegionKind, ShmHeader, SlotEntry, FIRST_REGION_OFFSET};
+use k3_proto::shm::{RegionKind, ShmHeader, SlotEntry};
 use k3_proto::wire::{
     ClientKind, Counters, ErrorCode, JobStats, Response, SlotAnswer, StatsReport, StatusReport,
 };
 use zerocopy::IntoBytes;
 
 use super::ring::{add_ring, released, ring_error};
+use super::segment::{ring_over, segment_layout, write_header, Loader};
+pub use super::segment::{segment_bytes, BuildError};
+use super::usage::{preload_kind, UsageBook};
 use super::{Backend, ConnId};
-use crate::runtime::arena::ArenaMem;
 use crate::runtime::catalog::Catalog;
 use crate::runtime::draft::DraftFile;
 use crate::runtime::experts::{
-    Arena, BatchError, ExpertReader, ExpertSlots, Locked, SlotState, SlotTable,
+    Arena, BatchError, ExpertSlots, Locked, PreloadSet, SlotState, SlotTable,
 };
-use crate::runtime::io::{align_up, span_len, DiskFile};
 use crate::runtime::pool::IoPool;
 use crate::runtime::ring::{Grant, Ring, RingOptions};
 use crate::runtime::trunk::{open_shards, TrunkLayout};
@@ -97,9 +98,11 @@ pub struct BuildOptions {
     /// Bytes of the ring the unpinned layers stream through (ignored when every layer is
     /// pinned; at least the largest unpinned layer otherwise).
     pub ring_bytes: u64,
-    /// Read every routed expert into the arena before serving (`--preload`, decided by the
-    /// caller: the arena has a slot for each).
-    pub preload: bool,
+    /// The experts read into the arena before serving (`--preload`, decided by the caller:
+    /// [`super::usage::choose_preload`]).
+    pub preload: PreloadSet,
+    /// The expert usage history that counts workers' demands (`--state-dir`).
+    pub usage: Option<Arc<UsageBook>>,
     /// Lease limits of the ring.
     pub ring: RingOptions,
     /// The checkpoint's content identity (`runtime::identity::ModelIdentity`), recorded in the
@@ -183,102 +186,10 @@ pub struct StoreBackend {
     draft_dir: String,
     status: StatusReport,
     pinned: u32,
-}
-
-/// Bytes of shared memory [`StoreBackend::build`] will create for these options.
-pub fn segment_bytes(
-    cat: &Catalog,
-    trunk: &TrunkLayout,
-    pinned: usize,
-    slots: usize,
-    ring_bytes: u64,
-    draft: Option<&DraftFile>,
-) -> u64 {
-    segment_layout(cat, trunk, pinned, slots, ring_bytes, draft).total
-}
-
-struct SegLayout {
-    model: Vec<(usize, u64, u64)>, // (catalog index, region offset, region bytes)
-    layers: Vec<(usize, u64, u64)>, // (layer, region offset, region bytes)
-    draft: Vec<(usize, u64, u64)>, // (layer, region offset, region bytes)
-    ring: Option<(u64, u64)>,
-    arena: (u64, u64),
-    slot_table: (u64, u64),
-    stride: u64,
-    total: u64,
-}
-
-fn segment_layout(
-    cat: &Catalog,
-    trunk: &TrunkLayout,
-    pinned: usize,
-    slots: usize,
-    ring_bytes: u64,
-    draft_file: Option<&DraftFile>,
-) -> SegLayout {
-    let up = |x: u64| align_up(x).unwrap_or(u64::MAX);
-    let mut at = FIRST_REGION_OFFSET;
-    let mut model = Vec::new();
-    for name in MODEL_TENSORS {
-        if let Some(i) = cat.model_tensors().iter().position(|t| t.name == name) {
-            let t = &cat.model_tensors()[i];
-            let bytes = up(span_len(t.off, t.nbytes).unwrap_or(u64::MAX));
-            model.push((i, at, bytes));
-            at += bytes;
-        }
-    }
-    let mut layers = Vec::new();
-    for l in 0..pinned.min(trunk.n_layers()) {
-        let bytes = up(trunk.buf_len(l));
-        layers.push((l, at, bytes));
-        at += bytes;
-    }
-    let mut draft = Vec::new();
-    for l in 0..draft_file.map_or(0, |d| d.n_layers()) {
-        let (off, len) = draft_file.expect("n_layers is 0 without a draft").run(l);
-        let bytes = up(span_len(off, len).unwrap_or(u64::MAX));
-        draft.push((l, at, bytes));
-        at += bytes;
-    }
-    let ring = (pinned < trunk.n_layers()).then(|| {
-        let r = (at, up(ring_bytes));
-        at += r.1;
-        r
-    });
-    let stride = ExpertReader::slot_stride(&cat.expert_layout()) as u64;
-    let arena = (at, stride * slots as u64);
-    at += arena.1;
-    let slot_table = (at, up(SlotEntry::table_bytes(slots as u64)));
-    at += slot_table.1;
-    SegLayout {
-        model,
-        layers,
-        draft,
-        ring,
-        arena,
-        slot_table,
-        stride,
-        total: at,
-    }
-}
-
-/// Why [`StoreBackend::build`] failed: the message and the exit code (`k3_proto::exit`): 2 when
-/// a pinned trunk layer fails its checksum, 1 otherwise.
-#[derive(Debug)]
-pub struct BuildError {
-    /// Exit code.
-    pub code: i32,
-    /// What went wrong.
-    pub message: String,
-}
-
-impl From<String> for BuildError {
-    fn from(message: String) -> Self {
-        BuildError {
-            code: k3_proto::exit::FAILURE,
-            message,
-        }
-    }
+    /// What was preloaded at start (`k3-ctl stats`).
+    preload: &'static str,
+    /// The expert usage history, counted on every demand request.
+    usage: Option<Arc<UsageBook>>,
 }
 
 /// An expert request the store refuses (answered as `BadRequest`).
@@ -292,22 +203,31 @@ pub enum BadRequest {
     Invalid(String),
 }
 
-impl From<crate::runtime::experts::ArenaSetupError> for BuildError {
-    fn from(e: crate::runtime::experts::ArenaSetupError) -> Self {
-        e.to_string().into()
-    }
-}
-
-impl From<crate::runtime::source::ExpertError> for BuildError {
-    fn from(e: crate::runtime::source::ExpertError) -> Self {
-        format!("preloading the expert cache: {e}").into()
-    }
-}
-
-impl std::fmt::Display for BuildError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
+/// The store's directories as it reports them (model, trunk; draft) and its status before any
+/// client.
+fn status_of(opts: &BuildOptions, shm_bytes: u64) -> ((String, String), String, StatusReport) {
+    let dirs = (
+        opts.model_dir.display().to_string(),
+        opts.trunk_dir
+            .as_ref()
+            .map_or(String::new(), |d| d.display().to_string()),
+    );
+    let draft_dir = opts
+        .draft
+        .as_ref()
+        .map_or(String::new(), |d| d.dir().display().to_string());
+    let status = StatusReport {
+        model_dir: dirs.0.clone(),
+        trunk_dir: dirs.1.clone(),
+        preset: opts.preset.clone(),
+        plan: opts.plan_text.clone(),
+        shm_bytes,
+        pid: std::process::id(),
+        clients: Vec::new(),
+        uptime_seconds: 0.0,
+        trunk: Default::default(),
+    };
+    (dirs, draft_dir, status)
 }
 
 impl StoreBackend {
@@ -354,103 +274,28 @@ impl StoreBackend {
         let mut seg = Segment::create("k3-store", lay.total)
             .map_err(|e| format!("cannot create {} bytes of shared memory: {e}", lay.total))?;
         let mut header = ShmHeader::new(lay.total, opts.identity);
-        let preload_bytes = if opts.preload {
-            let n = cat.routed_experts().count().min(opts.slots) as u64;
-            n * cat.expert_layout().expert_bytes() as u64
-        } else {
-            0
-        };
+        let preload_bytes = (opts.preload.count(&cat, opts.slots) as u64)
+            * cat.expert_layout().expert_bytes() as u64;
         let total_load: u64 = lay.model.iter().map(|m| m.2).sum::<u64>()
             + lay.layers.iter().map(|l| l.2).sum::<u64>()
             + lay.draft.iter().map(|l| l.2).sum::<u64>()
             + preload_bytes;
-        let mut done = 0u64;
-        progress(0, total_load);
-        for &(i, off, bytes) in &lay.model {
-            let t = &cat.model_tensors()[i];
-            let f: &DiskFile = shards
-                .get(t.shard as usize)
-                .ok_or_else(|| format!("{}: shard {} not open", t.name, t.shard))?;
-            let dst = &mut seg.bytes_mut()[off as usize..(off + bytes) as usize];
-            let inner = f
-                .read_span(t.off, t.nbytes, dst)
-                .map_err(|e| format!("{}: {}", t.name, e.0))?;
-            if inner != 0 {
-                dst.copy_within(inner..inner + t.nbytes as usize, 0);
-            }
-            let idx = MODEL_TENSORS
-                .iter()
-                .position(|n| *n == t.name)
-                .expect("laid out from MODEL_TENSORS") as u32;
-            header
-                .push_region(RegionKind::ModelTensor, idx, off, t.nbytes)
-                .map_err(|e| e.to_string())?;
-            done += bytes;
-            progress(done, total_load);
-        }
-        for &(l, off, bytes) in &lay.layers {
-            let dst = &mut seg.bytes_mut()[off as usize..(off + bytes) as usize];
-            let inner = trunk
-                .read_layer(l, dst)
-                .map_err(|e| format!("layer {l}: {}", e.0))?;
-            let run = trunk.plan(l).map(|p| p.run_len).unwrap_or(0);
-            if inner != 0 {
-                dst.copy_within(inner..inner + run as usize, 0);
-            }
-            trunk
-                .verify_run(l, &dst[..run as usize])
-                .map_err(|e| BuildError {
-                    code: k3_proto::exit::REFUSED,
-                    message: e.to_string(),
-                })?;
-            header
-                .push_region(RegionKind::PinnedLayer, l as u32, off, run)
-                .map_err(|e| e.to_string())?;
-            done += bytes;
-            progress(done, total_load);
-        }
+        let mut load = Loader {
+            seg: &mut seg,
+            header: &mut header,
+            done: 0,
+            total: total_load,
+            progress: &mut progress,
+        };
+        (load.progress)(0, total_load);
+        load.model_tensors(&cat, &shards, &lay)?;
+        load.pinned_layers(&trunk, &lay)?;
         if let Some(d) = &opts.draft {
-            let bin = d.open_bin().map_err(|e| BuildError {
-                code: k3_proto::exit::REFUSED,
-                message: e.to_string(),
-            })?;
-            for &(l, off, bytes) in &lay.draft {
-                let (file_off, run) = d.run(l);
-                let dst = &mut seg.bytes_mut()[off as usize..(off + bytes) as usize];
-                let inner = bin
-                    .read_span(file_off, run, dst)
-                    .map_err(|e| format!("draft layer {l}: {}", e.0))?;
-                if inner != 0 {
-                    dst.copy_within(inner..inner + run as usize, 0);
-                }
-                d.verify(l, &dst[..run as usize]).map_err(|e| BuildError {
-                    code: k3_proto::exit::REFUSED,
-                    message: e.to_string(),
-                })?;
-                header
-                    .push_region(RegionKind::DraftLayer, l as u32, off, run)
-                    .map_err(|e| e.to_string())?;
-                done += bytes;
-                progress(done, total_load);
-            }
+            load.draft_layers(d, &lay)?;
         }
-        header.slot_count = opts.slots as u32;
-        header.slot_stride = lay.stride;
-        header.expert_bytes = cat.expert_layout().expert_bytes() as u64;
-        header
-            .push_region(RegionKind::ExpertArena, 0, lay.arena.0, lay.arena.1)
-            .map_err(|e| e.to_string())?;
-        header
-            .push_region(RegionKind::SlotTable, 0, lay.slot_table.0, lay.slot_table.1)
-            .map_err(|e| e.to_string())?;
-        if let Some((off, len)) = lay.ring {
-            header
-                .push_region(RegionKind::TrunkRing, 0, off, len)
-                .map_err(|e| e.to_string())?;
-        }
-        header.validate().map_err(|e| e.to_string())?;
-        let enc = header.encode();
-        seg.bytes_mut()[..enc.len()].copy_from_slice(enc);
+        let done = load.done;
+        let expert_bytes = cat.expert_layout().expert_bytes() as u64;
+        write_header(&mut seg, &mut header, &lay, opts.slots, expert_bytes)?;
         let (a0, alen) = (lay.arena.0 as usize, lay.arena.1 as usize);
         // SAFETY: the arena region lies inside the segment, which `StoreBackend` owns for as
         // long as the arena is used and never touches through `bytes_mut` after this point; only
@@ -462,42 +307,10 @@ impl StoreBackend {
                 opts.slots,
             )?
         };
-        let ring = match lay.ring {
-            Some((off, len)) => {
-                let (r0, rlen) = (off as usize, len as usize);
-                // SAFETY: the ring region lies inside the segment, which `StoreBackend` owns and
-                // keeps mapped until the ring (declared before it) is dropped and its reader
-                // joined; nothing else touches these bytes through `bytes_mut` after this point
-                // (the slot-table mirror and the arena are disjoint regions).
-                let mem = unsafe { ArenaMem::over(&mut seg.bytes_mut()[r0..r0 + rlen]) };
-                let first = lay.layers.len();
-                let ring = Ring::new(Arc::new(trunk), first, mem, opts.ring.clone());
-                Some(ring.map_err(|e| e.to_string())?)
-            }
-            None => None,
-        };
+        let ring = ring_over(&mut seg, &lay, trunk, opts.ring.clone())?;
         let base = Base(seg.as_mut_ptr());
-        let dirs = (
-            opts.model_dir.display().to_string(),
-            opts.trunk_dir
-                .as_ref()
-                .map_or(String::new(), |d| d.display().to_string()),
-        );
-        let draft_dir = opts
-            .draft
-            .as_ref()
-            .map_or(String::new(), |d| d.dir().display().to_string());
-        let status = StatusReport {
-            model_dir: dirs.0.clone(),
-            trunk_dir: dirs.1.clone(),
-            preset: opts.preset.clone(),
-            plan: opts.plan_text.clone(),
-            shm_bytes: lay.total,
-            pid: std::process::id(),
-            clients: Vec::new(),
-            uptime_seconds: 0.0,
-            trunk: trunk_info,
-        };
+        let (dirs, draft_dir, mut status) = status_of(opts, lay.total);
+        status.trunk = trunk_info;
         let experts = ExpertSlots::new(
             cat,
             shards,
@@ -507,11 +320,12 @@ impl StoreBackend {
             BUSY_TIMEOUT,
             Jobs::default(),
         )?;
-        if opts.preload {
+        if opts.preload != PreloadSet::Nothing {
             let off = lay.slot_table.0 as usize;
             let mirror = |t: &SlotTable, slot: usize| write_slot_entry(base, off, t, slot);
             let at = done;
-            experts.preload(None, &mirror, &mut |d, _| progress(at + d, total_load))?;
+            let p = &mut |d, _| progress(at + d, total_load);
+            experts.preload(&opts.preload, None, &mirror, p)?;
         }
         let prefetcher = IoPool::new("k3-store-prefetch", 1)
             .map_err(|e| format!("starting the prefetch thread: {e}"))?;
@@ -526,6 +340,8 @@ impl StoreBackend {
             draft_dir,
             status,
             pinned: lay.layers.len() as u32,
+            preload: preload_kind(&opts.preload),
+            usage: opts.usage.clone(),
             seg,
         })
     }
@@ -586,6 +402,7 @@ impl StoreBackend {
         c.expert_bytes_read += served.bytes_read;
         c.read_seconds += served.read_seconds;
         c.prefetch_used += served.prefetch_used;
+        c.preload_hits += served.preload_hits;
         drop(g);
         let answers: Vec<SlotAnswer> = served
             .outcomes
@@ -727,11 +544,17 @@ fn holders_of(table: &SlotTable, jobs: &Jobs, conn: ConnId) -> Vec<(ConnId, u32,
 
 impl Backend for StoreBackend {
     fn experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response {
-        self.serve(conn, layer, ids)
+        let r = self
+            .serve(conn, layer, ids)
             .unwrap_or_else(|e| Response::Error {
                 code: k3_proto::wire::ErrorCode::BadRequest,
                 message: e.to_string(),
-            })
+            });
+        // A demand the store served (hit, read or private): the usage history counts it.
+        if let (Some(u), Response::Experts { .. }) = (&self.usage, &r) {
+            u.count(layer, ids);
+        }
+        r
     }
 
     fn resident_experts(&self, conn: ConnId, layer: u32, ids: &[u32]) -> Response {
@@ -894,6 +717,7 @@ impl Backend for StoreBackend {
             preloaded_experts: t.preloaded,
             preload_bytes: g.preload_bytes,
             preload_seconds: g.preload_seconds,
+            preload_hits: t.preload_hits,
             private_reads: (g.extra.live.values())
                 .chain(g.extra.finished.iter().map(|(_, j)| j))
                 .map(|j| j.counters.private_reads)
@@ -942,6 +766,15 @@ impl Backend for StoreBackend {
             uptime_seconds: 0.0,
             history: Default::default(),
             sessions: Default::default(), // filled by the server
+            usage: k3_proto::wire::UsageStats {
+                preload: self.preload.to_string(),
+                hot_preloaded: if self.preload == "hot" {
+                    t.preloaded
+                } else {
+                    0
+                },
+                ..self.usage.as_ref().map(|u| u.stats()).unwrap_or_default()
+            },
             trunk: self.status.trunk.clone(),
         }
     }

@@ -272,7 +272,9 @@ pub fn open_log(path: &Path) -> Result<File, LogError> {
 /// (stderr) meanwhile ([`Shown`]).
 pub fn spawn_and_wait(args: &[OsString], logf: File, log: &Path) -> std::io::Result<Readiness> {
     let exe = std::env::current_exe()?;
-    let (rd, wr): (OwnedFd, OwnedFd) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    // std's pipe is close-on-exec on both ends (pipe2 where it exists).
+    let (rd, wr) = std::io::pipe()?;
+    let (rd, wr) = (OwnedFd::from(rd), OwnedFd::from(wr));
     // The child must inherit the write end: clear close-on-exec on it only.
     nix::fcntl::fcntl(
         &wr,
@@ -470,8 +472,10 @@ mod tests {
     /// progress over and returns the last line.
     #[test]
     fn a_notifier_and_the_reader_agree_over_a_pipe() {
-        let (rd, wr): (OwnedFd, OwnedFd) =
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        let (rd, wr): (OwnedFd, OwnedFd) = {
+            let (r, w) = std::io::pipe().unwrap();
+            (OwnedFd::from(r), OwnedFd::from(w))
+        };
         let raw = std::os::fd::IntoRawFd::into_raw_fd(wr); // owned by the notifier from here
                                                            // SAFETY: `raw` is the write end just created, used by nothing else.
         let mut n = unsafe { Notifier::from_fd(raw) };
@@ -515,8 +519,10 @@ mod tests {
     #[test]
     fn an_interrupt_while_waiting_is_passed_on_to_the_child() {
         use std::os::fd::AsRawFd;
-        let (rd, wr): (OwnedFd, OwnedFd) =
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        let (rd, wr): (OwnedFd, OwnedFd) = {
+            let (r, w) = std::io::pipe().unwrap();
+            (OwnedFd::from(r), OwnedFd::from(w))
+        };
         nix::fcntl::fcntl(
             &wr,
             nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),

@@ -54,8 +54,10 @@ pub mod detach;
 pub mod history;
 pub mod loading;
 pub mod ring;
+mod segment;
 pub mod sessions;
 pub mod statedir;
+pub mod usage;
 
 use sessions::{SessionOptions, Sessions};
 
@@ -797,56 +799,10 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
     let shared = conn.shared.clone();
     let id = conn.id;
     let limits = shared.limits.clone();
+    let Some(kind) = welcome(&shared, &mut conn) else {
+        return;
+    };
     let stream = &mut conn.stream;
-    let Some((kind, label)) = handshake(stream, conn.accepted, &limits) else {
-        return;
-    };
-    if conn.reserved && kind != ClientKind::Control {
-        reply(
-            stream,
-            &Response::Error {
-                code: ErrorCode::Busy,
-                message: format!(
-                    "the store already serves {} connections, its limit (the places beyond it \
-                     are kept for k3-ctl); try again later",
-                    limits.max_connections
-                ),
-            },
-            None,
-        );
-        return;
-    }
-    let (model_dir, trunk_dir) = shared.backend.dirs();
-    let draft_dir = shared.backend.draft_dir();
-    let trunk = shared.backend.trunk();
-    let welcome = |shm_bytes| Response::Welcome {
-        protocol_version: wire::PROTOCOL_VERSION,
-        model_dir: model_dir.clone(),
-        trunk_dir: trunk_dir.clone(),
-        shm_bytes,
-        draft_dir: draft_dir.clone(),
-        trunk: trunk.clone(),
-    };
-    let sent = match kind {
-        ClientKind::Worker => match shared.backend.worker_fd() {
-            Ok((fd, len)) => reply(stream, &welcome(len), Some(fd.as_fd())),
-            Err(e) => reply(
-                stream,
-                &Response::Error {
-                    code: ErrorCode::Internal,
-                    message: format!("cannot share memory: {e}"),
-                },
-                None,
-            ),
-        },
-        ClientKind::Control => reply(stream, &welcome(0), None),
-    };
-    if !sent {
-        return;
-    }
-    let pid = ipc::peer_cred(stream).map_or(0, |(_, pid)| pid.max(0) as u32);
-    shared.backend.opened(id, kind, &label, pid);
-    lock(&shared.clients).push((id, label));
     // One request at a time per connection: it is read, served and answered before the next is
     // read (requests a client pipelines wait in the kernel's socket buffer, not in the store).
     let mut working = false;
@@ -859,18 +815,12 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             Err(WireError::Closed) => break,
             Err(WireError::Io(_)) => break,
             Err(e) => {
-                reply(
-                    stream,
-                    &Response::Error {
-                        code: if matches!(e, WireError::TooLong { .. }) {
-                            ErrorCode::TooLarge
-                        } else {
-                            ErrorCode::BadRequest
-                        },
-                        message: e.to_string(),
-                    },
-                    None,
-                );
+                let code = if matches!(e, WireError::TooLong { .. }) {
+                    ErrorCode::TooLarge
+                } else {
+                    ErrorCode::BadRequest
+                };
+                reply(stream, &error(code, e.to_string()), None);
                 break;
             }
         };
@@ -879,189 +829,8 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
             working = true;
             shared.working(id);
         }
-        let not_worker = || Response::Error {
-            code: ErrorCode::NotAllowed,
-            message: "only workers store and fetch sessions".into(),
-        };
         // A fetched session's memfd goes out with the answer.
-        let mut blob = None;
-        let resp = match req {
-            Request::Hello { .. } => Response::Error {
-                code: ErrorCode::NotAllowed,
-                message: "Hello was already exchanged".into(),
-            },
-            Request::Experts { layer, ids } => {
-                if kind != ClientKind::Worker {
-                    Response::Error {
-                        code: ErrorCode::NotAllowed,
-                        message: "only workers lease experts".into(),
-                    }
-                } else if shared.stop.load(Ordering::SeqCst) {
-                    Response::Error {
-                        code: ErrorCode::Stopping,
-                        message: "the store is stopping".into(),
-                    }
-                } else {
-                    shared.backend.experts(id, layer, &ids)
-                }
-            }
-            Request::ResidentExperts { layer, ids } => {
-                if kind != ClientKind::Worker {
-                    Response::Error {
-                        code: ErrorCode::NotAllowed,
-                        message: "only workers lease experts".into(),
-                    }
-                } else {
-                    shared.backend.resident_experts(id, layer, &ids)
-                }
-            }
-            Request::Stats => {
-                let mut s = shared.backend.stats(id);
-                s.uptime_seconds = shared.started.elapsed().as_secs_f64();
-                s.history = lock(&shared.history).stats();
-                bound_jobs(&mut s.jobs, limits.max_listed_jobs);
-                s.sessions = shared.sessions.stats();
-                Response::Stats(Box::new(s))
-            }
-            Request::Status => {
-                let mut s = shared.backend.status();
-                let clients = lock(&shared.clients);
-                s.clients = clients
-                    .iter()
-                    .take(limits.max_listed_jobs)
-                    .map(|(_, l)| l.clone())
-                    .collect();
-                if clients.len() > limits.max_listed_jobs {
-                    s.clients.push(format!(
-                        "(and {} more)",
-                        clients.len() - limits.max_listed_jobs
-                    ));
-                }
-                drop(clients);
-                s.uptime_seconds = shared.started.elapsed().as_secs_f64();
-                Response::Status(s)
-            }
-            Request::Stop => {
-                shared.stop.store(true, Ordering::SeqCst);
-                Response::Stopping
-            }
-            Request::ReleaseAll => {
-                shared.backend.release_all(id);
-                Response::Released
-            }
-            Request::TrunkLayer { layer } => {
-                if kind != ClientKind::Worker {
-                    Response::Error {
-                        code: ErrorCode::NotAllowed,
-                        message: "only workers lease trunk layers".into(),
-                    }
-                } else if shared.stop.load(Ordering::SeqCst) {
-                    Response::Error {
-                        code: ErrorCode::Stopping,
-                        message: "the store is stopping".into(),
-                    }
-                } else {
-                    shared.backend.trunk_layer(id, layer)
-                }
-            }
-            r @ (Request::EndPass | Request::ReleaseTrunk) => {
-                if kind != ClientKind::Worker {
-                    Response::Error {
-                        code: ErrorCode::NotAllowed,
-                        message: "only workers lease trunk layers".into(),
-                    }
-                } else if matches!(r, Request::EndPass) {
-                    shared.backend.end_pass(id)
-                } else {
-                    shared.backend.release_trunk(id)
-                }
-            }
-            Request::Prefetch { layer, ids } => {
-                if kind != ClientKind::Worker {
-                    Response::Error {
-                        code: ErrorCode::NotAllowed,
-                        message: "only workers prefetch experts".into(),
-                    }
-                } else {
-                    if !shared.stop.load(Ordering::SeqCst) {
-                        shared.backend.prefetch(id, layer, &ids);
-                    }
-                    Response::Noted
-                }
-            }
-            Request::Progress(p) => {
-                if kind == ClientKind::Worker {
-                    shared.backend.progress(id, p);
-                    Response::Noted
-                } else {
-                    Response::Error {
-                        code: ErrorCode::NotAllowed,
-                        message: "only workers report progress".into(),
-                    }
-                }
-            }
-            Request::Draft { context, max } => {
-                if context.len() > wire::MAX_DRAFT_CONTEXT || max > wire::MAX_DRAFT_IDS {
-                    Response::Error {
-                        code: ErrorCode::BadRequest,
-                        message: format!(
-                            "a draft request carries at most {} context ids and asks for at most {} ids",
-                            wire::MAX_DRAFT_CONTEXT,
-                            wire::MAX_DRAFT_IDS
-                        ),
-                    }
-                } else {
-                    Response::Draft {
-                        ids: lock(&shared.history).draft(&context, max as usize),
-                    }
-                }
-            }
-            Request::Record { ids } => {
-                if kind != ClientKind::Worker {
-                    Response::Error {
-                        code: ErrorCode::NotAllowed,
-                        message: "only workers record token streams".into(),
-                    }
-                } else if ids.len() > wire::MAX_RECORD_IDS {
-                    Response::Error {
-                        code: ErrorCode::BadRequest,
-                        message: format!(
-                            "a recorded stream holds at most {} ids",
-                            wire::MAX_RECORD_IDS
-                        ),
-                    }
-                } else {
-                    lock(&shared.history).record(&ids);
-                    Response::Noted
-                }
-            }
-            Request::PutSession { name, bytes } => {
-                if kind == ClientKind::Worker {
-                    shared.sessions.put(&name, fd, bytes)
-                } else {
-                    not_worker()
-                }
-            }
-            Request::GetSession { name } => {
-                if kind != ClientKind::Worker {
-                    not_worker()
-                } else {
-                    match shared.sessions.get(&name) {
-                        Ok(Some(b)) => {
-                            let r = Response::Session { bytes: b.len() };
-                            blob = Some(b);
-                            r
-                        }
-                        Ok(None) => Response::NoSession,
-                        Err(e) => Response::Error {
-                            code: ErrorCode::BadRequest,
-                            message: e.to_string(),
-                        },
-                    }
-                }
-            }
-            Request::ListSessions => Response::Sessions(shared.sessions.list()),
-        };
+        let (resp, blob) = answer(&shared, id, kind, req, fd);
         let fd_out = blob.as_ref().map(|b| b.fd());
         if !reply(stream, &resp, fd_out) {
             break;
@@ -1073,4 +842,182 @@ fn serve_connection<B: Backend>(mut conn: Conn<B>) {
     // Disconnect (clean, SIGKILL or cut off by a timeout): every lease goes.
     shared.backend.closed(id);
     lock(&shared.clients).retain(|(c, _)| *c != id);
+}
+
+/// An error answer.
+fn error(code: ErrorCode, message: impl Into<String>) -> Response {
+    Response::Error {
+        code,
+        message: message.into(),
+    }
+}
+
+/// The handshake and the `Welcome` (a worker's carries the shared memory); the client's kind,
+/// registered, or `None` when the connection ends here.
+fn welcome<B: Backend>(shared: &Shared<B>, conn: &mut Conn<B>) -> Option<ClientKind> {
+    let limits = &shared.limits;
+    let stream = &mut conn.stream;
+    let (kind, label) = handshake(stream, conn.accepted, limits)?;
+    if conn.reserved && kind != ClientKind::Control {
+        let m = format!(
+            "the store already serves {} connections, its limit (the places beyond it are kept \
+             for k3-ctl); try again later",
+            limits.max_connections
+        );
+        reply(stream, &error(ErrorCode::Busy, m), None);
+        return None;
+    }
+    let (model_dir, trunk_dir) = shared.backend.dirs();
+    let welcome = |shm_bytes| Response::Welcome {
+        protocol_version: wire::PROTOCOL_VERSION,
+        model_dir: model_dir.clone(),
+        trunk_dir: trunk_dir.clone(),
+        shm_bytes,
+        draft_dir: shared.backend.draft_dir(),
+        trunk: shared.backend.trunk(),
+    };
+    let sent = match kind {
+        ClientKind::Worker => match shared.backend.worker_fd() {
+            Ok((fd, len)) => reply(stream, &welcome(len), Some(fd.as_fd())),
+            Err(e) => reply(
+                stream,
+                &error(ErrorCode::Internal, format!("cannot share memory: {e}")),
+                None,
+            ),
+        },
+        ClientKind::Control => reply(stream, &welcome(0), None),
+    };
+    if !sent {
+        return None;
+    }
+    let pid = ipc::peer_cred(stream).map_or(0, |(_, pid)| pid.max(0) as u32);
+    shared.backend.opened(conn.id, kind, &label, pid);
+    lock(&shared.clients).push((conn.id, label));
+    Some(kind)
+}
+
+/// The answer to one request of connection `id` (a client of `kind`), and a session's memfd
+/// to send with it.
+fn answer<B: Backend>(
+    shared: &Shared<B>,
+    id: ConnId,
+    kind: ClientKind,
+    req: Request,
+    fd: Option<OwnedFd>,
+) -> (Response, Option<Arc<crate::session::Blob>>) {
+    let worker = kind == ClientKind::Worker;
+    let only = |what: &str| error(ErrorCode::NotAllowed, format!("only workers {what}"));
+    let stopping = || shared.stop.load(Ordering::SeqCst);
+    let resp = match req {
+        Request::Hello { .. } => error(ErrorCode::NotAllowed, "Hello was already exchanged"),
+        Request::Experts { .. } | Request::ResidentExperts { .. } if !worker => {
+            only("lease experts")
+        }
+        Request::TrunkLayer { .. } | Request::EndPass | Request::ReleaseTrunk if !worker => {
+            only("lease trunk layers")
+        }
+        Request::Prefetch { .. } if !worker => only("prefetch experts"),
+        Request::Progress(_) if !worker => only("report progress"),
+        Request::Record { .. } if !worker => only("record token streams"),
+        Request::PutSession { .. } | Request::GetSession { .. } if !worker => {
+            only("store and fetch sessions")
+        }
+        Request::Experts { .. } | Request::TrunkLayer { .. } if stopping() => {
+            error(ErrorCode::Stopping, "the store is stopping")
+        }
+        Request::Experts { layer, ids } => shared.backend.experts(id, layer, &ids),
+        Request::ResidentExperts { layer, ids } => shared.backend.resident_experts(id, layer, &ids),
+        Request::TrunkLayer { layer } => shared.backend.trunk_layer(id, layer),
+        Request::EndPass => shared.backend.end_pass(id),
+        Request::ReleaseTrunk => shared.backend.release_trunk(id),
+        Request::Prefetch { layer, ids } => {
+            if !stopping() {
+                shared.backend.prefetch(id, layer, &ids);
+            }
+            Response::Noted
+        }
+        Request::Progress(p) => {
+            shared.backend.progress(id, p);
+            Response::Noted
+        }
+        Request::GetSession { name } => {
+            return match shared.sessions.get(&name) {
+                Ok(Some(b)) => (Response::Session { bytes: b.len() }, Some(b)),
+                Ok(None) => (Response::NoSession, None),
+                Err(e) => (error(ErrorCode::BadRequest, e.to_string()), None),
+            };
+        }
+        Request::PutSession { name, bytes } => shared.sessions.put(&name, fd, bytes),
+        other => answer_common(shared, id, other),
+    };
+    (resp, None)
+}
+
+/// The answers any client may ask for (and a worker's `Record`).
+fn answer_common<B: Backend>(shared: &Shared<B>, id: ConnId, req: Request) -> Response {
+    let limits = &shared.limits;
+    match req {
+        Request::Stats => {
+            let mut s = shared.backend.stats(id);
+            s.uptime_seconds = shared.started.elapsed().as_secs_f64();
+            s.history = lock(&shared.history).stats();
+            bound_jobs(&mut s.jobs, limits.max_listed_jobs);
+            s.sessions = shared.sessions.stats();
+            Response::Stats(Box::new(s))
+        }
+        Request::Status => {
+            let mut s = shared.backend.status();
+            let clients = lock(&shared.clients);
+            s.clients = (clients.iter())
+                .take(limits.max_listed_jobs)
+                .map(|(_, l)| l.clone())
+                .collect();
+            if clients.len() > limits.max_listed_jobs {
+                let more = clients.len() - limits.max_listed_jobs;
+                s.clients.push(format!("(and {more} more)"));
+            }
+            drop(clients);
+            s.uptime_seconds = shared.started.elapsed().as_secs_f64();
+            Response::Status(s)
+        }
+        Request::Stop => {
+            shared.stop.store(true, Ordering::SeqCst);
+            Response::Stopping
+        }
+        Request::ReleaseAll => {
+            shared.backend.release_all(id);
+            Response::Released
+        }
+        Request::Draft { context, max } => {
+            if context.len() > wire::MAX_DRAFT_CONTEXT || max > wire::MAX_DRAFT_IDS {
+                let m = format!(
+                    "a draft request carries at most {} context ids and asks for at most {} ids",
+                    wire::MAX_DRAFT_CONTEXT,
+                    wire::MAX_DRAFT_IDS
+                );
+                error(ErrorCode::BadRequest, m)
+            } else {
+                let ids = lock(&shared.history).draft(&context, max as usize);
+                Response::Draft { ids }
+            }
+        }
+        Request::Record { ids } => {
+            if ids.len() > wire::MAX_RECORD_IDS {
+                let m = format!(
+                    "a recorded stream holds at most {} ids",
+                    wire::MAX_RECORD_IDS
+                );
+                error(ErrorCode::BadRequest, m)
+            } else {
+                lock(&shared.history).record(&ids);
+                Response::Noted
+            }
+        }
+        Request::ListSessions => Response::Sessions(shared.sessions.list()),
+        // Every other request is answered by `answer`.
+        other => error(
+            ErrorCode::Internal,
+            format!("no answer for {}", request_name(&other)),
+        ),
+    }
 }

@@ -420,10 +420,11 @@ pub fn mode_of(p: &Path) -> std::io::Result<u32> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn private_dir() -> tempfile::TempDir {
+    /// A new temporary directory, 0700 (a state directory may be made inside it).
+    pub(crate) fn private_dir() -> tempfile::TempDir {
         let d = tempfile::tempdir().unwrap();
         std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
         d

@@ -214,6 +214,9 @@ pub struct TableCounters {
     /// Experts a preload ([`SlotTable::reserve_preload`]) loaded before any request: not
     /// predictions, so a request for one is a resident hit like any other.
     pub preloaded: u64,
+    /// Resident hits on a slot a preload filled, before it was evicted or re-read: the hits
+    /// the preload gave (part of `resident_hits`).
+    pub preload_hits: u64,
 }
 
 /// Identity of an explicit lease holder (a daemon connection).
@@ -230,6 +233,8 @@ pub struct SlotTable {
     held: HashMap<(HolderId, u32), Vec<usize>>,
     /// Slots loaded by a prefetch that no request has used yet.
     prefetched: Vec<bool>,
+    /// Slots whose expert a preload put there (cleared when it is evicted or the slot re-read).
+    preloaded: Vec<bool>,
     /// Requested experts RESIDENT before the request that no prefetch put there: the cache's
     /// own reuse, the rate a prefetch's eviction is weighed against.
     reuse_hits: u64,
@@ -263,6 +268,7 @@ impl SlotTable {
             policy,
             held: HashMap::new(),
             prefetched: vec![false; slots],
+            preloaded: vec![false; slots],
             reuse_hits: 0,
             demands: Vec::new(),
             counters: TableCounters::default(),
@@ -380,6 +386,9 @@ impl SlotTable {
                 out[i] = Some(match self.states[s] {
                     SlotState::Resident { .. } => {
                         self.counters.resident_hits += 1;
+                        if self.preloaded[s] {
+                            self.counters.preload_hits += 1;
+                        }
                         if !prefetched {
                             self.reuse_hits += 1;
                         }
@@ -418,6 +427,7 @@ impl SlotTable {
     /// Empty `s` of its RESIDENT expert (if any) before it is refilled; returns that expert.
     fn evict(&mut self, s: usize) -> Option<(u32, u32)> {
         self.prefetched[s] = false;
+        self.preloaded[s] = false;
         match self.states[s] {
             SlotState::Resident {
                 layer: l,
@@ -486,10 +496,10 @@ impl SlotTable {
     }
 
     /// Reserve EMPTY slots for the experts `ids` of `layer` that are not mapped yet, in order,
-    /// for a preload: the cache filled before any request (every expert fits, so nothing is
-    /// ever evicted for it). Stops at the first expert without an EMPTY slot. The returned
-    /// `(slot, expert)` pairs are INFLIGHT, not marked as predictions; load each and
-    /// [`SlotTable::publish`] it.
+    /// for a preload: the cache filled before any request (nothing is ever evicted for it).
+    /// Stops at the first expert without an EMPTY slot. The returned `(slot, expert)` pairs are
+    /// INFLIGHT, not marked as predictions but as preloaded (a request that finds one RESIDENT
+    /// counts a [`TableCounters::preload_hits`]); load each and [`SlotTable::publish`] it.
     pub fn reserve_preload(&mut self, layer: u32, ids: &[u32]) -> Vec<(usize, u32)> {
         let mut out = Vec::new();
         for (i, &e) in ids.iter().enumerate() {
@@ -498,6 +508,7 @@ impl SlotTable {
             }
             let Some(s) = self.take_empty() else { break };
             self.begin_load(s, layer, e, false);
+            self.preloaded[s] = true;
             self.counters.preloaded += 1;
             out.push((s, e));
         }
@@ -517,6 +528,7 @@ impl SlotTable {
         self.states[s] = SlotState::Inflight { layer, expert: e };
         self.errors[s] = None;
         self.prefetched[s] = predicted;
+        self.preloaded[s] = false;
         self.map.insert((layer, e), s);
     }
 
@@ -547,6 +559,7 @@ impl SlotTable {
                 if !std::mem::take(&mut self.prefetched[slot]) {
                     self.counters.failed_loads += 1;
                 }
+                self.preloaded[slot] = false;
                 self.map.remove(&(layer, expert));
                 self.states[slot] = SlotState::Empty;
                 self.errors[slot] = Some(m);
@@ -861,6 +874,9 @@ pub struct Served {
     pub read_seconds: f64,
     /// Requested experts a prefetch had loaded (or was loading) for this batch to use.
     pub prefetch_used: u64,
+    /// Requested experts RESIDENT because the start-up preload put them there
+    /// ([`TableCounters::preload_hits`]).
+    pub preload_hits: u64,
 }
 
 impl Served {
@@ -1026,6 +1042,7 @@ impl<X: Send> ExpertSlots<X> {
         }
         let deadline = Instant::now() + wait;
         let used0 = g.table.counters().prefetch_used;
+        let preload0 = g.table.counters().preload_hits;
         let plan = loop {
             match g.table.reserve(l, &uniq) {
                 Ok(p) => break p,
@@ -1046,6 +1063,7 @@ impl<X: Send> ExpertSlots<X> {
             }
         };
         let prefetch_used = g.table.counters().prefetch_used - used0;
+        let preload_hits = g.table.counters().preload_hits - preload0;
         let mut loads = Vec::new();
         for (r, &e) in plan.iter().zip(&uniq) {
             mirror(&g.table, r.slot());
@@ -1146,6 +1164,7 @@ impl<X: Send> ExpertSlots<X> {
             bytes_read,
             read_seconds,
             prefetch_used,
+            preload_hits,
         };
         Ok((g, served))
     }
@@ -1325,21 +1344,24 @@ struct ReadReserved {
 }
 
 impl<X: Send> ExpertSlots<X> {
-    /// Fill EMPTY slots with every routed expert the checkpoint holds, layer by layer (each
-    /// batch in disk-offset order on the reader threads), before any request: what a cache that
-    /// holds every expert does at start-up, so that no token waits for a first read. Stops
-    /// quietly when the slots run out; never evicts. Calls `progress(bytes done, bytes in
-    /// all)`. A failed read fails the preload (the checkpoint is damaged or unreadable): the
-    /// other experts of its batch are published, the failed one stays EMPTY.
+    /// Fill EMPTY slots with the experts of `set` (every routed expert the checkpoint holds, or
+    /// a list: the store's most used experts, SPEC.md §6.3), layer by layer (each batch in
+    /// disk-offset order on the reader threads), before any request: so that no token waits
+    /// for a first read of them. Stops quietly when the slots run out; never evicts. A
+    /// preloaded slot counts its hits ([`TableCounters::preload_hits`]) until it is evicted.
+    /// Calls `progress(bytes done, bytes in all)`. A failed read fails the preload (the
+    /// checkpoint is damaged or unreadable): the other experts of its batch are published, the
+    /// failed one stays EMPTY.
     pub fn preload(
         &self,
+        set: &PreloadSet,
         fail: Option<&FailHook>,
         mirror: &dyn Fn(&SlotTable, usize),
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Preloaded, ExpertError> {
         let eb = self.io.reader.expert_bytes() as u64;
-        let all: Vec<(usize, u32)> = self.catalog.routed_experts().collect();
-        let total = eb * all.len().min(self.arena().slots()) as u64;
+        let all = set.experts(&self.catalog, self.arena().slots());
+        let total = eb * set.count(&self.catalog, self.arena().slots()) as u64;
         let chunk = 4 * self.pool.threads().max(1);
         let mut done = Preloaded::default();
         progress(0, total);
@@ -1377,43 +1399,102 @@ impl<X: Send> ExpertSlots<X> {
     }
 }
 
+/// Which experts a start-up preload reads ([`ExpertSlots::preload`]; chosen from `--preload`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum PreloadSet {
+    /// None: each expert is read on first use.
+    #[default]
+    Nothing,
+    /// Every routed expert the checkpoint holds (as many as there are slots, in layer order).
+    Every,
+    /// These `(layer, expert)` pairs, most wanted first (the store's most used experts): the
+    /// first `slots` of them that the checkpoint holds are read, layer by layer.
+    These(Vec<(usize, u32)>),
+}
+
+impl PreloadSet {
+    /// The experts to read into `slots` slots, by layer then expert, each once, only those
+    /// `cat` holds.
+    fn experts(&self, cat: &Catalog, slots: usize) -> Vec<(usize, u32)> {
+        match self {
+            PreloadSet::Nothing => Vec::new(),
+            PreloadSet::Every => cat.routed_experts().collect(),
+            PreloadSet::These(list) => {
+                let mut seen = std::collections::HashSet::new();
+                let mut v: Vec<(usize, u32)> = (list.iter().copied())
+                    .filter(|&(l, e)| cat.expert(l, e as usize).is_some() && seen.insert((l, e)))
+                    .take(slots)
+                    .collect();
+                v.sort_unstable();
+                v
+            }
+        }
+    }
+
+    /// How many experts it reads into a cache of `slots` slots.
+    pub fn count(&self, cat: &Catalog, slots: usize) -> usize {
+        match self {
+            PreloadSet::Nothing => 0,
+            PreloadSet::Every => cat.routed_experts().count().min(slots),
+            PreloadSet::These(_) => self.experts(cat, slots).len(),
+        }
+    }
+}
+
 /// When the routed-expert cache is filled at start-up (`--preload`, parsed by
 /// [`crate::cli`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Preload {
-    /// When the cache holds every routed expert.
+    /// Every expert when the cache holds them all; otherwise, in a store with a usage history
+    /// (`--state-dir`), the most used experts that fit (as `Hot`); otherwise none.
     #[default]
     Auto,
-    /// Always; a cache that cannot hold every routed expert is refused.
+    /// Every expert; a cache that cannot hold every routed expert is refused.
     On,
+    /// The most used experts of the store's usage history that fit (a store with
+    /// `--state-dir` only).
+    Hot,
     /// Never: each expert is read on first use.
     Off,
 }
 
 impl Preload {
-    /// Whether to preload a cache of `slots` slots for a checkpoint of `experts` routed
-    /// experts; `Err` (a refusal, exit 2) for `on` when they do not all fit.
+    /// Whether a standalone cache of `slots` slots for a checkpoint of `experts` routed experts
+    /// preloads every expert; `Err` (a refusal, exit 2) for `on` when they do not all fit and
+    /// for `hot` (a standalone process keeps no usage history).
     pub fn wanted(self, slots: usize, experts: usize) -> Result<bool, PreloadRefused> {
         match self {
             Preload::Off => Ok(false),
             Preload::Auto => Ok(slots >= experts),
             Preload::On if slots >= experts => Ok(true),
-            Preload::On => Err(PreloadRefused { slots, experts }),
+            Preload::On => Err(PreloadRefused::NotAll { slots, experts }),
+            Preload::Hot => Err(PreloadRefused::NoHistory {
+                what: "a standalone worker keeps none (a store started with --state-dir does)",
+            }),
         }
     }
 }
 
-/// `--preload on` with a cache that cannot hold every routed expert (a refusal, exit 2).
+/// A `--preload` that cannot be done (a refusal, exit 2).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "--preload on: the expert cache holds {slots} experts, the checkpoint has {experts} routed \
-     experts (raise --cache-gb, or use --preload auto)"
-)]
-pub struct PreloadRefused {
-    /// Slots of the cache.
-    pub slots: usize,
-    /// Routed experts of the checkpoint.
-    pub experts: usize,
+pub enum PreloadRefused {
+    /// `--preload on` with a cache that cannot hold every routed expert.
+    #[error(
+        "--preload on: the expert cache holds {slots} experts, the checkpoint has {experts} \
+         routed experts (raise --cache-gb, or use --preload auto)"
+    )]
+    NotAll {
+        /// Slots of the cache.
+        slots: usize,
+        /// Routed experts of the checkpoint.
+        experts: usize,
+    },
+    /// `--preload hot` without an expert usage history.
+    #[error("--preload hot reads the most used experts of the expert usage history: {what}")]
+    NoHistory {
+        /// Why there is none.
+        what: &'static str,
+    },
 }
 
 /// What an [`ExpertSlots::preload`] loaded.
@@ -1555,7 +1636,7 @@ impl ExpertCache {
         policy: Box<dyn EvictionPolicy>,
     ) -> Result<ExpertCache, SourceError> {
         let stride = ExpertReader::slot_stride(&catalog.expert_layout());
-        let arena = Arena::heap(stride, opts.slots).map_err(|e| SourceError::Io(e.to_string()))?;
+        let arena = Arena::heap(stride, opts.slots).map_err(|e| SourceError::Cache(e.into()))?;
         let slots = ExpertSlots::new(
             catalog,
             files,
@@ -1565,7 +1646,7 @@ impl ExpertCache {
             opts.busy_timeout,
             0.0,
         )
-        .map_err(|e| SourceError::Io(e.to_string()))?;
+        .map_err(|e| SourceError::Cache(e.into()))?;
         Ok(ExpertCache {
             slots: Arc::new(slots),
             opts,
@@ -1610,9 +1691,18 @@ impl ExpertCache {
     /// Read every routed expert into the cache now ([`ExpertSlots::preload`]), calling
     /// `progress(bytes done, bytes in all)`.
     pub fn preload(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<Preloaded, SourceError> {
+        self.preload_set(&PreloadSet::Every, progress)
+    }
+
+    /// Read the experts of `set` into the cache now ([`ExpertSlots::preload`]).
+    pub fn preload_set(
+        &self,
+        set: &PreloadSet,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Preloaded, SourceError> {
         (self.slots)
-            .preload(self.fail.as_ref(), &|_, _| {}, progress)
-            .map_err(|e| SourceError::Io(format!("preloading the expert cache: {e}")))
+            .preload(set, self.fail.as_ref(), &|_, _| {}, progress)
+            .map_err(SourceError::Preload)
     }
 
     /// Counters so far.
@@ -2375,6 +2465,7 @@ mod tests {
         let s = c.stats();
         assert_eq!(s.table.requests, 24);
         assert_eq!(s.table.resident_hits, 24, "TRUE hits: {s:?}");
+        assert_eq!(s.table.preload_hits, 24, "every hit is the preload's");
         assert_eq!((s.bytes_read, s.table.prefetch_used), (0, 0));
         // Nothing is left to preload: a second one reads nothing.
         assert_eq!(c.preload(&mut |_, _| {}).unwrap(), Preloaded::default());
@@ -2394,6 +2485,49 @@ mod tests {
         // In layer order: the first five experts of layer 1.
         assert!(c.all_resident(1, &[0, 1, 2, 3, 4]));
         assert!(!c.all_resident(1, &[5]) && !c.all_resident(2, &[0]));
+        std::fs::remove_dir_all(&w.dir).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // writes and reads shard files (O_DIRECT)
+    fn a_listed_preload_reads_the_first_that_fit_and_counts_their_hits_until_evicted() {
+        let spec = spec();
+        let w = fixture::write(&spec, "preload-list");
+        let c = cache(&w, 3, 2000);
+        // Most wanted first; one the checkpoint lacks (layer 0 is dense) and a repeat are
+        // skipped; the fourth that exists does not fit.
+        let set = PreloadSet::These(vec![(3, 5), (0, 1), (2, 6), (3, 5), (1, 1), (2, 0)]);
+        let mut calls = Vec::new();
+        let p = c.preload_set(&set, &mut |d, t| calls.push((d, t))).unwrap();
+        let eb = spec.layout.expert_bytes() as u64;
+        assert_eq!((p.experts, p.bytes), (3, 3 * eb));
+        assert_eq!(calls.last(), Some(&(3 * eb, 3 * eb)));
+        assert!(c.all_resident(3, &[5]) && c.all_resident(2, &[6]) && c.all_resident(1, &[1]));
+        assert!(!c.all_resident(2, &[0]), "never more than the cache holds");
+        let s = c.stats();
+        assert_eq!(
+            (s.table.preloaded, s.slots_used, s.table.evictions),
+            (3, 3, 0)
+        );
+        // Hits on preloaded slots are the preload's; a miss evicts one, which no longer counts.
+        check(&spec, 3, &[5], &c.get(3, &[5]).unwrap());
+        check(&spec, 2, &[6], &c.get(2, &[6]).unwrap());
+        let t = c.stats().table;
+        assert_eq!((t.resident_hits, t.preload_hits), (2, 2));
+        // A batch of three others takes every slot: the preloaded experts are evicted, and a
+        // hit on one read again is not the preload's.
+        drop(c.get(1, &[0, 2, 3]).unwrap());
+        assert_eq!(c.stats().table.evictions, 3);
+        drop(c.get(3, &[5]).unwrap());
+        drop(c.get(3, &[5]).unwrap());
+        let t = c.stats().table;
+        assert_eq!((t.resident_hits, t.preload_hits), (3, 2), "{t:?}");
+        assert_eq!(
+            c.preload_set(&PreloadSet::Nothing, &mut |_, _| {})
+                .unwrap()
+                .experts,
+            0
+        );
         std::fs::remove_dir_all(&w.dir).unwrap();
     }
 

@@ -8,18 +8,87 @@
 //! aligned span `[align_down(off), align_up(off+len))` and the caller uses the inner window.
 //! Filesystems that refuse `O_DIRECT` (tmpfs answers `EINVAL` on open, some FUSE filesystems on
 //! read) are read with ordinary positioned reads instead; the file remembers the fallback.
+//!
+//! Where there is no `O_DIRECT` (macOS), or when `K3_DISK_IO=advise` asks for it on Linux, files
+//! are read the portable way ([`DiskIo::Advise`]): ordinary positioned reads, each announced to
+//! the kernel first so the whole range is fetched at once (`F_RDADVISE` on macOS,
+//! `POSIX_FADV_WILLNEED` on Linux), and kept out of the page cache like `O_DIRECT` reads
+//! (`F_NOCACHE` on the descriptor on macOS; `POSIX_FADV_DONTNEED` after each read on Linux), so
+//! weights are not held twice.
 
 use std::alloc::Layout;
 use std::fs::File;
 use std::num::NonZeroUsize;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use k3_proto::paths::EnvError;
 use nix::errno::Errno;
-use nix::fcntl::OFlag;
-use nix::sys::mman::{self, MapFlags, MmapAdvise, ProtFlags};
+use nix::sys::mman::{self, MapFlags, ProtFlags};
+
+/// Environment variable choosing how files are read: `direct` (`O_DIRECT`, Linux only and its
+/// default) or `advise` (buffered reads with advice; the default elsewhere).
+pub const DISK_IO_ENV: &str = k3_proto::paths::env::K3_DISK_IO;
+
+/// How checkpoint and trunk files are read ([`DISK_IO_ENV`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiskIo {
+    /// `O_DIRECT`, falling back to plain buffered reads where the filesystem refuses it.
+    Direct,
+    /// Buffered reads, each announced first and kept out of the page cache (module doc).
+    Advise,
+}
+
+impl DiskIo {
+    /// The mode this system uses unless [`DISK_IO_ENV`] says otherwise.
+    pub const DEFAULT: DiskIo = if cfg!(target_os = "linux") {
+        DiskIo::Direct
+    } else {
+        DiskIo::Advise
+    };
+
+    /// The name [`DISK_IO_ENV`] uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            DiskIo::Direct => "direct",
+            DiskIo::Advise => "advise",
+        }
+    }
+
+    /// Parses a [`DISK_IO_ENV`] value (empty: the default); `direct` only where `O_DIRECT`
+    /// exists.
+    pub fn parse(v: &str) -> Result<DiskIo, EnvError> {
+        match v.trim() {
+            "" => Ok(DiskIo::DEFAULT),
+            "direct" if cfg!(target_os = "linux") => Ok(DiskIo::Direct),
+            "advise" => Ok(DiskIo::Advise),
+            other => Err(EnvError::Invalid {
+                name: DISK_IO_ENV,
+                value: other.to_string(),
+                expected: if cfg!(target_os = "linux") {
+                    "direct or advise"
+                } else {
+                    "advise (this system has no O_DIRECT)"
+                },
+            }),
+        }
+    }
+}
+
+/// The mode [`DISK_IO_ENV`] selects (binaries check it at start-up and refuse to run, exit 2,
+/// when it is invalid).
+pub fn disk_io() -> Result<DiskIo, EnvError> {
+    match std::env::var(DISK_IO_ENV) {
+        Ok(v) => DiskIo::parse(&v),
+        Err(std::env::VarError::NotPresent) => Ok(DiskIo::DEFAULT),
+        Err(source) => Err(EnvError::Unreadable {
+            name: DISK_IO_ENV,
+            source,
+        }),
+    }
+}
 
 /// Alignment of every `O_DIRECT` offset, length and buffer address.
 pub const ALIGN: usize = 4096;
@@ -206,10 +275,12 @@ impl AlignedBuf {
             // SAFETY: `end..end+tail` is the end of the same mapping, past the buffer.
             let _ = unsafe { mman::munmap(end.cast(), tail) };
         }
+        #[cfg(target_os = "linux")]
         if cap >= HUGE {
-            // Best effort: huge pages only change how the zero pages are provided.
+            // Best effort: huge pages only change how the zero pages are provided (Linux's
+            // transparent huge pages; other systems have no such request).
             // SAFETY: `ptr..ptr+cap` is inside the mapping just created and owned by us.
-            let _ = unsafe { mman::madvise(ptr.cast(), cap, MmapAdvise::MADV_HUGEPAGE) };
+            let _ = unsafe { mman::madvise(ptr.cast(), cap, mman::MmapAdvise::MADV_HUGEPAGE) };
         }
         Ok(AlignedBuf {
             ptr,
@@ -284,7 +355,10 @@ impl MappedRange {
         let end = off.checked_add(len).filter(|&e| e <= flen).ok_or_else(|| {
             ReadError::msg(format!("{}: past the end of a {flen}-byte file", what()))
         })?;
-        let start = align_down(off);
+        // Mapping offsets are whole pages of this system (16 KiB on Apple silicon, 4 KiB on
+        // x86-64 Linux), not `ALIGN`.
+        let page = page_size();
+        let start = off / page * page;
         let inner = (off - start) as usize;
         let map_len = usize::try_from(end - start)
             .map_err(|_| ReadError::msg(format!("{}: too large to map", what())))?;
@@ -328,6 +402,8 @@ pub struct DiskFile {
     direct: Option<File>,
     /// Cleared the first time the filesystem refuses a direct read.
     direct_ok: AtomicBool,
+    /// Buffered reads are announced first and kept out of the page cache ([`DiskIo::Advise`]).
+    advise: bool,
     len: u64,
 }
 
@@ -348,13 +424,29 @@ pub struct FileStamp {
 pub const BOUNCE: usize = 8 << 20;
 
 impl DiskFile {
-    /// Open `path` for reading; tries `O_DIRECT` too and silently keeps only the buffered handle
-    /// if the filesystem refuses it.
+    /// Open `path` for reading the way [`DISK_IO_ENV`] says ([`DiskFile::open_mode`]).
     pub fn open(path: &Path) -> Result<DiskFile, ReadError> {
-        Self::open_with(path, true)
+        let mode = disk_io().map_err(ReadError::msg)?;
+        Self::open_mode(path, mode)
     }
 
-    /// Like [`DiskFile::open`]; `try_direct = false` never uses `O_DIRECT`.
+    /// Open `path` for reading in `mode`: [`DiskIo::Direct`] tries `O_DIRECT` too and silently
+    /// keeps only the buffered handle if the filesystem refuses it; [`DiskIo::Advise`] reads
+    /// through the buffered handle with advice (the module doc).
+    pub fn open_mode(path: &Path, mode: DiskIo) -> Result<DiskFile, ReadError> {
+        match mode {
+            DiskIo::Direct => Self::open_with(path, true),
+            DiskIo::Advise => {
+                let mut f = Self::open_with(path, false)?;
+                f.advise = true;
+                keep_out_of_cache(&f.buffered);
+                Ok(f)
+            }
+        }
+    }
+
+    /// Like [`DiskFile::open`] with plain buffered reads (no advice) or `O_DIRECT`;
+    /// `try_direct = false` never uses `O_DIRECT`.
     pub fn open_with(path: &Path, try_direct: bool) -> Result<DiskFile, ReadError> {
         let buffered = File::open(path)
             .map_err(|e| ReadError::io(format!("cannot open {}", path.display()), &e))?;
@@ -362,22 +454,25 @@ impl DiskFile {
             .metadata()
             .map_err(|e| ReadError::io(format!("cannot stat {}", path.display()), &e))?
             .len();
-        let direct = if try_direct {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(OFlag::O_DIRECT.bits())
-                .open(path)
-                .ok()
-        } else {
-            None
-        };
+        let direct = if try_direct { open_direct(path) } else { None };
         Ok(DiskFile {
             path: path.to_path_buf(),
             buffered,
             direct_ok: AtomicBool::new(direct.is_some()),
             direct,
+            advise: false,
             len,
         })
+    }
+
+    /// How this file is read now, for run reports.
+    pub fn read_mode(&self) -> &'static str {
+        match (self.is_direct(), self.advise) {
+            (true, _) => "O_DIRECT",
+            (false, true) if cfg!(target_os = "macos") => "F_NOCACHE + F_RDADVISE reads",
+            (false, true) => "buffered reads + fadvise",
+            (false, false) => "buffered reads",
+        }
     }
 
     /// The file's path.
@@ -434,8 +529,19 @@ impl DiskFile {
         }
     }
 
-    /// Positioned read of exactly `dst.len()` bytes through the buffered handle.
+    /// Positioned read of exactly `dst.len()` bytes through the buffered handle (announced first
+    /// and dropped from the page cache after, with [`DiskIo::Advise`]).
     fn pread_exact(&self, off: u64, dst: &mut [u8]) -> Result<(), ReadError> {
+        if !self.advise {
+            return self.pread_plain(off, dst);
+        }
+        will_need(&self.buffered, off, dst.len() as u64);
+        let r = self.pread_plain(off, dst);
+        done_with(&self.buffered, off, dst.len() as u64);
+        r
+    }
+
+    fn pread_plain(&self, off: u64, dst: &mut [u8]) -> Result<(), ReadError> {
         let mut done = 0usize;
         while done < dst.len() {
             match self.buffered.read_at(&mut dst[done..], off + done as u64) {
@@ -607,6 +713,104 @@ impl DiskFile {
     }
 }
 
+/// The system's page size (what a mapping's file offset must be a multiple of).
+pub fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .and_then(|v| u64::try_from(v).ok())
+        .filter(|v| v.is_power_of_two())
+        .unwrap_or(ALIGN as u64)
+}
+
+/// `path` opened with `O_DIRECT`, or `None` where the filesystem (or the system) has none.
+#[cfg(target_os = "linux")]
+fn open_direct(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
+        .open(path)
+        .ok()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn open_direct(_path: &Path) -> Option<File> {
+    None
+}
+
+/// macOS: reads through `f` bypass the unified buffer cache (`F_NOCACHE`), as `O_DIRECT` reads
+/// do on Linux. Best effort. (Linux drops each range after reading it: [`done_with`].)
+fn keep_out_of_cache(f: &File) {
+    #[cfg(target_os = "macos")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: F_NOCACHE takes an int argument and only sets a flag on this open file.
+        let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_NOCACHE, 1) };
+        if r == -1 {
+            tracing::debug!("F_NOCACHE: {}", std::io::Error::last_os_error());
+        }
+    }
+    #[cfg(not(target_os = "macos"))]
+    let _ = f;
+}
+
+/// Tells the kernel that `[off, off+len)` of `f` is about to be read, so it fetches the whole
+/// range at once (`F_RDADVISE` on macOS, `POSIX_FADV_WILLNEED` on Linux). Best effort.
+fn will_need(f: &File, off: u64, len: u64) {
+    #[cfg(target_os = "macos")]
+    {
+        use nix::fcntl::{fcntl, FcntlArg};
+        // F_RDADVISE takes an int count: advise in pieces of at most 1 GiB.
+        let mut at = off;
+        while at < off + len {
+            let n = (off + len - at).min(1 << 30);
+            let (Ok(ra_offset), Ok(ra_count)) = (i64::try_from(at), i32::try_from(n)) else {
+                return;
+            };
+            let ra = libc::radvisory {
+                ra_offset,
+                ra_count,
+            };
+            if fcntl(f, FcntlArg::F_RDADVISE(ra)).is_err() {
+                return;
+            }
+            at += n;
+        }
+    }
+    #[cfg(target_os = "linux")]
+    fadvise(
+        f,
+        off,
+        len,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
+    );
+    #[cfg(not(any(target_os = "macos", target_os = "linux")))]
+    let _ = (f, off, len);
+}
+
+/// Linux: drops `[off, off+len)` of `f` from the page cache once read (`POSIX_FADV_DONTNEED`),
+/// so buffered reads leave no second copy of the weights behind. Best effort; elsewhere nothing
+/// (macOS's `F_NOCACHE` already kept the pages out).
+fn done_with(f: &File, off: u64, len: u64) {
+    #[cfg(target_os = "linux")]
+    fadvise(
+        f,
+        off,
+        len,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    );
+    #[cfg(not(target_os = "linux"))]
+    let _ = (f, off, len);
+}
+
+#[cfg(target_os = "linux")]
+fn fadvise(f: &File, off: u64, len: u64, advice: nix::fcntl::PosixFadviseAdvice) {
+    if let (Ok(off), Ok(len)) = (i64::try_from(off), i64::try_from(len)) {
+        let _ = nix::fcntl::posix_fadvise(f, off, len, advice);
+    }
+}
+
 /// Run `f` over `jobs` on up to `threads` threads, issuing jobs in the order given (callers sort
 /// by disk offset) and returning results in the same order.
 pub fn run_parallel<T, R, F>(jobs: Vec<T>, threads: usize, f: F) -> Vec<R>
@@ -768,6 +972,11 @@ mod tests {
         let buffered = DiskFile::open_with(&p, false).unwrap();
         assert!(!buffered.is_direct());
         check_ranges(&buffered, &data);
+        // The portable path: buffered reads announced first and dropped from the cache after.
+        let advised = DiskFile::open_mode(&p, DiskIo::Advise).unwrap();
+        assert!(!advised.is_direct());
+        assert_ne!(advised.read_mode(), buffered.read_mode());
+        check_ranges(&advised, &data);
         // A large read through the bounce buffer crosses several 8 MiB chunks.
         let big = pattern(17 << 20);
         let pb = d.join("big.bin");
@@ -825,6 +1034,48 @@ mod tests {
         );
         let e = DiskFile::open(&d.join("nope")).unwrap_err().0;
         assert!(e.contains("nope"), "{e}");
+    }
+
+    /// A mapped range starts at any byte: the mapping itself starts at the page below it (this
+    /// system's page, 16 KiB on Apple silicon), and a range past the end is refused.
+    #[test]
+    fn mapped_ranges_start_anywhere() {
+        let tmp = tmpdir("mapped");
+        let p = tmp.path().join("f.bin");
+        let data = pattern(5 * 16384 + 77);
+        std::fs::write(&p, &data).unwrap();
+        let page = page_size() as usize;
+        assert!(page.is_power_of_two() && page >= 4096);
+        for (off, len) in [
+            (0, 1),
+            (1, 100),
+            (4095, 2),
+            (16383, 3),
+            (page + 7, 40_000),
+            (81_900, 97),
+        ] {
+            let m = MappedRange::map(&p, off as u64, len as u64).unwrap();
+            assert_eq!(m.as_slice(), &data[off..off + len], "off {off} len {len}");
+        }
+        assert!(MappedRange::map(&p, data.len() as u64 - 3, 4).is_err());
+    }
+
+    #[test]
+    fn disk_io_names_parse() {
+        assert_eq!(DiskIo::parse("").unwrap(), DiskIo::DEFAULT);
+        assert_eq!(DiskIo::parse(" advise").unwrap(), DiskIo::Advise);
+        assert_eq!(
+            DiskIo::parse("direct").is_ok(),
+            cfg!(target_os = "linux"),
+            "direct exactly where O_DIRECT exists"
+        );
+        let e = DiskIo::parse("mmap").unwrap_err().to_string();
+        assert!(e.contains("K3_DISK_IO") && e.contains("mmap"), "{e}");
+        for m in [DiskIo::Direct, DiskIo::Advise] {
+            if m == DiskIo::Advise || cfg!(target_os = "linux") {
+                assert_eq!(DiskIo::parse(m.name()).unwrap(), m);
+            }
+        }
     }
 
     #[test]

@@ -20,5 +20,6 @@ pub mod ring;
 pub mod source;
 pub mod standalone;
 pub mod stream;
+pub mod sysinfo;
 pub mod trunk;
 pub mod units;

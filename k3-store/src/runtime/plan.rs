@@ -158,17 +158,7 @@ impl Budget {
     pub fn fit(inputs: &PlanInputs, allocatable: u64) -> Budget {
         let fixed = inputs
             .resident_bytes
-            .saturating_add(
-                inputs
-                    .kda_state_bytes
-                    .saturating_mul(inputs.kda_layers as u64),
-            )
-            .saturating_add(
-                inputs
-                    .mla_bytes_per_position
-                    .saturating_mul(inputs.context_len as u64)
-                    .saturating_mul(inputs.mla_layers as u64),
-            )
+            .saturating_add(inputs.state.bytes)
             .saturating_add(inputs.buffer_bytes);
         let usable = ((allocatable as f64 * AUTO_SHARE) as u64).saturating_sub(fixed);
         let ext = |b: u64| align_up(b).unwrap_or(u64::MAX);
@@ -245,6 +235,9 @@ pub enum MemInfoError {
     /// It has no `MemAvailable` line.
     #[error("/proc/meminfo has no MemAvailable line")]
     NoLine,
+    /// macOS: the VM counters cannot be read.
+    #[error("cannot read the memory counters (sysctl vm.page_*_count): {0}")]
+    Sysctl(#[source] std::io::Error),
 }
 
 /// A memory plan refused before anything is allocated (exit 2).
@@ -342,6 +335,19 @@ impl Budget {
     }
 }
 
+/// The sequence states a process holds (each sequence's KDA state and MLA latent cache), as the
+/// engine that allocates them states them (k3-worker `engine::memory`): the plan takes the
+/// number, it does not compute it. A store holds none.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StateBytes {
+    /// Their bytes.
+    pub bytes: u64,
+    /// Sequences (slots) they are planned for.
+    pub sequences: usize,
+    /// Positions each slot is planned for.
+    pub positions: usize,
+}
+
 /// Everything the plan needs to know about the model, in bytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PlanInputs {
@@ -360,16 +366,8 @@ pub struct PlanInputs {
     pub top_k: usize,
     /// Routed experts in the checkpoint: more slots than this are never useful.
     pub total_experts: usize,
-    /// KDA layers.
-    pub kda_layers: usize,
-    /// Recurrent state + conv history of one KDA layer for one sequence.
-    pub kda_state_bytes: u64,
-    /// MLA layers.
-    pub mla_layers: usize,
-    /// Latent KV cache bytes per position per MLA layer.
-    pub mla_bytes_per_position: u64,
-    /// Context length the KV cache is sized for.
-    pub context_len: usize,
+    /// The sequence states the process holds, as the engine that allocates them states them.
+    pub state: StateBytes,
     /// Activation scratch, logits and I/O bounce buffers, as the process that allocates them
     /// states them from its shapes, with the readers' bounce buffers ([`io_bounce_bytes`]).
     pub buffer_bytes: u64,
@@ -384,18 +382,14 @@ impl PlanInputs {
         self
     }
 
-    /// From the config, the checkpoint catalog and the trunk read plan.
+    /// From the config, the checkpoint catalog and the trunk read plan, with the sequence
+    /// states the process will hold (`state`, the engine's statement).
     pub fn from_model(
         cfg: &k3_proto::config::ModelConfig,
         cat: &crate::runtime::catalog::Catalog,
         trunk: &crate::runtime::trunk::TrunkLayout,
-        context_len: usize,
+        state: StateBytes,
     ) -> PlanInputs {
-        let f = 4u64; // f32
-        let h = cfg.kda_num_heads as u64;
-        let d = cfg.kda_head_dim as u64;
-        let p = h * d;
-        let conv = cfg.short_conv_kernel_size.saturating_sub(1) as u64;
         let (embed, resident): (Vec<_>, Vec<_>) = cat
             .model_tensors()
             .iter()
@@ -416,11 +410,7 @@ impl PlanInputs {
                         .count()
                 })
                 .sum(),
-            kda_layers: cfg.n_kda(),
-            kda_state_bytes: f * (h * d * d + 3 * p * conv),
-            mla_layers: cfg.n_mla(),
-            mla_bytes_per_position: f * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) as u64,
-            context_len,
+            state,
             buffer_bytes: io_bounce_bytes(IO_THREADS, cfg.expert_layout().expert_bytes() as u64),
             process_bytes: resident_now(),
         }
@@ -458,7 +448,9 @@ pub fn address_space_reserve(threads: usize) -> u64 {
 /// address-space limit (`ulimit -v`) that the plan judged sufficient would otherwise be
 /// exhausted by arenas alone, and a failed allocation aborts the process. Call before starting
 /// threads.
+/// Elsewhere (macOS's allocator has no per-thread arenas reserving address space) nothing.
 pub fn limit_allocator_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only sets an allocator parameter; M_ARENA_MAX is a valid parameter and
     // any positive value is accepted.
     unsafe {
@@ -547,16 +539,8 @@ pub struct MemoryPlan {
     pub expert_slot_bytes: u64,
     /// Experts per token.
     pub top_k: usize,
-    /// KDA state of one sequence.
-    pub recurrent_bytes: u64,
-    /// KDA layers.
-    pub kda_layers: usize,
-    /// Latent MLA cache for `context_len` positions.
-    pub kv_bytes: u64,
-    /// MLA layers.
-    pub mla_layers: usize,
-    /// Positions the KV cache holds.
-    pub context_len: usize,
+    /// The sequence states (KDA state and MLA latent cache of every slot).
+    pub state: StateBytes,
     /// Scratch buffers.
     pub buffer_bytes: u64,
     /// What the process held before the plan (program, runtime, what it parsed).
@@ -636,13 +620,7 @@ impl MemoryPlan {
             expert_slots,
             expert_slot_bytes: stride,
             top_k: inputs.top_k,
-            recurrent_bytes: inputs.kda_state_bytes * inputs.kda_layers as u64,
-            kda_layers: inputs.kda_layers,
-            kv_bytes: inputs.mla_bytes_per_position
-                * inputs.context_len as u64
-                * inputs.mla_layers as u64,
-            mla_layers: inputs.mla_layers,
-            context_len: inputs.context_len,
+            state: inputs.state.clone(),
             buffer_bytes: inputs.buffer_bytes,
             process_bytes: inputs.process_bytes,
             available_bytes: None,
@@ -672,8 +650,7 @@ impl MemoryPlan {
         self.trunk_bytes()
             + self.resident_bytes
             + self.cache_bytes()
-            + self.recurrent_bytes
-            + self.kv_bytes
+            + self.state.bytes
             + self.buffer_bytes
     }
 
@@ -793,21 +770,17 @@ impl std::fmt::Display for MemoryPlan {
                 self.top_k
             ),
         )?;
-        row(
-            f,
-            "recurrent state",
-            self.recurrent_bytes,
-            format!("KDA S + conv history, {} layers", self.kda_layers),
-        )?;
-        row(
-            f,
-            "KV cache",
-            self.kv_bytes,
-            format!(
-                "latent, {} positions x {} MLA layers",
-                self.context_len, self.mla_layers
-            ),
-        )?;
+        if self.state.sequences > 0 {
+            row(
+                f,
+                "sequence state",
+                self.state.bytes,
+                format!(
+                    "KDA state + MLA latent cache, {} slot(s) x {} positions",
+                    self.state.sequences, self.state.positions
+                ),
+            )?;
+        }
         row(
             f,
             "buffers",
@@ -831,11 +804,20 @@ impl std::fmt::Display for MemoryPlan {
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes.
+#[cfg(not(target_vendor = "apple"))]
 pub fn mem_available() -> Result<u64, MemInfoError> {
     let s = std::fs::read_to_string("/proc/meminfo").map_err(MemInfoError::Read)?;
     parse_meminfo(&s)
 }
 
+/// macOS has no `/proc/meminfo`: what it could give without swapping, from the VM counters
+/// (`crate::sys::mem_available`).
+#[cfg(target_vendor = "apple")]
+pub fn mem_available() -> Result<u64, MemInfoError> {
+    crate::runtime::sysinfo::mem_available().map_err(MemInfoError::Sysctl)
+}
+
+#[cfg_attr(target_vendor = "apple", allow(dead_code))]
 fn parse_meminfo(s: &str) -> Result<u64, MemInfoError> {
     for line in s.lines() {
         if let Some(rest) = line.strip_prefix("MemAvailable:") {
@@ -871,8 +853,10 @@ impl PlanInputs {
 /// The plan inputs of the full released model (SPEC.md §2.9: layer 0 KDA + dense MLP, MLA+MoE
 /// at layers 3, 7, …, 87, 91, 92, KDA+MoE elsewhere; 896 experts of 17,547,264 bytes, top-16),
 /// as a standalone worker lays it out: lm_head and the small model-level vectors resident, the
-/// embedding mapped. The one place the full model's sizes are written down, for `k3-ctl doctor`
-/// (which has no 1.56 TB catalog to compute them from) and the tests.
+/// embedding mapped, one sequence of `context_len` positions (69 KDA layers of 96 heads' 128²
+/// state and conv histories, 24 MLA layers of 576 floats a position: the sizes k3-worker's
+/// engine states for these dims). The one place the full model's sizes are written down, for
+/// `k3-ctl doctor` (which has no 1.56 TB catalog to compute them from) and the tests.
 pub fn full_scale_inputs(context_len: usize) -> PlanInputs {
     const EXPERT_BYTES: u64 = 17_547_264;
     let layer_bytes = (0..93)
@@ -896,11 +880,11 @@ pub fn full_scale_inputs(context_len: usize) -> PlanInputs {
         expert_slot_bytes: EXPERT_BYTES + ALIGN as u64,
         top_k: 16,
         total_experts: 92 * 896,
-        kda_layers: 69,
-        kda_state_bytes: 4 * (96 * 128 * 128 + 3 * 12288 * 3),
-        mla_layers: 24,
-        mla_bytes_per_position: 4 * 576,
-        context_len,
+        state: StateBytes {
+            bytes: 69 * 4 * (96 * 128 * 128 + 3 * 12288 * 3) + 24 * 4 * 576 * context_len as u64,
+            sequences: 1,
+            positions: context_len,
+        },
         buffer_bytes: 100 << 20,
         process_bytes: 0,
     }
@@ -1005,8 +989,11 @@ mod tests {
         assert!(d.ring_bytes >= d.ring_layer_bytes);
         let one_more: u64 = i.layer_bytes[..d.pinned_layers + 1].iter().sum();
         assert!(one_more + d.ring_layer_bytes > 16_000_000_000);
-        // KV: 576 floats per position per MLA layer.
-        assert_eq!(d.kv_bytes, 4 * 576 * 4096 * 24);
+        // KV: 576 floats per position per MLA layer, and the KDA state.
+        assert_eq!(
+            d.state.bytes,
+            4 * 576 * 4096 * 24 + 69 * 4 * (96 * 128 * 128 + 3 * 12288 * 3)
+        );
         let text = d.to_string();
         for w in [
             "trunk",
@@ -1014,8 +1001,7 @@ mod tests {
             "embedding",
             "mapped from the checkpoint",
             "expert cache",
-            "recurrent state",
-            "KV cache",
+            "sequence state",
             "buffers",
             "TOTAL",
             "available",

@@ -414,18 +414,60 @@ pub struct SourceStats {
     pub preload_seconds: f64,
 }
 
+/// The error under a [`SourceError`] raised in a module this one does not name (the expert
+/// cache, the trunk ring, the store connection: each of them names this module).
+pub type Cause = Box<dyn std::error::Error + Send + Sync>;
+
 /// Errors a source reports.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
     /// A tensor or layer the engine asked for does not exist in this source.
     #[error("missing: {0}")]
     Missing(String),
-    /// An I/O failure (the message names the file and offset).
-    #[error("I/O: {0}")]
-    Io(String),
     /// A read that failed, with the operating system's error kind when there was one.
     #[error("I/O: {0}")]
     Read(#[from] crate::runtime::io::ReadError),
+    /// Reading `what` (a row of a tensor, …) from its file failed.
+    #[error("I/O: {what}: {source}")]
+    File {
+        /// What was being read.
+        what: String,
+        /// The operating system's error.
+        source: std::io::Error,
+    },
+    /// No buffer for a read.
+    #[error("I/O: {0}")]
+    Alloc(#[from] crate::runtime::io::AllocError),
+    /// The expert cache's memory or reader threads could not be set up.
+    #[error("the expert cache: {0}")]
+    Cache(#[source] Cause),
+    /// `--preload` failed to read an expert (the checkpoint is damaged or unreadable).
+    #[error("preloading the expert cache: {0}")]
+    Preload(#[source] ExpertError),
+    /// The trunk ring could not hand out a layer (its read failed, its lease was broken, it
+    /// is stopping).
+    #[error("I/O: {0}")]
+    Ring(#[source] Cause),
+    /// A region that would lie outside the buffer or mapping it names (a bug or a lying
+    /// answer; never read).
+    #[error("{0}: outside its buffer")]
+    Outside(String),
+    /// The attached store refused a request (`what`) with an error of its own.
+    #[error("{what} ({code:?}): {message}")]
+    Refused {
+        /// What was asked.
+        what: String,
+        /// The store's error kind.
+        code: k3_proto::wire::ErrorCode,
+        /// The store's reason.
+        message: String,
+    },
+    /// The attached store answered something that does not fit the request.
+    #[error("the store's answer: {0}")]
+    BadAnswer(String),
+    /// A request on the store connection failed (it is not known to be gone).
+    #[error("store connection: {0}")]
+    Connection(#[source] Cause),
     /// The request itself is invalid (layer out of range, expert id too large, …).
     #[error("invalid request: {0}")]
     Invalid(String),
@@ -437,12 +479,6 @@ pub enum SourceError {
     /// is the panic's.
     #[error("the request's thread panicked: {0}")]
     Panicked(String),
-}
-
-impl From<crate::runtime::io::AllocError> for SourceError {
-    fn from(e: crate::runtime::io::AllocError) -> Self {
-        SourceError::Io(e.to_string())
-    }
 }
 
 /// An expert request running beside the engine's compute ([`WeightSource::request_experts`]).

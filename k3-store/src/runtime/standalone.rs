@@ -6,7 +6,7 @@
 //! `MemAvailable` before anything large is allocated.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,8 +26,8 @@ use crate::runtime::trunk::{open_shards, TrunkError, TrunkLayout};
 /// Options of [`StandaloneSource`].
 #[derive(Clone, Debug)]
 pub struct StandaloneOptions {
-    /// Positions the KV cache is planned for.
-    pub context_len: usize,
+    /// The sequence states the caller holds, as its engine states them.
+    pub state: crate::runtime::plan::StateBytes,
     /// Parallel expert readers.
     pub io_threads: usize,
     /// Compare the plan with `MemAvailable` and refuse when it does not fit.
@@ -51,7 +51,7 @@ pub struct StandaloneOptions {
 impl Default for StandaloneOptions {
     fn default() -> Self {
         StandaloneOptions {
-            context_len: 4096,
+            state: crate::runtime::plan::StateBytes::default(),
             io_threads: crate::runtime::plan::IO_THREADS,
             check_memory: true,
             wait_timeout: Duration::from_secs(60),
@@ -63,36 +63,104 @@ impl Default for StandaloneOptions {
     }
 }
 
-/// Why a standalone source could not be opened.
+/// Why a standalone source could not be opened. Each variant keeps the error beneath it; its
+/// exit code is in [`crate::exit_codes`] (a refusal before any work: 2; a failed read: 1).
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    /// Bad checkpoint, bad packed trunk or a plan that does not fit: exit 2.
-    #[error("{0}")]
-    Refused(String),
-    /// An I/O failure while loading: exit 1.
-    #[error("{0}")]
-    Io(String),
+    /// The checkpoint's config.json cannot be used (refused).
+    #[error("{}: {source}", path.display())]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: k3_proto::config::ConfigError,
+    },
+    /// The checkpoint's safetensors index cannot be used (refused).
+    #[error("{}: {source}", dir.display())]
+    Index {
+        /// The checkpoint folder.
+        dir: PathBuf,
+        /// Why.
+        source: k3_proto::safetensors::IndexError,
+    },
+    /// A tensor's shape does not fit the config (refused).
+    #[error("{}: {source}", dir.display())]
+    Shapes {
+        /// The checkpoint folder.
+        dir: PathBuf,
+        /// Why.
+        source: k3_proto::tensors::ShapeError,
+    },
+    /// The tensors cannot be catalogued (refused).
+    #[error(transparent)]
+    Catalog(#[from] crate::runtime::catalog::CatalogError),
+    /// The open-file limit is too low for the descriptors the source holds (refused).
+    #[error(transparent)]
+    Files(#[from] crate::runtime::fdlimit::TooFewFiles),
+    /// A shard's length changed since the checkpoint was indexed (refused).
+    #[error("{} is {len} bytes but was {indexed} bytes when indexed", path.display())]
+    ShardChanged {
+        /// The shard.
+        path: PathBuf,
+        /// Its length now.
+        len: u64,
+        /// Its length in the index.
+        indexed: u64,
+    },
+    /// An unknown `--cache-policy` (refused).
+    #[error("{}", crate::runtime::policy::unknown_policy(.0))]
+    UnknownPolicy(String),
+    /// The packed trunk cannot be used (refused) or read (a failure).
+    #[error(transparent)]
+    Trunk(#[from] TrunkError),
     /// The memory plan does not fit, or the memory available is unknown: exit 2.
     #[error(transparent)]
     Plan(#[from] PlanError),
     /// `--preload on` with a cache too small: exit 2.
     #[error(transparent)]
     Preload(#[from] crate::runtime::experts::PreloadRefused),
-}
-
-impl From<TrunkError> for OpenError {
-    fn from(e: TrunkError) -> Self {
-        match e {
-            e if e.is_refusal() => OpenError::Refused(e.to_string()),
-            e => OpenError::Io(e.to_string()),
-        }
-    }
-}
-
-impl From<SourceError> for OpenError {
-    fn from(e: SourceError) -> Self {
-        OpenError::Io(e.to_string())
-    }
+    /// A shard could not be opened (the error names it).
+    #[error(transparent)]
+    Shards(crate::runtime::io::ReadError),
+    /// Reading the model tensor `what` failed.
+    #[error("{what}: {source}")]
+    Read {
+        /// The tensor.
+        what: String,
+        /// Why.
+        source: crate::runtime::io::ReadError,
+    },
+    /// A model tensor's shard is not among the open ones (a catalog bug).
+    #[error("{tensor}: shard {shard} not open")]
+    NotOpen {
+        /// The tensor.
+        tensor: String,
+        /// Its shard.
+        shard: u16,
+    },
+    /// A model tensor's window lies outside the buffer read for it (a bug).
+    #[error("{0}: window outside its buffer")]
+    Window(String),
+    /// The embedding's shard could not be opened again for its row reads.
+    #[error("{}: {source}", path.display())]
+    Embed {
+        /// The shard.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A thread of the source could not be started.
+    #[error("starting the {what} thread: {source}")]
+    Thread {
+        /// Which thread.
+        what: &'static str,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The trunk stream or the expert cache could not be set up (an invalid ring or a damaged
+    /// pinned layer is a refusal; anything else a failure).
+    #[error(transparent)]
+    Source(#[from] SourceError),
 }
 
 /// Weights served in-process.
@@ -139,27 +207,37 @@ impl StandaloneSource {
         progress: &mut dyn FnMut(&str, usize, usize),
     ) -> Result<(StandaloneSource, MemoryPlan), OpenError> {
         let cfg_path = model_dir.join("config.json");
-        let mut cfg = k3_proto::config::ModelConfig::load(&cfg_path)
-            .map_err(|e| OpenError::Refused(format!("{}: {e}", cfg_path.display())))?;
+        let mut cfg =
+            k3_proto::config::ModelConfig::load(&cfg_path).map_err(|source| OpenError::Config {
+                path: cfg_path.clone(),
+                source,
+            })?;
         if let Some(n) = layers {
             cfg = cfg.with_layers(n);
         }
-        let index = k3_proto::safetensors::CheckpointIndex::open(model_dir)
-            .map_err(|e| OpenError::Refused(format!("{}: {e}", model_dir.display())))?;
+        let index = k3_proto::safetensors::CheckpointIndex::open(model_dir).map_err(|source| {
+            OpenError::Index {
+                dir: model_dir.into(),
+                source,
+            }
+        })?;
         if opts.check_shapes {
-            k3_proto::tensors::check(&cfg, &index)
-                .map_err(|e| OpenError::Refused(format!("{}: {e}", model_dir.display())))?;
+            k3_proto::tensors::check(&cfg, &index).map_err(|source| OpenError::Shapes {
+                dir: model_dir.into(),
+                source,
+            })?;
         }
-        let cat = Catalog::from_index(&index, &cfg).map_err(|e| OpenError::Refused(e.0))?;
+        let cat = Catalog::from_index(&index, &cfg)?;
         drop(index);
-        let ctx = opts.context_len;
+        let state = opts.state.clone();
         Self::build(
             Arc::new(cat),
             trunk_dir,
             budget,
             opts,
             &|cat, trunk| {
-                PlanInputs::from_model(&cfg, cat, trunk, ctx).plus_buffers(opts.extra_buffer_bytes)
+                PlanInputs::from_model(&cfg, cat, trunk, state.clone())
+                    .plus_buffers(opts.extra_buffer_bytes)
             },
             progress,
         )
@@ -182,17 +260,15 @@ impl StandaloneSource {
             trunks: u64::from(trunk_dir.is_some()),
             ..Default::default()
         };
-        crate::runtime::fdlimit::raise()
-            .check("k3-worker", &needs)
-            .map_err(|e| OpenError::Refused(e.to_string()))?;
-        let shards = open_shards(&cat).map_err(|e| OpenError::Io(e.0))?;
+        crate::runtime::fdlimit::raise().check("k3-worker", &needs)?;
+        let shards = open_shards(&cat).map_err(OpenError::Shards)?;
         for (f, &want) in shards.iter().zip(cat.shard_lens()) {
             if f.len() != want {
-                return Err(OpenError::Refused(format!(
-                    "{} is {} bytes but was {want} bytes when indexed",
-                    f.path().display(),
-                    f.len()
-                )));
+                return Err(OpenError::ShardChanged {
+                    path: f.path().into(),
+                    len: f.len(),
+                    indexed: want,
+                });
             }
         }
         let layout = match trunk_dir {
@@ -221,11 +297,11 @@ impl StandaloneSource {
             .iter()
             .find(|t| t.name == k3_proto::names::EMBED)
             .map(|t| {
-                let f = shards.get(t.shard as usize).ok_or_else(|| {
-                    OpenError::Io(format!("{}: shard {} not open", t.name, t.shard))
+                let f = shard_of(&shards, t)?;
+                let file = std::fs::File::open(f.path()).map_err(|source| OpenError::Embed {
+                    path: f.path().into(),
+                    source,
                 })?;
-                let file = std::fs::File::open(f.path())
-                    .map_err(|e| OpenError::Io(format!("{}: {e}", f.path().display())))?;
                 Ok::<_, OpenError>((file, t.off, t.nbytes))
             })
             .transpose()?;
@@ -237,16 +313,9 @@ impl StandaloneSource {
                 demand_timeout: opts.wait_timeout,
             },
             &mut |d, t| progress("pinned trunk layers", d, t),
-        )
-        // A pinned layer failing its checksum (or a ring the plan cannot use) is a refusal.
-        .map_err(|e| match e {
-            SourceError::Invalid(m) => OpenError::Refused(m),
-            e => e.into(),
-        })?;
+        )?;
         let policy = crate::runtime::policy::policy_by_name(&opts.cache_policy, plan.expert_slots)
-            .ok_or_else(|| {
-                OpenError::Refused(crate::runtime::policy::unknown_policy(&opts.cache_policy))
-            })?;
+            .ok_or_else(|| OpenError::UnknownPolicy(opts.cache_policy.clone()))?;
         let experts = ExpertCache::with_policy(
             cat,
             shards,
@@ -260,10 +329,15 @@ impl StandaloneSource {
         if preload {
             experts.preload(&mut |d, t| progress("expert cache", d as usize, t as usize))?;
         }
-        let fetch = IoPool::new("k3-expert-fetch", 1)
-            .map_err(|e| OpenError::Io(format!("starting the expert fetch thread: {e}")))?;
-        let prefetcher = IoPool::new("k3-expert-prefetch", 1)
-            .map_err(|e| OpenError::Io(format!("starting the expert prefetch thread: {e}")))?;
+        let fetch = IoPool::new("k3-expert-fetch", 1).map_err(|source| OpenError::Thread {
+            what: "expert fetch",
+            source,
+        })?;
+        let prefetcher =
+            IoPool::new("k3-expert-prefetch", 1).map_err(|source| OpenError::Thread {
+                what: "expert prefetch",
+                source,
+            })?;
         let src = StandaloneSource {
             model,
             stream,
@@ -299,6 +373,19 @@ impl StandaloneSource {
     }
 }
 
+/// The open shard model tensor `t` lies in.
+fn shard_of<'a>(
+    shards: &'a [Arc<DiskFile>],
+    t: &crate::runtime::catalog::TensorExtent,
+) -> Result<&'a Arc<DiskFile>, OpenError> {
+    shards
+        .get(t.shard as usize)
+        .ok_or_else(|| OpenError::NotOpen {
+            tensor: t.name.clone(),
+            shard: t.shard,
+        })
+}
+
 fn load_model_tensors(
     cat: &Catalog,
     shards: &[Arc<DiskFile>],
@@ -307,22 +394,26 @@ fn load_model_tensors(
     let ts = cat.model_tensors();
     let mut out = HashMap::with_capacity(ts.len());
     for (i, t) in ts.iter().enumerate() {
-        let f = shards
-            .get(t.shard as usize)
-            .ok_or_else(|| OpenError::Io(format!("{}: shard {} not open", t.name, t.shard)))?;
+        let f = shard_of(shards, t)?;
         let r = if t.name == k3_proto::names::EMBED {
             // One row per token is read: map it, so only the rows used become resident.
-            let m = MappedRange::map(f.path(), t.off, t.nbytes)
-                .map_err(|e| OpenError::Io(format!("{}: {}", t.name, e.0)))?;
+            let m =
+                MappedRange::map(f.path(), t.off, t.nbytes).map_err(|source| OpenError::Read {
+                    what: t.name.clone(),
+                    source,
+                })?;
             let owner: Arc<dyn ByteOwner> = Arc::new(m);
             Region::whole(owner)
         } else {
-            let (buf, inner) = f
-                .read_region(t.off, t.nbytes)
-                .map_err(|e| OpenError::Io(format!("{}: {}", t.name, e.0)))?;
+            let (buf, inner) =
+                f.read_region(t.off, t.nbytes)
+                    .map_err(|source| OpenError::Read {
+                        what: t.name.clone(),
+                        source,
+                    })?;
             let owner: Arc<dyn ByteOwner> = Arc::new(buf);
             Region::new(owner, inner, t.nbytes as usize)
-                .ok_or_else(|| OpenError::Io(format!("{}: window outside its buffer", t.name)))?
+                .ok_or_else(|| OpenError::Window(t.name.clone()))?
         };
         out.insert(t.name.clone(), r);
         progress("model tensors", i + 1, ts.len());
@@ -368,8 +459,12 @@ impl WeightSource for StandaloneSource {
                 .checked_mul(row_bytes as u64)
                 .filter(|o| o + row_bytes as u64 <= *nbytes)
                 .ok_or_else(|| SourceError::Invalid(format!("row {id} of {name}: outside it")))?;
-            std::os::unix::fs::FileExt::read_exact_at(file, dst, off + at)
-                .map_err(|e| SourceError::Io(format!("row {id} of {name}: {e}")))?;
+            std::os::unix::fs::FileExt::read_exact_at(file, dst, off + at).map_err(|source| {
+                SourceError::File {
+                    what: format!("row {id} of {name}"),
+                    source,
+                }
+            })?;
         }
         Ok(())
     }
@@ -494,11 +589,11 @@ mod tests {
                 as u64,
             top_k: 2,
             total_experts: usize::MAX,
-            kda_layers: 3,
-            kda_state_bytes: 1000,
-            mla_layers: 1,
-            mla_bytes_per_position: 64,
-            context_len: 16,
+            state: crate::runtime::plan::StateBytes {
+                bytes: 3 * 1000 + 64 * 16,
+                sequences: 1,
+                positions: 16,
+            },
             buffer_bytes: 4096,
             process_bytes: 0,
         }

@@ -112,7 +112,7 @@ impl TrunkStream {
                     .map_err(|e| SourceError::Invalid(e.to_string()))?;
                 let owner: Arc<dyn ByteOwner> = Arc::new(buf);
                 let region = Region::new(owner, inner, plan.run_len as usize)
-                    .ok_or_else(|| SourceError::Io(format!("layer {l}: run outside its buffer")))?;
+                    .ok_or_else(|| SourceError::Outside(format!("layer {l}'s run")))?;
                 Ok(LayerRun {
                     layer: l,
                     region,
@@ -276,7 +276,7 @@ impl TrunkStream {
             RingError::Stuck(m) | RingError::BadLayer(m) | RingError::Setup(m) => {
                 SourceError::Invalid(m)
             }
-            e => SourceError::Io(e.to_string()),
+            e => SourceError::Ring(e.into()),
         })?;
         let owner: Arc<dyn ByteOwner> = Arc::new(pin);
         Ok(LayerRun {
@@ -434,7 +434,9 @@ mod tests {
         let min = TrunkStream::min_ring_bytes(&layout, 0);
         let s = stream(layout, 0, 3 * min);
         verify(&spec, &s.layer(0).unwrap());
-        assert!(matches!(s.layer(1), Err(SourceError::Io(m)) if m.contains("checksum")));
+        assert!(
+            matches!(s.layer(1), Err(SourceError::Ring(e)) if e.to_string().contains("checksum"))
+        );
         verify(&spec, &s.layer(2).unwrap());
         std::fs::remove_dir_all(&w.dir).unwrap();
     }

@@ -1,5 +1,5 @@
 //! The base log-probabilities file (`k3-worker --perplexity FILE --save-logprobs OUT`, read
-//! back with `--kl-base OUT`; SPEC.md §6.15): every scored position's log-probabilities over the
+//! back with `--kl-base OUT`; SPEC.md §6.16): every scored position's log-probabilities over the
 //! whole vocabulary, as the exact model gave them, so a lossy run can be compared with it
 //! position by position (llama.cpp's KL-divergence mode works the same way).
 //!

@@ -4,7 +4,7 @@
 //! (`--save-logprobs` of an exact run, `--kl-base` of the compared one), the mean and 99th
 //! percentile KL divergence and the top-1 agreement per position, as its KL-divergence mode.
 //!
-//! **Windowing** (SPEC.md §6.15). The file is tokenized as user text (special tokens off) into
+//! **Windowing** (SPEC.md §6.16). The file is tokenized as user text (special tokens off) into
 //! ids `t_0 … t_{M−1}`, cut into consecutive windows of `W` ids (`--ppl-window`, default 512;
 //! the last may be shorter). Each window runs as its own sequence from a fresh state: `[BOS]`
 //! then the window's ids but its last, one forward over all of them (in calls of at most
@@ -275,6 +275,23 @@ pub fn print(r: &PplReport, trunk: &k3_proto::wire::TrunkInfo) {
             k.base_mean_nll
         );
     }
+}
+
+/// The buffers of a scoring job's largest pass over windows of `window` positions: a call of
+/// [`CHUNK`] rows returning every row's logits, and [`extra_bytes`].
+pub fn pass_bytes(d: &crate::model::Dims, window: usize) -> u64 {
+    let rows = CHUNK.min(window.max(1));
+    let pass = crate::model::state::Work::bytes_for(
+        d,
+        &crate::model::state::PassShape {
+            rows,
+            logits_rows: rows,
+            context: window,
+            journaled: false,
+            threads: rayon::current_num_threads(),
+        },
+    );
+    pass + extra_bytes(d.vocab)
 }
 
 /// Bytes a scoring job holds beyond the model's pass buffers: a call's logits (`CHUNK` rows),

@@ -602,7 +602,7 @@ unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32], st
         unsafe { bf16_tokens::<S, MATMUL_ROWS, TOKEN_BLOCK>(src, x, n, t, out) };
         t += TOKEN_BLOCK;
     }
-    if t < n && cols <= super::NARROW_COLS {
+    if t < n && cols <= super::scalar::NARROW_COLS {
         // SAFETY: as above, for the last token of narrow rows: one row at a time.
         unsafe { bf16_tokens::<S, 1, 1>(src, x, n, t, out) };
     } else if t < n {

@@ -407,7 +407,9 @@ unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32], st
         // SAFETY: as above.
         2 => unsafe { bf16_tokens::<S, MATMUL_ROWS, 2>(src, x, n, t, out) },
         // SAFETY: as above; the last token of narrow rows: one row at a time.
-        _ if cols <= super::NARROW_COLS => unsafe { bf16_tokens::<S, 1, 1>(src, x, n, t, out) },
+        _ if cols <= super::scalar::NARROW_COLS => unsafe {
+            bf16_tokens::<S, 1, 1>(src, x, n, t, out)
+        },
         // SAFETY: as above; the last token (all of a matvec).
         _ => unsafe { bf16_tokens::<S, MATVEC_ROWS, 1>(src, x, n, t, out) },
     }

@@ -1,6 +1,6 @@
 //! Numerical kernels.
 //!
-//! Contract shared by every tier (scalar, AVX2+FMA, AVX-512):
+//! Contract shared by every tier (scalar, AVX2+FMA, AVX-512, NEON):
 //! * bf16 weights are raw little-endian bytes (`&[u8]`, any alignment), row-major `[rows, cols]`,
 //!   widened exactly (`f32 bits = bf16 bits << 16`).
 //! * MXFP4 weights are `packed [rows, cols/2]` (low nibble = even column) and E8M0
@@ -15,14 +15,15 @@
 //! # Tiers
 //! The free functions below run on the *active* tier ([`active_tier`]), chosen once per process:
 //! the best tier the CPU supports, or the one forced by the environment variable `K3_SIMD`
-//! (`scalar`, `avx2`, `avx512`; unset, empty or `auto` = best available). Binaries call
+//! (`scalar`, `avx2`, `avx512`, `neon`; unset, empty or `auto` = best available). Binaries call
 //! [`select_tier`] at start-up and refuse to run (exit 2) when it returns an error (unknown value,
 //! or a forced tier this CPU lacks); no instruction the CPU lacks is ever executed.
 //! [`Kernels`] gives tier-specific entry points (tests and benchmarks run every tier on one
 //! machine); a `Kernels` value can only be made for a tier the CPU supports.
 //!
 //! Tiers differ from each other only by the order of f32 additions (and FMA contraction) inside
-//! dot products; the elementwise kernels (`rms_norm`, `l2_norm_inplace`, `situ_glu`,
+//! dot products (NEON follows the AVX2 tier's order exactly: the same bits on an aarch64 CPU as
+//! on an x86-64 CPU with AVX2); the elementwise kernels (`rms_norm`, `l2_norm_inplace`, `situ_glu`,
 //! `softmax_inplace`) are the scalar code on every tier, so their results never depend on the CPU.
 //!
 //! # Threads
@@ -31,6 +32,8 @@
 //! see [`build_pool`]). Problems under [`PAR_MIN_MACS`] multiply-adds run on the calling thread.
 //! A row is always computed by the same code, so the thread count never changes a result.
 
+// The quantized kernels have no NEON tier yet: off x86-64 their AVX2 dispatch's flag is unused.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub mod quant;
 pub mod scalar;
 
@@ -38,7 +41,12 @@ pub mod scalar;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+mod neon;
+#[cfg(any(
+    target_arch = "x86_64",
+    all(target_arch = "aarch64", target_endian = "little")
+))]
 mod tile;
 
 mod tier;
@@ -58,20 +66,6 @@ use rayon::prelude::*;
 /// 8-row bf16 decode blocks.
 pub const ROW_CHUNK: usize = 16;
 
-/// bf16 rows of at most this many columns are dotted with a single token one row at a time by
-/// the SIMD tiers, not in blocks of 8 rows. Eight short rows lie in the same few 4 KB pages, and
-/// loading them in step (line 0 of each row, then line 1 of each, ...) jumps back and forth
-/// through those pages: the hardware prefetcher does not follow, and the kernel waits on memory
-/// (the `small` model's 163840×256 lm_head, AVX-512, `cargo bench -p k3-worker --bench
-/// kernels`: 8.9 GB/s at 1 thread and 12.3 at 2 in blocks of 8; 21.1 and 28.3 one row at a
-/// time). One row at a time is a sequential scan, and its activations (≤ 8 KB) stay in L1, so
-/// reloading them per row costs nothing. A sweep over widths (84 MB matrices, 1 and 2 threads)
-/// found both ways equal at 2048 columns and the 8-row blocks faster from 3072. K3's narrow
-/// matrices: `f_b_proj` (128 columns), `kv_b_proj` (512), `q_b_proj` (1536). Only the loop
-/// nesting changes, not any accumulator's operation sequence, so the results are the same
-/// bits.
-pub const NARROW_COLS: usize = 2048;
-
 /// Below this many multiply-adds (`rows·cols·n`) a matrix kernel runs on the calling thread.
 /// Handing work to the pool and waking a sleeping worker costs ~10–20 µs on a 2-vCPU VM, about
 /// what one thread needs for 256 Ki bf16 multiply-adds (512 KB of weights at ~15 GB/s): smaller
@@ -89,11 +83,7 @@ pub fn build_pool(threads: usize) -> Result<rayon::ThreadPool, rayon::ThreadPool
         .build()
 }
 
-/// Widen one bf16 (given as its bits) to f32, exactly.
-#[inline(always)]
-pub fn bf16_to_f32(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
-}
+pub use scalar::{bf16_to_f32, sigmoid, NARROW_COLS};
 
 /// Widen a little-endian bf16 byte run into f32s.
 pub fn bf16_bytes_to_f32(bytes: &[u8]) -> Vec<f32> {
@@ -261,12 +251,6 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     Kernels::active().dot_f32(a, b)
 }
 
-/// Logistic sigmoid.
-#[inline]
-pub fn sigmoid(z: f32) -> f32 {
-    1.0 / (1.0 + (-z).exp())
-}
-
 /// `z·σ(z)`.
 #[inline]
 pub fn silu(z: f32) -> f32 {
@@ -285,8 +269,8 @@ pub struct Kernels {
     strips: bool,
 }
 
-/// Runs one tier's row kernel. `$k` is a `Kernels`; the AVX arms are sound because a `Kernels`
-/// only exists for a tier the CPU supports.
+/// Runs one tier's row kernel. `$k` is a `Kernels`; the AVX and NEON arms are sound because a
+/// `Kernels` only exists for a tier the CPU supports.
 macro_rules! by_tier {
     ($k:expr, $f:ident($($arg:expr),* $(,)?)) => {
         match $k.tier {
@@ -298,8 +282,11 @@ macro_rules! by_tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, AVX-512 F/BW/VL, AVX2 and FMA were detected before this value existed.
             Tier::Avx512 => unsafe { avx512::$f($($arg),*) },
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => unreachable!("SIMD tier on a non-x86_64 build"),
+            #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+            // SAFETY: as above, NEON was detected (every aarch64 CPU has it).
+            Tier::Neon => unsafe { neon::$f($($arg),*) },
+            #[allow(unreachable_patterns)] // every tier of this architecture is matched above
+            _ => unreachable!("a SIMD tier of another architecture"),
         }
     };
 }
@@ -503,7 +490,7 @@ impl Kernels {
     fn with_split<R>(self, x: &[f32], cols: usize, f: impl FnOnce(&[f32]) -> R) -> R {
         let lanes = match self.tier {
             Tier::Scalar => return f(x),
-            Tier::Avx2 => 8,
+            Tier::Avx2 | Tier::Neon => 8,
             Tier::Avx512 => 16,
         };
         with_buffer(&SPLIT, |buf| {
@@ -524,6 +511,10 @@ impl Kernels {
             #[cfg(not(target_arch = "x86_64"))]
             Tier::Avx2 => (8, 16),
             Tier::Avx512 => (16, 16),
+            #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+            Tier::Neon => (4, neon::FMA_PROBE_CHAINS as u64),
+            #[cfg(not(all(target_arch = "aarch64", target_endian = "little")))]
+            Tier::Neon => (4, 16),
         };
         let v = by_tier!(self, fma_probe(iters, 1.0));
         (chains * lanes * iters as u64, v)

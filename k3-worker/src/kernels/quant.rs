@@ -1,5 +1,5 @@
 //! Products with int8/int4 quantized matrices (`k3_proto::quant`: a quantized packed trunk's,
-//! SPEC.md §6.14, or a draft trunk's): `y [n, rows] = x [n, cols] · Wᵀ`, `W ≈ q · s`.
+//! SPEC.md §6.15, or a draft trunk's): `y [n, rows] = x [n, cols] · Wᵀ`, `W ≈ q · s`.
 //!
 //! **The sequence** (the scalar twin, `scalar::q8_dot` / `scalar::q4_dot`, is its definition;
 //! every tier computes each (row, token) by it, so all tiers give the same bits — tested per
@@ -39,7 +39,7 @@ fn quant_rows(tier: Tier, m: &QuantMatrix<'_>, r0: usize, x: &[f32], n: usize, o
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, AVX-512 F/BW/VL and FMA were detected.
         Tier::Avx512 => unsafe { super::avx512::quant_rows(m, r0, x, n, out) },
-        #[cfg(not(target_arch = "x86_64"))]
+        #[allow(unreachable_patterns)] // every tier of this architecture is matched above
         _ => scalar::quant_rows(m, r0, x, n, out),
     }
 }

@@ -1,6 +1,32 @@
-//! Scalar reference kernels. Every SIMD tier is tested against these.
+//! Scalar reference kernels. Every SIMD tier is tested against these. The leaves every tier
+//! shares (the bf16 widening, the sigmoid, the narrow-row threshold) are written here, below
+//! the tiers and `mod.rs` (which re-exports them).
 
-use super::bf16_to_f32;
+/// Widen one bf16 (given as its bits) to f32, exactly.
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// Logistic sigmoid.
+#[inline]
+pub fn sigmoid(z: f32) -> f32 {
+    1.0 / (1.0 + (-z).exp())
+}
+
+/// bf16 rows of at most this many columns are dotted with a single token one row at a time by
+/// the SIMD tiers, not in blocks of 8 rows. Eight short rows lie in the same few 4 KB pages, and
+/// loading them in step (line 0 of each row, then line 1 of each, ...) jumps back and forth
+/// through those pages: the hardware prefetcher does not follow, and the kernel waits on memory
+/// (the `small` model's 163840×256 lm_head, AVX-512, `cargo bench -p k3-worker --bench
+/// kernels`: 8.9 GB/s at 1 thread and 12.3 at 2 in blocks of 8; 21.1 and 28.3 one row at a
+/// time). One row at a time is a sequential scan, and its activations (≤ 8 KB) stay in L1, so
+/// reloading them per row costs nothing. A sweep over widths (84 MB matrices, 1 and 2 threads)
+/// found both ways equal at 2048 columns and the 8-row blocks faster from 3072. K3's narrow
+/// matrices: `f_b_proj` (128 columns), `kv_b_proj` (512), `q_b_proj` (1536). Only the loop
+/// nesting changes, not any accumulator's operation sequence, so the results are the same
+/// bits.
+pub const NARROW_COLS: usize = 2048;
 
 /// E2M1 magnitudes by code 0..15 (bit 3 = sign).
 pub const E2M1: [f32; 16] = [
@@ -205,7 +231,7 @@ pub fn situ_glu(gate: &[f32], up: &[f32], beta_gate: f32, beta_up: f32, out: &mu
     assert_eq!(gate.len(), out.len());
     for i in 0..gate.len() {
         let g = gate[i];
-        let a = beta_gate * (g / beta_gate).tanh() * super::sigmoid(g);
+        let a = beta_gate * (g / beta_gate).tanh() * sigmoid(g);
         let u = beta_up * (up[i] / beta_up).tanh();
         out[i] = a * u;
     }

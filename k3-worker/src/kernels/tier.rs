@@ -3,8 +3,8 @@
 use std::fmt;
 use std::sync::OnceLock;
 
-/// Environment variable that forces a tier: `scalar`, `avx2` or `avx512` (`auto`, empty or unset:
-/// the best tier this CPU supports).
+/// Environment variable that forces a tier: `scalar`, `avx2`, `avx512` or `neon` (`auto`, empty
+/// or unset: the best tier this CPU supports).
 pub const SIMD_ENV: &str = k3_proto::paths::env::K3_SIMD;
 
 /// A kernel implementation level.
@@ -18,11 +18,15 @@ pub enum Tier {
     /// tier's). Never the AVX-512 BF16 dot instructions: they
     /// would round the activations to bf16.
     Avx512,
+    /// aarch64 NEON (Advanced SIMD, 128-bit; every aarch64 CPU has it): the AVX2 tier's
+    /// operation sequence on two vectors of 4 lanes, so the same bits as AVX2. Never the
+    /// BF16 extension's dot instructions (`BFMLAL`/`BFDOT`): they round the activations to bf16.
+    Neon,
 }
 
 impl Tier {
-    /// Every tier, slowest first.
-    pub const ALL: [Tier; 3] = [Tier::Scalar, Tier::Avx2, Tier::Avx512];
+    /// Every tier, slowest first (of the tiers of one architecture).
+    pub const ALL: [Tier; 4] = [Tier::Scalar, Tier::Avx2, Tier::Avx512, Tier::Neon];
 
     /// The name used by `K3_SIMD` and in run reports.
     pub fn name(self) -> &'static str {
@@ -30,6 +34,7 @@ impl Tier {
             Tier::Scalar => "scalar",
             Tier::Avx2 => "avx2",
             Tier::Avx512 => "avx512",
+            Tier::Neon => "neon",
         }
     }
 
@@ -55,7 +60,9 @@ impl Tier {
                     && std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
             }
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+            Tier::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[allow(unreachable_patterns)] // every tier of this architecture is matched above
             _ => false,
         }
     }
@@ -80,7 +87,7 @@ impl fmt::Display for Tier {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum TierError {
     /// The value names no tier.
-    #[error("{SIMD_ENV}={0:?} is not a SIMD tier (expected scalar, avx2, avx512 or auto)")]
+    #[error("{SIMD_ENV}={0:?} is not a SIMD tier (expected scalar, avx2, avx512, neon or auto)")]
     Unknown(String),
     /// The named tier needs instructions this CPU lacks.
     #[error("{SIMD_ENV}={tier} was requested but this CPU lacks the instructions it needs (best available: {best})")]

@@ -103,7 +103,7 @@ impl Span {
 }
 
 /// Where one weight matrix sits inside its layer run: a bf16 tensor, an EC-BF16 coded bf16
-/// tensor (SPEC.md §6.13) or an int8/int4 quantized matrix (SPEC.md §6.14) of a packed trunk
+/// tensor (SPEC.md §6.13) or an int8/int4 quantized matrix (SPEC.md §6.15) of a packed trunk
 /// (`tensor` is its index in the layout, `rows` and `cols` its bound shape), or a draft trunk's
 /// quantized codes and their scales.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,7 +152,7 @@ impl MatSpan {
                 cols,
             } => Mat::Coded(
                 coded_of(span.of(bytes), rows as usize, cols as usize)
-                    .map_err(|p| named(tensor, p))?,
+                    .map_err(|p| named(tensor, p.to_string()))?,
             ),
             MatSpan::Quantized {
                 span,
@@ -184,17 +184,33 @@ impl MatSpan {
     }
 }
 
+/// Why a tensor's bytes are not the EC-BF16 matrix its binding expects (both callers wrap it
+/// with `bind_err`, which names the tensor).
+#[derive(Debug, thiserror::Error)]
+enum CodedProblem {
+    /// Not an EC-BF16 matrix.
+    #[error(transparent)]
+    Codec(#[from] k3_proto::ecbf16::CodecError),
+    /// Another shape.
+    #[error("EC-BF16 matrix [{got_rows}, {got_cols}], expected [{rows}, {cols}]")]
+    Shape {
+        got_rows: usize,
+        got_cols: usize,
+        rows: usize,
+        cols: usize,
+    },
+}
+
 /// `bytes` parsed as an EC-BF16 matrix of shape `[rows, cols]`.
-// String error because both callers wrap it with `bind_err`, which names the tensor (the
-// ModelError a failed bind is).
-fn coded_of(bytes: &[u8], rows: usize, cols: usize) -> Result<CodedMatrix<'_>, String> {
-    let m = CodedMatrix::parse(bytes).map_err(|e| e.to_string())?;
+fn coded_of(bytes: &[u8], rows: usize, cols: usize) -> Result<CodedMatrix<'_>, CodedProblem> {
+    let m = CodedMatrix::parse(bytes)?;
     if (m.rows(), m.cols()) != (rows, cols) {
-        return Err(format!(
-            "EC-BF16 matrix [{}, {}], expected [{rows}, {cols}]",
-            m.rows(),
-            m.cols()
-        ));
+        return Err(CodedProblem::Shape {
+            got_rows: m.rows(),
+            got_cols: m.cols(),
+            rows,
+            cols,
+        });
     }
     Ok(m)
 }
@@ -427,7 +443,7 @@ impl<'r> LayerView<'r> {
                 .map_err(|p| bind_err(&name, p))?
                 .source_xxh3(),
             None => coded_of(span.of(region), rows, cols)
-                .map_err(|p| bind_err(&name, p))?
+                .map_err(|p| bind_err(&name, p.to_string()))?
                 .raw_checksum(),
         };
         if let Some(want) = loc.source_xxh3.filter(|&w| w != source) {

@@ -256,24 +256,26 @@ impl<'s> Model<'s> {
         Ok(logits)
     }
 
-    /// One pass over the rows of several sequences (a batch): each trunk weight and each
-    /// routed expert is read once for every row that needs it; each sequence's attention runs
-    /// on its own state. Returns each sequence's logits (`[rows, vocab]` for the rows its
-    /// [`Logits`] asks for), bit for bit what [`Model::forward`] gives that sequence alone. The
-    /// pass's temporaries live in `scratch` (reused across passes; the states' own buffers are
-    /// not touched). On error every state in the batch is unusable.
+    /// One pass over the rows of several sequences: each trunk weight and each routed expert
+    /// is read once for every row that needs it; each sequence's attention runs on its own
+    /// state. Returns the logits of every sequence in turn (`[rows, vocab]` for the rows each
+    /// one's [`Logits`] asks for), bit for bit what [`Model::forward`] gives each sequence
+    /// alone. The pass's temporaries live in `scratch` (reused across passes; the states' own
+    /// buffers are not touched). On error every state in the pass is unusable.
     pub fn forward_batch(
         &mut self,
         seqs: &mut [SeqRows<'_>],
         scratch: &mut Scratch,
-    ) -> Result<Vec<Vec<f32>>, ModelError> {
+    ) -> Result<Vec<f32>, ModelError> {
         if seqs.is_empty() {
-            return Err(ModelError::Input("a batch of no sequences".into()));
+            return Err(ModelError::Input("a pass of no sequences".into()));
         }
         for s in seqs.iter() {
             check_input(&self.dims, s.ids, s.state)?;
         }
-        let ids: Vec<u32> = seqs.iter().flat_map(|s| s.ids.iter().copied()).collect();
+        let mut ids = std::mem::take(&mut scratch.ids);
+        ids.clear();
+        ids.extend(seqs.iter().flat_map(|s| s.ids.iter().copied()));
         let mut parts: Vec<Part<'_>> = seqs
             .iter_mut()
             .map(|s| Part {
@@ -283,18 +285,14 @@ impl<'s> Model<'s> {
                 logits: s.logits,
             })
             .collect();
-        let all = self.pass(&ids, &mut parts, scratch)?;
+        let logits = self.pass(&ids, &mut parts, scratch);
+        scratch.ids = ids;
+        let logits = logits?;
         drop(parts);
-        let vocab = self.dims.vocab;
-        let mut at = 0;
-        let mut out = Vec::with_capacity(seqs.len());
         for s in seqs.iter_mut() {
-            let k = s.logits.rows(s.ids.len()) * vocab;
-            out.push(all[at..at + k].to_vec());
-            at += k;
             s.state.pos += s.ids.len();
         }
-        Ok(out)
+        Ok(logits)
     }
 
     /// The pass itself: `ids` are the parts' rows in turn.
@@ -307,7 +305,9 @@ impl<'s> Model<'s> {
         let routed_experts = self.routed_experts;
         let (d, globals, mut feed) = self.parts();
         let n = ids.len();
-        let Scratch { bank, pend, work } = scratch;
+        let Scratch {
+            bank, pend, work, ..
+        } = scratch;
         let w = &mut **work;
         let rows = feed.embed(ids)?;
         let mut res = Residuals::embed(d, rows, bank, pend);

@@ -22,7 +22,7 @@ pub enum Mat<'a> {
     /// EC-BF16 coded bf16, parsed, of the shape it was bound with.
     Coded(CodedMatrix<'a>),
     /// int8 or int4 codes and their f32 scales (`k3_proto::quant`): a quantized packed trunk's
-    /// matrix (lossy, opt-in, SPEC.md §6.14) or a draft trunk's, of the shape it was bound with.
+    /// matrix (lossy, opt-in, SPEC.md §6.15) or a draft trunk's, of the shape it was bound with.
     Quant(QuantMatrix<'a>),
 }
 

@@ -32,6 +32,8 @@ pub struct Scratch {
     pub pend: Vec<f32>,
     /// Every other temporary of a forward pass.
     pub work: Box<Work>,
+    /// The ids of a pass over several sequences, in turn.
+    pub ids: Vec<u32>,
 }
 
 /// The temporaries of a forward pass, by stage. Each buffer grows to the largest pass it has

@@ -7,7 +7,7 @@ use std::path::Path;
 use base64::Engine as _;
 
 use super::bpe::RankMap;
-use super::TokError;
+use super::error::TokError;
 
 /// Largest accepted `tiktoken.model` (the real one is 2.8 MB).
 pub const MAX_VOCAB_FILE: u64 = 64 << 20;

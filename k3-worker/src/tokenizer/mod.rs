@@ -18,10 +18,13 @@
 //! may hold part of a UTF-8 sequence, so [`Tokenizer::decode`] returns bytes.
 
 mod bpe;
+mod error;
 mod files;
 pub mod pretok;
 
-use std::path::{Path, PathBuf};
+pub use error::TokError;
+
+use std::path::Path;
 
 pub use files::N_SPECIAL_SLOTS;
 
@@ -30,37 +33,6 @@ pub const MAX_ENCODE_CHARS: usize = 400_000;
 /// Longest run of consecutive whitespace or non-whitespace characters kept in one chunk
 /// (`MAX_NO_WHITESPACES_CHARS`).
 pub const MAX_RUN_CHARS: usize = 25_000;
-
-/// Tokenizer errors.
-#[derive(Debug, thiserror::Error)]
-pub enum TokError {
-    /// A file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    /// A tokenizer file is malformed.
-    #[error("{path}{}: {msg}", line.map(|l| format!(" line {l}")).unwrap_or_default())]
-    Format {
-        path: PathBuf,
-        line: Option<usize>,
-        msg: String,
-    },
-    /// Input text is not UTF-8.
-    #[error("input is not valid UTF-8: invalid byte at offset {offset}")]
-    InvalidUtf8 { offset: usize },
-    /// An id outside `0..vocab_size`.
-    #[error("token id {id} (position {position}) is out of range: the vocabulary has ids 0..{vocab_size}")]
-    UnknownId {
-        id: u64,
-        position: usize,
-        vocab_size: usize,
-    },
-    /// Internal setup failure (pattern tables).
-    #[error("tokenizer setup failed: {0}")]
-    Setup(#[source] pretok::PretokError),
-}
 
 /// One trie node: children as `(byte, node)` and the id of the token ending here.
 #[derive(Debug, Default)]

@@ -1,6 +1,7 @@
 //! Tests on the real Kimi vocabulary (`fixtures/tokenizer/`) and on small synthetic files.
 
 use super::*;
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
 fn fixture_dir() -> PathBuf {

@@ -16,6 +16,11 @@ use k3_store::runtime::source::{
 };
 use k3_worker::model::{Dims, TensorShapes};
 
+#[path = "gen.rs"]
+mod gen;
+#[allow(unused_imports)]
+pub use gen::Gen;
+
 /// splitmix64.
 pub struct Rng(pub u64);
 

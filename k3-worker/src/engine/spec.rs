@@ -148,7 +148,7 @@ impl Drafter for HistoryDrafter {
 pub const MAX_CATCH_UP: usize = 64;
 
 /// Which routed experts a draft model runs (`--draft-experts`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DraftExperts {
     /// The routed experts the job's cache holds right now (no read, no wait), and the shared
     /// experts.
@@ -157,29 +157,85 @@ pub enum DraftExperts {
     Shared,
 }
 
-/// Drafts with a quantized copy of the model held in memory (`--draft model`, a draft trunk
-/// from `k3-ctl pack-trunk --draft`): greedy steps of a draft [`Model`] that reads no disk: its
-/// MoE layers run the shared experts and, with [`DraftExperts::Resident`], the routed experts the
-/// target's cache holds at that moment ([`ResidentExperts`]; the others are left out).
-///
-/// The draft model keeps its own sequence state over the ids the target has consumed (all of
-/// the context but its last id): each call first runs the ids added since the last call (one
-/// batched pass), saves the KDA states, runs `k` one-id steps from the context's last id, and
-/// then puts the state back (KDA states restored, MLA caches truncated), so the draft model's
-/// state never holds a drafted id. A failure turns the drafter off for the job (reported once):
-/// drafting is never worth failing a job.
-pub struct ModelDrafter {
+/// A quantized copy of the model held in memory (`--draft model`, a draft trunk from
+/// `k3-ctl pack-trunk --draft`), shared by the drafters of every sequence the engine runs: the
+/// trunk is read once, what its model binds is kept across calls, and each sequence's
+/// [`ModelDrafter`] holds only its own state.
+pub struct DraftModel {
     source: DraftSource,
     dims: Dims,
-    bound: Option<Bound>,
+    /// What the draft model bound (taken by a call, put back after it).
+    bound: std::sync::Mutex<Option<Bound>>,
+    /// Most ids per catch-up pass (the job's prefill chunk).
+    chunk: usize,
+    experts: DraftExperts,
+}
+
+impl std::fmt::Debug for DraftModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DraftModel")
+            .field("source", &self.source)
+            .finish()
+    }
+}
+
+impl DraftModel {
+    /// The draft model over `source` (the draft trunk), catching up at most `chunk` ids per
+    /// pass, running the routed experts `experts` says.
+    pub fn new(
+        source: DraftSource,
+        dims: Dims,
+        chunk: usize,
+        experts: DraftExperts,
+    ) -> Result<std::sync::Arc<DraftModel>, ModelError> {
+        let bound = Model::draft(dims.clone(), &source, None, false)?.into_bound();
+        Ok(std::sync::Arc::new(DraftModel {
+            source,
+            dims,
+            bound: std::sync::Mutex::new(Some(bound)),
+            chunk: chunk.max(1),
+            experts,
+        }))
+    }
+
+    /// A drafter for one sequence of at most `capacity` positions (its own, plus the most ids
+    /// one call drafts).
+    pub fn drafter(self: &std::sync::Arc<Self>, capacity: usize) -> ModelDrafter {
+        ModelDrafter {
+            model: self.clone(),
+            state: SeqState::new(&self.dims, capacity),
+            saved: Vec::new(),
+            fed: Vec::new(),
+            off: false,
+            calls: 0,
+            seconds: 0.0,
+        }
+    }
+
+    /// The draft trunk.
+    pub fn source(&self) -> &DraftSource {
+        &self.source
+    }
+}
+
+/// Drafts for one sequence with the shared [`DraftModel`]: greedy steps of a draft [`Model`]
+/// that reads no disk: its MoE layers run the shared experts and, with
+/// [`DraftExperts::Resident`], the routed experts the target's cache holds at that moment
+/// ([`ResidentExperts`]; the others are left out).
+///
+/// The drafter keeps its own sequence state over the ids the target has consumed (all of the
+/// context but its last id): each call first runs the ids added since the last call (one
+/// batched pass), saves the KDA states, runs `k` one-id steps from the context's last id, and
+/// then puts the state back (KDA states restored, MLA caches truncated), so the draft state
+/// never holds a drafted id. A failure turns the drafter off for the sequence (reported once):
+/// drafting is never worth failing a request.
+pub struct ModelDrafter {
+    model: std::sync::Arc<DraftModel>,
     state: SeqState,
     saved: Vec<KdaState>,
     /// The ids `state` stands for (after a restart it has run only the last [`MAX_CATCH_UP`]
     /// of them).
     fed: Vec<u32>,
-    /// Most ids per catch-up pass (the job's prefill chunk).
-    chunk: usize,
-    experts: DraftExperts,
     off: bool,
     /// Draft-model forward calls and their seconds ([`Drafter::model_cost`]).
     calls: u64,
@@ -189,15 +245,15 @@ pub struct ModelDrafter {
 impl std::fmt::Debug for ModelDrafter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelDrafter")
-            .field("source", &self.source)
+            .field("model", &self.model)
             .field("fed", &self.fed.len())
             .finish()
     }
 }
 
 impl ModelDrafter {
-    /// A drafter over `source` (the draft trunk) for sequences of at most `capacity` positions
-    /// (the job's, plus the most ids one call drafts), catching up at most `chunk` ids per pass.
+    /// A drafter with a draft model of its own over `source` (see [`DraftModel::new`]) for
+    /// sequences of at most `capacity` positions.
     pub fn new(
         source: DraftSource,
         dims: Dims,
@@ -205,24 +261,10 @@ impl ModelDrafter {
         chunk: usize,
         experts: DraftExperts,
     ) -> Result<ModelDrafter, ModelError> {
-        let bound = Model::draft(dims.clone(), &source, None, false)?.into_bound();
-        let state = SeqState::new(&dims, capacity);
-        Ok(ModelDrafter {
-            source,
-            dims,
-            bound: Some(bound),
-            state,
-            saved: Vec::new(),
-            fed: Vec::new(),
-            chunk: chunk.max(1),
-            experts,
-            off: false,
-            calls: 0,
-            seconds: 0.0,
-        })
+        Ok(DraftModel::new(source, dims, chunk, experts)?.drafter(capacity))
     }
 
-    /// Bytes the drafter holds besides its draft trunk: its sequence state for `capacity`
+    /// Bytes a drafter holds besides the shared draft trunk: its sequence state for `capacity`
     /// positions and the saved KDA states.
     pub fn state_bytes(d: &Dims, capacity: usize) -> u64 {
         2 * d.kda_state_bytes() + d.mla_cache_bytes(capacity as u64)
@@ -237,6 +279,7 @@ impl ModelDrafter {
         let Some((&last, done)) = context.split_last() else {
             return Ok(Vec::new());
         };
+        let shared = self.model.clone();
         if !done.starts_with(&self.fed) || done.len() - self.fed.len() > MAX_CATCH_UP {
             // Another sequence (a new chat turn after a reset), or too far behind: start over
             // on the last MAX_CATCH_UP ids only (lossy: the draft then sees a shorter context
@@ -246,68 +289,81 @@ impl ModelDrafter {
                 MAX_CATCH_UP.min(done.len()),
                 done.len()
             );
-            self.state = SeqState::new(&self.dims, self.state.capacity);
+            self.state = SeqState::new(&shared.dims, self.state.capacity);
             self.fed.clear();
             self.fed
                 .extend_from_slice(&done[..done.len().saturating_sub(MAX_CATCH_UP)]);
         }
-        let bound = self
-            .bound
-            .take()
-            .expect("bound is put back after every call");
+        let mut slot = shared.bound.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(bound) = slot.take() else {
+            return Err(ModelError::Input(
+                "the draft model lost what it bound (an earlier call panicked)".into(),
+            ));
+        };
         let view = ResidentExperts {
-            draft: &self.source,
+            draft: &shared.source,
             target,
         };
-        let (src, routed): (&dyn WeightSource, bool) = match self.experts {
+        let (src, routed): (&dyn WeightSource, bool) = match shared.experts {
             DraftExperts::Resident => (&view, true),
-            DraftExperts::Shared => (&self.source, false),
+            DraftExperts::Shared => (&shared.source, false),
         };
-        let mut model = Model::draft(self.dims.clone(), src, Some(bound), routed)?;
+        let mut model = Model::draft(shared.dims.clone(), src, Some(bound), routed)?;
         let t0 = std::time::Instant::now();
-        let r = (|| {
-            let start = self.fed.len();
-            for new in done[start..].chunks(self.chunk) {
-                model.forward(new, &mut self.state, Logits::Last)?;
-                self.calls += 1;
-                self.fed.extend_from_slice(new);
-            }
-            // Save what the drafted steps change.
-            let pos0 = self.state.pos;
-            let kda = self.state.layers.iter().filter_map(|l| match l {
-                LayerState::Kda(s) => Some(s),
-                LayerState::Mla(_) => None,
-            });
-            self.saved.resize_with(kda.clone().count(), || KdaState {
-                s: Vec::new(),
-                conv: Default::default(),
-            });
-            for (dst, src) in self.saved.iter_mut().zip(kda) {
-                dst.clone_from(src);
-            }
-            let mut out = Vec::with_capacity(k);
-            let mut id = last;
-            let room = self.state.capacity - self.state.pos;
-            for _ in 0..k.min(room) {
-                let logits = model.forward(&[id], &mut self.state, Logits::Last)?;
-                self.calls += 1;
-                id = crate::kernels::argmax(&logits);
-                out.push(id);
-            }
-            // Put the state back to `pos0`.
-            let mut saved = self.saved.iter();
-            for l in &mut self.state.layers {
-                match l {
-                    LayerState::Kda(s) => s.clone_from(saved.next().expect("one per KDA layer")),
-                    LayerState::Mla(c) => c.rows.truncate(pos0 * c.width),
-                }
-            }
-            self.state.pos = pos0;
-            Ok(out)
-        })();
+        let r = self.steps(&mut model, done, last, k, shared.chunk);
         self.seconds += t0.elapsed().as_secs_f64();
-        self.bound = Some(model.into_bound());
+        *slot = Some(model.into_bound());
         r
+    }
+
+    /// Catch up on `done`, then `k` greedy steps from `last`, leaving the state as it was
+    /// after the catch-up.
+    fn steps(
+        &mut self,
+        model: &mut Model<'_>,
+        done: &[u32],
+        last: u32,
+        k: usize,
+        chunk: usize,
+    ) -> Result<Vec<u32>, ModelError> {
+        let start = self.fed.len();
+        for new in done[start..].chunks(chunk) {
+            model.forward(new, &mut self.state, Logits::Last)?;
+            self.calls += 1;
+            self.fed.extend_from_slice(new);
+        }
+        // Save what the drafted steps change.
+        let pos0 = self.state.pos;
+        let kda = self.state.layers.iter().filter_map(|l| match l {
+            LayerState::Kda(s) => Some(s),
+            LayerState::Mla(_) => None,
+        });
+        self.saved.resize_with(kda.clone().count(), || KdaState {
+            s: Vec::new(),
+            conv: Default::default(),
+        });
+        for (dst, src) in self.saved.iter_mut().zip(kda) {
+            dst.clone_from(src);
+        }
+        let mut out = Vec::with_capacity(k);
+        let mut id = last;
+        let room = self.state.capacity - self.state.pos;
+        for _ in 0..k.min(room) {
+            let logits = model.forward(&[id], &mut self.state, Logits::Last)?;
+            self.calls += 1;
+            id = crate::kernels::argmax(&logits);
+            out.push(id);
+        }
+        // Put the state back to `pos0`.
+        let mut saved = self.saved.iter();
+        for l in &mut self.state.layers {
+            match l {
+                LayerState::Kda(s) => s.clone_from(saved.next().expect("one per KDA layer")),
+                LayerState::Mla(c) => c.rows.truncate(pos0 * c.width),
+            }
+        }
+        self.state.pos = pos0;
+        Ok(out)
     }
 }
 

@@ -1,5 +1,7 @@
 //! The run report: the per-step table, the summary on stderr, the `--out` JSON, and the dump
-//! files (`--dump-logits`, `--dump-cache-trace`, `--dump-hidden`).
+//! files (`--dump-logits`, `--dump-cache-trace`, `--dump-hidden`). The table and the summary
+//! are a report the user asked for and are printed as such (`eprintln!`); failures are logged
+//! (`tracing`).
 
 use std::cell::RefCell;
 use std::path::{Path, PathBuf};
@@ -8,7 +10,8 @@ use std::rc::Rc;
 use k3_store::runtime::plan::fmt_bytes;
 use k3_store::runtime::source::SourceStats;
 
-use crate::generate::{GenReport, StepReport};
+use super::error::JobError;
+use crate::engine::outputs::{GenReport, StepReport};
 use crate::model::{Model, RunCounters, TraceRecord};
 
 /// Bytes as decimal GB.
@@ -52,14 +55,14 @@ pub fn step_line(s: &StepReport) -> String {
     )
 }
 
-/// Print the expert-load failures and return the exit code they imply (4, or 0).
+/// Log the expert-load failures and return the exit code they imply (4, or 0).
 pub fn expert_failures(c: &RunCounters) -> i32 {
     for m in &c.failure_messages {
-        eprintln!("expert load failed: {m}");
+        tracing::error!("expert load failed: {m}");
     }
     if c.failed_expert_loads > 0 {
-        eprintln!(
-            "k3-worker: {} routed expert load(s) failed: the generated ids are unsound",
+        tracing::error!(
+            "{} routed expert load(s) failed: the generated ids are unsound",
             c.failed_expert_loads
         );
         return k3_proto::exit::EXPERT_LOAD_FAILED;
@@ -369,6 +372,15 @@ pub fn write_logits(path: &Path, logits: &[f32]) -> WriteResult {
 pub fn write_json(path: &Path, v: &serde_json::Value) -> WriteResult {
     let text = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
     write(path, text.as_bytes())
+}
+
+/// A file written after the work (a report, a dump): its failure as the job's error.
+pub fn written(r: WriteResult) -> Result<(), JobError> {
+    r.map_err(|(path, source)| JobError::Output {
+        path,
+        source,
+        before_work: false,
+    })
 }
 
 /// `--dump-cache-trace`: `DIR/expert_trace.jsonl`, one request per line.

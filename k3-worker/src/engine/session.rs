@@ -10,9 +10,10 @@
 use k3_store::attach::AttachedSource;
 use k3_store::session::{self as container, Blob, SessionWriter};
 
-use crate::chat::Message;
+use crate::engine::request::{reusable, Held};
 use crate::model::snapshot;
 use crate::model::{Dims, SeqState};
+use crate::text::xtml::Message;
 
 /// Why a session was not packed, fetched or restored (never fatal: the run starts afresh, or
 /// ends without keeping it, and says why).
@@ -142,6 +143,16 @@ pub fn fetch(
     decode(blob.bytes(), src.model_identity(), dims, capacity).map(Some)
 }
 
+impl Restored {
+    /// The restored state as a request's starting point.
+    pub fn into_held(self) -> Held {
+        Held {
+            state: self.state,
+            ids: self.held,
+        }
+    }
+}
+
 /// What [`fetch_for_prompt`] found.
 #[derive(Debug)]
 pub enum ForPrompt {
@@ -153,8 +164,8 @@ pub enum ForPrompt {
     Restored(Box<Restored>),
 }
 
-/// Fetch session `name` for a one-shot `prompt`: restored only when the ids it holds are a
-/// strict prefix of the prompt (checked before the state is decoded).
+/// Fetch session `name` for `prompt`: restored only when the ids it holds are a strict prefix
+/// of the prompt (checked before the state is decoded).
 pub fn fetch_for_prompt(
     src: &AttachedSource,
     name: &str,
@@ -185,6 +196,22 @@ pub struct Kept {
     pub seconds: f64,
 }
 
+impl Kept {
+    /// The line that says session `name` was kept holding `positions`.
+    pub fn line(&self, name: &str, positions: usize) -> String {
+        let evicted = if self.evicted.is_empty() {
+            String::new()
+        } else {
+            format!("; the store evicted {}", self.evicted.join(", "))
+        };
+        format!(
+            "session {name}: kept {positions} positions ({:.3} MB) in {:.3} s{evicted}",
+            self.bytes as f64 / 1e6,
+            self.seconds
+        )
+    }
+}
+
 /// Hand the state (holding `held`) and `meta` to the store as session `name`.
 pub fn keep(
     src: &AttachedSource,
@@ -203,17 +230,10 @@ pub fn keep(
     })
 }
 
-/// How a one-shot prompt can reuse a restored session: the ids after the held ones, when the
-/// held ids are a strict prefix of `prompt`.
-pub fn reusable(held: &[u32], prompt: &[u32]) -> Option<usize> {
-    (!held.is_empty() && prompt.len() > held.len() && prompt.starts_with(held))
-        .then_some(held.len())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::chat::{Message, ReplyIds};
+    use crate::text::xtml::{Message, ReplyIds};
 
     fn dims() -> Dims {
         let cfg = k3_proto::config::ModelConfig::load(
@@ -262,6 +282,7 @@ mod tests {
 
     #[test]
     fn only_a_strict_prefix_is_reused() {
+        use crate::engine::request::reusable;
         assert_eq!(reusable(&[1, 2], &[1, 2, 3]), Some(2));
         assert_eq!(reusable(&[1, 2], &[1, 2]), None);
         assert_eq!(reusable(&[1, 3], &[1, 2, 3]), None);

@@ -7,7 +7,10 @@ use std::path::PathBuf;
 use clap::{ArgGroup, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use k3_store::cli::{BudgetArgs, SocketArgs};
 
-use crate::generate::DEFAULT_PREFILL_CHUNK;
+use crate::engine::spec::{DraftExperts, SpecMode};
+use crate::text::xtml::Effort;
+
+use crate::engine::sampling::DEFAULT_PREFILL_CHUNK;
 
 /// Most tokens one request may generate.
 pub const MAX_GEN: u64 = 4096;
@@ -41,18 +44,37 @@ pub enum EffortArg {
     Max,
 }
 
-impl From<EffortArg> for crate::chat::Effort {
+impl From<EffortArg> for Effort {
     fn from(e: EffortArg) -> Self {
         match e {
-            EffortArg::Low => crate::chat::Effort::Low,
-            EffortArg::Medium => crate::chat::Effort::Medium,
-            EffortArg::High => crate::chat::Effort::High,
-            EffortArg::Max => crate::chat::Effort::Max,
+            EffortArg::Low => Effort::Low,
+            EffortArg::Medium => Effort::Medium,
+            EffortArg::High => Effort::High,
+            EffortArg::Max => Effort::Max,
         }
     }
 }
 
-/// A drafter for speculative decoding (`crate::spec`).
+/// The routed experts a draft model runs (`--draft-experts`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DraftExpertsArg {
+    /// The routed experts the job's cache holds at that moment (never a read), and the shared
+    /// experts.
+    Resident,
+    /// The shared experts alone.
+    Shared,
+}
+
+impl From<DraftExpertsArg> for DraftExperts {
+    fn from(e: DraftExpertsArg) -> Self {
+        match e {
+            DraftExpertsArg::Resident => DraftExperts::Resident,
+            DraftExpertsArg::Shared => DraftExperts::Shared,
+        }
+    }
+}
+
+/// A drafter for speculative decoding (`crate::engine::spec`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DraftArg {
     /// The store's history of earlier jobs' token streams.
@@ -100,15 +122,15 @@ const PPL_CONFLICTS: [&str; 12] = [
     "spec",
 ];
 
-/// What the job message of `--serve-channel` gives (the flags conflict with it).
-const FROM_THE_JOB: [&str; 13] = [
+/// What the job messages of `--serve-channel` give, and what a worker serving many jobs has no
+/// use for (the flags conflict with it).
+const FROM_THE_JOB: [&str; 12] = [
     "gen",
     "temperature",
     "top_p",
     "seed",
     "session",
     "tok",
-    "out",
     "dump_logits",
     "dump_hidden",
     "dump_cache_trace",
@@ -117,16 +139,14 @@ const FROM_THE_JOB: [&str; 13] = [
     "draft_replay",
 ];
 
-/// What `--batch` does not combine with: the per-run dumps and report, sessions, the check
-/// mode and the drafters' inputs.
-const BATCH_CONFLICTS: [&str; 8] = [
+/// What `--batch` does not combine with: the one-sequence dumps, sessions, the check mode and
+/// the replay drafter (one continuation for one prompt).
+const BATCH_CONFLICTS: [&str; 6] = [
     "session",
     "full_recompute",
-    "out",
     "dump_logits",
     "dump_hidden",
     "dump_cache_trace",
-    "draft_trunk",
     "draft_replay",
 ];
 
@@ -157,14 +177,16 @@ pub struct Cli {
     /// Run many prompts together (continuous batching): a JSON Lines file, one request per
     /// line — `{"prompt": "text"}` (needs --tok) or `{"ids": [1, 2, 3]}`, optionally with
     /// `"max_tokens": N` (default --gen). Up to --parallel sequences run at once, ONE forward
-    /// pass per step over all their rows (each weight read once for all of them); the others
-    /// join as sequences end. Each sequence's ids are those it gets alone (same sampling flags,
-    /// same seed); no speculation. Results go to stdout as JSON Lines as sequences end.
+    /// pass per step over all their rows (each weight read once for all of them, drafted ids
+    /// included); the others join as sequences end. Each sequence's ids are those it gets alone
+    /// (same sampling flags, same seed). Results go to stdout as JSON Lines as sequences end;
+    /// --out writes the run report with a record per request.
     #[arg(long, value_name = "FILE", conflicts_with_all = BATCH_CONFLICTS)]
     pub batch: Option<PathBuf>,
-    /// Sequences decoded at once with --batch (default 4), or with --serve-channel the jobs
-    /// this worker takes from `k3-ctl serve` at once (continuous batching; each of up to --ctx
-    /// positions). Their states and the pass's rows are in the memory plan.
+    /// Sequences decoded at once with --batch (default 4), or with --serve-channel the slots of
+    /// this worker: the jobs from `k3-ctl serve` it decodes at once (default 1; each slot
+    /// planned for --ctx positions, and one job may take up to the longest request). Their
+    /// states and the pass's rows are in the memory plan.
     #[arg(long, value_name = "N", conflicts_with_all = NOT_BATCH,
           value_parser = clap::value_parser!(u64).range(1..=MAX_PARALLEL))]
     pub parallel: Option<u64>,
@@ -221,7 +243,7 @@ pub struct Cli {
         default_value = "auto",
         conflicts_with = "full_recompute"
     )]
-    pub spec: crate::spec::SpecMode,
+    pub spec: SpecMode,
     /// Drafters, tried in order: `history` (the store's earlier jobs; attached only), `ngram`
     /// (the job's own ids), `model` (a quantized draft model: --draft-trunk), `replay`
     /// (benchmarks: --draft-replay).
@@ -240,7 +262,7 @@ pub struct Cli {
     /// The routed experts the draft model runs: `resident` (those the job's expert cache holds
     /// at that moment; never a read) or `shared` (the shared experts alone).
     #[arg(long, value_name = "resident|shared", default_value = "resident")]
-    pub draft_experts: crate::spec::DraftExperts,
+    pub draft_experts: DraftExpertsArg,
     /// The continuation the replay drafter proposes: a file of ids (JSON list or separated by
     /// commas/whitespace), e.g. an earlier run's generated ids.
     #[arg(long, value_name = "FILE")]
@@ -282,15 +304,16 @@ pub struct Cli {
         conflicts_with = "no_think"
     )]
     pub effort: Option<EffortArg>,
-    /// Take one job from `k3-ctl serve` over the Unix socket that is this process's standard
-    /// input (the job protocol, docs/SPEC.md §6.12): prompt ids, sampling and the session
-    /// arrive as a message, ids and the end go back as messages, and a cancel stops the job at
-    /// its next step boundary. serve builds this command line ([`serve_channel_args`]).
+    /// Take jobs from `k3-ctl serve` over the Unix socket that is this process's standard
+    /// input, for as long as serve keeps it open (the job protocol, docs/SPEC.md §6.12): each
+    /// job's prompt ids, sampling and session arrive as a message, its ids and its end go back
+    /// as messages, and a cancel ends it at the next step. Up to --parallel jobs are decoded at
+    /// once. serve builds this command line ([`serve_channel_args`]).
     #[arg(long, conflicts_with_all = FROM_THE_JOB)]
     pub serve_channel: bool,
     /// Score the text of FILE with teacher forcing (needs --tok) instead of generating: every
     /// id's negative log-likelihood, in windows of --ppl-window ids each run after [BOS] from a
-    /// fresh state (docs/SPEC.md §6.15); reports mean NLL and perplexity (and, with --kl-base,
+    /// fresh state (docs/SPEC.md §6.16); reports mean NLL and perplexity (and, with --kl-base,
     /// KL divergence and top-1 agreement) on stderr and in --out.
     #[arg(long, value_name = "FILE", requires = "tok", conflicts_with_all = PPL_CONFLICTS)]
     pub perplexity: Option<PathBuf>,
@@ -307,7 +330,7 @@ pub struct Cli {
     #[arg(long, value_name = "FILE", requires = "perplexity")]
     pub kl_base: Option<PathBuf>,
     /// Chat context in positions (the whole conversation plus one reply must fit); with
-    /// --serve-channel --parallel, the positions each job may take.
+    /// --serve-channel, the positions each slot is planned for.
     #[arg(long, value_name = "N", conflicts_with_all = NOT_CTX, default_value_t = DEFAULT_CTX as u64,
           value_parser = clap::value_parser!(u64).range(1..=MAX_CTX))]
     pub ctx: u64,
@@ -345,13 +368,14 @@ impl Cli {
     }
 }
 
-/// The command line of a worker that takes its job from `k3-ctl serve` (`--serve-channel`):
-/// the one place its flags are spelled for serve, checked against [`Cli`] by a test. With
-/// `slots` = (jobs, positions) it is a batch worker taking up to that many jobs at once.
+/// The command line of a worker that takes its jobs from `k3-ctl serve` (`--serve-channel`):
+/// the one place its flags are spelled for serve, checked against [`Cli`] by a test. It decodes
+/// up to `slots` jobs at once, each slot planned for `positions`.
 pub fn serve_channel_args(
     socket: &std::path::Path,
     threads: Option<usize>,
-    slots: Option<(usize, usize)>,
+    slots: usize,
+    positions: usize,
 ) -> Vec<std::ffi::OsString> {
     let mut args: Vec<std::ffi::OsString> = vec![
         "--serve-channel".into(),
@@ -362,12 +386,10 @@ pub fn serve_channel_args(
         args.push("--threads".into());
         args.push(t.to_string().into());
     }
-    if let Some((jobs, positions)) = slots {
-        args.push("--parallel".into());
-        args.push(jobs.to_string().into());
-        args.push("--ctx".into());
-        args.push(positions.to_string().into());
-    }
+    args.push("--parallel".into());
+    args.push(slots.to_string().into());
+    args.push("--ctx".into());
+    args.push(positions.to_string().into());
     args
 }
 
@@ -377,7 +399,7 @@ mod tests {
 
     #[test]
     fn serve_channel_args_parse_back_into_the_cli() {
-        let args = serve_channel_args(std::path::Path::new("/run/k3/store.sock"), Some(3), None);
+        let args = serve_channel_args(std::path::Path::new("/run/k3/store.sock"), Some(3), 1, 64);
         let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
             .unwrap()
             .0;
@@ -387,12 +409,7 @@ mod tests {
             Some(std::path::Path::new("/run/k3/store.sock"))
         );
         assert_eq!(c.threads, Some(3));
-        let args = serve_channel_args(std::path::Path::new("/s"), None, None);
-        let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
-            .unwrap()
-            .0;
-        assert_eq!((c.threads, c.parallel), (None, None));
-        let args = serve_channel_args(std::path::Path::new("/s"), None, Some((4, 5000)));
+        let args = serve_channel_args(std::path::Path::new("/s"), None, 4, 5000);
         let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
             .unwrap()
             .0;
@@ -450,7 +467,7 @@ mod tests {
         let c = parse(&["--chat", "--tok", "t", "--effort", "medium"]).unwrap();
         assert_eq!(c.effort, Some(EffortArg::Medium));
         assert_eq!(parse(&["--ids", "5,6,7"]).unwrap().ids, Some(vec![5, 6, 7]));
-        // --batch is an input of its own; --parallel needs it; the per-run outputs conflict.
+        // --batch is an input of its own; --parallel needs it; the one-sequence outputs conflict.
         let c = parse(&["--batch", "b.jsonl"]).unwrap();
         assert_eq!((c.batch.is_some(), c.parallel), (true, None));
         let c = parse(&["--serve-channel", "--parallel", "3", "--ctx", "100"]).unwrap();
@@ -459,11 +476,8 @@ mod tests {
         assert!(parse(&["--ids", "1", "--parallel", "2"]).is_err());
         assert!(parse(&["--batch", "b", "--parallel", "0"]).is_err());
         assert!(parse(&["--batch", "b", "--parallel", "257"]).is_err());
-        for flag in [
-            &["--out", "o"][..],
-            &["--session", "s"],
-            &["--dump-logits", "l"],
-        ] {
+        assert!(parse(&["--batch", "b", "--out", "o"]).is_ok());
+        for flag in [&["--session", "s"][..], &["--dump-logits", "l"]] {
             let mut args = vec!["--batch", "b"];
             args.extend_from_slice(flag);
             assert!(parse(&args).is_err(), "{args:?}");

@@ -1,0 +1,450 @@
+//! `k3-worker --serve-channel`: jobs from `k3-ctl serve` over the Unix socket that is this
+//! process's standard input, in the job protocol of [`k3_proto::serve`] (docs/SPEC.md §6.12),
+//! for as long as serve keeps the channel open.
+//!
+//! The worker says `Hello`, attaches once, and then each `Start` becomes a [`Request`] of the one
+//! engine (its prompt ids, sampling, session; the worker's own speculation flags) with a
+//! [`ChannelSink`]: it joins at the next step with room, beside whatever else runs, whatever its
+//! size (the scheduler admits it when its state fits). Per job the worker sends `Prefilled`, one
+//! `Token` per id and one `Done` or `Error`, all named by `req_id`; a `Cancel` ends a job at the
+//! next step (`Done` with `Cancelled`, what its session kept after the prefill kept for a
+//! retry). A failed pass fails every job and ends the worker; so does an expert that failed to
+//! load (the ids would be unsound). The end of the channel (serve gone) ends every job at once.
+
+use std::cell::RefCell;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+
+use k3_proto::exit::{self, ExitStatus};
+use k3_proto::serve::{
+    ErrorKind, FromWorker, ReqId, Start, ToWorker, JOB_PROTOCOL_VERSION, MAX_JOB_FRAME,
+};
+use k3_store::attach::AttachedSource;
+use serde_json::{json, Value};
+
+use crate::engine::outputs::{Finished, Flow, Outputs, Prefilled, Sink, StepReport};
+use crate::engine::request::{Held, Request, SeqId, SessionPlan};
+use crate::engine::runner::Engine;
+use crate::engine::sampling::{positions_needed, Sampler};
+use crate::engine::session::{self, ForPrompt};
+use crate::front::cli::{Cli, MAX_GEN};
+use crate::front::drafters::Drafters;
+use crate::front::error::{refuse, JobError};
+use crate::front::job::{job_shape, preflight, prepare, serve_longest};
+use crate::front::report::{self, RunSummary};
+use crate::model::Dims;
+
+/// Why the channel or a job it sent is refused.
+#[derive(Debug, thiserror::Error)]
+enum ChannelError {
+    /// Standard input cannot be duplicated.
+    #[error("standard input")]
+    Stdin(#[source] std::io::Error),
+    /// Standard input is not the socket serve hands a worker.
+    #[error("standard input is not a Unix socket from k3-ctl serve")]
+    NotSocket(#[source] std::io::Error),
+    /// A reply length outside the worker's range.
+    #[error("max_new {0} outside 1..={MAX_GEN}")]
+    MaxNew(u32),
+    /// A session name that cannot be a session's.
+    #[error("session")]
+    Session(#[source] k3_store::session::SessionError),
+    /// Sampling out of range.
+    #[error(transparent)]
+    Sampling(#[from] crate::engine::sampling::SamplingError),
+    /// A job whose id is running already.
+    #[error("job {0} is running already")]
+    Duplicate(ReqId),
+    /// The engine refused it.
+    #[error(transparent)]
+    Request(#[from] crate::engine::request::RequestError),
+}
+
+impl ExitStatus for ChannelError {
+    /// Every one is a refusal before the job's work (exit 2).
+    fn exit_code(&self) -> i32 {
+        exit::REFUSED
+    }
+}
+
+/// Standard input as the channel's socket.
+fn stdin_socket() -> Result<UnixStream, ChannelError> {
+    use std::os::fd::AsFd;
+    let fd = (std::io::stdin().as_fd().try_clone_to_owned()).map_err(ChannelError::Stdin)?;
+    let s = UnixStream::from(fd);
+    // A file or a terminal is not a socket: its address cannot be read.
+    s.local_addr().map_err(ChannelError::NotSocket)?;
+    Ok(s)
+}
+
+/// The writing side of the channel, shared by every job's sink; a failed write (serve gone)
+/// marks it broken.
+pub struct Writer {
+    stream: UnixStream,
+    broken: AtomicBool,
+}
+
+impl std::fmt::Debug for Writer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Writer")
+            .field("broken", &self.broken())
+            .finish()
+    }
+}
+
+impl Writer {
+    /// A write failed: serve is gone.
+    pub fn broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+
+    /// Send `m` (a failure marks the channel broken).
+    pub fn send(&self, m: &FromWorker) {
+        let sent = match k3_proto::wire::encode(m) {
+            Ok(f) => (&self.stream).write_all(&f).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = sent {
+            tracing::debug!("serve channel: {e}");
+            self.broken.store(true, Ordering::Release);
+        }
+    }
+
+    /// Tell serve job `req_id` (or, with `None`, the worker) failed with exit code `code`.
+    fn fail(&self, req_id: Option<ReqId>, code: i32, message: String) {
+        self.send(&FromWorker::Error {
+            req_id,
+            kind: ErrorKind::of_exit_code(code),
+            exit_class: code,
+            message,
+        });
+    }
+}
+
+/// One job's output as job messages.
+pub struct ChannelSink<'a> {
+    out: &'a Writer,
+    req_id: ReqId,
+    /// Jobs that ended (for the loop's table) and, with `--out`, their records.
+    ended: &'a RefCell<Ended>,
+}
+
+/// What the jobs that ended left.
+#[derive(Debug, Default)]
+struct Ended {
+    jobs: Vec<ReqId>,
+    records: Option<Vec<Value>>,
+}
+
+impl Sink for ChannelSink<'_> {
+    fn prefilled(&mut self, p: &Prefilled) {
+        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        self.out.send(&FromWorker::Prefilled {
+            req_id: self.req_id,
+            cached_ids: n(p.cached),
+            held_ids: n(p.held),
+            kept_bytes: p.kept,
+        });
+    }
+
+    fn token(&mut self, s: &StepReport) -> Flow {
+        self.out.send(&FromWorker::Token {
+            req_id: self.req_id,
+            id: s.token,
+        });
+        Flow::Continue
+    }
+
+    fn done(&mut self, f: &Finished) {
+        tracing::info!(
+            "job {}: ended ({:?}) after {} ids",
+            self.req_id,
+            f.finish,
+            f.usage.generated
+        );
+        self.out.send(&FromWorker::Done {
+            req_id: self.req_id,
+            finish: f.finish,
+            usage: f.usage.clone(),
+            timings: f.timings.clone(),
+        });
+        let mut e = self.ended.borrow_mut();
+        e.jobs.push(self.req_id);
+        if let Some(r) = e.records.as_mut() {
+            let spec = &f.report.spec;
+            r.push(json!({
+                "req_id": self.req_id,
+                "finish": format!("{:?}", f.finish),
+                "usage": f.usage,
+                "timings": f.timings,
+                "forward_passes": spec.forward_passes,
+                "drafted_tokens": spec.drafted_tokens,
+                "accepted_tokens": spec.accepted_tokens,
+            }));
+        }
+    }
+}
+
+/// Messages from the channel's reader thread; `None` = the channel ended.
+type Inbox = mpsc::Receiver<Option<ToWorker>>;
+
+/// Runs `k3-worker --serve-channel`; returns the exit code.
+pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> i32 {
+    let stream = match stdin_socket() {
+        Ok(s) => s,
+        Err(e) => return exit::report("k3-worker: --serve-channel", Err::<i32, _>(e)),
+    };
+    let reader = stream.try_clone().map_err(ChannelError::Stdin);
+    let out = Writer {
+        stream,
+        broken: AtomicBool::new(false),
+    };
+    let mut reader = match reader {
+        Ok(r) => r,
+        Err(e) => {
+            out.fail(None, exit::REFUSED, exit::message(&e));
+            return exit::report("k3-worker: --serve-channel", Err::<i32, _>(e));
+        }
+    };
+    out.send(&FromWorker::Hello {
+        protocol_version: JOB_PROTOCOL_VERSION,
+        pid: std::process::id(),
+    });
+    let (tx, inbox) = mpsc::channel();
+    std::thread::spawn(move || loop {
+        match k3_proto::wire::read_frame_limited::<ToWorker, _>(&mut reader, MAX_JOB_FRAME) {
+            Ok(m) => {
+                if tx.send(Some(m)).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                // serve is gone (or broke the protocol): nobody waits for the ids.
+                tracing::debug!("serve channel closed: {e}");
+                let _ = tx.send(None);
+                return;
+            }
+        }
+    });
+    let result = serve(cli, matches, &out, &inbox);
+    if let Err(e) = &result {
+        out.fail(None, e.exit_code(), exit::message(e));
+    }
+    exit::report("k3-worker", result)
+}
+
+/// The jobs in the engine, by request and sequence.
+type Jobs = Vec<(ReqId, SeqId)>;
+
+/// The serve loop's state: the engine, the sinks' outputs, the jobs and the channel.
+struct Front<'a, 'm> {
+    engine: Engine<'m>,
+    outputs: Outputs<'a>,
+    jobs: Jobs,
+    out: &'a Writer,
+    ended: &'a RefCell<Ended>,
+    admit: Admit<'a>,
+}
+
+impl<'a> Front<'a, '_> {
+    /// Take what serve sent; wait for it when nothing runs. True when the channel ended.
+    fn intake(&mut self, inbox: &Inbox) -> bool {
+        loop {
+            let msg = if self.engine.is_idle() {
+                inbox.recv().ok().flatten()
+            } else {
+                match inbox.try_recv() {
+                    Ok(m) => m,
+                    Err(mpsc::TryRecvError::Empty) => return false,
+                    Err(mpsc::TryRecvError::Disconnected) => None,
+                }
+            };
+            match msg {
+                None => return true,
+                Some(ToWorker::Start(s)) => self.start(s),
+                Some(ToWorker::Cancel { req_id }) => {
+                    if let Some(&(_, seq)) = self.jobs.iter().find(|(r, _)| *r == req_id) {
+                        tracing::info!("job {req_id}: cancelled");
+                        self.engine.cancel(seq, &mut self.outputs);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A job joins (or is refused alone).
+    fn start(&mut self, s: Start) {
+        let req_id = s.req_id;
+        let sink = ChannelSink {
+            out: self.out,
+            req_id,
+            ended: self.ended,
+        };
+        let admitted = self.admit.request(&self.jobs, &self.engine.model().dims, s);
+        let joined = admitted.and_then(|req| {
+            (self.engine.submit(req, Box::new(sink), &mut self.outputs)).map_err(ChannelError::from)
+        });
+        match joined {
+            Ok(seq) => {
+                let (running, waiting) = self.engine.load();
+                tracing::info!("job {req_id}: joins ({running} running, {waiting} waiting)");
+                self.jobs.push((req_id, seq));
+            }
+            Err(e) => {
+                let m = exit::message(&e);
+                tracing::warn!("job {req_id}: refused: {m}");
+                self.out.fail(Some(req_id), exit::REFUSED, m);
+            }
+        }
+    }
+
+    /// One step; `Some(code)` when the worker must end (an expert failed to load: every job
+    /// fails, the ids would be unsound).
+    fn step(&mut self) -> Result<Option<i32>, JobError> {
+        if let Err(e) = self.engine.step(&mut self.outputs) {
+            let m = format!("the forward pass failed: {}", exit::message(&e));
+            for (req_id, _) in &self.jobs {
+                self.out.fail(Some(*req_id), e.exit_code(), m.clone());
+            }
+            return Err(e.into());
+        }
+        let failures = report::expert_failures(&self.engine.model().counters);
+        if failures != exit::OK {
+            let m = "a routed expert failed to load: the generated ids are unsound";
+            for (req_id, _) in &self.jobs {
+                self.out.fail(Some(*req_id), failures, m.to_string());
+            }
+            return Ok(Some(failures));
+        }
+        let done = std::mem::take(&mut self.ended.borrow_mut().jobs);
+        self.jobs.retain(|(r, _)| !done.contains(r));
+        Ok(None)
+    }
+}
+
+/// Attach, then take jobs until the channel ends.
+fn serve(
+    cli: &Cli,
+    matches: &clap::ArgMatches,
+    out: &Writer,
+    inbox: &Inbox,
+) -> Result<i32, JobError> {
+    let wall = std::time::Instant::now();
+    let pre = preflight(cli)?;
+    let ctx = cli.ctx as usize;
+    let slots = cli.parallel.unwrap_or(1) as usize;
+    let longest = serve_longest().max(ctx);
+    let shape = job_shape(cli, &pre, slots, ctx, longest, usize::MAX);
+    let job = prepare(cli, matches, pre, shape, wall)?;
+    let drafters = job.drafters(cli)?;
+    let job = &job;
+    let src =
+        job.opened.source.store().ok_or_else(|| {
+            refuse("a worker for k3-ctl serve attaches to a store (no --standalone)")
+        })?;
+    let plan = job.shape.engine;
+    tracing::info!(
+        "serve worker: up to {} jobs at once, {} positions a slot, {} for one job at most",
+        plan.slots,
+        plan.positions,
+        plan.longest
+    );
+    let ended = RefCell::new(Ended {
+        records: cli.out.as_ref().map(|_| Vec::new()),
+        ..Ended::default()
+    });
+    let mut front = Front {
+        engine: Engine::new(job.model()?, plan),
+        outputs: Outputs::new(Some(src)),
+        jobs: Vec::new(),
+        out,
+        ended: &ended,
+        admit: Admit {
+            src,
+            drafters: &drafters,
+        },
+    };
+    let code = loop {
+        if front.intake(inbox) || out.broken() {
+            // Nobody waits for the ids: every job ends here.
+            break exit::OK;
+        }
+        if front.engine.is_idle() {
+            continue;
+        }
+        if let Some(code) = front.step()? {
+            break code;
+        }
+    };
+    if let Some(path) = &cli.out {
+        let summary = RunSummary::collect(front.engine.model(), job.wall.elapsed().as_secs_f64());
+        let v = json!({
+            "mode": "serve",
+            "slots": plan.slots,
+            "positions": plan.positions,
+            "longest": plan.longest,
+            "jobs": ended.borrow_mut().records.take().unwrap_or_default(),
+            "peak_rss_bytes": summary.peak,
+            "memory_plan_bytes": job.opened.plan_bytes,
+        });
+        report::written(report::write_json(path, &v))?;
+    }
+    Ok(code)
+}
+
+/// What a `Start` is checked against and built with.
+struct Admit<'a> {
+    src: &'a AttachedSource,
+    drafters: &'a Drafters,
+}
+
+impl Admit<'_> {
+    /// The request of `s`: its ids, sampling and session (resumed when the store holds a strict
+    /// prefix of its prompt), the worker's speculation.
+    fn request(&self, jobs: &Jobs, dims: &Dims, s: Start) -> Result<Request, ChannelError> {
+        let sampling = &s.sampling;
+        let sampler = Sampler::new(sampling.temperature, sampling.top_p, sampling.seed)?;
+        if jobs.iter().any(|(r, _)| *r == s.req_id) {
+            return Err(ChannelError::Duplicate(s.req_id));
+        }
+        if !(1..=MAX_GEN).contains(&u64::from(s.max_new)) {
+            return Err(ChannelError::MaxNew(s.max_new));
+        }
+        if let Some(name) = &s.session {
+            k3_store::session::check_name(name).map_err(ChannelError::Session)?;
+        }
+        let max_new = s.max_new as usize;
+        let capacity = positions_needed(s.ids.len(), max_new);
+        let from =
+            (s.session.as_deref()).and_then(|name| self.resume(dims, name, capacity, &s.ids));
+        tracing::info!(
+            "job {}: {} prompt ids ({} from its session), up to {max_new} new",
+            s.req_id,
+            s.ids.len(),
+            from.as_ref().map_or(0, |h| h.ids.len())
+        );
+        Ok(Request {
+            spec: self.drafters.for_request(s.ids.len(), capacity),
+            from,
+            session: s.session.map(|name| SessionPlan {
+                name,
+                after_prefill: true,
+            }),
+            ..Request::new(s.ids, max_new, sampler)
+        })
+    }
+
+    /// The session `name`'s state when the ids it holds are a strict prefix of `prompt`.
+    fn resume(&self, dims: &Dims, name: &str, capacity: usize, prompt: &[u32]) -> Option<Held> {
+        match session::fetch_for_prompt(self.src, name, dims, capacity, prompt) {
+            Ok(ForPrompt::Restored(r)) => Some(r.into_held()),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!("session {name}: not resumed ({e}); prefilling the whole prompt");
+                None
+            }
+        }
+    }
+}
