@@ -4,6 +4,7 @@
 #   safetensors_index   fixtures/tiny/model/model.safetensors.index.json (+ a one-entry variant)
 #   config_json         fixtures/tiny/model/config.json
 #   trunk_json          trunk.json of fixtures/tiny/model packed by `k3-ctl pack-trunk`
+#   trunk_descriptors   the same packed `--codec int4` (what that target packs beside it)
 #   tokenizer_vocab     the first 300 and 1024 lines of fixtures/tokenizer/tiktoken.model
 #   tokenizer_config    fixtures/tokenizer/tokenizer_config.json renumbered to follow 1024 ranks
 #                       (the vocabulary the tokenizer_config target uses) + a minimal one
@@ -26,6 +27,9 @@ trap 'rm -rf "$tmp"' EXIT
 "$k3ctl" pack-trunk fixtures/tiny/model "$tmp/trunk" >/dev/null 2>&1
 mkdir -p "$out/trunk_json"
 cp "$tmp/trunk/trunk.json" "$out/trunk_json/seed-tiny.json"
+"$k3ctl" pack-trunk fixtures/tiny/model "$tmp/int4" --codec int4 >/dev/null 2>&1
+mkdir -p "$out/trunk_descriptors"
+cp "$tmp/int4/trunk.json" "$out/trunk_descriptors/seed-tiny-int4.json"
 
 python3 - "$out" <<'PY'
 import json, os, struct, sys

@@ -4,6 +4,7 @@
     scripts/bench.py --quick                          # small checkpoint, generated in a temp dir
     scripts/bench.py --model /tmp/k3slice --trunk T   # a real-dimension slice
     scripts/bench.py --model M --warm-start           # + warm/cold store and standalone start-up
+    scripts/bench.py --model M --trunk EXACT --compare-trunks INT8,INT4   # trunks at one budget
 
 In ONE run:
 1. floors: disk via `k3-ctl doctor --json` on the checkpoint's filesystem (O_DIRECT random reads
@@ -1001,6 +1002,78 @@ def fmt_spec_table(rows) -> str:
     return "\n".join("  ".join(str(x[i]).ljust(w[i]) for i in range(len(head))) for x in lines)
 
 
+def trunk_codec(trunk: Path) -> str:
+    """The codec a packed trunk's trunk.json records (format 5), or "?" for an older one."""
+    return json.loads((trunk / "trunk.json").read_text()).get("codec") or "?"
+
+
+def compare_trunks(a, model: Path, trunks: list, budgets: dict, names: list, tmp: Path) -> dict:
+    """The same budgets (sized from the FIRST trunk, the reference: in absolute bytes, so every
+    trunk gets the same memory) with several packed trunks of one checkpoint, interleaved per
+    repetition (budget, then trunk), in one run: decode s/token, bytes per token, what was
+    pinned, and each trunk's ratio to the reference's s/token at that budget (median of the
+    per-repetition ratios). Every trunk must give the same ids at every budget; an exact trunk
+    (raw, ecbf16) the reference's, a lossy one (int8, int4) its own (how many of its ids equal
+    the exact ones is reported)."""
+    runs = {(b, t): [] for b in names for t in range(len(trunks))}
+    pinned = {}
+    for rep in range(a.compare_reps):
+        for b in names:
+            tb, cb, slots, _ = budgets[b]
+            for i, t in enumerate(trunks):
+                run, err = run_worker(a.bins, model, t, tb, cb, a.gen,
+                                      tmp / f"cmp-{b}-{i}-{rep}.json", a.prefill_chunk)
+                tj = json.loads((t / "trunk.json").read_text())
+                layers = trunk_layers(tj)
+                p = pinned_count(err, len(layers))
+                pinned[(b, i)] = f"{p}/{len(layers)} L, {slots} slots"
+                runs[(b, i)].append(summarize_run(run, sum(rl for rl, _ in layers[p:])))
+                s = runs[(b, i)][-1]
+                print(f"  {b:<13} {trunk_codec(t):<7} rep {rep}: decode "
+                      f"{statistics.median(s['decode_s']):.3f} s/token, ids {ids_hash(s['generated_ids'])}",
+                      flush=True)
+    exact = runs[(names[0], 0)][0]["generated_ids"]
+    rows, bad = [], []
+    for b in names:
+        for i, t in enumerate(trunks):
+            rs = runs[(b, i)]
+            codec = trunk_codec(t)
+            own = runs[(names[0], i)][0]["generated_ids"]
+            want = exact if codec not in ("int8", "int4") else own
+            bad += [(b, codec, k) for k, s in enumerate(rs) if s["generated_ids"] != want]
+            ratios = [statistics.median(s["decode_s"]) / statistics.median(r["decode_s"])
+                      for s, r in zip(rs, runs[(b, 0)])]
+            same = next((k for k, (x, y) in enumerate(zip(own, exact)) if x != y), len(own))
+            rows.append({
+                "budget": b, "trunk": str(t), "codec": codec, "pinned": pinned[(b, i)],
+                "decode_s": med_min_max([x for s in rs for x in s["decode_s"]]),
+                "trunk_gb_per_token": statistics.mean(s["trunk_bytes_per_token"] for s in rs) / 1e9,
+                "expert_gb_per_token": statistics.mean(s["expert_bytes_per_token"] for s in rs) / 1e9,
+                "x_reference": statistics.median(ratios),
+                "x_reference_per_rep": ratios,
+                "ids_hash": ids_hash(own), "ids_equal_to_exact_prefix": same,
+                "runs": rs,
+            })
+    if bad:
+        for b, codec, k in bad:
+            print(f"IDS DIFFER: {b} {codec} rep {k}", file=sys.stderr)
+        raise SystemExit("bench: FAILED: a trunk gave other ids than it should")
+    head = ("budget", "trunk", "pinned", "decode s/token", "x reference", "trunk GB/tok",
+            "expert GB/tok", "ids = exact for")
+    lines = [head]
+    for r in rows:
+        d = r["decode_s"]
+        lines.append((r["budget"], r["codec"], r["pinned"],
+                      f"{d['median']:.3f} ({d['min']:.3f}-{d['max']:.3f})", f"{r['x_reference']:.3f}",
+                      f"{r['trunk_gb_per_token']:.3f}", f"{r['expert_gb_per_token']:.3f}",
+                      f"{r['ids_equal_to_exact_prefix']}/{len(exact)} ids"))
+    w = [max(len(str(x[c])) for x in lines) for c in range(len(head))]
+    print("\n".join("  ".join(str(x[c]).ljust(w[c]) for c in range(len(head))) for x in lines))
+    print(f"x reference = median over repetitions of (decode s/token / the reference trunk's, "
+          f"{trunk_codec(trunks[0])}, in the same repetition)")
+    return {"rows": rows, "gen": a.gen, "reps": a.compare_reps, "exact_ids": exact}
+
+
 def spec_bench(a, model: Path, trunk: Path, budgets: dict, tmp: Path) -> dict:
     """Speculative decoding with replayed drafts: per budget, a plain run gives the ids; then
     the replay drafter proposes them with misses injected (1 - acceptance) at each K (and auto).
@@ -1099,6 +1172,11 @@ def main(argv=None):
     ap.add_argument("--spec-acceptance", default="100,75,50,25,0",
                     help="percent of drafted ids that are right")
     ap.add_argument("--spec-reps", type=int, default=1)
+    ap.add_argument("--compare-trunks", metavar="DIR,DIR,...",
+                    help="only the trunk comparison: --budgets sized from --trunk (the reference), "
+                         "each run with --trunk and every DIR (e.g. int8 and int4 packs of the "
+                         "same checkpoint), interleaved, s/token ratios to the reference")
+    ap.add_argument("--compare-reps", type=int, default=3)
     ap.add_argument("--concurrent", metavar="N,N,...",
                     help="only the concurrent table: per --concurrent-budgets one store, then "
                          "batches of N attached workers at once (different prompts), e.g. 1,2,4")
@@ -1189,6 +1267,26 @@ def run(a, reps: int, tmp: Path) -> int:
     budgets = plan_budgets(layers, eb, moe_layers, n_experts, top_k)
     if a.concurrent:
         return run_concurrent(a, model, trunk, budgets, layers, tmp)
+    if a.compare_trunks:
+        names = [b for b in a.budgets.split(",") if b]
+        for b in names:
+            if b not in budgets:
+                raise SystemExit(f"bench: unknown budget {b!r} (have {', '.join(budgets)})")
+        trunks = [trunk] + [Path(t) for t in a.compare_trunks.split(",") if t]
+        print(f"== trunks {', '.join(trunk_codec(t) for t in trunks)} on {model} (prompt {PROMPT}, "
+              f"--gen {a.gen}, {a.compare_reps} rep(s))", flush=True)
+        cmp = compare_trunks(a, model, trunks, budgets, names, tmp)
+        if a.json:
+            out = {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                   "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                            capture_output=True, text=True).stdout.strip(),
+                   "load_average": os.getloadavg(), "model": str(model), "prompt": PROMPT,
+                   "prefill_chunk": a.prefill_chunk, "budgets": {b: budgets[b] for b in names},
+                   "compare_trunks": cmp}
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(out, indent=1) + "\n")
+            print(f"wrote {a.json}")
+        return 0
     if a.spec:
         for b in a.spec_budgets.split(","):
             if b and b not in budgets:

@@ -19,6 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from k3gen.presets import PRESETS  # noqa: E402
+from k3gen.atomic import remove_stale, terminate_as_exception  # noqa: E402
 from k3gen.writer import write_checkpoint  # noqa: E402
 
 
@@ -34,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.seed < 0:
         ap.error("--seed must be >= 0")
     d = PRESETS[args.preset]
+    terminate_as_exception()
+    # The temporaries of a run that was killed (its pid gone) go first; a run interrupted by
+    # SIGINT or SIGTERM removed its own.
+    for p in remove_stale(args.out_dir):
+        print(f"make-checkpoint: removed {p}, left by a writer that is gone", file=sys.stderr)
     if os.path.isdir(args.out_dir) and os.listdir(args.out_dir):
         if not args.force:
             ap.error(f"{args.out_dir} is not empty (stale shards would mix with new ones); use --force or an empty directory")

@@ -70,6 +70,10 @@ def parse_ids(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(HERE))
+    from k3gen.atomic import terminate_as_exception  # noqa: E402
+
+    terminate_as_exception()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", help="output checkpoint directory (training)")
     ap.add_argument("--preset", default=None)

@@ -1,6 +1,8 @@
-//! `trunk.json` (k3-store/src/runtime/trunk.rs, `TrunkLayout::from_packed`), checked against the
-//! catalog of `fixtures/tiny/model` with a 16 MiB `trunk.bin` of zeros: any input gives a read
-//! plan or an error; an accepted plan's layers fit their buffers and `trunk.bin`.
+//! `trunk.json` as bytes (k3-store/src/runtime/trunk/open.rs, `TrunkLayout::from_packed`),
+//! checked against the catalog of `fixtures/tiny/model` with a 16 MiB `trunk.bin` of zeros: any
+//! input gives a read plan or an error; an accepted plan's layers fit their buffers and
+//! `trunk.bin`. (Past the JSON parser a mutation mostly meets the seal; `trunk_descriptors`
+//! reseals its inputs to reach the checks behind it.)
 #![no_main]
 
 use std::path::PathBuf;

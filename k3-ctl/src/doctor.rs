@@ -27,6 +27,7 @@ mod cpu;
 use cpu::cpu_model;
 use k3_store::runtime::io::{AlignedBuf, DiskFile, ALIGN};
 use k3_store::runtime::plan::{Budget, BudgetFlag, MemoryPlan, PRESETS};
+use k3_store::runtime::trunk::{remove_stale_temporaries, temp_name, Interrupt};
 use serde_json::{json, Value};
 
 use crate::fail::Failed;
@@ -218,6 +219,9 @@ impl Rng {
     }
 }
 
+/// The scratch file's name (its temporary name adds the pid: `.k3-doctor.PID.tmp`).
+const SCRATCH: &str = "k3-doctor";
+
 /// The scratch file: deleted on drop.
 struct Scratch(PathBuf);
 impl Drop for Scratch {
@@ -287,6 +291,9 @@ enum DiskError {
     /// A reader thread panicked.
     #[error("reader panicked")]
     Panicked,
+    /// SIGINT or SIGTERM while the scratch file was written (it was removed).
+    #[error("interrupted by {0}; the scratch file was removed")]
+    Interrupted(&'static str),
 }
 
 impl DiskError {
@@ -314,7 +321,14 @@ fn make_scratch(dir: &Path, size: u64) -> Result<Scratch, DiskError> {
             });
         }
     }
-    let path = dir.join(format!(".k3-doctor-{}.tmp", std::process::id()));
+    // A scratch file a killed doctor left (its pid gone) is removed first; this one is removed
+    // on an error, a SIGINT or a SIGTERM while it is written, and unlinked once it is open for
+    // the reads (so a kill then leaves nothing).
+    for p in remove_stale_temporaries(dir, &[SCRATCH]) {
+        tracing::info!("removed {}, left by a doctor that is gone", p.display());
+    }
+    let stop = Interrupt::on_signals().map_err(DiskError::file("signal handlers for ", dir))?;
+    let path = dir.join(temp_name(SCRATCH, std::process::id()));
     let scratch = Scratch(path.clone());
     let mut f = std::fs::OpenOptions::new()
         .write(true)
@@ -326,6 +340,9 @@ fn make_scratch(dir: &Path, size: u64) -> Result<Scratch, DiskError> {
     let mut buf = vec![0u8; chunk];
     let mut left = size;
     while left > 0 {
+        if let Some(sig) = stop.signal() {
+            return Err(DiskError::Interrupted(sig));
+        }
         for w in buf.chunks_exact_mut(8) {
             w.copy_from_slice(&rng.next().to_le_bytes());
         }
@@ -496,6 +513,9 @@ fn measure_disk(a: &Args) -> Result<Value, DiskError> {
     let is_direct = direct.is_direct();
     let buffered = DiskFile::open_with(&file_path, false)?;
     let plain = File::open(&file_path).map_err(DiskError::file("", &file_path))?;
+    // Every handle the measurements read through is open: the scratch file's name goes now
+    // (its bytes stay until the handles close), so nothing is left whatever ends the process.
+    drop(_scratch);
     let dropper = || {
         drop_cache(&plain);
     };
@@ -587,7 +607,7 @@ fn measure_disk(a: &Args) -> Result<Value, DiskError> {
         "file_bytes": direct.len(),
         "note": scratch_note,
         "filesystem": mount.as_ref().map(|(src, mp, ty)| json!({"source": src, "mount": mp, "type": ty})),
-        "device": std::fs::metadata(&file_path).ok().map(|m| device_name(m.dev())),
+        "device": plain.metadata().ok().map(|m| device_name(m.dev())),
         "seconds_per_measurement": a.seconds,
         "read_bytes": rb,
         "rounds": ROUNDS,
@@ -1037,7 +1057,15 @@ mod tests {
         let dir = tmp.path();
         // A small checkpoint's expert (`small`: 52,224 bytes, read as 13 pages).
         let a = small_args(dir, 52_224);
+        // A scratch file a killed doctor left (pid 2^22 + 1, above Linux's default pid_max) is
+        // removed; a live process's (ours: the parent) is not.
+        let dead = dir.join(temp_name(SCRATCH, (1 << 22) + 1));
+        let live = dir.join(temp_name(SCRATCH, std::os::unix::process::parent_id()));
+        std::fs::write(&dead, b"left").unwrap();
+        std::fs::write(&live, b"busy").unwrap();
         let d = measure_disk(&a).unwrap();
+        assert!(!dead.exists() && live.exists());
+        std::fs::remove_file(&live).unwrap();
         assert_eq!(d["read_bytes"], 53_248);
         let ms = d["measurements"].as_array().unwrap();
         let names: Vec<_> = ms.iter().map(|m| m["name"].as_str().unwrap()).collect();

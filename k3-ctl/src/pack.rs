@@ -1,8 +1,10 @@
-//! `k3-ctl pack-trunk <model_dir> <out_dir>`: copy every layer's trunk run into `trunk.bin` +
-//! `trunk.json` (SPEC.md §6.1); with `--draft int8|int4`, write a quantized draft of it into
-//! `draft.bin` + `draft.json` instead (SPEC.md §6.10, speculative decoding's draft model). Exit 2 when the checkpoint cannot be packed (a layer's trunk
-//! tensors are not one contiguous run in one shard, or the checkpoint cannot be read with
-//! confidence), 1 on an I/O failure.
+//! `k3-ctl pack-trunk <model_dir> <out_dir>`: write every layer's trunk into `trunk.bin` +
+//! `trunk.json` (SPEC.md §6.1), EC-BF16 coded by default, raw, or — lossy, opt-in — int8/int4
+//! quantized (`--codec`); with `--draft int8|int4`, write a quantized draft of it into
+//! `draft.bin` + `draft.json` instead (SPEC.md §6.10, speculative decoding's draft model). Exit 2
+//! when the checkpoint cannot be packed (a layer's trunk tensors are not one contiguous run in
+//! one shard, or the checkpoint cannot be read with confidence), 1 on an I/O failure or when
+//! interrupted (SIGINT, SIGTERM: the temporary files are removed; a second signal exits at once).
 
 use std::path::PathBuf;
 
@@ -12,7 +14,8 @@ use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::draft::pack_draft;
 use k3_store::runtime::plan::fmt_bytes;
 use k3_store::runtime::trunk::{
-    pack_trunk, pack_trunk_coded, TrunkError, AUTO_WIDTHS, DEFAULT_MAX_ESCAPE, DEFAULT_WIDTH,
+    pack_trunk, Interrupt, PackOptions, PackSummary, TrunkCodec, TrunkError, AUTO_WIDTHS,
+    DEFAULT_MAX_ESCAPE, DEFAULT_WIDTH,
 };
 
 use crate::fail::Failed;
@@ -29,46 +32,48 @@ pub struct Args {
     /// `k3-worker --draft model --draft-trunk OUT_DIR`, not a packed copy.
     #[arg(long, value_name = "int8|int4")]
     pub draft: Option<QuantKind>,
-    /// How trunk matrices are stored: `ecbf16`, the default (every BF16 weight matrix but
+    /// How trunk matrices are stored. Exact: `ecbf16`, the default (every BF16 weight matrix but
     /// `kv_b_proj` exponent-coded, losslessly, at 12 bits a weight where that is smaller than
-    /// raw: trunk format 4, SPEC.md §6.1 and §6.13; measured 0.75x the bytes and 0.52x the
-    /// laptop-like decode time on k3slice, docs/BENCHMARKS.md), `raw` (the checkpoint's bytes,
-    /// trunk format 3); `ecbf16:W` codes with a `W`-bit index (2, 3 or 4), `ecbf16:auto` picks 3
-    /// or 4 per tensor (the smaller whose escapes stay under --max-escape). Not with --draft.
-    #[arg(long, value_name = "ecbf16[:W|:auto]|raw", value_parser = parse_codec)]
-    pub codec: Option<Codec>,
-    /// With `--codec ecbf16`: the largest escape rate (fraction of a matrix's weights) a width
+    /// raw, SPEC.md §6.13; measured 0.75x the bytes and 0.52x the laptop-like decode time on
+    /// k3slice, docs/BENCHMARKS.md), `raw` (the checkpoint's bytes); `ecbf16:W` codes with a
+    /// `W`-bit index (2, 3 or 4), `ecbf16:auto` picks 3 or 4 per tensor. LOSSY, opt-in: `int8`
+    /// (a scale per row) or `int4` (a scale per 32 columns) quantize every trunk weight matrix
+    /// but the router and `kv_b_proj` (SPEC.md §6.15; the routed experts stay MXFP4 as always);
+    /// every run on such a trunk is labelled lossy, with its measured quality
+    /// (docs/BENCHMARKS.md, "Quality of the quantized trunk"). Not with --draft.
+    #[arg(long, value_name = "ecbf16[:W|:auto]|raw|int8|int4", value_parser = parse_codec)]
+    pub codec: Option<PackOptions>,
+    /// With an EC-BF16 codec: the largest escape rate (fraction of a matrix's weights) a width
     /// may have; a matrix over it stays raw (escapes are exact, but slow the kernels).
     #[arg(long, value_name = "RATE", default_value_t = DEFAULT_MAX_ESCAPE)]
     pub max_escape: f64,
 }
 
-/// What `--codec` asks for.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Codec {
-    /// The checkpoint's bytes.
-    Raw,
-    /// EC-BF16, the smallest of these index widths per tensor.
-    EcBf16(Vec<u8>),
-}
-
-fn parse_codec(s: &str) -> Result<Codec, CodecArgError> {
-    let widths = match s.split_once(':') {
-        None if s == "raw" => return Ok(Codec::Raw),
-        None if s == "ecbf16" => vec![DEFAULT_WIDTH],
-        Some(("ecbf16", "auto")) => AUTO_WIDTHS.to_vec(),
+fn parse_codec(s: &str) -> Result<PackOptions, CodecArgError> {
+    let (codec, widths) = match s.split_once(':') {
+        None if s == "raw" => (TrunkCodec::Raw, vec![DEFAULT_WIDTH]),
+        None if s == "int8" => (TrunkCodec::Int8, vec![DEFAULT_WIDTH]),
+        None if s == "int4" => (TrunkCodec::Int4, vec![DEFAULT_WIDTH]),
+        None if s == "ecbf16" => (TrunkCodec::Ecbf16, vec![DEFAULT_WIDTH]),
+        Some(("ecbf16", "auto")) => (TrunkCodec::Ecbf16, AUTO_WIDTHS.to_vec()),
         Some(("ecbf16", w)) => match w.parse::<u8>() {
-            Ok(w) if k3_proto::ecbf16::WIDTHS.contains(&w) => vec![w],
+            Ok(w) if k3_proto::ecbf16::WIDTHS.contains(&w) => (TrunkCodec::Ecbf16, vec![w]),
             _ => return Err(CodecArgError(s.into())),
         },
         _ => return Err(CodecArgError(s.into())),
     };
-    Ok(Codec::EcBf16(widths))
+    Ok(PackOptions {
+        codec,
+        widths,
+        max_escape: DEFAULT_MAX_ESCAPE,
+    })
 }
 
 /// A `--codec` value that is not one.
 #[derive(Debug, thiserror::Error)]
-#[error("{0:?} is not a codec: raw, ecbf16, ecbf16:2, ecbf16:3, ecbf16:4 or ecbf16:auto")]
+#[error(
+    "{0:?} is not a codec: raw, ecbf16, ecbf16:2, ecbf16:3, ecbf16:4, ecbf16:auto, int8 or int4"
+)]
 pub struct CodecArgError(String);
 
 /// Run the subcommand; returns the exit code.
@@ -78,24 +83,27 @@ pub fn run(a: Args) -> Result<i32, Failed> {
             "refusing: --codec applies to the packed trunk, not --draft",
         ));
     }
-    let codec = match (&a.draft, a.codec.clone()) {
-        (Some(_), _) => Codec::Raw,
-        (None, Some(c)) => c,
-        (None, None) => Codec::EcBf16(vec![DEFAULT_WIDTH]),
-    };
     if !(0.0..=1.0).contains(&a.max_escape) {
         return Err(Failed::refused(format!(
             "refusing: --max-escape {} is not a fraction in 0..1",
             a.max_escape
         )));
     }
+    let mut opts = (a.codec.clone()).unwrap_or_else(|| PackOptions::new(TrunkCodec::Ecbf16));
+    opts.max_escape = a.max_escape;
     let (cat, _cfg) =
         Catalog::open_dir(&a.model_dir).map_err(|e| Failed::because("refusing", e))?;
+    let stop = Interrupt::on_signals()
+        .map_err(|e| Failed::with_code("cannot handle SIGINT/SIGTERM", exit::FAILURE, e))?;
     let total: u64 = (0..cat.n_layers()).map(|l| cat.trunk_bytes(l)).sum();
-    let what = match (a.draft, &codec) {
+    let what = match (a.draft, opts.codec) {
         (Some(k), _) => format!("an {} draft of", k.name()),
-        (None, Codec::Raw) => "packing".into(),
-        (None, Codec::EcBf16(w)) => format!("packing (ecbf16, index widths {w:?})"),
+        (None, TrunkCodec::Raw) => "packing (raw)".into(),
+        (None, TrunkCodec::Ecbf16) => format!("packing (ecbf16, index widths {:?})", opts.widths),
+        (None, c) => format!(
+            "packing (LOSSY: {} quantized weight matrices; the rest ecbf16 where smaller)",
+            c.name()
+        ),
     };
     eprintln!(
         "{what} {} layers ({}) from {} into {}",
@@ -112,29 +120,24 @@ pub fn run(a: Args) -> Result<i32, Failed> {
     };
     let mut bar = k3_store::progress::Progress::new(label, total, true);
     let r = match a.draft {
-        Some(kind) => pack_draft(&a.model_dir, &a.out_dir, kind, &mut |p| {
+        Some(kind) => pack_draft(&a.model_dir, &a.out_dir, kind, &stop, &mut |p| {
             bar.set(p.bytes_done)
         }),
-        None if codec != Codec::Raw => {
-            let widths = match &codec {
-                Codec::EcBf16(w) => &w[..],
-                Codec::Raw => &[],
-            };
-            match k3_proto::safetensors::CheckpointIndex::open(&a.model_dir) {
-                Ok(index) => {
-                    pack_trunk_coded(&cat, &index, &a.out_dir, widths, a.max_escape, &mut |p| {
-                        bar.set(p.bytes_done)
-                    })
-                }
-                Err(e) => Err(TrunkError::Refused(format!(
-                    "checkpoint index {}: {e}",
-                    a.model_dir.display()
-                ))),
-            }
-        }
-        None => pack_trunk(&cat, &a.out_dir, &mut |p| bar.set(p.bytes_done)),
+        None => pack_trunk(&cat, &a.out_dir, &opts, &stop, &mut |p| {
+            bar.set(p.bytes_done)
+        }),
     };
     drop(bar);
+    report(&a, opts.codec, total, r)
+}
+
+/// Print the outcome of a pack; its exit code.
+fn report(
+    a: &Args,
+    codec: TrunkCodec,
+    total: u64,
+    r: Result<PackSummary, TrunkError>,
+) -> Result<i32, Failed> {
     let file = if a.draft.is_some() {
         "draft.bin"
     } else {
@@ -144,7 +147,7 @@ pub fn run(a: Args) -> Result<i32, Failed> {
         let what = if e.exit_code() == exit::REFUSED {
             "refusing"
         } else {
-            "I/O failure"
+            "failed"
         };
         Failed::because(what, e)
     })?;
@@ -157,13 +160,21 @@ pub fn run(a: Args) -> Result<i32, Failed> {
         fmt_bytes(s.largest_run),
         s.seconds
     );
-    if a.draft.is_none() && codec != Codec::Raw {
+    if a.draft.is_none() && codec != TrunkCodec::Raw {
+        let kinds: Vec<String> = (s.stored_as.iter())
+            .map(|(k, n)| format!("{n} {k}"))
+            .collect();
         println!(
-            "coded: {} of the checkpoint's {} trunk bytes ({:.3}x)",
+            "{}: {} of the checkpoint's {} trunk bytes ({:.3}x); tensors: {}",
+            codec.name(),
             s.bytes,
             total,
-            s.bytes as f64 / total.max(1) as f64
+            s.bytes as f64 / total.max(1) as f64,
+            kinds.join(", ")
         );
+    }
+    if let Some(kind) = codec.quant().filter(|_| a.draft.is_none()) {
+        println!("{}", k3_proto::quant::lossy_label(kind));
     }
     Ok(exit::OK)
 }

@@ -65,7 +65,10 @@ pub fn run_status(a: SocketArg) -> Result<i32, Failed> {
             if s.trunk_dir.is_empty() {
                 println!("trunk: none packed (layers read from the checkpoint's shards)");
             } else {
-                println!("trunk: {}", s.trunk_dir);
+                println!("trunk: {} ({})", s.trunk_dir, trunk_kind(&s.trunk));
+            }
+            if s.trunk.is_lossy() {
+                println!("{}", s.trunk.lossy);
             }
             println!("preset: {}", s.preset);
             println!("shared memory: {}", fmt_bytes(s.shm_bytes));
@@ -165,11 +168,26 @@ fn mbps(c: &Counters) -> String {
 }
 
 /// Render a stats report as the text table `k3-ctl stats` prints.
+/// `ecbf16, exact` / `int4, LOSSY`: how a served trunk is stored and whether its numbers are
+/// the checkpoint's.
+fn trunk_kind(t: &k3_proto::wire::TrunkInfo) -> String {
+    let codec = if t.codec.is_empty() {
+        "shards"
+    } else {
+        &t.codec
+    };
+    let exact = if t.is_lossy() { "LOSSY" } else { "exact" };
+    format!("{codec}, {exact}")
+}
+
 pub fn render_stats(s: &StatsReport) -> String {
     use std::fmt::Write;
     let mut o = String::new();
     let l = &s.lifetime;
     let _ = writeln!(o, "k3-store stats  (uptime {:.1} s)", s.uptime_seconds);
+    if s.trunk.is_lossy() {
+        let _ = writeln!(o, "{}", s.trunk.lossy);
+    }
     let _ = writeln!(
         o,
         "lifetime: requests {}  TRUE resident hits {} ({})  misses {}  evictions {}  failed loads {}",

@@ -6,10 +6,12 @@
 //! (`k3-manifest.json`, SPEC.md §6.11) every shard's SHA-256 is compared with the reference it
 //! records; without one the contents cannot be checked against anything, which the report says
 //! plainly and the exit code ([`exit::UNVERIFIED`]) tells apart from success. The packed trunk,
-//! when given: it opens (format, model identity, trunk identity, run layout: the checks of
-//! `TrunkLayout::from_packed`), every layer's run in `trunk.bin` and in the checkpoint hashes
-//! (XXH3-64) to the checksum `trunk.json` records, and so does every tensor of it (named when it
-//! does not). Prints one OK/BAD line per shard and per layer (or a JSON report) and progress on
+//! when given: it opens (format, model identity, trunk identity, seal, run layout: the checks
+//! of `TrunkLayout::from_packed`), every layer's run in `trunk.bin` matches its bound checksum,
+//! every checkpoint tensor and every raw stored tensor hashes (XXH3-64) to its recorded hash,
+//! every EC-BF16 tensor decodes to it, and every int8/int4 tensor is byte for byte the
+//! checkpoint's tensor quantized again (each named when it does not). A trunk whose every hash
+//! was forged consistently opens and runs; this command is what catches it. Prints one OK/BAD line per shard and per layer (or a JSON report) and progress on
 //! stderr; exit 0 when everything is good and checked against the manifest, 5 when good but
 //! without a manifest, 2 on any mismatch or refusal.
 
@@ -336,70 +338,70 @@ fn verify_trunk(
     let mut all = true;
     for l in 0..packed.n_layers() {
         let Some(plan) = packed.plan(l) else { continue };
-        let (Some(want), Some(tensors)) = (plan.xxh3, plan.tensor_xxh3.clone()) else {
+        let (Some(check), Some(tensors)) = (plan.check, plan.tensor_xxh3.clone()) else {
             continue;
         };
         let in_trunk = packed.checksum_layer_tensors(l, &mut |n| p.add(n));
         let in_ckpt = source.checksum_layer_tensors(l, &mut |n| p.add(n));
         let mut problems = Vec::new();
-        // A coded tensor's bytes in trunk.bin are its code: it is decoded and checked
-        // (structure, the decode against its header's checksum and the recorded source hash).
-        let coded = packed.check_coded(l, &mut |_| {});
-        let is_coded =
-            |name: &str| (plan.layout.get(name)).is_some_and(|t| t.storage == Storage::EcBf16);
-        let n_coded = (plan.layout.tensors().iter())
-            .filter(|t| t.storage == Storage::EcBf16)
-            .count();
-        match &coded {
-            Ok(list) => {
-                for (name, r) in list {
-                    let rec = tensors.get(name).copied().unwrap_or_default();
-                    match r {
-                        Ok(h) if *h == rec => {}
-                        Ok(h) => problems.push(format!(
-                            "{name} (ecbf16) in trunk.bin decodes to xxh3 {h:016x}, trunk.json \
-                             records {rec:016x}"
-                        )),
-                        Err(e) => problems.push(format!("{name} (ecbf16) in trunk.bin: {e}")),
-                    }
-                }
-            }
+        match &in_trunk {
+            Ok((bound, _)) if *bound != check.want => problems.push(format!(
+                "the run in trunk.bin with its descriptors hashes to {bound:016x}, trunk.json \
+                 records {:016x}",
+                check.want
+            )),
+            Ok(_) => {}
             Err(e) => problems.push(format!("trunk.bin: {}", e.0)),
         }
-        for (what, got) in [("trunk.bin", &in_trunk), ("the checkpoint", &in_ckpt)] {
-            match got {
-                Ok((run, sums)) => {
-                    // A run with coded tensors is not the checkpoint's run: there the recorded
-                    // run hash is of trunk.bin's bytes only, the tensor hashes of both.
-                    if *run != want && (what == "trunk.bin" || n_coded == 0) {
-                        problems.push(format!(
-                            "the run in {what} hashes to {run:016x}, trunk.json records {want:016x}"
-                        ));
-                    }
-                    for (name, &rec) in tensors.iter() {
-                        if what == "trunk.bin" && is_coded(name) {
-                            continue;
-                        }
-                        match sums.get(name) {
-                            Some(&h) if h == rec => {}
-                            Some(&h) => problems.push(format!(
-                                "{name} in {what} hashes to {h:016x}, trunk.json records {rec:016x}"
-                            )),
-                            None => problems.push(format!("{name} is not in {what}'s layer")),
-                        }
-                    }
+        // Every checkpoint tensor hashes to its recorded hash; a raw tensor's stored bytes too.
+        for (what, got) in [("the checkpoint", &in_ckpt), ("trunk.bin", &in_trunk)] {
+            let Ok((_, sums)) = got else {
+                if let Err(e) = got {
+                    problems.push(format!("{what}: {}", e.0));
                 }
-                Err(e) => problems.push(format!("{what}: {}", e.0)),
+                continue;
+            };
+            for (name, &rec) in tensors.iter() {
+                let raw = (plan.layout.get(name)).is_some_and(|t| t.storage == Storage::Raw);
+                if what == "trunk.bin" && !raw {
+                    continue;
+                }
+                match sums.get(name) {
+                    Some(&h) if h == rec => {}
+                    Some(&h) => problems.push(format!(
+                        "{name} in {what} hashes to {h:016x}, trunk.json records {rec:016x}"
+                    )),
+                    None => problems.push(format!("{name} is not in {what}'s layer")),
+                }
+            }
+        }
+        // A coded or quantized tensor is re-derived: EC-BF16 decoded and checked, int8/int4
+        // quantized again from the checkpoint's bytes and compared byte for byte.
+        let encoded: Vec<_> = (plan.layout.tensors().iter())
+            .filter(|t| t.storage != Storage::Raw)
+            .collect();
+        for t in &encoded {
+            let rec = tensors.get(&t.name).copied().unwrap_or_default();
+            if let Err(m) = rederive(&packed, &source, l, t, rec, &mut |n| p.add(n)) {
+                problems.push(format!(
+                    "{} ({}) in trunk.bin: {m}",
+                    t.name,
+                    t.storage.name()
+                ));
             }
         }
         if problems.is_empty() {
             say(format!(
-                "  layer {l}: OK xxh3 {want:016x} ({} tensors{})",
+                "  layer {l}: OK xxh3 {:016x} ({} tensors{})",
+                check.want,
                 tensors.len(),
-                if n_coded > 0 {
-                    format!(", {n_coded} ecbf16-coded decode to the checkpoint's bytes")
-                } else {
+                if encoded.is_empty() {
                     String::new()
+                } else {
+                    format!(
+                        ", {} coded or quantized re-derived from the checkpoint",
+                        encoded.len()
+                    )
                 }
             ));
         } else {
@@ -412,14 +414,68 @@ fn verify_trunk(
         layers.push(json!({
             "layer": l,
             "ok": problems.is_empty(),
-            "recorded": format!("{want:016x}"),
+            "recorded": format!("{:016x}", check.want),
             "trunk_bin": hex(&in_trunk),
-            "checkpoint": hex(&in_ckpt),
+            "tensors_checked": tensors.len(),
             "problems": problems,
         }));
     }
     *ok &= all;
     json!({"dir": dir.display().to_string(), "ok": all, "refused": null, "layers": layers})
+}
+
+/// Re-derive the encoded tensor `t` of layer `l` (its stored bytes in `packed`) from the
+/// checkpoint (`source`): an EC-BF16 matrix must verify (every block, escape and palette entry,
+/// the decode against its header's hash) and its header name the recorded source hash `rec`; an
+/// int8/int4 matrix must be byte for byte what quantizing the checkpoint's tensor gives.
+// String error: each problem becomes one clause of the layer's BAD line.
+fn rederive(
+    packed: &TrunkLayout,
+    source: &TrunkLayout,
+    l: usize,
+    t: &k3_store::runtime::source::TensorLoc,
+    rec: u64,
+    on_bytes: &mut dyn FnMut(u64),
+) -> Result<(), String> {
+    let (buf, inner, len) = packed.read_tensor(l, &t.name).map_err(|e| e.0)?;
+    on_bytes(len);
+    let stored = &buf.as_slice()[inner..inner + len as usize];
+    match t.storage.quant() {
+        None => {
+            let m = k3_proto::ecbf16::CodedMatrix::parse(stored).map_err(|e| e.to_string())?;
+            m.verify().map_err(|e| e.to_string())?;
+            if m.raw_checksum() != rec {
+                return Err(format!(
+                    "decodes to xxh3 {:016x}, trunk.json records {rec:016x}",
+                    m.raw_checksum()
+                ));
+            }
+            Ok(())
+        }
+        Some(kind) => {
+            let m = k3_proto::quant::QuantMatrix::parse(stored).map_err(|e| e.to_string())?;
+            if m.kind() != kind || m.source_xxh3() != rec {
+                return Err(format!(
+                    "its header says {} from xxh3 {:016x}; trunk.json says {} from {rec:016x}",
+                    m.kind().name(),
+                    m.source_xxh3(),
+                    kind.name()
+                ));
+            }
+            let (cbuf, cinner, clen) = source.read_tensor(l, &t.name).map_err(|e| e.0)?;
+            on_bytes(clen);
+            let raw = &cbuf.as_slice()[cinner..cinner + clen as usize];
+            let want = k3_proto::quant::encode_matrix(kind, raw, m.rows(), m.cols())
+                .map_err(|e| e.to_string())?;
+            if want != stored {
+                let at = (want.iter().zip(stored)).position(|(a, b)| a != b);
+                return Err(format!(
+                    "differs from the checkpoint's tensor quantized again (first at byte {at:?})"
+                ));
+            }
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]

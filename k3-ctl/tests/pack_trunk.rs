@@ -44,10 +44,18 @@ fn pack_trunk_exit_codes_and_output() {
     let n = cat.n_layers();
     assert!(stdout.contains(&format!("packed {n} layers")), "{stdout}");
     let total: u64 = (0..n).map(|l| cat.trunk_bytes(l)).sum();
-    assert!(stdout.contains(&format!("{total} bytes")), "{stdout}");
-    TrunkLayout::from_packed(&cat, open_shards(&cat).unwrap(), &out).unwrap();
+    let raw = TrunkLayout::from_packed(&cat, open_shards(&cat).unwrap(), &out).unwrap();
+    assert_eq!(raw.quant(), None);
+    // Raw runs are the checkpoint's tensors at 64-byte offsets: at most 64 bytes more each.
+    let runs: u64 = (0..n).map(|l| raw.plan(l).unwrap().run_len).sum();
+    let tensors: u64 = (0..n).map(|l| cat.trunk(l).len() as u64).sum();
+    assert!(
+        runs >= total && runs < total + 64 * tensors,
+        "{runs} vs {total}"
+    );
+    assert!(!stdout.contains("LOSSY"), "{stdout}");
 
-    // The default is the coded trunk (format 4), smaller than raw.
+    // The default is the coded trunk, smaller than raw.
     let coded = tmp.path().join("coded");
     let o = ctl(&[
         "pack-trunk",
@@ -62,15 +70,51 @@ fn pack_trunk_exit_codes_and_output() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(
-        stdout.contains(&format!("of the checkpoint's {total} trunk bytes (0.7")),
+        stdout.contains("ecbf16: ")
+            && stdout.contains(&format!("of the checkpoint's {total} trunk bytes (0.7")),
         "{stdout}"
     );
+    assert!(!stdout.contains("LOSSY"), "{stdout}");
     let j = std::fs::read_to_string(coded.join("trunk.json")).unwrap();
     assert!(
-        j.contains("\"format\": 4") && j.contains("\"ecbf16\""),
+        j.contains("\"format\": 5") && j.contains("\"codec\": \"ecbf16\""),
         "{j}"
     );
     TrunkLayout::from_packed(&cat, open_shards(&cat).unwrap(), &coded).unwrap();
+
+    // Quantized trunks: lossy, and they say so.
+    for (kind, ratio) in [("int8", "(0.5"), ("int4", "(0.3")] {
+        let q = tmp.path().join(kind);
+        let o = ctl(&[
+            "pack-trunk",
+            model.to_str().unwrap(),
+            q.to_str().unwrap(),
+            "--codec",
+            kind,
+        ]);
+        let stdout = String::from_utf8_lossy(&o.stdout);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{stderr}");
+        assert!(stderr.contains("LOSSY"), "{stderr}");
+        assert!(
+            stdout.contains(&format!("LOSSY: {kind} trunk"))
+                && stdout.contains("docs/BENCHMARKS.md")
+                && stdout.contains(&format!("{kind}: "))
+                && stdout.contains(ratio),
+            "{stdout}"
+        );
+        let t = TrunkLayout::from_packed(&cat, open_shards(&cat).unwrap(), &q).unwrap();
+        assert_eq!(t.quant().map(|k| k.name()), Some(kind));
+    }
+    let o = ctl(&[
+        "pack-trunk",
+        model.to_str().unwrap(),
+        tmp.path().join("x").to_str().unwrap(),
+        "--codec",
+        "int3",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(!tmp.path().join("x").exists());
 
     // The output directory is a file: an I/O failure, exit 1.
     let file = tmp.path().join("a-file");

@@ -118,9 +118,10 @@ impl ExitStatus for OpenError {
 
 impl ExitStatus for TrunkError {
     fn exit_code(&self) -> i32 {
-        match self {
-            TrunkError::Refused(_) => REFUSED,
-            TrunkError::Io(_) => FAILURE,
+        if self.is_refusal() {
+            REFUSED
+        } else {
+            FAILURE
         }
     }
 }
@@ -177,8 +178,14 @@ mod tests {
             message: "layer".into(),
         };
         assert_eq!(bad.exit_code(), FAILURE);
-        assert_eq!(TrunkError::Refused("x".into()).exit_code(), REFUSED);
-        assert_eq!(TrunkError::Io("x".into()).exit_code(), FAILURE);
+        assert_eq!(TrunkError::draft("x").exit_code(), REFUSED);
+        let io = std::io::Error::other("x");
+        let write = TrunkError::Write {
+            path: "f".into(),
+            source: io,
+        };
+        assert_eq!(write.exit_code(), FAILURE);
+        assert_eq!(TrunkError::Interrupted("SIGINT").exit_code(), FAILURE);
         assert_eq!(CatalogError("x".into()).exit_code(), REFUSED);
         assert_eq!(BindError::Live("s".into()).exit_code(), REFUSED);
         assert_eq!(
@@ -203,7 +210,7 @@ mod tests {
         let pinned = crate::runtime::source::SourceError::Invalid("checksum".into());
         assert_eq!(OpenError::from(pinned).exit_code(), REFUSED);
         assert_eq!(
-            OpenError::from(TrunkError::Io("x".into())).exit_code(),
+            OpenError::from(TrunkError::from(ReadError::msg("x"))).exit_code(),
             FAILURE
         );
         let expert = crate::runtime::source::ExpertError::NotInCheckpoint {

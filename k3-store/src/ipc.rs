@@ -407,6 +407,7 @@ mod tests {
             trunk_dir: "/t".into(),
             shm_bytes: 4096,
             draft_dir: String::new(),
+            trunk: Default::default(),
         };
         send_frame(&mut a, &msg, Some(ro.as_fd())).unwrap();
         send_frame(&mut a, &Request::Stats, None).unwrap();

@@ -51,7 +51,14 @@ fn start_store_ring(tag: &str, pinned: usize, slots: usize, ring: Option<u64>) -
         .unwrap();
     let trunk = dir.path().join("trunk");
     let (cat, _) = Catalog::open_dir(&tiny()).unwrap();
-    k3_store::runtime::trunk::pack_trunk(&cat, &trunk, &mut |_| {}).unwrap();
+    k3_store::runtime::trunk::pack_trunk(
+        &cat,
+        &trunk,
+        &k3_store::runtime::trunk::PackOptions::new(k3_store::runtime::trunk::TrunkCodec::Raw),
+        &k3_store::runtime::trunk::Interrupt::never(),
+        &mut |_| {},
+    )
+    .unwrap();
     let layout = TrunkLayout::from_packed(&cat, open_shards(&cat).unwrap(), &trunk).unwrap();
     let backend = StoreBackend::build(
         &BuildOptions {

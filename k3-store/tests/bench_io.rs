@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::fixture::{self, Spec};
 use k3_proto::expert::ExpertLayout;
 use k3_store::runtime::experts::{CacheOptions, ExpertCache};
-use k3_store::runtime::trunk::{open_shards, pack_trunk};
+use k3_store::runtime::trunk::{open_shards, pack_trunk, Interrupt, PackOptions, TrunkCodec};
 
 #[test]
 #[ignore]
@@ -71,7 +71,14 @@ fn expert_miss_throughput_and_pack_speed() {
         assert_eq!(s.table.misses, 48);
     }
     let out = w.dir.join("packed");
-    let s = pack_trunk(&w.catalog, &out, &mut |_| {}).unwrap();
+    let s = pack_trunk(
+        &w.catalog,
+        &out,
+        &PackOptions::new(TrunkCodec::Raw),
+        &Interrupt::never(),
+        &mut |_| {},
+    )
+    .unwrap();
     eprintln!(
         "pack-trunk: {} layers, {:.1} MB in {:.3} s",
         s.layers,

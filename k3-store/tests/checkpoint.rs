@@ -10,7 +10,9 @@ use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::plan::{Budget, BudgetFlag};
 use k3_store::runtime::source::WeightSource;
 use k3_store::runtime::standalone::{StandaloneOptions, StandaloneSource};
-use k3_store::runtime::trunk::{open_shards, pack_trunk, TrunkLayout};
+use k3_store::runtime::trunk::{
+    open_shards, pack_trunk, Interrupt, PackOptions, TrunkCodec, TrunkLayout,
+};
 
 fn spec() -> Spec {
     let mut s = Spec::small(5, 6);
@@ -50,7 +52,14 @@ fn standalone_open_with_and_without_a_packed_trunk() {
     let w = fixture::write(&spec, "open");
     let (cat, _) = Catalog::open_dir_unchecked(&w.dir).unwrap();
     let packed = w.dir.join("packed");
-    pack_trunk(&cat, &packed, &mut |_| {}).unwrap();
+    pack_trunk(
+        &cat,
+        &packed,
+        &PackOptions::new(TrunkCodec::Raw),
+        &Interrupt::never(),
+        &mut |_| {},
+    )
+    .unwrap();
     TrunkLayout::from_packed(&cat, open_shards(&cat).unwrap(), &packed).unwrap();
     let budget = Budget::from_flags(&[BudgetFlag::Preset("laptop".into())]).unwrap();
     for trunk in [None, Some(packed.as_path())] {

@@ -476,7 +476,8 @@ fn no_crate_has_an_import_circle() {
 }
 
 /// k3-worker's layers point down: the front ends over the engine (over the constraints) over the
-/// model over the kernels (the text formats and the tokenizer beside them); nothing below names what is above.
+/// model over the kernels (the text formats and the tokenizer beside them, the scoring of a text
+/// beside the engine); nothing below names what is above.
 #[test]
 fn the_worker_s_layers_point_down() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../k3-worker/src");
@@ -484,7 +485,7 @@ fn the_worker_s_layers_point_down() {
     let rank = |f: &str| match f {
         "main" => 6,
         "front" => 5,
-        "engine" => 4,
+        "engine" | "eval" => 4,
         // Grammar-constrained decoding: over the text formats, under the engine that applies it.
         "constrain" => 3,
         "text" => 2,

@@ -14,8 +14,10 @@
 //! matmul of 5 and 16 tokens at 12288×7168.
 //!
 //! FMA peak: each tier's probe (16 independent FMA chains per thread), GMAC/s at 1 and 2
-//! threads. Multi-token sweep (issues 30 and 33): bf16 raw and EC-BF16 coded (widths 4 and 3) at
-//! 12288×7168 and MXFP4 at one expert's 3072×3584, K = 1, 2, 4, 8, 16 tokens, each against its
+//! threads. Multi-token sweep (issues 30, 33 and 48): bf16 raw, EC-BF16 coded (widths 4 and 3)
+//! and int8/int4 quantized (the quantized trunk's stored matrices, each tier checked bit for bit
+//! against the scalar twin) at 12288×7168 and MXFP4 at one expert's 3072×3584, K = 1, 2, 4, 8,
+//! 16 tokens, each against its
 //! roofline, the lower of the memory bound (memory bandwidth × K / bytes per weight) and the FMA
 //! peak ("strips": the same product with the opt-in strip kernels); the coded matrix holds Gaussian weights (a trained matrix's few exponents) and every
 //! coded result is checked bit for bit against the raw one.
@@ -492,67 +494,6 @@ fn main() {
         }
     }
 
-    // --- draft-trunk matrices (int8 / int4, the active tier's build) at K3's widest shape --------
-    {
-        use k3_proto::quant::{quantize_row, QuantKind};
-        let (r, c) = (big_r, big_c);
-        let wf: Vec<f32> = w
-            .chunks_exact(2)
-            .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
-            .collect();
-        for kind in [QuantKind::Int8, QuantKind::Int4] {
-            let (qb, sb) = kind.sizes(1, c);
-            let (mut q, mut sc) = (vec![0u8; qb * r], vec![0u8; sb * r]);
-            for i in 0..r {
-                quantize_row(
-                    kind,
-                    &wf[i * c..(i + 1) * c],
-                    &mut q[i * qb..(i + 1) * qb],
-                    &mut sc[i * sb..(i + 1) * sb],
-                );
-            }
-            for (pool, &threads) in pools.iter().zip(&THREADS) {
-                let mut y = vec![0.0f32; r];
-                let s = time(args.reps, threads, || {
-                    pool.install(|| {
-                        k3_worker::kernels::quant::matmul_quant(
-                            kind,
-                            black_box(&q),
-                            &sc,
-                            r,
-                            c,
-                            &x_wide[..c],
-                            1,
-                            &mut y,
-                        )
-                    });
-                    black_box(&y);
-                });
-                // Quantization moves the result; it must stay near the bf16 product (largest
-                // error over the rms: ~0.01 for int8 and ~0.15 for int4 on these random rows).
-                let bound = match kind {
-                    QuantKind::Int8 => 0.05,
-                    QuantKind::Int4 => 0.5,
-                };
-                let d = rel_diff(&y, &refs[0]);
-                if d > bound {
-                    eprintln!("CHECK FAILED: {} matvec {r}x{c}: {d:.3}", kind.name());
-                    checks_ok = false;
-                }
-                rows.push(Row {
-                    kernel: format!("{} matvec {r}x{c}", kind.name()),
-                    tier: k3_worker::kernels::active_tier(),
-                    threads,
-                    stat: s,
-                    bytes: (q.len() + sc.len()) as f64,
-                    macs: (r * c) as f64,
-                    mem_gbs: mem_at(threads),
-                    peak_gmacs: f64::NAN,
-                });
-            }
-        }
-    }
-
     report(&args, &active, &mem, &peak, rows, checks_ok);
 }
 
@@ -737,10 +678,42 @@ fn sweep(
     let experts: Vec<Expert> = (0..EXPERTS)
         .map(|_| mxfp4_expert(&mut rng, er, ec))
         .collect();
+    let quant = quant_matrices(&raw, r, c, &x[..c]);
     for k in tiers.iter().filter(|k| k.tier() != Tier::Scalar) {
         for (pool, &threads) in pools.iter().zip(&THREADS) {
             pool.install(|| {
                 for n in KS {
+                    for (kind, blob, twin) in &quant {
+                        let m = k3_proto::quant::QuantMatrix::parse(blob).expect("parse");
+                        let mut y = vec![0.0f32; n * r];
+                        let s = time(args.reps, threads, || {
+                            k.matmul_quant(black_box(&m), &x[..n * c], n, &mut y);
+                            black_box(&y);
+                        });
+                        // Token 0 is the scalar twin's bits (every tier, every K).
+                        if y[..r]
+                            .iter()
+                            .zip(twin)
+                            .any(|(a, b)| a.to_bits() != b.to_bits())
+                        {
+                            eprintln!(
+                                "CHECK FAILED: {} {} K={n} differs from the scalar twin",
+                                k.tier(),
+                                kind.name()
+                            );
+                            *checks_ok = false;
+                        }
+                        rows.push(Row {
+                            kernel: format!("{} {r}x{c} K={n}", kind.name()),
+                            tier: k.tier(),
+                            threads,
+                            stat: s,
+                            bytes: blob.len() as f64,
+                            macs: (r * c * n) as f64,
+                            mem_gbs: mem_at(threads),
+                            peak_gmacs: peak_at(k.tier(), threads),
+                        });
+                    }
                     let mut y_raw = vec![0.0f32; n * r];
                     let s = time(args.reps, threads, || {
                         k.matmul_bf16(black_box(&raw), r, c, &x[..n * c], n, &mut y_raw);
@@ -816,6 +789,46 @@ fn sweep(
             });
         }
     }
+}
+
+/// The int8 and int4 quantized copies of `raw [r, c]` (the trunk's stored matrices,
+/// `k3_proto::quant::encode_matrix`) and each one's scalar-twin product with `x0` (one token);
+/// exits 1 when a copy strays from the bf16 product more than its quantization allows (the
+/// largest error over the rms: ~0.01 for int8, ~0.15 for int4 on Gaussian rows).
+fn quant_matrices(
+    raw: &[u8],
+    r: usize,
+    c: usize,
+    x0: &[f32],
+) -> Vec<(k3_proto::quant::QuantKind, Vec<u8>, Vec<f32>)> {
+    use k3_proto::quant::{encode_matrix, QuantKind, QuantMatrix};
+    let scalar = Kernels::new(Tier::Scalar).expect("the scalar tier");
+    let mut exact = vec![0.0f32; r];
+    scalar.matmul_bf16(raw, r, c, x0, 1, &mut exact);
+    [QuantKind::Int8, QuantKind::Int4]
+        .into_iter()
+        .map(|kind| {
+            let blob = encode_matrix(kind, raw, r, c).expect("quantize");
+            let m = QuantMatrix::parse(&blob).expect("parse");
+            let mut twin = vec![0.0f32; r];
+            scalar.matmul_quant(&m, x0, 1, &mut twin);
+            let d = rel_diff(&twin, &exact);
+            let bound = if kind == QuantKind::Int8 { 0.05 } else { 0.5 };
+            println!(
+                "{} {r}x{c}: {:.4} of raw bf16, error vs the bf16 product {d:.4} of its rms",
+                kind.name(),
+                blob.len() as f64 / raw.len() as f64
+            );
+            if d > bound {
+                eprintln!(
+                    "CHECK FAILED: {} strays {d:.3} from the bf16 product",
+                    kind.name()
+                );
+                std::process::exit(1);
+            }
+            (kind, blob, twin)
+        })
+        .collect()
 }
 
 /// Bits of the primary lookup table of the Huffman decoder.

@@ -6,6 +6,7 @@
 
 pub mod constrain;
 pub mod engine;
+pub mod eval;
 pub mod front;
 pub mod kernels;
 pub mod model;

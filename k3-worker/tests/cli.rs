@@ -217,10 +217,61 @@ fn full_recompute_and_chunked_prefill_give_the_same_ids() {
 fn usage_and_plan_problems_exit_2_before_any_work() {
     let sb = Sandbox::new("refuse");
     let m = sb.model();
+    let tok = root().join("fixtures/tokenizer");
+    let text = root().join("fixtures/trained/heldout.txt");
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["--standalone", s(&m), "--preset", "laptop"],
             "the following required arguments were not provided",
+        ),
+        // --perplexity: a text input (needs --tok), scoring ids, never generating them.
+        (
+            vec!["--standalone", s(&m), "--perplexity", s(&text)],
+            "--tok",
+        ),
+        (
+            vec![
+                "--standalone",
+                s(&m),
+                "--tok",
+                s(&tok),
+                "--perplexity",
+                s(&text),
+                "--gen",
+                "4",
+            ],
+            "cannot be used with",
+        ),
+        (
+            vec!["--standalone", s(&m), "--ids", "1", "--kl-base", "x.k3lp"],
+            "--perplexity",
+        ),
+        (
+            vec![
+                "--standalone",
+                s(&m),
+                "--tok",
+                s(&tok),
+                "--perplexity",
+                s(&text),
+                "--ppl-window",
+                "0",
+            ],
+            "--ppl-window",
+        ),
+        // The tiny model's 256-id vocabulary cannot score the real tokenizer's ids.
+        (
+            vec![
+                "--standalone",
+                s(&m),
+                "--preset",
+                "laptop",
+                "--tok",
+                s(&tok),
+                "--perplexity",
+                s(&text),
+            ],
+            "outside the vocabulary",
         ),
         (
             vec![

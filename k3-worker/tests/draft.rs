@@ -13,6 +13,7 @@ use k3_proto::quant::QuantKind;
 use k3_store::runtime::catalog::Catalog;
 use k3_store::runtime::draft::{pack_draft, DraftSource, ResidentExperts};
 use k3_store::runtime::source::WeightSource;
+use k3_store::runtime::trunk::Interrupt;
 use k3_worker::engine::spec::{DraftExperts, Drafter, ModelDrafter, MAX_CATCH_UP};
 use k3_worker::model::{Dims, Logits, Model, TensorShapes};
 
@@ -21,7 +22,7 @@ fn tiny() -> PathBuf {
 }
 
 fn draft(kind: QuantKind, ckpt: &CkptSource, dir: &Path, layers: usize) -> DraftSource {
-    pack_draft(&tiny(), dir, kind, &mut |_| {}).expect("pack the draft");
+    pack_draft(&tiny(), dir, kind, &Interrupt::never(), &mut |_| {}).expect("pack the draft");
     let (cat, _) = Catalog::open_dir(&tiny()).expect("catalog");
     DraftSource::open(dir, &cat, layers, &|n| ckpt.model_tensor(n)).expect("open the draft")
 }

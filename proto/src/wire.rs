@@ -19,7 +19,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u32 = 11;
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Largest frame either side accepts (1 MiB): a batch of 896 expert ids is ~4 KiB.
 pub const MAX_FRAME: u32 = 1 << 20;
@@ -365,6 +365,8 @@ pub struct StatsReport {
     pub history: HistoryStats,
     /// v11. The expert usage history (`--state-dir`) and the preload it chose.
     pub usage: UsageStats,
+    /// v12. The trunk the store serves (lossy or exact).
+    pub trunk: TrunkInfo,
 }
 
 /// The store's per-expert usage history (`k3-store start --state-dir`, SPEC.md §6.6) and the
@@ -394,6 +396,28 @@ pub struct UsageStats {
     pub preload: String,
     /// Experts the preload read because the history named them (`preload` = `hot`).
     pub hot_preloaded: u64,
+}
+
+/// v12. The packed trunk a store serves: how it is stored, its seal, and — for a quantized,
+/// lossy trunk — the label every output of a run on it carries.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrunkInfo {
+    /// `"raw"`, `"ecbf16"`, `"int8"` or `"int4"` (`trunk.json`'s codec); empty when the layers
+    /// are read from the checkpoint's shards.
+    pub codec: String,
+    /// The `trunk.json` seal the store opened (32 hex digits; empty without a packed trunk): a
+    /// worker whose `trunk.json` has another is refused (its descriptors are not the store's).
+    pub seal: String,
+    /// `k3_proto::quant::lossy_label` for an int8/int4 trunk; empty when the trunk holds the
+    /// checkpoint's numbers exactly.
+    pub lossy: String,
+}
+
+impl TrunkInfo {
+    /// True for a quantized trunk.
+    pub fn is_lossy(&self) -> bool {
+        !self.lossy.is_empty()
+    }
 }
 
 /// The store's history of earlier jobs' token streams (speculative drafting, SPEC.md §3.12).
@@ -432,6 +456,8 @@ pub struct StatusReport {
     pub clients: Vec<String>,
     /// Seconds since ready.
     pub uptime_seconds: f64,
+    /// v12. The trunk the store serves (lossy or exact).
+    pub trunk: TrunkInfo,
 }
 
 /// What a store that is still loading its shared memory says ([`Response::Loading`]).
@@ -492,6 +518,9 @@ pub enum Response {
         /// v5. The draft trunk the store holds in shared memory (SPEC.md §6.10; its runs are
         /// the `DraftLayer` regions; workers read its `draft.json` for their layout), or empty.
         draft_dir: String,
+        /// v12. The trunk it serves: a worker checks its `trunk.json` has this seal, and labels
+        /// its outputs when it is lossy.
+        trunk: TrunkInfo,
     },
     /// v1. Handshake refused.
     Refused {

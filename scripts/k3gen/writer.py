@@ -8,6 +8,7 @@ import re
 import struct
 from dataclasses import dataclass
 
+from .atomic import atomic_write, remove_stale
 from .config import config_text
 from .graph import DTYPE_SIZE, Unit, assign_shards, build_units, shard_name
 from .presets import Dims
@@ -93,6 +94,7 @@ def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nest
     is written. ``given`` (values "given"): name -> the tensor's bytes as a flat array already in
     its dtype (BF16 bit patterns, little-endian F32, U8), e.g. a trained model's (scripts/k3train)."""
     os.makedirs(out_dir, exist_ok=True)
+    remove_stale(out_dir)
     if (d.values == "given") != (given is not None):
         raise ValueError(f"preset {d.name}: values {d.values!r} and given tensors go together")
     plans = plan(d)
@@ -103,7 +105,7 @@ def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nest
     for sp in plans:
         path = os.path.join(out_dir, sp.file)
         sha = hashlib.sha256(sp.header)
-        with open(path, "wb") as f:
+        with atomic_write(path) as f:
             f.write(sp.header)
             if d.values == "hole":
                 # Real header, data left as a hole: the file is sparse.
@@ -125,11 +127,11 @@ def write_checkpoint(d: Dims, out_dir: str, seed: int, config_shape: str = "nest
             for t in u.tensors:
                 weight_map[t.name] = sp.file
                 total += t.nbytes
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+    with atomic_write(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         f.write(index_text(total, weight_map))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    with atomic_write(os.path.join(out_dir, "config.json"), "w") as f:
         f.write(config_text(d, config_shape, decoy_head_dim))
     if d.values != "hole":
-        with open(os.path.join(out_dir, MANIFEST), "w") as f:
+        with atomic_write(os.path.join(out_dir, MANIFEST), "w") as f:
             f.write(manifest_text(f"scripts/make-checkpoint.py (synthetic, seed {seed})", hashes))
     return plans

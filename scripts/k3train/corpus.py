@@ -15,7 +15,6 @@ index in the sorted list is ≡ 0 (mod 20) are the validation split, the rest tr
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 import tarfile
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from k3gen.atomic import atomic_write
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "k3train"
@@ -107,9 +107,8 @@ def load(tok_dir: Path | None = None) -> Corpus:
         (val if i % VAL_EVERY == 0 else train).append(np.asarray(ids, dtype=np.int32))
     tr, va = np.concatenate(train), np.concatenate(val)
     c = Corpus(tr, va, len(docs), len(val), _key(tr, va))
-    tmp = cache.with_suffix(".tmp.npz")
-    np.savez(tmp, train=tr, val=va, n_docs=c.n_docs, n_val_docs=c.n_val_docs, key=c.key)
-    os.replace(tmp, cache)
+    with atomic_write(str(cache)) as f:
+        np.savez(f, train=tr, val=va, n_docs=c.n_docs, n_val_docs=c.n_val_docs, key=c.key)
     return c
 
 

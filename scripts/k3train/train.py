@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from k3gen.atomic import atomic_write
+
 from . import corpus as corpus_mod
 from .presets import PRESETS
 
@@ -111,9 +113,8 @@ def save_params(path: Path, params: dict, kept: np.ndarray, step: int, n_steps: 
     retraining (``train_k3.py --export-from``)."""
     import jax
     flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, __kept__=kept, __step__=step, __steps__=n_steps, **flat)
-    os.replace(tmp, path)
+    with atomic_write(str(path)) as f:
+        np.savez(f, __kept__=kept, __step__=step, __steps__=n_steps, **flat)
 
 
 def load_params(path: Path, template: dict) -> tuple[dict, np.ndarray, int, int]:

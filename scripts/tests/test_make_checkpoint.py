@@ -491,3 +491,53 @@ def test_skeleton_full_census(skeleton):
     assert max(sizes) < 1.25 * (sum(sizes) / 96)
     blocks = sum(os.stat(os.path.join(d, s)).st_blocks * 512 for s in shards)
     assert blocks < 200e6, f"shards are not sparse: {blocks} bytes allocated"
+
+
+def _temporaries(d):
+    return sorted(f for f in os.listdir(d) if f.endswith(".tmp")) if os.path.isdir(d) else []
+
+
+def _started(out, timeout=60):
+    """Start writing the `small` checkpoint into `out`; return the process once its first
+    temporary shard exists (mid-write: a shard takes seconds)."""
+    import time
+    p = subprocess.Popen([sys.executable, SCRIPT, "--preset", "small", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not _temporaries(out):
+        assert p.poll() is None, f"finished before it could be interrupted: {p.communicate()}"
+        assert time.monotonic() - t0 < timeout, "no temporary shard appeared"
+        time.sleep(0.005)
+    return p
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_an_interrupted_write_leaves_no_temporary_file(tmp_path, sig):
+    import signal
+    out = tmp_path / "small"
+    p = _started(out)
+    p.send_signal(getattr(signal, sig))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode != 0, err
+    assert _temporaries(out) == [], err
+    # A shard under its final name is whole (written before the signal): its header parses and
+    # the file ends where its last tensor does.
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            entries, start = read_header(os.path.join(out, f))
+            end = max(e["data_offsets"][1] for e in entries.values())
+            assert os.path.getsize(os.path.join(out, f)) == start + end, f
+
+
+def test_a_killed_writers_temporaries_are_removed_by_the_next_run(tmp_path):
+    out = tmp_path / "small"
+    p = _started(out)
+    p.kill()
+    p.communicate(timeout=60)
+    left = _temporaries(out)
+    assert left, "SIGKILL leaves the temporary shard"
+    r = subprocess.run([sys.executable, SCRIPT, "--preset", "tiny", "--force", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert _temporaries(out) == []
+    assert all(f"removed {os.path.join(out, f)}" in r.stderr for f in left), r.stderr

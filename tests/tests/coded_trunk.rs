@@ -1,4 +1,4 @@
-//! The exponent-coded trunk (issue 30; SPEC.md §6.1 format 4, §6.13) with real processes and
+//! The exponent-coded trunk (issue 30; SPEC.md §6.1, §6.13) with real processes and
 //! real files: `k3-ctl pack-trunk --codec ecbf16` on the bundled tiny checkpoint gives exactly
 //! the raw trunk's ids standalone and through the store at several budgets (pinned layers held
 //! coded, streamed layers read coded), and `k3-ctl verify --trunk` names the layer of one flipped
@@ -50,11 +50,11 @@ fn a_coded_trunk_gives_the_raw_trunks_ids_standalone_and_attached_at_every_budge
     let raw = sb.pack_trunk(&model, "raw");
     let coded = sb.pack_trunk_with(&model, "coded", &["--codec", "ecbf16"]);
 
-    // Format 4; every trunk tensor says how it is stored; the weight matrices are coded
+    // Format 5; every trunk tensor says how it is stored; the weight matrices are coded
     // (kv_b_proj and vectors stay raw), the identity is the raw pack's.
     let (jr, jc) = (trunk_json(&raw), trunk_json(&coded));
-    assert_eq!(jr["format"], 3);
-    assert_eq!(jc["format"], 4);
+    assert_eq!((&jr["format"], &jr["codec"]), (&5.into(), &"raw".into()));
+    assert_eq!((&jc["format"], &jc["codec"]), (&5.into(), &"ecbf16".into()));
     assert_eq!(jc["model"]["trunk_id"], jr["model"]["trunk_id"]);
     assert_eq!(jc["model"]["model_id"], jr["model"]["model_id"]);
     let mut n_coded = 0;
@@ -215,7 +215,7 @@ fn verify_decodes_a_coded_trunk_and_names_the_layer_of_a_flipped_bit() {
     assert_eq!(r.code, 0, "{r:?}");
     assert!(
         r.stdout
-            .contains("ecbf16-coded decode to the checkpoint's bytes"),
+            .contains("coded or quantized re-derived from the checkpoint"),
         "{}",
         r.stdout
     );

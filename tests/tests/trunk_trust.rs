@@ -16,6 +16,14 @@ fn trunk_json(trunk: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(trunk.join("trunk.json")).unwrap()).unwrap()
 }
 
+/// `v` with its trunk identity and seal recomputed (its layer checksums as they are): an edit
+/// that only a structural check can refuse.
+fn resealed(v: &Value) -> Value {
+    let mut j: k3_store::runtime::trunk::TrunkJson = serde_json::from_value(v.clone()).unwrap();
+    k3_store::runtime::trunk::seal_json(&mut j).unwrap();
+    serde_json::to_value(j).unwrap()
+}
+
 fn write_trunk_json(trunk: &Path, v: &Value) {
     std::fs::write(trunk.join("trunk.json"), serde_json::to_string(v).unwrap()).unwrap();
 }
@@ -241,15 +249,25 @@ fn malformed_and_old_trunk_json_is_refused() {
         let r = try_start_store(&sb, &tiny_model(), &trunk, &pin_everything());
         assert_refused(&r, &format!("store: {what}"), needles);
     };
-    // Layer 4's run starts inside layer 3's.
+    // Layer 4's run starts inside layer 3's: as edited, the seal refuses it; resealed (the
+    // trunk identity and seal recomputed), the layout check does.
     let mut v = good.clone();
     let inside = v["layers"][3]["file_off"].as_u64().unwrap();
     v["layers"][4]["file_off"] = inside.into();
-    check(&v, "overlapping runs", &["layer 3", "layer 4", "overlap"]);
+    check(&v, "overlapping runs", &["model.seal", "does not match"]);
+    check(
+        &resealed(&v),
+        "overlapping runs",
+        &["layer 3", "layer 4", "overlap"],
+    );
     // A run past the end of trunk.bin.
     let mut v = good.clone();
     v["layers"][2]["file_off"] = (1u64 << 40).into();
-    check(&v, "run out of bounds", &["layer 2", "outside trunk.bin"]);
+    check(
+        &resealed(&v),
+        "run out of bounds",
+        &["layer 2", "outside trunk.bin"],
+    );
     // Zero hashes.
     let mut v = good.clone();
     v["layers"][1]["xxh3"] = "0000000000000000".into();

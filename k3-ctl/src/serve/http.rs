@@ -244,9 +244,22 @@ async fn metrics(State(st): State<Shared>) -> Response {
 }
 
 async fn models(State(st): State<Shared>) -> Response {
-    match store_up(&st).await {
-        Ok(()) => Json(json!({"object": "list", "data": [model_object(&st)]})).into_response(),
-        Err(e) => e.into_response(),
+    match ask_store(&st, StoreRequest::Status).await {
+        Ok(StoreResponse::Status(s)) => {
+            let mut m = model_object(&st);
+            // How the store's trunk holds the weights: a quantized one is lossy, and says where
+            // its measured quality is published.
+            m["k3_trunk"] = json!({
+                "codec": (!s.trunk.codec.is_empty()).then_some(&s.trunk.codec),
+                "lossy": s.trunk.is_lossy(),
+                "label": s.trunk.is_lossy().then_some(&s.trunk.lossy),
+            });
+            Json(json!({"object": "list", "data": [m]})).into_response()
+        }
+        _ => match store_up(&st).await {
+            Ok(()) => ApiError::internal("the store's status").into_response(),
+            Err(e) => e.into_response(),
+        },
     }
 }
 

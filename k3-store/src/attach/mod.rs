@@ -113,6 +113,8 @@ pub struct AttachInfo {
     pub attach_seconds: f64,
     /// The draft trunk the store holds in shared memory: its directory and bytes.
     pub draft: Option<(PathBuf, u64)>,
+    /// The trunk the store serves (codec, seal, lossy label).
+    pub trunk: k3_proto::wire::TrunkInfo,
 }
 
 /// A worker's view of a running store.
@@ -480,6 +482,7 @@ impl AttachedSource {
             trunk_dir,
             shm_bytes,
             draft_dir,
+            trunk: served,
             ..
         } = client.welcome.clone()
         else {
@@ -521,6 +524,17 @@ impl AttachedSource {
             Some(dir) => TrunkLayout::from_packed(&cat, shards, dir).map_err(AttachError::Trunk)?,
             None => TrunkLayout::from_catalog(&cat, shards),
         });
+        // The descriptors this worker reads must be the ones the store checks runs against.
+        let ours = trunk.info();
+        if ours.seal != served.seal {
+            return Err(mismatch(format!(
+                "the store serves the trunk sealed {:?}, but {} has seal {:?} (re-packed since the \
+                 store started? restart the store)",
+                served.seal,
+                trunk_dir.as_deref().unwrap_or(&model_dir).display(),
+                ours.seal
+            )));
+        }
         let owner: Arc<dyn ByteOwner> = seg.clone();
         let model = model_regions(&header, &owner)?;
         let trunk_from = trunk_dir.as_deref().unwrap_or(&model_dir);
@@ -553,6 +567,7 @@ impl AttachedSource {
             draft: draft
                 .as_ref()
                 .map(|(d, runs)| (d.clone(), runs.iter().map(|r| r.len() as u64).sum())),
+            trunk: ours,
         };
         let fetch = IoPool::new("k3-expert-fetch", 1).map_err(AttachError::Thread)?;
         Ok((
@@ -601,7 +616,7 @@ impl AttachedSource {
             let file = DraftFile::open(dir, cat, n_layers)?;
             if runs.len() < n_layers || (0..n_layers).any(|l| runs[l].len() as u64 != file.run(l).1)
             {
-                return Err(TrunkError::Refused(format!(
+                return Err(TrunkError::draft(format!(
                     "the store's draft runs do not match {}",
                     dir.display()
                 )));
@@ -881,6 +896,10 @@ impl WeightSource for AttachedSource {
                 .map(|_| Err(ExpertError::Request(e.to_string())))
                 .collect(),
         })
+    }
+
+    fn trunk(&self) -> k3_proto::wire::TrunkInfo {
+        self.trunk.info()
     }
 
     fn stats(&self) -> SourceStats {

@@ -225,6 +225,7 @@ fn status_of(opts: &BuildOptions, shm_bytes: u64) -> ((String, String), String, 
         pid: std::process::id(),
         clients: Vec::new(),
         uptime_seconds: 0.0,
+        trunk: Default::default(),
     };
     (dirs, draft_dir, status)
 }
@@ -247,6 +248,16 @@ impl StoreBackend {
             }
             None => TrunkLayout::from_catalog(&cat, shards.clone()),
         };
+        let trunk_info = trunk.info();
+        match trunk.quant() {
+            Some(_) => tracing::warn!("{}", trunk_info.lossy),
+            None => tracing::info!(
+                "trunk: exact ({})",
+                trunk
+                    .codec()
+                    .map_or("the checkpoint's shards", |c| c.name())
+            ),
+        }
         if opts.slots < 1 {
             return Err(String::from("the expert arena needs at least one slot").into());
         }
@@ -298,7 +309,8 @@ impl StoreBackend {
         };
         let ring = ring_over(&mut seg, &lay, trunk, opts.ring.clone())?;
         let base = Base(seg.as_mut_ptr());
-        let (dirs, draft_dir, status) = status_of(opts, lay.total);
+        let (dirs, draft_dir, mut status) = status_of(opts, lay.total);
+        status.trunk = trunk_info;
         let experts = ExpertSlots::new(
             cat,
             shards,
@@ -763,6 +775,7 @@ impl Backend for StoreBackend {
                 },
                 ..self.usage.as_ref().map(|u| u.stats()).unwrap_or_default()
             },
+            trunk: self.status.trunk.clone(),
         }
     }
 
@@ -780,6 +793,10 @@ impl Backend for StoreBackend {
 
     fn draft_dir(&self) -> String {
         self.draft_dir.clone()
+    }
+
+    fn trunk(&self) -> k3_proto::wire::TrunkInfo {
+        self.status.trunk.clone()
     }
 }
 

@@ -202,6 +202,7 @@ fn answer(mut stream: UnixStream, accepted: Instant, gate: &Gate) {
         trunk_dir: gate.dirs.1.clone(),
         shm_bytes: 0,
         draft_dir: String::new(),
+        trunk: Default::default(),
     };
     if !reply(&mut stream, &welcome, None) {
         return;

@@ -126,6 +126,10 @@ pub trait Backend: Send + Sync + 'static {
     fn draft_dir(&self) -> String {
         String::new()
     }
+    /// The trunk served: codec, seal, lossy label (sent in `Welcome`).
+    fn trunk(&self) -> wire::TrunkInfo {
+        wire::TrunkInfo::default()
+    }
 }
 
 /// The limits the server enforces on its clients (README, "k3-store start").
@@ -870,6 +874,7 @@ fn welcome<B: Backend>(shared: &Shared<B>, conn: &mut Conn<B>) -> Option<ClientK
         trunk_dir: trunk_dir.clone(),
         shm_bytes,
         draft_dir: shared.backend.draft_dir(),
+        trunk: shared.backend.trunk(),
     };
     let sent = match kind {
         ClientKind::Worker => match shared.backend.worker_fd() {

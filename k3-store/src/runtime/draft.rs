@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use k3_proto::quant::{quantize_row, QuantKind, GROUP, SCALE_SUFFIX};
+use k3_proto::quant::{quantizable, quantize_bf16, QuantKind, SCALE_SUFFIX};
 use k3_proto::Dtype;
 use serde::{Deserialize, Serialize};
 
@@ -38,8 +38,8 @@ use crate::runtime::source::{
     ExpertBatch, LayerLayout, LayerRun, Region, SourceError, SourceStats, TensorLoc, WeightSource,
 };
 use crate::runtime::trunk::{
-    model_dir_of, open_shards, parse_hash, run_checksum, write_packed, write_sparse, JsonLayer,
-    JsonModel, JsonTensor, PackProgress, PackSummary, TrunkError, TrunkLayout,
+    model_dir_of, open_shards, parse_hash, run_checksum, write_packed, write_sparse, Interrupt,
+    JsonLayer, JsonModel, JsonTensor, PackProgress, PackSummary, TrunkError, TrunkLayout,
 };
 
 /// File names inside a draft-trunk directory.
@@ -67,20 +67,6 @@ pub struct DraftJson {
     pub model: JsonModel,
     /// One entry per layer.
     pub layers: Vec<JsonLayer>,
-}
-
-/// Whether a trunk tensor of `shape` is quantized in a draft.
-fn quantized(name: &str, dtype: Dtype, shape: &[u64]) -> bool {
-    dtype == Dtype::BF16
-        && shape.len() == 2
-        // A [1, E] tensor is a vector (the AttnRes queries), read widened, never quantized.
-        && shape[0] > 1
-        && shape[1] > 0
-        && shape[1].is_multiple_of(GROUP as u64)
-        && !name.ends_with("kv_b_proj.weight")
-        // The router stays exact: a top-k choice flips on small perturbations, and a flipped
-        // choice changes the layer's output far more than quantizing the experts' inputs does.
-        && !name.ends_with("block_sparse_moe.gate.weight")
 }
 
 /// One layer's draft run: the bytes and where each tensor sits.
@@ -113,40 +99,25 @@ fn draft_run(
             .ok()
             .zip(usize::try_from(t.nbytes).ok())
             .and_then(|(o, n)| run.get(o..o.checked_add(n)?))
-            .ok_or_else(|| TrunkError::Refused(format!("{} lies outside its layer run", t.name)))?;
+            .ok_or_else(|| TrunkError::draft(format!("{} lies outside its layer run", t.name)))?;
         let info = index
             .get(&t.name)
-            .ok_or_else(|| TrunkError::Refused(format!("{} is not in the index", t.name)))?;
+            .ok_or_else(|| TrunkError::draft(format!("{} is not in the index", t.name)))?;
         let shape = info.shape();
-        if !quantized(&t.name, t.dtype, shape) {
+        if !quantizable(&t.name, t.dtype, shape) {
             put(t.name.clone(), t.dtype, bytes, &mut out);
             continue;
         }
         let (rows, cols) = (shape[0] as usize, shape[1] as usize);
         if bytes.len() != rows * cols * 2 {
-            return Err(TrunkError::Refused(format!(
+            return Err(TrunkError::draft(format!(
                 "{}: {} bytes for BF16 {shape:?}",
                 t.name,
                 bytes.len()
             )));
         }
-        let (qb, sb) = kind.sizes(1, cols);
-        let (mut codes, mut scales) = (vec![0u8; qb * rows], vec![0u8; sb * rows]);
-        let mut row = vec![0.0f32; cols];
-        for r in 0..rows {
-            for (v, b) in row
-                .iter_mut()
-                .zip(bytes[r * cols * 2..(r + 1) * cols * 2].chunks_exact(2))
-            {
-                *v = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
-            }
-            quantize_row(
-                kind,
-                &row,
-                &mut codes[r * qb..(r + 1) * qb],
-                &mut scales[r * sb..(r + 1) * sb],
-            );
-        }
+        let (codes, scales) = quantize_bf16(kind, bytes, rows, cols)
+            .map_err(|e| TrunkError::draft(format!("{}: {e}", t.name)))?;
         let dt = match kind {
             QuantKind::Int8 => Dtype::I8,
             QuantKind::Int4 => Dtype::U8,
@@ -172,37 +143,34 @@ pub fn pack_draft(
     model_dir: &Path,
     out_dir: &Path,
     kind: QuantKind,
+    stop: &Interrupt,
     progress: &mut dyn FnMut(&PackProgress),
 ) -> Result<PackSummary, TrunkError> {
     let t0 = Instant::now();
     let cfg = k3_proto::config::ModelConfig::load(&model_dir.join("config.json"))
-        .map_err(|e| TrunkError::Refused(format!("{}: {e}", model_dir.display())))?;
-    let index = k3_proto::safetensors::CheckpointIndex::open(model_dir).map_err(|e| {
-        TrunkError::Refused(format!("checkpoint index {}: {e}", model_dir.display()))
-    })?;
-    let cat = Catalog::from_index(&index, &cfg).map_err(|e| TrunkError::Refused(e.to_string()))?;
+        .map_err(|e| TrunkError::draft(format!("{}: {e}", model_dir.display())))?;
+    let index = k3_proto::safetensors::CheckpointIndex::open(model_dir)
+        .map_err(|e| TrunkError::draft(format!("checkpoint index {}: {e}", model_dir.display())))?;
+    let cat = Catalog::from_index(&index, &cfg).map_err(|e| TrunkError::draft(e.to_string()))?;
     let id = ModelIdentity::of(&cat)?;
     let layout = TrunkLayout::from_catalog(&cat, open_shards(&cat)?);
     let n = cat.n_layers();
     let bytes_total: u64 = (0..n).map(|l| cat.trunk_bytes(l)).sum();
     let (mut pos, mut largest, mut written) = (0u64, 0u64, 0u64);
-    write_packed(out_dir, DRAFT_BIN, DRAFT_JSON, &mut |out, werr| {
+    write_packed(out_dir, DRAFT_BIN, DRAFT_JSON, stop, &mut |out, werr| {
         let mut layers = Vec::with_capacity(n);
         let mut done = 0u64;
         for l in 0..n {
+            stop.check()?;
             let plan = layout
                 .plan(l)
-                .ok_or_else(|| TrunkError::Refused(format!("layer {l} has no trunk tensors")))?;
+                .ok_or_else(|| TrunkError::draft(format!("layer {l} has no trunk tensors")))?;
             let len = usize::try_from(layout.buf_len(l))
-                .map_err(|_| TrunkError::Refused(format!("layer {l} is too large")))?;
+                .map_err(|_| TrunkError::draft(format!("layer {l} is too large")))?;
             let mut buf = AlignedBuf::zeroed(len)?;
             let at = layout.read_layer(l, buf.as_mut_slice())?;
             let run = &buf.as_slice()[at..at + plan.run_len as usize];
-            if let Some(want) = plan.xxh3 {
-                if run_checksum(run) != want {
-                    return Err(TrunkError::Refused(format!("layer {l}: checksum mismatch")));
-                }
-            }
+            layout.verify_run(l, run)?;
             let (bytes, tensors) = draft_run(kind, &index, &plan.layout, run)?;
             write_sparse(out, pos, &bytes).map_err(werr)?;
             layers.push(JsonLayer {
@@ -211,8 +179,8 @@ pub fn pack_draft(
                 xxh3: format!("{:016x}", run_checksum(&bytes)),
                 tensors,
             });
-            let padded = align_up(bytes.len() as u64)
-                .ok_or_else(|| TrunkError::Refused("run too large".into()))?;
+            let padded =
+                align_up(bytes.len() as u64).ok_or_else(|| TrunkError::draft("run too large"))?;
             pos += padded;
             written += bytes.len() as u64;
             largest = largest.max(bytes.len() as u64);
@@ -228,11 +196,13 @@ pub fn pack_draft(
             format: DRAFT_FORMAT,
             kind,
             align: ALIGN as u64,
-            model: JsonModel::of(n, written, &id, String::new()),
+            model: JsonModel::of(n, written, &id),
             layers,
         };
-        let text = serde_json::to_string_pretty(&json)
-            .map_err(|e| TrunkError::Io(format!("serialising draft.json: {e}")))?;
+        let text = serde_json::to_string_pretty(&json).map_err(|e| TrunkError::Write {
+            path: out_dir.join(DRAFT_JSON),
+            source: e.into(),
+        })?;
         Ok((pos, text))
     })?;
     Ok(PackSummary {
@@ -241,20 +211,21 @@ pub fn pack_draft(
         file_bytes: pos,
         largest_run: largest,
         seconds: t0.elapsed().as_secs_f64(),
+        stored_as: BTreeMap::from([(kind.name(), n)]),
     })
 }
 
 /// The bytes of `draft.bin` and the runs in it, as listed by `draft.json`.
 fn read_json(dir: &Path) -> Result<DraftJson, TrunkError> {
     let jp = dir.join(DRAFT_JSON);
-    let refuse = |m: String| TrunkError::Refused(format!("{}: {m}", jp.display()));
+    let refuse = |m: String| TrunkError::draft(format!("{}: {m}", jp.display()));
     let meta = std::fs::metadata(&jp)
-        .map_err(|e| TrunkError::Refused(format!("cannot read {}: {e}", jp.display())))?;
+        .map_err(|e| TrunkError::draft(format!("cannot read {}: {e}", jp.display())))?;
     if meta.len() > MAX_JSON_BYTES {
         return Err(refuse(format!("{} bytes is implausibly large", meta.len())));
     }
     let text = std::fs::read_to_string(&jp)
-        .map_err(|e| TrunkError::Refused(format!("cannot read {}: {e}", jp.display())))?;
+        .map_err(|e| TrunkError::draft(format!("cannot read {}: {e}", jp.display())))?;
     let json: DraftJson =
         serde_json::from_str(&text).map_err(|e| refuse(format!("not a draft.json: {e}")))?;
     if json.format != DRAFT_FORMAT {
@@ -290,7 +261,7 @@ impl DraftFile {
     pub fn open(dir: &Path, cat: &Catalog, n_layers: usize) -> Result<DraftFile, TrunkError> {
         let mut json = read_json(dir)?;
         let jp = dir.join(DRAFT_JSON);
-        let refuse = |m: String| TrunkError::Refused(format!("{}: {m}", jp.display()));
+        let refuse = |m: String| TrunkError::draft(format!("{}: {m}", jp.display()));
         let packed = parse_hash(&json.model.model_id, 32);
         let packed_kind = IdentityKind::parse(&json.model.id_kind);
         let (Some(packed), Some(packed_kind)) = (packed, packed_kind) else {
@@ -338,6 +309,7 @@ impl DraftFile {
                     nbytes: t.nbytes,
                     dtype: t.dtype,
                     storage: Default::default(),
+                    source_xxh3: None,
                 });
             }
             layouts.push(Arc::new(LayerLayout::new(tensors)));
@@ -384,10 +356,10 @@ impl DraftFile {
     /// Open `draft.bin` (a refusal if it is missing or shorter than the runs).
     pub fn open_bin(&self) -> Result<DiskFile, TrunkError> {
         let path = self.dir.join(DRAFT_BIN);
-        let bin = DiskFile::open(&path).map_err(|e| TrunkError::Refused(e.0))?;
+        let bin = DiskFile::open(&path).map_err(|e| TrunkError::draft(e.0))?;
         let end = self.end();
         if end > bin.len() {
-            return Err(TrunkError::Refused(format!(
+            return Err(TrunkError::draft(format!(
                 "{}: runs end at byte {end}, the file has {} bytes",
                 path.display(),
                 bin.len()
@@ -399,7 +371,7 @@ impl DraftFile {
     /// Check layer `l`'s run bytes against its checksum (a refusal naming a damaged file).
     pub fn verify(&self, l: usize, run: &[u8]) -> Result<(), TrunkError> {
         if run.len() as u64 != self.run(l).1 || run_checksum(run) != self.sums[l] {
-            return Err(TrunkError::Refused(format!(
+            return Err(TrunkError::draft(format!(
                 "{}: layer {l}: the run's checksum does not match (a damaged draft.bin): re-pack it",
                 self.dir.join(DRAFT_BIN).display()
             )));
@@ -415,7 +387,7 @@ impl DraftFile {
         model_tensor: &dyn Fn(&str) -> Result<Region, SourceError>,
     ) -> Result<DraftSource, TrunkError> {
         if runs.len() > self.n_layers() {
-            return Err(TrunkError::Refused(format!(
+            return Err(TrunkError::draft(format!(
                 "{} draft runs for {} layers",
                 runs.len(),
                 self.n_layers()
@@ -434,7 +406,7 @@ impl DraftFile {
         use k3_proto::names::{EMBED, FINAL_NORM, LM_HEAD, OUT_RES_NORM, OUT_RES_PROJ};
         let mut model = Vec::new();
         for name in [EMBED, LM_HEAD, FINAL_NORM, OUT_RES_NORM, OUT_RES_PROJ] {
-            let r = model_tensor(name).map_err(|e| TrunkError::Refused(e.to_string()))?;
+            let r = model_tensor(name).map_err(|e| TrunkError::draft(e.to_string()))?;
             model.push((name.to_string(), r));
         }
         Ok(DraftSource {
@@ -489,7 +461,7 @@ impl DraftSource {
         for l in 0..n_layers {
             let (off, len) = file.run(l);
             let region = Region::new(owner.clone(), at + off as usize, len as usize)
-                .ok_or_else(|| TrunkError::Refused(format!("layer {l}: run outside draft.bin")))?;
+                .ok_or_else(|| TrunkError::draft(format!("layer {l}: run outside draft.bin")))?;
             file.verify(l, region.bytes())?;
             runs.push(region);
         }

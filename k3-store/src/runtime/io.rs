@@ -407,6 +407,19 @@ pub struct DiskFile {
     len: u64,
 }
 
+/// What [`DiskFile::stamp`] sees of an open file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileStamp {
+    /// Inode number.
+    pub ino: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// Last modification (seconds, nanoseconds).
+    pub mtime: (i64, i64),
+    /// Last change of contents or metadata (seconds, nanoseconds).
+    pub ctime: (i64, i64),
+}
+
 /// Chunk size of the bounce buffer used to read into unaligned destinations.
 pub const BOUNCE: usize = 8 << 20;
 
@@ -475,6 +488,20 @@ impl DiskFile {
     /// True for an empty file.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// The file's state now (`fstat` of the open file: inode, size, modification and change
+    /// times), or `None` when it cannot be had. A write to the file changes its change time, so
+    /// two equal stamps say nobody wrote to it in between (`K3_TRUNK_VERIFY=first`).
+    pub fn stamp(&self) -> Option<FileStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = self.buffered.metadata().ok()?;
+        Some(FileStamp {
+            ino: m.ino(),
+            size: m.size(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
     }
 
     /// True while reads go through `O_DIRECT`.

@@ -101,6 +101,14 @@ pub enum Storage {
     /// A BF16 matrix coded as EC-BF16 (`k3_proto::ecbf16`): the header carries its shape.
     #[serde(rename = "ecbf16")]
     EcBf16,
+    /// A BF16 matrix quantized to int8, a scale per row (`k3_proto::quant::QuantMatrix`):
+    /// lossy.
+    #[serde(rename = "int8")]
+    Int8,
+    /// A BF16 matrix quantized to int4, a scale per 32 columns (`k3_proto::quant::QuantMatrix`):
+    /// lossy.
+    #[serde(rename = "int4")]
+    Int4,
 }
 
 impl Storage {
@@ -109,6 +117,18 @@ impl Storage {
         match self {
             Storage::Raw => "raw",
             Storage::EcBf16 => "ecbf16",
+            Storage::Int8 => "int8",
+            Storage::Int4 => "int4",
+        }
+    }
+
+    /// The quantization of a lossy storage (`None` for raw and EC-BF16, which hold the
+    /// checkpoint's numbers exactly).
+    pub const fn quant(self) -> Option<k3_proto::quant::QuantKind> {
+        match self {
+            Storage::Int8 => Some(k3_proto::quant::QuantKind::Int8),
+            Storage::Int4 => Some(k3_proto::quant::QuantKind::Int4),
+            Storage::Raw | Storage::EcBf16 => None,
         }
     }
 }
@@ -126,6 +146,10 @@ pub struct TensorLoc {
     pub dtype: Dtype,
     /// How the bytes are stored.
     pub storage: Storage,
+    /// XXH3-64 of the checkpoint tensor's bytes, as a packed trunk records it (`None` when read
+    /// from the shards): a coded or quantized matrix's header must name the same (checked at
+    /// bind).
+    pub source_xxh3: Option<u64>,
 }
 
 /// Where each trunk tensor of one layer sits inside that layer's run (sorted by name).
@@ -636,6 +660,12 @@ pub trait WeightSource: Send + Sync {
 
     /// Counters so far.
     fn stats(&self) -> SourceStats;
+
+    /// The packed trunk the layers come from: its codec, seal and — when it is quantized,
+    /// lossy — the label every output of the run carries. Default: the checkpoint's own bytes.
+    fn trunk(&self) -> k3_proto::wire::TrunkInfo {
+        k3_proto::wire::TrunkInfo::default()
+    }
 
     /// Up to `max` draft ids following `context` from earlier jobs' token streams (speculative
     /// decoding's history drafter). Only a store keeps a history: the default has none.

@@ -178,6 +178,8 @@ pub struct StandaloneSource {
     /// The embedding's shard (opened buffered: a row is a page-cache read), offset and length:
     /// its rows are read from the file ([`WeightSource::tensor_rows`]), not through the mapping.
     embed: Option<(std::fs::File, u64, u64)>,
+    /// The packed trunk read (codec, seal, lossy label).
+    trunk: k3_proto::wire::TrunkInfo,
 }
 
 impl std::fmt::Debug for StandaloneSource {
@@ -279,6 +281,7 @@ impl StandaloneSource {
             None
         };
         let plan_inputs = inputs(&cat, &layout);
+        let trunk_info = layout.info();
         let budget = match (budget.auto, avail) {
             (true, Some(a)) => Budget::fit(&plan_inputs, a),
             _ => budget.clone(),
@@ -344,6 +347,7 @@ impl StandaloneSource {
             latest_prefetch: Arc::new(AtomicU64::new(0)),
             plan: plan.clone(),
             embed,
+            trunk: trunk_info,
         };
         Ok((src, plan))
     }
@@ -530,6 +534,10 @@ impl WeightSource for StandaloneSource {
         }
         let (cache, ids) = (self.experts.clone(), ids.to_vec());
         PendingExperts::on_pool(&self.fetch, move || cache.get(l, &ids))
+    }
+
+    fn trunk(&self) -> k3_proto::wire::TrunkInfo {
+        self.trunk.clone()
     }
 
     fn stats(&self) -> SourceStats {

@@ -291,7 +291,7 @@ impl TrunkStream {
 mod tests {
     use super::*;
     use crate::fixture::{self, Spec};
-    use crate::runtime::trunk::{open_shards, pack_trunk};
+    use crate::runtime::trunk::{open_shards, pack_trunk, Interrupt, PackOptions, TrunkCodec};
 
     fn verify(spec: &Spec, run: &LayerRun) {
         let want = fixture::trunk_tensors(spec, run.layer);
@@ -396,7 +396,14 @@ mod tests {
         let spec = Spec::small(3, 2);
         let w = fixture::write(&spec, "sflip-pinned");
         let packed = w.dir.join("packed");
-        pack_trunk(&w.catalog, &packed, &mut |_| {}).unwrap();
+        pack_trunk(
+            &w.catalog,
+            &packed,
+            &PackOptions::new(TrunkCodec::Raw),
+            &Interrupt::never(),
+            &mut |_| {},
+        )
+        .unwrap();
         let layout = Arc::new(
             TrunkLayout::from_packed(&w.catalog, open_shards(&w.catalog).unwrap(), &packed)
                 .unwrap(),

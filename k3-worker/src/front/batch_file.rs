@@ -276,6 +276,7 @@ fn report_json(summary: &RunSummary, mut records: Vec<Value>, steps: usize, plan
         "failed_expert_loads": summary.counters.failed_expert_loads,
         "peak_rss_bytes": summary.peak,
         "memory_plan_bytes": plan,
+        "trunk": report::trunk_json(&summary.trunk),
     })
 }
 

@@ -778,6 +778,7 @@ fn run_chat(cli: &Cli, job: &Prepared, thinking: Option<Effort>) -> Result<i32, 
             "refused": summary.refused,
             "peak_rss_bytes": report::peak_rss_bytes(),
             "memory_plan_bytes": job.opened.plan_bytes,
+            "trunk": report::trunk_json(&engine.model().source().trunk()),
         });
         report::written(report::write_json(path, &v))?;
     }

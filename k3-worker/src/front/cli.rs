@@ -89,14 +89,38 @@ pub enum DraftArg {
 }
 
 /// The inputs other than `--chat`: the chat-only flags conflict with them.
-const NOT_CHAT: [&str; 5] = ["ids", "prompt", "prompt_file", "batch", "serve_channel"];
+const NOT_CHAT: [&str; 6] = [
+    "ids",
+    "prompt",
+    "prompt_file",
+    "batch",
+    "serve_channel",
+    "perplexity",
+];
 
 /// The inputs other than `--batch` and `--serve-channel` (`--parallel` conflicts with them
 /// rather than requiring one of those two, for the reason given at `no_think`).
-const NOT_BATCH: [&str; 4] = ["ids", "prompt", "prompt_file", "chat"];
+const NOT_BATCH: [&str; 5] = ["ids", "prompt", "prompt_file", "chat", "perplexity"];
 
 /// The inputs `--ctx` means nothing for.
-const NOT_CTX: [&str; 4] = ["ids", "prompt", "prompt_file", "batch"];
+const NOT_CTX: [&str; 5] = ["ids", "prompt", "prompt_file", "batch", "perplexity"];
+
+/// What scoring a text (`--perplexity`) does not combine with: generation's flags, the
+/// drafters, sessions and the per-run dumps (every id of the text is scored, none generated).
+const PPL_CONFLICTS: [&str; 12] = [
+    "gen",
+    "temperature",
+    "top_p",
+    "seed",
+    "session",
+    "full_recompute",
+    "dump_logits",
+    "dump_hidden",
+    "dump_cache_trace",
+    "draft_trunk",
+    "draft_replay",
+    "spec",
+];
 
 /// What the job messages of `--serve-channel` give, and what a worker serving many jobs has no
 /// use for (the flags conflict with it).
@@ -129,7 +153,7 @@ const BATCH_CONFLICTS: [&str; 6] = [
 /// Run the Kimi K3 model on one prompt, or chat.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "k3-worker", version = k3_proto::VERSION, about, long_about = None)]
-#[command(group(ArgGroup::new("input").required(true).args(["ids", "prompt", "prompt_file", "batch", "chat", "serve_channel"])))]
+#[command(group(ArgGroup::new("input").required(true).args(["ids", "prompt", "prompt_file", "batch", "chat", "serve_channel", "perplexity"])))]
 pub struct Cli {
     /// Run the store logic in-process on this checkpoint directory (config.json + shards).
     /// Without it the worker attaches to a running `k3-store` (see --socket).
@@ -287,6 +311,24 @@ pub struct Cli {
     /// once. serve builds this command line ([`serve_channel_args`]).
     #[arg(long, conflicts_with_all = FROM_THE_JOB)]
     pub serve_channel: bool,
+    /// Score the text of FILE with teacher forcing (needs --tok) instead of generating: every
+    /// id's negative log-likelihood, in windows of --ppl-window ids each run after [BOS] from a
+    /// fresh state (docs/SPEC.md §6.16); reports mean NLL and perplexity (and, with --kl-base,
+    /// KL divergence and top-1 agreement) on stderr and in --out.
+    #[arg(long, value_name = "FILE", requires = "tok", conflicts_with_all = PPL_CONFLICTS)]
+    pub perplexity: Option<PathBuf>,
+    /// With --perplexity: ids per window.
+    #[arg(long, value_name = "N", default_value_t = crate::eval::DEFAULT_WINDOW as u64,
+          requires = "perplexity", value_parser = clap::value_parser!(u64).range(1..=MAX_CTX))]
+    pub ppl_window: u64,
+    /// With --perplexity: write every scored position's log-probabilities to FILE (the base of
+    /// a later --kl-base comparison; 4 bytes per vocabulary id per position).
+    #[arg(long, value_name = "FILE", requires = "perplexity")]
+    pub save_logprobs: Option<PathBuf>,
+    /// With --perplexity: compare with the log-probabilities an earlier run saved in FILE (the
+    /// same text and window): mean and 99th-percentile KL divergence, top-1 agreement.
+    #[arg(long, value_name = "FILE", requires = "perplexity")]
+    pub kl_base: Option<PathBuf>,
     /// Chat context in positions (the whole conversation plus one reply must fit); with
     /// --serve-channel, the positions each slot is planned for.
     #[arg(long, value_name = "N", conflicts_with_all = NOT_CTX, default_value_t = DEFAULT_CTX as u64,

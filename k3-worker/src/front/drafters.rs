@@ -200,9 +200,9 @@ fn load_model(cli: &Cli, at: &DraftAt<'_>, cat: &Catalog) -> Result<Arc<DraftMod
         })?,
         (None, None) => return Err(refuse("--draft model needs --draft-trunk DIR")),
     }
-    .map_err(|e| match e {
-        TrunkError::Refused(m) => refuse(m),
-        TrunkError::Io(m) => JobError::DraftIo(m),
+    .map_err(|e: TrunkError| match e.is_refusal() {
+        true => refuse(e.to_string()),
+        false => JobError::DraftIo(e.to_string()),
     })?;
     tracing::info!(
         "draft model: {} trunk {} loaded and checked in {:.2} s",

@@ -130,6 +130,10 @@ pub enum JobError {
     /// The memory plan does not fit (exit 2).
     #[error(transparent)]
     Plan(#[from] plan::PlanError),
+    /// Scoring a text (`--perplexity`) failed: its base file refused (exit 2), a read or write
+    /// (exit 1), the model (its code), an interrupt (exit 1).
+    #[error(transparent)]
+    Eval(#[from] crate::eval::EvalError),
 }
 
 impl k3_proto::exit::ExitStatus for JobError {
@@ -163,6 +167,13 @@ impl k3_proto::exit::ExitStatus for JobError {
             JobError::Open(e) => E::exit_code(e),
             JobError::Model(e) => e.exit_code(),
             JobError::DraftIo(_) => exit::FAILURE,
+            JobError::Eval(crate::eval::EvalError::Model(e)) => e.exit_code(),
+            JobError::Eval(crate::eval::EvalError::Logprobs { source, .. })
+                if source.is_refusal() =>
+            {
+                exit::REFUSED
+            }
+            JobError::Eval(_) => exit::FAILURE,
         }
     }
 }

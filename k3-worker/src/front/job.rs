@@ -56,7 +56,10 @@ pub fn preflight(cli: &Cli) -> Result<Preflight, JobError> {
             .build_global()
             .map_err(|e| refuse(format!("--threads {t}: {e}")))?;
     }
-    for path in [&cli.out, &cli.dump_logits].into_iter().flatten() {
+    for path in [&cli.out, &cli.dump_logits, &cli.save_logprobs]
+        .into_iter()
+        .flatten()
+    {
         check_writable_file(path)?;
     }
     for dir in [&cli.dump_cache_trace, &cli.dump_hidden]
@@ -142,6 +145,7 @@ pub fn job_shape(
             keep_step0_logits: cli.dump_logits.is_some(),
         },
         embedded,
+        scoring: false,
     }
 }
 
@@ -213,6 +217,11 @@ pub fn prepare(
         opened.dims.n_mla(),
         plan::fmt_bytes(opened.dims.kda_state_bytes())
     );
+    // A quantized trunk: every output of the run says so (the log here, the report, --out).
+    let trunk = opened.source.weights().trunk();
+    if trunk.is_lossy() {
+        tracing::warn!("{}", trunk.lossy);
+    }
     Ok(Prepared {
         pre,
         opened,

@@ -7,6 +7,7 @@
 //! * [`prompt`] — `--ids`, `--prompt`, `--prompt-file`: one request, ids to stdout.
 //! * [`chat`] — `--chat`: the REPL, a conversation whose turns continue one sequence.
 //! * [`batch_file`] — `--batch FILE`: a request per line, JSON Lines out.
+//! * [`perplexity`] — `--perplexity FILE`: a text scored with teacher forcing ([`crate::eval`]).
 //! * [`serve`] — `--serve-channel`: jobs from `k3-ctl serve` over the job protocol.
 //! * [`report`] — the run report (the step table, totals, `--out`, dumps).
 
@@ -16,6 +17,7 @@ pub mod cli;
 pub mod drafters;
 pub mod error;
 pub mod job;
+pub mod perplexity;
 pub mod prompt;
 pub mod report;
 pub mod serve;
@@ -35,6 +37,8 @@ pub fn run(cli: &cli::Cli, matches: &clap::ArgMatches) -> i32 {
         chat::run(cli, matches)
     } else if cli.batch.is_some() {
         batch_file::run(cli, matches)
+    } else if cli.perplexity.is_some() {
+        perplexity::run(cli, matches)
     } else {
         prompt::run(cli, matches)
     };

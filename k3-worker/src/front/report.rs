@@ -127,6 +127,8 @@ pub struct RunSummary {
     pub peak: u64,
     /// Wall seconds of the whole job.
     pub wall: f64,
+    /// The trunk the layers came from (lossy or exact).
+    pub trunk: k3_proto::wire::TrunkInfo,
 }
 
 impl RunSummary {
@@ -148,12 +150,16 @@ impl RunSummary {
             true_hit,
             peak: peak_rss_bytes(),
             wall,
+            trunk: model.source().trunk(),
         }
     }
 
     /// The summary lines on stderr (ends with the expert failures, if any).
     pub fn print_totals(&self, gen: &GenReport) {
         let st = &self.stats;
+        if self.trunk.is_lossy() {
+            eprintln!("{}", self.trunk.lossy);
+        }
         eprintln!(
             "{} tokens in {:.3} s; prefill (step 0) {:.3} s; {}",
             gen.generated_ids.len(),
@@ -333,8 +339,20 @@ impl RunSummary {
                 "seconds": st.preload_seconds,
             },
             "time_breakdown": time_breakdown_json(r),
+            "trunk": trunk_json(&self.trunk),
         })
     }
+}
+
+/// `trunk` of `--out`: the codec the layers came from (`null`: the checkpoint's shards) and, for
+/// a quantized trunk, `lossy: true` and its label (what is lossy, where its measured quality is
+/// published); an exact trunk says `lossy: false`.
+pub fn trunk_json(t: &k3_proto::wire::TrunkInfo) -> serde_json::Value {
+    serde_json::json!({
+        "codec": (!t.codec.is_empty()).then_some(&t.codec),
+        "lossy": t.is_lossy(),
+        "label": t.is_lossy().then_some(&t.lossy),
+    })
 }
 
 /// An output file that could not be written.

@@ -81,6 +81,20 @@ pub struct JobShape {
     pub engine: EnginePlan,
     /// Positions whose ids the job may embed in all.
     pub embedded: usize,
+    /// The job scores a text (`--perplexity`): its passes return every row's logits
+    /// ([`crate::eval::pass_bytes`]) instead of the engine's.
+    pub scoring: bool,
+}
+
+impl JobShape {
+    /// The buffers of the job's largest pass.
+    pub fn pass_bytes(&self, d: &Dims) -> u64 {
+        if self.scoring {
+            crate::eval::pass_bytes(d, self.engine.positions)
+        } else {
+            self.engine.pass_bytes(d)
+        }
+    }
 }
 
 /// Read the config of `model_dir` (truncated to `--layers`) and its dims.
@@ -188,7 +202,7 @@ pub fn open_source(
     let state = state_bytes(shape, &dims);
     let opts = StandaloneOptions {
         state: state.clone(),
-        extra_buffer_bytes: shape.engine.pass_bytes(&dims) + draft_trunk_bytes(own_draft, &dims)?,
+        extra_buffer_bytes: shape.pass_bytes(&dims) + draft_trunk_bytes(own_draft, &dims)?,
         cache_policy: cli.budget.policy(),
         preload: cli.budget.preload,
         ..StandaloneOptions::default()
@@ -250,7 +264,7 @@ fn attach(
         process: plan::resident_now(),
         shared: shared_read_bytes(&dims, info.shm_bytes, shape.embedded),
         state: shape.engine.state_budget(&dims),
-        buffers: shape.engine.pass_bytes(&dims) + draft_trunk_bytes(own_draft, &dims)?,
+        buffers: shape.pass_bytes(&dims) + draft_trunk_bytes(own_draft, &dims)?,
     };
     plan.check()?;
     tracing::info!("memory plan:\n{plan}");

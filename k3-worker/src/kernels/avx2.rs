@@ -1044,6 +1044,257 @@ pub(super) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     ))
 }
 
+// ------------------------------------------------------------------------------------------
+// int8 / int4 quantized matrices (`k3_proto::quant`): the scalar twin's sequence
+// (`scalar::q8_dot`, `scalar::q4_dot`) with its lanes in ymm registers, so every (row, token) is
+// the twin's bits. int8: the 32 lanes in four accumulators (lanes 0–7, 8–15, 16–23, 24–31),
+// reduced as the twin halves (`(a0 + a2) + (a1 + a3)`, then `hsum`) and times the row's scale.
+// int4: the 16 lanes in two accumulators, added and `hsum`med; a group's nibbles split with
+// byte masks and converted exactly (`q − 8`).
+
+/// Loads 8 bytes at `p` sign-extended to 8 f32 lanes.
+///
+/// # Safety
+/// 8 bytes at `p` are readable; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn i8x8(p: *const u8) -> __m256 {
+    // SAFETY: 8 readable bytes at p (caller contract); unaligned 64-bit load.
+    let b = unsafe { _mm_loadl_epi64(p as *const __m128i) };
+    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b))
+}
+
+/// `R` int8 rows (`codes[r]`: `cols` bytes) × `T` tokens (`x[t]`: `cols` floats): each pair's
+/// unscaled lane sum.
+///
+/// # Safety
+/// Lengths as stated (asserted); AVX2 + FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q8_block<const R: usize, const T: usize>(
+    codes: [&[u8]; R],
+    x: [&[f32]; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    for c in &codes {
+        assert_eq!(c.len(), cols);
+    }
+    for xt in &x {
+        assert_eq!(xt.len(), cols);
+    }
+    let mut acc = [[[_mm256_setzero_ps(); 4]; T]; R];
+    for b in 0..cols / 32 {
+        #[allow(clippy::needless_range_loop)] // j names the lane block of every accumulator
+        for j in 0..4 {
+            let c = 32 * b + 8 * j;
+            // SAFETY: c + 8 <= cols floats of each token (asserted lengths).
+            let xv: [__m256; T] =
+                std::array::from_fn(|t| unsafe { load8(x[t].as_ptr().wrapping_add(c)) });
+            for r in 0..R {
+                // SAFETY: c + 8 <= cols bytes of each row (asserted lengths).
+                let w = unsafe { i8x8(codes[r].as_ptr().wrapping_add(c)) };
+                for t in 0..T {
+                    acc[r][t][j] = _mm256_fmadd_ps(w, xv[t], acc[r][t][j]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            let [a0, a1, a2, a3] = acc[r][t];
+            let s = _mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3));
+            out[r][t] = hsum(s);
+        }
+    }
+    out
+}
+
+/// A group's 16 nibble pairs (16 bytes at `p`) as `q − 8` floats: `[lo 0–7, lo 8–15, hi 0–7,
+/// hi 8–15]`.
+///
+/// # Safety
+/// 16 bytes at `p` are readable; AVX2.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4_group(p: *const u8) -> [__m256; 4] {
+    // SAFETY: 16 readable bytes at p (caller contract).
+    let b = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    let mask = _mm_set1_epi8(15);
+    let lo = _mm_and_si128(b, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), mask);
+    let eight = _mm256_set1_ps(8.0);
+    let f = |v: __m128i| _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), eight);
+    [
+        f(lo),
+        f(_mm_srli_si128::<8>(lo)),
+        f(hi),
+        f(_mm_srli_si128::<8>(hi)),
+    ]
+}
+
+/// `R` int4 rows (`codes[r]`: `cols/2` bytes, `scales[r]`: `cols/32` f32) × `T` tokens (`x[t]`:
+/// `cols` floats split per 32 as `[16 even | 16 odd]`).
+///
+/// # Safety
+/// Lengths as stated (asserted); AVX2 + FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn q4_block<const R: usize, const T: usize>(
+    codes: [&[u8]; R],
+    scales: [&[u8]; R],
+    x: [&[f32]; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    let groups = cols / 32;
+    for r in 0..R {
+        assert!(codes[r].len() == 16 * groups && scales[r].len() == 4 * groups);
+    }
+    for xt in &x {
+        assert_eq!(xt.len(), cols);
+    }
+    let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
+    for g in 0..groups {
+        // SAFETY: 32g + 32 <= cols floats of each token (asserted lengths).
+        let xv: [[__m256; 4]; T] =
+            std::array::from_fn(|t| unsafe { load32(x[t].as_ptr().wrapping_add(32 * g)) });
+        for r in 0..R {
+            // SAFETY: 16g + 16 <= 16·groups bytes of each row (asserted lengths).
+            let [lo0, lo1, hi0, hi1] = unsafe { q4_group(codes[r].as_ptr().wrapping_add(16 * g)) };
+            let s = _mm256_set1_ps(super::scalar::f32_at(scales[r], g));
+            for t in 0..T {
+                // Lanes 0–7: even columns xv[0], odd xv[2]; lanes 8–15: xv[1], xv[3].
+                let p0 = _mm256_fmadd_ps(hi0, xv[t][2], _mm256_mul_ps(lo0, xv[t][0]));
+                let p1 = _mm256_fmadd_ps(hi1, xv[t][3], _mm256_mul_ps(lo1, xv[t][1]));
+                acc[r][t][0] = _mm256_fmadd_ps(p0, s, acc[r][t][0]);
+                acc[r][t][1] = _mm256_fmadd_ps(p1, s, acc[r][t][1]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = hsum(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));
+        }
+    }
+    out
+}
+
+/// Rows `i0 .. i0+R` (relative to `r0`) of `m` × tokens `t0 .. t0+T` into `out [k, n]`.
+///
+/// # Safety
+/// AVX2 + FMA. (The slicing checks that rows, tokens and outputs exist.)
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn quant_block<const R: usize, const T: usize>(
+    m: &k3_proto::quant::QuantMatrix<'_>,
+    r0: usize,
+    i0: usize,
+    x: &[f32],
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let cols = m.cols();
+    let (qb, sb) = m.kind().sizes(1, cols);
+    let row = |i: usize| r0 + i0 + i;
+    let codes: [&[u8]; R] = std::array::from_fn(|i| &m.codes()[row(i) * qb..(row(i) + 1) * qb]);
+    let toks: [&[f32]; T] = std::array::from_fn(|t| &x[(t0 + t) * cols..(t0 + t + 1) * cols]);
+    let r = match m.kind() {
+        // SAFETY: CPU features are this function's contract; lengths are the slices'.
+        k3_proto::quant::QuantKind::Int8 => unsafe { q8_block::<R, T>(codes, toks, cols) },
+        k3_proto::quant::QuantKind::Int4 => {
+            let scales: [&[u8]; R] =
+                std::array::from_fn(|i| &m.scales()[row(i) * sb..(row(i) + 1) * sb]);
+            // SAFETY: as above.
+            unsafe { q4_block::<R, T>(codes, scales, toks, cols) }
+        }
+    };
+    for i in 0..R {
+        let scale = match m.kind() {
+            k3_proto::quant::QuantKind::Int8 => Some(super::scalar::f32_at(m.scales(), row(i))),
+            k3_proto::quant::QuantKind::Int4 => None,
+        };
+        for t in 0..T {
+            // int8: the twin's `sum · scale`; int4: the sum.
+            out[(i0 + i) * n + t0 + t] = scale.map_or(r[i][t], |s| r[i][t] * s);
+        }
+    }
+}
+
+/// Every row of the task × tokens `t0 .. t0+T`: blocks of `R` rows, then one row at a time.
+///
+/// # Safety
+/// AVX2 + FMA.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn quant_tokens<const R: usize, const T: usize>(
+    m: &k3_proto::quant::QuantMatrix<'_>,
+    r0: usize,
+    k: usize,
+    x: &[f32],
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let mut i = 0;
+    while i + R <= k {
+        // SAFETY: CPU features are this function's contract.
+        unsafe { quant_block::<R, T>(m, r0, i, x, n, t0, out) };
+        i += R;
+    }
+    while i < k {
+        // SAFETY: as above.
+        unsafe { quant_block::<1, T>(m, r0, i, x, n, t0, out) };
+        i += 1;
+    }
+}
+
+/// Row kernel for rows `r0 .. r0 + out.len()/n` of a quantized matrix: `out [k, n]`; `x [n,
+/// cols]` in natural order (int8) or split per 32 columns (int4). Within the 16 ymm registers:
+/// int8 (4 accumulators a pair) 2 tokens with 1 row or 1 token with 2 rows; int4 (2 a pair) 2
+/// tokens with 2 rows or 1 token with 4 rows.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA. (Lengths are checked here.)
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn quant_rows(
+    m: &k3_proto::quant::QuantMatrix<'_>,
+    r0: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let cols = m.cols();
+    assert!(n > 0 && cols.is_multiple_of(32), "quant shape");
+    assert_eq!(x.len(), n * cols, "quant rows input");
+    let k = out.len() / n;
+    assert!(out.len() == k * n && r0 + k <= m.rows(), "quant rows range");
+    let int8 = m.kind() == k3_proto::quant::QuantKind::Int8;
+    let mut t = 0;
+    while t + 2 <= n {
+        if int8 {
+            // SAFETY: CPU features are this function's contract.
+            unsafe { quant_tokens::<1, 2>(m, r0, k, x, n, t, out) }
+        } else {
+            // SAFETY: as above.
+            unsafe { quant_tokens::<2, 2>(m, r0, k, x, n, t, out) }
+        }
+        t += 2;
+    }
+    if t < n {
+        if int8 {
+            // SAFETY: as above.
+            unsafe { quant_tokens::<2, 1>(m, r0, k, x, n, t, out) }
+        } else {
+            // SAFETY: as above.
+            unsafe { quant_tokens::<4, 1>(m, r0, k, x, n, t, out) }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

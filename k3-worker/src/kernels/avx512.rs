@@ -871,3 +871,235 @@ pub(super) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         _mm512_add_ps(acc[2], acc[3]),
     ))
 }
+
+// ------------------------------------------------------------------------------------------
+// int8 / int4 quantized matrices (`k3_proto::quant`): the scalar twin's sequence
+// (`scalar::q8_dot`, `scalar::q4_dot`) with its lanes in zmm registers, so every (row, token)
+// is the twin's bits. int8: lanes 0–15 and 16–31 of a row in two accumulators, added together
+// and `hsum`med (the twin's halving order), times the row's scale. int4: the 16 lanes in one
+// accumulator; a group's 16 bytes zero-extended to 16 lanes, each nibble looked up in the
+// table `q − 8` by `vpermps` (which reads index bits 0..3 only).
+
+/// `q − 8` for `q` = 0..15.
+static Q4_TABLE: [f32; 16] = [
+    -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+];
+
+/// Loads 16 bytes at `p` sign-extended to 16 f32 lanes.
+///
+/// # Safety
+/// 16 bytes at `p` are readable; AVX-512 F.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn i8x16(p: *const u8) -> __m512 {
+    // SAFETY: 16 readable bytes at p (caller contract).
+    let b = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))
+}
+
+/// `R` int8 rows (`codes[r]`: `cols` bytes) × `T` tokens (`x[t]`: `cols` floats): each pair's
+/// unscaled lane sum.
+///
+/// # Safety
+/// Lengths as stated (asserted); AVX-512 F/BW/VL + FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn q8_block<const R: usize, const T: usize>(
+    codes: [&[u8]; R],
+    x: [&[f32]; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    for c in &codes {
+        assert_eq!(c.len(), cols);
+    }
+    for xt in &x {
+        assert_eq!(xt.len(), cols);
+    }
+    let mut acc = [[[_mm512_setzero_ps(); 2]; T]; R];
+    for b in 0..cols / 32 {
+        let c = 32 * b;
+        // SAFETY: c + 32 <= cols floats of each token (asserted lengths): `load32` reads them
+        // as two halves, the same lanes as two 16-float loads.
+        let xv: [[__m512; 2]; T] =
+            std::array::from_fn(|t| unsafe { load32(x[t].as_ptr().wrapping_add(c)) });
+        for r in 0..R {
+            let p = codes[r].as_ptr();
+            // SAFETY: c + 16 <= cols bytes of each row (asserted lengths).
+            let w0 = unsafe { i8x16(p.wrapping_add(c)) };
+            // SAFETY: c + 32 <= cols bytes of each row (asserted lengths).
+            let w1 = unsafe { i8x16(p.wrapping_add(c + 16)) };
+            let w = [w0, w1];
+            for t in 0..T {
+                acc[r][t][0] = _mm512_fmadd_ps(w[0], xv[t][0], acc[r][t][0]);
+                acc[r][t][1] = _mm512_fmadd_ps(w[1], xv[t][1], acc[r][t][1]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = hsum(_mm512_add_ps(acc[r][t][0], acc[r][t][1]));
+        }
+    }
+    out
+}
+
+/// `R` int4 rows (`codes[r]`: `cols/2` bytes, `scales[r]`: `cols/32` f32) × `T` tokens (`x[t]`:
+/// `cols` floats split per 32 as `[16 even | 16 odd]`).
+///
+/// # Safety
+/// Lengths as stated (asserted); AVX-512 F/BW/VL + FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn q4_block<const R: usize, const T: usize>(
+    codes: [&[u8]; R],
+    scales: [&[u8]; R],
+    x: [&[f32]; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    let groups = cols / 32;
+    for r in 0..R {
+        assert!(codes[r].len() == 16 * groups && scales[r].len() == 4 * groups);
+    }
+    for xt in &x {
+        assert_eq!(xt.len(), cols);
+    }
+    // SAFETY: Q4_TABLE is 16 floats.
+    let table = unsafe { _mm512_loadu_ps(Q4_TABLE.as_ptr()) };
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for g in 0..groups {
+        // SAFETY: 32g + 32 <= cols floats of each token (asserted lengths).
+        let xv: [[__m512; 2]; T] =
+            std::array::from_fn(|t| unsafe { load32(x[t].as_ptr().wrapping_add(32 * g)) });
+        for r in 0..R {
+            // SAFETY: 16g + 16 <= 16·groups bytes of each row (asserted lengths).
+            let b = unsafe { load_group(codes[r].as_ptr().wrapping_add(16 * g)) };
+            let lo = _mm512_permutexvar_ps(b, table);
+            let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(b), table);
+            let s = _mm512_set1_ps(super::scalar::f32_at(scales[r], g));
+            for t in 0..T {
+                let p = _mm512_fmadd_ps(hi, xv[t][1], _mm512_mul_ps(lo, xv[t][0]));
+                acc[r][t] = _mm512_fmadd_ps(p, s, acc[r][t]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = hsum(acc[r][t]);
+        }
+    }
+    out
+}
+
+/// Rows `i0 .. i0+R` (relative to `r0`) of `m` × tokens `t0 .. t0+T` into `out [k, n]`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + FMA. (The slicing checks that rows, tokens and outputs exist.)
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn quant_block<const R: usize, const T: usize>(
+    m: &k3_proto::quant::QuantMatrix<'_>,
+    r0: usize,
+    i0: usize,
+    x: &[f32],
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let cols = m.cols();
+    let (qb, sb) = m.kind().sizes(1, cols);
+    let row = |i: usize| r0 + i0 + i;
+    let codes: [&[u8]; R] = std::array::from_fn(|i| &m.codes()[row(i) * qb..(row(i) + 1) * qb]);
+    let toks: [&[f32]; T] = std::array::from_fn(|t| &x[(t0 + t) * cols..(t0 + t + 1) * cols]);
+    let r = match m.kind() {
+        // SAFETY: CPU features are this function's contract; lengths are the slices'.
+        k3_proto::quant::QuantKind::Int8 => unsafe { q8_block::<R, T>(codes, toks, cols) },
+        k3_proto::quant::QuantKind::Int4 => {
+            let scales: [&[u8]; R] =
+                std::array::from_fn(|i| &m.scales()[row(i) * sb..(row(i) + 1) * sb]);
+            // SAFETY: as above.
+            unsafe { q4_block::<R, T>(codes, scales, toks, cols) }
+        }
+    };
+    for i in 0..R {
+        let scale = match m.kind() {
+            k3_proto::quant::QuantKind::Int8 => Some(super::scalar::f32_at(m.scales(), row(i))),
+            k3_proto::quant::QuantKind::Int4 => None,
+        };
+        for t in 0..T {
+            // int8: the twin's `sum · scale`; int4: the sum.
+            out[(i0 + i) * n + t0 + t] = scale.map_or(r[i][t], |s| r[i][t] * s);
+        }
+    }
+}
+
+/// Every row of the task × tokens `t0 .. t0+T`: blocks of `R` rows, then one row at a time.
+///
+/// # Safety
+/// AVX-512 F/BW/VL + FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn quant_tokens<const R: usize, const T: usize>(
+    m: &k3_proto::quant::QuantMatrix<'_>,
+    r0: usize,
+    k: usize,
+    x: &[f32],
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let mut i = 0;
+    while i + R <= k {
+        // SAFETY: CPU features are this function's contract.
+        unsafe { quant_block::<R, T>(m, r0, i, x, n, t0, out) };
+        i += R;
+    }
+    while i < k {
+        // SAFETY: as above.
+        unsafe { quant_block::<1, T>(m, r0, i, x, n, t0, out) };
+        i += 1;
+    }
+}
+
+/// Row kernel for rows `r0 .. r0 + out.len()/n` of a quantized matrix: `out [k, n]`; `x [n,
+/// cols]` in natural order (int8) or split per 32 columns (int4). Tokens in blocks of 4 with 2
+/// rows at a time (int8: 16 accumulators; int4: 8), then the rest; a single token with 4
+/// (int8) or 8 (int4) rows at a time, 8 independent FMA chains either way.
+///
+/// # Safety
+/// The CPU supports AVX-512 F, BW, VL and FMA. (Lengths are checked here.)
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub(super) unsafe fn quant_rows(
+    m: &k3_proto::quant::QuantMatrix<'_>,
+    r0: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let cols = m.cols();
+    assert!(n > 0 && cols.is_multiple_of(32), "quant shape");
+    assert_eq!(x.len(), n * cols, "quant rows input");
+    let k = out.len() / n;
+    assert!(out.len() == k * n && r0 + k <= m.rows(), "quant rows range");
+    let int8 = m.kind() == k3_proto::quant::QuantKind::Int8;
+    let mut t = 0;
+    while t + 4 <= n {
+        // SAFETY: CPU features are this function's contract.
+        unsafe { quant_tokens::<2, 4>(m, r0, k, x, n, t, out) };
+        t += 4;
+    }
+    match (n - t, int8) {
+        (0, _) => {}
+        // SAFETY: as above.
+        (3, _) => unsafe { quant_tokens::<2, 3>(m, r0, k, x, n, t, out) },
+        // SAFETY: as above.
+        (2, _) => unsafe { quant_tokens::<4, 2>(m, r0, k, x, n, t, out) },
+        // SAFETY: as above.
+        (_, true) => unsafe { quant_tokens::<4, 1>(m, r0, k, x, n, t, out) },
+        // SAFETY: as above.
+        (_, false) => unsafe { quant_tokens::<8, 1>(m, r0, k, x, n, t, out) },
+    }
+}

@@ -290,3 +290,96 @@ pub(super) fn fma_probe(iters: usize, seed: f32) -> f32 {
     }
     acc.iter().sum()
 }
+
+// ------------------------------------------------------------------------------------------
+// int8 / int4 quantized matrices (`k3_proto::quant`): the scalar twin. Every SIMD tier's quant
+// kernel computes each (row, token) by exactly this sequence (`kernels::quant` states it), so
+// its results equal these bit for bit.
+
+/// Lanes of an int8 row's dot: column `c` accumulates in lane `c mod 32`.
+pub const Q8_LANES: usize = 32;
+/// Lanes of an int4 row's dot: byte `i` of a 32-column group (columns `2i`, `2i+1`) in lane `i`.
+pub const Q4_LANES: usize = 16;
+
+/// Sum of `a`'s lanes by halving: lane `i` adds lane `i + len/2`, down to one lane (the order
+/// every tier's quant reduction follows: a 512-bit pair, then 256, 128, 64 and 32 bits).
+#[inline(always)]
+pub(super) fn halving_sum(a: &mut [f32]) -> f32 {
+    let mut w = a.len() / 2;
+    while w > 0 {
+        for i in 0..w {
+            a[i] += a[i + w];
+        }
+        w /= 2;
+    }
+    a[0]
+}
+
+/// Little-endian f32 number `i` of `s`.
+#[inline(always)]
+pub(super) fn f32_at(s: &[u8], i: usize) -> f32 {
+    f32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]])
+}
+
+/// One int8 row (`codes`, `x.len()` columns, a multiple of 32) with one token: lane `c mod 32`
+/// accumulates `fma(q_c, x_c, acc)` in column order; the lanes are [`halving_sum`]med; the sum
+/// is multiplied by the row's scale.
+pub(super) fn q8_dot(codes: &[u8], scale: f32, x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; Q8_LANES];
+    for (q, xv) in codes.chunks_exact(Q8_LANES).zip(x.chunks_exact(Q8_LANES)) {
+        for l in 0..Q8_LANES {
+            acc[l] = f32::from(q[l] as i8).mul_add(xv[l], acc[l]);
+        }
+    }
+    halving_sum(&mut acc) * scale
+}
+
+/// One int4 row (`codes`: 16 bytes a 32-column group, `scales`: one f32 a group) with one
+/// token whose columns are split per 32 as `[16 even | 16 odd]`: per group, lane `i` forms
+/// `p = lo_i·x_even_i`, then `p = fma(hi_i, x_odd_i, p)` (`lo`, `hi` the nibbles minus 8), then
+/// `acc_i = fma(p, scale, acc_i)`; the 16 lanes are [`halving_sum`]med.
+pub(super) fn q4_dot(codes: &[u8], scales: &[u8], xs: &[f32]) -> f32 {
+    let mut acc = [0.0f32; Q4_LANES];
+    for (g, (q, xg)) in codes.chunks_exact(16).zip(xs.chunks_exact(32)).enumerate() {
+        let s = f32_at(scales, g);
+        let (xe, xo) = xg.split_at(Q4_LANES);
+        for i in 0..Q4_LANES {
+            let lo = f32::from(q[i] & 15) - 8.0;
+            let hi = f32::from(q[i] >> 4) - 8.0;
+            let p = hi.mul_add(xo[i], lo * xe[i]);
+            acc[i] = p.mul_add(s, acc[i]);
+        }
+    }
+    halving_sum(&mut acc)
+}
+
+/// Row kernel of the scalar tier for rows `r0 .. r0 + out.len()/n` of a quantized matrix:
+/// `out [k, n]`; `x [n, cols]` in natural order (int8) or split per 32 columns (int4,
+/// `split_even_odd_rows` with 16 lanes).
+pub(super) fn quant_rows(
+    m: &k3_proto::quant::QuantMatrix<'_>,
+    r0: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let cols = m.cols();
+    assert_eq!(x.len(), n * cols, "quant rows input");
+    let k = out.len() / n;
+    assert!(r0 + k <= m.rows(), "quant rows range");
+    let (qb, sb) = m.kind().sizes(1, cols);
+    for (i, o) in out.chunks_exact_mut(n).enumerate() {
+        let r = r0 + i;
+        let (q, s) = (
+            &m.codes()[r * qb..(r + 1) * qb],
+            &m.scales()[r * sb..(r + 1) * sb],
+        );
+        for (t, v) in o.iter_mut().enumerate() {
+            let xt = &x[t * cols..(t + 1) * cols];
+            *v = match m.kind() {
+                k3_proto::quant::QuantKind::Int8 => q8_dot(q, f32_at(s, 0), xt),
+                k3_proto::quant::QuantKind::Int4 => q4_dot(q, s, xt),
+            };
+        }
+    }
+}

@@ -19,7 +19,7 @@ use super::mats::Mat;
 use super::mla::MlaWeights;
 use super::moe::{MoeWeights, SituMlp};
 use crate::kernels::{bf16_bytes_to_f32, f32_bytes_to_f32};
-use k3_proto::quant::{QuantKind, GROUP, SCALE_SUFFIX};
+use k3_proto::quant::{QuantKind, QuantMatrix, GROUP, SCALE_SUFFIX};
 
 /// Full stored metadata of checkpoint tensors, when a source knows it (the checkpoint index).
 pub trait TensorShapes: Send + Sync {
@@ -103,8 +103,9 @@ impl Span {
 }
 
 /// Where one weight matrix sits inside its layer run: a bf16 tensor, an EC-BF16 coded bf16
-/// tensor of a coded packed trunk (SPEC.md §6.13; `tensor` is its index in the layout, `rows`
-/// and `cols` its bound shape), or a draft trunk's quantized codes and their scales.
+/// tensor (SPEC.md §6.13) or an int8/int4 quantized matrix (SPEC.md §6.15) of a packed trunk
+/// (`tensor` is its index in the layout, `rows` and `cols` its bound shape), or a draft trunk's
+/// quantized codes and their scales.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum MatSpan {
     Bf16(Span),
@@ -115,18 +116,32 @@ enum MatSpan {
         rows: u32,
         cols: u32,
     },
+    Quantized {
+        span: Span,
+        tensor: u32,
+        kind: QuantKind,
+        rows: u32,
+        cols: u32,
+    },
     Quant {
         kind: QuantKind,
         q: Span,
         s: Span,
+        rows: u32,
+        cols: u32,
     },
 }
 
 impl MatSpan {
-    /// The matrix in this pass's run bytes. A coded matrix is parsed again (`O(rows)`): a
-    /// streamed run is new bytes each pass, and they must still be a matrix of the bound shape
-    /// (a run overwritten under a broken lease is an error here, never an out-of-bounds read).
+    /// The matrix in this pass's run bytes. A coded or quantized matrix's header is parsed again
+    /// (`O(rows)` / `O(1)`): a streamed run is new bytes each pass, and they must still be a
+    /// matrix of the bound shape (a run overwritten under a broken lease is an error here, never
+    /// an out-of-bounds read).
     fn of<'r>(&self, bytes: &'r [u8], layout: &LayerLayout) -> Result<Mat<'r>, ModelError> {
+        let named = |tensor: u32, problem: String| {
+            let name = (layout.tensors().get(tensor as usize)).map_or("?", |t| t.name.as_str());
+            bind_err(name, format!("in this pass's run: {problem}"))
+        };
         Ok(match *self {
             MatSpan::Bf16(sp) => Mat::Bf16(sp.of(bytes)),
             MatSpan::F32(sp) => Mat::F32(sp.of(bytes)),
@@ -136,17 +151,35 @@ impl MatSpan {
                 rows,
                 cols,
             } => Mat::Coded(
-                coded_of(span.of(bytes), rows as usize, cols as usize).map_err(|problem| {
-                    let name =
-                        (layout.tensors().get(tensor as usize)).map_or("?", |t| t.name.as_str());
-                    bind_err(name, format!("in this pass's run: {problem}"))
-                })?,
+                coded_of(span.of(bytes), rows as usize, cols as usize)
+                    .map_err(|p| named(tensor, p.to_string()))?,
             ),
-            MatSpan::Quant { kind, q, s } => Mat::Quant {
+            MatSpan::Quantized {
+                span,
+                tensor,
                 kind,
-                q: q.of(bytes),
-                s: s.of(bytes),
-            },
+                rows,
+                cols,
+            } => Mat::Quant(
+                quant_of(span.of(bytes), kind, rows as usize, cols as usize)
+                    .map_err(|p| named(tensor, p))?,
+            ),
+            MatSpan::Quant {
+                kind,
+                q,
+                s,
+                rows,
+                cols,
+            } => Mat::Quant(
+                QuantMatrix::from_parts(
+                    kind,
+                    rows as usize,
+                    cols as usize,
+                    q.of(bytes),
+                    s.of(bytes),
+                )
+                .map_err(|e| bind_err("draft matrix", e.to_string()))?,
+            ),
         })
     }
 }
@@ -178,6 +211,27 @@ fn coded_of(bytes: &[u8], rows: usize, cols: usize) -> Result<CodedMatrix<'_>, C
             rows,
             cols,
         });
+    }
+    Ok(m)
+}
+
+/// `bytes` parsed as a quantized matrix of `kind` and shape `[rows, cols]`.
+// String error: as `coded_of`.
+fn quant_of(
+    bytes: &[u8],
+    kind: QuantKind,
+    rows: usize,
+    cols: usize,
+) -> Result<QuantMatrix<'_>, String> {
+    let m = QuantMatrix::parse(bytes).map_err(|e| e.to_string())?;
+    if (m.kind(), m.rows(), m.cols()) != (kind, rows, cols) {
+        return Err(format!(
+            "{} matrix [{}, {}], expected {} [{rows}, {cols}]",
+            m.kind().name(),
+            m.rows(),
+            m.cols(),
+            kind.name()
+        ));
     }
     Ok(m)
 }
@@ -315,7 +369,17 @@ impl<'r> LayerView<'r> {
         };
         let (s, _, _) = self.get(&s_suffix, &[scale_shape], &[Dtype::F32])?;
         debug_assert_eq!(s.len, scale_bytes);
-        Ok(MatSpan::Quant { kind, q: span, s })
+        let (rows, cols) = (u32::try_from(rows), u32::try_from(cols));
+        let (Ok(rows), Ok(cols)) = (rows, cols) else {
+            return Err(bind_err(&name, "too large a matrix".into()));
+        };
+        Ok(MatSpan::Quant {
+            kind,
+            q: span,
+            s,
+            rows,
+            cols,
+        })
     }
 
     /// The router `[rows, cols]`: F32 as stored (`Mat::F32`, SPEC.md §3.11), else as [`mat`]
@@ -332,16 +396,18 @@ impl<'r> LayerView<'r> {
         }
     }
 
-    /// `layers.{l}.{suffix}` when it is stored EC-BF16 coded (`None` when raw): its header must
-    /// parse and give `[rows, cols]`, the checkpoint's dtype BF16 (and shape, when the index is
-    /// known), and it must lie inside the run.
+    /// `layers.{l}.{suffix}` when it is stored EC-BF16 coded or int8/int4 quantized (`None`
+    /// when raw): its header must parse and give `[rows, cols]` (and the kind its storage says),
+    /// name the checkpoint tensor's recorded XXH3-64 (so a descriptor pointing at another
+    /// matrix's bytes is refused here too), the checkpoint's dtype must be BF16 (and its shape
+    /// `[rows, cols]`, when the index is known), and it must lie inside the run.
     fn coded(&self, suffix: &str, rows: usize, cols: usize) -> Result<Option<MatSpan>, ModelError> {
         let name = names::layer(self.l, suffix);
         let layout = &self.run.layout;
         let Some(loc) = layout.get(&name) else {
             return Ok(None);
         };
-        if loc.storage != Storage::EcBf16 {
+        if matches!(loc.storage, Storage::Raw) {
             return Ok(None);
         }
         let tensor = (layout.tensors().iter())
@@ -351,7 +417,7 @@ impl<'r> LayerView<'r> {
         if loc.dtype != Dtype::BF16 {
             return Err(bind_err(
                 &name,
-                format!("EC-BF16 coded, but its dtype is {}", loc.dtype),
+                format!("{}, but its dtype is {}", loc.storage.name(), loc.dtype),
             ));
         }
         check_meta(self.shapes, &name, &[&[rows, cols]], Dtype::BF16)?;
@@ -372,14 +438,40 @@ impl<'r> LayerView<'r> {
                     ),
                 )
             })?;
-        coded_of(span.of(region), rows, cols).map_err(|p| bind_err(&name, p.to_string()))?;
-        // A coded matrix's shape fits the header's u32 fields (parsed above).
+        let source = match loc.storage.quant() {
+            Some(kind) => quant_of(span.of(region), kind, rows, cols)
+                .map_err(|p| bind_err(&name, p))?
+                .source_xxh3(),
+            None => coded_of(span.of(region), rows, cols)
+                .map_err(|p| bind_err(&name, p.to_string()))?
+                .raw_checksum(),
+        };
+        if let Some(want) = loc.source_xxh3.filter(|&w| w != source) {
+            return Err(bind_err(
+                &name,
+                format!(
+                    "its {} header was made from a tensor with xxh3 {source:016x}, but trunk.json \
+                     records {want:016x} for it (a descriptor points at another matrix)",
+                    loc.storage.name()
+                ),
+            ));
+        }
+        // A stored matrix's shape fits the header's u32 fields (parsed above).
         let (rows, cols) = (rows as u32, cols as u32);
-        Ok(Some(MatSpan::Coded {
-            span,
-            tensor,
-            rows,
-            cols,
+        Ok(Some(match loc.storage.quant() {
+            Some(kind) => MatSpan::Quantized {
+                span,
+                tensor,
+                kind,
+                rows,
+                cols,
+            },
+            None => MatSpan::Coded {
+                span,
+                tensor,
+                rows,
+                cols,
+            },
         }))
     }
 
@@ -519,6 +611,9 @@ struct MoeBound {
     shared: Option<SituBound>,
 }
 
+// Bound once per layer and kept (never moved per pass): the KDA side's dozen spans are larger
+// than MLA's, and boxing them buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum AttnBound {
     Kda(KdaBound),

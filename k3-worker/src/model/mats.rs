@@ -1,17 +1,18 @@
-//! The typed matrices a layer's weights arrive as (a trunk matrix: bf16 or a draft's quantized
-//! codes; a routed expert: three MXFP4 matrices) and the row operations on activations. A leaf:
+//! The typed matrices a layer's weights arrive as (a trunk matrix: bf16, EC-BF16 coded, or
+//! int8/int4 quantized; a routed expert: three MXFP4 matrices) and the row operations on activations. A leaf:
 //! the maths files and the weights feed read it, and it reads none of them. A new storage form
 //! of a matrix is a new [`Mat`] variant and its arm in [`linear_into`], nothing else.
 
 use k3_proto::ecbf16::CodedMatrix;
 use k3_proto::expert::{ExpertLayout, ExpertPart};
+use k3_proto::quant::QuantMatrix;
 use k3_store::runtime::source::ExpertBatch;
 
 use crate::kernels::Bf16Matrix;
 
-/// A weight matrix as stored: bf16 (a checkpoint), f32 (a checkpoint's F32 router), EC-BF16 coded bf16 (a coded packed trunk,
-/// SPEC.md §6.13: the same numbers), or the quantized codes and scales of a draft trunk
-/// (`k3_proto::quant`; only a draft model binds these).
+/// A weight matrix as stored: bf16 (a checkpoint), f32 (a checkpoint's F32 router), EC-BF16
+/// coded bf16 (a coded packed trunk, SPEC.md §6.13: the same numbers), or int8/int4 codes and
+/// scales (`k3_proto::quant`: a quantized packed trunk, or a draft trunk).
 #[derive(Clone, Copy, Debug)]
 pub enum Mat<'a> {
     /// Little-endian bf16 `[rows, cols]`.
@@ -20,15 +21,9 @@ pub enum Mat<'a> {
     F32(&'a [u8]),
     /// EC-BF16 coded bf16, parsed, of the shape it was bound with.
     Coded(CodedMatrix<'a>),
-    /// Quantized codes and little-endian f32 scales.
-    Quant {
-        /// int8 or int4.
-        kind: k3_proto::quant::QuantKind,
-        /// The codes.
-        q: &'a [u8],
-        /// The scales.
-        s: &'a [u8],
-    },
+    /// int8 or int4 codes and their f32 scales (`k3_proto::quant`): a quantized packed trunk's
+    /// matrix (lossy, opt-in, SPEC.md §6.15) or a draft trunk's, of the shape it was bound with.
+    Quant(QuantMatrix<'a>),
 }
 
 /// `y [n, rows] = x [n, cols] · Wᵀ` (a thin wrapper over the kernels).
@@ -57,8 +52,9 @@ pub(crate) fn linear_into(
             k.matmul_matrix(&Bf16Matrix::Coded(m), x, n, y)
         }
         Mat::F32(w) => crate::kernels::matmul_f32(w, rows, cols, x, n, y),
-        Mat::Quant { kind, q, s } => {
-            crate::kernels::quant::matmul_quant(kind, q, s, rows, cols, x, n, y)
+        Mat::Quant(m) => {
+            debug_assert_eq!((m.rows(), m.cols()), (rows, cols), "quantized matrix shape");
+            k.matmul_quant(&m, x, n, y)
         }
     }
 }

@@ -111,8 +111,8 @@ enum UpForm {
     /// f32 (`Mat::F32`; the binder gives the up-projection as bf16, coded or codes, so this
     /// only keeps the copy faithful to any [`Mat`]).
     F32,
-    /// A draft's quantized codes.
-    Quant(k3_proto::quant::QuantKind),
+    /// Quantized codes (`bytes`) and scales (`scales`) of `[rows, cols]`.
+    Quant(k3_proto::quant::QuantKind, usize, usize),
 }
 
 impl UpCopy {
@@ -128,7 +128,11 @@ impl UpCopy {
             Mat::Bf16(b) => (b, &[][..], UpForm::Bf16),
             Mat::F32(b) => (b, &[][..], UpForm::F32),
             Mat::Coded(m) => (m.bytes(), &[][..], UpForm::Coded),
-            Mat::Quant { kind, q, s } => (q, s, UpForm::Quant(kind)),
+            Mat::Quant(m) => (
+                m.codes(),
+                m.scales(),
+                UpForm::Quant(m.kind(), m.rows(), m.cols()),
+            ),
         };
         copy_into(&mut self.bytes, bytes);
         copy_into(&mut self.scales, scales);
@@ -150,11 +154,16 @@ impl UpCopy {
                 UpForm::Coded => Mat::Coded(CodedMatrix::parse(&self.bytes).map_err(|e| {
                     ModelError::Config(format!("the held coded up-projection: {e}"))
                 })?),
-                UpForm::Quant(kind) => Mat::Quant {
-                    kind,
-                    q: &self.bytes,
-                    s: &self.scales,
-                },
+                UpForm::Quant(kind, rows, cols) => Mat::Quant(
+                    k3_proto::quant::QuantMatrix::from_parts(
+                        kind,
+                        rows,
+                        cols,
+                        &self.bytes,
+                        &self.scales,
+                    )
+                    .map_err(|e| ModelError::Config(format!("the held up-projection: {e}")))?,
+                ),
             },
             norm: self.norm.as_deref(),
         })

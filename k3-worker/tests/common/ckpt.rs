@@ -55,6 +55,7 @@ impl CkptSource {
                         nbytes: t.nbytes,
                         dtype: t.dtype,
                         storage: Default::default(),
+                        source_xxh3: None,
                     });
                     run.extend(bytes(&t));
                 }

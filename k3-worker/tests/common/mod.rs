@@ -295,6 +295,7 @@ impl MemSource {
                     nbytes: enc.len() as u64,
                     dtype: dt,
                     storage: Default::default(),
+                    source_xxh3: None,
                 });
                 bytes.extend_from_slice(&enc);
                 meta.insert(name, (dt, shape.iter().map(|&x| x as u64).collect()));

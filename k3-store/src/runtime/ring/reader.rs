@@ -122,9 +122,15 @@ fn read(sh: &Shared, c: &Claim) -> Option<Result<usize, RunError>> {
         secs += t1.elapsed().as_secs_f64();
     }
     let l = c.layer;
+    // The file's stamp after the read: a write that reached any byte of it changed the stamp
+    // before the read returned.
+    let stamp = sh.runs.stamp(l);
     let check = match sh.verify {
         VerifyMode::Off => false,
-        VerifyMode::First => !sh.lock().verified.get(l).copied().unwrap_or(false),
+        VerifyMode::First => match sh.lock().verified.get(l) {
+            Some(Some(seen)) => *seen != stamp,
+            _ => true,
+        },
         VerifyMode::Every => true,
     };
     let mut verify_secs = 0.0;
@@ -140,7 +146,7 @@ fn read(sh: &Shared, c: &Claim) -> Option<Result<usize, RunError>> {
     g.lifetime.read_seconds += secs + verify_secs;
     if check && res.is_ok() {
         if let Some(v) = g.verified.get_mut(l) {
-            *v = true;
+            *v = Some(stamp);
         }
     }
     Some(res)

@@ -69,6 +69,12 @@ pub trait Runs: Send + Sync {
     /// Check run `l`'s bytes against its checksum (`Ok` when it has none). The message names the
     /// run.
     fn verify(&self, l: usize, run: &[u8]) -> Result<(), ChecksumMismatch>;
+    /// The state of the file run `l` is read from ([`crate::runtime::io::DiskFile::stamp`]), or
+    /// `None` when there is none to look at: `K3_TRUNK_VERIFY=first` checks a run again when
+    /// its file's stamp differs from the one its last check saw.
+    fn stamp(&self, _l: usize) -> Option<crate::runtime::io::FileStamp> {
+        None
+    }
 }
 
 /// Environment variable choosing which ring reads are checked against their checksums
@@ -80,13 +86,17 @@ pub const VERIFY_ENV: &str = k3_proto::paths::env::K3_TRUNK_VERIFY;
 pub enum VerifyMode {
     /// None (`K3_TRUNK_VERIFY=0`).
     Off,
-    /// The first read of each layer in this process (the default): damage at rest — flipped
-    /// bits, a `trunk.bin` from another pack — is caught before the layer's bytes are first
-    /// used, at one check per layer per process. (The file is open, and packing never rewrites
-    /// a trunk in place, so later reads return the same bytes unless the disk fails them.)
+    /// The first read of each layer in this process, and the first after the file changed (the
+    /// default): damage at rest — flipped bits, a `trunk.bin` from another pack — is caught
+    /// before the layer's bytes are first used, and a write into the open file (which changes
+    /// its change time, [`Runs::stamp`]) makes every layer's next read checked again. Trusted
+    /// without a check: a later read of an unchanged file (same inode, size, modification and
+    /// change times) returning other bytes than the checked one — the disk failing silently
+    /// between two reads, or a writer that resets the change time (which takes setting the
+    /// system clock).
     First,
-    /// Every read (`K3_TRUNK_VERIFY=every`): also catches bytes that change while the file is
-    /// open, at a CPU cost of about a fifth of the read time (docs/RELIABILITY.md).
+    /// Every read (`K3_TRUNK_VERIFY=every`): also catches bytes that change without the file's
+    /// stamp changing, at a CPU cost of about a fifth of the read time (docs/RELIABILITY.md).
     Every,
 }
 

@@ -295,8 +295,9 @@ pub(super) struct State {
     /// The reader thread died: every hand-out fails with this.
     pub dead: Option<String>,
     pub lifetime: RingCounters,
-    /// Layers whose checksum a ring read has matched (for `VerifyMode::First`).
-    pub verified: Vec<bool>,
+    /// Per layer, the file stamp a ring read whose checksum matched saw (`Some(None)`: the file
+    /// has no stamp to compare), for `VerifyMode::First`.
+    pub verified: Vec<Option<Option<crate::runtime::io::FileStamp>>>,
     next_extent: u64,
 }
 
@@ -311,7 +312,7 @@ impl State {
             shutdown: false,
             dead: None,
             lifetime: RingCounters::default(),
-            verified: vec![false; n],
+            verified: vec![None; n],
             next_extent: 0,
         }
     }

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::fixture::{self, Rng, Spec};
-use crate::runtime::trunk::{open_shards, pack_trunk, TrunkJson, TrunkLayout, TRUNK_BIN};
+use crate::runtime::trunk::{
+    open_shards, pack_trunk, Interrupt, PackOptions, TrunkCodec, TrunkJson, TrunkLayout, TRUNK_BIN,
+};
 
 /// The trunk read straight from the shards.
 fn catalog_layout(w: &fixture::Written) -> Arc<TrunkLayout> {
@@ -28,7 +30,14 @@ fn small(n: usize, tag: &str) -> (Spec, fixture::Written, Arc<TrunkLayout>) {
 fn packed_layout(w: &fixture::Written) -> Arc<TrunkLayout> {
     let packed_dir = w.dir.join("packed");
     if !packed_dir.exists() {
-        pack_trunk(&w.catalog, &packed_dir, &mut |_| {}).unwrap();
+        pack_trunk(
+            &w.catalog,
+            &packed_dir,
+            &PackOptions::new(TrunkCodec::Raw),
+            &Interrupt::never(),
+            &mut |_| {},
+        )
+        .unwrap();
     }
     Arc::new(
         TrunkLayout::from_packed(&w.catalog, open_shards(&w.catalog).unwrap(), &packed_dir)
