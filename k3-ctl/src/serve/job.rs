@@ -557,6 +557,12 @@ impl Reader {
                         route(&self.live.routes, m)
                     }
                     Ok(None) => break None,
+                    // A worker killed with bytes unread in its end of the socket resets the
+                    // channel instead of closing it: an end like any other, told by its status.
+                    Err(FrameError::Io(e)) | Err(FrameError::Short(e)) => {
+                        tracing::debug!("worker channel: {e}");
+                        break None;
+                    }
                     Err(e) => break Some(JobError::protocol(e)),
                 },
                 _ = self.kill.notified() => {
