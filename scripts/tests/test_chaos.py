@@ -23,7 +23,8 @@ def test_two_minutes_of_chaos_break_no_invariant(tmp_path):
     log = r.stdout.decode(errors="replace")[-4000:] + r.stderr.decode(errors="replace")[-4000:]
     assert r.returncode in (0, 1), log  # 2: the setup failed
     v = json.loads(out.read_text())
-    print("measured:", json.dumps({k: v[k] for k in ("requests", "completed", "faults", "wrong_answers")}))
+    print("measured:", json.dumps({k: v[k] for k in ("requests", "completed", "outcomes", "faults", "wrong_answers",
+                                                     "leaks")}))
     assert v["wrong_answers"] == 0, v["violations"]
     assert v["violations"] == [], v["violations"]
     assert r.returncode == 0, log
