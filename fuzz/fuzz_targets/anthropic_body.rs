@@ -13,21 +13,23 @@ use k3_worker::text::xtml::{ChatFormat, Options};
 use k3_worker::tokenizer::Tokenizer;
 use libfuzzer_sys::fuzz_target;
 
-/// The serve modules the Messages route parses with, from serve's own files.
+// The serve modules the Messages route parses with, from serve's own files (at the crate root:
+// their `super::` is serve's module, here the root).
 #[allow(dead_code, unused_imports)]
-mod serve {
-    #[path = "../../../k3-ctl/src/serve/anthropic.rs"]
-    pub mod anthropic;
-    #[path = "../../../k3-ctl/src/serve/api.rs"]
-    pub mod api;
-    #[path = "../../../k3-ctl/src/serve/reply.rs"]
-    pub mod reply;
-    #[path = "../../../k3-ctl/src/serve/text.rs"]
-    pub mod text;
-}
+#[path = "../../k3-ctl/src/serve/anthropic.rs"]
+mod anthropic;
+#[allow(dead_code, unused_imports)]
+#[path = "../../k3-ctl/src/serve/api.rs"]
+mod api;
+#[allow(dead_code, unused_imports)]
+#[path = "../../k3-ctl/src/serve/reply.rs"]
+mod reply;
+#[allow(dead_code, unused_imports)]
+#[path = "../../k3-ctl/src/serve/text.rs"]
+mod text;
 
-use serve::anthropic::{prepare, settings, MessagesRequest};
-use serve::api::ApiError;
+use anthropic::{prepare, settings, MessagesRequest};
+use api::ApiError;
 
 fn tok() -> &'static Tokenizer {
     static T: OnceLock<Tokenizer> = OnceLock::new();
@@ -53,7 +55,7 @@ fuzz_target!(|data: &[u8]| {
                 assert!((0.0..=1.0).contains(&s.temperature), "{}", s.temperature);
                 assert!(s.temperature == 0.0 || s.temperature.is_normal());
                 assert!(s.top_p > 0.0 && s.top_p <= 1.0 && s.top_p.is_normal());
-                assert!((1..=serve::api::MAX_GEN).contains(&s.max_new));
+                assert!((1..=api::MAX_GEN).contains(&s.max_new));
                 assert!(s.stops.iter().all(|t| !t.is_empty()));
                 let sampling = k3_proto::serve::Sampling {
                     temperature: s.temperature,
