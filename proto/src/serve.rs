@@ -32,7 +32,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The version of the serve protocols this build speaks.
-pub const JOB_PROTOCOL_VERSION: u32 = 1;
+pub const JOB_PROTOCOL_VERSION: u32 = 2;
 
 /// Largest frame on these channels (a `Start` with 32,768 ids is at most 160 KiB).
 pub const MAX_JOB_FRAME: u32 = crate::wire::MAX_FRAME;
@@ -49,6 +49,129 @@ pub struct Sampling {
     pub top_p: f32,
     /// The generator's seed.
     pub seed: u64,
+}
+
+/// Highest temperature a job may ask (the widest API range, OpenAI's 0..=2).
+pub const MAX_TEMPERATURE: f32 = 2.0;
+
+/// A request value refused before any work: serve answers 400 naming [`ValueError::field`],
+/// the worker refuses the job with [`ErrorKind::Invalid`]. The one statement of what a job's
+/// numbers may be, shared by both so that a value serve lets through is never a worker's
+/// refusal (and so a server fault).
+#[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
+pub enum ValueError {
+    /// NaN or infinite.
+    #[error("{field} = {value} is not a finite number")]
+    NotFinite {
+        /// The request field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// Outside the field's range.
+    #[error("{field} = {value} is outside {range}")]
+    Range {
+        /// The request field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+        /// The range, as people write it.
+        range: &'static str,
+    },
+    /// A nonzero value the engine's single precision cannot hold: it would become 0 (or lose
+    /// its digits as a subnormal, or overflow), a different request from the one sent.
+    #[error(
+        "{field} = {value:e} cannot be held in single precision (the engine samples in f32: a \
+         nonzero value must lie between {:e} and {:e} in magnitude)",
+        f32::MIN_POSITIVE,
+        f32::MAX
+    )]
+    Precision {
+        /// The request field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+}
+
+impl ValueError {
+    /// The request field at fault.
+    pub fn field(&self) -> &'static str {
+        match self {
+            ValueError::NotFinite { field, .. }
+            | ValueError::Range { field, .. }
+            | ValueError::Precision { field, .. } => field,
+        }
+    }
+}
+
+/// A request's number (JSON gives f64) as the engine's f32: refused when it is not finite, or
+/// is nonzero and would become 0, a subnormal or infinite. Every real-valued field that reaches
+/// a job goes through this.
+pub fn single(field: &'static str, value: f64) -> Result<f32, ValueError> {
+    if !value.is_finite() {
+        return Err(ValueError::NotFinite { field, value });
+    }
+    let s = value as f32;
+    if value != 0.0 && !s.is_normal() {
+        return Err(ValueError::Precision { field, value });
+    }
+    Ok(s)
+}
+
+impl Sampling {
+    /// The sampling of request values `temperature` and `top_p` (as JSON gives them), each
+    /// brought to single precision, then [`validated`](Sampling::validate).
+    pub fn from_request(temperature: f64, top_p: f64, seed: u64) -> Result<Sampling, ValueError> {
+        let s = Sampling {
+            temperature: single("temperature", temperature)?,
+            top_p: single("top_p", top_p)?,
+            seed,
+        };
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// What serve checks before sending a job and the worker checks when it arrives:
+    /// temperature in 0..=[`MAX_TEMPERATURE`] (0 = greedy), top_p in (0, 1], both normal
+    /// single-precision numbers (or a zero temperature).
+    pub fn validate(&self) -> Result<(), ValueError> {
+        let (t, p) = (self.temperature, self.top_p);
+        let t64 = f64::from(t);
+        if !t.is_finite() {
+            return Err(ValueError::NotFinite {
+                field: "temperature",
+                value: t64,
+            });
+        }
+        if !(0.0..=MAX_TEMPERATURE).contains(&t) {
+            return Err(ValueError::Range {
+                field: "temperature",
+                value: t64,
+                range: "0..=2",
+            });
+        }
+        if t != 0.0 && !t.is_normal() {
+            return Err(ValueError::Precision {
+                field: "temperature",
+                value: t64,
+            });
+        }
+        if p.is_nan() || !(p > 0.0 && p <= 1.0) {
+            return Err(ValueError::Range {
+                field: "top_p",
+                value: f64::from(p),
+                range: "(0, 1]",
+            });
+        }
+        if !p.is_normal() {
+            return Err(ValueError::Precision {
+                field: "top_p",
+                value: f64::from(p),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// One generation job.
@@ -133,6 +256,9 @@ pub enum ErrorKind {
     ExpertLoad,
     /// The channel broke its protocol (an undecodable frame, another version; exit 2).
     Protocol,
+    /// v2. A value of the job outside what [`Sampling::validate`] (and the checks beside it)
+    /// allow: the client's fault, never a server's (exit 2, the job alone; serve answers 400).
+    Invalid,
 }
 
 impl ErrorKind {
@@ -354,6 +480,51 @@ mod tests {
                 m
             );
         }
+    }
+
+    #[test]
+    fn request_values_are_refused_where_single_precision_changes_them() {
+        let ok = Sampling::from_request(0.7, 0.95, 1).unwrap();
+        assert_eq!((ok.temperature, ok.top_p), (0.7, 0.95));
+        assert!(Sampling::from_request(0.0, 1.0, 1).is_ok(), "greedy");
+        // 1e-300 is a valid f64 in range, but 0 in f32: a top_p of 0, or a temperature that
+        // silently means greedy.
+        for (t, p, field) in [
+            (1.0, 1e-300, "top_p"),
+            (1e-300, 1.0, "temperature"),
+            (1.0, 1e-40, "top_p"), // subnormal in f32
+            (1e-39, 1.0, "temperature"),
+            (1.0, f64::NAN, "top_p"),
+            (f64::INFINITY, 1.0, "temperature"),
+            (2.5, 1.0, "temperature"),
+            (-0.5, 1.0, "temperature"),
+            (1.0, 0.0, "top_p"),
+            (1.0, 1.5, "top_p"),
+        ] {
+            let e = Sampling::from_request(t, p, 1).unwrap_err();
+            assert_eq!(e.field(), field, "{t} {p}: {e}");
+            assert!(e.to_string().starts_with(field), "{e}");
+        }
+        // What arrives at the worker is checked alike.
+        for (t, p) in [
+            (0.5, 0.0),
+            (0.5, f32::NAN),
+            (1e-40, 0.5),
+            (3.0, 0.5),
+            (0.5, 1e-40),
+        ] {
+            let s = Sampling {
+                temperature: t,
+                top_p: p,
+                seed: 0,
+            };
+            assert!(s.validate().is_err(), "{t} {p}");
+        }
+        assert_eq!(single("x", 0.0), Ok(0.0));
+        assert!(matches!(
+            single("x", 1e39),
+            Err(ValueError::Precision { field: "x", .. })
+        ));
     }
 
     #[test]

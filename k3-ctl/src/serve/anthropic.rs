@@ -311,10 +311,11 @@ pub fn settings(r: &MessagesRequest, seed: u64, count_only: bool) -> Result<Sett
             format!("{} stop sequences: at most {}", stops.len(), 4 * MAX_STOPS),
         ));
     }
+    let sampling = k3_proto::serve::Sampling::from_request(temperature, top_p, seed)?;
     Ok(Settings {
         max_new,
-        temperature: temperature as f32,
-        top_p: top_p as f32,
+        temperature: sampling.temperature,
+        top_p: sampling.top_p,
         seed,
         stops,
         stream: r.stream.unwrap_or(false),

@@ -167,6 +167,13 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A value the shared validation refuses (`k3_proto::serve`): 400 naming its field.
+impl From<k3_proto::serve::ValueError> for ApiError {
+    fn from(e: k3_proto::serve::ValueError) -> ApiError {
+        ApiError::bad(Some(e.field()), e.to_string())
+    }
+}
+
 /// A string or a list of strings (`stop`).
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -589,10 +596,11 @@ pub fn settings(
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
+    let sampling = k3_proto::serve::Sampling::from_request(temperature, top_p, seed)?;
     Ok(Settings {
         max_new,
-        temperature: temperature as f32,
-        top_p: top_p as f32,
+        temperature: sampling.temperature,
+        top_p: sampling.top_p,
         seed,
         stops,
         stream,

@@ -35,7 +35,7 @@ use tracing::Instrument;
 
 use super::access::Ctx;
 use super::api::{self, ApiError, Settings};
-use super::job::{Event, Job, JobError, Worker};
+use super::job::{Cause, Event, Job, JobError, Worker};
 use super::metrics::Metrics;
 use super::queue::{Admission, Meta, Place};
 use super::reply::{CallRules, Delta, ReplyText};
@@ -48,7 +48,9 @@ pub struct AppState {
     /// Its chat markers.
     pub markers: Markers,
     /// The worker every request runs in.
-    pub worker: Worker,
+    pub worker: Arc<Worker>,
+    /// Names new sessions (keyed: a name confirms nothing about a prompt).
+    pub namer: super::sessions::Namer,
     /// Job slots and the queue.
     pub admission: Arc<Admission>,
     /// The served model id.
@@ -140,7 +142,7 @@ const KEEP_ALIVE: Duration = Duration::from_secs(2);
 const SEND_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Ask the store one control request, off the async threads, within [`STORE_TIMEOUT`].
-async fn ask_store(st: &Shared, req: StoreRequest) -> Result<StoreResponse, AskStoreError> {
+async fn ask_store(st: &AppState, req: StoreRequest) -> Result<StoreResponse, AskStoreError> {
     let socket = st.socket.clone();
     let ask = tokio::task::spawn_blocking(move || {
         let mut c = k3_store::attach::client::Client::connect(
@@ -171,9 +173,9 @@ enum AskStoreError {
     Timeout,
 }
 
-/// The session a request runs under (see [`super::sessions`]): the store's list. If the store
-/// does not answer, the request runs under a new name (its worker reports the store's state).
-async fn pick_session(st: &Shared, prompt: &[u32]) -> (String, usize) {
+/// The session a request runs under (see [`super::sessions`]): the store's list. A store that
+/// does not answer is 503 `store_unavailable` (no worker is started for it).
+async fn pick_session(st: &AppState, prompt: &[u32]) -> Result<(String, usize), ApiError> {
     let list = match ask_store(st, StoreRequest::ListSessions).await {
         Ok(StoreResponse::Sessions(list)) => list,
         Ok(other) => {
@@ -181,25 +183,31 @@ async fn pick_session(st: &Shared, prompt: &[u32]) -> (String, usize) {
             Vec::new()
         }
         Err(e) => {
-            tracing::warn!("cannot list the store's sessions: {e}");
-            Vec::new()
+            st.worker.retire();
+            return Err(store_unavailable(e));
         }
     };
-    super::sessions::choose(&list, prompt)
+    Ok(super::sessions::choose(&list, prompt, &st.namer))
+}
+
+/// 503 `store_unavailable` (with `Retry-After`).
+fn store_unavailable(why: impl std::fmt::Display) -> ApiError {
+    ApiError::unavailable(
+        "store_unavailable",
+        format!("the store is not serving: {why}"),
+    )
 }
 
 /// Is the store up?
-async fn store_up(st: &Shared) -> Result<(), ApiError> {
+async fn store_up(st: &AppState) -> Result<(), ApiError> {
     match ask_store(st, StoreRequest::Status).await {
         Ok(StoreResponse::Status(_)) => Ok(()),
         Ok(other) => Err(format!("unexpected answer {other:?}")),
         Err(e) => Err(e.to_string()),
     }
-    .map_err(|m| {
-        ApiError::unavailable(
-            "store_unavailable",
-            format!("the store is not serving: {m}"),
-        )
+    .map_err(|why| {
+        st.worker.retire();
+        store_unavailable(why)
     })
 }
 
@@ -207,8 +215,12 @@ fn model_object(st: &AppState) -> Value {
     json!({"id": st.model_id, "object": "model", "created": st.started, "owned_by": "k3"})
 }
 
+/// 200 while the store answers and the worker progresses; 503 with the reason otherwise.
 async fn health(State(st): State<Shared>) -> Response {
-    match store_up(&st).await {
+    let up = store_up(&st).await.and_then(|()| {
+        (st.worker.health()).map_err(|why| ApiError::unavailable("worker_unhealthy", why))
+    });
+    match up {
         Ok(()) => {
             let (running, queued) = st.admission.counts();
             Json(json!({"status": "ok", "jobs": running + queued, "running": running, "queued": queued}))
@@ -529,11 +541,38 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     ))
 }
 
-/// A worker failure as an HTTP error.
+/// A worker failure as an HTTP error: serve's own findings first; a failure while the store is
+/// gone is the store's (503 `store_unavailable`, as every request then gets).
+async fn failure(st: &AppState, e: JobError) -> ApiError {
+    match e.cause {
+        Some(Cause::Stalled { .. }) => {
+            return ApiError::unavailable("worker_stalled", e.message);
+        }
+        Some(Cause::Backoff { retry_after }) => {
+            let code = match e.kind {
+                ErrorKind::NoStore => "store_unavailable",
+                _ => "worker_unavailable",
+            };
+            let mut a = ApiError::unavailable(code, e.message);
+            a.retry_after = Some(retry_after.max(1));
+            return a;
+        }
+        None => {}
+    }
+    if matches!(e.kind, ErrorKind::Failed | ErrorKind::Protocol) {
+        if let Err(down) = store_up(st).await {
+            return down;
+        }
+    }
+    job_error(e)
+}
+
+/// A worker's report as an HTTP error.
 fn job_error(e: JobError) -> ApiError {
     match e.kind {
         ErrorKind::NoStore => ApiError::unavailable("store_unavailable", e.message),
         ErrorKind::Refused => ApiError::unavailable("worker_refused", e.message),
+        ErrorKind::Invalid => ApiError::bad(None, e.message),
         ErrorKind::ExpertLoad => ApiError::internal(format!(
             "a routed expert failed to load, the generated ids are unsound: {}",
             e.message
@@ -568,8 +607,9 @@ async fn run(st: Shared, ctx: Ctx, g: Gen) -> Response {
 async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError> {
     place.run().await;
     let session = if st.sessions {
-        Some(pick_session(st, &g.prompt).await)
+        Some(pick_session(st, &g.prompt).await?)
     } else {
+        store_up(st).await?;
         None
     };
     let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
@@ -584,7 +624,10 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
         },
         session: session.as_ref().map(|s| s.0.clone()),
     };
-    let job = st.worker.submit(job).await.map_err(job_error)?;
+    let job = match st.worker.submit(job).await {
+        Ok(j) => j,
+        Err(e) => return Err(failure(st, e).await),
+    };
     place.set_worker(job.pid());
     tracing::info!(
         "{} joined worker pid {} ({} prompt ids, up to {} new){}",
@@ -619,7 +662,11 @@ async fn next_step(
     place: &Place,
 ) -> Result<Step, ApiError> {
     loop {
-        match job.next().await.map_err(job_error)? {
+        let ev = match job.next().await {
+            Ok(ev) => ev,
+            Err(e) => return Err(failure(st, e).await),
+        };
+        match ev {
             Event::Prefilled { cached } => {
                 g.cached = cached as usize;
                 tracing::info!(
@@ -967,9 +1014,9 @@ async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<
     // Waiting for a slot: say where the request is, whenever that changes.
     let adm = place.admission().clone();
     let ticket = place.ticket();
-    // A request behind others may not overtake them: only one that arrives to an empty queue
-    // takes a free slot at once.
-    if adm.counts().1 > 1 || !place.try_run() {
+    // A request runs at once when a slot is free and nobody let in before it waits (the
+    // admission's order); only one that actually waits is told its place.
+    if !place.try_run() {
         let mut told = None;
         let run = place.run();
         tokio::pin!(run);

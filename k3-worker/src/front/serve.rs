@@ -54,6 +54,9 @@ enum ChannelError {
     /// Sampling out of range.
     #[error(transparent)]
     Sampling(#[from] crate::engine::sampling::SamplingError),
+    /// A value outside what serve may send ([`k3_proto::serve::Sampling::validate`]).
+    #[error(transparent)]
+    Value(#[from] k3_proto::serve::ValueError),
     /// A job whose id is running already.
     #[error("job {0} is running already")]
     Duplicate(ReqId),
@@ -114,9 +117,14 @@ impl Writer {
 
     /// Tell serve job `req_id` (or, with `None`, the worker) failed with exit code `code`.
     fn fail(&self, req_id: Option<ReqId>, code: i32, message: String) {
+        self.fail_as(req_id, ErrorKind::of_exit_code(code), code, message);
+    }
+
+    /// Tell serve job `req_id` failed as `kind`.
+    fn fail_as(&self, req_id: Option<ReqId>, kind: ErrorKind, code: i32, message: String) {
         self.send(&FromWorker::Error {
             req_id,
-            kind: ErrorKind::of_exit_code(code),
+            kind,
             exit_class: code,
             message,
         });
@@ -295,7 +303,13 @@ impl<'a> Front<'a, '_> {
             Err(e) => {
                 let m = exit::message(&e);
                 tracing::warn!("job {req_id}: refused: {m}");
-                self.out.fail(Some(req_id), exit::REFUSED, m);
+                // A value outside the shared validation is the client's; anything else the
+                // worker's refusal.
+                let kind = match e {
+                    ChannelError::Value(_) => ErrorKind::Invalid,
+                    _ => ErrorKind::Refused,
+                };
+                self.out.fail_as(Some(req_id), kind, exit::REFUSED, m);
             }
         }
     }
@@ -405,6 +419,7 @@ impl Admit<'_> {
     /// prefix of its prompt), the worker's speculation.
     fn request(&self, jobs: &Jobs, dims: &Dims, s: Start) -> Result<Request, ChannelError> {
         let sampling = &s.sampling;
+        sampling.validate()?;
         let sampler = Sampler::new(sampling.temperature, sampling.top_p, sampling.seed)?;
         if jobs.iter().any(|(r, _)| *r == s.req_id) {
             return Err(ChannelError::Duplicate(s.req_id));
