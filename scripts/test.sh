@@ -87,10 +87,10 @@ PY_T=$SECONDS
   echo $? > "$LOGS/python.rc"; echo $((SECONDS - PY_T)) > "$LOGS/python.secs" ) &
 PY=$!
 
-echo "== Rust tests (cargo test --workspace)"
+echo "== Rust tests (cargo test --workspace --no-fail-fast: every test binary runs, failures listed at the end)"
 t=$SECONDS
 rust_rc=0
-cargo test --workspace 2>&1 | python3 scripts/test_times.py --slowest 10 || rust_rc=$?
+cargo test --workspace --no-fail-fast 2>&1 | python3 scripts/test_times.py --slowest 10 || rust_rc=$?
 part "Rust tests (cargo test --workspace; beside the Python tests)" $((SECONDS - t))
 
 wait "$PY" || true
