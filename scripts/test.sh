@@ -18,9 +18,9 @@
 #   binaries in target/debug; about 180 crates the first time) and the generated test
 #   checkpoints under target/k3-test-models/ (made once, shared by the Rust and Python tests).
 #
-# Where the time goes (2 cores): the first build, then the Rust tests and the Python tests,
-# which run at the same time (each waits on processes and I/O part of the time); the Python
-# side runs the trained-proxy smoke test (a one-minute training) among the others.
+# Where the time goes (2 cores): the first build, then three streams at the same time (each
+# waits on processes and I/O part of the time): the Rust tests, the trained-proxy smoke test (a
+# one-minute training, the longest Python test) and the other Python tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -80,12 +80,19 @@ if [ "$(cat "$LOGS/setup.rc")" != 0 ]; then
 fi
 
 # ---- tests: Rust and Python side by side --------------------------------------------------------
-echo "== Python tests in the background (pytest scripts/tests with $VIRTUAL_ENV/bin/python3; output"
-echo "   printed when they end)"
+# Two pytest processes: the trained-proxy smoke test (a minute of JAX training, then three
+# forwards: the longest test by far) and all the others, so neither waits for the other.
+echo "== Python tests in the background, in two processes (pytest scripts/tests/test_train_k3.py, and"
+echo "   pytest scripts/tests without it; $VIRTUAL_ENV/bin/python3); their output printed when they end"
 PY_T=$SECONDS
-( python3 -m pytest -q -rs --durations=12 -p no:cacheprovider scripts/tests > "$LOGS/python.log" 2>&1
+( python3 -m pytest -q -rs --durations=12 -p no:cacheprovider --ignore=scripts/tests/test_train_k3.py \
+    scripts/tests > "$LOGS/python.log" 2>&1
   echo $? > "$LOGS/python.rc"; echo $((SECONDS - PY_T)) > "$LOGS/python.secs" ) &
 PY=$!
+( python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
+    > "$LOGS/train.log" 2>&1
+  echo $? > "$LOGS/train.rc"; echo $((SECONDS - PY_T)) > "$LOGS/train.secs" ) &
+TRAIN=$!
 
 echo "== Rust tests (cargo test --workspace --no-fail-fast: every test binary runs, failures listed at the end)"
 t=$SECONDS
@@ -93,15 +100,19 @@ rust_rc=0
 cargo test --workspace --no-fail-fast 2>&1 | python3 scripts/test_times.py --slowest 10 || rust_rc=$?
 part "Rust tests (cargo test --workspace; beside the Python tests)" $((SECONDS - t))
 
-wait "$PY" || true
+wait "$PY" "$TRAIN" || true
 echo
 echo "== Python tests: output"
 cat "$LOGS/python.log"
+echo "== the trained-proxy smoke test (scripts/tests/test_train_k3.py): output"
+cat "$LOGS/train.log"
 part "Python tests (pytest scripts/tests; beside the Rust tests)" "$(cat "$LOGS/python.secs")"
+part "Python: the trained-proxy smoke test (beside the others)" "$(cat "$LOGS/train.secs")"
 py_rc=$(cat "$LOGS/python.rc")
+train_rc=$(cat "$LOGS/train.rc")
 
-if [ "$rust_rc" != 0 ] || [ "$py_rc" != 0 ]; then
-  echo "== FAILED: Rust tests exit $rust_rc, Python tests exit $py_rc" >&2
+if [ "$rust_rc" != 0 ] || [ "$py_rc" != 0 ] || [ "$train_rc" != 0 ]; then
+  echo "== FAILED: Rust tests exit $rust_rc, Python tests exit $py_rc, trained-proxy test exit $train_rc" >&2
   exit 1
 fi
 echo "== all tests passed"
