@@ -51,11 +51,10 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def world():
+def world(small_model):
     with tempfile.TemporaryDirectory(prefix="k3-agents-") as d:
         d = Path(d)
-        model = d / "small"
-        run([sys.executable, ROOT / "scripts" / "make-checkpoint.py", "--preset", "small", "--seed", "1", model])
+        model = small_model
         run([binary("k3-ctl"), "pack-trunk", model, d / "trunk"])
         sock = d / "run" / "store.sock"
         env = dict(os.environ, XDG_RUNTIME_DIR=str(d / "xdg"))

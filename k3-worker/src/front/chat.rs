@@ -21,6 +21,7 @@ use crate::front::cli::Cli;
 use crate::front::error::{refuse, JobError};
 use crate::front::job::{job_shape, preflight, prepare, Prepared};
 use crate::front::report;
+use crate::front::visible;
 use crate::model::{ModelError, SeqState};
 use crate::text::xtml::{Channel, ChatFormat, Effort, Message, Reply, ReplyParser};
 use crate::tokenizer::Tokenizer;
@@ -604,7 +605,7 @@ struct ReplyWriter<'a> {
 
 impl ReplyWriter<'_> {
     fn write(&mut self, ch: Channel, id: u32) {
-        let bytes = self.tok.token_bytes(id).unwrap_or(&[]);
+        let bytes = visible::token_bytes(self.tok, id).unwrap_or(&[]);
         let (out, err) = (&mut *self.out, &mut *self.err);
         let r = match ch {
             Channel::Response => out.write_all(bytes).and_then(|_| out.flush()),

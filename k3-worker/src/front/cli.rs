@@ -308,7 +308,7 @@ pub struct Cli {
     /// input, for as long as serve keeps it open (the job protocol, docs/SPEC.md §6.12): each
     /// job's prompt ids, sampling and session arrive as a message, its ids and its end go back
     /// as messages, and a cancel ends it at the next step. Up to --parallel jobs are decoded at
-    /// once. serve builds this command line ([`serve_channel_args`]).
+    /// once. serve builds this command line (`serve_channel_args` in this file).
     #[arg(long, conflicts_with_all = FROM_THE_JOB)]
     pub serve_channel: bool,
     /// Score the text of FILE with teacher forcing (needs --tok) instead of generating: every
