@@ -40,6 +40,7 @@ mod metrics;
 mod queue;
 mod reply;
 mod sessions;
+mod shape;
 mod text;
 
 /// Largest request head (request line + headers), in bytes.
@@ -440,6 +441,7 @@ fn app_state(a: &Args) -> Result<(Arc<http::AppState>, Started), ServeError> {
         grace: Duration::from_secs(a.cancel_grace),
         slots: max_jobs,
         positions,
+        tok: Some(tok_dir.clone()),
     };
     let state = Arc::new(http::AppState {
         tok: Arc::new(tok),

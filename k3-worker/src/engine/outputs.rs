@@ -16,6 +16,7 @@ use k3_store::runtime::source::WeightSource;
 use crate::engine::request::{Held, SeqId, SessionPlan, Speculation};
 use crate::engine::sampling::Sampler;
 use crate::engine::session;
+use crate::engine::shaping::{MaskCost, Scored};
 use crate::engine::spec::SpecTotals;
 use crate::model::PhaseSeconds;
 
@@ -69,6 +70,9 @@ pub struct StepReport {
     /// The first id its pass produced.
     #[serde(skip)]
     pub first_of_pass: bool,
+    /// Its log-probabilities, when the request asked for them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scored: Option<Scored>,
 }
 
 /// What a sequence produced.
@@ -144,6 +148,11 @@ pub struct Finished {
     pub report: GenReport,
     /// A state it started from did not prefix the prompt: it ran the whole prompt.
     pub restarted: bool,
+    /// Its shaping failed (a grammar that allowed no id, or refused one): it ended there, as
+    /// cancelled, and this says why.
+    pub error: Option<String>,
+    /// What its grammar's masks cost (`None`: no grammar).
+    pub mask: Option<MaskCost>,
 }
 
 /// Where one sequence's output goes: the boundary between the engine and whoever asked.
@@ -190,6 +199,8 @@ pub(crate) struct Ending {
     pub(crate) sampler: Sampler,
     pub(crate) spec: Speculation,
     pub(crate) hand_back: bool,
+    pub(crate) error: Option<String>,
+    pub(crate) mask: Option<MaskCost>,
 }
 
 struct Entry<'o> {
@@ -265,14 +276,19 @@ impl<'o> Outputs<'o> {
         self.entries.iter_mut().find(|e| e.seq == seq)
     }
 
-    /// Every prompt id but the last is in the state: keep it under the session, when asked.
+    /// Every prompt id but the last is in the state: keep it, when asked, as a session of its
+    /// own named after its ids ([`prefix_session_name`]), beside the one the sequence runs
+    /// under: a retry of the request resumes it, and so does any later prompt that starts with
+    /// it — the next turn of a conversation whose reply does not re-render to the ids the
+    /// model generated (a tool call, a text that re-encodes otherwise), a regenerated reply.
     pub(crate) fn at_prefill(&mut self, seq: SeqId, state: &crate::model::SeqState, ids: &[u32]) {
         let store = self.store;
         let Some(e) = self.entry(seq) else { return };
-        let Some(plan) = e.session.as_ref().filter(|p| p.after_prefill) else {
+        if !e.session.as_ref().is_some_and(|p| p.after_prefill) {
             return;
-        };
-        e.kept_after_prefill = store.and_then(|src| keep(src, &plan.name, ids, state));
+        }
+        let name = prefix_session_name(ids);
+        e.kept_after_prefill = store.and_then(|src| keep(src, &name, ids, state));
     }
 
     /// The first id is about to be emitted: tell the sink the prompt is in.
@@ -362,6 +378,8 @@ impl<'o> Outputs<'o> {
             },
             report: end.report,
             restarted: end.restarted,
+            error: end.error,
+            mask: end.mask,
         };
         if let Some(e) = entry.as_mut() {
             if !e.told_prefilled && finished.finish == Finish::Cancelled {
@@ -393,6 +411,18 @@ impl<'o> Outputs<'o> {
     pub(crate) fn dropped(&mut self, seq: SeqId) {
         self.entries.retain(|e| e.seq != seq);
     }
+}
+
+/// The name of the session that keeps a prompt's prefill ([`Outputs::at_prefill`]): `prefix-`
+/// and 16 hex digits of its ids' hash, so that the same prefix is kept once.
+pub fn prefix_session_name(ids: &[u32]) -> String {
+    format!("prefix-{:016x}", k3_store::session::ids_hash(ids) as u64)
+}
+
+/// A name [`prefix_session_name`] makes.
+pub fn is_prefix_session_name(name: &str) -> bool {
+    name.strip_prefix("prefix-")
+        .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// Keep `state` (holding `ids`) as session `name`; the bytes kept, or `None` (said in the log).
