@@ -189,9 +189,96 @@ pub struct Start {
     /// strict prefix of `ids`, keep the state after the prefill under it, and the final state
     /// at the end.
     pub session: Option<String>,
+    /// v2. Resume this kept session instead of `session` (when the ids it holds are a strict
+    /// prefix of `ids`); `session` still names where the states are kept. serve sends a
+    /// prompt's prefill snapshot here, so that it is resumed and never overwritten.
+    pub resume: Option<String>,
+    /// v2. Besides the state after the prefill (the prompt but its last id), also keep the
+    /// state when the first `k` prompt ids are in it, for each `k` (serve: where the
+    /// conversation's history ends, before the notes only this request renders).
+    pub keep_at: Vec<u32>,
+    /// v2. The key the sessions this job keeps after its prefill and at `keep_at` are named
+    /// under (`prefix-` + an HMAC-SHA256 of the ids they hold; serve draws one at start, so a
+    /// name confirms nothing about a prompt). Empty: named by the ids' plain hash.
+    pub name_key: Vec<u8>,
+    /// v2. What the reply must be beyond sampling: a grammar, a thinking budget, logit edits,
+    /// log-probabilities ([`Shape::default`]: none of them, the ids of v1 bit for bit).
+    pub shape: Shape,
+}
+
+/// v2. How a job's ids are shaped beyond its [`Sampling`] (docs/SPEC.md §6.12 "Shaping"). Per
+/// pick, in this order: the logit bias and the penalties edit the row, the grammar's mask sets
+/// every id it forbids to −∞, the log-probabilities are read, then the sampler picks; a forced
+/// id (a spent thinking budget) replaces the pick.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Shape {
+    /// The reply starts inside the think channel (the chat format's generation prompt opened
+    /// it): the grammar lets it think first, and the thinking budget counts from the start.
+    pub thinking: bool,
+    /// The grammar the reply must follow.
+    pub grammar: Option<Grammar>,
+    /// Most ids of the think channel; when they are spent the worker forces its closing ids.
+    pub think_budget: Option<ThinkBudget>,
+    /// Added to the logits of these ids (OpenAI's `logit_bias`: −100..=100).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Subtracted once from the logit of every id the reply generated so far (−2..=2).
+    pub presence_penalty: f32,
+    /// Subtracted from the logit of every id per time the reply generated it (−2..=2).
+    pub frequency_penalty: f32,
+    /// Send each id's log-probability and this many of the most likely ids with theirs
+    /// ([`FromWorker::Scored`] instead of `Token`; at most [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<u8>,
+}
+
+/// Most alternatives [`Shape::logprobs`] asks for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u8 = 20;
+
+/// v2. A grammar for the whole reply after the generation prompt (the worker compiles it over
+/// its vocabulary with llguidance).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Grammar {
+    /// A JSON object in the response channel.
+    JsonObject,
+    /// JSON matching a schema in the response channel.
+    JsonSchema {
+        /// The schema as JSON text.
+        schema: String,
+        /// Refuse a schema keyword the grammar cannot enforce (else it is skipped).
+        strict: bool,
+    },
+    /// A `tools` element of well-formed calls to these tools.
+    ToolCall {
+        /// The tools that may be called.
+        tools: Vec<ToolGrammar>,
+        /// More than one call.
+        parallel: bool,
+    },
+}
+
+/// v2. One tool a [`Grammar::ToolCall`] may call.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolGrammar {
+    /// Its name.
+    pub name: String,
+    /// Its arguments' JSON schema as JSON text (`None`: any object).
+    pub parameters: Option<String>,
+    /// OpenAI's `strict`.
+    pub strict: bool,
+}
+
+/// v2. A bound on the think channel.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ThinkBudget {
+    /// Most ids inside the think channel.
+    pub tokens: u32,
+    /// The ids that close the think channel and open the response, as the chat format renders
+    /// them; the channel counts as closed by the model when it generates the first of them.
+    pub close: Vec<u32>,
 }
 
 /// serve → worker.
+// A message built and read once per job: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ToWorker {
     /// v1. Run a job.
@@ -314,6 +401,18 @@ pub enum FromWorker {
         /// Time and bytes.
         timings: Timings,
     },
+    /// v2. One generated id with its log-probability and the most likely ids of its step (a
+    /// job whose [`Shape::logprobs`] asked for them; sent instead of `Token`).
+    Scored {
+        /// The request.
+        req_id: ReqId,
+        /// The id.
+        id: u32,
+        /// Its natural log-probability under the shaped logits at temperature 1.
+        logprob: f32,
+        /// The most likely ids and their log-probabilities, most likely first.
+        top: Vec<(u32, f32)>,
+    },
     /// v1. The job failed; the worker exits with `exit_class`.
     Error {
         /// The request (`None`: before any job started).
@@ -430,6 +529,28 @@ mod tests {
                     seed: u64::MAX,
                 },
                 session: Some("http-00".into()),
+                resume: Some("prefix-00".into()),
+                keep_at: vec![30_000],
+                name_key: vec![7; 32],
+                shape: Shape {
+                    thinking: true,
+                    grammar: Some(Grammar::ToolCall {
+                        tools: vec![ToolGrammar {
+                            name: "get_weather".into(),
+                            parameters: Some(r#"{"type":"object"}"#.into()),
+                            strict: true,
+                        }],
+                        parallel: false,
+                    }),
+                    think_budget: Some(ThinkBudget {
+                        tokens: 64,
+                        close: vec![163_587, 1, 163_589],
+                    }),
+                    logit_bias: vec![(5, -100.0)],
+                    presence_penalty: 0.5,
+                    frequency_penalty: -0.25,
+                    logprobs: Some(5),
+                },
             }),
             ToWorker::Cancel { req_id: 7 },
         ];
@@ -439,6 +560,12 @@ mod tests {
                 pid: 9,
             },
             FromWorker::Token { req_id: 7, id: 5 },
+            FromWorker::Scored {
+                req_id: 7,
+                id: 5,
+                logprob: -0.5,
+                top: vec![(5, -0.5), (9, -1.25)],
+            },
             FromWorker::Done {
                 req_id: 7,
                 finish: Finish::EndId(163_586),

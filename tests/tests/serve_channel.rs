@@ -37,6 +37,7 @@ fn spawn(
             Some(1),
             slots,
             positions,
+            None,
         ))
         .args(extra)
         .env("XDG_RUNTIME_DIR", sb.xdg_dir())
@@ -67,6 +68,10 @@ fn start(req_id: u64, ids: Vec<u32>, max_new: u32) -> ToWorker {
             seed: 0,
         },
         session: None,
+        resume: None,
+        keep_at: Vec::new(),
+        name_key: Vec::new(),
+        shape: Default::default(),
     })
 }
 

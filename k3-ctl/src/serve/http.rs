@@ -27,6 +27,7 @@ use futures_util::stream;
 use http_body_util::BodyExt;
 use k3_proto::serve::{ErrorKind, Finish, Sampling, Start, Timings, Usage};
 use k3_proto::wire::{ClientKind, Request as StoreRequest, Response as StoreResponse, StatsReport};
+use k3_worker::engine::outputs::is_prefix_session_name;
 use k3_worker::text::xtml::{ChatFormat, Markers, Options};
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -39,6 +40,7 @@ use super::job::{Cause, Event, Job, JobError, Worker};
 use super::metrics::Metrics;
 use super::queue::{Admission, Meta, Place};
 use super::reply::{CallRules, Delta, ReplyText};
+use super::shape;
 
 /// What every handler shares.
 #[derive(Debug)]
@@ -359,6 +361,11 @@ struct Gen {
     cached: usize,
     /// A streamed Messages reply's content blocks.
     blocks: super::anthropic::BlockStream,
+    /// Characters of content streamed so far (a completion's `text_offset`).
+    text_chars: usize,
+    /// Where the conversation's history ends in `prompt` when notes only this request renders
+    /// follow it (`tool_choice`, `response_format`): a state is kept there for the next turn.
+    history_end: Option<usize>,
 }
 
 async fn chat(State(st): State<Shared>, Extension(ctx): Extension<Ctx>, req: Request) -> Response {
@@ -394,7 +401,15 @@ fn render_messages(
     body: &[u8],
     seed: u64,
     count_only: bool,
-) -> Result<(Vec<u32>, Settings, super::anthropic::Prepared), ApiError> {
+) -> Result<
+    (
+        Vec<u32>,
+        Settings,
+        super::anthropic::Prepared,
+        Option<usize>,
+    ),
+    ApiError,
+> {
     let r: super::anthropic::MessagesRequest = parse(body)?;
     warn_unknown(body, super::anthropic::ANTHROPIC_FIELDS);
     let model = r.model.clone();
@@ -402,34 +417,61 @@ fn render_messages(
         return Err(ApiError::bad(Some("model"), "model: Field required"));
     }
     api::check_model(&model, &st.model_id)?;
-    let settings = super::anthropic::settings(&r, seed, count_only)?;
+    let mut settings = super::anthropic::settings(&r, seed, count_only)?;
     let p = super::anthropic::prepare(&r)?;
+    settings.shape.thinking = p.thinking.is_some();
+    settings.shape.think_budget =
+        shape::think_budget(&st.tok, p.thinking.is_some(), p.budget, settings.max_new)?;
+    settings.shape.grammar = p.grammar.clone();
     let fmt =
         ChatFormat::new(&st.tok, p.thinking).map_err(|e| ApiError::internal(e.to_string()))?;
     let opts = Options {
         tools: p.tools.clone(),
         choice: p.choice,
-        format: None,
+        format: p.format.clone(),
     };
     let prompt = fmt
         .render_with(&p.history, &opts, true)
         .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))?;
     api::check_prompt_len(prompt.len())?;
-    Ok((prompt, settings, p))
+    let end = history_end(&fmt, &p.history, &opts, &prompt);
+    Ok((prompt, settings, p, end))
+}
+
+/// Where `history` ends in `prompt` when `opts` add notes after it (`tool_choice`,
+/// `response_format`): the next turn renders the history on, not the notes, so a state kept
+/// there is what it can resume. `None` without notes (the prompt itself is then the next turn's
+/// prefix).
+fn history_end(
+    fmt: &ChatFormat<'_>,
+    history: &[k3_worker::text::xtml::Message],
+    opts: &Options,
+    prompt: &[u32],
+) -> Option<usize> {
+    if opts.choice.is_none() && opts.format.is_none() {
+        return None;
+    }
+    let bare = Options {
+        tools: opts.tools.clone(),
+        choice: None,
+        format: None,
+    };
+    let ids = fmt.render_with(history, &bare, false).ok()?;
+    (ids.len() + 1 < prompt.len() && prompt.starts_with(&ids)).then_some(ids.len())
 }
 
 fn count_tokens(st: &AppState, body: &[u8]) -> Result<usize, ApiError> {
-    render_messages(st, body, 0, true).map(|(prompt, _, _)| prompt.len())
+    render_messages(st, body, 0, true).map(|(prompt, ..)| prompt.len())
 }
 
 fn prepare_messages(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let (id, job_id, seed) = fresh("msg");
-    let (prompt, settings, p) = render_messages(st, body, seed, false)?;
+    let (prompt, settings, p, history_end) = render_messages(st, body, seed, false)?;
     let rules = CallRules {
         allowed: p.allowed,
         parallel: p.parallel,
     };
-    Ok(Gen::chat(
+    let mut g = Gen::chat(
         st,
         Kind::Messages,
         (id, job_id),
@@ -437,7 +479,9 @@ fn prepare_messages(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         settings,
         p.thinking.is_some(),
         rules,
-    ))
+    );
+    g.history_end = history_end;
+    Ok(g)
 }
 
 async fn completions(
@@ -483,25 +527,43 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     api::check_chat_extras(&r)?;
     let (id, job_id, seed) = fresh("chatcmpl");
     let max = r.max_completion_tokens.or(r.common.max_tokens);
-    let settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
+    let mut settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
     let thinking = api::thinking(&r, st.defaults.effort)?;
     let tools = api::tool_setup(&r)?;
     let history = api::messages(&r)?;
+    let format = shape::response_format(r.response_format.as_ref(), "response_format")?;
+    let budget = api::thinking_budget(&r, thinking.is_some())?;
+    settings.shape.logprobs =
+        shape::chat_logprobs(r.common.logprobs.as_ref(), r.top_logprobs.as_ref())?;
+    settings.shape.thinking = thinking.is_some();
+    settings.shape.think_budget =
+        shape::think_budget(&st.tok, thinking.is_some(), budget, settings.max_new)?;
+    settings.shape.grammar = match (shape::tool_grammar(&tools), &format) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad(
+                Some("response_format"),
+                "a JSON response_format and a forced tool call exclude each other",
+            ))
+        }
+        (g, f) => g.or_else(|| f.as_ref().map(|f| f.1.clone())),
+    };
+    shape::check_bias_ids(&settings.shape, st.vocab)?;
     let fmt = ChatFormat::new(&st.tok, thinking).map_err(|e| ApiError::internal(e.to_string()))?;
     let opts = Options {
         tools: tools.specs,
         choice: tools.choice,
-        format: None,
+        format: format.map(|f| f.0),
     };
     let prompt = fmt
         .render_with(&history, &opts, true)
         .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))?;
     api::check_prompt_len(prompt.len())?;
+    let history_end = history_end(&fmt, &history, &opts, &prompt);
     let rules = CallRules {
         allowed: tools.allowed,
         parallel: tools.parallel,
     };
-    Ok(Gen::chat(
+    let mut g = Gen::chat(
         st,
         Kind::Chat,
         (id, job_id),
@@ -509,7 +571,9 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         settings,
         thinking.is_some(),
         rules,
-    ))
+    );
+    g.history_end = history_end;
+    Ok(g)
 }
 
 fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
@@ -518,12 +582,14 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     api::check_model(&r.common.model, &st.model_id)?;
     api::check_completion_extras(&r)?;
     let (id, job_id, seed) = fresh("cmpl");
-    let settings = api::settings(
+    let mut settings = api::settings(
         &r.common,
         r.common.max_tokens,
         api::DEFAULT_COMPLETION_TOKENS,
         seed,
     )?;
+    settings.shape.logprobs = shape::completion_logprobs(r.common.logprobs.as_ref())?;
+    shape::check_bias_ids(&settings.shape, st.vocab)?;
     let prompt = match api::prompt(&r.prompt, st.vocab)? {
         // User text: special tokens disabled, as `k3-worker --prompt`.
         api::PromptInput::Text(t) => st.tok.encode(&t),
@@ -613,6 +679,15 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
         None
     };
     let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    // A prompt's prefill snapshot is resumed, never overwritten: the job keeps its states under
+    // a name of its own.
+    let (keep_as, resume) = match &session {
+        Some((name, _)) if is_prefix_session_name(name) => {
+            (Some(st.namer.name(&g.prompt)), Some(name.clone()))
+        }
+        Some((name, _)) => (Some(name.clone()), None),
+        None => (None, None),
+    };
     let job = Start {
         req_id: g.job_id,
         ids: g.prompt.clone(),
@@ -622,7 +697,11 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
             top_p: g.settings.top_p,
             seed: g.settings.seed,
         },
-        session: session.as_ref().map(|s| s.0.clone()),
+        session: keep_as,
+        resume,
+        keep_at: g.history_end.into_iter().map(n).collect(),
+        name_key: st.namer.key().to_vec(),
+        shape: g.settings.shape.clone(),
     };
     let job = match st.worker.submit(job).await {
         Ok(j) => j,
@@ -675,19 +754,14 @@ async fn next_step(
                     g.prompt.len()
                 );
             }
-            Event::Token(_) if g.reply.finish().is_some() => {
+            Event::Token(_) | Event::Scored { .. } if g.reply.finish().is_some() => {
                 return Err(ApiError::internal(
                     "the worker generated past the end of the reply",
                 ))
             }
-            Event::Token(id) => {
-                let d = g.reply.push(id);
-                place.set_generated(g.reply.generated());
-                // A stop string ends the reply at once: the caller cancels the job.
-                if g.reply.cut_short() {
-                    st.metrics.cancel("stop_string");
-                }
-                return Ok(Step::Text(d));
+            Event::Token(id) => return Ok(took(st, g, place, id, None)),
+            Event::Scored { id, logprob, top } => {
+                return Ok(took(st, g, place, id, Some((logprob, &top))))
             }
             Event::Done {
                 finish,
@@ -707,6 +781,27 @@ async fn next_step(
             }
         }
     }
+}
+
+/// A generated id into the reply (with its log-probabilities when asked: kept for the ids of
+/// the content).
+fn took(
+    st: &AppState,
+    g: &mut Gen,
+    place: &Place,
+    id: u32,
+    scored: Option<(f32, &[(u32, f32)])>,
+) -> Step {
+    let mut d = g.reply.push(id);
+    if let Some((logprob, top)) = scored.filter(|_| g.reply.in_content()) {
+        d.logprobs.push(shape::chat_item(&st.tok, id, logprob, top));
+    }
+    place.set_generated(g.reply.generated());
+    // A stop string ends the reply at once: the caller cancels the job.
+    if g.reply.cut_short() {
+        st.metrics.cancel("stop_string");
+    }
+    Step::Text(d)
 }
 
 /// Counts a whole answer's request as cancelled (the client went away) unless it ended.
@@ -731,10 +826,13 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
         }
     };
     let mut all = Delta::default();
+    let mut offsets = Vec::new();
     let mut counts = None;
     loop {
         match next_step(&st, &mut g, &mut job, &place).await {
             Ok(Step::Text(d)) => {
+                let at = all.content.chars().count();
+                offsets.extend(d.logprobs.iter().map(|_| at));
                 all.add(d);
                 if g.reply.cut_short() {
                     break;
@@ -769,8 +867,8 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
                 message["tool_calls"] =
                     Value::Array(all.calls.iter().map(|c| g.tool_call(c, false)).collect());
             }
-            let mut choice =
-                json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish});
+            let mut choice = json!({"index": 0, "message": message,
+                "logprobs": g.chat_logprobs(&all.logprobs), "finish_reason": finish});
             if !g.reply.malformed().is_empty() {
                 choice["malformed_tool_calls"] = g.malformed_json();
             }
@@ -782,7 +880,8 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
         }
         Kind::Completion => json!({
             "id": g.id, "object": "text_completion", "created": g.created, "model": g.model,
-            "choices": [{"index": 0, "text": all.content, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": all.content,
+                "logprobs": g.completion_logprobs(&all.logprobs, &offsets), "finish_reason": finish}],
             "usage": usage,
         }),
         Kind::Messages => json!({
@@ -838,6 +937,8 @@ impl Gen {
             reply,
             cached: 0,
             blocks: Default::default(),
+            text_chars: 0,
+            history_end: None,
         }
     }
 
@@ -865,7 +966,12 @@ impl Gen {
     }
 
     fn usage(&self) -> Value {
-        api::usage(self.prompt.len(), self.cached, self.reply.generated())
+        let mut u = api::usage(self.prompt.len(), self.cached, self.reply.generated());
+        if self.reply.thinking() {
+            u["completion_tokens_details"] =
+                json!({"reasoning_tokens": self.reply.reasoning_ids()});
+        }
+        u
     }
 
     /// A generated call as OpenAI's `tool_calls` item (`streamed`: with its `index`).
@@ -892,6 +998,22 @@ impl Gen {
         )
     }
 
+    /// A chat choice's `logprobs` (`null` unless asked).
+    fn chat_logprobs(&self, items: &[Value]) -> Value {
+        match self.settings.shape.logprobs {
+            Some(_) => json!({"content": items, "refusal": null}),
+            None => Value::Null,
+        }
+    }
+
+    /// A completion choice's `logprobs` (`null` unless asked).
+    fn completion_logprobs(&self, items: &[Value], offsets: &[usize]) -> Value {
+        match self.settings.shape.logprobs {
+            Some(_) => shape::completion_object(items, offsets),
+            None => Value::Null,
+        }
+    }
+
     fn chunk(&self, d: &Delta, finish: Option<&str>, first: bool) -> Value {
         match self.kind {
             Kind::Chat => {
@@ -912,13 +1034,16 @@ impl Gen {
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+                    "choices": [{"index": 0, "delta": delta,
+                        "logprobs": self.chat_logprobs(&d.logprobs), "finish_reason": finish}],
                 })
             }
             Kind::Completion | Kind::Messages => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": d.content, "logprobs": null, "finish_reason": finish}],
+                "choices": [{"index": 0, "text": d.content,
+                    "logprobs": self.completion_logprobs(&d.logprobs, &vec![self.text_chars; d.logprobs.len()]),
+                    "finish_reason": finish}],
             }),
         }
     }
@@ -929,11 +1054,13 @@ impl Gen {
             let id = self.id.clone();
             return named(self.blocks.events(&id, d));
         }
-        if !d.is_empty() || (first && self.kind == Kind::Chat) {
+        let events = if !d.is_empty() || (first && self.kind == Kind::Chat) {
             vec![data(&self.chunk(d, None, first))]
         } else {
             Vec::new()
-        }
+        };
+        self.text_chars += d.content.chars().count();
+        events
     }
 
     /// A Messages stream's opening: `message_start` and a `ping`.

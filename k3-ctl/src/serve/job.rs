@@ -63,6 +63,8 @@ pub struct WorkerSpec {
     pub positions: usize,
     /// The longest a worker holding jobs may go without a message ([`super::supervise`]).
     pub stall: Duration,
+    /// serve's tokenizer (`--tok`: the worker compiles constrained jobs' grammars over it).
+    pub tok: Option<PathBuf>,
 }
 
 /// serve's own finding about a job's failure (not the worker's report).
@@ -125,6 +127,15 @@ pub enum Event {
     },
     /// One generated id.
     Token(u32),
+    /// One generated id with its log-probability and its step's most likely ids.
+    Scored {
+        /// The id.
+        id: u32,
+        /// Its log-probability.
+        logprob: f32,
+        /// The most likely ids with theirs.
+        top: Vec<(u32, f32)>,
+    },
     /// The job ended.
     Done {
         /// Why.
@@ -606,6 +617,12 @@ fn route(routes: &Routes, m: FromWorker) {
             req_id, cached_ids, ..
         } => (req_id, Ok(Event::Prefilled { cached: cached_ids }), false),
         FromWorker::Token { req_id, id } => (req_id, Ok(Event::Token(id)), false),
+        FromWorker::Scored {
+            req_id,
+            id,
+            logprob,
+            top,
+        } => (req_id, Ok(Event::Scored { id, logprob, top }), false),
         FromWorker::Done {
             req_id,
             finish,
@@ -718,6 +735,7 @@ fn launch(spec: &WorkerSpec) -> Result<(Child, UnixStream, StderrTail, u32), Job
             spec.threads,
             spec.slots,
             spec.positions,
+            spec.tok.as_deref(),
         ))
         .stdin(Stdio::from(OwnedFd::from(theirs)))
         .stdout(Stdio::null())

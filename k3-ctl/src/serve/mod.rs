@@ -40,6 +40,7 @@ mod metrics;
 mod queue;
 mod reply;
 mod sessions;
+mod shape;
 mod supervise;
 mod text;
 
@@ -463,6 +464,7 @@ fn app_state(a: &Args) -> Result<(Arc<http::AppState>, Started), ServeError> {
         slots: max_jobs,
         positions,
         stall,
+        tok: Some(tok_dir.clone()),
     };
     let state = Arc::new(http::AppState {
         tok: Arc::new(tok),

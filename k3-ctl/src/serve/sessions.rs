@@ -33,6 +33,11 @@ impl Namer {
         Ok(Namer { key })
     }
 
+    /// The key (sent to the worker, which names the prefix sessions it keeps under it).
+    pub fn key(&self) -> &[u8] {
+        &self.key
+    }
+
     /// A new session's name for `prompt`: `http-` and 16 hex digits of its ids' MAC.
     pub fn name(&self, prompt: &[u32]) -> String {
         let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.key).expect("any key length");

@@ -117,6 +117,8 @@ fn run_prompt(cli: &Cli, job: &Prepared, prompt: &[u32]) -> Result<i32, JobError
         session: cli.session.clone().map(|name| SessionPlan {
             name,
             after_prefill: false,
+            keep_at: Vec::new(),
+            name_key: Vec::new(),
         }),
         full_recompute: cli.full_recompute,
         keep_step0_logits: cli.dump_logits.is_some(),
