@@ -367,7 +367,7 @@ fn relative_paths_work_from_another_directory() {
     );
     assert!(
         st.stdout
-            .contains(&format!("trunk: {}\n", canon_trunk.display())),
+            .contains(&format!("trunk: {} (", canon_trunk.display())),
         "{st:?}"
     );
 }
