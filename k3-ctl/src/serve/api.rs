@@ -509,6 +509,25 @@ pub fn check_model(model: &Option<String>, served: &str) -> Result<(), ApiError>
     }
 }
 
+/// `logit_bias`: `{"ID": bias}` with biases in −100..=100 (ids are checked against the
+/// vocabulary by [`super::shape::check_bias_ids`]).
+pub fn logit_bias(m: Option<&serde_json::Map<String, Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bad = |m: String| ApiError::bad(Some("logit_bias"), m);
+    let mut out = Vec::new();
+    for (k, v) in m.into_iter().flatten() {
+        let id: u32 = k
+            .parse()
+            .map_err(|_| bad(format!("logit_bias key {k:?} is not a token id")))?;
+        let b = v
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| bad(format!("logit_bias[{k:?}] = {v}: a number in -100..=100")))?;
+        out.push((id, b as f32));
+    }
+    out.sort_by_key(|e| e.0);
+    Ok(out)
+}
+
 /// Validate the shared fields; `max_tokens` falls back to `default_max`.
 pub fn settings(
     c: &Common,
@@ -541,7 +560,7 @@ pub fn settings(
         }
         penalty[k] = v as f32;
     }
-    let logit_bias = super::shape::logit_bias(c.logit_bias.as_ref())?;
+    let logit_bias = logit_bias(c.logit_bias.as_ref())?;
     let max_new = match max_tokens {
         None => default_max,
         Some(n) if n >= 1 && n as u64 <= MAX_GEN as u64 => n as usize,

@@ -51,7 +51,12 @@ const PROBE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 /// Most bytes of a request head kept for [`Conn::framing`] (serve's head limit, and room for
 /// the bytes read with it).
-const HEAD_RECORD: usize = super::MAX_HEAD_BYTES + (4 << 10);
+/// Largest request head (request line + headers), in bytes.
+pub(super) const MAX_HEAD_BYTES: usize = 16 << 10;
+/// Most request headers.
+pub(super) const MAX_HEADERS: usize = 64;
+
+const HEAD_RECORD: usize = MAX_HEAD_BYTES + (4 << 10);
 
 /// How a request head frames its body, read from its bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -65,7 +70,7 @@ pub struct Framing {
 impl Framing {
     /// The framing of the first request head in `bytes` (`None` when it is not a whole head).
     pub fn of_head(bytes: &[u8]) -> Option<Framing> {
-        let mut headers = [httparse::EMPTY_HEADER; super::MAX_HEADERS];
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut req = httparse::Request::new(&mut headers);
         match req.parse(bytes) {
             Ok(httparse::Status::Complete(_)) => {}

@@ -44,10 +44,6 @@ mod shape;
 mod supervise;
 mod text;
 
-/// Largest request head (request line + headers), in bytes.
-const MAX_HEAD_BYTES: usize = 16 << 10;
-/// Most request headers.
-const MAX_HEADERS: usize = 64;
 /// Environment variable with the API key (`--api-key-file` wins).
 const API_KEY_ENV: &str = "K3_API_KEY";
 /// Prompt ids of the request a slot is planned for by default (with the default chat
@@ -592,8 +588,8 @@ async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.head)
-        .max_header_size(MAX_HEAD_BYTES)
-        .max_headers(MAX_HEADERS)
+        .max_header_size(conn::MAX_HEAD_BYTES)
+        .max_headers(conn::MAX_HEADERS)
         // A client that ends its sending side after its request still gets its answer
         // (conn::watch tells it from a client that is gone).
         .half_close(true);

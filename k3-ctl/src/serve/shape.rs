@@ -29,25 +29,6 @@ pub fn default_think_budget(max_new: usize) -> usize {
     (max_new / 2).max(1)
 }
 
-/// `logit_bias`: `{"ID": bias}` with biases in −100..=100 (ids are checked against the
-/// vocabulary by [`check_bias_ids`]).
-pub fn logit_bias(m: Option<&serde_json::Map<String, Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
-    let bad = |m: String| ApiError::bad(Some("logit_bias"), m);
-    let mut out = Vec::new();
-    for (k, v) in m.into_iter().flatten() {
-        let id: u32 = k
-            .parse()
-            .map_err(|_| bad(format!("logit_bias key {k:?} is not a token id")))?;
-        let b = v
-            .as_f64()
-            .filter(|b| (-100.0..=100.0).contains(b))
-            .ok_or_else(|| bad(format!("logit_bias[{k:?}] = {v}: a number in -100..=100")))?;
-        out.push((id, b as f32));
-    }
-    out.sort_by_key(|e| e.0);
-    Ok(out)
-}
-
 /// Every biased id is in the vocabulary.
 pub fn check_bias_ids(shape: &Shape, vocab: usize) -> Result<(), ApiError> {
     match shape
@@ -257,7 +238,10 @@ mod tests {
     fn logit_bias_keys_are_ids_and_values_bounded() {
         let m: serde_json::Map<String, Value> =
             serde_json::from_value(json!({"42": -100, "7": 2.5})).unwrap();
-        assert_eq!(logit_bias(Some(&m)).unwrap(), vec![(7, 2.5), (42, -100.0)]);
+        assert_eq!(
+            crate::serve::api::logit_bias(Some(&m)).unwrap(),
+            vec![(7, 2.5), (42, -100.0)]
+        );
         for bad in [
             json!({"x": 1}),
             json!({"1": 101}),
@@ -265,7 +249,7 @@ mod tests {
             json!({"-1": 1}),
         ] {
             let m: serde_json::Map<String, Value> = serde_json::from_value(bad.clone()).unwrap();
-            let e = logit_bias(Some(&m)).unwrap_err();
+            let e = crate::serve::api::logit_bias(Some(&m)).unwrap_err();
             assert_eq!(e.param, Some("logit_bias"), "{bad}");
         }
         let shape = Shape {
