@@ -475,21 +475,24 @@ fn no_crate_has_an_import_circle() {
     assert!(wrong.is_empty(), "import circles: {wrong:?}");
 }
 
-/// k3-worker's layers point down: the front ends over the engine over the model over the
-/// kernels (the text formats and the tokenizer beside them, the scoring of a text beside the
-/// engine); nothing below names what is above.
+/// k3-worker's layers point down: the front ends over the engine (over the constraints) over the
+/// model over the kernels (the text formats and the tokenizer beside them, the scoring of a text
+/// beside the engine); nothing below names what is above.
 #[test]
 fn the_worker_s_layers_point_down() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../k3-worker/src");
     let g = graph(&src, "k3_worker");
     let rank = |f: &str| match f {
-        "main" => 5,
-        "front" => 4,
-        "engine" | "eval" => 3,
+        "main" => 6,
+        "front" => 5,
+        // The engine, and the scoring of a text (`--perplexity`) beside it over the model.
+        "engine" | "eval" => 4,
+        // Grammar-constrained decoding: over the text formats, under the engine that applies it.
+        "constrain" => 3,
         "text" => 2,
         "model" | "tokenizer" => 1,
         "kernels" => 0,
-        _ => 6,
+        _ => 7,
     };
     let up: Vec<(String, String)> = across(&g)
         .into_iter()

@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use k3_proto::names::MODEL_TENSORS;
-use k3_proto::shm::{RegionKind, ShmHeader};
+use k3_proto::shm::{RegionEntry, RegionKind, ShmHeader};
 use k3_proto::wire::{ClientKind, Counters, ErrorCode, Request, Response, SlotAnswer};
 
 use crate::attach::client::{Client, ClientError};
@@ -371,6 +371,104 @@ fn unexpected(r: Response) -> SessionCallError {
     }
 }
 
+/// The checkpoint at `model_dir` as this worker sees it, refused unless it is the model the
+/// store serves (the header's content identity).
+fn same_model(model_dir: &Path, header: &ShmHeader) -> Result<Catalog, AttachError> {
+    let (cat, _cfg) = Catalog::open_dir(model_dir).map_err(AttachError::Catalog)?;
+    let identity = ModelIdentity::of(&cat).map_err(AttachError::Identity)?;
+    if identity.id != header.model_identity() {
+        return Err(AttachError::Mismatch(format!(
+            "{} is model {identity} here, but the store serves model {:032x}: the checkpoint \
+             (its config, manifest or shards) changed since the store loaded it; restart \
+             the store",
+            model_dir.display(),
+            header.model_identity()
+        )));
+    }
+    Ok(cat)
+}
+
+/// A region of the store's mapping, refused when it lies outside it.
+fn region_of(
+    owner: &Arc<dyn ByteOwner>,
+    r: &RegionEntry,
+    what: &str,
+) -> Result<Region, AttachError> {
+    Region::new(owner.clone(), r.offset as usize, r.len as usize)
+        .ok_or_else(|| AttachError::Mismatch(format!("{what}: region outside the mapping")))
+}
+
+/// The model-level tensors the store holds, by name.
+fn model_regions(
+    header: &ShmHeader,
+    owner: &Arc<dyn ByteOwner>,
+) -> Result<HashMap<&'static str, Region>, AttachError> {
+    let mut model = HashMap::new();
+    for (i, name) in MODEL_TENSORS.iter().enumerate() {
+        if let Some(r) = header.find(RegionKind::ModelTensor, i as u32) {
+            model.insert(*name, region_of(owner, &r, name)?);
+        }
+    }
+    Ok(model)
+}
+
+/// The pinned layers the store holds, each checked against this worker's trunk layout (read
+/// from `trunk_from`).
+fn pinned_regions(
+    header: &ShmHeader,
+    owner: &Arc<dyn ByteOwner>,
+    trunk: &TrunkLayout,
+    trunk_from: &Path,
+) -> Result<Vec<LayerRun>, AttachError> {
+    let mismatch = |m: String| AttachError::Mismatch(m);
+    let mut pinned = Vec::new();
+    while let Some(r) = header.find(RegionKind::PinnedLayer, pinned.len() as u32) {
+        let l = pinned.len();
+        let plan = trunk
+            .plan(l)
+            .ok_or_else(|| mismatch(format!("pinned layer {l} is not in the trunk")))?;
+        if plan.run_len != r.len {
+            return Err(mismatch(format!(
+                "pinned layer {l} is {} bytes in the store, {} in {}",
+                r.len,
+                plan.run_len,
+                trunk_from.display()
+            )));
+        }
+        pinned.push(LayerRun {
+            layer: l,
+            region: region_of(owner, &r, &format!("pinned layer {l}"))?,
+            layout: plan.layout.clone(),
+        });
+    }
+    Ok(pinned)
+}
+
+/// The store's draft trunk: its directory (absolute, as the store resolved it) and its runs in
+/// the mapping; `None` when the store holds none. Its draft.json is read (and checked against
+/// the checkpoint) only by a job that drafts with it.
+fn draft_regions(
+    header: &ShmHeader,
+    owner: &Arc<dyn ByteOwner>,
+    draft_dir: &str,
+) -> Result<Option<(PathBuf, Vec<Region>)>, AttachError> {
+    if draft_dir.is_empty() {
+        return Ok(None);
+    }
+    let dir = PathBuf::from(draft_dir);
+    if !dir.is_absolute() {
+        return Err(AttachError::Mismatch(format!(
+            "the store sent a relative path {draft_dir}; refusing to resolve it here"
+        )));
+    }
+    let mut runs = Vec::new();
+    while let Some(r) = header.find(RegionKind::DraftLayer, runs.len() as u32) {
+        let what = format!("draft layer {}", runs.len());
+        runs.push(region_of(owner, &r, &what)?);
+    }
+    Ok(Some((dir, runs)))
+}
+
 impl AttachedSource {
     /// Connect to the store at `socket`, map its memory and prepare to stream unpinned layers.
     pub fn attach(
@@ -410,17 +508,7 @@ impl AttachedSource {
                 )));
             }
         }
-        let (cat, _cfg) = Catalog::open_dir(&model_dir).map_err(AttachError::Catalog)?;
-        let identity = ModelIdentity::of(&cat).map_err(AttachError::Identity)?;
-        if identity.id != header.model_identity() {
-            return Err(mismatch(format!(
-                "{} is model {identity} here, but the store serves model {:032x}: the checkpoint \
-                 (its config, manifest or shards) changed since the store loaded it; restart \
-                 the store",
-                model_dir.display(),
-                header.model_identity()
-            )));
-        }
+        let cat = same_model(&model_dir, &header)?;
         // The shards (private expert reads, the trunk layout), the trunk, the socket, the
         // store's memory and a session's memfd, against the open-file limit (raised).
         let needs = crate::runtime::fdlimit::Needs {
@@ -448,36 +536,9 @@ impl AttachedSource {
             )));
         }
         let owner: Arc<dyn ByteOwner> = seg.clone();
-        let mut model = HashMap::new();
-        for (i, name) in MODEL_TENSORS.iter().enumerate() {
-            if let Some(r) = header.find(RegionKind::ModelTensor, i as u32) {
-                let region = Region::new(owner.clone(), r.offset as usize, r.len as usize)
-                    .ok_or_else(|| mismatch(format!("{name}: region outside the mapping")))?;
-                model.insert(*name, region);
-            }
-        }
-        let mut pinned = Vec::new();
-        while let Some(r) = header.find(RegionKind::PinnedLayer, pinned.len() as u32) {
-            let l = pinned.len();
-            let plan = trunk
-                .plan(l)
-                .ok_or_else(|| mismatch(format!("pinned layer {l} is not in the trunk")))?;
-            if plan.run_len != r.len {
-                return Err(mismatch(format!(
-                    "pinned layer {l} is {} bytes in the store, {} in {}",
-                    r.len,
-                    plan.run_len,
-                    trunk_dir.as_deref().unwrap_or(&model_dir).display()
-                )));
-            }
-            let region = Region::new(owner.clone(), r.offset as usize, r.len as usize)
-                .ok_or_else(|| mismatch(format!("pinned layer {l}: region outside the mapping")))?;
-            pinned.push(LayerRun {
-                layer: l,
-                region,
-                layout: plan.layout.clone(),
-            });
-        }
+        let model = model_regions(&header, &owner)?;
+        let trunk_from = trunk_dir.as_deref().unwrap_or(&model_dir);
+        let pinned = pinned_regions(&header, &owner, &trunk, trunk_from)?;
         let pinned_layers = pinned.len();
         let ring = match header.find(RegionKind::TrunkRing, 0) {
             Some(r) => (r.offset, r.len),
@@ -494,26 +555,7 @@ impl AttachedSource {
             .ok_or_else(|| mismatch("the store's memory has no expert arena".into()))?;
         // The store's draft trunk: its runs are regions of the mapping; its draft.json is read
         // (and checked against the checkpoint) only by a job that drafts with it.
-        let draft = if draft_dir.is_empty() {
-            None
-        } else {
-            let dir = PathBuf::from(&draft_dir);
-            if !dir.is_absolute() {
-                return Err(mismatch(format!(
-                    "the store sent a relative path {draft_dir}; refusing to resolve it here"
-                )));
-            }
-            let mut runs = Vec::new();
-            while let Some(r) = header.find(RegionKind::DraftLayer, runs.len() as u32) {
-                let l = runs.len();
-                runs.push(
-                    Region::new(owner.clone(), r.offset as usize, r.len as usize).ok_or_else(
-                        || mismatch(format!("draft layer {l}: region outside the mapping")),
-                    )?,
-                );
-            }
-            Some((dir, runs))
-        };
+        let draft = draft_regions(&header, &owner, &draft_dir)?;
         let info = AttachInfo {
             model_dir,
             trunk_dir,

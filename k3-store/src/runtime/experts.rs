@@ -1012,56 +1012,19 @@ impl<X: Send> ExpertSlots<X> {
         mirror: &dyn Fn(&SlotTable, usize),
         wait: Duration,
     ) -> Result<(MutexGuard<'_, Locked<X>>, Served), BatchError> {
-        let cat = &self.catalog;
-        if layer >= cat.n_layers() {
-            return Err(BatchError::Invalid(format!(
-                "layer {layer} out of range ({} layers)",
-                cat.n_layers()
-            )));
-        }
-        if let Some(&bad) = ids.iter().find(|&&e| e as usize >= cat.n_experts()) {
-            return Err(BatchError::Invalid(format!(
-                "expert {bad} out of range ({} experts)",
-                cat.n_experts()
-            )));
-        }
+        self.check_batch(layer, ids)?;
         let l = layer as u32;
-        let mut uniq: Vec<u32> = Vec::with_capacity(ids.len());
-        let mut index = Vec::with_capacity(ids.len());
-        for &e in ids {
-            index.push(uniq.iter().position(|&u| u == e).unwrap_or(uniq.len()));
-            if index.last() == Some(&uniq.len()) {
-                uniq.push(e);
-            }
-        }
+        let (uniq, index) = distinct(ids);
 
         // Phase 1: reserve.
         let mut g = self.lock();
         if let Some(h) = holder {
             g.table.release_holder(h);
         }
-        let deadline = Instant::now() + wait;
         let used0 = g.table.counters().prefetch_used;
         let preload0 = g.table.counters().preload_hits;
-        let plan = loop {
-            match g.table.reserve(l, &uniq) {
-                Ok(p) => break p,
-                Err(e @ ReserveError::TooSmall { .. }) => {
-                    return Err(BatchError::Invalid(e.to_string()))
-                }
-                Err(e @ ReserveError::Busy { .. }) => {
-                    let now = Instant::now();
-                    if now >= deadline {
-                        return Err(BatchError::Busy(e));
-                    }
-                    g = self
-                        .cv
-                        .wait_timeout(g, deadline - now)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0;
-                }
-            }
-        };
+        let plan;
+        (g, plan) = self.reserve_within(g, l, &uniq, wait)?;
         let prefetch_used = g.table.counters().prefetch_used - used0;
         let preload_hits = g.table.counters().preload_hits - preload0;
         let mut loads = Vec::new();
@@ -1110,48 +1073,18 @@ impl<X: Send> ExpertSlots<X> {
         // Waits: experts another request was reading.
         let mut outcomes = Vec::with_capacity(uniq.len());
         for (r, &e) in plan.iter().zip(&uniq) {
-            let slot = r.slot();
-            let hit = matches!(r, Reserved::Hit { .. });
-            let at = self.offset_in_slot(layer, e);
-            if let Some(m) = failed.get(&slot) {
-                outcomes.push(Outcome {
-                    hit,
-                    slot: Err(m.clone()),
-                    at,
-                });
-                continue;
-            }
-            if let Reserved::Wait { .. } = r {
-                while g.table.state(slot)
-                    == (SlotState::Inflight {
-                        layer: l,
-                        expert: e,
-                    })
-                {
-                    g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+            let slot = match failed.get(&r.slot()) {
+                Some(m) => Err(m.clone()),
+                None => {
+                    let got;
+                    (g, got) = self.settled(g, r, layer, e);
+                    got
                 }
-                if g.table.state(slot)
-                    != (SlotState::Resident {
-                        layer: l,
-                        expert: e,
-                    })
-                {
-                    let m = (g.table.last_error(slot))
-                        .map(|m| ExpertError::Concurrent(Box::new(m.clone())))
-                        .unwrap_or(ExpertError::LoadFailed { layer, expert: e });
-                    g.table.release(slot);
-                    outcomes.push(Outcome {
-                        hit,
-                        slot: Err(m),
-                        at,
-                    });
-                    continue;
-                }
-            }
+            };
             outcomes.push(Outcome {
-                hit,
-                slot: Ok(slot),
-                at,
+                hit: matches!(r, Reserved::Hit { .. }),
+                slot,
+                at: self.offset_in_slot(layer, e),
             });
         }
         if let Some(h) = holder {
@@ -1168,6 +1101,105 @@ impl<X: Send> ExpertSlots<X> {
         };
         Ok((g, served))
     }
+}
+
+impl<X: Send> ExpertSlots<X> {
+    /// A batch's layer and experts exist in the catalog.
+    fn check_batch(&self, layer: usize, ids: &[u32]) -> Result<(), BatchError> {
+        let cat = &self.catalog;
+        if layer >= cat.n_layers() {
+            return Err(BatchError::Invalid(format!(
+                "layer {layer} out of range ({} layers)",
+                cat.n_layers()
+            )));
+        }
+        if let Some(&bad) = ids.iter().find(|&&e| e as usize >= cat.n_experts()) {
+            return Err(BatchError::Invalid(format!(
+                "expert {bad} out of range ({} experts)",
+                cat.n_experts()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Phase 1 of a batch: slots reserved for the distinct experts `uniq` of layer `l`, waiting
+    /// at most `wait` for leased slots to be released (then `Busy`).
+    fn reserve_within<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, Locked<X>>,
+        l: u32,
+        uniq: &[u32],
+        wait: Duration,
+    ) -> Result<(MutexGuard<'a, Locked<X>>, Vec<Reserved>), BatchError> {
+        let deadline = Instant::now() + wait;
+        loop {
+            match g.table.reserve(l, uniq) {
+                Ok(p) => return Ok((g, p)),
+                Err(e @ ReserveError::TooSmall { .. }) => {
+                    return Err(BatchError::Invalid(e.to_string()))
+                }
+                Err(e @ ReserveError::Busy { .. }) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(BatchError::Busy(e));
+                    }
+                    g = self
+                        .cv
+                        .wait_timeout(g, deadline - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+
+    /// The slot of expert `e` once settled: a hit or a load of this batch as it is; an expert
+    /// another request was reading is waited for, and its failure (the slot released) reported.
+    fn settled<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, Locked<X>>,
+        r: &Reserved,
+        layer: usize,
+        e: u32,
+    ) -> (MutexGuard<'a, Locked<X>>, Result<usize, ExpertError>) {
+        let (slot, l) = (r.slot(), layer as u32);
+        if !matches!(r, Reserved::Wait { .. }) {
+            return (g, Ok(slot));
+        }
+        let inflight = SlotState::Inflight {
+            layer: l,
+            expert: e,
+        };
+        while g.table.state(slot) == inflight {
+            g = self.cv.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        if g.table.state(slot)
+            == (SlotState::Resident {
+                layer: l,
+                expert: e,
+            })
+        {
+            return (g, Ok(slot));
+        }
+        let m = (g.table.last_error(slot))
+            .map(|m| ExpertError::Concurrent(Box::new(m.clone())))
+            .unwrap_or(ExpertError::LoadFailed { layer, expert: e });
+        g.table.release(slot);
+        (g, Err(m))
+    }
+}
+
+/// The distinct values of `ids` in first-seen order, and each id's index among them.
+fn distinct(ids: &[u32]) -> (Vec<u32>, Vec<usize>) {
+    let mut uniq: Vec<u32> = Vec::with_capacity(ids.len());
+    let mut index = Vec::with_capacity(ids.len());
+    for &e in ids {
+        index.push(uniq.iter().position(|&u| u == e).unwrap_or(uniq.len()));
+        if index.last() == Some(&uniq.len()) {
+            uniq.push(e);
+        }
+    }
+    (uniq, index)
 }
 
 /// One read of phase 2: (slot, expert, its extents, an injected failure).

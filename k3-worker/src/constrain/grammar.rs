@@ -17,7 +17,7 @@
 
 use serde_json::{json, Value};
 
-use super::{ConstrainError, Ids};
+use super::types::{ConstrainError, Ids};
 use crate::text::tools::ToolSpec;
 
 /// What a constrained reply must be.

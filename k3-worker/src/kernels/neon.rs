@@ -595,7 +595,7 @@ fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32], strips: b
         bf16_tokens::<S, MATMUL_ROWS, TOKEN_BLOCK>(src, x, n, t, out);
         t += TOKEN_BLOCK;
     }
-    if t < n && cols <= super::NARROW_COLS {
+    if t < n && cols <= super::scalar::NARROW_COLS {
         bf16_tokens::<S, 1, 1>(src, x, n, t, out);
     } else if t < n {
         bf16_tokens::<S, MATVEC_ROWS, 1>(src, x, n, t, out);

@@ -24,7 +24,6 @@
 
 use serde_json::{Map, Value};
 
-use crate::text::xtml::END_IDS;
 use crate::tokenizer::Tokenizer;
 
 /// One piece of a rendered conversation.
@@ -66,6 +65,9 @@ pub fn flat(pieces: &[Piece]) -> String {
 pub fn escape_attr(v: &str) -> String {
     v.replace('&', "&amp;").replace('"', "&quot;")
 }
+
+/// The two end-of-turn ids (SPEC.md §5.4, I34): `[EOS]` and `<|end_of_msg|>`.
+pub const END_IDS: [u32; 2] = [163_585, 163_586];
 
 /// The four structural control ids (looked up in the tokenizer by the chat renderer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -20,7 +20,7 @@
 //! it is accepted here because the effort body itself names it.
 
 use crate::text::tools::{self, ChoiceNote, FormatNote, Piece, RenderError, ToolCall, ToolSpec};
-pub use crate::text::tools::{escape_attr, Markers};
+pub use crate::text::tools::{escape_attr, Markers, END_IDS};
 use crate::tokenizer::Tokenizer;
 
 /// What a request adds around its history (SPEC.md §5.5 "Tools").
@@ -33,9 +33,6 @@ pub struct Options {
     /// `response_format` (a `response-format` note after the history).
     pub format: Option<FormatNote>,
 }
-
-/// The two end-of-turn ids (SPEC.md §5.4, I34): `[EOS]` and `<|end_of_msg|>`.
-pub const END_IDS: [u32; 2] = [163_585, 163_586];
 
 /// How much the model is asked to think (thinking on).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
