@@ -47,6 +47,11 @@ mod neon;
     target_arch = "x86_64",
     all(target_arch = "aarch64", target_endian = "little")
 ))]
+mod quant_loop;
+#[cfg(any(
+    target_arch = "x86_64",
+    all(target_arch = "aarch64", target_endian = "little")
+))]
 mod tile;
 
 mod tier;

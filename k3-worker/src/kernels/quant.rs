@@ -15,9 +15,10 @@
 //! Lane counts are multiples of 4, 8 and 16, so a 4-wide (NEON), 8-wide (AVX2) and 16-wide
 //! (AVX-512) tier hold them in whole registers and follow the same sequence; the scalar twin
 //! uses `f32::mul_add` (a correctly rounded fused multiply-add on every target). The tiers'
-//! kernels (`avx2::quant_rows`, `avx512::quant_rows`) differ only in how many rows and tokens
-//! they dot at once: each loaded code vector is used for a block of tokens, and a decode step
-//! dots several rows at once so enough independent FMA chains hide the FMA latency.
+//! kernels (`avx2::quant_rows`, `avx512::quant_rows`: their dots through
+//! `quant_loop::QuantDots` in the shared loops `quant_loop::tokens`) differ only in how many rows and tokens they dot at once: each
+//! loaded code vector is used for a block of tokens, and a decode step dots several rows at
+//! once so enough independent FMA chains hide the FMA latency.
 
 use k3_proto::quant::{QuantKind, QuantMatrix, GROUP};
 
