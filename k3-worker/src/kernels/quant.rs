@@ -218,7 +218,16 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        let special = [1e-40f32, -3e-39, 1e30, -2.5e30, 0.0, -0.0, f32::INFINITY, 7.0];
+        let special = [
+            1e-40f32,
+            -3e-39,
+            1e30,
+            -2.5e30,
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            7.0,
+        ];
         for tier in Tier::ALL {
             let Some(k) = Kernels::new(tier) else {
                 eprintln!("quant kernels: tier {tier} skipped: this CPU lacks it");
