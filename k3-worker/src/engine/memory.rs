@@ -182,6 +182,16 @@ impl EnginePlan {
             .unwrap_or(1)
     }
 
+    /// The `--prefill-chunk auto` rows for a prefill allowance of `allowance` bytes: the
+    /// longest chunk that fits ([`EnginePlan::prefill_rows_within`]), never fewer rows than
+    /// the fixed default ran ([`DEFAULT_PREFILL_CHUNK`], or the longest prompt when shorter):
+    /// at full scale a 512-row pass is ~1.6 GB, more than the laptop preset's 1.5 GB allowance,
+    /// and auto never does worse than the chunk it replaced.
+    pub fn auto_prefill_rows(&self, d: &Dims, allowance: u64) -> usize {
+        let default = DEFAULT_PREFILL_CHUNK.min(self.longest.max(1));
+        self.prefill_rows_within(d, allowance).max(default)
+    }
+
     /// How many slots of `positions` fit `avail` bytes with a pass of this plan's shape (at
     /// least 1, at most `max`).
     pub fn slots_that_fit(&self, d: &Dims, avail: u64, max: usize) -> usize {

@@ -303,9 +303,9 @@ fn size_prefill(shape: &mut JobShape, d: &Dims, budget: &plan::Budget) -> Result
         return Ok(());
     };
     let e = &mut shape.engine;
-    e.prefill_rows = e.prefill_rows_within(d, allowance);
+    e.prefill_rows = e.auto_prefill_rows(d, allowance);
     tracing::info!(
-        "prefill chunk: {} rows (auto: the longest whose pass, {}, fits the {} the plan allows a prefill)",
+        "prefill chunk: {} rows (auto: the longest whose pass, {}, fits the {} the plan allows a prefill, at least the default's)",
         e.prefill_rows,
         fmt_bytes(e.pass_bytes(d)),
         fmt_bytes(allowance)
