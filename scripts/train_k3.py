@@ -6,6 +6,7 @@ checkpoint, and give the trainer's own greedy ids / step-0 logits on the EXPORTE
     scripts/train_k3.py OUT --export-from OUT_OF_A_RUN/trained_params.npz [--preset ...]
     scripts/train_k3.py OUT --expand fixtures/trained/compact.npz      # numpy only
     scripts/train_k3.py --reference MODEL_DIR --ids 1,2,3 [--gen 8] [--out-dir DIR] [--val-windows N]
+    scripts/train_k3.py --setup        # only install the environment and fetch + tokenize the corpus
 
 Training: K3's forward in JAX on CPU (KDA with gates, decay and short convolutions, gated MLA
 NoPE, Block Attention Residuals, Stable LatentMoE with the sigmoid router, selection bias and a
@@ -21,14 +22,18 @@ unigram entropy).
 (k3ref's binder: BF16 rounded, MXFP4 dequantized) and prints the greedy ids; with --out-dir it
 writes prompt_ids.json, greedy_ids.json and logits_step0.f32 as scripts/k3_reference.py does.
 
-Environment: the first run creates .venv-train/ inside the repository and installs
-scripts/requirements-train.txt into it (pinned JAX for CPU, numpy, tiktoken; it says so before
-installing); later runs reuse it. Set K3TRAIN_PYTHON=system to use the current interpreter.
+Environment: the first run on a machine creates a virtual environment outside the repository,
+``~/.cache/k3/venv-train-<hash>/`` (scripts/k3cache.py: ``$K3_CACHE_DIR`` or ``$XDG_CACHE_HOME/k3``
+when set; the hash is that of scripts/requirements-train.txt), and installs
+scripts/requirements-train.txt into it (pinned JAX for CPU, numpy, tiktoken; about 630 MB; it says
+so before installing); later runs, from any clone, reuse it. Set K3TRAIN_PYTHON=system to use the
+current interpreter.
 Exit codes: 0 ok, 1 failure, 2 usage.
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -37,26 +42,40 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-VENV = REPO / ".venv-train"
 REQS = HERE / "requirements-train.txt"
+sys.path.insert(0, str(HERE))
+import k3cache  # noqa: E402  (standard library only)
+
+REQS_SHA256 = hashlib.sha256(REQS.read_bytes()).hexdigest()
+VENV = k3cache.root() / f"venv-train-{REQS_SHA256[:12]}"
 
 
 def ensure_venv() -> None:
-    """Re-exec inside .venv-train (creating / updating it from the pinned requirements)."""
+    """Re-exec inside the trainer's venv (creating it from the pinned requirements)."""
     if os.environ.get("K3TRAIN_PYTHON") == "system" or Path(sys.prefix).resolve() == VENV.resolve():
         return
     py = VENV / "bin" / "python"
     stamp = VENV / ".requirements.sha256"
-    want = hashlib.sha256(REQS.read_bytes()).hexdigest()
-    if not py.exists() or not stamp.exists() or stamp.read_text().strip() != want:
-        pins = [ln.strip() for ln in REQS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
-        print(f"train_k3: installing into {VENV} (a virtual environment inside the repository): "
-              f"{', '.join(pins)}", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                        "-r", str(REQS)], check=True)
-        stamp.write_text(want + "\n")
+    want = REQS_SHA256
+    VENV.parent.mkdir(parents=True, exist_ok=True)
+    # One installer at a time per machine (two clones' test runs may start together).
+    with open(VENV.parent / f"{VENV.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not py.exists() or not stamp.exists() or stamp.read_text().strip() != want:
+            install(py, stamp, want)
     os.execv(str(py), [str(py), str(Path(__file__).resolve()), *sys.argv[1:]])
+
+
+def install(py: Path, stamp: Path, want: str) -> None:
+    """Create VENV and install the pinned requirements into it, saying so first."""
+    pins = [ln.strip() for ln in REQS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    print(f"train_k3: installing into {VENV} (a virtual environment in this machine's k3 cache, "
+          f"outside the repository; about 630 MB, once per machine): {', '.join(pins)}",
+          file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    "-r", str(REQS)], check=True)
+    stamp.write_text(want + "\n")
 
 
 def parse_ids(text: str) -> list[int]:
@@ -88,12 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expand", metavar="COMPACT_NPZ",
                     help="write OUT from a compact.npz (numpy only: no virtual environment needed)")
     ap.add_argument("--reference", metavar="MODEL_DIR", help="run the trainer's forward on a checkpoint")
+    ap.add_argument("--setup", action="store_true",
+                    help="only make the environment and the corpus ready (installs and downloads once per machine)")
     ap.add_argument("--ids", type=parse_ids)
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--out-dir")
     ap.add_argument("--val-windows", type=int, default=0,
                     help="with --reference: also the validation CE over N windows of 256 tokens")
     args = ap.parse_args(argv)
+    if args.setup:
+        ensure_venv()
+        sys.path.insert(0, str(HERE))
+        from k3train import corpus  # noqa: E402
+        c = corpus.load()
+        print(f"train_k3: environment {VENV} and corpus ({len(c.train):,} train ids) ready", file=sys.stderr)
+        return 0
     if args.reference is None and args.out is None:
         ap.error("give OUT (train) or --reference MODEL_DIR")
     if args.reference is not None and args.ids is None:

@@ -492,22 +492,27 @@ fn sequential_reads_into(
 }
 
 /// Measure the disk holding `target` (a directory gets a scratch file).
-fn measure_disk(a: &Args) -> Result<Value, DiskError> {
+/// What `measure_disk` reads: a scratch file it writes in a directory (deleted on drop), or the
+/// file it is given, read in place; with a note for the report.
+fn file_to_read(a: &Args) -> Result<(Option<Scratch>, PathBuf, String), DiskError> {
     let meta = std::fs::metadata(&a.dir).map_err(DiskError::file("", &a.dir))?;
-    let (_scratch, file_path, scratch_note) = if meta.is_dir() {
-        let size = scratch_bytes(a.size_mib);
-        let t0 = Instant::now();
-        let s = make_scratch(&a.dir, size)?;
-        let p = s.0.clone();
-        let note = format!(
-            "scratch file of {} MiB written and fsynced in {:.1} s (deleted afterwards)",
-            size >> 20,
-            t0.elapsed().as_secs_f64()
-        );
-        (Some(s), p, note)
-    } else {
-        (None, a.dir.clone(), "existing file, read in place".into())
-    };
+    if !meta.is_dir() {
+        return Ok((None, a.dir.clone(), "existing file, read in place".into()));
+    }
+    let size = scratch_bytes(a.size_mib);
+    let t0 = Instant::now();
+    let s = make_scratch(&a.dir, size)?;
+    let p = s.0.clone();
+    let note = format!(
+        "scratch file of {} MiB written and fsynced in {:.1} s (deleted afterwards)",
+        size >> 20,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok((Some(s), p, note))
+}
+
+fn measure_disk(a: &Args) -> Result<Value, DiskError> {
+    let (_scratch, file_path, scratch_note) = file_to_read(a)?;
     let round = Duration::from_secs_f64((a.seconds / ROUNDS as f64).max(0.05));
     let direct = DiskFile::open(&file_path)?;
     let is_direct = direct.is_direct();

@@ -55,7 +55,7 @@ enum Cmd {
     Verify(verify::Args),
     /// OpenAI-compatible HTTP server in front of a running store (one worker, its slots decoded
     /// together).
-    Serve(serve::Args),
+    Serve(Box<serve::Args>),
 }
 
 fn main() {
@@ -89,7 +89,7 @@ fn main() {
         Cmd::Doctor(a) => report("k3-ctl doctor", doctor::run(a)),
         Cmd::Verify(a) => report("k3-ctl verify", verify::run(a)),
         Cmd::Census(a) => report("k3-ctl census", census::run(a)),
-        Cmd::Serve(a) => report("k3-ctl serve", serve::run(a)),
+        Cmd::Serve(a) => report("k3-ctl serve", serve::run(*a)),
     };
     std::process::exit(code);
 }

@@ -21,7 +21,7 @@ use crate::fail::Failed;
 #[command(group(clap::ArgGroup::new("input").required(true).args(["text", "file"])))]
 pub struct TokenizeArgs {
     /// Tokenizer directory (holds `tiktoken.model` and `tokenizer_config.json`).
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub tok: PathBuf,
     /// Text to encode.
     #[arg(long, allow_hyphen_values = true)]
@@ -48,7 +48,7 @@ pub struct TokenizeArgs {
 #[command(group(clap::ArgGroup::new("source").required(true).args(["ids", "ids_file"])))]
 pub struct DetokenizeArgs {
     /// Tokenizer directory.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub tok: PathBuf,
     /// Comma-separated ids, e.g. `19180,2695` (may be empty).
     #[arg(long, allow_hyphen_values = true)]

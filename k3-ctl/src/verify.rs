@@ -35,7 +35,7 @@ pub struct Args {
     /// Checkpoint directory (config.json, *.safetensors, model.safetensors.index.json).
     pub model_dir: PathBuf,
     /// Packed trunk directory (trunk.bin + trunk.json) to check against the checkpoint.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub trunk: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]

@@ -493,7 +493,10 @@ fn second_turn_reuses_the_state_and_gives_the_ids_of_a_full_prefill() {
     let shapes = ShapeTable::from_index(&index, dims.n_layers);
     let model = Model::new(dims, &src, Some(&shapes as &dyn TensorShapes)).unwrap();
     let f = ChatFormat::new(tok(), Some(Effort::Max)).unwrap();
-    let opts = TurnOptions { max_new: 16 };
+    let opts = TurnOptions {
+        max_new: 16,
+        think_budget: None,
+    };
     let capacity = 1024;
     let mut model = Engine::new(model, EnginePlan::one(capacity, 512, 0));
     let conv = |history: Vec<Message>| {

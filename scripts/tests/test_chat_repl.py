@@ -14,8 +14,6 @@ terminal's Ctrl-C would be:
 import os
 import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,12 +33,8 @@ def binary(name):
 
 
 @pytest.fixture(scope="module")
-def small():
-    with tempfile.TemporaryDirectory(prefix="k3-chat-") as d:
-        model = Path(d) / "small"
-        subprocess.run([sys.executable, ROOT / "scripts" / "make-checkpoint.py", "--preset", "small", "--seed", "1",
-                        model], check=True, capture_output=True, timeout=300)
-        yield model
+def small(small_model):
+    return small_model
 
 
 class Chat:

@@ -137,11 +137,10 @@ class Nginx:
 
 
 @pytest.fixture(scope="module")
-def world():
+def world(small_model):
     with tempfile.TemporaryDirectory(prefix="k3-lb-") as d:
         d = Path(d)
-        model = d / "small"
-        run([sys.executable, ROOT / "scripts" / "make-checkpoint.py", "--preset", "small", "--seed", "1", model])
+        model = small_model
         env = dict(os.environ, XDG_RUNTIME_DIR=str(d / "xdg"))
         socks = [d / "machine-a" / "store.sock", d / "machine-b" / "store.sock"]
         started, serves, nginx = [], [], None

@@ -6,8 +6,9 @@ exported checkpoint through three forwards that must agree:
 * k3 (`k3-worker --standalone`), ids identical and step-0 logits within max|Δ|/max|ref| ≤ 1e-4,
   the tolerance of k3-worker/tests/gate.rs.
 
-The first run installs .venv-train/ (pinned JAX for CPU, scripts/requirements-train.txt) and
-downloads the pinned corpus into .cache/k3train/; later runs reuse both. A few minutes in all.
+The first run on a machine installs the trainer's venv (pinned JAX for CPU,
+scripts/requirements-train.txt) and downloads the pinned corpus, both into the machine's k3 cache
+outside the clone (~/.cache/k3/, scripts/k3cache.py); later runs, from any clone, reuse both.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import train_k3
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "scripts" / "train_k3.py"
@@ -70,7 +73,7 @@ def test_smoke_checkpoint_gives_the_trainers_ids_in_k3_and_the_numpy_reference(s
     assert [int(t) for t in w.stdout.split()] == trainer_ids
 
     npref = tmp_path / "numpy"
-    venv_py = ROOT / ".venv-train" / "bin" / "python"
+    venv_py = train_k3.VENV / "bin" / "python"
     run([venv_py, ROOT / "scripts" / "k3_reference.py", smoke, "--ids", PROMPT, "--gen", GEN,
          "--out-dir", npref], timeout=1200)
     assert json.loads((npref / "greedy_ids.json").read_text()) == trainer_ids

@@ -106,6 +106,10 @@ fn serve_worker(sb: &Sandbox, slots: usize, jobs: &[Vec<u32>]) -> (Run, Value) {
                 seed: 0,
             },
             session: None,
+            resume: None,
+            keep_at: Vec::new(),
+            name_key: Vec::new(),
+            shape: Default::default(),
         });
         k3_proto::wire::write_frame(&mut ours, &start).unwrap();
     }

@@ -4,7 +4,7 @@
 //! are the float64 reference's or the ones the same worker gives it alone, whatever runs beside
 //! it (a prompt longer than a slot beside short ones included: the same engine, as its report
 //! shows); a cancel ends one job at a step boundary with `Done {Cancelled}`, the others go on; a
-//! bad job is refused alone; a worker-level error is a kind with the exit code it then ends with;
+//! bad job is refused alone (a value outside serve's shared validation as `Invalid`); a worker-level error is a kind with the exit code it then ends with;
 //! the end of the channel ends the worker with exit 0.
 
 use std::collections::BTreeMap;
@@ -37,6 +37,7 @@ fn spawn(
             Some(1),
             slots,
             positions,
+            None,
         ))
         .args(extra)
         .env("XDG_RUNTIME_DIR", sb.xdg_dir())
@@ -67,6 +68,10 @@ fn start(req_id: u64, ids: Vec<u32>, max_new: u32) -> ToWorker {
             seed: 0,
         },
         session: None,
+        resume: None,
+        keep_at: Vec::new(),
+        name_key: Vec::new(),
+        shape: Default::default(),
     })
 }
 
@@ -263,6 +268,31 @@ fn errors_arrive_as_a_kind_with_the_exit_code() {
             ..
         } => assert_eq!((req_id, kind, exit_class), (Some(7), ErrorKind::Refused, 2)),
         other => panic!("expected an error, got {other:?}"),
+    }
+    // Values outside the validation serve shares (a subnormal top_p, a temperature past 2):
+    // Invalid, the client's fault (serve answers 400), for that job alone.
+    for (req_id, temperature, top_p) in [(9, 0.5, 1e-40), (10, 2.5, 1.0)] {
+        let ToWorker::Start(mut s) = start(req_id, vec![1, 2, 3], 2) else {
+            unreachable!()
+        };
+        s.sampling = Sampling {
+            temperature,
+            top_p,
+            seed: 1,
+        };
+        send(&mut c, &ToWorker::Start(s));
+        match recv(&mut c) {
+            FromWorker::Error {
+                req_id: r,
+                kind,
+                message,
+                ..
+            } => {
+                assert_eq!((r, kind), (Some(req_id), ErrorKind::Invalid), "{message}");
+                assert!(message.starts_with("top_p") || message.starts_with("temperature"));
+            }
+            other => panic!("expected an error, got {other:?}"),
+        }
     }
     send(&mut c, &start(8, reference_prompt(), 3));
     let got = collect(&mut c, &[8]);

@@ -266,6 +266,9 @@ fn chat(sb: &Sandbox, input: &str, extra: &[&str]) -> (Run, Value) {
         path_str(&tok),
         "--gen",
         "6",
+        // A budget the reply cannot spend: its ids are the model's own, as a full re-prefill's.
+        "--think-budget",
+        "6",
         "--ctx",
         "512",
         "--socket",

@@ -3,7 +3,11 @@
 //! CORS (off unless `--cors-origin`; a preflight `OPTIONS` from an allowed origin is answered
 //! 204), the API key (`Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`, compared in
 //! constant time; 401 otherwise, in Anthropic's error shape on its routes; `GET /health` and
-//! preflights need none), the access log line and the request counter.
+//! preflights need none), the access log line and the request counter. Before any of that,
+//! the message's framing (RFC 9112): a head with both `Content-Length` and `Transfer-Encoding`
+//! is 400 and the connection closes (§6.1, the request-smuggling case); a body in a
+//! `Content-Encoding` other than `identity` is 415 (nothing here decodes one). Both in the
+//! error shape of the route (Anthropic's on its routes).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -143,6 +147,49 @@ fn preflight(p: &Policy, h: &HeaderMap) -> Response {
     r
 }
 
+/// A message this server does not read as sent: its framing conflicts, or its body is
+/// encoded.
+fn framing_error(req: &Request) -> Option<ApiError> {
+    let conn = req.extensions().get::<Arc<Conn>>();
+    if conn
+        .and_then(|c| c.framing())
+        .is_some_and(|f| f.conflicts())
+    {
+        let mut e = ApiError::status(
+            StatusCode::BAD_REQUEST,
+            "bad_framing",
+            "the request has both Content-Length and Transfer-Encoding (RFC 9112 §6.1): send \
+             one of them",
+        );
+        e.close = true;
+        return Some(e);
+    }
+    let encodings = req.headers().get_all(header::CONTENT_ENCODING);
+    let coded = encodings.iter().find_map(|v| {
+        let v = v.to_str().unwrap_or("?");
+        v.split(',')
+            .map(str::trim)
+            .find(|c| !c.is_empty() && !c.eq_ignore_ascii_case("identity"))
+            .map(str::to_string)
+    });
+    coded.map(|c| {
+        ApiError::status(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_content_encoding",
+            format!("Content-Encoding {c:?} is not supported: send the body uncompressed"),
+        )
+    })
+}
+
+/// `e` in the error shape of `route`.
+fn shaped(route: &str, e: ApiError) -> Response {
+    if route.starts_with("/v1/messages") {
+        super::anthropic::error_response(e)
+    } else {
+        e.into_response()
+    }
+}
+
 /// What the middleware needs of the server's state: the API key and CORS policy, and the
 /// metrics it counts every answer in.
 pub trait Guarded: Send + Sync + 'static {
@@ -168,7 +215,16 @@ pub async fn layer<S: Guarded>(State(st): State<Arc<S>>, mut req: Request, next:
     let origin = allowed_origin(st.policy(), req.headers()).map(str::to_string);
     async move {
         let policy = st.policy();
-        let mut r = if method == Method::OPTIONS
+        let mut r = if let Some(e) = framing_error(&req) {
+            let mut r = shaped(route, e);
+            if r.status() == StatusCode::UNSUPPORTED_MEDIA_TYPE {
+                r.headers_mut().insert(
+                    header::ACCEPT_ENCODING,
+                    HeaderValue::from_static("identity"),
+                );
+            }
+            r
+        } else if method == Method::OPTIONS
             && req
                 .headers()
                 .contains_key(header::ACCESS_CONTROL_REQUEST_METHOD)
@@ -184,11 +240,7 @@ pub async fn layer<S: Guarded>(State(st): State<Arc<S>>, mut req: Request, next:
                 "invalid_api_key",
                 "a valid API key is required: Authorization: Bearer KEY, or x-api-key: KEY",
             );
-            let mut r = if route.starts_with("/v1/messages") {
-                super::anthropic::error_response(e)
-            } else {
-                e.into_response()
-            };
+            let mut r = shaped(route, e);
             r.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             r

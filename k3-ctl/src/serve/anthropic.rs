@@ -4,19 +4,22 @@
 //! [`ReplyText`]); only the shapes differ. Accepted: `model`, `messages` (content a string or
 //! `text`, `tool_use`, `tool_result`, `thinking` blocks), `max_tokens` (required), `system` (a
 //! string or `text` blocks), `stop_sequences`, `stream`, `temperature` (0..=1), `top_p`,
-//! `tools` (custom tools: `name`, `description`, `input_schema`), `tool_choice` `auto`/`none`
-//! (with `disable_parallel_tool_use`), `thinking` (`enabled` with `budget_tokens`, or
-//! `disabled`; the default is off, as Anthropic's), `metadata`, `service_tier` `auto` and
-//! `standard_only`, and as they come `cache_control`, `inference_geo`, `user_profile_id`,
-//! `workspace_id`. Refused with 400 naming the field: `top_k` (k3 samples by temperature and
-//! nucleus only), `tool_choice` `any`/`tool` and `output_config` (they need the engine's token
-//! mask), `container`, `mcp_servers`, `context_management`, `diagnostics`, `speed`, server tools,
-//! image and document blocks, `redacted_thinking`.
+//! `tools` (custom tools: `name`, `description`, `input_schema`), `tool_choice` `auto`/`none`/
+//! `any`/`tool` (with `disable_parallel_tool_use`; `any` and `tool` force a well-formed call
+//! through the worker's grammar), `thinking` (`enabled` with `budget_tokens`, or `disabled`;
+//! the default is off, as Anthropic's), `output_config.format` (`json_schema`: the reply's
+//! JSON follows the schema), `metadata`, `service_tier` `auto` and `standard_only`, and as they
+//! come `cache_control`, `inference_geo`, `user_profile_id`, `workspace_id`. Refused with 400
+//! naming the field: `top_k` (k3 samples by temperature and nucleus only), `output_config`
+//! other than `format`, `container`, `mcp_servers`, `context_management`, `diagnostics`,
+//! `speed`, server tools, image and document blocks, `redacted_thinking`.
 //!
-//! `thinking.budget_tokens` is not enforced yet (the engine closes no channel on its own): it
-//! chooses the thinking effort of the prompt (below 4,096 `low`, below 16,384 `high`, else
-//! `max`) and thinking counts against `max_tokens`. A `tool_result`'s `is_error` has no place in
-//! K3's format: its text is rendered as given.
+//! `thinking.budget_tokens` is enforced: at most that many ids in the think channel, then the
+//! worker closes it and opens the response (docs/SPEC.md §6.12 "Shaping"); it also chooses the
+//! thinking effort of the prompt (below 4,096 `low`, below 16,384 `high`, else `max`). Unlike
+//! Anthropic, budgets below 1,024 are accepted (this hardware thinks slowly); the budget must
+//! stay below `max_tokens`. A `tool_result`'s `is_error` has no place in K3's format: its text
+//! is rendered as given.
 //!
 //! Errors are Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with its
 //! status codes ([`reshape`] converts every error of these routes).
@@ -24,12 +27,13 @@
 use axum::body::Body;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use k3_worker::text::tools::{Arguments, ChoiceNote, ToolCall, ToolSpec};
+use k3_proto::serve::Grammar;
+use k3_worker::text::tools::{Arguments, ChoiceNote, FormatNote, ToolCall, ToolSpec};
 use k3_worker::text::xtml::{Effort, Message};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::api::{ApiError, Settings, ToolSetup, MAX_GEN, MAX_STOPS};
+use super::api::{ApiError, MustCall, Settings, ToolSetup, MAX_GEN, MAX_STOPS};
 use super::reply::{CallOut, Delta, Finish};
 
 /// Every field of Anthropic's Messages request: the `anthropic` SDK 2.17's `messages.create`
@@ -142,9 +146,11 @@ pub struct Tool {
 /// `tool_choice`.
 #[derive(Debug, Deserialize)]
 pub struct ToolChoice {
-    /// `auto`, `none` (`any`, `tool` refused).
+    /// `auto`, `none`, `any` or `tool`.
     #[serde(rename = "type")]
     pub kind: String,
+    /// The tool of `tool`.
+    pub name: Option<String>,
     /// At most one tool call.
     pub disable_parallel_tool_use: Option<bool>,
 }
@@ -155,7 +161,7 @@ pub struct Thinking {
     /// `enabled` or `disabled`.
     #[serde(rename = "type")]
     pub kind: String,
-    /// The thinking budget (≥ 1024, below `max_tokens`).
+    /// The thinking budget (≥ 0, below `max_tokens`).
     pub budget_tokens: Option<i64>,
 }
 
@@ -196,7 +202,7 @@ pub struct MessagesRequest {
     pub context_management: Option<Value>,
     /// Refused.
     pub diagnostics: Option<Value>,
-    /// Output effort and format (refused: JSON output needs constrained decoding).
+    /// Output format (`format`: `json_schema`; other keys refused).
     pub output_config: Option<Value>,
     /// Refused.
     pub speed: Option<Value>,
@@ -217,6 +223,12 @@ pub struct Prepared {
     pub allowed: Vec<String>,
     /// More than one call per reply.
     pub parallel: bool,
+    /// The thinking budget (thinking on).
+    pub budget: Option<usize>,
+    /// The grammar of a forced tool choice or of `output_config.format`.
+    pub grammar: Option<Grammar>,
+    /// The `response-format` note of `output_config.format`.
+    pub format: Option<FormatNote>,
 }
 
 fn bad(field: &'static str, message: impl Into<String>) -> ApiError {
@@ -258,7 +270,6 @@ fn check_fields(r: &MessagesRequest) -> Result<(), ApiError> {
         ("mcp_servers", &r.mcp_servers),
         ("context_management", &r.context_management),
         ("diagnostics", &r.diagnostics),
-        ("output_config", &r.output_config),
         ("speed", &r.speed),
     ] {
         if given(v) {
@@ -311,36 +322,40 @@ pub fn settings(r: &MessagesRequest, seed: u64, count_only: bool) -> Result<Sett
             format!("{} stop sequences: at most {}", stops.len(), 4 * MAX_STOPS),
         ));
     }
+    let sampling = k3_proto::serve::Sampling::from_request(temperature, top_p, seed)?;
     Ok(Settings {
         max_new,
-        temperature: temperature as f32,
-        top_p: top_p as f32,
+        temperature: sampling.temperature,
+        top_p: sampling.top_p,
         seed,
         stops,
         stream: r.stream.unwrap_or(false),
         include_usage: true,
+        shape: Default::default(),
     })
 }
 
-/// Thinking off by default; `enabled` picks an effort from `budget_tokens`.
-fn thinking(r: &MessagesRequest) -> Result<Option<Effort>, ApiError> {
+/// Thinking off by default; `enabled` picks an effort from `budget_tokens`, which bounds the
+/// think channel.
+fn thinking(r: &MessagesRequest) -> Result<Option<(Effort, usize)>, ApiError> {
     let Some(t) = &r.thinking else {
         return Ok(None);
     };
     match (t.kind.as_str(), t.budget_tokens) {
         ("disabled", _) => Ok(None),
-        ("enabled", Some(b)) if b >= 1024 && r.max_tokens.is_none_or(|m| b < m) => {
-            Ok(Some(if b < 4096 {
+        ("enabled", Some(b)) if b >= 0 && r.max_tokens.is_none_or(|m| b < m) => Ok(Some((
+            if b < 4096 {
                 Effort::Low
             } else if b < 16_384 {
                 Effort::High
             } else {
                 Effort::Max
-            }))
-        }
+            },
+            b as usize,
+        ))),
         ("enabled", _) => Err(bad(
             "thinking",
-            "thinking.budget_tokens must be at least 1024 and less than max_tokens",
+            "thinking.budget_tokens must be at least 0 and less than max_tokens",
         )),
         (other, _) => Err(bad(
             "thinking",
@@ -389,13 +404,14 @@ fn tools(r: &MessagesRequest) -> Result<ToolSetup, ApiError> {
             match c.kind.as_str() {
                 "auto" => (None, parallel),
                 "none" => (Some(ChoiceNote::None), parallel),
-                "any" | "tool" => {
+                // Forced below, once the tools are known.
+                "any" | "tool" => (None, parallel),
+                other => {
                     return Err(bad(
                         "tool_choice",
-                        format!("tool_choice {:?} needs constrained decoding, which this version does not have yet: use auto", c.kind),
+                        format!("tool_choice type {other:?}: auto, none, any or tool"),
                     ))
                 }
-                other => return Err(bad("tool_choice", format!("tool_choice type {other:?}: auto or none"))),
             }
         }
     };
@@ -407,12 +423,53 @@ fn tools(r: &MessagesRequest) -> Result<ToolSetup, ApiError> {
     } else {
         names
     };
-    Ok(ToolSetup {
+    let mut setup = ToolSetup {
         specs,
         choice,
         allowed,
         parallel,
-    })
+        must_call: None,
+    };
+    let must = match r.tool_choice.as_ref().map(|c| (c.kind.as_str(), &c.name)) {
+        Some(("any", _)) => Some(MustCall::Any),
+        Some(("tool", Some(name))) => Some(MustCall::Named(name.clone())),
+        Some(("tool", None)) => return Err(bad("tool_choice", "tool_choice tool needs a name")),
+        _ => None,
+    };
+    if let Some(m) = must {
+        if setup.specs.is_empty() {
+            return Err(bad("tool_choice", "tool_choice needs tools"));
+        }
+        setup.force(m).map_err(|e| bad("tool_choice", e))?;
+    }
+    Ok(setup)
+}
+
+/// `output_config`: only `format` (a JSON schema the reply follows).
+fn output_format(r: &MessagesRequest) -> Result<Option<(FormatNote, Grammar)>, ApiError> {
+    let Some(c) = r.output_config.as_ref().filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let Some(m) = c.as_object() else {
+        return Err(bad("output_config", "output_config must be an object"));
+    };
+    if let Some(k) = m.keys().find(|k| *k != "format") {
+        return Err(bad(
+            "output_config",
+            format!("output_config.{k} is not supported (format only)"),
+        ));
+    }
+    match m.get("format") {
+        Some(f) if f.get("type").and_then(Value::as_str) == Some("json_schema") => {
+            super::shape::response_format(Some(f), "output_config")
+        }
+        Some(f) if f.is_null() => Ok(None),
+        Some(f) => Err(bad(
+            "output_config",
+            format!("output_config.format {f}: type json_schema"),
+        )),
+        None => Ok(None),
+    }
 }
 
 /// The conversation: `system` first, each message's blocks in order (tool results become
@@ -569,20 +626,35 @@ fn assistant_turn(
 pub fn prepare(r: &MessagesRequest) -> Result<Prepared, ApiError> {
     check_fields(r)?;
     let thinking = thinking(r)?;
+    let setup = tools(r)?;
+    let format = output_format(r)?;
+    let grammar = match (super::shape::tool_grammar(&setup), &format) {
+        (Some(_), Some(_)) => {
+            return Err(bad(
+                "output_config",
+                "output_config.format and a forced tool call exclude each other",
+            ))
+        }
+        (g, f) => g.or_else(|| f.as_ref().map(|f| f.1.clone())),
+    };
     let ToolSetup {
         specs: tools,
         choice,
         allowed,
         parallel,
-    } = tools(r)?;
+        ..
+    } = setup;
     let history = history(r)?;
     Ok(Prepared {
         history,
-        thinking,
+        thinking: thinking.map(|t| t.0),
+        budget: thinking.map(|t| t.1),
         tools,
         choice,
         allowed,
         parallel,
+        grammar,
+        format: format.map(|f| f.0),
     })
 }
 
@@ -815,8 +887,8 @@ mod tests {
             ("metadata", json!({"user_id": "u"}), true),
             (
                 "output_config",
-                json!({"format": {"type": "json_schema"}}),
-                false,
+                json!({"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+                true,
             ),
             ("service_tier", json!("priority"), false),
             ("speed", json!("fast"), false),
@@ -833,7 +905,7 @@ mod tests {
                 json!({"type": "enabled", "budget_tokens": 2048}),
                 true,
             ),
-            ("tool_choice", json!({"type": "any"}), false),
+            ("tool_choice", json!({"type": "any"}), true),
             ("tools", tools.clone(), true),
             ("top_k", json!(40), false),
             ("top_p", json!(0.9), true),

@@ -6,19 +6,21 @@
 //! `max_completion_tokens` (1..=4096), `temperature` (0..=2, 0 = greedy), `top_p` (0 < p ≤ 1),
 //! `seed`, `stop` (a string or up to 4 strings), `stream`, `stream_options.include_usage`,
 //! `thinking: {"type": "enabled"|"disabled"}` and `reasoning_effort` (`low`, `medium`, `high`,
-//! `max`, or `none` = thinking off), `tools` with `tool_choice` `auto`/`none` and
-//! `parallel_tool_calls` (and the older `functions`/`function_call`), assistant `tool_calls` and
-//! `tool` messages in the history. Every field of OpenAI's request schemas is either honoured,
-//! accepted because it cannot change the answer (`user`, `metadata`, `safety_identifier`,
-//! `prompt_cache_key`, `store: false`, `service_tier` `auto`/`default`, `modalities: ["text"]`),
-//! or refused with 400 naming it ([`OPENAI_CHAT_FIELDS`], [`OPENAI_COMPLETION_FIELDS`]):
-//! `n` > 1, `logprobs`, penalties, `logit_bias`, `echo`, `suffix`, `best_of` > 1, a JSON
-//! `response_format`, `tool_choice` `required` or a named function (they need the token mask in
-//! the engine), `audio`, `prediction`, `web_search_options`, `verbosity`. Fields outside those
+//! `max`, or `none` = thinking off) with k3's `thinking_budget`, `tools` with `tool_choice`
+//! `auto`/`none`/`required`/a named function and `parallel_tool_calls` (and the older
+//! `functions`/`function_call`), `response_format` (`text`, `json_object`, `json_schema`),
+//! `logprobs`/`top_logprobs`, `logit_bias`, `presence_penalty`/`frequency_penalty` (the worker's
+//! shaping: [`super::shape`]), assistant `tool_calls` and `tool` messages in the history. Every
+//! field of OpenAI's request schemas is either honoured, accepted because it cannot change the
+//! answer (`user`, `metadata`, `safety_identifier`, `prompt_cache_key`, `store: false`,
+//! `service_tier` `auto`/`default`, `modalities: ["text"]`), or refused with 400 naming it
+//! ([`OPENAI_CHAT_FIELDS`], [`OPENAI_COMPLETION_FIELDS`]): `n` > 1, `echo`, `suffix`, `best_of` >
+//! 1, `audio`, `prediction`, `web_search_options`, `verbosity`. Fields outside those
 //! schemas are ignored with a warning in the log, as clients send extras.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use k3_proto::serve::Shape;
 use k3_worker::text::tools::{self, Arguments, ChoiceNote, ToolCall, ToolSpec};
 use k3_worker::text::xtml::{Effort, Message};
 use serde::Deserialize;
@@ -167,6 +169,13 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A value the shared validation refuses (`k3_proto::serve`): 400 naming its field.
+impl From<k3_proto::serve::ValueError> for ApiError {
+    fn from(e: k3_proto::serve::ValueError) -> ApiError {
+        ApiError::bad(Some(e.field()), e.to_string())
+    }
+}
+
 /// A string or a list of strings (`stop`).
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -206,13 +215,14 @@ pub struct Common {
     pub stream_options: Option<StreamOptions>,
     /// Choices (only 1).
     pub n: Option<i64>,
-    /// Log probabilities (not implemented).
+    /// Log-probabilities: `true` (chat, with `top_logprobs`) or 0..=5 alternatives
+    /// (completions).
     pub logprobs: Option<Value>,
-    /// Not implemented unless 0.
+    /// −2..=2, subtracted once from each id the reply generated.
     pub presence_penalty: Option<f64>,
-    /// Not implemented unless 0.
+    /// −2..=2, subtracted per time the reply generated an id.
     pub frequency_penalty: Option<f64>,
-    /// Not implemented unless empty.
+    /// Id (as a string) → −100..=100 added to its logit.
     pub logit_bias: Option<serde_json::Map<String, Value>>,
 }
 
@@ -325,9 +335,11 @@ pub struct ChatRequest {
     pub thinking: Option<Thinking>,
     /// Thinking effort.
     pub reasoning_effort: Option<String>,
+    /// Most ids of the think channel (k3's field; the default is half of `max_tokens`).
+    pub thinking_budget: Option<i64>,
     /// Declared tools.
     pub tools: Option<Vec<ToolDef>>,
-    /// `auto`, `none` (`required` and a named function are refused in this version).
+    /// `auto`, `none`, `required` or a named function.
     pub tool_choice: Option<Value>,
     /// More than one call per reply (default true).
     pub parallel_tool_calls: Option<bool>,
@@ -335,9 +347,9 @@ pub struct ChatRequest {
     pub functions: Option<Vec<FunctionDef>>,
     /// The older form of `tool_choice`.
     pub function_call: Option<Value>,
-    /// Only `{"type": "text"}`.
+    /// `text`, `json_object` or `json_schema`.
     pub response_format: Option<Value>,
-    /// Not implemented.
+    /// Alternatives per id with `logprobs` (0..=20).
     pub top_logprobs: Option<Value>,
     /// The fields that cannot change the answer, or are refused unless at their default.
     #[serde(flatten)]
@@ -477,6 +489,9 @@ pub struct Settings {
     pub stream: bool,
     /// Usage chunk at the end of a stream.
     pub include_usage: bool,
+    /// What the worker shapes beyond sampling (logit bias and penalties here; the grammar, the
+    /// thinking budget and the log-probabilities are added by each endpoint).
+    pub shape: Shape,
 }
 
 /// Check the model id: missing → 400, another → 404.
@@ -509,32 +524,24 @@ pub fn settings(
             ));
         }
     }
-    if c.logprobs
-        .as_ref()
-        .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
-    {
-        return Err(ApiError::bad(
-            Some("logprobs"),
-            "logprobs are not supported",
-        ));
-    }
-    for (name, v) in [
+    let mut penalty = [0.0f32; 2];
+    for (k, (name, v)) in [
         ("presence_penalty", c.presence_penalty),
         ("frequency_penalty", c.frequency_penalty),
-    ] {
-        if v.is_some_and(|v| v != 0.0) {
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let v = v.unwrap_or(0.0);
+        if !(v.is_finite() && (-2.0..=2.0).contains(&v)) {
             return Err(ApiError::bad(
                 Some(name),
-                format!("{name} is not supported (only 0)"),
+                format!("{name} = {v} is outside -2..=2"),
             ));
         }
+        penalty[k] = v as f32;
     }
-    if c.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-        return Err(ApiError::bad(
-            Some("logit_bias"),
-            "logit_bias is not supported",
-        ));
-    }
+    let logit_bias = super::shape::logit_bias(c.logit_bias.as_ref())?;
     let max_new = match max_tokens {
         None => default_max,
         Some(n) if n >= 1 && n as u64 <= MAX_GEN as u64 => n as usize,
@@ -589,14 +596,21 @@ pub fn settings(
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
+    let sampling = k3_proto::serve::Sampling::from_request(temperature, top_p, seed)?;
     Ok(Settings {
         max_new,
-        temperature: temperature as f32,
-        top_p: top_p as f32,
+        temperature: sampling.temperature,
+        top_p: sampling.top_p,
         seed,
         stops,
         stream,
         include_usage,
+        shape: Shape {
+            logit_bias,
+            presence_penalty: penalty[0],
+            frequency_penalty: penalty[1],
+            ..Shape::default()
+        },
     })
 }
 
@@ -640,23 +654,24 @@ pub fn thinking(r: &ChatRequest, default_effort: Effort) -> Result<Option<Effort
     }
 }
 
+/// `thinking_budget`: a count of ids ≥ 0, with thinking on (`None`: not given).
+pub fn thinking_budget(r: &ChatRequest, thinking: bool) -> Result<Option<usize>, ApiError> {
+    match r.thinking_budget {
+        None => Ok(None),
+        Some(_) if !thinking => Err(ApiError::bad(
+            Some("thinking_budget"),
+            "thinking_budget needs thinking on",
+        )),
+        Some(b) if b < 0 || b as u64 > MAX_GEN as u64 => Err(ApiError::bad(
+            Some("thinking_budget"),
+            format!("thinking_budget = {b} is outside 0..={MAX_GEN}"),
+        )),
+        Some(b) => Ok(Some(b as usize)),
+    }
+}
+
 /// Reject what the chat endpoint does not implement.
 pub fn check_chat_extras(r: &ChatRequest) -> Result<(), ApiError> {
-    if r.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::bad(
-            Some("top_logprobs"),
-            "logprobs are not supported",
-        ));
-    }
-    if let Some(f) = &r.response_format {
-        if !f.is_null() && f.get("type").and_then(Value::as_str) != Some("text") {
-            return Err(ApiError::bad(
-                Some("response_format"),
-                "only response_format {\"type\": \"text\"} is supported (JSON output needs the \
-                 constrained decoding of a later version)",
-            ));
-        }
-    }
     let o = &r.other;
     let refuse = |field: &'static str, why: &str| Err(ApiError::bad(Some(field), why.to_string()));
     if o.audio.as_ref().is_some_and(|v| !v.is_null()) {
@@ -709,6 +724,34 @@ pub struct ToolSetup {
     pub allowed: Vec<String>,
     /// More than one call per reply.
     pub parallel: bool,
+    /// The reply must call a tool (`required`, Anthropic's `any`) or this one (a named
+    /// function, Anthropic's `tool`): a grammar forces it.
+    pub must_call: Option<MustCall>,
+}
+
+/// What a forced tool choice asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MustCall {
+    /// One of the declared tools.
+    Any,
+    /// This tool.
+    Named(String),
+}
+
+impl ToolSetup {
+    /// Force a call (`must`), rendering the `required` note and allowing only what may be
+    /// called.
+    pub fn force(&mut self, must: MustCall) -> Result<(), String> {
+        if let MustCall::Named(name) = &must {
+            if !self.specs.iter().any(|s| &s.name == name) {
+                return Err(format!("{name:?} is not a declared tool"));
+            }
+            self.allowed = vec![name.clone()];
+        }
+        self.choice = Some(ChoiceNote::Required);
+        self.must_call = Some(must);
+        Ok(())
+    }
 }
 
 /// `tools`/`tool_choice`/`parallel_tool_calls`, or the older `functions`/`function_call`.
@@ -782,36 +825,28 @@ pub fn tool_setup(r: &ChatRequest) -> Result<ToolSetup, ApiError> {
         });
     }
     let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
-    let choice = match choice {
-        None => None,
+    let bad = |m: String| ApiError::bad(Some(choice_field), m);
+    let (choice, must) = match choice {
+        None => (None, None),
         Some(_) if specs.is_empty() => {
-            return Err(ApiError::bad(
-                Some(choice_field),
-                format!("{choice_field} needs declared tools"),
-            ))
+            return Err(bad(format!("{choice_field} needs declared tools")))
         }
-        Some(Value::String(c)) if c == "auto" => None,
-        Some(Value::String(c)) if c == "none" => Some(ChoiceNote::None),
-        Some(Value::String(c)) if c == "required" => {
-            return Err(ApiError::bad(
-                Some(choice_field),
-                "tool_choice \"required\" needs constrained decoding, which this version does not \
-                 have yet: use \"auto\"",
-            ))
+        Some(Value::String(c)) if c == "auto" => (None, None),
+        Some(Value::String(c)) if c == "none" => (Some(ChoiceNote::None), None),
+        Some(Value::String(c)) if c == "required" && choice_field == "tool_choice" => {
+            (None, Some(MustCall::Any))
         }
-        Some(Value::Object(_)) => return Err(ApiError::bad(
-            Some(choice_field),
-            "a named function needs constrained decoding, which this version does not have yet: \
-                 use \"auto\"",
-        )),
+        Some(v @ Value::Object(_)) => (None, Some(MustCall::Named(named_choice(v, choice_field)?))),
         Some(other) => {
-            return Err(ApiError::bad(
-                Some(choice_field),
-                format!("{choice_field} {other}: use \"auto\" or \"none\""),
-            ))
+            let named = if choice_field == "tool_choice" {
+                "\"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": …}}"
+            } else {
+                "\"auto\", \"none\" or {\"name\": …}"
+            };
+            return Err(bad(format!("{choice_field} {other}: use {named}")));
         }
     };
-    Ok(ToolSetup {
+    let mut setup = ToolSetup {
         allowed: if choice == Some(ChoiceNote::None) {
             Vec::new()
         } else {
@@ -820,7 +855,27 @@ pub fn tool_setup(r: &ChatRequest) -> Result<ToolSetup, ApiError> {
         specs,
         choice,
         parallel: r.parallel_tool_calls.unwrap_or(true),
-    })
+        must_call: None,
+    };
+    if let Some(m) = must {
+        setup.force(m).map_err(bad)?;
+    }
+    Ok(setup)
+}
+
+/// The function a named choice names: `{"type": "function", "function": {"name": N}}`
+/// (`tool_choice`) or `{"name": N}` (`function_call`).
+fn named_choice(v: &Value, field: &'static str) -> Result<String, ApiError> {
+    let name = if field == "tool_choice" {
+        (v.get("type").and_then(Value::as_str) == Some("function"))
+            .then(|| v.pointer("/function/name"))
+            .flatten()
+    } else {
+        v.get("name")
+    };
+    name.and_then(Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| ApiError::bad(Some(field), format!("{field} {v} names no function")))
 }
 
 /// A message's text: a string, or its `text` parts joined (SPEC.md §10 C19).
@@ -979,7 +1034,7 @@ fn tool_run(
 }
 
 /// Fields k3 reads beyond OpenAI's schemas.
-pub const K3_FIELDS: &[&str] = &["thinking"];
+pub const K3_FIELDS: &[&str] = &["thinking", "thinking_budget"];
 
 /// The body's top-level fields that no schema of this endpoint names (`known`): they are
 /// ignored, and the caller logs them.
@@ -1144,9 +1199,10 @@ mod tests {
             json!({"seed": -1}),
             json!({"stop": ["a", "b", "c", "d", "e"]}),
             json!({"stop": ""}),
-            json!({"logprobs": true}),
-            json!({"presence_penalty": 0.5}),
-            json!({"logit_bias": {"1": 5}}),
+            json!({"presence_penalty": 2.5}),
+            json!({"frequency_penalty": -3}),
+            json!({"logit_bias": {"1": 500}}),
+            json!({"logit_bias": {"x": 5}}),
         ] {
             let c: Common = serde_json::from_value(bad.clone()).unwrap();
             assert!(settings(&c, None, 16, 0).is_err(), "{bad} accepted");
@@ -1179,7 +1235,54 @@ mod tests {
         thinking(&r, DEFAULT_EFFORT)?;
         tool_setup(&r)?;
         messages(&r)?;
+        crate::serve::shape::response_format(r.response_format.as_ref(), "response_format")?;
+        crate::serve::shape::chat_logprobs(r.common.logprobs.as_ref(), r.top_logprobs.as_ref())?;
         Ok(())
+    }
+
+    #[test]
+    fn forced_tool_choices_name_what_may_be_called() {
+        let tools = json!([
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+            {"type": "function", "function": {"name": "g"}}]);
+        let setup = |choice: Value| {
+            tool_setup(&chat(
+                json!({"messages": [], "tools": tools, "tool_choice": choice}),
+            ))
+        };
+        let s = setup(json!("required")).unwrap();
+        assert_eq!(s.must_call, Some(MustCall::Any));
+        assert_eq!(s.choice, Some(ChoiceNote::Required));
+        assert_eq!(s.allowed, ["f", "g"]);
+        let s = setup(json!({"type": "function", "function": {"name": "g"}})).unwrap();
+        assert_eq!(s.must_call, Some(MustCall::Named("g".into())));
+        assert_eq!(s.allowed, ["g"]);
+        assert_eq!(setup(json!("auto")).unwrap().must_call, None);
+        for bad in [
+            json!({"type": "function", "function": {"name": "h"}}),
+            json!({"type": "x"}),
+            json!("any"),
+        ] {
+            assert_eq!(
+                setup(bad.clone()).unwrap_err().param,
+                Some("tool_choice"),
+                "{bad}"
+            );
+        }
+        // The older form: function_call {"name"}; "required" is not one of its values.
+        let old = |fc: Value| {
+            tool_setup(&chat(
+                json!({"messages": [], "functions": [{"name": "f"}], "function_call": fc}),
+            ))
+        };
+        assert_eq!(
+            old(json!({"name": "f"})).unwrap().must_call,
+            Some(MustCall::Named("f".into()))
+        );
+        assert_eq!(
+            old(json!("required")).unwrap_err().param,
+            Some("function_call")
+        );
     }
 
     fn tools_json() -> Value {
@@ -1202,11 +1305,11 @@ mod tests {
                 json!({"voice": "alloy", "format": "wav"}),
                 Fate::Refused,
             ),
-            ("frequency_penalty", json!(0.5), Fate::Refused),
+            ("frequency_penalty", json!(0.5), Fate::Ok),
             ("function_call", json!("auto"), Fate::Refused),
             ("functions", json!([{"name": "f"}]), Fate::Ok),
-            ("logit_bias", json!({"1": 5}), Fate::Refused),
-            ("logprobs", json!(true), Fate::Refused),
+            ("logit_bias", json!({"1": 5}), Fate::Ok),
+            ("logprobs", json!(true), Fate::Ok),
             ("max_completion_tokens", json!(5), Fate::Ok),
             ("max_tokens", json!(5), Fate::Ok),
             ("metadata", json!({"a": "b"}), Fate::Ok),
@@ -1218,15 +1321,11 @@ mod tests {
                 json!({"type": "content", "content": "x"}),
                 Fate::Refused,
             ),
-            ("presence_penalty", json!(0.5), Fate::Refused),
+            ("presence_penalty", json!(0.5), Fate::Ok),
             ("prompt_cache_key", json!("k"), Fate::Ok),
             ("prompt_cache_retention", json!("24h"), Fate::Refused),
             ("reasoning_effort", json!("high"), Fate::Ok),
-            (
-                "response_format",
-                json!({"type": "json_object"}),
-                Fate::Refused,
-            ),
+            ("response_format", json!({"type": "json_object"}), Fate::Ok),
             ("safety_identifier", json!("u"), Fate::Ok),
             ("seed", json!(3), Fate::Ok),
             ("service_tier", json!("flex"), Fate::Refused),
@@ -1235,7 +1334,7 @@ mod tests {
             ("stream", json!(true), Fate::Ok),
             ("stream_options", json!({"include_usage": true}), Fate::Ok),
             ("temperature", json!(0.5), Fate::Ok),
-            ("tool_choice", json!("required"), Fate::Refused),
+            ("tool_choice", json!("required"), Fate::Ok),
             ("tools", tools_json(), Fate::Ok),
             ("top_logprobs", json!(2), Fate::Refused),
             ("top_p", json!(0.5), Fate::Ok),
@@ -1280,12 +1379,12 @@ mod tests {
             ("prompt", json!("x"), Fate::Ok),
             ("best_of", json!(2), Fate::Refused),
             ("echo", json!(true), Fate::Refused),
-            ("frequency_penalty", json!(0.5), Fate::Refused),
-            ("logit_bias", json!({"1": 5}), Fate::Refused),
-            ("logprobs", json!(2), Fate::Refused),
+            ("frequency_penalty", json!(0.5), Fate::Ok),
+            ("logit_bias", json!({"1": 5}), Fate::Ok),
+            ("logprobs", json!(2), Fate::Ok),
             ("max_tokens", json!(5), Fate::Ok),
             ("n", json!(2), Fate::Refused),
-            ("presence_penalty", json!(0.5), Fate::Refused),
+            ("presence_penalty", json!(0.5), Fate::Ok),
             ("seed", json!(3), Fate::Ok),
             ("stop", json!(["a"]), Fate::Ok),
             ("stream", json!(true), Fate::Ok),
@@ -1302,7 +1401,10 @@ mod tests {
             body[field] = value;
             let r: CompletionRequest = serde_json::from_value(body).unwrap();
             let got = check_completion_extras(&r)
-                .and_then(|()| settings(&r.common, r.common.max_tokens, 16, 0).map(|_| ()));
+                .and_then(|()| settings(&r.common, r.common.max_tokens, 16, 0).map(|_| ()))
+                .and_then(|()| {
+                    crate::serve::shape::completion_logprobs(r.common.logprobs.as_ref()).map(|_| ())
+                });
             match (got, fate) {
                 (Ok(()), Fate::Ok) => {}
                 (Err(e), Fate::Refused) => assert_eq!(e.param, Some(field), "{field}"),
@@ -1339,7 +1441,7 @@ mod tests {
         for (bad, field) in [
             (json!({"tool_choice": "auto"}), "tool_choice"),
             (
-                json!({"tools": tools_json(), "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+                json!({"tools": tools_json(), "tool_choice": {"type": "function", "function": {"name": "g"}}}),
                 "tool_choice",
             ),
             (
@@ -1359,7 +1461,7 @@ mod tests {
                 "tools",
             ),
             (
-                json!({"functions": [{"name": "g"}], "function_call": {"name": "g"}}),
+                json!({"functions": [{"name": "g"}], "function_call": {"name": "f"}}),
                 "function_call",
             ),
             (

@@ -20,6 +20,14 @@
 //!   request's future: its queue place is freed and its job cancelled. After the answer has
 //!   started, the answer's own bytes (a streamed answer's keep-alive comments included) draw
 //!   the reset.
+//! - **Framing read from the bytes.** hyper reads a head with both `Content-Length` and
+//!   `Transfer-Encoding` as chunked and drops the length before a handler sees it (and closes
+//!   the connection after the answer). RFC 9112 §6.1 asks a server to refuse such a message (the
+//!   request-smuggling case), so the bytes a connection reads while it waits for a head are kept
+//!   (at most [`HEAD_RECORD`]) and that head's own header names are looked at when it arrives
+//!   ([`Conn::framing`]). A head read while the request before it is still being answered (a
+//!   pipelined one) is not looked at: after a conflicting head hyper closes the connection, so
+//!   nothing that follows it on that connection is read as a request.
 
 use std::collections::HashMap;
 use std::io;
@@ -40,6 +48,45 @@ pub const WATCH_EVERY: Duration = Duration::from_millis(200);
 
 /// The interim response that draws a reset from a client that has closed its socket.
 const PROBE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// Most bytes of a request head kept for [`Conn::framing`] (serve's head limit, and room for
+/// the bytes read with it).
+const HEAD_RECORD: usize = super::MAX_HEAD_BYTES + (4 << 10);
+
+/// How a request head frames its body, read from its bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Framing {
+    /// `Content-Length` lines.
+    pub content_length: usize,
+    /// `Transfer-Encoding` lines.
+    pub transfer_encoding: usize,
+}
+
+impl Framing {
+    /// The framing of the first request head in `bytes` (`None` when it is not a whole head).
+    pub fn of_head(bytes: &[u8]) -> Option<Framing> {
+        let mut headers = [httparse::EMPTY_HEADER; super::MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(bytes) {
+            Ok(httparse::Status::Complete(_)) => {}
+            _ => return None,
+        }
+        let mut f = Framing::default();
+        for h in req.headers.iter() {
+            if h.name.eq_ignore_ascii_case("content-length") {
+                f.content_length += 1;
+            } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+                f.transfer_encoding += 1;
+            }
+        }
+        Some(f)
+    }
+
+    /// Both a length and a transfer coding: refused (RFC 9112 §6.1).
+    pub fn conflicts(&self) -> bool {
+        self.content_length > 0 && self.transfer_encoding > 0
+    }
+}
 
 /// Connection limits.
 #[derive(Clone, Copy, Debug)]
@@ -76,6 +123,8 @@ pub struct Conn {
     failed: AtomicBool,
     /// The client's address.
     pub peer: SocketAddr,
+    /// Bytes read while waiting for a request head, and the framing of the last head.
+    head: Mutex<(Vec<u8>, Option<Framing>)>,
 }
 
 #[derive(Debug, Default)]
@@ -94,7 +143,25 @@ impl Conn {
             close: Notify::new(),
             failed: AtomicBool::new(false),
             peer,
+            head: Mutex::new((Vec::new(), None)),
         }
+    }
+
+    /// Keep `bytes` read from the socket when they may hold the next request head.
+    fn record(&self, bytes: &[u8]) {
+        if self.phase.load(Ordering::Acquire) != IDLE {
+            return;
+        }
+        if let Ok(mut h) = self.head.lock() {
+            let room = HEAD_RECORD.saturating_sub(h.0.len());
+            h.0.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        }
+    }
+
+    /// The framing of the current request's head, when its bytes were read while the
+    /// connection waited for it (see the module doc).
+    pub fn framing(&self) -> Option<Framing> {
+        self.head.lock().ok().and_then(|h| h.1)
     }
 
     fn set(&self, phase: u8) {
@@ -113,6 +180,10 @@ impl Conn {
     pub fn request(&self, has_body: bool) {
         if let Ok(mut p) = self.probe.lock() {
             *p = ProbeState::default();
+        }
+        if let Ok(mut h) = self.head.lock() {
+            let bytes = std::mem::take(&mut h.0);
+            h.1 = Framing::of_head(&bytes);
         }
         self.set(if has_body { READING } else { BUSY });
         if !has_body {
@@ -277,6 +348,7 @@ impl AsyncRead for Stream {
             ready!(self.tcp.poll_read_ready(cx))?;
             match self.tcp.try_read(buf.initialize_unfilled()) {
                 Ok(n) => {
+                    self.conn.record(&buf.initialize_unfilled()[..n]);
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
                 }
@@ -461,6 +533,41 @@ mod tests {
         a3.conn.answered();
         assert!(reg.admit(a).is_some(), "a3 is idle again");
         assert!(tokio_test_notified(&a3.conn));
+    }
+
+    #[test]
+    fn a_head_with_a_length_and_a_transfer_coding_conflicts() {
+        let f = |head: &str| Framing::of_head(head.as_bytes());
+        let both = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\
+                    transfer-encoding: chunked\r\n\r\n0\r\n\r\n";
+        assert!(f(both).unwrap().conflicts());
+        // Whichever comes first.
+        let te_first = "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\ncontent-length: 5\r\n\r\n";
+        assert!(f(te_first).unwrap().conflicts());
+        let cl = "POST / HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello";
+        assert!(!f(cl).unwrap().conflicts());
+        let te = "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert!(!f(te).unwrap().conflicts());
+        // A body that looks like a head does not count: only the head's lines.
+        let body =
+            "POST / HTTP/1.1\r\nContent-Length: 31\r\n\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert!(!f(body).unwrap().conflicts());
+        assert_eq!(f("POST / HTTP/1.1\r\nContent-Le"), None);
+        // Bytes are kept only while the connection waits for a head, at most HEAD_RECORD.
+        let c = Conn::new("127.0.0.1:1".parse().unwrap());
+        c.record(both.as_bytes());
+        c.request(true);
+        assert!(c.framing().unwrap().conflicts());
+        c.record(cl.as_bytes()); // READING: the body, not a head
+        c.body_read();
+        c.answered();
+        c.record(&vec![b'x'; 2 * HEAD_RECORD]);
+        c.request(true);
+        assert_eq!(c.framing(), None);
+        c.answered();
+        c.record(cl.as_bytes());
+        c.request(true);
+        assert!(!c.framing().unwrap().conflicts());
     }
 
     /// True when `close` was called (the permit is stored).

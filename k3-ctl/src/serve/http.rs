@@ -27,6 +27,7 @@ use futures_util::stream;
 use http_body_util::BodyExt;
 use k3_proto::serve::{ErrorKind, Finish, Sampling, Start, Timings, Usage};
 use k3_proto::wire::{ClientKind, Request as StoreRequest, Response as StoreResponse, StatsReport};
+use k3_worker::engine::outputs::is_prefix_session_name;
 use k3_worker::text::xtml::{ChatFormat, Markers, Options};
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -35,10 +36,11 @@ use tracing::Instrument;
 
 use super::access::Ctx;
 use super::api::{self, ApiError, Settings};
-use super::job::{Event, Job, JobError, Worker};
+use super::job::{Cause, Event, Job, JobError, Worker};
 use super::metrics::Metrics;
 use super::queue::{Admission, Meta, Place};
 use super::reply::{CallRules, Delta, ReplyText};
+use super::shape;
 
 /// What every handler shares.
 #[derive(Debug)]
@@ -48,7 +50,9 @@ pub struct AppState {
     /// Its chat markers.
     pub markers: Markers,
     /// The worker every request runs in.
-    pub worker: Worker,
+    pub worker: Arc<Worker>,
+    /// Names new sessions (keyed: a name confirms nothing about a prompt).
+    pub namer: super::sessions::Namer,
     /// Job slots and the queue.
     pub admission: Arc<Admission>,
     /// The served model id.
@@ -140,7 +144,7 @@ const KEEP_ALIVE: Duration = Duration::from_secs(2);
 const SEND_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Ask the store one control request, off the async threads, within [`STORE_TIMEOUT`].
-async fn ask_store(st: &Shared, req: StoreRequest) -> Result<StoreResponse, AskStoreError> {
+async fn ask_store(st: &AppState, req: StoreRequest) -> Result<StoreResponse, AskStoreError> {
     let socket = st.socket.clone();
     let ask = tokio::task::spawn_blocking(move || {
         let mut c = k3_store::attach::client::Client::connect(
@@ -171,9 +175,9 @@ enum AskStoreError {
     Timeout,
 }
 
-/// The session a request runs under (see [`super::sessions`]): the store's list. If the store
-/// does not answer, the request runs under a new name (its worker reports the store's state).
-async fn pick_session(st: &Shared, prompt: &[u32]) -> (String, usize) {
+/// The session a request runs under (see [`super::sessions`]): the store's list. A store that
+/// does not answer is 503 `store_unavailable` (no worker is started for it).
+async fn pick_session(st: &AppState, prompt: &[u32]) -> Result<(String, usize), ApiError> {
     let list = match ask_store(st, StoreRequest::ListSessions).await {
         Ok(StoreResponse::Sessions(list)) => list,
         Ok(other) => {
@@ -181,25 +185,31 @@ async fn pick_session(st: &Shared, prompt: &[u32]) -> (String, usize) {
             Vec::new()
         }
         Err(e) => {
-            tracing::warn!("cannot list the store's sessions: {e}");
-            Vec::new()
+            st.worker.retire();
+            return Err(store_unavailable(e));
         }
     };
-    super::sessions::choose(&list, prompt)
+    Ok(super::sessions::choose(&list, prompt, &st.namer))
+}
+
+/// 503 `store_unavailable` (with `Retry-After`).
+fn store_unavailable(why: impl std::fmt::Display) -> ApiError {
+    ApiError::unavailable(
+        "store_unavailable",
+        format!("the store is not serving: {why}"),
+    )
 }
 
 /// Is the store up?
-async fn store_up(st: &Shared) -> Result<(), ApiError> {
+async fn store_up(st: &AppState) -> Result<(), ApiError> {
     match ask_store(st, StoreRequest::Status).await {
         Ok(StoreResponse::Status(_)) => Ok(()),
         Ok(other) => Err(format!("unexpected answer {other:?}")),
         Err(e) => Err(e.to_string()),
     }
-    .map_err(|m| {
-        ApiError::unavailable(
-            "store_unavailable",
-            format!("the store is not serving: {m}"),
-        )
+    .map_err(|why| {
+        st.worker.retire();
+        store_unavailable(why)
     })
 }
 
@@ -207,8 +217,12 @@ fn model_object(st: &AppState) -> Value {
     json!({"id": st.model_id, "object": "model", "created": st.started, "owned_by": "k3"})
 }
 
+/// 200 while the store answers and the worker progresses; 503 with the reason otherwise.
 async fn health(State(st): State<Shared>) -> Response {
-    match store_up(&st).await {
+    let up = store_up(&st).await.and_then(|()| {
+        (st.worker.health()).map_err(|why| ApiError::unavailable("worker_unhealthy", why))
+    });
+    match up {
         Ok(()) => {
             let (running, queued) = st.admission.counts();
             Json(json!({"status": "ok", "jobs": running + queued, "running": running, "queued": queued}))
@@ -347,6 +361,11 @@ struct Gen {
     cached: usize,
     /// A streamed Messages reply's content blocks.
     blocks: super::anthropic::BlockStream,
+    /// Characters of content streamed so far (a completion's `text_offset`).
+    text_chars: usize,
+    /// Where the conversation's history ends in `prompt` when notes only this request renders
+    /// follow it (`tool_choice`, `response_format`): a state is kept there for the next turn.
+    history_end: Option<usize>,
 }
 
 async fn chat(State(st): State<Shared>, Extension(ctx): Extension<Ctx>, req: Request) -> Response {
@@ -382,7 +401,15 @@ fn render_messages(
     body: &[u8],
     seed: u64,
     count_only: bool,
-) -> Result<(Vec<u32>, Settings, super::anthropic::Prepared), ApiError> {
+) -> Result<
+    (
+        Vec<u32>,
+        Settings,
+        super::anthropic::Prepared,
+        Option<usize>,
+    ),
+    ApiError,
+> {
     let r: super::anthropic::MessagesRequest = parse(body)?;
     warn_unknown(body, super::anthropic::ANTHROPIC_FIELDS);
     let model = r.model.clone();
@@ -390,34 +417,61 @@ fn render_messages(
         return Err(ApiError::bad(Some("model"), "model: Field required"));
     }
     api::check_model(&model, &st.model_id)?;
-    let settings = super::anthropic::settings(&r, seed, count_only)?;
+    let mut settings = super::anthropic::settings(&r, seed, count_only)?;
     let p = super::anthropic::prepare(&r)?;
+    settings.shape.thinking = p.thinking.is_some();
+    settings.shape.think_budget =
+        shape::think_budget(&st.tok, p.thinking.is_some(), p.budget, settings.max_new)?;
+    settings.shape.grammar = p.grammar.clone();
     let fmt =
         ChatFormat::new(&st.tok, p.thinking).map_err(|e| ApiError::internal(e.to_string()))?;
     let opts = Options {
         tools: p.tools.clone(),
         choice: p.choice,
-        format: None,
+        format: p.format.clone(),
     };
     let prompt = fmt
         .render_with(&p.history, &opts, true)
         .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))?;
     api::check_prompt_len(prompt.len())?;
-    Ok((prompt, settings, p))
+    let end = history_end(&fmt, &p.history, &opts, &prompt);
+    Ok((prompt, settings, p, end))
+}
+
+/// Where `history` ends in `prompt` when `opts` add notes after it (`tool_choice`,
+/// `response_format`): the next turn renders the history on, not the notes, so a state kept
+/// there is what it can resume. `None` without notes (the prompt itself is then the next turn's
+/// prefix).
+fn history_end(
+    fmt: &ChatFormat<'_>,
+    history: &[k3_worker::text::xtml::Message],
+    opts: &Options,
+    prompt: &[u32],
+) -> Option<usize> {
+    if opts.choice.is_none() && opts.format.is_none() {
+        return None;
+    }
+    let bare = Options {
+        tools: opts.tools.clone(),
+        choice: None,
+        format: None,
+    };
+    let ids = fmt.render_with(history, &bare, false).ok()?;
+    (ids.len() + 1 < prompt.len() && prompt.starts_with(&ids)).then_some(ids.len())
 }
 
 fn count_tokens(st: &AppState, body: &[u8]) -> Result<usize, ApiError> {
-    render_messages(st, body, 0, true).map(|(prompt, _, _)| prompt.len())
+    render_messages(st, body, 0, true).map(|(prompt, ..)| prompt.len())
 }
 
 fn prepare_messages(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let (id, job_id, seed) = fresh("msg");
-    let (prompt, settings, p) = render_messages(st, body, seed, false)?;
+    let (prompt, settings, p, history_end) = render_messages(st, body, seed, false)?;
     let rules = CallRules {
         allowed: p.allowed,
         parallel: p.parallel,
     };
-    Ok(Gen::chat(
+    let mut g = Gen::chat(
         st,
         Kind::Messages,
         (id, job_id),
@@ -425,7 +479,9 @@ fn prepare_messages(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         settings,
         p.thinking.is_some(),
         rules,
-    ))
+    );
+    g.history_end = history_end;
+    Ok(g)
 }
 
 async fn completions(
@@ -471,25 +527,43 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     api::check_chat_extras(&r)?;
     let (id, job_id, seed) = fresh("chatcmpl");
     let max = r.max_completion_tokens.or(r.common.max_tokens);
-    let settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
+    let mut settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
     let thinking = api::thinking(&r, st.defaults.effort)?;
     let tools = api::tool_setup(&r)?;
     let history = api::messages(&r)?;
+    let format = shape::response_format(r.response_format.as_ref(), "response_format")?;
+    let budget = api::thinking_budget(&r, thinking.is_some())?;
+    settings.shape.logprobs =
+        shape::chat_logprobs(r.common.logprobs.as_ref(), r.top_logprobs.as_ref())?;
+    settings.shape.thinking = thinking.is_some();
+    settings.shape.think_budget =
+        shape::think_budget(&st.tok, thinking.is_some(), budget, settings.max_new)?;
+    settings.shape.grammar = match (shape::tool_grammar(&tools), &format) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad(
+                Some("response_format"),
+                "a JSON response_format and a forced tool call exclude each other",
+            ))
+        }
+        (g, f) => g.or_else(|| f.as_ref().map(|f| f.1.clone())),
+    };
+    shape::check_bias_ids(&settings.shape, st.vocab)?;
     let fmt = ChatFormat::new(&st.tok, thinking).map_err(|e| ApiError::internal(e.to_string()))?;
     let opts = Options {
         tools: tools.specs,
         choice: tools.choice,
-        format: None,
+        format: format.map(|f| f.0),
     };
     let prompt = fmt
         .render_with(&history, &opts, true)
         .map_err(|e| ApiError::bad(Some("messages"), e.to_string()))?;
     api::check_prompt_len(prompt.len())?;
+    let history_end = history_end(&fmt, &history, &opts, &prompt);
     let rules = CallRules {
         allowed: tools.allowed,
         parallel: tools.parallel,
     };
-    Ok(Gen::chat(
+    let mut g = Gen::chat(
         st,
         Kind::Chat,
         (id, job_id),
@@ -497,7 +571,9 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         settings,
         thinking.is_some(),
         rules,
-    ))
+    );
+    g.history_end = history_end;
+    Ok(g)
 }
 
 fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
@@ -506,12 +582,14 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     api::check_model(&r.common.model, &st.model_id)?;
     api::check_completion_extras(&r)?;
     let (id, job_id, seed) = fresh("cmpl");
-    let settings = api::settings(
+    let mut settings = api::settings(
         &r.common,
         r.common.max_tokens,
         api::DEFAULT_COMPLETION_TOKENS,
         seed,
     )?;
+    settings.shape.logprobs = shape::completion_logprobs(r.common.logprobs.as_ref())?;
+    shape::check_bias_ids(&settings.shape, st.vocab)?;
     let prompt = match api::prompt(&r.prompt, st.vocab)? {
         // User text: special tokens disabled, as `k3-worker --prompt`.
         api::PromptInput::Text(t) => st.tok.encode(&t),
@@ -529,11 +607,38 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     ))
 }
 
-/// A worker failure as an HTTP error.
+/// A worker failure as an HTTP error: serve's own findings first; a failure while the store is
+/// gone is the store's (503 `store_unavailable`, as every request then gets).
+async fn failure(st: &AppState, e: JobError) -> ApiError {
+    match e.cause {
+        Some(Cause::Stalled { .. }) => {
+            return ApiError::unavailable("worker_stalled", e.message);
+        }
+        Some(Cause::Backoff { retry_after }) => {
+            let code = match e.kind {
+                ErrorKind::NoStore => "store_unavailable",
+                _ => "worker_unavailable",
+            };
+            let mut a = ApiError::unavailable(code, e.message);
+            a.retry_after = Some(retry_after.max(1));
+            return a;
+        }
+        None => {}
+    }
+    if matches!(e.kind, ErrorKind::Failed | ErrorKind::Protocol) {
+        if let Err(down) = store_up(st).await {
+            return down;
+        }
+    }
+    job_error(e)
+}
+
+/// A worker's report as an HTTP error.
 fn job_error(e: JobError) -> ApiError {
     match e.kind {
         ErrorKind::NoStore => ApiError::unavailable("store_unavailable", e.message),
         ErrorKind::Refused => ApiError::unavailable("worker_refused", e.message),
+        ErrorKind::Invalid => ApiError::bad(None, e.message),
         ErrorKind::ExpertLoad => ApiError::internal(format!(
             "a routed expert failed to load, the generated ids are unsound: {}",
             e.message
@@ -568,11 +673,21 @@ async fn run(st: Shared, ctx: Ctx, g: Gen) -> Response {
 async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError> {
     place.run().await;
     let session = if st.sessions {
-        Some(pick_session(st, &g.prompt).await)
+        Some(pick_session(st, &g.prompt).await?)
     } else {
+        store_up(st).await?;
         None
     };
     let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    // A prompt's prefill snapshot is resumed, never overwritten: the job keeps its states under
+    // a name of its own.
+    let (keep_as, resume) = match &session {
+        Some((name, _)) if is_prefix_session_name(name) => {
+            (Some(st.namer.name(&g.prompt)), Some(name.clone()))
+        }
+        Some((name, _)) => (Some(name.clone()), None),
+        None => (None, None),
+    };
     let job = Start {
         req_id: g.job_id,
         ids: g.prompt.clone(),
@@ -582,9 +697,16 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
             top_p: g.settings.top_p,
             seed: g.settings.seed,
         },
-        session: session.as_ref().map(|s| s.0.clone()),
+        session: keep_as,
+        resume,
+        keep_at: g.history_end.into_iter().map(n).collect(),
+        name_key: st.namer.key().to_vec(),
+        shape: g.settings.shape.clone(),
     };
-    let job = st.worker.submit(job).await.map_err(job_error)?;
+    let job = match st.worker.submit(job).await {
+        Ok(j) => j,
+        Err(e) => return Err(failure(st, e).await),
+    };
     place.set_worker(job.pid());
     tracing::info!(
         "{} joined worker pid {} ({} prompt ids, up to {} new){}",
@@ -619,7 +741,11 @@ async fn next_step(
     place: &Place,
 ) -> Result<Step, ApiError> {
     loop {
-        match job.next().await.map_err(job_error)? {
+        let ev = match job.next().await {
+            Ok(ev) => ev,
+            Err(e) => return Err(failure(st, e).await),
+        };
+        match ev {
             Event::Prefilled { cached } => {
                 g.cached = cached as usize;
                 tracing::info!(
@@ -628,19 +754,14 @@ async fn next_step(
                     g.prompt.len()
                 );
             }
-            Event::Token(_) if g.reply.finish().is_some() => {
+            Event::Token(_) | Event::Scored { .. } if g.reply.finish().is_some() => {
                 return Err(ApiError::internal(
                     "the worker generated past the end of the reply",
                 ))
             }
-            Event::Token(id) => {
-                let d = g.reply.push(id);
-                place.set_generated(g.reply.generated());
-                // A stop string ends the reply at once: the caller cancels the job.
-                if g.reply.cut_short() {
-                    st.metrics.cancel("stop_string");
-                }
-                return Ok(Step::Text(d));
+            Event::Token(id) => return Ok(took(st, g, place, id, None)),
+            Event::Scored { id, logprob, top } => {
+                return Ok(took(st, g, place, id, Some((logprob, &top))))
             }
             Event::Done {
                 finish,
@@ -660,6 +781,27 @@ async fn next_step(
             }
         }
     }
+}
+
+/// A generated id into the reply (with its log-probabilities when asked: kept for the ids of
+/// the content).
+fn took(
+    st: &AppState,
+    g: &mut Gen,
+    place: &Place,
+    id: u32,
+    scored: Option<(f32, &[(u32, f32)])>,
+) -> Step {
+    let mut d = g.reply.push(id);
+    if let Some((logprob, top)) = scored.filter(|_| g.reply.in_content()) {
+        d.logprobs.push(shape::chat_item(&st.tok, id, logprob, top));
+    }
+    place.set_generated(g.reply.generated());
+    // A stop string ends the reply at once: the caller cancels the job.
+    if g.reply.cut_short() {
+        st.metrics.cancel("stop_string");
+    }
+    Step::Text(d)
 }
 
 /// Counts a whole answer's request as cancelled (the client went away) unless it ended.
@@ -684,10 +826,13 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
         }
     };
     let mut all = Delta::default();
+    let mut offsets = Vec::new();
     let mut counts = None;
     loop {
         match next_step(&st, &mut g, &mut job, &place).await {
             Ok(Step::Text(d)) => {
+                let at = all.content.chars().count();
+                offsets.extend(d.logprobs.iter().map(|_| at));
                 all.add(d);
                 if g.reply.cut_short() {
                     break;
@@ -722,8 +867,8 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
                 message["tool_calls"] =
                     Value::Array(all.calls.iter().map(|c| g.tool_call(c, false)).collect());
             }
-            let mut choice =
-                json!({"index": 0, "message": message, "logprobs": null, "finish_reason": finish});
+            let mut choice = json!({"index": 0, "message": message,
+                "logprobs": g.chat_logprobs(&all.logprobs), "finish_reason": finish});
             if !g.reply.malformed().is_empty() {
                 choice["malformed_tool_calls"] = g.malformed_json();
             }
@@ -735,7 +880,8 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
         }
         Kind::Completion => json!({
             "id": g.id, "object": "text_completion", "created": g.created, "model": g.model,
-            "choices": [{"index": 0, "text": all.content, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": all.content,
+                "logprobs": g.completion_logprobs(&all.logprobs, &offsets), "finish_reason": finish}],
             "usage": usage,
         }),
         Kind::Messages => json!({
@@ -791,6 +937,8 @@ impl Gen {
             reply,
             cached: 0,
             blocks: Default::default(),
+            text_chars: 0,
+            history_end: None,
         }
     }
 
@@ -818,7 +966,12 @@ impl Gen {
     }
 
     fn usage(&self) -> Value {
-        api::usage(self.prompt.len(), self.cached, self.reply.generated())
+        let mut u = api::usage(self.prompt.len(), self.cached, self.reply.generated());
+        if self.reply.thinking() {
+            u["completion_tokens_details"] =
+                json!({"reasoning_tokens": self.reply.reasoning_ids()});
+        }
+        u
     }
 
     /// A generated call as OpenAI's `tool_calls` item (`streamed`: with its `index`).
@@ -845,6 +998,22 @@ impl Gen {
         )
     }
 
+    /// A chat choice's `logprobs` (`null` unless asked).
+    fn chat_logprobs(&self, items: &[Value]) -> Value {
+        match self.settings.shape.logprobs {
+            Some(_) => json!({"content": items, "refusal": null}),
+            None => Value::Null,
+        }
+    }
+
+    /// A completion choice's `logprobs` (`null` unless asked).
+    fn completion_logprobs(&self, items: &[Value], offsets: &[usize]) -> Value {
+        match self.settings.shape.logprobs {
+            Some(_) => shape::completion_object(items, offsets),
+            None => Value::Null,
+        }
+    }
+
     fn chunk(&self, d: &Delta, finish: Option<&str>, first: bool) -> Value {
         match self.kind {
             Kind::Chat => {
@@ -865,13 +1034,16 @@ impl Gen {
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+                    "choices": [{"index": 0, "delta": delta,
+                        "logprobs": self.chat_logprobs(&d.logprobs), "finish_reason": finish}],
                 })
             }
             Kind::Completion | Kind::Messages => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": d.content, "logprobs": null, "finish_reason": finish}],
+                "choices": [{"index": 0, "text": d.content,
+                    "logprobs": self.completion_logprobs(&d.logprobs, &vec![self.text_chars; d.logprobs.len()]),
+                    "finish_reason": finish}],
             }),
         }
     }
@@ -882,11 +1054,13 @@ impl Gen {
             let id = self.id.clone();
             return named(self.blocks.events(&id, d));
         }
-        if !d.is_empty() || (first && self.kind == Kind::Chat) {
+        let events = if !d.is_empty() || (first && self.kind == Kind::Chat) {
             vec![data(&self.chunk(d, None, first))]
         } else {
             Vec::new()
-        }
+        };
+        self.text_chars += d.content.chars().count();
+        events
     }
 
     /// A Messages stream's opening: `message_start` and a `ping`.
@@ -967,9 +1141,9 @@ async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<
     // Waiting for a slot: say where the request is, whenever that changes.
     let adm = place.admission().clone();
     let ticket = place.ticket();
-    // A request behind others may not overtake them: only one that arrives to an empty queue
-    // takes a free slot at once.
-    if adm.counts().1 > 1 || !place.try_run() {
+    // A request runs at once when a slot is free and nobody let in before it waits (the
+    // admission's order); only one that actually waits is told its place.
+    if !place.try_run() {
         let mut told = None;
         let run = place.run();
         tokio::pin!(run);

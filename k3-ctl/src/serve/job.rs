@@ -13,14 +13,20 @@
 //! session holds after the prefill, for a retry) and answers `Done`; if that does not come
 //! within the grace, the worker is killed (every job in it fails) and the next request starts
 //! a new one. That is how a client that goes away, or a stop string, ends its job.
+//!
+//! Supervision ([`super::supervise`]): failed starts back off; a worker that holds jobs and says
+//! nothing for the stall deadline is failed (its jobs get [`Cause::Stalled`]), killed and
+//! replaced; [`Worker::health`] says why no worker progresses. A client's error carries only
+//! what concerns its own job: a worker that died is described by its exit status, and its last
+//! stderr lines (which may name another request's session) go to serve's log only.
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use k3_proto::serve::{
     ErrorKind, Finish, FromWorker, Start, Timings, ToWorker, Usage, JOB_PROTOCOL_VERSION,
@@ -32,6 +38,8 @@ use tokio::process::{Child, Command};
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 use tracing::Instrument;
+
+use super::supervise::Backoff;
 
 /// Stderr lines kept for the message of a worker that died without an `Error`.
 const KEEP_LINES: usize = 16;
@@ -53,6 +61,25 @@ pub struct WorkerSpec {
     pub slots: usize,
     /// Positions each slot is planned for (`--ctx`).
     pub positions: usize,
+    /// The longest a worker holding jobs may go without a message ([`super::supervise`]).
+    pub stall: Duration,
+    /// serve's tokenizer (`--tok`: the worker compiles constrained jobs' grammars over it).
+    pub tok: Option<PathBuf>,
+}
+
+/// serve's own finding about a job's failure (not the worker's report).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Cause {
+    /// The worker made no step progress within the stall deadline: killed and replaced.
+    Stalled {
+        /// Seconds it was silent.
+        silent: u64,
+    },
+    /// Worker starts back off after failed ones: no start was tried.
+    Backoff {
+        /// Seconds until the next start may be tried.
+        retry_after: u64,
+    },
 }
 
 /// Why a job failed: the kind the worker reported (or a protocol failure) and the exit code it
@@ -66,6 +93,8 @@ pub struct JobError {
     pub exit_class: Option<i32>,
     /// What went wrong.
     pub message: String,
+    /// serve's own finding, when it is one.
+    pub cause: Option<Cause>,
 }
 
 impl JobError {
@@ -74,6 +103,7 @@ impl JobError {
             kind: ErrorKind::Protocol,
             exit_class: None,
             message: message.to_string(),
+            cause: None,
         }
     }
 
@@ -82,6 +112,7 @@ impl JobError {
             kind: self.kind,
             exit_class: self.exit_class,
             message: self.message.clone(),
+            cause: self.cause,
         }
     }
 }
@@ -96,6 +127,15 @@ pub enum Event {
     },
     /// One generated id.
     Token(u32),
+    /// One generated id with its log-probability and its step's most likely ids.
+    Scored {
+        /// The id.
+        id: u32,
+        /// Its log-probability.
+        logprob: f32,
+        /// The most likely ids with theirs.
+        top: Vec<(u32, f32)>,
+    },
     /// The job ended.
     Done {
         /// Why.
@@ -116,16 +156,55 @@ type Routes = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Routed>>>>;
 struct Running {
     pid: u32,
     frames: mpsc::UnboundedSender<ToWorker>,
+    live: Live,
+    /// Kill it (a cancelled job that did not end in time, or a stall).
+    kill: Arc<Notify>,
+}
+
+/// What the watchdog and `/health` see of the running worker.
+#[derive(Clone, Debug)]
+struct Live {
+    pid: u32,
     routes: Routes,
     alive: Arc<AtomicBool>,
-    /// Kill it (a cancelled job that did not end in time).
+    /// When it last said something (or was handed work while idle).
+    progress: Arc<Mutex<Instant>>,
+    /// Kill it.
     kill: Arc<Notify>,
+    /// Ended on purpose by serve (its store went away): not a failed start.
+    retired: Arc<AtomicBool>,
+}
+
+impl Live {
+    fn silent_for(&self) -> Duration {
+        lock(&self.progress).elapsed()
+    }
+
+    fn touch(&self) {
+        *lock(&self.progress) = Instant::now();
+    }
+
+    fn jobs(&self) -> usize {
+        lock(&self.routes).len()
+    }
 }
 
 /// The worker of one server.
 pub struct Worker {
     spec: WorkerSpec,
     running: tokio::sync::Mutex<Option<Running>>,
+    /// Failed starts in a row, and the kind of the last failure.
+    backoff: Arc<Mutex<(Backoff, ErrorKind)>>,
+    /// The running worker as `/health` sees it (without the async lock).
+    live: Mutex<Option<Live>>,
+    /// A stalled worker was killed and its replacement has not said `Hello` yet.
+    replacing: Arc<AtomicBool>,
+    /// Told by the watchdog when a stalled worker was killed and needs a replacement.
+    replace_wanted: Arc<Notify>,
+    /// The task that starts replacements (spawned with the first job, inside the runtime).
+    replacer: std::sync::OnceLock<()>,
+    /// This handle, for that task.
+    me: Weak<Worker>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -157,11 +236,50 @@ impl std::fmt::Debug for Job {
 
 impl Worker {
     /// The worker of a server (started on first use).
-    pub fn new(spec: WorkerSpec) -> Worker {
-        Worker {
+    pub fn new(spec: WorkerSpec) -> Arc<Worker> {
+        Arc::new_cyclic(|me| Worker {
             spec,
             running: tokio::sync::Mutex::new(None),
+            backoff: Arc::new(Mutex::new((Backoff::default(), ErrorKind::Failed))),
+            live: Mutex::new(None),
+            replacing: Arc::new(AtomicBool::new(false)),
+            replace_wanted: Arc::new(Notify::new()),
+            replacer: std::sync::OnceLock::new(),
+            me: me.clone(),
+        })
+    }
+
+    /// `Err(reason)` while no worker progresses: one holds jobs and has said nothing for half
+    /// the stall deadline, a stalled one is being replaced, or starts back off.
+    pub fn health(&self) -> Result<(), String> {
+        if self.replacing.load(Ordering::Acquire) {
+            return Err(
+                "the worker made no step progress within the stall deadline: it was \
+                        killed and a new one is starting"
+                    .into(),
+            );
         }
+        if let Some(l) = lock(&self.live).as_ref() {
+            let (jobs, silent) = (l.jobs(), l.silent_for());
+            if l.alive.load(Ordering::Acquire) && jobs > 0 && silent > self.spec.stall / 2 {
+                return Err(format!(
+                    "worker pid {} has made no step progress for {} s with {jobs} job(s) in \
+                     it (it is failed after {} s)",
+                    l.pid,
+                    silent.as_secs(),
+                    self.spec.stall.as_secs()
+                ));
+            }
+        }
+        let b = lock(&self.backoff);
+        if let Some(wait) = b.0.wait(Instant::now()) {
+            return Err(format!(
+                "the worker failed {} start(s) in a row; the next start is in {} s",
+                b.0.failures(),
+                wait.as_secs_f64().ceil()
+            ));
+        }
+        Ok(())
     }
 
     /// How it runs.
@@ -169,18 +287,44 @@ impl Worker {
         &self.spec
     }
 
+    /// The store went away: end an idle worker now (it is attached to the store that is gone
+    /// and would fail the first job it gets after a restart); the next job starts a new one.
+    pub fn retire(&self) {
+        if let Some(l) = lock(&self.live).as_ref() {
+            if l.alive.load(Ordering::Acquire) && l.jobs() == 0 {
+                if !l.retired.swap(true, Ordering::AcqRel) {
+                    tracing::info!("the store is gone: ending worker pid {}", l.pid);
+                }
+                l.kill.notify_one();
+            }
+        }
+    }
+
     /// Hand `start` to the worker (starting it when none is alive).
     pub async fn submit(&self, start: Start) -> Result<Job, JobError> {
+        self.replacer.get_or_init(|| {
+            tokio::spawn(replacer(self.me.clone(), self.replace_wanted.clone()));
+        });
         let mut g = self.running.lock().await;
-        if !g.as_ref().is_some_and(|r| r.alive.load(Ordering::Acquire)) {
+        if !g
+            .as_ref()
+            .is_some_and(|r| r.live.alive.load(Ordering::Acquire))
+        {
             *g = Some(self.start_worker().await?);
         }
         let r = g.as_ref().expect("started above");
         let (tx, events) = mpsc::unbounded_channel();
         let req_id = start.req_id;
-        lock(&r.routes).insert(req_id, tx);
+        {
+            let mut routes = lock(&r.live.routes);
+            if routes.is_empty() {
+                // An idle worker's silence is not a stall: the clock starts with the work.
+                r.live.touch();
+            }
+            routes.insert(req_id, tx);
+        }
         if r.frames.send(ToWorker::Start(start)).is_err() {
-            lock(&r.routes).remove(&req_id);
+            lock(&r.live.routes).remove(&req_id);
             return Err(JobError::protocol("the worker is gone"));
         }
         Ok(Job {
@@ -188,21 +332,58 @@ impl Worker {
             pid: r.pid,
             events,
             frames: r.frames.clone(),
-            routes: r.routes.clone(),
+            routes: r.live.routes.clone(),
             kill: r.kill.clone(),
             grace: self.spec.grace,
             ended: false,
         })
     }
 
-    /// Start the worker: `Hello`, then a task writing frames and one routing what it says.
+    /// Start a worker unless starts back off; a failed start makes the next one wait longer.
     async fn start_worker(&self) -> Result<Running, JobError> {
+        {
+            let b = lock(&self.backoff);
+            if let Some(wait) = b.0.wait(Instant::now()) {
+                let retry_after = wait.as_secs_f64().ceil() as u64;
+                return Err(JobError {
+                    kind: b.1,
+                    exit_class: None,
+                    message: format!(
+                        "the worker failed {} start(s) in a row; the next start is in \
+                         {retry_after} s",
+                        b.0.failures()
+                    ),
+                    cause: Some(Cause::Backoff { retry_after }),
+                });
+            }
+        }
+        let r = self.launch_worker().await;
+        if let Err(e) = &r {
+            let mut b = lock(&self.backoff);
+            let wait = b.0.failed(Instant::now());
+            b.1 = e.kind;
+            tracing::warn!(
+                "the worker did not start ({}); the next start waits {} s",
+                e.message,
+                wait.as_secs()
+            );
+        }
+        r
+    }
+
+    /// Start the worker: `Hello`, then a task writing frames, one routing what it says and one
+    /// watching its progress.
+    async fn launch_worker(&self) -> Result<Running, JobError> {
         let span = tracing::info_span!("worker");
+        tracing::info!(
+            "starting a worker ({} failed start(s) before)",
+            lock(&self.backoff).0.failures()
+        );
         let (child, mut chan, stderr, pid) = span.in_scope(|| launch(&self.spec))?;
         match first_word(&mut chan).await {
             FirstWord::Hello => {}
             FirstWord::Ended(e) | FirstWord::Broken(e) => return Err(e),
-            FirstWord::Closed => return Err(died(child, stderr).await),
+            FirstWord::Closed => return Err(died(pid, child, stderr).await),
         }
         tracing::info!(
             "worker pid {pid} started: up to {} jobs at once, {} positions a slot",
@@ -224,23 +405,134 @@ impl Worker {
             }
             .instrument(span.clone()),
         );
-        let routes: Routes = Arc::new(Mutex::new(HashMap::new()));
-        let alive = Arc::new(AtomicBool::new(true));
         let kill = Arc::new(Notify::new());
-        let reader = Reader {
+        let live = Live {
             pid,
-            routes: routes.clone(),
-            alive: alive.clone(),
+            routes: Arc::new(Mutex::new(HashMap::new())),
+            alive: Arc::new(AtomicBool::new(true)),
+            progress: Arc::new(Mutex::new(Instant::now())),
             kill: kill.clone(),
+            retired: Arc::new(AtomicBool::new(false)),
         };
-        tokio::spawn(reader.run(rd, child, stderr).instrument(span));
+        let reader = Reader {
+            live: live.clone(),
+            kill: kill.clone(),
+            backoff: self.backoff.clone(),
+        };
+        tokio::spawn(reader.run(rd, child, stderr).instrument(span.clone()));
+        tokio::spawn(
+            Watchdog {
+                live: live.clone(),
+                kill: kill.clone(),
+                deadline: self.spec.stall,
+                replacing: self.replacing.clone(),
+                replace_wanted: self.replace_wanted.clone(),
+            }
+            .run()
+            .instrument(span),
+        );
+        *lock(&self.live) = Some(live.clone());
+        self.replacing.store(false, Ordering::Release);
         Ok(Running {
             pid,
             frames,
-            routes,
-            alive,
+            live,
             kill,
         })
+    }
+
+    /// Start a worker in place of one the watchdog killed (once it has ended), after the
+    /// backoff's wait.
+    async fn replace(&self) {
+        let wait = lock(&self.backoff).0.wait(Instant::now());
+        if let Some(wait) = wait {
+            tokio::time::sleep(wait).await;
+        }
+        let mut g = self.running.lock().await;
+        if !g
+            .as_ref()
+            .is_some_and(|r| r.live.alive.load(Ordering::Acquire))
+        {
+            match self.start_worker().await {
+                Ok(r) => *g = Some(r),
+                Err(e) => tracing::warn!("no worker replaces the stalled one: {}", e.message),
+            }
+        }
+        self.replacing.store(false, Ordering::Release);
+    }
+}
+
+/// How often the watchdog looks at the worker's progress.
+const WATCH_EVERY: Duration = Duration::from_millis(250);
+
+/// Starts a worker in place of each one the watchdog killed.
+async fn replacer(worker: Weak<Worker>, wanted: Arc<Notify>) {
+    loop {
+        wanted.notified().await;
+        let Some(w) = worker.upgrade() else {
+            return;
+        };
+        w.replace().await;
+    }
+}
+
+/// Watches one worker's progress.
+struct Watchdog {
+    live: Live,
+    kill: Arc<Notify>,
+    deadline: Duration,
+    replacing: Arc<AtomicBool>,
+    replace_wanted: Arc<Notify>,
+}
+
+impl Watchdog {
+    /// Fail, kill and have replaced the worker when it holds jobs and says nothing for the
+    /// deadline.
+    async fn run(self) {
+        let live = &self.live;
+        loop {
+            tokio::time::sleep(WATCH_EVERY).await;
+            if !live.alive.load(Ordering::Acquire) {
+                return;
+            }
+            let silent = live.silent_for();
+            if live.jobs() > 0 && silent >= self.deadline {
+                break self.fail(silent).await;
+            }
+        }
+    }
+
+    async fn fail(&self, silent: Duration) {
+        let live = &self.live;
+        self.replacing.store(true, Ordering::Release);
+        let e = JobError {
+            kind: ErrorKind::Failed,
+            exit_class: None,
+            message: format!(
+                "the worker made no step progress for {} s (the stall deadline): it was killed \
+                 and is being replaced",
+                silent.as_secs()
+            ),
+            cause: Some(Cause::Stalled {
+                silent: silent.as_secs(),
+            }),
+        };
+        let failed: Vec<_> = lock(&live.routes).drain().collect();
+        tracing::warn!(
+            "worker pid {} made no step progress for {} s with {} job(s) in it: failing them, \
+             killing it and starting another",
+            live.pid,
+            silent.as_secs(),
+            failed.len()
+        );
+        for (_, tx) in failed {
+            let _ = tx.send(Err(e.copy()));
+        }
+        self.kill.notify_one();
+        while live.alive.load(Ordering::Acquire) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.replace_wanted.notify_one();
     }
 }
 
@@ -251,10 +543,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The task that reads what the worker says and routes it to its jobs; when the channel ends it
 /// reaps the worker and fails every job still in it.
 struct Reader {
-    pid: u32,
-    routes: Routes,
-    alive: Arc<AtomicBool>,
+    live: Live,
     kill: Arc<Notify>,
+    backoff: Arc<Mutex<(Backoff, ErrorKind)>>,
 }
 
 impl Reader {
@@ -264,11 +555,25 @@ impl Reader {
         mut child: Child,
         stderr: StderrTail,
     ) {
+        let mut served = false;
         let end = loop {
             tokio::select! {
                 r = read_frame(&mut rd) => match r {
-                    Ok(Some(m)) => route(&self.routes, m),
+                    Ok(Some(m)) => {
+                        self.live.touch();
+                        if matches!(m, FromWorker::Done { .. }) && !served {
+                            served = true;
+                            lock(&self.backoff).0.served();
+                        }
+                        route(&self.live.routes, m)
+                    }
                     Ok(None) => break None,
+                    // A worker killed with bytes unread in its end of the socket resets the
+                    // channel instead of closing it: an end like any other, told by its status.
+                    Err(FrameError::Io(e)) | Err(FrameError::Short(e)) => {
+                        tracing::debug!("worker channel: {e}");
+                        break None;
+                    }
                     Err(e) => break Some(JobError::protocol(e)),
                 },
                 _ = self.kill.notified() => {
@@ -277,17 +582,27 @@ impl Reader {
                 }
             }
         };
-        self.alive.store(false, Ordering::Release);
+        let pid = self.live.pid;
         let e = match end {
             Some(e) => {
                 let _ = child.start_kill();
                 let _ = child.wait().await;
                 e
             }
-            None => died(child, stderr).await,
+            None => died(pid, child, stderr).await,
         };
-        tracing::warn!("worker pid {} ended: {}", self.pid, e.message);
-        let waiting: Vec<_> = lock(&self.routes).drain().collect();
+        if !served && !self.live.retired.load(Ordering::Acquire) {
+            let mut b = lock(&self.backoff);
+            let wait = b.0.failed(Instant::now());
+            b.1 = e.kind;
+            tracing::warn!(
+                "worker pid {pid} ended before it finished a job: the next start waits {} s",
+                wait.as_secs()
+            );
+        }
+        self.live.alive.store(false, Ordering::Release);
+        tracing::warn!("worker pid {pid} ended: {}", e.message);
+        let waiting: Vec<_> = lock(&self.live.routes).drain().collect();
         for (_, tx) in waiting {
             let _ = tx.send(Err(e.copy()));
         }
@@ -302,6 +617,12 @@ fn route(routes: &Routes, m: FromWorker) {
             req_id, cached_ids, ..
         } => (req_id, Ok(Event::Prefilled { cached: cached_ids }), false),
         FromWorker::Token { req_id, id } => (req_id, Ok(Event::Token(id)), false),
+        FromWorker::Scored {
+            req_id,
+            id,
+            logprob,
+            top,
+        } => (req_id, Ok(Event::Scored { id, logprob, top }), false),
         FromWorker::Done {
             req_id,
             finish,
@@ -327,6 +648,7 @@ fn route(routes: &Routes, m: FromWorker) {
                 kind,
                 exit_class: Some(exit_class),
                 message,
+                cause: None,
             }),
             true,
         ),
@@ -400,6 +722,7 @@ fn launch(spec: &WorkerSpec) -> Result<(Child, UnixStream, StderrTail, u32), Job
         kind: ErrorKind::Failed,
         exit_class: None,
         message: format!("cannot start {}: {what}: {e}", spec.exe.display()),
+        cause: None,
     };
     let (ours, theirs) =
         std::os::unix::net::UnixStream::pair().map_err(|e| cant("socket pair", &e))?;
@@ -412,6 +735,7 @@ fn launch(spec: &WorkerSpec) -> Result<(Child, UnixStream, StderrTail, u32), Job
             spec.threads,
             spec.slots,
             spec.positions,
+            spec.tok.as_deref(),
         ))
         .stdin(Stdio::from(OwnedFd::from(theirs)))
         .stdout(Stdio::null())
@@ -488,6 +812,7 @@ async fn first_word<R: AsyncReadExt + Unpin>(chan: &mut R) -> FirstWord {
             kind,
             exit_class: Some(exit_class),
             message,
+            cause: None,
         }),
         Ok(Ok(Some(other))) => FirstWord::Broken(JobError::protocol(format!(
             "the worker did not start with Hello: {other:?}"
@@ -500,19 +825,27 @@ async fn first_word<R: AsyncReadExt + Unpin>(chan: &mut R) -> FirstWord {
     }
 }
 
-/// How a worker that closed its channel ended, with its last stderr lines.
-async fn died(mut child: Child, stderr: StderrTail) -> JobError {
+/// How a worker that closed its channel ended: its exit status for the clients; its last
+/// stderr lines go to serve's log only (they may name another request's session or ids).
+async fn died(pid: u32, mut child: Child, stderr: StderrTail) -> JobError {
     let status = child.wait().await;
     let lines = match stderr {
         Some(h) => h.await.unwrap_or_default(),
         None => VecDeque::new(),
     };
-    let said = lines.back().cloned().unwrap_or_default();
+    if !lines.is_empty() {
+        let tail: Vec<&str> = lines.iter().map(String::as_str).collect();
+        tracing::warn!(
+            "worker pid {pid} ended; its last lines:\n  {}",
+            tail.join("\n  ")
+        );
+    }
     match status {
         Ok(s) => JobError {
             kind: s.code().map_or(ErrorKind::Failed, ErrorKind::of_exit_code),
             exit_class: s.code(),
-            message: format!("the worker ended ({s}): {said}"),
+            message: format!("the worker ended ({s}); serve's log has its last lines"),
+            cause: None,
         },
         Err(e) => JobError::protocol(format!("waiting for the worker: {e}")),
     }

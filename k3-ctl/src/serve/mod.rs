@@ -40,6 +40,8 @@ mod metrics;
 mod queue;
 mod reply;
 mod sessions;
+mod shape;
+mod supervise;
 mod text;
 
 /// Largest request head (request line + headers), in bytes.
@@ -111,6 +113,11 @@ pub struct Args {
     /// a new worker).
     #[arg(long, value_name = "S", default_value_t = 30)]
     pub cancel_grace: u64,
+    /// Seconds the worker may hold jobs without a step's message before it is failed (its
+    /// requests get 503 `worker_stalled`), killed and replaced. Default: derived from the plan,
+    /// 60 s + 4 × (the expert bytes the plan's largest step may read) / (1 GB/s).
+    #[arg(long, value_name = "S")]
+    pub stall_timeout: Option<u64>,
     /// Most open connections (a new one takes the place of the oldest that is not busy).
     #[arg(long, value_name = "N", default_value_t = 256)]
     pub max_connections: usize,
@@ -212,6 +219,9 @@ pub enum ServeError {
         #[source]
         source: std::io::Error,
     },
+    /// No random bytes for the session key (exit 1).
+    #[error("cannot draw the session names' key")]
+    Random(#[source] getrandom::Error),
     /// A signal cannot be watched (exit 1).
     #[error("cannot watch {0}")]
     Signal(&'static str, #[source] std::io::Error),
@@ -221,7 +231,9 @@ impl k3_proto::exit::ExitStatus for ServeError {
     fn exit_code(&self) -> i32 {
         match self {
             ServeError::NoStore { .. } | ServeError::StoreAnswer(_) => exit::NO_STORE,
-            ServeError::Runtime(_) | ServeError::Signal(..) => exit::FAILURE,
+            ServeError::Runtime(_) | ServeError::Signal(..) | ServeError::Random(_) => {
+                exit::FAILURE
+            }
             _ => exit::REFUSED,
         }
     }
@@ -349,8 +361,8 @@ fn check_flags(a: &Args) -> Result<(), ServeError> {
     if a.max_connections == 0 || a.max_connections_per_client == 0 {
         return bad("--max-connections and --max-connections-per-client must be ≥ 1");
     }
-    if a.request_timeout == 0 || a.idle_timeout == 0 {
-        return bad("--request-timeout and --idle-timeout must be ≥ 1");
+    if a.request_timeout == 0 || a.idle_timeout == 0 || a.stall_timeout == Some(0) {
+        return bad("--request-timeout, --idle-timeout and --stall-timeout must be ≥ 1");
     }
     if a.cors_origin
         .iter()
@@ -433,6 +445,17 @@ fn app_state(a: &Args) -> Result<(Arc<http::AppState>, Started), ServeError> {
             .map(|(n, why)| (n, format!("sized from the plan: {why}")))
             .map_err(ServeError::Sizing)?,
     };
+    let stall = match a.stall_timeout {
+        Some(s) => Duration::from_secs(s),
+        None => {
+            let path = model_dir.join("config.json");
+            let cfg = k3_proto::config::ModelConfig::load(&path)
+                .map_err(|source| ServeError::Config { path, source })?;
+            let dims = k3_worker::model::Dims::from_config(&cfg)
+                .map_err(|e| ServeError::Sizing(SizingError::Dims(e)))?;
+            supervise::stall_deadline(&dims, &engine_plan(max_jobs, positions))
+        }
+    };
     let spec = job::WorkerSpec {
         exe: worker,
         socket: socket.clone(),
@@ -440,11 +463,14 @@ fn app_state(a: &Args) -> Result<(Arc<http::AppState>, Started), ServeError> {
         grace: Duration::from_secs(a.cancel_grace),
         slots: max_jobs,
         positions,
+        stall,
+        tok: Some(tok_dir.clone()),
     };
     let state = Arc::new(http::AppState {
         tok: Arc::new(tok),
         markers,
         worker: job::Worker::new(spec),
+        namer: sessions::Namer::new().map_err(ServeError::Random)?,
         admission: queue::Admission::new(max_jobs, a.queue),
         model_id: a.model_name.clone(),
         vocab,
@@ -518,6 +544,11 @@ pub fn run(a: Args) -> Result<i32, ServeError> {
             spec.positions,
             a.queue,
             if state.policy.api_key.is_some() { ", API key required" } else { "" },
+        );
+        tracing::info!(
+            "stall deadline {} s: a worker holding jobs that says nothing that long is failed, \
+             killed and replaced",
+            spec.stall.as_secs()
         );
         let app = access::layers(http::routes(state.clone()), state.clone());
         let code = serve(listener, app, conn::Registry::new(limits), state).await;

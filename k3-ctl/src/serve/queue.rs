@@ -1,7 +1,11 @@
-//! Admission: at most `max_jobs` workers run at once and at most `queue` more requests wait for
-//! a turn, in arrival order; a request beyond that is answered at once (429 with `Retry-After`).
-//! Every request inside is listed (for `k3-ctl ps` and a streamed request's queue comments):
-//! queued with its position, or running with its worker.
+//! Admission: at most `max_jobs` requests run at once and at most `queue` more wait for a turn;
+//! a request beyond that is answered at once (429 with `Retry-After`). First come, first served:
+//! every request gets a ticket when it is let in, and a waiting request runs only when a slot
+//! is free and no request let in before it still waits — whenever its handler gets round to
+//! asking (a streamed request checks the store before it asks, a whole one does not), so the
+//! order is the order of arrival, not of the handlers' progress. Every request inside is listed
+//! (for `k3-ctl ps` and a streamed request's queue comments): queued with its position, or
+//! running with its worker.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,18 +13,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use k3_proto::serve::{RequestInfo, RequestState};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Notify;
 
 /// Shared admission state.
 #[derive(Debug)]
 pub struct Admission {
-    running: Arc<Semaphore>,
+    /// Told whenever a place starts running or leaves (a waiting one may be next).
+    changed: Notify,
     max_jobs: usize,
     capacity: usize,
     inside: AtomicUsize,
     /// Mean seconds of recent jobs (exponentially weighted), for `Retry-After`.
     mean_job_seconds: Mutex<Option<f64>>,
-    /// The requests inside, by arrival (the semaphore lets them run in that order).
+    /// The requests inside, by arrival (their tickets; they run in that order).
     table: Mutex<(u64, BTreeMap<u64, Entry>)>,
 }
 
@@ -51,7 +56,6 @@ struct Entry {
 pub struct Place {
     adm: Arc<Admission>,
     ticket: u64,
-    permit: Option<OwnedSemaphorePermit>,
     started: Option<Instant>,
 }
 
@@ -66,7 +70,7 @@ impl Admission {
     /// `max_jobs` ≥ 1 running, `queue` waiting.
     pub fn new(max_jobs: usize, queue: usize) -> Arc<Admission> {
         Arc::new(Admission {
-            running: Arc::new(Semaphore::new(max_jobs)),
+            changed: Notify::new(),
             max_jobs,
             capacity: max_jobs + queue,
             inside: AtomicUsize::new(0),
@@ -108,7 +112,6 @@ impl Admission {
         Ok(Place {
             adm: self.clone(),
             ticket,
-            permit: None,
             started: None,
         })
     }
@@ -205,31 +208,41 @@ impl Admission {
 impl Place {
     /// Wait for a turn to run (at most `max_jobs` places run at once, in arrival order).
     pub async fn run(&mut self) {
-        if self.permit.is_some() {
-            return;
-        }
-        // The semaphore is never closed, so acquiring only waits.
-        if let Ok(p) = self.adm.running.clone().acquire_owned().await {
-            self.permit = Some(p);
-            self.started = Some(Instant::now());
-            self.adm.update(self.ticket, |e| e.running = true);
+        let adm = self.adm.clone();
+        loop {
+            let changed = adm.changed.notified();
+            tokio::pin!(changed);
+            // Registered before the look, so a change between the two is not missed.
+            changed.as_mut().enable();
+            if self.try_run() {
+                return;
+            }
+            changed.await;
         }
     }
 
-    /// Take a turn at once if a slot is free; false when the request must wait.
+    /// Take a turn now if a slot is free and no request let in earlier waits; false when this
+    /// one must wait.
     pub fn try_run(&mut self) -> bool {
-        if self.permit.is_some() {
+        if self.started.is_some() {
             return true;
         }
-        match self.adm.running.clone().try_acquire_owned() {
-            Ok(p) => {
-                self.permit = Some(p);
-                self.started = Some(Instant::now());
-                self.adm.update(self.ticket, |e| e.running = true);
-                true
-            }
-            Err(_) => false,
+        let Ok(mut t) = self.adm.table.lock() else {
+            return false;
+        };
+        let running = t.1.values().filter(|e| e.running).count();
+        let first_waiting = t.1.iter().find(|(_, e)| !e.running).map(|(k, _)| *k);
+        if running >= self.adm.max_jobs || first_waiting != Some(self.ticket) {
+            return false;
         }
+        if let Some(e) = t.1.get_mut(&self.ticket) {
+            e.running = true;
+        }
+        drop(t);
+        self.started = Some(Instant::now());
+        // The next in line may run too (another slot may be free).
+        self.adm.changed.notify_waiters();
+        true
     }
 
     /// The place in the queue (1 = next), `None` once running.
@@ -268,8 +281,8 @@ impl Drop for Place {
         if let Ok(mut t) = self.adm.table.lock() {
             t.1.remove(&self.ticket);
         }
-        self.permit.take();
         self.adm.inside.fetch_sub(1, Ordering::AcqRel);
+        self.adm.changed.notify_waiters();
     }
 }
 
@@ -317,6 +330,56 @@ mod tests {
         drop((b, c));
         assert_eq!(adm.inside(), 0);
         assert!(adm.listing().is_empty());
+    }
+
+    #[tokio::test]
+    async fn places_run_in_arrival_order_whenever_their_handlers_ask() {
+        use std::time::Duration;
+        let adm = Admission::new(1, 4);
+        let mut a = adm.enter(meta("a")).unwrap();
+        let mut b = adm.enter(meta("b")).unwrap();
+        let mut c = adm.enter(meta("c")).unwrap();
+        // c asks first, while a (let in first) has not asked yet: c may not overtake a or b.
+        assert!(!c.try_run());
+        assert!(!b.try_run());
+        assert!(a.try_run(), "the first one in runs at once on a free slot");
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let wait = |mut p: Place, name: &'static str| {
+            let order = order.clone();
+            tokio::spawn(async move {
+                p.run().await;
+                order.lock().unwrap().push(name);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                drop(p);
+            })
+        };
+        // c starts waiting before b.
+        let tc = wait(c, "c");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let tb = wait(b, "b");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            order.lock().unwrap().is_empty(),
+            "nothing runs while a does"
+        );
+        drop(a);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            tb.await.unwrap();
+            tc.await.unwrap();
+        })
+        .await
+        .expect("both ran");
+        assert_eq!(*order.lock().unwrap(), ["b", "c"]);
+        // Two slots: the first two in run at once, the third waits.
+        let two = Admission::new(2, 4);
+        let (mut x, mut y, mut z) = (
+            two.enter(meta("x")).unwrap(),
+            two.enter(meta("y")).unwrap(),
+            two.enter(meta("z")).unwrap(),
+        );
+        assert!(x.try_run() && y.try_run() && !z.try_run());
+        drop(y);
+        assert!(z.try_run());
     }
 
     #[test]

@@ -75,12 +75,18 @@ pub struct Delta {
     pub content: String,
     /// Tool calls that closed.
     pub calls: Vec<CallOut>,
+    /// The log-probabilities of the content's ids (OpenAI's `logprobs.content` items), when
+    /// the request asked for them.
+    pub logprobs: Vec<serde_json::Value>,
 }
 
 impl Delta {
     /// Nothing to send.
     pub fn is_empty(&self) -> bool {
-        self.reasoning.is_empty() && self.content.is_empty() && self.calls.is_empty()
+        self.reasoning.is_empty()
+            && self.content.is_empty()
+            && self.calls.is_empty()
+            && self.logprobs.is_empty()
     }
 
     /// Append `o`.
@@ -88,6 +94,7 @@ impl Delta {
         self.reasoning.push_str(&o.reasoning);
         self.content.push_str(&o.content);
         self.calls.extend(o.calls);
+        self.logprobs.extend(o.logprobs);
     }
 }
 
@@ -120,6 +127,10 @@ pub struct ReplyText {
     generated: usize,
     finish: Option<Finish>,
     thinking: bool,
+    /// The last id was part of the content (the response channel; a completion's text).
+    in_content: bool,
+    /// Ids of the think channel's contents.
+    reasoning_ids: usize,
 }
 
 impl ReplyText {
@@ -181,7 +192,19 @@ impl ReplyText {
             max_new,
             generated: 0,
             finish: None,
+            in_content: false,
+            reasoning_ids: 0,
         }
+    }
+
+    /// Ids of the think channel's contents (OpenAI's `reasoning_tokens`).
+    pub fn reasoning_ids(&self) -> usize {
+        self.reasoning_ids
+    }
+
+    /// The last id pushed was part of the content (its log-probability belongs to it).
+    pub fn in_content(&self) -> bool {
+        self.in_content
     }
 
     /// A chat reply with the think channel on (it has `reasoning_content`).
@@ -247,6 +270,7 @@ impl ReplyText {
             return Delta::default();
         }
         self.generated += 1;
+        self.in_content = false;
         let tok = self.tok.clone();
         let bytes = tok.token_bytes(id).unwrap_or(&[]);
         let mut d = Delta::default();
@@ -256,6 +280,7 @@ impl ReplyText {
                 if END_IDS.contains(&id) {
                     ended = true;
                 } else {
+                    self.in_content = !self.stop.stopped();
                     let t = self.text.push(bytes);
                     d.content = self.stop.push(&t);
                 }
@@ -263,8 +288,12 @@ impl ReplyText {
             Some(p) => {
                 let call = self.calls.as_mut().and_then(|c| c.push(&tok, id));
                 match p.push(&tok, id) {
-                    Channel::Think => d.reasoning = self.think.push(bytes),
+                    Channel::Think => {
+                        self.reasoning_ids += 1;
+                        d.reasoning = self.think.push(bytes);
+                    }
                     Channel::Response => {
+                        self.in_content = !self.stop.stopped();
                         let t = self.text.push(bytes);
                         d.content = self.stop.push(&t);
                     }

@@ -30,7 +30,7 @@ use crate::runtime::catalog::Catalog;
 use crate::runtime::draft::{DraftFile, DraftSource};
 use crate::runtime::experts::ExpertReader;
 use crate::runtime::identity::ModelIdentity;
-use crate::runtime::io::AlignedBuf;
+use crate::runtime::io::{AlignedBuf, DiskFile};
 use crate::runtime::pool::IoPool;
 use crate::runtime::source::{
     ByteOwner, ExpertBatch, ExpertError, LayerRun, PendingExperts, Region, SlotProblem,
@@ -388,6 +388,46 @@ fn same_model(model_dir: &Path, header: &ShmHeader) -> Result<Catalog, AttachErr
     Ok(cat)
 }
 
+/// The store resolves its paths before it starts; a relative one would be looked up in this
+/// worker's directory, where a different checkpoint may sit: refused.
+fn absolute_paths(model_dir: &Path, trunk_dir: Option<&Path>) -> Result<(), AttachError> {
+    for d in std::iter::once(model_dir).chain(trunk_dir) {
+        if !d.is_absolute() {
+            return Err(AttachError::Mismatch(format!(
+                "the store sent a relative path {}; refusing to resolve it here",
+                d.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// This worker's trunk layout (from `trunk_dir`, or the checkpoint's shards without one),
+/// refused unless its descriptors are the ones the store checks runs against (`served`'s seal).
+fn same_trunk(
+    cat: &Catalog,
+    shards: Vec<Arc<DiskFile>>,
+    trunk_dir: Option<&Path>,
+    served: &k3_proto::wire::TrunkInfo,
+    trunk_from: &Path,
+) -> Result<TrunkLayout, AttachError> {
+    let trunk = match trunk_dir {
+        Some(dir) => TrunkLayout::from_packed(cat, shards, dir).map_err(AttachError::Trunk)?,
+        None => TrunkLayout::from_catalog(cat, shards),
+    };
+    let ours = trunk.info();
+    if ours.seal != served.seal {
+        return Err(AttachError::Mismatch(format!(
+            "the store serves the trunk sealed {:?}, but {} has seal {:?} (re-packed since the \
+             store started? restart the store)",
+            served.seal,
+            trunk_from.display(),
+            ours.seal
+        )));
+    }
+    Ok(trunk)
+}
+
 /// A region of the store's mapping, refused when it lies outside it.
 fn region_of(
     owner: &Arc<dyn ByteOwner>,
@@ -498,16 +538,7 @@ impl AttachedSource {
         // An empty trunk directory: the store reads the layers from the checkpoint's shards.
         let trunk_dir = (!trunk_dir.is_empty()).then(|| PathBuf::from(trunk_dir));
         let mismatch = |m: String| AttachError::Mismatch(m);
-        // The store resolves its paths before it starts; a relative one would be looked up in
-        // this worker's directory, where a different checkpoint may sit.
-        for d in std::iter::once(&model_dir).chain(trunk_dir.as_ref()) {
-            if !d.is_absolute() {
-                return Err(mismatch(format!(
-                    "the store sent a relative path {}; refusing to resolve it here",
-                    d.display()
-                )));
-            }
-        }
+        absolute_paths(&model_dir, trunk_dir.as_deref())?;
         let cat = same_model(&model_dir, &header)?;
         // The shards (private expert reads, the trunk layout), the trunk, the socket, the
         // store's memory and a session's memfd, against the open-file limit (raised).
@@ -520,24 +551,16 @@ impl AttachedSource {
         (crate::runtime::fdlimit::raise()).check("k3-worker", &needs)?;
         let shards = open_shards(&cat).map_err(AttachError::Shards)?;
         let reader = ExpertReader::new(shards.clone(), cat.expert_layout());
-        let trunk = Arc::new(match &trunk_dir {
-            Some(dir) => TrunkLayout::from_packed(&cat, shards, dir).map_err(AttachError::Trunk)?,
-            None => TrunkLayout::from_catalog(&cat, shards),
-        });
-        // The descriptors this worker reads must be the ones the store checks runs against.
-        let ours = trunk.info();
-        if ours.seal != served.seal {
-            return Err(mismatch(format!(
-                "the store serves the trunk sealed {:?}, but {} has seal {:?} (re-packed since the \
-                 store started? restart the store)",
-                served.seal,
-                trunk_dir.as_deref().unwrap_or(&model_dir).display(),
-                ours.seal
-            )));
-        }
+        let trunk_from = trunk_dir.as_deref().unwrap_or(&model_dir);
+        let trunk = Arc::new(same_trunk(
+            &cat,
+            shards,
+            trunk_dir.as_deref(),
+            &served,
+            trunk_from,
+        )?);
         let owner: Arc<dyn ByteOwner> = seg.clone();
         let model = model_regions(&header, &owner)?;
-        let trunk_from = trunk_dir.as_deref().unwrap_or(&model_dir);
         let pinned = pinned_regions(&header, &owner, &trunk, trunk_from)?;
         let pinned_layers = pinned.len();
         let ring = match header.find(RegionKind::TrunkRing, 0) {
@@ -567,7 +590,7 @@ impl AttachedSource {
             draft: draft
                 .as_ref()
                 .map(|(d, runs)| (d.clone(), runs.iter().map(|r| r.len() as u64).sum())),
-            trunk: ours,
+            trunk: trunk.info(),
         };
         let fetch = IoPool::new("k3-expert-fetch", 1).map_err(AttachError::Thread)?;
         Ok((

@@ -5,7 +5,7 @@
 //! ```text
 //! thinking on:  THINK-TEXT <|close|>think<|sep|> …        thinking off: (the response is open)
 //! JSON:   [<|open|>response<|sep|>] JSON <|close|>response<|sep|> <|close|>message<|sep|> END
-//! tools:  [<|open|>response<|sep|> TEXT] <|close|>response<|sep|>   (thinking off: TEXT first)
+//! tools:  [<|open|>response<|sep|>] <|close|>response<|sep|>
 //!         <|open|>tools<|sep|> CALL+ <|close|>tools<|sep|> <|close|>message<|sep|> END
 //! CALL:   <|open|>call tool="NAME" index="N"<|sep|><|open|>json type="object"<|sep|>
 //!         ARGUMENTS <|close|>json<|sep|><|close|>call<|sep|>
@@ -13,7 +13,11 @@
 //! ```
 //!
 //! A call's arguments are one `json` element (the call grammar's second form), so they match the
-//! tool's `parameters` schema as a whole; with `parallel` off there is exactly one call.
+//! tool's `parameters` schema as a whole; with `parallel` off there is exactly one call. A
+//! forced call has an empty response channel before it (as the chat format renders an
+//! assistant's calls; OpenAI's `required` answers with calls, not content), so that the reply
+//! cannot put the call off with text. Between JSON tokens at most [`JSON_WHITESPACE`] of
+//! whitespace is allowed (enough for indented output, and a reply cannot pad forever).
 
 use serde_json::{json, Value};
 
@@ -48,7 +52,10 @@ fn lit(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
 }
 
-/// `%json { … }` for `schema`, lenient unless `strict`.
+/// The whitespace allowed between two JSON tokens (llguidance's `whitespace_pattern`).
+pub const JSON_WHITESPACE: &str = r"[\x20\x0A\x0D\x09]{1,16}";
+
+/// `%json { … }` for `schema`, lenient unless `strict`, with bounded whitespace.
 fn json_rule(schema: &Value, strict: bool) -> Result<String, ConstrainError> {
     let mut schema = match schema {
         Value::Object(m) => Value::Object(m.clone()),
@@ -59,9 +66,7 @@ fn json_rule(schema: &Value, strict: bool) -> Result<String, ConstrainError> {
             )))
         }
     };
-    if !strict {
-        schema["x-guidance"] = json!({"lenient": true});
-    }
+    schema["x-guidance"] = json!({"lenient": !strict, "whitespace_pattern": JSON_WHITESPACE});
     Ok(format!("%json {schema}"))
 }
 
@@ -108,13 +113,9 @@ pub fn lark(spec: &Spec, ids: &Ids, thinking: bool) -> Result<String, ConstrainE
                 ));
             }
             let response = if thinking {
-                format!(
-                    "({} free_text {})? ",
-                    m("response", open),
-                    m("response", close)
-                )
+                format!("{} {} ", m("response", open), m("response", close))
             } else {
-                format!("free_text {} ", m("response", close))
+                format!("{} ", m("response", close))
             };
             let mut alts = Vec::new();
             for (k, t) in tools.iter().enumerate() {

@@ -10,6 +10,8 @@
 //!   rollback of rejected drafts, what its steps cost.
 //! * [`outputs`] — sinks, the per-id report, usage and timings, what the store is told
 //!   (sessions kept, progress, history).
+//! * [`shaping`] — a sequence's logits processor: grammar masks, a thinking budget, logit
+//!   bias, penalties, log-probabilities.
 //! * [`request`] — the request type and its refusals; [`sampling`] — the sampler; [`spec`] —
 //!   drafters and auto mode's controller; [`session`] — kept sessions in the store;
 //!   [`memory`] — the bytes per sequence and per pass the plans read.
@@ -22,6 +24,7 @@ pub mod sampling;
 pub(crate) mod scheduler;
 pub(crate) mod sequence;
 pub mod session;
+pub mod shaping;
 pub mod spec;
 
 pub use runner::{Engine, EngineError};

@@ -16,6 +16,7 @@ use k3_store::runtime::source::WeightSource;
 use crate::engine::request::{Held, SeqId, SessionPlan, Speculation};
 use crate::engine::sampling::Sampler;
 use crate::engine::session;
+use crate::engine::shaping::{MaskCost, Scored};
 use crate::engine::spec::SpecTotals;
 use crate::model::PhaseSeconds;
 
@@ -69,6 +70,9 @@ pub struct StepReport {
     /// The first id its pass produced.
     #[serde(skip)]
     pub first_of_pass: bool,
+    /// Its log-probabilities, when the request asked for them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scored: Option<Scored>,
 }
 
 /// What a sequence produced.
@@ -144,6 +148,11 @@ pub struct Finished {
     pub report: GenReport,
     /// A state it started from did not prefix the prompt: it ran the whole prompt.
     pub restarted: bool,
+    /// Its shaping failed (a grammar that allowed no id, or refused one): it ended there, as
+    /// cancelled, and this says why.
+    pub error: Option<String>,
+    /// What its grammar's masks cost (`None`: no grammar).
+    pub mask: Option<MaskCost>,
 }
 
 /// Where one sequence's output goes: the boundary between the engine and whoever asked.
@@ -190,6 +199,8 @@ pub(crate) struct Ending {
     pub(crate) sampler: Sampler,
     pub(crate) spec: Speculation,
     pub(crate) hand_back: bool,
+    pub(crate) error: Option<String>,
+    pub(crate) mask: Option<MaskCost>,
 }
 
 struct Entry<'o> {
@@ -265,14 +276,19 @@ impl<'o> Outputs<'o> {
         self.entries.iter_mut().find(|e| e.seq == seq)
     }
 
-    /// Every prompt id but the last is in the state: keep it under the session, when asked.
+    /// Every prompt id but the last is in the state: keep it, when asked, as a session of its
+    /// own named after its ids ([`prefix_session_name`]), beside the one the sequence runs
+    /// under: a retry of the request resumes it, and so does any later prompt that starts with
+    /// it — the next turn of a conversation whose reply does not re-render to the ids the
+    /// model generated (a tool call, a text that re-encodes otherwise), a regenerated reply.
     pub(crate) fn at_prefill(&mut self, seq: SeqId, state: &crate::model::SeqState, ids: &[u32]) {
         let store = self.store;
         let Some(e) = self.entry(seq) else { return };
         let Some(plan) = e.session.as_ref().filter(|p| p.after_prefill) else {
             return;
         };
-        e.kept_after_prefill = store.and_then(|src| keep(src, &plan.name, ids, state));
+        let name = prefix_session_name(&plan.name_key, ids);
+        e.kept_after_prefill = store.and_then(|src| keep(src, &name, ids, state));
     }
 
     /// The first id is about to be emitted: tell the sink the prompt is in.
@@ -362,6 +378,8 @@ impl<'o> Outputs<'o> {
             },
             report: end.report,
             restarted: end.restarted,
+            error: end.error,
+            mask: end.mask,
         };
         if let Some(e) = entry.as_mut() {
             if !e.told_prefilled && finished.finish == Finish::Cancelled {
@@ -395,6 +413,30 @@ impl<'o> Outputs<'o> {
     }
 }
 
+/// The name of the session that keeps a prompt's prefill ([`Outputs::at_prefill`]): `prefix-`
+/// and 16 hex digits of its ids' HMAC-SHA256 under `key` (serve's: a name confirms nothing
+/// about a prompt), or of their plain hash without a key; so that the same prefix is kept once.
+pub fn prefix_session_name(key: &[u8], ids: &[u32]) -> String {
+    if key.is_empty() {
+        return format!("prefix-{:016x}", k3_store::session::ids_hash(ids) as u64);
+    }
+    use hmac::{Hmac, Mac};
+    let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(key).expect("any key length");
+    for id in ids {
+        m.update(&id.to_le_bytes());
+    }
+    let tag = m.finalize().into_bytes();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&tag[..8]);
+    format!("prefix-{:016x}", u64::from_be_bytes(first))
+}
+
+/// A name [`prefix_session_name`] makes.
+pub fn is_prefix_session_name(name: &str) -> bool {
+    name.strip_prefix("prefix-")
+        .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Keep `state` (holding `ids`) as session `name`; the bytes kept, or `None` (said in the log).
 fn keep(
     src: &AttachedSource,
@@ -410,6 +452,31 @@ fn keep(
         Err(e) => {
             tracing::warn!("session {name}: NOT kept: {e}");
             None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{is_prefix_session_name, prefix_session_name};
+
+    /// A keyed prefix name is the same for the same key and ids, differs across keys (so a name
+    /// seen on one server confirms nothing about a prompt guessed with another key, or with
+    /// the plain hash), and keeps the shape serve recognises.
+    #[test]
+    fn prefix_names_are_keyed() {
+        let ids = [1u32, 2, 3, 163_584];
+        let (a, b) = ([1u8; 32], [2u8; 32]);
+        let plain = prefix_session_name(&[], &ids);
+        assert_eq!(prefix_session_name(&a, &ids), prefix_session_name(&a, &ids));
+        assert_ne!(prefix_session_name(&a, &ids), prefix_session_name(&b, &ids));
+        assert_ne!(prefix_session_name(&a, &ids), plain);
+        assert_ne!(
+            prefix_session_name(&a, &ids),
+            prefix_session_name(&a, &ids[..3])
+        );
+        for n in [plain, prefix_session_name(&a, &ids)] {
+            assert!(is_prefix_session_name(&n), "{n}");
         }
     }
 }

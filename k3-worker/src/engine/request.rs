@@ -3,6 +3,7 @@
 //! `k3-ctl serve`), and what the engine refuses before a request runs ([`RequestError`]).
 
 use crate::engine::sampling::Sampler;
+use crate::engine::shaping::Shaping;
 use crate::engine::spec::{Controller, Drafter, SpecMode};
 use crate::model::SeqState;
 use crate::text::xtml::END_IDS;
@@ -69,6 +70,13 @@ pub struct SessionPlan {
     /// Also keep the state once every prompt id but the last is in it, before the first pick,
     /// so that a retry of the same request resumes there (serve).
     pub after_prefill: bool,
+    /// With `after_prefill`, also keep the state when the prompt's first `k` ids are in it, for
+    /// each `k` here (serve: where the conversation's history ends, before the notes that only
+    /// this request renders, so that the next turn resumes there).
+    pub keep_at: Vec<usize>,
+    /// The key the prefix sessions are named under ([`crate::engine::outputs::prefix_session_name`];
+    /// empty: the ids' plain hash).
+    pub name_key: Vec<u8>,
 }
 
 /// One generation: the same type whatever the front end.
@@ -80,6 +88,8 @@ pub struct Request {
     pub max_new: usize,
     /// Its token choice (greedy, or its own seeded generator).
     pub sampler: Sampler,
+    /// What its picks obey beyond the sampler (a grammar, a thinking budget, logit edits).
+    pub shaping: Shaping,
     /// Generation ends after one of these ids (ids outside the vocabulary are dropped).
     pub stop_ids: Vec<u32>,
     /// Speculative decoding.
@@ -109,6 +119,7 @@ impl Request {
             prompt,
             max_new,
             sampler,
+            shaping: Shaping::default(),
             stop_ids: END_IDS.to_vec(),
             spec: Speculation::off(),
             from: None,

@@ -4,10 +4,10 @@
 //! ([`Sequence::take`]): the pick step, the stop rules and the rollback of rejected drafts are
 //! here, written once for every front end.
 //!
-//! The pick step is the one place an id is chosen ([`Sequence::pick`]): a per-sequence logits
-//! processor (a grammar's mask, a logit bias, penalties) would edit the row there before the
-//! sampler, and a forced id (closing a think channel) would replace the sampler's choice there;
-//! a verify pass compares each drafted id with that same choice.
+//! The pick step is the one place an id is chosen ([`Sequence::pick`]): the sequence's logits
+//! processor ([`crate::engine::shaping`]: a grammar's mask, a logit bias, penalties) edits the
+//! row there before the sampler, and a forced id (closing a think channel) replaces the
+//! sampler's choice there; a verify pass compares each drafted id with that same choice.
 
 use std::time::Instant;
 
@@ -17,6 +17,7 @@ use k3_store::runtime::source::{SourceStats, WeightSource};
 use crate::engine::outputs::{Ending, Flow, GenReport, Outputs, StepReport};
 use crate::engine::request::{reusable, Held, Request, SeqId, Speculation};
 use crate::engine::sampling::{positions_needed, Sampler};
+use crate::engine::shaping::{Scored, Shaper};
 use crate::engine::spec::{Controller, SpecMode};
 use crate::model::{Dims, Logits, ModelError, PhaseSeconds, SeqState};
 
@@ -122,11 +123,18 @@ pub(crate) struct Sequence {
     /// Of `todo`, ids already run (a prompt fed over several steps).
     done: usize,
     prefilling: bool,
-    /// Stop once the state holds this many ids (the prompt's all but last), to keep it.
-    pause_at: Option<usize>,
+    /// Stop once the state holds this many ids (the prompt's all but last, and the session's
+    /// `keep_at`), to keep it: the next last.
+    pauses: Vec<usize>,
     sampler: Sampler,
+    /// Its logits processor: grammar, thinking budget, bias, penalties, log-probabilities.
+    shaper: Shaper,
     /// The sampler after each pick of a verify pass (to rewind to the last emitted one).
     picks: Vec<(u32, Sampler)>,
+    /// Each pick's log-probabilities of the pass (when asked).
+    scores: Vec<Option<Scored>>,
+    /// Why its shaping failed (it ended there).
+    error: Option<String>,
     /// A pass's picked ids (reused).
     ids: Vec<u32>,
     stops: Vec<u32>,
@@ -168,11 +176,15 @@ impl Sequence {
             grow(&mut state, capacity);
         }
         let cached = held.len();
-        let pause_at = req
-            .session
-            .as_ref()
-            .filter(|s| s.after_prefill && req.prompt.len() - 1 > cached)
-            .map(|_| req.prompt.len() - 1);
+        let last = req.prompt.len() - 1;
+        let mut pauses: Vec<usize> = match &req.session {
+            Some(s) if s.after_prefill => (s.keep_at.iter().copied().chain([last]))
+                .filter(|&k| k > cached && k <= last)
+                .collect(),
+            _ => Vec::new(),
+        };
+        pauses.sort_unstable_by(|a, b| b.cmp(a));
+        pauses.dedup();
         let mode = if req.full_recompute || req.spec.drafter.is_none() {
             SpecMode::Off
         } else {
@@ -194,9 +206,12 @@ impl Sequence {
             done: cached,
             held,
             prefilling: true,
-            pause_at,
+            pauses,
             sampler: req.sampler,
+            shaper: Shaper::new(req.shaping),
             picks: Vec::with_capacity(per_pass),
+            scores: Vec::with_capacity(per_pass),
+            error: None,
             ids: Vec::with_capacity(per_pass),
             stops: (req.stop_ids.into_iter())
                 .filter(|&s| (s as usize) < vocab)
@@ -254,8 +269,7 @@ impl Sequence {
         budget: &mut usize,
     ) -> Option<Planned> {
         if self.prefilling {
-            let end = self
-                .pause_at
+            let end = (self.pauses.last().copied())
                 .unwrap_or(self.todo.len())
                 .min(self.todo.len());
             let take = (end - self.done).min(*budget);
@@ -336,8 +350,8 @@ impl Sequence {
         let ran = self.done..self.done + p.rows;
         self.held.extend_from_slice(&self.todo[ran]);
         self.done += p.rows;
-        if self.pause_at == Some(self.done) {
-            self.pause_at = None;
+        if self.pauses.last() == Some(&self.done) {
+            self.pauses.pop();
             out.at_prefill(self.id, &self.state, &self.held);
         }
         if self.done < self.todo.len() {
@@ -353,7 +367,10 @@ impl Sequence {
         }
         out.prefilled(self.id, self.cached, self.held.len());
         self.drafts.clear();
-        let token = self.pick(logits);
+        self.scores.clear();
+        let Some(token) = self.pick(logits) else {
+            return Ok(());
+        };
         self.emit(&[token], 0, out);
         self.next(d, token);
         Ok(())
@@ -371,10 +388,14 @@ impl Sequence {
         let vocab = d.vocab;
         let drafted = self.drafts.len();
         self.picks.clear();
+        self.scores.clear();
         // The sampler draws once per pick, as plain decoding does; its state after each pick
         // is kept in case fewer ids are emitted.
         for (i, row) in logits.chunks_exact_mut(vocab).enumerate() {
-            let token = self.pick(row);
+            let Some(token) = self.pick(row) else {
+                // The shaping failed: the sequence ended (nothing of this pass is emitted).
+                return Ok(());
+            };
             self.picks.push((token, self.sampler.clone()));
             if self.stops.contains(&token) || i == drafted || token != self.drafts[i] {
                 break;
@@ -408,9 +429,29 @@ impl Sequence {
         Ok(())
     }
 
-    /// The one place an id is chosen from a row of logits.
-    fn pick(&mut self, row: &mut [f32]) -> u32 {
-        self.sampler.pick(row)
+    /// The one place an id is chosen from a row of logits: the shaper edits the row (or forces
+    /// the id), the sampler picks, the shaper takes the id. `None`: the shaping failed and the
+    /// sequence ended with its error.
+    fn pick(&mut self, row: &mut [f32]) -> Option<u32> {
+        if self.shaper.is_plain() {
+            self.scores.push(None);
+            return Some(self.sampler.pick(row));
+        }
+        let picked = self.shaper.prepare(row).and_then(|forced| {
+            let id = forced.unwrap_or_else(|| self.sampler.pick(row));
+            self.scores.push(self.shaper.scored(row, id));
+            self.shaper.commit(id)?;
+            Ok(id)
+        });
+        match picked {
+            Ok(id) => Some(id),
+            Err(e) => {
+                tracing::warn!("sequence {}: {e}", self.id);
+                self.error = Some(e.to_string());
+                self.cancel();
+                None
+            }
+        }
     }
 
     /// Emit `ids` (one pass's picks) to the sinks; the sequence ends at a stop id, at its
@@ -454,6 +495,7 @@ impl Sequence {
                 },
                 phases: p.phases.scaled(share),
                 first_of_pass: first,
+                scored: self.scores.get_mut(i).and_then(Option::take),
             };
             let flow = out.token(self.id, &r);
             self.report.steps.push(r);
@@ -483,6 +525,8 @@ impl Sequence {
         if self.finished() {
             return;
         }
+        // The grammar's next mask runs beside the next pass.
+        self.shaper.ahead();
         if self.full_recompute {
             self.todo.extend_from_slice(&self.held);
             self.todo.push(token);
@@ -536,6 +580,8 @@ impl Sequence {
                 ..self.spec
             },
             hand_back: self.hand_back,
+            error: self.error,
+            mask: self.shaper.mask_cost(),
         }
     }
 }
@@ -569,6 +615,8 @@ impl Ending {
             sampler: req.sampler,
             spec: req.spec,
             hand_back: false,
+            error: None,
+            mask: None,
         }
     }
 }

@@ -21,6 +21,7 @@ use crate::front::cli::{Cli, MAX_BATCH_REQUESTS, MAX_GEN, MAX_PROMPT, MAX_PROMPT
 use crate::front::error::{read_bounded, refuse, JobError};
 use crate::front::job::{job_shape, preflight, prepare, Prepared, DEFAULT_PARALLEL};
 use crate::front::report::{self, RunSummary};
+use crate::front::visible;
 use crate::tokenizer::Tokenizer;
 
 /// One request of a `--batch` file.
@@ -123,7 +124,7 @@ impl Sink for LineSink<'_> {
 
     fn done(&mut self, f: &Finished) {
         let ids = &f.report.generated_ids;
-        let text = self.tok.and_then(|t| t.decode(ids).ok());
+        let text = self.tok.and_then(|t| visible::decode(t, ids).ok());
         let t = &f.timings;
         let line = json!({
             "index": self.index,

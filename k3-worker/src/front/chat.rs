@@ -17,10 +17,12 @@ use crate::engine::request::{Held, Request, RequestError, Speculation};
 use crate::engine::runner::{Engine, EngineError};
 use crate::engine::sampling::{positions_needed, Sampler};
 use crate::engine::session;
+use crate::engine::shaping::{Shaping, ThinkBudget};
 use crate::front::cli::Cli;
 use crate::front::error::{refuse, JobError};
 use crate::front::job::{job_shape, preflight, prepare, Prepared};
 use crate::front::report;
+use crate::front::visible;
 use crate::model::{ModelError, SeqState};
 use crate::text::xtml::{Channel, ChatFormat, Effort, Message, Reply, ReplyParser};
 use crate::tokenizer::Tokenizer;
@@ -51,6 +53,9 @@ pub enum TurnError {
 pub struct TurnOptions {
     /// Most ids generated in a turn (≥ 1).
     pub max_new: usize,
+    /// Most ids of a reply's think channel (thinking on): when they are spent the reply's
+    /// think channel is closed for it and it answers.
+    pub think_budget: Option<usize>,
 }
 
 /// What one turn did.
@@ -157,7 +162,17 @@ impl Conversation {
             });
         }
         let n = conversation.len();
+        let think = (opts.think_budget)
+            .filter(|_| fmt.thinking.is_some())
+            .map(|tokens| ThinkBudget {
+                tokens,
+                close: fmt.think_close(),
+            });
         let req = Request {
+            shaping: Shaping {
+                think,
+                ..Shaping::default()
+            },
             spec: std::mem::replace(&mut self.spec, Speculation::off()),
             from: self.held.take(),
             reserve: self.capacity,
@@ -604,7 +619,7 @@ struct ReplyWriter<'a> {
 
 impl ReplyWriter<'_> {
     fn write(&mut self, ch: Channel, id: u32) {
-        let bytes = self.tok.token_bytes(id).unwrap_or(&[]);
+        let bytes = visible::token_bytes(self.tok, id).unwrap_or(&[]);
         let (out, err) = (&mut *self.out, &mut *self.err);
         let r = match ch {
             Channel::Response => out.write_all(bytes).and_then(|_| out.flush()),
@@ -687,6 +702,15 @@ fn report_turn(
     );
 }
 
+/// Tokens of a chat reply when `--gen` is not given (`--gen`'s own default, 8, is a one-shot
+/// prompt's).
+pub const DEFAULT_CHAT_GEN: usize = 256;
+
+/// A reply's thinking budget: `--think-budget`, else half of its tokens.
+fn think_budget(cli: &Cli, gen: usize) -> usize {
+    cli.think_budget.map_or((gen / 2).max(1), |b| b as usize)
+}
+
 /// The `--chat` job: stdin lines are user turns; exit 0 at end of input. With `--session` the
 /// conversation is resumed from the store and kept there after every turn.
 pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
@@ -700,16 +724,26 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
     let thinking = if cli.no_think {
         None
     } else {
-        Some(cli.effort.map_or(Effort::Max, Effort::from))
+        Some(cli.effort.map_or(Effort::Low, Effort::from))
+    };
+    // Without --gen a chat reply may be long enough to think and answer.
+    let gen = match matches.value_source("gen") {
+        Some(clap::parser::ValueSource::DefaultValue) | None => DEFAULT_CHAT_GEN,
+        Some(_) => cli.gen as usize,
     };
     let ctx = cli.ctx as usize;
     let shape = job_shape(cli, &pre, 1, ctx, ctx, ctx);
     let job = prepare(cli, matches, pre, shape, wall)?;
-    run_chat(cli, &job, thinking)
+    run_chat(cli, &job, thinking, gen)
 }
 
 /// The REPL over the prepared job.
-fn run_chat(cli: &Cli, job: &Prepared, thinking: Option<Effort>) -> Result<i32, JobError> {
+fn run_chat(
+    cli: &Cli,
+    job: &Prepared,
+    thinking: Option<Effort>,
+    gen: usize,
+) -> Result<i32, JobError> {
     use std::io::IsTerminal;
     let drafters = job.drafters(cli)?;
     let tok = (job.pre.tok.as_ref()).ok_or_else(|| refuse("--chat needs --tok DIR"))?;
@@ -717,8 +751,12 @@ fn run_chat(cli: &Cli, job: &Prepared, thinking: Option<Effort>) -> Result<i32, 
     let capacity = job.opened.positions;
     tracing::info!(
         "chat: thinking {}; context {capacity} positions; up to {} tokens per reply; end of input ends the session",
-        thinking.map_or("off".to_string(), |e| format!("on (effort {})", e.as_str())),
-        cli.gen
+        thinking.map_or("off".to_string(), |e| format!(
+            "on (effort {}, at most {} tokens of it per reply)",
+            e.as_str(),
+            think_budget(cli, gen)
+        )),
+        gen
     );
     let mut engine = Engine::new(job.model()?, job.shape.engine);
     let store = job.opened.source.store();
@@ -736,7 +774,8 @@ fn run_chat(cli: &Cli, job: &Prepared, thinking: Option<Effort>) -> Result<i32, 
     };
     let opts = ReplOptions {
         turn: TurnOptions {
-            max_new: cli.gen as usize,
+            max_new: gen,
+            think_budget: thinking.map(|_| think_budget(cli, gen)),
         },
         prompt: std::io::stdin().is_terminal(),
         prompt_on_out: std::io::stdout().is_terminal(),

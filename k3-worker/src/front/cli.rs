@@ -40,7 +40,7 @@ pub enum EffortArg {
     Medium,
     /// High.
     High,
-    /// Max (the default).
+    /// Max.
     Max,
 }
 
@@ -124,13 +124,12 @@ const PPL_CONFLICTS: [&str; 12] = [
 
 /// What the job messages of `--serve-channel` give, and what a worker serving many jobs has no
 /// use for (the flags conflict with it).
-const FROM_THE_JOB: [&str; 12] = [
+const FROM_THE_JOB: [&str; 11] = [
     "gen",
     "temperature",
     "top_p",
     "seed",
     "session",
-    "tok",
     "dump_logits",
     "dump_hidden",
     "dump_cache_trace",
@@ -190,10 +189,11 @@ pub struct Cli {
     #[arg(long, value_name = "N", conflicts_with_all = NOT_BATCH,
           value_parser = clap::value_parser!(u64).range(1..=MAX_PARALLEL))]
     pub parallel: Option<u64>,
-    /// Tokenizer directory (tiktoken.model + tokenizer_config.json).
+    /// Tokenizer directory (tiktoken.model + tokenizer_config.json); with --serve-channel, the
+    /// vocabulary constrained jobs' grammars are compiled over.
     #[arg(long, value_name = "DIR")]
     pub tok: Option<PathBuf>,
-    /// Tokens to generate (per chat reply with --chat).
+    /// Tokens to generate (per chat reply with --chat, where the default is 256).
     #[arg(long, value_name = "N", default_value_t = 8,
           value_parser = clap::value_parser!(u64).range(1..=MAX_GEN))]
     pub gen: u64,
@@ -299,7 +299,7 @@ pub struct Cli {
     /// default).
     #[arg(long, conflicts_with_all = NOT_CHAT)]
     pub no_think: bool,
-    /// Thinking effort of the chat.
+    /// Thinking effort of the chat (default low).
     #[arg(
         long,
         value_name = "LEVEL",
@@ -308,11 +308,16 @@ pub struct Cli {
         conflicts_with = "no_think"
     )]
     pub effort: Option<EffortArg>,
+    /// Most tokens of a chat reply's thinking: when they are spent the think channel is closed
+    /// for the model and it answers (default: half of the reply's tokens).
+    #[arg(long, value_name = "N", conflicts_with_all = NOT_CHAT, conflicts_with = "no_think",
+          value_parser = clap::value_parser!(u64).range(0..=MAX_GEN))]
+    pub think_budget: Option<u64>,
     /// Take jobs from `k3-ctl serve` over the Unix socket that is this process's standard
     /// input, for as long as serve keeps it open (the job protocol, docs/SPEC.md §6.12): each
     /// job's prompt ids, sampling and session arrive as a message, its ids and its end go back
     /// as messages, and a cancel ends it at the next step. Up to --parallel jobs are decoded at
-    /// once. serve builds this command line ([`serve_channel_args`]).
+    /// once. serve builds this command line (`serve_channel_args` in this file).
     #[arg(long, conflicts_with_all = FROM_THE_JOB)]
     pub serve_channel: bool,
     /// Score the text of FILE with teacher forcing (needs --tok) instead of generating: every
@@ -374,12 +379,14 @@ impl Cli {
 
 /// The command line of a worker that takes its jobs from `k3-ctl serve` (`--serve-channel`):
 /// the one place its flags are spelled for serve, checked against [`Cli`] by a test. It decodes
-/// up to `slots` jobs at once, each slot planned for `positions`.
+/// up to `slots` jobs at once, each slot planned for `positions`; `tok` (serve's tokenizer)
+/// compiles the grammars of constrained jobs.
 pub fn serve_channel_args(
     socket: &std::path::Path,
     threads: Option<usize>,
     slots: usize,
     positions: usize,
+    tok: Option<&std::path::Path>,
 ) -> Vec<std::ffi::OsString> {
     let mut args: Vec<std::ffi::OsString> = vec![
         "--serve-channel".into(),
@@ -394,6 +401,10 @@ pub fn serve_channel_args(
     args.push(slots.to_string().into());
     args.push("--ctx".into());
     args.push(positions.to_string().into());
+    if let Some(dir) = tok {
+        args.push("--tok".into());
+        args.push(dir.as_os_str().to_owned());
+    }
     args
 }
 
@@ -403,7 +414,13 @@ mod tests {
 
     #[test]
     fn serve_channel_args_parse_back_into_the_cli() {
-        let args = serve_channel_args(std::path::Path::new("/run/k3/store.sock"), Some(3), 1, 64);
+        let args = serve_channel_args(
+            std::path::Path::new("/run/k3/store.sock"),
+            Some(3),
+            1,
+            64,
+            Some(std::path::Path::new("/k3/tokenizer")),
+        );
         let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
             .unwrap()
             .0;
@@ -413,7 +430,11 @@ mod tests {
             Some(std::path::Path::new("/run/k3/store.sock"))
         );
         assert_eq!(c.threads, Some(3));
-        let args = serve_channel_args(std::path::Path::new("/s"), None, 4, 5000);
+        assert_eq!(
+            c.tok.as_deref(),
+            Some(std::path::Path::new("/k3/tokenizer"))
+        );
+        let args = serve_channel_args(std::path::Path::new("/s"), None, 4, 5000, None);
         let c = Cli::try_parse_with_matches(std::iter::once("k3-worker".into()).chain(args))
             .unwrap()
             .0;

@@ -10,6 +10,7 @@
 //! * [`perplexity`] — `--perplexity FILE`: a text scored with teacher forcing ([`crate::eval`]).
 //! * [`serve`] — `--serve-channel`: jobs from `k3-ctl serve` over the job protocol.
 //! * [`report`] — the run report (the step table, totals, `--out`, dumps).
+//! * [`visible`] — which ids are printed as text (never an added token's content).
 
 pub mod batch_file;
 pub mod chat;
@@ -22,6 +23,7 @@ pub mod prompt;
 pub mod report;
 pub mod serve;
 pub mod source;
+pub mod visible;
 
 pub use error::JobError;
 

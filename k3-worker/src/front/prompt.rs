@@ -19,11 +19,13 @@ use crate::front::drafters::Drafters;
 use crate::front::error::{read_bounded, refuse, JobError};
 use crate::front::job::{job_shape, preflight, prepare, Prepared};
 use crate::front::report::{self, HiddenDump, RunSummary};
+use crate::front::visible;
 use crate::model::Dims;
 use crate::tokenizer::Tokenizer;
 
-/// Standard output: each id as text (with a tokenizer) or as its number and a space, flushed
-/// per id; a newline at the end. With `table`, the step table's row of each id on stderr.
+/// Standard output: each id as text (with a tokenizer; an added token prints nothing:
+/// [`visible`]) or as its number and a space, flushed per id; a newline at the end. With
+/// `table`, the step table's row of each id on stderr.
 #[derive(Debug)]
 pub struct Stdout<'t> {
     /// Decode ids to text with this tokenizer.
@@ -39,7 +41,7 @@ impl Sink for Stdout<'_> {
         }
         let stdout = std::io::stdout();
         let mut out = stdout.lock();
-        let text = self.tok.and_then(|t| t.decode(&[s.token]).ok());
+        let text = self.tok.and_then(|t| visible::decode(t, &[s.token]).ok());
         let _ = match text {
             Some(bytes) => out.write_all(&bytes),
             None => write!(out, "{} ", s.token),
@@ -115,6 +117,8 @@ fn run_prompt(cli: &Cli, job: &Prepared, prompt: &[u32]) -> Result<i32, JobError
         session: cli.session.clone().map(|name| SessionPlan {
             name,
             after_prefill: false,
+            keep_at: Vec::new(),
+            name_key: Vec::new(),
         }),
         full_recompute: cli.full_recompute,
         keep_step0_logits: cli.dump_logits.is_some(),
@@ -210,7 +214,7 @@ fn echo_prompt(tok: Option<&Tokenizer>, prompt: &[u32]) {
     if !stdout.is_terminal() {
         return;
     }
-    if let Some(text) = tok.and_then(|t| t.decode(prompt).ok()) {
+    if let Some(text) = tok.and_then(|t| visible::decode(t, prompt).ok()) {
         let mut out = stdout.lock();
         let _ = out.write_all(b"\x1b[2m");
         let _ = out.write_all(&text);

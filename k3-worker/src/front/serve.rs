@@ -15,26 +15,31 @@ use std::cell::RefCell;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use k3_proto::exit::{self, ExitStatus};
 use k3_proto::serve::{
-    ErrorKind, FromWorker, ReqId, Start, ToWorker, JOB_PROTOCOL_VERSION, MAX_JOB_FRAME,
+    ErrorKind, FromWorker, Grammar, ReqId, Shape, Start, ToWorker, JOB_PROTOCOL_VERSION,
+    MAX_JOB_FRAME, MAX_TOP_LOGPROBS,
 };
 use k3_store::attach::AttachedSource;
 use serde_json::{json, Value};
 
+use crate::constrain::{ConstrainError, Constraint, Spec, Vocab};
 use crate::engine::outputs::{Finished, Flow, Outputs, Prefilled, Sink, StepReport};
 use crate::engine::request::{Held, Request, SeqId, SessionPlan};
 use crate::engine::runner::Engine;
 use crate::engine::sampling::{positions_needed, Sampler};
 use crate::engine::session::{self, ForPrompt};
+use crate::engine::shaping::{Shaping, ThinkBudget};
 use crate::front::cli::{Cli, MAX_GEN};
 use crate::front::drafters::Drafters;
 use crate::front::error::{refuse, JobError};
 use crate::front::job::{job_shape, preflight, prepare, serve_longest};
 use crate::front::report::{self, RunSummary};
 use crate::model::Dims;
+use crate::text::tools::ToolSpec;
+use crate::tokenizer::Tokenizer;
 
 /// Why the channel or a job it sent is refused.
 #[derive(Debug, thiserror::Error)]
@@ -54,12 +59,27 @@ enum ChannelError {
     /// Sampling out of range.
     #[error(transparent)]
     Sampling(#[from] crate::engine::sampling::SamplingError),
+    /// A value outside what serve may send ([`k3_proto::serve::Sampling::validate`]).
+    #[error(transparent)]
+    Value(#[from] k3_proto::serve::ValueError),
     /// A job whose id is running already.
     #[error("job {0} is running already")]
     Duplicate(ReqId),
     /// The engine refused it.
     #[error(transparent)]
     Request(#[from] crate::engine::request::RequestError),
+    /// A grammar without the tokenizer to compile it over.
+    #[error("a constrained job needs the worker started with --tok")]
+    NoTokenizer,
+    /// The grammar cannot be compiled.
+    #[error(transparent)]
+    Grammar(#[from] ConstrainError),
+    /// A schema that is not JSON.
+    #[error("a JSON schema in the job is not JSON")]
+    Schema(#[source] serde_json::Error),
+    /// A shaping value out of range.
+    #[error("{0}")]
+    Shape(String),
 }
 
 impl ExitStatus for ChannelError {
@@ -114,9 +134,14 @@ impl Writer {
 
     /// Tell serve job `req_id` (or, with `None`, the worker) failed with exit code `code`.
     fn fail(&self, req_id: Option<ReqId>, code: i32, message: String) {
+        self.fail_as(req_id, ErrorKind::of_exit_code(code), code, message);
+    }
+
+    /// Tell serve job `req_id` failed as `kind`.
+    fn fail_as(&self, req_id: Option<ReqId>, kind: ErrorKind, code: i32, message: String) {
         self.send(&FromWorker::Error {
             req_id,
-            kind: ErrorKind::of_exit_code(code),
+            kind,
             exit_class: code,
             message,
         });
@@ -150,26 +175,51 @@ impl Sink for ChannelSink<'_> {
     }
 
     fn token(&mut self, s: &StepReport) -> Flow {
-        self.out.send(&FromWorker::Token {
-            req_id: self.req_id,
-            id: s.token,
+        self.out.send(&match &s.scored {
+            None => FromWorker::Token {
+                req_id: self.req_id,
+                id: s.token,
+            },
+            Some(sc) => FromWorker::Scored {
+                req_id: self.req_id,
+                id: s.token,
+                logprob: sc.logprob,
+                top: sc.top.clone(),
+            },
         });
         Flow::Continue
     }
 
     fn done(&mut self, f: &Finished) {
+        let mask = f.mask.map_or(String::new(), |m| {
+            let per = |s: f64| 1e3 * s / m.masks.max(1) as f64;
+            format!(
+                "; {} grammar masks, {:.3} ms each to compute, {:.3} ms each on the pick path",
+                m.masks,
+                per(m.compute_seconds),
+                per(m.wait_seconds)
+            )
+        });
         tracing::info!(
-            "job {}: ended ({:?}) after {} ids",
+            "job {}: ended ({:?}) after {} ids{mask}",
             self.req_id,
             f.finish,
             f.usage.generated
         );
-        self.out.send(&FromWorker::Done {
-            req_id: self.req_id,
-            finish: f.finish,
-            usage: f.usage.clone(),
-            timings: f.timings.clone(),
-        });
+        if let Some(e) = &f.error {
+            self.out.fail(
+                Some(self.req_id),
+                exit::FAILURE,
+                format!("constrained decoding failed: {e}"),
+            );
+        } else {
+            self.out.send(&FromWorker::Done {
+                req_id: self.req_id,
+                finish: f.finish,
+                usage: f.usage.clone(),
+                timings: f.timings.clone(),
+            });
+        }
         let mut e = self.ended.borrow_mut();
         e.jobs.push(self.req_id);
         if let Some(r) = e.records.as_mut() {
@@ -179,6 +229,8 @@ impl Sink for ChannelSink<'_> {
                 "finish": format!("{:?}", f.finish),
                 "usage": f.usage,
                 "timings": f.timings,
+                "mask": f.mask,
+                "error": f.error,
                 "forward_passes": spec.forward_passes,
                 "drafted_tokens": spec.drafted_tokens,
                 "accepted_tokens": spec.accepted_tokens,
@@ -295,7 +347,13 @@ impl<'a> Front<'a, '_> {
             Err(e) => {
                 let m = exit::message(&e);
                 tracing::warn!("job {req_id}: refused: {m}");
-                self.out.fail(Some(req_id), exit::REFUSED, m);
+                // A value outside the shared validation is the client's; anything else the
+                // worker's refusal.
+                let kind = match e {
+                    ChannelError::Value(_) => ErrorKind::Invalid,
+                    _ => ErrorKind::Refused,
+                };
+                self.out.fail_as(Some(req_id), kind, exit::REFUSED, m);
             }
         }
     }
@@ -324,6 +382,32 @@ impl<'a> Front<'a, '_> {
     }
 }
 
+/// The grammar of a job as the constraint module's spec.
+fn spec(g: &Grammar) -> Result<Spec, ChannelError> {
+    let json = |s: &str| serde_json::from_str::<Value>(s).map_err(ChannelError::Schema);
+    Ok(match g {
+        Grammar::JsonObject => Spec::JsonObject,
+        Grammar::JsonSchema { schema, strict } => Spec::JsonSchema {
+            schema: json(schema)?,
+            strict: *strict,
+        },
+        Grammar::ToolCall { tools, parallel } => Spec::ToolCall {
+            tools: tools
+                .iter()
+                .map(|t| {
+                    Ok(ToolSpec {
+                        name: t.name.clone(),
+                        description: None,
+                        parameters: t.parameters.as_deref().map(json).transpose()?,
+                        strict: Some(t.strict),
+                    })
+                })
+                .collect::<Result<_, ChannelError>>()?,
+            parallel: *parallel,
+        },
+    })
+}
+
 /// Attach, then take jobs until the channel ends.
 fn serve(
     cli: &Cli,
@@ -332,7 +416,9 @@ fn serve(
     inbox: &Inbox,
 ) -> Result<i32, JobError> {
     let wall = std::time::Instant::now();
-    let pre = preflight(cli)?;
+    let mut pre = preflight(cli)?;
+    // The tokenizer (`--tok`) compiles the jobs' grammars.
+    let tok = pre.tok.take().map(Arc::new);
     let ctx = cli.ctx as usize;
     let slots = cli.parallel.unwrap_or(1) as usize;
     let longest = serve_longest().max(ctx);
@@ -366,6 +452,8 @@ fn serve(
         admit: Admit {
             src,
             drafters: &drafters,
+            tok,
+            vocab: None,
         },
     };
     let code = loop {
@@ -400,13 +488,18 @@ fn serve(
 struct Admit<'a> {
     src: &'a AttachedSource,
     drafters: &'a Drafters,
+    /// The tokenizer (`--tok`), for grammars.
+    tok: Option<Arc<Tokenizer>>,
+    /// The grammars' vocabulary, built at the first constrained job.
+    vocab: Option<Vocab>,
 }
 
 impl Admit<'_> {
     /// The request of `s`: its ids, sampling and session (resumed when the store holds a strict
     /// prefix of its prompt), the worker's speculation.
-    fn request(&self, jobs: &Jobs, dims: &Dims, s: Start) -> Result<Request, ChannelError> {
+    fn request(&mut self, jobs: &Jobs, dims: &Dims, s: Start) -> Result<Request, ChannelError> {
         let sampling = &s.sampling;
+        sampling.validate()?;
         let sampler = Sampler::new(sampling.temperature, sampling.top_p, sampling.seed)?;
         if jobs.iter().any(|(r, _)| *r == s.req_id) {
             return Err(ChannelError::Duplicate(s.req_id));
@@ -414,13 +507,14 @@ impl Admit<'_> {
         if !(1..=MAX_GEN).contains(&u64::from(s.max_new)) {
             return Err(ChannelError::MaxNew(s.max_new));
         }
-        if let Some(name) = &s.session {
+        for name in [&s.session, &s.resume].into_iter().flatten() {
             k3_store::session::check_name(name).map_err(ChannelError::Session)?;
         }
+        let shaping = self.shaping(&s.shape, dims.vocab)?;
         let max_new = s.max_new as usize;
         let capacity = positions_needed(s.ids.len(), max_new);
-        let from =
-            (s.session.as_deref()).and_then(|name| self.resume(dims, name, capacity, &s.ids));
+        let from = (s.resume.as_deref().or(s.session.as_deref()))
+            .and_then(|name| self.resume(dims, name, capacity, &s.ids));
         tracing::info!(
             "job {}: {} prompt ids ({} from its session), up to {max_new} new",
             s.req_id,
@@ -428,14 +522,89 @@ impl Admit<'_> {
             from.as_ref().map_or(0, |h| h.ids.len())
         );
         Ok(Request {
+            shaping,
             spec: self.drafters.for_request(s.ids.len(), capacity),
             from,
             session: s.session.map(|name| SessionPlan {
                 name,
                 after_prefill: true,
+                keep_at: s.keep_at.iter().map(|&k| k as usize).collect(),
+                name_key: s.name_key,
             }),
             ..Request::new(s.ids, max_new, sampler)
         })
+    }
+
+    /// The job's shaping: its grammar compiled over the vocabulary (built once), its values
+    /// checked.
+    fn shaping(&mut self, shape: &Shape, vocab: usize) -> Result<Shaping, ChannelError> {
+        let bad = |m: String| Err(ChannelError::Shape(m));
+        if let Some((id, b)) = shape
+            .logit_bias
+            .iter()
+            .find(|(id, b)| *id as usize >= vocab || !(-100.0..=100.0).contains(b))
+        {
+            return bad(format!(
+                "logit bias {b} for id {id}: ids below {vocab}, biases in -100..=100"
+            ));
+        }
+        for (name, v) in [
+            ("presence", shape.presence_penalty),
+            ("frequency", shape.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} penalty {v} outside -2..=2"));
+            }
+        }
+        if shape.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return bad(format!(
+                "more than {MAX_TOP_LOGPROBS} top log-probabilities"
+            ));
+        }
+        let think = match &shape.think_budget {
+            Some(b) if !shape.thinking => {
+                return bad(format!(
+                    "a thinking budget of {} without thinking",
+                    b.tokens
+                ))
+            }
+            Some(b) if b.close.is_empty() || b.close.iter().any(|&id| id as usize >= vocab) => {
+                return bad(
+                    "a thinking budget's closing ids are empty or outside the vocabulary".into(),
+                )
+            }
+            Some(b) => Some(ThinkBudget {
+                tokens: b.tokens as usize,
+                close: b.close.clone(),
+            }),
+            None => None,
+        };
+        let grammar = match &shape.grammar {
+            None => None,
+            Some(g) => Some(Constraint::new(self.vocab()?, &spec(g)?, shape.thinking)?),
+        };
+        Ok(Shaping {
+            grammar,
+            think,
+            bias: shape.logit_bias.clone(),
+            presence: shape.presence_penalty,
+            frequency: shape.frequency_penalty,
+            logprobs: shape.logprobs.map(usize::from),
+        })
+    }
+
+    /// The grammars' vocabulary (built at the first use: a trie over every id).
+    fn vocab(&mut self) -> Result<&Vocab, ChannelError> {
+        if self.vocab.is_none() {
+            let tok = self.tok.clone().ok_or(ChannelError::NoTokenizer)?;
+            let t = std::time::Instant::now();
+            self.vocab = Some(Vocab::new(tok)?);
+            tracing::info!(
+                "grammar vocabulary built in {:.3} s",
+                t.elapsed().as_secs_f64()
+            );
+        }
+        Ok(self.vocab.as_ref().expect("built above"))
     }
 
     /// The session `name`'s state when the ids it holds are a strict prefix of `prompt`.

@@ -457,6 +457,16 @@ impl<'t> ChatFormat<'t> {
         Ok(e.finish())
     }
 
+    /// The ids that close the think channel and open the response, as an assistant message
+    /// renders them (`<|close|>think<|sep|><|open|>response<|sep|>`): what a spent thinking
+    /// budget forces.
+    pub fn think_close(&self) -> Vec<u32> {
+        let mut e = self.emitter();
+        self.close(&mut e, "think");
+        self.open(&mut e, "response", &[]);
+        e.finish()
+    }
+
     /// A parser for the reply that follows [`ChatFormat::render`]'s generation prompt.
     pub fn parser(&self) -> ReplyParser {
         ReplyParser::new(self.markers, self.thinking.is_some())
