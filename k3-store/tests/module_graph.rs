@@ -485,6 +485,7 @@ fn the_worker_s_layers_point_down() {
     let rank = |f: &str| match f {
         "main" => 6,
         "front" => 5,
+        // The engine, and the scoring of a text (`--perplexity`) beside it over the model.
         "engine" | "eval" => 4,
         // Grammar-constrained decoding: over the text formats, under the engine that applies it.
         "constrain" => 3,

@@ -213,6 +213,61 @@ fn full_recompute_and_chunked_prefill_give_the_same_ids() {
     }
 }
 
+/// A prompt longer than the old fixed chunk (600 ids, the reference prompt repeated) gives one
+/// set of ids at chunks 1, 7, 512, 0 (whole) and `auto` — the default, which under a preset
+/// whose prefill allowance holds the whole prompt runs it as one chunk (the report says which
+/// chunk ran) — and an unknown value is a usage error.
+#[test]
+fn the_prefill_chunk_changes_no_id_and_auto_is_sized_from_the_plan() {
+    let sb = Sandbox::new("chunks");
+    let base = ref_ids("prompt_ids.json");
+    let long: Vec<u32> = base.iter().cycle().take(600).copied().collect();
+    let prompt = csv(&long);
+    let m = sb.model();
+    let mut first: Option<Vec<u32>> = None;
+    for (chunk, ran) in [
+        (Some("1"), 1),
+        (Some("7"), 7),
+        (Some("512"), 512),
+        (Some("0"), 603),
+        (Some("auto"), 603),
+        (None, 603),
+    ] {
+        let out = sb.path("out.json");
+        let mut args = vec![
+            "--standalone",
+            s(&m),
+            "--preset",
+            "laptop",
+            "--ids",
+            &prompt,
+            "--gen",
+            "4",
+            "--spec",
+            "off",
+            "--out",
+            s(&out),
+        ];
+        if let Some(c) = chunk {
+            args.extend_from_slice(&["--prefill-chunk", c]);
+        }
+        let o = worker(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{chunk:?}: {err}");
+        let j: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        assert_eq!(j["prefill_chunk"], ran, "{chunk:?}: {j}");
+        let ids = stdout_ids(&o);
+        assert_eq!(ids.len(), 4, "{chunk:?}");
+        match &first {
+            None => first = Some(ids),
+            Some(f) => assert_eq!(&ids, f, "--prefill-chunk {chunk:?} changed the ids"),
+        }
+    }
+    let o = worker(&["--ids", "1", "--prefill-chunk", "big"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
 #[test]
 fn usage_and_plan_problems_exit_2_before_any_work() {
     let sb = Sandbox::new("refuse");

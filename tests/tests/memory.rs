@@ -184,7 +184,14 @@ fn a_runs_peak_resident_memory_is_its_plan() {
     };
     // Prompt lengths and prefill chunks: one pass of the whole prompt, several chunks, one
     // position at a time.
-    for (len, chunk) in [(5, "512"), (200, "512"), (200, "32"), (40, "1")] {
+    // The last: a long prompt in the auto chunk (the whole prompt, under auto's allowance).
+    for (len, chunk) in [
+        (5, "512"),
+        (200, "512"),
+        (200, "32"),
+        (40, "1"),
+        (1500, "auto"),
+    ] {
         let (r, v) = standalone(
             len,
             &["--gen", "4", "--prefill-chunk", chunk, "--spec", "off"],

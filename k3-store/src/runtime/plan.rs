@@ -25,6 +25,10 @@ pub struct Preset {
     pub cache_gb: f64,
     /// Approximate peak RSS of a full-model run with the C engine, GB.
     pub peak_rss_gb: f64,
+    /// What one prefill pass's buffers may take, GB: k3-worker's default prefill chunk is the
+    /// longest whose pass fits (`--prefill-chunk auto`, SPEC.md §6.9), so a long prompt sweeps
+    /// the routed experts as few times as this allows.
+    pub prefill_gb: f64,
     /// One-line advice.
     pub note: &'static str,
 }
@@ -36,6 +40,7 @@ pub const PRESETS: [Preset; 5] = [
         trunk_gb: 3.0,
         cache_gb: 1.0,
         peak_rss_gb: 8.2,
+        prefill_gb: 1.5,
         note: "8-16 GB machines; everything streams",
     },
     Preset {
@@ -43,6 +48,7 @@ pub const PRESETS: [Preset; 5] = [
         trunk_gb: 16.0,
         cache_gb: 10.0,
         peak_rss_gb: 32.0,
+        prefill_gb: 4.0,
         note: "32-64 GB",
     },
     Preset {
@@ -50,6 +56,7 @@ pub const PRESETS: [Preset; 5] = [
         trunk_gb: 60.0,
         cache_gb: 30.0,
         peak_rss_gb: 95.0,
+        prefill_gb: 8.0,
         note: "96-128 GB",
     },
     Preset {
@@ -57,6 +64,7 @@ pub const PRESETS: [Preset; 5] = [
         trunk_gb: 110.0,
         cache_gb: 13.0,
         peak_rss_gb: 128.0,
+        prefill_gb: 2.0,
         note: "128+ GB; whole trunk pinned; fastest",
     },
     Preset {
@@ -64,6 +72,7 @@ pub const PRESETS: [Preset; 5] = [
         trunk_gb: 110.0,
         cache_gb: 109.0,
         peak_rss_gb: 224.0,
+        prefill_gb: 16.0,
         note: "256 GB",
     },
 ];
@@ -131,7 +140,15 @@ pub struct Budget {
     /// `--preset auto` (implied when no budget flag is given): trunk and cache are chosen from
     /// the memory this process may allocate when the plan is made ([`Budget::fit`]).
     pub auto: bool,
+    /// What one prefill pass's buffers may take: the last preset's `prefill_gb`; `None` with
+    /// `--preset auto` (see [`Budget::prefill_allowance`]) or without a preset.
+    pub prefill_bytes: Option<u64>,
 }
+
+/// Share of the memory `--preset auto` plans for ([`AUTO_SHARE`] of the allocatable memory)
+/// that one prefill pass's buffers may take; the trunk and the cache share the rest
+/// ([`Budget::fit`] counts the pass among the buffers).
+pub const AUTO_PREFILL_SHARE: f64 = 0.125;
 
 /// Share of the allocatable memory `--preset auto` plans for (the rest is left to the page
 /// cache that O_DIRECT does not use, other processes and allocator slack).
@@ -145,6 +162,20 @@ impl Budget {
             cache_bytes: 0,
             label: "auto".into(),
             auto: true,
+            prefill_bytes: None,
+        }
+    }
+
+    /// The bytes one prefill pass's buffers may take under this budget (the auto prefill
+    /// chunk is the longest whose pass fits): a preset's `prefill_gb`; with `--preset auto`,
+    /// [`AUTO_PREFILL_SHARE`] of the [`AUTO_SHARE`] of `allocatable` (`None` when that is
+    /// unknown); `None` for `--trunk-gb`/`--cache-gb` without a preset (the chunk then stays
+    /// the fixed default).
+    pub fn prefill_allowance(&self, allocatable: Option<u64>) -> Option<u64> {
+        match (self.prefill_bytes, self.auto, allocatable) {
+            (Some(b), _, _) => Some(b),
+            (None, true, Some(a)) => Some((a as f64 * AUTO_SHARE * AUTO_PREFILL_SHARE) as u64),
+            _ => None,
         }
     }
 
@@ -186,6 +217,7 @@ impl Budget {
                 fmt_bytes(allocatable)
             ),
             auto: true,
+            prefill_bytes: None,
         }
     }
 }
@@ -270,6 +302,7 @@ impl Budget {
     pub fn from_flags(flags: &[BudgetFlag]) -> Result<Budget, BudgetError> {
         let mut trunk = None;
         let mut cache = None;
+        let mut prefill = None;
         let mut label: Vec<String> = Vec::new();
         for f in flags {
             match f {
@@ -277,6 +310,7 @@ impl Budget {
                     let p = preset(n).ok_or_else(|| BudgetError::UnknownPreset(n.clone()))?;
                     trunk = Some(gb_bytes("preset trunk", p.trunk_gb)?);
                     cache = Some(gb_bytes("preset cache", p.cache_gb)?);
+                    prefill = Some(gb_bytes("preset prefill", p.prefill_gb)?);
                     label = vec![p.name.to_string()];
                 }
                 BudgetFlag::TrunkGb(x) => {
@@ -295,6 +329,7 @@ impl Budget {
                 cache_bytes,
                 label: label.join(", "),
                 auto: false,
+                prefill_bytes: prefill,
             }),
             (t, c) => {
                 let mut missing = Vec::new();
@@ -896,6 +931,23 @@ mod tests {
 
     fn full_scale() -> PlanInputs {
         full_scale_inputs(4096)
+    }
+
+    /// A preset names its prefill allowance (kept when --trunk-gb/--cache-gb follow), auto
+    /// takes its share of the allocatable memory (none when that is unknown), flags alone none.
+    #[test]
+    fn the_prefill_allowance_comes_from_the_preset_or_auto() {
+        let laptop = b(&[
+            BudgetFlag::Preset("laptop".into()),
+            BudgetFlag::CacheGb(2.0),
+        ]);
+        assert_eq!(laptop.prefill_allowance(None), Some(1_500_000_000));
+        let flags = b(&[BudgetFlag::TrunkGb(1.0), BudgetFlag::CacheGb(1.0)]);
+        assert_eq!(flags.prefill_allowance(Some(1 << 40)), None);
+        let auto = Budget::auto();
+        assert_eq!(auto.prefill_allowance(None), None);
+        let a = auto.prefill_allowance(Some(16_000_000_000)).unwrap();
+        assert_eq!(a, (16e9 * AUTO_SHARE * AUTO_PREFILL_SHARE) as u64);
     }
 
     fn b(flags: &[BudgetFlag]) -> Budget {

@@ -10,7 +10,7 @@ use k3_store::cli::{BudgetArgs, SocketArgs};
 use crate::engine::spec::{DraftExperts, SpecMode};
 use crate::text::xtml::Effort;
 
-use crate::engine::sampling::DEFAULT_PREFILL_CHUNK;
+use crate::engine::memory::PrefillChunk;
 
 /// Most tokens one request may generate.
 pub const MAX_GEN: u64 = 4096;
@@ -210,9 +210,13 @@ pub struct Cli {
     #[arg(long, value_name = "S", default_value_t = 0)]
     pub seed: u64,
     /// Run the prompt in forward calls of at most N tokens (bounds prefill memory; 0 = all at
-    /// once; results are identical for any N).
-    #[arg(long, value_name = "N", default_value_t = DEFAULT_PREFILL_CHUNK)]
-    pub prefill_chunk: usize,
+    /// once; results are identical for any N). `auto` (the default): the longest chunk whose
+    /// pass fits what the memory plan allows a prefill (the preset's `prefill_gb`; with
+    /// `--preset auto` or attached, an eighth of the memory auto plans for; with only
+    /// --trunk-gb/--cache-gb, DEFAULT_PREFILL_CHUNK), so a long prompt reads the experts fewer
+    /// times. A serve worker keeps DEFAULT_PREFILL_CHUNK.
+    #[arg(long, value_name = "N|auto", default_value = "auto", value_parser = PrefillChunk::parse)]
+    pub prefill_chunk: PrefillChunk,
     /// Compute threads (default: all cores; at most the CPUs this process may use).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=4096))]
     pub threads: Option<u64>,

@@ -210,7 +210,8 @@ fn load_model(cli: &Cli, at: &DraftAt<'_>, cat: &Catalog) -> Result<Arc<DraftMod
         fmt_bytes(src.bytes()),
         t0.elapsed().as_secs_f64()
     );
-    let chunk = crate::engine::memory::prefill_rows(cli.prefill_chunk, at.positions);
+    let chunk =
+        crate::engine::memory::prefill_rows(cli.prefill_chunk.rows_or_default(), at.positions);
     Ok(DraftModel::new(
         src,
         at.dims.clone(),

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use k3_store::runtime::plan;
 
-use crate::engine::memory::{prefill_rows, EnginePlan};
+use crate::engine::memory::{prefill_rows, EnginePlan, PrefillChunk};
 use crate::engine::sampling::{positions_needed, Sampler};
 use crate::front::cli::{Cli, MAX_GEN, MAX_PROMPT};
 use crate::front::drafters::{DraftAt, DraftFlags, Drafters};
@@ -139,13 +139,14 @@ pub fn job_shape(
             slots,
             positions,
             longest,
-            prefill_rows: prefill_rows(cli.prefill_chunk, longest),
+            prefill_rows: prefill_rows(cli.prefill_chunk.rows_or_default(), longest),
             drafts: pre.drafts.max_drafts(),
             draft_model: pre.drafts.wants_model(),
             keep_step0_logits: cli.dump_logits.is_some(),
         },
         embedded,
         scoring: false,
+        auto_prefill: cli.prefill_chunk == PrefillChunk::Auto,
     }
 }
 
@@ -196,14 +197,20 @@ pub fn prepare(
     cli: &Cli,
     matches: &clap::ArgMatches,
     pre: Preflight,
-    shape: JobShape,
+    mut shape: JobShape,
     wall: Instant,
 ) -> Result<Prepared, JobError> {
     let own_draft = cli
         .draft_trunk
         .as_deref()
         .filter(|_| pre.drafts.wants_model());
-    let opened = open_source(cli, matches, &shape, pre.drafts.wants_model(), own_draft)?;
+    let opened = open_source(
+        cli,
+        matches,
+        &mut shape,
+        pre.drafts.wants_model(),
+        own_draft,
+    )?;
     if cli.session.is_some() && opened.source.store().is_none() {
         return Err(refuse(
             "--session keeps the conversation in a store: it needs attached mode",

@@ -27,6 +27,7 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> Result<i32, JobError> {
     let windows = job.ids.len().div_ceil(job.window.max(1));
     let mut shape = job_shape(cli, &pre, 1, window, window, job.ids.len() + windows);
     shape.scoring = true;
+    shape.auto_prefill = false;
     let prepared = prepare(cli, matches, pre, shape, wall)?;
     let vocab = prepared.opened.dims.vocab;
     if let Some(&bad) = job.ids.iter().find(|&&id| id as usize >= vocab) {

@@ -153,6 +153,7 @@ fn run_prompt(cli: &Cli, job: &Prepared, prompt: &[u32]) -> Result<i32, JobError
     if let Some(path) = &cli.out {
         let mut v = summary.json(&fin.report);
         v["memory_plan_bytes"] = job.opened.plan_bytes.into();
+        v["prefill_chunk"] = job.shape.engine.prefill_budget().into();
         if let Some((calls, seconds)) = draft_cost {
             v["draft_model"] = serde_json::json!({"forward_calls": calls, "seconds": seconds});
         }

@@ -422,7 +422,9 @@ fn serve(
     let ctx = cli.ctx as usize;
     let slots = cli.parallel.unwrap_or(1) as usize;
     let longest = serve_longest().max(ctx);
-    let shape = job_shape(cli, &pre, slots, ctx, longest, usize::MAX);
+    let mut shape = job_shape(cli, &pre, slots, ctx, longest, usize::MAX);
+    // k3-ctl serve sized its slots with the default chunk's pass: the worker keeps it.
+    shape.auto_prefill = false;
     let job = prepare(cli, matches, pre, shape, wall)?;
     let drafters = job.drafters(cli)?;
     let job = &job;

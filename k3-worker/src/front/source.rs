@@ -84,6 +84,8 @@ pub struct JobShape {
     /// The job scores a text (`--perplexity`): its passes return every row's logits
     /// ([`crate::eval::pass_bytes`]) instead of the engine's.
     pub scoring: bool,
+    /// `--prefill-chunk auto`: [`open_source`] sizes `engine.prefill_rows` from the plan.
+    pub auto_prefill: bool,
 }
 
 impl JobShape {
@@ -188,7 +190,7 @@ fn state_bytes(shape: &JobShape, d: &Dims) -> StateBytes {
 pub fn open_source(
     cli: &Cli,
     matches: &clap::ArgMatches,
-    shape: &JobShape,
+    shape: &mut JobShape,
     catalog: bool,
     own_draft: Option<&Path>,
 ) -> Result<Opened, JobError> {
@@ -199,6 +201,7 @@ pub fn open_source(
     let (cfg, dims, shapes, cat) = read_checkpoint(cli, model_dir, true)?;
     let cat = Arc::new(cat.expect("read with its catalog"));
     let budget = cli.budget.budget(matches)?;
+    size_prefill(shape, &dims, &budget)?;
     let state = state_bytes(shape, &dims);
     let opts = StandaloneOptions {
         state: state.clone(),
@@ -237,7 +240,7 @@ pub fn open_source(
 /// buffers, and the pages of the store's shared memory it reads count in its resident memory.
 fn attach(
     cli: &Cli,
-    shape: &JobShape,
+    shape: &mut JobShape,
     catalog: bool,
     own_draft: Option<&Path>,
 ) -> Result<Opened, JobError> {
@@ -260,6 +263,8 @@ fn attach(
         fmt_bytes(info.ring_bytes)
     );
     let (_, dims, shapes, cat) = read_checkpoint(cli, &info.model_dir, catalog)?;
+    // The store holds the weights: the prefill is allowed auto's share of this process's memory.
+    size_prefill(shape, &dims, &plan::Budget::auto())?;
     let plan = AttachedPlan {
         process: plan::resident_now(),
         shared: shared_read_bytes(&dims, info.shm_bytes, shape.embedded),
@@ -277,6 +282,35 @@ fn attach(
         catalog: cat.map(Arc::new),
         plan_bytes: plan.total(),
     })
+}
+
+/// `--prefill-chunk auto`: the longest chunk whose pass fits what `budget` allows a prefill
+/// (`Budget::prefill_allowance`; the memory this process may allocate is read only for
+/// `--preset auto`); the fixed default chunk when the budget allows nothing in particular.
+fn size_prefill(shape: &mut JobShape, d: &Dims, budget: &plan::Budget) -> Result<(), JobError> {
+    if !shape.auto_prefill {
+        return Ok(());
+    }
+    let avail = match budget.auto {
+        true => Some(plan::allocatable().map_err(plan::PlanError::from)?),
+        false => None,
+    };
+    let Some(allowance) = budget.prefill_allowance(avail) else {
+        tracing::info!(
+            "prefill chunk: {} rows (the default: the budget names no prefill allowance)",
+            shape.engine.prefill_budget()
+        );
+        return Ok(());
+    };
+    let e = &mut shape.engine;
+    e.prefill_rows = e.auto_prefill_rows(d, allowance);
+    tracing::info!(
+        "prefill chunk: {} rows (auto: the longest whose pass, {}, fits the {} the plan allows a prefill, at least the default's)",
+        e.prefill_rows,
+        fmt_bytes(e.pass_bytes(d)),
+        fmt_bytes(allowance)
+    );
+    Ok(())
 }
 
 /// Bytes of the draft trunk in `dir` this process reads into its memory (`--draft-trunk DIR`;

@@ -1180,75 +1180,27 @@ unsafe fn q4_block<const R: usize, const T: usize>(
     out
 }
 
-/// Rows `i0 .. i0+R` (relative to `r0`) of `m` × tokens `t0 .. t0+T` into `out [k, n]`.
-///
-/// # Safety
-/// AVX2 + FMA. (The slicing checks that rows, tokens and outputs exist.)
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn quant_block<const R: usize, const T: usize>(
-    m: &k3_proto::quant::QuantMatrix<'_>,
-    r0: usize,
-    i0: usize,
-    x: &[f32],
-    n: usize,
-    t0: usize,
-    out: &mut [f32],
-) {
-    let cols = m.cols();
-    let (qb, sb) = m.kind().sizes(1, cols);
-    let row = |i: usize| r0 + i0 + i;
-    let codes: [&[u8]; R] = std::array::from_fn(|i| &m.codes()[row(i) * qb..(row(i) + 1) * qb]);
-    let toks: [&[f32]; T] = std::array::from_fn(|t| &x[(t0 + t) * cols..(t0 + t + 1) * cols]);
-    let r = match m.kind() {
-        // SAFETY: CPU features are this function's contract; lengths are the slices'.
-        k3_proto::quant::QuantKind::Int8 => unsafe { q8_block::<R, T>(codes, toks, cols) },
-        k3_proto::quant::QuantKind::Int4 => {
-            let scales: [&[u8]; R] =
-                std::array::from_fn(|i| &m.scales()[row(i) * sb..(row(i) + 1) * sb]);
-            // SAFETY: as above.
-            unsafe { q4_block::<R, T>(codes, scales, toks, cols) }
-        }
-    };
-    for i in 0..R {
-        let scale = match m.kind() {
-            k3_proto::quant::QuantKind::Int8 => Some(super::scalar::f32_at(m.scales(), row(i))),
-            k3_proto::quant::QuantKind::Int4 => None,
-        };
-        for t in 0..T {
-            // int8: the twin's `sum · scale`; int4: the sum.
-            out[(i0 + i) * n + t0 + t] = scale.map_or(r[i][t], |s| r[i][t] * s);
-        }
-    }
-}
+/// This tier's quantized-row dots for the shared row and token loops of `kernels::quant`.
+pub(super) struct Avx2Dots;
 
-/// Every row of the task × tokens `t0 .. t0+T`: blocks of `R` rows, then one row at a time.
-///
-/// # Safety
-/// AVX2 + FMA.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn quant_tokens<const R: usize, const T: usize>(
-    m: &k3_proto::quant::QuantMatrix<'_>,
-    r0: usize,
-    k: usize,
-    x: &[f32],
-    n: usize,
-    t0: usize,
-    out: &mut [f32],
-) {
-    let mut i = 0;
-    while i + R <= k {
-        // SAFETY: CPU features are this function's contract.
-        unsafe { quant_block::<R, T>(m, r0, i, x, n, t0, out) };
-        i += R;
+impl super::quant_loop::QuantDots for Avx2Dots {
+    unsafe fn q8<const R: usize, const T: usize>(
+        codes: [&[u8]; R],
+        x: [&[f32]; T],
+        cols: usize,
+    ) -> [[f32; T]; R] {
+        // SAFETY: the caller's contract is the CPU features (AVX2 + FMA).
+        unsafe { q8_block::<R, T>(codes, x, cols) }
     }
-    while i < k {
+
+    unsafe fn q4<const R: usize, const T: usize>(
+        codes: [&[u8]; R],
+        scales: [&[u8]; R],
+        x: [&[f32]; T],
+        cols: usize,
+    ) -> [[f32; T]; R] {
         // SAFETY: as above.
-        unsafe { quant_block::<1, T>(m, r0, i, x, n, t0, out) };
-        i += 1;
+        unsafe { q4_block::<R, T>(codes, scales, x, cols) }
     }
 }
 
@@ -1272,26 +1224,32 @@ pub(super) unsafe fn quant_rows(
     assert_eq!(x.len(), n * cols, "quant rows input");
     let k = out.len() / n;
     assert!(out.len() == k * n && r0 + k <= m.rows(), "quant rows range");
-    let int8 = m.kind() == k3_proto::quant::QuantKind::Int8;
     let mut t = 0;
-    while t + 2 <= n {
-        if int8 {
+    if m.kind() == k3_proto::quant::QuantKind::Int8 {
+        while t + 2 <= n {
             // SAFETY: CPU features are this function's contract.
-            unsafe { quant_tokens::<1, 2>(m, r0, k, x, n, t, out) }
-        } else {
-            // SAFETY: as above.
-            unsafe { quant_tokens::<2, 2>(m, r0, k, x, n, t, out) }
+            unsafe { super::quant_loop::tokens::<Avx2Dots, 1, 2>(m, r0, k, x, n, t, out) };
+            t += 2;
         }
-        t += 2;
+        if t < n {
+            // SAFETY: as above.
+            unsafe { super::quant_loop::tokens::<Avx2Dots, 2, 1>(m, r0, k, x, n, t, out) }
+        }
+        return;
     }
-    if t < n {
-        if int8 {
-            // SAFETY: as above.
-            unsafe { quant_tokens::<2, 1>(m, r0, k, x, n, t, out) }
-        } else {
-            // SAFETY: as above.
-            unsafe { quant_tokens::<4, 1>(m, r0, k, x, n, t, out) }
-        }
+    while t + 4 <= n {
+        // SAFETY: as above.
+        unsafe { super::quant_loop::tokens::<Avx2Dots, 1, 4>(m, r0, k, x, n, t, out) };
+        t += 4;
+    }
+    match n - t {
+        0 => {}
+        // SAFETY: as above.
+        3 => unsafe { super::quant_loop::tokens::<Avx2Dots, 1, 3>(m, r0, k, x, n, t, out) },
+        // SAFETY: as above.
+        2 => unsafe { super::quant_loop::tokens::<Avx2Dots, 1, 2>(m, r0, k, x, n, t, out) },
+        // SAFETY: as above.
+        _ => unsafe { super::quant_loop::tokens::<Avx2Dots, 2, 1>(m, r0, k, x, n, t, out) },
     }
 }
 

@@ -32,7 +32,7 @@
 //! see [`build_pool`]). Problems under [`PAR_MIN_MACS`] multiply-adds run on the calling thread.
 //! A row is always computed by the same code, so the thread count never changes a result.
 
-// The quantized kernels have no NEON tier yet: off x86-64 their AVX2 dispatch's flag is unused.
+// On an architecture without a SIMD tier the quantized kernels' dispatch has only the scalar arm.
 #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 pub mod quant;
 pub mod scalar;
@@ -43,6 +43,11 @@ mod avx2;
 mod avx512;
 #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
 mod neon;
+#[cfg(any(
+    target_arch = "x86_64",
+    all(target_arch = "aarch64", target_endian = "little")
+))]
+mod quant_loop;
 #[cfg(any(
     target_arch = "x86_64",
     all(target_arch = "aarch64", target_endian = "little")

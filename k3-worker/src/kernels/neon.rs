@@ -20,6 +20,10 @@
 //!   value is a bf16), zipped into bf16 and widened by `vshll`, in the lanes the `[8 even | 8
 //!   odd]` activation blocks pair with. Per group `p = w0·x0 + w1·x1 + w2·x2 + w3·x3` (a
 //!   multiply, then FMAs), then `acc[g mod 2] += p·2^(s−127)` (one FMA).
+//! * int8 / int4 (`kernels::quant`'s sequence): the scalar twin's 32 (int8) or 16 (int4) lanes,
+//!   four a vector; codes widened exactly (`vmovl` to 32 bits, `vcvtq`), one FMA a lane and
+//!   column as in the twin, the lanes summed by the same halving (vectors pairwise, then the
+//!   two halves of the last, then its two lanes).
 //! * Blocking: a single token is dotted with 4 rows at once (8 accumulators, 8 activation and up
 //!   to 8 weight vectors within the 32 registers), 2 tokens with 2 rows; MXFP4 one row with up
 //!   to 2 tokens. No software prefetch (the aarch64 prefetch intrinsic is not stable Rust; the
@@ -871,6 +875,232 @@ impl Lanes for Neon {
         let s = unsafe { a.add(b) };
         // SAFETY: as above.
         unsafe { s.hsum() }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// int8 / int4 quantized matrices (`kernels::quant`): the scalar twin's lanes, four a vector
+
+/// 16 int8 codes at `p` as floats (exact): columns 0–3, 4–7, 8–11, 12–15.
+///
+/// # Safety
+/// 16 bytes at `p` are readable.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn i8x16(p: *const u8) -> [float32x4_t; 4] {
+    // SAFETY: 16 readable bytes (caller contract).
+    let b = vreinterpretq_s8_u8(unsafe { load16(p) });
+    let (lo, hi) = (vmovl_s8(vget_low_s8(b)), vmovl_high_s8(b));
+    [
+        vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))),
+        vcvtq_f32_s32(vmovl_high_s16(lo)),
+        vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))),
+        vcvtq_f32_s32(vmovl_high_s16(hi)),
+    ]
+}
+
+/// 16 nibbles (one a byte, `0..16`) as `q − 8` floats (exact): lanes 0–3, 4–7, 8–11, 12–15.
+#[inline]
+#[target_feature(enable = "neon")]
+fn nibbles(b: uint8x16_t) -> [float32x4_t; 4] {
+    let (lo, hi) = (vmovl_u8(vget_low_u8(b)), vmovl_high_u8(b));
+    let eight = vdupq_n_f32(8.0);
+    let f = |v: uint32x4_t| vsubq_f32(vcvtq_f32_u32(v), eight);
+    [
+        f(vmovl_u16(vget_low_u16(lo))),
+        f(vmovl_high_u16(lo)),
+        f(vmovl_u16(vget_low_u16(hi))),
+        f(vmovl_high_u16(hi)),
+    ]
+}
+
+/// 16 floats at `p` as four vectors.
+///
+/// # Safety
+/// 16 floats at `p` are readable.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn load16_f32(p: *const f32) -> [float32x4_t; 4] {
+    // SAFETY: floats 4j .. 4j+4 of the 16 readable ones (caller contract).
+    std::array::from_fn(|j| unsafe { vld1q_f32(p.wrapping_add(4 * j)) })
+}
+
+/// The sum of the lanes of `v` (4·`v.len()` lanes, vector `j` holding lanes `4j .. 4j+4`) by
+/// halving, as `scalar::halving_sum`: lane `i` adds lane `i + len/2`, down to one lane.
+#[inline]
+#[target_feature(enable = "neon")]
+fn halving_sum(v: &mut [float32x4_t]) -> f32 {
+    let mut w = v.len() / 2;
+    while w > 0 {
+        for i in 0..w {
+            v[i] = vaddq_f32(v[i], v[i + w]);
+        }
+        w /= 2;
+    }
+    let t = vadd_f32(vget_low_f32(v[0]), vget_high_f32(v[0]));
+    vget_lane_f32::<0>(t) + vget_lane_f32::<1>(t)
+}
+
+/// `R` int8 rows (`codes[r]`: `cols` bytes) × `T` tokens (`x[t]`: `cols` floats): each pair's
+/// unscaled lane sum (32 lanes: eight vectors, column `c` in lane `c mod 32`).
+///
+/// # Safety
+/// None beyond NEON (every aarch64 CPU); lengths are asserted.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn q8_block<const R: usize, const T: usize>(
+    codes: [&[u8]; R],
+    x: [&[f32]; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    assert!(cols.is_multiple_of(32), "int8 row of {cols} columns");
+    for c in &codes {
+        assert_eq!(c.len(), cols, "int8 row codes");
+    }
+    for xt in &x {
+        assert_eq!(xt.len(), cols, "int8 token");
+    }
+    let mut acc = [[[vdupq_n_f32(0.0); 8]; T]; R];
+    for c in (0..cols).step_by(16) {
+        // Columns c .. c+16 are lanes 4h .. 4h+16 of the 32 (h = 0 or 4).
+        let h = (c % 32) / 4;
+        // SAFETY: c + 16 <= cols floats of each token (asserted lengths).
+        let xv: [[float32x4_t; 4]; T] =
+            std::array::from_fn(|t| unsafe { load16_f32(x[t].as_ptr().wrapping_add(c)) });
+        for r in 0..R {
+            // SAFETY: c + 16 <= cols bytes of each row (asserted lengths).
+            let w = unsafe { i8x16(codes[r].as_ptr().wrapping_add(c)) };
+            for t in 0..T {
+                for j in 0..4 {
+                    acc[r][t][h + j] = vfmaq_f32(acc[r][t][h + j], w[j], xv[t][j]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = halving_sum(&mut acc[r][t]);
+        }
+    }
+    out
+}
+
+/// `R` int4 rows (`codes[r]`: `cols/2` bytes, `scales[r]`: `cols/32` f32) × `T` tokens (`x[t]`:
+/// `cols` floats split per 32 as `[16 even | 16 odd]`): each pair's lane sum (16 lanes: four
+/// vectors, lane `i` byte `i` of each group).
+///
+/// # Safety
+/// None beyond NEON (every aarch64 CPU); lengths are asserted.
+#[inline]
+#[target_feature(enable = "neon")]
+unsafe fn q4_block<const R: usize, const T: usize>(
+    codes: [&[u8]; R],
+    scales: [&[u8]; R],
+    x: [&[f32]; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    let groups = cols / 32;
+    for r in 0..R {
+        assert!(
+            codes[r].len() == 16 * groups && scales[r].len() == 4 * groups,
+            "int4 row of {cols} columns"
+        );
+    }
+    for xt in &x {
+        assert_eq!(xt.len(), 32 * groups, "int4 token");
+    }
+    let mut acc = [[[vdupq_n_f32(0.0); 4]; T]; R];
+    let mask = vdupq_n_u8(15);
+    for g in 0..groups {
+        // Each token's 32 floats of the group: 16 even columns, then 16 odd.
+        let xv: [([float32x4_t; 4], [float32x4_t; 4]); T] = std::array::from_fn(|t| {
+            let p = x[t].as_ptr().wrapping_add(32 * g);
+            // SAFETY: floats 32g .. 32g+16 of the token (asserted length).
+            let even = unsafe { load16_f32(p) };
+            // SAFETY: floats 32g+16 .. 32g+32.
+            (even, unsafe { load16_f32(p.wrapping_add(16)) })
+        });
+        for r in 0..R {
+            // SAFETY: 16g + 16 <= 16·groups bytes of each row (asserted lengths).
+            let b = unsafe { load16(codes[r].as_ptr().wrapping_add(16 * g)) };
+            let lo = nibbles(vandq_u8(b, mask));
+            let hi = nibbles(vshrq_n_u8::<4>(b));
+            let s = vdupq_n_f32(super::scalar::f32_at(scales[r], g));
+            for t in 0..T {
+                let (xe, xo) = &xv[t];
+                for j in 0..4 {
+                    let p = vfmaq_f32(vmulq_f32(lo[j], xe[j]), hi[j], xo[j]);
+                    acc[r][t][j] = vfmaq_f32(acc[r][t][j], p, s);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = halving_sum(&mut acc[r][t]);
+        }
+    }
+    out
+}
+
+/// This tier's quantized-row dots for the shared row and token loops of `kernels::quant`.
+pub(super) struct NeonDots;
+
+impl super::quant_loop::QuantDots for NeonDots {
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn q8<const R: usize, const T: usize>(
+        codes: [&[u8]; R],
+        x: [&[f32]; T],
+        cols: usize,
+    ) -> [[f32; T]; R] {
+        // SAFETY: NEON is part of every aarch64 CPU; the callee asserts the lengths.
+        unsafe { q8_block::<R, T>(codes, x, cols) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "neon")]
+    unsafe fn q4<const R: usize, const T: usize>(
+        codes: [&[u8]; R],
+        scales: [&[u8]; R],
+        x: [&[f32]; T],
+        cols: usize,
+    ) -> [[f32; T]; R] {
+        // SAFETY: as above.
+        unsafe { q4_block::<R, T>(codes, scales, x, cols) }
+    }
+}
+
+/// Row kernel for rows `r0 .. r0 + out.len()/n` of a quantized matrix (`out [k, n]`; `x [n,
+/// cols]` in natural order for int8, split per 32 columns for int4): two tokens a block with
+/// one row, a last single token with two rows (eight or four accumulator vectors a pair within
+/// the 32 registers).
+///
+/// # Safety
+/// As [`bf16_rows`]. (Lengths are checked here.)
+#[target_feature(enable = "neon")]
+pub(super) unsafe fn quant_rows(
+    m: &k3_proto::quant::QuantMatrix<'_>,
+    r0: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+) {
+    let cols = m.cols();
+    assert_eq!(x.len(), n * cols, "quant rows input");
+    let k = out.len() / n;
+    assert!(out.len() == k * n && r0 + k <= m.rows(), "quant rows range");
+    let mut t = 0;
+    while t + 2 <= n {
+        // SAFETY: NEON is part of every aarch64 CPU.
+        unsafe { super::quant_loop::tokens::<NeonDots, 1, 2>(m, r0, k, x, n, t, out) };
+        t += 2;
+    }
+    if t < n {
+        // SAFETY: as above.
+        unsafe { super::quant_loop::tokens::<NeonDots, 2, 1>(m, r0, k, x, n, t, out) };
     }
 }
 

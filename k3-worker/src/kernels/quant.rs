@@ -15,9 +15,11 @@
 //! Lane counts are multiples of 4, 8 and 16, so a 4-wide (NEON), 8-wide (AVX2) and 16-wide
 //! (AVX-512) tier hold them in whole registers and follow the same sequence; the scalar twin
 //! uses `f32::mul_add` (a correctly rounded fused multiply-add on every target). The tiers'
-//! kernels (`avx2::quant_rows`, `avx512::quant_rows`) differ only in how many rows and tokens
-//! they dot at once: each loaded code vector is used for a block of tokens, and a decode step
-//! dots several rows at once so enough independent FMA chains hide the FMA latency.
+//! kernels (`avx2::quant_rows`, `avx512::quant_rows`, `neon::quant_rows`: their dots through
+//! `quant_loop::QuantDots` in the shared loops `quant_loop::tokens`) differ only in how many
+//! rows and tokens they dot at once: each
+//! loaded code vector is used for a block of tokens, and a decode step dots several rows at
+//! once so enough independent FMA chains hide the FMA latency.
 
 use k3_proto::quant::{QuantKind, QuantMatrix, GROUP};
 
@@ -39,6 +41,9 @@ fn quant_rows(tier: Tier, m: &QuantMatrix<'_>, r0: usize, x: &[f32], n: usize, o
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, AVX-512 F/BW/VL and FMA were detected.
         Tier::Avx512 => unsafe { super::avx512::quant_rows(m, r0, x, n, out) },
+        #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
+        // SAFETY: as above, NEON was detected (every aarch64 CPU has it).
+        Tier::Neon => unsafe { super::neon::quant_rows(m, r0, x, n, out) },
         #[allow(unreachable_patterns)] // every tier of this architecture is matched above
         _ => scalar::quant_rows(m, r0, x, n, out),
     }
@@ -193,6 +198,70 @@ mod tests {
                             k.matmul_quant(&m, &x[t * cols..(t + 1) * cols], 1, &mut yt);
                             assert_eq!(bits(&yt), bits(&want[t * rows..(t + 1) * rows]));
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stored bytes no quantizer writes — every int8 code (−128 included), every nibble, scales
+    /// of both signs from subnormal to near overflow, zero and infinite — and activations of
+    /// mixed magnitudes: every tier is still the scalar twin bit for bit (NaN as NaN), per
+    /// (row, token), for one token and for blocks of them.
+    #[test]
+    fn every_tier_is_the_scalar_twin_on_adversarial_bytes() {
+        let scalar = Kernels::new(Tier::Scalar).unwrap();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let special = [
+            1e-40f32,
+            -3e-39,
+            1e30,
+            -2.5e30,
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            7.0,
+        ];
+        for tier in Tier::ALL {
+            let Some(k) = Kernels::new(tier) else {
+                eprintln!("quant kernels: tier {tier} skipped: this CPU lacks it");
+                continue;
+            };
+            for kind in [QuantKind::Int8, QuantKind::Int4] {
+                for (rows, cols, n) in [(5, 64, 1), (6, 96, 2), (3, 288, 5), (9, 32, 3)] {
+                    let (qb, sb) = kind.sizes(rows, cols);
+                    let q: Vec<u8> = (0..qb).map(|_| next() as u8).collect();
+                    let s: Vec<u8> = (0..sb / 4)
+                        .flat_map(|i| {
+                            let v = match next() % 4 {
+                                0 => special[i % special.len()],
+                                _ => (next() % 2001) as f32 / 1000.0 - 1.0,
+                            };
+                            v.to_le_bytes()
+                        })
+                        .collect();
+                    let x: Vec<f32> = (0..n * cols)
+                        .map(|_| {
+                            let m = [1e-3f32, 1.0, 3e4][(next() % 3) as usize];
+                            ((next() % 2001) as f32 / 1000.0 - 1.0) * m
+                        })
+                        .collect();
+                    let m = QuantMatrix::from_parts(kind, rows, cols, &q, &s).unwrap();
+                    let mut want = vec![0.0f32; n * rows];
+                    scalar.matmul_quant(&m, &x, n, &mut want);
+                    let mut got = vec![0.0f32; n * rows];
+                    k.matmul_quant(&m, &x, n, &mut got);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                            "{tier} {kind:?} [{rows},{cols}] n={n} output {i}: {g} vs {w}"
+                        );
                     }
                 }
             }
