@@ -359,7 +359,9 @@ def test_a_stopped_worker_is_failed_killed_and_replaced_and_health_says_so(world
 
 def test_a_killed_worker_relays_no_stderr_and_session_names_are_keyed(world):
     a = serve(world, world["sock"], "keyed-a", "--max-jobs", "2")
-    b = serve(world, world["sock"], "keyed-b", "--max-jobs", "2")
+    # A store of its own: on a shared one, b would resume the prefix session a's job kept (sessions
+    # are found by their ids, not their names) instead of naming a new one.
+    b = serve(world, start_store(world, "keyed-b"), "keyed-b", "--max-jobs", "2")
     prompt = "A prompt whose session name must not confirm it: 4711"
     names = []
     for srv in (a, b):
