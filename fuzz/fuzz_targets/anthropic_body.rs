@@ -1,5 +1,5 @@
 //! The Anthropic Messages request body (k3-ctl/src/serve/anthropic.rs, with the shared request
-//! code it uses: api.rs, reply.rs, text.rs — compiled here from their files, as serve compiles
+//! code it uses: api.rs, reply.rs, shape.rs, text.rs — compiled here from their files, as serve compiles
 //! them): any bytes give a request or a 4xx naming what is wrong, never a panic or a 5xx; a
 //! request that passes has settings inside the documented ranges (the shared single-precision
 //! validation included), and its conversation renders to a prompt (or a 400 for `messages`),
@@ -24,6 +24,9 @@ mod api;
 #[allow(dead_code, unused_imports)]
 #[path = "../../k3-ctl/src/serve/reply.rs"]
 mod reply;
+#[allow(dead_code, unused_imports)]
+#[path = "../../k3-ctl/src/serve/shape.rs"]
+mod shape;
 #[allow(dead_code, unused_imports)]
 #[path = "../../k3-ctl/src/serve/text.rs"]
 mod text;
