@@ -231,6 +231,21 @@ pub fn check_identity(view: &View<'_>, expected: u128) -> Result<(), SessionErro
     Ok(())
 }
 
+/// The first 8 bytes (big-endian) of the HMAC-SHA256 of `ids` (little-endian u32s) under `key`:
+/// the tag a session name derived from a prompt carries, so that the name confirms nothing about
+/// the prompt to whoever lacks the key (serve's `http-…` and `prefix-…` names).
+pub fn ids_mac(key: &[u8], ids: &[u32]) -> u64 {
+    use hmac::{Hmac, Mac};
+    let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(key).expect("any key length");
+    for id in ids {
+        m.update(&id.to_le_bytes());
+    }
+    let tag = m.finalize().into_bytes();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&tag[..8]);
+    u64::from_be_bytes(first)
+}
+
 /// XXH3-128 of `ids` as little-endian u32s: what [`View::ids_hash`] computes, for matching a
 /// request's prefix against the store's list without sending the ids.
 pub fn ids_hash(ids: &[u32]) -> u128 {

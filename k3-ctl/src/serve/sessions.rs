@@ -9,10 +9,8 @@
 //! logs and `k3-ctl sessions`; keyed, it cannot be used to confirm a guessed prompt (an unkeyed
 //! hash could: hash the guess, compare).
 
-use hmac::{Hmac, Mac};
 use k3_proto::wire::SessionInfo;
 use k3_store::session::ids_hash;
-use sha2::Sha256;
 
 /// Names new sessions under this server's secret key.
 pub struct Namer {
@@ -40,14 +38,10 @@ impl Namer {
 
     /// A new session's name for `prompt`: `http-` and 16 hex digits of its ids' MAC.
     pub fn name(&self, prompt: &[u32]) -> String {
-        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&self.key).expect("any key length");
-        for id in prompt {
-            m.update(&id.to_le_bytes());
-        }
-        let tag = m.finalize().into_bytes();
-        let mut first = [0u8; 8];
-        first.copy_from_slice(&tag[..8]);
-        format!("http-{:016x}", u64::from_be_bytes(first))
+        format!(
+            "http-{:016x}",
+            k3_store::session::ids_mac(&self.key, prompt)
+        )
     }
 }
 

@@ -420,15 +420,7 @@ pub fn prefix_session_name(key: &[u8], ids: &[u32]) -> String {
     if key.is_empty() {
         return format!("prefix-{:016x}", k3_store::session::ids_hash(ids) as u64);
     }
-    use hmac::{Hmac, Mac};
-    let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(key).expect("any key length");
-    for id in ids {
-        m.update(&id.to_le_bytes());
-    }
-    let tag = m.finalize().into_bytes();
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&tag[..8]);
-    format!("prefix-{:016x}", u64::from_be_bytes(first))
+    format!("prefix-{:016x}", k3_store::session::ids_mac(key, ids))
 }
 
 /// A name [`prefix_session_name`] makes.
