@@ -54,15 +54,19 @@ def atomic_write(path: str, mode: str = "wb"):
     """Open a temporary file for ``path``; on leaving the block normally it is flushed, synced
     and renamed to ``path``, on any exception removed (and the exception re-raised)."""
     tmp = temp_name(path)
-    f = open(tmp, mode)
+    f = None
     try:
+        # Opened inside the block: a signal that lands between the file's creation and the
+        # block's start would otherwise leave the temporary behind.
+        f = open(tmp, mode)
         yield f
         f.flush()
         os.fsync(f.fileno())
         f.close()
         os.replace(tmp, path)
     except BaseException:
-        f.close()
+        if f is not None:
+            f.close()
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise

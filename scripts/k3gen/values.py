@@ -28,6 +28,10 @@ import math
 from typing import Iterator
 
 import numpy as np
+# numpy imports its random module lazily, on first use: in the middle of the first shard's write,
+# where an exception a signal handler raises (SIGTERM, Ctrl-C) is lost inside the extension
+# module's initialisation and the interrupted writer runs on to exit 0. Imported here, up front.
+import numpy.random  # noqa: F401, E402
 
 from .graph import Tensor
 
