@@ -19,6 +19,7 @@
 use std::sync::Arc;
 
 use k3_worker::text::tools::{CallParser, ToolEvent};
+use k3_worker::text::visible;
 use k3_worker::text::xtml::{Channel, Markers, ReplyParser, END_IDS};
 use k3_worker::tokenizer::Tokenizer;
 
@@ -272,7 +273,7 @@ impl ReplyText {
         self.generated += 1;
         self.in_content = false;
         let tok = self.tok.clone();
-        let bytes = tok.token_bytes(id).unwrap_or(&[]);
+        let bytes = visible::token_bytes(&tok, id).unwrap_or(&[]);
         let mut d = Delta::default();
         let mut ended = false;
         match self.parser.as_mut() {
@@ -403,6 +404,26 @@ mod tests {
     }
 
     /// A forced reply (fixed ids, no model): thinking, a response, two calls, the end.
+    #[test]
+    fn reserved_slots_and_control_markers_are_never_reply_text() {
+        // A random-weight model samples reserved slots; their names are not text (issue 49).
+        let t = tok();
+        let reserved = t.special_id("<|reserved_token_163597|>").unwrap();
+        let mut ids = t.encode("Hi");
+        ids.push(reserved);
+        ids.extend(t.encode(" there"));
+        let mut r = ReplyText::completion(t.clone(), &[], 100);
+        assert_eq!(collect(&mut r, &ids).content, "Hi there");
+        let m = Markers::from_tokenizer(&t).unwrap();
+        let mut ids = t.encode_with_special("plan<|close|>think<|sep|><|open|>response<|sep|>A");
+        ids.push(reserved);
+        ids.extend(t.encode("B"));
+        let mut r = ReplyText::chat(t.clone(), m, true, &[], 100);
+        let d = collect(&mut r, &ids);
+        assert_eq!((d.reasoning.as_str(), d.content.as_str()), ("plan", "AB"));
+        assert_eq!(r.generated(), ids.len(), "the reserved id is still counted");
+    }
+
     fn call_reply(t: &Tokenizer, second: &str) -> Vec<u32> {
         t.encode_with_special(&format!(
             "plan<|close|>think<|sep|><|open|>response<|sep|>On it.<|close|>response<|sep|>\

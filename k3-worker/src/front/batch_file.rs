@@ -21,7 +21,7 @@ use crate::front::cli::{Cli, MAX_BATCH_REQUESTS, MAX_GEN, MAX_PROMPT, MAX_PROMPT
 use crate::front::error::{read_bounded, refuse, JobError};
 use crate::front::job::{job_shape, preflight, prepare, Prepared, DEFAULT_PARALLEL};
 use crate::front::report::{self, RunSummary};
-use crate::front::visible;
+use crate::text::visible;
 use crate::tokenizer::Tokenizer;
 
 /// One request of a `--batch` file.

@@ -22,8 +22,8 @@ use crate::front::cli::Cli;
 use crate::front::error::{refuse, JobError};
 use crate::front::job::{job_shape, preflight, prepare, Prepared};
 use crate::front::report;
-use crate::front::visible;
 use crate::model::{ModelError, SeqState};
+use crate::text::visible;
 use crate::text::xtml::{Channel, ChatFormat, Effort, Message, Reply, ReplyParser};
 use crate::tokenizer::Tokenizer;
 

@@ -23,7 +23,6 @@ pub mod prompt;
 pub mod report;
 pub mod serve;
 pub mod source;
-pub mod visible;
 
 pub use error::JobError;
 

@@ -19,8 +19,8 @@ use crate::front::drafters::Drafters;
 use crate::front::error::{read_bounded, refuse, JobError};
 use crate::front::job::{job_shape, preflight, prepare, Prepared};
 use crate::front::report::{self, HiddenDump, RunSummary};
-use crate::front::visible;
 use crate::model::Dims;
+use crate::text::visible;
 use crate::tokenizer::Tokenizer;
 
 /// Standard output: each id as text (with a tokenizer; an added token prints nothing:

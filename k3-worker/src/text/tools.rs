@@ -24,6 +24,7 @@
 
 use serde_json::{Map, Value};
 
+use crate::text::visible;
 use crate::tokenizer::Tokenizer;
 
 /// One piece of a rendered conversation.
@@ -856,7 +857,8 @@ impl CallParser {
     }
 
     fn value_text(&mut self, tok: &Tokenizer) -> Result<String, MalformedCall> {
-        let bytes = tok.decode(&self.value).unwrap_or_default();
+        // A control marker or reserved slot inside a value is not text (see `visible`).
+        let bytes = visible::decode(tok, &self.value).unwrap_or_default();
         self.value.clear();
         String::from_utf8(bytes).map_err(|_| MalformedCall::NotUtf8)
     }

@@ -21,6 +21,7 @@
 
 use crate::text::tools::{self, ChoiceNote, FormatNote, Piece, RenderError, ToolCall, ToolSpec};
 pub use crate::text::tools::{escape_attr, Markers, END_IDS};
+use crate::text::visible;
 use crate::tokenizer::Tokenizer;
 
 /// What a request adds around its history (SPEC.md §5.5 "Tools").
@@ -608,7 +609,7 @@ impl ReplyParser {
     /// The reply so far.
     pub fn finish(&self, tok: &Tokenizer) -> Reply {
         let text = |ids: &[u32]| {
-            String::from_utf8_lossy(&tok.decode(ids).unwrap_or_default()).into_owned()
+            String::from_utf8_lossy(&visible::decode(tok, ids).unwrap_or_default()).into_owned()
         };
         Reply {
             ids: self.ids.clone(),

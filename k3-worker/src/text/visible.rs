@@ -1,10 +1,11 @@
-//! What of the generated ids `k3-worker` prints as text: the bytes of ordinary (BPE) ids only.
+//! What of the generated ids is shown as text: the bytes of ordinary (BPE) ids only.
 //!
 //! An added token — a control marker such as `<|im_end|>` or `[EOS]`, or one of the unnamed
 //! `<|reserved_token_N|>` slots — is a signal, not text: printing its content would show a
 //! reply's reader a string the model never wrote as text (and a random-weight or confused model
 //! does sample reserved slots). As llama.cpp and ollama do by default, such ids are left out of
-//! every text the worker prints (stdout of a prompt, a chat reply, a `--batch` line's `text`);
+//! every text shown (stdout of a prompt, a chat reply, a `--batch` line's `text`, a serve reply's
+//! content, reasoning and tool-call text);
 //! the ids themselves stay in the JSON reports.
 
 use crate::tokenizer::{TokError, Tokenizer};
