@@ -429,6 +429,12 @@ fn start_store(
     // The socket's directory is created (0700) or checked before anything is opened there.
     k3_store::ipc::prepare_socket_dir(&socket)
         .map_err(|e| StartError::refused(format!("socket {}: {e}", socket.display())))?;
+    // A store already serving there is refused before the checkpoint is read or a plan printed
+    // (the bind below still settles a race between two starts).
+    if let Ok(k3_store::ipc::Existing::Live) = k3_store::ipc::probe(&socket) {
+        let live = k3_store::ipc::BindError::Live(socket.display().to_string());
+        return Err(StartError::of(live));
+    }
     if a.detach && a.ready_fd.is_none() {
         return Ok(start_detached(a, &socket, m));
     }

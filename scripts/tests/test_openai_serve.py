@@ -789,6 +789,20 @@ def test_request_ids(world):
     assert status == 200 and h["X-Request-Id"].startswith("req-") and h["X-Request-Id"] != "bad id"
     log = srv.log_path.read_text(errors="replace")
     assert "request{id=my-id.42}" in log, log[-2000:]
+    # A streamed request is logged when its head goes out and again, with its whole time, when
+    # its stream ends — not "-> 200 in 0.000 s" before its job ran (issue 49).
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}).encode()
+    status, _, b = http(srv, "POST", "/v1/completions", body, {"X-Request-Id": "streamed-7"})
+    assert status == 200 and b.rstrip().endswith(b"data: [DONE]"), b
+    deadline = time.monotonic() + 10
+    while True:
+        mine = [ln for ln in srv.log_path.read_text(errors="replace").splitlines() if "request{id=streamed-7}" in ln]
+        if any("(stream ended)" in ln for ln in mine) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    heads = [ln for ln in mine if "-> 200, streaming (head after" in ln]
+    ends = [ln for ln in mine if "-> 200 in " in ln and ln.endswith("(stream ended)")]
+    assert len(heads) == 1 and len(ends) == 1 and mine.index(heads[0]) < mine.index(ends[0]), mine
 
 
 def test_api_key_and_cors(world):

@@ -428,6 +428,8 @@ fn stop_refuse_second_start_and_socket_modes() {
     );
     assert_eq!(r.code, 2, "{r:?}");
     assert!(r.stderr.contains("already running"), "{r:?}");
+    // Said before any work: no checkpoint read, no memory plan printed (issue 49).
+    assert!(!r.stderr.contains("memory plan"), "{r:?}");
     // … and the first one is untouched.
     assert!(sb.socket.exists());
     reference_run(&sb, &[]);

@@ -267,6 +267,25 @@ pub async fn layer<S: Guarded>(State(st): State<Arc<S>>, mut req: Request, next:
                 status,
             })
             .inc();
+        if is_event_stream(&r) {
+            // The head goes out now, the events as the job makes them: the request is logged
+            // again when its stream ends (or the client leaves), with its whole time.
+            tracing::info!(
+                "{method} {path} -> {status}, streaming (head after {:.3} s)",
+                t0.elapsed().as_secs_f64()
+            );
+            let end = StreamEnd {
+                line: format!("{method} {path} -> {status}"),
+                t0,
+                span: tracing::Span::current(),
+            };
+            return r.map(|b| {
+                axum::body::Body::new(http_body_util::BodyExt::map_frame(b, move |f| {
+                    end.frame();
+                    f
+                }))
+            });
+        }
         tracing::info!(
             "{method} {path} -> {status} in {:.3} s",
             t0.elapsed().as_secs_f64()
@@ -275,6 +294,37 @@ pub async fn layer<S: Guarded>(State(st): State<Arc<S>>, mut req: Request, next:
     }
     .instrument(span)
     .await
+}
+
+/// Whether `r` is a server-sent event stream (its body outlives the handler).
+fn is_event_stream(r: &Response) -> bool {
+    r.headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
+}
+
+/// Logs a streamed request's end when its body is dropped: sent whole, or its client gone.
+struct StreamEnd {
+    line: String,
+    t0: Instant,
+    span: tracing::Span,
+}
+
+impl StreamEnd {
+    /// Called per frame: keeps the guard inside the body's closure.
+    fn frame(&self) {}
+}
+
+impl Drop for StreamEnd {
+    fn drop(&mut self) {
+        let _in = self.span.enter();
+        tracing::info!(
+            "{} in {:.3} s (stream ended)",
+            self.line,
+            self.t0.elapsed().as_secs_f64()
+        );
+    }
 }
 
 #[cfg(test)]

@@ -22,6 +22,12 @@ use prometheus_client::registry::Registry;
 use k3_proto::serve::{Timings, Usage};
 use k3_proto::wire::StatsReport;
 
+/// `exponential_buckets` rounded to 9 decimals, so the `le` labels read 0.009, not
+/// 0.009000000000000001.
+fn buckets(start: f64, factor: f64, n: u16) -> impl Iterator<Item = f64> {
+    exponential_buckets(start, factor, n).map(|b| (b * 1e9).round() / 1e9)
+}
+
 /// A request's route and status.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteStatus {
@@ -164,13 +170,13 @@ impl Metrics {
             "Requests that may wait for a slot (--queue)",
             cap(queue),
         );
-        let prefill_seconds = Histogram::new(exponential_buckets(0.01, 4.0, 12));
+        let prefill_seconds = Histogram::new(buckets(0.01, 4.0, 12));
         r.register(
             "k3_serve_prefill_seconds",
             "Seconds of each job's prefill (with its first pick)",
             prefill_seconds.clone(),
         );
-        let seconds_per_token = Histogram::new(exponential_buckets(0.001, 3.0, 14));
+        let seconds_per_token = Histogram::new(buckets(0.001, 3.0, 14));
         r.register(
             "k3_serve_seconds_per_token",
             "Mean seconds per decoded id, one observation per job",
@@ -318,6 +324,12 @@ mod tests {
         );
         assert!(text.contains("k3_serve_cached_tokens_total 4"), "{text}");
         assert!(text.contains("k3_serve_tokens_per_second 2.0"), "{text}");
+        // Bucket bounds as written, not float noise (0.009000000000000001).
+        assert!(
+            text.contains("k3_serve_seconds_per_token_bucket{le=\"0.009\"}"),
+            "{text}"
+        );
+        assert!(!text.contains("00000000"), "{text}");
         assert!(text.contains("k3_store_up 0"), "{text}");
         assert!(!text.contains("k3_store_sessions"), "{text}");
         let mut s = StatsReport::default();

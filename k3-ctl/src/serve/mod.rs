@@ -180,7 +180,7 @@ pub enum ServeError {
     #[error("no k3-worker at {} (pass --worker PATH)", .0.display())]
     NoWorker(PathBuf),
     /// No store answers (exit 3).
-    #[error("the store at {}", socket.display())]
+    #[error("cannot use the store{}", store_at(socket, source))]
     NoStore {
         /// Its socket.
         socket: PathBuf,
@@ -385,6 +385,16 @@ fn tokenizer(a: &Args, exe: Option<&Path>) -> Result<(PathBuf, Tokenizer, Marker
         source,
     })?;
     Ok((dir, tok, markers))
+}
+
+/// " at PATH" unless the client's error names the path itself (it does when nothing answers
+/// there or the place is not trusted), so a message never says the path twice.
+fn store_at(socket: &Path, source: &k3_store::attach::client::ClientError) -> String {
+    use k3_store::attach::client::ClientError as C;
+    match source {
+        C::Unreachable { .. } | C::Untrusted { .. } => String::new(),
+        _ => format!(" at {}", socket.display()),
+    }
 }
 
 /// The store's model directory and its vocabulary size (the store must answer).
