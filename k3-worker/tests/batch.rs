@@ -387,12 +387,7 @@ fn choices_of_one_prompt_are_prefilled_once_and_each_gets_its_solo_ids() {
     let mut e = Engine::new(model(&src), plan(4, 24, 4, 0));
     let got: Got = RefCell::new(BTreeMap::new());
     let mut out = Outputs::new(None);
-    let sink = |index| {
-        Box::new(Collect {
-            index,
-            got: &got,
-        }) as Box<dyn Sink + '_>
-    };
+    let sink = |index| Box::new(Collect { index, got: &got }) as Box<dyn Sink + '_>;
     e.submit(request(&other, &[]), sink(9), &mut out).unwrap();
     let choices = (asks.iter().enumerate())
         .map(|(i, a)| (request(a, &[]), sink(i)))
@@ -422,12 +417,7 @@ fn choices_of_one_prompt_are_prefilled_once_and_each_gets_its_solo_ids() {
     let mut e = Engine::new(model(&src), plan(2, 24, 4, 0));
     let got: Got = RefCell::new(BTreeMap::new());
     let mut out = Outputs::new(None);
-    let sink = |index| {
-        Box::new(Collect {
-            index,
-            got: &got,
-        }) as Box<dyn Sink + '_>
-    };
+    let sink = |index| Box::new(Collect { index, got: &got }) as Box<dyn Sink + '_>;
     let choices = (asks.iter().enumerate())
         .map(|(i, a)| (request(a, &[]), sink(i)))
         .collect();

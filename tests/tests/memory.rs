@@ -110,6 +110,7 @@ fn serve_worker(sb: &Sandbox, slots: usize, jobs: &[Vec<u32>]) -> (Run, Value) {
             keep_at: Vec::new(),
             name_key: Vec::new(),
             shape: Default::default(),
+            n: 1,
         });
         k3_proto::wire::write_frame(&mut ours, &start).unwrap();
     }

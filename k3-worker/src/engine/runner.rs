@@ -146,7 +146,13 @@ impl<'m> Engine<'m> {
     ) -> Result<Vec<SeqId>, RequestError> {
         let (mut reqs, sinks): (Vec<Request>, Vec<_>) = choices.into_iter().unzip();
         let sessions: Vec<_> = (reqs.iter_mut().enumerate())
-            .map(|(i, r)| if i == 0 { r.session.clone() } else { r.session.take() })
+            .map(|(i, r)| {
+                if i == 0 {
+                    r.session.clone()
+                } else {
+                    r.session.take()
+                }
+            })
             .collect();
         let seqs = self.sched.submit_choices(&self.model.dims, reqs)?;
         for ((&seq, sink), session) in seqs.iter().zip(sinks).zip(sessions) {
@@ -277,12 +283,26 @@ impl<'m> Engine<'m> {
             let fork = (running[i].forks_now(&p))
                 .then(|| running[i].id)
                 .filter(|&id| running.iter().any(|f| f.leader == Some(id)))
-                .map(|id| (id, running[i].state.clone(), running[i].cached_ids(), rows.to_vec()));
+                .map(|id| {
+                    (
+                        id,
+                        running[i].state.clone(),
+                        running[i].cached_ids(),
+                        rows.to_vec(),
+                    )
+                });
             running[i].take(&m.dims, &p, rows, &c, out)?;
             if let Some((id, state, cached, row)) = fork {
                 let share = PassCost { share: 0.0, ..c };
                 for f in running.iter_mut().filter(|f| f.leader == Some(id)) {
-                    f.fork(&m.dims, state.clone(), cached, &mut row.clone(), &share, out);
+                    f.fork(
+                        &m.dims,
+                        state.clone(),
+                        cached,
+                        &mut row.clone(),
+                        &share,
+                        out,
+                    );
                 }
             }
             at += k;

@@ -143,9 +143,10 @@ impl Scheduler {
         let mut joined = 0;
         while let Some(w) = self.waiting.front() {
             let lead = w.seq;
-            let group = 1 + (self.waiting.iter().skip(1))
-                .take_while(|f| f.follows == Some(lead))
-                .count();
+            let group = 1
+                + (self.waiting.iter().skip(1))
+                    .take_while(|f| f.follows == Some(lead))
+                    .count();
             let want: u64 = self.waiting.iter().take(group).map(|w| w.bytes).sum();
             let used: u64 = self.bytes.iter().sum();
             if self.running.len() + group > self.plan.slots || used + want > self.budget {
