@@ -801,7 +801,8 @@ async fn next_step(
                 usage,
                 timings,
             } => {
-                st.metrics.job(&usage, &timings);
+                // The prompt (prefilled once) is counted with the first choice.
+                st.metrics.job(&usage, &timings, choice == 0);
                 g.cached = usage.cached_ids as usize;
                 let reply = g.replies.get(choice as usize).ok_or_else(|| {
                     ApiError::internal(format!("the worker ended a choice {choice} never asked"))
