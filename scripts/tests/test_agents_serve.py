@@ -647,6 +647,14 @@ def test_n_choices_are_their_seeds_alone_with_the_prompt_counted_once(world):
     for ch in r.choices:
         assert got[ch.index][:2] == (ch.message.content, ch.finish_reason), ch.index
     assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
+    # Stop strings cut each choice on its own (the others go on; ids of a cut choice are dropped).
+    cut = dict(kw, stop=["e", "a"], max_tokens=24)
+    r = c.chat.completions.create(**cut, n=3)
+    for i, ch in enumerate(r.choices):
+        a = c.chat.completions.create(**{**cut, "seed": 11 + i}).choices[0]
+        assert (ch.message.content, ch.finish_reason) == (a.message.content, a.finish_reason), i
+    got, _ = fold_choices(c, **cut, n=3)
+    assert [got[i][:2] for i in range(3)] == [(ch.message.content, ch.finish_reason) for ch in r.choices]
     # The legacy completions endpoint alike.
     k = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5)
     r = c.completions.create(**k, n=2)

@@ -912,15 +912,27 @@ impl Job {
 
 impl Drop for Job {
     fn drop(&mut self) {
+        let mut routes = lock(&self.routes);
+        // Ends already routed but not read (a choice that ended as the reply was cut short by
+        // a stop string) are not waited for again: the worker has forgotten those choices.
+        // Under the routes' lock, so that every later message goes to the watcher below.
+        while let Ok(ev) = self.events.try_recv() {
+            match ev {
+                Ok(Event::Done { .. }) => self.left = self.left.saturating_sub(1),
+                Err(_) => self.left = 0,
+                Ok(_) => {}
+            }
+        }
         if self.left == 0 {
-            lock(&self.routes).remove(&self.req_id);
+            routes.remove(&self.req_id);
             return;
         }
-        // The worker ends the job at its next step and answers `Done`; a watcher waits for it
-        // within the grace, else kills the worker.
+        // The worker ends the job at its next step and answers `Done` for each choice left; a
+        // watcher waits for them within the grace, else kills the worker.
         let (tx, mut rx) = mpsc::unbounded_channel();
         let left = self.left;
-        lock(&self.routes).insert(self.req_id, Route { tx, left });
+        routes.insert(self.req_id, Route { tx, left });
+        drop(routes);
         let _ = self.frames.send(ToWorker::Cancel {
             req_id: self.req_id,
         });
