@@ -7,7 +7,7 @@ with `n` = 1, same server, same store.
 
 A fresh `k3-store start` with the budget (`scripts/bench.py`'s, at the checkpoint's scale), a
 serve process with `--max-jobs N --no-sessions`, one warm-up request, then, alternating, RUNS
-requests of `n` = 1 and RUNS of `n` = N on the bench prompt (/v1/completions with prompt ids,
+requests of `n` = 1 and RUNS of `n` = N on the bench prompt or `--prompt-ids` ids (/v1/completions with prompt ids,
 temperature 1, seed 7, `--gen` tokens, streamed): the median wall seconds of each and their
 ratio (`extra_cost` = median(n = N) / median(n = 1)), and each one's time to its first streamed
 byte (the prompt is prefilled once: the first byte of `n` = N comes after one prefill, not N).
@@ -80,12 +80,16 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", default="laptop-like")
     ap.add_argument("--choices", type=int, default=3)
     ap.add_argument("--gen", type=int, default=9)
+    ap.add_argument("--prompt-ids", type=int, default=0,
+                    help="a prompt of this many ids (deterministic) instead of the bench prompt: a long one "
+                         "shows the one prefill in the first-byte times")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     tj = json.loads((a.trunk / "trunk.json").read_text())
     eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
     tb, cb = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)[a.budget][:2]
-    prompt = list(bench.PROMPT)
+    prompt = ([(1000 + 104729 * j) % 150000 for j in range(a.prompt_ids)] if a.prompt_ids > 0
+              else list(bench.PROMPT))
     body = {"model": "kimi-k3", "prompt": prompt, "max_tokens": a.gen, "temperature": 1.0, "seed": SEED}
     n = a.choices
     ok, why = True, []
