@@ -656,12 +656,15 @@ def test_n_choices_are_their_seeds_alone_with_the_prompt_counted_once(world):
     got, _ = fold_choices(c, **cut, n=3)
     assert [got[i][:2] for i in range(3)] == [(ch.message.content, ch.finish_reason) for ch in r.choices]
     # The legacy completions endpoint alike.
-    k = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5)
+    k = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5, logprobs=2)
     r = c.completions.create(**k, n=2)
     assert [ch.index for ch in r.choices] == [0, 1]
     for i, ch in enumerate(r.choices):
-        a = c.completions.create(**{**k, "seed": 5 + i})
-        assert (ch.text, ch.finish_reason) == (a.choices[0].text, a.choices[0].finish_reason), i
+        a = c.completions.create(**{**k, "seed": 5 + i}).choices[0]
+        assert (ch.text, ch.finish_reason) == (a.text, a.finish_reason), i
+        # Each choice's own log-probabilities, as the request alone gets them.
+        assert ch.logprobs.tokens == a.logprobs.tokens and ch.logprobs.token_logprobs == a.logprobs.token_logprobs, i
+        assert ch.logprobs.text_offset == a.logprobs.text_offset, i
     # Greedy: n identical choices (computed as n sequences).
     r = c.chat.completions.create(**{**kw, "temperature": 0}, n=2)
     assert r.choices[0].message.content == r.choices[1].message.content
