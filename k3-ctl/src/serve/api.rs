@@ -4,7 +4,8 @@
 //! `user`, `assistant` with optional `reasoning_content`; content a string or a list of `text`
 //! parts) or `prompt` (a string, a one-string list, or token ids), `max_tokens` /
 //! `max_completion_tokens` (1..=4096), `temperature` (0..=2, 0 = greedy), `top_p` (0 < p ≤ 1),
-//! `seed`, `stop` (a string or up to 4 strings), `stream`, `stream_options.include_usage`,
+//! `seed`, `n` (1..=[`MAX_CHOICES`] here; serve bounds it by its slots), `stop` (a string or up
+//! to 4 strings), `stream`, `stream_options.include_usage`,
 //! `thinking: {"type": "enabled"|"disabled"}` and `reasoning_effort` (`low`, `medium`, `high`,
 //! `max`, or `none` = thinking off) with k3's `thinking_budget`, `tools` with `tool_choice`
 //! `auto`/`none`/`required`/a named function and `parallel_tool_calls` (and the older
