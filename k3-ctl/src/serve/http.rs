@@ -677,6 +677,7 @@ async fn run(st: Shared, ctx: Ctx, g: Gen) -> Response {
         route: ctx.route.clone(),
         prompt_ids: g.prompt.len(),
         max_new: g.settings.max_new,
+        choices: g.settings.n,
     };
     let place = match st.admission.enter(meta) {
         Ok(p) => p,
