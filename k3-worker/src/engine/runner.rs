@@ -315,6 +315,9 @@ impl<'m> Engine<'m> {
 /// A choice whose group's first sequence left before its prefill ended (cancelled) prefills
 /// the prompt itself.
 fn orphans(running: &mut [crate::engine::sequence::Sequence]) {
+    if running.iter().all(|s| s.leader.is_none()) {
+        return;
+    }
     let prefilling: Vec<SeqId> = (running.iter())
         .filter(|s| s.leader.is_none() && s.prompt_left() > 0)
         .map(|s| s.id)
