@@ -363,3 +363,78 @@ fn admission_waits_for_room_and_a_long_request_takes_several_slots() {
     }
     assert!(alone, "the long request ran once the others had left");
 }
+
+/// `n` choices of one prompt (the OpenAI API's `n`): the prompt is prefilled once — its rows
+/// run in the passes once, not once per choice — and forked into every choice; choice `i`
+/// sampled with seed `s + i` gets the ids of that request run alone, beside another sequence
+/// and with the prompt fed in chunks. A group larger than the slots is refused; a group whose
+/// first sequence is cancelled before its prefill ends still gives the others their solo ids.
+#[test]
+fn choices_of_one_prompt_are_prefilled_once_and_each_gets_its_solo_ids() {
+    let src = MemSource::random(&tiny_dims(), 13);
+    let prompt: Vec<u32> = (0..11).map(|i| (i * 29 + 3) % 97).collect();
+    let seed = 40;
+    let asks: Vec<Ask> = (0..3)
+        .map(|i| ask(&prompt, 9, Sampler::new(0.9, 0.95, seed + i).unwrap()))
+        .collect();
+    let want: Vec<Vec<u32>> = asks.iter().map(|a| solo(&src, a)).collect();
+    assert!(
+        want[0] != want[1] && want[1] != want[2],
+        "the seeds must give different choices for this test to mean anything"
+    );
+    let other = ask(&[5, 6, 7], 6, Sampler::Greedy);
+    let want_other = solo(&src, &other);
+    let mut e = Engine::new(model(&src), plan(4, 24, 4, 0));
+    let got: Got = RefCell::new(BTreeMap::new());
+    let mut out = Outputs::new(None);
+    let sink = |index| Box::new(Collect { index, got: &got }) as Box<dyn Sink + '_>;
+    e.submit(request(&other, &[]), sink(9), &mut out).unwrap();
+    let choices = (asks.iter().enumerate())
+        .map(|(i, a)| (request(a, &[]), sink(i)))
+        .collect();
+    let seqs = e.submit_choices(choices, &mut out).unwrap();
+    assert_eq!(seqs.len(), 3);
+    let mut prompt_rows = 0;
+    while !e.is_idle() {
+        prompt_rows += e.step(&mut out).unwrap().prompt_rows;
+    }
+    drop(out);
+    assert_eq!(
+        prompt_rows,
+        prompt.len() + 3,
+        "the choices' prompt runs once (and the other sequence's)"
+    );
+    let got = got.into_inner();
+    for (i, w) in want.iter().enumerate() {
+        assert_eq!(&got[&i].0, w, "choice {i}");
+        let f = got[&i].1.as_ref().unwrap();
+        assert_eq!(f.usage.prompt_ids as usize, prompt.len());
+        assert_eq!(f.usage.generated as usize, w.len());
+    }
+    assert_eq!(got[&9].0, want_other);
+
+    // More choices than slots: refused whole, nothing queued.
+    let mut e = Engine::new(model(&src), plan(2, 24, 4, 0));
+    let got: Got = RefCell::new(BTreeMap::new());
+    let mut out = Outputs::new(None);
+    let sink = |index| Box::new(Collect { index, got: &got }) as Box<dyn Sink + '_>;
+    let choices = (asks.iter().enumerate())
+        .map(|(i, a)| (request(a, &[]), sink(i)))
+        .collect();
+    let err = e.submit_choices(choices, &mut out).unwrap_err();
+    assert!(
+        matches!(err, RequestError::TooManyChoices { n: 3, slots: 2, .. }),
+        "{err:?}"
+    );
+    assert!(e.is_idle());
+    // The first choice cancelled before its prefill ends: the second prefills itself.
+    let choices = (asks[..2].iter().enumerate())
+        .map(|(i, a)| (request(a, &[]), sink(i)))
+        .collect();
+    let seqs = e.submit_choices(choices, &mut out).unwrap();
+    e.step(&mut out).unwrap();
+    assert!(e.cancel(seqs[0], &mut out));
+    e.run_to_end(&mut out).unwrap();
+    drop(out);
+    assert_eq!(got.into_inner()[&1].0, want[1]);
+}

@@ -11,8 +11,10 @@
 //! [`ToWorker::Start`] (a job: prompt ids, sampling, the kept session to run under) or closes
 //! the channel when the versions differ. The worker then sends [`FromWorker::Prefilled`] once
 //! the prompt is in its state, one [`FromWorker::Token`] per generated id, and ends every job
-//! with exactly one [`FromWorker::Done`] or [`FromWorker::Error`] (an error is a kind and the
-//! exit code the worker ends with, not a line of text). [`ToWorker::Cancel`] asks the worker to
+//! with exactly one [`FromWorker::Done`] per choice (v3: a job of `n` choices — one prompt
+//! prefilled once, then `n` sequences — tags each id and each end with its choice) or one
+//! [`FromWorker::Error`] (an error is a kind and the exit code the worker ends with, not a line
+//! of text; it ends the whole job). [`ToWorker::Cancel`] asks the worker to
 //! stop the job at its next step boundary (between two prefill chunks, or after an id): it
 //! answers `Done` with [`Finish::Cancelled`] and exits 0, keeping what it prefilled as a session
 //! so that the same request, retried, resumes. serve kills a worker that has not ended a
@@ -32,7 +34,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The version of the serve protocols this build speaks.
-pub const JOB_PROTOCOL_VERSION: u32 = 2;
+pub const JOB_PROTOCOL_VERSION: u32 = 3;
 
 /// Largest frame on these channels (a `Start` with 32,768 ids is at most 160 KiB).
 pub const MAX_JOB_FRAME: u32 = crate::wire::MAX_FRAME;
@@ -204,6 +206,30 @@ pub struct Start {
     /// v2. What the reply must be beyond sampling: a grammar, a thinking budget, logit edits,
     /// log-probabilities ([`Shape::default`]: none of them, the ids of v1 bit for bit).
     pub shape: Shape,
+    /// v3. Choices to generate (OpenAI's `n`; 0 counts as 1): the prompt is prefilled once and
+    /// forked; choice `i` samples with seed `sampling.seed + i` (wrapping) and its own copy of
+    /// `shape`; every `Token`, `Scored` and `Done` names its choice. Only choice 0 keeps the
+    /// final state under `session`. At most [`MAX_CHOICES`], and no more than the worker's
+    /// slots (else the job is refused as [`ErrorKind::Invalid`]).
+    pub n: u32,
+}
+
+/// v3. Most choices a job may ask for, whatever the worker's slots.
+pub const MAX_CHOICES: u32 = 128;
+
+impl Start {
+    /// The choices the job generates (`n`, at least 1).
+    pub fn choices(&self) -> u32 {
+        self.n.max(1)
+    }
+
+    /// Choice `i`'s sampling: the job's, with seed `seed + i`.
+    pub fn choice_sampling(&self, i: u32) -> Sampling {
+        Sampling {
+            seed: self.sampling.seed.wrapping_add(u64::from(i)),
+            ..self.sampling.clone()
+        }
+    }
 }
 
 /// v2. How a job's ids are shaped beyond its [`Sampling`] (docs/SPEC.md §6.12 "Shaping"). Per
@@ -387,13 +413,18 @@ pub enum FromWorker {
     Token {
         /// The request.
         req_id: ReqId,
+        /// v3. The choice (0 when the job asked one).
+        choice: u32,
         /// The id.
         id: u32,
     },
-    /// v1. The job ended normally (or was cancelled).
+    /// v1. One choice of the job ended normally (or was cancelled); the job ends with the
+    /// `Done` of its last choice.
     Done {
         /// The request.
         req_id: ReqId,
+        /// v3. The choice.
+        choice: u32,
         /// Why.
         finish: Finish,
         /// Counts.
@@ -406,6 +437,8 @@ pub enum FromWorker {
     Scored {
         /// The request.
         req_id: ReqId,
+        /// v3. The choice.
+        choice: u32,
         /// The id.
         id: u32,
         /// Its natural log-probability under the shaped logits at temperature 1.
@@ -551,6 +584,7 @@ mod tests {
                     frequency_penalty: -0.25,
                     logprobs: Some(5),
                 },
+                n: 3,
             }),
             ToWorker::Cancel { req_id: 7 },
         ];
@@ -559,15 +593,21 @@ mod tests {
                 protocol_version: JOB_PROTOCOL_VERSION,
                 pid: 9,
             },
-            FromWorker::Token { req_id: 7, id: 5 },
+            FromWorker::Token {
+                req_id: 7,
+                choice: 2,
+                id: 5,
+            },
             FromWorker::Scored {
                 req_id: 7,
+                choice: 1,
                 id: 5,
                 logprob: -0.5,
                 top: vec![(5, -0.5), (9, -1.25)],
             },
             FromWorker::Done {
                 req_id: 7,
+                choice: 0,
                 finish: Finish::EndId(163_586),
                 usage: Usage {
                     prompt_ids: 3,

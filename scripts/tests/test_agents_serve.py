@@ -23,6 +23,11 @@ logit bias moves the pick; a thinking budget of N gives at most N reasoning toke
 answer; a tool loop and a reply that re-encodes otherwise resume their conversation
 (`cached_tokens` / `cache_read_input_tokens`, counted from an independent rendering); and the
 `openai-agents` SDK completes a run with a tool call against the server.
+
+And `n` > 1 (issue 46 item 3): `n=3` gives choices 0, 1, 2 each equal to the request with
+`n=1` and seed `seed + i`, the usage counting the prompt once and every choice's ids, streamed
+(the chunks folded by index) as whole; with `tool_choice: required` every choice is a valid
+call; `n` beyond the server's slots (or with `best_of`) is a 400 naming `n`.
 """
 import json
 import os
@@ -77,7 +82,10 @@ def world(small_model):
             keyed = Server(sock, d / "serve-keyed.log", "--max-jobs", "1", "--threads", "1",
                            "--api-key-file", d / "key")
             servers.append(keyed)
-            yield {"main": main, "keyed": keyed, "sock": sock, "env": env}
+            # Three slots: `n` up to 3 (its worker starts with its first request).
+            wide = Server(sock, d / "serve-wide.log", "--max-jobs", "3", "--threads", "1")
+            servers.append(wide)
+            yield {"main": main, "keyed": keyed, "wide": wide, "sock": sock, "env": env}
         finally:
             for s in servers:
                 s.stop()
@@ -606,3 +614,102 @@ def test_a_reply_that_re_encodes_otherwise_still_resumes_the_conversation(world)
         messages=q + [{"role": "assistant", "content": r1.choices[0].message.content},
                       {"role": "user", "content": "And again?"}])
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens - 1, (r1.usage, r2.usage)
+
+
+def fold_choices(c, **kw):
+    """A streamed answer folded by choice index: {index: (content, finish_reason, calls)}, usage."""
+    got, usage = {}, None
+    for chunk in c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            content, finish, calls = got.get(ch.index, ("", None, {}))
+            for tc in ch.delta.tool_calls or []:
+                calls[tc.index] = tc
+            got[ch.index] = (content + (ch.delta.content or ""), ch.finish_reason or finish, calls)
+    return got, usage
+
+
+def test_n_choices_are_their_seeds_alone_with_the_prompt_counted_once(world):
+    c = world["wide"].client()
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=12,
+              temperature=1.0, seed=11, extra_body=NO_THINK)
+    r = c.chat.completions.create(**kw, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    alone = [c.chat.completions.create(**{**kw, "seed": 11 + i}) for i in range(3)]
+    for ch, a in zip(r.choices, alone):
+        assert (ch.message.content, ch.finish_reason) == (a.choices[0].message.content, a.choices[0].finish_reason), ch.index
+    assert len({ch.message.content for ch in r.choices}) > 1, "sampled choices differ"
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    got, usage = fold_choices(c, **kw, n=3)
+    assert sorted(got) == [0, 1, 2]
+    for ch in r.choices:
+        assert got[ch.index][:2] == (ch.message.content, ch.finish_reason), ch.index
+    assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
+    # Stop strings cut each choice on its own (the others go on; ids of a cut choice are dropped).
+    cut = dict(kw, stop=["e", "a"], max_tokens=24)
+    r = c.chat.completions.create(**cut, n=3)
+    for i, ch in enumerate(r.choices):
+        a = c.chat.completions.create(**{**cut, "seed": 11 + i}).choices[0]
+        assert (ch.message.content, ch.finish_reason) == (a.message.content, a.finish_reason), i
+    got, _ = fold_choices(c, **cut, n=3)
+    assert [got[i][:2] for i in range(3)] == [(ch.message.content, ch.finish_reason) for ch in r.choices]
+    # The legacy completions endpoint alike.
+    k = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5, logprobs=2)
+    r = c.completions.create(**k, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    for i, ch in enumerate(r.choices):
+        a = c.completions.create(**{**k, "seed": 5 + i}).choices[0]
+        assert (ch.text, ch.finish_reason) == (a.text, a.finish_reason), i
+        # Each choice's own log-probabilities, as the request alone gets them.
+        assert ch.logprobs.tokens == a.logprobs.tokens and ch.logprobs.token_logprobs == a.logprobs.token_logprobs, i
+        assert ch.logprobs.text_offset == a.logprobs.text_offset, i
+    # Greedy: n identical choices (computed as n sequences).
+    r = c.chat.completions.create(**{**kw, "temperature": 0}, n=2)
+    assert r.choices[0].message.content == r.choices[1].message.content
+
+
+def test_n_with_a_forced_tool_call_gives_a_valid_call_per_choice(world):
+    """Greedy (a sampled random model may write a string argument past max_tokens): the three
+    choices are the same call, which each gets only with a grammar state of its own — choices
+    sharing one would advance it three times per step and break every call."""
+    c = world["wide"].client()
+    tools = [WEATHER, BOUNDED]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Wake me at seven."}], tools=tools,
+              tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=0,
+              extra_body=NO_THINK, n=3)
+    r = c.chat.completions.create(**kw)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    ids = set()
+    for ch in r.choices:
+        assert ch.finish_reason == "tool_calls", ch
+        assert len(ch.message.tool_calls) == 1
+        check_calls(ch.message.tool_calls, tools)
+        ids.update(tc.id for tc in ch.message.tool_calls)
+    assert len(ids) == 3, "call ids are unique across choices"
+    one = c.chat.completions.create(**{**kw, "n": 1}).choices[0].message.tool_calls
+    for ch in r.choices:
+        assert [(x.function.name, x.function.arguments) for x in ch.message.tool_calls] == \
+            [(x.function.name, x.function.arguments) for x in one]
+    got, _ = fold_choices(c, **kw)
+    for ch in r.choices:
+        content, finish, calls = got[ch.index]
+        assert finish == "tool_calls" and not content
+        assert [(x.function.name, x.function.arguments) for x in calls.values()] == \
+            [(x.function.name, x.function.arguments) for x in ch.message.tool_calls]
+
+
+def test_n_beyond_the_slots_is_a_400_naming_n(world):
+    base = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    for server, n in (("main", 2), ("wide", 4), ("wide", 0), ("wide", 1000)):
+        with pytest.raises(openai.BadRequestError) as e:
+            world[server].client().chat.completions.create(**base, n=n)
+        assert e.value.body["param"] == "n", e.value.body
+        assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"], e.value.body
+    # The body on the wire is OpenAI's error object.
+    status, body = post(world["main"], "/v1/chat/completions", {**base, "n": 2})
+    assert status == 400 and body["error"]["param"] == "n", body
+    with pytest.raises(openai.BadRequestError) as e:
+        world["wide"].client().completions.create(model=MODEL, prompt="x", max_tokens=1, n=2, best_of=2)
+    assert e.value.body["param"] == "best_of", e.value.body

@@ -66,9 +66,9 @@ fn batch_file(sb: &Sandbox, n: usize) -> std::path::PathBuf {
     path
 }
 
-/// A serve worker (`slots` slots) attached to the sandbox's store, given `jobs` over its
-/// channel, until every one ended; its run and `--out` report.
-fn serve_worker(sb: &Sandbox, slots: usize, jobs: &[Vec<u32>]) -> (Run, Value) {
+/// A serve worker (`slots` slots) attached to the sandbox's store, given `jobs` (prompt ids,
+/// choices) over its channel, until every choice ended; its run and `--out` report.
+fn serve_worker(sb: &Sandbox, slots: usize, jobs: &[(Vec<u32>, u32)]) -> (Run, Value) {
     use k3_proto::serve::{FromWorker, Sampling, Start, ToWorker, MAX_JOB_FRAME};
     use std::os::fd::OwnedFd;
     use std::os::unix::net::UnixStream;
@@ -95,7 +95,7 @@ fn serve_worker(sb: &Sandbox, slots: usize, jobs: &[Vec<u32>]) -> (Run, Value) {
         .spawn()
         .expect("spawn k3-worker");
     let mut ended = 0;
-    for (i, ids) in jobs.iter().enumerate() {
+    for (i, (ids, n)) in jobs.iter().enumerate() {
         let start = ToWorker::Start(Start {
             req_id: i as u64,
             ids: ids.clone(),
@@ -110,10 +110,12 @@ fn serve_worker(sb: &Sandbox, slots: usize, jobs: &[Vec<u32>]) -> (Run, Value) {
             keep_at: Vec::new(),
             name_key: Vec::new(),
             shape: Default::default(),
+            n: *n,
         });
         k3_proto::wire::write_frame(&mut ours, &start).unwrap();
     }
-    while ended < jobs.len() {
+    let choices: usize = jobs.iter().map(|j| j.1 as usize).sum();
+    while ended < choices {
         match k3_proto::wire::read_frame_limited(&mut ours, MAX_JOB_FRAME) {
             Ok(FromWorker::Done { .. }) => ended += 1,
             Ok(FromWorker::Error { message, .. }) => panic!("a job failed: {message}"),
@@ -305,13 +307,21 @@ fn a_runs_peak_resident_memory_is_its_plan() {
     );
     // A serve worker with three slots, three jobs of mixed lengths at once (one longer than a
     // slot's 256 positions).
-    let jobs: Vec<Vec<u32>> = [5usize, 40, 300]
-        .iter()
-        .map(|&n| (0..n).map(|j| ((j * 7919) % 160_000 + 10) as u32).collect())
-        .collect();
+    let prompt = |n: usize| (0..n).map(|j| ((j * 7919) % 160_000 + 10) as u32).collect();
+    let jobs: Vec<(Vec<u32>, u32)> = [5usize, 40, 300].iter().map(|&n| (prompt(n), 1)).collect();
     let (r, v) = serve_worker(&sb, 3, &jobs);
     assert_eq!(v["jobs"].as_array().map(Vec::len), Some(3), "{v} {r:?}");
     holds("serve worker, 3 slots", &r, &v, &mut wrong);
+    // Choices: a job of 3 choices (one prefill forked into 3 states) beside a job of one, in
+    // four slots; every choice's state is within the plan.
+    let (r, v) = serve_worker(&sb, 4, &[(prompt(200), 3), (prompt(40), 1)]);
+    assert_eq!(v["jobs"].as_array().map(Vec::len), Some(4), "{v} {r:?}");
+    holds(
+        "serve worker, 4 slots, a job of 3 choices",
+        &r,
+        &v,
+        &mut wrong,
+    );
     sb.stop_store();
     assert!(
         wrong.is_empty(),

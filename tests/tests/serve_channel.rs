@@ -72,6 +72,7 @@ fn start(req_id: u64, ids: Vec<u32>, max_new: u32) -> ToWorker {
         keep_at: Vec::new(),
         name_key: Vec::new(),
         shape: Default::default(),
+        n: 1,
     })
 }
 
@@ -117,7 +118,7 @@ fn collect(c: &mut UnixStream, jobs: &[u64]) -> BTreeMap<u64, (Vec<u32>, Option<
                 );
                 prefilled.push(req_id);
             }
-            FromWorker::Token { req_id, id } => out.entry(req_id).or_default().0.push(id),
+            FromWorker::Token { req_id, id, .. } => out.entry(req_id).or_default().0.push(id),
             FromWorker::Done {
                 req_id,
                 finish,
@@ -158,7 +159,7 @@ fn one_worker_takes_jobs_with_their_solo_ids_and_a_cancel_ends_one_of_them() {
     while ends.len() < 2 {
         match recv(&mut c) {
             FromWorker::Prefilled { .. } => {}
-            FromWorker::Token { req_id, id } => {
+            FromWorker::Token { req_id, id, .. } => {
                 let ids = got.entry(req_id).or_default();
                 ids.push(id);
                 if req_id == 8 && ids.len() == 1 {
@@ -343,4 +344,79 @@ fn a_lone_job_asks_the_same_experts_of_a_one_slot_and_a_four_slot_worker() {
         t1.expert_requests, t4.expert_requests,
         "1 slot {t1:?} vs 4 slots {t4:?}"
     );
+}
+
+/// A job of `n` choices: one `Prefilled`, then each choice's ids and its own `Done`, tagged with
+/// its index; choice `i` of a job with seed `s` gets the ids of a job of one choice with seed
+/// `s + i` (sampled, so the choices differ). A job asking more choices than the worker's slots
+/// is refused alone as `Invalid` (the client's fault: serve answers 400).
+#[test]
+fn a_job_of_three_choices_gives_each_the_ids_of_its_seed_alone() {
+    let mut sb = Sandbox::new("chan-n");
+    start_store(&mut sb);
+    let (child, mut c) = spawn(&sb, &sb.socket, 4, 64, &["--spec", "off"]);
+    hello(&mut c);
+    let job = |req_id: u64, seed: u64, n: u32| {
+        let ToWorker::Start(mut s) = start(req_id, reference_prompt(), 10) else {
+            unreachable!()
+        };
+        s.sampling = Sampling {
+            temperature: 0.9,
+            top_p: 1.0,
+            seed,
+        };
+        s.n = n;
+        ToWorker::Start(s)
+    };
+    // The choices: (choice → ids, ends), and how many `Prefilled` came.
+    let run = |c: &mut UnixStream, m: ToWorker, n: usize| {
+        send(c, &m);
+        let mut ids: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        let (mut prefilled, mut ends) = (0, 0);
+        while ends < n {
+            match recv(c) {
+                FromWorker::Prefilled { .. } => {
+                    assert!(ids.is_empty(), "Prefilled comes before the ids");
+                    prefilled += 1;
+                }
+                FromWorker::Token { choice, id, .. } => ids.entry(choice).or_default().push(id),
+                FromWorker::Done {
+                    choice,
+                    usage,
+                    finish,
+                    ..
+                } => {
+                    assert_ne!(finish, Finish::Cancelled);
+                    assert_eq!(usage.generated as usize, ids[&choice].len());
+                    assert_eq!(usage.prompt_ids as usize, reference_prompt().len());
+                    ends += 1;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        (ids, prefilled)
+    };
+    let (three, prefilled) = run(&mut c, job(1, 100, 3), 3);
+    assert_eq!(prefilled, 1, "one prefill for the job");
+    assert_eq!(three.keys().copied().collect::<Vec<_>>(), [0, 1, 2]);
+    for i in 0..3u32 {
+        let (alone, _) = run(&mut c, job(10 + u64::from(i), 100 + u64::from(i), 1), 1);
+        assert_eq!(three[&i], alone[&0], "choice {i} = seed {} alone", 100 + i);
+    }
+    assert!(
+        three[&0] != three[&1] || three[&1] != three[&2],
+        "sampled choices differ"
+    );
+    send(&mut c, &job(20, 1, 5));
+    match recv(&mut c) {
+        FromWorker::Error {
+            req_id: Some(20),
+            kind,
+            message,
+            ..
+        } => assert_eq!(kind, ErrorKind::Invalid, "{message}"),
+        other => panic!("expected the refusal, got {other:?}"),
+    }
+    drop(c);
+    assert_eq!(exit_code(child), 0);
 }

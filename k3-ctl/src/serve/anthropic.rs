@@ -325,6 +325,7 @@ pub fn settings(r: &MessagesRequest, seed: u64, count_only: bool) -> Result<Sett
     let sampling = k3_proto::serve::Sampling::from_request(temperature, top_p, seed)?;
     Ok(Settings {
         max_new,
+        n: 1,
         temperature: sampling.temperature,
         top_p: sampling.top_p,
         seed,

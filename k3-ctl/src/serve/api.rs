@@ -4,7 +4,8 @@
 //! `user`, `assistant` with optional `reasoning_content`; content a string or a list of `text`
 //! parts) or `prompt` (a string, a one-string list, or token ids), `max_tokens` /
 //! `max_completion_tokens` (1..=4096), `temperature` (0..=2, 0 = greedy), `top_p` (0 < p ≤ 1),
-//! `seed`, `stop` (a string or up to 4 strings), `stream`, `stream_options.include_usage`,
+//! `seed`, `n` (1..=[`MAX_CHOICES`] here; serve bounds it by its slots), `stop` (a string or up
+//! to 4 strings), `stream`, `stream_options.include_usage`,
 //! `thinking: {"type": "enabled"|"disabled"}` and `reasoning_effort` (`low`, `medium`, `high`,
 //! `max`, or `none` = thinking off) with k3's `thinking_budget`, `tools` with `tool_choice`
 //! `auto`/`none`/`required`/a named function and `parallel_tool_calls` (and the older
@@ -14,13 +15,13 @@
 //! field of OpenAI's request schemas is either honoured, accepted because it cannot change the
 //! answer (`user`, `metadata`, `safety_identifier`, `prompt_cache_key`, `store: false`,
 //! `service_tier` `auto`/`default`, `modalities: ["text"]`), or refused with 400 naming it
-//! ([`OPENAI_CHAT_FIELDS`], [`OPENAI_COMPLETION_FIELDS`]): `n` > 1, `echo`, `suffix`, `best_of` >
-//! 1, `audio`, `prediction`, `web_search_options`, `verbosity`. Fields outside those
+//! ([`OPENAI_CHAT_FIELDS`], [`OPENAI_COMPLETION_FIELDS`]): `n` beyond the server's slots,
+//! `echo`, `suffix`, `best_of` > 1 (or with `n` > 1), `audio`, `prediction`, `web_search_options`, `verbosity`. Fields outside those
 //! schemas are ignored with a warning in the log, as clients send extras.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use k3_proto::serve::Shape;
+use k3_proto::serve::{Shape, MAX_CHOICES};
 use k3_worker::text::tools::{self, Arguments, ChoiceNote, ToolCall, ToolSpec};
 use k3_worker::text::xtml::{Effort, Message};
 use serde::Deserialize;
@@ -213,7 +214,7 @@ pub struct Common {
     pub stream: Option<bool>,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
-    /// Choices (only 1).
+    /// Choices: 1..=the server's slots.
     pub n: Option<i64>,
     /// Log-probabilities: `true` (chat, with `top_logprobs`) or 0..=5 alternatives
     /// (completions).
@@ -475,8 +476,10 @@ pub struct CompletionRequest {
 /// Sampling and output settings common to both endpoints, validated.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// Most ids to generate.
+    /// Most ids to generate (per choice).
     pub max_new: usize,
+    /// Choices (`n`): sequences of the one prompt, prefilled once.
+    pub n: usize,
     /// 0 = greedy.
     pub temperature: f32,
     /// Nucleus mass.
@@ -535,14 +538,16 @@ pub fn settings(
     default_max: usize,
     default_seed: u64,
 ) -> Result<Settings, ApiError> {
-    if let Some(n) = c.n {
-        if n != 1 {
+    let n = match c.n {
+        None => 1,
+        Some(n) if n >= 1 && n <= i64::from(MAX_CHOICES) => n as usize,
+        Some(n) => {
             return Err(ApiError::bad(
                 Some("n"),
-                format!("n = {n}: only n = 1 is supported"),
-            ));
+                format!("n = {n} is outside 1..={MAX_CHOICES}"),
+            ))
         }
-    }
+    };
     let mut penalty = [0.0f32; 2];
     for (k, (name, v)) in [
         ("presence_penalty", c.presence_penalty),
@@ -618,6 +623,7 @@ pub fn settings(
     let sampling = k3_proto::serve::Sampling::from_request(temperature, top_p, seed)?;
     Ok(Settings {
         max_new,
+        n,
         temperature: sampling.temperature,
         top_p: sampling.top_p,
         seed,
@@ -1078,6 +1084,12 @@ pub fn check_completion_extras(r: &CompletionRequest) -> Result<(), ApiError> {
             "only best_of = 1 is supported",
         ));
     }
+    if r.best_of.is_some() && r.common.n.is_some_and(|n| n > 1) {
+        return Err(ApiError::bad(
+            Some("best_of"),
+            "best_of with n > 1 is not supported (n choices are returned as generated)",
+        ));
+    }
     if r.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::bad(Some("suffix"), "suffix is not supported"));
     }
@@ -1212,7 +1224,8 @@ mod tests {
         assert_eq!((s.max_new, s.seed, s.temperature), (4096, 3, 0.0));
         assert_eq!(s.stops, vec!["a".to_string(), "b".to_string()]);
         for bad in [
-            json!({"n": 2}),
+            json!({"n": 0}),
+            json!({"n": 129}),
             json!({"temperature": 2.5}),
             json!({"top_p": 0}),
             json!({"seed": -1}),
@@ -1333,7 +1346,7 @@ mod tests {
             ("max_tokens", json!(5), Fate::Ok),
             ("metadata", json!({"a": "b"}), Fate::Ok),
             ("modalities", json!(["text", "audio"]), Fate::Refused),
-            ("n", json!(2), Fate::Refused),
+            ("n", json!(2), Fate::Ok),
             ("parallel_tool_calls", json!(false), Fate::Ok),
             (
                 "prediction",
@@ -1402,7 +1415,7 @@ mod tests {
             ("logit_bias", json!({"1": 5}), Fate::Ok),
             ("logprobs", json!(2), Fate::Ok),
             ("max_tokens", json!(5), Fate::Ok),
-            ("n", json!(2), Fate::Refused),
+            ("n", json!(2), Fate::Ok),
             ("presence_penalty", json!(0.5), Fate::Ok),
             ("seed", json!(3), Fate::Ok),
             ("stop", json!(["a"]), Fate::Ok),

@@ -356,13 +356,18 @@ struct Gen {
     model: String,
     prompt: Vec<u32>,
     settings: Settings,
-    reply: ReplyText,
+    /// Each choice's reply (`n` of them; one for Messages).
+    replies: Vec<ReplyText>,
+    /// Which choices ended (their `Done` came).
+    done: Vec<bool>,
+    /// The first choice's counts, once its `Done` came.
+    counts: Option<(Usage, Timings)>,
     /// Prompt ids a kept session held (the worker's count).
     cached: usize,
     /// A streamed Messages reply's content blocks.
     blocks: super::anthropic::BlockStream,
-    /// Characters of content streamed so far (a completion's `text_offset`).
-    text_chars: usize,
+    /// Characters of content streamed so far, per choice (a completion's `text_offset`).
+    text_chars: Vec<usize>,
     /// Where the conversation's history ends in `prompt` when notes only this request renders
     /// follow it (`tool_choice`, `response_format`): a state is kept there for the next turn.
     history_end: Option<usize>,
@@ -528,6 +533,7 @@ fn prepare_chat(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
     let (id, job_id, seed) = fresh("chatcmpl");
     let max = r.max_completion_tokens.or(r.common.max_tokens);
     let mut settings = api::settings(&r.common, max, st.defaults.chat_max_tokens, seed)?;
+    check_choices(st, &settings)?;
     let thinking = api::thinking(&r, st.defaults.effort)?;
     let tools = api::tool_setup(&r)?;
     let history = api::messages(&r)?;
@@ -588,6 +594,7 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         api::DEFAULT_COMPLETION_TOKENS,
         seed,
     )?;
+    check_choices(st, &settings)?;
     settings.shape.logprobs = shape::completion_logprobs(r.common.logprobs.as_ref())?;
     shape::check_bias_ids(&settings.shape, st.vocab)?;
     let prompt = match api::prompt(&r.prompt, st.vocab)? {
@@ -605,6 +612,23 @@ fn prepare_completion(st: &AppState, body: &[u8]) -> Result<Gen, ApiError> {
         settings,
         reply,
     ))
+}
+
+/// `n` choices run as `n` sequences of the worker at once: at most its slots (each choice's
+/// state is a slot's; the worker refuses a group whose states exceed its budget, also as 400).
+fn check_choices(st: &AppState, s: &Settings) -> Result<(), ApiError> {
+    let slots = st.worker.spec().slots;
+    if s.n > slots {
+        return Err(ApiError::bad(
+            Some("n"),
+            format!(
+                "n = {} choices need {} sequences at once; this server runs at most {slots} \
+                 (k3-ctl serve --parallel)",
+                s.n, s.n
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A worker failure as an HTTP error: serve's own findings first; a failure while the store is
@@ -653,6 +677,7 @@ async fn run(st: Shared, ctx: Ctx, g: Gen) -> Response {
         route: ctx.route.clone(),
         prompt_ids: g.prompt.len(),
         max_new: g.settings.max_new,
+        choices: g.settings.n,
     };
     let place = match st.admission.enter(meta) {
         Ok(p) => p,
@@ -702,6 +727,7 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
         keep_at: g.history_end.into_iter().map(n).collect(),
         name_key: st.namer.key().to_vec(),
         shape: g.settings.shape.clone(),
+        n: n(g.settings.n),
     };
     let job = match st.worker.submit(job).await {
         Ok(j) => j,
@@ -709,11 +735,12 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
     };
     place.set_worker(job.pid());
     tracing::info!(
-        "{} joined worker pid {} ({} prompt ids, up to {} new){}",
+        "{} joined worker pid {} ({} prompt ids, up to {} new, {} choice(s)){}",
         g.id,
         job.pid(),
         g.prompt.len(),
         g.settings.max_new,
+        g.settings.n,
         match &session {
             Some((name, 0)) => format!("; new session {name}"),
             Some((name, held)) => format!("; resuming session {name} ({held} ids held)"),
@@ -725,10 +752,10 @@ async fn start(st: &Shared, place: &mut Place, g: &Gen) -> Result<Job, ApiError>
 
 /// What the next event of a job gave the reply.
 enum Step {
-    /// Text released by an id (possibly none).
-    Text(Delta),
-    /// The reply is complete: the job's counts (None when a stop string ended it and the job
-    /// was cancelled).
+    /// Text of a choice released by an id (possibly none).
+    Text(usize, Delta),
+    /// Every choice is complete: the first choice's counts (None when a stop string ended the
+    /// reply and the job was cancelled).
     End(Option<(Usage, Timings)>),
 }
 
@@ -754,54 +781,75 @@ async fn next_step(
                     g.prompt.len()
                 );
             }
-            Event::Token(_) | Event::Scored { .. } if g.reply.finish().is_some() => {
-                return Err(ApiError::internal(
-                    "the worker generated past the end of the reply",
-                ))
+            Event::Token { choice, id } => {
+                if let Some(c) = g.live_choice(choice)? {
+                    return Ok(took(st, g, place, c, id, None));
+                }
             }
-            Event::Token(id) => return Ok(took(st, g, place, id, None)),
-            Event::Scored { id, logprob, top } => {
-                return Ok(took(st, g, place, id, Some((logprob, &top))))
+            Event::Scored {
+                choice,
+                id,
+                logprob,
+                top,
+            } => {
+                if let Some(c) = g.live_choice(choice)? {
+                    return Ok(took(st, g, place, c, id, Some((logprob, &top))));
+                }
             }
             Event::Done {
+                choice,
                 finish,
                 usage,
                 timings,
             } => {
-                st.metrics.job(&usage, &timings);
+                // The prompt (prefilled once) is counted with the first choice.
+                st.metrics.job(&usage, &timings, choice == 0);
                 g.cached = usage.cached_ids as usize;
-                if finish == Finish::Cancelled || g.reply.finish().is_none() {
+                let reply = g.replies.get(choice as usize).ok_or_else(|| {
+                    ApiError::internal(format!("the worker ended a choice {choice} never asked"))
+                })?;
+                if finish == Finish::Cancelled || reply.finish().is_none() {
                     return Err(ApiError::internal(format!(
                         "the worker stopped after {} of {} ids without an end id ({finish:?})",
-                        g.reply.generated(),
+                        reply.generated(),
                         g.settings.max_new
                     )));
                 }
-                return Ok(Step::End(Some((usage, timings))));
+                if choice == 0 {
+                    g.counts = Some((usage, timings));
+                }
+                g.done[choice as usize] = true;
+                if g.complete() {
+                    return Ok(Step::End(g.counts.take()));
+                }
             }
         }
     }
 }
 
-/// A generated id into the reply (with its log-probabilities when asked: kept for the ids of
-/// the content).
+/// A generated id into choice `c`'s reply (with its log-probabilities when asked: kept for
+/// the ids of the content).
 fn took(
     st: &AppState,
     g: &mut Gen,
     place: &Place,
+    c: usize,
     id: u32,
     scored: Option<(f32, &[(u32, f32)])>,
 ) -> Step {
-    let mut d = g.reply.push(id);
-    if let Some((logprob, top)) = scored.filter(|_| g.reply.in_content()) {
+    let reply = &mut g.replies[c];
+    let mut d = reply.push(id);
+    if let Some((logprob, top)) = scored.filter(|_| reply.in_content()) {
         d.logprobs.push(shape::chat_item(&st.tok, id, logprob, top));
     }
-    place.set_generated(g.reply.generated());
-    // A stop string ends the reply at once: the caller cancels the job.
-    if g.reply.cut_short() {
+    let cut = reply.cut_short();
+    place.set_generated(g.generated());
+    // A stop string ends the choice at once; the caller cancels the job once every choice is
+    // complete.
+    if cut && g.complete() {
         st.metrics.cancel("stop_string");
     }
-    Step::Text(d)
+    Step::Text(c, d)
 }
 
 /// Counts a whole answer's request as cancelled (the client went away) unless it ended.
@@ -825,16 +873,17 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
             return e.into_response();
         }
     };
-    let mut all = Delta::default();
-    let mut offsets = Vec::new();
+    let n = g.replies.len();
+    let mut all = vec![Delta::default(); n];
+    let mut offsets = vec![Vec::new(); n];
     let mut counts = None;
     loop {
         match next_step(&st, &mut g, &mut job, &place).await {
-            Ok(Step::Text(d)) => {
-                let at = all.content.chars().count();
-                offsets.extend(d.logprobs.iter().map(|_| at));
-                all.add(d);
-                if g.reply.cut_short() {
+            Ok(Step::Text(c, d)) => {
+                let at = all[c].content.chars().count();
+                offsets[c].extend(d.logprobs.iter().map(|_| at));
+                all[c].add(d);
+                if g.complete() {
                     break;
                 }
             }
@@ -851,45 +900,29 @@ async fn whole_response(st: Shared, mut place: Place, mut g: Gen) -> Response {
     unfinished.0 = None;
     drop(job); // after a stop string the worker is still running: it is cancelled here
     drop(place);
-    let finish = g.reply.finish().map(|f| f.as_str());
-    g.log_done(finish, counts.as_ref());
+    g.log_done(counts.as_ref());
     let usage = g.usage();
     let body = match g.kind {
-        Kind::Chat => {
-            let mut message = json!({"role": "assistant", "content": all.content});
-            if g.reply.thinking() {
-                message["reasoning_content"] = Value::String(all.reasoning);
-            }
-            if !all.calls.is_empty() {
-                if all.content.is_empty() {
-                    message["content"] = Value::Null;
-                }
-                message["tool_calls"] =
-                    Value::Array(all.calls.iter().map(|c| g.tool_call(c, false)).collect());
-            }
-            let mut choice = json!({"index": 0, "message": message,
-                "logprobs": g.chat_logprobs(&all.logprobs), "finish_reason": finish});
-            if !g.reply.malformed().is_empty() {
-                choice["malformed_tool_calls"] = g.malformed_json();
-            }
-            json!({
-                "id": g.id, "object": "chat.completion", "created": g.created, "model": g.model,
-                "choices": [choice],
-                "usage": usage,
-            })
-        }
+        Kind::Chat => json!({
+            "id": g.id, "object": "chat.completion", "created": g.created, "model": g.model,
+            "choices": (all.iter().enumerate()).map(|(c, d)| g.chat_choice(c, d)).collect::<Vec<_>>(),
+            "usage": usage,
+        }),
         Kind::Completion => json!({
             "id": g.id, "object": "text_completion", "created": g.created, "model": g.model,
-            "choices": [{"index": 0, "text": all.content,
-                "logprobs": g.completion_logprobs(&all.logprobs, &offsets), "finish_reason": finish}],
+            "choices": (all.iter().zip(&offsets).enumerate())
+                .map(|(c, (d, o))| json!({"index": c, "text": d.content,
+                    "logprobs": g.completion_logprobs(&d.logprobs, o),
+                    "finish_reason": g.finish(c)}))
+                .collect::<Vec<_>>(),
             "usage": usage,
         }),
         Kind::Messages => json!({
             "id": g.id, "type": "message", "role": "assistant", "model": g.model,
-            "content": super::anthropic::content_blocks(&g.id, g.reply.thinking(), &all),
-            "stop_reason": super::anthropic::stop_reason(g.reply.finish()),
-            "stop_sequence": g.reply.stop_sequence(),
-            "usage": super::anthropic::usage(g.prompt.len(), g.cached, g.reply.generated()),
+            "content": super::anthropic::content_blocks(&g.id, g.replies[0].thinking(), &all[0]),
+            "stop_reason": super::anthropic::stop_reason(g.replies[0].finish()),
+            "stop_sequence": g.replies[0].stop_sequence(),
+            "usage": super::anthropic::usage(g.prompt.len(), g.cached, g.generated()),
         }),
     };
     Json(body).into_response()
@@ -926,6 +959,7 @@ impl Gen {
         settings: Settings,
         reply: ReplyText,
     ) -> Gen {
+        let n = settings.n.max(1);
         Gen {
             kind,
             id,
@@ -934,15 +968,82 @@ impl Gen {
             model: st.model_id.clone(),
             prompt,
             settings,
-            reply,
+            replies: vec![reply; n],
+            done: vec![false; n],
+            counts: None,
             cached: 0,
             blocks: Default::default(),
-            text_chars: 0,
+            text_chars: vec![0; n],
             history_end: None,
         }
     }
 
-    fn log_done(&self, finish: Option<&str>, counts: Option<&(Usage, Timings)>) {
+    /// Choice `c`'s `finish_reason`.
+    fn finish(&self, c: usize) -> Option<&'static str> {
+        self.replies[c].finish().map(|f| f.as_str())
+    }
+
+    /// Ids generated over every choice (OpenAI's `completion_tokens`).
+    fn generated(&self) -> usize {
+        self.replies.iter().map(ReplyText::generated).sum()
+    }
+
+    /// Every choice has ended (its `Done` came) or was cut short by a stop string (the job
+    /// still runs it: it is cancelled when the reply is sent).
+    fn complete(&self) -> bool {
+        (self.replies.iter().zip(&self.done)).all(|(r, &done)| done || r.cut_short())
+    }
+
+    /// The index of `choice` when an id of it goes into the reply; `None`: the choice was cut
+    /// short by a stop string, its later ids are dropped. An id past a choice's end, or of a
+    /// choice never asked, is the worker disagreeing with the request.
+    fn live_choice(&self, choice: u32) -> Result<Option<usize>, ApiError> {
+        let c = choice as usize;
+        let r = self.replies.get(c).ok_or_else(|| {
+            ApiError::internal(format!(
+                "the worker generated for a choice {choice} never asked"
+            ))
+        })?;
+        match r.finish() {
+            None => Ok(Some(c)),
+            Some(_) if r.cut_short() && self.replies.len() > 1 => Ok(None),
+            Some(_) => Err(ApiError::internal(
+                "the worker generated past the end of the reply",
+            )),
+        }
+    }
+
+    /// Choice `c` of a whole chat answer, `all` its text.
+    fn chat_choice(&self, c: usize, all: &Delta) -> Value {
+        let reply = &self.replies[c];
+        let mut message = json!({"role": "assistant", "content": all.content});
+        if reply.thinking() {
+            message["reasoning_content"] = Value::String(all.reasoning.clone());
+        }
+        if !all.calls.is_empty() {
+            if all.content.is_empty() {
+                message["content"] = Value::Null;
+            }
+            message["tool_calls"] = Value::Array(
+                all.calls
+                    .iter()
+                    .map(|k| self.tool_call(c, k, false))
+                    .collect(),
+            );
+        }
+        let mut choice = json!({"index": c, "message": message,
+            "logprobs": self.chat_logprobs(&all.logprobs), "finish_reason": self.finish(c)});
+        if !reply.malformed().is_empty() {
+            choice["malformed_tool_calls"] = self.malformed_json(c);
+        }
+        choice
+    }
+
+    fn log_done(&self, counts: Option<&(Usage, Timings)>) {
+        let finish: Vec<&str> = (0..self.replies.len())
+            .map(|c| self.finish(c).unwrap_or("-"))
+            .collect();
+        let finish = finish.join(",");
         let timing = counts.map_or(String::new(), |(u, t)| {
             let decoded = u.generated.saturating_sub(1);
             format!(
@@ -956,28 +1057,33 @@ impl Gen {
             )
         });
         tracing::info!(
-            "{} done: {} prompt ({} cached) + {} generated ids, finish_reason {}{timing}",
+            "{} done: {} prompt ({} cached) + {} generated ids, finish_reason {finish}{timing}",
             self.id,
             self.prompt.len(),
             self.cached,
-            self.reply.generated(),
-            finish.unwrap_or("-")
+            self.generated(),
         );
     }
 
+    /// The request's usage: the prompt once, the ids of every choice (OpenAI's convention).
     fn usage(&self) -> Value {
-        let mut u = api::usage(self.prompt.len(), self.cached, self.reply.generated());
-        if self.reply.thinking() {
-            u["completion_tokens_details"] =
-                json!({"reasoning_tokens": self.reply.reasoning_ids()});
+        let mut u = api::usage(self.prompt.len(), self.cached, self.generated());
+        if self.replies[0].thinking() {
+            let reasoning: usize = self.replies.iter().map(ReplyText::reasoning_ids).sum();
+            u["completion_tokens_details"] = json!({"reasoning_tokens": reasoning});
         }
         u
     }
 
-    /// A generated call as OpenAI's `tool_calls` item (`streamed`: with its `index`).
-    fn tool_call(&self, c: &super::reply::CallOut, streamed: bool) -> Value {
+    /// Choice `choice`'s generated call as OpenAI's `tool_calls` item (`streamed`: with its
+    /// `index`); ids are unique across choices.
+    fn tool_call(&self, choice: usize, c: &super::reply::CallOut, streamed: bool) -> Value {
+        let id = match choice {
+            0 => format!("call_{}_{}", self.id, c.index),
+            _ => format!("call_{}_{choice}_{}", self.id, c.index),
+        };
         let mut v = json!({
-            "id": format!("call_{}_{}", self.id, c.index),
+            "id": id,
             "type": "function",
             "function": {"name": c.name, "arguments": c.arguments},
         });
@@ -987,10 +1093,10 @@ impl Gen {
         v
     }
 
-    /// The calls that were reported instead of returned.
-    fn malformed_json(&self) -> Value {
+    /// Choice `c`'s calls that were reported instead of returned.
+    fn malformed_json(&self, c: usize) -> Value {
         Value::Array(
-            self.reply
+            self.replies[c]
                 .malformed()
                 .iter()
                 .map(|m| json!({"error": m.error, "text": m.text}))
@@ -1014,7 +1120,8 @@ impl Gen {
         }
     }
 
-    fn chunk(&self, d: &Delta, finish: Option<&str>, first: bool) -> Value {
+    /// A streamed chunk of choice `c`.
+    fn chunk(&self, c: usize, d: &Delta, finish: Option<&str>, first: bool) -> Value {
         match self.kind {
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -1028,38 +1135,38 @@ impl Gen {
                     delta.insert("content".into(), d.content.clone().into());
                 }
                 if !d.calls.is_empty() {
-                    let calls = d.calls.iter().map(|c| self.tool_call(c, true)).collect();
+                    let calls = d.calls.iter().map(|k| self.tool_call(c, k, true)).collect();
                     delta.insert("tool_calls".into(), Value::Array(calls));
                 }
                 json!({
                     "id": self.id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model,
-                    "choices": [{"index": 0, "delta": delta,
+                    "choices": [{"index": c, "delta": delta,
                         "logprobs": self.chat_logprobs(&d.logprobs), "finish_reason": finish}],
                 })
             }
             Kind::Completion | Kind::Messages => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [{"index": 0, "text": d.content,
-                    "logprobs": self.completion_logprobs(&d.logprobs, &vec![self.text_chars; d.logprobs.len()]),
+                "choices": [{"index": c, "text": d.content,
+                    "logprobs": self.completion_logprobs(&d.logprobs, &vec![self.text_chars[c]; d.logprobs.len()]),
                     "finish_reason": finish}],
             }),
         }
     }
 
-    /// The stream events of one delta.
-    fn events(&mut self, d: &Delta, first: bool) -> Vec<SseEvent> {
+    /// The stream events of one delta of choice `c`.
+    fn events(&mut self, c: usize, d: &Delta, first: bool) -> Vec<SseEvent> {
         if self.kind == Kind::Messages {
             let id = self.id.clone();
             return named(self.blocks.events(&id, d));
         }
         let events = if !d.is_empty() || (first && self.kind == Kind::Chat) {
-            vec![data(&self.chunk(d, None, first))]
+            vec![data(&self.chunk(c, d, None, first))]
         } else {
             Vec::new()
         };
-        self.text_chars += d.content.chars().count();
+        self.text_chars[c] += d.content.chars().count();
         events
     }
 
@@ -1177,26 +1284,27 @@ async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<
     if !send_all(tx, g.opening()).await {
         return;
     }
-    let mut first = true;
+    // Each choice's first chunk carries the role.
+    let mut first = vec![true; g.replies.len()];
     loop {
         match next_step(&st, &mut g, &mut job, &place).await {
-            Ok(Step::Text(d)) => {
-                let events = g.events(&d, first);
+            Ok(Step::Text(c, d)) => {
+                let events = g.events(c, &d, first[c]);
                 if !events.is_empty() {
                     if !send_all(tx, events).await {
                         return;
                     }
-                    first = false;
+                    first[c] = false;
                 }
-                if g.reply.cut_short() {
+                if g.complete() {
                     drop(job); // the worker is still running: it is cancelled here
-                    finish_stream(&mut g, None, first, tx).await;
+                    finish_stream(&mut g, None, &first, tx).await;
                     return;
                 }
             }
             Ok(Step::End(counts)) => {
                 drop(job);
-                finish_stream(&mut g, counts.as_ref(), first, tx).await;
+                finish_stream(&mut g, counts.as_ref(), &first, tx).await;
                 return;
             }
             Err(e) => {
@@ -1208,27 +1316,32 @@ async fn stream_job(st: Shared, mut place: Place, mut g: Gen, tx: &mpsc::Sender<
     }
 }
 
+/// The stream's end: each choice's finish chunk (in choice order), the usage chunk when asked
+/// and `[DONE]`; a Messages stream's closing events.
 async fn finish_stream(
     g: &mut Gen,
     counts: Option<&(Usage, Timings)>,
-    first: bool,
+    first: &[bool],
     tx: &mpsc::Sender<SseEvent>,
 ) {
-    let finish = g.reply.finish().map(|f| f.as_str());
-    g.log_done(finish, counts);
+    g.log_done(counts);
     if g.kind == Kind::Messages {
-        let usage = super::anthropic::usage(g.prompt.len(), g.cached, g.reply.generated());
-        let reason = super::anthropic::stop_reason(g.reply.finish());
-        let stop = g.reply.stop_sequence().map(str::to_string);
+        let reply = &g.replies[0];
+        let usage = super::anthropic::usage(g.prompt.len(), g.cached, reply.generated());
+        let reason = super::anthropic::stop_reason(reply.finish());
+        let stop = reply.stop_sequence().map(str::to_string);
         let events = g.blocks.finish(reason, stop.as_deref(), usage);
         send_all(tx, named(events)).await;
         return;
     }
-    let mut last = g.chunk(&Delta::default(), finish, first);
-    if g.kind == Kind::Chat && !g.reply.malformed().is_empty() {
-        last["choices"][0]["malformed_tool_calls"] = g.malformed_json();
+    let mut events = Vec::new();
+    for (c, &first) in first.iter().enumerate() {
+        let mut last = g.chunk(c, &Delta::default(), g.finish(c), first);
+        if g.kind == Kind::Chat && !g.replies[c].malformed().is_empty() {
+            last["choices"][0]["malformed_tool_calls"] = g.malformed_json(c);
+        }
+        events.push(data(&last));
     }
-    let mut events = vec![data(&last)];
     if g.settings.include_usage {
         events.push(data(&g.usage_chunk()));
     }

@@ -125,10 +125,17 @@ pub enum Event {
         /// Prompt ids the session already held.
         cached: u32,
     },
-    /// One generated id.
-    Token(u32),
+    /// One generated id of choice `choice`.
+    Token {
+        /// The choice (0 for a job of one).
+        choice: u32,
+        /// The id.
+        id: u32,
+    },
     /// One generated id with its log-probability and its step's most likely ids.
     Scored {
+        /// The choice.
+        choice: u32,
         /// The id.
         id: u32,
         /// Its log-probability.
@@ -136,8 +143,10 @@ pub enum Event {
         /// The most likely ids with theirs.
         top: Vec<(u32, f32)>,
     },
-    /// The job ended.
+    /// A choice ended (the job ends with the last choice's).
     Done {
+        /// The choice.
+        choice: u32,
         /// Why.
         finish: Finish,
         /// Counts.
@@ -149,8 +158,14 @@ pub enum Event {
 
 /// A job's events, or its failure.
 type Routed = Result<Event, JobError>;
+/// Where a job's events go, and how many of its choices have yet to end.
+#[derive(Debug)]
+struct Route {
+    tx: mpsc::UnboundedSender<Routed>,
+    left: u32,
+}
 /// Where each job's events go.
-type Routes = Arc<Mutex<HashMap<u64, mpsc::UnboundedSender<Routed>>>>;
+type Routes = Arc<Mutex<HashMap<u64, Route>>>;
 
 /// The running worker.
 struct Running {
@@ -222,7 +237,8 @@ pub struct Job {
     routes: Routes,
     kill: Arc<Notify>,
     grace: Duration,
-    ended: bool,
+    /// Choices that have not ended (0: the job is over).
+    left: u32,
 }
 
 impl std::fmt::Debug for Job {
@@ -315,13 +331,14 @@ impl Worker {
         let r = g.as_ref().expect("started above");
         let (tx, events) = mpsc::unbounded_channel();
         let req_id = start.req_id;
+        let left = start.choices();
         {
             let mut routes = lock(&r.live.routes);
             if routes.is_empty() {
                 // An idle worker's silence is not a stall: the clock starts with the work.
                 r.live.touch();
             }
-            routes.insert(req_id, tx);
+            routes.insert(req_id, Route { tx, left });
         }
         if r.frames.send(ToWorker::Start(start)).is_err() {
             lock(&r.live.routes).remove(&req_id);
@@ -335,7 +352,7 @@ impl Worker {
             routes: r.live.routes.clone(),
             kill: r.kill.clone(),
             grace: self.spec.grace,
-            ended: false,
+            left,
         })
     }
 
@@ -525,8 +542,8 @@ impl Watchdog {
             silent.as_secs(),
             failed.len()
         );
-        for (_, tx) in failed {
-            let _ = tx.send(Err(e.copy()));
+        for (_, route) in failed {
+            let _ = route.tx.send(Err(e.copy()));
         }
         self.kill.notify_one();
         while live.alive.load(Ordering::Acquire) {
@@ -603,8 +620,8 @@ impl Reader {
         self.live.alive.store(false, Ordering::Release);
         tracing::warn!("worker pid {pid} ended: {}", e.message);
         let waiting: Vec<_> = lock(&self.live.routes).drain().collect();
-        for (_, tx) in waiting {
-            let _ = tx.send(Err(e.copy()));
+        for (_, route) in waiting {
+            let _ = route.tx.send(Err(e.copy()));
         }
     }
 }
@@ -616,21 +633,35 @@ fn route(routes: &Routes, m: FromWorker) {
         FromWorker::Prefilled {
             req_id, cached_ids, ..
         } => (req_id, Ok(Event::Prefilled { cached: cached_ids }), false),
-        FromWorker::Token { req_id, id } => (req_id, Ok(Event::Token(id)), false),
+        FromWorker::Token { req_id, choice, id } => {
+            (req_id, Ok(Event::Token { choice, id }), false)
+        }
         FromWorker::Scored {
             req_id,
+            choice,
             id,
             logprob,
             top,
-        } => (req_id, Ok(Event::Scored { id, logprob, top }), false),
+        } => (
+            req_id,
+            Ok(Event::Scored {
+                choice,
+                id,
+                logprob,
+                top,
+            }),
+            false,
+        ),
         FromWorker::Done {
             req_id,
+            choice,
             finish,
             usage,
             timings,
         } => (
             req_id,
             Ok(Event::Done {
+                choice,
                 finish,
                 usage,
                 timings,
@@ -658,13 +689,16 @@ fn route(routes: &Routes, m: FromWorker) {
             return;
         }
     };
-    let tx = if last {
-        r.remove(&req_id)
-    } else {
-        r.get(&req_id).cloned()
+    let Some(route) = r.get_mut(&req_id) else {
+        return;
     };
-    if let Some(tx) = tx {
-        let _ = tx.send(ev);
+    let failed = ev.is_err();
+    let _ = route.tx.send(ev);
+    // The job's last `Done`, or its `Error`, ends its route.
+    if last && (failed || route.left <= 1) {
+        r.remove(&req_id);
+    } else if last {
+        route.left -= 1;
     }
 }
 
@@ -859,7 +893,7 @@ impl Job {
 
     /// The job's next event; after `Done` (or an error) it is over.
     pub async fn next(&mut self) -> Result<Event, JobError> {
-        if self.ended {
+        if self.left == 0 {
             return Err(JobError::protocol("the job has ended"));
         }
         let ev = self
@@ -867,8 +901,10 @@ impl Job {
             .recv()
             .await
             .unwrap_or_else(|| Err(JobError::protocol("the worker is gone")));
-        if matches!(ev, Ok(Event::Done { .. }) | Err(_)) {
-            self.ended = true;
+        match ev {
+            Ok(Event::Done { .. }) => self.left -= 1,
+            Err(_) => self.left = 0,
+            Ok(_) => {}
         }
         ev
     }
@@ -876,14 +912,27 @@ impl Job {
 
 impl Drop for Job {
     fn drop(&mut self) {
-        if self.ended {
-            lock(&self.routes).remove(&self.req_id);
+        let mut routes = lock(&self.routes);
+        // Ends already routed but not read (a choice that ended as the reply was cut short by
+        // a stop string) are not waited for again: the worker has forgotten those choices.
+        // Under the routes' lock, so that every later message goes to the watcher below.
+        while let Ok(ev) = self.events.try_recv() {
+            match ev {
+                Ok(Event::Done { .. }) => self.left = self.left.saturating_sub(1),
+                Err(_) => self.left = 0,
+                Ok(_) => {}
+            }
+        }
+        if self.left == 0 {
+            routes.remove(&self.req_id);
             return;
         }
-        // The worker ends the job at its next step and answers `Done`; a watcher waits for it
-        // within the grace, else kills the worker.
+        // The worker ends the job at its next step and answers `Done` for each choice left; a
+        // watcher waits for them within the grace, else kills the worker.
         let (tx, mut rx) = mpsc::unbounded_channel();
-        lock(&self.routes).insert(self.req_id, tx);
+        let left = self.left;
+        routes.insert(self.req_id, Route { tx, left });
+        drop(routes);
         let _ = self.frames.send(ToWorker::Cancel {
             req_id: self.req_id,
         });
@@ -895,9 +944,12 @@ impl Drop for Job {
         rt.spawn(
             async move {
                 let ended = async {
+                    let mut left = left;
                     while let Some(ev) = rx.recv().await {
-                        if matches!(ev, Ok(Event::Done { .. }) | Err(_)) {
-                            return true;
+                        match ev {
+                            Ok(Event::Done { .. }) if left > 1 => left -= 1,
+                            Ok(Event::Done { .. }) | Err(_) => return true,
+                            Ok(_) => {}
                         }
                     }
                     false

@@ -241,12 +241,15 @@ impl Metrics {
         }
     }
 
-    /// A finished (or cancelled) job's figures.
-    pub fn job(&self, usage: &Usage, t: &Timings) {
-        self.prompt_tokens.inc_by(u64::from(usage.prompt_ids));
-        self.cached_tokens.inc_by(u64::from(usage.cached_ids));
+    /// A finished (or cancelled) job's figures: one choice's; `prompt`: the job's prompt too (its first
+    /// choice: a job of `n` choices prefills its prompt once).
+    pub fn job(&self, usage: &Usage, t: &Timings, prompt: bool) {
+        if prompt {
+            self.prompt_tokens.inc_by(u64::from(usage.prompt_ids));
+            self.cached_tokens.inc_by(u64::from(usage.cached_ids));
+            self.prefill_seconds.observe(t.prefill_seconds);
+        }
         self.completion_tokens.inc_by(u64::from(usage.generated));
-        self.prefill_seconds.observe(t.prefill_seconds);
         self.decode_seconds.inc_by(t.decode_seconds);
         let decoded = usage.generated.saturating_sub(1);
         if decoded > 0 && t.decode_seconds > 0.0 {
@@ -302,22 +305,28 @@ mod tests {
                 status: 200,
             })
             .inc();
-        m.job(
-            &Usage {
-                prompt_ids: 10,
-                cached_ids: 4,
-                generated: 5,
-            },
-            &Timings {
-                prefill_seconds: 0.5,
-                decode_seconds: 2.0,
-                bytes_read: 1000,
-                expert_requests: 8,
-                resident_hits: 6,
-                kept_session_bytes: None,
-            },
-        );
+        let usage = Usage {
+            prompt_ids: 10,
+            cached_ids: 4,
+            generated: 5,
+        };
+        let timings = Timings {
+            prefill_seconds: 0.5,
+            decode_seconds: 2.0,
+            bytes_read: 1000,
+            expert_requests: 8,
+            resident_hits: 6,
+            kept_session_bytes: None,
+        };
+        m.job(&usage, &timings, true);
+        // A second choice of the same job: its ids count, its prompt (prefilled once) does not.
+        m.job(&usage, &timings, false);
         let text = m.render(None).unwrap();
+        assert!(text.contains("k3_serve_prompt_tokens_total 10"), "{text}");
+        assert!(
+            text.contains("k3_serve_completion_tokens_total 10"),
+            "{text}"
+        );
         assert!(
             text.contains("k3_serve_requests_total{route=\"/v1/completions\",status=\"200\"} 1"),
             "{text}"

@@ -1,4 +1,5 @@
-//! Admission: at most `max_jobs` requests run at once and at most `queue` more wait for a turn;
+//! Admission: at most `max_jobs` sequences run at once (a request of `n` choices is `n` of them:
+//! the worker's slots) and at most `queue` more requests wait for a turn;
 //! a request beyond that is answered at once (429 with `Retry-After`). First come, first served:
 //! every request gets a ticket when it is let in, and a waiting request runs only when a slot
 //! is free and no request let in before it still waits — whenever its handler gets round to
@@ -40,6 +41,8 @@ pub struct Meta {
     pub prompt_ids: usize,
     /// Most ids to generate.
     pub max_new: usize,
+    /// Its choices (`n`): the worker slots it takes while it runs (0 counts as 1).
+    pub choices: usize,
 }
 
 #[derive(Debug)]
@@ -230,9 +233,13 @@ impl Place {
         let Ok(mut t) = self.adm.table.lock() else {
             return false;
         };
-        let running = t.1.values().filter(|e| e.running).count();
+        let slots = |e: &Entry| e.meta.choices.max(1);
+        let running: usize = t.1.values().filter(|e| e.running).map(slots).sum();
         let first_waiting = t.1.iter().find(|(_, e)| !e.running).map(|(k, _)| *k);
-        if running >= self.adm.max_jobs || first_waiting != Some(self.ticket) {
+        let mine = t.1.get(&self.ticket).map_or(1, slots);
+        // A request of more choices than the slots (refused before it is let in) runs alone.
+        if (running > 0 && running + mine > self.adm.max_jobs) || first_waiting != Some(self.ticket)
+        {
             return false;
         }
         if let Some(e) = t.1.get_mut(&self.ticket) {
@@ -296,6 +303,7 @@ mod tests {
             route: "/v1/completions".into(),
             prompt_ids: 3,
             max_new: 5,
+            choices: 1,
         }
     }
 
@@ -380,6 +388,23 @@ mod tests {
         assert!(x.try_run() && y.try_run() && !z.try_run());
         drop(y);
         assert!(z.try_run());
+        // A request of 2 choices takes both slots: it waits for them, and what comes after it
+        // waits behind it.
+        let (mut p, mut q, mut r) = (
+            two.enter(meta("p")).unwrap(),
+            two.enter(Meta {
+                choices: 2,
+                ..meta("q")
+            })
+            .unwrap(),
+            two.enter(meta("r")).unwrap(),
+        );
+        drop((x, z));
+        assert!(p.try_run() && !q.try_run() && !r.try_run());
+        drop(p);
+        assert!(q.try_run() && !r.try_run());
+        drop(q);
+        assert!(r.try_run());
     }
 
     #[test]

@@ -108,8 +108,8 @@ pub struct CallRules {
     pub parallel: bool,
 }
 
-/// The reply being built.
-#[derive(Debug)]
+/// The reply being built (a clone before the first id: another choice of the same request).
+#[derive(Clone, Debug)]
 pub struct ReplyText {
     tok: Arc<Tokenizer>,
     parser: Option<ReplyParser>,

@@ -7,7 +7,7 @@
 //! the next token decides it, so a streamed reply and a non-streamed one are the same text.
 
 /// Bytes in, complete characters out.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Utf8Stream {
     pending: Vec<u8>,
 }
@@ -56,7 +56,7 @@ impl Utf8Stream {
 }
 
 /// Releases text while watching for stop strings.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct StopText {
     stops: Vec<String>,
     held: String,

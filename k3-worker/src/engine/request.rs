@@ -169,6 +169,25 @@ pub enum RequestError {
         /// The engine's state budget.
         budget: u64,
     },
+    /// A group of choices ([`crate::engine::Engine::submit_choices`]) larger than the engine's
+    /// slots or its state budget.
+    #[error(
+        "{n} choices need {n} sequences ({bytes} bytes of state); this engine runs at most \
+         {slots} sequences at once ({budget} bytes of state)"
+    )]
+    TooManyChoices {
+        /// Choices asked.
+        n: usize,
+        /// Their states' bytes.
+        bytes: u64,
+        /// The engine's slots.
+        slots: usize,
+        /// The engine's state budget.
+        budget: u64,
+    },
+    /// A group of choices whose prompts differ (they share one prefill).
+    #[error("the choices of one request must share their prompt")]
+    ChoicesDiffer,
     /// A state to start from whose ids and position disagree.
     #[error("a state at position {pos} cannot hold {held} ids")]
     BadHeld {

@@ -132,6 +132,35 @@ impl<'m> Engine<'m> {
         Ok(seq)
     }
 
+    /// Queue the choices of one prompt (`n` > 1 of the OpenAI API), each with its sink: the
+    /// first prefills the prompt once, then its state and its last logits row are forked into
+    /// the others, and all of them decode side by side, each with its own sampler, shaping,
+    /// stop ids and speculation. Each choice's ids are those of its request run alone. The group
+    /// joins whole (every member's state counted); it is refused when it cannot ever fit
+    /// ([`RequestError::TooManyChoices`]) or its prompts differ. The sessions of the choices but
+    /// the first are never kept (they would hold the same prompt).
+    pub fn submit_choices<'o>(
+        &mut self,
+        choices: Vec<(Request, Box<dyn Sink + 'o>)>,
+        out: &mut Outputs<'o>,
+    ) -> Result<Vec<SeqId>, RequestError> {
+        let (mut reqs, sinks): (Vec<Request>, Vec<_>) = choices.into_iter().unzip();
+        let sessions: Vec<_> = (reqs.iter_mut().enumerate())
+            .map(|(i, r)| {
+                if i == 0 {
+                    r.session.clone()
+                } else {
+                    r.session.take()
+                }
+            })
+            .collect();
+        let seqs = self.sched.submit_choices(&self.model.dims, reqs)?;
+        for ((&seq, sink), session) in seqs.iter().zip(sinks).zip(sessions) {
+            out.attach(seq, sink, session);
+        }
+        Ok(seqs)
+    }
+
     /// Cancel sequence `seq` (between steps): it ends as cancelled, keeping what its session
     /// kept after the prefill. False when it is not in the engine.
     pub fn cancel(&mut self, seq: SeqId, out: &mut Outputs<'_>) -> bool {
@@ -193,6 +222,7 @@ impl<'m> Engine<'m> {
         let vocab = self.model.dims.vocab;
         let mut budget = self.sched.prefill_rows();
         self.planned.clear();
+        orphans(&mut self.sched.running);
         for (i, s) in self.sched.running.iter_mut().enumerate() {
             if let Some(p) = s.plan(source, vocab, &mut budget) {
                 shape.rows += p.rows;
@@ -246,10 +276,55 @@ impl<'m> Engine<'m> {
                 share: p.rows as f64 / all,
                 ..cost
             };
-            self.sched.running[i].take(&m.dims, &p, &mut logits[at..at + k], &c, out)?;
+            let rows = &mut logits[at..at + k];
+            let running = &mut self.sched.running;
+            // The first of a group of choices ends its prefill: its state and last row, before
+            // its own pick edits the row, are every other choice's.
+            let fork = (running[i].forks_now(&p))
+                .then(|| running[i].id)
+                .filter(|&id| running.iter().any(|f| f.leader == Some(id)))
+                .map(|id| {
+                    (
+                        id,
+                        running[i].state.clone(),
+                        running[i].cached_ids(),
+                        rows.to_vec(),
+                    )
+                });
+            running[i].take(&m.dims, &p, rows, &c, out)?;
+            if let Some((id, state, cached, row)) = fork {
+                let share = PassCost { share: 0.0, ..c };
+                for f in running.iter_mut().filter(|f| f.leader == Some(id)) {
+                    f.fork(
+                        &m.dims,
+                        state.clone(),
+                        cached,
+                        &mut row.clone(),
+                        &share,
+                        out,
+                    );
+                }
+            }
             at += k;
         }
         shape.seconds = t0.elapsed().as_secs_f64();
         Ok(shape)
+    }
+}
+
+/// A choice whose group's first sequence left before its prefill ended (cancelled) prefills
+/// the prompt itself.
+fn orphans(running: &mut [crate::engine::sequence::Sequence]) {
+    if running.iter().all(|s| s.leader.is_none()) {
+        return;
+    }
+    let prefilling: Vec<SeqId> = (running.iter())
+        .filter(|s| s.leader.is_none() && s.prompt_left() > 0)
+        .map(|s| s.id)
+        .collect();
+    for s in running.iter_mut() {
+        if s.leader.is_some_and(|l| !prefilling.contains(&l)) {
+            s.leader = None;
+        }
     }
 }

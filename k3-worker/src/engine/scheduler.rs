@@ -3,6 +3,10 @@
 //! between steps, and the prefill budget of a step (at most `prefill_rows` prompt rows in all,
 //! the earliest joined sequences' first, beside every decoding sequence's rows).
 //!
+//! A group of choices (n sequences of one prompt, [`Scheduler::submit_choices`]) waits and joins
+//! as one: every member's state is counted, and the followers sit out until the first one's
+//! prefill is forked into them ([`crate::engine::runner`]).
+//!
 //! A state's bytes are the memory model's ([`EnginePlan::seq_bytes`]) for the positions the
 //! request needs: an idle slot costs nothing, a long request takes what it needs (several
 //! slots' worth when it is longer than a slot), and one that can never fit is refused at once.
@@ -20,6 +24,9 @@ struct Waiting {
     seq: SeqId,
     req: Request,
     bytes: u64,
+    /// A choice of a group whose first sequence is this one: it joins with it and takes its
+    /// prefilled state.
+    follows: Option<SeqId>,
 }
 
 /// The sequences waiting and running.
@@ -51,6 +58,57 @@ impl Scheduler {
 
     /// Check `req` and queue it; it joins at a step when there is room.
     pub(crate) fn submit(&mut self, d: &Dims, req: Request) -> Result<SeqId, RequestError> {
+        let bytes = self.check(d, &req)?;
+        Ok(self.queue(req, bytes, None))
+    }
+
+    /// Check `reqs` (the choices of one prompt: the first prefills it, the others take its
+    /// state) and queue them as a group that joins at once; all or none are queued.
+    pub(crate) fn submit_choices(
+        &mut self,
+        d: &Dims,
+        reqs: Vec<Request>,
+    ) -> Result<Vec<SeqId>, RequestError> {
+        let Some(first) = reqs.first() else {
+            return Err(RequestError::NothingToGenerate);
+        };
+        if reqs.iter().any(|r| r.prompt != first.prompt) {
+            return Err(RequestError::ChoicesDiffer);
+        }
+        let bytes = (reqs.iter())
+            .map(|r| self.check(d, r))
+            .collect::<Result<Vec<u64>, _>>()?;
+        let total: u64 = bytes.iter().sum();
+        if reqs.len() > self.plan.slots || total > self.budget {
+            return Err(RequestError::TooManyChoices {
+                n: reqs.len(),
+                bytes: total,
+                slots: self.plan.slots,
+                budget: self.budget,
+            });
+        }
+        let mut seqs: Vec<SeqId> = Vec::with_capacity(reqs.len());
+        for (req, b) in reqs.into_iter().zip(bytes) {
+            let follows = seqs.first().copied();
+            seqs.push(self.queue(req, b, follows));
+        }
+        Ok(seqs)
+    }
+
+    fn queue(&mut self, req: Request, bytes: u64, follows: Option<SeqId>) -> SeqId {
+        let seq = self.next;
+        self.next += 1;
+        self.waiting.push_back(Waiting {
+            seq,
+            req,
+            bytes,
+            follows,
+        });
+        seq
+    }
+
+    /// `req`'s state bytes, or why it can never run.
+    fn check(&self, d: &Dims, req: &Request) -> Result<u64, RequestError> {
         if req.prompt.is_empty() {
             return Err(RequestError::EmptyPrompt);
         }
@@ -75,33 +133,41 @@ impl Scheduler {
                 budget: self.budget,
             });
         }
-        let seq = self.next;
-        self.next += 1;
-        self.waiting.push_back(Waiting { seq, req, bytes });
-        Ok(seq)
+        Ok(bytes)
     }
 
     /// Move waiting requests in while a slot is free and the next one's state fits (in arrival
-    /// order: a large request is not overtaken). Returns how many joined.
+    /// order: a large request is not overtaken; a group of choices joins whole). Returns how
+    /// many joined.
     pub(crate) fn admit(&mut self, d: &Dims) -> usize {
         let mut joined = 0;
         while let Some(w) = self.waiting.front() {
+            let lead = w.seq;
+            let group = 1
+                + (self.waiting.iter().skip(1))
+                    .take_while(|f| f.follows == Some(lead))
+                    .count();
+            let want: u64 = self.waiting.iter().take(group).map(|w| w.bytes).sum();
             let used: u64 = self.bytes.iter().sum();
-            if self.running.len() >= self.plan.slots || used + w.bytes > self.budget {
+            if self.running.len() + group > self.plan.slots || used + want > self.budget {
                 break;
             }
-            let w = self.waiting.pop_front().expect("looked at above");
-            let s = Sequence::start(w.seq, d, w.req);
-            tracing::debug!(
-                "sequence {} joins: {} prompt ids ({} held), {} running",
-                w.seq,
-                s.prompt_left(),
-                s.held.len(),
-                self.running.len() + 1
-            );
-            self.running.push(s);
-            self.bytes.push(w.bytes);
-            joined += 1;
+            for w in self.waiting.drain(..group) {
+                let mut s = Sequence::start(w.seq, d, w.req);
+                s.leader = w.follows;
+                tracing::debug!(
+                    "sequence {} joins: {} prompt ids ({} held{}), {} running",
+                    w.seq,
+                    s.prompt_left(),
+                    s.held.len(),
+                    w.follows
+                        .map_or(String::new(), |l| format!(", a choice of {l}'s prefill")),
+                    self.running.len() + 1
+                );
+                self.running.push(s);
+                self.bytes.push(w.bytes);
+                joined += 1;
+            }
         }
         joined
     }

@@ -114,6 +114,9 @@ pub(crate) struct Planned {
 /// A sequence in flight.
 pub(crate) struct Sequence {
     pub(crate) id: SeqId,
+    /// A choice waiting for the prefill of the group's first sequence (this one): it runs
+    /// nothing until that state is forked into it ([`Sequence::fork`]).
+    pub(crate) leader: Option<SeqId>,
     pub(crate) state: SeqState,
     /// The ids the state holds, in order (`state.pos == held.len()` between steps).
     pub(crate) held: Vec<u32>,
@@ -201,6 +204,7 @@ impl Sequence {
         let per_pass = control.mode().max_drafts() + 1;
         Sequence {
             id,
+            leader: None,
             state,
             todo: req.prompt.clone(),
             done: cached,
@@ -240,6 +244,11 @@ impl Sequence {
         }
     }
 
+    /// Prompt ids a state it started from already held.
+    pub(crate) fn cached_ids(&self) -> usize {
+        self.cached
+    }
+
     /// Prompt ids it still has to run before its first pick (0 once decoding).
     pub(crate) fn prompt_left(&self) -> usize {
         if self.prefilling {
@@ -268,6 +277,9 @@ impl Sequence {
         vocab: usize,
         budget: &mut usize,
     ) -> Option<Planned> {
+        if self.leader.is_some() {
+            return None;
+        }
         if self.prefilling {
             let end = (self.pauses.last().copied())
                 .unwrap_or(self.todo.len())
@@ -357,6 +369,43 @@ impl Sequence {
         if self.done < self.todo.len() {
             return Ok(());
         }
+        self.first_pick(d, logits, out);
+        Ok(())
+    }
+
+    /// This pass ends its first prefill (`p` is its plan): its state can be forked into the
+    /// other choices of its group.
+    pub(crate) fn forks_now(&self, p: &Planned) -> bool {
+        self.prefilling && self.pass == 0 && p.prompt_rows > 0 && p.logits == Logits::Last
+    }
+
+    /// A choice takes the prefill of its group's first sequence: `state` holding `held` (the
+    /// whole prompt), of which `cached` came from a kept session, and `logits`, its copy of the
+    /// prompt's last row. It then picks its first id with its own sampler and shaping, as a
+    /// sequence that had run the prompt itself would.
+    pub(crate) fn fork(
+        &mut self,
+        d: &Dims,
+        mut state: SeqState,
+        cached: usize,
+        logits: &mut [f32],
+        cost: &PassCost,
+        out: &mut Outputs<'_>,
+    ) {
+        if state.capacity < self.state.capacity {
+            grow(&mut state, self.state.capacity);
+        }
+        self.state = state;
+        self.leader = None;
+        self.held.clone_from(&self.todo);
+        self.done = self.todo.len();
+        self.cached = cached;
+        self.pending.add(cost);
+        self.first_pick(d, logits, out);
+    }
+
+    /// The prompt is in the state and `logits` is its last row: the first pick.
+    fn first_pick(&mut self, d: &Dims, logits: &mut [f32], out: &mut Outputs<'_>) {
         self.prefilling = false;
         if self.pass == 0 && self.keep_step0_logits {
             self.report.step0_logits = Some(logits.to_vec());
@@ -369,11 +418,10 @@ impl Sequence {
         self.drafts.clear();
         self.scores.clear();
         let Some(token) = self.pick(logits) else {
-            return Ok(());
+            return;
         };
         self.emit(&[token], 0, out);
         self.next(d, token);
-        Ok(())
     }
 
     /// A decode or verify pass ran: pick each row up to the first disagreement with the drafts

@@ -20,14 +20,14 @@ use std::sync::{mpsc, Arc};
 use k3_proto::exit::{self, ExitStatus};
 use k3_proto::serve::{
     ErrorKind, FromWorker, Grammar, ReqId, Shape, Start, ToWorker, JOB_PROTOCOL_VERSION,
-    MAX_JOB_FRAME, MAX_TOP_LOGPROBS,
+    MAX_CHOICES, MAX_JOB_FRAME, MAX_TOP_LOGPROBS,
 };
 use k3_store::attach::AttachedSource;
 use serde_json::{json, Value};
 
 use crate::constrain::{ConstrainError, Constraint, Spec, Vocab};
 use crate::engine::outputs::{Finished, Flow, Outputs, Prefilled, Sink, StepReport};
-use crate::engine::request::{Held, Request, SeqId, SessionPlan};
+use crate::engine::request::{Held, Request, RequestError, SeqId, SessionPlan};
 use crate::engine::runner::Engine;
 use crate::engine::sampling::{positions_needed, Sampler};
 use crate::engine::session::{self, ForPrompt};
@@ -62,6 +62,9 @@ enum ChannelError {
     /// A value outside what serve may send ([`k3_proto::serve::Sampling::validate`]).
     #[error(transparent)]
     Value(#[from] k3_proto::serve::ValueError),
+    /// More choices than a job may ask.
+    #[error("n = {0}: a job asks 1..={MAX_CHOICES} choices")]
+    Choices(u32),
     /// A job whose id is running already.
     #[error("job {0} is running already")]
     Duplicate(ReqId),
@@ -152,6 +155,8 @@ impl Writer {
 pub struct ChannelSink<'a> {
     out: &'a Writer,
     req_id: ReqId,
+    /// The job's choice this sink reports (0 for a job of one).
+    choice: u32,
     /// Jobs that ended (for the loop's table) and, with `--out`, their records.
     ended: &'a RefCell<Ended>,
 }
@@ -159,12 +164,17 @@ pub struct ChannelSink<'a> {
 /// What the jobs that ended left.
 #[derive(Debug, Default)]
 struct Ended {
-    jobs: Vec<ReqId>,
+    /// Choices that ended, and whether the job failed with them.
+    jobs: Vec<(ReqId, u32, bool)>,
     records: Option<Vec<Value>>,
 }
 
 impl Sink for ChannelSink<'_> {
     fn prefilled(&mut self, p: &Prefilled) {
+        if self.choice > 0 {
+            // The job's prompt was prefilled once, by its first choice.
+            return;
+        }
         let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
         self.out.send(&FromWorker::Prefilled {
             req_id: self.req_id,
@@ -178,10 +188,12 @@ impl Sink for ChannelSink<'_> {
         self.out.send(&match &s.scored {
             None => FromWorker::Token {
                 req_id: self.req_id,
+                choice: self.choice,
                 id: s.token,
             },
             Some(sc) => FromWorker::Scored {
                 req_id: self.req_id,
+                choice: self.choice,
                 id: s.token,
                 logprob: sc.logprob,
                 top: sc.top.clone(),
@@ -201,8 +213,9 @@ impl Sink for ChannelSink<'_> {
             )
         });
         tracing::info!(
-            "job {}: ended ({:?}) after {} ids{mask}",
+            "job {} choice {}: ended ({:?}) after {} ids{mask}",
             self.req_id,
+            self.choice,
             f.finish,
             f.usage.generated
         );
@@ -215,17 +228,19 @@ impl Sink for ChannelSink<'_> {
         } else {
             self.out.send(&FromWorker::Done {
                 req_id: self.req_id,
+                choice: self.choice,
                 finish: f.finish,
                 usage: f.usage.clone(),
                 timings: f.timings.clone(),
             });
         }
         let mut e = self.ended.borrow_mut();
-        e.jobs.push(self.req_id);
+        e.jobs.push((self.req_id, self.choice, f.error.is_some()));
         if let Some(r) = e.records.as_mut() {
             let spec = &f.report.spec;
             r.push(json!({
                 "req_id": self.req_id,
+                "choice": self.choice,
                 "finish": format!("{:?}", f.finish),
                 "usage": f.usage,
                 "timings": f.timings,
@@ -287,8 +302,8 @@ pub fn run(cli: &Cli, matches: &clap::ArgMatches) -> i32 {
     exit::report("k3-worker", result)
 }
 
-/// The jobs in the engine, by request and sequence.
-type Jobs = Vec<(ReqId, SeqId)>;
+/// The jobs in the engine: request, choice and sequence.
+type Jobs = Vec<(ReqId, u32, SeqId)>;
 
 /// The serve loop's state: the engine, the sinks' outputs, the jobs and the channel.
 struct Front<'a, 'm> {
@@ -317,40 +332,78 @@ impl<'a> Front<'a, '_> {
                 None => return true,
                 Some(ToWorker::Start(s)) => self.start(s),
                 Some(ToWorker::Cancel { req_id }) => {
-                    if let Some(&(_, seq)) = self.jobs.iter().find(|(r, _)| *r == req_id) {
+                    if self.jobs.iter().any(|(r, ..)| *r == req_id) {
                         tracing::info!("job {req_id}: cancelled");
-                        self.engine.cancel(seq, &mut self.outputs);
+                        self.cancel(req_id, None);
                     }
                 }
             }
         }
     }
 
-    /// A job joins (or is refused alone).
+    /// The jobs in the engine, each once.
+    fn req_ids(&self) -> Vec<ReqId> {
+        let mut ids: Vec<ReqId> = self.jobs.iter().map(|&(r, ..)| r).collect();
+        ids.dedup();
+        ids
+    }
+
+    /// Cancel every choice of job `req_id` (but `except`).
+    fn cancel(&mut self, req_id: ReqId, except: Option<u32>) {
+        for &(r, choice, seq) in &self.jobs {
+            if r == req_id && Some(choice) != except {
+                self.engine.cancel(seq, &mut self.outputs);
+            }
+        }
+    }
+
+    /// A job joins (or is refused alone): one request, or a group of its choices that share
+    /// one prefill.
     fn start(&mut self, s: Start) {
         let req_id = s.req_id;
-        let sink = ChannelSink {
-            out: self.out,
-            req_id,
-            ended: self.ended,
+        let sink = |choice| {
+            Box::new(ChannelSink {
+                out: self.out,
+                req_id,
+                choice,
+                ended: self.ended,
+            }) as Box<dyn Sink + 'a>
         };
-        let admitted = self.admit.request(&self.jobs, &self.engine.model().dims, s);
-        let joined = admitted.and_then(|req| {
-            (self.engine.submit(req, Box::new(sink), &mut self.outputs)).map_err(ChannelError::from)
+        let admitted = self
+            .admit
+            .requests(&self.jobs, &self.engine.model().dims, s);
+        let joined = admitted.and_then(|mut reqs| {
+            let r = if reqs.len() == 1 {
+                let req = reqs.pop().expect("one");
+                (self.engine.submit(req, sink(0), &mut self.outputs)).map(|seq| vec![seq])
+            } else {
+                let choices = (reqs.into_iter().zip(0..)).map(|(r, i)| (r, sink(i)));
+                self.engine
+                    .submit_choices(choices.collect(), &mut self.outputs)
+            };
+            r.map_err(ChannelError::from)
         });
         match joined {
-            Ok(seq) => {
+            Ok(seqs) => {
                 let (running, waiting) = self.engine.load();
-                tracing::info!("job {req_id}: joins ({running} running, {waiting} waiting)");
-                self.jobs.push((req_id, seq));
+                tracing::info!(
+                    "job {req_id}: joins with {} choice(s) ({running} running, {waiting} waiting)",
+                    seqs.len()
+                );
+                self.jobs
+                    .extend((0..).zip(seqs).map(|(choice, seq)| (req_id, choice, seq)));
             }
             Err(e) => {
                 let m = exit::message(&e);
                 tracing::warn!("job {req_id}: refused: {m}");
-                // A value outside the shared validation is the client's; anything else the
-                // worker's refusal.
+                // A value outside the shared validation (or more choices than the worker runs
+                // at once) is the client's; anything else the worker's refusal.
                 let kind = match e {
-                    ChannelError::Value(_) => ErrorKind::Invalid,
+                    ChannelError::Value(_)
+                    | ChannelError::Choices(_)
+                    | ChannelError::Request(RequestError::TooManyChoices { .. }) => {
+                        ErrorKind::Invalid
+                    }
                     _ => ErrorKind::Refused,
                 };
                 self.out.fail_as(Some(req_id), kind, exit::REFUSED, m);
@@ -363,21 +416,31 @@ impl<'a> Front<'a, '_> {
     fn step(&mut self) -> Result<Option<i32>, JobError> {
         if let Err(e) = self.engine.step(&mut self.outputs) {
             let m = format!("the forward pass failed: {}", exit::message(&e));
-            for (req_id, _) in &self.jobs {
-                self.out.fail(Some(*req_id), e.exit_code(), m.clone());
+            for req_id in self.req_ids() {
+                self.out.fail(Some(req_id), e.exit_code(), m.clone());
             }
             return Err(e.into());
         }
         let failures = report::expert_failures(&self.engine.model().counters);
         if failures != exit::OK {
             let m = "a routed expert failed to load: the generated ids are unsound";
-            for (req_id, _) in &self.jobs {
-                self.out.fail(Some(*req_id), failures, m.to_string());
+            for req_id in self.req_ids() {
+                self.out.fail(Some(req_id), failures, m.to_string());
             }
             return Ok(Some(failures));
         }
         let done = std::mem::take(&mut self.ended.borrow_mut().jobs);
-        self.jobs.retain(|(r, _)| !done.contains(r));
+        self.jobs
+            .retain(|&(r, c, _)| !done.iter().any(|&(dr, dc, _)| (dr, dc) == (r, c)));
+        // A choice whose shaping failed failed its job: the other choices end with it.
+        for &(req_id, choice, failed) in &done {
+            if failed {
+                self.cancel(req_id, Some(choice));
+            }
+        }
+        let gone = std::mem::take(&mut self.ended.borrow_mut().jobs);
+        self.jobs
+            .retain(|&(r, c, _)| !gone.iter().any(|&(gr, gc, _)| (gr, gc) == (r, c)));
         Ok(None)
     }
 }
@@ -495,13 +558,42 @@ struct Admit<'a> {
 }
 
 impl Admit<'_> {
-    /// The request of `s`: its ids, sampling and session (resumed when the store holds a strict
+    /// The requests of `s`, one per choice: its ids, each choice's sampling (seed + choice)
+    /// and shaping, the session of the first choice (resumed when the store holds a strict
     /// prefix of its prompt), the worker's speculation.
+    fn requests(
+        &mut self,
+        jobs: &Jobs,
+        dims: &Dims,
+        s: Start,
+    ) -> Result<Vec<Request>, ChannelError> {
+        if s.n > MAX_CHOICES {
+            return Err(ChannelError::Choices(s.n));
+        }
+        s.sampling.validate()?;
+        let others = (1..s.choices())
+            .map(|i| {
+                let c = s.choice_sampling(i);
+                let sampler = Sampler::new(c.temperature, c.top_p, c.seed)?;
+                let capacity = positions_needed(s.ids.len(), s.max_new as usize);
+                Ok(Request {
+                    shaping: self.shaping(&s.shape, dims.vocab)?,
+                    spec: self.drafters.for_request(s.ids.len(), capacity),
+                    ..Request::new(s.ids.clone(), s.max_new as usize, sampler)
+                })
+            })
+            .collect::<Result<Vec<Request>, ChannelError>>();
+        let first = self.request(jobs, dims, s)?;
+        Ok([first].into_iter().chain(others?).collect())
+    }
+
+    /// The request of `s` (its first choice): its ids, sampling and session (resumed when the
+    /// store holds a strict prefix of its prompt), the worker's speculation.
     fn request(&mut self, jobs: &Jobs, dims: &Dims, s: Start) -> Result<Request, ChannelError> {
         let sampling = &s.sampling;
         sampling.validate()?;
         let sampler = Sampler::new(sampling.temperature, sampling.top_p, sampling.seed)?;
-        if jobs.iter().any(|(r, _)| *r == s.req_id) {
+        if jobs.iter().any(|(r, ..)| *r == s.req_id) {
             return Err(ChannelError::Duplicate(s.req_id));
         }
         if !(1..=MAX_GEN).contains(&u64::from(s.max_new)) {
