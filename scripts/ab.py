@@ -137,9 +137,7 @@ def main(argv=None) -> int:
             ap.error(f"{b}: no k3-worker there")
     if a.reps < 1 or a.gen < 2:
         ap.error("--reps >= 1 and --gen >= 2")
-    tj = json.loads((a.trunk / "trunk.json").read_text())
-    eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
-    budgets = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)
+    budgets = bench.budgets_for(a.model, a.trunk)
     names = [n for n in a.budgets.split(",") if n]
     for n in names:
         if n not in budgets:

@@ -116,9 +116,7 @@ def main(argv=None) -> int:
         ap.error("--gen >= 3 (decode steps to measure)")
     if not (a.bins / "k3-worker").is_file():
         ap.error(f"{a.bins}: no k3-worker there (cargo build --release)")
-    tj = json.loads((a.trunk / "trunk.json").read_text())
-    eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
-    budgets = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)
+    budgets = bench.budgets_for(a.model, a.trunk)
     names = [n for n in a.budgets.split(",") if n]
     for n in names:
         if n not in budgets:

@@ -107,6 +107,12 @@ def expert_bytes_from_checkpoint(model: Path) -> tuple[int, int, int, int]:
     return eb, n_layers - dense, t["num_experts"], t["num_experts_per_token"]
 
 
+def budgets_for(model: Path, trunk: Path) -> dict:
+    """`plan_budgets` of a checkpoint and its packed trunk (the budgets every bench script uses)."""
+    layers = trunk_layers(json.loads((trunk / "trunk.json").read_text()))
+    return plan_budgets(layers, *expert_bytes_from_checkpoint(model))
+
+
 def plan_budgets(layers, expert_bytes: int, moe_layers: int, n_experts: int, top_k: int):
     """Budgets mirroring the presets at this checkpoint's scale: name -> (trunk bytes, cache bytes,
     expert slots, description). GB values are passed to the worker with 9 decimals (exact bytes);

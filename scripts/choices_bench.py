@@ -85,9 +85,7 @@ def main(argv=None) -> int:
                          "shows the one prefill in the first-byte times")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    tj = json.loads((a.trunk / "trunk.json").read_text())
-    eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
-    tb, cb = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)[a.budget][:2]
+    tb, cb = bench.budgets_for(a.model, a.trunk)[a.budget][:2]
     prompt = ([(1000 + 104729 * j) % 150000 for j in range(a.prompt_ids)] if a.prompt_ids > 0
               else list(bench.PROMPT))
     body = {"model": "kimi-k3", "prompt": prompt, "max_tokens": a.gen, "temperature": 1.0, "seed": SEED}

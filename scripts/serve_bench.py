@@ -167,9 +167,7 @@ def main(argv=None) -> int:
                          "count), own (--no-batch: binaries from before the one-engine serve)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    tj = json.loads((a.trunk / "trunk.json").read_text())
-    eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(a.model)
-    budgets = bench.plan_budgets(bench.trunk_layers(tj), eb, moe_layers, n_experts, top_k)
+    budgets = bench.budgets_for(a.model, a.trunk)
     n = a.concurrent
     # [0, n): together; n: warm-up; n+1 .. n+1+SOLOS: alone; the last: the request that joins.
     prompts = batch_bench.prompts(n + 2 + SOLOS)

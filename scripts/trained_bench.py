@@ -303,9 +303,8 @@ def main(argv=None) -> int:
         drafts[q] = a.work / f"draft-{q}"
         if not (drafts[q] / "draft.json").exists():
             must([a.bins / "k3-ctl", "pack-trunk", "--draft", q, model, drafts[q]])
-    layers = bench.trunk_layers(json.loads((trunk / "trunk.json").read_text()))
-    eb, moe_layers, n_experts, top_k = bench.expert_bytes_from_checkpoint(model)
-    budgets = bench.plan_budgets(layers, eb, moe_layers, n_experts, top_k)
+    budgets = bench.budgets_for(model, trunk)
+    n_experts = bench.expert_bytes_from_checkpoint(model)[2]
     P = prompts()
     res = {"model": str(a.model), "prompts": P, "gen": a.gen, "reps": a.reps,
            "budgets": {k: {"trunk_bytes": v[0], "cache_bytes": v[1], "slots": v[2], "what": v[3]}
