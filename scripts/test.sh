@@ -5,8 +5,8 @@
 #
 # What it installs or downloads, each announced in its output before it happens:
 # * `.venv/` inside the repository (git-ignored; scripts/venv.sh): a Python virtual environment
-#   with scripts/requirements.txt (numpy, tiktoken, pytest, openai, anthropic, jsonschema,
-#   prometheus-client) from PyPI; the system's Python is not touched. Delete `.venv/` to start
+#   with scripts/requirements.txt (numpy, tiktoken, pytest, pytest-xdist, openai, openai-agents, anthropic,
+#   jsonschema, prometheus-client) from PyPI; the system's Python is not touched. Delete `.venv/` to start
 #   over.
 # * nginx-light via apt-get, only if no nginx is installed (the load-balancer test's balancer).
 # * Once per machine, outside the clone, in ~/.cache/k3/ ($K3_CACHE_DIR, else
@@ -80,13 +80,16 @@ if [ "$(cat "$LOGS/setup.rc")" != 0 ]; then
 fi
 
 # ---- tests: Rust and Python side by side --------------------------------------------------------
-# Two pytest processes: the trained-proxy smoke test (a minute of JAX training, then three
-# forwards: the longest test by far) and all the others, so neither waits for the other.
-echo "== Python tests in the background, in two processes (pytest scripts/tests/test_train_k3.py, and"
-echo "   pytest scripts/tests without it; $VIRTUAL_ENV/bin/python3); their output printed when they end"
+# Two pytest runs: the trained-proxy smoke test (a minute of JAX training, then three forwards)
+# and all the others, those in three pytest-xdist workers, a test file to a worker (most of
+# their time is waiting: the two-minute chaos run, servers, child processes), so no file waits
+# for another.
+echo "== Python tests in the background (pytest scripts/tests/test_train_k3.py, and pytest -n 3"
+echo "   scripts/tests without it: three workers, a file to each; $VIRTUAL_ENV/bin/python3); their"
+echo "   output printed when they end"
 PY_T=$SECONDS
-( python3 -m pytest -q -rs --durations=12 -p no:cacheprovider --ignore=scripts/tests/test_train_k3.py \
-    scripts/tests > "$LOGS/python.log" 2>&1
+( python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n 3 --dist loadfile \
+    --ignore=scripts/tests/test_train_k3.py scripts/tests > "$LOGS/python.log" 2>&1
   echo $? > "$LOGS/python.rc"; echo $((SECONDS - PY_T)) > "$LOGS/python.secs" ) &
 PY=$!
 ( python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
