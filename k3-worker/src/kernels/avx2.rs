@@ -156,10 +156,13 @@ pub(super) trait Rows {
     fn prefetch_row(&self, _i: usize) {}
 }
 
-/// Hints the cache to fetch the `bytes` bytes at `p`, a 64-byte line at a time.
+/// Hints the cache to fetch the `bytes` bytes at `p`, one 64-byte line at a time, spread out:
+/// `black_box` keeps the loop from being unrolled into a burst of back-to-back prefetches,
+/// which the CPU served worse (see [`short_row_ahead`]).
 #[inline(never)]
 fn prefetch_lines(p: *const u8, bytes: usize) {
     for o in (0..bytes).step_by(64) {
+        let o = std::hint::black_box(o);
         // SAFETY: SSE is part of every x86-64 CPU; a prefetch only hints the cache, never
         // faults and reads nothing the program sees, whatever the address (the pointer is
         // formed with `wrapping_add` and not dereferenced).
@@ -181,10 +184,11 @@ const PREFETCH_ROWS: usize = 8;
 /// waited on its weight loads (`perf annotate`: most samples on the instruction after each
 /// row's load): `small`'s lm_head over 4 tokens took ~3× its one-token time on one Zen 4 thread,
 /// where one token reads one row at a time, a single sequential stream. Long rows train the
-/// prefetcher within the row. The lines are requested a row at a time out of line
-/// ([`prefetch_lines`]): the same requests inlined and unrolled into one burst of 32 gained
-/// about a third as much (`k3-worker --batch` of 4 × 160 ids on `small`, `--threads 1`, user
-/// CPU under load: 3.0 s without, 2.6 s burst, 2.2 s out of line).
+/// prefetcher within the row. How the requests are issued mattered as much as issuing them
+/// (`k3-worker --batch` of 4 × 160 ids on `small`, `--threads 1`, user CPU under load, same
+/// runs): no prefetch 3.0 s; the 32 lines of a row block inlined and unrolled into one burst
+/// 2.6 s; a row's 8 lines a call ([`prefetch_lines`] out of line) 2.1 s; the same with the loop
+/// kept rolled, one line an iteration, 1.7 s.
 #[inline]
 pub(super) fn short_row_ahead(cols: usize, tokens: usize) -> usize {
     if tokens > 1 && 2 * cols <= SHORT_ROW_BYTES {
