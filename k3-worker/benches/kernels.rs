@@ -14,7 +14,8 @@
 //! matmul of 5 and 16 tokens at 12288×7168.
 //!
 //! FMA peak: each tier's probe (16 independent FMA chains per thread), GMAC/s at 1 and 2
-//! threads. Multi-token sweep (issues 30, 33 and 48): bf16 raw, EC-BF16 coded (widths 4 and 3)
+//! threads. Multi-token sweep (issues 30, 33 and 48): bf16 raw (and `small`'s lm_head shape
+//! 163840×256 at K = 1, 2, 4), EC-BF16 coded (widths 4 and 3)
 //! and int8/int4 quantized (the quantized trunk's stored matrices, each tier checked bit for bit
 //! against the scalar twin) at 12288×7168 and MXFP4 at one expert's 3072×3584, K = 1, 2, 4, 8,
 //! 16 tokens, each against its
@@ -729,6 +730,28 @@ fn sweep(
                         mem_gbs: mem_at(threads),
                         peak_gmacs: peak_at(k.tier(), threads),
                     });
+                    if n <= 4 {
+                        // Short rows: `small`'s lm_head (163840 × 256, 84 MB, the first bytes
+                        // of the same matrix) at the batch sizes of a 4-slot serve step — the
+                        // multi-token blocks' short-row prefetch (avx2::short_row_ahead).
+                        let (sr, sc) = (163_840usize, 256usize);
+                        let w = &raw[..sr * sc * 2];
+                        let mut y = vec![0.0f32; n * sr];
+                        let s = time(args.reps, threads, || {
+                            k.matmul_bf16(black_box(w), sr, sc, &x[..n * sc], n, &mut y);
+                            black_box(&y);
+                        });
+                        rows.push(Row {
+                            kernel: format!("bf16 {sr}x{sc} K={n}"),
+                            tier: k.tier(),
+                            threads,
+                            stat: s,
+                            bytes: w.len() as f64,
+                            macs: (sr * sc * n) as f64,
+                            mem_gbs: mem_at(threads),
+                            peak_gmacs: peak_at(k.tier(), threads),
+                        });
+                    }
                     if n > 2 {
                         // The same product with the strip kernels (each weight decoded once
                         // for all tokens; off by default), same run.

@@ -150,6 +150,52 @@ pub(super) trait Rows {
     unsafe fn block(&self, i: usize, b: usize) -> [__m256i; 2];
     /// Raw bf16 bytes of row `i` from column `32·⌊cols/32⌋` to the end (`buf` as scratch).
     fn rest<'s>(&'s self, i: usize, buf: &'s mut [u8; 64]) -> &'s [u8];
+    /// Asks the cache for row `i`'s bytes ahead of their use (see [`short_row_ahead`]); `i`
+    /// may lie past the last row (a prefetch is a hint and never faults). A no-op by default.
+    #[inline]
+    fn prefetch_row(&self, _i: usize) {}
+}
+
+/// Hints the cache to fetch the `bytes` bytes at `p`, one 64-byte line at a time, spread out:
+/// `black_box` keeps the loop from being unrolled into a burst of back-to-back prefetches,
+/// which the CPU served worse (see [`short_row_ahead`]).
+#[inline(never)]
+fn prefetch_lines(p: *const u8, bytes: usize) {
+    for o in (0..bytes).step_by(64) {
+        let o = std::hint::black_box(o);
+        // SAFETY: SSE is part of every x86-64 CPU; a prefetch only hints the cache, never
+        // faults and reads nothing the program sees, whatever the address (the pointer is
+        // formed with `wrapping_add` and not dereferenced).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8) };
+    }
+}
+
+/// Rows of at most this many bytes are "short" for the multi-token blocks' prefetch.
+const SHORT_ROW_BYTES: usize = 1024;
+/// How many rows ahead the multi-token blocks prefetch short rows (4 KB at 256 columns).
+const PREFETCH_ROWS: usize = 8;
+
+/// Rows ahead to prefetch for a block of `T` tokens over rows of `cols` bf16: `PREFETCH_ROWS`
+/// for short rows and more than one token, else 0 (none).
+///
+/// Why: a block of R rows reads them interleaved, 64 bytes of each in turn, and each row's load
+/// is its own instruction. A short row (`small`'s lm_head: 163840 × 256, 512 bytes a row) ends
+/// after 8 such loads, too few for the CPU's stride prefetcher to follow, so the 4-token block
+/// waited on its weight loads (`perf annotate`: most samples on the instruction after each
+/// row's load): `small`'s lm_head over 4 tokens took ~3× its one-token time on one Zen 4 thread,
+/// where one token reads one row at a time, a single sequential stream. Long rows train the
+/// prefetcher within the row. How the requests are issued mattered as much as issuing them
+/// (`k3-worker --batch` of 4 × 160 ids on `small`, `--threads 1`, user CPU under load, same
+/// runs): no prefetch 3.0 s; the 32 lines of a row block inlined and unrolled into one burst
+/// 2.6 s; a row's 8 lines a call ([`prefetch_lines`] out of line) 2.1 s; the same with the loop
+/// kept rolled, one line an iteration, 1.7 s.
+#[inline]
+pub(super) fn short_row_ahead(cols: usize, tokens: usize) -> usize {
+    if tokens > 1 && 2 * cols <= SHORT_ROW_BYTES {
+        PREFETCH_ROWS
+    } else {
+        0
+    }
 }
 
 /// Raw bf16 rows (`2·cols` bytes each).
@@ -190,6 +236,11 @@ impl Rows for RawRows<'_> {
     fn rest<'s>(&'s self, i: usize, _buf: &'s mut [u8; 64]) -> &'s [u8] {
         let rb = 2 * self.cols;
         &self.w[i * rb + 2 * (self.cols / 32 * 32)..(i + 1) * rb]
+    }
+    #[inline]
+    fn prefetch_row(&self, i: usize) {
+        let rb = 2 * self.cols;
+        prefetch_lines(self.w.as_ptr().wrapping_add(i * rb), rb);
     }
 }
 
@@ -532,8 +583,12 @@ unsafe fn bf16_tokens<S: Rows, const R: usize, const T: usize>(
     out: &mut [f32],
 ) {
     let k = src.rows();
+    let ahead = short_row_ahead(src.cols(), T);
     let mut r = 0;
     while r + R <= k {
+        if ahead > 0 {
+            (r + ahead..r + ahead + R).for_each(|i| src.prefetch_row(i));
+        }
         // SAFETY: CPU features are this function's contract.
         unsafe { bf16_block::<S, R, T>(src, x, n, r, t0, out) };
         r += R;

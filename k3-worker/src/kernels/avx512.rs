@@ -318,8 +318,12 @@ unsafe fn bf16_tokens<S: Rows, const R: usize, const T: usize>(
     out: &mut [f32],
 ) {
     let k = src.rows();
+    let ahead = avx2::short_row_ahead(src.cols(), T);
     let mut r = 0;
     while r + R <= k {
+        if ahead > 0 {
+            (r + ahead..r + ahead + R).for_each(|i| src.prefetch_row(i));
+        }
         // SAFETY: CPU features are this function's contract.
         unsafe { bf16_block::<S, R, T>(src, x, n, r, t0, out) };
         r += R;

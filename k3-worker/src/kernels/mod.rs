@@ -560,14 +560,25 @@ where
     if n == 1 {
         run(y);
     } else {
-        // Rows-major scratch so each task owns a contiguous slice, then transpose to [n, rows].
+        // Rows-major scratch so each task owns a contiguous slice, then transpose to [n, rows]:
+        // each token's row gathered from `t` (every value of `t` is written by `f`, so a
+        // buffer of the right length is not zeroed first), the tokens in parallel with the
+        // kernel's own split (a 163840-row lm_head's 4 tokens move 2.6 MB: ~1 ms on one thread).
         with_buffer(&ROWS_MAJOR, |t| {
-            let t = zeroed(t, rows * n);
+            if t.len() != rows * n {
+                zeroed(t, rows * n);
+            }
             run(t);
-            for (r, vals) in t.chunks_exact(n).enumerate() {
-                for (tok, &v) in vals.iter().enumerate() {
-                    y[tok * rows + r] = v;
+            let t = &t[..];
+            let gather = |(tok, yt): (usize, &mut [f32])| {
+                for (d, &v) in yt.iter_mut().zip(t[tok..].iter().step_by(n)) {
+                    *d = v;
                 }
+            };
+            if serial {
+                y.chunks_exact_mut(rows).enumerate().for_each(gather);
+            } else {
+                y.par_chunks_exact_mut(rows).enumerate().for_each(gather);
             }
         });
     }
