@@ -90,11 +90,11 @@ echo "   output printed when they end"
 PY_T=$SECONDS
 ( python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n 3 --dist loadfile \
     --ignore=scripts/tests/test_train_k3.py scripts/tests > "$LOGS/python.log" 2>&1
-  echo $? > "$LOGS/python.rc"; echo $((SECONDS - PY_T)) > "$LOGS/python.secs" ) &
+  rc=$?; echo $((SECONDS - PY_T)) > "$LOGS/python.secs"; exit $rc ) &
 PY=$!
 ( python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
     > "$LOGS/train.log" 2>&1
-  echo $? > "$LOGS/train.rc"; echo $((SECONDS - PY_T)) > "$LOGS/train.secs" ) &
+  rc=$?; echo $((SECONDS - PY_T)) > "$LOGS/train.secs"; exit $rc ) &
 TRAIN=$!
 
 echo "== Rust tests (cargo test --workspace --no-fail-fast: every test binary runs, failures listed at the end)"
@@ -103,16 +103,19 @@ rust_rc=0
 cargo test --workspace --no-fail-fast 2>&1 | python3 scripts/test_times.py --slowest 10 || rust_rc=$?
 part "Rust tests (cargo test --workspace; beside the Python tests)" $((SECONDS - t))
 
-wait "$PY" "$TRAIN" || true
+# Each stream's exit status is its pytest's, taken from `wait` (a status file could be read
+# before it is written).
+py_rc=0
+wait "$PY" || py_rc=$?
+train_rc=0
+wait "$TRAIN" || train_rc=$?
 echo
 echo "== Python tests: output"
 cat "$LOGS/python.log"
 echo "== the trained-proxy smoke test (scripts/tests/test_train_k3.py): output"
 cat "$LOGS/train.log"
-part "Python tests (pytest scripts/tests; beside the Rust tests)" "$(cat "$LOGS/python.secs")"
+part "Python tests (pytest -n 3 scripts/tests; beside the Rust tests)" "$(cat "$LOGS/python.secs")"
 part "Python: the trained-proxy smoke test (beside the others)" "$(cat "$LOGS/train.secs")"
-py_rc=$(cat "$LOGS/python.rc")
-train_rc=$(cat "$LOGS/train.rc")
 
 if [ "$rust_rc" != 0 ] || [ "$py_rc" != 0 ] || [ "$train_rc" != 0 ]; then
   echo "== FAILED: Rust tests exit $rust_rc, Python tests exit $py_rc, trained-proxy test exit $train_rc" >&2

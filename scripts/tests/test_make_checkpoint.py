@@ -500,9 +500,18 @@ def _temporaries(d):
 def _started(out, timeout=60):
     """Start writing the `small` checkpoint into `out`; return the process once its first
     temporary shard exists (mid-write: a shard takes seconds)."""
+    import signal
     import time
+
+    def interruptible():
+        # A writer started from a background job inherits SIGINT ignored (POSIX shells ignore it
+        # for asynchronous commands) and Python keeps it so: the writer a user interrupts is a
+        # foreground one, with SIGINT's default action, which Python turns into KeyboardInterrupt.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     p = subprocess.Popen([sys.executable, SCRIPT, "--preset", "small", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=interruptible)
     t0 = time.monotonic()
     while not _temporaries(out):
         assert p.poll() is None, f"finished before it could be interrupted: {p.communicate()}"
