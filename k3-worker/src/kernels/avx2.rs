@@ -669,7 +669,7 @@ unsafe fn rows_kernel<S: Rows>(src: &S, x: &[f32], n: usize, out: &mut [f32], st
 /// Row kernel: `out [k, n]` for the `k = w.len() / (2·cols)` rows in `w`.
 ///
 /// # Safety
-/// The CPU supports AVX2 and FMA. (Lengths are checked here.)
+/// The CPU supports AVX2 and FMA. (The shape is checked by the caller, `kernels::quant`.)
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn bf16_rows(
     w: &[u8],
@@ -687,7 +687,7 @@ pub(super) unsafe fn bf16_rows(
 /// [`bf16_rows`] on the decoded matrix.
 ///
 /// # Safety
-/// The CPU supports AVX2 and FMA. (Lengths are checked here.)
+/// The CPU supports AVX2 and FMA. (The shape is checked by the caller, `kernels::quant`.)
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn coded_rows(
     m: &CodedMatrix<'_>,
@@ -871,7 +871,7 @@ unsafe fn dot_mxfp4<const T: usize>(
 /// 16 columns rearranged `[8 even | 8 odd]`.
 ///
 /// # Safety
-/// The CPU supports AVX2 and FMA. (Lengths are checked here.)
+/// The CPU supports AVX2 and FMA. (The shape is checked by the caller, `kernels::quant`.)
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn mxfp4_rows(
     packed: &[u8],
@@ -1064,7 +1064,7 @@ pub(super) unsafe fn narrow_f32_row(row: &[u8], out: &mut [u8]) -> bool {
 /// the zero-padded rest into accumulator 1.
 ///
 /// # Safety
-/// The CPU supports AVX2 and FMA. (Lengths are checked here.)
+/// The CPU supports AVX2 and FMA. (The shape is checked by the caller, `kernels::quant`.)
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot_f32 lengths");
@@ -1259,26 +1259,22 @@ impl super::quant_loop::QuantDots for Avx2Dots {
     }
 }
 
-/// Row kernel for rows `r0 .. r0 + out.len()/n` of a quantized matrix: `out [k, n]`; `x [n,
+/// Row kernel for rows `r0 .. r0 + k` of a quantized matrix: `out [k, n]`; `x [n,
 /// cols]` in natural order (int8) or split per 32 columns (int4). Within the 16 ymm registers:
 /// int8 (4 accumulators a pair) 2 tokens with 1 row or 1 token with 2 rows; int4 (2 a pair) 2
 /// tokens with 2 rows or 1 token with 4 rows.
 ///
 /// # Safety
-/// The CPU supports AVX2 and FMA. (Lengths are checked here.)
+/// The CPU supports AVX2 and FMA. (The shape is checked by the caller, `kernels::quant`.)
 #[target_feature(enable = "avx2,fma")]
 pub(super) unsafe fn quant_rows(
     m: &k3_proto::quant::QuantMatrix<'_>,
     r0: usize,
+    k: usize,
     x: &[f32],
     n: usize,
     out: &mut [f32],
 ) {
-    let cols = m.cols();
-    assert!(n > 0 && cols.is_multiple_of(32), "quant shape");
-    assert_eq!(x.len(), n * cols, "quant rows input");
-    let k = out.len() / n;
-    assert!(out.len() == k * n && r0 + k <= m.rows(), "quant rows range");
     let mut t = 0;
     if m.kind() == k3_proto::quant::QuantKind::Int8 {
         while t + 2 <= n {

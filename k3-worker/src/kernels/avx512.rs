@@ -679,7 +679,8 @@ unsafe fn mxfp4_token_block<const T: usize>(
 /// 32-column group rearranged `[even | odd]`.
 ///
 /// # Safety
-/// The CPU supports AVX-512 F, BW, VL and FMA. (Lengths are checked here.)
+/// The CPU supports AVX-512 F, BW, VL and FMA. (The shape is checked by the caller,
+/// `kernels::quant`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 pub(super) unsafe fn mxfp4_rows(
     packed: &[u8],
@@ -1020,26 +1021,23 @@ impl super::quant_loop::QuantDots for Avx512Dots {
     }
 }
 
-/// Row kernel for rows `r0 .. r0 + out.len()/n` of a quantized matrix: `out [k, n]`; `x [n,
+/// Row kernel for rows `r0 .. r0 + k` of a quantized matrix: `out [k, n]`; `x [n,
 /// cols]` in natural order (int8) or split per 32 columns (int4). Tokens in blocks of 4 with 2
 /// rows at a time (int8: 16 accumulators; int4: 8), then the rest; a single token with 4
 /// (int8) or 8 (int4) rows at a time, 8 independent FMA chains either way.
 ///
 /// # Safety
-/// The CPU supports AVX-512 F, BW, VL and FMA. (Lengths are checked here.)
+/// The CPU supports AVX-512 F, BW, VL and FMA. (The shape is checked by the caller,
+/// `kernels::quant`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 pub(super) unsafe fn quant_rows(
     m: &k3_proto::quant::QuantMatrix<'_>,
     r0: usize,
+    k: usize,
     x: &[f32],
     n: usize,
     out: &mut [f32],
 ) {
-    let cols = m.cols();
-    assert!(n > 0 && cols.is_multiple_of(32), "quant shape");
-    assert_eq!(x.len(), n * cols, "quant rows input");
-    let k = out.len() / n;
-    assert!(out.len() == k * n && r0 + k <= m.rows(), "quant rows range");
     let int8 = m.kind() == k3_proto::quant::QuantKind::Int8;
     let mut t = 0;
     while t + 4 <= n {

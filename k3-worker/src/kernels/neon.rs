@@ -1073,25 +1073,22 @@ impl super::quant_loop::QuantDots for NeonDots {
     }
 }
 
-/// Row kernel for rows `r0 .. r0 + out.len()/n` of a quantized matrix (`out [k, n]`; `x [n,
+/// Row kernel for rows `r0 .. r0 + k` of a quantized matrix (`out [k, n]`; `x [n,
 /// cols]` in natural order for int8, split per 32 columns for int4): two tokens a block with
 /// one row, a last single token with two rows (eight or four accumulator vectors a pair within
 /// the 32 registers).
 ///
 /// # Safety
-/// As [`bf16_rows`]. (Lengths are checked here.)
+/// As [`bf16_rows`]. (The shape is checked by the caller, `kernels::quant`.)
 #[target_feature(enable = "neon")]
 pub(super) unsafe fn quant_rows(
     m: &k3_proto::quant::QuantMatrix<'_>,
     r0: usize,
+    k: usize,
     x: &[f32],
     n: usize,
     out: &mut [f32],
 ) {
-    let cols = m.cols();
-    assert_eq!(x.len(), n * cols, "quant rows input");
-    let k = out.len() / n;
-    assert!(out.len() == k * n && r0 + k <= m.rows(), "quant rows range");
     let mut t = 0;
     while t + 2 <= n {
         // SAFETY: NEON is part of every aarch64 CPU.

@@ -30,22 +30,29 @@ pub fn matmul_quant(m: &QuantMatrix<'_>, x: &[f32], n: usize, y: &mut [f32]) {
     Kernels::active().matmul_quant(m, x, n, y)
 }
 
-/// The row kernel of `tier` for rows `r0 .. r0 + out.len()/n` (`out [k, n]`).
+/// The row kernel of `tier` for rows `r0 .. r0 + k` (`out [k, n]`, `k = out.len()/n`). The
+/// task's shape is checked here, once for every tier: the tiers' kernels take `k` as given.
 fn quant_rows(tier: Tier, m: &QuantMatrix<'_>, r0: usize, x: &[f32], n: usize, out: &mut [f32]) {
+    let cols = m.cols();
+    assert!(n > 0 && cols.is_multiple_of(GROUP), "quant shape");
+    assert_eq!(x.len(), n * cols, "quant rows input");
+    let k = out.len() / n;
+    assert!(out.len() == k * n && r0 + k <= m.rows(), "quant rows range");
     match tier {
-        Tier::Scalar => scalar::quant_rows(m, r0, x, n, out),
+        Tier::Scalar => scalar::quant_rows(m, r0, k, x, n, out),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Kernels` values exist only for tiers whose CPU features were detected
-        // (`Kernels::new` / `active_tier`); the callee checks every length.
-        Tier::Avx2 => unsafe { super::avx2::quant_rows(m, r0, x, n, out) },
+        // (`Kernels::new` / `active_tier`); the shape is checked above (and every row, token
+        // and output the kernels touch is sliced with bounds checks, `quant_loop::block`).
+        Tier::Avx2 => unsafe { super::avx2::quant_rows(m, r0, k, x, n, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above, AVX-512 F/BW/VL and FMA were detected.
-        Tier::Avx512 => unsafe { super::avx512::quant_rows(m, r0, x, n, out) },
+        Tier::Avx512 => unsafe { super::avx512::quant_rows(m, r0, k, x, n, out) },
         #[cfg(all(target_arch = "aarch64", target_endian = "little"))]
         // SAFETY: as above, NEON was detected (every aarch64 CPU has it).
-        Tier::Neon => unsafe { super::neon::quant_rows(m, r0, x, n, out) },
+        Tier::Neon => unsafe { super::neon::quant_rows(m, r0, k, x, n, out) },
         #[allow(unreachable_patterns)] // every tier of this architecture is matched above
-        _ => scalar::quant_rows(m, r0, x, n, out),
+        _ => scalar::quant_rows(m, r0, k, x, n, out),
     }
 }
 

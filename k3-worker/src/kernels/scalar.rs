@@ -353,22 +353,21 @@ pub(super) fn q4_dot(codes: &[u8], scales: &[u8], xs: &[f32]) -> f32 {
     halving_sum(&mut acc)
 }
 
-/// Row kernel of the scalar tier for rows `r0 .. r0 + out.len()/n` of a quantized matrix:
+/// Row kernel of the scalar tier for rows `r0 .. r0 + k` of a quantized matrix (the shape
+/// checked by `kernels::quant`):
 /// `out [k, n]`; `x [n, cols]` in natural order (int8) or split per 32 columns (int4,
 /// `split_even_odd_rows` with 16 lanes).
 pub(super) fn quant_rows(
     m: &k3_proto::quant::QuantMatrix<'_>,
     r0: usize,
+    k: usize,
     x: &[f32],
     n: usize,
     out: &mut [f32],
 ) {
     let cols = m.cols();
-    assert_eq!(x.len(), n * cols, "quant rows input");
-    let k = out.len() / n;
-    assert!(r0 + k <= m.rows(), "quant rows range");
     let (qb, sb) = m.kind().sizes(1, cols);
-    for (i, o) in out.chunks_exact_mut(n).enumerate() {
+    for (i, o) in out[..k * n].chunks_exact_mut(n).enumerate() {
         let r = r0 + i;
         let (q, s) = (
             &m.codes()[r * qb..(r + 1) * qb],
