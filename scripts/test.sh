@@ -54,7 +54,8 @@ echo "== in the background while cargo builds: the trained-proxy test's JAX envi
 echo "   $CACHE (scripts/train_k3.py --setup; installs and downloads only what is not there yet:"
 echo "   about 630 MB from PyPI once per machine); its log is printed when the build is done"
 SETUP_T=$SECONDS
-( python3 scripts/train_k3.py --setup > "$LOGS/setup.log" 2>&1; echo $? > "$LOGS/setup.rc"
+( rc=0; python3 scripts/train_k3.py --setup > "$LOGS/setup.log" 2>&1 || rc=$?
+  echo $rc > "$LOGS/setup.rc"
   echo $((SECONDS - SETUP_T)) > "$LOGS/setup.secs" ) &
 SETUP=$!
 
@@ -88,13 +89,14 @@ echo "== Python tests in the background (pytest scripts/tests/test_train_k3.py, 
 echo "   scripts/tests without it: three workers, a file to each; $VIRTUAL_ENV/bin/python3); their"
 echo "   output printed when they end"
 PY_T=$SECONDS
-( python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n 3 --dist loadfile \
-    --ignore=scripts/tests/test_train_k3.py scripts/tests > "$LOGS/python.log" 2>&1
-  rc=$?; echo $((SECONDS - PY_T)) > "$LOGS/python.secs"; exit $rc ) &
+# `|| rc=$?`: under `set -e` a failing pytest would end its subshell before its time is written.
+( rc=0; python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n 3 --dist loadfile \
+    --ignore=scripts/tests/test_train_k3.py scripts/tests > "$LOGS/python.log" 2>&1 || rc=$?
+  echo $((SECONDS - PY_T)) > "$LOGS/python.secs"; exit $rc ) &
 PY=$!
-( python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
-    > "$LOGS/train.log" 2>&1
-  rc=$?; echo $((SECONDS - PY_T)) > "$LOGS/train.secs"; exit $rc ) &
+( rc=0; python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
+    > "$LOGS/train.log" 2>&1 || rc=$?
+  echo $((SECONDS - PY_T)) > "$LOGS/train.secs"; exit $rc ) &
 TRAIN=$!
 
 echo "== Rust tests (cargo test --workspace --no-fail-fast: every test binary runs, failures listed at the end)"

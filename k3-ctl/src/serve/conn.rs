@@ -6,9 +6,11 @@
 //!   address first: a client that opens connections and trickles (or stops sending) cannot keep
 //!   a fresh request out. Only when every connection is busy with a request is a new one
 //!   answered 503 at once.
-//! - **Deadlines.** A request head must arrive within [`Limits::head`] (hyper's timer), a body
-//!   within [`Limits::body`] (408, `parse` in `http`); a connection idle between requests is
-//!   closed after [`Limits::idle`].
+//! - **Deadlines.** A request head must arrive whole within [`Limits::head`] of its first byte,
+//!   a body within [`Limits::body`] (408, `parse` in `http`); a connection that waits for the
+//!   first byte of a request is closed after [`Limits::idle`]. The watcher keeps the head's
+//!   deadline, not hyper's header timer: that one also runs while a kept-alive connection waits
+//!   for its next request, so it would close every idle connection after the head's time.
 //! - **Disconnects noticed on every path.** While a request is busy, a watcher looks at the
 //!   socket every [`WATCH_EVERY`] without reading it (`MSG_PEEK`). The end of the client's
 //!   sending side alone is not a departure (a half-closed client still reads its answer), so when
@@ -113,6 +115,8 @@ const IDLE: u8 = 0;
 const READING: u8 = 1;
 /// A whole request is being answered.
 const BUSY: u8 = 2;
+/// The first bytes of a request head arrived; the rest of it is still coming.
+const HEAD: u8 = 3;
 
 /// One connection's state, shared by its socket, its requests and its watcher.
 #[derive(Debug)]
@@ -152,10 +156,13 @@ impl Conn {
         }
     }
 
-    /// Keep `bytes` read from the socket when they may hold the next request head.
+    /// Keep `bytes` read from the socket when they may hold the next request head (the first
+    /// of them start the head's deadline).
     fn record(&self, bytes: &[u8]) {
-        if self.phase.load(Ordering::Acquire) != IDLE {
-            return;
+        match self.phase.load(Ordering::Acquire) {
+            IDLE if !bytes.is_empty() => self.set(HEAD),
+            HEAD => {}
+            _ => return,
         }
         if let Ok(mut h) = self.head.lock() {
             let room = HEAD_RECORD.saturating_sub(h.0.len());
@@ -451,6 +458,7 @@ pub async fn watch(conn: Arc<Conn>, tcp: Arc<TcpStream>, limits: Limits) {
         let why = match phase {
             _ if conn.failed.load(Ordering::Acquire) => Some("client gone (socket failed)"),
             IDLE if since > limits.idle => Some("idle"),
+            HEAD if since > limits.head => Some("request head too slow"),
             READING if since > limits.body + Duration::from_secs(5) => Some("body too slow"),
             BUSY => match peek(&tcp) {
                 Peek::Gone => Some("client gone"),
@@ -573,6 +581,39 @@ mod tests {
         c.record(cl.as_bytes());
         c.request(true);
         assert!(!c.framing().unwrap().conflicts());
+    }
+
+    #[test]
+    fn the_heads_deadline_starts_at_its_first_byte_not_while_the_connection_waits() {
+        let c = Conn::new("127.0.0.1:1".parse().unwrap());
+        c.record(b"");
+        assert_eq!(
+            c.phase().0,
+            IDLE,
+            "nothing read: still waiting (the idle deadline)"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        c.record(b"GET / HT");
+        let (phase, since) = c.phase();
+        assert_eq!(phase, HEAD);
+        assert!(
+            since < Duration::from_millis(300),
+            "the head's clock starts at its first byte"
+        );
+        c.record(b"TP/1.1\r\n");
+        assert_eq!(c.phase().0, HEAD);
+        c.request(false);
+        assert_eq!(c.phase().0, BUSY);
+        c.record(b"GET /next HTTP/1.1\r\n"); // pipelined while busy: not a head yet
+        assert_eq!(c.phase().0, BUSY);
+        c.answered();
+        assert_eq!(c.phase().0, IDLE, "kept alive: back to the idle deadline");
+        assert!(c.evictable());
+        c.record(b"G");
+        assert!(
+            c.evictable(),
+            "a head still coming may be closed to make room"
+        );
     }
 
     /// True when `close` was called (the permit is stored).

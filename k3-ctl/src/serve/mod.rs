@@ -120,7 +120,7 @@ pub struct Args {
     /// Most open connections from one client address.
     #[arg(long, value_name = "N", default_value_t = 32)]
     pub max_connections_per_client: usize,
-    /// Seconds a client has to send a request head; its body gets as long again.
+    /// Seconds a client has to send a request head from its first byte; its body gets as long again.
     #[arg(long, value_name = "S", default_value_t = 10)]
     pub request_timeout: u64,
     /// Seconds a connection may stay idle between requests.
@@ -597,7 +597,8 @@ async fn serve(
     let limits = registry.limits();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
-        .header_read_timeout(limits.head)
+        // conn::watch keeps the head's deadline (hyper's would also cut idle connections).
+        .header_read_timeout(None)
         .max_header_size(conn::MAX_HEAD_BYTES)
         .max_headers(conn::MAX_HEADERS)
         // A client that ends its sending side after its request still gets its answer
