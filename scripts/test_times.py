@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Pass `cargo test` output through unchanged and time each test binary (standard library only).
+"""Pass `cargo test` output through unchanged and time each test binary; or sum a pytest JUnit
+report per test file (standard library only).
 
     cargo test --workspace 2>&1 | python3 scripts/test_times.py [--slowest N]
+    python3 scripts/test_times.py --junit REPORT.xml [--slowest N]
 
 Cargo runs the test binaries one after another and announces each with a `Running …` or
 `Doc-tests …` line; the time from one announcement to the next is that binary's (its own run, as
@@ -11,9 +13,11 @@ pipefail`).
 """
 from __future__ import annotations
 
+import collections
 import re
 import sys
 import time
+import xml.etree.ElementTree as ET
 
 ANNOUNCE = re.compile(r"^\s*(Running|Doc-tests)\s+(.*?)\s*$")
 
@@ -26,10 +30,35 @@ def label(kind: str, rest: str) -> str:
     return f"doc-tests {rest}" if kind == "Doc-tests" else rest
 
 
+def per_file(report: str, slowest: int) -> int:
+    """Each test file's time: the sum of its tests' (pytest's JUnit `time` is setup, call and
+    teardown, so a module fixture counts in the test that first asks for it)."""
+    files: dict[str, float] = collections.defaultdict(float)
+    counts: collections.Counter[str] = collections.Counter()
+    for case in ET.parse(report).getroot().iter("testcase"):
+        # classname: `scripts.tests.test_x` (or `….test_x.TestClass`): the module's path
+        parts = case.get("classname", "?").split(".")
+        mod = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)
+        name = "/".join(parts[:mod + 1]) + ".py"
+        files[name] += float(case.get("time", 0))
+        counts[name] += 1
+    total = sum(files.values())
+    print(f"== Python test files: {len(files)}, {sum(counts.values())} tests, {total:.0f} s "
+          f"summed over the workers; the slowest:")
+    for name, secs in sorted(files.items(), key=lambda kv: -kv[1])[:slowest]:
+        print(f"   {secs:7.1f} s  {name} ({counts[name]} tests)")
+    return 0
+
+
 def main() -> int:
+    args = sys.argv[1:]
     slowest = 10
-    if len(sys.argv) == 3 and sys.argv[1] == "--slowest":
-        slowest = int(sys.argv[2])
+    if "--slowest" in args:
+        i = args.index("--slowest")
+        slowest = int(args[i + 1])
+        del args[i:i + 2]
+    if len(args) == 2 and args[0] == "--junit":
+        return per_file(args[1], slowest)
     times: list[tuple[float, str]] = []
     current, since = None, time.monotonic()
     t0 = since
