@@ -135,22 +135,38 @@ PY=$!
 TRAIN=$!
 
 # Two cargo runs side by side (cargo runs one test binary at a time, and the end-to-end ones
-# mostly wait on the processes they start): the end-to-end crate (tests/), and the rest of the
-# workspace. Both use the one build above (the same features: cargo compiles nothing here).
-echo "== Rust tests in two lanes, every test binary run, failures listed at the end of each:"
-echo "   cargo test -p k3-tests --no-fail-fast (in the background, its output printed when it ends)"
-echo "   cargo test --workspace --exclude k3-tests --no-fail-fast"
+# mostly wait on the processes they start): the end-to-end crate's test files (tests/tests/);
+# and the libraries' and binaries' unit tests, every other crate's test files, then the doc
+# tests. Both select the whole workspace and name their test files (from `cargo metadata`), so
+# both use the one build above (`-p k3-tests` would unify other features and build again).
+LANES=$(cargo metadata --format-version 1 --no-deps | python3 -c '
+import json, sys
+pk = json.load(sys.stdin)["packages"]
+names = lambda p: [t["name"] for t in p["targets"] if "test" in t["kind"]]
+e2e = [n for p in pk if p["name"] == "k3-tests" for n in names(p)]
+other = sorted({n for p in pk if p["name"] != "k3-tests" for n in names(p)})
+if not e2e or set(e2e) & set(other):
+    sys.exit(f"tests/tests/ must hold test files named unlike any other crate'"'"'s: {e2e}, {other}")
+print(" ".join(e2e)); print(" ".join(other))')
+E2E=(); OTHER=()
+for name in $(sed -n 1p <<< "$LANES"); do E2E+=(--test "$name"); done
+for name in $(sed -n 2p <<< "$LANES"); do OTHER+=(--test "$name"); done
+echo "== Rust tests in two lanes (every test binary runs; failures listed at the end of each):"
+echo "   tests/tests/ ($(( ${#E2E[@]} / 2 )) files: cargo test --workspace --no-fail-fast --test …; in the"
+echo "   background, its output printed when it ends), and the rest ($(( ${#OTHER[@]} / 2 )) test files and the"
+echo "   unit tests: cargo test --workspace --no-fail-fast --lib --bins --test …; then --doc)"
 t=$SECONDS
-( rc=0; cargo test -p k3-tests --no-fail-fast 2>&1 | python3 scripts/test_times.py --slowest 10 \
+( rc=0; cargo test --workspace --no-fail-fast "${E2E[@]}" 2>&1 | python3 scripts/test_times.py --slowest 10 \
     > "$LOGS/rust-e2e.log" || rc=$?
   echo $((SECONDS - t)) > "$LOGS/rust-e2e.secs"; exit $rc ) &
 RUST_E2E=$!
 rust_rc=0
-cargo test --workspace --exclude k3-tests --no-fail-fast 2>&1 | python3 scripts/test_times.py --slowest 10 \
-  || rust_rc=$?
+( rc=0; cargo test --workspace --no-fail-fast --lib --bins "${OTHER[@]}" 2>&1 || rc=$?
+  cargo test --workspace --no-fail-fast --doc 2>&1 || rc=$?; exit $rc ) \
+  | python3 scripts/test_times.py --slowest 10 || rust_rc=$?
 part "Rust tests: the workspace's own (beside the others)" $((SECONDS - t))
 wait "$RUST_E2E" || rust_rc=$((rust_rc | $?))
-echo "== Rust end-to-end tests (cargo test -p k3-tests): output"
+echo "== Rust end-to-end tests (tests/tests/): output"
 cat "$LOGS/rust-e2e.log"
 part "Rust tests: end to end, tests/ (beside the others)" "$(cat "$LOGS/rust-e2e.secs")"
 

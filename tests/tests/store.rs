@@ -85,7 +85,7 @@ fn second_worker_finds_everything_resident_and_stats_add_up() {
     );
 
     // Plain decoding: the second job would otherwise draft from the first one's token stream
-    // (tests/tests/spec.rs) and request a different union of experts per pass.
+    // (tests/tests/spec_e2e.rs) and request a different union of experts per pass.
     let a = reference_run(&sb, &["--spec", "off"]);
     let b = reference_run(&sb, &["--spec", "off"]);
     // Every trunk layer is pinned in shared memory: neither worker reads trunk bytes.
