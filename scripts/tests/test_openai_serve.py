@@ -641,7 +641,7 @@ def test_slow_bodies_get_408_and_idle_connections_close(world):
     assert first.startswith(b"HTTP/1.1 200"), first
     rest = read_all(s)
     took = time.monotonic() - t0
-    assert rest == b"" and 2.7 < took < 10, (rest, took)
+    assert rest == b"" and 2.3 < took < 10, (rest, took)  # 2 s when the head's time cut it
     # A head sent byte by byte within the idle time but never finished is cut at its own
     # deadline, counted from its first byte.
     s = raw(srv.port, b"GET /v1/models/kimi-k3 HTTP/1.1\r\nHost: x\r\n\r\n")
