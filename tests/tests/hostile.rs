@@ -886,6 +886,7 @@ fn a_worker_stopped_with_expert_leases_does_not_fail_the_others_and_ps_names_it(
             let _ = a.kill9();
             continue;
         }
+        let requests_before = sb.stats()["lifetime"]["requests"].as_u64().unwrap();
         let t0 = Instant::now();
         let (r, j) = sb.worker_json(&["--ids", &ids, "--gen", "4", "--threads", "1"]);
         let took = t0.elapsed();
@@ -923,6 +924,14 @@ fn a_worker_stopped_with_expert_leases_does_not_fail_the_others_and_ps_names_it(
         assert!(job["lease_age_seconds"].as_f64().unwrap() >= 5.0, "{job}");
         assert!(
             sb.stats()["lifetime"]["private_reads"].as_u64().unwrap() >= private,
+            "{}",
+            sb.stats()
+        );
+        // The store's lifetime counts the private answers as requests like the job does (the
+        // stopped worker asks for nothing meanwhile): before, it fell short by them.
+        assert_eq!(
+            sb.stats()["lifetime"]["requests"].as_u64().unwrap() - requests_before,
+            j["expert_requests"].as_u64().unwrap(),
             "{}",
             sb.stats()
         );

@@ -470,6 +470,9 @@ impl StoreBackend {
         if log_due {
             g.extra.private_logged = Some(Instant::now());
         }
+        // The lifetime counts them as the job does (it counted only the arena's answers: its
+        // requests fell short of the jobs' sum by the private ones).
+        g.table.count_private(ids.len() as u64, u64::from(hits));
         if let Some(job) = g.extra.live.get_mut(&conn) {
             let c = &mut job.counters;
             c.requests += ids.len() as u64;

@@ -580,6 +580,15 @@ impl SlotTable {
         })
     }
 
+    /// Count a request of `requests` experts answered outside the arena (daemon mode: the
+    /// worker reads the `requests − resident_hits` that were not resident itself, because other
+    /// workers held the slots). They are demands like any other: the TRUE hit rate counts them.
+    pub fn count_private(&mut self, requests: u64, resident_hits: u64) {
+        self.counters.requests += requests;
+        self.counters.resident_hits += resident_hits;
+        self.counters.misses += requests.saturating_sub(resident_hits);
+    }
+
     /// Drop one lease on `slot`.
     pub fn release(&mut self, slot: usize) {
         self.leases[slot] = self.leases[slot].saturating_sub(1);
