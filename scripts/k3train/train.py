@@ -331,8 +331,14 @@ def reference(model_dir: Path, ids: list[int], n_gen: int, out_dir: Path | None,
     fwd = jax.jit(lambda p, x: model.logits(p, x, cfg)[0])
     seq = list(ids)
     rows = []
+    # Every step runs the same shape, the longest sequence (prompt + n_gen - 1), padded with id 0
+    # after the real ids, so jit compiles once rather than once per length (a compile costs
+    # seconds, the forward milliseconds). The model is causal: what follows a position does not
+    # change its logits, so row len(seq) - 1 is the one an unpadded run gives.
+    width = len(ids) + max(n_gen, 1) - 1
     for _ in range(n_gen):
-        lg = np.asarray(fwd(params, jnp.asarray([seq], dtype=jnp.int32)))[0, -1]
+        x = jnp.asarray([seq + [0] * (width - len(seq))], dtype=jnp.int32)
+        lg = np.asarray(fwd(params, x))[0, len(seq) - 1]
         rows.append(lg)
         seq.append(int(np.argmax(lg)))
     gen = seq[len(ids):]
