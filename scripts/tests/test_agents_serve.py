@@ -267,9 +267,11 @@ def test_messages_thinking_and_tool_results(world):
             {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"location": "Paris"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18C"}]},
     ]
-    m = c.messages.create(model=MODEL, max_tokens=1200, extra_body={"temperature": 0}, tools=[A_TOOL],
+    # A small budget (any budget under 4096 renders `thinking_effort=low`): what is checked is the
+    # rendering of the history, not a long generation (1,024 thinking ids took 90 s here).
+    m = c.messages.create(model=MODEL, max_tokens=24, extra_body={"temperature": 0}, tools=[A_TOOL],
                           messages=messages,
-                          thinking={"type": "enabled", "budget_tokens": 1024}, stop_sequences=["\n"])
+                          thinking={"type": "enabled", "budget_tokens": 16}, stop_sequences=["\n"])
     effort = ("`thinking_effort` guides on how much to think in your thinking channel (not including the "
               "response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the "
               "system is invoked with `thinking_effort=low`.")
