@@ -20,7 +20,7 @@
 #
 # Where the time goes (2 cores): the build, then four streams at the same time (each waits on
 # processes and I/O part of the time): two cargo test lanes (the end-to-end crate tests/, the rest), the
-# trained-proxy smoke test (a one-minute training) and the other Python tests in three workers.
+# trained-proxy smoke test (a ten-step training) and the other Python tests in three workers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -81,7 +81,7 @@ if [ "$(cat "$LOGS/setup.rc")" != 0 ]; then
 fi
 
 # ---- tests: Rust and Python side by side --------------------------------------------------------
-# Two pytest runs: the trained-proxy smoke test (a minute of JAX training, then three forwards)
+# Two pytest runs: the trained-proxy smoke test (ten steps of JAX training, then three forwards)
 # and all the others, those in three pytest-xdist workers, a test file to a worker (most of
 # their time is waiting: the two-minute chaos run, servers, child processes), so no file waits
 # for another.
