@@ -5,7 +5,8 @@
 #             experts::tests::slot_views_are_disjoint_and_inside_the_arena
 #                                 the routed-expert slot views (Arena::heap / Arena::over)
 #             experts::tests::table_lru_order_and_explicit_holders   the slot state machine
-#   k3-worker --test kernels      bf16 widening (all 65536 patterns, slice and scalar), the
+#   k3-worker --test worker_suite, its kernels:: tests:
+#                                 bf16 widening (all 65536 patterns, slice and scalar), the
 #                                 dot product's tails (lengths 0..4099), mxfp4 single columns,
 #                                 degenerate shapes and the length checks. Miri reports no CPU
 #                                 features, so only the scalar tier runs (the SIMD tiers' loads
@@ -50,6 +51,6 @@ KERNEL_TESTS=(
 )
 step "k3-worker kernels (scalar tier, Tree Borrows)"
 MIRIFLAGS="${MIRIFLAGS:-} -Zmiri-tree-borrows -Zmiri-deterministic-floats" \
-    cargo +nightly miri test -p k3-worker --test kernels -- "${KERNEL_TESTS[@]}"
+    cargo +nightly miri test -p k3-worker --test worker_suite -- "${KERNEL_TESTS[@]}"
 
 echo "miri: all selected tests passed in $((SECONDS - start)) s"

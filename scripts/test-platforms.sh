@@ -68,10 +68,12 @@ arm=(--target aarch64-unknown-linux-gnu)
 # (No separate aarch64 Linux clippy: the macOS lint above already covers the aarch64 code, the
 # x86-64 lint in .ci/run the Linux code.)
 
-# The engine's tests that run in-process (cli.rs runs the built binaries: x86-64 only; spec.rs,
-# speculative decoding, takes 6 minutes under emulation and tests no platform code).
-worker=(-p k3-worker --lib --test kernels --test gate --test layers --test forward --test generate
-  --test batch --test chat --test draft --test alloc)
+# The engine's tests that run in-process: the library's, alloc.rs, and the modules of the
+# worker_suite binary below (not cli::, which runs the built binaries: x86-64 only; not spec::,
+# speculative decoding, 6 minutes under emulation, no platform code; nor the tokenizer-heavy
+# constrain::, shaping:: and tools::, which test no platform code either).
+worker=(-p k3-worker --lib --test worker_suite --test alloc)
+suite_skips=(--skip cli:: --skip spec:: --skip constrain:: --skip shaping:: --skip tools::)
 
 echo "== aarch64 Linux: building the tests (cargo shows its progress)"
 cargo test --no-run "${arm[@]}" -p k3-proto -p k3-store
@@ -85,7 +87,9 @@ echo "== aarch64 Linux under $runner: engine (every kernel tier against the scal
 echo "   its bit-exact model, the tokenizer, the tiny model against the float64 reference's ids)"
 # (chat.rs's refusal test runs the built k3-worker binary, which an emulated process cannot
 # exec; it runs on x86-64 in scripts/test.sh.)
-cargo test "${arm[@]}" "${worker[@]}" -- --skip chat_flags_are_refused_before_any_work
+cargo test "${arm[@]}" -p k3-worker --lib --test alloc
+cargo test "${arm[@]}" -p k3-worker --test worker_suite -- "${suite_skips[@]}" \
+  --skip chat_flags_are_refused_before_any_work
 part "aarch64 Linux engine tests under emulation"
 
 echo "== [platforms] all parts took $(($(date +%s) - t0)) s"

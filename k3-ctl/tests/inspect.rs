@@ -573,7 +573,7 @@ fn tiny_tensors() -> [Vec<T>; 2] {
 /// The release's tensor graph at full size (1.56 TB of sparse holes, 497,052 tensors): the
 /// census must reproduce SPEC.md §2.8/§2.9. Ignored by default (writes 1.5 TB sparse files;
 /// needs a filesystem with sparse-file support). Run:
-/// `cargo test --release -p k3-ctl --test inspect -- --ignored --nocapture`
+/// `cargo test --release -p k3-ctl --test ctl_suite inspect:: -- --ignored --nocapture`
 /// (set `K3_FULL_SCALE_DIR` to keep the checkpoint in a chosen directory).
 #[test]
 #[ignore]

@@ -1,8 +1,8 @@
 //! I/O measurements on a synthetic checkpoint with full-size experts (17,547,264 bytes each).
 //! Ignored by default; run with
-//! `cargo test --release -p k3-store --test bench_io -- --ignored --nocapture`.
+//! `cargo test --release -p k3-store --test store_suite bench_io:: -- --ignored --nocapture`.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

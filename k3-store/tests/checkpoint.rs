@@ -1,7 +1,7 @@
 //! The store library over a synthetic checkpoint opened through the real index and config
 //! reader (`k3_proto::safetensors`, `k3_proto::config`): catalog, packing, standalone source.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

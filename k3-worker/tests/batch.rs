@@ -5,7 +5,7 @@
 //! mid-run, one cancelled, one ending on a stop id — and admission follows the state budget: a
 //! request longer than a slot waits for the room of several, then runs with its solo ids.
 
-mod common;
+use crate::common;
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! python3 scripts/make-checkpoint.py --preset small --seed 1 /tmp/k3small   # once, ~4 s
-//! K3_SMALL=/tmp/k3small cargo test --release -p k3-worker --test chat -- --ignored --nocapture
+//! K3_SMALL=/tmp/k3small cargo test --release -p k3-worker --test worker_suite chat:: -- --ignored --nocapture
 //! ```
 
 use std::path::{Path, PathBuf};

@@ -12,7 +12,7 @@ use k3_worker::text::xtml::Markers;
 use k3_worker::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
-mod common;
+use crate::common;
 use common::Rng;
 
 fn tok() -> Arc<Tokenizer> {

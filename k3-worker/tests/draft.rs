@@ -3,8 +3,7 @@
 //! alone), its sequence state never keeps a drafted id, and a restart far behind drafts from
 //! the last `MAX_CATCH_UP` ids.
 
-#[path = "common/ckpt.rs"]
-mod ckpt;
+use crate::common::ckpt;
 
 use std::path::{Path, PathBuf};
 

@@ -1,7 +1,7 @@
 //! End-to-end properties of the forward pass on a tiny random checkpoint with the real tensor
 //! graph (13 layers, block 3, map KKKMKKKMKKKMM, MXFP4 experts).
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

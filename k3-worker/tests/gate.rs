@@ -1,10 +1,7 @@
 //! GATE: the engine against the independent float64 reference on the bundled tiny checkpoint
 //! (`fixtures/tiny/model`, outputs in `fixtures/tiny/reference/`, from `scripts/k3_reference.py`).
 
-#[path = "common/ckpt.rs"]
-mod ckpt;
-#[path = "common/gen.rs"]
-mod gen;
+use crate::common::{ckpt, gen};
 
 use std::path::PathBuf;
 

@@ -1,7 +1,7 @@
 //! Generation through the engine on a tiny random checkpoint: incremental decode vs full
 //! recompute (SPEC.md I36), chunked prefills, stop ids.
 
-mod common;
+use crate::common;
 
 use common::{tiny_dims, Gen, MemSource};
 use k3_worker::engine::sampling::Sampler;

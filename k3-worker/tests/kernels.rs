@@ -793,6 +793,15 @@ fn self_command(exe: &std::path::Path) -> std::process::Command {
     }
 }
 
+/// A test of this file as the test binary names it: `FILE::NAME` (every file is a module of one
+/// binary; `--exact` needs the whole path).
+fn test_path(name: &str) -> String {
+    match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_string(),
+    }
+}
+
 /// `K3_SIMD` is read once per process: run this test binary as a child with each value.
 #[test]
 #[cfg_attr(miri, ignore)] // runs this test binary as child processes
@@ -802,7 +811,7 @@ fn k3_simd_env_forces_or_refuses_each_tier() {
         let out = self_command(&exe)
             .args([
                 "--exact",
-                "env_child_reports_tier",
+                &test_path("env_child_reports_tier"),
                 "--nocapture",
                 "--test-threads=1",
             ])

@@ -5,7 +5,7 @@
 // The f64 references index like the formulas they transcribe.
 #![allow(clippy::needless_range_loop)]
 
-mod common;
+use crate::common;
 
 use common::{layer_name, tiny_dims, MemSource, Rng};
 use k3_store::runtime::source::WeightSource;

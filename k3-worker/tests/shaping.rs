@@ -5,7 +5,7 @@
 //! first pick's kept logits), a spent thinking budget forces its closing ids, and speculation
 //! (replayed drafts, with misses) gives a shaped sequence the ids it gets without drafts.
 
-mod common;
+use crate::common;
 
 use common::{tiny_dims, MemSource};
 use k3_worker::engine::memory::EnginePlan;

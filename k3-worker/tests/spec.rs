@@ -2,7 +2,7 @@
 //! rollback leaves exactly the state plain decoding leaves, and the emitted ids — greedy and
 //! sampled — equal plain decoding's whatever the drafts, K or mode.
 
-mod common;
+use crate::common;
 
 use common::{tiny_dims, Gen, MemSource};
 use k3_worker::engine::memory::EnginePlan;

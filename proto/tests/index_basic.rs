@@ -1,6 +1,6 @@
 //! Checkpoint index: happy paths.
 
-mod common;
+use crate::common;
 
 use common::{t, write_index_json, write_shard, TempDir};
 use k3_proto::dtype::Dtype;

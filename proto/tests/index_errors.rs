@@ -1,6 +1,6 @@
 //! Checkpoint index: every malformed input is an error naming the problem (never a panic).
 
-mod common;
+use crate::common;
 
 use common::{header_json, t, write_index_json, write_raw, write_shard, TempDir};
 use k3_proto::names;

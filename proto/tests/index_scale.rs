@@ -2,7 +2,7 @@
 //! asserted). Default 100k tensors in 10 shards; set `K3_INDEX_SCALE_TENSORS=497052` and
 //! `K3_INDEX_SCALE_SHARDS=96` (with `--release -- --nocapture`) to measure the release's size.
 
-mod common;
+use crate::common;
 
 use std::time::Instant;
 

@@ -42,6 +42,15 @@ fn child_store_that_never_finishes_loading() {
     std::process::exit(0);
 }
 
+/// A test of this file as the test binary names it: `FILE::NAME` (every file is a module of one
+/// binary; `--exact` needs the whole path).
+fn test_path(name: &str) -> String {
+    match module_path!().split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_string(),
+    }
+}
+
 /// The child store; killed if a test ends without having stopped it.
 struct Store(Child);
 
@@ -59,7 +68,7 @@ fn loading_store(sb: &Sandbox) -> Store {
     let child = Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
-            "child_store_that_never_finishes_loading",
+            &test_path("child_store_that_never_finishes_loading"),
             "--nocapture",
         ])
         .env(LOADING_SOCKET, &sb.socket)

@@ -16,8 +16,9 @@ use k3_store::runtime::source::{
 };
 use k3_worker::model::{Dims, TensorShapes};
 
-#[path = "gen.rs"]
-mod gen;
+#[allow(dead_code)] // alloc.rs, a binary of its own, uses none of it
+pub mod ckpt;
+pub mod gen;
 #[allow(unused_imports)]
 pub use gen::Gen;
 
