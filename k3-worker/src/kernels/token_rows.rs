@@ -49,15 +49,35 @@ impl<'a> TokenRows<'a> {
             self.n,
             self.rows
         );
-        for t in 0..self.n {
+        let run = |t: usize| {
             let at = self.ptr.wrapping_add(t * self.rows + r0);
             // SAFETY: t·rows + r0 + k <= n·rows = y.len() (asserted), so the run lies in `y`;
             // no other call writes rows r0..r0+k (this function's contract) and `y` is
-            // borrowed mutably by `self`, so nothing else reads or writes it meanwhile.
-            let run = unsafe { std::slice::from_raw_parts_mut(at, k) };
-            for (d, &v) in run.iter_mut().zip(chunk[t..].iter().step_by(self.n)) {
-                *d = v;
-            }
+            // borrowed mutably by `self`, so nothing else reads or writes it meanwhile; each
+            // token's run is made once per call, so the runs never alias.
+            unsafe { std::slice::from_raw_parts_mut(at, k) }
+        };
+        match self.n {
+            // The decode step of 4 or 2 sequences: a fixed width the compiler transposes in
+            // registers.
+            4 => transpose::<4>(std::array::from_fn(run), chunk),
+            2 => transpose::<2>(std::array::from_fn(run), chunk),
+            _ => (0..self.n).for_each(|t| {
+                for (d, &v) in run(t).iter_mut().zip(chunk[t..].iter().step_by(self.n)) {
+                    *d = v;
+                }
+            }),
+        }
+    }
+}
+
+/// `runs[t][i] = chunk[i·N + t]`.
+fn transpose<const N: usize>(runs: [&mut [f32]; N], chunk: &[f32]) {
+    let k = chunk.len() / N;
+    let mut runs = runs.map(|r| &mut r[..k]);
+    for (i, v) in chunk.chunks_exact(N).enumerate() {
+        for (run, &x) in runs.iter_mut().zip(v) {
+            run[i] = x;
         }
     }
 }
