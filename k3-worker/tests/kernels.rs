@@ -514,8 +514,8 @@ fn check_matmul_equals_matvec(k: Kernels, rows: usize, cols: usize, rng: &mut Rn
 }
 
 /// bf16 alone on widths that are not whole SIMD blocks (the activations' rearranged blocks and
-/// in-order tails) and row counts around the row blocks; 37×1001 with 7 or 9 tokens takes the
-/// parallel path (≥ `PAR_MIN_MACS`). A
+/// in-order tails) and row counts around the row blocks; 131×1001 with 5, 7 or 9 tokens takes
+/// the parallel path (`kernels::on_pool`), with up to 4 tokens the calling thread. A
 /// single-token product dots rows of at most `NARROW_COLS` columns one at a time and wider rows
 /// in blocks of 8; both must give the 4-row matmul blocks' bits.
 #[test]
@@ -525,8 +525,9 @@ fn bf16_matmul_equals_matvec_bitwise_on_odd_widths() {
         k3_worker::kernels::NARROW_COLS,
         k3_worker::kernels::NARROW_COLS + 37,
     );
+    assert!(!kernels::on_pool(131, 1001, 4) && kernels::on_pool(131, 1001, 5));
     for k in tiers() {
-        for (rows, cols) in [(15, 37), (6, 95), (37, 1001), (19, narrow), (21, wide)] {
+        for (rows, cols) in [(15, 37), (6, 95), (131, 1001), (19, narrow), (21, wide)] {
             let (w, _) = bf16_matrix(&mut rng, rows, cols);
             for n in [1usize, 2, 3, 4, 5, 7, 9] {
                 let x = random_x(&mut rng, n * cols);

@@ -29,7 +29,8 @@
 //! # Threads
 //! The matrix kernels split their OUTPUT ROWS into fixed chunks of [`ROW_CHUNK`] rows and run
 //! them on the *current* rayon pool (call them inside `ThreadPool::install` to choose the pool;
-//! see [`build_pool`]). Problems under [`PAR_MIN_MACS`] multiply-adds run on the calling thread.
+//! see [`build_pool`]). Problems under [`PAR_MIN_MACS`] multiply-adds a pass over the weights
+//! ([`on_pool`]) run on the calling thread.
 //! A row is always computed by the same code, so the thread count never changes a result.
 
 // On an architecture without a SIMD tier the quantized kernels' dispatch has only the scalar arm.
@@ -55,6 +56,7 @@ mod quant_loop;
 mod tile;
 
 mod tier;
+mod token_rows;
 
 pub use k3_proto::ecbf16::CodedMatrix;
 pub use tier::{active_tier, choose_tier, select_tier, Tier, TierError, SIMD_ENV};
@@ -64,6 +66,8 @@ use std::thread::LocalKey;
 
 use rayon::prelude::*;
 
+use token_rows::TokenRows;
+
 /// Output rows per task (run in parallel, or in order on the calling thread). Fixed, so the work
 /// split never depends on the thread count (and a row's result never depends on the split
 /// anyway). 16 rows of the widest bf16 matrix (12288 columns, 393 KB) stay in L2 while a
@@ -71,13 +75,31 @@ use rayon::prelude::*;
 /// 8-row bf16 decode blocks.
 pub const ROW_CHUNK: usize = 16;
 
-/// Below this many multiply-adds (`rows·cols·n`) a matrix kernel runs on the calling thread.
+/// Below this many multiply-adds per pass over the weights (see [`on_pool`]) a matrix kernel
+/// runs on the calling thread.
 /// Handing work to the pool and waking a sleeping worker costs ~10–20 µs on a 2-vCPU VM, about
 /// what one thread needs for 256 Ki bf16 multiply-adds (512 KB of weights at ~15 GB/s): smaller
 /// products are faster alone. On the `small` model (hidden 256, most products 64–128 Ki) the
 /// former 32 Ki threshold cost ~1 ms per token; every product of the real model (from 0.69 Mi,
 /// the KDA β projection 96×7168) is above either threshold.
 pub const PAR_MIN_MACS: usize = 256 * 1024;
+
+/// Tokens a pass over the weights serves in [`on_pool`]'s count: the SIMD tiers dot one loaded
+/// weight vector with up to 4 tokens (their token block), at nearly the cost of one token.
+pub const PAR_TOKENS_PER_PASS: usize = 4;
+
+/// Whether a `[rows, cols]` product over `n` tokens runs on the pool (else on the calling
+/// thread): `rows·cols·⌈n / PAR_TOKENS_PER_PASS⌉ ≥ PAR_MIN_MACS`. A single token counts its
+/// multiply-adds; up to 4 tokens count as one, because a token block reads each weight once
+/// and costs little more than one token (the `small` lm_head, 163840×256: 4 tokens ~1.35× one)
+/// — counting all `n·rows·cols` sent a decode step of 4 sequences' 64–128 Ki-weight products to
+/// the pool, whose wake-ups cost that step ~1.5 ms of its ~12 (2026-12-07, docs/BENCHMARKS.md).
+/// The split never changes a result (every row is computed by the same code).
+pub fn on_pool(rows: usize, cols: usize, n: usize) -> bool {
+    rows.saturating_mul(cols)
+        .saturating_mul(n.div_ceil(PAR_TOKENS_PER_PASS))
+        >= PAR_MIN_MACS
+}
 
 /// Build a rayon pool with `threads` workers (the engine builds one from `--threads` and runs
 /// the forward pass inside `pool.install(..)`; every kernel then uses that pool).
@@ -541,54 +563,51 @@ where
     if rows == 0 || n == 0 {
         return;
     }
-    let serial = rows.saturating_mul(cols).saturating_mul(n) < PAR_MIN_MACS
-        || rayon::current_num_threads() == 1;
-    // Serial runs use the same chunks in order: with several tokens, a chunk's rows stay in L2
-    // while every token block passes over them (one call over all rows would stream the whole
-    // matrix from memory once per token block).
-    let run = |out: &mut [f32]| {
+    let serial = !on_pool(rows, cols, n) || rayon::current_num_threads() == 1;
+    if n == 1 {
+        // Serial runs use the same chunks in order as the pool's tasks.
         if serial {
-            out.chunks_mut(ROW_CHUNK * n)
+            y.chunks_mut(ROW_CHUNK)
                 .enumerate()
                 .for_each(|(i, o)| f(i * ROW_CHUNK, o));
         } else {
-            out.par_chunks_mut(ROW_CHUNK * n)
+            y.par_chunks_mut(ROW_CHUNK)
                 .enumerate()
                 .for_each(|(i, o)| f(i * ROW_CHUNK, o));
         }
-    };
-    if n == 1 {
-        run(y);
-    } else {
-        // Rows-major scratch so each task owns a contiguous slice, then transpose to [n, rows]:
-        // each token's row gathered from `t` (every value of `t` is written by `f`, so a
-        // buffer of the right length is not zeroed first), the tokens in parallel with the
-        // kernel's own split (a 163840-row lm_head's 4 tokens move 2.6 MB: ~1 ms on one thread).
-        with_buffer(&ROWS_MAJOR, |t| {
-            if t.len() != rows * n {
-                zeroed(t, rows * n);
+        return;
+    }
+    // Several tokens: each chunk of rows is computed rows-major (`[k, n]`, as the row kernels
+    // write it; its rows stay in L2 while every token block passes over them) into the running
+    // thread's buffer, then written to its place in each token's row of `y`. Every value of
+    // the chunk is written by `f`, so a buffer of the right length is not zeroed first.
+    let y = TokenRows::new(y, rows, n);
+    let chunk = |i: usize| {
+        let r0 = i * ROW_CHUNK;
+        let k = ROW_CHUNK.min(rows - r0);
+        with_buffer(&CHUNK, |buf| {
+            if buf.len() != k * n {
+                zeroed(buf, k * n);
             }
-            run(t);
-            let t = &t[..];
-            let gather = |(tok, yt): (usize, &mut [f32])| {
-                for (d, &v) in yt.iter_mut().zip(t[tok..].iter().step_by(n)) {
-                    *d = v;
-                }
-            };
-            if serial {
-                y.chunks_exact_mut(rows).enumerate().for_each(gather);
-            } else {
-                y.par_chunks_exact_mut(rows).enumerate().for_each(gather);
-            }
+            f(r0, buf);
+            // SAFETY: chunk `i` is the only one writing rows r0 .. r0 + k, and each chunk
+            // index is run once.
+            unsafe { y.write(r0, buf) };
         });
+    };
+    let chunks = rows.div_ceil(ROW_CHUNK);
+    if serial {
+        (0..chunks).for_each(chunk);
+    } else {
+        (0..chunks).into_par_iter().for_each(chunk);
     }
 }
 
 thread_local! {
     /// The split activations of the matrix kernel running on this thread.
     pub(super) static SPLIT: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
-    /// [`by_rows`]'s rows-major output for several tokens.
-    static ROWS_MAJOR: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    /// [`by_rows`]'s rows-major output of one chunk of rows for several tokens.
+    static CHUNK: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     /// [`matmul_t_bf16`]'s widened weight row (and [`matmul_f32`]'s row that bf16 cannot hold).
     static ROW: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
     /// [`matmul_f32`]'s row narrowed to bf16 (`2·cols` bytes).
@@ -653,8 +672,8 @@ pub fn with_scratch<R>(len: usize, planned: usize, f: impl FnOnce(&mut [f32]) ->
 pub const KEEP_MAX_FLOATS: usize = 1 << 20;
 
 /// Bytes one thread's kernel buffers keep between calls at most when the largest call it ran
-/// needed `split` floats of rearranged activations, `rows_major` floats of rows-major output,
-/// `row` floats of a widened weight row (and `row` bf16 of an F32 row narrowed by
+/// needed `split` floats of rearranged activations, `rows_major` floats of a rows-major chunk of
+/// output, `row` floats of a widened weight row (and `row` bf16 of an F32 row narrowed by
 /// [`matmul_f32`]) and `scratch` floats of per-task scratch (each buffer is kept only up to
 /// `4·`[`KEEP_MAX_FLOATS`] bytes; a larger one lives for its call only).
 pub fn kept_bytes_for(split: usize, rows_major: usize, row: usize, scratch: usize) -> u64 {

@@ -419,11 +419,20 @@ impl MoeWeights<'_> {
             kernels::situ_glu(g, u, d.situ_beta, d.situ_linear_beta, a);
             w.w2.matmul(lat, inter, a, m, y);
         };
-        // Experts in parallel only when one expert's products are worth a hand-off to the pool
-        // (`kernels::PAR_MIN_MACS`); each expert's result is the same either way.
-        let per_expert = 3 * inter * lat * users / ids.len().max(1);
-        let par = per_expert >= kernels::PAR_MIN_MACS;
-        each_expert(0, starts, work, 3 * inter, y, lat, par, &one);
+        // Experts in parallel when one expert's products are worth a hand-off to the pool
+        // (`kernels::PAR_MIN_MACS`): halved down to one expert a task. Smaller experts whose
+        // half together is worth one (several sequences' experts in a decode step: `small` at
+        // 4 sequences, ~16 experts of 98 Ki multiply-adds) run in two halves, one hand-off.
+        // Each expert's result is the same either way.
+        let all = 3 * inter * lat * users;
+        let splits = if all / ids.len().max(1) >= kernels::PAR_MIN_MACS {
+            u32::MAX
+        } else if all >= 2 * kernels::PAR_MIN_MACS {
+            1
+        } else {
+            0
+        };
+        each_expert(0, starts, work, 3 * inter, y, lat, splits, &one);
         // Scatter each computed row to its (token, slot).
         for (j, w) in b.starts.windows(2).enumerate() {
             if !b.valid.get(j).copied().unwrap_or(false) {
@@ -508,8 +517,9 @@ impl UpSide<'_> {
 
 /// Runs `f(j, work_j, y_j)` for the experts `j0..` whose rows are `starts[j]..starts[j + 1]`
 /// (relative to `starts[0]`) of `work` (`ws` floats a row) and `y` (`ys` a row): one after the
-/// other, or, with `par`, in halves on the pool (each expert owns its rows, so nothing is
-/// shared and nothing allocated).
+/// other, or halved `splits` times on the pool (each half of `splits > 0` experts runs in
+/// parallel with the other, its own halved `splits − 1` times; each expert owns its rows, so
+/// nothing is shared and nothing allocated).
 #[allow(clippy::too_many_arguments)]
 fn each_expert<F>(
     j0: usize,
@@ -518,20 +528,20 @@ fn each_expert<F>(
     ws: usize,
     y: &mut [f32],
     ys: usize,
-    par: bool,
+    splits: u32,
     f: &F,
 ) where
     F: Fn(usize, &mut [f32], &mut [f32]) + Sync,
 {
     let m = starts.len().saturating_sub(1);
-    if par && m > 1 {
+    if splits > 0 && m > 1 {
         let mid = m / 2;
         let rows = starts[mid] - starts[0];
         let (wa, wb) = work.split_at_mut(rows * ws);
         let (ya, yb) = y.split_at_mut(rows * ys);
         rayon::join(
-            || each_expert(j0, &starts[..=mid], wa, ws, ya, ys, par, f),
-            || each_expert(j0 + mid, &starts[mid..], wb, ws, yb, ys, par, f),
+            || each_expert(j0, &starts[..=mid], wa, ws, ya, ys, splits - 1, f),
+            || each_expert(j0 + mid, &starts[mid..], wb, ws, yb, ys, splits - 1, f),
         );
         return;
     }
@@ -566,13 +576,14 @@ mod tests {
     }
 
     /// Every expert gets exactly its own rows of both buffers, once, whether the experts run one
-    /// after the other or in halves on the pool (uneven row counts, an expert with none).
+    /// after the other, in two halves or halved down to one expert a task on the pool (uneven row
+    /// counts, an expert with none).
     #[test]
     fn each_expert_hands_every_expert_exactly_its_rows() {
         let starts = [0usize, 3, 4, 4, 9, 10, 12, 17];
         let (ws, ys) = (5, 2);
         let rows = *starts.last().unwrap();
-        for par in [false, true] {
+        for splits in [0, 1, 2, u32::MAX] {
             let mut work = vec![0.0f32; rows * ws];
             let mut y = vec![0.0f32; rows * ys];
             let f = |j: usize, w: &mut [f32], y: &mut [f32]| {
@@ -585,16 +596,16 @@ mod tests {
                 .num_threads(2)
                 .build()
                 .unwrap();
-            pool.install(|| each_expert(0, &starts, &mut work, ws, &mut y, ys, par, &f));
+            pool.install(|| each_expert(0, &starts, &mut work, ws, &mut y, ys, splits, &f));
             for (j, s) in starts.windows(2).enumerate() {
                 let want = (j + 1) as f32;
                 assert!(
                     work[s[0] * ws..s[1] * ws].iter().all(|&v| v == want),
-                    "par {par}"
+                    "splits {splits}"
                 );
                 assert!(
                     y[s[0] * ys..s[1] * ys].iter().all(|&v| v == want),
-                    "par {par}"
+                    "splits {splits}"
                 );
             }
         }

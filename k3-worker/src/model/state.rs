@@ -11,6 +11,7 @@ use super::mats::{copy_into, Mat};
 use super::mla::MlaBufs;
 pub use super::mla::MlaCache;
 use super::moe::{CombineBufs, ExpertBufs, MlpBufs, RouteBufs, Routing, Slots, UpSide};
+use crate::kernels::ROW_CHUNK;
 use k3_proto::ecbf16::CodedMatrix;
 
 /// Per-layer state.
@@ -171,9 +172,9 @@ impl UpCopy {
 }
 
 /// The kernels' buffers in a pass (`kernels::with_buffer`): the largest call's transients per
-/// stage (its rearranged activations and, over several positions, its rows-major output; the
-/// routed experts' calls together over at most `rows · top_k` users) and what every thread keeps
-/// between calls.
+/// stage (its rearranged activations and, over several positions, a rows-major chunk of its
+/// output; the routed experts' calls together over at most `rows · top_k` users) and what every
+/// thread keeps between calls.
 struct KernelCalls {
     attention: u64,
     mlp: u64,
@@ -217,8 +218,8 @@ impl KernelCalls {
         // What a call needs beyond the buffers each thread keeps (those are `kept` below).
         let keep = crate::kernels::KEEP_MAX_FLOATS;
         let call = |(rows, cols): (usize, usize), n: usize| -> usize {
-            let rows_major = if n > 1 { n * rows } else { 0 };
-            (n * cols).saturating_sub(keep) + rows_major.saturating_sub(keep)
+            let chunk = if n > 1 { ROW_CHUNK * n.min(rows) } else { 0 };
+            (n * cols).saturating_sub(keep) + chunk.saturating_sub(keep)
         };
         let most = |calls: &[(usize, usize)]| calls.iter().map(|&c| call(c, n)).max().unwrap_or(0);
         let users = n * d.top_k;
@@ -231,11 +232,9 @@ impl KernelCalls {
             .max()
             .unwrap_or(0)
             .max(users * d.moe_inter);
+        // A multi-token product's rows-major chunk: `ROW_CHUNK` rows × its tokens.
         let rows_major = if many {
-            all.map(|&(r, _)| n * r)
-                .max()
-                .unwrap_or(0)
-                .max(d.vocab * p.logits_rows)
+            ROW_CHUNK * n.max(p.logits_rows)
         } else {
             0
         };
