@@ -1,6 +1,6 @@
-//! The end-to-end tests: the real k3 binaries, run as a user would, in one test binary: one link and one copy of what they share,
-//! instead of one binary per file (scripts/test.sh's build time). Each file is a module;
-//! run one with `cargo test -p k3-tests --test e2e FILE::`.
+//! The end-to-end tests (the real k3 binaries, run as a user would) in one test binary: one link
+//! and one copy of what they share, instead of one binary per file (scripts/test.sh's build
+//! time). Each file is a module; run one with `cargo test -p k3-tests --test e2e FILE::`.
 
 mod batch_e2e;
 mod checkpoint_trust;
