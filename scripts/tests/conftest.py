@@ -51,7 +51,7 @@ def small_model() -> Path:
 # share), then the others longest first (seconds summed over their tests in scripts/test.sh's run
 # of 2026-12-07 on 2 cores: agents_serve 178, openai_serve 113, perplexity 45, tokenizer_parity 43,
 # serve_trust 41, make_checkpoint 31). scripts/test.sh runs the files in
-# three pytest-xdist workers, a file to a worker in collection order (`--dist loadfile
+# five pytest-xdist workers, a file to a worker in collection order (`--dist loadfile
 # --no-loadscope-reorder`): started first, the long ones end together instead of one of them
 # starting last (xdist's own order is by test count, which put the one-test chaos run near the
 # end: 306 s for the Python tests where the files sum to 650 s over three workers).

@@ -35,16 +35,40 @@ const BINARIES: [(&str, &str); 3] = [
 /// tests), and remembers where Cargo put each executable; so editing a binary's source and
 /// running `cargo test -p k3-tests` tests the edited binary, never a stale one under `target/`.
 /// A build failure fails the test with Cargo's output.
+///
+/// With `K3_BIN_DIR` set, the binaries are that directory's instead and Cargo is not run (as in
+/// the Python tests): `scripts/test.sh` has just built them there, and runs this test binary while
+/// Cargo builds the other test binaries, whose lock a `cargo build` would wait on.
 pub fn bin(name: &str) -> PathBuf {
     static BUILT: OnceLock<Result<BTreeMap<String, PathBuf>, String>> = OnceLock::new();
     let built = BUILT
-        .get_or_init(build_binaries)
+        .get_or_init(|| match std::env::var_os("K3_BIN_DIR") {
+            Some(dir) => built_in(Path::new(&dir)),
+            None => build_binaries(),
+        })
         .as_ref()
         .unwrap_or_else(|e| panic!("building the workspace binaries failed:\n{e}"));
     built
         .get(name)
         .unwrap_or_else(|| panic!("{name} is not one of the binaries built: {built:?}"))
         .clone()
+}
+
+/// The three binaries in `dir` (`K3_BIN_DIR`), each checked to be there.
+fn built_in(dir: &Path) -> Result<BTreeMap<String, PathBuf>, String> {
+    let mut built = BTreeMap::new();
+    for (name, _) in BINARIES {
+        let exe = dir.join(name);
+        if !exe.is_file() {
+            return Err(format!(
+                "K3_BIN_DIR={} has no {name}: build it (cargo build --workspace --bins) or unset \
+                 K3_BIN_DIR",
+                dir.display()
+            ));
+        }
+        built.insert(name.to_string(), exe);
+    }
+    Ok(built)
 }
 
 fn build_binaries() -> Result<BTreeMap<String, PathBuf>, String> {
