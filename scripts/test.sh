@@ -112,7 +112,8 @@ if [ "$(cat "$LOGS/setup.rc")" != 0 ]; then
 fi
 
 # ---- tests: the Python tests start now, beside the build of the Rust test binaries ------------
-# Two pytest runs: the trained-proxy smoke test (ten steps of JAX training, then three forwards)
+# Two pytest runs: the trained-proxy smoke test (ten steps of JAX training, then three forwards;
+# CPU-bound and not the longest part, so at a lower priority: it takes what the others leave)
 # and all the others, those in five pytest-xdist workers, a test file to a worker (most of their
 # time is waiting: the two-minute chaos run, servers, child processes), so no file waits for
 # another. They use the binaries just built (target/debug); `K3_CTL` spares the tokenizer test
@@ -128,7 +129,7 @@ PY_T=$SECONDS
     > "$LOGS/python.log" 2>&1 || rc=$?
   echo $((SECONDS - PY_T)) > "$LOGS/python.secs"; child_cpu "$LOGS/python.cpu"; exit $rc ) &
 PY=$!
-( rc=0; python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
+( rc=0; nice -n 10 python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
     > "$LOGS/train.log" 2>&1 || rc=$?
   echo $((SECONDS - PY_T)) > "$LOGS/train.secs"; child_cpu "$LOGS/train.cpu"; exit $rc ) &
 TRAIN=$!

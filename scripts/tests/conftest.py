@@ -59,7 +59,14 @@ LONGEST_FIRST = ["test_chaos.py", "test_agents_serve.py", "test_openai_serve.py"
                  "test_tokenizer_parity.py", "test_serve_trust.py", "test_make_checkpoint.py"]
 
 
+# Last: the files whose first step is `cargo build --workspace --bins` (the demo, and the README's
+# five-minute route): a no-op once scripts/test.sh has built the binaries, but it waits for the
+# lock of the build of the test binaries that runs beside the Python tests.
+BUILD_FIRST_LAST = ["test_demo.py", "test_readme_blocks.py"]
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    last = {name: len(rank) + 1 + i for i, name in enumerate(BUILD_FIRST_LAST)}
     # A stable sort: the tests of a file keep their order, the other files theirs after these.
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    items.sort(key=lambda item: last.get(item.path.name, rank.get(item.path.name, len(rank))))
