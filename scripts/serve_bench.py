@@ -10,14 +10,15 @@ serve` with its default slot count; `slots`: `--max-jobs N`; `one`: `--max-jobs 
 alone; `own`: `--no-batch`, a worker per request — only binaries from before the one-engine serve
 have it): a fresh `k3-store start` with that budget (so no mode finds the other's outputs in the
 store's history: the worker speculates with `--spec auto`, and the store's history would replay
-an answer it has seen), a serve process, one warm-up request, three requests alone on prompts
-nothing else uses (the median of their wall seconds: `solo`; the lone request of an N-slot worker
-is to cost what it costs in a 1-slot one), then N other requests at once (wall from the first send
-to the last answer: `together`), then (modes with more than one slot) a request joining a running
-batch of N-1 (`join`: its time to the first token against its solo prefill plus two of the
-batch's steps).
+an answer it has seen), a serve process, one warm-up request, then three requests alone (the
+median of their wall seconds: `solo`; the lone request of an N-slot worker is to cost what it costs
+in a 1-slot one) interleaved with `--rounds` bursts of N other requests at once (each timed from
+the first send to the last answer; their median: `together`), every request on a prompt nothing
+else uses; then (modes with more than one slot) a request joining a running batch of N-1
+(`join`: its time to the first token against its solo prefill plus two of the batch's steps).
 Throughput ratio = N x solo / together (how many times the tokens per second of one request
-alone N concurrent requests get). Requests are /v1/completions with prompt ids, greedy, `--gen`
+alone N concurrent requests get). Solo requests and bursts alternate because the host's speed
+drifts within minutes: one burst timed after three solos gave ratios 2.0-2.7x for one build. Requests are /v1/completions with prompt ids, greedy, `--gen`
 tokens, sessions off; every answer's text must equal the same request's answer alone (exit 1
 otherwise). Also reported: each concurrent request's time to its first streamed byte.
 
@@ -119,6 +120,23 @@ class Serve:
 SOLOS = 3
 
 
+def burst(url: str, bodies: list) -> tuple:
+    """Every body sent at once, one thread each: (wall seconds from the first send to the last
+    answer, each request's (text, first byte, seconds))."""
+    results: list = [None] * len(bodies)
+
+    def one(i):
+        results[i] = post(url, bodies[i], stream=True)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.monotonic() - t0, results
+
+
 def join(url: str, body, prompts: list, n: int, gen: int, solo_first: float) -> dict:
     """A request joining a running batch: n-1 requests stream (each `gen + 6` tokens), and once
     every one of them has 2 tokens a new request is sent; its time to the first streamed token
@@ -165,12 +183,19 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="one,slots,default",
                     help="one (--max-jobs 1), slots (--max-jobs N), default (serve's own slot "
                          "count), own (--no-batch: binaries from before the one-engine serve)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="bursts of N requests together, interleaved with the requests alone; "
+                         "`together` is their median (1 on a disk-bound checkpoint: each burst "
+                         "takes minutes)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
+    if a.rounds < 1 or a.concurrent < 1 or a.gen < 1:
+        ap.error("--rounds, --concurrent and --gen must be at least 1")
     budgets = bench.budgets_for(a.model, a.trunk)
     n = a.concurrent
-    # [0, n): together; n: warm-up; n+1 .. n+1+SOLOS: alone; the last: the request that joins.
-    prompts = batch_bench.prompts(n + 2 + SOLOS)
+    # [0, n·rounds): the bursts of n together; then the warm-up; then SOLOS alone; the last: the
+    # request that joins.
+    prompts = batch_bench.prompts(n * a.rounds + 2 + SOLOS)
     baseline = mem_available()
     cells, same = [], True
     with tempfile.TemporaryDirectory(prefix="k3-serve-bench.") as t:
@@ -194,34 +219,35 @@ def main(argv=None) -> int:
                     try:
                         body = lambda p: {"model": "kimi-k3", "prompt": p, "max_tokens": a.gen,  # noqa: E731
                                           "temperature": 0}
-                        post(srv.url, body(prompts[n]))  # warm-up
-                        alone = [post(srv.url, body(prompts[n + 1 + i]), stream=True)
-                                 for i in range(SOLOS)]
+                        post(srv.url, body(prompts[n * a.rounds]))  # warm-up
+                        # Solo requests and bursts of n interleaved, each on prompts nothing else
+                        # uses: the host's speed drifts by ±10% within minutes, so the medians
+                        # of both are taken over the same stretch of time.
+                        alone, bursts = [], []
+                        for r in range(max(SOLOS, a.rounds)):
+                            if r < SOLOS:
+                                alone.append(post(srv.url, body(prompts[n * a.rounds + 1 + r]), stream=True))
+                            if r < a.rounds:
+                                bursts.append(burst(srv.url, [body(p) for p in prompts[r * n:(r + 1) * n]]))
                         solo = statistics.median(r[2] for r in alone)
                         solo_first = statistics.median(r[1] for r in alone)
-                        results: list = [None] * n
-
-                        def one(i):
-                            results[i] = post(srv.url, body(prompts[i]), stream=True)
-
-                        t0 = time.monotonic()
-                        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-                        for th in threads:
-                            th.start()
-                        for th in threads:
-                            th.join()
-                        together = time.monotonic() - t0
+                        together = statistics.median(b[0] for b in bursts)
+                        results = bursts[0][1]
                         # Each concurrent answer against the same request alone (after the
                         # timing; the later mode uses the first mode's).
-                        for i in range(n):
-                            if i not in alone_text:
-                                alone_text[i] = post(srv.url, body(prompts[i]))[0]
-                        ok = all(results[i][0] == alone_text[i] for i in range(n))
+                        ok = True
+                        for r, (_, res) in enumerate(bursts):
+                            for i in range(n):
+                                k = r * n + i
+                                if k not in alone_text:
+                                    alone_text[k] = post(srv.url, body(prompts[k]))[0]
+                                ok &= res[i][0] == alone_text[k]
                         same &= ok
                         ratio = n * solo / together
                         cell = {"budget": name, "mode": mode, "concurrent": n, "solo_s": solo,
                                 "solo_runs_s": [r[2] for r in alone], "solo_first_byte_s": solo_first,
-                                "together_s": together, "throughput_ratio": ratio,
+                                "together_s": together, "together_runs_s": [b[0] for b in bursts],
+                                "throughput_ratio": ratio,
                                 "first_byte_s": [r[1] for r in results],
                                 "texts_identical_to_alone": ok}
                         if mode in ("slots", "default") and n > 1:
@@ -231,7 +257,7 @@ def main(argv=None) -> int:
                         slots = srv.slots
                         cell["slots"] = slots
                         print(f"{name:13} {mode:7} ({slots} slots) N={n}: one alone {solo:.1f} s (median of "
-                              f"{SOLOS}), {n} together {together:.1f} s -> {ratio:.2f}x; first bytes "
+                              f"{SOLOS}), {n} together {together:.1f} s (median of {a.rounds}) -> {ratio:.2f}x; first bytes "
                               f"{statistics.median(cell['first_byte_s']):.1f} s median; texts "
                               f"{'identical' if ok else 'DIFFER'}", flush=True)
                         if "join" in cell:
