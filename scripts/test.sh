@@ -61,7 +61,9 @@ echo "   * .venv/ inside the repository (scripts/venv.sh: python3 -m venv when m
 echo "     scripts/requirements.txt from PyPI when the venv lacks it: $(grep -v '^#' scripts/requirements.txt | tr '\n' ' ')"
 echo "     with their dependencies; nothing goes into the system's Python)"
 echo "   * the trained-proxy test's JAX environment and corpus in $CACHE (scripts/train_k3.py --setup:"
-echo "     installs and downloads only what is not there yet, about 630 MB from PyPI once per machine)"
+echo "     installs and downloads only what is not there yet, about 630 MB from PyPI once per machine),"
+echo "     then that test's ten-step training (scripts/train_k3.py OUT --smoke, at a lower priority: it"
+echo "     needs no binary); the test itself (scripts/tests/test_train_k3.py) once the binaries are built"
 if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
   # Without it scripts/tests/test_load_balancer.py fails (never skips).
   echo "   * nginx-light, system-wide, with apt-get (the load-balancer test's balancer; no nginx is installed)"
@@ -77,9 +79,26 @@ BG_T=$SECONDS
 ( rc=0; . scripts/venv.sh > "$LOGS/venv.log" 2>&1 || rc=$?
   echo $rc > "$LOGS/venv.rc"; echo $((SECONDS - BG_T)) > "$LOGS/venv.secs"; child_cpu "$LOGS/venv.cpu" ) &
 VENV=$!
+# The trained-proxy smoke test's stream: the JAX setup, its ten-step training (which needs no
+# binary, so it runs beside the build, taking what CPU the build leaves), then, once the
+# binaries and .venv/ are ready ($LOGS/bins.done), the test on that training (K3_TRAIN_SMOKE).
+SMOKE="$LOGS/smoke/model"
 ( rc=0; python3 scripts/train_k3.py --setup > "$LOGS/setup.log" 2>&1 || rc=$?
-  echo $rc > "$LOGS/setup.rc"; echo $((SECONDS - BG_T)) > "$LOGS/setup.secs"; child_cpu "$LOGS/setup.cpu" ) &
-SETUP=$!
+  echo $((SECONDS - BG_T)) > "$LOGS/setup.secs"
+  if [ $rc = 0 ]; then
+    nice -n 10 python3 scripts/train_k3.py "$SMOKE" --smoke > "$LOGS/smoke.log" 2>&1 || rc=$?
+  fi
+  echo $((SECONDS - BG_T)) > "$LOGS/smoke.secs"
+  while [ ! -e "$LOGS/bins.done" ]; do kill -0 $$ 2>/dev/null || exit 1; sleep 1; done
+  if [ $rc = 0 ]; then
+    . scripts/venv.sh > /dev/null
+    K3_TRAIN_SMOKE="$SMOKE" nice -n 10 python3 -m pytest -q -rs --durations=3 -p no:cacheprovider \
+      scripts/tests/test_train_k3.py > "$LOGS/train.log" 2>&1 || rc=$?
+  else
+    echo "the setup or the smoke training failed (its output above): the test did not run" > "$LOGS/train.log"
+  fi
+  echo $((SECONDS - BG_T)) > "$LOGS/train.secs"; child_cpu "$LOGS/train.cpu"; exit $rc ) &
+TRAIN=$!
 
 # ---- build the binaries -------------------------------------------------------------------------
 t=$SECONDS
@@ -103,14 +122,6 @@ if [ -n "${NGINX:-}" ]; then
   sed 's/^/   /' "$LOGS/nginx.log"
   part "installs: nginx-light (apt-get; beside the build)" "$(cat "$LOGS/nginx.secs")" "$(cat "$LOGS/nginx.cpu")"
 fi
-wait "$SETUP" || true
-echo "== the trained-proxy environment and corpus ($(cat "$LOGS/setup.secs") s, beside the build):"
-sed 's/^/   /' "$LOGS/setup.log"
-part "installs: JAX environment + corpus (beside the build)" "$(cat "$LOGS/setup.secs")" "$(cat "$LOGS/setup.cpu")"
-if [ "$(cat "$LOGS/setup.rc")" != 0 ]; then
-  echo "warning: the trained-proxy setup failed; scripts/tests/test_train_k3.py will fail" >&2
-fi
-
 # ---- tests: the Python tests start now, beside the build of the Rust test binaries ------------
 # Two pytest runs: the trained-proxy smoke test (ten steps of JAX training, then three forwards;
 # CPU-bound and not the longest part, so at a lower priority: it takes what the others leave)
@@ -129,10 +140,7 @@ PY_T=$SECONDS
     > "$LOGS/python.log" 2>&1 || rc=$?
   echo $((SECONDS - PY_T)) > "$LOGS/python.secs"; child_cpu "$LOGS/python.cpu"; exit $rc ) &
 PY=$!
-( rc=0; nice -n 10 python3 -m pytest -q -rs --durations=3 -p no:cacheprovider scripts/tests/test_train_k3.py \
-    > "$LOGS/train.log" 2>&1 || rc=$?
-  echo $((SECONDS - PY_T)) > "$LOGS/train.secs"; child_cpu "$LOGS/train.cpu"; exit $rc ) &
-TRAIN=$!
+touch "$LOGS/bins.done"  # the trained-proxy test's stream starts its test
 
 # The Rust test binaries: the end-to-end crate's (tests/tests/, every file a module of one binary)
 # first, started at once beside the build of the others. It runs as cargo would run it (from its
@@ -204,10 +212,16 @@ cat "$LOGS/python.log"
 if [ -s "$LOGS/python.xml" ]; then
   python3 scripts/test_times.py --junit "$LOGS/python.xml" --slowest 12 || true
 fi
+echo "== the trained-proxy environment and corpus (scripts/train_k3.py --setup): output"
+sed 's/^/   /' "$LOGS/setup.log"
+echo "== the trained-proxy smoke training (scripts/train_k3.py OUT --smoke): the end of its output"
+tail -n 12 "$LOGS/smoke.log" | sed 's/^/   /'
 echo "== the trained-proxy smoke test (scripts/tests/test_train_k3.py): output"
 cat "$LOGS/train.log"
 part "Python tests (pytest -n $PY_WORKERS scripts/tests; beside the Rust tests)" "$(cat "$LOGS/python.secs")" "$(cat "$LOGS/python.cpu")"
-part "Python: the trained-proxy smoke test (beside the others)" "$(cat "$LOGS/train.secs")" "$(cat "$LOGS/train.cpu")"
+part "installs: JAX environment + corpus (from the start)" "$(cat "$LOGS/setup.secs")"
+part "Python: the trained-proxy smoke training (ends at, from the start)" "$(cat "$LOGS/smoke.secs")"
+part "Python: the trained-proxy smoke test (ends at, from the start; CPU: all three)" "$(cat "$LOGS/train.secs")" "$(cat "$LOGS/train.cpu")"
 
 if [ "$rust_rc" != 0 ] || [ "$py_rc" != 0 ] || [ "$train_rc" != 0 ]; then
   echo "== FAILED: Rust tests exit $rust_rc, Python tests exit $py_rc, trained-proxy test exit $train_rc" >&2

@@ -3,6 +3,7 @@
 checkpoint, and give the trainer's own greedy ids / step-0 logits on the EXPORTED weights.
 
     scripts/train_k3.py OUT [--preset k3-train] [--minutes 20] [--steps N] [--seed 1] [--force]
+    scripts/train_k3.py OUT --smoke    # the test command's smoke training: --steps 10 --val-limit 8
     scripts/train_k3.py OUT --export-from OUT_OF_A_RUN/trained_params.npz [--preset ...]
     scripts/train_k3.py OUT --expand fixtures/trained/compact.npz      # numpy only
     scripts/train_k3.py --reference MODEL_DIR --ids 1,2,3 [--gen 8] [--out-dir DIR] [--val-windows N]
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expand", metavar="COMPACT_NPZ",
                     help="write OUT from a compact.npz (numpy only: no virtual environment needed)")
     ap.add_argument("--reference", metavar="MODEL_DIR", help="run the trainer's forward on a checkpoint")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smoke training of scripts/tests/test_train_k3.py (scripts/test.sh starts "
+                         "it beside the build): --steps 10 --val-limit 8")
     ap.add_argument("--setup", action="store_true",
                     help="only make the environment and the corpus ready (installs and downloads once per machine)")
     ap.add_argument("--ids", type=parse_ids)
@@ -126,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give OUT (train) or --reference MODEL_DIR")
     if args.reference is not None and args.ids is None:
         ap.error("--reference needs --ids")
+    if args.smoke:
+        if args.steps not in (None, 10) or args.val_limit not in (None, 8):
+            ap.error("--smoke is --steps 10 --val-limit 8; give no other --steps or --val-limit")
+        args.steps, args.val_limit = 10, 8
     if args.minutes <= 0 or (args.steps is not None and args.steps < 1) or args.seed < 0:
         ap.error("--minutes must be > 0, --steps >= 1, --seed >= 0")
     sys.path.insert(0, str(HERE))
