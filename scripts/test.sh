@@ -123,16 +123,15 @@ if [ -n "${NGINX:-}" ]; then
   part "installs: nginx-light (apt-get; beside the build)" "$(cat "$LOGS/nginx.secs")" "$(cat "$LOGS/nginx.cpu")"
 fi
 # ---- tests: the Python tests start now, beside the build of the Rust test binaries ------------
-# Two pytest runs: the trained-proxy smoke test (ten steps of JAX training, then three forwards;
-# CPU-bound and not the longest part, so at a lower priority: it takes what the others leave)
-# and all the others, those in five pytest-xdist workers, a test file to a worker (most of their
-# time is waiting: the two-minute chaos run, servers, child processes), so no file waits for
-# another. They use the binaries just built (target/debug); `K3_CTL` spares the tokenizer test
+# Two pytest runs: the trained-proxy smoke test (its stream, started above, runs it on its
+# training once bins.done exists: three forwards that must agree) and all the others, those in
+# five pytest-xdist workers, a test file to a worker (most of their time is waiting: the
+# two-minute chaos run, servers, child processes), so no file waits for another. They use the binaries just built (target/debug); `K3_CTL` spares the tokenizer test
 # its own `cargo build`, which would wait on the lock of the build below.
 PY_WORKERS=5
-echo "== Python tests in the background (pytest scripts/tests/test_train_k3.py, and pytest -n $PY_WORKERS"
-echo "   scripts/tests without it: $PY_WORKERS workers, a file to each; $VIRTUAL_ENV/bin/python3); their"
-echo "   output printed when they end"
+echo "== Python tests in the background (pytest -n $PY_WORKERS scripts/tests without test_train_k3.py: $PY_WORKERS"
+echo "   workers, a file to each; $VIRTUAL_ENV/bin/python3), and the trained-proxy test on its training;"
+echo "   their output printed when they end"
 export K3_CTL="$PWD/target/debug/k3-ctl"
 PY_T=$SECONDS
 ( rc=0; python3 -m pytest -q -rs --durations=12 -p no:cacheprovider -n "$PY_WORKERS" --dist loadfile \
