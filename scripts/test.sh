@@ -50,7 +50,14 @@ summary() {
   child_cpu "$LOGS/total.cpu"
   printf '  %-58s %5d s %7s\n' "total" $((SECONDS - T0)) "$(cat "$LOGS/total.cpu") CPU-s"
 }
-trap 'summary; rm -rf "$LOGS"' EXIT
+killtree() { # killtree PID: end a background stream and every process under it
+  local c
+  for c in $(ps -o pid= --ppid "$1" 2>/dev/null); do killtree "$c"; done
+  kill "$1" 2>/dev/null || true
+}
+# On an early exit (a failed build) the streams started in the background (pip, the smoke training,
+# tests) are ended too, not left running; after a whole run none is left.
+trap 'summary; for j in $(jobs -p); do killtree "$j"; done; rm -rf "$LOGS"' EXIT
 
 # ---- installs, in the background from the start ----------------------------------------------
 # None of them is needed by the build: they run beside it, each logged, and their logs are printed
