@@ -19,10 +19,11 @@
 #   checkpoints under target/k3-test-models/ (made once, shared by the Rust and Python tests).
 #
 # Where the time goes (2 cores): the build is CPU-bound on both cores; most tests wait on the
-# processes they start. So the binaries are built first, with the installs beside them; then
-# the Python tests (five workers) and the trained-proxy smoke test (a ten-step training) start
-# at once, beside the build of the Rust test binaries: the end-to-end binary first, which then
-# runs (four tests at a time) beside the build of the others, and then the other Rust tests. At
+# processes they start. So the binaries are built first, with the installs and the trained-proxy
+# test's ten-step training (low priority) beside them; then the Python tests (five workers) and
+# the trained-proxy test start at once, beside the build of the Rust test binaries: the
+# end-to-end binary first, which then runs (four tests at a time) beside the build of the
+# others, and then the other Rust tests. At
 # the end: each part's wall time and the CPU time its processes used, the slowest test binaries
 # (one per crate: each crate's tests/ files are modules of one binary) and Python test files.
 set -euo pipefail
@@ -60,10 +61,12 @@ killtree() { # killtree PID: end a background stream and every process under it
 trap 'summary; for j in $(jobs -p); do killtree "$j"; done; rm -rf "$LOGS"' EXIT
 
 # ---- installs, in the background from the start ----------------------------------------------
-# None of them is needed by the build: they run beside it, each logged, and their logs are printed
-# when the binaries are built (the Python tests are the first to need them).
+# None of them is needed by the build: they run beside it, each logged. The logs of .venv/ and
+# nginx are printed when the binaries are built (the Python tests are the first to need them),
+# those of the JAX setup and training with the trained-proxy test's output at the end.
 CACHE=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import k3cache; print(k3cache.root())')
-echo "== in the background while cargo builds (their output printed when the binaries are built):"
+echo "== in the background while cargo builds (their output printed later: .venv/ and nginx once the"
+echo "   binaries are built, the JAX setup and training with the trained-proxy test's output):"
 echo "   * .venv/ inside the repository (scripts/venv.sh: python3 -m venv when missing, then pip installs"
 echo "     scripts/requirements.txt from PyPI when the venv lacks it: $(grep -v '^#' scripts/requirements.txt | tr '\n' ' ')"
 echo "     with their dependencies; nothing goes into the system's Python)"
@@ -133,8 +136,9 @@ fi
 # Two pytest runs: the trained-proxy smoke test (its stream, started above, runs it on its
 # training once bins.done exists: three forwards that must agree) and all the others, those in
 # five pytest-xdist workers, a test file to a worker (most of their time is waiting: the
-# two-minute chaos run, servers, child processes), so no file waits for another. They use the binaries just built (target/debug); `K3_CTL` spares the tokenizer test
-# its own `cargo build`, which would wait on the lock of the build below.
+# two-minute chaos run, servers, child processes), so no file waits for another. They use the
+# binaries just built (target/debug); `K3_CTL` spares the tokenizer test its own `cargo build`,
+# which would wait on the lock of the build below.
 PY_WORKERS=5
 echo "== Python tests in the background (pytest -n $PY_WORKERS scripts/tests without test_train_k3.py: $PY_WORKERS"
 echo "   workers, a file to each; $VIRTUAL_ENV/bin/python3), and the trained-proxy test on its training;"
